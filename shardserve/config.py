@@ -1,0 +1,156 @@
+"""Model and engine configuration, resolved once at start-up and identical on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the model code needs; parsed from config.json or GGUF metadata."""
+
+    architecture: str
+    family: str  # "llama", "qwen2" or "qwen3": which decoder variant to build
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    mlp_bias: bool
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported model architecture {archs or cfg.get('model_type')!r}: "
+                f"shardserve serves {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = cfg["num_attention_heads"]
+        rope = _rope_parameters(cfg)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            family=family,
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope["rope_theta"],
+            rope_scaling=rope["scaling"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always carries q/k/v biases; Llama-style configs say so with attention_bias.
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=attention_bias and family != "qwen2",
+            qk_norm=family == "qwen3",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_model_path(cls, path: str) -> "ModelConfig":
+        if path.endswith(".gguf"):
+            from shardserve.weights.gguf_loader import read_gguf_config
+
+            return cls.from_hf_dict(read_gguf_config(path))
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            raise FileNotFoundError(
+                f"{path!r} is neither a .gguf file nor a model directory with a config.json"
+            )
+        with open(config_file) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    def checkpoint_dtype(self) -> torch.dtype:
+        return DTYPES.get(self.torch_dtype.replace("torch.", ""), torch.float32)
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Read RoPE settings from either the older (rope_theta, rope_scaling) keys or `rope_parameters`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or None
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    if scaling is not None:
+        scaling = dict(scaling)
+        kind = scaling.get("rope_type") or scaling.get("type") or "default"
+        if kind == "default":
+            scaling = None
+        elif kind not in ("llama3", "linear"):
+            raise ValueError(f"unsupported rope scaling type {kind!r}: shardserve supports llama3 and linear")
+        else:
+            scaling["rope_type"] = kind
+    return {"rope_theta": float(theta), "scaling": scaling}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Serve options that shape the engine; every rank derives the same values from them."""
+
+    model: str
+    tensor_parallel_size: int = 1
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_gb: float | None = None  # CPU budget; GPU sizes from free memory
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def resolve_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        checkpoint = model_config.checkpoint_dtype()
+        if self.device == "cpu" and checkpoint == torch.float16:
+            return torch.bfloat16  # float16 matmuls are slow on CPUs; bfloat16 keeps the range
+        return checkpoint
+
+    def resolve_max_model_len(self, model_config: ModelConfig) -> int:
+        limit = model_config.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit and model_config.rope_scaling is None:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings {limit}"
+            )
+        return self.max_model_len

@@ -1,0 +1,73 @@
+"""Joining the rank group: the data plane (NCCL on GPUs, gloo on CPU) and a gloo control plane."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardserve.distributed.communicator import SINGLE, Communicator
+
+logger = logging.getLogger(__name__)
+
+# Collectives fail after this long instead of hanging forever. Idle ranks are kept alive by
+# keep-alive plans from rank 0, so only a dead or stuck rank ever reaches it.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SHARDSERVE_COLLECTIVE_TIMEOUT_S", "120")))
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    device: torch.device
+    comm: Communicator  # data plane: activations
+    control_group: dist.ProcessGroup | None  # control plane: step plans, always gloo (CPU tensors)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_rank_context(device: str) -> RankContext:
+    return RankContext(0, 1, torch.device(device), SINGLE, None)
+
+
+def init_rank_context(rank: int, world_size: int, device: str, init_method: str | None = None,
+                      local_rank: int | None = None) -> RankContext:
+    """Join the process group (from env:// under torchrun, else init_method) and build both planes."""
+    if world_size == 1 and not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        return single_rank_context("cuda:0" if device == "cuda" else "cpu")
+    if device == "cuda":
+        local = local_rank if local_rank is not None else rank % max(torch.cuda.device_count(), 1)
+        torch_device = torch.device("cuda", local)
+        torch.cuda.set_device(torch_device)
+        # device_id binds NCCL to this GPU eagerly; without it barriers have been seen to hang.
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT, device_id=torch_device)
+        data_group = dist.group.WORLD
+    else:
+        torch_device = torch.device("cpu")
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        data_group = dist.group.WORLD
+    control_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    comm = Communicator(data_group, rank, world_size)
+    return RankContext(rank, world_size, torch_device, comm, control_group)
+
+
+def destroy_rank_context(ctx: RankContext) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,42 @@
+"""Sizing and allocating the paged KV cache on one rank."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_GB = 2.0
+
+
+def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
+
+
+def kv_cache_budget_bytes(device: torch.device, kv_cache_memory_gb: float | None, gpu_memory_utilization: float) -> int:
+    if kv_cache_memory_gb is not None:
+        return int(kv_cache_memory_gb * 2**30)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_elsewhere = total - free
+        return max(0, int(total * gpu_memory_utilization) - used_elsewhere)
+    return int(DEFAULT_CPU_KV_CACHE_GB * 2**30)
+
+
+def agree_on_num_blocks(local_blocks: int, group: dist.ProcessGroup | None, world_size: int) -> int:
+    """Every rank must use the same block count: take the smallest any rank can hold."""
+    if world_size == 1:
+        return local_blocks
+    t = torch.tensor([local_blocks], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (keys, values) pair per layer, each [num_blocks * block_size, kv_heads, head_dim]."""
+    cache = torch.zeros(num_layers, 2, num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]

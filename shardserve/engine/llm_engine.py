@@ -1,0 +1,153 @@
+"""Rank 0's engine: owns the scheduler, sends each step plan to the other ranks, samples, detokenizes.
+
+Ranks other than 0 run `run_worker`, which only replays the plans they receive.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import logging
+
+from shardserve.config import EngineConfig, ModelConfig
+from shardserve.distributed.control_plane import ControlPlane
+from shardserve.distributed.process_group import RankContext
+from shardserve.engine.block_manager import BlockManager
+from shardserve.engine.detokenizer import IncrementalDetokenizer
+from shardserve.engine.model_runner import ModelRunner
+from shardserve.engine.outputs import RequestOutput, TokenLogprob
+from shardserve.engine.sampler import Sampler
+from shardserve.engine.sampling_params import SamplingParams
+from shardserve.engine.scheduler import Scheduler
+from shardserve.engine.sequence import Sequence, SequenceStatus
+from shardserve.engine.step_plan import PlanKind, StepPlan
+
+if TYPE_CHECKING:
+    from shardserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, ctx: RankContext, tokenizer: Tokenizer) -> None:
+        assert ctx.is_driver, "only rank 0 drives the engine"
+        self.config = config
+        self.model_config = ModelConfig.from_model_path(config.model)
+        self.tokenizer = tokenizer
+        self.control = ControlPlane(ctx.control_group, ctx.rank, ctx.world_size)
+        self.runner = ModelRunner(config, self.model_config, ctx)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.seqs: dict[int, Sequence] = {}
+        self.by_request: dict[str, Sequence] = {}
+        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._step_id = 0
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.by_request:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params)
+        self.seqs[seq.seq_id] = seq
+        self.by_request[request_id] = seq
+        self.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: send at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens but this model's maximum context length is "
+                             f"{self.max_model_len} tokens (--max-model-len), which must also leave room "
+                             f"for at least one generated token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.by_request.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, "abort")
+        return self._output(seq, [], "", None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        self.control.send(plan)
+        seq_ids, logits = self.runner.execute(plan)
+        self.scheduler.finish_step(plan, self.seqs)
+        if not seq_ids:
+            return []
+        seqs = [self.seqs[i] for i in seq_ids]
+        tokens, logprobs = self.sampler.sample(logits, seq_ids, [s.params for s in seqs])
+        return [self._append(seq, token, lp) for seq, token, lp in zip(seqs, tokens, logprobs)]
+
+    def keepalive(self) -> None:
+        self._step_id += 1
+        self.control.send(StepPlan(self._step_id, PlanKind.KEEPALIVE))
+
+    def shutdown(self) -> None:
+        self._step_id += 1
+        self.control.send(StepPlan(self._step_id, PlanKind.SHUTDOWN))
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        seq.token_ids.append(token)
+        p = seq.params
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        # The stop token itself is not part of the text (eos decodes to nothing with skip_special_tokens).
+        text_ids = seq.output_token_ids[:-1] if reason == "stop" else seq.output_token_ids
+        delta, stopped = self.detokenizers[seq.seq_id].update(text_ids, finished=reason is not None)
+        if stopped:
+            reason = "stop"
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, [token], delta, [logprob] if logprob is not None else None)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.seqs.pop(seq.seq_id, None)
+        self.by_request.pop(seq.request_id, None)
+        self.sampler.forget(seq.seq_id)
+
+    def _output(self, seq: Sequence, new_ids: list[int], delta: str, logprobs) -> RequestOutput:
+        detok = self.detokenizers[seq.seq_id]
+        if seq.is_finished:
+            self.detokenizers.pop(seq.seq_id, None)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
+            text=detok.text, new_token_ids=new_ids, delta_text=delta, new_logprobs=logprobs,
+            finished=seq.is_finished, finish_reason=seq.finish_reason,
+        )
+
+
+def run_worker(config: EngineConfig, ctx: RankContext) -> None:
+    """The loop of every rank but 0: receive a plan, run it, until told to shut down."""
+    model_config = ModelConfig.from_model_path(config.model)
+    control = ControlPlane(ctx.control_group, ctx.rank, ctx.world_size)
+    runner = ModelRunner(config, model_config, ctx)
+    logger.info("rank %d ready", ctx.rank)
+    while True:
+        plan = control.receive()
+        if plan.kind is PlanKind.SHUTDOWN:
+            logger.info("rank %d shutting down", ctx.rank)
+            return
+        if plan.kind is PlanKind.RUN:
+            runner.execute(plan)

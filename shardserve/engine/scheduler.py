@@ -1,0 +1,110 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step has a token budget. Running sequences go first, in arrival order (a decoding sequence
+needs one token, a partly prefilled one its next chunk); waiting sequences then join while budget,
+sequence slots and free blocks last. When a running sequence needs a block and none is free, the
+most recently admitted running sequence is preempted: its blocks are freed and it returns to the
+front of the queue, to be recomputed from its tokens (prompt plus what it already generated).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from shardserve.engine.block_manager import BlockManager
+from shardserve.engine.sequence import Sequence, SequenceStatus
+from shardserve.engine.step_plan import PlanKind, SeqChunk, StepPlan
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._step_id = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        chunks: list[SeqChunk] = []
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve(seq, n, scheduled):
+                continue
+            chunks.append(self._chunk(seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self.blocks.match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+                if not self.running:
+                    # Nothing running will free blocks for it: shrink the chunk to what fits now.
+                    room = (len(seq.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size
+                    n = min(n, room - seq.num_computed_tokens)
+                if n <= 0 or not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+                    self.blocks.free_sequence(seq)  # give back prefix-cache hits; retried next step
+                    break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        self._step_id += 1
+        return StepPlan(self._step_id, PlanKind.RUN, chunks)
+
+    def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
+        """Make room for n more tokens of a running sequence, preempting later arrivals if needed."""
+        while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
+            if victim is None or victim is seq:
+                self._preempt(seq)
+                return False
+            self._preempt(victim)
+        self.blocks.allocate(seq, seq.num_computed_tokens + n)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.blocks.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        start = seq.num_computed_tokens
+        sample = start + n == seq.num_tokens
+        return SeqChunk(seq.seq_id, start, seq.token_ids[start:start + n], list(seq.block_table), sample)
+
+    def finish_step(self, plan: StepPlan, seqs: dict[int, Sequence]) -> None:
+        """Record that the plan's chunks are now in the cache."""
+        for chunk in plan.chunks:
+            seq = seqs.get(chunk.seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
+            self.blocks.register_computed(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and return its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_sequence(seq)

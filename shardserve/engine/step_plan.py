@@ -1,0 +1,49 @@
+"""The step plan: what every rank computes in one engine step, decided by rank 0.
+
+It is encoded with msgpack (never pickle) so a rank only ever decodes plain numbers and lists.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import msgpack
+
+
+class PlanKind(enum.IntEnum):
+    RUN = 0  # run the model on `chunks`
+    KEEPALIVE = 1  # nothing to run; proves rank 0 is alive
+    SHUTDOWN = 2  # leave the worker loop
+
+
+@dataclass
+class SeqChunk:
+    """Tokens of one sequence to compute this step, at positions start_position, start_position + 1, ..."""
+
+    seq_id: int
+    start_position: int
+    token_ids: list[int]
+    block_table: list[int]
+    sample: bool  # whether this chunk ends at the sequence's last token, so logits are needed
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    kind: PlanKind
+    chunks: list[SeqChunk] = field(default_factory=list)
+    freed_seq_ids: list[int] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        chunks = [[c.seq_id, c.start_position, c.token_ids, c.block_table, c.sample] for c in self.chunks]
+        return msgpack.packb([self.step_id, int(self.kind), chunks, self.freed_seq_ids])
+
+    @classmethod
+    def decode(cls, data: bytes) -> "StepPlan":
+        step_id, kind, chunks, freed = msgpack.unpackb(data)
+        return cls(step_id, PlanKind(kind), [SeqChunk(*c) for c in chunks], freed)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)

@@ -1,0 +1,55 @@
+"""Offline use without HTTP: `LLM(model, tensor_parallel_size=N).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+
+from shardserve.config import EngineConfig
+from shardserve.distributed.launcher import LocalRanks
+from shardserve.distributed.process_group import destroy_rank_context
+from shardserve.engine.llm_engine import LLMEngine
+from shardserve.engine.outputs import RequestOutput
+from shardserve.engine.sampling_params import SamplingParams
+from shardserve.tokenizer import Tokenizer
+
+
+class LLM:
+    def __init__(self, model: str, tensor_parallel_size: int = 1, **engine_options) -> None:
+        self.config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **engine_options)
+        self.tokenizer = Tokenizer.from_model_path(model)
+        self.ranks = LocalRanks(self.config)
+        try:
+            self.engine = LLMEngine(self.config, self.ranks.ctx, self.tokenizer)
+        except BaseException:
+            self._teardown()
+            raise
+        self._ids = itertools.count()
+
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; results in prompt order."""
+        ids = []
+        for prompt in prompts:
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, token_ids, params)
+            ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_work():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self._teardown()
+
+    def _teardown(self) -> None:
+        self.ranks.join()
+        destroy_rank_context(self.ranks.ctx)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

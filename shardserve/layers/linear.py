@@ -1,0 +1,90 @@
+"""Linear layers that hold one rank's slice of a checkpoint tensor.
+
+Each parameter carries `weight_loader(param, loaded, shard_id)`: the layer knows which rows or
+columns of the checkpoint tensor it owns, so sharding lives next to the layer, not in the loader.
+`loaded` is anything sliceable like a tensor (a safetensors slice reads only the rows asked for).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.distributed.communicator import Communicator
+
+Rows = tuple[int, int]  # [start, end) of the checkpoint tensor's first dimension
+
+
+def as_tensor(loaded: Any) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else torch.as_tensor(loaded)
+
+
+def load_whole(param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
+    tensor = as_tensor(loaded[:])
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b where this rank holds some row ranges of one or more checkpoint tensors.
+
+    `parts` maps a shard id (None for a plain layer, "q"/"k"/"v" or 0/1 for fused layers) to the rows
+    of that checkpoint tensor this rank owns; the local weight stacks the parts in the given order.
+    No communication: the output is this rank's slice of the features.
+    """
+
+    def __init__(self, input_size: int, parts: dict[Hashable, Rows], bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.offsets: dict[Hashable, tuple[int, Rows]] = {}
+        offset = 0
+        for shard_id, rows in parts.items():
+            self.offsets[shard_id] = (offset, rows)
+            offset += rows[1] - rows[0]
+        self.output_size = offset
+        self.weight = nn.Parameter(torch.empty(offset, input_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self._load_rows
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(offset, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self._load_rows
+
+    def _load_rows(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
+        offset, (start, end) = self.offsets[shard_id]
+        param.data[offset:offset + end - start].copy_(as_tensor(loaded[start:end]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T, plus b once: each rank holds the input columns `cols`.
+
+    With `comm` None the layer is whole on this rank (replicated) and nothing is reduced.
+    """
+
+    def __init__(self, cols: Rows, output_size: int, bias: bool, dtype: torch.dtype,
+                 comm: Communicator | None) -> None:
+        super().__init__()
+        self.cols = cols
+        self.comm = comm
+        self.weight = nn.Parameter(torch.empty(output_size, cols[1] - cols[0], dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self._load_cols
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = load_whole
+
+    def _load_cols(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
+        start, end = self.cols
+        param.data.copy_(as_tensor(loaded[:, start:end]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.comm is not None:
+            y = self.comm.all_reduce(y)
+        # The bias is added after the reduction so it counts once, not once per rank.
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,76 @@
+"""Decides how each block of a decoder layer is split across tensor-parallel ranks.
+
+A block is sharded only when every rank gets an equal, kernel-friendly slice; otherwise it is
+replicated (each rank computes it whole, no collective), which costs memory but never correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# Narrowest per-rank output width the matmul kernels take; a narrower shard is replicated instead.
+MIN_SHARD_WIDTH = int(os.environ.get("SHARDSERVE_MIN_SHARD_WIDTH", "16"))
+
+
+@dataclass(frozen=True)
+class AttentionShard:
+    """Which query and KV heads one rank owns.
+
+    Invariant: every local query head's KV head is local too; `kv_index[i]` is the local KV head
+    that local query head i attends with. KV heads are replicated across ranks when there are
+    fewer of them than ranks (or when the split puts one group on two ranks).
+    """
+
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    kv_index: tuple[int, ...]
+    sharded: bool
+
+    @property
+    def num_q(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+
+def attention_shard(num_heads: int, num_kv_heads: int, head_dim: int, rank: int, tp: int,
+                    layer_name: str = "attention") -> AttentionShard:
+    group = num_heads // num_kv_heads
+    sharded = tp > 1 and num_heads % tp == 0 and (num_heads // tp) * head_dim >= MIN_SHARD_WIDTH
+    if tp > 1 and not sharded:
+        _log_replicated(layer_name, f"{num_heads} query heads of width {head_dim} do not split into {tp} "
+                                    f"slices of at least {MIN_SHARD_WIDTH}")
+    if not sharded:
+        rank, tp = 0, 1
+    per_rank = num_heads // tp
+    q0, q1 = rank * per_rank, (rank + 1) * per_rank
+    kv0, kv1 = q0 // group, (q1 - 1) // group + 1
+    kv_index = tuple(q // group - kv0 for q in range(q0, q1))
+    return AttentionShard((q0, q1), (kv0, kv1), kv_index, sharded)
+
+
+def split_rows(size: int, rank: int, tp: int, layer_name: str) -> tuple[tuple[int, int], bool]:
+    """Rows [start, end) of a dimension of `size` owned by `rank`, or the whole range if not splittable."""
+    if tp > 1 and size % tp == 0 and size // tp >= MIN_SHARD_WIDTH:
+        per_rank = size // tp
+        return (rank * per_rank, (rank + 1) * per_rank), True
+    if tp > 1:
+        _log_replicated(layer_name, f"width {size} does not split into {tp} slices of at least {MIN_SHARD_WIDTH}")
+    return (0, size), False
+
+
+_logged: set[str] = set()
+
+
+def _log_replicated(layer_name: str, reason: str) -> None:
+    # One line per distinct decision, not one per layer.
+    key = f"{layer_name}:{reason}"
+    if key not in _logged:
+        _logged.add(key)
+        logger.warning("replicating %s on every rank instead of sharding it: %s", layer_name, reason)

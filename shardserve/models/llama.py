@@ -1,0 +1,126 @@
+"""The Llama family decoder (Llama 2/3, SmolLM2, Mistral), with the Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm) variants, written for tensor parallelism.
+
+Attention is split by query heads and the MLP by intermediate features; each block falls back to
+replication when its shapes don't split evenly (see layers/sharding.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardserve.config import ModelConfig
+from shardserve.distributed.communicator import Communicator
+from shardserve.layers.activation import silu_and_mul
+from shardserve.layers.attention import AttentionMetadata, PagedAttention
+from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardserve.layers.norm import RMSNorm
+from shardserve.layers.rotary import RotaryEmbedding
+from shardserve.layers.sharding import attention_shard, split_rows
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        shard = attention_shard(cfg.num_heads, cfg.num_kv_heads, hd, comm.rank, comm.world_size)
+        self.shard = shard
+        (q0, q1), (kv0, kv1) = shard.q_heads, shard.kv_heads
+        self.q_size, self.kv_size = shard.num_q * hd, shard.num_kv * hd
+        parts = {"q": (q0 * hd, q1 * hd), "k": (kv0 * hd, kv1 * hd), "v": (kv0 * hd, kv1 * hd)}
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, parts, cfg.qkv_bias, dtype)
+        self.o_proj = RowParallelLinear((q0 * hd, q1 * hd), cfg.hidden_size, cfg.o_bias, dtype,
+                                        comm if shard.sharded else None)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(shard.num_q, shard.num_kv, hd, shard.kv_index)
+        self.head_dim = hd
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(x.shape[0], -1, self.head_dim)
+        k = k.view(x.shape[0], -1, self.head_dim)
+        v = v.view(x.shape[0], -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        rows, sharded = split_rows(cfg.intermediate_size, comm.rank, comm.world_size, "mlp")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {0: rows, 1: rows}, cfg.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, cfg.mlp_bias, dtype, comm if sharded else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, comm, rotary, dtype)
+        self.mlp = MLP(cfg, comm, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, x, residual, cache: KVCache, meta: AttentionMetadata):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, rotary, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, token_ids, positions, caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(token_ids), None
+        for layer, cache in zip(self.layers, caches):
+            x, residual = layer(positions, x, residual, cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint tensors that are packed into one fused local parameter: name -> (fused name, shard id).
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, comm, dtype, max_positions)
+        self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
+
+    def forward(self, token_ids, positions, caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(token_ids, positions, caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits on the first rank, None on the others."""
+        return self.lm_head(hidden)
+
+    def kv_heads_per_rank(self) -> int:
+        return self.model.layers[0].self_attn.shard.num_kv

@@ -1,0 +1,70 @@
+"""Loads checkpoint tensors into a sharded model, each rank reading only the slices it owns.
+
+For safetensors, `safe_open(...).get_slice(name)` is handed to the parameter's weight_loader, which
+indexes the rows or columns it owns: only those bytes are read from disk into this rank's memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Iterator
+
+from safetensors import safe_open
+from torch import nn
+
+from shardserve.layers.linear import load_whole
+
+# Tensors some checkpoints carry that the model derives itself.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, n) for n in names]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir!r}")
+    return files
+
+
+def iter_checkpoint(model_path: str) -> Iterator[tuple[str, Any]]:
+    """(name, lazily sliceable tensor) for every tensor of the checkpoint."""
+    if model_path.endswith(".gguf"):
+        from shardserve.weights.gguf_loader import iter_gguf_tensors
+
+        yield from iter_gguf_tensors(model_path)
+        return
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
+def load_weights(model: nn.Module, model_path: str, tied_embeddings: bool) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    for name, tensor in iter_checkpoint(model_path):
+        if name.endswith(IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight"):
+            continue
+        target, shard_id = _resolve(name, packed)
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the model (looked for {target!r})")
+        getattr(param, "weight_loader", load_whole)(param, tensor, shard_id)
+        loaded.add(target)
+    missing = {n for n in params if n not in loaded and not (tied_embeddings and n == "lm_head.weight")}
+    if missing:
+        raise ValueError(f"checkpoint {model_path!r} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _resolve(name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+    for part, (fused, shard_id) in packed.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard_id
+    return name, None

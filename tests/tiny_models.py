@@ -1,0 +1,98 @@
+"""Tiny random models in real architectures, saved like a Hugging Face checkpoint, for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+VOCAB_SIZE = 1000
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    name: str
+    architecture: str
+    config: dict[str, Any] = field(default_factory=dict)
+    max_shard_size: str | None = None
+
+
+TINY_SPECS = {
+    # 6 query heads over 2 KV heads: at TP=3 a rank's two query heads can straddle two KV groups.
+    "llama-tied": TinySpec("llama-tied", "llama", dict(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=192,
+        tie_word_embeddings=True)),
+    # Untied head, Llama-3 RoPE scaling, and a checkpoint split over several safetensors files.
+    "llama-untied": TinySpec("llama-untied", "llama", dict(
+        hidden_size=128, num_attention_heads=8, num_key_value_heads=2, intermediate_size=256,
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32}), max_shard_size="300KB"),
+    # 4 heads and 128 intermediate features do not split in 3: replicated blocks at TP=3.
+    "qwen2": TinySpec("qwen2", "qwen2", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        tie_word_embeddings=True)),
+    # head_dim set apart from hidden/heads, per-head q/k norms.
+    "qwen3": TinySpec("qwen3", "qwen3", dict(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=32, intermediate_size=192,
+        tie_word_embeddings=False)),
+}
+
+
+def _hf_config(spec: TinySpec):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[spec.architecture]
+    common = dict(vocab_size=VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  initializer_range=0.1, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+                  dtype="float32")
+    return cls(**{**common, **spec.config})
+
+
+def _perturb(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Default init leaves biases at 0 and norms at 1, which would hide a wrongly loaded one."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+            elif "norm" in name:
+                p.copy_(1 + torch.randn(p.shape, generator=generator) * 0.1)
+
+
+def write_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for i in range(len(SPECIAL_TOKENS), VOCAB_SIZE):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
+                   "unk_token": "<unk>", "pad_token": "<unk>", "chat_template": CHAT_TEMPLATE,
+                   "model_max_length": 512}, f)
+
+
+def make_tiny_model(spec: TinySpec, path: str, seed: int = 0) -> str:
+    """Write config.json, safetensors and tokenizer files for `spec` into `path`; returns path."""
+    from transformers import AutoModelForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_hf_config(spec), dtype=torch.float32)
+    _perturb(model, torch.Generator().manual_seed(seed + 1))
+    kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    write_tokenizer(path)
+    return path
