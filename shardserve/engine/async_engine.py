@@ -1,0 +1,135 @@
+"""The engine behind the HTTP server: one thread steps the engine, asyncio callers stream results.
+
+Only the engine thread touches the engine (and so issues collectives); callers talk to it through a
+command queue, and it answers each request through that request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from shardserve.engine.llm_engine import LLMEngine
+from shardserve.engine.outputs import RequestOutput
+from shardserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+KEEPALIVE_INTERVAL_S = 1.0
+HEALTH_STALL_S = 10.0  # /health fails when the loop has not come round for this long while busy
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._last_beat = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="shardserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side (any thread / event loop) -----------------------------------------------------
+    def is_healthy(self) -> bool:
+        return (self._thread.is_alive() and self._error is None
+                and time.monotonic() - self._last_beat < HEALTH_STALL_S)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine has stopped: {self._error!r}")
+        self.engine.validate_prompt(prompt_token_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt_token_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=30)
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._last_beat = time.monotonic()
+                if not self._drain_commands(block=not self.engine.has_work()):
+                    self.engine.keepalive()
+                    continue
+                if self.engine.has_work():
+                    for out in self.engine.step():
+                        self._deliver(out)
+            self.engine.shutdown()
+        except BaseException as e:  # noqa: BLE001 - any failure must reach every waiting caller
+            logger.exception("engine loop failed; failing all requests")
+            self._error = e
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"the engine failed: {e}"))
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands. When blocking and nothing arrives in time, return False."""
+        try:
+            command = self._commands.get(timeout=KEEPALIVE_INTERVAL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return not block
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, request_id, prompt, params = command
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except ValueError as e:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put(e)
+        elif command[0] == "abort":
+            self.engine.abort(command[1])
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)

