@@ -101,6 +101,13 @@ class ModelConfig:
         return DTYPES.get(self.torch_dtype.replace("torch.", ""), torch.float32)
 
 
+def _cpu_has_fast_bfloat16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """Read RoPE settings from either the older (rope_theta, rope_scaling) keys or `rope_parameters`."""
     params = dict(cfg.get("rope_parameters") or {})
@@ -141,6 +148,10 @@ class EngineConfig:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         checkpoint = model_config.checkpoint_dtype()
+        if self.device == "cpu" and checkpoint != torch.float32 and not _cpu_has_fast_bfloat16():
+            # Without AVX-512 BF16 / AMX, half-precision matmuls on a CPU run several times slower
+            # than float32 ones.
+            return torch.float32
         if self.device == "cpu" and checkpoint == torch.float16:
             return torch.bfloat16  # float16 matmuls are slow on CPUs; bfloat16 keeps the range
         return checkpoint
