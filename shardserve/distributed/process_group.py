@@ -46,7 +46,7 @@ def single_rank_context(device: str) -> RankContext:
 def init_rank_context(rank: int, world_size: int, device: str, init_method: str | None = None,
                       local_rank: int | None = None) -> RankContext:
     """Join the process group (from env:// under torchrun, else init_method) and build both planes."""
-    if world_size == 1 and not dist.is_initialized():
+    if world_size == 1:  # no process group: nothing to communicate with
         if device == "cuda":
             torch.cuda.set_device(0)
         return single_rank_context("cuda:0" if device == "cuda" else "cpu")
@@ -69,5 +69,5 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
 
 
 def destroy_rank_context(ctx: RankContext) -> None:
-    if dist.is_initialized():
+    if ctx.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()

@@ -37,6 +37,11 @@ def agree_on_num_blocks(local_blocks: int, group: dist.ProcessGroup | None, worl
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (keys, values) pair per layer, each [num_blocks * block_size, kv_heads, head_dim]."""
-    cache = torch.zeros(num_layers, 2, num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    """One (keys, values) pair per layer, each [num_blocks * block_size, kv_heads, head_dim].
+
+    Left uninitialised (zero-filling gigabytes takes seconds) except block 0: padded attention reads
+    point there, and although they are masked out, a NaN in their values would still poison the sum.
+    """
+    cache = torch.empty(num_layers, 2, num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    cache[:, :, :block_size].zero_()
     return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]

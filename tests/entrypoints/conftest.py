@@ -26,6 +26,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from shardserve.engine.outputs import RequestOutput, TokenLogprob
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.openai.server import build_app
+from tests.serving import serve_in_thread
 
 MODEL_NAME = "echo-model"
 
@@ -186,29 +187,6 @@ class _EchoSteps:
 
 
 # --------------------------------------------------------------------------- live server
-
-
-@contextmanager
-def serve_in_thread(app: FastAPI) -> Iterator[str]:
-    """Run `app` under uvicorn on a free 127.0.0.1 port in a background thread; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @dataclass

@@ -1,0 +1,142 @@
+"""Running real shardserve servers inside tests: in-process (engine inspectable) or as the CLI."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import openai
+import uvicorn
+from fastapi import FastAPI
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_in_thread(app: FastAPI) -> Iterator[str]:
+    """Run `app` under uvicorn on a free 127.0.0.1 port in a background thread; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def wait_until(condition, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+@dataclass
+class InProcessServer:
+    url: str
+    model: str
+    engine: "shardserve.engine.async_engine.AsyncEngine"  # noqa: F821
+    api_key: str | None = None
+
+    @property
+    def blocks(self):
+        return self.engine.engine.block_manager
+
+    def openai(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0,
+                             timeout=60, **kwargs)
+
+    def async_openai(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0,
+                                  timeout=120)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60)
+
+    def all_blocks_free(self, timeout: float = 10.0) -> bool:
+        """Wait for the engine to go idle; True when every KV block is then back in the free pool."""
+        inner = self.engine.engine
+        return wait_until(lambda: not inner.has_work() and self.blocks.num_free_blocks == self.blocks.num_blocks,
+                          timeout)
+
+
+@contextmanager
+def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | None = None,
+                **engine_options) -> Iterator[InProcessServer]:
+    """A real engine (rank 0 in this process, other ranks spawned) behind the real HTTP app."""
+    from shardserve.config import EngineConfig
+    from shardserve.distributed.launcher import LocalRanks
+    from shardserve.distributed.process_group import destroy_rank_context
+    from shardserve.engine.async_engine import AsyncEngine
+    from shardserve.engine.llm_engine import LLMEngine
+    from shardserve.entrypoints.openai.server import build_app
+    from shardserve.tokenizer import Tokenizer
+
+    engine_options.setdefault("kv_cache_memory_gb", 0.05)
+    config = EngineConfig(model=model_dir, tensor_parallel_size=tp, **engine_options)
+    ranks = LocalRanks(config)
+    try:
+        engine = AsyncEngine(LLMEngine(config, ranks.ctx, Tokenizer.from_model_path(model_dir)))
+        try:
+            with serve_in_thread(build_app(engine, name, api_key=api_key)) as url:
+                yield InProcessServer(url, name, engine, api_key)
+        finally:
+            engine.shutdown()
+    finally:
+        ranks.join()
+        destroy_rank_context(ranks.ctx)
+
+
+@contextmanager
+def serve_cli(args: list[str], timeout: float = 180.0) -> Iterator[str]:
+    """`python -m shardserve serve ARGS --port P` as a subprocess; yields the base URL once /health is 200."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "shardserve", "serve", *args, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"shardserve exited with {proc.returncode}:\n{proc.stdout.read()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"shardserve did not become healthy within {timeout} s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
