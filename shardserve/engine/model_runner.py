@@ -68,14 +68,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None]:
-        """Run the plan; returns the seq ids that sampled and, on rank 0, their logits (float32)."""
+        """Run the plan; returns the seq ids that sampled and, on rank 0, their logits (float32, on the CPU)."""
         chunks = sorted(plan.chunks, key=lambda c: len(c.token_ids) > 1)  # single-token chunks first
         token_ids, positions, meta, sample_rows, sample_ids = self._prepare(chunks)
         hidden = self.model(token_ids, positions, self.kv_caches, meta)
         if not sample_rows:
             return [], None
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return sample_ids, None if logits is None else logits.float()
+        return sample_ids, None if logits is None else logits.float().cpu()
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

@@ -37,14 +37,27 @@ def _reference(model_dir: str) -> tuple[tuple[int, ...], ...]:
 @pytest.mark.parametrize("tp", [1, 2, 3])
 @pytest.mark.parametrize("name", sorted(TINY_SPECS))
 def test_greedy_tokens_match_transformers(tiny_model_dir, name, tp):
-    model_dir = tiny_model_dir(name)
+    _check_matches(tiny_model_dir(name), name, tp, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", sorted(TINY_SPECS))
+def test_greedy_tokens_match_transformers_on_gpus(tiny_model_dir, name, tp):
+    """The CUDA path: NCCL data plane between GPUs, float32, against the CPU reference."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s), found {torch.cuda.device_count()}")
+    _check_matches(tiny_model_dir(name), name, tp, device="cuda")
+
+
+def _check_matches(model_dir: str, name: str, tp: int, device: str) -> None:
     expected = _reference(model_dir)
     assert all(len(e) == NEW_TOKENS for e in expected)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    with LLM(model_dir, tensor_parallel_size=tp, kv_cache_memory_gb=0.05) as llm:
+    with LLM(model_dir, tensor_parallel_size=tp, device=device, dtype="float32", kv_cache_memory_gb=0.05) as llm:
         outputs = llm.generate(_prompts(), params)
         free, total = llm.engine.block_manager.num_free_blocks, llm.engine.block_manager.num_blocks
     for prompt, out, ref in zip(_prompts(), outputs, expected):
-        assert tuple(out.token_ids) == ref, f"{name} TP={tp}, prompt of {len(prompt)} tokens"
+        assert tuple(out.token_ids) == ref, f"{name} TP={tp} on {device}, prompt of {len(prompt)} tokens"
         assert out.finish_reason == "length"
     assert free == total, "every KV block must be back in the free pool"
