@@ -113,10 +113,12 @@ def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | 
 
 
 @contextmanager
-def serve_cli(args: list[str], timeout: float = 180.0) -> Iterator[str]:
-    """`python -m shardserve serve ARGS --port P` as a subprocess; yields the base URL once /health is 200."""
+def serve_cli(args: list[str], timeout: float = 180.0, launcher: list[str] | None = None) -> Iterator[str]:
+    """`python -m shardserve serve ARGS --port P` as a subprocess (or `LAUNCHER -m shardserve ...`, e.g.
+    torchrun); yields the base URL once /health answers 200."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shardserve", "serve", *args, "--port", str(port)],
+    prefix = launcher if launcher is not None else [sys.executable]
+    proc = subprocess.Popen([*prefix, "-m", "shardserve", "serve", *args, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
