@@ -16,6 +16,7 @@ from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, 
                                         kv_cache_budget_bytes)
 from shardserve.engine.step_plan import SeqChunk, StepPlan
 from shardserve.layers.attention import AttentionMetadata, PrefillChunk
+from shardserve.layers.linear_kernels import choose_linear_kernel, pack_linear_weights
 from shardserve.models import MODEL_CLASSES
 from shardserve.weights.loader import load_weights
 
@@ -44,6 +45,11 @@ class ModelRunner:
         with torch.device(self.device):
             model = cls(self.model_config, self.ctx.comm, self.dtype, self.max_model_len)
         load_weights(model, self.config.model, self.model_config.tie_word_embeddings)
+        kernel = choose_linear_kernel(self.device, self.dtype)
+        if kernel.name != "torch":
+            packed = pack_linear_weights(model, kernel)
+            if self.ctx.is_driver:
+                logger.info("linear layers: %s kernels (%d layers prepared)", kernel.name, packed)
         model.eval()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s", self.ctx.rank, self.config.model,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
-from shardserve.layers.linear import as_tensor
+from shardserve.layers.linear import KernelLinear, as_tensor
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.comm.all_reduce(x)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(KernelLinear):
     """Logits over the whole vocabulary, gathered to the first rank only (it alone samples)."""
 
     def __init__(self, embedding: VocabParallelEmbedding, tied: bool) -> None:
@@ -49,12 +49,14 @@ class ParallelLMHead(nn.Module):
         self.comm = embedding.comm
         self.vocab_size = embedding.vocab_size
         if tied:
+            # The same Parameter as the embedding's, loaded once. A kernel that prepares its own
+            # layout gives the head a copy (KernelLinear.use_kernel), the embedding keeps plain rows.
             self.weight = embedding.weight
         else:
             self.weight = nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
             self.weight.weight_loader = embedding._load_rows
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local_logits = F.linear(hidden, self.weight)
+        local_logits = self.matmul(hidden)
         logits = self.comm.gather_last_dim_to_first(local_logits)
         return None if logits is None else logits[..., : self.vocab_size]

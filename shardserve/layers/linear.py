@@ -14,12 +14,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
+from shardserve.layers.linear_kernels import LinearKernel
+
+_DEFAULT_KERNEL = LinearKernel()
 
 Rows = tuple[int, int]  # [start, end) of the checkpoint tensor's first dimension
 
 
 def as_tensor(loaded: Any) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else torch.as_tensor(loaded)
+
+
+class KernelLinear(nn.Module):
+    """A layer whose matmul runs through a LinearKernel. Before `use_kernel` it is plain F.linear;
+    afterwards `self.weight` is the kernel's prepared form and must not be reloaded in place."""
+
+    kernel: LinearKernel = _DEFAULT_KERNEL
+
+    def use_kernel(self, kernel: LinearKernel) -> None:
+        self.kernel = kernel
+        self.weight = nn.Parameter(kernel.prepare(self.weight.data), requires_grad=False)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel(x, self.weight, bias)
 
 
 def load_whole(param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
@@ -29,7 +46,7 @@ def load_whole(param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> N
     param.data.copy_(tensor)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(KernelLinear):
     """y = x W^T + b where this rank holds some row ranges of one or more checkpoint tensors.
 
     `parts` maps a shard id (None for a plain layer, "q"/"k"/"v" or 0/1 for fused layers) to the rows
@@ -57,10 +74,10 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset:offset + end - start].copy_(as_tensor(loaded[start:end]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(KernelLinear):
     """y = sum over ranks of x_r W_r^T, plus b once: each rank holds the input columns `cols`.
 
     With `comm` None the layer is whole on this rank (replicated) and nothing is reduced.
@@ -83,7 +100,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(as_tensor(loaded[:, start:end]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         if self.comm is not None:
             y = self.comm.all_reduce(y)
         # The bias is added after the reduction so it counts once, not once per rank.

@@ -17,14 +17,14 @@ from shardserve.layers.attention import AttentionMetadata, PagedAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.layers.norm import RMSNorm
-from shardserve.layers.rotary import RotaryEmbedding
+from shardserve.layers.rotary import RotaryEmbedding, apply_rotary
 from shardserve.layers.sharding import attention_shard, split_rows
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
         super().__init__()
         hd = cfg.head_dim
         shard = attention_shard(cfg.num_heads, cfg.num_kv_heads, hd, comm.rank, comm.world_size)
@@ -37,20 +37,20 @@ class Attention(nn.Module):
                                         comm if shard.sharded else None)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.rotary = rotary
         self.attn = PagedAttention(shard.num_q, shard.num_kv, hd, shard.kv_index)
         self.head_dim = hd
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(x.shape[0], -1, self.head_dim)
-        k = k.view(x.shape[0], -1, self.head_dim)
-        v = v.view(x.shape[0], -1, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(tokens, -1, self.head_dim)  # query heads, then key heads
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, cache, meta))
+            nq = self.q_size // self.head_dim
+            qk = torch.cat((self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])), dim=1)
+        qk = apply_rotary(qk, cos_sin)  # one rotation for query and key heads together
+        q, k = qk.split([self.q_size // self.head_dim, self.kv_size // self.head_dim], dim=1)
+        return self.o_proj(self.attn(q, k, v.view(tokens, -1, self.head_dim), cache, meta))
 
 
 class MLP(nn.Module):
@@ -65,20 +65,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, comm, rotary, dtype)
+        self.self_attn = Attention(cfg, comm, dtype)
         self.mlp = MLP(cfg, comm, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, x, residual, cache: KVCache, meta: AttentionMetadata):
+    def forward(self, cos_sin, x, residual, cache: KVCache, meta: AttentionMetadata):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, cache, meta)
+        x = self.self_attn(cos_sin, x, cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -87,14 +87,15 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, rotary, dtype) for _ in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, token_ids, positions, caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(token_ids), None
+        cos_sin = self.rotary.lookup(positions)
         for layer, cache in zip(self.layers, caches):
-            x, residual = layer(positions, x, residual, cache, meta)
+            x, residual = layer(cos_sin, x, residual, cache, meta)
         x, _ = self.norm(x, residual)
         return x
 
