@@ -1,0 +1,250 @@
+"""One request's lifecycle with the engine and the client: submit, collect or stream, release.
+
+`serve_generation` answers a request admitted by a route, as one JSON response or as
+server-sent events, with the bodies a renderer (renderers.py) builds.
+
+Every request that reaches the engine is owned by a `_Generation`, whose `close()` runs on
+every exit path (finished, failed, client gone), so an abandoned request never keeps its
+KV-cache blocks: `serve_generation` closes it for plain JSON responses, `_EventStreamResponse`
+for streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from shardserve.engine.outputs import RequestOutput, TokenLogprob
+from shardserve.engine.sampling_params import SamplingParams
+from shardserve.entrypoints.openai.errors import APIError, InvalidRequestError, ServerError
+from shardserve.entrypoints.openai.protocol import GenerationRequest
+from shardserve.entrypoints.openai.renderers import Renderer, usage_of
+
+if TYPE_CHECKING:
+    from shardserve.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Finish reasons a client may see; the engine's "abort" and "error" become error responses.
+_CLIENT_FINISH_REASONS = frozenset({"stop", "length"})
+
+# Status logged for requests whose client went away; nobody receives the response.
+_CLIENT_CLOSED_REQUEST = 499
+
+
+async def serve_generation(
+    raw_request: Request,
+    engine: AsyncEngine,
+    renderer: Renderer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    body: GenerationRequest,
+) -> Response:
+    """Run the request on `engine` and answer it as `body` asks: one JSON body, or a stream of events."""
+    generation: _Generation | None = _Generation(engine, renderer.request_id)
+    try:
+        await _unless_disconnected(raw_request, generation.start(prompt_ids, params))
+        if body.stream:
+            response = _EventStreamResponse(generation, _stream_events(generation, renderer, body.include_usage))
+            generation = None  # the response owns it from here and closes it
+            return response
+        final, logprobs = await _unless_disconnected(raw_request, _collect(generation))
+        return JSONResponse(renderer.response(final, logprobs).model_dump(mode="json"))
+    except _ClientDisconnected:
+        return Response(status_code=_CLIENT_CLOSED_REQUEST)
+    finally:
+        if generation is not None:
+            await generation.close()
+
+
+# --------------------------------------------------------------------------- generation
+
+
+class _Generation:
+    """One request's stream of outputs from the engine.
+
+    Invariant: once `start()` has been called, `close()` must be awaited on every path (it
+    is idempotent). Closing the engine's generator is what tells the engine to abort the
+    request; `close()` also calls `engine.abort` for a request that had not finished, which
+    covers iterators without `aclose` (abort of an already-gone request is expected to be a no-op).
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._outputs: AsyncIterator[RequestOutput] | None = None
+        self._first: RequestOutput | None = None
+        self._done = False  # the engine holds nothing more for this request
+        self._closed = False
+
+    async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Submit the request and wait for its first output, so that a refusal is still a 400."""
+        try:
+            # An engine may validate when called or on the first step; both refusals are 400s.
+            self._outputs = self.engine.generate(self.request_id, prompt_ids, params)
+            self._first = await anext(self._outputs)
+        except ValueError as exc:  # refused before admission: nothing to abort
+            self._done = True
+            raise InvalidRequestError(str(exc)) from exc
+        except StopAsyncIteration:
+            self._done = True
+            raise ServerError("The engine returned no output for the request.") from None
+        except Exception as exc:
+            raise _engine_failure(exc) from exc
+        self._check(self._first)
+
+    async def next_output(self) -> RequestOutput | None:
+        """The next output, or None after the one that finished the request."""
+        if self._done:
+            return None
+        if self._first is not None:
+            output, self._first = self._first, None
+        else:
+            assert self._outputs is not None, "start() first"
+            try:
+                output = await anext(self._outputs)
+            except StopAsyncIteration:
+                self._done = True
+                raise ServerError("The engine stopped the request before it finished.") from None
+            except Exception as exc:
+                raise _engine_failure(exc) from exc
+            self._check(output)
+        self._done = output.finished
+        return output
+
+    def _check(self, output: RequestOutput) -> None:
+        failed = output.error is not None or (output.finished and output.finish_reason not in _CLIENT_FINISH_REASONS)
+        if failed:
+            self._done = output.finished
+            reason = output.error or f"the request ended with finish reason '{output.finish_reason}'"
+            raise ServerError(f"The engine failed to complete the request: {reason}")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Shielded: this runs while the handling task is being cancelled (client gone), and
+        # the engine must still hear about it.
+        with anyio.CancelScope(shield=True):
+            aclose = getattr(self._outputs, "aclose", None)
+            try:
+                if aclose is not None:
+                    await aclose()
+                if not self._done:
+                    await self.engine.abort(self.request_id)
+            except Exception:
+                logger.exception("failed to release request %s", self.request_id)
+
+
+def _engine_failure(exc: Exception) -> ServerError:
+    logger.error("engine failed while generating", exc_info=exc)
+    return ServerError(f"The engine failed while generating: {type(exc).__name__}: {exc}")
+
+
+async def _collect(generation: _Generation) -> tuple[RequestOutput, list[TokenLogprob]]:
+    """The finishing output and every token's logprobs (each output carries only its step's)."""
+    logprobs: list[TokenLogprob] = []
+    final = None
+    while (output := await generation.next_output()) is not None:
+        logprobs.extend(output.new_logprobs or [])
+        final = output
+    assert final is not None, "a started generation yields at least one output"
+    return final, logprobs
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def _sse(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
+    data = payload.model_dump_json(exclude=exclude) if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+async def _stream_events(
+    generation: _Generation, renderer: Renderer, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    """Server-sent events: one chunk per engine output, usage if asked, then `[DONE]`.
+
+    An error after the stream has started cannot change the status code any more; it is
+    sent as an `{"error": ...}` event before `[DONE]`.
+    """
+    # Without include_usage chunks carry no `usage` key at all; with it, `null` until the last.
+    exclude = None if include_usage else {"usage"}
+    try:
+        last = None
+        while (output := await generation.next_output()) is not None:
+            yield _sse(renderer.chunk(output), exclude)
+            last = output
+        if include_usage and last is not None:
+            yield _sse(renderer.usage_chunk(usage_of(last)))
+    except APIError as exc:
+        yield _sse(exc.to_dict())
+    except Exception as exc:
+        logger.exception("failed while streaming request %s", renderer.request_id)
+        yield _sse(ServerError(f"Internal error while streaming: {type(exc).__name__}").to_dict())
+    await generation.close()  # release the engine request before the client reads the end
+    yield "data: [DONE]\n\n"
+
+
+class _EventStreamResponse(StreamingResponse):
+    """Sends a generation's events, and closes the generation however the response ends.
+
+    Starlette cancels a stream whose client disconnects, which may leave the event generator
+    suspended at a `yield`, or not even started; neither would run its cleanup code until
+    the garbage collector got to it. Closing here releases the engine request right away.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, generation: _Generation, events: AsyncGenerator[str, None]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache"})
+        self._generation = generation
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()
+                await self._generation.close()
+
+
+# --------------------------------------------------------------------------- disconnects
+
+
+class _ClientDisconnected(Exception):
+    pass
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read by now, so the next message the server delivers is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise _ClientDisconnected."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+    if work_task.cancelled():
+        raise _ClientDisconnected
+    return work_task.result()

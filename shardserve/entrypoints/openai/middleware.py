@@ -1,0 +1,110 @@
+"""ASGI middlewares of the OpenAI-compatible server: the API-key check and the request-body size limit.
+
+Both sit in front of the FastAPI app and answer refusals themselves, in the OpenAI error shape
+of errors.py, before any route sees the request.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Collection
+
+from fastapi.responses import Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shardserve.entrypoints.openai.errors import AuthenticationError, RequestTooLargeError
+
+
+class BearerAuth:
+    """Requires `Authorization: Bearer <api_key>` on every path but `public_paths`."""
+
+    def __init__(self, app: ASGIApp, api_key: str, public_paths: Collection[str]) -> None:
+        self.app = app
+        self._key = api_key.encode()
+        self._public_paths = public_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._public_paths:
+            await self.app(scope, receive, send)
+            return
+        error = self._check(Headers(scope=scope).get("authorization"))
+        if error is None:
+            await self.app(scope, receive, send)
+            return
+        response = error.to_response(headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _check(self, authorization: str | None) -> AuthenticationError | None:
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return AuthenticationError("Missing API key: send it in an 'Authorization: Bearer <key>' header.")
+        if not hmac.compare_digest(token.encode(), self._key):
+            return AuthenticationError("Incorrect API key provided.", code="invalid_api_key")
+        return None
+
+
+class BodySizeLimit:
+    """Reads each request body in full and answers 413 once it exceeds `max_body_bytes`.
+
+    The app then receives the body as a single message; later `receive()` calls go to the
+    server, so handlers still hear about the client disconnecting.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await self._too_large()(scope, receive, send)
+            return
+
+        chunks: list[bytes] = []
+        size = 0
+        more_body = True
+        while more_body:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its whole body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            more_body = message.get("more_body", False)
+
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    def _too_large(self) -> Response:
+        limit = self.max_body_bytes
+        error = RequestTooLargeError(f"The request body is larger than this server's limit of {limit} bytes.")
+        # The rest of the body is never read, so the connection cannot be reused.
+        return error.to_response(headers={"Connection": "close"})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    delivered = False
+
+    async def replay() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _content_length(scope: Scope) -> int | None:
+    value = Headers(scope=scope).get("content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
