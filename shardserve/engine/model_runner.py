@@ -130,6 +130,8 @@ class ModelRunner:
             used = c.block_table[:max_blocks]
             tables[i, : len(used)] = torch.tensor(used, dtype=torch.long)
         pos = torch.arange(max_context)
-        slots = tables[:, pos // bs] * bs + pos % bs
-        mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
-        return slots.to(self.device), mask.to(self.device)
+        valid = pos.unsqueeze(0) < context_lens.unsqueeze(1)
+        # Padding past a sequence's context reads slot 0 (block 0 is zeroed, never NaN), not the unwritten
+        # rest of its own last block: the cache is uninitialised, and a masked-out NaN still poisons the sum.
+        slots = torch.where(valid, tables[:, pos // bs] * bs + pos % bs, 0)
+        return slots.to(self.device), valid[:, None, None, :].to(self.device)
