@@ -33,9 +33,9 @@ class IncrementalDetokenizer:
         if stopped or finished:
             end = len(text)
         else:
-            end = len(text) - self.holdback
-            if text.endswith("\ufffd"):
-                end = min(end, len(text) - 1)
+            # An incomplete character is not text yet; a stop string may still begin in the
+            # holdback characters before it.
+            end = len(text) - (1 if text.endswith("\ufffd") else 0) - self.holdback
         delta = text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return delta, stopped

@@ -1,0 +1,111 @@
+"""Streaming text from the real IncrementalDetokenizer over SmolLM2's byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardserve.engine.detokenizer import IncrementalDetokenizer
+from shardserve.tokenizer import Tokenizer
+
+MULTIBYTE = "Café au lait 🎉 naïve 日本語, 🤖🎉 ok"
+ENGLISH = "Hello world, this is great"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_gguf) -> Tokenizer:
+    return Tokenizer.from_model_path(smollm2_gguf)
+
+
+def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    return ids
+
+
+def _stream(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...] = ()
+            ) -> tuple[list[str], IncrementalDetokenizer, int | None]:
+    """Feed ids one token at a time as the engine does; returns the deltas, the detokenizer and the
+    number of tokens after which a stop string matched (None if none did)."""
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    deltas = []
+    for k in range(1, len(ids) + 1):
+        delta, stopped = detok.update(ids[:k], finished=k == len(ids))
+        deltas.append(delta)
+        if stopped:
+            return deltas, detok, k
+    return deltas, detok, None
+
+
+@pytest.mark.parametrize("text", [ENGLISH, MULTIBYTE])
+@pytest.mark.parametrize("stop", [(), ("never appears",), ("x", "zz")])
+def test_deltas_concatenate_to_final_text(tokenizer, text, stop):
+    ids = _ids(tokenizer, text)
+    deltas, detok, stopped_at = _stream(tokenizer, ids, stop)
+    assert stopped_at is None
+    assert "".join(deltas) == detok.text == text
+
+
+def test_text_is_streamed_as_it_arrives_without_stop_strings(tokenizer):
+    # Nothing is held back needlessly: with no stop strings, each ASCII word is out the step it arrives.
+    ids = _ids(tokenizer, ENGLISH)
+    detok = IncrementalDetokenizer(tokenizer, ())
+    for k in range(1, len(ids) + 1):
+        detok.update(ids[:k], finished=False)
+        assert detok.emitted == len(tokenizer.decode(ids[:k]))
+
+
+@pytest.mark.parametrize("stop", ["o wor", "world, th", ", this is g"])
+def test_stop_string_split_across_tokens_never_emitted(tokenizer, stop):
+    ids = _ids(tokenizer, ENGLISH)
+    # The stop string really starts in one token and ends in a later one.
+    starts_in = next(k for k in range(1, len(ids) + 1) if len(tokenizer.decode(ids[:k])) > ENGLISH.index(stop))
+    ends_in = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
+    assert ends_in > starts_in
+
+    expected = ENGLISH[:ENGLISH.index(stop)]
+    deltas, detok, stopped_at = _stream(tokenizer, ids, (stop,))
+    assert stopped_at == ends_in, "the match is reported at the token that completes the stop string"
+    emitted = ""
+    for delta in deltas:
+        emitted += delta
+        assert expected.startswith(emitted), f"emitted {emitted!r}: part of the stop string {stop!r} got out"
+    assert emitted == detok.text == expected
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer):
+    ids = _ids(tokenizer, ENGLISH)
+    deltas, detok, stopped_at = _stream(tokenizer, ids, ("great", "is", "world"))
+    assert "".join(deltas) == detok.text == "Hello "
+    assert stopped_at == 2
+
+
+def test_multibyte_characters_never_stream_replacement_chars(tokenizer):
+    ids = _ids(tokenizer, MULTIBYTE)
+    # The case under test: some tokens carry only part of a character.
+    assert any("\ufffd" in tokenizer.decode(ids[:k]) for k in range(1, len(ids)))
+    for stop in [(), ("zz",), ("longer stop string",)]:
+        deltas, detok, _ = _stream(tokenizer, ids, stop)
+        for delta in deltas:
+            assert "\ufffd" not in delta, f"stop={stop}: a partial character was streamed as U+FFFD"
+        assert "".join(deltas) == MULTIBYTE
+
+
+def test_multibyte_stop_string(tokenizer):
+    ids = _ids(tokenizer, MULTIBYTE)
+    # "本語": "本" is a whole token, and "語" then arrives one byte per token. While its bytes are
+    # incomplete, "本" could still be the start of the stop string and must stay held back.
+    for stop, expected in [("🎉", "Café au lait "), ("本語", "Café au lait 🎉 naïve 日"),
+                           ("🤖", "Café au lait 🎉 naïve 日本語, ")]:
+        deltas, detok, stopped_at = _stream(tokenizer, ids, (stop,))
+        assert stopped_at is not None
+        assert "".join(deltas) == detok.text == expected
+        assert all("\ufffd" not in d for d in deltas)
+
+
+def test_finish_mid_character_flushes_everything(tokenizer):
+    # Cut inside the emoji: the text is final, so what was held back must come out.
+    ids = _ids(tokenizer, MULTIBYTE)
+    k = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer, ("zz",))
+    out = "".join(detok.update(ids[:j], finished=j == k)[0] for j in range(1, k + 1))
+    assert out == detok.text == tokenizer.decode(ids[:k])
