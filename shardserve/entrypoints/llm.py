@@ -27,9 +27,12 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; results in prompt order."""
+        batch = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        # Check every prompt before queueing any, so a refused batch leaves nothing behind in the engine.
+        for token_ids in batch:
+            self.engine.validate_prompt(token_ids, params)
         ids = []
-        for prompt in prompts:
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        for token_ids in batch:
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, token_ids, params)
             ids.append(request_id)
