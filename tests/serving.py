@@ -101,7 +101,8 @@ def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | 
     config = EngineConfig(model=model_dir, tensor_parallel_size=tp, **engine_options)
     ranks = LocalRanks(config)
     try:
-        engine = AsyncEngine(LLMEngine(config, ranks.ctx, Tokenizer.from_model_path(model_dir)))
+        tokenizer = Tokenizer.from_model_path(model_dir)
+        engine = AsyncEngine(lambda: LLMEngine(config, ranks.ctx, tokenizer))
         try:
             with serve_in_thread(build_app(engine, name, api_key=api_key)) as url:
                 yield InProcessServer(url, name, engine, api_key)

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from shardserve.engine.llm_engine import LLMEngine
 from shardserve.engine.outputs import RequestOutput
@@ -38,17 +38,29 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
+    """Builds the engine with `build_engine` on its own thread, then steps it there.
+
+    The engine is built on the thread that steps it because CPU kernels run several times slower
+    from a thread other than the one that prepared the weights (each thread gets its own OpenMP
+    pool, and the idle pool competes for the cores).
+    """
+
+    def __init__(self, build_engine: Callable[[], LLMEngine]) -> None:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._last_beat = time.monotonic()
-        self._thread = threading.Thread(target=self._loop, name="shardserve-engine", daemon=True)
+        self._built = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(build_engine,), name="shardserve-engine",
+                                        daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
 
     # -- caller side (any thread / event loop) -----------------------------------------------------
     def is_healthy(self) -> bool:
@@ -87,6 +99,16 @@ class AsyncEngine:
         self._thread.join(timeout=30)
 
     # -- engine thread ----------------------------------------------------------------------------
+    def _run(self, build_engine: Callable[[], LLMEngine]) -> None:
+        try:
+            self.engine = build_engine()
+        except BaseException as e:  # noqa: BLE001 - handed to the constructor, which re-raises it
+            self._error = e
+            return
+        finally:
+            self._built.set()
+        self._loop()
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():

@@ -67,7 +67,7 @@ def _serve_rank0(args: argparse.Namespace, config: EngineConfig, ctx) -> None:
     from shardserve.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(config.model)
-    engine = AsyncEngine(LLMEngine(config, ctx, tokenizer))
+    engine = AsyncEngine(lambda: LLMEngine(config, ctx, tokenizer))
     try:
         app = build_app(engine, args.served_model_name or config.model, api_key=args.api_key)
         logger.info("serving %s on http://%s:%d (tensor parallel size %d, %s)", config.model, args.host,
