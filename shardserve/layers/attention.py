@@ -58,19 +58,25 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = cache
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
         n = meta.num_single
+        if n and not meta.prefills:  # decode only: no output buffer to assemble
+            return self._single(q, k_cache, v_cache, meta).reshape(n, -1)
+        out = torch.empty_like(q)
         if n:
-            qs = q[:n].unsqueeze(2)  # [n, heads, 1, dim]
-            ks = self._heads_first(k_cache[meta.single_slots])  # [n, heads, ctx, dim]
-            vs = self._heads_first(v_cache[meta.single_slots])
-            out[:n] = self._sdpa(qs, ks, vs, mask=meta.single_mask).squeeze(2)
+            out[:n] = self._single(q[:n], k_cache, v_cache, meta)
         for chunk in meta.prefills:
             qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, len, dim]
             kc = self._heads_first(k_cache[chunk.context_slots].unsqueeze(0))
             vc = self._heads_first(v_cache[chunk.context_slots].unsqueeze(0))
             out[chunk.start:chunk.end] = self._causal(qc, kc, vc, chunk.first_position)[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
+
+    def _single(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """One query token per sequence against its padded context: [n, heads, dim]."""
+        ks = self._heads_first(k_cache[meta.single_slots])  # [n, heads, ctx, dim]
+        vs = self._heads_first(v_cache[meta.single_slots])
+        return self._sdpa(q.unsqueeze(2), ks, vs, mask=meta.single_mask).squeeze(2)
 
     def _heads_first(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, ctx, kv_heads, dim] -> [batch, heads or kv_heads, ctx, dim]."""

@@ -38,17 +38,22 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        half = head_dim // 2
+        sin = emb.sin()
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        # The rotate-half sign lives in the table: x * cos + roll(x, half) * signed_sin.
+        self.register_buffer("signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype),
+                             persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for a step's positions, [tokens, 1, head_dim]; looked up once, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate x [tokens, heads, head_dim] (query and key heads may be stacked along heads)."""
-    cos, sin = cos_sin
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate x [tokens, heads, head_dim] (query and key heads may be stacked along heads).
+
+    Equals x * cos + rotate_half(x) * sin bit for bit: rotate_half(x) * sin is roll(x) * signed_sin.
+    """
+    cos, signed_sin = cos_sin
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
