@@ -45,7 +45,9 @@ class ModelRunner:
         with torch.device(self.device):
             model = cls(self.model_config, self.ctx.comm, self.dtype, self.max_model_len)
         load_weights(model, self.config.model, self.model_config.tie_word_embeddings)
-        kernel = choose_linear_kernel(self.device, self.dtype)
+        checkpoint_dtype = self.model_config.checkpoint_dtype()
+        keep_bf16 = self.config.dtype == "auto" and checkpoint_dtype in (torch.bfloat16, torch.float16)
+        kernel = choose_linear_kernel(self.device, self.dtype, keep_bf16_weights=keep_bf16)
         if kernel.name != "torch":
             packed = pack_linear_weights(model, kernel)
             if self.ctx.is_driver:

@@ -26,17 +26,22 @@ def as_tensor(loaded: Any) -> torch.Tensor:
 
 
 class KernelLinear(nn.Module):
-    """A layer whose matmul runs through a LinearKernel. Before `use_kernel` it is plain F.linear;
-    afterwards `self.weight` is the kernel's prepared form and must not be reloaded in place."""
+    """A layer whose matmul runs through a LinearKernel. Before `use_kernel` it is plain F.linear on
+    `self.weight`; afterwards the kernel's prepared form (`self.prepared`) replaces the weight, which
+    must then not be reloaded in place."""
 
     kernel: LinearKernel = _DEFAULT_KERNEL
+    prepared: Any = None
 
     def use_kernel(self, kernel: LinearKernel) -> None:
         self.kernel = kernel
-        self.weight = nn.Parameter(kernel.prepare(self.weight.data), requires_grad=False)
+        self.prepared = kernel.prepare(self.weight.data)
+        # Drop this module's reference to the loaded weight so its memory can go (a tied embedding
+        # keeps its own reference for lookups).
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernel(x, self.weight, bias)
+        return self.kernel(x, self.weight if self.prepared is None else self.prepared, bias)
 
 
 def load_whole(param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:

@@ -5,6 +5,10 @@
   multiplied with oneDNN's JIT kernels. On CPUs where MKL's sgemm takes a slow generic path (AVX2
   parts of other vendors), this is about 1.5x faster for decode-sized batches and up to 3x for the
   LM head. The packed copy replaces the loaded weight, so memory does not double.
+- "bf16-decode": on CPUs without fast bfloat16 matmuls, a 16-bit checkpoint keeps a bfloat16 copy of
+  each weight for single-token steps (half the bytes a batch-1 decode step reads; a small AVX2 kernel
+  in shardserve/kernels widens it in registers, activations stay float32), and the oneDNN-packed
+  float32 form for larger batches, where that kernel is slower. It holds 1.5x the float32 weight bytes.
 """
 
 from __future__ import annotations
@@ -43,8 +47,35 @@ class OneDNNPackedKernel(LinearKernel):
         return out.reshape(*shape[:-1], out.shape[-1])
 
 
-def choose_linear_kernel(device: torch.device, dtype: torch.dtype) -> LinearKernel:
-    if device.type == "cpu" and dtype == torch.float32 and _onednn_linear_works():
+class BF16DecodeKernel(LinearKernel):
+    name = "bf16-decode"
+
+    def __init__(self, extension) -> None:
+        self.extension = extension
+        self.batched = OneDNNPackedKernel()
+
+    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return weight.to(torch.bfloat16).contiguous(), self.batched.prepare(weight)
+
+    def __call__(self, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor],
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] != 1:
+            return self.batched(x, weight[1], bias)
+        out = self.extension.bf16_weight_linear(x, weight[0])
+        return out if bias is None else out + bias
+
+
+def choose_linear_kernel(device: torch.device, dtype: torch.dtype, keep_bf16_weights: bool = False) -> LinearKernel:
+    """keep_bf16_weights: the checkpoint is in 16-bit floats, computed in float32 on a CPU."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return LinearKernel()
+    if keep_bf16_weights:
+        from shardserve.kernels import bf16_gemv
+
+        extension = bf16_gemv.load()
+        if extension is not None and _onednn_linear_works():
+            return BF16DecodeKernel(extension)
+    if _onednn_linear_works():
         return OneDNNPackedKernel()
     return LinearKernel()
 

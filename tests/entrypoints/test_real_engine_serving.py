@@ -67,7 +67,7 @@ def test_prompt_over_max_model_len_is_refused_naming_limit_and_length(tiny_model
 
 def test_smollm2_gguf_tp2_answers_paris_streamed_and_not(smollm2_gguf):
     with serve_cli([smollm2_gguf, "-tp", "2", "--served-model-name", "smol", "--max-model-len", "2048",
-                    "--kv-cache-memory", "0.5"]) as url:
+                    "--kv-cache-memory", "0.5"], timeout=600) as url:  # first start builds the CPU kernel
         import openai
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
