@@ -11,11 +11,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 import openai
 import uvicorn
 from fastapi import FastAPI
+
+if TYPE_CHECKING:
+    from shardserve.engine.async_engine import AsyncEngine
 
 
 def free_port() -> int:
@@ -60,7 +64,7 @@ def wait_until(condition, timeout: float = 10.0, interval: float = 0.02) -> bool
 class InProcessServer:
     url: str
     model: str
-    engine: "shardserve.engine.async_engine.AsyncEngine"  # noqa: F821
+    engine: AsyncEngine
     api_key: str | None = None
 
     @property

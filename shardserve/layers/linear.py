@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, Hashable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator

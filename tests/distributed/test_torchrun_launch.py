@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 
 import openai
-import pytest
 
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
