@@ -9,28 +9,27 @@ import sys
 from shardserve import __version__
 
 
-def _positive_int(flag: str):
-    def parse(value: str) -> int:
+def _positive(convert, flag: str):
+    """An argparse type accepting only positive values of `convert` (int or float), naming the flag."""
+    kind = "integer" if convert is int else "number"
+
+    def parse(value: str):
         try:
-            n = int(value)
+            x = convert(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a positive integer, got {value!r}") from None
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"{flag} takes a positive integer, got {n}")
-        return n
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive {kind}, got {value!r}") from None
+        if x <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive {kind}, got {x}")
+        return x
     return parse
+
+
+def _positive_int(flag: str):
+    return _positive(int, flag)
 
 
 def _positive_float(flag: str):
-    def parse(value: str) -> float:
-        try:
-            x = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a positive number, got {value!r}") from None
-        if x <= 0:
-            raise argparse.ArgumentTypeError(f"{flag} takes a positive number, got {x}")
-        return x
-    return parse
+    return _positive(float, flag)
 
 
 def _add_serve_parser(sub) -> None:

@@ -1,0 +1,39 @@
+"""The command line refuses bad flags with a message naming the flag and what it accepts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardserve", "serve", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4' (choose from 'auto', 'float32', 'bfloat16', 'float16')"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu' (choose from 'cpu', 'cuda')"),
+    (["-tp", "0"], "--tensor-parallel-size takes a positive integer, got 0"),
+    (["--max-model-len", "ten"], "--max-model-len takes a positive integer, got 'ten'"),
+    (["--kv-cache-memory", "-1"], "--kv-cache-memory takes a positive number, got -1.0"),
+])
+def test_bad_flag_is_named_with_accepted_values(tmp_path, args, expected):
+    result = _serve(str(tmp_path), *args)
+    assert result.returncode == 2
+    assert expected in result.stderr
+
+
+def test_missing_model_is_named(tmp_path):
+    result = _serve(str(tmp_path / "nowhere.gguf"))
+    assert result.returncode != 0
+    assert "nowhere.gguf" in result.stderr and "neither a .gguf file nor a model directory" in result.stderr
+
+
+def test_version():
+    result = subprocess.run([sys.executable, "-m", "shardserve", "--version"], capture_output=True, text=True)
+    from shardserve import __version__
+
+    assert result.stdout.strip() == f"shardserve {__version__}"
