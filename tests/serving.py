@@ -91,8 +91,11 @@ class InProcessServer:
 
 @contextmanager
 def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | None = None,
-                **engine_options) -> Iterator[InProcessServer]:
-    """A real engine (rank 0 in this process, other ranks spawned) behind the real HTTP app."""
+                max_body_bytes: int | None = None, **engine_options) -> Iterator[InProcessServer]:
+    """A real engine (rank 0 in this process, other ranks spawned) behind the real HTTP app.
+
+    `api_key` and `max_body_bytes` go to `build_app` (None: its defaults); the rest to `EngineConfig`.
+    """
     from shardserve.config import EngineConfig
     from shardserve.distributed.launcher import LocalRanks
     from shardserve.distributed.process_group import destroy_rank_context
@@ -108,7 +111,8 @@ def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | 
         tokenizer = Tokenizer.from_model_path(model_dir)
         engine = AsyncEngine(lambda: LLMEngine(config, ranks.ctx, tokenizer))
         try:
-            with serve_in_thread(build_app(engine, name, api_key=api_key)) as url:
+            app_options = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
+            with serve_in_thread(build_app(engine, name, api_key=api_key, **app_options)) as url:
                 yield InProcessServer(url, name, engine, api_key)
         finally:
             engine.shutdown()

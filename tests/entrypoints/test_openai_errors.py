@@ -1,22 +1,25 @@
-"""Every way a request can fail gets the right status and an OpenAI-shaped error naming the problem."""
+"""Every way a request can fail gets the right status and an OpenAI-shaped error naming the problem.
+
+All of it runs against the real engine, except the engine failures (500), which need a failure injected.
+"""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import httpx
 import openai
 import pytest
 
-if TYPE_CHECKING:
-    from conftest import LiveServer
-
-API_KEY = "sk-test-key"
+from shardserve.tokenizer import Tokenizer
+from tests.entrypoints.conftest import API_KEY, MODEL, SIMULATED_FAILURE, SMALL_BODY_LIMIT, EngineSpy
+from tests.serving import InProcessServer
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-USER_HI = [{"role": "user", "content": "Hi"}]
+PROMPT = "w10 w11 w12"
+USER_MESSAGES = [{"role": "user", "content": PROMPT}]
 
 
 def error_of(response: httpx.Response, status: int) -> dict:
@@ -27,12 +30,24 @@ def error_of(response: httpx.Response, status: int) -> dict:
     return error
 
 
+def words(n: int) -> str:
+    """A prompt of exactly `n` tokens (one per word; the tokenizer adds no BOS)."""
+    return " ".join(["w7"] * n)
+
+
+def greedy_text(client: openai.OpenAI, prompt: str = PROMPT, max_tokens: int = 4) -> str:
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == max_tokens
+    return completion.choices[0].text
+
+
 # --------------------------------------------------------------------------- invalid parameters (400)
 
 
 def test_wrong_type_for_max_tokens(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="echo-model", prompt="Hi", max_tokens="ten")  # type: ignore[arg-type]
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens="ten")  # type: ignore[arg-type]
     assert info.value.status_code == 400
     error = info.value.body
     assert error["type"] == "invalid_request_error"
@@ -42,7 +57,7 @@ def test_wrong_type_for_max_tokens(client: openai.OpenAI) -> None:
 
 def test_negative_temperature(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="echo-model", messages=USER_HI, temperature=-1)
+        client.chat.completions.create(model=MODEL, messages=USER_MESSAGES, temperature=-1)
     assert info.value.body["param"] == "temperature"
     assert "temperature" in info.value.body["message"] and "-1" in info.value.body["message"]
 
@@ -50,25 +65,25 @@ def test_negative_temperature(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize("top_p", [0, 1.5])
 def test_top_p_out_of_range(client: openai.OpenAI, top_p: float) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="echo-model", prompt="Hi", top_p=top_p)
+        client.completions.create(model=MODEL, prompt=PROMPT, top_p=top_p)
     assert info.value.body["param"] == "top_p"
     assert "top_p" in info.value.body["message"]
 
 
 def test_more_than_one_choice(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="echo-model", messages=USER_HI, n=2)
+        client.chat.completions.create(model=MODEL, messages=USER_MESSAGES, n=2)
     assert info.value.body["param"] == "n"
     assert "n=1" in info.value.body["message"]
 
 
 def test_invalid_json(http: httpx.Client) -> None:
-    response = http.post(COMPLETIONS, content=b'{"prompt": "Hi",', headers={"content-type": "application/json"})
+    response = http.post(COMPLETIONS, content=b'{"prompt": "w10",', headers={"content-type": "application/json"})
     assert "not valid JSON" in error_of(response, 400)["message"]
 
 
 def test_body_that_is_not_an_object(http: httpx.Client) -> None:
-    response = http.post(COMPLETIONS, json=["Hi"])
+    response = http.post(COMPLETIONS, json=[PROMPT])
     assert "JSON object" in error_of(response, 400)["message"]
 
 
@@ -78,7 +93,7 @@ def test_empty_body(http: httpx.Client) -> None:
 
 
 def test_body_without_json_content_type(http: httpx.Client) -> None:
-    response = http.post(COMPLETIONS, content=json.dumps({"prompt": "Hi"}), headers={"content-type": "text/plain"})
+    response = http.post(COMPLETIONS, content=json.dumps({"prompt": PROMPT}), headers={"content-type": "text/plain"})
     assert "application/json" in error_of(response, 400)["message"]
 
 
@@ -90,13 +105,13 @@ def test_missing_required_field(http: httpx.Client) -> None:
 
 def test_empty_messages(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="echo-model", messages=[])
+        client.chat.completions.create(model=MODEL, messages=[])
     assert info.value.body["param"] == "messages"
     assert "at least one message" in info.value.body["message"]
 
 
 def test_unknown_role(http: httpx.Client) -> None:
-    messages = [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Abracadabra"}]
+    messages = [{"role": "user", "content": PROMPT}, {"role": "wizard", "content": "w13"}]
     error = error_of(http.post(CHAT, json={"messages": messages}), 400)
     assert error["param"] == "messages[1].role"
     assert "wizard" in error["message"] and "'user'" in error["message"]
@@ -125,55 +140,64 @@ def test_non_text_content_part(http: httpx.Client) -> None:
         (COMPLETIONS, {"max_tokens": 0}, "max_tokens"),
         (COMPLETIONS, {"seed": 1.5}, "seed"),
         (COMPLETIONS, {"stream": "yes"}, "stream"),
-        (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt"),
+        (COMPLETIONS, {"prompt": ["w10", "w11"]}, "prompt"),
         (COMPLETIONS, {"prompt": []}, "prompt"),
-        (COMPLETIONS, {"prompt": [1, -5]}, "prompt"),
+        (COMPLETIONS, {"prompt": [10, -5]}, "prompt"),
         (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (CHAT, {"max_completion_tokens": "many"}, "max_completion_tokens"),
     ],
 )
 def test_unsupported_or_invalid_parameter(http: httpx.Client, path: str, extra: dict, param: str) -> None:
-    body = {"prompt": "Hi"} if path == COMPLETIONS else {"messages": USER_HI}
+    body = {"prompt": PROMPT} if path == COMPLETIONS else {"messages": USER_MESSAGES}
     error = error_of(http.post(path, json=body | extra), 400)
     assert error["param"] == param
     assert param in error["message"]
 
 
-def test_prompt_longer_than_context(client: openai.OpenAI, server: LiveServer) -> None:
+def test_prompt_longer_than_context(client: openai.OpenAI, server: InProcessServer, tokenizer: Tokenizer) -> None:
     limit = server.engine.max_model_len
-    prompt = "x" * (limit + 10)  # one token per character, plus BOS
+    prompt = words(limit + 10)
+    assert len(tokenizer.encode(prompt)) == limit + 10
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="echo-model", prompt=prompt)
+        client.completions.create(model=MODEL, prompt=prompt)
     message = info.value.body["message"]
     assert f"maximum context length is {limit} tokens" in message
-    assert f"{limit + 11} tokens" in message
+    assert f"{limit + 10} tokens" in message
     assert info.value.body["code"] == "context_length_exceeded"
+    assert info.value.body["param"] == "prompt"
 
 
-def test_prompt_plus_max_tokens_longer_than_context(client: openai.OpenAI, server: LiveServer) -> None:
+def test_prompt_plus_max_tokens_longer_than_context(
+    client: openai.OpenAI, server: InProcessServer, tokenizer: Tokenizer
+) -> None:
     limit = server.engine.max_model_len
-    prompt = "x" * (limit - 11)  # limit - 10 tokens with BOS
+    prompt = words(limit - 10)
+    assert len(tokenizer.encode(prompt)) == limit - 10
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="echo-model", prompt=prompt, max_tokens=20)
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
     message = info.value.body["message"]
     assert f"maximum context length is {limit} tokens" in message
     assert f"you requested {limit + 10} tokens ({limit - 10} in the prompt, 20 for the completion)" in message
+    greedy_text(client, prompt, max_tokens=10)  # exactly filling the context is allowed
 
 
-def test_chat_prompt_longer_than_context(client: openai.OpenAI, server: LiveServer) -> None:
-    messages = [{"role": "user", "content": "y" * server.engine.max_model_len}]
+def test_chat_prompt_longer_than_context(client: openai.OpenAI, server: InProcessServer) -> None:
+    messages = [{"role": "user", "content": words(server.engine.max_model_len)}]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="echo-model", messages=messages, max_tokens=5)
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
     assert info.value.body["param"] == "messages"
     assert f"maximum context length is {server.engine.max_model_len} tokens" in info.value.body["message"]
 
 
-def test_engine_refusal_is_a_bad_request(client: openai.OpenAI, server: LiveServer) -> None:
-    server.engine.refusal = "token id 9999 is outside the vocabulary"
+def test_engine_refusal_is_a_bad_request(client: openai.OpenAI, engine_spy: EngineSpy) -> None:
+    # Token id 9999 is past the tiny model's 1000-word vocabulary: the engine refuses the prompt.
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="echo-model", prompt=[9999])
-    assert "outside the vocabulary" in info.value.body["message"]
-    assert not server.engine.aborted
+        client.completions.create(model=MODEL, prompt=[10, 9999], max_tokens=3)
+    message = info.value.body["message"]
+    assert "9999" in message and "outside the vocabulary" in message
+    assert info.value.body["type"] == "invalid_request_error"
+    assert not engine_spy.added and not engine_spy.aborted  # refused before it was scheduled
+    assert greedy_text(client)  # and the engine keeps serving
 
 
 # --------------------------------------------------------------------------- model, auth, size
@@ -181,10 +205,10 @@ def test_engine_refusal_is_a_bad_request(client: openai.OpenAI, server: LiveServ
 
 def test_unknown_model(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
-        client.completions.create(model="gpt-17", prompt="Hi")
+        client.completions.create(model="gpt-17", prompt=PROMPT)
     error = info.value.body
     assert error["code"] == "model_not_found" and error["param"] == "model"
-    assert "gpt-17" in error["message"] and "echo-model" in error["message"]
+    assert "gpt-17" in error["message"] and f"'{MODEL}'" in error["message"]
 
 
 def test_unknown_path(http: httpx.Client) -> None:
@@ -192,91 +216,96 @@ def test_unknown_path(http: httpx.Client) -> None:
     assert "/v1/engines" in error["message"]
 
 
-@pytest.fixture
-def secured(start_server) -> LiveServer:
-    return start_server(api_key=API_KEY)
-
-
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer"}, {"Authorization": f"Basic {API_KEY}"}])
-def test_missing_api_key(secured: LiveServer, headers: dict) -> None:
-    with secured.http(headers=headers) as http:
+def test_missing_api_key(secured_server: InProcessServer, headers: dict) -> None:
+    with httpx.Client(base_url=secured_server.url, headers=headers, timeout=30) as http:
         for method, path in [("GET", "/v1/models"), ("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/nowhere")]:
-            error = error_of(http.request(method, path, json={"prompt": "Hi"}), 401)
+            error = error_of(http.request(method, path, json={"prompt": PROMPT}), 401)
             assert "API key" in error["message"]
 
 
-def test_wrong_api_key(secured: LiveServer) -> None:
+def test_wrong_api_key(secured_server: InProcessServer) -> None:
+    wrong = openai.OpenAI(base_url=f"{secured_server.url}/v1", api_key="sk-wrong", max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError) as info:
-        secured.openai(api_key="sk-wrong").completions.create(model="echo-model", prompt="Hi")
+        wrong.completions.create(model=MODEL, prompt=PROMPT)
     assert info.value.status_code == 401
     assert info.value.body["code"] == "invalid_api_key"
     assert "sk-wrong" not in info.value.body["message"]
 
 
-def test_right_api_key(secured: LiveServer) -> None:
-    completion = secured.openai().completions.create(model="echo-model", prompt="Hi")
-    assert completion.choices[0].text == "Hi"
+def test_right_api_key(secured_server: InProcessServer, client: openai.OpenAI) -> None:
+    # Same weights, same greedy request: the secured server answers as the open one does.
+    assert greedy_text(secured_server.openai()) == greedy_text(client)
 
 
-def test_probes_need_no_api_key(secured: LiveServer) -> None:
-    with secured.http() as http:
+def test_probes_need_no_api_key(secured_server: InProcessServer) -> None:
+    with secured_server.http() as http:
         assert http.get("/health").status_code == 200
         assert http.get("/version").status_code == 200
 
 
-def test_body_over_the_limit(start_server) -> None:
-    server = start_server(max_body_bytes=1024)
-    with server.http() as http:
-        error = error_of(http.post(COMPLETIONS, json={"prompt": "x" * 2000}), 413)
-        assert "1024" in error["message"]
-        assert http.post(COMPLETIONS, json={"prompt": "x" * 100}).status_code == 200
+def test_body_over_the_limit(small_body_server: InProcessServer) -> None:
+    with small_body_server.http() as http:
+        error = error_of(http.post(COMPLETIONS, json={"prompt": "w7 " * 700}), 413)
+        assert str(SMALL_BODY_LIMIT) in error["message"]
+        body = {"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}
+        assert len(json.dumps(body)) < SMALL_BODY_LIMIT
+        response = http.post(COMPLETIONS, json=body)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
 
 
-def test_chunked_body_over_the_limit(start_server) -> None:
-    server = start_server(max_body_bytes=1024)
-
+def test_chunked_body_over_the_limit(small_body_server: InProcessServer) -> None:
     def chunks():  # no Content-Length: the limit must be enforced while reading
         yield b'{"prompt": "'
         for _ in range(10):
-            yield b"x" * 200
+            yield b"w7 " * 70
         yield b'"}'
 
-    with server.http() as http:
+    with small_body_server.http() as http:
         response = http.post(COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
-        assert "1024" in error_of(response, 413)["message"]
+        assert str(SMALL_BODY_LIMIT) in error_of(response, 413)["message"]
 
 
 def test_huge_body_with_default_limit(client: openai.OpenAI) -> None:
     with pytest.raises(openai.APIStatusError) as info:
-        client.completions.create(model="echo-model", prompt="x" * (5 * 2**20))
+        client.completions.create(model=MODEL, prompt="x" * (5 * 2**20))
     assert info.value.status_code == 413
 
 
 # --------------------------------------------------------------------------- engine failures (500)
 
 
-def test_engine_failure_mid_generation(client: openai.OpenAI, server: LiveServer) -> None:
-    server.engine.fail_after_steps = 1
+def test_engine_failure_mid_generation(serve_failing: Callable[[int], InProcessServer]) -> None:
+    failing = serve_failing(1)
     with pytest.raises(openai.InternalServerError) as info:
-        client.completions.create(model="echo-model", prompt="Hello there")
+        failing.openai().completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, extra_body={"ignore_eos": True})
     assert info.value.status_code == 500
-    assert "simulated engine failure" in info.value.body["message"]
+    assert SIMULATED_FAILURE in info.value.body["message"]
     assert info.value.body["type"] == "server_error"
+    assert failing.all_blocks_free(), "the failed request kept its KV blocks"
 
 
-def test_engine_failure_mid_stream(http: httpx.Client, server: LiveServer) -> None:
-    server.engine.fail_after_steps = 2
-    response = http.post(COMPLETIONS, json={"prompt": "Hello there", "stream": True})
+def test_engine_failure_mid_stream(serve_failing: Callable[[int], InProcessServer], client: openai.OpenAI) -> None:
+    request = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    healthy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+    expected = [chunk.choices[0].text for chunk in healthy][:2]
+    failing = serve_failing(2)
+    with failing.http() as http:
+        response = http.post(COMPLETIONS, json=request | {"stream": True})
     assert response.status_code == 200  # the stream had started
     events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert "simulated engine failure" in error["message"]
-    assert [json.loads(e)["choices"][0]["text"] for e in events[:-2]] == ["He", "ll"]
+    assert SIMULATED_FAILURE in error["message"] and error["type"] == "server_error"
+    # The chunks generated before the failure reached the client, then the error.
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-2]] == expected
+    assert failing.all_blocks_free(), "the failed stream kept its KV blocks"
 
 
 def test_server_survives_bad_input(http: httpx.Client) -> None:
     for body in [b"\xff\xfe", b"null", b"[]", b'{"prompt": {"a": 1}}', b'{"messages": "hi"}', b"9" * 5000]:
         assert http.post(COMPLETIONS, content=body, headers={"content-type": "application/json"}).status_code == 400
         assert http.post(CHAT, content=body, headers={"content-type": "application/json"}).status_code == 400
-    assert http.post(COMPLETIONS, json={"prompt": "still here"}).json()["choices"][0]["text"] == "still here"
+    response = http.post(COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3

@@ -1,24 +1,45 @@
-"""The OpenAI-compatible endpoints against EchoEngine, which answers with the prompt's own text."""
+"""The OpenAI-compatible endpoints in front of the real engine, driven with the real openai client."""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+import socket
+from itertools import accumulate
+from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
 
 import shardserve
+from shardserve.tokenizer import Tokenizer
+from tests.entrypoints.conftest import ENGINE_OPTIONS, MAX_MODEL_LEN, MODEL, TINY_MODEL, EngineSpy
+from tests.serving import InProcessServer, serve_model, wait_until
 
-if TYPE_CHECKING:
-    from conftest import LiveServer
+PROMPT = "w10 w11 w12 w13"
+MESSAGES = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w30 w31 w32"}]
+# Long enough that a request cut short by its client cannot have finished on its own first, short
+# enough to fit the context after PROMPT or MESSAGES.
+LONG = 100
 
-MODEL = "echo-model"
-# The test tokenizer's chat template renders this conversation as the text below, which
-# EchoEngine then generates back.
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-RENDERED = "system: Be brief.\nuser: Hi\nassistant: "
+
+def complete(client: openai.OpenAI, prompt=PROMPT, max_tokens: int = 8, **extra):
+    """A greedy completion that runs to `max_tokens` (EOS ignored), with `extra` body fields."""
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True, **extra})
+
+
+def chat(client: openai.OpenAI, messages=MESSAGES, max_tokens: int = 8, **kwargs):
+    """A greedy chat completion that runs to `max_tokens` (EOS ignored)."""
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
+                                          extra_body={"ignore_eos": True}, **kwargs)
+
+
+def token_ids(tokenizer: Tokenizer, tokens: list[str]) -> list[int]:
+    """The ids of tokens given as their text (every token of the tiny vocabulary has its own text)."""
+    ids = [tokenizer.encode(token, add_special_tokens=False) for token in tokens]
+    assert all(len(one) == 1 for one in ids), ids
+    return [one[0] for one in ids]
 
 
 def sse_events(response: httpx.Response) -> list[str]:
@@ -34,42 +55,51 @@ def sse_events(response: httpx.Response) -> list[str]:
 # --------------------------------------------------------------------------- completions
 
 
-def test_completion(client: openai.OpenAI) -> None:
-    completion = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=50)
+def test_completion(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    completion = complete(client, max_tokens=8)
     assert completion.id.startswith("cmpl-") and len(completion.id) == len("cmpl-") + 32
     assert completion.object == "text_completion" and completion.model == MODEL
     [choice] = completion.choices
-    assert (choice.index, choice.text, choice.finish_reason, choice.logprobs) == (0, "Hello world", "stop", None)
-    # 11 characters plus BOS in; 11 characters out.
-    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (12, 11)
-    assert completion.usage.total_tokens == 23
+    assert (choice.index, choice.finish_reason, choice.logprobs) == (0, "length", None)
+    assert choice.text.strip() and choice.text.startswith("w")
+    prompt_tokens = len(tokenizer.encode(PROMPT))
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (prompt_tokens, 8)
+    assert completion.usage.total_tokens == prompt_tokens + 8
+    # Greedy decoding is deterministic.
+    assert complete(client, max_tokens=8).choices[0].text == choice.text
 
 
 def test_completion_stops_at_max_tokens(client: openai.OpenAI) -> None:
-    completion = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=4)
-    assert (completion.choices[0].text, completion.choices[0].finish_reason) == ("Hell", "length")
-    assert completion.usage.completion_tokens == 4
-
-
-def test_default_max_tokens_is_the_rest_of_the_context(client: openai.OpenAI, server: LiveServer) -> None:
-    completion = client.completions.create(model=MODEL, prompt="abc", extra_body={"ignore_eos": True})
-    rest = server.engine.max_model_len - 4
+    longer = complete(client, max_tokens=12).choices[0].text
+    completion = complete(client, max_tokens=4)
     assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 4
+    assert longer.startswith(completion.choices[0].text) and len(completion.choices[0].text) < len(longer)
+
+
+def test_default_max_tokens_is_the_rest_of_the_context(client: openai.OpenAI, server: InProcessServer) -> None:
+    rest = 40  # more than SamplingParams' own default, and than any fixed default that small
+    prompt = " ".join(["w9"] * (server.engine.max_model_len - rest))
+    completion = client.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.prompt_tokens == server.engine.max_model_len - rest
     assert completion.usage.completion_tokens == rest
-    assert completion.choices[0].text == ("abc" * rest)[:rest]
 
 
-def test_prompt_forms(client: openai.OpenAI, tokenizer) -> None:
-    ids = tokenizer.encode("Hello")
-    for prompt in (["Hello"], ids, [ids], ids[1:]):
-        completion = client.completions.create(model=MODEL, prompt=prompt)
-        assert completion.choices[0].text == "Hello"
+def test_prompt_forms(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(PROMPT)
+    expected = complete(client, PROMPT, max_tokens=6).choices[0].text
+    for prompt in ([PROMPT], ids, [ids]):
+        completion = complete(client, prompt, max_tokens=6)
+        assert completion.choices[0].text == expected, prompt
+        assert completion.usage.prompt_tokens == len(ids)
 
 
-def test_parameters_reach_the_engine(client: openai.OpenAI, server: LiveServer) -> None:
-    client.completions.create(
+def test_parameters_reach_the_engine(client: openai.OpenAI, tokenizer: Tokenizer, engine_spy: EngineSpy) -> None:
+    completion = client.completions.create(
         model=MODEL,
-        prompt="Hello world",
+        prompt=PROMPT,
         max_tokens=7,
         temperature=0.5,
         top_p=0.9,
@@ -77,200 +107,278 @@ def test_parameters_reach_the_engine(client: openai.OpenAI, server: LiveServer) 
         stop=["zz"],
         extra_body={"top_k": 3, "stop_token_ids": [5], "ignore_eos": True},
     )
-    [(prompt_ids, params)] = server.engine.submitted.values()
-    assert prompt_ids == server.engine.tokenizer.encode("Hello world")
+    [(request_id, (prompt_ids, params))] = engine_spy.added.items()
+    assert request_id == completion.id
+    assert prompt_ids == tokenizer.encode(PROMPT)
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed) == (7, 0.5, 0.9, 3, 42)
     assert (params.stop, params.stop_token_ids, params.ignore_eos, params.logprobs) == (("zz",), (5,), True, None)
 
 
-def test_stop_string_and_stop_token(client: openai.OpenAI, tokenizer) -> None:
-    by_string = client.completions.create(model=MODEL, prompt="Hello world", stop="o w")
-    assert (by_string.choices[0].text, by_string.choices[0].finish_reason) == ("Hell", "stop")
-    space = tokenizer.encode(" ", add_special_tokens=False)
-    by_token = client.completions.create(model=MODEL, prompt="Hello world", extra_body={"stop_token_ids": space})
-    assert (by_token.choices[0].text, by_token.choices[0].finish_reason) == ("Hello", "stop")
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return complete(client, max_tokens=12, temperature=1.0, seed=seed).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(seed) for seed in (1, 2, 3)}) > 1  # 12 tokens drawn from 1000: seeds differ
+
+
+def test_stop_string_and_stop_token(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    reference = complete(client, max_tokens=8, logprobs=0).choices[0]
+    text, ids = reference.text, token_ids(tokenizer, reference.logprobs.tokens)
+
+    stop = text.split()[2]  # the third word; it may first appear inside an earlier one
+    by_string = complete(client, max_tokens=8, stop=stop).choices[0]
+    assert (by_string.text, by_string.finish_reason) == (text[: text.index(stop)], "stop")
+
+    stop_id = ids[2]
+    by_token = complete(client, max_tokens=8, stop_token_ids=[stop_id]).choices[0]
+    assert (by_token.text, by_token.finish_reason) == (tokenizer.decode(ids[: ids.index(stop_id)]), "stop")
 
 
 def test_unknown_fields_are_ignored(http: httpx.Client) -> None:
-    body = {"prompt": "Hi", "frobnicate": True, "metadata": {"a": 1}, "presence_penalty": 0, "logit_bias": {}}
-    response = http.post("/v1/completions", json=body)
-    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "Hi"
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    plain = http.post("/v1/completions", json=body).json()
+    extra = {"frobnicate": True, "metadata": {"a": 1}, "presence_penalty": 0, "logit_bias": {}}
+    response = http.post("/v1/completions", json=body | extra)
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["text"] == plain["choices"][0]["text"]
 
 
 def test_model_may_be_omitted(http: httpx.Client) -> None:
-    response = http.post("/v1/completions", json={"prompt": "Hi"})
-    assert response.json()["model"] == MODEL
+    response = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert response.status_code == 200 and response.json()["model"] == MODEL
 
 
-def test_completion_logprobs(client: openai.OpenAI) -> None:
-    completion = client.completions.create(model=MODEL, prompt="Hey you", logprobs=3)
-    logprobs = completion.choices[0].logprobs
-    assert "".join(logprobs.tokens) == "Hey you"
-    assert logprobs.token_logprobs == [-0.25] * 7
-    assert logprobs.text_offset == [0, 1, 2, 3, 4, 5, 6]
-    assert all(len(top) == 3 and top[token] == -0.25 for token, top in zip(logprobs.tokens, logprobs.top_logprobs))
+def test_completion_logprobs(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    choice = complete(client, max_tokens=6, logprobs=3).choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert tokenizer.decode(token_ids(tokenizer, logprobs.tokens)) == choice.text
+    assert logprobs.text_offset == [0, *accumulate(len(token) for token in logprobs.tokens[:-1])]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert logprob <= 0
+        assert len(top) == 3
+        values = list(top.values())
+        assert values == sorted(values, reverse=True)
+        # Greedy: the sampled token is the most likely one.
+        assert next(iter(top)) == token and top[token] == pytest.approx(logprob)
 
 
 # --------------------------------------------------------------------------- chat
 
 
-def test_chat_completion(client: openai.OpenAI) -> None:
-    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES)
-    assert chat.id.startswith("chatcmpl-") and chat.object == "chat.completion"
-    [choice] = chat.choices
-    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", RENDERED, "stop")
-    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(RENDERED) + 1, len(RENDERED))
+def test_chat_completion(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    completion = chat(client, max_tokens=6)
+    assert completion.id.startswith("chatcmpl-") and completion.object == "chat.completion"
+    assert completion.model == MODEL
+    [choice] = completion.choices
+    assert (choice.message.role, choice.finish_reason, choice.logprobs) == ("assistant", "length", None)
+    assert choice.message.content.strip()
+    prompt_tokens = len(tokenizer.apply_chat_template(MESSAGES))
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (prompt_tokens, 6)
+    assert completion.usage.total_tokens == prompt_tokens + 6
 
 
-def test_chat_content_parts_and_developer_role(client: openai.OpenAI, server: LiveServer) -> None:
-    messages = [
-        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
-        {"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]},
+def test_chat_content_parts_and_developer_role(
+    client: openai.OpenAI, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rendered: list[list[dict]] = []
+    apply_chat_template = server.engine.tokenizer.apply_chat_template
+
+    def recording(messages, add_generation_prompt=True):
+        rendered.append(messages)
+        return apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    monkeypatch.setattr(server.engine.tokenizer, "apply_chat_template", recording)
+    with_parts = [
+        {"role": "developer", "content": [{"type": "text", "text": "w20 w21"}]},
+        {"role": "user", "content": [{"type": "text", "text": "w30"}, {"type": "text", "text": "w31"}]},
     ]
-    chat = client.chat.completions.create(model=MODEL, messages=messages)
-    assert chat.choices[0].message.content == "system: Be brief.\nuser: H\ni\nassistant: "
+    plain = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w30\nw31"}]
+    answer = chat(client, with_parts).choices[0].message.content
+    assert rendered == [plain]  # developer is the system role; text parts are joined by newlines
+    assert chat(client, plain).choices[0].message.content == answer
 
 
 def test_chat_max_completion_tokens_wins(client: openai.OpenAI) -> None:
-    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=9, max_completion_tokens=6)
-    assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == ("system", "length")
-    assert chat.usage.completion_tokens == 6
+    completion = chat(client, max_tokens=9, max_completion_tokens=6)
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 6
 
 
-def test_chat_logprobs(client: openai.OpenAI) -> None:
-    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=2)
-    content = chat.choices[0].logprobs.content
-    assert [entry.token for entry in content] == ["s", "y", "s"]
-    first = content[0]
-    assert (first.logprob, first.bytes) == (-0.25, [ord("s")])
-    assert [top.token for top in first.top_logprobs][0] == "s" and len(first.top_logprobs) == 2
-    assert all(top.bytes == list(top.token.encode()) for top in first.top_logprobs)
+def test_chat_logprobs(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    choice = chat(client, max_tokens=3, logprobs=True, top_logprobs=2).choices[0]
+    content = choice.logprobs.content
+    assert len(content) == 3
+    assert tokenizer.decode(token_ids(tokenizer, [entry.token for entry in content])) == choice.message.content
+    for entry in content:
+        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        # Greedy: the sampled token is the most likely one.
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert all(top.bytes == list(top.token.encode()) for top in entry.top_logprobs)
 
 
-def test_chat_logprobs_without_alternatives(client: openai.OpenAI, server: LiveServer) -> None:
-    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=True)
-    assert [entry.top_logprobs for entry in chat.choices[0].logprobs.content] == [[], []]
-    [(_, params)] = server.engine.submitted.values()
+def test_chat_logprobs_without_alternatives(client: openai.OpenAI, engine_spy: EngineSpy) -> None:
+    completion = chat(client, max_tokens=2, logprobs=True)
+    content = completion.choices[0].logprobs.content
+    assert len(content) == 2 and all(entry.logprob <= 0 for entry in content)
+    assert [entry.top_logprobs for entry in content] == [[], []]
+    [(_, params)] = engine_spy.added.values()
     assert params.logprobs == 0
 
 
 # --------------------------------------------------------------------------- streaming
 
 
-def test_completion_stream_matches_non_streamed(client: openai.OpenAI) -> None:
-    whole = client.completions.create(model=MODEL, prompt="Streaming works", max_tokens=12)
-    chunks = list(client.completions.create(model=MODEL, prompt="Streaming works", max_tokens=12, stream=True))
-    assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text == "Streaming wo"
-    assert [chunk.choices[0].finish_reason for chunk in chunks] == [None] * (len(chunks) - 1) + ["length"]
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_completion_stream_matches_non_streamed(client: openai.OpenAI, with_stop: bool) -> None:
+    # A stop string makes the stream hold text back until it cannot be the start of the stop string.
+    extra = {"stop": complete(client, max_tokens=12).choices[0].text.split()[5]} if with_stop else {}
+    whole = complete(client, max_tokens=12, **extra)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, **extra}))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
+    finish = "stop" if with_stop else "length"
+    assert whole.choices[0].finish_reason == finish
+    assert [chunk.choices[0].finish_reason for chunk in chunks] == [None] * (len(chunks) - 1) + [finish]
     assert len({chunk.id for chunk in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
 
 
 def test_chat_stream_matches_non_streamed(client: openai.OpenAI) -> None:
-    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+                                                 stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(chunk.choices[0].delta.role is None for chunk in chunks[1:])
     assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == whole.choices[0].message.content
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(chunk.choices[0].finish_reason is None for chunk in chunks[:-1])
 
 
 def test_raw_stream_framing(http: httpx.Client) -> None:
-    response = http.post("/v1/chat/completions", json={"messages": MESSAGES, "stream": True, "max_tokens": 4})
-    events = sse_events(response)
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    whole = http.post("/v1/chat/completions", json=body).json()
+    events = sse_events(http.post("/v1/chat/completions", json=body | {"stream": True}))
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
-    assert [chunk["choices"][0]["delta"] for chunk in chunks] == [
-        {"role": "assistant", "content": "sy"},
-        {"content": "st"},
-    ]
+    assert len(chunks) == 4  # one per generated token
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    assert set(deltas[0]) == {"role", "content"} and deltas[0]["role"] == "assistant"
+    assert all(set(delta) == {"content"} for delta in deltas[1:])
+    assert "".join(delta["content"] for delta in deltas) == whole["choices"][0]["message"]["content"]
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None, None, None, "length"]
     assert all("usage" not in chunk for chunk in chunks)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_stream_usage(http: httpx.Client, path: str) -> None:
-    body = {"prompt": "Hello"} if path == "/v1/completions" else {"messages": MESSAGES}
+    body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES}
+    body |= {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
     whole = http.post(path, json=body).json()
     streamed = http.post(path, json=body | {"stream": True, "stream_options": {"include_usage": True}})
     chunks = [json.loads(event) for event in sse_events(streamed)[:-1]]
     *content, last = chunks
     assert all(chunk["usage"] is None and len(chunk["choices"]) == 1 for chunk in content)
     assert last["choices"] == [] and last["usage"] == whole["usage"]
+    assert whole["usage"]["completion_tokens"] == 5
 
 
-def test_stream_usage_through_the_client(client: openai.OpenAI) -> None:
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, max_tokens=5
-        )
-    )
+def test_stream_usage_through_the_client(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    chunks = list(chat(client, max_tokens=5, stream=True, stream_options={"include_usage": True}))
     usage = chunks[-1].usage
+    prompt_tokens = len(tokenizer.apply_chat_template(MESSAGES))
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
-        len(RENDERED) + 1,
+        prompt_tokens,
         5,
-        len(RENDERED) + 6,
+        prompt_tokens + 5,
     )
 
 
 def test_streamed_logprobs_continue_offsets(client: openai.OpenAI) -> None:
-    chunks = list(client.completions.create(model=MODEL, prompt="abcdef", logprobs=1, stream=True))
+    whole = complete(client, max_tokens=6, logprobs=1).choices[0].logprobs
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert len(chunks) == 6
+    tokens = [token for chunk in chunks for token in chunk.choices[0].logprobs.tokens]
     offsets = [offset for chunk in chunks for offset in chunk.choices[0].logprobs.text_offset]
-    assert offsets == [0, 1, 2, 3, 4, 5]
+    assert tokens == whole.tokens
+    assert offsets == whole.text_offset == [0, *accumulate(len(token) for token in tokens[:-1])]
 
 
 # --------------------------------------------------------------------------- client going away
 
 
-def test_closed_stream_aborts_the_request(server: LiveServer) -> None:
-    server.engine.step_delay = 0.02
+def test_closed_stream_aborts_the_request(server: InProcessServer, engine_spy: EngineSpy) -> None:
     stream = server.openai().completions.create(
-        model=MODEL, prompt="loop", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        model=MODEL, prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
     first = next(iter(stream))
     stream.close()
-    assert server.wait_for(lambda: first.id in server.engine.aborted)
-    assert first.id not in server.engine.finished
+    assert wait_until(lambda: first.id in engine_spy.aborted), "the engine kept generating for a closed stream"
+    assert server.all_blocks_free(), "the aborted request's KV blocks did not return to the pool"
 
 
-def test_raw_stream_disconnect_aborts_the_request(server: LiveServer) -> None:
-    server.engine.step_delay = 0.02
-    body = {"messages": MESSAGES, "stream": True, "max_tokens": 200, "ignore_eos": True}
+def test_raw_stream_disconnect_aborts_the_request(server: InProcessServer, engine_spy: EngineSpy) -> None:
+    body = {"messages": MESSAGES, "stream": True, "max_tokens": LONG, "ignore_eos": True}
     with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
         request_id = json.loads(next(response.iter_lines()).removeprefix("data: "))["id"]
-    assert server.wait_for(lambda: request_id in server.engine.aborted)
+    assert wait_until(lambda: request_id in engine_spy.aborted), "the engine kept generating after a disconnect"
+    assert server.all_blocks_free(), "the aborted request's KV blocks did not return to the pool"
 
 
-def test_non_streamed_disconnect_aborts_the_request(server: LiveServer) -> None:
-    server.engine.step_delay = 0.02
-    body = {"prompt": "loop", "max_tokens": 200, "ignore_eos": True}
-    with server.http(timeout=0.3) as http, pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/completions", json=body)
-    [request_id] = server.engine.submitted
-    assert server.wait_for(lambda: request_id in server.engine.aborted)
+def test_non_streamed_disconnect_aborts_the_request(server: InProcessServer, engine_spy: EngineSpy) -> None:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    address = urlsplit(server.url)
+    with socket.create_connection((address.hostname, address.port)) as connection:
+        connection.sendall(head + body)
+        assert wait_until(lambda: engine_spy.added), "the request never reached the engine"
+    # Hung up while the engine was generating.
+    [request_id] = engine_spy.added
+    assert wait_until(lambda: request_id in engine_spy.aborted), "the engine kept generating after a disconnect"
+    assert server.all_blocks_free(), "the aborted request's KV blocks did not return to the pool"
 
 
-def test_finished_requests_are_not_aborted(client: openai.OpenAI, server: LiveServer) -> None:
-    client.completions.create(model=MODEL, prompt="Hi")
-    list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))
-    assert len(server.engine.finished) == 2 and not server.engine.aborted
+def test_finished_requests_are_not_aborted(client: openai.OpenAI, engine_spy: EngineSpy) -> None:
+    completion = complete(client, max_tokens=4)
+    chunks = list(chat(client, max_tokens=4, stream=True))
+    finished = {completion.id, chunks[0].id}
+    assert finished <= set(engine_spy.added)
+    assert completion.usage.completion_tokens == 4 and chunks[-1].choices[0].finish_reason == "length"
+    assert not finished & set(engine_spy.abort_calls)
 
 
 # --------------------------------------------------------------------------- models, health, version
 
 
-def test_models(client: openai.OpenAI, http: httpx.Client, server: LiveServer) -> None:
+def test_models(client: openai.OpenAI, http: httpx.Client) -> None:
     [model] = client.models.list().data
     assert (model.id, model.object, model.owned_by) == (MODEL, "model", "shardserve")
     listing = http.get("/v1/models").json()
     assert listing["object"] == "list"
-    assert listing["data"][0]["max_model_len"] == server.engine.max_model_len
+    assert listing["data"][0]["max_model_len"] == MAX_MODEL_LEN
 
 
-def test_health(http: httpx.Client, server: LiveServer) -> None:
-    assert http.get("/health").status_code == 200
-    server.engine.healthy = False
+def test_health(http: httpx.Client) -> None:
     response = http.get("/health")
-    assert response.status_code == 503 and "not running" in response.json()["error"]["message"]
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_health_fails_once_the_engine_stops(tiny_model_dir) -> None:
+    with serve_model(tiny_model_dir(TINY_MODEL), name=MODEL, **ENGINE_OPTIONS) as stopping, stopping.http() as http:
+        assert http.get("/health").status_code == 200
+        stopping.engine.shutdown()
+        response = http.get("/health")
+        assert response.status_code == 503 and "not running" in response.json()["error"]["message"]
+        failed = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert failed.status_code == 500
+        assert failed.json()["error"]["type"] == "server_error" and "stopped" in failed.json()["error"]["message"]
 
 
 def test_version(http: httpx.Client) -> None:
