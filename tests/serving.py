@@ -18,14 +18,10 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 
+from shardserve.distributed.process_group import find_free_port
+
 if TYPE_CHECKING:
     from shardserve.engine.async_engine import AsyncEngine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -125,7 +121,7 @@ def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | 
 def serve_cli(args: list[str], timeout: float = 180.0, launcher: list[str] | None = None) -> Iterator[str]:
     """`python -m shardserve serve ARGS --port P` as a subprocess (or `LAUNCHER -m shardserve ...`, e.g.
     torchrun); yields the base URL once /health answers 200."""
-    port = free_port()
+    port = find_free_port()
     prefix = launcher if launcher is not None else [sys.executable]
     proc = subprocess.Popen([*prefix, "-m", "shardserve", "serve", *args, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

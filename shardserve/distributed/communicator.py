@@ -24,16 +24,8 @@ class Communicator:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate each rank's x along the last dimension, in rank order, on every rank."""
-        if self.world_size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
-
     def gather_last_dim_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Like all_gather_last_dim, but only the group's first rank receives the result."""
+        """Concatenate each rank's x along the last dimension, in rank order, on the group's first rank only."""
         if self.world_size == 1:
             return x
         dst = dist.get_global_rank(self.group, 0) if self.group is not None else 0

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -80,6 +81,7 @@ def choose_linear_kernel(device: torch.device, dtype: torch.dtype, keep_bf16_wei
     return LinearKernel()
 
 
+@functools.cache
 def _onednn_linear_works() -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
