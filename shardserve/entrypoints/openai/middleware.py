@@ -62,6 +62,7 @@ class BodySizeLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
+            await _discard_body(receive)
             await self._too_large()(scope, receive, send)
             return
 
@@ -75,6 +76,8 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
+                if message.get("more_body", False):
+                    await _discard_body(receive)
                 await self._too_large()(scope, receive, send)
                 return
             chunks.append(chunk)
@@ -85,8 +88,24 @@ class BodySizeLimit:
     def _too_large(self) -> Response:
         limit = self.max_body_bytes
         error = RequestTooLargeError(f"The request body is larger than this server's limit of {limit} bytes.")
-        # The rest of the body is never read, so the connection cannot be reused.
+        # Past the discard cap the rest of the body is left unread, so the connection is not reused.
         return error.to_response(headers={"Connection": "close"})
+
+
+# An oversized body is read and thrown away up to this many bytes before the 413 goes out, so a client
+# that writes its whole body before reading the answer gets the 413 instead of a reset connection.
+DISCARD_CAP_BYTES = 64 * 2**20
+
+
+async def _discard_body(receive: Receive) -> None:
+    discarded = 0
+    while discarded <= DISCARD_CAP_BYTES:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        discarded += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
