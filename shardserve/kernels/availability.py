@@ -1,0 +1,20 @@
+"""Whether the Triton GPU kernels in shardserve/kernels/triton can be used for a tensor."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+DISABLE_ENV = "SHARDSERVE_DISABLE_TRITON"  # set to 1 to run CUDA models on plain torch ops
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None and os.environ.get(DISABLE_ENV, "0") != "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and _triton_importable()

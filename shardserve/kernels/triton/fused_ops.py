@@ -1,0 +1,196 @@
+"""Fused elementwise and normalisation kernels, one launch each, matching the torch layers' rounding.
+
+Each kernel reads its inputs once, computes in float32 and rounds to the input dtype at exactly the points
+where the torch reference (shardserve.layers) rounds, so 16-bit results equal the reference bit for bit
+except where float32 intermediates differ in their last bit (reduction order in RMSNorm, the exp in SiLU) and
+that flips a rounding. Rows are the leading dims flattened; the last dim needs unit stride and may have any
+size (blocks are padded to a power of two and masked).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a 2-D [rows, last] view sharing its memory, or a contiguous copy when no such view exists."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.contiguous().view(-1, x.shape[-1])
+
+
+def _row_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, eps,
+                     stride_x, stride_r, stride_o, stride_s,
+                     ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row. With ADD_RESIDUAL, s = round(x + residual) is normalised and stored at sum_ptr.
+
+    out = round(weight * round(s * rsqrt(mean(s^2) + eps))), the statistics in float32.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    mean_sq = tl.sum(h * h, 0) / n_cols
+    h = (h * tl.rsqrt(mean_sq + eps)).to(dtype)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = (w.to(tl.float32) * h.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+
+
+def _check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dtype != x.dtype or weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must be [{x.shape[-1]}] in {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if weight.stride(-1) != 1:
+        raise ValueError("weight needs unit stride")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * round(x * rsqrt(mean(x^2) + eps)) over the last dim; a new tensor shaped like x.
+
+    Same rounding as shardserve.layers.norm.RMSNorm: the normalised value is rounded to x's dtype before the
+    product with weight (of x's dtype), which is rounded again. Plain float32 arithmetic for float32 input.
+    """
+    _check_norm_args(x, weight)
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(x2.shape[1])
+        _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.shape[1], eps,
+                                         x2.stride(0), 0, out.stride(0), 0,
+                                         ADD_RESIDUAL=False, BLOCK=block, num_warps=_row_warps(block))
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s), s) with s = x + residual rounded to the dtype, like torch's `x + residual`.
+
+    In place where possible: s is written into `residual` and the normalised output into `x`, and those two
+    tensors are returned. When x or residual has no [rows, hidden] view (unusual strides), the results go to
+    new tensors instead; callers must always use the returned pair.
+    """
+    _check_norm_args(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError("x and residual must share shape and dtype")
+    x2, r2 = _rows(x), _rows(residual)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(x2.shape[1])
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, x2, r2, x2.shape[1], eps,
+                                         x2.stride(0), r2.stride(0), x2.stride(0), r2.stride(0),
+                                         ADD_RESIDUAL=True, BLOCK=block, num_warps=_row_warps(block))
+    return x2.view(x.shape), r2.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SwiGLU
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
+    """Program (row, column block): out = round(round(silu(gate)) * up), silu in float32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
+    out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * d] -> silu(x[..., :d]) * x[..., d:], rounded like `F.silu(gate) * up` in x's dtype.
+
+    torch computes F.silu of a 16-bit tensor in float32 and rounds once, then rounds the product; so does
+    this kernel. Returns a new tensor [..., d].
+    """
+    if x.shape[-1] % 2:
+        raise ValueError(f"last dim must be even, got {x.shape[-1]}")
+    d = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
+    if x2.shape[0] and d:
+        block = min(1024, triton.next_power_of_2(d))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, d, x2.stride(0), out.stride(0),
+                                                                   BLOCK=block, num_warps=4)
+    return out.view(*x.shape[:-1], d)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rotary embedding
+
+
+@triton.jit
+def _rotary_kernel(qk_ptr, pos_ptr, cos_ptr, sin_ptr, num_heads, stride_t, stride_h, stride_cos, stride_sin,
+                   HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (token, head block): x <- round(round(x * cos) + round(roll(x, D/2) * signed_sin)).
+
+    Both x and its rolled copy are loaded before the store, so rotating in place is safe: a program owns whole
+    head rows.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, DIM_P)
+    dim_ok = dims < HEAD_DIM
+    rolled = (dims + HEAD_DIM // 2) % HEAD_DIM
+    mask = (heads < num_heads)[:, None] & dim_ok[None, :]
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_cos + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    base = qk_ptr + token * stride_t + heads[:, None] * stride_h
+    x = tl.load(base + dims[None, :], mask=mask, other=0.0)
+    x_rolled = tl.load(base + rolled[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    a = (x.to(tl.float32) * cos[None, :]).to(dtype)
+    b = (x_rolled.to(tl.float32) * sin[None, :]).to(dtype)
+    tl.store(base + dims[None, :], (a.to(tl.float32) + b.to(tl.float32)).to(dtype), mask=mask)
+
+
+def apply_rotary_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                  signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate qk [tokens, heads, head_dim] in place and return it.
+
+    Result: qk * cos[pos] + roll(qk, head_dim // 2, -1) * signed_sin[pos], with the tables of
+    shardserve.layers.rotary.RotaryEmbedding ([max_pos, head_dim], qk's dtype) and positions int32/int64
+    [tokens]. Each product and the sum are rounded to the dtype as torch does, and the launch disables
+    multiply-add contraction, so the result equals shardserve.layers.rotary.apply_rotary bit for bit (for
+    float32 too). qk may be a strided view (e.g. the query and key heads of a fused projection) with unit stride
+    in the last dim.
+    """
+    tokens, num_heads, head_dim = qk.shape
+    if qk.stride(-1) != 1 or cos.stride(-1) != 1 or signed_sin.stride(-1) != 1:
+        raise ValueError("qk and the tables need unit stride in the last dim")
+    if head_dim % 2 or cos.shape[-1] != head_dim or signed_sin.shape[-1] != head_dim:
+        raise ValueError("head_dim must be even and match the tables")
+    if cos.dtype != qk.dtype or signed_sin.dtype != qk.dtype:
+        raise ValueError("the tables must have qk's dtype")
+    if tokens == 0 or num_heads == 0:
+        return qk
+    dim_p = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // dim_p))
+    _rotary_kernel[(tokens, triton.cdiv(num_heads, block_h))](
+        qk, positions, cos, signed_sin, num_heads, qk.stride(0), qk.stride(1), cos.stride(0),
+        signed_sin.stride(0), HEAD_DIM=head_dim, DIM_P=dim_p, BLOCK_H=block_h, num_warps=4,
+        enable_fp_fusion=False)
+    return qk

@@ -1,0 +1,371 @@
+"""Attention over the paged KV cache, and the cache write, as Triton kernels.
+
+Cache layout (one layer): `k_cache` and `v_cache` are [num_slots, num_kv_heads, head_dim] with unit stride in
+the last dim, and `slot = block_id * block_size + offset`. Row s of `block_tables` (int32
+[num_seqs, max_blocks]) lists sequence s's block ids in position order, so position p lives at slot
+`block_tables[s, p // block_size] * block_size + p % block_size`; entries past a sequence's length are never
+read. Query head h reads KV head `h // (num_heads // num_kv_heads)`.
+
+Numerics: scores, softmax statistics and accumulators are float32 whatever the input dtype; outputs are in the
+input dtype. For float32 inputs every matrix product runs at full IEEE float32 precision (never TF32), so
+results agree with torch's float32 attention to rounding; 16-bit inputs use tensor cores, with the softmax
+weights rounded to the input dtype before they multiply V, as in FlashAttention.
+
+Every launch depends only on tensor shapes and Python ints, never on tensor contents, so the decode path can be
+captured in a CUDA graph: sequence lengths are read inside the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """Full-precision products for float32 (TF32 would change greedy tokens); the default for 16-bit types."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of the decode kernel: KV tiles of 64 tokens (32 where a row is over 512 bytes), three
+    tiles in flight where rows are small enough for that to fit in shared memory."""
+    row_bytes = head_dim * torch.finfo(dtype).bits // 8
+    return dict(BLOCK_N=64 if row_bytes <= 512 else 32, num_warps=4, num_stages=3 if row_bytes <= 256 else 2)
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of the prefill kernel, sized so the pipelined K/V tiles fit in shared memory."""
+    row_bytes = head_dim * torch.finfo(dtype).bits // 8
+    return dict(BLOCK_M=64 if row_bytes <= 512 else 32, BLOCK_N=64 if row_bytes <= 256 else 32,
+                num_warps=4 if head_dim <= 128 else 8, num_stages=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cache write
+
+
+@triton.jit
+def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcs, stride_kch, stride_vcs, stride_vch,
+                     HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One program per token: copies all its KV heads to its slot, or nothing where the slot is negative."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, HEADS_P)
+    dims = tl.arange(0, HEAD_DIM)
+    mask = (heads < num_kv_heads)[:, None] & (slot >= 0)
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)
+    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
+    tl.store(k_cache_ptr + slot * stride_kcs + heads[:, None] * stride_kch + dims[None, :], k, mask=mask)
+    tl.store(v_cache_ptr + slot * stride_vcs + heads[:, None] * stride_vch + dims[None, :], v, mask=mask)
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] to the cache at `slot_mapping` (int32 or int64).
+
+    Rows whose slot is negative are skipped (padding rows of a CUDA-graph batch use -1). key and value may be
+    strided views as long as the last dim has unit stride. One launch.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_head_dim(head_dim)
+    for t in (key, value, k_cache, v_cache):
+        if t.stride(-1) != 1:
+            raise ValueError("store_kv_cache needs unit stride in the last dim")
+    if value.shape != key.shape or k_cache.shape[1:] != key.shape[1:] or v_cache.shape != k_cache.shape:
+        raise ValueError("key/value and cache shapes disagree")
+    heads_p = triton.next_power_of_2(num_kv_heads)
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping, num_kv_heads,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HEADS_P=heads_p, HEAD_DIM=head_dim, num_warps=4 if heads_p * head_dim <= 2048 else 8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared tile step
+
+
+@triton.jit
+def _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, end, q_pos, qk_scale,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of q [M, D] over positions [start, start + BLOCK_N) clipped to `end`.
+
+    Keys are gathered slot by slot through the block table (positions >= end are never loaded). Scores are in
+    log2 units (qk_scale includes log2(e)). MASK: 0 = the whole tile is visible to every row (caller's
+    guarantee), 1 = positions >= end are hidden, 2 = also hide positions after q_pos[r] from row r (causal).
+    Invariant: a row that has seen no visible position keeps m_i = -inf, l_i = 0 and acc = 0, with no NaN.
+    """
+    pos = start + tl.arange(0, BLOCK_N)
+    in_range = pos < end
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_range, other=0)
+    slots = block.to(tl.int64) * BLOCK_SIZE + (pos % BLOCK_SIZE)
+    dims = tl.arange(0, HEAD_DIM)
+    offsets = slots[:, None] * stride_s + dims[None, :]
+    k = tl.load(k_base + offsets, mask=in_range[:, None], other=0.0)
+    v = tl.load(v_base + offsets, mask=in_range[:, None], other=0.0)
+
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASK == 1:
+        qk = tl.where(in_range[None, :], qk, float("-inf"))
+    elif MASK == 2:
+        qk = tl.where(in_range[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) would be NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode: one query token per sequence, split-K over the context
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr,
+                   qk_scale, num_splits,
+                   stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                   stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
+                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (b, kv_head, split): every query head of the KV-head group over one contiguous share of b's context.
+
+    The context [0, context_lens[b]) is cut into num_splits ranges of equal length, a multiple of BLOCK_SIZE
+    (the last ones shorter or empty). With SPLIT, writes the normalised partial output (float32) at
+    [b, head, split] and its log2-sum-exp (-inf when the range is empty); otherwise writes the final output.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(context, BLOCK_SIZE), num_splits) * BLOCK_SIZE
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, context)
+
+    rows = tl.arange(0, GROUP_P)
+    row_ok = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    k_base = k_cache_ptr + kv_head * stride_kch
+    v_base = v_cache_ptr + kv_head * stride_vch
+    table_row = block_tables_ptr + b * stride_bt
+    m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, hi, rows,
+                                     qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # zeros for an empty range
+    if SPLIT:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
+        tl.store(o_ptrs, out, mask=row_ok[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+    else:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
+                           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                           SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program (b, head): out = sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max lse); 0 if all empty."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P)
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + splits, mask=splits < num_splits,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    used = lse > float("-inf")
+    parts = tl.load(partial_ptr + b * stride_pb + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
+                    mask=used[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
+                      block_size: int = 16) -> int:
+    """Splits of the context for decode: about two programs per SM when batch * kv_heads is small, 1 when large.
+
+    Capped so that a split of max_context covers at least ~256 tokens (and at least one block), and at 32.
+    """
+    programs = max(1, batch_size * num_kv_heads)
+    wanted = triton.cdiv(2 * num_sms, programs)
+    by_length = max(1, max_context // max(256, block_size))
+    return int(max(1, min(wanted, by_length, 32)))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
+                           num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its cached context (flash-decoding).
+
+    q: [B, num_heads, head_dim] (any strides, unit last-dim stride). Sequence b attends to positions
+    [0, context_lens[b]) (int32), its own key/value already stored at context_lens[b] - 1; a row with
+    context_lens[b] == 0 gets zeros. Returns [B, num_heads, head_dim] in q's dtype, written into `out` if given.
+    Launch: grid (B, num_kv_heads, num_splits), then, when num_splits > 1, a combine over (B, num_heads) that
+    reads a float32 workspace [B, num_heads, num_splits, head_dim] allocated here. Graph-capturable.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    _check_head_dim(head_dim)
+    _check_block_size(block_size)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need unit stride in the last dim")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("q and the caches must share a dtype")
+    if out is None:
+        out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    num_splits = max(1, int(num_splits))
+    group = num_heads // num_kv_heads
+    common = dict(GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+                  HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype), **_decode_config(head_dim, q.dtype))
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                     block_tables.stride(0))
+    grid = (batch, num_kv_heads, num_splits)
+    if num_splits == 1:
+        _decode_kernel[grid](q, k_cache, v_cache, out, out, block_tables, context_lens, scale * _LOG2E, 1,
+                             q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *cache_strides,
+                             SPLIT=False, **common)
+        return out
+    partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[grid](q, k_cache, v_cache, partial, lse, block_tables, context_lens, scale * _LOG2E, num_splits,
+                         q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
+                         lse.stride(0), lse.stride(1), *cache_strides, SPLIT=True, **common)
+    _combine_splits_kernel[(batch, num_heads)](
+        partial, lse, out, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        SPLITS_P=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prefill: several query tokens per sequence, causal
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr,
+                    context_lens_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
+                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (reversed m_block, seq, head): query rows [m_block * BLOCK_M, +BLOCK_M) of seq, one head.
+
+    Row j of seq sits at position context - q_len + j and sees every position up to its own. KV tiles that
+    end at or before the first row's position need no causal mask; the rest, up to the last row's position,
+    are masked.
+    """
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows (most KV tiles) start first
+    seq = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    context = tl.load(context_lens_ptr + seq)
+    first_pos = context - q_len
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    q_pos = first_pos + rows
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    kv_head = head // GROUP
+    k_base = k_cache_ptr + kv_head * stride_kch
+    v_base = v_cache_ptr + kv_head * stride_vch
+    table_row = block_tables_ptr + seq * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    first_row_pos = first_pos + m_block * BLOCK_M
+    full_end = (first_row_pos + 1) // BLOCK_N * BLOCK_N  # tiles below this are visible to every row
+    causal_end = first_pos + tl.minimum((m_block + 1) * BLOCK_M, q_len)  # last row's position + 1
+    for start in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, full_end,
+                                     q_pos, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 0, DOT_PRECISION)
+    for start in range(full_end, causal_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, causal_end,
+                                     q_pos, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 2, DOT_PRECISION)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor,
+                            max_query_len: int, scale: float, block_size: int,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention for sequences that compute several tokens this step, reading keys/values from the cache.
+
+    q: [T, num_heads, head_dim] (any strides, unit last-dim stride); rows of sequence i are
+    [query_start[i], query_start[i + 1]) (int32, [num_seqs + 1]). context_lens[i] counts the cached positions
+    of sequence i including this step's tokens (already stored), so its row j sits at position
+    context_lens[i] - q_len_i + j. max_query_len (>= every q_len_i) only sizes the grid
+    (cdiv(max_query_len, BLOCK_M), num_seqs, num_heads). Returns [T, num_heads, head_dim] in q's dtype, written
+    into `out` if given; rows not covered by query_start are left untouched.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    num_seqs = query_start.shape[0] - 1
+    _check_head_dim(head_dim)
+    _check_block_size(block_size)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need unit stride in the last dim")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("q and the caches must share a dtype")
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs <= 0 or max_query_len <= 0:
+        return out
+    config = _prefill_config(head_dim, q.dtype)
+    grid = (triton.cdiv(max_query_len, config["BLOCK_M"]), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start, context_lens, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        DOT_PRECISION=_dot_precision(q.dtype), **config)
+    return out

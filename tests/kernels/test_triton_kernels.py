@@ -1,0 +1,363 @@
+"""The Triton kernels agree with plain torch references.
+
+On a machine without CUDA the kernels run in Triton's interpreter on CPU tensors (slow, so shapes are small).
+The interpreter neither multiplies bfloat16 matrices nor rounds float32 to bfloat16 to nearest (it truncates),
+so bfloat16 results are checked on CUDA only; float16 stands in for the 16-bit paths on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from shardserve.kernels.triton import fused_ops, paged_attention as pa  # noqa: E402
+from shardserve.layers.rotary import RotaryEmbedding  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+
+
+def _allow_one_element_arrays_as_indices() -> None:
+    """Triton 3.6's interpreter turns scalars (1-element arrays) into loop bounds with int(), which numpy >= 2.4
+    rejects (triton-lang/triton#9171); loops whose bounds are read from memory need it. Interpreter only."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.ones(1))
+        return
+    except TypeError:
+        pass
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _allow_one_element_arrays_as_indices()
+
+ATTN_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Paged cache fixtures and the reference
+
+
+class PagedCache:
+    """A random cache with shuffled, non-contiguous block tables; block 0 is never handed out."""
+
+    def __init__(self, lengths: list[int], num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        blocks_needed = [triton.cdiv(n, block_size) for n in lengths]
+        num_blocks = 1 + sum(blocks_needed) + 3
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+        self.v = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+        ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+        max_blocks = max(blocks_needed + [1]) + 2
+        table = torch.zeros(len(lengths), max_blocks, dtype=torch.int32)
+        for s, n in enumerate(blocks_needed):
+            table[s, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+            table[s, n:] = torch.randint(0, num_blocks, (max_blocks - n,), generator=g)  # junk past the end
+            ids = ids[n:]
+        self.block_tables = table.to(DEVICE)
+        self.block_size = block_size
+        self.generator = g
+
+    def context(self, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [0, length) of seq: [length, kv_heads, dim] each."""
+        pos = torch.arange(length, device=DEVICE)
+        table = self.block_tables[seq].long()
+        slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.k[slots], self.v[slots]
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """q [M, H, D] at positions q_pos attends to k, v [L, KVH, D] at positions <= its own; float64."""
+    if k.shape[0] == 0:
+        return torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("mhd,lhd->hml", q.double(), k) * scale
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hml,lhd->mhd", probs, v)
+
+
+def assert_attention_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = ATTN_TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cache write
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_cache_writes_slots_and_skips_negative(dtype, slot_dtype):
+    g = torch.Generator().manual_seed(0)
+    num_slots, kv_heads, dim, tokens = 64, 2, 32, 7
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=g).to(dtype).to(DEVICE)
+    qkv = torch.randn(tokens, 4 + 2 * kv_heads, dim, generator=g).to(dtype).to(DEVICE)
+    key, value = qkv[:, 4:4 + kv_heads], qkv[:, 4 + kv_heads:]  # strided views
+    slots = torch.tensor([5, -1, 63, 17, -1, 0, 32], dtype=slot_dtype, device=DEVICE)
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    real = slots >= 0
+    expect_k[slots[real].long()] = key[real]
+    expect_v[slots[real].long()] = value[real]
+
+    pa.store_kv_cache(key, value, k_cache, v_cache, slots)
+
+    assert torch.equal(k_cache, expect_k)
+    assert torch.equal(v_cache, expect_v)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode
+
+
+def _decode_case(dtype, block_size, num_heads, num_kv_heads, head_dim=32, seed=1):
+    lengths = [0, 1, block_size, 37, 70, 95]
+    cache = PagedCache(lengths, num_kv_heads, head_dim, block_size, dtype, seed)
+    qkv = torch.randn(len(lengths), num_heads + 2 * num_kv_heads, head_dim, generator=cache.generator)
+    q = qkv.to(dtype).to(DEVICE)[:, :num_heads]  # a strided view, like the engine's
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    refs = []
+    for s, n in enumerate(lengths):
+        k, v = cache.context(s, n)
+        refs.append(reference_attention(q[s:s + 1], k, v, torch.tensor([n - 1], device=DEVICE), head_dim ** -0.5))
+    return cache, q, context_lens, torch.cat(refs)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_matches_reference_for_any_split(dtype, block_size):
+    cache, q, context_lens, ref = _decode_case(dtype, block_size, num_heads=8, num_kv_heads=2)
+    scale = q.shape[-1] ** -0.5
+    results = {}
+    for splits in (1, 3, 8):
+        out = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale,
+                                        block_size, splits)
+        assert out.shape == q.shape and out.dtype == dtype
+        assert_attention_close(out, ref, dtype)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))  # context 0: a padding row
+        results[splits] = out
+    if dtype == torch.float32:
+        torch.testing.assert_close(results[3], results[1], atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(results[8], results[1], atol=2e-6, rtol=2e-6)
+
+
+def test_decode_without_grouping_and_into_given_output():
+    cache, q, context_lens, ref = _decode_case(torch.float32, 16, num_heads=2, num_kv_heads=2, head_dim=16, seed=2)
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    got = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, 16 ** -0.5, 16, 2,
+                                    out=out)
+    assert got is out
+    assert_attention_close(out, ref, torch.float32)
+
+
+def test_choose_num_splits():
+    assert pa.choose_num_splits(1, 8, 4096) == 16  # wants 33 for 2 programs per SM, 4096 // 256 caps it
+    assert pa.choose_num_splits(1, 1, 100_000) == 32
+    assert pa.choose_num_splits(256, 8, 4096) == 1
+    assert pa.choose_num_splits(4, 8, 100) == 1
+    assert pa.choose_num_splits(2, 8, 8192, num_sms=66) == 9
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prefill
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_matches_reference(dtype):
+    # (new tokens, context including them): a full prompt not a multiple of the block size, a one-token prompt,
+    # a one-token chunk and a longer chunk after a cached prefix, a chunk spanning two query tiles.
+    seqs = [(5, 5), (1, 1), (1, 30), (20, 45), (70, 90), (33, 33)]
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16
+    cache = PagedCache([c for _, c in seqs], num_kv_heads, head_dim, block_size, dtype, seed=3)
+    lens = [n for n, _ in seqs]
+    total = sum(lens)
+    qkv = torch.randn(total, num_heads + 2 * num_kv_heads, head_dim, generator=cache.generator)
+    q = qkv.to(dtype).to(DEVICE)[:, :num_heads]
+    query_start = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    context_lens = torch.tensor([c for _, c in seqs], dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+
+    out = pa.paged_prefill_attention(q, cache.k, cache.v, cache.block_tables, query_start, context_lens,
+                                     max(lens), scale, block_size)
+
+    assert out.shape == q.shape and out.dtype == dtype
+    start = 0
+    for s, (n, c) in enumerate(seqs):
+        k, v = cache.context(s, c)
+        ref = reference_attention(q[start:start + n], k, v, torch.arange(c - n, c, device=DEVICE), scale)
+        assert_attention_close(out[start:start + n], ref, dtype)
+        start += n
+
+
+def test_prefill_and_decode_agree_on_last_token():
+    """A prompt's last row in prefill equals decode of that token over the same context."""
+    num_heads, num_kv_heads, head_dim, block_size, n = 8, 2, 16, 8, 41
+    cache = PagedCache([n], num_kv_heads, head_dim, block_size, torch.float32, seed=4)
+    q = torch.randn(n, num_heads, head_dim, generator=cache.generator).to(DEVICE)
+    lens = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    prefill = pa.paged_prefill_attention(q, cache.k, cache.v, cache.block_tables,
+                                         torch.tensor([0, n], dtype=torch.int32, device=DEVICE), lens, n, 0.25,
+                                         block_size)
+    decode = pa.paged_decode_attention(q[-1:], cache.k, cache.v, cache.block_tables, lens, 0.25, block_size, 2)
+    torch.testing.assert_close(decode[0], prefill[-1], atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.skipif(not CUDA, reason="model-sized heads are too slow for the interpreter")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_sized_heads(dtype, head_dim):
+    """Every tile configuration (they depend on head_dim and dtype) on longer contexts."""
+    seqs = [(150, 150), (77, 300), (1, 200)]
+    num_heads, num_kv_heads, block_size = 8, 2, 16
+    cache = PagedCache([c for _, c in seqs], num_kv_heads, head_dim, block_size, dtype, seed=head_dim)
+    lens = [n for n, _ in seqs]
+    q = torch.randn(sum(lens), num_heads, head_dim, generator=cache.generator).to(dtype).to(DEVICE)
+    query_start = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    context_lens = torch.tensor([c for _, c in seqs], dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+    prefill = pa.paged_prefill_attention(q, cache.k, cache.v, cache.block_tables, query_start, context_lens,
+                                         max(lens), scale, block_size)
+    last_rows = query_start[1:].long() - 1
+    decode = pa.paged_decode_attention(q[last_rows], cache.k, cache.v, cache.block_tables, context_lens, scale,
+                                       block_size, 3)
+    start = 0
+    for s, (n, c) in enumerate(seqs):
+        k, v = cache.context(s, c)
+        ref = reference_attention(q[start:start + n], k, v, torch.arange(c - n, c, device=DEVICE), scale)
+        assert_attention_close(prefill[start:start + n], ref, dtype)
+        assert_attention_close(decode[s:s + 1], ref[-1:], dtype)
+        start += n
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_decode_replays_in_cuda_graph_with_new_lengths():
+    cache, q, context_lens, _ = _decode_case(torch.bfloat16, 16, num_heads=8, num_kv_heads=2)
+    scale = q.shape[-1] ** -0.5
+    q = q.contiguous()
+
+    def run():
+        return pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale, 16, 4)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    context_lens.copy_(torch.tensor([3, 0, 16, 90, 1, 95], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused ops
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As shardserve.layers.norm.RMSNorm computes it without the kernel."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def reference_rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     signed_sin: torch.Tensor) -> torch.Tensor:
+    cos, signed_sin = cos[positions].unsqueeze(1), signed_sin[positions].unsqueeze(1)
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def _mostly_identical(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """16-bit results: equal to the reference except rare last-bit flips of float32 intermediates."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert (out == ref).float().mean().item() > 0.99
+    torch.testing.assert_close(out, ref)  # the dtype's default tolerance, about one unit in the last place
+
+
+@pytest.mark.parametrize("hidden", [64, 576])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_fused_add(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    eps = 1e-5
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    x = (3 * torch.randn(2, 5, hidden, generator=g)).to(dtype)
+    residual = torch.randn(2, 5, hidden, generator=g).to(dtype)
+    ref_out = reference_rms_norm(x, weight, eps)
+    ref_sum = x + residual
+    ref_fused = reference_rms_norm(ref_sum, weight, eps)
+    weight, x, residual = weight.to(DEVICE), x.to(DEVICE), residual.to(DEVICE)
+
+    out = fused_ops.rms_norm(x, weight, eps)
+    x_ptr, r_ptr = x.data_ptr(), residual.data_ptr()
+    fused, summed = fused_ops.fused_add_rms_norm(x, residual, weight, eps)
+
+    assert fused.data_ptr() == x_ptr and summed.data_ptr() == r_ptr  # in place
+    assert torch.equal(summed.cpu(), ref_sum)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.cpu(), ref_out, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(fused.cpu(), ref_fused, atol=1e-6, rtol=1e-6)
+    else:
+        _mostly_identical(out.cpu(), ref_out)
+        _mostly_identical(fused.cpu(), ref_fused)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    g = torch.Generator().manual_seed(5)
+    for shape in [(3, 2 * 200), (2, 3, 2 * 64)]:
+        x = (4 * torch.randn(shape, generator=g)).to(dtype)
+        gate, up = x.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+        out = fused_ops.silu_and_mul(x.to(DEVICE)).cpu()
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        else:
+            _mostly_identical(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_is_bit_exact_and_in_place(dtype):
+    g = torch.Generator().manual_seed(6)
+    head_dim, q_heads, kv_heads, tokens = 32, 4, 2, 9
+    rope = RotaryEmbedding(head_dim, 128, 500000.0, None, dtype)
+    qkv = torch.randn(tokens, q_heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 128, (tokens,), generator=g)
+    ref = reference_rotary(qkv[:, :q_heads + kv_heads], positions, rope.cos, rope.signed_sin)
+
+    qkv = qkv.to(DEVICE)
+    untouched = qkv[:, q_heads + kv_heads:].clone()
+    qk = qkv[:, :q_heads + kv_heads]  # query and key heads of the fused projection: a strided view
+    got = fused_ops.apply_rotary_(qk, positions.to(torch.int32).to(DEVICE), rope.cos.to(DEVICE),
+                                  rope.signed_sin.to(DEVICE))
+
+    assert got is qk
+    assert torch.equal(qkv[:, :q_heads + kv_heads].cpu(), ref)
+    assert torch.equal(qkv[:, q_heads + kv_heads:], untouched)
