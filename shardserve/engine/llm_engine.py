@@ -112,7 +112,9 @@ class LLMEngine:
             reason = "length"
         # The stop token itself is not part of the text (eos decodes to nothing with skip_special_tokens).
         text_ids = seq.output_token_ids[:-1] if reason == "stop" else seq.output_token_ids
-        delta, stopped = self.detokenizers[seq.seq_id].update(text_ids, finished=reason is not None)
+        delta, stopped = "", False  # without detokenize the text stays ""
+        if p.detokenize:
+            delta, stopped = self.detokenizers[seq.seq_id].update(text_ids, finished=reason is not None)
         if stopped:
             reason = "stop"
         if reason is not None:

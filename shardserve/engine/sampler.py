@@ -1,4 +1,19 @@
-"""Turns rank 0's logits into next tokens: greedy, temperature, top-k, top-p, seeds and logprobs."""
+"""Turns rank 0's logits into next tokens: greedy, temperature, top-k, top-p, seeds and logprobs.
+
+All the work happens on the logits' own device, batched over the rows; only the chosen token ids
+(one host transfer) and, when some row asks for logprobs, their values (one more) reach the host.
+
+Semantics per row, as for one request alone:
+- greedy (temperature 0 or top_k 1): the argmax;
+- otherwise the logits are divided by the temperature, top-k keeps the logits >= the k-th largest,
+  top-p keeps the smallest prefix of the sorted distribution whose mass reaches top_p (always at
+  least the best token), and one token is drawn from what is left.
+
+Invariant: a seeded row's draw depends only on its own generator (seeded from `params.seed`, kept
+per sequence until `forget`) and its own logits, never on the other rows of the batch, so a seeded
+request gives the same tokens alone or in any batch. Unseeded rows share one generator per device,
+seeded from the engine seed.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +22,14 @@ import torch
 from shardserve.engine.outputs import TokenLogprob
 from shardserve.engine.sampling_params import SamplingParams
 
+# Keeps every token when a row has no top-p cut: the mass before a token never exceeds 1 by this much.
+_NO_TOP_P = 2.0
+
 
 class Sampler:
     def __init__(self, seed: int) -> None:
-        self.default_generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._default_generators: dict[torch.device, torch.Generator] = {}  # for unseeded rows, per device
         self._generators: dict[int, torch.Generator] = {}  # seq id -> its own seeded generator
 
     def forget(self, seq_id: int) -> None:
@@ -18,43 +37,130 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]
                ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [n, vocab] float32 on the CPU, one row per sequence."""
-        greedy = logits.argmax(dim=-1).tolist()
-        tokens = [greedy[i] if p.greedy else self._sample_row(logits[i], seq_ids[i], p)
-                  for i, p in enumerate(params)]
-        logprobs = [None] * len(params)
+        """logits: [n, vocab] on any device, in any float dtype, row i for seq_ids[i] with params[i].
+
+        Returns the n chosen token ids and, per row, its TokenLogprob or None (when not asked for).
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(params) or len(seq_ids) != len(params):
+            raise ValueError(f"the sampler needs one logits row per sequence: got logits of shape "
+                             f"{tuple(logits.shape)} for {len(seq_ids)} sequence ids and {len(params)} parameter sets")
+        if not params:
+            return [], []
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            rows = _on_device(sampled, logits.device)
+            drawn = self._draw(logits.index_select(0, rows), [seq_ids[i] for i in sampled],
+                               [params[i] for i in sampled])
+            tokens.index_copy_(0, rows, drawn)
+
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if wanted:
-            all_logprobs = torch.log_softmax(logits[wanted], dim=-1)
-            for row, i in enumerate(wanted):
-                logprobs[i] = _token_logprob(all_logprobs[row], tokens[i], params[i].logprobs)
-        return tokens, logprobs
+        if not wanted:
+            return tokens.tolist(), [None] * len(params)
+        top_n = max(params[i].logprobs for i in wanted)
+        chosen_lp, top_lp, top_ids = _logprobs(logits, tokens, wanted, top_n)
+        # One transfer of integers (the tokens, then the top ids) and one of floats.
+        ints = torch.cat([tokens, top_ids.flatten()]).tolist()
+        floats = torch.cat([chosen_lp.unsqueeze(1), top_lp], dim=1).tolist()
+        token_list, top_id_rows = ints[:len(params)], ints[len(params):]
+        logprobs: list[TokenLogprob | None] = [None] * len(params)
+        for row, i in enumerate(wanted):
+            n = params[i].logprobs
+            ids = top_id_rows[row * top_n: row * top_n + n]
+            logprobs[i] = TokenLogprob(token_list[i], floats[row][0], list(zip(ids, floats[row][1:1 + n])))
+        return token_list, logprobs
 
-    def _sample_row(self, logits: torch.Tensor, seq_id: int, p: SamplingParams) -> int:
-        logits = logits / p.temperature
-        if p.top_k > 0 and p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest set of tokens whose mass reaches top_p (always at least the best one).
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-            sorted_probs[drop] = 0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self._generator(seq_id, p)).item())
+    def _draw(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> torch.Tensor:
+        """One token per row of float32 `logits` [m, vocab] (all rows non-greedy), on their device."""
+        vocab = logits.shape[-1]
+        device = logits.device
+        temperature = _on_device([p.temperature for p in params], device)
+        # Shifting by the row maximum changes no probability and keeps a tiny temperature from overflowing.
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))
 
-    def _generator(self, seq_id: int, p: SamplingParams) -> torch.Generator:
-        if p.seed is None:
-            return self.default_generator
-        if seq_id not in self._generators:
-            self._generators[seq_id] = torch.Generator().manual_seed(p.seed)
-        return self._generators[seq_id]
+        # Rows with a top-p cut need a sort; rows with only a top-k cut need just their k-th largest
+        # logit. Both keep exactly the tokens the semantics above keep, so which path a row takes
+        # never changes its result.
+        top_k_only = [r for r, p in enumerate(params) if 0 < p.top_k < vocab and p.top_p >= 1.0]
+        if top_k_only:
+            rows = _on_device(top_k_only, device)
+            scaled.index_copy_(0, rows, _top_k(scaled.index_select(0, rows), [params[r].top_k for r in top_k_only]))
+        top_p = [r for r, p in enumerate(params) if p.top_p < 1.0]
+        if top_p:
+            rows = _on_device(top_p, device)
+            scaled.index_copy_(0, rows, _top_k_top_p(scaled.index_select(0, rows), [params[r] for r in top_p]))
+
+        probs = torch.softmax(scaled, dim=-1)
+        # Exponential race (what torch.multinomial does for one sample, without its host syncs):
+        # argmax(p / q) with q ~ Exp(1) picks token t with probability p_t. Each seeded row draws
+        # its noise from its own generator, in token order, so its draw ignores the other rows.
+        noise = torch.empty_like(probs)
+        if any(p.seed is None for p in params):
+            noise.exponential_(generator=self._default_generator(device))
+        for r, (seq_id, p) in enumerate(zip(seq_ids, params)):
+            if p.seed is not None:
+                noise[r].exponential_(generator=self._seeded_generator(seq_id, p.seed, device))
+        # A zero draw would turn 0/0 into NaN, which argmax would pick.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._default_generators:
+            self._default_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._default_generators[device]
+
+    def _seeded_generator(self, seq_id: int, seed: int, device: torch.device) -> torch.Generator:
+        g = self._generators.get(seq_id)
+        if g is None or g.device != device:
+            g = self._generators[seq_id] = torch.Generator(device=device).manual_seed(seed)
+        return g
 
 
-def _token_logprob(logprobs: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
-    top: list[tuple[int, float]] = []
-    if top_n:
-        values, ids = torch.topk(logprobs, top_n)
-        top = list(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token, float(logprobs[token]), top)
+def _top_k(scaled: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """Temperature-scaled logits [c, vocab] with the logits below each row's k-th largest set to -inf."""
+    k = _on_device(ks, scaled.device)
+    kth = torch.topk(scaled, max(ks), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    return scaled.masked_fill_(scaled < kth, float("-inf"))
+
+
+def _top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature-scaled logits [c, vocab] with the tokens top-k and top-p drop set to -inf.
+
+    One stable sort of the rows (ties keep token order, so a row's result never depends on the
+    others); rows without a top-k keep all vocab tokens, rows without a top-p keep all the mass.
+    """
+    c, vocab = scaled.shape
+    device = scaled.device
+    k = _on_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
+    top_p = _on_device([p.top_p if p.top_p < 1.0 else _NO_TOP_P for p in params], device)
+    ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
+    kth = ordered.gather(1, (k - 1).unsqueeze(1))
+    ordered.masked_fill_(ordered < kth, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    # Drop a token when the mass before it already reaches top_p: the best token always stays.
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    ordered.masked_fill_(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.empty_like(ordered).scatter_(1, order, ordered)
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int], top_n: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the `wanted` rows: the chosen token's logprob [w], the top_n best logprobs [w, top_n] and
+    their token ids [w, top_n], best first; all on the logits' device. Logprobs are those of the
+    model's distribution (before temperature, top-k and top-p)."""
+    rows = _on_device(wanted, logits.device)
+    lp = torch.log_softmax(logits.index_select(0, rows), dim=-1)
+    chosen = lp.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1)
+    if top_n == 0:
+        empty = lp.new_empty((len(wanted), 0))
+        return chosen, empty, empty.long()
+    top = torch.topk(lp, top_n, dim=-1)
+    return chosen, top.values, top.indices
+
+
+def _on_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied without waiting for the device's queued work
+    (a plain copy from pageable memory would synchronize with the GPU)."""
+    t = torch.tensor(values)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)

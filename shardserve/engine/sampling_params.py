@@ -18,6 +18,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives (0-5) to report per sampled token
+    # False: no text is decoded (outputs carry token ids, text stays ""), e.g. for benchmarks that
+    # send token ids. Stop strings need the text, so they are refused then.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -30,6 +33,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings {list(self.stop)!r} need the generated text, but detokenize is False: "
+                             f"set detokenize=True, or stop on token ids with stop_token_ids")
 
     @property
     def greedy(self) -> bool:
