@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from safetensors import safe_open
 from torch import nn
@@ -46,21 +46,32 @@ def iter_checkpoint(model_path: str) -> Iterator[tuple[str, Any]]:
 
 
 def load_weights(model: nn.Module, model_path: str, tied_embeddings: bool) -> None:
+    """Load the checkpoint at `model_path` (safetensors directory or .gguf file) into `model`."""
+    load_tensors(model, iter_checkpoint(model_path), tied_embeddings, f"checkpoint {model_path!r}")
+
+
+def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embeddings: bool, source: str) -> None:
+    """Hand each (checkpoint name, sliceable tensor) of `tensors` to its parameter's weight_loader.
+
+    Names are Hugging Face checkpoint names; q/k/v and gate/up tensors land in their fused parameter.
+    Every parameter must be loaded (a tied LM head shares the embedding's) and every tensor must have
+    a place in the model; `source` names where the tensors come from in the errors.
+    """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
-    for name, tensor in iter_checkpoint(model_path):
+    for name, tensor in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight"):
             continue
         target, shard_id = _resolve(name, packed)
         param = params.get(target)
         if param is None:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in the model (looked for {target!r})")
+            raise ValueError(f"{source} has a tensor {name!r} with no place in the model (looked for {target!r})")
         getattr(param, "weight_loader", load_whole)(param, tensor, shard_id)
         loaded.add(target)
     missing = {n for n in params if n not in loaded and not (tied_embeddings and n == "lm_head.weight")}
     if missing:
-        raise ValueError(f"checkpoint {model_path!r} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        raise ValueError(f"{source} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
 
 def _resolve(name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any]:

@@ -1,0 +1,92 @@
+"""Synthetic weights in a model's real shapes, for benchmarks where only config.json is at hand.
+
+`iter_synthetic_checkpoint` yields every tensor a Hugging Face Llama/Qwen2/Qwen3 checkpoint of the
+config would hold, under the same names and with the full (unsharded) shapes, so they go through the
+same per-parameter weight loaders as a real checkpoint and each rank keeps only its own slices.
+
+Invariants:
+- A tensor's values depend only on (seed, its name, its shape) and the device kind: every rank, at
+  every tensor-parallel size, sees identical full tensors, so sharded runs compute the same model
+  as unsharded ones. Values are drawn in float32 and then cast, so `dtype` changes only precision.
+- One tensor exists at a time (besides what the model keeps): an 8B model never needs the whole
+  checkpoint in memory twice.
+
+Values follow Hugging Face's initialisation: matrices and biases normal with std 0.02 (its
+initializer_range), norm weights 1 plus the same noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from shardserve.config import ModelConfig
+from shardserve.weights.loader import load_tensors
+
+STD = 0.02
+
+
+def synthetic_checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, full shape) of every tensor of a Hugging Face checkpoint with this config, in order."""
+    h, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    yield "model.embed_tokens.weight", (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            yield f"{attn}.{proj}.weight", (rows, h)
+            if cfg.qkv_bias:
+                yield f"{attn}.{proj}.bias", (rows,)
+        yield f"{attn}.o_proj.weight", (h, q)
+        if cfg.o_bias:
+            yield f"{attn}.o_proj.bias", (h,)
+        if cfg.qk_norm:
+            yield f"{attn}.q_norm.weight", (hd,)
+            yield f"{attn}.k_norm.weight", (hd,)
+        for proj in ("gate_proj", "up_proj"):
+            yield f"{mlp}.{proj}.weight", (inter, h)
+            if cfg.mlp_bias:
+                yield f"{mlp}.{proj}.bias", (inter,)
+        yield f"{mlp}.down_proj.weight", (h, inter)
+        if cfg.mlp_bias:
+            yield f"{mlp}.down_proj.bias", (h,)
+        yield f"model.layers.{i}.input_layernorm.weight", (h,)
+        yield f"model.layers.{i}.post_attention_layernorm.weight", (h,)
+    yield "model.norm.weight", (h,)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", (cfg.vocab_size, h)
+
+
+def synthetic_tensor(name: str, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype,
+                     seed: int = 0) -> torch.Tensor:
+    """The synthetic values of checkpoint tensor `name`: a function of (seed, name, shape) on a device kind."""
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
+    values = torch.randn(shape, generator=generator, device=device, dtype=torch.float32).mul_(STD)
+    if "norm" in name:
+        values.add_(1.0)
+    return values.to(dtype)
+
+
+def iter_synthetic_checkpoint(model_config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                              seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every tensor of the checkpoint `model_config` describes, made one at a
+    time on `device` in `dtype`."""
+    for name, shape in synthetic_checkpoint_shapes(model_config):
+        yield name, synthetic_tensor(name, shape, device, dtype, seed)
+
+
+def load_synthetic_weights(model: nn.Module, model_config: ModelConfig, device: torch.device | str,
+                           dtype: torch.dtype, seed: int = 0) -> None:
+    """Fill `model` (this rank's shards) with synthetic weights, as `load_weights` does from a checkpoint."""
+    load_tensors(model, iter_synthetic_checkpoint(model_config, device, dtype, seed),
+                 model_config.tie_word_embeddings, f"synthetic weights for {model_config.architecture}")
+
+
+def _name_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed per (seed, name): Python's hash() differs between processes."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
