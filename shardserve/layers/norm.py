@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.kernels.availability import use_triton
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
@@ -14,7 +16,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Returns norm(x) or, with a residual, (norm(x + residual), x + residual)."""
+        """Returns norm(x) or, with a residual, (norm(x + residual), x + residual).
+
+        On CUDA one Triton kernel does the add and the norm (x and residual are then updated in place).
+        """
+        if use_triton(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            from shardserve.kernels.triton.fused_ops import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

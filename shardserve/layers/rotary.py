@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardserve.kernels.availability import use_triton
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -45,15 +47,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype),
                              persistent=False)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for a step's positions, [tokens, 1, head_dim]; looked up once, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> "RotaryLookup":
+        """The rotation for a step's positions; looked up once, applied by every layer."""
+        if use_triton(positions):
+            return RotaryLookup(positions=positions, cos=self.cos, signed_sin=self.signed_sin)
+        return RotaryLookup(cos=self.cos[positions].unsqueeze(1), signed_sin=self.signed_sin[positions].unsqueeze(1))
 
 
-def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate x [tokens, heads, head_dim] (query and key heads may be stacked along heads).
+class RotaryLookup:
+    """Either gathered tables [tokens, 1, head_dim] (torch path) or positions plus whole tables (Triton)."""
 
-    Equals x * cos + rotate_half(x) * sin bit for bit: rotate_half(x) * sin is roll(x) * signed_sin.
-    """
-    cos, signed_sin = cos_sin
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        self.cos, self.signed_sin, self.positions = cos, signed_sin, positions
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [tokens, heads, head_dim] (query and key heads may be stacked along heads).
+
+        Equals x * cos + rotate_half(x) * sin bit for bit: rotate_half(x) * sin is roll(x) * signed_sin.
+        The Triton kernel rotates x in place and returns it.
+        """
+        if self.positions is not None:
+            from shardserve.kernels.triton.fused_ops import apply_rotary_
+
+            return apply_rotary_(x, self.positions, self.cos, self.signed_sin)
+        return x * self.cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * self.signed_sin

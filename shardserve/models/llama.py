@@ -13,11 +13,11 @@ from torch import nn
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.activation import silu_and_mul
-from shardserve.layers.attention import AttentionMetadata, PagedAttention
+from shardserve.layers.attention import PagedAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.layers.norm import RMSNorm
-from shardserve.layers.rotary import RotaryEmbedding, apply_rotary
+from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
 from shardserve.layers.sharding import attention_shard, split_rows
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.attn = PagedAttention(shard.num_q, shard.num_kv, hd, shard.kv_index)
         self.head_dim = hd
 
-    def forward(self, cos_sin, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rotary: RotaryLookup, x: torch.Tensor, cache: KVCache, meta) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             nq = self.q_size // self.head_dim
             qk = torch.cat((self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])), dim=1)
-        qk = apply_rotary(qk, cos_sin)  # one rotation for query and key heads together
+        qk = rotary.apply(qk)  # one rotation for query and key heads together
         q, k = qk.split([self.q_size // self.head_dim, self.kv_size // self.head_dim], dim=1)
         return self.o_proj(self.attn(q, k, v.view(tokens, -1, self.head_dim), cache, meta))
 
@@ -72,13 +72,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, cos_sin, x, residual, cache: KVCache, meta: AttentionMetadata):
+    def forward(self, rotary: RotaryLookup, x, residual, cache: KVCache, meta):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(cos_sin, x, cache, meta)
+        x = self.self_attn(rotary, x, cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -91,11 +91,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, comm, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, token_ids, positions, caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, token_ids, positions, caches: list[KVCache], meta) -> torch.Tensor:
         x, residual = self.embed_tokens(token_ids), None
-        cos_sin = self.rotary.lookup(positions)
+        rotary = self.rotary.lookup(positions)
         for layer, cache in zip(self.layers, caches):
-            x, residual = layer(cos_sin, x, residual, cache, meta)
+            x, residual = layer(rotary, x, residual, cache, meta)
         x, _ = self.norm(x, residual)
         return x
 
@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, comm, dtype, max_positions)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
 
-    def forward(self, token_ids, positions, caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, token_ids, positions, caches: list[KVCache], meta) -> torch.Tensor:
         return self.model(token_ids, positions, caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,126 @@
+"""Paged attention on CUDA with the Triton kernels in shardserve/kernels/triton/paged_attention.py.
+
+Single-token chunks (decode) use a split-K flash-decoding kernel that reads each sequence's blocks
+through its block table; longer chunks (prefill, chunked prefill, prefix-cache hits) use a
+variable-length causal flash-attention kernel over the same cache. Decode metadata can live in
+static buffers, which is how CUDA graphs replay it (engine/cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shardserve.attention.batch import StepBatch
+from shardserve.kernels.triton.paged_attention import (choose_num_splits, paged_decode_attention,
+                                                       paged_prefill_attention, store_kv_cache)
+
+
+@dataclass
+class TritonMetadata:
+    backend: "TritonPagedBackend"
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 for padding rows (nothing stored)
+    num_decode: int  # rows [0, num_decode) are one token of one sequence each
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [num_decode] int32; 0 for padding rows (output zeros)
+    num_splits: int  # how many parts each decode context is split into (fixed per CUDA graph)
+    prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int32
+    prefill_query_start: torch.Tensor | None = None  # [num_prefills + 1] int32, rows from num_decode
+    prefill_context_lens: torch.Tensor | None = None  # [num_prefills] int32, including this step's tokens
+    max_query_len: int = 0
+
+
+def block_table_array(tables: list[list[int]], width: int | None = None) -> np.ndarray:
+    width = width or max((len(t) for t in tables), default=1) or 1
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t[:width]
+    return out
+
+
+class TritonPagedBackend:
+    name = "triton-paged"
+
+    def __init__(self, device: torch.device, block_size: int, num_kv_heads: int) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def num_splits(self, batch_size: int, max_context: int) -> int:
+        return choose_num_splits(batch_size, self.num_kv_heads, max_context, self.num_sms, self.block_size)
+
+    def _to_device(self, array) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    def build_metadata(self, batch: StepBatch) -> TritonMetadata:
+        nd = batch.num_decode
+        slot_mapping = self._to_device(np.asarray(batch.slot_mapping, dtype=np.int64))
+        decode_tables = decode_lens = None
+        num_splits = 1
+        if nd:
+            lens = [batch.context_len(i) for i in range(nd)]
+            decode_tables = self._to_device(block_table_array([c.block_table for c in batch.chunks[:nd]]))
+            decode_lens = self._to_device(np.asarray(lens, dtype=np.int32))
+            num_splits = self.num_splits(nd, max(lens))
+        meta = TritonMetadata(self, slot_mapping, nd, decode_tables, decode_lens, num_splits)
+        if nd < len(batch.chunks):
+            prefills = range(nd, len(batch.chunks))
+            starts = np.asarray(batch.row_start[nd:], dtype=np.int32) - batch.row_start[nd]
+            meta.prefill_block_tables = self._to_device(block_table_array([batch.chunks[i].block_table
+                                                                           for i in prefills]))
+            meta.prefill_query_start = self._to_device(starts)
+            meta.prefill_context_lens = self._to_device(np.asarray([batch.context_len(i) for i in prefills],
+                                                                   dtype=np.int32))
+            meta.max_query_len = int(np.diff(starts).max())
+        return meta
+
+    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor], meta: TritonMetadata) -> torch.Tensor:
+        """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads * dim]."""
+        k_cache, v_cache = cache
+        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = meta.num_decode
+        if nd:
+            paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                   layer.scale, self.block_size, meta.num_splits, out=out[:nd])
+        if meta.prefill_query_start is not None:
+            paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
+                                    meta.prefill_context_lens, meta.max_query_len, layer.scale, self.block_size,
+                                    out=out[nd:])
+        return out.view(q.shape[0], -1)
+
+    # -- static buffers for CUDA graphs ----------------------------------------------------------
+    def static_decode_metadata(self, max_batch: int, max_blocks: int) -> TritonMetadata:
+        """Decode metadata in fixed buffers, sized for the largest graph batch."""
+        return TritonMetadata(
+            self,
+            slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, device=self.device),
+            num_decode=max_batch,
+            decode_block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=self.device),
+            decode_context_lens=torch.zeros(max_batch, dtype=torch.int32, device=self.device),
+            num_splits=1,
+        )
+
+    def graph_view(self, static: TritonMetadata, batch_size: int, max_context: int) -> TritonMetadata:
+        """The first batch_size rows of the static buffers, as a graph of that size captures them."""
+        return TritonMetadata(self, static.slot_mapping[:batch_size], batch_size,
+                              static.decode_block_tables[:batch_size], static.decode_context_lens[:batch_size],
+                              self.num_splits(batch_size, max_context))
+
+    def fill_static(self, static: TritonMetadata, batch: StepBatch, padded: int) -> None:
+        """Write a decode-only batch into the static buffers; rows [n, padded) become padding."""
+        n = batch.num_decode
+        width = static.decode_block_tables.shape[1]
+        slots = np.full(padded, -1, dtype=np.int64)
+        slots[:n] = batch.slot_mapping
+        lens = np.zeros(padded, dtype=np.int32)
+        lens[:n] = [batch.context_len(i) for i in range(n)]
+        tables = block_table_array([c.block_table for c in batch.chunks[:n]])
+        static.slot_mapping[:padded].copy_(self._to_device(slots), non_blocking=True)
+        static.decode_context_lens[:padded].copy_(self._to_device(lens), non_blocking=True)
+        static.decode_block_tables[:n, : min(tables.shape[1], width)].copy_(
+            self._to_device(tables[:, :width]), non_blocking=True)
