@@ -6,32 +6,82 @@ by having all ranks execute the same step plan.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, Iterator
+
 import torch
 import torch.distributed as dist
 
+from shardserve.distributed.all_reduce import AllReduceChoice, AllReduceMethod
+
 
 class Communicator:
-    """All-reduce and gathers of activations over one tensor-parallel group."""
+    """All-reduce and gathers of activations over one tensor-parallel group.
+
+    Outside CUDA graphs all-reduces go through the eager size table, inside a graph capture through
+    the graph table; while a graph is captured in pieces, each all-reduce ends the current piece and
+    runs eagerly between pieces (see engine/cuda_graphs.py).
+    """
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int) -> None:
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.choice: AllReduceChoice | None = None  # None: plain dist.all_reduce (CPU, or not calibrated)
+        self._in_graph = False
+        self._split_piece: Callable[[Callable[[], None]], None] | None = None
+
+    def use(self, choice: AllReduceChoice) -> None:
+        self.choice = choice
+
+    @contextlib.contextmanager
+    def capturing(self, split_piece: Callable[[Callable[[], None]], None] | None = None) -> Iterator[None]:
+        """While a CUDA graph is captured: graph-table methods, or with `split_piece` eager NCCL between pieces."""
+        methods = self._symmetric_methods()
+        for m in methods:
+            m.begin_capture()
+        self._in_graph, self._split_piece = True, split_piece
+        try:
+            yield
+        finally:
+            self._in_graph, self._split_piece = False, None
+            for m in methods:
+                m.end_capture()
+
+    def _symmetric_methods(self) -> list[AllReduceMethod]:
+        if self.choice is None:
+            return []
+        found = {id(m): m for table in (self.choice.eager, self.choice.graph) for _, m in table.entries
+                 if hasattr(m, "begin_capture")}
+        return list(found.values())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the group. Use the returned tensor (a method may reduce into a new one)."""
         if self.world_size == 1:
             return x
-        dist.all_reduce(x, group=self.group)
-        return x
+        if self._split_piece is not None:
+            self._split_piece(lambda: dist.all_reduce(x, group=self.group))
+            return x
+        if self.choice is None:
+            dist.all_reduce(x, group=self.group)
+            return x
+        table = self.choice.graph if self._in_graph else self.choice.eager
+        return table.pick(x)(x)
 
     def gather_last_dim_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate each rank's x along the last dimension, in rank order, on the group's first rank only."""
         if self.world_size == 1:
             return x
+        x = x.contiguous()
+        if x.is_cuda:
+            # NCCL: an all-gather (which CUDA graphs capture cleanly); only rank 0 uses the result.
+            parts = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(parts, x, group=self.group)
+            return torch.cat(parts.unbind(0), dim=-1) if self.rank == 0 else None
         dst = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x.contiguous(), parts, dst=dst, group=self.group)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        gathered = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(x, gathered, dst=dst, group=self.group)
+        return torch.cat(gathered, dim=-1) if gathered is not None else None
 
 
 SINGLE = Communicator(None, 0, 1)

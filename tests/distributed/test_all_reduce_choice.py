@@ -1,0 +1,78 @@
+"""Choosing the all-reduce method from measured timings: the fastest per message size, per mode."""
+
+from __future__ import annotations
+
+import torch
+
+from shardserve.distributed.all_reduce import (NCCL, NCCL_EAGER_PIECES, SYMM_ONE_SHOT, SYMM_TWO_SHOT,
+                                               AllReduceMethod, _choose)
+
+KIB = 1024
+
+
+class FakeMethod(AllReduceMethod):
+    def __init__(self, name: str, max_bytes: int | None = None) -> None:
+        self.name = name
+        self.max_bytes = max_bytes
+
+    def supports(self, x: torch.Tensor) -> bool:
+        return self.max_bytes is None or x.numel() * x.element_size() <= self.max_bytes
+
+
+def _methods():
+    return [FakeMethod(NCCL), FakeMethod(SYMM_ONE_SHOT, 512 * KIB), FakeMethod(SYMM_TWO_SHOT, 512 * KIB)]
+
+
+SIZES = [8 * KIB, 64 * KIB, 512 * KIB, 4096 * KIB]
+
+
+def _bf16(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes // 2, dtype=torch.bfloat16)
+
+
+def test_nvlink_like_timings_pick_symmetric_memory_for_small_messages_and_nccl_for_large():
+    timings = {  # microseconds, shaped like the H200 anchors: graph NCCL beats eager NCCL
+        f"{NCCL}/graph": {8 * KIB: 18.3, 64 * KIB: 20.0, 512 * KIB: 30.0, 4096 * KIB: 60.0},
+        f"{NCCL_EAGER_PIECES}/eager": {8 * KIB: 35.2, 64 * KIB: 36.0, 512 * KIB: 45.0, 4096 * KIB: 70.0},
+        f"{SYMM_ONE_SHOT}/graph": {8 * KIB: 6.3, 64 * KIB: 9.0, 512 * KIB: 40.0},
+        f"{SYMM_ONE_SHOT}/eager": {8 * KIB: 8.9, 64 * KIB: 11.0, 512 * KIB: 42.0},
+        f"{SYMM_TWO_SHOT}/graph": {8 * KIB: 9.0, 64 * KIB: 12.0, 512 * KIB: 25.0},
+        f"{SYMM_TWO_SHOT}/eager": {8 * KIB: 12.0, 64 * KIB: 14.0, 512 * KIB: 28.0},
+    }
+    choice = _choose(_methods(), timings, SIZES, forced=None)
+    assert choice.pieces_up_to == 0, "NCCL inside graphs is faster here: graphs must stay whole"
+    assert choice.graph.pick(_bf16(8 * KIB)).name == SYMM_ONE_SHOT
+    assert choice.graph.pick(_bf16(64 * KIB)).name == SYMM_ONE_SHOT
+    assert choice.graph.pick(_bf16(512 * KIB)).name == SYMM_TWO_SHOT
+    assert choice.graph.pick(_bf16(4096 * KIB)).name == NCCL
+    assert choice.graph.pick(_bf16(64 * 1024 * KIB)).name == NCCL, "beyond every measured size: NCCL"
+    assert choice.eager.pick(_bf16(8 * KIB)).name == SYMM_ONE_SHOT
+    assert "symm-one-shot" in choice.describe() and "nccl" in choice.describe()
+
+
+def test_eager_nccl_faster_than_in_graph_splits_the_graphs():
+    timings = {  # shaped like GB10 + RoCE: 18 us eager vs 46 us in a graph, no symmetric memory
+        f"{NCCL}/graph": {8 * KIB: 46.0, 64 * KIB: 48.0, 512 * KIB: 60.0, 4096 * KIB: 200.0},
+        f"{NCCL_EAGER_PIECES}/eager": {8 * KIB: 18.0, 64 * KIB: 20.0, 512 * KIB: 58.0, 4096 * KIB: 230.0},
+    }
+    choice = _choose([FakeMethod(NCCL)], timings, SIZES, forced=None)
+    assert choice.pieces_up_to == 512 * KIB
+    assert "split graphs" in choice.describe()
+    assert choice.eager.pick(_bf16(8 * KIB)).name == NCCL
+
+
+def test_a_forced_method_wins_regardless_of_timings():
+    timings = {f"{NCCL}/graph": {8 * KIB: 1.0}, f"{NCCL_EAGER_PIECES}/eager": {8 * KIB: 2.0},
+               f"{SYMM_TWO_SHOT}/graph": {8 * KIB: 50.0}, f"{SYMM_TWO_SHOT}/eager": {8 * KIB: 50.0}}
+    choice = _choose(_methods(), timings, [8 * KIB], forced=SYMM_TWO_SHOT)
+    assert choice.graph.pick(_bf16(8 * KIB)).name == SYMM_TWO_SHOT
+    forced_pieces = _choose(_methods(), timings, [8 * KIB], forced=NCCL_EAGER_PIECES)
+    assert forced_pieces.pieces_up_to == 8 * KIB
+
+
+def test_a_failed_method_is_never_chosen():
+    inf = float("inf")
+    timings = {f"{NCCL}/graph": {8 * KIB: 20.0}, f"{NCCL_EAGER_PIECES}/eager": {8 * KIB: 30.0},
+               f"{SYMM_ONE_SHOT}/graph": {8 * KIB: inf}, f"{SYMM_ONE_SHOT}/eager": {8 * KIB: inf}}
+    choice = _choose(_methods(), timings, [8 * KIB], forced=None)
+    assert choice.graph.pick(_bf16(8 * KIB)).name == NCCL
