@@ -53,6 +53,10 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--api-key", default=None, help="require this Bearer token on every API endpoint")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="auto: read the checkpoint; dummy: random weights in the model's shapes, drawn from "
+                        "--seed (benchmarks: only config.json and the tokenizer are read)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=_serve)
 

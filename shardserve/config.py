@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "auto": read the checkpoint; "dummy": synthetic weights in the model's shapes (shardserve/weights/synthetic.py).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying CUDA graphs
+    load_format: str = "auto"  # one of LOAD_FORMATS
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
 
     def resolve_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype != "auto":

@@ -10,12 +10,14 @@ import time
 
 import torch
 
+from shardserve.attention import StepBatch, create_attention_backend
 from shardserve.config import EngineConfig, ModelConfig
+from shardserve.distributed import all_reduce
 from shardserve.distributed.process_group import RankContext
 from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block,
                                         kv_cache_budget_bytes)
-from shardserve.engine.step_plan import SeqChunk, StepPlan
-from shardserve.layers.attention import AttentionMetadata, PrefillChunk
+from shardserve.engine.cuda_graphs import CudaGraphRunner, graph_buckets
+from shardserve.engine.step_plan import StepPlan
 from shardserve.layers.linear_kernels import choose_linear_kernel, pack_linear_weights
 from shardserve.models import MODEL_CLASSES
 from shardserve.weights.loader import load_weights
@@ -37,6 +39,41 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model_config.num_layers, self.num_blocks, self.block_size,
                                            self.model.kv_heads_per_rank(), model_config.head_dim, self.dtype,
                                            self.device)
+        attn = self.model.model.layers[0].self_attn.attn
+        self.attention = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
+                                                  attn.kv_index_tuple, log=ctx.is_driver)
+        self.all_reduce_choice: all_reduce.AllReduceChoice | None = None
+        self.graphs: CudaGraphRunner | None = None
+        if self.device.type == "cuda":
+            self._choose_all_reduce()
+            if not config.enforce_eager and hasattr(self.attention, "static_decode_metadata"):
+                pieces_up_to = self.all_reduce_choice.pieces_up_to if self.all_reduce_choice else 0
+                self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.attention, ctx.comm,
+                                              config.max_num_seqs, self.max_model_len, pieces_up_to,
+                                              self._hidden_bytes_per_token())
+                self.graphs.capture_all()
+
+    def _hidden_bytes_per_token(self) -> int:
+        return self.model_config.hidden_size * self.dtype.itemsize
+
+    def _choose_all_reduce(self) -> None:
+        """Time the all-reduce methods on this group at the message sizes the model sends; use the fastest."""
+        comm = self.ctx.comm
+        if comm.world_size == 1:
+            return
+        per_token = self._hidden_bytes_per_token()
+        tokens = sorted(set(graph_buckets(self.config.max_num_seqs)) | {self.config.max_num_batched_tokens})
+        started = time.perf_counter()
+        choice = all_reduce.calibrate(comm.group, self.device, self.dtype, [t * per_token for t in tokens],
+                                      graph_slots=2 * self.model_config.num_layers + 4)
+        comm.use(choice)
+        self.all_reduce_choice = choice
+        if self.ctx.is_driver:
+            small = tokens[0] * per_token
+            at_small = ", ".join(f"{key} {t[small]:.1f} us" for key, t in sorted(choice.timings_us.items())
+                                 if small in t and t[small] != float("inf"))
+            logger.info("all-reduce over %d ranks: %s (at %d bytes: %s; measured in %.1f s)", comm.world_size,
+                        choice.describe(), small, at_small, time.perf_counter() - started)
 
     def _load_model(self):
         started = time.perf_counter()
@@ -44,7 +81,11 @@ class ModelRunner:
         torch.manual_seed(0)
         with torch.device(self.device):
             model = cls(self.model_config, self.ctx.comm, self.dtype, self.max_model_len)
-        load_weights(model, self.config.model, self.model_config.tie_word_embeddings)
+        if self.config.load_format == "dummy":
+            from shardserve.weights.synthetic import load_synthetic_weights
+            load_synthetic_weights(model, self.model_config, self.device, self.dtype, seed=self.config.seed)
+        else:
+            load_weights(model, self.config.model, self.model_config.tie_word_embeddings)
         checkpoint_dtype = self.model_config.checkpoint_dtype()
         keep_bf16 = self.config.dtype == "auto" and checkpoint_dtype in (torch.bfloat16, torch.float16)
         kernel = choose_linear_kernel(self.device, self.dtype, keep_bf16_weights=keep_bf16)
@@ -76,64 +117,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None]:
-        """Run the plan; returns the seq ids that sampled and, on rank 0, their logits (float32, on the CPU)."""
-        chunks = sorted(plan.chunks, key=lambda c: len(c.token_ids) > 1)  # single-token chunks first
-        token_ids, positions, meta, sample_rows, sample_ids = self._prepare(chunks)
-        hidden = self.model(token_ids, positions, self.kv_caches, meta)
-        if not sample_rows:
+        """Run the plan; returns the seq ids that sampled and, on rank 0, their logits (on the model's device)."""
+        batch = StepBatch.from_chunks(plan.chunks, self.block_size)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)
+            if logits is not None and len(batch.sample_rows) < batch.num_tokens:
+                logits = logits[torch.tensor(batch.sample_rows, device=self.device)]
+            return batch.sample_seq_ids, logits
+        meta = self.attention.build_metadata(batch)
+        hidden = self.model(self._long(batch.token_ids), self._long(batch.positions), self.kv_caches, meta)
+        if not batch.sample_rows:
             return [], None
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return sample_ids, None if logits is None else logits.float().cpu()
+        logits = self.model.compute_logits(hidden[self._long(batch.sample_rows)])
+        return batch.sample_seq_ids, logits
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _prepare(self, chunks: list[SeqChunk]):
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        sample_rows: list[int] = []
-        sample_ids: list[int] = []
-        singles: list[SeqChunk] = []
-        prefills: list[PrefillChunk] = []
-        for chunk in chunks:
-            n, start = len(chunk.token_ids), chunk.start_position
-            row = len(token_ids)
-            token_ids.extend(chunk.token_ids)
-            positions.extend(range(start, start + n))
-            slot_mapping.extend(self._slots(chunk.block_table, start, start + n))
-            if n == 1:
-                singles.append(chunk)
-            else:
-                context = torch.tensor(self._slots(chunk.block_table, 0, start + n), device=self.device)
-                prefills.append(PrefillChunk(row, row + n, context, start))
-            if chunk.sample:
-                sample_rows.append(row + n - 1)
-                sample_ids.append(chunk.seq_id)
-        single_slots, single_mask = self._single_tables(singles)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            num_single=len(singles), single_slots=single_slots, single_mask=single_mask, prefills=prefills,
-        )
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(token_ids), as_tensor(positions), meta, sample_rows, sample_ids
-
-    def _single_tables(self, singles: list[SeqChunk]):
-        """Padded [n, max_context] slot table and validity mask for the single-token chunks."""
-        if not singles:
-            return None, None
-        bs = self.block_size
-        context_lens = torch.tensor([c.start_position + 1 for c in singles])
-        max_context = int(context_lens.max())
-        max_blocks = -(-max_context // bs)
-        tables = torch.zeros(len(singles), max_blocks, dtype=torch.long)
-        for i, c in enumerate(singles):
-            used = c.block_table[:max_blocks]
-            tables[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-        pos = torch.arange(max_context)
-        valid = pos.unsqueeze(0) < context_lens.unsqueeze(1)
-        # Padding past a sequence's context reads slot 0 (block 0 is zeroed, never NaN), not the unwritten
-        # rest of its own last block: the cache is uninitialised, and a masked-out NaN still poisons the sum.
-        slots = torch.where(valid, tables[:, pos // bs] * bs + pos % bs, 0)
-        return slots.to(self.device), valid[:, None, None, :].to(self.device)
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

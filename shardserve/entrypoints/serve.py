@@ -22,7 +22,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_gb=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, enforce_eager=args.enforce_eager,
+        load_format=args.load_format,
     )
 
 

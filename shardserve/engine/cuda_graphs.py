@@ -1,0 +1,150 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode-only step of n sequences runs the graph of the smallest bucket >= n; rows [n, bucket) are
+padding: their slot is -1 (nothing stored) and their context length 0 (attention outputs zeros), and
+their logits are never read. Invariants: the static input buffers are the only inputs a graph
+reads, so they are written before each replay; every rank captures the same buckets in the same
+order and replays the same bucket each step (all ranks run the same plan), so the collectives inside
+the graphs pair up.
+
+When the all-reduce choice says NCCL is faster run eagerly than inside a graph (see
+distributed/all_reduce.py), a bucket's graph is captured in pieces split at each all-reduce, and the
+all-reduces run eagerly between the pieces.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from shardserve.attention.batch import StepBatch
+from shardserve.distributed.communicator import Communicator
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    buckets = [b for b in BUCKETS if b <= max_batch]
+    if not buckets or buckets[-1] < max_batch <= BUCKETS[-1]:
+        buckets.append(max_batch)
+    return buckets
+
+
+class PiecewiseGraph:
+    """A graph captured as pieces with eager calls between them: replay runs piece, call, piece, ..."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.between: list[Callable[[], None]] = []
+        self._current: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._current = torch.cuda.CUDAGraph()
+        self._current.capture_begin(pool=self.pool)
+
+    def split(self, call: Callable[[], None]) -> None:
+        """End the current piece at an eager call (not run now: capturing computes nothing) and start the next."""
+        self._current.capture_end()
+        self.graphs.append(self._current)
+        self.between.append(call)
+        self.begin()
+
+    def end(self) -> None:
+        self._current.capture_end()
+        self.graphs.append(self._current)
+        self._current = None
+
+    def replay(self) -> None:
+        for i, graph in enumerate(self.graphs):
+            graph.replay()
+            if i < len(self.between):
+                self.between[i]()
+
+
+class CudaGraphRunner:
+    def __init__(self, model, kv_caches, backend, comm: Communicator, max_batch: int, max_model_len: int,
+                 pieces_up_to_bytes: int, hidden_bytes_per_token: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.comm = comm
+        self.buckets = graph_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.max_model_len = max_model_len
+        self.pieces_up_to = pieces_up_to_bytes
+        self.hidden_bytes_per_token = hidden_bytes_per_token
+        device = backend.device
+        self.token_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        max_blocks = -(-max_model_len // backend.block_size)
+        self.static_meta = backend.static_decode_metadata(self.max_batch, max_blocks)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
+        self.logits: dict[int, torch.Tensor | None] = {}
+
+    def can_run(self, batch: StepBatch) -> bool:
+        return batch.decode_only and 0 < batch.num_decode <= self.max_batch
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        started = time.perf_counter()
+        pieces = 0
+        for size in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool memory
+            meta = self.backend.graph_view(self.static_meta, size, self.max_model_len)
+            forward = self._forward_fn(size, meta)
+            forward()  # warm up: compiles kernels, creates library handles, outside any capture
+            torch.cuda.synchronize()
+            if size * self.hidden_bytes_per_token <= self.pieces_up_to:
+                self.graphs[size], self.logits[size] = self._capture_pieces(forward)
+                pieces += 1
+            else:
+                self.graphs[size], self.logits[size] = self._capture_whole(forward)
+        gc.collect()
+        torch.cuda.synchronize()
+        logger.info("CUDA graphs: captured %d decode batch sizes (1 to %d%s) in %.1f s", len(self.buckets),
+                    self.max_batch, f", {pieces} split at all-reduces" if pieces else "",
+                    time.perf_counter() - started)
+
+    def _forward_fn(self, size: int, meta) -> Callable[[], torch.Tensor | None]:
+        def forward():
+            hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches, meta)
+            return self.model.compute_logits(hidden)
+        return forward
+
+    def _capture_whole(self, forward):
+        graph = torch.cuda.CUDAGraph()
+        with self.comm.capturing(), torch.cuda.graph(graph, pool=self.pool):
+            logits = forward()
+        return graph, logits
+
+    def _capture_pieces(self, forward):
+        graph = PiecewiseGraph(self.pool)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), self.comm.capturing(split_piece=graph.split):
+            graph.begin()
+            logits = forward()
+            graph.end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return graph, logits
+
+    def run(self, batch: StepBatch) -> torch.Tensor | None:
+        """Replay the decode step for `batch`; returns logits for its rows (rank 0), None elsewhere."""
+        n = batch.num_decode
+        size = next(b for b in self.buckets if b >= n)
+        self.token_ids[:n].copy_(torch.tensor(batch.token_ids, dtype=torch.long), non_blocking=True)
+        self.positions[:n].copy_(torch.tensor(batch.positions, dtype=torch.long), non_blocking=True)
+        if size > n:
+            self.token_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+        self.backend.fill_static(self.static_meta, batch, size)
+        self.graphs[size].replay()
+        logits = self.logits[size]
+        return None if logits is None else logits[:n]
