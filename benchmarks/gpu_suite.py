@@ -1,0 +1,299 @@
+"""GPU benchmark suite: decode speed against the memory-bandwidth roofline, offline throughput against
+Hugging Face transformers, TP=2 scaling and TP=1/TP=2 agreement, on a Llama-3-8B-shaped model with
+random bf16 weights (speed does not depend on the values).
+
+    python benchmarks/gpu_suite.py                 # everything; needs 2 GPUs for the TP=2 rows
+    python benchmarks/gpu_suite.py --skip-hf --tp 1
+
+Each phase runs in its own process (a crash or hang in one cannot take the others down); the parent
+prints a table and writes benchmarks/results/<device-kind>-<YYYYMMDD>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+}
+OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_OUTPUT = 512, 512, 256
+HF_BATCH = 64
+AGREE_PROMPTS, AGREE_TOKENS = 32, 16
+DECODE_PROMPT = 128
+
+
+def weight_bytes(cfg: dict) -> int:
+    h, i, v, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    hd = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
+    return 2 * (layers * per_layer + 2 * v * h + h)  # bf16; embedding and untied head
+
+
+def write_model_dir(path: str) -> str:
+    from tokenizers import Tokenizer, models
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(LLAMA3_8B, f)
+    # Benchmarks feed token ids; a word-level tokenizer over the whole vocabulary stands in for the real one.
+    vocab = {f"t{i}": i for i in range(LLAMA3_8B["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t128001", "unk_token": "t0"}, f)
+    return path
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128000, (n, length), generator=g).tolist()
+
+
+# -- phases (each in its own process) ----------------------------------------------------------
+def phase_roofline(args) -> dict:
+    import torch
+
+    nbytes = 4 << 30
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    bw = 2 * nbytes * 10 / (time.perf_counter() - t) / 1e9
+    wb = weight_bytes(LLAMA3_8B)
+    return {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+            "copy_GBps": bw, "weight_bytes": wb, "roofline_tok_s": bw * 1e9 / wb}
+
+
+def phase_hf(args) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "torch_dtype")}
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16).eval()
+    out = {}
+    with torch.inference_mode():
+        def generate(ids, n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+        one = torch.tensor(random_prompts(1, DECODE_PROMPT, 5), device="cuda")
+        generate(one, 4)
+        out["hf_decode_bs1_tok_s"] = 48 / (generate(one, 64) - generate(one, 16))
+        batch = torch.tensor(random_prompts(HF_BATCH, OFFLINE_PROMPT, 6), device="cuda")
+        seconds = generate(batch, OFFLINE_OUTPUT)
+        out["hf_offline_output_tok_s"] = HF_BATCH * OFFLINE_OUTPUT / seconds
+        out["hf_offline_batch"] = HF_BATCH
+    return out
+
+
+def phase_engine(args) -> dict:
+    import torch
+
+    from shardserve.engine.sampling_params import SamplingParams
+    from shardserve.entrypoints.llm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(args.model_dir, tensor_parallel_size=args.tp, device="cuda", dtype="bfloat16", load_format="dummy",
+              max_model_len=2048, max_num_seqs=OFFLINE_REQUESTS, max_num_batched_tokens=args.max_batched_tokens)
+    out = {"startup_s": time.perf_counter() - started, "kv_cache_blocks": llm.engine.runner.num_blocks}
+    runner = llm.engine.runner
+    if runner.all_reduce_choice is not None:
+        out["allreduce_choice"] = runner.all_reduce_choice.describe()
+        out["allreduce_timings_us"] = {k: {str(n): round(us, 2) for n, us in t.items()}
+                                       for k, t in runner.all_reduce_choice.timings_us.items()}
+
+    def run(prompts, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        results = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, results
+
+    prompt = random_prompts(1, DECODE_PROMPT, 5)
+    run(prompt, 8)  # warm up (and fill the prefix cache, so both timed runs skip the same prefill)
+    short, _ = run(prompt, 32)
+    long, _ = run(prompt, 288)
+    out["decode_bs1_tok_s"] = 256 / (long - short)
+
+    _, agree = run(random_prompts(AGREE_PROMPTS, 64, 9), AGREE_TOKENS)
+    out["agreement_tokens"] = [r.token_ids for r in agree]
+
+    run(random_prompts(32, 256, 10), 32)  # warm up prefill shapes
+    prompts = random_prompts(OFFLINE_REQUESTS, OFFLINE_PROMPT, 11)
+    seconds, results = run(prompts, OFFLINE_OUTPUT)
+    produced = sum(len(r.token_ids) for r in results)
+    assert produced == OFFLINE_REQUESTS * OFFLINE_OUTPUT, f"produced {produced} tokens"
+    out["offline_output_tok_s"] = produced / seconds
+    out["offline_seconds"] = seconds
+    out["preemptions"] = llm.engine.scheduler.num_preemptions
+    llm.shutdown()
+    return out
+
+
+PHASES = {"roofline": phase_roofline, "hf": phase_hf, "engine": phase_engine}
+
+
+def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
+    cmd = [sys.executable, __file__, "--phase", name, "--model-dir", args.model_dir,
+           "--max-batched-tokens", str(args.max_batched_tokens), *extra]
+    print(f"== {name} {' '.join(extra)}", flush=True)
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-3000:]
+        print(f"{name}: timed out after {timeout} s\n{tail}", flush=True)
+        return {"error": f"timed out after {timeout} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(proc.stdout[-2000:], proc.stderr[-6000:], sep="\n", flush=True)
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+    log = [ln for ln in proc.stderr.splitlines() if " INFO " in ln or "WARNING" in ln]
+    print("\n".join(log[-12:]), flush=True)
+    print(f"   ({time.perf_counter() - t:.0f} s)", flush=True)
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def device_kind(name: str, gpus: int) -> str:
+    model = next((m for m in ("H200", "H100", "A100", "L40S", "GB10") if m in name), name.split()[-1])
+    return f"nvidia-{model.lower()}" + (f"-x{gpus}" if gpus > 1 else "")
+
+
+def commit_id() -> str:
+    if os.environ.get("SHARDSERVE_COMMIT"):
+        return os.environ["SHARDSERVE_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phase", choices=sorted(PHASES))
+    p.add_argument("--tp", type=int, default=None, help="only this tensor-parallel size (default: 1 and 2)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if args.phase:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        result = PHASES[args.phase](args)
+        print("RESULT " + json.dumps(result), flush=True)
+        sys.stdout.flush()
+        os._exit(0)  # symmetric-memory and NCCL teardown can hang at interpreter exit
+    args.model_dir = args.model_dir or write_model_dir(tempfile.mkdtemp(prefix="llama3-8b-shape-"))
+    report = run_phase("roofline", args, [], 300)
+    if "error" in report:
+        return 1
+    sizes = [args.tp] if args.tp else [1, 2][: report["gpus"]]
+    if not args.skip_hf:
+        report.update(run_phase("hf", args, [], 900))
+    engines = {tp: run_phase("engine", args, ["--tp", str(tp)], 900) for tp in sizes}
+    results = summarize(report, engines)
+    print_table(results)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{results['device_kind']}-{datetime.date.today():%Y%m%d}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {path}")
+    return 0
+
+
+def summarize(report: dict, engines: dict[int, dict]) -> dict:
+    wb = report["weight_bytes"]
+    res = {"device": report["device"], "device_kind": device_kind(report["device"], report["gpus"]),
+           "commit": commit_id(), "torch": report["torch"], "copy_GBps": report["copy_GBps"],
+           "weight_bytes": wb, "roofline_tok_s": report["roofline_tok_s"],
+           "hf_decode_bs1_tok_s": report.get("hf_decode_bs1_tok_s"),
+           "hf_offline_output_tok_s": report.get("hf_offline_output_tok_s"), "hf_offline_batch": HF_BATCH,
+           "workload": {"offline_requests": OFFLINE_REQUESTS, "prompt_tokens": OFFLINE_PROMPT,
+                        "output_tokens": OFFLINE_OUTPUT, "decode_prompt_tokens": DECODE_PROMPT}}
+    for tp, e in engines.items():
+        if "error" in e:
+            res[f"tp{tp}_error"] = e["error"]
+            continue
+        res[f"decode_bs1_tp{tp}_tok_s"] = e["decode_bs1_tok_s"]
+        res[f"decode_bs1_tp{tp}_GBps"] = e["decode_bs1_tok_s"] * wb / 1e9
+        res[f"offline_tp{tp}_output_tok_s"] = e["offline_output_tok_s"]
+        res[f"tp{tp}_startup_s"] = e["startup_s"]
+        res[f"tp{tp}_preemptions"] = e["preemptions"]
+        if "allreduce_choice" in e:
+            res["allreduce_choice"] = e["allreduce_choice"]
+            res["allreduce_timings_us"] = e["allreduce_timings_us"]
+    res.setdefault("allreduce_choice", "single GPU: no all-reduce")
+    if "decode_bs1_tp1_tok_s" in res:
+        res["decode_bs1_tp1_fraction_of_roofline"] = res["decode_bs1_tp1_tok_s"] / res["roofline_tok_s"]
+    if "decode_bs1_tp2_tok_s" in res and "decode_bs1_tp1_tok_s" in res:
+        res["decode_bs1_tp2_speedup"] = res["decode_bs1_tp2_tok_s"] / res["decode_bs1_tp1_tok_s"]
+    if res.get("hf_offline_output_tok_s") and "offline_tp1_output_tok_s" in res:
+        res["offline_tp1_vs_hf"] = res["offline_tp1_output_tok_s"] / res["hf_offline_output_tok_s"]
+    if all("agreement_tokens" in engines.get(tp, {}) for tp in (1, 2)):
+        a, b = engines[1]["agreement_tokens"], engines[2]["agreement_tokens"]
+        res["tp1_tp2_bf16_first16_agree_fraction"] = sum(x == y for x, y in zip(a, b)) / len(a)
+    return res
+
+
+def print_table(r: dict) -> None:
+    def fmt(key, unit="tok/s", gbps_key=None):
+        v = r.get(key)
+        if v is None:
+            return "n/a"
+        s = f"{v:,.1f} {unit}"
+        if gbps_key and r.get(gbps_key):
+            s += f"  ({r[gbps_key]:,.0f} GB/s of weights)"
+        return s
+
+    rows = [
+        ("device", f"{r['device']} ({r['device_kind']}), torch {r['torch']}, commit {r['commit']}"),
+        ("copy bandwidth (read + write)", f"{r['copy_GBps']:,.0f} GB/s"),
+        ("roofline, batch 1 (weights once per token)", f"{r['roofline_tok_s']:,.1f} tok/s"),
+        ("decode batch 1, TP=1", fmt("decode_bs1_tp1_tok_s", gbps_key="decode_bs1_tp1_GBps")),
+        ("decode batch 1, TP=2", fmt("decode_bs1_tp2_tok_s", gbps_key="decode_bs1_tp2_GBps")),
+        ("TP=2 / TP=1 at batch 1", fmt("decode_bs1_tp2_speedup", "x")),
+        ("HF transformers decode batch 1", fmt("hf_decode_bs1_tok_s")),
+        (f"offline {OFFLINE_REQUESTS}x({OFFLINE_PROMPT}+{OFFLINE_OUTPUT}), TP=1", fmt("offline_tp1_output_tok_s")),
+        (f"offline {OFFLINE_REQUESTS}x({OFFLINE_PROMPT}+{OFFLINE_OUTPUT}), TP=2", fmt("offline_tp2_output_tok_s")),
+        (f"HF generate, batch {HF_BATCH}", fmt("hf_offline_output_tok_s")),
+        ("offline TP=1 / HF", fmt("offline_tp1_vs_hf", "x")),
+        ("TP=1 vs TP=2 bf16, first 16 tokens agree", fmt("tp1_tp2_bf16_first16_agree_fraction", "of prompts")),
+        ("all-reduce choice", r.get("allreduce_choice", "n/a")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
