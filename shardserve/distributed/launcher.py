@@ -71,6 +71,17 @@ class LocalRanks:
         set_cpu_threads(n)
         self.ctx: RankContext = init_rank_context(0, n, config.device, init_method, 0)
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Leave the process group, then wait for the other ranks to exit.
+
+        Ranks leave together: NCCL's teardown waits for every rank of the communicator, so rank 0 must
+        not wait for the workers to exit before it leaves too (that deadlocks until the timeout).
+        """
+        from shardserve.distributed.process_group import destroy_rank_context
+
+        destroy_rank_context(self.ctx)
+        self.join(timeout)
+
     def join(self, timeout: float = 30.0) -> None:
         for p in self.processes:
             p.join(timeout)

@@ -70,4 +70,6 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
 
 def destroy_rank_context(ctx: RankContext) -> None:
     if ctx.world_size > 1 and dist.is_initialized():
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
         dist.destroy_process_group()

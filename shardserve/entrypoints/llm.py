@@ -6,7 +6,6 @@ import itertools
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.launcher import LocalRanks
-from shardserve.distributed.process_group import destroy_rank_context
 from shardserve.engine.llm_engine import LLMEngine
 from shardserve.engine.outputs import RequestOutput
 from shardserve.engine.sampling_params import SamplingParams
@@ -48,8 +47,7 @@ class LLM:
         self._teardown()
 
     def _teardown(self) -> None:
-        self.ranks.join()
-        destroy_rank_context(self.ranks.ctx)
+        self.ranks.close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -56,8 +56,9 @@ def serve(args: argparse.Namespace) -> int:
         _serve_rank0(args, config, ctx)
     finally:
         if ranks is not None:
-            ranks.join()
-        destroy_rank_context(ctx)
+            ranks.close()
+        else:
+            destroy_rank_context(ctx)
     return 0
 
 
