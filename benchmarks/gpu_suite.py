@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -160,24 +161,41 @@ PHASES = {"roofline": phase_roofline, "hf": phase_hf, "engine": phase_engine}
 
 
 def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
+    """Run one phase in a fresh process (and session). On a hang, every process of the phase (its
+    spawned ranks too) is sent SIGABRT, which with PYTHONFAULTHANDLER set prints each one's stack."""
     cmd = [sys.executable, __file__, "--phase", name, "--model-dir", args.model_dir,
            "--max-batched-tokens", str(args.max_batched_tokens), *extra]
     print(f"== {name} {' '.join(extra)}", flush=True)
     t = time.perf_counter()
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"")[-3000:]
-        print(f"{name}: timed out after {timeout} s\n{tail}", flush=True)
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        print(f"{name}: timed out after {timeout} s; stacks:\n{_stacks(stderr)}", flush=True)
         return {"error": f"timed out after {timeout} s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        print(proc.stdout[-2000:], proc.stderr[-6000:], sep="\n", flush=True)
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
-    log = [ln for ln in proc.stderr.splitlines() if " INFO " in ln or "WARNING" in ln]
-    print("\n".join(log[-12:]), flush=True)
+        print(stdout[-2000:], stderr[-6000:], sep="\n", flush=True)
+        return {"error": f"exit {proc.returncode}: {stderr.strip().splitlines()[-1:]}"}
+    log = [ln for ln in stderr.splitlines() if " INFO " in ln or "WARNING" in ln]
+    print("\n".join(log[-20:]), flush=True)
     print(f"   ({time.perf_counter() - t:.0f} s)", flush=True)
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def _stacks(stderr: str) -> str:
+    """The log's last lines and the Python stacks faulthandler printed, without library frames."""
+    keep = [ln for ln in stderr.splitlines()
+            if not ("site-packages/torch/nn/modules" in ln or "/threading.py" in ln or ln.strip().startswith("^"))]
+    return "\n".join(keep[-120:])
 
 
 def device_kind(name: str, gpus: int) -> str:
@@ -202,6 +220,7 @@ def main() -> int:
     p.add_argument("--model-dir", default=None)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--phase-timeout", type=int, default=900, help="seconds before a phase counts as hung")
     args = p.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -219,8 +238,8 @@ def main() -> int:
         return 1
     sizes = [args.tp] if args.tp else [1, 2][: report["gpus"]]
     if not args.skip_hf:
-        report.update(run_phase("hf", args, [], 900))
-    engines = {tp: run_phase("engine", args, ["--tp", str(tp)], 900) for tp in sizes}
+        report.update(run_phase("hf", args, [], args.phase_timeout))
+    engines = {tp: run_phase("engine", args, ["--tp", str(tp)], args.phase_timeout) for tp in sizes}
     results = summarize(report, engines)
     print_table(results)
     os.makedirs(args.out, exist_ok=True)

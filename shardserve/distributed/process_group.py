@@ -72,4 +72,11 @@ def destroy_rank_context(ctx: RankContext) -> None:
     if ctx.world_size > 1 and dist.is_initialized():
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
+            # A graceful NCCL destroy flushes and tears down collectively and has been seen to hang
+            # at shutdown; the ranks have finished their work here, so abort each communicator
+            # locally (which waits for nobody) and clear the process-group state the same way.
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                abort()
+                return
         dist.destroy_process_group()
