@@ -29,6 +29,8 @@ METHOD_NAMES = (NCCL, NCCL_EAGER_PIECES, SYMM_ONE_SHOT, SYMM_TWO_SHOT)
 
 # Symmetric-memory kernels pay off for small messages only; larger ones go to NCCL.
 SYMM_MAX_BYTES = 512 * 1024
+# A graph split at every all-reduce costs extra launches: eager NCCL must beat in-graph methods by this much.
+SPLIT_MARGIN_US = 5.0
 
 
 class AllReduceMethod:
@@ -135,11 +137,17 @@ class SizeTable:
 class AllReduceChoice:
     eager: SizeTable  # outside CUDA graphs (prefill, mixed steps)
     graph: SizeTable  # inside decode CUDA graphs
-    pieces_up_to: int  # decode graphs whose messages are at most this many bytes are split at each all-reduce
+    split_sizes: frozenset[int]  # decode graphs with messages of these sizes (bytes) are split at each all-reduce
     timings_us: dict[str, dict[int, float]]  # "<method>/<graph|eager>" -> message bytes -> microseconds
 
+    def split_graph(self, nbytes: int) -> bool:
+        return nbytes in self.split_sizes
+
     def describe(self) -> str:
-        graph = "split graphs, nccl eager between pieces" if self.pieces_up_to else self.graph.describe()
+        graph = self.graph.describe()
+        if self.split_sizes:
+            split = ", ".join(_human(n) for n in sorted(self.split_sizes))
+            graph = f"{graph} (split graphs, nccl eager between pieces, at {split})"
         return f"in graphs: {graph}; eager: {self.eager.describe()}"
 
 
@@ -237,28 +245,38 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
 
 def _choose(methods: list[AllReduceMethod], timings: dict[str, dict[int, float]], sizes: list[int],
             forced: str | None) -> AllReduceChoice:
+    """Per message size: the fastest method in graphs and eagerly, and whether to split graphs instead.
+
+    Splitting is decided per size (so per graph bucket): a graph of that size is captured in pieces
+    only where eager NCCL between pieces beats the best in-graph method by more than SPLIT_MARGIN_US,
+    the price of the extra graph launches.
+    """
     by_name = {m.name: m for m in methods}
     nccl = by_name[NCCL]
 
+    def measured(mode: str, nbytes: int) -> dict[str, float]:
+        return {key.split("/")[0]: t[nbytes] for key, t in timings.items()
+                if key.endswith("/" + mode) and nbytes in t}
+
     def best(mode: str, nbytes: int) -> str:
-        options = {name: t[nbytes] for key, t in timings.items() if nbytes in t
-                   for name, m in [key.split("/")] if m == mode}
-        if mode == "graph" and f"{NCCL_EAGER_PIECES}/eager" in timings:
-            options[NCCL_EAGER_PIECES] = timings[f"{NCCL_EAGER_PIECES}/eager"].get(nbytes, float("inf"))
-        if mode == "eager":
+        options = measured(mode, nbytes)
+        if mode == "eager":  # outside graphs NCCL is NCCL: its eager timing is filed under the pieces key
             options = {(NCCL if k == NCCL_EAGER_PIECES else k): v for k, v in options.items()}
         if forced:
-            return forced if forced in options or forced == NCCL_EAGER_PIECES else NCCL
+            return forced if forced in options else NCCL
         return min(options, key=options.get) if options else NCCL
 
-    def table(mode: str) -> tuple[SizeTable, int]:
+    def split(nbytes: int) -> bool:
+        if forced:
+            return forced == NCCL_EAGER_PIECES
+        in_graph = measured("graph", nbytes)
+        eager = timings.get(f"{NCCL_EAGER_PIECES}/eager", {}).get(nbytes, float("inf"))
+        return bool(in_graph) and eager + SPLIT_MARGIN_US < min(in_graph.values())
+
+    def table(mode: str) -> SizeTable:
         entries: list[tuple[int | None, AllReduceMethod]] = []
-        pieces_up_to = 0
         for nbytes in sizes:
-            name = best(mode, nbytes)
-            if name == NCCL_EAGER_PIECES:
-                pieces_up_to, name = nbytes, NCCL
-            method = by_name.get(name, nccl)
+            method = by_name.get(best(mode, nbytes), nccl)
             if entries and entries[-1][1] is method:
                 entries[-1] = (nbytes, method)
             else:
@@ -267,8 +285,6 @@ def _choose(methods: list[AllReduceMethod], timings: dict[str, dict[int, float]]
             entries.append((None, nccl))
         else:
             entries[-1] = (None, nccl)
-        return SizeTable(entries), pieces_up_to
+        return SizeTable(entries)
 
-    eager, _ = table("eager")
-    graph, pieces_up_to = table("graph")
-    return AllReduceChoice(eager, graph, pieces_up_to, timings)
+    return AllReduceChoice(table("eager"), table("graph"), frozenset(n for n in sizes if split(n)), timings)

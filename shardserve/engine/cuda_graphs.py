@@ -7,9 +7,9 @@ reads, so they are written before each replay; every rank captures the same buck
 order and replays the same bucket each step (all ranks run the same plan), so the collectives inside
 the graphs pair up.
 
-When the all-reduce choice says NCCL is faster run eagerly than inside a graph (see
-distributed/all_reduce.py), a bucket's graph is captured in pieces split at each all-reduce, and the
-all-reduces run eagerly between the pieces.
+Where the all-reduce choice says NCCL run eagerly beats every in-graph method at a bucket's message
+size (see distributed/all_reduce.py), that bucket's graph is captured in pieces split at each
+all-reduce, and the all-reduces run eagerly between the pieces.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class PiecewiseGraph:
 
 class CudaGraphRunner:
     def __init__(self, model, kv_caches, backend, comm: Communicator, max_batch: int, max_model_len: int,
-                 pieces_up_to_bytes: int, hidden_bytes_per_token: int) -> None:
+                 split_sizes: frozenset[int], hidden_bytes_per_token: int) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -78,7 +78,7 @@ class CudaGraphRunner:
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         self.max_model_len = max_model_len
-        self.pieces_up_to = pieces_up_to_bytes
+        self.split_sizes = split_sizes  # all-reduce message bytes whose graphs are captured in pieces
         self.hidden_bytes_per_token = hidden_bytes_per_token
         device = backend.device
         self.token_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
@@ -101,7 +101,7 @@ class CudaGraphRunner:
             forward = self._forward_fn(size, meta)
             forward()  # warm up: compiles kernels, creates library handles, outside any capture
             torch.cuda.synchronize()
-            if size * self.hidden_bytes_per_token <= self.pieces_up_to:
+            if size * self.hidden_bytes_per_token in self.split_sizes:
                 self.graphs[size], self.logits[size] = self._capture_pieces(forward)
                 pieces += 1
             else:

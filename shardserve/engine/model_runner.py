@@ -47,11 +47,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._choose_all_reduce()
             if not config.enforce_eager and hasattr(self.attention, "static_decode_metadata"):
-                pieces_up_to = self.all_reduce_choice.pieces_up_to if self.all_reduce_choice else 0
+                split_sizes = self.all_reduce_choice.split_sizes if self.all_reduce_choice else frozenset()
                 self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.attention, ctx.comm,
-                                              config.max_num_seqs, self.max_model_len, pieces_up_to,
+                                              config.max_num_seqs, self.max_model_len, split_sizes,
                                               self._hidden_bytes_per_token())
                 self.graphs.capture_all()
+
+    def close(self) -> None:
+        """Free the CUDA graphs before the process group goes: captured graphs hold NCCL collectives and
+        symmetric-memory buffers, and the communicators must not be torn down under them."""
+        self.graphs = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _hidden_bytes_per_token(self) -> int:
         return self.model_config.hidden_size * self.dtype.itemsize

@@ -40,7 +40,7 @@ def test_nvlink_like_timings_pick_symmetric_memory_for_small_messages_and_nccl_f
         f"{SYMM_TWO_SHOT}/eager": {8 * KIB: 12.0, 64 * KIB: 14.0, 512 * KIB: 28.0},
     }
     choice = _choose(_methods(), timings, SIZES, forced=None)
-    assert choice.pieces_up_to == 0, "NCCL inside graphs is faster here: graphs must stay whole"
+    assert not choice.split_sizes, "NCCL inside graphs is faster here: graphs must stay whole"
     assert choice.graph.pick(_bf16(8 * KIB)).name == SYMM_ONE_SHOT
     assert choice.graph.pick(_bf16(64 * KIB)).name == SYMM_ONE_SHOT
     assert choice.graph.pick(_bf16(512 * KIB)).name == SYMM_TWO_SHOT
@@ -56,7 +56,7 @@ def test_eager_nccl_faster_than_in_graph_splits_the_graphs():
         f"{NCCL_EAGER_PIECES}/eager": {8 * KIB: 18.0, 64 * KIB: 20.0, 512 * KIB: 58.0, 4096 * KIB: 230.0},
     }
     choice = _choose([FakeMethod(NCCL)], timings, SIZES, forced=None)
-    assert choice.pieces_up_to == 512 * KIB
+    assert choice.split_sizes == {8 * KIB, 64 * KIB}, "split only where eager wins by more than the margin"
     assert "split graphs" in choice.describe()
     assert choice.eager.pick(_bf16(8 * KIB)).name == NCCL
 
@@ -67,7 +67,7 @@ def test_a_forced_method_wins_regardless_of_timings():
     choice = _choose(_methods(), timings, [8 * KIB], forced=SYMM_TWO_SHOT)
     assert choice.graph.pick(_bf16(8 * KIB)).name == SYMM_TWO_SHOT
     forced_pieces = _choose(_methods(), timings, [8 * KIB], forced=NCCL_EAGER_PIECES)
-    assert forced_pieces.pieces_up_to == 8 * KIB
+    assert forced_pieces.split_sizes == {8 * KIB}
 
 
 def test_a_failed_method_is_never_chosen():
@@ -76,3 +76,20 @@ def test_a_failed_method_is_never_chosen():
                f"{SYMM_ONE_SHOT}/graph": {8 * KIB: inf}, f"{SYMM_ONE_SHOT}/eager": {8 * KIB: inf}}
     choice = _choose(_methods(), timings, [8 * KIB], forced=None)
     assert choice.graph.pick(_bf16(8 * KIB)).name == NCCL
+
+
+def test_eager_nccl_winning_at_large_sizes_does_not_split_small_graphs():
+    """Measured on 2x H200 (NVLink), microseconds: eager NCCL beats NCCL-in-graph from 2 MiB up, but the
+    batch-1 graph (8 KiB messages) must keep symmetric memory in the graph at 7.4 us, not go eager at 25 us."""
+    timings = {
+        f"{NCCL}/graph": {8 * KIB: 14.84, 512 * KIB: 16.0, 2048 * KIB: 32.65, 4096 * KIB: 37.5},
+        f"{NCCL_EAGER_PIECES}/eager": {8 * KIB: 25.14, 512 * KIB: 23.2, 2048 * KIB: 28.32, 4096 * KIB: 62.92},
+        f"{SYMM_ONE_SHOT}/graph": {8 * KIB: 7.42, 512 * KIB: 10.86},
+        f"{SYMM_ONE_SHOT}/eager": {8 * KIB: 18.54, 512 * KIB: 18.31},
+    }
+    sizes = [8 * KIB, 512 * KIB, 2048 * KIB, 4096 * KIB]
+    choice = _choose(_methods(), timings, sizes, forced=None)
+    assert not choice.split_graph(8 * KIB) and not choice.split_graph(512 * KIB)
+    assert choice.graph.pick(_bf16(8 * KIB)).name == SYMM_ONE_SHOT
+    assert not choice.split_graph(2048 * KIB), "a 4 us win does not pay for splitting the graph"
+    assert not choice.split_graph(4096 * KIB)
