@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ logger = logging.getLogger(__name__)
 # Collectives fail after this long instead of hanging forever. Idle ranks are kept alive by
 # keep-alive plans from rank 0, so only a dead or stuck rank ever reaches it.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SHARDSERVE_COLLECTIVE_TIMEOUT_S", "120")))
+TEARDOWN_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -68,15 +70,21 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
     return RankContext(rank, world_size, torch_device, comm, control_group)
 
 
-def destroy_rank_context(ctx: RankContext) -> None:
-    if ctx.world_size > 1 and dist.is_initialized():
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-            # A graceful NCCL destroy flushes and tears down collectively and has been seen to hang
-            # at shutdown; the ranks have finished their work here, so abort each communicator
-            # locally (which waits for nobody) and clear the process-group state the same way.
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if abort is not None:
-                abort()
-                return
+def destroy_rank_context(ctx: RankContext, timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
+    """Leave the process group. Every rank calls this at about the same time (NCCL's teardown is
+    collective). It waits at most timeout_s: a teardown that does not finish is logged and left to
+    process exit, so shutting down never hangs."""
+    if ctx.world_size == 1 or not dist.is_initialized():
+        return
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    done = threading.Event()
+
+    def destroy() -> None:
         dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, name="shardserve-group-teardown", daemon=True).start()
+    if not done.wait(timeout_s):
+        logger.error("rank %d: the process group did not tear down within %.0f s; leaving it to process exit",
+                     ctx.rank, timeout_s)

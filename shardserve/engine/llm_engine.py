@@ -101,6 +101,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         self._step_id += 1
         self.control.send(StepPlan(self._step_id, PlanKind.SHUTDOWN))
+        self.runner.close()
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)
@@ -150,6 +151,7 @@ def run_worker(config: EngineConfig, ctx: RankContext) -> None:
         plan = control.receive()
         if plan.kind is PlanKind.SHUTDOWN:
             logger.info("rank %d shutting down", ctx.rank)
+            runner.close()
             return
         if plan.kind is PlanKind.RUN:
             runner.execute(plan)

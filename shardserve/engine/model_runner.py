@@ -5,6 +5,7 @@ Every rank runs the same plan, so every rank issues the same collectives in the 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
