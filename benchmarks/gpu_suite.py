@@ -153,6 +153,8 @@ def phase_engine(args) -> dict:
     out["offline_output_tok_s"] = produced / seconds
     out["offline_seconds"] = seconds
     out["preemptions"] = llm.engine.scheduler.num_preemptions
+    # Report before shutting down: a teardown that hangs must not lose the measurements.
+    print("RESULT " + json.dumps(out), flush=True)
     llm.shutdown()
     return out
 
@@ -170,25 +172,38 @@ def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
     env = dict(os.environ, PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
+    hung = False
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
+        hung = True
+        _signal_session(proc.pid, signal.SIGABRT)
         try:
             stdout, stderr = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _signal_session(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
-        print(f"{name}: timed out after {timeout} s; stacks:\n{_stacks(stderr)}", flush=True)
-        return {"error": f"timed out after {timeout} s"}
+    _signal_session(proc.pid, signal.SIGKILL)  # no rank process outlives its phase
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
+    if hung:
+        print(f"{name}: timed out after {timeout} s; stacks:\n{_stacks(stderr)}", flush=True)
+        if not lines:
+            return {"error": f"timed out after {timeout} s"}
+        print(f"{name}: its measurements were reported before the hang; keeping them", flush=True)
+    elif proc.returncode != 0 or not lines:
         print(stdout[-2000:], stderr[-6000:], sep="\n", flush=True)
         return {"error": f"exit {proc.returncode}: {stderr.strip().splitlines()[-1:]}"}
     log = [ln for ln in stderr.splitlines() if " INFO " in ln or "WARNING" in ln]
     print("\n".join(log[-20:]), flush=True)
     print(f"   ({time.perf_counter() - t:.0f} s)", flush=True)
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def _signal_session(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _stacks(stderr: str) -> str:
@@ -278,6 +293,9 @@ def summarize(report: dict, engines: dict[int, dict]) -> dict:
         res["decode_bs1_tp2_speedup"] = res["decode_bs1_tp2_tok_s"] / res["decode_bs1_tp1_tok_s"]
     if res.get("hf_offline_output_tok_s") and "offline_tp1_output_tok_s" in res:
         res["offline_tp1_vs_hf"] = res["offline_tp1_output_tok_s"] / res["hf_offline_output_tok_s"]
+    for tp, e in engines.items():
+        if "agreement_tokens" in e:  # kept, so a later run of one TP size can be compared with this one
+            res[f"tp{tp}_agreement_tokens"] = e["agreement_tokens"]
     if all("agreement_tokens" in engines.get(tp, {}) for tp in (1, 2)):
         a, b = engines[1]["agreement_tokens"], engines[2]["agreement_tokens"]
         res["tp1_tp2_bf16_first16_agree_fraction"] = sum(x == y for x, y in zip(a, b)) / len(a)
