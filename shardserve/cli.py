@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 from shardserve import __version__
@@ -32,6 +33,12 @@ def _positive_float(flag: str):
     return _positive(float, flag)
 
 
+def _env_name(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        raise argparse.ArgumentTypeError(f"--forward-env takes variable names (letters, digits, _), got {value!r}")
+    return value
+
+
 def _add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", help="a Hugging Face-style model directory or a .gguf file")
@@ -57,6 +64,9 @@ def _add_serve_parser(sub) -> None:
                    help="auto: read the checkpoint; dummy: random weights in the model's shapes, drawn from "
                         "--seed (benchmarks: only config.json and the tokenizer are read)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs")
+    p.add_argument("--forward-env", nargs="+", action="extend", default=[], metavar="NAME", type=_env_name,
+                   help="environment variables whose values on the node that launches rank 0 are applied on "
+                        "every rank at start-up (unset there: unset everywhere)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=_serve)
 
@@ -77,9 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from shardserve.distributed.handshake import StartupMismatch
     from shardserve.entrypoints.serve import serve
 
-    return serve(args)
+    try:
+        return serve(args)
+    except StartupMismatch as e:
+        print(f"shardserve serve: start-up stopped: {e}", file=sys.stderr)
+        return 1
 
 
 def _fetch_example(args: argparse.Namespace) -> int:

@@ -147,6 +147,8 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying CUDA graphs
     load_format: str = "auto"  # one of LOAD_FORMATS
+    # Variables rank 0 ships to every rank at start-up (distributed/handshake.py); rank 0's list counts.
+    forward_env: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -94,7 +94,6 @@ def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | 
     """
     from shardserve.config import EngineConfig
     from shardserve.distributed.launcher import LocalRanks
-    from shardserve.distributed.process_group import destroy_rank_context
     from shardserve.engine.async_engine import AsyncEngine
     from shardserve.engine.llm_engine import LLMEngine
     from shardserve.entrypoints.openai.server import build_app
@@ -113,8 +112,7 @@ def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | 
         finally:
             engine.shutdown()
     finally:
-        ranks.join()
-        destroy_rank_context(ranks.ctx)
+        ranks.close()
 
 
 @contextmanager

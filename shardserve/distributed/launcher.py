@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,15 @@ def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int) -> None
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{info.rank} %(levelname)s %(name)s: %(message)s")
     from shardserve.engine.llm_engine import run_worker
 
+    from shardserve.distributed.handshake import StartupMismatch
+
     set_cpu_threads(info.local_world_size)
-    ctx = init_rank_context(info.rank, info.world_size, config.device, info.init_method, info.local_rank)
+    try:
+        ctx = init_rank_context(info.rank, info.world_size, config.device, info.init_method, info.local_rank,
+                                config)
+    except StartupMismatch:
+        sys.exit(1)  # rank 0 reports the mismatch
+
     try:
         run_worker(config, ctx)
     finally:
@@ -69,7 +77,7 @@ class LocalRanks:
             p.start()
             self.processes.append(p)
         set_cpu_threads(n)
-        self.ctx: RankContext = init_rank_context(0, n, config.device, init_method, 0)
+        self.ctx: RankContext = init_rank_context(0, n, config.device, init_method, 0, config)
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the process group, then wait for the other ranks to exit.

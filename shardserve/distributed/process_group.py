@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardserve.config import EngineConfig
 from shardserve.distributed.communicator import SINGLE, Communicator
+from shardserve.distributed.handshake import handshake
 
 logger = logging.getLogger(__name__)
 
@@ -46,25 +48,33 @@ def single_rank_context(device: str) -> RankContext:
 
 
 def init_rank_context(rank: int, world_size: int, device: str, init_method: str | None = None,
-                      local_rank: int | None = None) -> RankContext:
-    """Join the process group (from env:// under torchrun, else init_method) and build both planes."""
+                      local_rank: int | None = None, config: EngineConfig | None = None) -> RankContext:
+    """Join the process group (from env:// under torchrun, else init_method) and build both planes.
+
+    With `config`, the start-up handshake (distributed/handshake.py) runs on the rendezvous store
+    first: forwarded variables are applied and the ranks' fingerprints compared before NCCL or gloo
+    read any variable and before any weights load.
+    """
     if world_size == 1:  # no process group: nothing to communicate with
         if device == "cuda":
             torch.cuda.set_device(0)
         return single_rank_context("cuda:0" if device == "cuda" else "cpu")
+    store, _, _ = next(dist.rendezvous(init_method or "env://", rank, world_size, timeout=COLLECTIVE_TIMEOUT))
+    if config is not None:
+        handshake(store, rank, world_size, config)
+    store = dist.PrefixStore("default_pg", store)
     if device == "cuda":
         local = local_rank if local_rank is not None else rank % max(torch.cuda.device_count(), 1)
         torch_device = torch.device("cuda", local)
         torch.cuda.set_device(torch_device)
         # device_id binds NCCL to this GPU eagerly; without it barriers have been seen to hang.
-        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT, device_id=torch_device)
-        data_group = dist.group.WORLD
     else:
         torch_device = torch.device("cpu")
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT)
-        data_group = dist.group.WORLD
+    data_group = dist.group.WORLD
     control_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     comm = Communicator(data_group, rank, world_size)
     return RankContext(rank, world_size, torch_device, comm, control_group)

@@ -23,7 +23,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_gb=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, enforce_eager=args.enforce_eager,
-        load_format=args.load_format,
+        load_format=args.load_format, forward_env=tuple(dict.fromkeys(args.forward_env)),
     )
 
 
@@ -42,7 +42,8 @@ def serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"torchrun started {launch.world_size} ranks but --tensor-parallel-size is "
                              f"{config.tensor_parallel_size}: make them equal")
         set_cpu_threads(launch.local_world_size)
-        ctx = init_rank_context(launch.rank, launch.world_size, config.device, "env://", launch.local_rank)
+        ctx = init_rank_context(launch.rank, launch.world_size, config.device, "env://", launch.local_rank,
+                                config)
         if launch.rank != 0:
             try:
                 run_worker(config, ctx)

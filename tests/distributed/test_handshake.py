@@ -1,0 +1,125 @@
+"""The start-up handshake: ranks that differ in environment or config refuse to start, naming what
+differs; `--forward-env` ships rank 0's values to every rank so they cannot differ.
+
+The two ranks are two `shardserve serve` processes started the way torchrun or two nodes start them
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each with its own environment.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from shardserve.distributed.fingerprint import Fingerprint, differences
+from shardserve.distributed.process_group import find_free_port
+from shardserve.engine.sampling_params import SamplingParams
+from shardserve.entrypoints.llm import LLM
+
+PROMPT = "w11 w22 w33 w44"
+
+
+def test_differences_name_the_key_the_ranks_their_hosts_and_both_values():
+    a = Fingerprint(0, "node-a", {"env.NCCL_ALGO": "<unset>", "torch.version": "2.13.0"})
+    b = Fingerprint(1, "node-b", {"env.NCCL_ALGO": "Ring", "torch.version": "2.13.0"})
+    c = Fingerprint(2, "node-b", {"torch.version": "2.13.0"})
+    lines = differences([a, b, c])
+    assert lines == ["NCCL_ALGO differs: rank 0 (node-a), rank 2 (node-b) have <unset>; rank 1 (node-b) has 'Ring'"]
+    assert differences([a, Fingerprint(1, "node-b", dict(a.values))]) == []
+
+
+class TwoRanks:
+    """Rank 0 and rank 1 of `shardserve serve MODEL -tp 2`, each its own process and environment."""
+
+    def __init__(self, args: list[str], env0: dict[str, str], env1: dict[str, str]) -> None:
+        self.http_port = find_free_port()
+        master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "WORLD_SIZE": "2",
+                  "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "PYTHONUNBUFFERED": "1"}
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "SHARDSERVE_"))}
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "shardserve", "serve", *args, "--port", str(self.http_port)],
+                             env={**base, **master, "RANK": str(rank), **env}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+            for rank, env in ((0, env0), (1, env1))
+        ]
+        self.url = f"http://127.0.0.1:{self.http_port}"
+
+    def wait_exit(self, timeout: float = 120) -> list[tuple[int, str]]:
+        return [(p.wait(timeout=timeout), p.stdout.read()) for p in self.procs]
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise AssertionError(f"a rank exited with {p.returncode}:\n{p.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError("the server did not become healthy")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _serve_args(model_dir: str, *extra: str) -> list[str]:
+    return [model_dir, "-tp", "2", "--device", "cpu", "--served-model-name", "tiny", "--kv-cache-memory", "0.05",
+            *extra]
+
+
+def test_a_variable_set_on_one_rank_only_stops_start_up_naming_it(tiny_model_dir):
+    ranks = TwoRanks(_serve_args(tiny_model_dir("llama-untied")), env0={}, env1={"NCCL_ALGO": "Ring"})
+    try:
+        (code0, out0), (code1, out1) = ranks.wait_exit()
+    finally:
+        ranks.stop()
+    assert code0 != 0 and code1 != 0, "both ranks must stop"
+    for out in (out0, out1):
+        assert "start-up stopped" in out
+        assert "NCCL_ALGO differs:" in out and "rank 0 (" in out and "has <unset>" in out
+        assert "rank 1 (" in out and "has 'Ring'" in out
+        assert "--forward-env" in out, "the message says how to fix it"
+    assert "loaded" not in out0 + out1, "the handshake runs before any weights load"
+
+
+def test_forward_env_ships_rank0_values_so_the_ranks_start_and_serve(tiny_model_dir):
+    model_dir = tiny_model_dir("llama-untied")
+    with LLM(model_dir, kv_cache_memory_gb=0.05) as llm:
+        expected = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].text
+    # Rank 0 (the launching node) has Tree, rank 1 has Ring; SHARDSERVE_PROBE is set on rank 0 only.
+    args = _serve_args(model_dir, "--forward-env", "NCCL_ALGO", "SHARDSERVE_PROBE")
+    ranks = TwoRanks(args, env0={"NCCL_ALGO": "Tree", "SHARDSERVE_PROBE": "1"}, env1={"NCCL_ALGO": "Ring"})
+    try:
+        ranks.wait_healthy()
+        client = openai.OpenAI(base_url=f"{ranks.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+    finally:
+        ranks.stop()
+        out0 = ranks.procs[0].stdout.read()
+    assert got == expected
+    assert "forwarded to every rank: NCCL_ALGO=Tree, SHARDSERVE_PROBE=1" in out0
+    assert "2 ranks run the same code, config and environment" in out0
+
+
+def test_forward_env_names_are_checked_by_the_cli(capsys):
+    from shardserve.cli import main
+
+    try:
+        main(["serve", "m", "--forward-env", "NCCL-ALGO"])
+    except SystemExit as e:
+        assert e.code == 2
+    assert "--forward-env takes variable names" in capsys.readouterr().err
