@@ -21,6 +21,7 @@ from shardserve.engine.cuda_graphs import CudaGraphRunner, graph_buckets
 from shardserve.engine.step_plan import StepPlan
 from shardserve.layers.linear_kernels import choose_linear_kernel, pack_linear_weights
 from shardserve.models import MODEL_CLASSES
+from shardserve.weights.consistency import verify_replicated_weights
 from shardserve.weights.loader import load_weights
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,11 @@ class ModelRunner:
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.block_size = config.block_size
         self.model = self._load_model()
+        if ctx.world_size > 1:
+            checked = verify_replicated_weights(self.model, ctx.control_group, ctx.rank, ctx.world_size)
+            if ctx.is_driver:
+                logger.info("replicated weights identical on all %d ranks (%d tensors compared)", ctx.world_size,
+                            checked)
         self.num_blocks = self._size_kv_cache()
         self.kv_caches = allocate_kv_cache(model_config.num_layers, self.num_blocks, self.block_size,
                                            self.model.kv_heads_per_rank(), model_config.head_dim, self.dtype,

@@ -1,0 +1,62 @@
+"""After loading, ranks whose replicated weights differ (a corrupted or different checkpoint on one
+node) refuse to serve, naming the rank and the tensors; identical ones start."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import torch
+
+from shardserve.config import EngineConfig, ModelConfig
+from shardserve.distributed.process_group import destroy_rank_context, find_free_port, init_rank_context
+
+CORRUPTED = "model.layers.1.post_attention_layernorm.weight"
+
+
+def _rank(rank: int, port: int, model_dir: str, corrupt_rank: int | None, results) -> None:
+    import shardserve.engine.model_runner as model_runner
+
+    if rank == corrupt_rank:
+        original = model_runner.load_weights
+
+        def load_then_corrupt(model, *args, **kwargs):
+            original(model, *args, **kwargs)
+            with torch.no_grad():
+                model.get_parameter(CORRUPTED).add_(1e-3)
+
+        model_runner.load_weights = load_then_corrupt
+    torch.set_num_threads(1)
+    config = EngineConfig(model=model_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.02)
+    ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}")
+    try:
+        model_runner.ModelRunner(config, ModelConfig.from_model_path(model_dir), ctx)
+        results.put((rank, "started"))
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        results.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        destroy_rank_context(ctx)
+
+
+def _start_two_ranks(model_dir: str, corrupt_rank: int | None) -> dict[int, str]:
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    port = find_free_port()
+    procs = [spawn.Process(target=_rank, args=(r, port, model_dir, corrupt_rank, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    outcome = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    return outcome
+
+
+def test_a_corrupted_norm_on_one_rank_stops_start_up_naming_rank_and_tensor(tiny_model_dir):
+    outcome = _start_two_ranks(tiny_model_dir("llama-untied"), corrupt_rank=1)
+    for rank in (0, 1):
+        assert outcome[rank].startswith("StartupMismatch: the replicated weights are not the same"), outcome[rank]
+        assert "rank 1 (" in outcome[rank] and "differs from rank 0 (" in outcome[rank]
+        assert "in 1 of " in outcome[rank] and CORRUPTED in outcome[rank]
+
+
+def test_identical_weights_start(tiny_model_dir):
+    assert _start_two_ranks(tiny_model_dir("qwen3"), corrupt_rank=None) == {0: "started", 1: "started"}
