@@ -64,6 +64,17 @@ def _add_serve_parser(sub) -> None:
                    help="auto: read the checkpoint; dummy: random weights in the model's shapes, drawn from "
                         "--seed (benchmarks: only config.json and the tokenizer are read)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs")
+    multi = p.add_argument_group("several machines", "start the same command on every node; torchrun and srun "
+                                 "(a task per rank or per node) are recognised without these")
+    multi.add_argument("--nnodes", type=_positive_int("--nnodes"), default=1,
+                       help="machines sharing the ranks; each runs tensor-parallel-size / nnodes of them")
+    multi.add_argument("--node-rank", type=int, default=None, help="this machine's index, 0 to nnodes - 1")
+    multi.add_argument("--master-addr", default=None, help="address of node 0, where the ranks meet")
+    multi.add_argument("--master-port", type=_positive_int("--master-port"), default=None,
+                       help="port on node 0 where the ranks meet (default 29500)")
+    multi.add_argument("--control-interface", default=None, metavar="IFACE",
+                       help="network interface for the control plane (sets GLOO_SOCKET_IFNAME); the data plane "
+                            "follows the NCCL_* variables")
     p.add_argument("--forward-env", nargs="+", action="extend", default=[], metavar="NAME", type=_env_name,
                    help="environment variables whose values on the node that launches rank 0 are applied on "
                         "every rank at start-up (unset there: unset everywhere)")

@@ -23,6 +23,10 @@ from shardserve.config import EngineConfig
 
 # Variables that change what NCCL, gloo, CUDA, torch or shardserve do.
 BEHAVIOUR_ENV_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "SHARDSERVE_")
+# Variables naming this host's own interfaces or devices: their values may differ between nodes
+# (eth0 here, ens3 there); only whether they are set is compared.
+HOST_SPECIFIC_ENV = frozenset({"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "CUDA_VISIBLE_DEVICES"})
+SET = "<set>"
 # Config fields that may differ between ranks without changing what they compute.
 LOCAL_CONFIG_FIELDS = frozenset({"forward_env"})
 UNSET = "<unset>"
@@ -90,7 +94,7 @@ def collect(rank: int, config: EngineConfig) -> Fingerprint:
         if f.name not in LOCAL_CONFIG_FIELDS:
             values[f"config.{f.name}"] = repr(getattr(config, f.name))
     for name, value in behaviour_env(tuple(config.forward_env)).items():
-        values[f"env.{name}"] = value
+        values[f"env.{name}"] = SET if name in HOST_SPECIFIC_ENV and value != UNSET else value
     return Fingerprint(rank, socket.gethostname(), values)
 
 
@@ -118,4 +122,4 @@ def _ranks(prints: list[Fingerprint]) -> str:
 
 
 def _show(value: str) -> str:
-    return value if value == UNSET else repr(value)
+    return value if value in (UNSET, SET) else repr(value)

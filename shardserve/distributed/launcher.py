@@ -1,10 +1,13 @@
-"""Starting the ranks: local worker processes for `-tp N`, or joining a torchrun group."""
+"""Starting the ranks: one process per node that spawns the node's ranks (`-tp N` on one machine, or
+`--nnodes M --node-rank R` on each of M machines, or srun with a task per node), or one process per
+rank started by torchrun or srun, which joins the group directly."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -18,11 +21,43 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LaunchInfo:
+    """One rank's place: started one process per rank (torchrun, srun with a task per rank)."""
+
     rank: int
     world_size: int
     init_method: str | None  # None: read MASTER_ADDR/PORT from the environment (torchrun)
     local_rank: int
     local_world_size: int
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """One process per node: node `node_rank` of `nnodes` runs ranks [first_rank, first_rank + per_node),
+    the first in this process and the others as spawned worker processes."""
+
+    world_size: int
+    nnodes: int
+    node_rank: int
+    init_method: str
+
+    def __post_init__(self) -> None:
+        if self.world_size % self.nnodes:
+            raise ValueError(f"--tensor-parallel-size {self.world_size} is not a multiple of --nnodes "
+                             f"{self.nnodes}: every node runs the same number of ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes}) for --nnodes {self.nnodes}")
+
+    @property
+    def per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def first_rank(self) -> int:
+        return self.node_rank * self.per_node
+
+
+def single_node(world_size: int) -> NodeLaunch:
+    return NodeLaunch(world_size, 1, 0, f"tcp://127.0.0.1:{find_free_port()}")
 
 
 def torchrun_launch_info() -> LaunchInfo | None:
@@ -34,6 +69,53 @@ def torchrun_launch_info() -> LaunchInfo | None:
                       int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
+def expand_hostlist(spec: str) -> list[str]:
+    """Slurm's compressed host list: 'gpu[01-03,07],login' -> ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login']."""
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", spec):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if not match:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}{suffix}")
+    return hosts
+
+
+def slurm_launch(world_size: int, master_addr: str | None, master_port: int | None,
+                 env: dict[str, str] | None = None) -> LaunchInfo | NodeLaunch | None:
+    """The launch srun describes (SLURM_PROCID, SLURM_NTASKS...), or None outside srun.
+
+    A task per rank (SLURM_NTASKS == tensor-parallel size) gives a LaunchInfo; a task per node
+    (SLURM_NTASKS == SLURM_NNODES) a NodeLaunch that spawns the node's ranks. Rank 0 is task 0, on the
+    first node of SLURM_JOB_NODELIST, which is where the other ranks meet unless --master-addr says
+    otherwise; the port defaults to 29500 plus the job id modulo 1000, so jobs sharing nodes differ.
+    """
+    env = os.environ if env is None else env
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return None
+    task, ntasks = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+    nnodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")))
+    if master_addr is None:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        master_addr = (expand_hostlist(nodelist)[0] if nodelist else env.get("SLURM_LAUNCH_NODE_IPADDR"))
+        if not master_addr:
+            raise ValueError("under srun without SLURM_JOB_NODELIST or SLURM_LAUNCH_NODE_IPADDR: pass --master-addr")
+    if master_port is None:
+        master_port = 29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000
+    init_method = f"tcp://{master_addr}:{master_port}"
+    if ntasks == world_size:
+        return LaunchInfo(task, world_size, init_method, int(env.get("SLURM_LOCALID", "0")),
+                          max(1, world_size // nnodes))
+    if ntasks == nnodes:
+        return NodeLaunch(world_size, nnodes, task, init_method)
+    raise ValueError(f"srun started {ntasks} tasks on {nnodes} nodes for --tensor-parallel-size {world_size}: "
+                     f"use one task per rank (--ntasks {world_size}) or one per node (--ntasks-per-node 1)")
+
+
 def set_cpu_threads(local_world_size: int) -> None:
     # Ranks on one machine share its cores; oversubscribing them slows every rank down.
     if "OMP_NUM_THREADS" not in os.environ:
@@ -42,9 +124,9 @@ def set_cpu_threads(local_world_size: int) -> None:
 
 def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{info.rank} %(levelname)s %(name)s: %(message)s")
-    from shardserve.engine.llm_engine import run_worker
-
     from shardserve.distributed.handshake import StartupMismatch
+    from shardserve.distributed.process_group import destroy_rank_context
+    from shardserve.engine.llm_engine import run_worker
 
     set_cpu_threads(info.local_world_size)
     try:
@@ -52,32 +134,37 @@ def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int) -> None
                                 config)
     except StartupMismatch:
         sys.exit(1)  # rank 0 reports the mismatch
-
     try:
         run_worker(config, ctx)
     finally:
-        from shardserve.distributed.process_group import destroy_rank_context
-
         destroy_rank_context(ctx)
 
 
 class LocalRanks:
-    """Rank 0 in this process plus world_size - 1 spawned worker processes on this machine."""
+    """This node's ranks: the first in this process, the others spawned as worker processes.
 
-    def __init__(self, config: EngineConfig) -> None:
+    On a single machine (the default) that is rank 0 plus world_size - 1 workers; with a NodeLaunch,
+    node R runs ranks R * per_node ... R * per_node + per_node - 1, and only node 0's first rank drives.
+    """
+
+    def __init__(self, config: EngineConfig, node: NodeLaunch | None = None) -> None:
         self.config = config
-        n = config.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{find_free_port()}"
+        node = node or single_node(config.tensor_parallel_size)
+        if node.world_size != config.tensor_parallel_size:
+            raise ValueError(f"the launch has {node.world_size} ranks but --tensor-parallel-size is "
+                             f"{config.tensor_parallel_size}")
+        self.node = node
         spawn = mp.get_context("spawn")
         self.processes = []
-        for rank in range(1, n):
-            info = LaunchInfo(rank, n, init_method, rank, n)
+        for local in range(1, node.per_node):
+            info = LaunchInfo(node.first_rank + local, node.world_size, node.init_method, local, node.per_node)
             p = spawn.Process(target=_worker_main, args=(config, info, logging.getLogger().level),
-                              name=f"shardserve-rank{rank}", daemon=True)
+                              name=f"shardserve-rank{info.rank}", daemon=True)
             p.start()
             self.processes.append(p)
-        set_cpu_threads(n)
-        self.ctx: RankContext = init_rank_context(0, n, config.device, init_method, 0, config)
+        set_cpu_threads(node.per_node)
+        self.ctx: RankContext = init_rank_context(node.first_rank, node.world_size, config.device, node.init_method,
+                                                  0, config)
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the process group, then wait for the other ranks to exit.

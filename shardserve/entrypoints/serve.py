@@ -12,6 +12,8 @@ from shardserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MASTER_PORT = 29500
+
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -27,34 +29,53 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def choose_launch(args: argparse.Namespace, world_size: int):
+    """A LaunchInfo (this process is one rank: torchrun, srun per rank) or a NodeLaunch (this process
+    starts a node's ranks: --nnodes, srun per node, or all ranks on this machine)."""
+    from shardserve.distributed.launcher import NodeLaunch, single_node, slurm_launch, torchrun_launch_info
+
+    torchrun = torchrun_launch_info()
+    if torchrun is not None:
+        if torchrun.world_size != world_size:
+            raise SystemExit(f"torchrun started {torchrun.world_size} ranks but --tensor-parallel-size is "
+                             f"{world_size}: make them equal")
+        return torchrun
+    try:
+        if args.nnodes > 1:
+            if args.node_rank is None or args.master_addr is None:
+                raise ValueError("--nnodes > 1 needs --node-rank and --master-addr (the address of node 0)")
+            return NodeLaunch(world_size, args.nnodes, args.node_rank,
+                              f"tcp://{args.master_addr}:{args.master_port or DEFAULT_MASTER_PORT}")
+        slurm = slurm_launch(world_size, args.master_addr, args.master_port)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    return slurm if slurm is not None else single_node(world_size)
+
+
 def serve(args: argparse.Namespace) -> int:
-    from shardserve.distributed.launcher import LocalRanks, set_cpu_threads, torchrun_launch_info
+    from shardserve.distributed.launcher import LaunchInfo, LocalRanks, set_cpu_threads
     from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
     from shardserve.engine.llm_engine import run_worker
 
     if not (args.model.endswith(".gguf") and os.path.isfile(args.model)) and not os.path.isdir(args.model):
         raise SystemExit(f"MODEL {args.model!r} is neither a .gguf file nor a model directory")
+    if args.control_interface:
+        os.environ["GLOO_SOCKET_IFNAME"] = args.control_interface  # before any gloo group exists
     config = engine_config_from_args(args)
-    launch = torchrun_launch_info()
+    launch = choose_launch(args, config.tensor_parallel_size)
     ranks = None
-    if launch is not None:
-        if launch.world_size != config.tensor_parallel_size:
-            raise SystemExit(f"torchrun started {launch.world_size} ranks but --tensor-parallel-size is "
-                             f"{config.tensor_parallel_size}: make them equal")
+    if isinstance(launch, LaunchInfo):
         set_cpu_threads(launch.local_world_size)
-        ctx = init_rank_context(launch.rank, launch.world_size, config.device, "env://", launch.local_rank,
-                                config)
-        if launch.rank != 0:
-            try:
-                run_worker(config, ctx)
-            finally:
-                destroy_rank_context(ctx)
-            return 0
+        ctx = init_rank_context(launch.rank, launch.world_size, config.device, launch.init_method,
+                                launch.local_rank, config)
     else:
-        ranks = LocalRanks(config)
+        ranks = LocalRanks(config, launch)
         ctx = ranks.ctx
     try:
-        _serve_rank0(args, config, ctx)
+        if ctx.rank == 0:
+            _serve_rank0(args, config, ctx)
+        else:
+            run_worker(config, ctx)
     finally:
         if ranks is not None:
             ranks.close()

@@ -35,15 +35,17 @@ def test_differences_name_the_key_the_ranks_their_hosts_and_both_values():
 class TwoRanks:
     """Rank 0 and rank 1 of `shardserve serve MODEL -tp 2`, each its own process and environment."""
 
-    def __init__(self, args: list[str], env0: dict[str, str], env1: dict[str, str]) -> None:
+    def __init__(self, args: list[str], env0: dict[str, str], env1: dict[str, str], torchrun_env: bool = True) -> None:
         self.http_port = find_free_port()
-        master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "WORLD_SIZE": "2",
-                  "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "PYTHONUNBUFFERED": "1"}
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "SHARDSERVE_"))}
+        launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "WORLD_SIZE": "2",
+                  "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        base = {k: v for k, v in os.environ.items()
+                if not k.startswith(("NCCL_", "SHARDSERVE_", "SLURM_")) and k not in launch and k != "RANK"}
+        base["PYTHONUNBUFFERED"] = "1"
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "shardserve", "serve", *args, "--port", str(self.http_port)],
-                             env={**base, **master, "RANK": str(rank), **env}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+                             env={**base, **(launch | {"RANK": str(rank)} if torchrun_env else {}), **env},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for rank, env in ((0, env0), (1, env1))
         ]
         self.url = f"http://127.0.0.1:{self.http_port}"
@@ -123,3 +125,18 @@ def test_forward_env_names_are_checked_by_the_cli(capsys):
     except SystemExit as e:
         assert e.code == 2
     assert "--forward-env takes variable names" in capsys.readouterr().err
+
+
+def test_host_specific_variables_compare_only_whether_they_are_set(monkeypatch):
+    from shardserve.config import EngineConfig
+    from shardserve.distributed.fingerprint import collect
+
+    config = EngineConfig(model="m")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    on_a = collect(0, config)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ens3")
+    on_b = collect(1, config)
+    assert differences([on_a, on_b]) == [], "interface names differ from host to host"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert differences([on_a, collect(1, config)]) == [
+        f"GLOO_SOCKET_IFNAME differs: rank 0 ({on_a.host}) has <set>; rank 1 ({on_a.host}) has <unset>"]
