@@ -10,11 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardserve.distributed.lockstep import LockstepError
 from shardserve.engine.step_plan import StepPlan
 
-
-class LockstepError(RuntimeError):
-    pass
+__all__ = ["ControlPlane", "LockstepError"]
 
 
 class ControlPlane:

@@ -11,6 +11,7 @@ import logging
 
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.control_plane import ControlPlane
+from shardserve.distributed.lockstep import LockstepCheck, default_every
 from shardserve.distributed.process_group import RankContext
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.detokenizer import IncrementalDetokenizer
@@ -36,6 +37,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.control = ControlPlane(ctx.control_group, ctx.rank, ctx.world_size)
         self.runner = ModelRunner(config, self.model_config, ctx)
+        self.lockstep = LockstepCheck(ctx.control_group, ctx.rank, ctx.world_size, default_every(ctx.device))
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -87,6 +89,7 @@ class LLMEngine:
             return []
         self.control.send(plan)
         seq_ids, logits = self.runner.execute(plan)
+        self.lockstep.confirm(plan)
         self.scheduler.finish_step(plan, self.seqs)
         if not seq_ids:
             return []
@@ -146,6 +149,7 @@ def run_worker(config: EngineConfig, ctx: RankContext) -> None:
     model_config = ModelConfig.from_model_path(config.model)
     control = ControlPlane(ctx.control_group, ctx.rank, ctx.world_size)
     runner = ModelRunner(config, model_config, ctx)
+    lockstep = LockstepCheck(ctx.control_group, ctx.rank, ctx.world_size, default_every(ctx.device))
     logger.info("rank %d ready", ctx.rank)
     while True:
         plan = control.receive()
@@ -155,3 +159,4 @@ def run_worker(config: EngineConfig, ctx: RankContext) -> None:
             return
         if plan.kind is PlanKind.RUN:
             runner.execute(plan)
+            lockstep.confirm(plan)
