@@ -39,6 +39,24 @@ def _env_name(value: str) -> str:
     return value
 
 
+def _add_launch_arguments(p) -> None:
+    """Where this process sits among the ranks, and what the ranks must share (serve and doctor)."""
+    multi = p.add_argument_group("several machines", "start the same command on every node; torchrun and srun "
+                                 "(a task per rank or per node) are recognised without these")
+    multi.add_argument("--nnodes", type=_positive_int("--nnodes"), default=1,
+                       help="machines sharing the ranks; each runs tensor-parallel-size / nnodes of them")
+    multi.add_argument("--node-rank", type=int, default=None, help="this machine's index, 0 to nnodes - 1")
+    multi.add_argument("--master-addr", default=None, help="address of node 0, where the ranks meet")
+    multi.add_argument("--master-port", type=_positive_int("--master-port"), default=None,
+                       help="port on node 0 where the ranks meet (default 29500)")
+    multi.add_argument("--control-interface", default=None, metavar="IFACE",
+                       help="network interface for the control plane (sets GLOO_SOCKET_IFNAME); the data plane "
+                            "follows the NCCL_* variables")
+    p.add_argument("--forward-env", nargs="+", action="extend", default=[], metavar="NAME", type=_env_name,
+                   help="environment variables whose values on the node that launches rank 0 are applied on "
+                        "every rank at start-up (unset there: unset everywhere)")
+
+
 def _add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", help="a Hugging Face-style model directory or a .gguf file")
@@ -64,22 +82,20 @@ def _add_serve_parser(sub) -> None:
                    help="auto: read the checkpoint; dummy: random weights in the model's shapes, drawn from "
                         "--seed (benchmarks: only config.json and the tokenizer are read)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs")
-    multi = p.add_argument_group("several machines", "start the same command on every node; torchrun and srun "
-                                 "(a task per rank or per node) are recognised without these")
-    multi.add_argument("--nnodes", type=_positive_int("--nnodes"), default=1,
-                       help="machines sharing the ranks; each runs tensor-parallel-size / nnodes of them")
-    multi.add_argument("--node-rank", type=int, default=None, help="this machine's index, 0 to nnodes - 1")
-    multi.add_argument("--master-addr", default=None, help="address of node 0, where the ranks meet")
-    multi.add_argument("--master-port", type=_positive_int("--master-port"), default=None,
-                       help="port on node 0 where the ranks meet (default 29500)")
-    multi.add_argument("--control-interface", default=None, metavar="IFACE",
-                       help="network interface for the control plane (sets GLOO_SOCKET_IFNAME); the data plane "
-                            "follows the NCCL_* variables")
-    p.add_argument("--forward-env", nargs="+", action="extend", default=[], metavar="NAME", type=_env_name,
-                   help="environment variables whose values on the node that launches rank 0 are applied on "
-                        "every rank at start-up (unset there: unset everywhere)")
+    _add_launch_arguments(p)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=_serve)
+
+
+def _add_doctor_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="check devices, limits, the ranks' handshake and their all-reduce; exit 0 "
+                                      "ready, 1 blocked, 3 warnings")
+    p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1,
+                   help="ranks to start and test together, as `serve -tp N` would (default 1: this host only)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    _add_launch_arguments(p)
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
+    p.set_defaults(func=_doctor)
 
 
 def _add_fetch_parser(sub) -> None:
@@ -93,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shardserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)
+    _add_doctor_parser(sub)
     _add_fetch_parser(sub)
     return parser
 
@@ -106,6 +123,12 @@ def _serve(args: argparse.Namespace) -> int:
     except StartupMismatch as e:
         print(f"shardserve serve: start-up stopped: {e}", file=sys.stderr)
         return 1
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from shardserve.entrypoints.doctor import doctor
+
+    return doctor(args)
 
 
 def _fetch_example(args: argparse.Namespace) -> int:

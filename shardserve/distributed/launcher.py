@@ -10,6 +10,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -122,11 +123,17 @@ def set_cpu_threads(local_world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
-def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int) -> None:
+def engine_worker(config: EngineConfig, ctx: RankContext) -> None:
+    from shardserve.engine.llm_engine import run_worker
+
+    run_worker(config, ctx)
+
+
+def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
+                 worker: Callable[[EngineConfig, RankContext], None]) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{info.rank} %(levelname)s %(name)s: %(message)s")
     from shardserve.distributed.handshake import StartupMismatch
     from shardserve.distributed.process_group import destroy_rank_context
-    from shardserve.engine.llm_engine import run_worker
 
     set_cpu_threads(info.local_world_size)
     try:
@@ -135,7 +142,7 @@ def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int) -> None
     except StartupMismatch:
         sys.exit(1)  # rank 0 reports the mismatch
     try:
-        run_worker(config, ctx)
+        worker(config, ctx)
     finally:
         destroy_rank_context(ctx)
 
@@ -145,9 +152,11 @@ class LocalRanks:
 
     On a single machine (the default) that is rank 0 plus world_size - 1 workers; with a NodeLaunch,
     node R runs ranks R * per_node ... R * per_node + per_node - 1, and only node 0's first rank drives.
+    Spawned ranks run `worker` (a module-level function) once they have joined the group.
     """
 
-    def __init__(self, config: EngineConfig, node: NodeLaunch | None = None) -> None:
+    def __init__(self, config: EngineConfig, node: NodeLaunch | None = None,
+                 worker: Callable[[EngineConfig, RankContext], None] = engine_worker) -> None:
         self.config = config
         node = node or single_node(config.tensor_parallel_size)
         if node.world_size != config.tensor_parallel_size:
@@ -158,7 +167,7 @@ class LocalRanks:
         self.processes = []
         for local in range(1, node.per_node):
             info = LaunchInfo(node.first_rank + local, node.world_size, node.init_method, local, node.per_node)
-            p = spawn.Process(target=_worker_main, args=(config, info, logging.getLogger().level),
+            p = spawn.Process(target=_worker_main, args=(config, info, logging.getLogger().level, worker),
                               name=f"shardserve-rank{info.rank}", daemon=True)
             p.start()
             self.processes.append(p)
