@@ -10,17 +10,18 @@ import sys
 from shardserve import __version__
 
 
-def _positive(convert, flag: str):
-    """An argparse type accepting only positive values of `convert` (int or float), naming the flag."""
-    kind = "integer" if convert is int else "number"
+def _positive(convert, flag: str, allow_zero: bool = False):
+    """An argparse type accepting only positive (or, with allow_zero, non-negative) values of `convert`
+    (int or float), naming the flag."""
+    kind = ("non-negative " if allow_zero else "positive ") + ("integer" if convert is int else "number")
 
     def parse(value: str):
         try:
             x = convert(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a positive {kind}, got {value!r}") from None
-        if x <= 0:
-            raise argparse.ArgumentTypeError(f"{flag} takes a positive {kind}, got {x}")
+            raise argparse.ArgumentTypeError(f"{flag} takes a {kind}, got {value!r}") from None
+        if x < 0 or (x == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"{flag} takes a {kind}, got {x}")
         return x
     return parse
 
@@ -82,6 +83,9 @@ def _add_serve_parser(sub) -> None:
                    help="auto: read the checkpoint; dummy: random weights in the model's shapes, drawn from "
                         "--seed (benchmarks: only config.json and the tokenizer are read)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs")
+    p.add_argument("--max-restarts", type=_positive(int, "--max-restarts", allow_zero=True), default=3,
+                   help="restart all ranks up to this many times when one dies (ranks started on this machine; "
+                        "default 3, 0 never)")
     _add_launch_arguments(p)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=_serve)

@@ -186,6 +186,13 @@ class LocalRanks:
         destroy_rank_context(self.ctx)
         self.join(timeout)
 
+    def dead_rank(self) -> str | None:
+        """A description of the first spawned rank that has exited, or None while all run."""
+        for p in self.processes:
+            if not p.is_alive():
+                return f"{p.name.removeprefix('shardserve-')} (pid {p.pid}) exited with code {p.exitcode}"
+        return None
+
     def join(self, timeout: float = 30.0) -> None:
         for p in self.processes:
             p.join(timeout)

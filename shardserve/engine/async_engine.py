@@ -21,7 +21,7 @@ from shardserve.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 KEEPALIVE_INTERVAL_S = 1.0
-HEALTH_STALL_S = 10.0  # /health fails when the loop has not come round for this long while busy
+HEALTH_STALL_S = 8.0  # /health fails when the loop has not come round for this long while busy
 
 
 class EngineDeadError(RuntimeError):
@@ -93,10 +93,25 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
-    def shutdown(self) -> None:
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped, or None while it runs."""
+        if self._error is None and not self._thread.is_alive() and not self._stop.is_set():
+            return EngineDeadError("the engine thread exited")
+        return self._error
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine dead from outside (a rank died): every waiting request ends with an error now,
+        even while the engine thread is still blocked in a collective with the dead rank."""
+        if self._error is None:
+            self._error = EngineDeadError(reason)
+        for stream in list(self._streams.values()):
+            stream.put(EngineDeadError(reason))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
         self._stop.set()
         self._commands.put(("wake",))
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
 
     # -- engine thread ----------------------------------------------------------------------------
     def _run(self, build_engine: Callable[[], LLMEngine]) -> None:

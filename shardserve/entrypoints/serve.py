@@ -53,7 +53,7 @@ def choose_launch(args: argparse.Namespace, world_size: int):
 
 
 def serve(args: argparse.Namespace) -> int:
-    from shardserve.distributed.launcher import LaunchInfo, LocalRanks, set_cpu_threads
+    from shardserve.distributed.launcher import LaunchInfo, LocalRanks, NodeLaunch, set_cpu_threads
     from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
     from shardserve.engine.llm_engine import run_worker
 
@@ -63,6 +63,11 @@ def serve(args: argparse.Namespace) -> int:
         os.environ["GLOO_SOCKET_IFNAME"] = args.control_interface  # before any gloo group exists
     config = engine_config_from_args(args)
     launch = choose_launch(args, config.tensor_parallel_size)
+    if isinstance(launch, NodeLaunch) and launch.nnodes == 1:
+        return _serve_supervised(args, config)
+    if args.max_restarts:
+        logger.info("ranks on several machines or under torchrun/srun: restarts are left to the launcher "
+                    "(--max-restarts applies to ranks this command starts on one machine)")
     ranks = None
     if isinstance(launch, LaunchInfo):
         set_cpu_threads(launch.local_world_size)
@@ -81,6 +86,36 @@ def serve(args: argparse.Namespace) -> int:
             ranks.close()
         else:
             destroy_rank_context(ctx)
+    return 0
+
+
+def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
+    """All ranks on this machine, under a supervisor that restarts them when one dies."""
+    from shardserve.distributed.launcher import LocalRanks
+    from shardserve.engine.async_engine import AsyncEngine
+    from shardserve.engine.llm_engine import LLMEngine
+    from shardserve.entrypoints.openai.server import build_app, serve_http
+    from shardserve.entrypoints.supervisor import Supervisor
+    from shardserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_model_path(config.model)
+
+    def start():
+        ranks = LocalRanks(config)  # a fresh rendezvous port each time
+        try:
+            return AsyncEngine(lambda: LLMEngine(config, ranks.ctx, tokenizer)), ranks
+        except BaseException:
+            ranks.close(timeout=10)
+            raise
+
+    supervisor = Supervisor(start, args.max_restarts)
+    try:
+        app = build_app(supervisor, args.served_model_name or config.model, api_key=args.api_key)
+        logger.info("serving %s on http://%s:%d (tensor parallel size %d, %s)", config.model, args.host,
+                    args.port, config.tensor_parallel_size, config.device)
+        serve_http(app, args.host, args.port)
+    finally:
+        supervisor.shutdown()
     return 0
 
 

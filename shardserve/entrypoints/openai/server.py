@@ -93,9 +93,13 @@ _router = APIRouter()
 
 @_router.get("/health")
 async def health(request: Request) -> Response:
-    if not _serving(request).engine.is_healthy():
-        raise ServiceUnavailableError("The engine is not running.")
-    return JSONResponse({"status": "ok"})
+    engine = _serving(request).engine
+    details = engine.health_details() if hasattr(engine, "health_details") else {}
+    if not engine.is_healthy():
+        why = f": {details['last_failure']}" if details.get("last_failure") else ""
+        restarts = f" (restarts so far: {details['restarts']})" if "restarts" in details else ""
+        raise ServiceUnavailableError(f"The engine is not running{why}{restarts}.")
+    return JSONResponse({"status": "ok", **details})
 
 
 @_router.get("/version")

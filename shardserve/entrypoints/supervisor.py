@@ -1,0 +1,101 @@
+"""Keeps the ranks serving: watches them, fails in-flight requests the moment one dies, restarts them all.
+
+The supervisor stands where the HTTP app expects its engine (same generate/abort/is_healthy), so the
+HTTP server stays up through a restart and answers /health with 503 and the reason meanwhile.
+Invariants: requests are only ever given to the current engine; a failure is acted on once (in-flight
+requests end with an error, the old ranks are torn down, new ones start after a back-off of 1, 2, 4
+... up to 30 s); after `max_restarts` restarts the server stays unhealthy instead of looping.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import AsyncIterator, Callable
+
+from shardserve.distributed.launcher import LocalRanks
+from shardserve.engine.async_engine import AsyncEngine
+from shardserve.engine.outputs import RequestOutput
+from shardserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5
+MAX_BACKOFF_S = 30.0
+
+
+class Supervisor:
+    def __init__(self, start: Callable[[], tuple[AsyncEngine, LocalRanks]], max_restarts: int) -> None:
+        self._start = start
+        self.max_restarts = max_restarts
+        self.engine, self.ranks = start()
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.restarts = 0
+        self.last_failure: str | None = None
+        self._restarting = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="shardserve-supervisor", daemon=True)
+        self._thread.start()
+
+    # -- what the HTTP app calls -----------------------------------------------------------------
+    def is_healthy(self) -> bool:
+        return not self._restarting and self.engine.is_healthy()
+
+    def health_details(self) -> dict:
+        current = None if self._restarting else self._problem()  # seen before the watch acts on it
+        return {"restarts": self.restarts, "last_failure": current or self.last_failure}
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        async for out in self.engine.generate(request_id, prompt_token_ids, params):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._teardown()
+
+    # -- the watch --------------------------------------------------------------------------------
+    def _problem(self) -> str | None:
+        dead = self.ranks.dead_rank()
+        if dead is not None:
+            return dead
+        error = self.engine.error
+        return None if error is None else f"the engine failed: {error}"
+
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            problem = self._problem()
+            if problem is None:
+                continue
+            self.last_failure = problem
+            self.engine.fail(problem)
+            if self.restarts >= self.max_restarts:
+                logger.error("%s; in-flight requests failed; not restarting (--max-restarts %d reached)", problem,
+                             self.max_restarts)
+                return
+            self._restarting = True
+            delay = min(MAX_BACKOFF_S, 2.0 ** self.restarts)
+            logger.error("%s; in-flight requests failed; restarting all ranks in %.0f s (restart %d of %d)",
+                         problem, delay, self.restarts + 1, self.max_restarts)
+            self._teardown()
+            if self._stop.wait(delay):
+                return
+            self.restarts += 1
+            try:
+                self.engine, self.ranks = self._start()
+            except Exception as e:  # noqa: BLE001 - counted as a failed restart; the watch goes on
+                self.last_failure = f"restart {self.restarts} failed: {e}"
+                logger.exception("restart %d failed", self.restarts)
+                continue
+            self._restarting = False
+            logger.info("all %d ranks restarted (restart %d of %d); serving again", self.ranks.node.world_size,
+                        self.restarts, self.max_restarts)
+
+    def _teardown(self) -> None:
+        self.engine.shutdown(timeout=10)
+        self.ranks.close(timeout=10)
