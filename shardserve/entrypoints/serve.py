@@ -94,7 +94,6 @@ def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
     from shardserve.distributed.launcher import LocalRanks
     from shardserve.engine.async_engine import AsyncEngine
     from shardserve.engine.llm_engine import LLMEngine
-    from shardserve.entrypoints.openai.server import build_app, serve_http
     from shardserve.entrypoints.supervisor import Supervisor
     from shardserve.tokenizer import Tokenizer
 
@@ -108,25 +107,23 @@ def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
             ranks.close(timeout=10)
             raise
 
-    supervisor = Supervisor(start, args.max_restarts)
-    try:
-        app = build_app(supervisor, args.served_model_name or config.model, api_key=args.api_key)
-        logger.info("serving %s on http://%s:%d (tensor parallel size %d, %s)", config.model, args.host,
-                    args.port, config.tensor_parallel_size, config.device)
-        serve_http(app, args.host, args.port)
-    finally:
-        supervisor.shutdown()
+    _serve_http_until_stopped(args, config, Supervisor(start, args.max_restarts))
     return 0
 
 
 def _serve_rank0(args: argparse.Namespace, config: EngineConfig, ctx) -> None:
     from shardserve.engine.async_engine import AsyncEngine
     from shardserve.engine.llm_engine import LLMEngine
-    from shardserve.entrypoints.openai.server import build_app, serve_http
     from shardserve.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(config.model)
-    engine = AsyncEngine(lambda: LLMEngine(config, ctx, tokenizer))
+    _serve_http_until_stopped(args, config, AsyncEngine(lambda: LLMEngine(config, ctx, tokenizer)))
+
+
+def _serve_http_until_stopped(args: argparse.Namespace, config: EngineConfig, engine) -> None:
+    """The HTTP API over `engine` (an AsyncEngine or a Supervisor) until SIGINT/SIGTERM; then shut it down."""
+    from shardserve.entrypoints.openai.server import build_app, serve_http
+
     try:
         app = build_app(engine, args.served_model_name or config.model, api_key=args.api_key)
         logger.info("serving %s on http://%s:%d (tensor parallel size %d, %s)", config.model, args.host,

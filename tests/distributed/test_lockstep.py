@@ -3,12 +3,11 @@ rank, with a message naming the step and the rank; ranks that agree run on."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import torch
 
 from shardserve.config import EngineConfig
-from shardserve.distributed.process_group import destroy_rank_context, find_free_port, init_rank_context
+from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
+from tests.ranks import run_ranks
 
 DIVERGE_AT = 3  # step 1 prefills, steps 2... decode
 
@@ -54,26 +53,13 @@ def _rank(rank: int, port: int, model_dir: str, diverge: bool, results) -> None:
         destroy_rank_context(ctx, timeout_s=5)
 
 
-def _run(model_dir: str, diverge: bool) -> dict[int, str]:
-    spawn = mp.get_context("spawn")
-    results = spawn.Queue()
-    port = find_free_port()
-    procs = [spawn.Process(target=_rank, args=(r, port, model_dir, diverge, results)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    outcome = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-    return outcome
-
-
 def test_a_diverging_rank_is_named_at_the_step_it_diverged(tiny_model_dir):
-    outcome = _run(tiny_model_dir("llama-untied"), diverge=True)
+    outcome = run_ranks(_rank, 2, tiny_model_dir("llama-untied"), True)
     for rank in (0, 1):
         assert outcome[rank] == (f"LockstepError: ranks out of step at step {DIVERGE_AT}: rank 1 differs in plan "
                                  "digest. The server stops rather than compute with ranks that disagree."), outcome
 
 
 def test_ranks_in_step_check_every_step_on_cpu(tiny_model_dir):
-    outcome = _run(tiny_model_dir("llama-untied"), diverge=False)
+    outcome = run_ranks(_rank, 2, tiny_model_dir("llama-untied"), False)
     assert outcome == {0: "finished after 6 steps, 6 checked", 1: "finished"}

@@ -3,12 +3,11 @@ node) refuse to serve, naming the rank and the tensors; identical ones start."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import torch
 
 from shardserve.config import EngineConfig, ModelConfig
-from shardserve.distributed.process_group import destroy_rank_context, find_free_port, init_rank_context
+from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
+from tests.ranks import run_ranks
 
 CORRUPTED = "model.layers.1.post_attention_layernorm.weight"
 
@@ -37,21 +36,8 @@ def _rank(rank: int, port: int, model_dir: str, corrupt_rank: int | None, result
         destroy_rank_context(ctx)
 
 
-def _start_two_ranks(model_dir: str, corrupt_rank: int | None) -> dict[int, str]:
-    spawn = mp.get_context("spawn")
-    results = spawn.Queue()
-    port = find_free_port()
-    procs = [spawn.Process(target=_rank, args=(r, port, model_dir, corrupt_rank, results)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    outcome = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-    return outcome
-
-
 def test_a_corrupted_norm_on_one_rank_stops_start_up_naming_rank_and_tensor(tiny_model_dir):
-    outcome = _start_two_ranks(tiny_model_dir("llama-untied"), corrupt_rank=1)
+    outcome = run_ranks(_rank, 2, tiny_model_dir("llama-untied"), 1)
     for rank in (0, 1):
         assert outcome[rank].startswith("StartupMismatch: the replicated weights are not the same"), outcome[rank]
         assert "rank 1 (" in outcome[rank] and "differs from rank 0 (" in outcome[rank]
@@ -59,4 +45,4 @@ def test_a_corrupted_norm_on_one_rank_stops_start_up_naming_rank_and_tensor(tiny
 
 
 def test_identical_weights_start(tiny_model_dir):
-    assert _start_two_ranks(tiny_model_dir("qwen3"), corrupt_rank=None) == {0: "started", 1: "started"}
+    assert run_ranks(_rank, 2, tiny_model_dir("qwen3"), None) == {0: "started", 1: "started"}
