@@ -193,6 +193,14 @@ class LocalRanks:
                 return f"{p.name.removeprefix('shardserve-')} (pid {p.pid}) exited with code {p.exitcode}"
         return None
 
+    def stop_workers(self) -> None:
+        """Kill this node's spawned ranks now (they are being replaced); SIGKILL also stops a stopped one."""
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self.processes:
+            p.join(5)
+
     def join(self, timeout: float = 30.0) -> None:
         for p in self.processes:
             p.join(timeout)

@@ -93,6 +93,10 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def stalled_for(self) -> float:
+        """Seconds since the engine loop last came round (it does at least every KEEPALIVE_INTERVAL_S)."""
+        return time.monotonic() - self._last_beat
+
     @property
     def error(self) -> BaseException | None:
         """Why the engine stopped, or None while it runs."""

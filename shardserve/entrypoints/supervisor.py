@@ -2,9 +2,11 @@
 
 The supervisor stands where the HTTP app expects its engine (same generate/abort/is_healthy), so the
 HTTP server stays up through a restart and answers /health with 503 and the reason meanwhile.
-Invariants: requests are only ever given to the current engine; a failure is acted on once (in-flight
-requests end with an error, the old ranks are torn down, new ones start after a back-off of 1, 2, 4
-... up to 30 s); after `max_restarts` restarts the server stays unhealthy instead of looping.
+Failures: a rank process that exits, an engine error, or an engine loop stuck for STALL_RESTART_S (a
+hung rank). Invariants: requests are only ever given to the current engine; a failure is acted on
+once (in-flight requests end with an error, the old ranks are torn down, new ones start after a
+back-off of 1, 2, 4 ... up to 30 s); after `max_restarts` restarts the server stays unhealthy
+instead of looping.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
 MAX_BACKOFF_S = 30.0
+# A step stuck this long counts as a hung rank (/health already fails after HEALTH_STALL_S). Generous,
+# because one long prefill chunk of a large model on a CPU can take many seconds.
+STALL_RESTART_S = 30.0
 
 
 class Supervisor:
@@ -65,7 +70,12 @@ class Supervisor:
         if dead is not None:
             return dead
         error = self.engine.error
-        return None if error is None else f"the engine failed: {error}"
+        if error is not None:
+            return f"the engine failed: {error}"
+        stalled = self.engine.stalled_for()
+        if stalled > STALL_RESTART_S:
+            return f"the engine made no progress for {stalled:.0f} s (a rank hung?)"
+        return None
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -97,5 +107,8 @@ class Supervisor:
                         self.restarts, self.max_restarts)
 
     def _teardown(self) -> None:
+        # Workers go first: an engine thread blocked in a collective with a hung rank is released when
+        # that rank's connections close, and then its loop can stop.
+        self.ranks.stop_workers()
         self.engine.shutdown(timeout=10)
-        self.ranks.close(timeout=10)
+        self.ranks.close(timeout=5)

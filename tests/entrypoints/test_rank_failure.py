@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,61 +34,88 @@ def _greedy(client: openai.OpenAI, max_tokens: int = 12) -> str:
                                      extra_body={"ignore_eos": True}).choices[0].text
 
 
-def test_killing_rank_1_mid_stream_fails_the_stream_then_the_server_comes_back(tiny_model_dir):
+@pytest.fixture
+def server(tiny_model_dir):
+    """A `shardserve serve -tp 2` process (CPU, --max-restarts 2) and its URL, once healthy."""
     if not Path("/proc/self/task").is_dir():
         pytest.skip("needs /proc to find the rank process")
     port = find_free_port()
-    server = subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "shardserve", "serve", tiny_model_dir("llama-untied"), "-tp", "2", "--device", "cpu",
          "--served-model-name", "tiny", "--kv-cache-memory", "0.05", "--max-restarts", "2", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.3)
-        before = _greedy(client)
-
-        stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=480, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
-        received, killed_at = 0, None
-        with pytest.raises(openai.APIError):
-            for _ in stream:
-                received += 1
-                if received == 3:
-                    os.kill(_spawned_rank(server.pid), signal.SIGKILL)
-                    killed_at = time.monotonic()
-        assert killed_at is not None and received < 480, "the stream ended with an error, mid-way"
-
-        unhealthy_after = None
-        while time.monotonic() - killed_at < 10:
-            response = httpx.get(f"{url}/health", timeout=2)
-            if response.status_code == 503:
-                unhealthy_after = time.monotonic() - killed_at
-                assert "rank1" in response.json()["error"]["message"]
-                break
-            time.sleep(0.1)
-        assert unhealthy_after is not None, "/health did not answer 503 within 10 s of the rank's death"
-
-        deadline = time.monotonic() + 90
-        while httpx.get(f"{url}/health", timeout=2).status_code != 200:
-            assert server.poll() is None, server.stdout.read()
-            assert time.monotonic() < deadline, "the supervisor did not bring the server back"
-            time.sleep(0.3)
-        health = httpx.get(f"{url}/health", timeout=2).json()
-        assert health["restarts"] == 1 and "rank1" in health["last_failure"]
-        assert _greedy(client) == before, "after the restart the server gives the same tokens"
+        _wait_for_health(proc, url, 200, timeout=120)
+        yield proc, url
     finally:
-        server.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)
         try:
-            server.wait(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            server.kill()
+            proc.kill()
+
+
+def _wait_for_health(proc: subprocess.Popen, url: str, status: int, timeout: float) -> float:
+    """Seconds until /health answers `status`; fails after `timeout`."""
+    started = time.monotonic()
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == status:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() - started < timeout, f"/health did not answer {status} within {timeout} s"
+        time.sleep(0.1)
+
+
+def _stream_in_background(client: openai.OpenAI, on_chunk) -> dict:
+    """Consume a long greedy stream on a thread; the dict gets 'chunks', then 'error' and 'ended_at'."""
+    state: dict = {"chunks": 0}
+
+    def consume():
+        try:
+            for _ in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=480, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+                state["chunks"] += 1
+                on_chunk(state["chunks"])
+        except openai.APIError as e:
+            state["error"] = e
+        state["ended_at"] = time.monotonic()
+
+    state["thread"] = threading.Thread(target=consume, daemon=True)
+    state["thread"].start()
+    return state
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=90)
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_failed_rank_fails_the_stream_turns_health_503_then_the_server_comes_back(server, fault):
+    proc, url = server
+    client = _client(url)
+    before = _greedy(client)
+    faulted: dict = {}
+
+    def inject(chunks: int) -> None:
+        if chunks == 3:
+            os.kill(_spawned_rank(proc.pid), signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+            faulted["at"] = time.monotonic()
+
+    stream = _stream_in_background(client, inject)
+    while "at" not in faulted:
+        assert stream["thread"].is_alive(), "the stream ended before the fault"
+        time.sleep(0.01)
+    assert _wait_for_health(proc, url, 503, timeout=10) < 10
+    stream["thread"].join(timeout=60)
+    assert "error" in stream, "the stream must end with an error, not hang or complete"
+    assert stream["chunks"] < 480
+
+    _wait_for_health(proc, url, 200, timeout=90)
+    health = httpx.get(f"{url}/health", timeout=2).json()
+    expected = "rank1" if fault == "killed" else "made no progress"
+    assert health["restarts"] == 1 and expected in health["last_failure"], health
+    assert _greedy(client) == before, "after the restart the server gives the same tokens"
