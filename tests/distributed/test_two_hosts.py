@@ -74,35 +74,60 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-def test_one_rank_on_each_of_two_hosts_gives_the_tokens_of_one_rank(tiny_model_dir, two_hosts):
-    model_dir = tiny_model_dir("llama-untied")
-    with LLM(model_dir, kv_cache_memory_gb=0.05) as llm:
-        expected = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].text
-    (ns_a, addr_a, dev_a), (ns_b, _, dev_b) = two_hosts
+def _start_nodes(model_dir: str, hosts, extra_args: list[str], node_env: list[dict[str, str]]):
+    (ns_a, addr_a, _), _ = hosts
     master_port, http_port = find_free_port(), find_free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "GLOO_", "SHARDSERVE_"))}
     env["PYTHONUNBUFFERED"] = "1"
     nodes = []
-    for node_rank, (ns, dev) in enumerate(((ns_a, dev_a), (ns_b, dev_b))):
+    for node_rank, (ns, _, dev) in enumerate(hosts):
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "shardserve", "serve", model_dir, "-tp", "2",
                "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", addr_a,
                "--master-port", str(master_port), "--control-interface", dev, "--device", "cpu",
-               "--host", addr_a, "--port", str(http_port), "--served-model-name", "tiny", "--kv-cache-memory", "0.05"]
-        nodes.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+               "--host", addr_a, "--port", str(http_port), "--served-model-name", "tiny", "--kv-cache-memory", "0.05",
+               *extra_args]
+        nodes.append(subprocess.Popen(cmd, env={**env, **node_env[node_rank]}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return nodes, f"http://{addr_a}:{http_port}", env
+
+
+def _stop(nodes) -> list[str]:
+    for node in nodes:
+        node.terminate()
+    logs = []
+    for node in nodes:
+        try:
+            logs.append(node.communicate(timeout=30)[0])
+        except subprocess.TimeoutExpired:
+            node.kill()
+            logs.append(node.communicate()[0])
+    return logs
+
+
+def test_one_rank_on_each_of_two_hosts_gives_the_tokens_of_one_rank(tiny_model_dir, two_hosts):
+    """Node b's NCCL_ALGO differs, but node a forwards its own value, so the hosts agree and serve."""
+    model_dir = tiny_model_dir("llama-untied")
+    with LLM(model_dir, kv_cache_memory_gb=0.05) as llm:
+        expected = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].text
+    nodes, url, env = _start_nodes(model_dir, two_hosts, ["--forward-env", "NCCL_ALGO"],
+                                   [{"NCCL_ALGO": "Tree"}, {"NCCL_ALGO": "Ring"}])
     try:
-        client = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c", CLIENT,
-                                 f"http://{addr_a}:{http_port}", PROMPT],
+        client = subprocess.run(["ip", "netns", "exec", two_hosts[0][0], sys.executable, "-c", CLIENT, url, PROMPT],
                                 env=env, capture_output=True, text=True, timeout=240)
     finally:
-        for node in nodes:
-            node.terminate()
-        logs = []
-        for node in nodes:
-            try:
-                logs.append(node.communicate(timeout=30)[0])
-            except subprocess.TimeoutExpired:
-                node.kill()
-                logs.append(node.communicate()[0])
+        logs = _stop(nodes)
     assert client.returncode == 0, f"client: {client.stderr}\nnode 0:\n{logs[0][-3000:]}\nnode 1:\n{logs[1][-3000:]}"
     assert json.loads(client.stdout) == expected
+    assert "forwarded to every rank: NCCL_ALGO=Tree" in logs[0]
     assert "2 ranks run the same code, config and environment" in logs[0]
+
+
+def test_a_variable_that_differs_between_the_hosts_refuses_start_up(tiny_model_dir, two_hosts):
+    nodes, _, _ = _start_nodes(tiny_model_dir("llama-untied"), two_hosts, [], [{}, {"NCCL_ALGO": "Ring"}])
+    try:
+        codes = [node.wait(timeout=120) for node in nodes]
+    finally:
+        logs = _stop(nodes)
+    assert codes[0] != 0 and codes[1] != 0
+    for log in logs:
+        assert "NCCL_ALGO differs: rank 0 (" in log and "has <unset>; rank 1 (" in log and "has 'Ring'" in log
