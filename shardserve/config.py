@@ -149,6 +149,7 @@ class EngineConfig:
     load_format: str = "auto"  # one of LOAD_FORMATS
     # Variables rank 0 ships to every rank at start-up (distributed/handshake.py); rank 0's list counts.
     forward_env: tuple[str, ...] = ()
+    wake_on_request: bool = False  # a request to a sleeping engine wakes it (else it waits for a wake-up)
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -21,12 +21,14 @@ from shardserve.engine.sampler import Sampler
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
-from shardserve.engine.step_plan import PlanKind, StepPlan
+from shardserve.engine.step_plan import WAKE_KV_CACHE, WAKE_WEIGHTS, PlanKind, StepPlan
 
 if TYPE_CHECKING:
     from shardserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+CANARY_ID = "shardserve-canary"
 
 
 class LLMEngine:
@@ -47,6 +49,12 @@ class LLMEngine:
         self.by_request: dict[str, Sequence] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._step_id = 0
+        # Sleep/wake: requests that arrive while asleep wait here; the canary's greedy tokens, recorded
+        # at the first sleep from the weights as loaded, must come out again after every wake.
+        self.held: list[Sequence] = []
+        self.canary_tokens: list[int] | None = None
+        self.canary_reloads = 0
+        self.wake_on_request = config.wake_on_request
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -57,7 +65,10 @@ class LLMEngine:
         self.seqs[seq.seq_id] = seq
         self.by_request[request_id] = seq
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self.scheduler.add(seq)
+        if self.is_sleeping:
+            self.held.append(seq)
+        else:
+            self.scheduler.add(seq)
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_token_ids)
@@ -80,10 +91,85 @@ class LLMEngine:
         return self._output(seq, [], "", None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.held and (self.wake_on_request or not self.is_sleeping))
+
+    # -- sleep / wake -----------------------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.weights_asleep or self.runner.kv_asleep
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back, on every rank. Needs an idle engine (no request in flight)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.scheduler.has_work():
+            raise RuntimeError("cannot sleep with requests in flight")
+        if self.is_sleeping:
+            return
+        if self.canary_tokens is None:
+            self.canary_tokens = self._run_canary()
+        self._send_control(PlanKind.SLEEP, level)
+        self.runner.sleep(level)
+        self._reset_cache()
+        logger.info("asleep (level %d): weights %s, KV cache freed", level,
+                    "in host memory" if level == 1 else "dropped")
+
+    def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
+        """Take the device memory back (both parts by default). Once fully awake, the canary must give
+        the tokens it gave before the first sleep, or the weights are reloaded from the checkpoint."""
+        self._send_control(PlanKind.WAKE, (WAKE_WEIGHTS if weights else 0) | (WAKE_KV_CACHE if kv_cache else 0))
+        self.runner.wake(weights, kv_cache)
+        if self.is_sleeping:
+            return
+        self._check_canary()
+        for seq in self.held:
+            self.scheduler.add(seq)
+        self.held.clear()
+        logger.info("awake")
+
+    def _check_canary(self) -> None:
+        if self.canary_tokens is None:
+            return
+        got = self._run_canary()
+        if got == self.canary_tokens:
+            return
+        self.canary_reloads += 1
+        logger.error("canary after wake gave %s, expected %s: the weights changed while asleep; reloading them "
+                     "from the checkpoint", got, self.canary_tokens)
+        self._send_control(PlanKind.RELOAD, 0)
+        self.runner.reload_weights()
+        self._reset_cache()
+        got = self._run_canary()
+        if got != self.canary_tokens:
+            raise RuntimeError(f"the canary still gives {got} instead of {self.canary_tokens} after reloading "
+                               "the checkpoint: refusing to serve")
+        logger.info("canary passes after reloading the weights")
+
+    def _run_canary(self) -> list[int]:
+        """Greedy tokens of a fixed prompt, computed alone (called only when nothing else is scheduled)."""
+        prompt = [t % self.model_config.vocab_size for t in range(1, 9)]
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False)
+        self.add_request(CANARY_ID, prompt, params)
+        seq = self.by_request[CANARY_ID]
+        while not seq.is_finished:
+            self.step()
+        tokens = list(seq.output_token_ids)
+        self._reset_cache()
+        return tokens
+
+    def _reset_cache(self) -> None:
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler.blocks = self.block_manager
+
+    def _send_control(self, kind: PlanKind, arg: int) -> None:
+        self._step_id += 1
+        self.control.send(StepPlan(self._step_id, kind, arg=arg))
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.held and self.is_sleeping and self.wake_on_request:
+            self.wake_up()
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
@@ -160,3 +246,9 @@ def run_worker(config: EngineConfig, ctx: RankContext) -> None:
         if plan.kind is PlanKind.RUN:
             runner.execute(plan)
             lockstep.confirm(plan)
+        elif plan.kind is PlanKind.SLEEP:
+            runner.sleep(plan.arg)
+        elif plan.kind is PlanKind.WAKE:
+            runner.wake(bool(plan.arg & WAKE_WEIGHTS), bool(plan.arg & WAKE_KV_CACHE))
+        elif plan.kind is PlanKind.RELOAD:
+            runner.reload_weights()

@@ -23,6 +23,7 @@ from shardserve.layers.linear_kernels import choose_linear_kernel, pack_linear_w
 from shardserve.models import MODEL_CLASSES
 from shardserve.weights.consistency import verify_replicated_weights
 from shardserve.weights.loader import load_weights
+from shardserve.weights.offload import HostCopy, offload, restore
 
 logger = logging.getLogger(__name__)
 
@@ -43,22 +44,67 @@ class ModelRunner:
                 logger.info("replicated weights identical on all %d ranks (%d tensors compared)", ctx.world_size,
                             checked)
         self.num_blocks = self._size_kv_cache()
-        self.kv_caches = allocate_kv_cache(model_config.num_layers, self.num_blocks, self.block_size,
-                                           self.model.kv_heads_per_rank(), model_config.head_dim, self.dtype,
-                                           self.device)
+        self.kv_caches = self._allocate_kv_cache()
         attn = self.model.model.layers[0].self_attn.attn
         self.attention = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
                                                   attn.kv_index_tuple, log=ctx.is_driver)
         self.all_reduce_choice: all_reduce.AllReduceChoice | None = None
         self.graphs: CudaGraphRunner | None = None
+        self.host_weights: HostCopy | None = None  # while the weights sleep at level 1
+        self.weights_asleep = self.kv_asleep = False
         if self.device.type == "cuda":
             self._choose_all_reduce()
-            if not config.enforce_eager and hasattr(self.attention, "static_decode_metadata"):
-                split_sizes = self.all_reduce_choice.split_sizes if self.all_reduce_choice else frozenset()
-                self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.attention, ctx.comm,
-                                              config.max_num_seqs, self.max_model_len, split_sizes,
-                                              self._hidden_bytes_per_token())
-                self.graphs.capture_all()
+        self._capture_graphs()
+
+    def _allocate_kv_cache(self):
+        return allocate_kv_cache(self.model_config.num_layers, self.num_blocks, self.block_size,
+                                 self.model.kv_heads_per_rank(), self.model_config.head_dim, self.dtype, self.device)
+
+    def _capture_graphs(self) -> None:
+        if self.device.type != "cuda" or self.config.enforce_eager or not hasattr(self.attention,
+                                                                                  "static_decode_metadata"):
+            return
+        split_sizes = self.all_reduce_choice.split_sizes if self.all_reduce_choice else frozenset()
+        self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.attention, self.ctx.comm,
+                                      self.config.max_num_seqs, self.max_model_len, split_sizes,
+                                      self._hidden_bytes_per_token())
+        self.graphs.capture_all()
+
+    # -- sleep / wake -----------------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Level 1: weights to host memory, KV cache freed. Level 2: weights dropped as well (waking
+        reloads them from the checkpoint). Device memory goes back to the driver either way."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self.graphs = None  # they hold the cache's and the weights' addresses
+        if not self.weights_asleep:
+            host = offload(self.model, keep_host_copy=level == 1)
+            self.host_weights = host if level == 1 else None  # None: waking reloads the checkpoint
+            self.weights_asleep = True
+        self.kv_caches, self.kv_asleep = None, True
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def wake(self, weights: bool = True, kv_cache: bool = True) -> None:
+        if weights and self.weights_asleep:
+            if self.host_weights is None:
+                self.model = self._load_model()
+            else:
+                restore(self.model, self.host_weights, self.device)
+            self.host_weights, self.weights_asleep = None, False
+        if kv_cache and self.kv_asleep:
+            self.kv_caches, self.kv_asleep = self._allocate_kv_cache(), False
+        if not (self.weights_asleep or self.kv_asleep):
+            self._capture_graphs()
+
+    def reload_weights(self) -> None:
+        """Replace the working weights by a fresh load of the checkpoint (after a failed canary)."""
+        self.graphs = None
+        self.model = self._load_model()
+        gc.collect()
+        self._capture_graphs()
 
     def close(self) -> None:
         """Free the CUDA graphs before the process group goes: captured graphs hold NCCL collectives and

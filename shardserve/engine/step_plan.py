@@ -15,6 +15,12 @@ class PlanKind(enum.IntEnum):
     RUN = 0  # run the model on `chunks`
     KEEPALIVE = 1  # nothing to run; proves rank 0 is alive
     SHUTDOWN = 2  # leave the worker loop
+    SLEEP = 3  # release device memory; arg: the level (1 keeps the weights in host memory, 2 drops them)
+    WAKE = 4  # take device memory back; arg: WAKE_WEIGHTS | WAKE_KV_CACHE
+    RELOAD = 5  # load the weights afresh from the checkpoint
+
+
+WAKE_WEIGHTS, WAKE_KV_CACHE = 1, 2
 
 
 @dataclass
@@ -34,15 +40,16 @@ class StepPlan:
     kind: PlanKind
     chunks: list[SeqChunk] = field(default_factory=list)
     freed_seq_ids: list[int] = field(default_factory=list)
+    arg: int = 0  # SLEEP and WAKE: see PlanKind
 
     def encode(self) -> bytes:
         chunks = [[c.seq_id, c.start_position, c.token_ids, c.block_table, c.sample] for c in self.chunks]
-        return msgpack.packb([self.step_id, int(self.kind), chunks, self.freed_seq_ids])
+        return msgpack.packb([self.step_id, int(self.kind), chunks, self.freed_seq_ids, self.arg])
 
     @classmethod
     def decode(cls, data: bytes) -> "StepPlan":
-        step_id, kind, chunks, freed = msgpack.unpackb(data)
-        return cls(step_id, PlanKind(kind), [SeqChunk(*c) for c in chunks], freed)
+        step_id, kind, chunks, freed, arg = msgpack.unpackb(data)
+        return cls(step_id, PlanKind(kind), [SeqChunk(*c) for c in chunks], freed, arg)
 
     @property
     def num_tokens(self) -> int:

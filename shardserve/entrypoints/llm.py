@@ -26,6 +26,8 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; results in prompt order."""
+        if self.engine.is_sleeping and not self.engine.wake_on_request:
+            raise RuntimeError("the engine is asleep: call wake_up() first (or create it with wake_on_request=True)")
         batch = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         # Check every prompt before queueing any, so a refused batch leaves nothing behind in the engine.
         for token_ids in batch:
@@ -41,6 +43,21 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
         return [finished[i] for i in ids]
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory on every rank: level 1 keeps the weights in host memory, level 2 drops them."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: tags None for all, or a subset of ["weights", "kv_cache"]."""
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags are 'weights' and 'kv_cache', got {sorted(unknown)}")
+        self.engine.wake_up(weights=tags is None or "weights" in tags, kv_cache=tags is None or "kv_cache" in tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
 
     def shutdown(self) -> None:
         self.engine.shutdown()
