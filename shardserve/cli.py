@@ -83,6 +83,8 @@ def _add_serve_parser(sub) -> None:
                    help="auto: read the checkpoint; dummy: random weights in the model's shapes, drawn from "
                         "--seed (benchmarks: only config.json and the tokenizer are read)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs")
+    p.add_argument("--wake-on-request", action="store_true",
+                   help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
     p.add_argument("--max-restarts", type=_positive(int, "--max-restarts", allow_zero=True), default=3,
                    help="restart all ranks up to this many times when one dies (ranks started on this machine; "
                         "default 3, 0 never)")

@@ -7,6 +7,7 @@ command queue, and it answers each request through that request's asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -52,6 +53,8 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._last_beat = time.monotonic()
         self._built = threading.Event()
+        self._pending_sleeps: list[tuple[int, concurrent.futures.Future]] = []
+        self._deferred_adds: list[tuple] = []
         self._thread = threading.Thread(target=self._run, args=(build_engine,), name="shardserve-engine",
                                         daemon=True)
         self._thread.start()
@@ -93,6 +96,24 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    # -- sleep / wake (run on the engine thread; a sleep waits for the requests in flight) ----------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    async def sleep(self, level: int) -> None:
+        await self._call("sleep", level)
+
+    async def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
+        await self._call("wake_up", weights, kv_cache)
+
+    async def _call(self, *command) -> None:
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine has stopped: {self._error!r}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((*command, done))
+        await asyncio.wrap_future(done)
+
     def stalled_for(self) -> float:
         """Seconds since the engine loop last came round (it does at least every KEEPALIVE_INTERVAL_S)."""
         return time.monotonic() - self._last_beat
@@ -132,7 +153,8 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._last_beat = time.monotonic()
-                if not self._drain_commands(block=not self.engine.has_work()):
+                self._sleep_when_idle()
+                if not self._drain_commands(block=not self.engine.has_work() and not self._pending_sleeps):
                     self.engine.keepalive()
                     continue
                 if self.engine.has_work():
@@ -158,7 +180,28 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
+    def _sleep_when_idle(self) -> None:
+        """Pending sleeps happen once no request is in flight; requests that came meanwhile then wait
+        (held by the sleeping engine) for the wake."""
+        if not self._pending_sleeps or self.engine.scheduler.has_work():
+            return
+        pending, self._pending_sleeps = self._pending_sleeps, []
+        for level, done in pending:
+            _settle(done, lambda level=level: self.engine.sleep(level))
+        deferred, self._deferred_adds = self._deferred_adds, []
+        for command in deferred:
+            self._apply(command)
+
     def _apply(self, command: tuple) -> None:
+        if command[0] == "sleep":
+            self._pending_sleeps.append((command[1], command[2]))
+            return
+        if command[0] == "wake_up":
+            _settle(command[3], lambda: self.engine.wake_up(command[1], command[2]))
+            return
+        if command[0] == "add" and self._pending_sleeps:
+            self._deferred_adds.append(command)
+            return
         if command[0] == "add":
             _, request_id, prompt, params = command
             try:
@@ -174,3 +217,13 @@ class AsyncEngine:
         stream = self._streams.get(out.request_id)
         if stream is not None:
             stream.put(out)
+
+
+def _settle(done: concurrent.futures.Future, action: Callable[[], object]) -> None:
+    """Run action on the engine thread and hand its outcome (or its error) to the waiting caller."""
+    try:
+        action()
+    except Exception as e:  # noqa: BLE001 - the caller gets it
+        done.set_exception(e)
+    else:
+        done.set_result(None)

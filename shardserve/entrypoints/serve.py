@@ -26,6 +26,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gb=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, enforce_eager=args.enforce_eager,
         load_format=args.load_format, forward_env=tuple(dict.fromkeys(args.forward_env)),
+        wake_on_request=args.wake_on_request,
     )
 
 

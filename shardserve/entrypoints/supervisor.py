@@ -59,6 +59,16 @@ class Supervisor:
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    async def sleep(self, level: int) -> None:
+        await self.engine.sleep(level)
+
+    async def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
+        await self.engine.wake_up(weights, kv_cache)
+
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)

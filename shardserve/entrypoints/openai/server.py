@@ -102,6 +102,34 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok", **details})
 
 
+@_router.post("/sleep")
+async def sleep(request: Request, level: str = "1") -> Response:
+    """Free the device memory: level 1 keeps the weights in host memory, level 2 drops them. Waits for
+    the requests in flight; requests that arrive while asleep wait for the wake (or wake it, with
+    --wake-on-request)."""
+    if level not in ("1", "2"):
+        raise InvalidRequestError(f"level must be 1 or 2, got {level!r}", param="level")
+    await _serving(request).engine.sleep(int(level))
+    return JSONResponse({"is_sleeping": True, "level": int(level)})
+
+
+@_router.post("/wake_up")
+async def wake_up(request: Request) -> Response:
+    """Take the memory back: everything, or only `tags=weights` / `tags=kv_cache` (repeatable)."""
+    tags = [t for value in request.query_params.getlist("tags") for t in value.split(",") if t]
+    unknown = sorted(set(tags) - {"weights", "kv_cache"})
+    if unknown:
+        raise InvalidRequestError(f"tags are 'weights' and 'kv_cache', got {unknown}", param="tags")
+    engine = _serving(request).engine
+    await engine.wake_up(weights=not tags or "weights" in tags, kv_cache=not tags or "kv_cache" in tags)
+    return JSONResponse({"is_sleeping": engine.is_sleeping})
+
+
+@_router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> Response:
+    return JSONResponse({"is_sleeping": _serving(request).engine.is_sleeping})
+
+
 @_router.get("/version")
 async def version() -> dict[str, str]:
     return {"version": __version__}
