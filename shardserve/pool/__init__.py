@@ -1,0 +1,1 @@
+"""Several models on one set of devices behind one OpenAI endpoint (`shardserve pool CONFIG.yaml`)."""

@@ -1,0 +1,79 @@
+"""The pool's configuration file: which models share the machine's devices, and how much memory they may use.
+
+    memory_budget_gb: 120        # device memory the awake models may hold together (default: no limit)
+    models:
+      - name: llama-8b           # the `model` clients ask for
+        model: /models/Llama-3-8B
+        memory_gb: 60            # what this model holds awake (weights + KV cache), per device
+        tensor_parallel_size: 1
+        gpus: [0]                # optional: the devices it uses (CUDA_VISIBLE_DEVICES); default all
+        ttl_s: 600               # optional: sleep after this long without requests
+        args: ["--max-num-seqs", "128"]   # optional: more `shardserve serve` flags
+
+Errors name the key (`models.1.memory_gb: ...`).
+"""
+
+from __future__ import annotations
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class PoolModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    memory_gb: float = Field(gt=0)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    gpus: list[int] | None = None
+    ttl_s: float | None = Field(default=None, gt=0)
+    args: list[str] = Field(default_factory=list)
+
+    @field_validator("args")
+    @classmethod
+    def _no_pool_owned_flags(cls, args: list[str]) -> list[str]:
+        owned = {"--port", "--host", "--served-model-name", "-tp", "--tensor-parallel-size"}
+        clash = sorted(owned & set(args))
+        if clash:
+            raise ValueError(f"{', '.join(clash)} are set by the pool, not in args")
+        return args
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[PoolModel] = Field(min_length=1)
+    memory_budget_gb: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _names_unique_and_each_fits(self) -> "PoolConfig":
+        names = [m.name for m in self.models]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"model names must be unique, repeated: {', '.join(duplicated)}")
+        if self.memory_budget_gb is not None:
+            too_big = [m.name for m in self.models if m.memory_gb > self.memory_budget_gb]
+            if too_big:
+                raise ValueError(f"memory_gb of {', '.join(too_big)} exceeds memory_budget_gb "
+                                 f"{self.memory_budget_gb:g}: it could never be awake")
+        return self
+
+
+class PoolConfigError(ValueError):
+    pass
+
+
+def load_pool_config(path: str) -> PoolConfig:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise PoolConfigError(f"cannot read the pool config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise PoolConfigError(f"{path} is not valid YAML: {e}") from None
+    try:
+        return PoolConfig.model_validate(data if data is not None else {})
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
+        raise PoolConfigError(f"{path}: " + "; ".join(lines)) from None

@@ -1,0 +1,105 @@
+"""`shardserve pool`: one OpenAI endpoint in front of several models sharing the devices.
+
+Requests are routed by their `model` to that model's own server (a `shardserve serve` process),
+which the pool wakes first if it sleeps (see pool/manager.py). Streams are passed through as they
+come; a request holds its model until its response has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from shardserve import __version__
+from shardserve.entrypoints.openai.errors import InvalidRequestError, NotFoundError, install_error_handlers
+from shardserve.pool.config import PoolConfig
+from shardserve.pool.manager import Pool
+
+logger = logging.getLogger(__name__)
+
+TTL_CHECK_S = 1.0
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def build_pool_app(pool: Pool) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await pool.start()
+        expiry = asyncio.create_task(_expire_forever(pool))
+        try:
+            yield
+        finally:
+            expiry.cancel()
+            await pool.close()
+
+    app = FastAPI(title="shardserve pool", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        dead = [b.name for b in pool.backends.values() if not b.alive()]
+        if dead:
+            return JSONResponse({"status": "unhealthy", "dead": dead}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": b.name, "object": "model", "created": created, "owned_by": "shardserve", "root": b.spec.model,
+             "state": "awake" if b.awake else "asleep", "in_flight": b.in_flight, "wakes": b.swaps}
+            for b in pool.backends.values()]}
+
+    async def route(request: Request) -> Response:
+        body = await request.body()
+        try:
+            name = json.loads(body).get("model")
+        except (ValueError, AttributeError):
+            raise InvalidRequestError("the request body is not a JSON object") from None
+        if name not in pool.backends:
+            known = ", ".join(pool.backends)
+            raise NotFoundError(f"The model {name!r} is not in this pool (models: {known}).", param="model",
+                                code="model_not_found")
+        backend = await pool.acquire(name)
+        try:
+            upstream = pool.client.build_request(request.method, backend.url + request.url.path, content=body,
+                                                 headers={"content-type": "application/json"})
+            response = await pool.client.send(upstream, stream=True)
+        except BaseException:
+            await pool.release(backend)
+            raise
+
+        async def relay():
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:
+                await response.aclose()
+                await pool.release(backend)
+
+        headers = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "cache-control")}
+        return StreamingResponse(relay(), status_code=response.status_code, headers=headers)
+
+    for path in ROUTED_PATHS:
+        app.add_api_route(path, route, methods=["POST"])
+    return app
+
+
+async def _expire_forever(pool: Pool) -> None:
+    while True:
+        await asyncio.sleep(TTL_CHECK_S)
+        try:
+            await pool.expire_idle()
+        except Exception:  # noqa: BLE001 - a failed sleep is logged; the pool goes on
+            logger.exception("putting idle models to sleep failed")
+
+
+def run_pool(config: PoolConfig, host: str, port: int, device: str | None) -> None:
+    uvicorn.run(build_pool_app(Pool(config, device)), host=host, port=port, log_level="info")
