@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 
@@ -104,6 +105,27 @@ def _add_doctor_parser(sub) -> None:
     p.set_defaults(func=_doctor)
 
 
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="say whether a model fits before loading it: per-rank weights, KV cache, "
+                                    "overhead, host memory; exit 1 if it does not fit")
+    p.add_argument("model", help="a model directory (only config.json is read) or a config.json file")
+    p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1)
+    p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None)
+    p.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=64)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=2048)
+    p.add_argument("--gpu-memory-gb", type=_positive_float("--gpu-memory-gb"), default=None,
+                   help="memory of one device in GiB (default: what the first visible GPU has)")
+    p.add_argument("--gpu-memory-utilization", type=_positive_float("--gpu-memory-utilization"), default=0.9)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto")
+    p.add_argument("--host-memory-gb", type=_positive_float("--host-memory-gb"), default=None,
+                   help="host memory in GiB (default: this machine's)")
+    p.add_argument("--host-floor-gb", type=_positive_float("--host-floor-gb"), default=6.0,
+                   help="warn when less host memory than this would be left while loading (default 6)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="error")
+    p.set_defaults(func=_plan)
+
+
 def _add_pool_parser(sub) -> None:
     p = sub.add_parser("pool", help="serve several models on the same devices behind one endpoint, waking and "
                                     "sleeping them within a memory budget")
@@ -128,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_doctor_parser(sub)
     _add_pool_parser(sub)
+    _add_plan_parser(sub)
     _add_fetch_parser(sub)
     return parser
 
@@ -147,6 +170,38 @@ def _doctor(args: argparse.Namespace) -> int:
     from shardserve.entrypoints.doctor import doctor
 
     return doctor(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from shardserve.planner import PlanRequest, describe, load_hf_config, plan
+
+    try:
+        cfg = load_hf_config(args.model)
+    except (OSError, ValueError) as e:
+        print(f"shardserve plan: error: cannot read the config of {args.model!r}: {e}", file=sys.stderr)
+        return 2
+    request = PlanRequest(args.tensor_parallel_size, args.max_model_len, args.max_num_seqs,
+                          args.max_num_batched_tokens, args.gpu_memory_gb or _first_gpu_gb(),
+                          args.gpu_memory_utilization, args.kv_cache_dtype, args.host_memory_gb or _host_gb(),
+                          args.host_floor_gb)
+    result = plan(cfg, request)
+    print(json.dumps(result.to_json(), indent=2) if args.json else describe(result, args.tensor_parallel_size))
+    return 1 if result.fits is False else 0
+
+
+def _first_gpu_gb() -> float | None:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+
+
+def _host_gb() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return None
 
 
 def _pool(args: argparse.Namespace) -> int:

@@ -147,6 +147,7 @@ class ModelRunner:
             load_synthetic_weights(model, self.model_config, self.device, self.dtype, seed=self.config.seed)
         else:
             load_weights(model, self.config.model, self.model_config.tie_word_embeddings)
+        self._log_planned_weights(model)
         checkpoint_dtype = self.model_config.checkpoint_dtype()
         keep_bf16 = self.config.dtype == "auto" and checkpoint_dtype in (torch.bfloat16, torch.float16)
         kernel = choose_linear_kernel(self.device, self.dtype, keep_bf16_weights=keep_bf16)
@@ -159,6 +160,20 @@ class ModelRunner:
         logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s", self.ctx.rank, self.config.model,
                     time.perf_counter() - started, weight_bytes / 2**30, self.dtype, self.device)
         return model
+
+    def _log_planned_weights(self, model) -> None:
+        """Log the planner's per-rank weight bytes next to what was loaded (they should agree)."""
+        from shardserve.planner import load_hf_config, weight_elements_per_rank
+
+        loaded = sum(p.numel() * p.element_size() for p in model.parameters())
+        try:
+            predicted = weight_elements_per_rank(load_hf_config(self.config.model), self.ctx.world_size, []) \
+                * self.dtype.itemsize
+        except (OSError, KeyError, ValueError) as e:
+            logger.debug("planner: no prediction for %s: %s", self.config.model, e)
+            return
+        logger.info("rank %d weights: planner predicted %.3f GiB, loaded %.3f GiB (%+.1f%%)", self.ctx.rank,
+                    predicted / 2**30, loaded / 2**30, 100 * (loaded - predicted) / max(predicted, 1))
 
     def _size_kv_cache(self) -> int:
         cfg = self.model_config

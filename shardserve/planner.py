@@ -1,0 +1,281 @@
+"""Memory arithmetic before loading anything: does a model fit at a tensor-parallel size and context?
+
+Works from a Hugging Face config.json alone. Per rank: weight bytes after sharding (blocks the
+engine replicates, such as attention whose heads do not split, count whole on every rank), KV cache
+bytes per token (only full-attention layers grow with context; linear-attention and SSM layers keep a
+fixed state per sequence), an estimate of activations, CUDA graphs and workspaces, and what is left
+for the KV cache; plus host memory needed while loading.
+
+Families: dense decoders (Llama, Qwen2/3, Mistral...), mixture-of-experts MLPs (num_experts /
+num_local_experts / n_routed_experts with moe_intermediate_size, shared experts, dense layers via
+mlp_only_layers or first_k_dense_replace; experts are split like dense MLPs, intermediate / tp), and
+hybrids listing `layer_types` ("full_attention" vs "linear_attention" as Gated DeltaNet, or "mamba").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from shardserve.layers.sharding import attention_shard, split_rows
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+# Fixed per-rank costs on a GPU: CUDA context, cuBLAS/NCCL workspaces and buffers, allocator slack.
+GPU_FIXED_OVERHEAD = int(1.0 * GIB)
+HOST_FLOOR_GB_DEFAULT = 6.0
+
+
+@dataclass
+class PlanRequest:
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    gpu_memory_gb: float | None = None  # per device
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    host_memory_gb: float | None = None
+    host_floor_gb: float = HOST_FLOOR_GB_DEFAULT
+    ranks_per_host: int | None = None  # default: all ranks on one host
+
+
+@dataclass
+class Plan:
+    weight_bytes: int  # per rank
+    kv_bytes_per_token: int  # per rank, full-attention layers
+    state_bytes_per_seq: int  # per rank, fixed-size layer state (linear attention / SSM)
+    overhead_bytes: int  # per rank: activations, CUDA graphs, workspaces, fixed runtime cost
+    max_model_len: int
+    kv_bytes_for_context: int  # one sequence of max_model_len tokens
+    usable_bytes: int | None  # per device: gpu_memory_gb * utilization
+    kv_budget_bytes: int | None
+    max_tokens_in_cache: int | None
+    largest_context: int | None  # the largest max_model_len whose KV (and state) fits, capped by the model
+    fits: bool | None
+    host_needed_bytes: int
+    host_left_bytes: int | None
+    warnings: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    replicated: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_hf_config(model: str) -> dict:
+    """The Hugging Face config of a model directory, a config.json file, or a GGUF file's metadata."""
+    if model.endswith(".gguf"):
+        from shardserve.weights.gguf_loader import read_gguf_config
+
+        return read_gguf_config(model)
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    with open(path) as f:
+        cfg = json.load(f)
+    return cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+
+
+# -- the model's shapes --------------------------------------------------------------------------
+def _head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def _dtype_bytes(cfg: dict) -> int:
+    return DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
+
+
+def layer_kinds(cfg: dict) -> list[str]:
+    """'attention', 'linear_attention' or 'mamba' for each layer."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if not types:
+        return ["attention"] * n
+    kinds = []
+    for t in types[:n]:
+        t = str(t).lower()
+        kinds.append("attention" if t in ("full_attention", "attention", "sliding_attention")
+                     else "mamba" if "mamba" in t else "linear_attention")
+    return kinds
+
+
+def _moe(cfg: dict) -> tuple[int, int, int]:
+    """(experts, expert intermediate size, shared-expert intermediate size); experts 0 for dense."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    if not experts:
+        return 0, 0, 0
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * inter
+    return experts, inter, shared
+
+
+def _is_moe_layer(cfg: dict, i: int) -> bool:
+    if not _moe(cfg)[0]:
+        return False
+    if i in (cfg.get("mlp_only_layers") or []) or i < (cfg.get("first_k_dense_replace") or 0):
+        return False
+    step = cfg.get("decoder_sparse_step") or 1
+    return (i + 1) % step == 0
+
+
+def _rows(size: int, tp: int, name: str, replicated: list[str]) -> int:
+    (start, end), sharded = split_rows(size, 0, tp, name)
+    if tp > 1 and not sharded:
+        replicated.append(name)
+    return end - start
+
+
+def _linear_attention_shapes(cfg: dict) -> tuple[int, int, int, int, int]:
+    """Gated DeltaNet: (key heads, key dim, value heads, value dim, conv kernel)."""
+    return (cfg.get("linear_num_key_heads", 16), cfg.get("linear_key_head_dim", 128),
+            cfg.get("linear_num_value_heads", 32), cfg.get("linear_value_head_dim", 128),
+            cfg.get("linear_conv_kernel_dim", 4))
+
+
+def _mamba_shapes(cfg: dict) -> tuple[int, int, int, int]:
+    """(inner width, state size, conv kernel, dt rank)."""
+    inner = cfg.get("mamba_expand", 2) * cfg["hidden_size"]
+    d_state = cfg.get("mamba_d_state", 16)
+    dt_rank = cfg.get("mamba_dt_rank") or -(-cfg["hidden_size"] // 16)
+    return inner, d_state, cfg.get("mamba_d_conv", 4), dt_rank
+
+
+def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str]) -> int:
+    """Parameters one rank holds, sharded the way the engine shards them."""
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    hd = _head_dim(cfg)
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    shard = attention_shard(heads, kv_heads, hd, 0, tp)
+    if tp > 1 and not shard.sharded:
+        replicated.append("attention")
+    attn = h * (shard.num_q + 2 * shard.num_kv) * hd + shard.num_q * hd * h
+    if cfg.get("attention_bias") or cfg.get("qkv_bias") or cfg.get("model_type") == "qwen2":
+        attn += (shard.num_q + 2 * shard.num_kv) * hd
+    if str(cfg.get("model_type", "")).startswith("qwen3"):
+        attn += 2 * hd  # q_norm and k_norm
+    dense_inter = _rows(cfg["intermediate_size"], tp, "mlp", replicated)
+    experts, moe_inter, shared_inter = _moe(cfg)
+    total = 0
+    for i, kind in enumerate(layer_kinds(cfg)):
+        total += 2 * h  # the two norms
+        if kind == "attention":
+            total += attn
+        elif kind == "linear_attention":
+            kh, kd, vh, vd, conv = _linear_attention_shapes(cfg)
+            k_rows, v_rows = kh * kd // tp, vh * vd // tp
+            total += h * (2 * k_rows + 2 * v_rows + 2 * vh // tp) + (2 * k_rows + v_rows) * conv + v_rows * h
+        else:
+            inner, d_state, conv, dt_rank = _mamba_shapes(cfg)
+            inner //= tp
+            total += h * 2 * inner + inner * conv + inner * (dt_rank + 2 * d_state) + dt_rank * inner \
+                + inner * d_state + inner + inner * h
+        if _is_moe_layer(cfg, i):
+            per_expert = 3 * h * _rows(moe_inter, tp, "experts", replicated)
+            total += experts * per_expert + h * experts  # experts and the router
+            if shared_inter:
+                total += 3 * h * _rows(shared_inter, tp, "shared expert", replicated) + h
+        else:
+            total += 3 * h * dense_inter
+    vocab_rows = -(-vocab // tp)
+    total += vocab_rows * h + h  # embedding (vocabulary-parallel) and the final norm
+    if not cfg.get("tie_word_embeddings", False):
+        total += vocab_rows * h
+    return total
+
+
+def kv_bytes_per_token(cfg: dict, tp: int, kv_bytes: int) -> int:
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    shard = attention_shard(heads, kv_heads, _head_dim(cfg), 0, tp)
+    full = sum(1 for k in layer_kinds(cfg) if k == "attention")
+    return 2 * full * shard.num_kv * _head_dim(cfg) * kv_bytes
+
+
+def state_bytes_per_seq(cfg: dict, tp: int, state_bytes: int) -> int:
+    """Fixed per-sequence state of linear-attention and SSM layers (recurrent state plus conv window)."""
+    total = 0
+    for kind in layer_kinds(cfg):
+        if kind == "linear_attention":
+            kh, kd, vh, vd, conv = _linear_attention_shapes(cfg)
+            total += (vh // tp) * kd * vd + ((2 * kh * kd + vh * vd) // tp) * (conv - 1)
+        elif kind == "mamba":
+            inner, d_state, conv, _ = _mamba_shapes(cfg)
+            total += (inner // tp) * (d_state + conv - 1)
+    return total * state_bytes
+
+
+# -- the plan ------------------------------------------------------------------------------------
+def plan(cfg: dict, req: PlanRequest) -> Plan:
+    tp = req.tensor_parallel_size
+    dtype = _dtype_bytes(cfg)
+    kv_dtype = dtype if req.kv_cache_dtype == "auto" else DTYPE_BYTES[req.kv_cache_dtype]
+    replicated: list[str] = []
+    weights = weight_elements_per_rank(cfg, tp, replicated) * dtype
+    per_token = kv_bytes_per_token(cfg, tp, kv_dtype)
+    per_seq_state = state_bytes_per_seq(cfg, tp, 4)  # recurrent states are kept in float32
+    model_limit = cfg.get("max_position_embeddings") or 2**31
+    max_len = req.max_model_len or model_limit
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    tokens = req.max_num_batched_tokens
+    activations = tokens * (6 * h + 3 * (_moe(cfg)[1] or inter) // tp) * dtype
+    logits = max(req.max_num_seqs, 1) * -(-cfg["vocab_size"] // tp) * 4 * 2
+    graphs = req.max_num_seqs * (8 * h + 3 * inter // tp) * dtype
+    overhead = activations + logits + graphs + GPU_FIXED_OVERHEAD
+    states = req.max_num_seqs * per_seq_state
+    usable = budget = cache_tokens = largest = None
+    fits = None
+    reasons: list[str] = []
+    if req.gpu_memory_gb is not None:
+        usable = int(req.gpu_memory_gb * GIB * req.gpu_memory_utilization)
+        budget = usable - weights - overhead - states
+        cache_tokens = max(0, budget // per_token) if per_token else (2**62 if budget >= 0 else 0)
+        largest = int(min(cache_tokens, model_limit))
+        fits = budget >= 0 and cache_tokens >= max_len
+        if budget < 0:
+            reasons.append(f"weights ({weights / GIB:.2f} GiB) and overhead ({(overhead + states) / GIB:.2f} GiB) "
+                           f"exceed the usable {usable / GIB:.2f} GiB per device "
+                           f"({req.gpu_memory_gb:g} GiB x {req.gpu_memory_utilization:g})")
+        elif not fits:
+            reasons.append(f"the KV cache holds {cache_tokens} tokens per rank, fewer than --max-model-len {max_len}")
+    ranks_here = req.ranks_per_host or tp
+    largest_tensor = max(cfg["vocab_size"] * h, 3 * h * inter) * dtype  # read whole before slicing
+    host_needed = ranks_here * (largest_tensor + int(1.5 * GIB))  # per rank: one tensor in flight + runtime
+    host_left = None
+    warnings = []
+    if req.host_memory_gb is not None:
+        host_left = int(req.host_memory_gb * GIB) - host_needed
+        if host_left < req.host_floor_gb * GIB:
+            warnings.append(f"host memory left while loading would be {host_left / GIB:.1f} GiB, under the floor of "
+                            f"{req.host_floor_gb:g} GiB: the host may swap or stall; start fewer ranks per host")
+    if replicated:
+        warnings.append(f"replicated on every rank (they do not split {tp} ways): {', '.join(sorted(set(replicated)))}")
+    return Plan(weights, per_token, per_seq_state, overhead, max_len, per_token * max_len, usable, budget,
+                cache_tokens, largest, fits, host_needed, host_left, warnings, reasons, sorted(set(replicated)))
+
+
+def describe(p: Plan, tp: int) -> str:
+    gib = lambda b: f"{b / GIB:,.2f} GiB"  # noqa: E731
+    lines = [
+        f"per rank (tensor parallel {tp}):",
+        f"  weights                {gib(p.weight_bytes)}",
+        f"  KV cache per token     {p.kv_bytes_per_token / 1024:,.1f} KiB (full-attention layers)",
+        f"  KV for one context     {gib(p.kv_bytes_for_context)} at {p.max_model_len:,} tokens",
+    ]
+    if p.state_bytes_per_seq:
+        lines.append(f"  fixed state per seq    {p.state_bytes_per_seq / 2**20:,.1f} MiB (linear-attention/SSM layers)")
+    lines.append(f"  overhead (estimate)    {gib(p.overhead_bytes)} (activations, CUDA graphs, workspaces)")
+    if p.usable_bytes is not None:
+        lines += [f"  usable per device      {gib(p.usable_bytes)}",
+                  f"  left for the KV cache  {gib(max(p.kv_budget_bytes, 0))} = {p.max_tokens_in_cache:,} tokens",
+                  f"  largest context        {p.largest_context:,} tokens"]
+    lines.append(f"host memory while loading: {gib(p.host_needed_bytes)}"
+                 + ("" if p.host_left_bytes is None else f", {gib(p.host_left_bytes)} left"))
+    lines += [f"warning: {w}" for w in p.warnings]
+    if p.fits is None:
+        lines.append("fits: unknown (give --gpu-memory-gb, or run where the GPUs are)")
+    elif p.fits:
+        lines.append(f"fits: yes, {p.max_tokens_in_cache // max(p.max_model_len, 1):,} full-length sequences at once")
+    else:
+        lines += [f"fits: NO: {r}" for r in p.reasons]
+        lines.append(f"the largest --max-model-len that fits: {p.largest_context:,}")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""`shardserve plan`: the planner's numbers against arithmetic done by hand for real model configs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from shardserve.planner import GIB, PlanRequest, plan
+
+LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+             "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+              "num_attention_heads": 64, "max_position_embeddings": 131072}
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+             "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+             "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
+             "mlp_only_layers": [], "max_position_embeddings": 40960, "tie_word_embeddings": False,
+             "torch_dtype": "bfloat16"}
+HYBRID = {"model_type": "qwen3_next", "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
+          "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 151936,
+          "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12,
+          "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_num_value_heads": 32,
+          "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512,
+          "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "max_position_embeddings": 262144,
+          "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def test_llama3_8b_weights_and_kv_at_tp1_and_tp2():
+    # Per layer: q, k, v, o = 4096*(32+8+8)*128 + 32*128*4096; MLP 3*4096*14336; two norms of 4096.
+    layer = 4096 * 48 * 128 + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096
+    params = 32 * layer + 2 * 128256 * 4096 + 4096  # untied embedding and head, final norm
+    assert params == 8_030_261_248
+    one = plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=1))
+    assert one.weight_bytes == 2 * params  # 16.06 GB
+    assert one.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads of 128, bf16
+    two = plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=2))
+    layer2 = 4096 * 24 * 128 + 2048 * 4096 + 3 * 4096 * 7168 + 2 * 4096  # heads and MLP halved, norms whole
+    assert two.weight_bytes == 2 * (32 * layer2 + 2 * 64128 * 4096 + 4096)
+    assert two.kv_bytes_per_token == one.kv_bytes_per_token // 2
+
+
+def test_llama3_70b_at_tp8_fits_an_h200_and_refuses_one_80gb_gpu_at_tp1():
+    eight = plan(LLAMA3_70B, PlanRequest(tensor_parallel_size=8, max_model_len=8192, gpu_memory_gb=139.8))
+    layer = (8192 * 10 * 128 + 8 * 128 * 8192) + 3 * 8192 * 3584 + 2 * 8192  # 8 q + 1 k + 1 v heads per rank
+    assert eight.weight_bytes == 2 * (80 * layer + 2 * 16032 * 8192 + 8192)
+    assert eight.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2
+    assert eight.fits
+    one = plan(LLAMA3_70B, PlanRequest(tensor_parallel_size=1, max_model_len=8192, gpu_memory_gb=80))
+    assert one.fits is False and one.weight_bytes > 140 * 10**9
+    assert "exceed the usable 72.00 GiB per device" in one.reasons[0]
+    assert one.largest_context == 0
+
+
+def test_qwen3_moe_counts_every_expert_and_the_router():
+    moe = plan(QWEN3_MOE, PlanRequest(tensor_parallel_size=1))
+    attn = 2048 * (32 + 8) * 128 + 32 * 128 * 2048 + 2 * 128  # with q_norm and k_norm
+    experts = 128 * 3 * 2048 * 768 + 2048 * 128
+    params = 48 * (attn + experts + 2 * 2048) + 2 * 151936 * 2048 + 2048
+    assert moe.weight_bytes == 2 * params  # about 30.5 B parameters
+    assert 30.4e9 < params < 30.6e9
+    assert moe.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2
+
+
+def test_hybrid_model_grows_kv_only_in_full_attention_layers_and_keeps_fixed_state_elsewhere():
+    tp1 = plan(HYBRID, PlanRequest(tensor_parallel_size=1, max_model_len=1_000_000, gpu_memory_gb=139.8))
+    assert tp1.kv_bytes_per_token == 2 * 12 * 2 * 256 * 2  # 12 of 48 layers hold KV
+    # Gated DeltaNet state per sequence: 32 value heads of a 128x128 matrix, plus a 3-step conv window
+    # over q, k, v (2*16*128 + 32*128 channels), in float32, in each of 36 linear-attention layers.
+    assert tp1.state_bytes_per_seq == 36 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 4
+    # A million tokens of context: 24 KiB per token, under 24 GiB of KV for one sequence.
+    assert tp1.kv_bytes_for_context == 1_000_000 * 24576
+
+
+def test_plan_refuses_a_context_that_does_not_fit_and_names_the_largest_that_does(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_8B))
+    result = subprocess.run([sys.executable, "-m", "shardserve", "plan", str(tmp_path), "--gpu-memory-gb", "20",
+                             "--max-model-len", "8192", "--max-num-seqs", "4", "--host-memory-gb", "64"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    small = plan(LLAMA3_8B, PlanRequest(max_model_len=8192, gpu_memory_gb=18.5, max_num_seqs=4))
+    assert small.fits is False and 0 < small.largest_context < 8192
+    expected_tokens = (int(18.5 * GIB * 0.9) - small.weight_bytes - small.overhead_bytes) // (128 * 1024)
+    assert small.largest_context == expected_tokens
+    result = subprocess.run([sys.executable, "-m", "shardserve", "plan", str(config), "--gpu-memory-gb", "18.5",
+                             "--max-model-len", "8192", "--max-num-seqs", "4", "--host-memory-gb", "64"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "fits: NO: the KV cache holds" in result.stdout
+    assert f"the largest --max-model-len that fits: {expected_tokens:,}" in result.stdout
+
+
+def test_json_output_and_the_host_memory_floor(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_8B))
+    result = subprocess.run([sys.executable, "-m", "shardserve", "plan", str(config), "-tp", "8", "--json",
+                             "--gpu-memory-gb", "80", "--host-memory-gb", "24"], capture_output=True, text=True,
+                            timeout=60)
+    data = json.loads(result.stdout)
+    assert data["fits"] is True and data["kv_bytes_per_token"] == 2 * 32 * 1 * 128 * 2
+    assert any("under the floor of 6 GiB" in w for w in data["warnings"]), data["warnings"]
+
+
+def test_planned_weights_equal_what_the_engine_builds_for_every_family_and_tp(tiny_model_dir):
+    import torch
+
+    from shardserve.config import ModelConfig
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.models import MODEL_CLASSES
+    from shardserve.planner import load_hf_config, weight_elements_per_rank
+    from tests.tiny_models import TINY_SPECS
+
+    for name in TINY_SPECS:
+        model_dir = tiny_model_dir(name)
+        model_config = ModelConfig.from_model_path(model_dir)
+        for tp in (1, 2, 3):
+            with torch.device("meta"):
+                model = MODEL_CLASSES[model_config.family](model_config, Communicator(None, 0, tp), torch.float32, 64)
+            built = sum(p.numel() for p in model.parameters())
+            assert weight_elements_per_rank(load_hf_config(model_dir), tp, []) == built, (name, tp)
