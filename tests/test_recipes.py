@@ -1,0 +1,81 @@
+"""Recipes: validated with their path and the accepted values; command-line flags override them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardserve.cli import parse_args
+from shardserve.pool.config import load_pool_config
+from shardserve.recipes import RecipeError, load_recipe
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _recipe(tmp_path, data: dict) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_the_example_recipes_are_valid():
+    files = sorted(RECIPES.glob("*.yaml"))
+    assert len(files) >= 4
+    for path in files:
+        if "pool" in path.name:
+            assert len(load_pool_config(str(path)).models) == 2
+        else:
+            assert load_recipe(str(path)).tensor_parallel_size in (2, 8)
+
+
+@pytest.mark.parametrize("serve, message", [
+    ({"max_num_seq": 8}, r"serve\.max_num_seq: Extra inputs are not permitted"),
+    ({"max_num_seqs": "many"}, r"serve\.max_num_seqs: Input should be a valid integer"),
+    ({"gpu_memory_utilization": 1.5}, r"serve\.gpu_memory_utilization: Input should be less than or equal to 1"),
+    ({"device": "tpu"}, r"serve\.device: Input should be 'cpu' or 'cuda'"),
+])
+def test_bad_recipes_are_refused_with_the_path_and_what_is_accepted(tmp_path, serve, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(_recipe(tmp_path, {"model": "/m", "serve": serve}))
+
+
+def test_flags_override_the_recipe_and_env_is_forwarded(tmp_path, monkeypatch):
+    monkeypatch.delenv("SHARDSERVE_RECIPE_PROBE", raising=False)
+    path = _recipe(tmp_path, {"model": "/models/m", "tensor_parallel_size": 2,
+                              "serve": {"max_num_seqs": 32, "device": "cpu", "seed": 7},
+                              "env": {"SHARDSERVE_RECIPE_PROBE": "1"}, "forward_env": ["NCCL_DEBUG"]})
+    args = parse_args(["serve", "--recipe", path, "--max-num-seqs", "8", "--forward-env", "GLOO_DEBUG"])
+    assert (args.model, args.tensor_parallel_size, args.max_num_seqs, args.device, args.seed) == \
+        ("/models/m", 2, 8, "cpu", 7)
+    assert args.forward_env == ["SHARDSERVE_RECIPE_PROBE", "NCCL_DEBUG", "GLOO_DEBUG"]
+    assert os.environ["SHARDSERVE_RECIPE_PROBE"] == "1"
+    assert parse_args(["serve", "/other", "--recipe", path]).model == "/other", "a MODEL argument wins too"
+
+
+def test_nodes_give_nnodes_and_master_addr(tmp_path):
+    path = _recipe(tmp_path, {"model": "/m", "tensor_parallel_size": 8, "nodes": ["10.9.0.1", "10.9.0.2"]})
+    args = parse_args(["serve", "--recipe", path, "--node-rank", "1"])
+    assert (args.nnodes, args.master_addr, args.node_rank) == (2, "10.9.0.1", 1)
+
+
+def test_plan_takes_a_recipe_and_a_bad_one_is_a_cli_error(tmp_path):
+    config_dir = tmp_path / "model"
+    config_dir.mkdir()
+    (config_dir / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
+                                            '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, '
+                                            '"max_position_embeddings": 512, "torch_dtype": "float32"}')
+    path = _recipe(tmp_path, {"model": str(config_dir), "tensor_parallel_size": 2, "serve": {"max_model_len": 256}})
+    result = subprocess.run([sys.executable, "-m", "shardserve", "plan", "--recipe", path, "--gpu-memory-gb", "4"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "per rank (tensor parallel 2)" in result.stdout and "at 256 tokens" in result.stdout
+    bad = _recipe(tmp_path, {"model": "/m", "serve": {"max_num_seq": 1}})
+    result = subprocess.run([sys.executable, "-m", "shardserve", "serve", "--recipe", bad], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--recipe:" in result.stderr and "serve.max_num_seq: Extra inputs are not permitted" in result.stderr
