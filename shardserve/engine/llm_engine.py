@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import logging
+import time
 
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.control_plane import ControlPlane
@@ -54,6 +55,8 @@ class LLMEngine:
         self.held: list[Sequence] = []
         self.canary_tokens: list[int] | None = None
         self.canary_reloads = 0
+        self.sleeps = self.wakes = 0
+        self.last_wake_seconds = 0.0
         self.wake_on_request = config.wake_on_request
 
     # -- requests ---------------------------------------------------------------------------------
@@ -111,17 +114,21 @@ class LLMEngine:
         self._send_control(PlanKind.SLEEP, level)
         self.runner.sleep(level)
         self._reset_cache()
+        self.sleeps += 1
         logger.info("asleep (level %d): weights %s, KV cache freed", level,
                     "in host memory" if level == 1 else "dropped")
 
     def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
         """Take the device memory back (both parts by default). Once fully awake, the canary must give
         the tokens it gave before the first sleep, or the weights are reloaded from the checkpoint."""
+        started = time.perf_counter()
         self._send_control(PlanKind.WAKE, (WAKE_WEIGHTS if weights else 0) | (WAKE_KV_CACHE if kv_cache else 0))
         self.runner.wake(weights, kv_cache)
         if self.is_sleeping:
             return
         self._check_canary()
+        self.wakes += 1
+        self.last_wake_seconds = time.perf_counter() - started
         for seq in self.held:
             self.scheduler.add(seq)
         self.held.clear()

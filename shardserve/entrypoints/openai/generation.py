@@ -31,6 +31,7 @@ from shardserve.entrypoints.openai.renderers import Renderer, usage_of
 
 if TYPE_CHECKING:
     from shardserve.engine.async_engine import AsyncEngine
+    from shardserve.entrypoints.openai.metrics import RequestTimer
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ async def serve_generation(
     body: GenerationRequest,
 ) -> Response:
     """Run the request on `engine` and answer it as `body` asks: one JSON body, or a stream of events."""
-    generation: _Generation | None = _Generation(engine, renderer.request_id)
+    metrics = getattr(raw_request.app.state, "metrics", None)
+    generation: _Generation | None = _Generation(engine, renderer.request_id,
+                                                 metrics.request() if metrics is not None else None)
     try:
         await _unless_disconnected(raw_request, generation.start(prompt_ids, params))
         if body.stream:
@@ -80,9 +83,10 @@ class _Generation:
     covers iterators without `aclose` (abort of an already-gone request is expected to be a no-op).
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, timer: RequestTimer | None = None) -> None:
         self.engine = engine
         self.request_id = request_id
+        self.timer = timer  # observes every output for /metrics
         self._outputs: AsyncIterator[RequestOutput] | None = None
         self._first: RequestOutput | None = None
         self._done = False  # the engine holds nothing more for this request
@@ -94,6 +98,8 @@ class _Generation:
             # An engine may validate when called or on the first step; both refusals are 400s.
             self._outputs = self.engine.generate(self.request_id, prompt_ids, params)
             self._first = await anext(self._outputs)
+            if self.timer is not None:
+                self.timer.output(self._first)
         except ValueError as exc:  # refused before admission: nothing to abort
             self._done = True
             raise InvalidRequestError(str(exc)) from exc
@@ -119,6 +125,8 @@ class _Generation:
                 raise ServerError("The engine stopped the request before it finished.") from None
             except Exception as exc:
                 raise _engine_failure(exc) from exc
+            if self.timer is not None:
+                self.timer.output(output)
             self._check(output)
         self._done = output.finished
         return output

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from shardserve import __version__
 from shardserve.engine.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ from shardserve.entrypoints.openai.errors import (
     model_not_found,
 )
 from shardserve.entrypoints.openai.generation import serve_generation
+from shardserve.entrypoints.openai.metrics import ServerMetrics
 from shardserve.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
 from shardserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
     from shardserve.engine.async_engine import AsyncEngine
 
 # Paths a load balancer or operator may probe without the API key.
-PUBLIC_PATHS = frozenset({"/health", "/version"})
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
 
 
 def build_app(
@@ -56,6 +58,7 @@ def build_app(
     """
     app = FastAPI(title="shardserve", version=__version__)
     app.state.serving = _ServingState(engine=engine, model_name=served_model_name, created=int(time.time()))
+    app.state.metrics = ServerMetrics(served_model_name, engine)
     install_error_handlers(app)
     app.include_router(_router)
     # Starlette runs the middleware added last first: the key is checked before a body is read.
@@ -128,6 +131,11 @@ async def wake_up(request: Request) -> Response:
 @_router.get("/is_sleeping")
 async def is_sleeping(request: Request) -> Response:
     return JSONResponse({"is_sleeping": _serving(request).engine.is_sleeping})
+
+
+@_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @_router.get("/version")

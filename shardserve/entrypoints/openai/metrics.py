@@ -1,0 +1,112 @@
+"""`/metrics` in Prometheus text format, labelled by model, with vLLM's metric names under a
+`shardserve:` prefix: request counts and latencies observed per request by the HTTP layer, and the
+engine's state (requests running and waiting, KV cache use, prefix cache, sleep, restarts) read at
+scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shardserve.engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, engine) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        label = ["model_name"]
+        self.prompt_tokens = Counter("shardserve:prompt_tokens", "Prompt tokens of finished requests.", label,
+                                     registry=self.registry)
+        self.generation_tokens = Counter("shardserve:generation_tokens", "Generated tokens of finished requests.",
+                                         label, registry=self.registry)
+        self.request_success = Counter("shardserve:request_success", "Requests that finished, by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = Histogram("shardserve:time_to_first_token_seconds", "Time to the first generated token.",
+                              label, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("shardserve:inter_token_latency_seconds", "Time between streamed outputs.", label,
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("shardserve:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             label, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineState(engine, model_name))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def request(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Observes one request: call `output` for each engine output, in order."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrived = time.monotonic()
+        self.last: float | None = None
+
+    def output(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        m, name = self.metrics, self.metrics.model_name
+        if self.last is None:
+            m.ttft.labels(name).observe(now - self.arrived)
+        elif out.new_token_ids:
+            m.itl.labels(name).observe(now - self.last)
+        self.last = now
+        if out.finished and out.finish_reason in ("stop", "length"):
+            m.e2e.labels(name).observe(now - self.arrived)
+            m.request_success.labels(name, out.finish_reason).inc()
+            m.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
+            m.generation_tokens.labels(name).inc(out.num_output_tokens)
+
+
+class _EngineState:
+    """The engine's state at scrape time (an AsyncEngine, or a Supervisor around one)."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def _llm_engine(self):
+        engine = self.engine
+        while engine is not None and not hasattr(engine, "scheduler"):
+            engine = getattr(engine, "engine", None)
+        return engine
+
+    def collect(self):
+        labels = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"shardserve:{name}", doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"shardserve:{name}", doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        engine = self._llm_engine()
+        if engine is not None:
+            blocks = engine.block_manager
+            yield gauge("num_requests_running", "Requests being computed.", len(engine.scheduler.running))
+            yield gauge("num_requests_waiting", "Requests waiting to start (or for a wake).",
+                        len(engine.scheduler.waiting) + len(engine.held))
+            yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                        1.0 - blocks.num_free_blocks / max(blocks.num_blocks, 1))
+            yield counter("prefix_cache_queries", "Blocks looked up in the prefix cache.", blocks.prefix_queries)
+            yield counter("prefix_cache_hits", "Blocks found in the prefix cache.", blocks.prefix_hits)
+            yield gauge("is_sleeping", "1 while the model sleeps.", float(engine.is_sleeping))
+            yield counter("sleeps", "Times the model was put to sleep.", engine.sleeps)
+            yield counter("wakes", "Times the model woke.", engine.wakes)
+            yield gauge("last_wake_seconds", "Duration of the last wake (0 before the first).",
+                        engine.last_wake_seconds)
+        restarts = getattr(self.engine, "restarts", None)
+        if restarts is not None:
+            yield counter("restarts", "Times all ranks were restarted after a failure.", restarts)
