@@ -304,6 +304,11 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{_LAYER_MODULE_NAMES[module]}.{kind}"
 
 
+def count_gguf_tensors(path: str) -> int:
+    """How many tensors `iter_gguf_tensors` yields, from the header alone."""
+    return sum(hf_tensor_name(info.name) is not None for info in read_gguf_header(path).tensors)
+
+
 def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor in HF shape and layout) for every parameter, one at a time."""
     header = read_gguf_header(path)

@@ -2,15 +2,23 @@
 
 For safetensors, `safe_open(...).get_slice(name)` is handed to the parameter's weight_loader, which
 indexes the rows or columns it owns: only those bytes are read from disk into this rank's memory.
+
+Rank 0 draws a progress bar over all the checkpoint's tensors on its terminal; it stays quiet when
+stderr is not a terminal or INFO messages are not logged (`--log-level warning`).
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
+import sys
 from typing import Any, Iterable, Iterator
 
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from safetensors import safe_open
 from torch import nn
 
@@ -45,9 +53,42 @@ def iter_checkpoint(model_path: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
+def count_checkpoint_tensors(model_path: str) -> int:
+    """How many tensors `iter_checkpoint` yields, read from the headers only."""
+    if model_path.endswith(".gguf"):
+        from shardserve.weights.gguf_loader import count_gguf_tensors
+
+        return count_gguf_tensors(model_path)
+    total = 0
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
 def load_weights(model: nn.Module, model_path: str, tied_embeddings: bool) -> None:
     """Load the checkpoint at `model_path` (safetensors directory or .gguf file) into `model`."""
-    load_tensors(model, iter_checkpoint(model_path), tied_embeddings, f"checkpoint {model_path!r}")
+    source = f"checkpoint {model_path!r}"
+    console = progress_console()
+    if console is None:
+        load_tensors(model, iter_checkpoint(model_path), tied_embeddings, source)
+        return
+    label = f"loading {os.path.basename(model_path.rstrip(os.sep))}"
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tensors"),
+                  TimeElapsedColumn(), console=console) as progress:
+        tensors = progress.track(iter_checkpoint(model_path), total=count_checkpoint_tensors(model_path),
+                                 description=label)
+        load_tensors(model, tensors, tied_embeddings, source)
+
+
+def progress_console() -> Console | None:
+    """Where the loading bar goes: stderr of rank 0 (or of a process outside any group) when it is a
+    terminal and INFO messages are logged; None for no bar."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    if not sys.stderr.isatty() or not logging.getLogger(__name__).isEnabledFor(logging.INFO):
+        return None
+    return Console(file=sys.stderr)
 
 
 def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embeddings: bool, source: str) -> None:
