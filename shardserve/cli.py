@@ -80,7 +80,10 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=_positive_float("--gpu-memory-utilization"), default=0.9)
     p.add_argument("--block-size", type=_positive_int("--block-size"), default=16)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--api-key", default=None, help="require this Bearer token on every API endpoint")
+    p.add_argument("--api-key", default=None,
+                   help="require this Bearer token on every endpoint but /health and /version")
+    p.add_argument("--max-request-body-mb", type=_positive_float("--max-request-body-mb"), default=4.0,
+                   help="refuse request bodies larger than this many MiB with 413 (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="auto: read the checkpoint; dummy: random weights in the model's shapes, drawn from "

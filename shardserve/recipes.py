@@ -39,6 +39,7 @@ class ServeOptions(BaseModel):
     block_size: int | None = Field(default=None, gt=0)
     enable_prefix_caching: bool | None = None
     api_key: str | None = None
+    max_request_body_mb: float | None = Field(default=None, gt=0)
     seed: int | None = None
     load_format: Literal["auto", "dummy"] | None = None
     enforce_eager: bool | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 5
+# What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a 64-bit integer, between {SEED_RANGE[0]} and {SEED_RANGE[1]}, "
+                             f"got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if self.stop and not self.detokenize:

@@ -126,7 +126,8 @@ def _serve_http_until_stopped(args: argparse.Namespace, config: EngineConfig, en
     from shardserve.entrypoints.openai.server import build_app, serve_http
 
     try:
-        app = build_app(engine, args.served_model_name or config.model, api_key=args.api_key)
+        app = build_app(engine, args.served_model_name or config.model, api_key=args.api_key,
+                        max_body_bytes=int(args.max_request_body_mb * 2**20))
         logger.info("serving %s on http://%s:%d (tensor parallel size %d, %s)", config.model, args.host,
                     args.port, config.tensor_parallel_size, config.device)
         serve_http(app, args.host, args.port)

@@ -153,9 +153,23 @@ async def _validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
 async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     """Routing errors (unknown path, wrong method) and Starlette's own HTTP errors."""
     assert isinstance(exc, StarletteHTTPException)
+    unparsable = _unparsable_body(exc.__cause__)
+    if unparsable is not None:
+        return unparsable.to_response()
     error_type = "server_error" if exc.status_code >= 500 else "invalid_request_error"
     body = error_body(f"{exc.detail}: {request.method} {request.url.path}", error_type)
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+def _unparsable_body(cause: BaseException | None) -> InvalidRequestError | None:
+    """FastAPI answers a body `json.loads` fails on other than with a syntax error as a bare 400 "There was
+    an error parsing the body", with the reason as the cause; say what the reason was."""
+    if isinstance(cause, UnicodeDecodeError):
+        return InvalidRequestError(f"The request body is not valid UTF-8: byte {cause.object[cause.start]:#04x} at "
+                                   f"position {cause.start} ({cause.reason}). Send JSON encoded as UTF-8.")
+    if isinstance(cause, RecursionError):
+        return InvalidRequestError("The request body is nested too deeply to parse.")
+    return None
 
 
 async def _unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:

@@ -98,8 +98,12 @@ class _EngineState:
             yield gauge("num_requests_running", "Requests being computed.", len(engine.scheduler.running))
             yield gauge("num_requests_waiting", "Requests waiting to start (or for a wake).",
                         len(engine.scheduler.waiting) + len(engine.held))
+            free = blocks.num_free_blocks
             yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                        1.0 - blocks.num_free_blocks / max(blocks.num_blocks, 1))
+                        1.0 - free / max(blocks.num_blocks, 1))
+            # Exact counts: with no request in flight, free == total, or blocks leaked.
+            yield gauge("kv_cache_blocks_total", "KV cache blocks of the engine.", blocks.num_blocks)
+            yield gauge("kv_cache_blocks_free", "KV cache blocks free or held only by the prefix cache.", free)
             yield counter("prefix_cache_queries", "Blocks looked up in the prefix cache.", blocks.prefix_queries)
             yield counter("prefix_cache_hits", "Blocks found in the prefix cache.", blocks.prefix_hits)
             yield gauge("is_sleeping", "1 while the model sleeps.", float(engine.is_sleeping))

@@ -3,27 +3,34 @@
 Requests are validated strictly (a string is not an integer, `1` is not `true`) and reject
 features the engine does not implement instead of silently ignoring them; fields no model
 here declares are ignored, as OpenAI does. Validators normalise the flexible OpenAI shapes
-(`stop` as string or list, content as string or parts) so handlers see one form only.
+(`stop` as string or list, content as string or parts) so handlers see one form only; the
+OpenAPI schema (`/openapi.json`) documents the shapes a client may send, not the normalised one.
+
+Everything a request carries is checked here, before it reaches the engine: numbers are finite,
+integers fit the 64-bit fields they end up in, and text is valid Unicode (JSON's `\ud800` escapes
+can smuggle in unpaired surrogates, which neither the tokenizer nor UTF-8 accepts).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_serializer,
 )
 
 from shardserve.engine.outputs import TokenLogprob
-from shardserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from shardserve.engine.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 TokenText = Callable[[int], str]
 
@@ -34,9 +41,24 @@ def _now() -> int:
 
 # --------------------------------------------------------------------------- requests
 
+# Token ids: anything past this is out of every vocabulary, and rejected before it could overflow a tensor.
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _valid_unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be valid Unicode text, but character {exc.start} is an unpaired surrogate "
+                         f"({value[exc.start]!r})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
 
 class _RequestModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_RequestModel):
@@ -46,13 +68,15 @@ class StreamOptions(_RequestModel):
 class GenerationRequest(_RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = None  # None: the served model
+    model: Text | None = None  # None: the served model
     max_tokens: int | None = Field(default=None, ge=1)  # None: the rest of the context
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
-    stop: list[str] | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    # A string or a list of strings; validated as a list.
+    stop: Annotated[list[Text] | None, WithJsonSchema({"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]})] = None
     stop_token_ids: list[int] | None = None
     n: int | None = None
     stream: bool | None = False
@@ -61,7 +85,7 @@ class GenerationRequest(_RequestModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -77,9 +101,10 @@ class GenerationRequest(_RequestModel):
 
     @field_validator("stop_token_ids")
     @classmethod
-    def _token_ids_not_negative(cls, value: list[int] | None) -> list[int] | None:
-        if value and min(value) < 0:
-            raise ValueError("token ids must not be negative")
+    def _token_ids_in_range(cls, value: list[int] | None) -> list[int] | None:
+        bad = next((t for t in value or () if not 0 <= t <= MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise ValueError(f"token ids must be between 0 and {MAX_TOKEN_ID}, got {bad}")
         return value
 
     @field_validator("n")
@@ -120,6 +145,11 @@ class GenerationRequest(_RequestModel):
         return self.max_tokens
 
     @property
+    def max_tokens_param(self) -> str:
+        """The field `requested_max_tokens` comes from, to name in errors."""
+        return "max_tokens"
+
+    @property
     def num_logprobs(self) -> int | None:
         """Alternatives to report per generated token (0: only the sampled one); None: no logprobs."""
         return None
@@ -147,24 +177,30 @@ def _reject_if_set(name: str, value: Any, unsupported: Callable[[Any], bool]) ->
 
 class CompletionRequest(GenerationRequest):
     # One prompt per request: a string or a list of token ids (a one-element batch is unwrapped).
-    prompt: str | list[int]
+    prompt: Annotated[str | list[int], WithJsonSchema({"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}, "minItems": 1},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+    ]})]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _single_prompt(cls, value: Any) -> Any:
+        # Checked here rather than by the annotation, so an error names `prompt`, not a branch of the union.
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
             value = value[0]
         if isinstance(value, str):
-            return value
+            return _valid_unicode(value)
         if isinstance(value, list) and all(type(t) is int for t in value):
             if not value:
                 raise ValueError("prompt must not be empty")
-            if min(value) < 0:
-                raise ValueError("token ids must not be negative")
+            bad = next((t for t in value if not 0 <= t <= MAX_TOKEN_ID), None)
+            if bad is not None:
+                raise ValueError(f"token ids must be between 0 and {MAX_TOKEN_ID}, got {bad}")
             return value
         if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
             raise ValueError("batched prompts are not supported; send one prompt per request")
@@ -191,8 +227,12 @@ class CompletionRequest(GenerationRequest):
 
 
 class ChatMessage(_RequestModel):
-    role: Literal["system", "user", "assistant"]
-    content: str  # text parts are joined into one string by the validator
+    role: Annotated[Literal["system", "user", "assistant"], WithJsonSchema(
+        {"type": "string", "enum": ["system", "developer", "user", "assistant"]})]
+    # A string or a list of text parts, joined into one string by the validator.
+    content: Annotated[Text, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {
+        "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        "required": ["type", "text"]}}]})]
 
     @field_validator("role", mode="before")
     @classmethod
@@ -252,6 +292,10 @@ class ChatCompletionRequest(GenerationRequest):
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name of the same limit; it wins when both are set.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages in the shape the tokenizer's chat template takes."""
@@ -389,6 +433,19 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None  # the request field at fault, e.g. "messages[0].role"; None: the request as a whole
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (errors.py builds them)."""
+
+    error: ErrorInfo
 
 
 # --------------------------------------------------------------------------- logprobs

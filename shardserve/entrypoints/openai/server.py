@@ -31,7 +31,10 @@ from shardserve.entrypoints.openai.metrics import ServerMetrics
 from shardserve.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
 from shardserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
     GenerationRequest,
     ModelCard,
     ModelList,
@@ -41,8 +44,9 @@ from shardserve.entrypoints.openai.renderers import ChatRenderer, CompletionRend
 if TYPE_CHECKING:
     from shardserve.engine.async_engine import AsyncEngine
 
-# Paths a load balancer or operator may probe without the API key.
-PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
+# Paths a load balancer may probe without the API key. Everything else needs it, /metrics included
+# (Prometheus sends the key with `authorization: {credentials: KEY}`), and so do /docs and /openapi.json.
+PUBLIC_PATHS = frozenset({"/health", "/version"})
 
 
 def build_app(
@@ -91,7 +95,19 @@ def _serving(request: Request) -> _ServingState:
     return request.app.state.serving
 
 
-_router = APIRouter()
+# Documented in /openapi.json: every error has the OpenAI shape (declaring 4XX also keeps FastAPI from
+# documenting its own 422 validation body, which this server never sends).
+_router = APIRouter(responses={
+    "4XX": {"model": ErrorResponse, "description": "Refused; `error.param` names the request field at fault"},
+    "5XX": {"model": ErrorResponse, "description": "The engine failed or is not running"},
+})
+
+
+def _generation_responses(body: type) -> dict[int | str, dict]:
+    stream = {"schema": {"type": "string", "description": "Server-sent events: one `data: {chunk}` per output, "
+                                                          "then `data: [DONE]`"}}
+    return {200: {"model": body, "content": {"text/event-stream": stream},
+                  "description": "The completion, or with `stream: true` a stream of chunks"}}
 
 
 @_router.get("/health")
@@ -155,7 +171,7 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[card])
 
 
-@_router.post("/v1/completions")
+@_router.post("/v1/completions", responses=_generation_responses(CompletionResponse))
 async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
     state = _serving(raw_request)
     state.check_model(body.model)
@@ -174,7 +190,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request) -> Re
     return await serve_generation(raw_request, state.engine, renderer, prompt_ids, params, body)
 
 
-@_router.post("/v1/chat/completions")
+@_router.post("/v1/chat/completions", responses=_generation_responses(ChatCompletionResponse))
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
     state = _serving(raw_request)
     state.check_model(body.model)
@@ -200,16 +216,25 @@ def _admit(body: GenerationRequest, prompt_ids: list[int], max_model_len: int, p
     """The request's SamplingParams, once the prompt and the completion are known to fit the context."""
     if not prompt_ids:
         raise InvalidRequestError("The prompt is empty.", param=prompt_param)
-    max_tokens = _max_tokens(body.requested_max_tokens, len(prompt_ids), max_model_len, prompt_param)
+    max_tokens = _max_tokens(body, len(prompt_ids), max_model_len, prompt_param)
     try:
         return body.to_sampling_params(max_tokens)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
 
 
-def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
-    """The completion budget: `requested`, or by default all the context the prompt leaves."""
+def _max_tokens(body: GenerationRequest, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
+    """The completion budget: what the request asks for, or by default all the context the prompt leaves."""
+    requested = body.requested_max_tokens
     limit = f"This model's maximum context length is {max_model_len} tokens."
+    if requested is not None and requested >= max_model_len:
+        # No prompt could make this fit: the limit itself is what to change.
+        raise InvalidRequestError(
+            f"{limit} However, {body.max_tokens_param} is {requested}, which leaves no room for a prompt. "
+            f"Please set {body.max_tokens_param} below {max_model_len}.",
+            param=body.max_tokens_param,
+            code="context_length_exceeded",
+        )
     if requested is not None and prompt_len + requested > max_model_len:
         raise InvalidRequestError(
             f"{limit} However, you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
