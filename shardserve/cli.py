@@ -155,13 +155,90 @@ def _add_fetch_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _concurrency_levels(value: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        levels = ()
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency takes positive integers separated by commas (e.g. 1,4,16), "
+                                         f"got {value!r}")
+    return levels
+
+
+def _request_rate(value: str) -> float:
+    try:
+        rate = float(value)
+    except ValueError:
+        rate = 0.0
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"--request-rate takes a positive number of requests/s or inf, got {value!r}")
+    return rate
+
+
+def _slo(value: str):
+    from shardserve.bench.metrics import parse_slo
+
+    try:
+        return parse_slo(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_bench_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="load an OpenAI-compatible server (shardserve, vLLM, ...) at several "
+                                     "concurrency levels: throughput, TTFT, TPOT, ITL, goodput")
+    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    p.add_argument("--model", required=True, help="the model name the server serves")
+    p.add_argument("--concurrency", type=_concurrency_levels, default=(1, 4, 16, 64), metavar="C1,C2,...",
+                   help="levels to run, one after another: requests in flight at once (default 1,4,16,64)")
+    p.add_argument("--num-prompts", type=_positive_int("--num-prompts"), default=64,
+                   help="requests per level (default 64)")
+    p.add_argument("--input-len", type=_positive_int("--input-len"), default=None,
+                   help="tokens per random prompt (default 256): about one per word without --tokenizer, "
+                        "exact with it; the server's usage reports what was sent")
+    p.add_argument("--output-len", type=_positive_int("--output-len"), default=128,
+                   help="tokens to generate per request, forced with ignore_eos where the server supports it "
+                        "(default 128; a dataset line's output_len wins)")
+    p.add_argument("--dataset", default=None, metavar="FILE.jsonl",
+                   help='prompts instead of random ones: one {"prompt": ...} or {"messages": [...]} per line, '
+                        'optionally with "output_len"')
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="the model's tokenizer (a model directory or .gguf file) to build prompts of exactly "
+                        "--input-len tokens")
+    p.add_argument("--shared-prefix", type=_positive(int, "--shared-prefix", allow_zero=True), default=0,
+                   metavar="N", help="the first N words (tokens with --tokenizer) of every random prompt are the "
+                                     "same, as with a common system prompt (default 0: prompts share nothing)")
+    p.add_argument("--request-rate", type=_request_rate, default=float("inf"), metavar="R",
+                   help="Poisson arrivals at R requests/s, still at most --concurrency in flight "
+                        "(default inf: all at once)")
+    p.add_argument("--goodput", type=_slo, nargs="+", default=[], metavar="KEY:MS",
+                   help="SLOs a request must meet to count in goodput: ttft, tpot, e2el in milliseconds, "
+                        "e.g. --goodput ttft:500 tpot:50")
+    p.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    p.add_argument("--num-warmups", type=_positive(int, "--num-warmups", allow_zero=True), default=1,
+                   help="requests sent before the first level, left out of every figure (default 1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the random prompts and arrivals (default: a new one each run, recorded in "
+                        "the JSON, so a repeated run does not hit the server's prefix cache)")
+    p.add_argument("--request-timeout", type=_positive_float("--request-timeout"), default=600.0, metavar="S",
+                   help="seconds a request may take before it counts as failed (default 600)")
+    p.add_argument("--out", default=None, metavar="results.json", help="write the settings and every level here")
+    p.add_argument("--csv", default=None, metavar="results.csv", help="write one row per level here")
+    p.add_argument("--plot", default=None, metavar="results.png",
+                   help="plot throughput and latency against concurrency here")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
+    p.set_defaults(func=_bench)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardserve", description="Serve LLMs sharded across GPUs and machines.")
     parser.add_argument("--version", action="version", version=f"shardserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     parser.set_defaults(subparsers={"serve": _add_serve_parser(sub), "doctor": _add_doctor_parser(sub),
                                     "pool": _add_pool_parser(sub), "plan": _add_plan_parser(sub),
-                                    "fetch-example": _add_fetch_parser(sub)})
+                                    "fetch-example": _add_fetch_parser(sub), "bench": _add_bench_parser(sub)})
     return parser
 
 
@@ -184,7 +261,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args = parser.parse_args(argv)
     if args.command in ("serve", "plan") and args.model is None:
         command.error("give MODEL or --recipe FILE.yaml")
+    if args.command == "bench":
+        _check_bench_workload(args, command)
     return args
+
+
+def _check_bench_workload(args: argparse.Namespace, command: argparse.ArgumentParser) -> None:
+    if args.dataset is not None:
+        for flag, value in (("--input-len", args.input_len), ("--tokenizer", args.tokenizer),
+                            ("--shared-prefix", args.shared_prefix)):
+            if value:
+                command.error(f"{flag} applies to random prompts; --dataset prompts are sent as written")
+        return
+    args.input_len = args.input_len or 256
+    if args.shared_prefix >= args.input_len:
+        command.error(f"--shared-prefix ({args.shared_prefix}) must be shorter than --input-len ({args.input_len})")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -247,6 +338,12 @@ def _pool(args: argparse.Namespace) -> int:
         return 2
     run_pool(config, args.host, args.port, args.device)
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from shardserve.bench.main import bench
+
+    return bench(args)
 
 
 def _fetch_example(args: argparse.Namespace) -> int:

@@ -1,0 +1,76 @@
+"""`shardserve bench`: the parsed command line in, the table and the result files out.
+
+Exit status 0 when every request completed, 1 when some failed (their errors are printed and saved;
+the run still finishes every level), 2 for a workload that cannot be built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import random
+import sys
+
+from rich.console import Console
+
+from shardserve import __version__
+from shardserve.bench.report import plot, print_table, write_csv, write_json
+from shardserve.bench.runner import BenchConfig, run_bench
+from shardserve.bench.workload import Workload, WorkloadError, load_dataset
+
+
+def bench(args: argparse.Namespace) -> int:
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    try:
+        workload = _workload(args, seed)
+    except (WorkloadError, OSError) as e:
+        print(f"shardserve bench: error: {e}", file=sys.stderr)
+        return 2
+    config = BenchConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
+                         request_rate=args.request_rate, slos=tuple(args.goodput), api_key=args.api_key,
+                         num_warmups=args.num_warmups, timeout_s=args.request_timeout)
+    levels = run_bench(config, workload, Console(stderr=True))
+    title = f"{args.model} at {args.base_url}: {_describe(args)}"
+    # Off a terminal rich would wrap the table at 80 columns.
+    print_table(levels, Console() if sys.stdout.isatty() else Console(width=200), title)
+    if args.out:
+        write_json(args.out, _run_record(args, seed), levels)
+    if args.csv:
+        write_csv(args.csv, levels)
+    if args.plot:
+        plot(levels, title).savefig(args.plot, dpi=120)
+    return 1 if any(level.failed for level in levels) else 0
+
+
+def _workload(args: argparse.Namespace, seed: int) -> Workload:
+    if args.dataset is not None:
+        return Workload(args.num_prompts, args.output_len, dataset=load_dataset(args.dataset), seed=seed)
+    tokenizer = None
+    if args.tokenizer is not None:
+        from shardserve.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_model_path(args.tokenizer)
+    return Workload(args.num_prompts, args.output_len, input_len=args.input_len, shared_prefix=args.shared_prefix,
+                    tokenizer=tokenizer, seed=seed)
+
+
+def _describe(args: argparse.Namespace) -> str:
+    prompts = f"dataset {args.dataset}" if args.dataset else \
+        f"{'' if args.tokenizer else '~'}{args.input_len} prompt tokens"
+    rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s Poisson"
+    return f"{args.num_prompts} requests per level, {prompts}, {args.output_len} output tokens, {rate}"
+
+
+def _run_record(args: argparse.Namespace, seed: int) -> dict:
+    """The settings of this run, as the JSON file records them beside the levels."""
+    return {
+        "tool": f"shardserve bench {__version__}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "base_url": args.base_url, "model": args.model, "concurrency": list(args.concurrency),
+        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+        "input_len_exact": args.tokenizer is not None, "tokenizer": args.tokenizer, "dataset": args.dataset,
+        "shared_prefix": args.shared_prefix,
+        "request_rate": None if args.request_rate == float("inf") else args.request_rate,
+        "goodput_slos_ms": {slo.key: slo.limit_ms for slo in args.goodput}, "num_warmups": args.num_warmups,
+        "seed": seed,
+    }
