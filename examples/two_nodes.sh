@@ -5,6 +5,9 @@
 #   NODE_RANK=0 MASTER_ADDR=10.0.0.1 IFACE=enp1s0 bash examples/two_nodes.sh /models/Llama-3-70B
 #   NODE_RANK=1 MASTER_ADDR=10.0.0.1 IFACE=enp1s0 bash examples/two_nodes.sh /models/Llama-3-70B
 #
+# The ranks authenticate each other with a shared secret: export the same SHARDSERVE_CONTROL_TOKEN on both
+# machines first (e.g. from `python3 -c 'import secrets; print(secrets.token_hex(32))'`).
+#
 # Variables that change NCCL's behaviour are passed with --forward-env: the values set on node 0
 # reach every rank, so they cannot differ between the machines. Start-up stops with a message naming
 # any other difference (code, versions, config, NCCL_*/GLOO_*/CUDA_*/TORCH_* variables).
@@ -12,6 +15,7 @@ set -euo pipefail
 MODEL=${1:?usage: NODE_RANK=R MASTER_ADDR=HOST bash examples/two_nodes.sh MODEL}
 : "${NODE_RANK:?set NODE_RANK to 0 on the first machine, 1 on the second}"
 : "${MASTER_ADDR:?set MASTER_ADDR to the address of the first machine}"
+: "${SHARDSERVE_CONTROL_TOKEN:?set SHARDSERVE_CONTROL_TOKEN to the same secret on both machines}"
 MASTER_PORT=${MASTER_PORT:-29500}
 IFACE=${IFACE:-}
 

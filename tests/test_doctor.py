@@ -27,6 +27,7 @@ def test_doctor_on_two_local_cpu_ranks_prints_the_smoke_test_and_exits_0():
 def test_doctor_across_ranks_that_differ_fails_naming_the_variable():
     port = str(find_free_port())
     base = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "SHARDSERVE_", "SLURM_"))}
+    base["SHARDSERVE_CONTROL_TOKEN"] = "test-control-token"
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "LOCAL_RANK": "0",
               "LOCAL_WORLD_SIZE": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "shardserve", "doctor", "-tp", "2", "--device", "cpu"],

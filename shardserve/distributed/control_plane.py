@@ -1,26 +1,49 @@
-"""Step plans from rank 0 to the other ranks, over the gloo control group.
+"""Control data between ranks, over the gloo control group, in msgpack (never pickle).
 
-Each message is a header [message number, payload bytes] followed by the msgpack payload. Message
-numbers run 1, 2, 3... on every rank; a receiver that sees another number than the one it expects
-stops with an error naming both, instead of running a step out of order.
+Step plans go from rank 0 to the other ranks. Each message is a header [message number, payload bytes]
+followed by the msgpack payload and its MAC under the launch's control key (distributed/control_token.py),
+which covers the message number too. Message numbers run 1, 2, 3... on every rank. A receiver that sees
+another number than the one it expects, a MAC that does not match, or a payload that is not a plan logs
+why and stops, instead of running a step it cannot trust.
+
+`all_gather_msgpack` is the replacement for torch's `all_gather_object` (which unpickles what other
+ranks send) for the few start-up exchanges of plain data.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
+from typing import Any
+
+import msgpack
 import torch
 import torch.distributed as dist
 
+from shardserve.distributed.control_token import MAC_BYTES, mac
 from shardserve.distributed.lockstep import LockstepError
 from shardserve.engine.step_plan import StepPlan
 
-__all__ = ["ControlPlane", "LockstepError"]
+__all__ = ["ControlPlane", "ControlMessageRefused", "LockstepError", "all_gather_msgpack"]
+
+logger = logging.getLogger(__name__)
+
+# A plan holds at most a step's tokens and block tables; a header announcing more is not from rank 0.
+MAX_PLAN_BYTES = 256 * 2**20
+
+
+class ControlMessageRefused(LockstepError):
+    """A control message this rank did not expect or could not authenticate; the rank stops."""
 
 
 class ControlPlane:
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, key: bytes | None = None) -> None:
+        if world_size > 1 and key is None:
+            raise ValueError("a control plane between several ranks needs the launch's control key")
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.key = key
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
         self.message_no = 0
 
@@ -29,9 +52,10 @@ class ControlPlane:
             return
         payload = plan.encode()
         self.message_no += 1
+        signed = payload + mac(self.key, self.message_no, payload)
         header = torch.tensor([self.message_no, len(payload)], dtype=torch.int64)
         dist.broadcast(header, src=self.src, group=self.group)
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=self.src, group=self.group)
+        dist.broadcast(torch.frombuffer(bytearray(signed), dtype=torch.uint8), src=self.src, group=self.group)
 
     def receive(self) -> StepPlan:
         header = torch.empty(2, dtype=torch.int64)
@@ -39,8 +63,41 @@ class ControlPlane:
         message_no, size = int(header[0]), int(header[1])
         self.message_no += 1
         if message_no != self.message_no:
-            raise LockstepError(f"rank {self.rank} expected step message {self.message_no} from rank 0 "
-                                f"but received message {message_no}: the ranks are out of step")
-        payload = torch.empty(size, dtype=torch.uint8)
-        dist.broadcast(payload, src=self.src, group=self.group)
-        return StepPlan.decode(payload.numpy().tobytes())
+            self._refuse(f"expected step message {self.message_no} from rank 0 but received message {message_no}: "
+                         f"the ranks are out of step")
+        if not 0 <= size <= MAX_PLAN_BYTES:
+            self._refuse(f"step message {message_no} announces {size} bytes, which no plan has")
+        signed = torch.empty(size + MAC_BYTES, dtype=torch.uint8)
+        dist.broadcast(signed, src=self.src, group=self.group)
+        data = signed.numpy().tobytes()
+        payload, tag = data[:size], data[size:]
+        if not hmac.compare_digest(tag, mac(self.key, message_no, payload)):
+            self._refuse(f"step message {message_no} does not carry rank 0's signature (wrong control token, or "
+                         f"someone else on the control connection)")
+        try:
+            return StepPlan.decode(payload)
+        except Exception as exc:  # noqa: BLE001 - any decoding failure means the same: not a plan
+            self._refuse(f"step message {message_no} is not a step plan ({type(exc).__name__}: {exc})")
+
+    def _refuse(self, why: str) -> None:
+        message = f"rank {self.rank} refuses a control message: {why}; this rank stops"
+        logger.error(message)
+        raise ControlMessageRefused(message)
+
+
+def all_gather_msgpack(value: Any, group: dist.ProcessGroup | None, world_size: int) -> list[Any]:
+    """Every rank's `value` (plain data: dicts, lists, strings, numbers), in rank order, on every rank.
+
+    A collective over `group` (gloo: CPU tensors): sizes first, then the payloads padded to the longest.
+    Tuples come back as lists.
+    """
+    payload = msgpack.packb(value)
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    parts = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(parts, mine, group=group)
+    return [msgpack.unpackb(part[:int(n)].numpy().tobytes()) for part, n in zip(parts, sizes)]

@@ -27,6 +27,9 @@ BEHAVIOUR_ENV_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "SHARDSERVE_")
 # (eth0 here, ens3 there); only whether they are set is compared.
 HOST_SPECIFIC_ENV = frozenset({"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "CUDA_VISIBLE_DEVICES"})
 SET = "<set>"
+# Secrets: never published in a fingerprint (they would cross the network in the clear) nor compared
+# here; the control token is checked by proof instead (distributed/control_token.py).
+SECRET_ENV = frozenset({"SHARDSERVE_CONTROL_TOKEN"})
 # Config fields that may differ between ranks without changing what they compute.
 LOCAL_CONFIG_FIELDS = frozenset({"forward_env"})
 UNSET = "<unset>"
@@ -60,6 +63,7 @@ def source_digest() -> str:
 
 def behaviour_env(forward_env: tuple[str, ...] = ()) -> dict[str, str]:
     names = {n for n in os.environ if n.startswith(BEHAVIOUR_ENV_PREFIXES)} | set(forward_env)
+    names -= SECRET_ENV
     return {name: os.environ.get(name, UNSET) for name in sorted(names)}
 
 

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from shardserve.config import EngineConfig
+from shardserve.distributed.control_token import TOKEN_ENV, new_token, resolve_token
 from shardserve.distributed.process_group import RankContext, find_free_port, init_rank_context
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ def engine_worker(config: EngineConfig, ctx: RankContext) -> None:
 
 
 def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
-                 worker: Callable[[EngineConfig, RankContext], None]) -> None:
+                 worker: Callable[[EngineConfig, RankContext], None], control_token: str) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{info.rank} %(levelname)s %(name)s: %(message)s")
     from shardserve.distributed.handshake import StartupMismatch
     from shardserve.distributed.process_group import destroy_rank_context
@@ -138,7 +139,7 @@ def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
     set_cpu_threads(info.local_world_size)
     try:
         ctx = init_rank_context(info.rank, info.world_size, config.device, info.init_method, info.local_rank,
-                                config)
+                                config, control_token)
     except StartupMismatch:
         sys.exit(1)  # rank 0 reports the mismatch
     try:
@@ -153,6 +154,9 @@ class LocalRanks:
     On a single machine (the default) that is rank 0 plus world_size - 1 workers; with a NodeLaunch,
     node R runs ranks R * per_node ... R * per_node + per_node - 1, and only node 0's first rank drives.
     Spawned ranks run `worker` (a module-level function) once they have joined the group.
+
+    The control token: $SHARDSERVE_CONTROL_TOKEN when set (and it must be, across several nodes), else a
+    fresh random one, handed to the spawned ranks as an argument.
     """
 
     def __init__(self, config: EngineConfig, node: NodeLaunch | None = None,
@@ -163,17 +167,18 @@ class LocalRanks:
             raise ValueError(f"the launch has {node.world_size} ranks but --tensor-parallel-size is "
                              f"{config.tensor_parallel_size}")
         self.node = node
+        token = os.environ.get(TOKEN_ENV) or (new_token() if node.nnodes == 1 else resolve_token(None))
         spawn = mp.get_context("spawn")
         self.processes = []
         for local in range(1, node.per_node):
             info = LaunchInfo(node.first_rank + local, node.world_size, node.init_method, local, node.per_node)
-            p = spawn.Process(target=_worker_main, args=(config, info, logging.getLogger().level, worker),
+            p = spawn.Process(target=_worker_main, args=(config, info, logging.getLogger().level, worker, token),
                               name=f"shardserve-rank{info.rank}", daemon=True)
             p.start()
             self.processes.append(p)
         set_cpu_threads(node.per_node)
         self.ctx: RankContext = init_rank_context(node.first_rank, node.world_size, config.device, node.init_method,
-                                                  0, config)
+                                                  0, config, token)
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the process group, then wait for the other ranks to exit.

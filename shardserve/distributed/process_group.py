@@ -14,6 +14,13 @@ import torch.distributed as dist
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.communicator import SINGLE, Communicator
+from shardserve.distributed.control_token import (
+    TOKEN_ENV,
+    ControlTokenError,
+    authenticate_ranks,
+    control_key,
+    resolve_token,
+)
 from shardserve.distributed.handshake import handshake
 
 logger = logging.getLogger(__name__)
@@ -31,6 +38,7 @@ class RankContext:
     device: torch.device
     comm: Communicator  # data plane: activations
     control_group: dist.ProcessGroup | None  # control plane: step plans, always gloo (CPU tensors)
+    control_key: bytes | None = None  # signs the step plans (distributed/control_token.py); None: one rank
 
     @property
     def is_driver(self) -> bool:
@@ -48,18 +56,25 @@ def single_rank_context(device: str) -> RankContext:
 
 
 def init_rank_context(rank: int, world_size: int, device: str, init_method: str | None = None,
-                      local_rank: int | None = None, config: EngineConfig | None = None) -> RankContext:
+                      local_rank: int | None = None, config: EngineConfig | None = None,
+                      control_token: str | None = None) -> RankContext:
     """Join the process group (from env:// under torchrun, else init_method) and build both planes.
 
-    With `config`, the start-up handshake (distributed/handshake.py) runs on the rendezvous store
-    first: forwarded variables are applied and the ranks' fingerprints compared before NCCL or gloo
-    read any variable and before any weights load.
+    First, on the rendezvous store, the ranks prove to each other that they hold the launch's control
+    token (`control_token`, else $SHARDSERVE_CONTROL_TOKEN; distributed/control_token.py). Then, with
+    `config`, the start-up handshake (distributed/handshake.py): forwarded variables are applied and
+    the ranks' fingerprints compared before NCCL or gloo read any variable and before any weights load.
     """
     if world_size == 1:  # no process group: nothing to communicate with
         if device == "cuda":
             torch.cuda.set_device(0)
         return single_rank_context("cuda:0" if device == "cuda" else "cpu")
+    if config is not None and TOKEN_ENV in config.forward_env:
+        raise ControlTokenError(f"{TOKEN_ENV} cannot be forwarded: --forward-env (and a recipe's env:) send values "
+                                f"through the rendezvous store in the clear; set it on every node instead")
+    key = control_key(resolve_token(control_token))
     store, _, _ = next(dist.rendezvous(init_method or "env://", rank, world_size, timeout=COLLECTIVE_TIMEOUT))
+    authenticate_ranks(store, rank, world_size, key)
     if config is not None:
         handshake(store, rank, world_size, config)
     store = dist.PrefixStore("default_pg", store)
@@ -77,7 +92,7 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
     data_group = dist.group.WORLD
     control_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     comm = Communicator(data_group, rank, world_size)
-    return RankContext(rank, world_size, torch_device, comm, control_group)
+    return RankContext(rank, world_size, torch_device, comm, control_group, key)
 
 
 def destroy_rank_context(ctx: RankContext, timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:

@@ -38,7 +38,7 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_model_path(config.model)
         self.tokenizer = tokenizer
-        self.control = ControlPlane(ctx.control_group, ctx.rank, ctx.world_size)
+        self.control = ControlPlane(ctx.control_group, ctx.rank, ctx.world_size, ctx.control_key)
         self.runner = ModelRunner(config, self.model_config, ctx)
         self.lockstep = LockstepCheck(ctx.control_group, ctx.rank, ctx.world_size, default_every(ctx.device))
         self.max_model_len = self.runner.max_model_len
@@ -240,7 +240,7 @@ class LLMEngine:
 def run_worker(config: EngineConfig, ctx: RankContext) -> None:
     """The loop of every rank but 0: receive a plan, run it, until told to shut down."""
     model_config = ModelConfig.from_model_path(config.model)
-    control = ControlPlane(ctx.control_group, ctx.rank, ctx.world_size)
+    control = ControlPlane(ctx.control_group, ctx.rank, ctx.world_size, ctx.control_key)
     runner = ModelRunner(config, model_config, ctx)
     lockstep = LockstepCheck(ctx.control_group, ctx.rank, ctx.world_size, default_every(ctx.device))
     logger.info("rank %d ready", ctx.rank)

@@ -133,9 +133,9 @@ def doctor_worker(config: EngineConfig, ctx) -> None:
 
 
 def _gather(ctx, mine: dict) -> list[dict] | None:
-    results: list = [None] * ctx.world_size
-    dist.all_gather_object(results, mine, group=ctx.control_group)
-    return results
+    from shardserve.distributed.control_plane import all_gather_msgpack
+
+    return all_gather_msgpack(mine, ctx.control_group, ctx.world_size)
 
 
 def rank_findings(results: list[dict], backend: str) -> list[Finding]:

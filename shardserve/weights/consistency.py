@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardserve.distributed.control_plane import all_gather_msgpack
 from shardserve.distributed.handshake import StartupMismatch
 from shardserve.layers.norm import RMSNorm
 
@@ -33,9 +34,8 @@ def replicated_digests(model: nn.Module) -> dict[str, str]:
 def verify_replicated_weights(model: nn.Module, group: dist.ProcessGroup, rank: int, world_size: int) -> int:
     """Compare the replicated weights' digests across the group (a collective: every rank calls it).
     Returns how many tensors were compared; raises StartupMismatch on every rank if any differ."""
-    mine = (rank, socket.gethostname(), replicated_digests(model))
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, mine, group=group)
+    mine = [rank, socket.gethostname(), replicated_digests(model)]
+    gathered = all_gather_msgpack(mine, group, world_size)
     reference_rank, reference_host, reference = gathered[0]
     problems = []
     for other_rank, host, digests in gathered[1:]:

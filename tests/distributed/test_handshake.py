@@ -42,6 +42,7 @@ class TwoRanks:
         base = {k: v for k, v in os.environ.items()
                 if not k.startswith(("NCCL_", "SHARDSERVE_", "SLURM_")) and k not in launch and k != "RANK"}
         base["PYTHONUNBUFFERED"] = "1"
+        base["SHARDSERVE_CONTROL_TOKEN"] = "test-control-token"  # what every rank of a launch shares
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "shardserve", "serve", *args, "--port", str(self.http_port)],
                              env={**base, **(launch | {"RANK": str(rank)} if torchrun_env else {}), **env},

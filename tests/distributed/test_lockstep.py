@@ -27,7 +27,7 @@ def _rank(rank: int, port: int, model_dir: str, diverge: bool, results) -> None:
 
         control_plane.ControlPlane.receive = receive_then_corrupt
     config = EngineConfig(model=model_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.02)
-    ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}", config=config)
+    ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}", config=config, control_token="test-token")
     try:
         if rank == 0:
             from shardserve.engine.llm_engine import LLMEngine

@@ -79,6 +79,7 @@ def _start_nodes(model_dir: str, hosts, extra_args: list[str], node_env: list[di
     master_port, http_port = find_free_port(), find_free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "GLOO_", "SHARDSERVE_"))}
     env["PYTHONUNBUFFERED"] = "1"
+    env["SHARDSERVE_CONTROL_TOKEN"] = "test-control-token"  # the launch's shared secret, set on both hosts
     nodes = []
     for node_rank, (ns, _, dev) in enumerate(hosts):
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "shardserve", "serve", model_dir, "-tp", "2",

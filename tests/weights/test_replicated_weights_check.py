@@ -26,7 +26,7 @@ def _rank(rank: int, port: int, model_dir: str, corrupt_rank: int | None, result
         model_runner.load_weights = load_then_corrupt
     torch.set_num_threads(1)
     config = EngineConfig(model=model_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.02)
-    ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}")
+    ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}", control_token="test-token")
     try:
         model_runner.ModelRunner(config, ModelConfig.from_model_path(model_dir), ctx)
         results.put((rank, "started"))
