@@ -43,5 +43,10 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_head
     point there, and although they are masked out, a NaN in their values would still poison the sum.
     """
     cache = torch.empty(num_layers, 2, num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    return kv_cache_layers(cache, block_size)
+
+
+def kv_cache_layers(cache: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (keys, values) views of a whole cache [layers, 2, slots, kv_heads, head_dim], block 0 zeroed."""
     cache[:, :, :block_size].zero_()
-    return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
+    return [(cache[i, 0], cache[i, 1]) for i in range(cache.shape[0])]

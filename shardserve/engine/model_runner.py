@@ -15,12 +15,14 @@ from shardserve.attention import StepBatch, create_attention_backend
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed import all_reduce
 from shardserve.distributed.process_group import RankContext
-from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block,
+from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block, kv_cache_layers,
                                         kv_cache_budget_bytes)
 from shardserve.engine.cuda_graphs import CudaGraphRunner, graph_buckets
 from shardserve.engine.step_plan import StepPlan
+from shardserve.layers.cuda_gemv import use_batch1_gemv
 from shardserve.layers.linear_kernels import choose_linear_kernel, pack_linear_weights
 from shardserve.models import MODEL_CLASSES
+from shardserve.weights import stable_memory
 from shardserve.weights.consistency import verify_replicated_weights
 from shardserve.weights.loader import load_weights
 from shardserve.weights.offload import HostCopy, offload, restore
@@ -38,6 +40,12 @@ class ModelRunner:
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.block_size = config.block_size
         self.model = self._load_model()
+        # On GPUs, weights and KV cache live at fixed addresses whose memory sleep gives back and wake takes
+        # again (weights/stable_memory.py), so the CUDA graphs survive a sleep and waking costs one copy.
+        self.weight_arena = self.kv_arena = None
+        self.host_image: torch.Tensor | None = None  # pinned copy of the weight arena, made at the first sleep
+        if self.device.type == "cuda" and stable_memory.enabled(self.device):
+            self.weight_arena = stable_memory.move_model_into_arena(self.model, self.device)
         if ctx.world_size > 1:
             checked = verify_replicated_weights(self.model, ctx.control_group, ctx.rank, ctx.world_size)
             if ctx.is_driver:
@@ -57,8 +65,15 @@ class ModelRunner:
         self._capture_graphs()
 
     def _allocate_kv_cache(self):
-        return allocate_kv_cache(self.model_config.num_layers, self.num_blocks, self.block_size,
-                                 self.model.kv_heads_per_rank(), self.model_config.head_dim, self.dtype, self.device)
+        shape = (self.model_config.num_layers, self.num_blocks, self.block_size, self.model.kv_heads_per_rank(),
+                 self.model_config.head_dim)
+        if self.weight_arena is None:
+            return allocate_kv_cache(*shape, self.dtype, self.device)
+        if self.kv_arena is None:
+            self.kv_arena, self._kv_tensor = stable_memory.kv_cache_in_arena(
+                shape[0], shape[1] * shape[2], shape[3], shape[4], self.dtype, self.device)
+        self.kv_arena.map()
+        return kv_cache_layers(self._kv_tensor, self.block_size)
 
     def _capture_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager or not hasattr(self.attention,
@@ -76,6 +91,8 @@ class ModelRunner:
         reloads them from the checkpoint). Device memory goes back to the driver either way."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.weight_arena is not None:
+            return self._sleep_in_place(level)
         self.graphs = None  # they hold the cache's and the weights' addresses
         if not self.weights_asleep:
             host = offload(self.model, keep_host_copy=level == 1)
@@ -87,7 +104,33 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
+    def _sleep_in_place(self, level: int) -> None:
+        """Sleep keeping every address: copy the weights out (once: they never change while serving, so
+        the pinned image made at the first level-1 sleep serves every later wake), then release the arenas."""
+        if not self.weights_asleep:
+            if level == 1 and self.host_image is None:
+                self.host_image = torch.empty(self.weight_arena.nbytes, dtype=torch.uint8, pin_memory=True)
+                self.host_image.copy_(self.weight_arena.bytes)
+            elif level == 2:
+                self.host_image = None
+            self.weight_arena.release()
+            self.weights_asleep = True
+        self.kv_arena.release()
+        self.kv_caches, self.kv_asleep = None, True
+
+    def _wake_in_place(self, weights: bool, kv_cache: bool) -> None:
+        if weights and self.weights_asleep:
+            self.weight_arena.map_and_fill(self.host_image)  # asynchronous copies from the pinned image
+            if self.host_image is None:
+                self._fill_weights(self.model)  # level 2: from the checkpoint, into the same addresses
+            self.weights_asleep = False
+        if kv_cache and self.kv_asleep:
+            self.kv_caches, self.kv_asleep = self._allocate_kv_cache(), False
+        torch.cuda.synchronize(self.device)
+
     def wake(self, weights: bool = True, kv_cache: bool = True) -> None:
+        if self.weight_arena is not None:
+            return self._wake_in_place(weights, kv_cache)
         if weights and self.weights_asleep:
             if self.host_weights is None:
                 self.model = self._load_model()
@@ -101,6 +144,11 @@ class ModelRunner:
 
     def reload_weights(self) -> None:
         """Replace the working weights by a fresh load of the checkpoint (after a failed canary)."""
+        if self.weight_arena is not None:
+            self.host_image = None  # it may be what went wrong
+            self._fill_weights(self.model)
+            torch.cuda.synchronize(self.device)
+            return
         self.graphs = None
         self.model = self._load_model()
         gc.collect()
@@ -113,6 +161,9 @@ class ModelRunner:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        for arena in (self.weight_arena, self.kv_arena):
+            if arena is not None:
+                arena.release()
 
     def _hidden_bytes_per_token(self) -> int:
         return self.model_config.hidden_size * self.dtype.itemsize
@@ -142,11 +193,7 @@ class ModelRunner:
         torch.manual_seed(0)
         with torch.device(self.device):
             model = cls(self.model_config, self.ctx.comm, self.dtype, self.max_model_len)
-        if self.config.load_format == "dummy":
-            from shardserve.weights.synthetic import load_synthetic_weights
-            load_synthetic_weights(model, self.model_config, self.device, self.dtype, seed=self.config.seed)
-        else:
-            load_weights(model, self.config.model, self.model_config.tie_word_embeddings)
+        self._fill_weights(model)
         self._log_planned_weights(model)
         checkpoint_dtype = self.model_config.checkpoint_dtype()
         keep_bf16 = self.config.dtype == "auto" and checkpoint_dtype in (torch.bfloat16, torch.float16)
@@ -156,10 +203,20 @@ class ModelRunner:
             if self.ctx.is_driver:
                 logger.info("linear layers: %s kernels (%d layers prepared)", kernel.name, packed)
         model.eval()
+        if self.device.type == "cuda":
+            use_batch1_gemv(model, log=self.ctx.is_driver)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s", self.ctx.rank, self.config.model,
                     time.perf_counter() - started, weight_bytes / 2**30, self.dtype, self.device)
         return model
+
+    def _fill_weights(self, model) -> None:
+        """Copy the checkpoint's values (this rank's shards) into the model's existing parameters."""
+        if self.config.load_format == "dummy":
+            from shardserve.weights.synthetic import load_synthetic_weights
+            load_synthetic_weights(model, self.model_config, self.device, self.dtype, seed=self.config.seed)
+        else:
+            load_weights(model, self.config.model, self.model_config.tie_word_embeddings)
 
     def _log_planned_weights(self, model) -> None:
         """Log the planner's per-rank weight bytes next to what was loaded (they should agree)."""

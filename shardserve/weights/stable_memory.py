@@ -1,0 +1,286 @@
+"""Device memory at fixed virtual addresses whose physical backing can be given back and re-created.
+
+CUDA graphs bake in the addresses of every tensor they read: the weights and the KV cache. Sleeping by
+freeing those tensors and waking by allocating new ones would move them, and every graph would have to
+be captured again (seconds for a few dozen batch sizes). An arena reserves a virtual address range once
+with the driver's virtual memory API (cuMemAddressReserve) and maps physical memory into it
+(cuMemCreate, cuMemMap). Sleep unmaps and releases the physical memory, which goes back to the driver for
+other processes; wake creates new physical memory and maps it at the same addresses, so tensors viewing
+the arena, and the graphs that read them, stay valid. Contents do not survive a release: the caller
+copies what it needs to keep.
+
+Invariant: nothing may read or write the arena while it is released (the engine sleeps only when no
+request is in flight, and synchronizes the device before releasing).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ALIGNMENT = 256  # bytes between tensors carved out of an arena (what the caching allocator guarantees)
+
+_CU_MEM_ALLOCATION_TYPE_PINNED = 1
+_CU_MEM_LOCATION_TYPE_DEVICE = 1
+_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+_CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _AllocationProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+@functools.cache
+def _driver():
+    """libcuda through ctypes, or None where there is no NVIDIA driver."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def enabled(device: torch.device) -> bool:
+    """Arenas are used where available unless SHARDSERVE_STABLE_MEMORY=0 (then sleep frees tensors and wake
+    captures the CUDA graphs again)."""
+    return os.environ.get("SHARDSERVE_STABLE_MEMORY", "1") != "0" and available(device)
+
+
+def available(device: torch.device) -> bool:
+    """Whether arenas can be made on `device` (a CUDA device with the driver's virtual memory API)."""
+    if device.type != "cuda" or _driver() is None:
+        return False
+    try:
+        _granularity(device.index if device.index is not None else torch.cuda.current_device())
+    except RuntimeError as e:
+        logger.info("address-stable device memory unavailable: %s", e)
+        return False
+    return True
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorString(result, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: CUDA driver error {result} ({(name.value or b'?').decode()})")
+
+
+def _make_context_current(ordinal: int) -> None:
+    """The driver API acts on the calling thread's current context; use the device's primary one (torch's)."""
+    drv = _driver()
+    device, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _check(drv.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+    _check(drv.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
+    _check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    _check(drv.cuDevicePrimaryCtxRelease(device), "cuDevicePrimaryCtxRelease")  # torch holds its own reference
+
+
+def _prop(ordinal: int) -> _AllocationProp:
+    prop = _AllocationProp()
+    prop.type = _CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location = _Location(_CU_MEM_LOCATION_TYPE_DEVICE, ordinal)
+    return prop
+
+
+@functools.cache
+def _granularity(ordinal: int) -> int:
+    _make_context_current(ordinal)
+    size = ctypes.c_size_t()
+    prop = _prop(ordinal)
+    _check(_driver().cuMemGetAllocationGranularity(ctypes.byref(size), ctypes.byref(prop),
+                                                   _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+           "cuMemGetAllocationGranularity")
+    return size.value
+
+
+class _CudaArrayView:
+    """A raw device range in the form torch.as_tensor accepts without copying."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
+
+
+class StableArena:
+    """`nbytes` (rounded up to the driver's granularity) of device memory at a fixed address.
+
+    The physical memory comes in chunks of CHUNK_BYTES, so `map_and_fill` can copy one chunk while the
+    driver maps the next.
+    """
+
+    CHUNK_BYTES = 1 << 30
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", self.ordinal)
+        gran = _granularity(self.ordinal)
+        self.nbytes = max(gran, -(-nbytes // gran) * gran)
+        chunk = max(gran, self.CHUNK_BYTES // gran * gran)
+        self.chunks = [(start, min(chunk, self.nbytes - start)) for start in range(0, self.nbytes, chunk)]
+        _make_context_current(self.ordinal)
+        address = ctypes.c_uint64()
+        _check(_driver().cuMemAddressReserve(ctypes.byref(address), ctypes.c_size_t(self.nbytes),
+                                             ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_uint64(0)),
+               "cuMemAddressReserve")
+        self.address = address.value
+        self._handles: list[int] = []  # one per mapped chunk, in order
+        self.map()
+        self.bytes = torch.as_tensor(_CudaArrayView(self.address, self.nbytes), device=self.device)
+
+    @property
+    def mapped(self) -> bool:
+        return bool(self._handles)
+
+    def map(self) -> None:
+        """Back the range with new physical memory (contents undefined)."""
+        self.map_and_fill(None)
+
+    def map_and_fill(self, host: torch.Tensor | None) -> None:
+        """Map the range chunk by chunk; with `host` (pinned uint8, the bytes to restore from the start of
+        the arena), queue each chunk's copy as soon as that chunk is mapped, so the driver maps the next
+        chunk while the previous one copies. The copies are asynchronous on the current stream."""
+        if self.mapped:
+            return
+        _make_context_current(self.ordinal)
+        try:
+            for start, size in self.chunks:
+                self._map_chunk(start, size)
+                if host is not None and start < host.numel():
+                    end = min(start + size, host.numel())
+                    self.bytes[start:end].copy_(host[start:end], non_blocking=True)
+        except RuntimeError:
+            self.release()
+            raise
+
+    def _map_chunk(self, start: int, size: int) -> None:
+        drv = _driver()
+        handle = ctypes.c_uint64()
+        prop = _prop(self.ordinal)
+        _check(drv.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop),
+                               ctypes.c_uint64(0)), "cuMemCreate")
+        address = ctypes.c_uint64(self.address + start)
+        result = drv.cuMemMap(address, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_uint64(0))
+        if result != 0:
+            drv.cuMemRelease(handle)
+            _check(result, "cuMemMap")
+        self._handles.append(handle.value)  # mapped: release() now undoes it
+        access = _AccessDesc(_Location(_CU_MEM_LOCATION_TYPE_DEVICE, self.ordinal),
+                             _CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        _check(drv.cuMemSetAccess(address, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)),
+               "cuMemSetAccess")
+
+    def release(self) -> None:
+        """Give the physical memory back to the driver; the addresses stay reserved for `map`."""
+        if not self.mapped:
+            return
+        torch.cuda.synchronize(self.device)  # no kernel or copy may still be using the memory
+        drv = _driver()
+        _make_context_current(self.ordinal)
+        for (start, size), handle in zip(self.chunks, self._handles):
+            _check(drv.cuMemUnmap(ctypes.c_uint64(self.address + start), ctypes.c_size_t(size)), "cuMemUnmap")
+            _check(drv.cuMemRelease(ctypes.c_uint64(handle)), "cuMemRelease")
+        self._handles = []
+
+    def close(self) -> None:
+        if self.address is None or _driver() is None:
+            return
+        try:
+            self.release()
+            _check(_driver().cuMemAddressFree(ctypes.c_uint64(self.address), ctypes.c_size_t(self.nbytes)),
+                   "cuMemAddressFree")
+        except RuntimeError as e:  # at interpreter exit the context may already be gone
+            logger.debug("arena close: %s", e)
+        self.address = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def carve(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of the arena shaped like `tensors`, laid out in order (see `arena_bytes`)."""
+        views, offset = [], 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            views.append(self.bytes[offset:offset + n].view(t.dtype).view(t.shape))
+            offset += -(-n // ALIGNMENT) * ALIGNMENT
+        return views
+
+
+def arena_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(-(-t.numel() * t.element_size() // ALIGNMENT) * ALIGNMENT for t in tensors)
+
+
+def distinct_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The model's parameter tensors, each storage once (tied embeddings share one). Buffers are left out:
+    they are computed at construction (RoPE tables, head indices), not loaded, so a level-2 sleep could not
+    restore them; they are small and simply stay where they are."""
+    out, seen = [], set()
+    for param in model.parameters():
+        if param.numel() and param.untyped_storage().data_ptr() not in seen:
+            seen.add(param.untyped_storage().data_ptr())
+            out.append(param.data)
+    return out
+
+
+def move_model_into_arena(model: nn.Module, device: torch.device) -> StableArena:
+    """Re-home every parameter of `model` into one arena, freeing the old device memory as it goes.
+
+    Every holder of a storage (a tied embedding has two) is re-pointed to the same new view. Linear layers'
+    prepared kernel weights must be the weights themselves (true on CUDA, where F.linear reads the weight).
+    """
+    holders: dict[int, list[nn.Parameter]] = {}
+    for module in model.modules():
+        if getattr(module, "prepared", None) is not None:
+            raise RuntimeError("prepared linear weights cannot live in an arena")
+        for param in module._parameters.values():
+            if param is not None and param.numel():
+                same_storage = holders.setdefault(param.untyped_storage().data_ptr(), [])
+                if all(param is not p for p in same_storage):  # a tied Parameter is held by two modules
+                    same_storage.append(param)
+    olds = distinct_parameters(model)
+    arena = StableArena(arena_bytes(olds), device)
+    views = arena.carve(olds)
+    moved = 0
+    for i, new in enumerate(views):
+        old = olds[i]
+        new.copy_(old)
+        for param in holders[old.untyped_storage().data_ptr()]:
+            if param.data_ptr() != old.data_ptr() or param.shape != old.shape:
+                raise RuntimeError("a parameter is a partial view of another; cannot move it into an arena")
+            param.data = new
+        moved += old.numel() * old.element_size()
+        olds[i] = old = None  # drop the last reference to the old tensor
+        if moved > 2**30:  # hand freed blocks back as we go, so the move never needs twice the weights
+            torch.cuda.synchronize(arena.device)
+            torch.cuda.empty_cache()
+            moved = 0
+    torch.cuda.synchronize(arena.device)
+    torch.cuda.empty_cache()
+    return arena
+
+
+def kv_cache_in_arena(num_layers: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple[StableArena, torch.Tensor]:
+    """An arena holding the whole KV cache, and the [layers, 2, slots, kv_heads, head_dim] view of it."""
+    shape = (num_layers, 2, slots, kv_heads, head_dim)
+    arena = StableArena(torch.Size(shape).numel() * dtype.itemsize, device)
+    return arena, arena.carve([torch.empty(shape, dtype=dtype, device="meta")])[0]
