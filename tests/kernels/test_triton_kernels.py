@@ -361,3 +361,39 @@ def test_rotary_is_bit_exact_and_in_place(dtype):
     assert got is qk
     assert torch.equal(qkv[:, :q_heads + kv_heads].cpu(), ref)
     assert torch.equal(qkv[:, q_heads + kv_heads:], untouched)
+
+
+# -- batch-1 GEMV -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,block_k", [(48, 256, 128), (37, 200, 64), (16, 96, 128)])
+def test_gemv_matches_linear(dtype, n, k, block_k):
+    """Rows not a multiple of the row block and K not a multiple of the column block are masked, not dropped."""
+    from shardserve.kernels.triton.gemv import gemv
+
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    expected = F.linear(x.float(), w.float())
+    got = gemv(x, w, block_n=8, block_k=block_k, num_warps=4, num_stages=1)
+    assert got.shape == (1, n) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, atol=tol * k ** 0.5, rtol=tol)
+
+
+def test_batch1_kernel_uses_the_chosen_shape_only(monkeypatch):
+    """The Triton path runs for one-row inputs on weights of a chosen shape; anything else goes to F.linear."""
+    from shardserve.kernels.triton import gemv as gemv_module
+    from shardserve.layers.cuda_gemv import Batch1GemvKernel
+
+    calls = []
+    original = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(a[1].shape) or original(*a, **kw))
+    kernel = Batch1GemvKernel({(24, 64): (8, 64, 4, 1)})
+    for shape, rows, triton_expected in (((24, 64), 1, True), ((24, 64), 3, False), ((16, 64), 1, False)):
+        w, bias = torch.randn(*shape, device=DEVICE), torch.randn(shape[0], device=DEVICE)
+        x = torch.randn(rows, 64, device=DEVICE)
+        calls.clear()
+        torch.testing.assert_close(kernel(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+        assert bool(calls) == triton_expected, (shape, rows)

@@ -1,0 +1,93 @@
+"""Batch-1 matrix-vector products of a Llama-3-8B layer, timed the way a decode step runs them: inside a
+CUDA graph, each call on a different copy of the weight so nothing is served from L2.
+
+    python benchmarks/gemv_shapes.py [--tp 2]
+
+Methods: cuBLAS through F.linear, cuBLASLt through F.linear, torch.mm on a transposed weight, and the
+Triton kernel of shardserve/kernels/triton/gemv.py over a grid of launch configurations. Prints us per
+call and GB/s of weights read, and a RESULT line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from shardserve.kernels.triton.gemv import gemv
+
+TRITON_CONFIGS = list(itertools.product((4, 8, 16), (512, 1024), (4, 8), (1, 4)))  # block_n, block_k, warps, stages
+
+
+def shapes(tp: int) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of the weight [N, K] on one rank."""
+    return {"qkv": (6144 // tp, 4096), "o": (4096, 4096 // tp), "gate_up": (28672 // tp, 4096),
+            "down": (4096, 14336 // tp), "lm_head": (128256 // tp, 4096)}
+
+
+def time_in_graph(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 20) -> float:
+    """Microseconds per call of fn(x, w), one call per weight copy, replayed from a CUDA graph."""
+    for w in weights:
+        fn(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (replays * len(weights))
+
+
+def cublaslt_linear(x, w):
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return F.linear(x, w)
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=1)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    results = {}
+    for name, (n, k) in shapes(args.tp).items():
+        nbytes = n * k * 2
+        copies = max(2, -(-400 * 2**20 // nbytes))  # several times the L2 size in total
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        row = {"cublas": time_in_graph(F.linear, weights, x), "cublaslt": time_in_graph(cublaslt_linear, weights, x)}
+        transposed = [w.t().contiguous() for w in weights]
+        row["mm_transposed"] = time_in_graph(torch.mm, transposed, x)
+        del transposed
+        reference = F.linear(x, weights[0]).float()
+        for bn, bk, warps, stages in TRITON_CONFIGS:
+            fn = lambda x, w: gemv(x, w, bn, bk, warps, stages)  # noqa: E731
+            err = (fn(x, weights[0]).float() - reference).abs().max().item()
+            if err > 0.05 * reference.abs().max().item():
+                raise AssertionError(f"triton gemv wrong for {name} {bn}/{bk}/{warps}/{stages}: {err}")
+            row[f"triton_{bn}_{bk}_{warps}_{stages}"] = time_in_graph(fn, weights, x)
+        best_triton = min((v, key) for key, v in row.items() if key.startswith("triton"))
+        print(f"{name:8s} [{n}x{k}] " + "  ".join(f"{key} {row[key]:.1f} us ({nbytes / row[key] / 1e3:.0f} GB/s)"
+                                                for key in ("cublas", "cublaslt", "mm_transposed"))
+              + f"  best {best_triton[1]} {best_triton[0]:.1f} us ({nbytes / best_triton[0] / 1e3:.0f} GB/s)",
+              flush=True)
+        results[name] = {"shape": [n, k], "bytes": nbytes, "us": {key: round(v, 2) for key, v in row.items()}}
+        del weights
+        torch.cuda.empty_cache()
+    print("RESULT " + json.dumps({"tp": args.tp, "device": torch.cuda.get_device_name(0), "gemv": results}))
+
+
+if __name__ == "__main__":
+    main()
