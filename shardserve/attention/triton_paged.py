@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from shardserve.attention.batch import StepBatch
+from shardserve.kernels.triton.fused_ops import apply_rotary_and_store_
 from shardserve.kernels.triton.paged_attention import (choose_num_splits, paged_decode_attention,
                                                        paged_prefill_attention, store_kv_cache)
 
@@ -53,7 +54,8 @@ class TritonPagedBackend:
         return choose_num_splits(batch_size, self.num_kv_heads, max_context, self.num_sms, self.block_size)
 
     def _to_device(self, array) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        """Copied from pinned memory, so the host does not wait for the device's queued work."""
+        return torch.from_numpy(np.ascontiguousarray(array)).pin_memory().to(self.device, non_blocking=True)
 
     def build_metadata(self, batch: StepBatch) -> TritonMetadata:
         nd = batch.num_decode
@@ -77,11 +79,18 @@ class TritonPagedBackend:
             meta.max_query_len = int(np.diff(starts).max())
         return meta
 
-    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor], meta: TritonMetadata) -> torch.Tensor:
-        """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads * dim]."""
+    def forward(self, layer, qk: torch.Tensor, v: torch.Tensor, rotary, cache: tuple[torch.Tensor, torch.Tensor],
+                meta: TritonMetadata) -> torch.Tensor:
+        """qk: [tokens, heads + kv_heads, dim] before rotation; v: [tokens, kv_heads, dim].
+        Returns [tokens, heads * dim]. One kernel rotates q and k and writes k and v to the cache."""
         k_cache, v_cache = cache
-        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if rotary.positions is not None:
+            apply_rotary_and_store_(qk, layer.num_heads, v, rotary.positions, rotary.cos, rotary.signed_sin,
+                                    k_cache, v_cache, meta.slot_mapping)
+        else:
+            qk = rotary.apply(qk)
+            store_kv_cache(qk[:, layer.num_heads:], v, k_cache, v_cache, meta.slot_mapping)
+        q = qk[:, :layer.num_heads]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decode
         if nd:

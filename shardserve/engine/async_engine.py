@@ -183,7 +183,7 @@ class AsyncEngine:
     def _sleep_when_idle(self) -> None:
         """Pending sleeps happen once no request is in flight; requests that came meanwhile then wait
         (held by the sleeping engine) for the wake."""
-        if not self._pending_sleeps or self.engine.scheduler.has_work():
+        if not self._pending_sleeps or self.engine.busy:
             return
         pending, self._pending_sleeps = self._pending_sleeps, []
         for level, done in pending:

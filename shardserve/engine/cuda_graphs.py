@@ -135,12 +135,19 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         return graph, logits
 
-    def run(self, batch: StepBatch) -> torch.Tensor | None:
-        """Replay the decode step for `batch`; returns logits for its rows (rank 0), None elsewhere."""
+    def run(self, batch: StepBatch, device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Replay the decode step for `batch`; returns logits for its rows (rank 0), None elsewhere.
+
+        With `device_tokens` the input tokens are copied on the device (the previous step's samples) and
+        the host never waits: every host-to-device copy here is from pinned memory, queued in stream order.
+        """
         n = batch.num_decode
         size = next(b for b in self.buckets if b >= n)
-        self.token_ids[:n].copy_(torch.tensor(batch.token_ids, dtype=torch.long), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(batch.positions, dtype=torch.long), non_blocking=True)
+        if device_tokens is not None:
+            self.token_ids[:n].copy_(device_tokens)
+        else:
+            self.token_ids[:n].copy_(pinned(batch.token_ids, torch.long), non_blocking=True)
+        self.positions[:n].copy_(pinned(batch.positions, torch.long), non_blocking=True)
         if size > n:
             self.token_ids[n:size].zero_()
             self.positions[n:size].zero_()
@@ -148,3 +155,9 @@ class CudaGraphRunner:
         self.graphs[size].replay()
         logits = self.logits[size]
         return None if logits is None else logits[:n]
+
+
+def pinned(values, dtype: torch.dtype) -> torch.Tensor:
+    """A host list or array as a pinned tensor, so a non-blocking copy to the device never waits for the
+    device's queued work (a copy from pageable memory may)."""
+    return torch.as_tensor(values, dtype=dtype).pin_memory()

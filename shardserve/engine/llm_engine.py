@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import logging
+import os
 import time
+from dataclasses import dataclass
 
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.control_plane import ControlPlane
@@ -18,7 +20,7 @@ from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.detokenizer import IncrementalDetokenizer
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.outputs import RequestOutput, TokenLogprob
-from shardserve.engine.sampler import Sampler
+from shardserve.engine.sampler import PendingSample, Sampler
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
@@ -30,6 +32,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CANARY_ID = "shardserve-canary"
+
+
+OVERLAP_ENV = "SHARDSERVE_OVERLAP_STEPS"
+
+
+def overlap_steps_enabled(runner: ModelRunner, world_size: int) -> bool:
+    """Overlapped decoding pays where the device runs ahead of the host (CUDA graphs); it is also correct on
+    CPU, where SHARDSERVE_OVERLAP_STEPS=1 forces it (tests). Single-rank only for now: the other ranks would
+    need the sampled tokens broadcast on the device. SHARDSERVE_OVERLAP_STEPS=0 turns it off."""
+    forced = os.environ.get(OVERLAP_ENV)
+    if world_size != 1 or forced == "0":
+        return False
+    return forced == "1" or runner.graphs is not None
+
+
+@dataclass
+class _InFlight:
+    """A queued step: its plan, the sequences that sample, and their samples still on the device."""
+
+    plan: StepPlan
+    seqs: list[Sequence]
+    pending: PendingSample | None
 
 
 class LLMEngine:
@@ -58,6 +82,9 @@ class LLMEngine:
         self.sleeps = self.wakes = 0
         self.last_wake_seconds = 0.0
         self.wake_on_request = config.wake_on_request
+        self._in_flight: _InFlight | None = None
+        self.steps_overlapped = 0  # steps queued before the previous step's tokens reached the host
+        self.overlap_steps = overlap_steps_enabled(self.runner, ctx.world_size)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -94,7 +121,7 @@ class LLMEngine:
         return self._output(seq, [], "", None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.held and (self.wake_on_request or not self.is_sleeping))
+        return self.busy or bool(self.held and (self.wake_on_request or not self.is_sleeping))
 
     # -- sleep / wake -----------------------------------------------------------------------------
     @property
@@ -105,7 +132,7 @@ class LLMEngine:
         """Give the device memory back, on every rank. Needs an idle engine (no request in flight)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        if self.scheduler.has_work():
+        if self.busy:
             raise RuntimeError("cannot sleep with requests in flight")
         if self.is_sleeping:
             return
@@ -158,7 +185,7 @@ class LLMEngine:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False)
         self.add_request(CANARY_ID, prompt, params)
         seq = self.by_request[CANARY_ID]
-        while not seq.is_finished:
+        while not seq.is_finished or self._in_flight is not None:
             self.step()
         tokens = list(seq.output_token_ids)
         self._reset_cache()
@@ -175,20 +202,56 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step and return its outputs.
+
+        Overlapped decoding: while a decode step runs on the device, the next one is queued before the
+        host reads the tokens (when the scheduler can plan it without them: Scheduler.continue_decoding),
+        so the device never waits for the host's bookkeeping between steps. The step queued ahead is
+        `self._in_flight` between calls; its outputs are returned by the next call.
+        """
         if self.held and self.is_sleeping and self.wake_on_request:
             self.wake_up()
-        plan = self.scheduler.schedule()
-        if not plan.chunks:
-            return []
+        if self._in_flight is None:
+            plan = self.scheduler.schedule()
+            if not plan.chunks:
+                return []
+            self._in_flight = self._launch(plan)
+        current, self._in_flight = self._in_flight, None
+        if self.overlap_steps and current.pending is not None:
+            plan = self.scheduler.continue_decoding(current.seqs, self.max_model_len)
+            if plan is not None:
+                self._in_flight = self._launch(plan, current.pending.tokens)
+                self.steps_overlapped += 1
+        outputs = self._resolve(current)
+        if self._in_flight is not None:  # its token is now in each sequence, and its KV in the cache
+            self.scheduler.finish_step(self._in_flight.plan, self.seqs)
+        return outputs
+
+    def _launch(self, plan: StepPlan, device_tokens=None) -> "_InFlight":
+        """Queue a step on the device, and its sampling; nothing here waits for the device."""
         self.control.send(plan)
-        seq_ids, logits = self.runner.execute(plan)
+        seq_ids, logits = self.runner.execute(plan, device_tokens)
         self.lockstep.confirm(plan)
-        self.scheduler.finish_step(plan, self.seqs)
+        if not plan.tokens_from_device:  # one taking tokens from the device is finished once they arrive
+            self.scheduler.finish_step(plan, self.seqs)
         if not seq_ids:
-            return []
+            return _InFlight(plan, [], None)
         seqs = [self.seqs[i] for i in seq_ids]
-        tokens, logprobs = self.sampler.sample(logits, seq_ids, [s.params for s in seqs])
-        return [self._append(seq, token, lp) for seq, token, lp in zip(seqs, tokens, logprobs)]
+        return _InFlight(plan, seqs, self.sampler.enqueue(logits, seq_ids, [s.params for s in seqs]))
+
+    def _resolve(self, step: "_InFlight") -> list[RequestOutput]:
+        """Wait for a step's tokens and append them; a sequence that finished or was aborted while the step
+        was in flight drops its token (it was computed ahead, after the sequence's real last token)."""
+        if step.pending is None:
+            return []
+        tokens, logprobs = self.sampler.resolve(step.pending)
+        return [self._append(seq, token, lp) for seq, token, lp in zip(step.seqs, tokens, logprobs)
+                if not seq.is_finished]
+
+    @property
+    def busy(self) -> bool:
+        """Requests are scheduled or a step is still in flight."""
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def keepalive(self) -> None:
         self._step_id += 1

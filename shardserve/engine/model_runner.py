@@ -249,16 +249,24 @@ class ModelRunner:
         return num_blocks
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> tuple[list[int], torch.Tensor | None]:
-        """Run the plan; returns the seq ids that sampled and, on rank 0, their logits (on the model's device)."""
+    def execute(self, plan: StepPlan, device_tokens: torch.Tensor | None = None
+                ) -> tuple[list[int], torch.Tensor | None]:
+        """Run the plan; returns the seq ids that sampled and, on rank 0, their logits (on the model's device).
+
+        For a plan with tokens_from_device, `device_tokens` holds its input tokens (row i for chunk i), the
+        previous step's sampled tokens, still on the device: the step is queued without the host knowing them.
+        """
         batch = StepBatch.from_chunks(plan.chunks, self.block_size)
+        if plan.tokens_from_device and (device_tokens is None or device_tokens.shape[0] != batch.num_tokens):
+            raise ValueError("a plan with tokens from the device needs the previous step's tokens, one per row")
         if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)
+            logits = self.graphs.run(batch, device_tokens)
             if logits is not None and len(batch.sample_rows) < batch.num_tokens:
                 logits = logits[torch.tensor(batch.sample_rows, device=self.device)]
             return batch.sample_seq_ids, logits
         meta = self.attention.build_metadata(batch)
-        hidden = self.model(self._long(batch.token_ids), self._long(batch.positions), self.kv_caches, meta)
+        token_ids = device_tokens if device_tokens is not None else self._long(batch.token_ids)
+        hidden = self.model(token_ids, self._long(batch.positions), self.kv_caches, meta)
         if not batch.sample_rows:
             return [], None
         logits = self.model.compute_logits(hidden[self._long(batch.sample_rows)])

@@ -26,6 +26,37 @@ from shardserve.engine.sampling_params import SamplingParams
 _NO_TOP_P = 2.0
 
 
+class PendingSample:
+    """Sampling results still on the device: `tokens` [n] (None for an empty batch) and, when some row asked
+    for logprobs, the packed integer and float tensors `resolve` reads."""
+
+    def __init__(self, params: list[SamplingParams], tokens: torch.Tensor | None) -> None:
+        self.params = params
+        self.tokens = tokens
+        self.wanted: list[int] = []
+        self.top_n = 0
+        self.ints = self.floats = None  # with logprobs: the tokens then the top ids; the logprobs
+        self.host_ints = self.host_floats = None
+        self._ready: torch.cuda.Event | None = None
+
+    def start_transfer(self) -> None:
+        """Queue the copies to the host now, right behind the sampling kernels: a step queued after this one
+        must not delay them (one transfer of integers, one of floats)."""
+        ints = self.tokens if self.ints is None else self.ints
+        if ints.device.type != "cuda":
+            self.host_ints, self.host_floats = ints, self.floats
+            return
+        self.host_ints = ints.to("cpu", non_blocking=True)  # into pinned memory
+        if self.floats is not None:
+            self.host_floats = self.floats.to("cpu", non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def wait(self) -> None:
+        if self._ready is not None:
+            self._ready.synchronize()
+
+
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -41,11 +72,17 @@ class Sampler:
 
         Returns the n chosen token ids and, per row, its TokenLogprob or None (when not asked for).
         """
+        return self.resolve(self.enqueue(logits, seq_ids, params))
+
+    def enqueue(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> "PendingSample":
+        """Queue all the device work of `sample` without waiting for it; `resolve` brings the results to the
+        host. Once this returns, `logits` may be overwritten (stream order): everything read from it has
+        been queued, and the results live in tensors of their own."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(seq_ids) != len(params):
             raise ValueError(f"the sampler needs one logits row per sequence: got logits of shape "
                              f"{tuple(logits.shape)} for {len(seq_ids)} sequence ids and {len(params)} parameter sets")
         if not params:
-            return [], []
+            return PendingSample(params, None)
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -54,18 +91,29 @@ class Sampler:
             drawn = self._draw(logits.index_select(0, rows), [seq_ids[i] for i in sampled],
                                [params[i] for i in sampled])
             tokens.index_copy_(0, rows, drawn)
+        pending = PendingSample(params, tokens)
+        pending.wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if pending.wanted:
+            pending.top_n = max(params[i].logprobs for i in pending.wanted)
+            chosen_lp, top_lp, top_ids = _logprobs(logits, tokens, pending.wanted, pending.top_n)
+            pending.ints = torch.cat([tokens, top_ids.flatten()])
+            pending.floats = torch.cat([chosen_lp.unsqueeze(1), top_lp], dim=1)
+        pending.start_transfer()
+        return pending
 
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not wanted:
-            return tokens.tolist(), [None] * len(params)
-        top_n = max(params[i].logprobs for i in wanted)
-        chosen_lp, top_lp, top_ids = _logprobs(logits, tokens, wanted, top_n)
-        # One transfer of integers (the tokens, then the top ids) and one of floats.
-        ints = torch.cat([tokens, top_ids.flatten()]).tolist()
-        floats = torch.cat([chosen_lp.unsqueeze(1), top_lp], dim=1).tolist()
+    @staticmethod
+    def resolve(pending: "PendingSample") -> tuple[list[int], list[TokenLogprob | None]]:
+        """The host side of `enqueue`: waits for the tokens (and logprobs) and returns them as lists."""
+        params = pending.params
+        if pending.tokens is None:
+            return [], []
+        pending.wait()
+        if not pending.wanted:
+            return pending.host_ints.tolist(), [None] * len(params)
+        ints, floats, top_n = pending.host_ints.tolist(), pending.host_floats.tolist(), pending.top_n
         token_list, top_id_rows = ints[:len(params)], ints[len(params):]
         logprobs: list[TokenLogprob | None] = [None] * len(params)
-        for row, i in enumerate(wanted):
+        for row, i in enumerate(pending.wanted):
             n = params[i].logprobs
             ids = top_id_rows[row * top_n: row * top_n + n]
             logprobs[i] = TokenLogprob(token_list[i], floats[row][0], list(zip(ids, floats[row][1:1 + n])))

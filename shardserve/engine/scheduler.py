@@ -13,7 +13,7 @@ from collections import deque
 
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.sequence import Sequence, SequenceStatus
-from shardserve.engine.step_plan import PlanKind, SeqChunk, StepPlan
+from shardserve.engine.step_plan import FROM_DEVICE, PlanKind, SeqChunk, StepPlan
 
 
 class Scheduler:
@@ -68,6 +68,31 @@ class Scheduler:
             budget -= n
         self._step_id += 1
         return StepPlan(self._step_id, PlanKind.RUN, chunks)
+
+    def continue_decoding(self, seqs: list[Sequence], max_model_len: int) -> StepPlan | None:
+        """The step after the one in flight, planned before its tokens reach the host: each of `seqs` (every
+        running sequence, each decoding one token) decodes its next token, whose id the model runner takes
+        from the device. None where that step cannot be known in advance: sequences are waiting to join, a
+        sequence will surely finish on the token in flight, or a new block is not free right away. A sequence
+        that finishes on the token in flight (a stop token, say) has its extra token discarded.
+
+        Invariant: in `seqs`, num_computed_tokens == num_tokens (the in-flight step computed the last
+        token) and the in-flight token will go to position num_tokens.
+        """
+        if self.waiting or len(seqs) != len(self.running):
+            return None
+        for seq in seqs:
+            p = seq.params
+            if (seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens + 1 >= p.max_tokens
+                    or seq.num_tokens + 1 >= max_model_len):
+                return None
+        for seq in seqs:  # room for the in-flight token (position num_tokens), which this step computes
+            if not self.blocks.can_allocate(seq, seq.num_tokens + 1):
+                return None
+            self.blocks.allocate(seq, seq.num_tokens + 1)
+        chunks = [SeqChunk(seq.seq_id, seq.num_tokens, [FROM_DEVICE], list(seq.block_table), True) for seq in seqs]
+        self._step_id += 1
+        return StepPlan(self._step_id, PlanKind.RUN, chunks, tokens_from_device=True)
 
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         """Make room for n more tokens of a running sequence, preempting later arrivals if needed."""

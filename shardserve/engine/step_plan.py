@@ -21,6 +21,7 @@ class PlanKind(enum.IntEnum):
 
 
 WAKE_WEIGHTS, WAKE_KV_CACHE = 1, 2
+FROM_DEVICE = -1  # a token id not yet on the host: the step takes it from the previous step's sampled tokens
 
 
 @dataclass
@@ -41,15 +42,18 @@ class StepPlan:
     chunks: list[SeqChunk] = field(default_factory=list)
     freed_seq_ids: list[int] = field(default_factory=list)
     arg: int = 0  # SLEEP and WAKE: see PlanKind
+    # RUN: every chunk is one FROM_DEVICE token, row i being row i of the previous step's sampled tokens
+    tokens_from_device: bool = False
 
     def encode(self) -> bytes:
         chunks = [[c.seq_id, c.start_position, c.token_ids, c.block_table, c.sample] for c in self.chunks]
-        return msgpack.packb([self.step_id, int(self.kind), chunks, self.freed_seq_ids, self.arg])
+        return msgpack.packb([self.step_id, int(self.kind), chunks, self.freed_seq_ids, self.arg,
+                              self.tokens_from_device])
 
     @classmethod
     def decode(cls, data: bytes) -> "StepPlan":
-        step_id, kind, chunks, freed, arg = msgpack.unpackb(data)
-        return cls(step_id, PlanKind(kind), [SeqChunk(*c) for c in chunks], freed, arg)
+        step_id, kind, chunks, freed, arg, from_device = msgpack.unpackb(data)
+        return cls(step_id, PlanKind(kind), [SeqChunk(*c) for c in chunks], freed, arg, from_device)
 
     @property
     def num_tokens(self) -> int:
