@@ -73,9 +73,11 @@ class SdpaBackend:
         slots = torch.where(valid, tables[:, pos // bs] * bs + pos % bs, 0)
         return slots.to(self.device), valid[:, None, None, :].to(self.device)
 
-    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor], meta: SdpaMetadata) -> torch.Tensor:
-        """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads * dim]."""
+    def forward(self, layer, qk: torch.Tensor, v: torch.Tensor, rotary, cache: tuple[torch.Tensor, torch.Tensor],
+                meta: SdpaMetadata) -> torch.Tensor:
+        """qk: [tokens, heads + kv_heads, dim] before rotation; v: [tokens, kv_heads, dim].
+        Returns [tokens, heads * dim]."""
+        q, k = rotary.apply(qk).split([layer.num_heads, layer.num_kv_heads], dim=1)
         k_cache, v_cache = cache
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)

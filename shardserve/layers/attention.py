@@ -25,7 +25,11 @@ class PagedAttention(nn.Module):
         self.grouped = group > 0 and self.kv_index_tuple == tuple(i // group for i in range(num_heads))
         self.register_buffer("kv_index", torch.tensor(kv_index, dtype=torch.long), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, qk: torch.Tensor, v: torch.Tensor, rotary, cache: tuple[torch.Tensor, torch.Tensor],
                 meta) -> torch.Tensor:
-        """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. Returns [tokens, heads * dim]."""
-        return meta.backend.forward(self, q, k, v, cache, meta)
+        """qk: [tokens, heads + kv_heads, dim], query heads first, not yet rotated; v: [tokens, kv_heads, dim].
+
+        The backend rotates q and k with `rotary` (a RotaryLookup), stores k and v in the cache and attends.
+        Returns [tokens, heads * dim].
+        """
+        return meta.backend.forward(self, qk, v, rotary, cache, meta)

@@ -1,11 +1,14 @@
-"""Single-token linear layers on GPUs: the Triton GEMV where it measured faster than cuBLAS, per shape.
+"""Single-token linear layers on GPUs: Triton GEMVs where they measured faster than cuBLAS, per shape.
 
-A batch-1 decode step is bound by how fast it streams the weights. cuBLAS reaches that bandwidth on
-large matrices but not on the attention projections of 8B-class models (it splits K and adds a second
-kernel); the Triton kernel of shardserve/kernels/triton/gemv.py does each product in one launch. Which
-is faster depends on the shape and the GPU, so at start-up every distinct weight shape is timed with
-both (inside a CUDA graph, over the model's own layers so nothing comes from L2) and the winner is kept.
-Batches of more than one row always use cuBLAS. SHARDSERVE_GEMV=cublas turns the Triton path off.
+A batch-1 decode step is bound by how fast it streams the weights, and at 32 layers every extra kernel
+launch costs a few microseconds more. cuBLAS reaches the bandwidth on large matrices but not on the
+attention projections of 8B-class models (it splits K and adds a second kernel); the Triton kernels of
+shardserve/kernels/triton/gemv.py do each product in one launch, and can fold in what comes before it:
+the residual add and RMSNorm before the QKV and gate/up projections, SwiGLU before the down projection.
+Which is faster depends on the shape and the GPU, so at start-up every distinct weight shape is timed
+both ways (inside a CUDA graph, over the model's own layers so nothing comes from L2) and the winner is
+kept. Batches of more than one row always take the unfused path with cuBLAS. SHARDSERVE_GEMV=cublas turns
+the Triton path off.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.linear_kernels import LinearKernel
 
 logger = logging.getLogger(__name__)
@@ -24,16 +28,34 @@ logger = logging.getLogger(__name__)
 # (block_n, block_k, num_warps, num_stages): the three that won some Llama-3-8B shape on H200, out of a grid
 # of 24 (benchmarks/gemv_shapes.py).
 CANDIDATES = ((8, 512, 4, 1), (4, 1024, 8, 4), (8, 512, 8, 4))
+NORMED_CANDIDATES = ((16, 512, 8, 1), (32, 512, 8, 1))
 MIN_GAIN = 0.03  # keep cuBLAS unless Triton is at least this much faster
 
 
 class Batch1GemvKernel(LinearKernel):
-    """F.linear, except one-row inputs on weights whose shape has a chosen Triton configuration."""
+    """F.linear, except one-row inputs on weights whose shape has a chosen Triton configuration. `swiglu` is
+    the same for a layer whose input is silu(gate) * up (the MLP's down projection): fused into one launch."""
 
     name = "cuda-gemv"
 
-    def __init__(self, configs: dict[tuple[int, int], tuple[int, int, int, int]]) -> None:
+    def __init__(self, configs: dict[tuple[int, int], tuple[int, int, int, int]],
+                 swiglu_configs: dict[tuple[int, int], tuple[int, int, int, int]],
+                 normed_configs: dict[tuple[int, int], tuple[int, int, int, int]] | None = None) -> None:
         self.configs = configs
+        self.swiglu_configs = swiglu_configs
+        self.normed_configs = normed_configs or {}
+
+    def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+               weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch, or None where not chosen."""
+        if x.dim() != 2 or x.shape[0] != 1:
+            return None
+        config = self.normed_configs.get(tuple(weight.shape))
+        if config is None:
+            return None
+        from shardserve.kernels.triton.gemv import gemv_rmsnorm
+
+        return gemv_rmsnorm(x, residual, norm_weight, eps, weight, *config)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] == 1:
@@ -44,6 +66,15 @@ class Batch1GemvKernel(LinearKernel):
                 out = gemv(x, weight, *config)
                 return out if bias is None else out + bias
         return F.linear(x, weight, bias)
+
+    def swiglu(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() == 2 and gate_up.shape[0] == 1:
+            config = self.swiglu_configs.get(tuple(weight.shape))
+            if config is not None:
+                from shardserve.kernels.triton.gemv import gemv_swiglu
+
+                return gemv_swiglu(gate_up, weight, *config)
+        return F.linear(silu_and_mul(gate_up), weight)
 
 
 def _time_us(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 10) -> float:
@@ -71,30 +102,53 @@ def use_batch1_gemv(model: nn.Module, log: bool = True) -> Batch1GemvKernel | No
     give every linear layer a kernel that uses the winners. Returns it, or None where nothing won."""
     if os.environ.get("SHARDSERVE_GEMV", "auto") == "cublas":
         return None
-    from shardserve.kernels.triton.gemv import gemv
+    from shardserve.kernels.triton.fused_ops import rms_norm
+    from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm, gemv_swiglu
 
     layers = [m for m in model.modules() if hasattr(m, "matmul") and getattr(m, "prepared", None) is None]
     by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+    swiglu_by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+    normed_by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     for layer in layers:
         w = layer.weight
         if w.dim() == 2 and w.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and w.stride(1) == 1:
             by_shape.setdefault(tuple(w.shape), []).append(w.data)
-    configs, report = {}, []
-    for shape, weights in by_shape.items():
-        weights = weights[:32]
-        x = torch.randn(1, shape[1], dtype=weights[0].dtype, device=weights[0].device)
-        cublas = _time_us(F.linear, weights, x)
-        timed = [(_time_us(lambda x, w, c=c: gemv(x, w, *c), weights, x), c) for c in CANDIDATES]
-        best_us, best = min(timed)
-        if best_us < cublas * (1 - MIN_GAIN):
-            configs[shape] = best
-        report.append(f"{shape[0]}x{shape[1]} {'triton' if shape in configs else 'cuBLAS'} "
-                      f"({best_us:.1f} vs {cublas:.1f} us)")
+            if getattr(layer, "takes_swiglu_input", False):
+                swiglu_by_shape.setdefault(tuple(w.shape), []).append(w.data)
+            if hasattr(layer, "forward_normed"):
+                normed_by_shape.setdefault(tuple(w.shape), []).append(w.data)
+    configs, report = _choose(by_shape, 1, F.linear, gemv, "", CANDIDATES)
+    plain = Batch1GemvKernel(configs, {})  # the winner for each plain product, the baseline of the fused ones
+    swiglu_configs, swiglu_report = _choose(swiglu_by_shape, 2, lambda x, w: plain(silu_and_mul(x), w, None),
+                                            gemv_swiglu, "SwiGLU+", CANDIDATES)
+    # Fused: the residual add and the norm in the GEMV (every program recomputes the row's statistics, so
+    # wider row blocks are tried too). Unfused: the norm kernel, then the plain winner (conservative: the
+    # unfused side skips the residual add).
+    normed_configs, normed_report = _choose(
+        normed_by_shape, 1, lambda x, w: plain(rms_norm(x, torch.ones_like(x[0]), 1e-5), w, None),
+        lambda x, w, *c: gemv_rmsnorm(x, x, torch.ones_like(x[0]), 1e-5, w, *c)[0], "RMSNorm+",
+        CANDIDATES + NORMED_CANDIDATES)
     if log and report:
-        logger.info("batch-1 linear layers: %s", ", ".join(report))
-    if not configs:
+        logger.info("batch-1 linear layers: %s", ", ".join(report + swiglu_report + normed_report))
+    if not configs and not swiglu_configs and not normed_configs:
         return None
-    kernel = Batch1GemvKernel(configs)
+    kernel = Batch1GemvKernel(configs, swiglu_configs, normed_configs)
     for layer in layers:
         layer.kernel = kernel
     return kernel
+
+
+def _choose(by_shape, inputs_per_column: int, baseline_fn, triton_fn, label: str, candidates):
+    """Per weight shape, the fastest Triton candidate where it beats `baseline_fn` by MIN_GAIN; and a report."""
+    configs, report = {}, []
+    for shape, weights in by_shape.items():
+        weights = weights[:32]
+        x = torch.randn(1, inputs_per_column * shape[1], dtype=weights[0].dtype, device=weights[0].device)
+        baseline = _time_us(baseline_fn, weights, x)
+        timed = [(_time_us(lambda x, w, c=c: triton_fn(x, w, *c), weights, x), c) for c in candidates]
+        best_us, best = min(timed)
+        if best_us < baseline * (1 - MIN_GAIN):
+            configs[shape] = best
+        report.append(f"{label}{shape[0]}x{shape[1]} {'fused' if label else 'triton'} "
+                      f"{'chosen' if shape in configs else 'not chosen'} ({best_us:.1f} vs {baseline:.1f} us)")
+    return configs, report

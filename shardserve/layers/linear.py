@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
+from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.linear_kernels import LinearKernel
 
 _DEFAULT_KERNEL = LinearKernel()
@@ -41,6 +42,13 @@ class KernelLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel(x, self.weight if self.prepared is None else self.prepared, bias)
+
+    def matmul_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """matmul(silu(gate) * up) for gate_up = [gate | up]; one launch where the kernel fuses the two."""
+        swiglu = getattr(self.kernel, "swiglu", None)
+        if swiglu is not None and self.prepared is None:
+            return swiglu(gate_up, self.weight)
+        return self.matmul(silu_and_mul(gate_up))
 
 
 def load_whole(param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
@@ -80,6 +88,20 @@ class ColumnParallelLinear(KernelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(s)), s) with s = x + residual, or x without a residual: the norm before this layer
+        (an RMSNorm module), fused into the matmul where the kernel can (single-token steps on GPUs)."""
+        fused = getattr(self.kernel, "normed", None)
+        if fused is not None and self.prepared is None:
+            out = fused(x, residual, norm.weight, norm.eps, self.weight)
+            if out is not None:
+                y, summed = out
+                return (y if self.bias is None else y + self.bias), summed
+        if residual is None:
+            return self.forward(norm(x)), x
+        h, residual = norm(x, residual)
+        return self.forward(h), residual
+
 
 class RowParallelLinear(KernelLinear):
     """y = sum over ranks of x_r W_r^T, plus b once: each rank holds the input columns `cols`.
@@ -103,8 +125,9 @@ class RowParallelLinear(KernelLinear):
         start, end = self.cols
         param.data.copy_(as_tensor(loaded[:, start:end]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
+    def forward(self, x: torch.Tensor, swiglu_input: bool = False) -> torch.Tensor:
+        """With swiglu_input, x is [gate | up] and the layer's input is silu(gate) * up."""
+        y = self.matmul_swiglu(x) if swiglu_input else self.matmul(x)
         if self.comm is not None:
             y = self.comm.all_reduce(y)
         # The bias is added after the reduction so it counts once, not once per rank.

@@ -12,7 +12,6 @@ from torch import nn
 
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
-from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -40,17 +39,18 @@ class Attention(nn.Module):
         self.attn = PagedAttention(shard.num_q, shard.num_kv, hd, shard.kv_index)
         self.head_dim = hd
 
-    def forward(self, rotary: RotaryLookup, x: torch.Tensor, cache: KVCache, meta) -> torch.Tensor:
+    def forward(self, rotary: RotaryLookup, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                cache: KVCache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of norm(x + residual); returns it with the new residual x + residual."""
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(tokens, -1, self.head_dim)  # query heads, then key heads
         if self.q_norm is not None:
             nq = self.q_size // self.head_dim
             qk = torch.cat((self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])), dim=1)
-        qk = rotary.apply(qk)  # one rotation for query and key heads together
-        q, k = qk.split([self.q_size // self.head_dim, self.kv_size // self.head_dim], dim=1)
-        return self.o_proj(self.attn(q, k, v.view(tokens, -1, self.head_dim), cache, meta))
+        # The attention backend rotates query and key heads together and stores keys and values in the cache.
+        return self.o_proj(self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)), residual
 
 
 class MLP(nn.Module):
@@ -59,9 +59,13 @@ class MLP(nn.Module):
         rows, sharded = split_rows(cfg.intermediate_size, comm.rank, comm.world_size, "mlp")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {0: rows, 1: rows}, cfg.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(rows, cfg.hidden_size, cfg.mlp_bias, dtype, comm if sharded else None)
+        self.down_proj.takes_swiglu_input = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLP of norm(x + residual); returns it with the new residual. The norm and SwiGLU are fused into the
+        projections where a kernel can."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        return self.down_proj(gate_up, swiglu_input=True), residual
 
 
 class DecoderLayer(nn.Module):
@@ -73,14 +77,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, rotary: RotaryLookup, x, residual, cache: KVCache, meta):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rotary, x, cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        """x: the previous layer's output (the embeddings for the first layer, with residual None)."""
+        x, residual = self.self_attn(rotary, x, residual, self.input_layernorm, cache, meta)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

@@ -363,6 +363,32 @@ def test_rotary_is_bit_exact_and_in_place(dtype):
     assert torch.equal(qkv[:, q_heads + kv_heads:], untouched)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_fused_with_the_cache_write_equals_the_two_kernels(dtype):
+    """One launch gives the same rotated heads and the same cache as apply_rotary_ then store_kv_cache; padding
+    rows (slot -1) are rotated but not stored."""
+    g = torch.Generator().manual_seed(8)
+    head_dim, q_heads, kv_heads, tokens, slots = 32, 6, 2, 7, 40
+    rope = RotaryEmbedding(head_dim, 128, 500000.0, None, dtype)
+    cos, sin = rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE)
+    qkv = torch.randn(tokens, q_heads + 2 * kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    positions = torch.randint(0, 128, (tokens,), generator=g).to(DEVICE)
+    slot_mapping = torch.tensor([3, 9, -1, 0, 39, 17, -1], device=DEVICE)
+    cache = torch.randn(2, slots, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+
+    expected_qkv, expected_cache = qkv.clone(), cache.clone()
+    fused_ops.apply_rotary_(expected_qkv[:, :q_heads + kv_heads], positions, cos, sin)
+    pa.store_kv_cache(expected_qkv[:, q_heads:q_heads + kv_heads], expected_qkv[:, q_heads + kv_heads:],
+                      expected_cache[0], expected_cache[1], slot_mapping)
+
+    qk = qkv[:, :q_heads + kv_heads]
+    got = fused_ops.apply_rotary_and_store_(qk, q_heads, qkv[:, q_heads + kv_heads:], positions, cos, sin,
+                                            cache[0], cache[1], slot_mapping)
+    assert got is qk
+    assert torch.equal(qkv, expected_qkv)
+    assert torch.equal(cache, expected_cache)
+
+
 # -- batch-1 GEMV -------------------------------------------------------------------------------------------
 
 
@@ -390,10 +416,47 @@ def test_batch1_kernel_uses_the_chosen_shape_only(monkeypatch):
     calls = []
     original = gemv_module.gemv
     monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(a[1].shape) or original(*a, **kw))
-    kernel = Batch1GemvKernel({(24, 64): (8, 64, 4, 1)})
+    kernel = Batch1GemvKernel({(24, 64): (8, 64, 4, 1)}, {})
     for shape, rows, triton_expected in (((24, 64), 1, True), ((24, 64), 3, False), ((16, 64), 1, False)):
         w, bias = torch.randn(*shape, device=DEVICE), torch.randn(shape[0], device=DEVICE)
         x = torch.randn(rows, 64, device=DEVICE)
         calls.clear()
         torch.testing.assert_close(kernel(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
         assert bool(calls) == triton_expected, (shape, rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,block_k", [(40, 128, 64), (19, 100, 64)])
+def test_gemv_with_swiglu_input_matches_the_two_kernels(dtype, n, k, block_k):
+    """down(silu(gate) * up) in one launch: the activation is rounded as the SwiGLU kernel rounds it."""
+    from shardserve.kernels.triton.gemv import gemv_swiglu
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    gate_up = torch.randn(1, 2 * k, generator=g).mul_(3).to(DEVICE, dtype)
+    expected = F.linear(fused_ops.silu_and_mul(gate_up).float(), w.float())
+    got = gemv_swiglu(gate_up, w, block_n=8, block_k=block_k, num_warps=4, num_stages=1)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, atol=tol * k ** 0.5, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_gemv_with_the_norm_before_it_matches_norm_then_linear(dtype, with_residual):
+    """RMSNorm(x + residual) @ W^T in one launch, and the new residual x + residual exactly."""
+    from shardserve.kernels.triton.gemv import gemv_rmsnorm
+
+    n, k = 24, 192
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    residual = torch.randn(1, k, generator=g).to(DEVICE, dtype) if with_residual else None
+    norm_weight = torch.rand(k, generator=g).add_(0.5).to(DEVICE, dtype)
+    if with_residual:
+        h, expected_sum = fused_ops.fused_add_rms_norm(x.clone(), residual.clone(), norm_weight, 1e-5)
+    else:
+        h, expected_sum = fused_ops.rms_norm(x, norm_weight, 1e-5), x
+    y, summed = gemv_rmsnorm(x, residual, norm_weight, 1e-5, w, block_n=8, block_k=64, num_warps=4, num_stages=1)
+    assert torch.equal(summed, expected_sum)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.float(), F.linear(h.float(), w.float()), atol=tol * k ** 0.5, rtol=tol)

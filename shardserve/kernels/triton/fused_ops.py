@@ -194,3 +194,71 @@ def apply_rotary_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         signed_sin.stride(0), HEAD_DIM=head_dim, DIM_P=dim_p, BLOCK_H=block_h, num_warps=4,
         enable_fp_fusion=False)
     return qk
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rotary embedding fused with the KV cache write
+
+
+@triton.jit
+def _rotary_store_kernel(qk_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+                         num_q_heads, num_kv_heads, stride_t, stride_h, stride_vt, stride_vh, stride_cos, stride_sin,
+                         stride_kcs, stride_kch, stride_vcs, stride_vch,
+                         HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr, KV_P: tl.constexpr):
+    """One program per token: rotates its query and key heads in place (as _rotary_kernel), then writes the
+    rotated keys and the values to the token's cache slot, or nowhere where the slot is negative."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_P)
+    dims = tl.arange(0, HEAD_DIM)
+    rolled = (dims + HEAD_DIM // 2) % HEAD_DIM
+    num_heads = num_q_heads + num_kv_heads
+    mask = (heads < num_heads)[:, None]
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_cos + dims).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + dims).to(tl.float32)
+    base = qk_ptr + token * stride_t + heads[:, None] * stride_h
+    x = tl.load(base + dims[None, :], mask=mask, other=0.0)
+    x_rolled = tl.load(base + rolled[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    a = (x.to(tl.float32) * cos[None, :]).to(dtype)
+    b = (x_rolled.to(tl.float32) * sin[None, :]).to(dtype)
+    rotated = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
+    tl.store(base + dims[None, :], rotated, mask=mask)
+
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    is_key = ((heads >= num_q_heads) & (heads < num_heads))[:, None] & (slot >= 0)
+    key_heads = tl.where(heads >= num_q_heads, heads - num_q_heads, 0)
+    tl.store(k_cache_ptr + slot * stride_kcs + key_heads[:, None] * stride_kch + dims[None, :], rotated,
+             mask=is_key)
+    kv_heads = tl.arange(0, KV_P)
+    v_mask = (kv_heads < num_kv_heads)[:, None] & (slot >= 0)
+    v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + dims[None, :], mask=v_mask, other=0.0)
+    tl.store(v_cache_ptr + slot * stride_vcs + kv_heads[:, None] * stride_vch + dims[None, :], v, mask=v_mask)
+
+
+def apply_rotary_and_store_(qk: torch.Tensor, num_q_heads: int, value: torch.Tensor, positions: torch.Tensor,
+                            cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor) -> torch.Tensor:
+    """apply_rotary_ on qk [tokens, q heads + kv heads, head_dim] (query heads first), then the key heads and
+    `value` [tokens, kv heads, head_dim] written to the cache at slot_mapping (negative: not written), in one
+    launch. Same numbers as apply_rotary_ followed by store_kv_cache. Returns qk, rotated in place."""
+    tokens, num_heads, head_dim = qk.shape
+    num_kv_heads = num_heads - num_q_heads
+    if qk.stride(-1) != 1 or value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("qk, value and the caches need unit stride in the last dim")
+    if head_dim & (head_dim - 1) or cos.shape[-1] != head_dim or signed_sin.shape[-1] != head_dim:
+        raise ValueError("head_dim must be a power of two and match the tables")
+    if value.shape != (tokens, num_kv_heads, head_dim) or k_cache.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError("value and cache shapes disagree with the key heads")
+    if cos.dtype != qk.dtype or signed_sin.dtype != qk.dtype or k_cache.dtype != qk.dtype:
+        raise ValueError("the tables and the cache must have qk's dtype")
+    if tokens == 0:
+        return qk
+    heads_p = triton.next_power_of_2(num_heads)
+    _rotary_store_kernel[(tokens,)](
+        qk, value, positions, slot_mapping, cos, signed_sin, k_cache, v_cache, num_q_heads, num_kv_heads,
+        qk.stride(0), qk.stride(1), value.stride(0), value.stride(1), cos.stride(0), signed_sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HEAD_DIM=head_dim, HEADS_P=heads_p, KV_P=triton.next_power_of_2(num_kv_heads),
+        num_warps=4 if heads_p * head_dim <= 4096 else 8, enable_fp_fusion=False)
+    return qk

@@ -52,3 +52,105 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int =
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n,
                                              BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+@triton.jit
+def _gemv_swiglu_kernel(gate_up_ptr, w_ptr, out_ptr, N, stride_wn,
+                        K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """As _gemv_kernel with x = silu(gate) * up computed on the fly from gate_up = [gate | up] (2K values),
+    rounded as shardserve.kernels.triton.fused_ops.silu_and_mul rounds, so the products equal the two-kernel
+    path's. Every program recomputes the activation of its K columns: cheap next to streaming the weights."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        col_ok = k + cols < K
+        gate = tl.load(gate_up_ptr + k + cols, mask=col_ok, other=0.0)
+        up = tl.load(gate_up_ptr + K + k + cols, mask=col_ok, other=0.0)
+        g = gate.to(tl.float32)
+        act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
+        x = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+        w = tl.load(w_rows + k + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def gemv_swiglu(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512,
+                num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """silu(gate) * up times weight [N, K]^T for one row gate_up = [gate | up] of 2K values -> [1, N]."""
+    n, k = weight.shape
+    if gate_up.numel() != 2 * k or weight.stride(1) != 1:
+        raise ValueError(f"gemv_swiglu needs 2 x {k} gate/up values and a row-major weight, "
+                         f"got {tuple(gate_up.shape)}")
+    gate_up = gate_up.reshape(2 * k)
+    if not gate_up.is_contiguous():
+        gate_up = gate_up.contiguous()
+    out = torch.empty(1, n, dtype=gate_up.dtype, device=gate_up.device)
+    _gemv_swiglu_kernel[(triton.cdiv(n, block_n),)](gate_up, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n,
+                                                    BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+@triton.jit
+def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_ptr, N, stride_wn, eps,
+                         K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """As _gemv_kernel on h = RMSNorm(s) with s = x + residual (or x), both computed on the fly with the
+    rounding of fused_ops._rms_norm_kernel: s = round(x + residual), h = round(w * round(s * rstd)). Every
+    program first reduces the row's sum of squares itself (the row is small and L2-resident); program 0 also
+    writes s to sum_ptr, the next residual."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_K)
+    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        col_ok = k + cols < K
+        s = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + k + cols, mask=col_ok, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+            if pid == 0:
+                tl.store(sum_ptr + k + cols, s, mask=col_ok)
+        sf = s.to(tl.float32)
+        sq += sf * sf
+    rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        col_ok = k + cols < K
+        s = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + k + cols, mask=col_ok, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+        h = (s.to(tl.float32) * rstd).to(s.dtype)
+        nw = tl.load(norm_w_ptr + k + cols, mask=col_ok, other=0.0)
+        h = (nw.to(tl.float32) * h.to(tl.float32)).to(s.dtype)
+        w = tl.load(w_rows + k + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        acc += w.to(tl.float32) * h.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                 weight: torch.Tensor, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
+                 num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(s) @ weight^T, s) for one row, s = x + residual (x alone without a residual): the norm of
+    the layer before a projection, fused into it. s is a new tensor (x when there is no residual)."""
+    n, k = weight.shape
+    if x.numel() != k or norm_weight.numel() != k or weight.stride(1) != 1:
+        raise ValueError(f"gemv_rmsnorm needs {k} inputs and norm weights and a row-major weight")
+    x = x.reshape(1, k).contiguous()
+    res = None if residual is None else residual.reshape(1, k).contiguous()
+    summed = x if res is None else torch.empty_like(x)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n),)](
+        x, x if res is None else res, norm_weight, weight, out, summed, n, weight.stride(0), eps, K=k,
+        HAS_RESIDUAL=res is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages)
+    return out, summed
