@@ -51,13 +51,17 @@ async def serve_generation(
     prompt_ids: list[int],
     params: SamplingParams,
     body: GenerationRequest,
+    prompt_param: str = "prompt",
 ) -> Response:
-    """Run the request on `engine` and answer it as `body` asks: one JSON body, or a stream of events."""
+    """Run the request on `engine` and answer it as `body` asks: one JSON body, or a stream of events.
+
+    `prompt_param` is the request field an engine refusal of the prompt names ("prompt" or "messages").
+    """
     metrics = getattr(raw_request.app.state, "metrics", None)
     generation: _Generation | None = _Generation(engine, renderer.request_id,
                                                  metrics.request() if metrics is not None else None)
     try:
-        await _unless_disconnected(raw_request, generation.start(prompt_ids, params))
+        await _unless_disconnected(raw_request, generation.start(prompt_ids, params, prompt_param))
         if body.stream:
             response = _EventStreamResponse(generation, _stream_events(generation, renderer, body.include_usage))
             generation = None  # the response owns it from here and closes it
@@ -92,8 +96,9 @@ class _Generation:
         self._done = False  # the engine holds nothing more for this request
         self._closed = False
 
-    async def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Submit the request and wait for its first output, so that a refusal is still a 400."""
+    async def start(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt") -> None:
+        """Submit the request and wait for its first output, so that a refusal is still a 400 (naming
+        `prompt_param`: what the engine checks is the prompt)."""
         try:
             # An engine may validate when called or on the first step; both refusals are 400s.
             self._outputs = self.engine.generate(self.request_id, prompt_ids, params)
@@ -102,7 +107,7 @@ class _Generation:
                 self.timer.output(self._first)
         except ValueError as exc:  # refused before admission: nothing to abort
             self._done = True
-            raise InvalidRequestError(str(exc)) from exc
+            raise InvalidRequestError(f"Invalid {prompt_param}: {exc}", param=prompt_param) from exc
         except StopAsyncIteration:
             self._done = True
             raise ServerError("The engine returned no output for the request.") from None

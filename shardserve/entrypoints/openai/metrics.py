@@ -104,6 +104,8 @@ class _EngineState:
             # Exact counts: with no request in flight, free == total, or blocks leaked.
             yield gauge("kv_cache_blocks_total", "KV cache blocks of the engine.", blocks.num_blocks)
             yield gauge("kv_cache_blocks_free", "KV cache blocks free or held only by the prefix cache.", free)
+            yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later) for lack of "
+                                             "KV cache blocks.", engine.scheduler.num_preemptions)
             yield counter("prefix_cache_queries", "Blocks looked up in the prefix cache.", blocks.prefix_queries)
             yield counter("prefix_cache_hits", "Blocks found in the prefix cache.", blocks.prefix_hits)
             yield gauge("is_sleeping", "1 while the model sleeps.", float(engine.is_sleeping))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from shardserve import __version__
@@ -149,7 +149,7 @@ async def is_sleeping(request: Request) -> Response:
     return JSONResponse({"is_sleeping": _serving(request).engine.is_sleeping})
 
 
-@_router.get("/metrics")
+@_router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -187,7 +187,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request) -> Re
         token_text=tokenizer.token_text,
         with_logprobs=params.logprobs is not None,
     )
-    return await serve_generation(raw_request, state.engine, renderer, prompt_ids, params, body)
+    return await serve_generation(raw_request, state.engine, renderer, prompt_ids, params, body, "prompt")
 
 
 @_router.post("/v1/chat/completions", responses=_generation_responses(ChatCompletionResponse))
@@ -206,7 +206,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         token_text=tokenizer.token_text,
         with_logprobs=params.logprobs is not None,
     )
-    return await serve_generation(raw_request, state.engine, renderer, prompt_ids, params, body)
+    return await serve_generation(raw_request, state.engine, renderer, prompt_ids, params, body, "messages")
 
 
 # --------------------------------------------------------------------------- admission
@@ -237,15 +237,15 @@ def _max_tokens(body: GenerationRequest, prompt_len: int, max_model_len: int, pr
         )
     if requested is not None and prompt_len + requested > max_model_len:
         raise InvalidRequestError(
-            f"{limit} However, you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
-            f"{requested} for the completion). Please reduce the length of the prompt or completion.",
+            f"{limit} However, you requested {prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, "
+            f"{requested} for the completion). Please reduce the length of the {prompt_param} or completion.",
             param=prompt_param,
             code="context_length_exceeded",
         )
     if prompt_len >= max_model_len:
         raise InvalidRequestError(
-            f"{limit} However, your prompt is {prompt_len} tokens long, which leaves no room for a completion. "
-            "Please reduce the length of the prompt.",
+            f"{limit} However, your {prompt_param} came to {prompt_len} tokens, which leaves no room for a "
+            f"completion. Please reduce the length of the {prompt_param}.",
             param=prompt_param,
             code="context_length_exceeded",
         )
