@@ -12,35 +12,16 @@ import httpx
 import pytest
 
 from shardserve.entrypoints.openai import middleware
-from tests.reliability.fuzz import openai_error_problem
+from tests.reliability.auth import PUBLIC, probe_auth
 from tests.reliability.servers import EDGE_API_KEY
-
-PUBLIC = {("GET", "/health"), ("GET", "/version")}
-# FastAPI's own pages, and a path no route has: refused without the key like everything else.
-EXTRA_PATHS = [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/no/such/path"),
-               ("POST", "/v1/embeddings")]
-
-
-def _endpoints(edge_http: httpx.Client) -> list[tuple[str, str]]:
-    schema = edge_http.get("/openapi.json").json()
-    return [(method.upper(), path) for path, item in schema["paths"].items() for method in item] + EXTRA_PATHS
 
 
 def test_every_endpoint_but_health_and_version_needs_the_key(edge_server: str, edge_http: httpx.Client) -> None:
-    endpoints = _endpoints(edge_http)
-    assert ("GET", "/metrics") in endpoints and ("POST", "/v1/chat/completions") in endpoints
-    for key in (None, "sk-wrong", EDGE_API_KEY.upper()):
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        with httpx.Client(base_url=edge_server, headers=headers, timeout=30) as http:
-            for method, path in endpoints:
-                response = http.request(method, path, json={"prompt": "w10", "max_tokens": 1})
-                if (method, path) in PUBLIC:
-                    assert response.status_code == 200, (method, path)
-                    continue
-                assert response.status_code == 401, (key, method, path, response.status_code)
-                assert openai_error_problem(response) is None, response.text
-                assert "API key" in response.json()["error"]["message"]
-                assert response.headers["www-authenticate"] == "Bearer"
+    figures = probe_auth(edge_server, EDGE_API_KEY)
+    assert {("GET", "/metrics"), ("POST", "/v1/chat/completions"), ("POST", "/sleep")} <= set(figures.endpoints)
+    assert figures.let_in == []
+    assert figures.public_open == 3 * len(PUBLIC), "/health or /version asked for the key"
+    assert figures.refused == figures.asked - figures.public_open
     for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/openapi.json")]:
         assert edge_http.request(method, path).status_code == 200, path
 
