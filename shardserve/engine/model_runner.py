@@ -39,6 +39,7 @@ class ModelRunner:
         self.dtype = config.resolve_dtype(model_config)
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.block_size = config.block_size
+        self.memory_plan = None  # on GPUs: the planner's per-rank memory for these settings
         self.model = self._load_model()
         # On GPUs, weights and KV cache live at fixed addresses whose memory sleep gives back and wake takes
         # again (weights/stable_memory.py), so the CUDA graphs survive a sleep and waking costs one copy.
@@ -63,6 +64,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._choose_all_reduce()
         self._capture_graphs()
+        if self.device.type == "cuda":
+            self._log_memory_against_plan()
 
     def _allocate_kv_cache(self):
         shape = (self.model_config.num_layers, self.num_blocks, self.block_size, self.model.kv_heads_per_rank(),
@@ -232,11 +235,52 @@ class ModelRunner:
         logger.info("rank %d weights: planner predicted %.3f GiB, loaded %.3f GiB (%+.1f%%)", self.ctx.rank,
                     predicted / 2**30, loaded / 2**30, 100 * (loaded - predicted) / max(predicted, 1))
 
-    def _size_kv_cache(self) -> int:
+    def _plan_memory(self):
+        """The planner's per-rank arithmetic for this engine's settings (shardserve plan), or None when it
+        cannot describe the model. The KV cache gets what it leaves after weights and overhead."""
+        from shardserve.planner import PlanRequest, load_hf_config, plan
+
+        try:
+            cfg = dict(load_hf_config(self.config.model), torch_dtype=str(self.dtype).removeprefix("torch."))
+            total = torch.cuda.mem_get_info(self.device)[1]
+            return plan(cfg, PlanRequest(self.ctx.world_size, self.max_model_len, self.config.max_num_seqs,
+                                         self.config.max_num_batched_tokens, total / 2**30,
+                                         self.config.gpu_memory_utilization))
+        except (OSError, KeyError, ValueError) as e:
+            logger.info("planner: no prediction for %s (%s); the KV cache takes the free memory", self.config.model, e)
+            return None
+
+    def _log_memory_against_plan(self) -> None:
+        """After start-up: the device memory in use against the planner's weights + KV cache + overhead."""
+        if self.memory_plan is None:
+            return
+        p = self.memory_plan
+        free, total = torch.cuda.mem_get_info(self.device)
+        measured, kv = total - free, self.num_blocks * self._kv_bytes_per_block()
+        predicted = p.weight_bytes + kv + p.overhead_bytes
+        logger.info("rank %d memory: planner predicted %.2f GiB (weights %.2f, KV cache %.2f, overhead %.2f), "
+                    "%.2f GiB in use on the device after start-up (%+.1f%%)", self.ctx.rank, predicted / 2**30,
+                    p.weight_bytes / 2**30, kv / 2**30, p.overhead_bytes / 2**30, measured / 2**30,
+                    100 * (measured - predicted) / predicted)
+
+    def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
-        per_block = bytes_per_block(cfg.num_layers, self.block_size, self.model.kv_heads_per_rank(), cfg.head_dim,
-                                    self.dtype)
+        return bytes_per_block(cfg.num_layers, self.block_size, self.model.kv_heads_per_rank(), cfg.head_dim,
+                               self.dtype)
+
+    def _size_kv_cache(self) -> int:
+        per_block = self._kv_bytes_per_block()
         budget = kv_cache_budget_bytes(self.device, self.config.kv_cache_memory_gb, self.config.gpu_memory_utilization)
+        self.memory_plan = self._plan_memory() if self.device.type == "cuda" else None
+        if self.memory_plan is not None and self.config.kv_cache_memory_gb is None:
+            # The planner's budget, never more than is actually free (its overhead is an estimate, and other
+            # processes may hold memory on this GPU).
+            planned = max(0, self.memory_plan.kv_budget_bytes)
+            if planned > budget:
+                log = logger.warning if planned > 1.1 * budget else logger.info
+                log("rank %d: the planner budgets %.2f GiB for the KV cache, %.2f GiB are free; using the free "
+                    "memory", self.ctx.rank, planned / 2**30, budget / 2**30)
+            budget = min(planned, budget)
         num_blocks = agree_on_num_blocks(budget // per_block, self.ctx.control_group, self.ctx.world_size)
         needed = -(-self.max_model_len // self.block_size)
         if num_blocks < needed:
