@@ -68,6 +68,13 @@ class Communicator:
         table = self.choice.graph if self._in_graph else self.choice.eager
         return table.pick(x)(x)
 
+    def broadcast_from_first(self, x: torch.Tensor) -> None:
+        """Overwrite x on every rank with the group's first rank's x (the sampled tokens of a step computed
+        ahead, which only rank 0 has). On GPUs this is queued on the stream: the host does not wait."""
+        if self.world_size > 1:
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            dist.broadcast(x, src=src, group=self.group)
+
     def gather_last_dim_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate each rank's x along the last dimension, in rank order, on the group's first rank only."""
         if self.world_size == 1:

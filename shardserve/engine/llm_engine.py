@@ -12,6 +12,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.control_plane import ControlPlane
 from shardserve.distributed.lockstep import LockstepCheck, default_every
@@ -38,13 +40,14 @@ OVERLAP_ENV = "SHARDSERVE_OVERLAP_STEPS"
 
 
 def overlap_steps_enabled(runner: ModelRunner, world_size: int) -> bool:
-    """Overlapped decoding pays where the device runs ahead of the host (CUDA graphs); it is also correct on
-    CPU, where SHARDSERVE_OVERLAP_STEPS=1 forces it (tests). Single-rank only for now: the other ranks would
-    need the sampled tokens broadcast on the device. SHARDSERVE_OVERLAP_STEPS=0 turns it off."""
+    """Overlapped decoding pays where the device runs ahead of the host (CUDA graphs). On by default at one
+    rank; with several ranks (rank 0 then broadcasts the sampled tokens on the data plane before each step
+    computed ahead) only with SHARDSERVE_OVERLAP_STEPS=1, which also forces it on CPUs, where it is correct
+    but gains nothing. SHARDSERVE_OVERLAP_STEPS=0 turns it off."""
     forced = os.environ.get(OVERLAP_ENV)
-    if world_size != 1 or forced == "0":
-        return False
-    return forced == "1" or runner.graphs is not None
+    if forced in ("0", "1"):
+        return forced == "1"
+    return world_size == 1 and runner.graphs is not None
 
 
 @dataclass
@@ -230,6 +233,8 @@ class LLMEngine:
     def _launch(self, plan: StepPlan, device_tokens=None) -> "_InFlight":
         """Queue a step on the device, and its sampling; nothing here waits for the device."""
         self.control.send(plan)
+        if plan.tokens_from_device:
+            self.runner.ctx.comm.broadcast_from_first(device_tokens)  # the other ranks need the tokens too
         seq_ids, logits = self.runner.execute(plan, device_tokens)
         self.lockstep.confirm(plan)
         if not plan.tokens_from_device:  # one taking tokens from the device is finished once they arrive
@@ -314,7 +319,11 @@ def run_worker(config: EngineConfig, ctx: RankContext) -> None:
             runner.close()
             return
         if plan.kind is PlanKind.RUN:
-            runner.execute(plan)
+            tokens = None
+            if plan.tokens_from_device:  # rank 0 broadcasts the tokens it sampled in the step before
+                tokens = torch.empty(len(plan.chunks), dtype=torch.long, device=ctx.device)
+                ctx.comm.broadcast_from_first(tokens)
+            runner.execute(plan, tokens)
             lockstep.confirm(plan)
         elif plan.kind is PlanKind.SLEEP:
             runner.sleep(plan.arg)

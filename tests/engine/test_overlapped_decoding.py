@@ -82,3 +82,17 @@ def test_an_abort_while_a_step_is_in_flight_loses_nothing_else(tiny_model_dir, m
             assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
             assert [lp for _, lp in a.top] == pytest.approx([lp for _, lp in b.top], abs=1e-4)
+
+
+def test_two_ranks_overlapped_equal_step_by_step(tiny_model_dir, monkeypatch):
+    """At TP=2 rank 0 broadcasts the sampled tokens before each step computed ahead; rank 1 uses them."""
+    model_dir = tiny_model_dir("llama-untied")
+    params = _params(stop_token=-1)
+    results = {}
+    for overlap in (False, True):
+        monkeypatch.setenv(OVERLAP_ENV, "1" if overlap else "0")
+        with LLM(model_dir, tensor_parallel_size=2, kv_cache_memory_gb=0.05, max_num_seqs=8) as llm:
+            results[overlap] = _run(llm, params)
+    (expected, _, _), (got, (free, total), overlapped) = results[False], results[True]
+    assert overlapped > 10 and free == total
+    assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in expected.items()}
