@@ -72,14 +72,15 @@ class Scheduler:
     def continue_decoding(self, seqs: list[Sequence], max_model_len: int) -> StepPlan | None:
         """The step after the one in flight, planned before its tokens reach the host: each of `seqs` (every
         running sequence, each decoding one token) decodes its next token, whose id the model runner takes
-        from the device. None where that step cannot be known in advance: sequences are waiting to join, a
-        sequence will surely finish on the token in flight, or a new block is not free right away. A sequence
-        that finishes on the token in flight (a stop token, say) has its extra token discarded.
+        from the device. None where that step cannot be known in advance: sequences wait that could join now
+        (a sequence slot is free), a sequence will surely finish on the token in flight, or a new block is not
+        free right away. A sequence that finishes on the token in flight (a stop token, say) has its extra
+        token discarded, and a waiting one takes its slot a step later.
 
         Invariant: in `seqs`, num_computed_tokens == num_tokens (the in-flight step computed the last
         token) and the in-flight token will go to position num_tokens.
         """
-        if self.waiting or len(seqs) != len(self.running):
+        if (self.waiting and len(self.running) < self.max_num_seqs) or len(seqs) != len(self.running):
             return None
         for seq in seqs:
             p = seq.params

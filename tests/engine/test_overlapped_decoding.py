@@ -14,9 +14,9 @@ from shardserve.entrypoints.llm import LLM
 PROMPTS = [[5, 9, 13], [40, 41], [7, 8, 9, 10, 11, 12], [100], [3, 3, 3, 3]]
 
 
-def _engine(model_dir: str, overlap: bool, monkeypatch) -> LLM:
+def _engine(model_dir: str, overlap: bool, monkeypatch, max_num_seqs: int = 8) -> LLM:
     monkeypatch.setenv(OVERLAP_ENV, "1" if overlap else "0")
-    return LLM(model_dir, kv_cache_memory_gb=0.05, max_num_seqs=8)
+    return LLM(model_dir, kv_cache_memory_gb=0.05, max_num_seqs=max_num_seqs)
 
 
 def _run(llm: LLM, params: list[SamplingParams], abort_after: dict[int, int] | None = None):
@@ -95,4 +95,17 @@ def test_two_ranks_overlapped_equal_step_by_step(tiny_model_dir, monkeypatch):
             results[overlap] = _run(llm, params)
     (expected, _, _), (got, (free, total), overlapped) = results[False], results[True]
     assert overlapped > 10 and free == total
+    assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in expected.items()}
+
+
+def test_requests_queued_behind_full_slots_are_served_the_same(tiny_model_dir, monkeypatch):
+    """With two sequence slots for five requests, the steps computed ahead go on while requests wait for a
+    slot; each waiting request joins when one frees and gets the same tokens."""
+    model_dir = tiny_model_dir("llama-untied")
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 4, 7, 3, 6)]
+    with _engine(model_dir, False, monkeypatch, max_num_seqs=2) as llm:
+        expected, _, _ = _run(llm, params)
+    with _engine(model_dir, True, monkeypatch, max_num_seqs=2) as llm:
+        got, (free, total), overlapped = _run(llm, params)
+    assert overlapped > 5 and free == total
     assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in expected.items()}
