@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -118,18 +119,26 @@ def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | 
 @contextmanager
 def serve_cli(args: list[str], timeout: float = 180.0, launcher: list[str] | None = None) -> Iterator[str]:
     """`python -m shardserve serve ARGS --port P` as a subprocess (or `LAUNCHER -m shardserve ...`, e.g.
-    torchrun); yields the base URL once /health answers 200."""
+    torchrun); yields the base URL once /health answers 200.
+
+    Its output is read all along (and the last lines kept for errors): a server whose log pipe filled up
+    would block in its next log line, access logs included, and stop answering.
+    """
     port = find_free_port()
     prefix = launcher if launcher is not None else [sys.executable]
     proc = subprocess.Popen([*prefix, "-m", "shardserve", "serve", *args, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    output: deque[str] = deque(maxlen=2000)
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"shardserve exited with {proc.returncode}:\n{proc.stdout.read()}")
+                reader.join(timeout=10)
+                raise RuntimeError(f"shardserve exited with {proc.returncode}:\n{''.join(output)}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
