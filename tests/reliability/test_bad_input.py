@@ -8,9 +8,10 @@ import json
 
 import httpx
 import pytest
+import schemathesis
 
 from tests.reliability.bad_requests import BadRequest, bad_requests, check
-from tests.reliability.fuzz import describe, fuzz
+from tests.reliability.fuzz import SCHEMA_CHECKS, describe, fuzz
 from tests.reliability.observe import healthy
 from tests.reliability.servers import EDGE_API_KEY, EDGE_BODY_LIMIT_MB, EDGE_MAX_MODEL_LEN
 
@@ -68,3 +69,17 @@ def test_fuzzing_from_the_openapi_schema_finds_no_5xx_and_only_openai_errors(edg
     assert dict(figures.violations) == {}, describe(figures)
     # The fuzzer got through to generation and was refused too: both paths were exercised.
     assert figures.by_status[200] > 0 and figures.by_status[400] > 0, describe(figures)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streams_and_json_answers_match_the_documented_schema(edge_server: str, path: str) -> None:
+    """Every response shape, validated by schemathesis against /openapi.json (a short fuzz may not stream)."""
+    headers = {"Authorization": f"Bearer {EDGE_API_KEY}"}
+    operation = schemathesis.openapi.from_url(f"{edge_server}/openapi.json", headers=headers)[path]["POST"]
+    base = {"prompt": "w7 w8"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "w7"}]}
+    for extra in ({}, {"stream": True}, {"stream": True, "stream_options": {"include_usage": True}},
+                  {"max_tokens": 10**6}):
+        case = operation.Case(body=base | {"max_tokens": 3} | extra, media_type="application/json")
+        response = case.call(base_url=edge_server, headers=headers)
+        assert response.status_code == (400 if extra.get("max_tokens") else 200), response.text
+        case.validate_response(response, checks=SCHEMA_CHECKS)

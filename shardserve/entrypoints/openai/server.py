@@ -104,8 +104,11 @@ _router = APIRouter(responses={
 
 
 def _generation_responses(body: type) -> dict[int | str, dict]:
-    stream = {"schema": {"type": "string", "description": "Server-sent events: one `data: {chunk}` per output, "
-                                                          "then `data: [DONE]`"}}
+    # With text/event-stream, the schema describes one event (OpenAPI 3.1).
+    stream = {"schema": {"type": "object", "required": ["data"], "properties": {"data": {
+        "type": "string",
+        "description": "One JSON chunk per output (the `*StreamResponse` shape), an `{\"error\": ...}` object if "
+                       "the request fails once streaming, and `[DONE]` last"}}}}
     return {200: {"model": body, "content": {"text/event-stream": stream},
                   "description": "The completion, or with `stream: true` a stream of chunks"}}
 
