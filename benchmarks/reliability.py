@@ -57,7 +57,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", default=str(REPO / "benchmarks/results/reliability.json"))
     parser.add_argument("--markdown", default=str(REPO / "RELIABILITY.md"))
+    parser.add_argument("--render-only", action="store_true",
+                        help="rewrite --markdown from the figures already in --json, without running anything")
     args = parser.parse_args()
+    if args.render_only:
+        Path(args.markdown).write_text(render(json.loads(Path(args.json).read_text())))
+        return 0
 
     results: dict = {"setup": _setup(args)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -248,10 +253,12 @@ names the field at fault (and the message names it too).
   The key is compared with `hmac.compare_digest`.
 - The server binds 127.0.0.1 unless `--host` says otherwise; bodies over `--max-request-body-mb`
   (default 4) get a 413 before they are parsed.
-- Between ranks: control messages are msgpack (no pickle anywhere in the package); ranks prove to each
-  other that they hold the launch's control token before they join, and every step plan is signed
-  with it (tests/distributed/test_control_token.py: a rank with another token is refused, a forged
-  plan is refused, the start-up exchanges unpickle nothing).
+- Between ranks: control data is msgpack or fixed-size integer tensors; nothing in the package imports
+  pickle or calls torch.distributed's pickling `*_object` collectives. Ranks prove to each other that
+  they hold the launch's control token before they join (`-tp N` makes a random one; torchrun, srun
+  and `--nnodes` read `SHARDSERVE_CONTROL_TOKEN`), and every step plan is signed with it
+  (tests/distributed/test_control_token.py: a rank with another token is refused, a forged plan is
+  refused with a log line, the start-up exchanges unpickle nothing).
 """
 
 
