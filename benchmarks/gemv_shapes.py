@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.kernels.triton.gemv import gemv
+from shardserve.layers.cuda_gemv import time_in_graph_us
 
 TRITON_CONFIGS = list(itertools.product((4, 8, 16), (512, 1024), (4, 8), (1, 4)))  # block_n, block_k, warps, stages
 
@@ -26,26 +27,6 @@ def shapes(tp: int) -> dict[str, tuple[int, int]]:
     """name -> (N, K) of the weight [N, K] on one rank."""
     return {"qkv": (6144 // tp, 4096), "o": (4096, 4096 // tp), "gate_up": (28672 // tp, 4096),
             "down": (4096, 14336 // tp), "lm_head": (128256 // tp, 4096)}
-
-
-def time_in_graph(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 20) -> float:
-    """Microseconds per call of fn(x, w), one call per weight copy, replayed from a CUDA graph."""
-    for w in weights:
-        fn(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(x, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * len(weights))
 
 
 def cublaslt_linear(x, w):
@@ -67,9 +48,10 @@ def main() -> None:
         copies = max(2, -(-400 * 2**20 // nbytes))  # several times the L2 size in total
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        row = {"cublas": time_in_graph(F.linear, weights, x), "cublaslt": time_in_graph(cublaslt_linear, weights, x)}
+        row = {"cublas": time_in_graph_us(F.linear, weights, x),
+               "cublaslt": time_in_graph_us(cublaslt_linear, weights, x)}
         transposed = [w.t().contiguous() for w in weights]
-        row["mm_transposed"] = time_in_graph(torch.mm, transposed, x)
+        row["mm_transposed"] = time_in_graph_us(torch.mm, transposed, x)
         del transposed
         reference = F.linear(x, weights[0]).float()
         for bn, bk, warps, stages in TRITON_CONFIGS:
@@ -77,7 +59,7 @@ def main() -> None:
             err = (fn(x, weights[0]).float() - reference).abs().max().item()
             if err > 0.05 * reference.abs().max().item():
                 raise AssertionError(f"triton gemv wrong for {name} {bn}/{bk}/{warps}/{stages}: {err}")
-            row[f"triton_{bn}_{bk}_{warps}_{stages}"] = time_in_graph(fn, weights, x)
+            row[f"triton_{bn}_{bk}_{warps}_{stages}"] = time_in_graph_us(fn, weights, x)
         best_triton = min((v, key) for key, v in row.items() if key.startswith("triton"))
         print(f"{name:8s} [{n}x{k}] " + "  ".join(f"{key} {row[key]:.1f} us ({nbytes / row[key] / 1e3:.0f} GB/s)"
                                                 for key in ("cublas", "cublaslt", "mm_transposed"))

@@ -77,7 +77,7 @@ class Batch1GemvKernel(LinearKernel):
         return F.linear(silu_and_mul(gate_up), weight)
 
 
-def _time_us(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 10) -> float:
+def time_in_graph_us(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 10) -> float:
     """Microseconds per call of fn(x, w) over `weights`, replayed from a CUDA graph."""
     for w in weights:
         fn(x, w)
@@ -144,8 +144,8 @@ def _choose(by_shape, inputs_per_column: int, baseline_fn, triton_fn, label: str
     for shape, weights in by_shape.items():
         weights = weights[:32]
         x = torch.randn(1, inputs_per_column * shape[1], dtype=weights[0].dtype, device=weights[0].device)
-        baseline = _time_us(baseline_fn, weights, x)
-        timed = [(_time_us(lambda x, w, c=c: triton_fn(x, w, *c), weights, x), c) for c in candidates]
+        baseline = time_in_graph_us(baseline_fn, weights, x)
+        timed = [(time_in_graph_us(lambda x, w, c=c: triton_fn(x, w, *c), weights, x), c) for c in candidates]
         best_us, best = min(timed)
         if best_us < baseline * (1 - MIN_GAIN):
             configs[shape] = best

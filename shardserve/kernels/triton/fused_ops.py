@@ -142,6 +142,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _rotate(x, x_rolled, cos, sin):
+    """round(round(x * cos) + round(x_rolled * sin)) in x's dtype: torch's rounding of the rotate-half form
+    (x_rolled = roll(x, head_dim / 2), sin = the signed table; cos and sin in float32, [head_dim])."""
+    dtype = x.dtype
+    a = (x.to(tl.float32) * cos[None, :]).to(dtype)
+    b = (x_rolled.to(tl.float32) * sin[None, :]).to(dtype)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rotary_kernel(qk_ptr, pos_ptr, cos_ptr, sin_ptr, num_heads, stride_t, stride_h, stride_cos, stride_sin,
                    HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program (token, head block): x <- round(round(x * cos) + round(roll(x, D/2) * signed_sin)).
@@ -161,10 +171,7 @@ def _rotary_kernel(qk_ptr, pos_ptr, cos_ptr, sin_ptr, num_heads, stride_t, strid
     base = qk_ptr + token * stride_t + heads[:, None] * stride_h
     x = tl.load(base + dims[None, :], mask=mask, other=0.0)
     x_rolled = tl.load(base + rolled[None, :], mask=mask, other=0.0)
-    dtype = x.dtype
-    a = (x.to(tl.float32) * cos[None, :]).to(dtype)
-    b = (x_rolled.to(tl.float32) * sin[None, :]).to(dtype)
-    tl.store(base + dims[None, :], (a.to(tl.float32) + b.to(tl.float32)).to(dtype), mask=mask)
+    tl.store(base + dims[None, :], _rotate(x, x_rolled, cos, sin), mask=mask)
 
 
 def apply_rotary_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -219,10 +226,7 @@ def _rotary_store_kernel(qk_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_c
     base = qk_ptr + token * stride_t + heads[:, None] * stride_h
     x = tl.load(base + dims[None, :], mask=mask, other=0.0)
     x_rolled = tl.load(base + rolled[None, :], mask=mask, other=0.0)
-    dtype = x.dtype
-    a = (x.to(tl.float32) * cos[None, :]).to(dtype)
-    b = (x_rolled.to(tl.float32) * sin[None, :]).to(dtype)
-    rotated = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
+    rotated = _rotate(x, x_rolled, cos, sin)
     tl.store(base + dims[None, :], rotated, mask=mask)
 
     slot = tl.load(slot_ptr + token).to(tl.int64)
