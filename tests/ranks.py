@@ -23,3 +23,27 @@ def run_ranks(target: Callable, world_size: int, *args, timeout: float = 120) ->
     for p in procs:
         p.join(30)
     return outcome
+
+
+def start_model_runner(rank: int, port: int, model_dir: str, results, control_token: str,
+                       handshake: bool = False) -> None:
+    """As one rank of a 2-rank CPU group, build a ModelRunner for `model_dir` (start-up: load, checks) and put
+    (rank, "started") or (rank, "ErrorType: message") into `results`. With `handshake` the ranks also compare
+    their configs when the group starts."""
+    import torch
+
+    from shardserve.config import EngineConfig, ModelConfig
+    from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
+    from shardserve.engine import model_runner
+
+    torch.set_num_threads(1)
+    config = EngineConfig(model=model_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.02)
+    ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}", config=config if handshake else None,
+                            control_token=control_token)
+    try:
+        model_runner.ModelRunner(config, ModelConfig.from_model_path(model_dir), ctx)
+        results.put((rank, "started"))
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        results.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        destroy_rank_context(ctx)

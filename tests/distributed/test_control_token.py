@@ -7,9 +7,8 @@ import ast
 import pickle
 from pathlib import Path
 
-from shardserve.config import EngineConfig
 from tests.distributed.test_handshake import TwoRanks, _serve_args
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, start_model_runner
 
 TOKEN = "test-token"
 PACKAGE = Path(__file__).resolve().parents[2] / "shardserve"
@@ -96,23 +95,8 @@ def test_workers_refuse_a_plan_not_signed_with_the_launch_key():
 
 
 def _replicated_weights_check_without_pickle(rank: int, port: int, model_dir: str, results) -> None:
-    import torch
-
-    from shardserve.config import ModelConfig
-    from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
-    from shardserve.engine.model_runner import ModelRunner
-
-    torch.set_num_threads(1)
     _forbid_unpickling()  # nothing below may unpickle
-    config = EngineConfig(model=model_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.02)
-    ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}", config=config, control_token=TOKEN)
-    try:
-        ModelRunner(config, ModelConfig.from_model_path(model_dir), ctx)  # gathers the weight digests
-        results.put((rank, "started"))
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-        results.put((rank, f"{type(e).__name__}: {e}"))
-    finally:
-        destroy_rank_context(ctx)
+    start_model_runner(rank, port, model_dir, results, TOKEN, handshake=True)  # gathers the weight digests
 
 
 def test_start_up_exchanges_between_ranks_use_no_pickle(tiny_model_dir):

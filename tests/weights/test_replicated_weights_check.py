@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shardserve.config import EngineConfig, ModelConfig
-from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, start_model_runner
 
 CORRUPTED = "model.layers.1.post_attention_layernorm.weight"
 
@@ -24,16 +22,7 @@ def _rank(rank: int, port: int, model_dir: str, corrupt_rank: int | None, result
                 model.get_parameter(CORRUPTED).add_(1e-3)
 
         model_runner.load_weights = load_then_corrupt
-    torch.set_num_threads(1)
-    config = EngineConfig(model=model_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.02)
-    ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}", control_token="test-token")
-    try:
-        model_runner.ModelRunner(config, ModelConfig.from_model_path(model_dir), ctx)
-        results.put((rank, "started"))
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-        results.put((rank, f"{type(e).__name__}: {e}"))
-    finally:
-        destroy_rank_context(ctx)
+    start_model_runner(rank, port, model_dir, results, "test-token")
 
 
 def test_a_corrupted_norm_on_one_rank_stops_start_up_naming_rank_and_tensor(tiny_model_dir):
