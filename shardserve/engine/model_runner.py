@@ -39,7 +39,7 @@ class ModelRunner:
         self.dtype = config.resolve_dtype(model_config)
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.block_size = config.block_size
-        self.memory_plan = None  # on GPUs: the planner's per-rank memory for these settings
+        self.memory_plan = self._plan_memory()  # None where the planner cannot describe the model
         self.model = self._load_model()
         # On GPUs, weights and KV cache live at fixed addresses whose memory sleep gives back and wake takes
         # again (weights/stable_memory.py), so the CUDA graphs survive a sleep and waking costs one copy.
@@ -223,31 +223,27 @@ class ModelRunner:
 
     def _log_planned_weights(self, model) -> None:
         """Log the planner's per-rank weight bytes next to what was loaded (they should agree)."""
-        from shardserve.planner import load_hf_config, weight_elements_per_rank
-
-        loaded = sum(p.numel() * p.element_size() for p in model.parameters())
-        try:
-            predicted = weight_elements_per_rank(load_hf_config(self.config.model), self.ctx.world_size, []) \
-                * self.dtype.itemsize
-        except (OSError, KeyError, ValueError) as e:
-            logger.debug("planner: no prediction for %s: %s", self.config.model, e)
+        if self.memory_plan is None:
             return
+        loaded = sum(p.numel() * p.element_size() for p in model.parameters())
+        predicted = self.memory_plan.weight_bytes
         logger.info("rank %d weights: planner predicted %.3f GiB, loaded %.3f GiB (%+.1f%%)", self.ctx.rank,
                     predicted / 2**30, loaded / 2**30, 100 * (loaded - predicted) / max(predicted, 1))
 
     def _plan_memory(self):
         """The planner's per-rank arithmetic for this engine's settings (shardserve plan), or None when it
-        cannot describe the model. The KV cache gets what it leaves after weights and overhead."""
+        cannot describe the model (a GGUF file, say). On GPUs it also budgets the KV cache: what it leaves of
+        the device after weights and overhead."""
         from shardserve.planner import PlanRequest, load_hf_config, plan
 
         try:
             cfg = dict(load_hf_config(self.config.model), torch_dtype=str(self.dtype).removeprefix("torch."))
-            total = torch.cuda.mem_get_info(self.device)[1]
+            device_gb = torch.cuda.mem_get_info(self.device)[1] / 2**30 if self.device.type == "cuda" else None
             return plan(cfg, PlanRequest(self.ctx.world_size, self.max_model_len, self.config.max_num_seqs,
-                                         self.config.max_num_batched_tokens, total / 2**30,
+                                         self.config.max_num_batched_tokens, device_gb,
                                          self.config.gpu_memory_utilization))
         except (OSError, KeyError, ValueError) as e:
-            logger.info("planner: no prediction for %s (%s); the KV cache takes the free memory", self.config.model, e)
+            logger.debug("planner: no prediction for %s: %s", self.config.model, e)
             return None
 
     def _log_memory_against_plan(self) -> None:
@@ -271,8 +267,8 @@ class ModelRunner:
     def _size_kv_cache(self) -> int:
         per_block = self._kv_bytes_per_block()
         budget = kv_cache_budget_bytes(self.device, self.config.kv_cache_memory_gb, self.config.gpu_memory_utilization)
-        self.memory_plan = self._plan_memory() if self.device.type == "cuda" else None
-        if self.memory_plan is not None and self.config.kv_cache_memory_gb is None:
+        if self.memory_plan is not None and self.memory_plan.kv_budget_bytes is not None \
+                and self.config.kv_cache_memory_gb is None:
             # The planner's budget, never more than is actually free (its overhead is an estimate, and other
             # processes may hold memory on this GPU).
             planned = max(0, self.memory_plan.kv_budget_bytes)
