@@ -33,6 +33,12 @@ class TritonMetadata:
     max_query_len: int = 0
 
 
+def _pinned(array) -> torch.Tensor:
+    """A host array in pinned memory: a non-blocking copy from it to the device does not wait for the
+    device's queued work (one from pageable memory may)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
+
+
 def block_table_array(tables: list[list[int]], width: int | None = None) -> np.ndarray:
     width = width or max((len(t) for t in tables), default=1) or 1
     out = np.zeros((len(tables), width), dtype=np.int32)
@@ -54,8 +60,7 @@ class TritonPagedBackend:
         return choose_num_splits(batch_size, self.num_kv_heads, max_context, self.num_sms, self.block_size)
 
     def _to_device(self, array) -> torch.Tensor:
-        """Copied from pinned memory, so the host does not wait for the device's queued work."""
-        return torch.from_numpy(np.ascontiguousarray(array)).pin_memory().to(self.device, non_blocking=True)
+        return _pinned(array).to(self.device, non_blocking=True)
 
     def build_metadata(self, batch: StepBatch) -> TritonMetadata:
         nd = batch.num_decode
@@ -129,7 +134,8 @@ class TritonPagedBackend:
         lens = np.zeros(padded, dtype=np.int32)
         lens[:n] = [batch.context_len(i) for i in range(n)]
         tables = block_table_array([c.block_table for c in batch.chunks[:n]])
-        static.slot_mapping[:padded].copy_(self._to_device(slots), non_blocking=True)
-        static.decode_context_lens[:padded].copy_(self._to_device(lens), non_blocking=True)
-        static.decode_block_tables[:n, : min(tables.shape[1], width)].copy_(
-            self._to_device(tables[:, :width]), non_blocking=True)
+        # Straight from pinned host memory into the static buffers: one copy each, queued in stream order.
+        static.slot_mapping[:padded].copy_(_pinned(slots), non_blocking=True)
+        static.decode_context_lens[:padded].copy_(_pinned(lens), non_blocking=True)
+        static.decode_block_tables[:n, : min(tables.shape[1], width)].copy_(_pinned(tables[:, :width]),
+                                                                             non_blocking=True)
