@@ -32,49 +32,55 @@ NORMED_CANDIDATES = ((16, 512, 8, 1), (32, 512, 8, 1))
 MIN_GAIN = 0.03  # keep cuBLAS unless Triton is at least this much faster
 
 
+Config = tuple[int, int, int, int]
+
+
 class Batch1GemvKernel(LinearKernel):
     """F.linear, except one-row inputs on weights whose shape has a chosen Triton configuration. `swiglu` is
-    the same for a layer whose input is silu(gate) * up (the MLP's down projection): fused into one launch."""
+    the same for a layer whose input is silu(gate) * up (the MLP's down projection), `normed` for one whose
+    input is RMSNorm(x + residual): each fused into one launch."""
 
     name = "cuda-gemv"
 
-    def __init__(self, configs: dict[tuple[int, int], tuple[int, int, int, int]],
-                 swiglu_configs: dict[tuple[int, int], tuple[int, int, int, int]],
-                 normed_configs: dict[tuple[int, int], tuple[int, int, int, int]] | None = None) -> None:
+    def __init__(self, configs: dict[tuple[int, int], Config], swiglu_configs: dict[tuple[int, int], Config],
+                 normed_configs: dict[tuple[int, int], Config]) -> None:
         self.configs = configs
         self.swiglu_configs = swiglu_configs
-        self.normed_configs = normed_configs or {}
+        self.normed_configs = normed_configs
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        config = _one_row_config(self.configs, x, weight)
+        if config is None:
+            return F.linear(x, weight, bias)
+        from shardserve.kernels.triton.gemv import gemv
+
+        out = gemv(x, weight, *config)
+        return out if bias is None else out + bias
+
+    def swiglu(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        config = _one_row_config(self.swiglu_configs, gate_up, weight)
+        if config is None:
+            return F.linear(silu_and_mul(gate_up), weight)
+        from shardserve.kernels.triton.gemv import gemv_swiglu
+
+        return gemv_swiglu(gate_up, weight, *config)
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch, or None where not chosen."""
-        if x.dim() != 2 or x.shape[0] != 1:
-            return None
-        config = self.normed_configs.get(tuple(weight.shape))
+        config = _one_row_config(self.normed_configs, x, weight)
         if config is None:
             return None
         from shardserve.kernels.triton.gemv import gemv_rmsnorm
 
         return gemv_rmsnorm(x, residual, norm_weight, eps, weight, *config)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1:
-            config = self.configs.get(tuple(weight.shape))
-            if config is not None:
-                from shardserve.kernels.triton.gemv import gemv
 
-                out = gemv(x, weight, *config)
-                return out if bias is None else out + bias
-        return F.linear(x, weight, bias)
-
-    def swiglu(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if gate_up.dim() == 2 and gate_up.shape[0] == 1:
-            config = self.swiglu_configs.get(tuple(weight.shape))
-            if config is not None:
-                from shardserve.kernels.triton.gemv import gemv_swiglu
-
-                return gemv_swiglu(gate_up, weight, *config)
-        return F.linear(silu_and_mul(gate_up), weight)
+def _one_row_config(configs: dict[tuple[int, int], Config], x: torch.Tensor, weight: torch.Tensor) -> Config | None:
+    """The chosen configuration for a one-row input x on `weight`'s shape, or None (batches, other shapes)."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        return None
+    return configs.get(tuple(weight.shape))
 
 
 def time_in_graph_us(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 10) -> float:
@@ -118,7 +124,7 @@ def use_batch1_gemv(model: nn.Module, log: bool = True) -> Batch1GemvKernel | No
             if hasattr(layer, "forward_normed"):
                 normed_by_shape.setdefault(tuple(w.shape), []).append(w.data)
     configs, report = _choose(by_shape, 1, F.linear, gemv, "", CANDIDATES)
-    plain = Batch1GemvKernel(configs, {})  # the winner for each plain product, the baseline of the fused ones
+    plain = Batch1GemvKernel(configs, {}, {})  # the winner for each plain product, the baseline of the fused ones
     swiglu_configs, swiglu_report = _choose(swiglu_by_shape, 2, lambda x, w: plain(silu_and_mul(x), w, None),
                                             gemv_swiglu, "SwiGLU+", CANDIDATES)
     # Fused: the residual add and the norm in the GEMV (every program recomputes the row's statistics, so

@@ -416,7 +416,7 @@ def test_batch1_kernel_uses_the_chosen_shape_only(monkeypatch):
     calls = []
     original = gemv_module.gemv
     monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(a[1].shape) or original(*a, **kw))
-    kernel = Batch1GemvKernel({(24, 64): (8, 64, 4, 1)}, {})
+    kernel = Batch1GemvKernel({(24, 64): (8, 64, 4, 1)}, {}, {})
     for shape, rows, triton_expected in (((24, 64), 1, True), ((24, 64), 3, False), ((16, 64), 1, False)):
         w, bias = torch.randn(*shape, device=DEVICE), torch.randn(shape[0], device=DEVICE)
         x = torch.randn(rows, 64, device=DEVICE)
