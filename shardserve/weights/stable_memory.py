@@ -229,46 +229,26 @@ def arena_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(-(-t.numel() * t.element_size() // ALIGNMENT) * ALIGNMENT for t in tensors)
 
 
-def distinct_parameters(model: nn.Module) -> list[torch.Tensor]:
-    """The model's parameter tensors, each storage once (tied embeddings share one). Buffers are left out:
-    they are computed at construction (RoPE tables, head indices), not loaded, so a level-2 sleep could not
-    restore them; they are small and simply stay where they are."""
-    out, seen = [], set()
-    for param in model.parameters():
-        if param.numel() and param.untyped_storage().data_ptr() not in seen:
-            seen.add(param.untyped_storage().data_ptr())
-            out.append(param.data)
-    return out
-
-
 def move_model_into_arena(model: nn.Module, device: torch.device) -> StableArena:
     """Re-home every parameter of `model` into one arena, freeing the old device memory as it goes.
 
-    Every holder of a storage (a tied embedding has two) is re-pointed to the same new view. Linear layers'
-    prepared kernel weights must be the weights themselves (true on CUDA, where F.linear reads the weight).
+    model.parameters() yields a tied Parameter (the embedding and the LM head) once, so it moves once and both
+    holders see the new view. Two distinct Parameters sharing memory cannot be moved (they would be parted),
+    nor can linear layers' prepared kernel weights (on CUDA there are none: F.linear reads the weight).
+    Buffers stay where they are: they are computed at construction (RoPE tables, head indices), not loaded,
+    so a level-2 sleep could not restore them, and they are small.
     """
-    holders: dict[int, list[nn.Parameter]] = {}
-    for module in model.modules():
-        if getattr(module, "prepared", None) is not None:
-            raise RuntimeError("prepared linear weights cannot live in an arena")
-        for param in module._parameters.values():
-            if param is not None and param.numel():
-                same_storage = holders.setdefault(param.untyped_storage().data_ptr(), [])
-                if all(param is not p for p in same_storage):  # a tied Parameter is held by two modules
-                    same_storage.append(param)
-    olds = distinct_parameters(model)
-    arena = StableArena(arena_bytes(olds), device)
-    views = arena.carve(olds)
+    if any(getattr(module, "prepared", None) is not None for module in model.modules()):
+        raise RuntimeError("prepared linear weights cannot live in an arena")
+    params = [p for p in model.parameters() if p.numel()]
+    if len({p.untyped_storage().data_ptr() for p in params}) != len(params):
+        raise RuntimeError("two parameters share memory; cannot move them into an arena")
+    arena = StableArena(arena_bytes(params), device)
     moved = 0
-    for i, new in enumerate(views):
-        old = olds[i]
-        new.copy_(old)
-        for param in holders[old.untyped_storage().data_ptr()]:
-            if param.data_ptr() != old.data_ptr() or param.shape != old.shape:
-                raise RuntimeError("a parameter is a partial view of another; cannot move it into an arena")
-            param.data = new
-        moved += old.numel() * old.element_size()
-        olds[i] = old = None  # drop the last reference to the old tensor
+    for param, new in zip(params, arena.carve(params)):
+        new.copy_(param.data)
+        moved += new.numel() * new.element_size()
+        param.data = new  # drops the last reference to the old memory
         if moved > 2**30:  # hand freed blocks back as we go, so the move never needs twice the weights
             torch.cuda.synchronize(arena.device)
             torch.cuda.empty_cache()
