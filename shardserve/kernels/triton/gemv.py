@@ -39,7 +39,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
-         num_stages: int = 3, out: torch.Tensor | None = None) -> torch.Tensor:
+         num_stages: int = 3) -> torch.Tensor:
     """x [1, K] (or [K]) times weight [N, K]^T -> [1, N] in x's dtype, float32 accumulation."""
     n, k = weight.shape
     if x.numel() != k or weight.stride(1) != 1:
@@ -47,8 +47,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int =
     x = x.reshape(k)
     if not x.is_contiguous():
         x = x.contiguous()
-    if out is None:
-        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n,
                                              BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out
