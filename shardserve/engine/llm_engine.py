@@ -22,7 +22,7 @@ from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.detokenizer import IncrementalDetokenizer
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.outputs import RequestOutput, TokenLogprob
-from shardserve.engine.sampler import PendingSample, Sampler
+from shardserve.engine.sampler import PendingSample, Sampler, on_device
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
@@ -207,10 +207,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step and return its outputs.
 
-        Overlapped decoding: while a decode step runs on the device, the next one is queued before the
-        host reads the tokens (when the scheduler can plan it without them: Scheduler.continue_decoding),
-        so the device never waits for the host's bookkeeping between steps. The step queued ahead is
-        `self._in_flight` between calls; its outputs are returned by the next call.
+        Overlapped steps: while a step runs on the device, the next one is queued before the host reads
+        the tokens it samples (Scheduler.schedule_ahead: the sequences that sample decode on with their
+        tokens taken on the device, prompts go on and waiting requests join as usual), so the device never
+        waits for the host's bookkeeping between steps. The step queued ahead is `self._in_flight` between
+        calls; its outputs are returned by the next call.
         """
         if self.held and self.is_sleeping and self.wake_on_request:
             self.wake_up()
@@ -220,15 +221,30 @@ class LLMEngine:
                 return []
             self._in_flight = self._launch(plan)
         current, self._in_flight = self._in_flight, None
-        if self.overlap_steps and current.pending is not None:
-            plan = self.scheduler.continue_decoding(current.seqs, self.max_model_len)
+        if self.overlap_steps:
+            plan = self.scheduler.schedule_ahead(current.seqs, self.max_model_len)
             if plan is not None:
-                self._in_flight = self._launch(plan, current.pending.tokens)
+                self._in_flight = self._launch(plan, self._device_tokens(plan, current))
                 self.steps_overlapped += 1
         outputs = self._resolve(current)
-        if self._in_flight is not None:  # its token is now in each sequence, and its KV in the cache
+        if self._in_flight is not None and self._in_flight.plan.tokens_from_device:
+            # The tokens it took from the device are now in their sequences: its chunks count as computed.
             self.scheduler.finish_step(self._in_flight.plan, self.seqs)
         return outputs
+
+    @staticmethod
+    def _device_tokens(plan: StepPlan, current: "_InFlight"):
+        """The input tokens of `plan`'s FROM_DEVICE chunks, in chunk order, gathered on the device from the
+        tokens `current` sampled; None for a plan that takes none."""
+        n = plan.num_device_tokens
+        if n == 0:
+            return None
+        tokens = current.pending.tokens
+        ids = [c.seq_id for c in plan.chunks[:n]]
+        if ids == [s.seq_id for s in current.seqs]:  # every sequence that sampled decodes on
+            return tokens
+        row = {s.seq_id: i for i, s in enumerate(current.seqs)}
+        return tokens.index_select(0, on_device([row[i] for i in ids], tokens.device))
 
     def _launch(self, plan: StepPlan, device_tokens=None) -> "_InFlight":
         """Queue a step on the device, and its sampling; nothing here waits for the device."""
@@ -321,7 +337,7 @@ def run_worker(config: EngineConfig, ctx: RankContext) -> None:
         if plan.kind is PlanKind.RUN:
             tokens = None
             if plan.tokens_from_device:  # rank 0 broadcasts the tokens it sampled in the step before
-                tokens = torch.empty(len(plan.chunks), dtype=torch.long, device=ctx.device)
+                tokens = torch.empty(plan.num_device_tokens, dtype=torch.long, device=ctx.device)
                 ctx.comm.broadcast_from_first(tokens)
             runner.execute(plan, tokens)
             lockstep.confirm(plan)

@@ -18,7 +18,7 @@ from shardserve.distributed.process_group import RankContext
 from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block, kv_cache_layers,
                                         kv_cache_budget_bytes)
 from shardserve.engine.cuda_graphs import CudaGraphRunner, graph_buckets
-from shardserve.engine.step_plan import StepPlan
+from shardserve.engine.step_plan import FROM_DEVICE, StepPlan
 from shardserve.layers.cuda_gemv import use_batch1_gemv
 from shardserve.layers.linear_kernels import choose_linear_kernel, pack_linear_weights
 from shardserve.models import MODEL_CLASSES
@@ -293,12 +293,13 @@ class ModelRunner:
                 ) -> tuple[list[int], torch.Tensor | None]:
         """Run the plan; returns the seq ids that sampled and, on rank 0, their logits (on the model's device).
 
-        For a plan with tokens_from_device, `device_tokens` holds its input tokens (row i for chunk i), the
-        previous step's sampled tokens, still on the device: the step is queued without the host knowing them.
+        For a plan with tokens_from_device, `device_tokens` holds the input tokens of its first
+        num_device_tokens chunks (one each), sampled by the previous step and still on the device: the step
+        is queued without the host knowing them.
         """
         batch = StepBatch.from_chunks(plan.chunks, self.block_size)
-        if plan.tokens_from_device and (device_tokens is None or device_tokens.shape[0] != batch.num_tokens):
-            raise ValueError("a plan with tokens from the device needs the previous step's tokens, one per row")
+        if plan.tokens_from_device:
+            device_tokens = self._input_tokens(plan, batch, device_tokens)
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch, device_tokens)
             if logits is not None and len(batch.sample_rows) < batch.num_tokens:
@@ -311,6 +312,17 @@ class ModelRunner:
             return [], None
         logits = self.model.compute_logits(hidden[self._long(batch.sample_rows)])
         return batch.sample_seq_ids, logits
+
+    def _input_tokens(self, plan: StepPlan, batch: StepBatch, device_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Every row's input token on the device: the FROM_DEVICE rows (the batch's first rows: single-token
+        chunks come first, in plan order) from `device_tokens`, the others from the plan."""
+        n = plan.num_device_tokens
+        if device_tokens is None or device_tokens.shape[0] != n or FROM_DEVICE in batch.token_ids[n:]:
+            raise ValueError(f"a plan with {n} tokens from the device needs them first and one per row, got "
+                             f"{None if device_tokens is None else device_tokens.shape[0]}")
+        if n == batch.num_tokens:
+            return device_tokens
+        return torch.cat([device_tokens, self._long(batch.token_ids[n:])])
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

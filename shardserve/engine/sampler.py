@@ -87,7 +87,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
-            rows = _on_device(sampled, logits.device)
+            rows = on_device(sampled, logits.device)
             drawn = self._draw(logits.index_select(0, rows), [seq_ids[i] for i in sampled],
                                [params[i] for i in sampled])
             tokens.index_copy_(0, rows, drawn)
@@ -123,7 +123,7 @@ class Sampler:
         """One token per row of float32 `logits` [m, vocab] (all rows non-greedy), on their device."""
         vocab = logits.shape[-1]
         device = logits.device
-        temperature = _on_device([p.temperature for p in params], device)
+        temperature = on_device([p.temperature for p in params], device)
         # Shifting by the row maximum changes no probability and keeps a tiny temperature from overflowing.
         scaled = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))
 
@@ -132,11 +132,11 @@ class Sampler:
         # never changes its result.
         top_k_only = [r for r, p in enumerate(params) if 0 < p.top_k < vocab and p.top_p >= 1.0]
         if top_k_only:
-            rows = _on_device(top_k_only, device)
+            rows = on_device(top_k_only, device)
             scaled.index_copy_(0, rows, _top_k(scaled.index_select(0, rows), [params[r].top_k for r in top_k_only]))
         top_p = [r for r, p in enumerate(params) if p.top_p < 1.0]
         if top_p:
-            rows = _on_device(top_p, device)
+            rows = on_device(top_p, device)
             scaled.index_copy_(0, rows, _top_k_top_p(scaled.index_select(0, rows), [params[r] for r in top_p]))
 
         probs = torch.softmax(scaled, dim=-1)
@@ -167,7 +167,7 @@ class Sampler:
 
 def _top_k(scaled: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """Temperature-scaled logits [c, vocab] with the logits below each row's k-th largest set to -inf."""
-    k = _on_device(ks, scaled.device)
+    k = on_device(ks, scaled.device)
     kth = torch.topk(scaled, max(ks), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
     return scaled.masked_fill_(scaled < kth, float("-inf"))
 
@@ -180,8 +180,8 @@ def _top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     """
     c, vocab = scaled.shape
     device = scaled.device
-    k = _on_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
-    top_p = _on_device([p.top_p if p.top_p < 1.0 else _NO_TOP_P for p in params], device)
+    k = on_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
+    top_p = on_device([p.top_p if p.top_p < 1.0 else _NO_TOP_P for p in params], device)
     ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
     kth = ordered.gather(1, (k - 1).unsqueeze(1))
     ordered.masked_fill_(ordered < kth, float("-inf"))
@@ -197,7 +197,7 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int], top
     """For the `wanted` rows: the chosen token's logprob [w], the top_n best logprobs [w, top_n] and
     their token ids [w, top_n], best first; all on the logits' device. Logprobs are those of the
     model's distribution (before temperature, top-k and top-p)."""
-    rows = _on_device(wanted, logits.device)
+    rows = on_device(wanted, logits.device)
     lp = torch.log_softmax(logits.index_select(0, rows), dim=-1)
     chosen = lp.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1)
     if top_n == 0:
@@ -207,7 +207,7 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int], top
     return chosen, top.values, top.indices
 
 
-def _on_device(values: list, device: torch.device) -> torch.Tensor:
+def on_device(values: list, device: torch.device) -> torch.Tensor:
     """A small host list as a tensor on `device`, copied without waiting for the device's queued work
     (a plain copy from pageable memory would synchronize with the GPU)."""
     t = torch.tensor(values)

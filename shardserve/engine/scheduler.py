@@ -47,10 +47,18 @@ class Scheduler:
             chunks.append(self._chunk(seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        self._admit_waiting(budget, chunks)
+        self._step_id += 1
+        return StepPlan(self._step_id, PlanKind.RUN, chunks)
+
+    def _admit_waiting(self, budget: int, chunks: list[SeqChunk]) -> int:
+        """Waiting sequences join, in order, while budget, sequence slots and free blocks last; each one's
+        first chunk goes to `chunks`. Returns the tokens of budget used."""
+        used = 0
+        while self.waiting and budget > used and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.blocks.match_prefix(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget - used)
             if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
                 if not self.running:
                     # Nothing running will free blocks for it: shrink the chunk to what fits now.
@@ -64,36 +72,57 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, n))
-            scheduled.add(seq.seq_id)
-            budget -= n
-        self._step_id += 1
-        return StepPlan(self._step_id, PlanKind.RUN, chunks)
+            used += n
+        return used
 
-    def continue_decoding(self, seqs: list[Sequence], max_model_len: int) -> StepPlan | None:
-        """The step after the one in flight, planned before its tokens reach the host: each of `seqs` (every
-        running sequence, each decoding one token) decodes its next token, whose id the model runner takes
-        from the device. None where that step cannot be known in advance: sequences wait that could join now
-        (a sequence slot is free), a sequence will surely finish on the token in flight, or a new block is not
-        free right away. A sequence that finishes on the token in flight (a stop token, say) has its extra
-        token discarded, and a waiting one takes its slot a step later.
+    def schedule_ahead(self, sampling: list[Sequence], max_model_len: int) -> StepPlan | None:
+        """The step after the one in flight, planned before that step's sampled tokens reach the host.
 
-        Invariant: in `seqs`, num_computed_tokens == num_tokens (the in-flight step computed the last
-        token) and the in-flight token will go to position num_tokens.
+        `sampling` are the sequences that sample a token in the step in flight, in its sample order. Each
+        decodes that token next: its chunk is one FROM_DEVICE token, which the model runner takes from the
+        device, and these chunks come first, in `sampling` order. Then, as in schedule(), the other running
+        sequences go on with their prompts and waiting sequences join while budget, slots and free blocks
+        last. A sequence that surely finishes on the token in flight (its length limit) gets no chunk; one
+        that finishes on it by a stop token has the extra token discarded, and its slot goes to a waiting
+        sequence a step later. None where the step cannot be planned without preempting (a running sequence
+        needs a block that is not free), or where there is nothing to run.
+
+        Invariant: for each of `sampling` still running, num_computed_tokens == num_tokens (the step in
+        flight computed its last token) and the token in flight will go to position num_tokens.
         """
-        if (self.waiting and len(self.running) < self.max_num_seqs) or len(seqs) != len(self.running):
-            return None
-        for seq in seqs:
-            p = seq.params
-            if (seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens + 1 >= p.max_tokens
-                    or seq.num_tokens + 1 >= max_model_len):
-                return None
-        for seq in seqs:  # room for the in-flight token (position num_tokens), which this step computes
-            if not self.blocks.can_allocate(seq, seq.num_tokens + 1):
+        budget = self.max_num_batched_tokens
+        chunks: list[SeqChunk] = []
+        ahead = set()
+        for seq in sampling:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while its step was in flight
+            ahead.add(seq.seq_id)
+            if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= max_model_len:
+                continue  # its last token is the one in flight
+            if budget == 0 or not self.blocks.can_allocate(seq, seq.num_tokens + 1):
                 return None
             self.blocks.allocate(seq, seq.num_tokens + 1)
-        chunks = [SeqChunk(seq.seq_id, seq.num_tokens, [FROM_DEVICE], list(seq.block_table), True) for seq in seqs]
+            chunks.append(SeqChunk(seq.seq_id, seq.num_tokens, [FROM_DEVICE], list(seq.block_table), True))
+            budget -= 1
+        num_device_tokens = len(chunks)
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.seq_id in ahead:
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n == 0:
+                continue
+            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+                return None
+            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+        self._admit_waiting(budget, chunks)
+        if not chunks:
+            return None
         self._step_id += 1
-        return StepPlan(self._step_id, PlanKind.RUN, chunks, tokens_from_device=True)
+        return StepPlan(self._step_id, PlanKind.RUN, chunks, tokens_from_device=num_device_tokens > 0)
 
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         """Make room for n more tokens of a running sequence, preempting later arrivals if needed."""

@@ -42,7 +42,8 @@ class StepPlan:
     chunks: list[SeqChunk] = field(default_factory=list)
     freed_seq_ids: list[int] = field(default_factory=list)
     arg: int = 0  # SLEEP and WAKE: see PlanKind
-    # RUN: every chunk is one FROM_DEVICE token, row i being row i of the previous step's sampled tokens
+    # RUN: the first num_device_tokens chunks are one FROM_DEVICE token each, whose ids the step takes from
+    # the previous step's sampled tokens (rank 0 gathers them in chunk order); the other chunks carry ids
     tokens_from_device: bool = False
 
     def encode(self) -> bytes:
@@ -54,6 +55,12 @@ class StepPlan:
     def decode(cls, data: bytes) -> "StepPlan":
         step_id, kind, chunks, freed, arg, from_device = msgpack.unpackb(data)
         return cls(step_id, PlanKind(kind), [SeqChunk(*c) for c in chunks], freed, arg, from_device)
+
+    @property
+    def num_device_tokens(self) -> int:
+        if not self.tokens_from_device:
+            return 0
+        return next((i for i, c in enumerate(self.chunks) if c.token_ids != [FROM_DEVICE]), len(self.chunks))
 
     @property
     def num_tokens(self) -> int:

@@ -109,3 +109,35 @@ def test_requests_queued_behind_full_slots_are_served_the_same(tiny_model_dir, m
         got, (free, total), overlapped = _run(llm, params)
     assert overlapped > 5 and free == total
     assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in expected.items()}
+
+
+def test_prompts_in_chunks_and_late_arrivals_are_queued_ahead_too(tiny_model_dir, monkeypatch):
+    """With an 8-token step budget, prompts are computed in chunks beside decoding sequences and requests
+    arrive while others run: nearly every step is queued before the host has the tokens of the one
+    before, and the tokens are those of step-by-step scheduling."""
+    model_dir = tiny_model_dir("llama-untied")
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(n)] for i, n in enumerate((19, 5, 12, 27, 9, 3))]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 11, 4, 9, 7, 5)]
+
+    def run(overlap: bool):
+        monkeypatch.setenv(OVERLAP_ENV, "1" if overlap else "0")
+        with LLM(model_dir, kv_cache_memory_gb=0.05, max_num_seqs=4, max_num_batched_tokens=8) as llm:
+            engine, outputs, steps = llm.engine, {}, 0
+            for i in range(3):
+                engine.add_request(f"r{i}", prompts[i], params[i])
+            while engine.has_work():
+                for out in engine.step():
+                    outputs[out.request_id] = (out.token_ids, out.finish_reason)
+                steps += 1
+                if steps in (2, 5, 9):  # the other three arrive mid-run, one at a time
+                    i = (2, 5, 9).index(steps) + 3
+                    engine.add_request(f"r{i}", prompts[i], params[i])
+            blocks = engine.block_manager.num_free_blocks, engine.runner.num_blocks
+            return outputs, blocks, engine.steps_overlapped, steps
+
+    expected, _, _, _ = run(False)
+    got, (free, total), overlapped, steps = run(True)
+    assert got == expected
+    assert all(len(expected[f"r{i}"][0]) == p.max_tokens for i, p in enumerate(params))
+    assert free == total, "a block allocated for a step planned ahead was not returned"
+    assert overlapped >= steps - 8, f"only {overlapped} of {steps} steps were queued ahead"
