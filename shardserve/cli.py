@@ -139,13 +139,25 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
 def _add_pool_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("pool", help="serve several models on the same devices behind one endpoint, waking and "
                                     "sleeping them within a memory budget")
-    p.add_argument("config", help="YAML file: models (name, model, memory_gb, ...) and memory_budget_gb")
+    p.add_argument("config", help="YAML file: models (name, model, memory_gb, ...), memory_budget_gb and "
+                                  "optionally api_key")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_positive_int("--port"), default=8000)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--api-key", type=_pool_api_key, default=None,
+                   help="require this Bearer token on every endpoint but /health (overrides api_key in the config)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=_pool)
     return p
+
+
+def _pool_api_key(value: str) -> str:
+    from shardserve.pool.config import check_api_key
+
+    try:
+        return check_api_key(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_fetch_parser(sub) -> argparse.ArgumentParser:
@@ -336,6 +348,8 @@ def _pool(args: argparse.Namespace) -> int:
     except PoolConfigError as e:
         print(f"shardserve pool: error: {e}", file=sys.stderr)
         return 2
+    if args.api_key is not None:
+        config = config.model_copy(update={"api_key": args.api_key})  # checked by _pool_api_key
     run_pool(config, args.host, args.port, args.device)
     return 0
 

@@ -1,6 +1,7 @@
 """The pool's configuration file: which models share the machine's devices, and how much memory they may use.
 
     memory_budget_gb: 120        # device memory the awake models may hold together (default: no limit)
+    api_key: sk-...              # optional: clients must send `Authorization: Bearer <api_key>` (--api-key wins)
     models:
       - name: llama-8b           # the `model` clients ask for
         model: /models/Llama-3-8B
@@ -19,6 +20,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+def check_api_key(key: str) -> str:
+    """`key`, if a client can send it in an `Authorization: Bearer` header as it is."""
+    if not key or key != key.strip():
+        raise ValueError("the API key must not be empty nor begin or end with whitespace, which an "
+                         "Authorization header drops")
+    return key
+
+
 class PoolModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -33,7 +42,7 @@ class PoolModel(BaseModel):
     @field_validator("args")
     @classmethod
     def _no_pool_owned_flags(cls, args: list[str]) -> list[str]:
-        owned = {"--port", "--host", "--served-model-name", "-tp", "--tensor-parallel-size"}
+        owned = {"--port", "--host", "--served-model-name", "-tp", "--tensor-parallel-size", "--api-key"}
         clash = sorted(owned & set(args))
         if clash:
             raise ValueError(f"{', '.join(clash)} are set by the pool, not in args")
@@ -45,6 +54,12 @@ class PoolConfig(BaseModel):
 
     models: list[PoolModel] = Field(min_length=1)
     memory_budget_gb: float | None = Field(default=None, gt=0)
+    api_key: str | None = Field(default=None, repr=False)  # kept out of reprs, so out of logs and tracebacks
+
+    @field_validator("api_key")
+    @classmethod
+    def _sendable_api_key(cls, key: str | None) -> str | None:
+        return None if key is None else check_api_key(key)
 
     @model_validator(mode="after")
     def _names_unique_and_each_fits(self) -> "PoolConfig":

@@ -5,6 +5,14 @@ Invariants (all changes happen under one asyncio condition):
 - a model with requests in flight is never put to sleep; a request for a sleeping model waits until
   enough idle models (least recently used first) have been put to sleep, then wakes it;
 - every request holds its model (in_flight) from before it is forwarded until its response has ended.
+
+The pool is its models' only client. Each model's server binds 127.0.0.1 and requires the pool's member
+key, a random one made per launch, which `Pool.client` sends on every request: without it, anything
+else on the machine that can reach a loopback port could skip the pool's own API key, or sleep and wake
+a model behind the pool's back, leaving its record of which models are awake wrong. The key is on the
+servers' command lines, visible in the process list: it stops requests from what cannot read that list
+(a web page in a local browser, a service that forwards requests to loopback), not from the people
+logged in to this machine.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -27,11 +36,12 @@ READY_TIMEOUT_S = 600.0
 
 
 class Backend:
-    def __init__(self, spec: PoolModel, device: str | None) -> None:
+    def __init__(self, spec: PoolModel, device: str | None, member_key: str) -> None:
         self.spec = spec
         self.port = find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.device = device
+        self.member_key = member_key
         self.process: subprocess.Popen | None = None
         self.awake = False
         self.in_flight = 0
@@ -47,6 +57,7 @@ class Backend:
                "--port", str(self.port), "--served-model-name", self.spec.name, *self.spec.args]
         if self.device:
             cmd += ["--device", self.device]
+        cmd += ["--api-key", self.member_key]  # last, so it wins over any spelling of the flag in args
         env = dict(os.environ)
         if self.spec.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.spec.gpus))
@@ -94,8 +105,9 @@ class Backend:
 class Pool:
     def __init__(self, config: PoolConfig, device: str | None = None) -> None:
         self.config = config
-        self.backends = {m.name: Backend(m, device) for m in config.models}
-        self.client = httpx.AsyncClient(timeout=None)
+        member_key = secrets.token_urlsafe(32)  # unrelated to config.api_key, which clients hold
+        self.backends = {m.name: Backend(m, device, member_key) for m in config.models}
+        self.client = httpx.AsyncClient(timeout=None, headers={"Authorization": f"Bearer {member_key}"})
         self._cond = asyncio.Condition()
 
     def _awake_gb(self, extra: Backend | None = None) -> float:

@@ -2,7 +2,8 @@
 
 Requests are routed by their `model` to that model's own server (a `shardserve serve` process),
 which the pool wakes first if it sleeps (see pool/manager.py). Streams are passed through as they
-come; a request holds its model until its response has ended.
+come; a request holds its model until its response has ended. With the config's `api_key`, every path
+but /health needs `Authorization: Bearer <api_key>`, checked as `shardserve serve` checks its own.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from shardserve import __version__
 from shardserve.entrypoints.openai.errors import InvalidRequestError, NotFoundError, install_error_handlers
+from shardserve.entrypoints.openai.middleware import require_api_key
 from shardserve.pool.config import PoolConfig
 from shardserve.pool.manager import Pool
 
@@ -69,6 +71,8 @@ def build_pool_app(pool: Pool) -> FastAPI:
                                 code="model_not_found")
         backend = await pool.acquire(name)
         try:
+            # Only the body goes on: the client's headers (its API key among them) stay here, and
+            # pool.client adds the member key (pool/manager.py).
             upstream = pool.client.build_request(request.method, backend.url + request.url.path, content=body,
                                                  headers={"content-type": "application/json"})
             response = await pool.client.send(upstream, stream=True)
@@ -89,6 +93,7 @@ def build_pool_app(pool: Pool) -> FastAPI:
 
     for path in ROUTED_PATHS:
         app.add_api_route(path, route, methods=["POST"])
+    require_api_key(app, pool.config.api_key)
     return app
 
 

@@ -4,21 +4,17 @@ requests to both all complete with the tokens each model gives alone; none is lo
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
-import yaml
 
-from shardserve.distributed.process_group import find_free_port
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
 from shardserve.pool.config import PoolConfigError, load_pool_config
+from tests.pool.running import running_pool, write_config
 
 PROMPTS = ["w1 w2 w3", "w9 w8", "w30 w31 w32 w33"]
 
@@ -29,33 +25,13 @@ def _expected(model_dir: str) -> dict[str, str]:
     return {p: o.text for p, o in zip(PROMPTS, outs)}
 
 
-def _write(tmp_path, config: dict) -> str:
-    path = tmp_path / "pool.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
-
-
 def test_two_models_in_room_for_one_serve_concurrent_requests_without_losing_any(tiny_model_dir, tmp_path):
     dirs = {"llama": tiny_model_dir("llama-untied"), "qwen": tiny_model_dir("qwen3")}
     expected = {name: _expected(d) for name, d in dirs.items()}
     config = {"memory_budget_gb": 1, "models": [
         {"name": name, "model": d, "memory_gb": 1, "args": ["--kv-cache-memory", "0.05"]} for name, d in dirs.items()]}
-    port = find_free_port()
-    pool = subprocess.Popen([sys.executable, "-m", "shardserve", "pool", _write(tmp_path, config), "--port", str(port),
-                             "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert pool.poll() is None, pool.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the pool did not start"
-            time.sleep(0.3)
+    with running_pool(write_config(tmp_path, config)) as pool:
+        url = pool.url
         states = {m["id"]: m["state"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
         assert sorted(states.values()) == ["asleep", "awake"], "room for one: the other sleeps"
 
@@ -80,31 +56,26 @@ def test_two_models_in_room_for_one_serve_concurrent_requests_without_losing_any
         missing = httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "w1"})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         assert "llama" in missing.json()["error"]["message"]
-    finally:
-        pool.send_signal(signal.SIGINT)
-        try:
-            pool.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pool.kill()
 
 
 def test_config_errors_name_the_key(tmp_path):
+    def load(config: dict):
+        return load_pool_config(write_config(tmp_path, config))
+
     with pytest.raises(PoolConfigError, match=r"models\.0\.memory_gb: Input should be greater than 0"):
-        load_pool_config(_write(tmp_path, {"models": [{"name": "a", "model": "/m", "memory_gb": 0}]}))
+        load({"models": [{"name": "a", "model": "/m", "memory_gb": 0}]})
     with pytest.raises(PoolConfigError, match=r"models\.0\.colour: Extra inputs are not permitted"):
-        load_pool_config(_write(tmp_path, {"models": [{"name": "a", "model": "/m", "memory_gb": 1, "colour": 1}]}))
+        load({"models": [{"name": "a", "model": "/m", "memory_gb": 1, "colour": 1}]})
     with pytest.raises(PoolConfigError, match="model names must be unique, repeated: a"):
-        load_pool_config(_write(tmp_path, {"models": [{"name": "a", "model": "/m", "memory_gb": 1}] * 2}))
+        load({"models": [{"name": "a", "model": "/m", "memory_gb": 1}] * 2})
     with pytest.raises(PoolConfigError, match="memory_gb of a exceeds memory_budget_gb 2: it could never be awake"):
-        load_pool_config(_write(tmp_path, {"memory_budget_gb": 2, "models": [{"name": "a", "model": "/m",
-                                                                                "memory_gb": 3}]}))
+        load({"memory_budget_gb": 2, "models": [{"name": "a", "model": "/m", "memory_gb": 3}]})
     with pytest.raises(PoolConfigError, match=r"models\.0\.args: Value error, --port are set by the pool"):
-        load_pool_config(_write(tmp_path, {"models": [{"name": "a", "model": "/m", "memory_gb": 1,
-                                                       "args": ["--port", "1"]}]}))
+        load({"models": [{"name": "a", "model": "/m", "memory_gb": 1, "args": ["--port", "1"]}]})
 
 
 def test_the_pool_command_reports_a_bad_config(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "shardserve", "pool", _write(tmp_path, {"models": []})],
+    result = subprocess.run([sys.executable, "-m", "shardserve", "pool", write_config(tmp_path, {"models": []})],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "shardserve pool: error:" in result.stderr and "models: List should have at least 1 item" in result.stderr

@@ -1,7 +1,8 @@
 """ASGI middlewares of the OpenAI-compatible server: the API-key check and the request-body size limit.
 
 Both sit in front of the FastAPI app and answer refusals themselves, in the OpenAI error shape
-of errors.py, before any route sees the request.
+of errors.py, before any route sees the request. `require_api_key` puts the key check in front of
+an app; `shardserve serve` and the pool's router (pool/router.py) both use it.
 """
 
 from __future__ import annotations
@@ -9,11 +10,24 @@ from __future__ import annotations
 import hmac
 from collections.abc import Collection
 
+from fastapi import FastAPI
 from fastapi.responses import Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shardserve.entrypoints.openai.errors import AuthenticationError, RequestTooLargeError
+
+# Paths a load balancer may probe without the API key. Everything else needs it, /metrics included
+# (Prometheus sends the key with `authorization: {credentials: KEY}`), and so do /docs and /openapi.json.
+PUBLIC_PATHS = frozenset({"/health", "/version"})
+
+
+def require_api_key(app: FastAPI, api_key: str | None) -> None:
+    """With `api_key`, every path of `app` but PUBLIC_PATHS requires `Authorization: Bearer <api_key>`;
+    without, `app` is left open. Call it after adding the other middlewares: Starlette runs the one added
+    last first, so the key is checked before anything else reads the request."""
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key, public_paths=PUBLIC_PATHS)
 
 
 class BearerAuth:

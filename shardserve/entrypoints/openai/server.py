@@ -28,7 +28,7 @@ from shardserve.entrypoints.openai.errors import (
 )
 from shardserve.entrypoints.openai.generation import serve_generation
 from shardserve.entrypoints.openai.metrics import ServerMetrics
-from shardserve.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
+from shardserve.entrypoints.openai.middleware import BodySizeLimit, require_api_key
 from shardserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -43,10 +43,6 @@ from shardserve.entrypoints.openai.renderers import ChatRenderer, CompletionRend
 
 if TYPE_CHECKING:
     from shardserve.engine.async_engine import AsyncEngine
-
-# Paths a load balancer may probe without the API key. Everything else needs it, /metrics included
-# (Prometheus sends the key with `authorization: {credentials: KEY}`), and so do /docs and /openapi.json.
-PUBLIC_PATHS = frozenset({"/health", "/version"})
 
 
 def build_app(
@@ -65,10 +61,8 @@ def build_app(
     app.state.metrics = ServerMetrics(served_model_name, engine)
     install_error_handlers(app)
     app.include_router(_router)
-    # Starlette runs the middleware added last first: the key is checked before a body is read.
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
-    if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key, public_paths=PUBLIC_PATHS)
+    require_api_key(app, api_key)  # added last, so it runs first: the key is checked before a body is read
     return app
 
 
