@@ -12,29 +12,28 @@ batch on one stream, and two half batches on two streams, and prints both with t
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_suite import graph_replay_ms  # noqa: E402
+
 
 def timed_graph(fn, repeats: int = 20) -> float:
-    """Mean time of `repeats` replays of `fn` captured in a CUDA graph, in ms."""
+    """Milliseconds per replay of `fn` captured in a CUDA graph (run once first, outside the graph, so Triton
+    compiles and cuBLAS picks its algorithms)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # warm-up outside the graph (Triton compiles, cuBLAS picks algorithms)
+        fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    return graph_replay_ms(graph, repeats)
 
 
 def main() -> None:

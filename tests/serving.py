@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -116,6 +116,24 @@ def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | 
         ranks.close()
 
 
+def wait_until_healthy(url: str, procs: list[subprocess.Popen], timeout: float, log: Callable[[], str]) -> None:
+    """Return once GET url/health answers 200. Fails with `log()` (the processes' output) as soon as one of
+    `procs` exits, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        exited = next((p for p in procs if p.poll() is not None), None)
+        if exited is not None:
+            raise AssertionError(f"{' '.join(map(str, exited.args[:4]))} exited with {exited.returncode}:\n{log()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} did not become healthy within {timeout} s")
+        time.sleep(0.3)
+
+
 @contextmanager
 def serve_cli(args: list[str], timeout: float = 180.0, launcher: list[str] | None = None) -> Iterator[str]:
     """`python -m shardserve serve ARGS --port P` as a subprocess (or `LAUNCHER -m shardserve ...`, e.g.
@@ -133,20 +151,13 @@ def serve_cli(args: list[str], timeout: float = 180.0, launcher: list[str] | Non
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()
     url = f"http://127.0.0.1:{port}"
+
+    def log() -> str:
+        reader.join(timeout=10)  # the process has exited: its last lines are on their way
+        return "".join(output)
+
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                reader.join(timeout=10)
-                raise RuntimeError(f"shardserve exited with {proc.returncode}:\n{''.join(output)}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"shardserve did not become healthy within {timeout} s")
-            time.sleep(0.5)
+        wait_until_healthy(url, [proc], timeout, log)
         yield url
     finally:
         proc.terminate()

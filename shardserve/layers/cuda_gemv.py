@@ -1,4 +1,4 @@
-"""Single-token linear layers on GPUs: Triton GEMVs where they measured faster than cuBLAS, per shape.
+"""Single-token linear layers on GPUs: Triton GEMVs where they measured no slower than cuBLAS, per shape.
 
 A batch-1 decode step is bound by how fast it streams the weights, and at 32 layers every extra kernel
 launch costs a few microseconds more. cuBLAS reaches the bandwidth on large matrices but not on the

@@ -10,15 +10,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 
 from shardserve.distributed.fingerprint import Fingerprint, differences
 from shardserve.distributed.process_group import find_free_port
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from tests.serving import wait_until_healthy
 
 PROMPT = "w11 w22 w33 w44"
 
@@ -55,18 +54,8 @@ class TwoRanks:
         return [(p.wait(timeout=timeout), p.stdout.read()) for p in self.procs]
 
     def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for p in self.procs:
-                if p.poll() is not None:
-                    raise AssertionError(f"a rank exited with {p.returncode}:\n{p.stdout.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError("the server did not become healthy")
+        exited = lambda: "\n".join(p.stdout.read() for p in self.procs if p.poll() is not None)  # noqa: E731
+        wait_until_healthy(self.url, self.procs, timeout, exited)
 
     def stop(self) -> None:
         for p in self.procs:

@@ -8,14 +8,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
 import yaml
 
 from shardserve.distributed.process_group import find_free_port
+from tests.serving import wait_until_healthy
 
 START_TIMEOUT_S = 180
 
@@ -44,7 +43,7 @@ def running_pool(config_path: str, *flags: str) -> Iterator[RunningPool]:
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(pool, url, log)
+            wait_until_healthy(url, [pool], START_TIMEOUT_S, lambda: (log.seek(0), log.read())[1])
             yield RunningPool(url, pool)
         finally:
             pool.send_signal(signal.SIGINT)
@@ -52,18 +51,3 @@ def running_pool(config_path: str, *flags: str) -> Iterator[RunningPool]:
                 pool.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 pool.kill()
-
-
-def _wait_healthy(pool: subprocess.Popen, url: str, log) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if pool.poll() is not None:
-            log.seek(0)
-            raise AssertionError(f"the pool exited with {pool.returncode}:\n{log.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the pool did not start"
-        time.sleep(0.3)
