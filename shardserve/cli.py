@@ -81,7 +81,8 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_positive_int("--block-size"), default=16)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--api-key", default=None,
-                   help="require this Bearer token on every endpoint but /health and /version")
+                   help="require this Bearer token on every endpoint but /health and /version (default: "
+                        "$SHARDSERVE_API_KEY, which keeps it out of the process list)")
     p.add_argument("--max-request-body-mb", type=_positive_float("--max-request-body-mb"), default=4.0,
                    help="refuse request bodies larger than this many MiB with 413 (default 4)")
     p.add_argument("--seed", type=int, default=0)
@@ -145,7 +146,8 @@ def _add_pool_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--port", type=_positive_int("--port"), default=8000)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--api-key", type=_pool_api_key, default=None,
-                   help="require this Bearer token on every endpoint but /health (overrides api_key in the config)")
+                   help="require this Bearer token on every endpoint but /health (default: $SHARDSERVE_API_KEY, "
+                        "then api_key in the config)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=_pool)
     return p
@@ -348,8 +350,17 @@ def _pool(args: argparse.Namespace) -> int:
     except PoolConfigError as e:
         print(f"shardserve pool: error: {e}", file=sys.stderr)
         return 2
-    if args.api_key is not None:
-        config = config.model_copy(update={"api_key": args.api_key})  # checked by _pool_api_key
+    from shardserve.entrypoints.openai.middleware import API_KEY_ENV, api_key_in_force
+    from shardserve.pool.config import check_api_key
+
+    api_key = api_key_in_force(args.api_key, config.api_key)
+    if api_key is not None and args.api_key is None and api_key != config.api_key:
+        try:
+            check_api_key(api_key)  # the flag's is checked by _pool_api_key, the config's by its model
+        except ValueError as e:
+            print(f"shardserve pool: error: {API_KEY_ENV}: {e}", file=sys.stderr)
+            return 2
+    config = config.model_copy(update={"api_key": api_key})
     run_pool(config, args.host, args.port, args.device)
     return 0
 

@@ -28,8 +28,9 @@ BEHAVIOUR_ENV_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "SHARDSERVE_")
 HOST_SPECIFIC_ENV = frozenset({"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "CUDA_VISIBLE_DEVICES"})
 SET = "<set>"
 # Secrets: never published in a fingerprint (they would cross the network in the clear) nor compared
-# here; the control token is checked by proof instead (distributed/control_token.py).
-SECRET_ENV = frozenset({"SHARDSERVE_CONTROL_TOKEN"})
+# here; the control token is checked by proof instead (distributed/control_token.py), and the API key
+# matters only to rank 0's HTTP server.
+SECRET_ENV = frozenset({"SHARDSERVE_CONTROL_TOKEN", "SHARDSERVE_API_KEY"})
 # Config fields that may differ between ranks without changing what they compute.
 LOCAL_CONFIG_FIELDS = frozenset({"forward_env"})
 UNSET = "<unset>"

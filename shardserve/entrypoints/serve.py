@@ -123,13 +123,16 @@ def _serve_rank0(args: argparse.Namespace, config: EngineConfig, ctx) -> None:
 
 def _serve_http_until_stopped(args: argparse.Namespace, config: EngineConfig, engine) -> None:
     """The HTTP API over `engine` (an AsyncEngine or a Supervisor) until SIGINT/SIGTERM; then shut it down."""
+    from shardserve.entrypoints.openai.middleware import api_key_in_force
     from shardserve.entrypoints.openai.server import build_app, serve_http
 
     try:
-        app = build_app(engine, args.served_model_name or config.model, api_key=args.api_key,
+        api_key = api_key_in_force(args.api_key)
+        app = build_app(engine, args.served_model_name or config.model, api_key=api_key,
                         max_body_bytes=int(args.max_request_body_mb * 2**20))
-        logger.info("serving %s on http://%s:%d (tensor parallel size %d, %s)", config.model, args.host,
-                    args.port, config.tensor_parallel_size, config.device)
+        logger.info("serving %s on http://%s:%d (tensor parallel size %d, %s%s)", config.model, args.host,
+                    args.port, config.tensor_parallel_size, config.device,
+                    ", API key required" if api_key else "")
         serve_http(app, args.host, args.port)
     finally:
         engine.shutdown()

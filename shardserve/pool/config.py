@@ -42,11 +42,25 @@ class PoolModel(BaseModel):
     @field_validator("args")
     @classmethod
     def _no_pool_owned_flags(cls, args: list[str]) -> list[str]:
-        owned = {"--port", "--host", "--served-model-name", "-tp", "--tensor-parallel-size", "--api-key"}
-        clash = sorted(owned & set(args))
+        clash = sorted({c for c in map(_pool_owned_flag, args) if c is not None})
         if clash:
             raise ValueError(f"{', '.join(clash)} are set by the pool, not in args")
         return args
+
+
+# Flags of `shardserve serve` the pool sets itself (the API key through the environment, out of `ps`).
+POOL_OWNED_FLAGS = ("--port", "--host", "--served-model-name", "-tp", "--tensor-parallel-size", "--api-key")
+
+
+def _pool_owned_flag(arg: str) -> str | None:
+    """The pool-owned flag `arg` sets, as argparse reads it: whole, as --flag=value, or abbreviated."""
+    name = arg.split("=", 1)[0]
+    if name in POOL_OWNED_FLAGS:
+        return name
+    if name.startswith("--") and len(name) > 2:
+        flag = next((f for f in POOL_OWNED_FLAGS if f.startswith(name)), None)
+        return None if flag is None else f"{name} ({flag})"
+    return None
 
 
 class PoolConfig(BaseModel):

@@ -9,10 +9,9 @@ Invariants (all changes happen under one asyncio condition):
 The pool is its models' only client. Each model's server binds 127.0.0.1 and requires the pool's member
 key, a random one made per launch, which `Pool.client` sends on every request: without it, anything
 else on the machine that can reach a loopback port could skip the pool's own API key, or sleep and wake
-a model behind the pool's back, leaving its record of which models are awake wrong. The key is on the
-servers' command lines, visible in the process list: it stops requests from what cannot read that list
-(a web page in a local browser, a service that forwards requests to loopback), not from the people
-logged in to this machine.
+a model behind the pool's back, leaving its record of which models are awake wrong. The servers read
+the key from SHARDSERVE_API_KEY, so it is not on their command lines (which any user can list); only
+their own user (and root) can read their environment.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import time
 import httpx
 
 from shardserve.distributed.process_group import find_free_port
+from shardserve.entrypoints.openai.middleware import API_KEY_ENV
 from shardserve.pool.config import PoolConfig, PoolModel
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class Backend:
                "--port", str(self.port), "--served-model-name", self.spec.name, *self.spec.args]
         if self.device:
             cmd += ["--device", self.device]
-        cmd += ["--api-key", self.member_key]  # last, so it wins over any spelling of the flag in args
         env = dict(os.environ)
+        env[API_KEY_ENV] = self.member_key  # in the environment, not on the command line that `ps` shows
         if self.spec.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.spec.gpus))
         self.process = subprocess.Popen(cmd, env=env)

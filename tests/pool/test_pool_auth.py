@@ -71,8 +71,10 @@ def test_health_needs_no_key(pool):
 
 
 def test_the_models_behind_the_pool_refuse_requests_that_skip_it(pool):
-    ports = _member_ports(pool.process.pid)
-    assert len(ports) == 1
+    members = _member_argvs(pool.process.pid)
+    assert len(members) == 1
+    assert not any(a.startswith("--api") for a in members[0]), "the models' key must not be on a command line"
+    ports = [int(argv[argv.index("--port") + 1]) for argv in members]
     for key in (None, FLAG_KEY, FILE_KEY):  # the pool's own keys do not open its models either
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         for method, path in [("POST", "/v1/completions"), ("POST", "/sleep")]:
@@ -93,6 +95,12 @@ def test_config_api_key_must_be_sendable(tmp_path):
             load_pool_config(write_config(tmp_path, {"api_key": bad, "models": models}))
     with pytest.raises(PoolConfigError, match=r"models\.0\.args: Value error, --api-key are set by the pool"):
         load_pool_config(write_config(tmp_path, {"models": [{**models[0], "args": ["--api-key", "k"]}]}))
+    # argparse also reads --flag=value and unambiguous abbreviations: those are the pool's too
+    for args, named in ((["--api-key=k"], "--api-key"), (["--api", "k"], r"--api \(--api-key\)"),
+                        (["--po", "1"], r"--po \(--port\)")):
+        with pytest.raises(PoolConfigError, match=rf"models\.0\.args: Value error, {named} are set by the pool"):
+            load_pool_config(write_config(tmp_path, {"models": [{**models[0], "args": args}]}))
+    assert load_pool_config(write_config(tmp_path, {"models": [{**models[0], "args": ["--max-num-seqs", "4"]}]}))
 
 
 def test_the_api_key_flag_must_be_sendable(capsys):
@@ -102,14 +110,10 @@ def test_the_api_key_flag_must_be_sendable(capsys):
     assert "argument --api-key: the API key must not be empty" in capsys.readouterr().err
 
 
-def _member_ports(pool_pid: int) -> list[int]:
-    """The --port of each `shardserve serve` the pool started (Linux: read from /proc)."""
+def _member_argvs(pool_pid: int) -> list[list[str]]:
+    """The command line of each `shardserve serve` the pool started (Linux: read from /proc)."""
     children = Path(f"/proc/{pool_pid}/task/{pool_pid}/children")
     if not children.exists():
         pytest.skip("this system does not list a process's children in /proc")
-    ports = []
-    for pid in children.read_text().split():
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        if "serve" in argv and "--port" in argv:
-            ports.append(int(argv[argv.index("--port") + 1]))
-    return ports
+    argvs = [Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0") for pid in children.read_text().split()]
+    return [argv for argv in argvs if "serve" in argv and "--port" in argv]

@@ -8,6 +8,7 @@ an app; `shardserve serve` and the pool's router (pool/router.py) both use it.
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Collection
 
 from fastapi import FastAPI
@@ -17,9 +18,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shardserve.entrypoints.openai.errors import AuthenticationError, RequestTooLargeError
 
+# `serve --api-key` and `pool --api-key` default to this variable, which keeps the key off the command line
+# (that `ps` shows every user); ranks never publish it in their start-up fingerprints.
+API_KEY_ENV = "SHARDSERVE_API_KEY"
+
 # Paths a load balancer may probe without the API key. Everything else needs it, /metrics included
 # (Prometheus sends the key with `authorization: {credentials: KEY}`), and so do /docs and /openapi.json.
 PUBLIC_PATHS = frozenset({"/health", "/version"})
+
+
+def api_key_in_force(flag: str | None, fallback: str | None = None) -> str | None:
+    """The API key to require: the --api-key flag's, else $SHARDSERVE_API_KEY (an empty value counts as
+    unset), else `fallback` (the pool config's api_key)."""
+    if flag is not None:
+        return flag
+    return os.environ.get(API_KEY_ENV) or fallback
 
 
 def require_api_key(app: FastAPI, api_key: str | None) -> None:
