@@ -1,12 +1,14 @@
 """GPU benchmark suite: decode speed against the memory-bandwidth roofline, offline throughput against
-Hugging Face transformers, TP=2 scaling and TP=1/TP=2 agreement, on a Llama-3-8B-shaped model with
-random bf16 weights (speed does not depend on the values).
+Hugging Face transformers, scaling over tensor-parallel sizes and bf16 agreement between them, on a
+Llama-3-8B- or Llama-3-70B-shaped model with random bf16 weights (speed does not depend on the values).
 
-    python benchmarks/gpu_suite.py                 # everything; needs 2 GPUs for the TP=2 rows
+    python benchmarks/gpu_suite.py                          # 8B at TP 1, 2, 4, 8 as the GPUs allow, and HF
     python benchmarks/gpu_suite.py --skip-hf --tp 1
+    python benchmarks/gpu_suite.py --model llama3-70b --tp 4,8
 
 Each phase runs in its own process (a crash or hang in one cannot take the others down); the parent
-prints a table and writes benchmarks/results/<device-kind>-<YYYYMMDD>.json.
+prints a table and writes benchmarks/results/<device-kind>[-<model>]-<YYYYMMDD>.json (no model part for
+the 8B shape).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ LLAMA3_8B = {
     "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
 }
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+              "num_attention_heads": 64, "num_key_value_heads": 8}
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_OUTPUT = 512, 512, 256
 HF_BATCH = 64
 AGREE_PROMPTS, AGREE_TOKENS = 32, 16
@@ -59,14 +64,14 @@ def weight_bytes(cfg: dict) -> int:
     return 2 * (layers * per_layer + 2 * v * h + h)  # bf16; embedding and untied head
 
 
-def write_model_dir(path: str) -> str:
+def write_model_dir(path: str, shape: dict = LLAMA3_8B) -> str:
     from tokenizers import Tokenizer, models
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(LLAMA3_8B, f)
+        json.dump(shape, f)
     # Benchmarks feed token ids; a word-level tokenizer over the whole vocabulary stands in for the real one.
-    vocab = {f"t{i}": i for i in range(LLAMA3_8B["vocab_size"])}
+    vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
     Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t128001", "unk_token": "t0"}, f)
@@ -95,8 +100,9 @@ def phase_roofline(args) -> dict:
         b.copy_(a)
     torch.cuda.synchronize()
     bw = 2 * nbytes * 10 / (time.perf_counter() - t) / 1e9
-    wb = weight_bytes(LLAMA3_8B)
+    wb = weight_bytes(SHAPES[args.model])
     return {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+            "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory,
             "copy_GBps": bw, "weight_bytes": wb, "roofline_tok_s": bw * 1e9 / wb}
 
 
@@ -134,7 +140,7 @@ def phase_engine(args) -> dict:
     from shardserve.entrypoints.llm import LLM
 
     started = time.perf_counter()
-    llm = LLM(args.model_dir, tensor_parallel_size=args.tp, device="cuda", dtype="bfloat16", load_format="dummy",
+    llm = LLM(args.model_dir, tensor_parallel_size=args.tp[0], device="cuda", dtype="bfloat16", load_format="dummy",
               max_model_len=2048, max_num_seqs=OFFLINE_REQUESTS, max_num_batched_tokens=args.max_batched_tokens)
     out = {"startup_s": time.perf_counter() - started, "kv_cache_blocks": llm.engine.runner.num_blocks}
     runner = llm.engine.runner
@@ -160,7 +166,9 @@ def phase_engine(args) -> dict:
         samples.append(256 / (long - short))
     out["decode_bs1_tok_s"] = statistics.median(samples)
     out["decode_bs1_samples"] = samples
-    if runner.graphs is not None:  # the device's share of a step: the batch-1 graph replayed alone
+    if runner.graphs is not None and args.tp[0] == 1:  # the device's share of a step: the batch-1 graph
+        # replayed alone (one rank only: with several, a graph replayed on rank 0 alone would wait in its
+        # all-reduce for ranks that never join)
         out["decode_bs1_graph_replay_ms"] = graph_replay_ms(runner.graphs.graphs[1])
 
     _, agree = run(random_prompts(AGREE_PROMPTS, 64, 9), AGREE_TOKENS)
@@ -189,7 +197,7 @@ PHASES = {"roofline": phase_roofline, "hf": phase_hf, "engine": phase_engine}
 def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
     """Run one phase in a fresh process (and session). On a hang, every process of the phase (its
     spawned ranks too) is sent SIGABRT, which with PYTHONFAULTHANDLER set prints each one's stack."""
-    cmd = [sys.executable, __file__, "--phase", name, "--model-dir", args.model_dir,
+    cmd = [sys.executable, __file__, "--phase", name, "--model", args.model, "--model-dir", args.model_dir,
            "--max-batched-tokens", str(args.max_batched_tokens), *extra]
     print(f"== {name} {' '.join(extra)}", flush=True)
     t = time.perf_counter()
@@ -254,8 +262,11 @@ def commit_id() -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=sorted(PHASES))
-    p.add_argument("--tp", type=int, default=None, help="only this tensor-parallel size (default: 1 and 2)")
-    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--model", choices=sorted(SHAPES), default="llama3-8b", help="the model shape (default llama3-8b)")
+    p.add_argument("--tp", type=_sizes, default=None,
+                   help="tensor-parallel sizes, e.g. 1,2 (default: every power of two up to the GPU count whose "
+                        "share of the weights fits one GPU)")
+    p.add_argument("--skip-hf", action="store_true", help="no HF transformers baseline (only run for llama3-8b)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -271,28 +282,45 @@ def main() -> int:
         print("RESULT " + json.dumps(result), flush=True)
         sys.stdout.flush()
         os._exit(0)  # symmetric-memory and NCCL teardown can hang at interpreter exit
-    args.model_dir = args.model_dir or write_model_dir(tempfile.mkdtemp(prefix="llama3-8b-shape-"))
+    shape = SHAPES[args.model]
+    args.model_dir = args.model_dir or write_model_dir(tempfile.mkdtemp(prefix=f"{args.model}-shape-"), shape)
     report = run_phase("roofline", args, [], 300)
     if "error" in report:
         return 1
-    sizes = [args.tp] if args.tp else [1, 2][: report["gpus"]]
-    if not args.skip_hf:
+    sizes = args.tp or default_sizes(report["gpus"], report["weight_bytes"], report["gpu_memory_bytes"])
+    if not args.skip_hf and args.model == "llama3-8b":  # HF's generate holds the whole model on one GPU
         report.update(run_phase("hf", args, [], args.phase_timeout))
     engines = {tp: run_phase("engine", args, ["--tp", str(tp)], args.phase_timeout) for tp in sizes}
-    results = summarize(report, engines)
+    results = summarize(report, engines, args.model)
     print_table(results)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{results['device_kind']}-{datetime.date.today():%Y%m%d}.json")
+    model = "" if args.model == "llama3-8b" else f"{args.model}-"
+    path = os.path.join(args.out, f"{results['device_kind']}-{model}{datetime.date.today():%Y%m%d}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
     print(f"wrote {path}")
     return 0
 
 
-def summarize(report: dict, engines: dict[int, dict]) -> dict:
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(t) for t in text.split(",")})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected tensor-parallel sizes like 1,2,4, got {text!r}")
+    return sizes
+
+
+def default_sizes(gpus: int, weight_bytes_total: int, gpu_memory_bytes: int) -> list[int]:
+    """Powers of two up to the GPU count whose share of the weights leaves a quarter of a GPU for the rest."""
+    return [tp for tp in (1, 2, 4, 8, 16) if tp <= gpus and weight_bytes_total / tp <= 0.75 * gpu_memory_bytes]
+
+
+def summarize(report: dict, engines: dict[int, dict], model: str = "llama3-8b") -> dict:
     wb = report["weight_bytes"]
     res = {"device": report["device"], "device_kind": device_kind(report["device"], report["gpus"]),
-           "commit": commit_id(), "torch": report["torch"], "copy_GBps": report["copy_GBps"],
+           "model_shape": model, "commit": commit_id(), "torch": report["torch"], "copy_GBps": report["copy_GBps"],
            "weight_bytes": wb, "roofline_tok_s": report["roofline_tok_s"],
            "hf_decode_bs1_tok_s": report.get("hf_decode_bs1_tok_s"),
            "hf_offline_output_tok_s": report.get("hf_offline_output_tok_s"), "hf_offline_batch": HF_BATCH,
@@ -311,22 +339,27 @@ def summarize(report: dict, engines: dict[int, dict]) -> dict:
         res[f"offline_tp{tp}_output_tok_s"] = e["offline_output_tok_s"]
         res[f"tp{tp}_startup_s"] = e["startup_s"]
         res[f"tp{tp}_preemptions"] = e["preemptions"]
+        # Each rank streams 1/tp of the weights: the ideal batch-1 rate is tp times one GPU's.
+        res[f"roofline_tp{tp}_tok_s"] = tp * res["roofline_tok_s"]
+        res[f"decode_bs1_tp{tp}_fraction_of_roofline"] = e["decode_bs1_tok_s"] / res[f"roofline_tp{tp}_tok_s"]
         if "allreduce_choice" in e:
-            res["allreduce_choice"] = e["allreduce_choice"]
-            res["allreduce_timings_us"] = e["allreduce_timings_us"]
-    res.setdefault("allreduce_choice", "single GPU: no all-reduce")
-    if "decode_bs1_tp1_tok_s" in res:
-        res["decode_bs1_tp1_fraction_of_roofline"] = res["decode_bs1_tp1_tok_s"] / res["roofline_tok_s"]
-    if "decode_bs1_tp2_tok_s" in res and "decode_bs1_tp1_tok_s" in res:
-        res["decode_bs1_tp2_speedup"] = res["decode_bs1_tp2_tok_s"] / res["decode_bs1_tp1_tok_s"]
-    if res.get("hf_offline_output_tok_s") and "offline_tp1_output_tok_s" in res:
-        res["offline_tp1_vs_hf"] = res["offline_tp1_output_tok_s"] / res["hf_offline_output_tok_s"]
-    for tp, e in engines.items():
+            res[f"tp{tp}_allreduce_choice"] = e["allreduce_choice"]
+            res[f"tp{tp}_allreduce_timings_us"] = e["allreduce_timings_us"]
+            if "allreduce_choice" not in res:  # the smallest group's, as before several sizes were run
+                res["allreduce_choice"] = e["allreduce_choice"]
+                res["allreduce_timings_us"] = e["allreduce_timings_us"]
         if "agreement_tokens" in e:  # kept, so a later run of one TP size can be compared with this one
             res[f"tp{tp}_agreement_tokens"] = e["agreement_tokens"]
-    if all("agreement_tokens" in engines.get(tp, {}) for tp in (1, 2)):
-        a, b = engines[1]["agreement_tokens"], engines[2]["agreement_tokens"]
-        res["tp1_tp2_bf16_first16_agree_fraction"] = sum(x == y for x, y in zip(a, b)) / len(a)
+    res.setdefault("allreduce_choice", "single GPU: no all-reduce")
+    if res.get("hf_offline_output_tok_s") and "offline_tp1_output_tok_s" in res:
+        res["offline_tp1_vs_hf"] = res["offline_tp1_output_tok_s"] / res["hf_offline_output_tok_s"]
+    ran = sorted(tp for tp in engines if "decode_bs1_tok_s" in engines[tp])
+    for tp in ran[1:]:  # each size against the smallest: batch-1 speed-up and bf16 agreement
+        base = ran[0]
+        res[f"decode_bs1_tp{tp}_speedup"] = res[f"decode_bs1_tp{tp}_tok_s"] / res[f"decode_bs1_tp{base}_tok_s"]
+        a, b = engines[base].get("agreement_tokens"), engines[tp].get("agreement_tokens")
+        if a and b:
+            res[f"tp{base}_tp{tp}_bf16_first16_agree_fraction"] = sum(x == y for x, y in zip(a, b)) / len(a)
     return res
 
 
@@ -343,25 +376,32 @@ def print_table(r: dict) -> None:
             s += f"  [median of {len(runs)}: {min(runs):,.1f} to {max(runs):,.1f}]"
         return s
 
+    sizes = sorted(int(k[len("tp"):-len("_startup_s")]) for k in r if k.startswith("tp") and k.endswith("_startup_s"))
+    base = sizes[0] if sizes else 1
+    offline = f"offline {OFFLINE_REQUESTS}x({OFFLINE_PROMPT}+{OFFLINE_OUTPUT})"
     rows = [
         ("device", f"{r['device']} ({r['device_kind']}), torch {r['torch']}, commit {r['commit']}"),
+        ("model shape", r.get("model_shape", "llama3-8b")),
         ("copy bandwidth (read + write)", f"{r['copy_GBps']:,.0f} GB/s"),
-        ("roofline, batch 1 (weights once per token)", f"{r['roofline_tok_s']:,.1f} tok/s"),
-        ("decode batch 1, TP=1", fmt("decode_bs1_tp1_tok_s", gbps_key="decode_bs1_tp1_GBps",
-                                        samples_key="decode_bs1_tp1_samples")),
-        ("decode batch 1, TP=1: graph replay alone", fmt("decode_bs1_tp1_graph_replay_ms", "ms", digits=3)),
-        ("decode batch 1, TP=2", fmt("decode_bs1_tp2_tok_s", gbps_key="decode_bs1_tp2_GBps",
-                                        samples_key="decode_bs1_tp2_samples")),
-        ("TP=2 / TP=1 at batch 1", fmt("decode_bs1_tp2_speedup", "x")),
+        ("roofline, batch 1 (weights once per token)", f"{r['roofline_tok_s']:,.1f} tok/s on one GPU"),
+    ]
+    for tp in sizes:
+        rows.append((f"decode batch 1, TP={tp}", fmt(f"decode_bs1_tp{tp}_tok_s", gbps_key=f"decode_bs1_tp{tp}_GBps",
+                                                     samples_key=f"decode_bs1_tp{tp}_samples")))
+        fraction = r.get(f"decode_bs1_tp{tp}_fraction_of_roofline")
+        rows.append((f"  of the TP={tp} roofline ({tp} x one GPU's)", "n/a" if fraction is None else f"{fraction:.1%}"))
+        if f"decode_bs1_tp{tp}_graph_replay_ms" in r:
+            rows.append(("  graph replay alone", fmt(f"decode_bs1_tp{tp}_graph_replay_ms", "ms", digits=3)))
+        if tp != base:
+            rows.append((f"  TP={tp} / TP={base} at batch 1", fmt(f"decode_bs1_tp{tp}_speedup", "x", digits=2)))
+            rows.append((f"  TP={base} vs TP={tp} bf16, first 16 tokens agree",
+                         fmt(f"tp{base}_tp{tp}_bf16_first16_agree_fraction", "of prompts", digits=2)))
+        rows.append((f"{offline}, TP={tp}", fmt(f"offline_tp{tp}_output_tok_s", samples_key=f"offline_tp{tp}_samples")))
+        rows.append((f"  all-reduce choice at TP={tp}", r.get(f"tp{tp}_allreduce_choice", "none (one GPU)")))
+    rows += [
         ("HF transformers decode batch 1", fmt("hf_decode_bs1_tok_s")),
-        (f"offline {OFFLINE_REQUESTS}x({OFFLINE_PROMPT}+{OFFLINE_OUTPUT}), TP=1",
-         fmt("offline_tp1_output_tok_s", samples_key="offline_tp1_samples")),
-        (f"offline {OFFLINE_REQUESTS}x({OFFLINE_PROMPT}+{OFFLINE_OUTPUT}), TP=2",
-         fmt("offline_tp2_output_tok_s", samples_key="offline_tp2_samples")),
         (f"HF generate, batch {HF_BATCH}", fmt("hf_offline_output_tok_s")),
         ("offline TP=1 / HF", fmt("offline_tp1_vs_hf", "x")),
-        ("TP=1 vs TP=2 bf16, first 16 tokens agree", fmt("tp1_tp2_bf16_first16_agree_fraction", "of prompts")),
-        ("all-reduce choice", r.get("allreduce_choice", "n/a")),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

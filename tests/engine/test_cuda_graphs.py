@@ -43,10 +43,11 @@ def test_graph_replay_gives_the_same_tokens_as_eager(tiny_model_dir, name):
     assert _greedy(model_dir) == _greedy(model_dir, enforce_eager=True)
 
 
-def test_two_ranks_give_the_same_tokens_as_one(tiny_model_dir):
-    _needs_gpus(2)
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_several_ranks_give_the_same_tokens_as_one(tiny_model_dir, tp):
+    _needs_gpus(tp)
     model_dir = tiny_model_dir("llama-untied")
-    assert _greedy(model_dir, tp=2) == _greedy(model_dir, tp=1)
+    assert _greedy(model_dir, tp=tp) == _greedy(model_dir, tp=1)
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)
