@@ -288,6 +288,10 @@ def main() -> int:
     if "error" in report:
         return 1
     sizes = args.tp or default_sizes(report["gpus"], report["weight_bytes"], report["gpu_memory_bytes"])
+    if not sizes:
+        print(f"{args.model}: {report['weight_bytes'] / 1e9:.0f} GB of weights fit no tensor-parallel size on "
+              f"{report['gpus']} GPU(s) of {report['gpu_memory_bytes'] / 2**30:.0f} GiB; nothing to run")
+        return 2
     if not args.skip_hf and args.model == "llama3-8b":  # HF's generate holds the whole model on one GPU
         report.update(run_phase("hf", args, [], args.phase_timeout))
     engines = {tp: run_phase("engine", args, ["--tp", str(tp)], args.phase_timeout) for tp in sizes}
