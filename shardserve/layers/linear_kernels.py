@@ -4,7 +4,8 @@
 - "onednn-packed": on CPUs, the weight is re-laid out once into oneDNN's blocked format and
   multiplied with oneDNN's JIT kernels. On CPUs where MKL's sgemm takes a slow generic path (AVX2
   parts of other vendors), this is about 1.5x faster for decode-sized batches and up to 3x for the
-  LM head. The packed copy replaces the loaded weight, so memory does not double.
+  LM head; in bfloat16 (CPUs with fast bfloat16 matmuls) 1.5x to 1.8x. The packed copy replaces the
+  loaded weight, so memory does not double.
 - "bf16-decode": on CPUs without fast bfloat16 matmuls, a 16-bit checkpoint keeps a bfloat16 copy of
   each weight for single-token steps (half the bytes a batch-1 decode step reads; a small AVX2 kernel
   in shardserve/kernels widens it in registers, activations stay float32), and the oneDNN-packed
@@ -68,7 +69,13 @@ class BF16DecodeKernel(LinearKernel):
 
 def choose_linear_kernel(device: torch.device, dtype: torch.dtype, keep_bf16_weights: bool = False) -> LinearKernel:
     """keep_bf16_weights: the checkpoint is in 16-bit floats, computed in float32 on a CPU."""
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu":
+        return LinearKernel()
+    if dtype == torch.bfloat16:
+        # CPUs with fast bfloat16 matmuls: oneDNN's blocked layout beats F.linear's path on the weight as
+        # loaded, 1.5x for single-token steps and 1.8x at 16 rows on an AVX-512 BF16 part (SmolLM2 shapes).
+        return OneDNNPackedKernel() if _onednn_linear_works(torch.bfloat16) else LinearKernel()
+    if dtype != torch.float32:
         return LinearKernel()
     if keep_bf16_weights:
         from shardserve.kernels import bf16_gemv
@@ -82,13 +89,15 @@ def choose_linear_kernel(device: torch.device, dtype: torch.dtype, keep_bf16_wei
 
 
 @functools.cache
-def _onednn_linear_works() -> bool:
+def _onednn_linear_works(dtype: torch.dtype = torch.float32) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        w, x = torch.randn(8, 4), torch.randn(2, 4)
+        w, x = torch.randn(8, 64).to(dtype), torch.randn(2, 64).to(dtype)
         out = OneDNNPackedKernel()(x, OneDNNPackedKernel().prepare(w), None)
-        return torch.allclose(out, F.linear(x, w), atol=1e-5)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        expected = F.linear(x, w).float()
+        return out.dtype == dtype and torch.allclose(out.float(), expected, atol=tolerance, rtol=tolerance)
     except (RuntimeError, AttributeError):
         return False
 
