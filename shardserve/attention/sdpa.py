@@ -1,6 +1,9 @@
-"""Attention with torch's scaled_dot_product_attention over gathered cache slots (CPUs, fallback).
+"""Attention over gathered cache slots (CPUs, fallback).
 
-Single-token chunks are batched against a padded context; each longer chunk runs on its own.
+Single-token chunks are batched against a padded context, computed in float32 as two batched matmuls
+per group of query heads sharing a KV head, with a -inf bias on the padding; each longer chunk runs on
+its own through torch's scaled_dot_product_attention. On CPUs torch's SDPA with a padding mask is several
+times slower for a batch of single-token queries (and slower still in bfloat16) than the two matmuls.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class SdpaMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's key/value goes
     num_single: int
     single_slots: torch.Tensor | None  # [num_single, max_context] slots, padded
-    single_mask: torch.Tensor | None  # [num_single, 1, 1, max_context] True where a slot is real
+    single_bias: torch.Tensor | None  # [num_single, 1, 1, max_context] float32: 0 on real slots, -inf on padding
     prefills: list[PrefillChunk]
 
 
@@ -49,9 +52,9 @@ class SdpaBackend:
             slots = [c.block_table[p // bs] * bs + p % bs for p in range(end)]
             prefills.append(PrefillChunk(batch.row_start[i], batch.row_start[i + 1],
                                          torch.tensor(slots, device=self.device), c.start_position))
-        single_slots, single_mask = self._single_tables(batch)
+        single_slots, single_bias = self._single_tables(batch)
         return SdpaMetadata(self, torch.tensor(batch.slot_mapping, dtype=torch.long, device=self.device),
-                            batch.num_decode, single_slots, single_mask, prefills)
+                            batch.num_decode, single_slots, single_bias, prefills)
 
     def _single_tables(self, batch: StepBatch):
         """Padded [n, max_context] slot table and validity mask for the single-token chunks."""
@@ -71,7 +74,8 @@ class SdpaBackend:
         # Padding past a sequence's context reads slot 0 (block 0 is zeroed, never NaN), not the unwritten
         # rest of its own last block: the cache is uninitialised, and a masked-out NaN still poisons the sum.
         slots = torch.where(valid, tables[:, pos // bs] * bs + pos % bs, 0)
-        return slots.to(self.device), valid[:, None, None, :].to(self.device)
+        bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+        return slots.to(self.device), bias[:, None, None, :].to(self.device)
 
     def forward(self, layer, qk: torch.Tensor, v: torch.Tensor, rotary, cache: tuple[torch.Tensor, torch.Tensor],
                 meta: SdpaMetadata) -> torch.Tensor:
@@ -95,10 +99,17 @@ class SdpaBackend:
         return out.reshape(q.shape[0], -1)
 
     def _single(self, layer, q, k_cache, v_cache, meta: SdpaMetadata) -> torch.Tensor:
-        """One query token per sequence against its padded context: [n, heads, dim]."""
-        ks = _heads_first(layer, k_cache[meta.single_slots])  # [n, heads, ctx, dim]
+        """One query token per sequence against its padded context: [n, heads, dim] in q's dtype."""
+        ks = _heads_first(layer, k_cache[meta.single_slots])  # [n, kv_heads (or heads), ctx, dim]
         vs = _heads_first(layer, v_cache[meta.single_slots])
-        return _sdpa(layer, q.unsqueeze(2), ks, vs, mask=meta.single_mask).squeeze(2)
+        n, heads, dim = q.shape
+        kv_heads = ks.shape[1]
+        # Query heads h * group .. (h + 1) * group - 1 read KV head h (after _heads_first, group is 1 where
+        # the heads were expanded instead).
+        grouped_q = q.float().view(n, kv_heads, heads // kv_heads, dim)
+        scores = torch.matmul(grouped_q, ks.float().transpose(-1, -2)).mul_(layer.scale).add_(meta.single_bias)
+        out = torch.matmul(torch.softmax(scores, dim=-1), vs.float())
+        return out.view(n, heads, dim).to(q.dtype)
 
 
 def _heads_first(layer, x: torch.Tensor) -> torch.Tensor:
