@@ -26,6 +26,10 @@ NCCL_EAGER_PIECES = "nccl-eager"  # NCCL run eagerly between graph pieces: graph
 SYMM_ONE_SHOT = "symm-one-shot"
 SYMM_TWO_SHOT = "symm-two-shot"
 METHOD_NAMES = (NCCL, NCCL_EAGER_PIECES, SYMM_ONE_SHOT, SYMM_TWO_SHOT)
+# CPU ranks: the process group's own all-reduce (gloo), or shared memory between ranks on one host.
+GLOO = "gloo"
+SHM = "shm"
+CPU_METHOD_NAMES = (GLOO, SHM)
 
 # Symmetric-memory kernels pay off for small messages only; larger ones go to NCCL.
 SYMM_MAX_BYTES = 512 * 1024
@@ -45,10 +49,13 @@ class AllReduceMethod:
 
 
 class NcclAllReduce(AllReduceMethod):
+    """The process group's own all-reduce: NCCL on GPUs, gloo on CPUs (named so there)."""
+
     name = NCCL
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, name: str = NCCL) -> None:
         self.group = group
+        self.name = name
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
@@ -288,3 +295,61 @@ def _choose(methods: list[AllReduceMethod], timings: dict[str, dict[int, float]]
         return SizeTable(entries)
 
     return AllReduceChoice(table("eager"), table("graph"), frozenset(n for n in sizes if split(n)), timings)
+
+
+def calibrate_cpu(group: dist.ProcessGroup, rank: int, world_size: int, dtype: torch.dtype,
+                  message_sizes: list[int]) -> AllReduceChoice:
+    """CPU ranks: time gloo against the shared-memory all-reduce (where every rank can map the same
+    memory) at each message size up to the latter's limit, and build the size table; gloo above it.
+    Every rank makes the same calls in the same order and decides on the slowest rank's figures."""
+    from shardserve.distributed import shm_all_reduce
+
+    cpu = torch.device("cpu")
+    gloo = NcclAllReduce(group, name=GLOO)
+    methods: list[AllReduceMethod] = [gloo]
+    shm = None
+    if _agree(0.0 if shm_all_reduce.supported() else 1.0, group, cpu) == 0.0:  # constructing is collective
+        try:
+            shm = shm_all_reduce.ShmAllReduce(group, rank, world_size)
+        except Exception as e:  # another host, or no shared memory
+            logger.info("all-reduce: %s unavailable (%s)", SHM, e)
+        if _agree(0.0 if shm is not None else 1.0, group, cpu) == 0.0 and shm is not None:
+            methods.append(shm)
+    forced = os.environ.get(FORCE_ENV)
+    if forced and forced not in CPU_METHOD_NAMES:
+        raise ValueError(f"{FORCE_ENV}={forced!r} is not an all-reduce method for CPU ranks: use one of "
+                         f"{', '.join(CPU_METHOD_NAMES)}")
+    sizes = sorted({n for n in message_sizes if n <= shm_all_reduce.MAX_BYTES} or {min(message_sizes)})
+    timings: dict[str, dict[int, float]] = {}
+    entries: list[tuple[int | None, AllReduceMethod]] = []
+    for nbytes in sizes:
+        x = torch.ones(max(1, nbytes // dtype.itemsize), dtype=dtype)
+        best, best_us = gloo, float("inf")
+        for method in methods:
+            if not method.supports(x):
+                continue
+            x.fill_(1.0)
+            ok = bool((method(x) == world_size).all())
+            us = _agree(_time_cpu_us(lambda: method(x), 20) if ok else float("inf"), group, cpu)
+            timings.setdefault(f"{method.name}/eager", {})[nbytes] = us
+            if (forced == method.name) or (not forced and us < best_us):
+                best, best_us = method, us
+        if entries and entries[-1][1] is best:
+            entries[-1] = (nbytes, best)
+        else:
+            entries.append((nbytes, best))
+    if entries[-1][1] is gloo:
+        entries[-1] = (None, gloo)
+    else:
+        entries.append((None, gloo))
+    table = SizeTable(entries)
+    return AllReduceChoice(table, table, frozenset(), timings)
+
+
+def _time_cpu_us(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) * 1e6 / iters

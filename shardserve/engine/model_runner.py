@@ -61,8 +61,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.host_weights: HostCopy | None = None  # while the weights sleep at level 1
         self.weights_asleep = self.kv_asleep = False
-        if self.device.type == "cuda":
-            self._choose_all_reduce()
+        self._choose_all_reduce()
         self._capture_graphs()
         if self.device.type == "cuda":
             self._log_memory_against_plan()
@@ -178,17 +177,22 @@ class ModelRunner:
             return
         per_token = self._hidden_bytes_per_token()
         tokens = sorted(set(graph_buckets(self.config.max_num_seqs)) | {self.config.max_num_batched_tokens})
+        sizes = [t * per_token for t in tokens]
         started = time.perf_counter()
-        choice = all_reduce.calibrate(comm.group, self.device, self.dtype, [t * per_token for t in tokens],
-                                      graph_slots=2 * self.model_config.num_layers + 4)
+        if self.device.type == "cuda":
+            choice = all_reduce.calibrate(comm.group, self.device, self.dtype, sizes,
+                                          graph_slots=2 * self.model_config.num_layers + 4)
+        else:
+            choice = all_reduce.calibrate_cpu(comm.group, comm.rank, comm.world_size, self.dtype, sizes)
         comm.use(choice)
         self.all_reduce_choice = choice
         if self.ctx.is_driver:
             small = tokens[0] * per_token
             at_small = ", ".join(f"{key} {t[small]:.1f} us" for key, t in sorted(choice.timings_us.items())
                                  if small in t and t[small] != float("inf"))
+            described = choice.describe() if self.device.type == "cuda" else choice.eager.describe()
             logger.info("all-reduce over %d ranks: %s (at %d bytes: %s; measured in %.1f s)", comm.world_size,
-                        choice.describe(), small, at_small, time.perf_counter() - started)
+                        described, small, at_small, time.perf_counter() - started)
 
     def _load_model(self):
         started = time.perf_counter()

@@ -1,0 +1,97 @@
+"""The shared-memory all-reduce of CPU ranks on one host: the same sums as gloo, the same bits on every
+rank, call after call; a rank that dies fails its peers at once; start-up picks it where it is faster."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from shardserve.distributed import shm_all_reduce
+from tests.ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(not shm_all_reduce.supported(), reason="needs Linux on x86-64 with /dev/shm")
+
+
+def _sums(rank: int, port: int, world: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        method = shm_all_reduce.ShmAllReduce(None, rank, world)
+        g = torch.Generator().manual_seed(rank)
+        digest = []
+        for call in range(300):  # both halves of the buffer, many times over
+            dtype = (torch.float32, torch.bfloat16)[call % 2]
+            x = torch.randn(1 + 97 * (call % 7), generator=g).to(dtype)
+            expected = x.double().clone()
+            dist.all_reduce(expected)  # the reference: gloo, in float64
+            got = method(x.clone())
+            tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+            assert got.dtype == dtype
+            assert torch.allclose(got.double(), expected, rtol=tolerance, atol=tolerance), f"call {call}"
+            digest.append(got.double().sum().item())
+        mine = torch.tensor(digest, dtype=torch.float64)
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        same = all(torch.equal(everyone[0], other) for other in everyone)
+        results.put((rank, "ok" if same else "ranks hold different results"))
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        results.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sums_match_gloo_and_every_rank_holds_the_same_bits(world):
+    assert run_ranks(_sums, world, world) == {r: "ok" for r in range(world)}
+
+
+def _one_rank_dies(rank: int, port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    method = shm_all_reduce.ShmAllReduce(None, rank, 2)
+    method(torch.ones(8))
+    if rank == 1:
+        results.put((rank, "leaving"))
+        results.close()
+        results.join_thread()  # the message is out before the process ends
+        os._exit(0)  # dies without a word, between two collectives (a zombie until its parent reaps it)
+    started = time.monotonic()
+    try:
+        method(torch.ones(8))
+        results.put((rank, "the sum returned without rank 1"))
+    except RuntimeError as e:
+        results.put((rank, f"{time.monotonic() - started < 30}: {e}"))
+
+
+def test_a_rank_that_exits_fails_its_peer_at_once_naming_it():
+    outcome = run_ranks(_one_rank_dies, 2, timeout=60)
+    assert outcome[1] == "leaving"
+    assert outcome[0].startswith("True: shared-memory all-reduce 2: rank 1 (process "), outcome[0]
+    assert outcome[0].endswith("has exited")
+
+
+def test_start_up_picks_shared_memory_on_one_host(tiny_model_dir, caplog):
+    """Two CPU ranks of one engine: the choice is logged with both timings, and shm serves decode steps."""
+    import logging
+
+    from shardserve.engine.sampling_params import SamplingParams
+    from shardserve.entrypoints.llm import LLM
+
+    with caplog.at_level(logging.INFO, logger="shardserve.engine.model_runner"):
+        with LLM(tiny_model_dir("llama-untied"), tensor_parallel_size=2, dtype="float32",
+                 kv_cache_memory_gb=0.05) as llm:
+            choice = llm.engine.runner.all_reduce_choice
+            out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    smallest = min(choice.timings_us["gloo/eager"])
+    assert choice.timings_us["shm/eager"][smallest] < choice.timings_us["gloo/eager"][smallest]
+    assert choice.eager.entries[0][1].name == "shm"
+    logged = [r.getMessage() for r in caplog.records if "all-reduce over 2 ranks" in r.getMessage()]
+    assert logged and "shm <=" in logged[0] and "gloo/eager" in logged[0], logged
