@@ -319,7 +319,12 @@ def calibrate_cpu(group: dist.ProcessGroup, rank: int, world_size: int, dtype: t
     if forced and forced not in CPU_METHOD_NAMES:
         raise ValueError(f"{FORCE_ENV}={forced!r} is not an all-reduce method for CPU ranks: use one of "
                          f"{', '.join(CPU_METHOD_NAMES)}")
-    sizes = sorted({n for n in message_sizes if n <= shm_all_reduce.MAX_BYTES} or {min(message_sizes)})
+    # The model's sizes up to the shared-memory limit, and the limit itself where larger ones exist (prefill
+    # chunks between the largest decode batch and the limit then take the faster method too).
+    sizes = {n for n in message_sizes if n <= shm_all_reduce.MAX_BYTES}
+    if max(message_sizes) > shm_all_reduce.MAX_BYTES:
+        sizes.add(shm_all_reduce.MAX_BYTES)
+    sizes = sorted(sizes)
     timings: dict[str, dict[int, float]] = {}
     entries: list[tuple[int | None, AllReduceMethod]] = []
     for nbytes in sizes:
