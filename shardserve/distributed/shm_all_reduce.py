@@ -62,8 +62,9 @@ class ShmAllReduce(AllReduceMethod):
                 with open(path, "wb") as f:
                     f.write(magic)  # the rest is zero-filled: every published number starts at 0
                     f.truncate(size)
-            except OSError as e:
+            except OSError as e:  # /dev/shm full, say: leave no half-made file for the others to map
                 error = e
+                _remove(path)
         dist.barrier(group=group)
         if error is None:
             try:
@@ -72,21 +73,19 @@ class ShmAllReduce(AllReduceMethod):
                 self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
                 if bytes(self.buffer[: len(magic)].tolist()) != magic:
                     raise RuntimeError(f"{path} does not hold the first rank's mapping")
+                lines = self.buffer.numpy()[LINE: LINE + world_size * LINE].view(np.int64)
+                self.published = lines[:: LINE // 8]
+                self.pids = lines[1:: LINE // 8]
+                self.pids[rank] = os.getpid()
             except (OSError, RuntimeError) as e:
                 error = e
-        dist.barrier(group=group)  # every rank has mapped it or failed: the name can go
+        # Every rank has mapped the file and written its process id, or failed (each rank makes the same
+        # collective calls either way): the name can go.
+        dist.barrier(group=group)
         if rank == 0:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            _remove(path)
         if error is not None:
             raise error
-        lines = self.buffer.numpy()[LINE: LINE + world_size * LINE].view(np.int64)
-        self.published = lines[:: LINE // 8]
-        self.pids = lines[1:: LINE // 8]
-        self.pids[rank] = os.getpid()
-        dist.barrier(group=group)  # every rank's process id is in place before any wait reads them
 
     def supports(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
@@ -131,6 +130,13 @@ class ShmAllReduce(AllReduceMethod):
         if late and time.monotonic() > deadline:
             raise RuntimeError(f"shared-memory all-reduce {self.sequence}: rank(s) {late} did not arrive within "
                                f"{self.timeout_s:.0f} s")
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _running(pid: int) -> bool:

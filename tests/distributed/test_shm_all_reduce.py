@@ -95,3 +95,29 @@ def test_start_up_picks_shared_memory_on_one_host(tiny_model_dir, caplog):
     assert choice.eager.entries[0][1].name == "shm"
     logged = [r.getMessage() for r in caplog.records if "all-reduce over 2 ranks" in r.getMessage()]
     assert logged and "shm <=" in logged[0] and "gloo/eager" in logged[0], logged
+
+
+def _one_rank_elsewhere(rank: int, port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from shardserve.distributed import all_reduce
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if rank == 1:  # as on another host: the first rank's file is not there
+        real_exists = os.path.exists
+        shm_all_reduce.os.path.exists = lambda p: False if "shardserve-all-reduce" in str(p) else real_exists(p)
+    try:
+        choice = all_reduce.calibrate_cpu(None, rank, 2, torch.float32, [4096, 65536])
+        x = torch.full((1024,), float(rank + 1))
+        total = choice.eager.pick(x)(x)
+        results.put((rank, f"{[m.name for _, m in choice.eager.entries]} {total[0].item()}"))
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        results.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_cannot_share_memory_all_fall_back_to_gloo():
+    assert run_ranks(_one_rank_elsewhere, 2, timeout=60) == {0: "['gloo'] 3.0", 1: "['gloo'] 3.0"}
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("shardserve-all-reduce")], "a file was left"
