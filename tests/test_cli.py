@@ -37,3 +37,17 @@ def test_version():
     from shardserve import __version__
 
     assert result.stdout.strip() == f"shardserve {__version__}"
+
+
+def test_a_port_in_use_is_named_before_anything_loads(tiny_model_dir):
+    """The port is taken first: a clash is reported at once, naming the flags, not after loading the model."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _serve(tiny_model_dir("llama-untied"), "--device", "cpu", "--port", str(port), "-tp", "2")
+    assert result.returncode != 0
+    assert f"--host 127.0.0.1 --port {port}: Address already in use" in result.stderr, result.stderr[-2000:]
+    assert "loaded" not in result.stderr, "the model was loaded before the port was checked"

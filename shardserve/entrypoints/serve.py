@@ -64,6 +64,10 @@ def serve(args: argparse.Namespace) -> int:
         os.environ["GLOO_SOCKET_IFNAME"] = args.control_interface  # before any gloo group exists
     config = engine_config_from_args(args)
     launch = choose_launch(args, config.tensor_parallel_size)
+    if _serves_http(launch):
+        from shardserve.entrypoints.openai.server import bind_http_port
+
+        args.http_socket = bind_http_port(args.host, args.port)
     if isinstance(launch, NodeLaunch) and launch.nnodes == 1:
         return _serve_supervised(args, config)
     if args.max_restarts:
@@ -88,6 +92,15 @@ def serve(args: argparse.Namespace) -> int:
         else:
             destroy_rank_context(ctx)
     return 0
+
+
+def _serves_http(launch) -> bool:
+    """Whether this process becomes rank 0, the one that serves the API."""
+    from shardserve.distributed.launcher import LaunchInfo, NodeLaunch
+
+    if isinstance(launch, LaunchInfo):
+        return launch.rank == 0
+    return isinstance(launch, NodeLaunch) and launch.node_rank == 0
 
 
 def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -133,6 +146,6 @@ def _serve_http_until_stopped(args: argparse.Namespace, config: EngineConfig, en
         logger.info("serving %s on http://%s:%d (tensor parallel size %d, %s%s)", config.model, args.host,
                     args.port, config.tensor_parallel_size, config.device,
                     ", API key required" if api_key else "")
-        serve_http(app, args.host, args.port)
+        serve_http(app, args.host, args.port, getattr(args, "http_socket", None))
     finally:
         engine.shutdown()

@@ -8,6 +8,7 @@ The generation routes check a request against the model's context (`_admit`) and
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -66,9 +67,29 @@ def build_app(
     return app
 
 
-def serve_http(app: FastAPI, host: str, port: int) -> None:
-    """Serve `app` until SIGINT/SIGTERM; blocks the calling thread."""
-    uvicorn.run(app, host=host, port=port, log_level="info")
+def bind_http_port(host: str, port: int) -> socket.socket:
+    """The server's address, taken before anything else starts: a port in use is reported at once (not
+    after loading the model), and no socket the ranks open later (gloo picks free ports) can take it.
+    Bound but not listening until `serve_http`, so a client gets "connection refused" until the server
+    is ready, as before."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"shardserve serve: error: --host {host} --port {port}: {e.strerror or e}") from None
+    return sock
+
+
+def serve_http(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> None:
+    """Serve `app` until SIGINT/SIGTERM, on `sock` (from bind_http_port) or else binding host:port; blocks the
+    calling thread."""
+    if sock is None:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+        return
+    uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
 
 
 # --------------------------------------------------------------------------- routes
