@@ -17,6 +17,7 @@ from shardserve.attention.batch import StepBatch
 from shardserve.kernels.triton.fused_ops import apply_rotary_and_store_
 from shardserve.kernels.triton.paged_attention import (choose_num_splits, paged_decode_attention,
                                                        paged_prefill_attention, store_kv_cache)
+from shardserve.transfers import on_device, pinned
 
 
 @dataclass
@@ -31,12 +32,6 @@ class TritonMetadata:
     prefill_query_start: torch.Tensor | None = None  # [num_prefills + 1] int32, rows from num_decode
     prefill_context_lens: torch.Tensor | None = None  # [num_prefills] int32, including this step's tokens
     max_query_len: int = 0
-
-
-def _pinned(array) -> torch.Tensor:
-    """A host array in pinned memory: a non-blocking copy from it to the device does not wait for the
-    device's queued work (one from pageable memory may)."""
-    return torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
 
 
 def block_table_array(tables: list[list[int]], width: int | None = None) -> np.ndarray:
@@ -60,7 +55,7 @@ class TritonPagedBackend:
         return choose_num_splits(batch_size, self.num_kv_heads, max_context, self.num_sms, self.block_size)
 
     def _to_device(self, array) -> torch.Tensor:
-        return _pinned(array).to(self.device, non_blocking=True)
+        return on_device(np.ascontiguousarray(array), self.device)
 
     def build_metadata(self, batch: StepBatch) -> TritonMetadata:
         nd = batch.num_decode
@@ -135,7 +130,7 @@ class TritonPagedBackend:
         lens[:n] = [batch.context_len(i) for i in range(n)]
         tables = block_table_array([c.block_table for c in batch.chunks[:n]])
         # Straight from pinned host memory into the static buffers: one copy each, queued in stream order.
-        static.slot_mapping[:padded].copy_(_pinned(slots), non_blocking=True)
-        static.decode_context_lens[:padded].copy_(_pinned(lens), non_blocking=True)
-        static.decode_block_tables[:n, : min(tables.shape[1], width)].copy_(_pinned(tables[:, :width]),
+        static.slot_mapping[:padded].copy_(pinned(slots), non_blocking=True)
+        static.decode_context_lens[:padded].copy_(pinned(lens), non_blocking=True)
+        static.decode_block_tables[:n, : min(tables.shape[1], width)].copy_(pinned(np.ascontiguousarray(tables[:, :width])),
                                                                              non_blocking=True)

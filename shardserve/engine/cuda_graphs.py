@@ -23,6 +23,7 @@ import torch
 
 from shardserve.attention.batch import StepBatch
 from shardserve.distributed.communicator import Communicator
+from shardserve.transfers import pinned
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +157,3 @@ class CudaGraphRunner:
         logits = self.logits[size]
         return None if logits is None else logits[:n]
 
-
-def pinned(values, dtype: torch.dtype) -> torch.Tensor:
-    """A host list or array as a pinned tensor, so a non-blocking copy to the device never waits for the
-    device's queued work (a copy from pageable memory may)."""
-    return torch.as_tensor(values, dtype=dtype).pin_memory()

@@ -22,11 +22,12 @@ from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.detokenizer import IncrementalDetokenizer
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.outputs import RequestOutput, TokenLogprob
-from shardserve.engine.sampler import PendingSample, Sampler, on_device
+from shardserve.engine.sampler import PendingSample, Sampler
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
 from shardserve.engine.step_plan import WAKE_KV_CACHE, WAKE_WEIGHTS, PlanKind, StepPlan
+from shardserve.transfers import on_device
 
 if TYPE_CHECKING:
     from shardserve.tokenizer import Tokenizer

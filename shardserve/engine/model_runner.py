@@ -22,6 +22,7 @@ from shardserve.engine.step_plan import FROM_DEVICE, StepPlan
 from shardserve.layers.cuda_gemv import use_batch1_gemv
 from shardserve.layers.linear_kernels import choose_linear_kernel, pack_linear_weights
 from shardserve.models import MODEL_CLASSES
+from shardserve.transfers import on_device
 from shardserve.weights import stable_memory
 from shardserve.weights.consistency import verify_replicated_weights
 from shardserve.weights.loader import load_weights
@@ -307,7 +308,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch, device_tokens)
             if logits is not None and len(batch.sample_rows) < batch.num_tokens:
-                logits = logits[torch.tensor(batch.sample_rows, device=self.device)]
+                logits = logits[self._long(batch.sample_rows)]
             return batch.sample_seq_ids, logits
         meta = self.attention.build_metadata(batch)
         token_ids = device_tokens if device_tokens is not None else self._long(batch.token_ids)
@@ -329,4 +330,4 @@ class ModelRunner:
         return torch.cat([device_tokens, self._long(batch.token_ids[n:])])
 
     def _long(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        return on_device(values, self.device, torch.long)

@@ -21,6 +21,7 @@ import torch
 
 from shardserve.engine.outputs import TokenLogprob
 from shardserve.engine.sampling_params import SamplingParams
+from shardserve.transfers import on_device
 
 # Keeps every token when a row has no top-p cut: the mass before a token never exceeds 1 by this much.
 _NO_TOP_P = 2.0
@@ -205,10 +206,3 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int], top
         return chosen, empty, empty.long()
     top = torch.topk(lp, top_n, dim=-1)
     return chosen, top.values, top.indices
-
-
-def on_device(values: list, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on `device`, copied without waiting for the device's queued work
-    (a plain copy from pageable memory would synchronize with the GPU)."""
-    t = torch.tensor(values)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
