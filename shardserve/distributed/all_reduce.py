@@ -162,14 +162,16 @@ def _human(nbytes: int) -> str:
     return f"{nbytes // 1024} KiB" if nbytes < 1 << 20 else f"{nbytes / 2**20:g} MiB"
 
 
-def _time_us(fn: Callable[[], object], iters: int) -> float:
+def _time_us(fn: Callable[[], object], iters: int, synchronize: Callable[[], None] = torch.cuda.synchronize
+             ) -> float:
+    """Microseconds per call of fn, after a warm-up; `synchronize` waits for the device (GPUs)."""
     for _ in range(5):
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     return (time.perf_counter() - start) * 1e6 / iters
 
 
@@ -281,20 +283,26 @@ def _choose(methods: list[AllReduceMethod], timings: dict[str, dict[int, float]]
         return bool(in_graph) and eager + SPLIT_MARGIN_US < min(in_graph.values())
 
     def table(mode: str) -> SizeTable:
-        entries: list[tuple[int | None, AllReduceMethod]] = []
-        for nbytes in sizes:
-            method = by_name.get(best(mode, nbytes), nccl)
-            if entries and entries[-1][1] is method:
-                entries[-1] = (nbytes, method)
-            else:
-                entries.append((nbytes, method))
-        if not entries or entries[-1][1] is not nccl:
-            entries.append((None, nccl))
-        else:
-            entries[-1] = (None, nccl)
-        return SizeTable(entries)
+        return _size_table({n: by_name.get(best(mode, n), nccl) for n in sizes}, nccl)
 
     return AllReduceChoice(table("eager"), table("graph"), frozenset(n for n in sizes if split(n)), timings)
+
+
+def _size_table(chosen: dict[int, AllReduceMethod], fallback: AllReduceMethod) -> SizeTable:
+    """The table for the method chosen at each measured size (bytes): one entry per run of sizes with the
+    same method, bounded by the run's largest size; `fallback` for everything above."""
+    entries: list[tuple[int | None, AllReduceMethod]] = []
+    for nbytes in sorted(chosen):
+        method = chosen[nbytes]
+        if entries and entries[-1][1] is method:
+            entries[-1] = (nbytes, method)
+        else:
+            entries.append((nbytes, method))
+    if entries and entries[-1][1] is fallback:
+        entries[-1] = (None, fallback)
+    else:
+        entries.append((None, fallback))
+    return SizeTable(entries)
 
 
 def calibrate_cpu(group: dist.ProcessGroup, rank: int, world_size: int, dtype: torch.dtype,
@@ -326,7 +334,7 @@ def calibrate_cpu(group: dist.ProcessGroup, rank: int, world_size: int, dtype: t
         sizes.add(shm_all_reduce.MAX_BYTES)
     sizes = sorted(sizes)
     timings: dict[str, dict[int, float]] = {}
-    entries: list[tuple[int | None, AllReduceMethod]] = []
+    chosen: dict[int, AllReduceMethod] = {}
     for nbytes in sizes:
         x = torch.ones(max(1, nbytes // dtype.itemsize), dtype=dtype)
         best, best_us = gloo, float("inf")
@@ -335,26 +343,11 @@ def calibrate_cpu(group: dist.ProcessGroup, rank: int, world_size: int, dtype: t
                 continue
             x.fill_(1.0)
             ok = bool((method(x) == world_size).all())
-            us = _agree(_time_cpu_us(lambda: method(x), 20) if ok else float("inf"), group, cpu)
+            us = _time_us(lambda: method(x), 20, synchronize=lambda: None) if ok else float("inf")
+            us = _agree(us, group, cpu)
             timings.setdefault(f"{method.name}/eager", {})[nbytes] = us
             if (forced == method.name) or (not forced and us < best_us):
                 best, best_us = method, us
-        if entries and entries[-1][1] is best:
-            entries[-1] = (nbytes, best)
-        else:
-            entries.append((nbytes, best))
-    if entries[-1][1] is gloo:
-        entries[-1] = (None, gloo)
-    else:
-        entries.append((None, gloo))
-    table = SizeTable(entries)
+        chosen[nbytes] = best
+    table = _size_table(chosen, gloo)
     return AllReduceChoice(table, table, frozenset(), timings)
-
-
-def _time_cpu_us(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(3):
-        fn()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - start) * 1e6 / iters
