@@ -21,7 +21,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_suite import write_model_dir  # noqa: E402
+from gpu_suite import graph_replay_ms, write_model_dir  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +30,6 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    import torch
 
     from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
@@ -41,15 +40,7 @@ def main() -> None:
     prompt = [[(7 * i) % 128000 for i in range(1, 129)]]
     llm.generate(prompt, params)  # warm up
 
-    graphs = llm.engine.runner.graphs
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(50):
-        graphs.graphs[1].replay()
-    end.record()
-    torch.cuda.synchronize()
-    replay_ms = start.elapsed_time(end) / 50
+    replay_ms = graph_replay_ms(llm.engine.runner.graphs.graphs[1])
 
     step_ms = {}
     for overlap in (False, True):
