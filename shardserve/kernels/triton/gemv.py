@@ -41,15 +41,26 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
          num_stages: int = 3) -> torch.Tensor:
     """x [1, K] (or [K]) times weight [N, K]^T -> [1, N] in x's dtype, float32 accumulation."""
+    return _launch_per_row(_gemv_kernel, _one_row(x, weight, 1, "gemv needs x with {} elements"), weight,
+                           block_n, block_k, num_warps, num_stages)
+
+
+def _one_row(x: torch.Tensor, weight: torch.Tensor, per_column: int, needs: str) -> torch.Tensor:
+    """x flattened to per_column * K contiguous values for weight [N, K], which must be row-major; `needs`
+    words the error, with {} for the number of values."""
+    k = weight.shape[1]
+    if x.numel() != per_column * k or weight.stride(1) != 1:
+        raise ValueError(f"{needs.format(per_column * k)} and a row-major weight, got {tuple(x.shape)}")
+    return x.reshape(per_column * k).contiguous()
+
+
+def _launch_per_row(kernel, x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, num_warps: int,
+                    num_stages: int) -> torch.Tensor:
+    """Run a one-row GEMV kernel (signature x, w, out, N, stride_wn, K=..) over block_n rows of weight a program."""
     n, k = weight.shape
-    if x.numel() != k or weight.stride(1) != 1:
-        raise ValueError(f"gemv needs x with {k} elements and a row-major weight, got {tuple(x.shape)}")
-    x = x.reshape(k)
-    if not x.is_contiguous():
-        x = x.contiguous()
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n,
-                                             BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k,
+                                       num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -81,17 +92,8 @@ def _gemv_swiglu_kernel(gate_up_ptr, w_ptr, out_ptr, N, stride_wn,
 def gemv_swiglu(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512,
                 num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """silu(gate) * up times weight [N, K]^T for one row gate_up = [gate | up] of 2K values -> [1, N]."""
-    n, k = weight.shape
-    if gate_up.numel() != 2 * k or weight.stride(1) != 1:
-        raise ValueError(f"gemv_swiglu needs 2 x {k} gate/up values and a row-major weight, "
-                         f"got {tuple(gate_up.shape)}")
-    gate_up = gate_up.reshape(2 * k)
-    if not gate_up.is_contiguous():
-        gate_up = gate_up.contiguous()
-    out = torch.empty(1, n, dtype=gate_up.dtype, device=gate_up.device)
-    _gemv_swiglu_kernel[(triton.cdiv(n, block_n),)](gate_up, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n,
-                                                    BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
-    return out
+    gate_up = _one_row(gate_up, weight, 2, "gemv_swiglu needs {} gate/up values")
+    return _launch_per_row(_gemv_swiglu_kernel, gate_up, weight, block_n, block_k, num_warps, num_stages)
 
 
 @triton.jit
