@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -116,6 +117,17 @@ def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | 
         ranks.close()
 
 
+def stop_processes(procs: list[subprocess.Popen], sig: int, timeout: float) -> None:
+    """Send each of `procs` `sig`, then give them `timeout` seconds each before killing them."""
+    for p in procs:
+        p.send_signal(sig)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def wait_until_healthy(url: str, procs: list[subprocess.Popen], timeout: float, log: Callable[[], str]) -> None:
     """Return once GET url/health answers 200. Fails with `log()` (the processes' output) as soon as one of
     `procs` exits, or after `timeout` seconds."""
@@ -160,8 +172,4 @@ def serve_cli(args: list[str], timeout: float = 180.0, launcher: list[str] | Non
         wait_until_healthy(url, [proc], timeout, log)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_processes([proc], signal.SIGTERM, 30)

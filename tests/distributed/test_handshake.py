@@ -8,6 +8,7 @@ The two ranks are two `shardserve serve` processes started the way torchrun or t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from shardserve.distributed.fingerprint import Fingerprint, differences
 from shardserve.distributed.process_group import find_free_port
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
-from tests.serving import wait_until_healthy
+from tests.serving import stop_processes, wait_until_healthy
 
 PROMPT = "w11 w22 w33 w44"
 
@@ -58,13 +59,7 @@ class TwoRanks:
         wait_until_healthy(self.url, self.procs, timeout, exited)
 
     def stop(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs, signal.SIGTERM, 30)
 
 
 def _serve_args(model_dir: str, *extra: str) -> list[str]:

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from shardserve.distributed.process_group import find_free_port
+from tests.serving import stop_processes
 
 PROMPT = "w3 w1 w4 w1 w5"
 
@@ -49,11 +50,7 @@ def server(tiny_model_dir):
         _wait_for_health(proc, url, 200, timeout=120)
         yield proc, url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_processes([proc], signal.SIGINT, 30)
 
 
 def _wait_for_health(proc: subprocess.Popen, url: str, status: int, timeout: float) -> float:

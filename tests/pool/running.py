@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import yaml
 
 from shardserve.distributed.process_group import find_free_port
-from tests.serving import wait_until_healthy
+from tests.serving import stop_processes, wait_until_healthy
 
 START_TIMEOUT_S = 180
 
@@ -46,8 +46,4 @@ def running_pool(config_path: str, *flags: str) -> Iterator[RunningPool]:
             wait_until_healthy(url, [pool], START_TIMEOUT_S, lambda: (log.seek(0), log.read())[1])
             yield RunningPool(url, pool)
         finally:
-            pool.send_signal(signal.SIGINT)
-            try:
-                pool.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pool.kill()
+            stop_processes([pool], signal.SIGINT, 60)
