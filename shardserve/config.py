@@ -45,6 +45,9 @@ class ModelConfig:
     mlp_bias: bool
     torch_dtype: str
     eos_token_ids: tuple[int, ...] = ()
+    # Weights stored quantized (GGUF Q4_1...) and dequantized at load: neither bfloat16 nor float16 holds
+    # their values exactly.
+    quantized: bool = False
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -83,6 +86,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
+            quantized=bool(cfg.get("gguf_quantized", False)),
         )
 
     @classmethod
@@ -101,13 +105,6 @@ class ModelConfig:
 
     def checkpoint_dtype(self) -> torch.dtype:
         return DTYPES.get(self.torch_dtype.replace("torch.", ""), torch.float32)
-
-
-def _cpu_has_fast_bfloat16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -156,16 +153,10 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
 
     def resolve_dtype(self, model_config: ModelConfig) -> torch.dtype:
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        checkpoint = model_config.checkpoint_dtype()
-        if self.device == "cpu" and checkpoint != torch.float32 and not _cpu_has_fast_bfloat16():
-            # Without AVX-512 BF16 / AMX, half-precision matmuls on a CPU run several times slower
-            # than float32 ones.
-            return torch.float32
-        if self.device == "cpu" and checkpoint == torch.float16:
-            return torch.bfloat16  # float16 matmuls are slow on CPUs; bfloat16 keeps the range
-        return checkpoint
+        """The dtype the model computes in (kernels/plan.py says why CPUs compute in float32 under auto)."""
+        from shardserve.kernels.plan import compute_dtype
+
+        return compute_dtype(self, model_config)
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:
         limit = model_config.max_position_embeddings

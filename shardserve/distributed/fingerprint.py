@@ -20,9 +20,12 @@ import torch
 
 import shardserve
 from shardserve.config import EngineConfig
+from shardserve.kernels import cpu_features
 
-# Variables that change what NCCL, gloo, CUDA, torch or shardserve do.
-BEHAVIOUR_ENV_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "SHARDSERVE_")
+# Variables that change what NCCL, gloo, CUDA, torch, oneDNN or shardserve do.
+BEHAVIOUR_ENV_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "SHARDSERVE_", "ONEDNN_", "DNNL_")
+# Single variables that pick CPU kernels: torch's vector ISA and MKL's code path.
+BEHAVIOUR_ENV_NAMES = frozenset({"ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR"})
 # Variables naming this host's own interfaces or devices: their values may differ between nodes
 # (eth0 here, ens3 there); only whether they are set is compared.
 HOST_SPECIFIC_ENV = frozenset({"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "CUDA_VISIBLE_DEVICES"})
@@ -63,7 +66,8 @@ def source_digest() -> str:
 
 
 def behaviour_env(forward_env: tuple[str, ...] = ()) -> dict[str, str]:
-    names = {n for n in os.environ if n.startswith(BEHAVIOUR_ENV_PREFIXES)} | set(forward_env)
+    names = {n for n in os.environ if n.startswith(BEHAVIOUR_ENV_PREFIXES) or n in BEHAVIOUR_ENV_NAMES}
+    names |= set(forward_env)
     names -= SECRET_ENV
     return {name: os.environ.get(name, UNSET) for name in sorted(names)}
 
@@ -74,7 +78,10 @@ def _device_facts(device: str) -> dict[str, str]:
                 "device.count": str(torch.cuda.device_count()),
                 "cuda.version": str(torch.version.cuda),
                 "nccl.version": ".".join(map(str, torch.cuda.nccl.version()))}
-    return {"device.model": _cpu_model(), "cpu.arch": platform.machine()}
+    # The instruction-set flags the kernel plan is decided from (kernels/cpu_features.py): two hosts with the
+    # same model name can still differ (a VM that hides AVX-512 BF16, say).
+    return {"device.model": _cpu_model(), "cpu.arch": platform.machine(),
+            "cpu.features": cpu_features.detect().describe()}
 
 
 def _cpu_model() -> str:

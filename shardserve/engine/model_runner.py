@@ -19,8 +19,10 @@ from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, 
                                         kv_cache_budget_bytes)
 from shardserve.engine.cuda_graphs import CudaGraphRunner, graph_buckets
 from shardserve.engine.step_plan import FROM_DEVICE, StepPlan
+from shardserve.engine import kernel_setup
+from shardserve.kernels import cpu_features
+from shardserve.kernels import plan as kernel_plan
 from shardserve.layers.cuda_gemv import use_batch1_gemv
-from shardserve.layers.linear_kernels import choose_linear_kernel, pack_linear_weights
 from shardserve.models import MODEL_CLASSES
 from shardserve.transfers import on_device
 from shardserve.weights import stable_memory
@@ -37,7 +39,12 @@ class ModelRunner:
         self.model_config = model_config
         self.ctx = ctx
         self.device = ctx.device
-        self.dtype = config.resolve_dtype(model_config)
+        # Every numeric choice of this launch (kernels/plan.py); each kernel is checked before it is used.
+        self.plan = kernel_plan.decide(config, model_config,
+                                       cpu_features.detect() if self.device.type == "cpu" else None)
+        self.dtype = self.plan.dtype
+        self.linear_kernel = None  # chosen at the first load, kept for reloads
+        self.self_check = kernel_setup.Stopwatch()
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.block_size = config.block_size
         self.memory_plan = self._plan_memory()  # None where the planner cannot describe the model
@@ -57,12 +64,20 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()
         attn = self.model.model.layers[0].self_attn.attn
         self.attention = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
-                                                  attn.kv_index_tuple, log=ctx.is_driver)
+                                                  attn.kv_index_tuple, log=False)
+        with self.self_check:
+            kernel_setup.verify_attention(self.attention, attn, self.model.model.rotary, self.dtype, self.device,
+                                          self.block_size, ctx)
+        self.plan = self.plan.with_results(attention=self.attention.name)
         self.all_reduce_choice: all_reduce.AllReduceChoice | None = None
         self.graphs: CudaGraphRunner | None = None
         self.host_weights: HostCopy | None = None  # while the weights sleep at level 1
         self.weights_asleep = self.kv_asleep = False
         self._choose_all_reduce()
+        kernel_setup.agree_on_plan(self.plan, ctx)
+        if ctx.is_driver:
+            logger.info("kernel plan: %s; every kernel checked against float64 on this model's shapes in %.2f s",
+                        self.plan.describe(), self.self_check.seconds)
         self._capture_graphs()
         if self.device.type == "cuda":
             self._log_memory_against_plan()
@@ -187,11 +202,15 @@ class ModelRunner:
             choice = all_reduce.calibrate_cpu(comm.group, comm.rank, comm.world_size, self.dtype, sizes)
         comm.use(choice)
         self.all_reduce_choice = choice
+        with self.self_check:
+            if kernel_setup.verify_all_reduce(comm, self.dtype, self.device, sizes, self.ctx):
+                self.all_reduce_choice = None
+        described = choice.describe() if self.device.type == "cuda" else choice.eager.describe()
+        self.plan = self.plan.with_results(all_reduce=described if self.all_reduce_choice else "process group's own")
         if self.ctx.is_driver:
             small = tokens[0] * per_token
             at_small = ", ".join(f"{key} {t[small]:.1f} us" for key, t in sorted(choice.timings_us.items())
                                  if small in t and t[small] != float("inf"))
-            described = choice.describe() if self.device.type == "cuda" else choice.eager.describe()
             logger.info("all-reduce over %d ranks: %s (at %d bytes: %s; measured in %.1f s)", comm.world_size,
                         described, small, at_small, time.perf_counter() - started)
 
@@ -203,16 +222,17 @@ class ModelRunner:
             model = cls(self.model_config, self.ctx.comm, self.dtype, self.max_model_len)
         self._fill_weights(model)
         self._log_planned_weights(model)
-        checkpoint_dtype = self.model_config.checkpoint_dtype()
-        keep_bf16 = self.config.dtype == "auto" and checkpoint_dtype in (torch.bfloat16, torch.float16)
-        kernel = choose_linear_kernel(self.device, self.dtype, keep_bf16_weights=keep_bf16)
-        if kernel.name != "torch":
-            packed = pack_linear_weights(model, kernel)
-            if self.ctx.is_driver:
-                logger.info("linear layers: %s kernels (%d layers prepared)", kernel.name, packed)
+        if self.linear_kernel is None:
+            with self.self_check:
+                self.linear_kernel = kernel_setup.choose_linear_kernel(model, self.plan, self.ctx)
+            self.plan = self.plan.with_results(linear=self.linear_kernel.name)
+        packed = kernel_setup.attach_linear_kernel(model, self.linear_kernel)
+        if packed and self.ctx.is_driver:
+            logger.info("linear layers: %s kernels (%d layers prepared)", self.linear_kernel.name, packed)
         model.eval()
         if self.device.type == "cuda":
-            use_batch1_gemv(model, log=self.ctx.is_driver)
+            gemv = use_batch1_gemv(model, log=self.ctx.is_driver, agree=lambda c: kernel_setup.agree_on_gemv(c, self.ctx))
+            self.plan = self.plan.with_results(gemv=gemv.summary() if gemv is not None else "cublas")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s", self.ctx.rank, self.config.model,
                     time.perf_counter() - started, weight_bytes / 2**30, self.dtype, self.device)

@@ -53,6 +53,19 @@ class Batch1GemvKernel(LinearKernel):
         self.swiglu_configs = swiglu_configs
         self.normed_configs = normed_configs
 
+    def summary(self) -> str:
+        """For the kernel plan: how many weight shapes take each Triton form."""
+        return (f"triton on {len(self.configs)} shapes, SwiGLU-fused on {len(self.swiglu_configs)}, "
+                f"norm-fused on {len(self.normed_configs)}")
+
+    def as_lists(self) -> list:
+        return [[[list(shape), list(c)] for shape, c in configs.items()]
+                for configs in (self.configs, self.swiglu_configs, self.normed_configs)]
+
+    @classmethod
+    def from_lists(cls, lists: list) -> "Batch1GemvKernel":
+        return cls(*({tuple(shape): tuple(c) for shape, c in configs} for configs in lists))
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         config = _one_row_config(self.configs, x, weight)
         if config is None:
@@ -108,9 +121,12 @@ def time_in_graph_us(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: 
 
 
 @torch.inference_mode()
-def use_batch1_gemv(model: nn.Module, log: bool = True) -> Batch1GemvKernel | None:
+def use_batch1_gemv(model: nn.Module, log: bool = True, agree=None) -> Batch1GemvKernel | None:
     """Time cuBLAS against the Triton candidates for each 16-bit weight shape of the model's linear layers;
-    give every linear layer a kernel that uses the winners. Returns it, or None where nothing won."""
+    give every linear layer a kernel that uses the winners. Returns it, or None where nothing won.
+
+    A candidate is timed only once it matched a float64 reference on that shape (kernels/self_check.py).
+    `agree` (several ranks) maps this rank's choice to the one every rank uses (rank 0's timings decide)."""
     if os.environ.get("SHARDSERVE_GEMV", "auto") == "cublas":
         return None
     from shardserve.kernels.triton.fused_ops import rms_norm
@@ -128,36 +144,63 @@ def use_batch1_gemv(model: nn.Module, log: bool = True) -> Batch1GemvKernel | No
                 swiglu_by_shape.setdefault(tuple(w.shape), []).append(w.data)
             if hasattr(layer, "forward_normed"):
                 normed_by_shape.setdefault(tuple(w.shape), []).append(w.data)
-    configs, report = _choose(by_shape, 1, F.linear, gemv, "", CANDIDATES, -TIE)
+    configs, report = _choose(by_shape, 1, F.linear, gemv, "", CANDIDATES, -TIE,
+                              lambda x, w: F.linear(x.double(), w.double()))
     plain = Batch1GemvKernel(configs, {}, {})  # the winner for each plain product, the baseline of the fused ones
     swiglu_configs, swiglu_report = _choose(swiglu_by_shape, 2, lambda x, w: plain(silu_and_mul(x), w, None),
-                                            gemv_swiglu, "SwiGLU+", CANDIDATES, FUSED_MIN_GAIN)
+                                            gemv_swiglu, "SwiGLU+", CANDIDATES, FUSED_MIN_GAIN,
+                                            lambda x, w: F.linear(silu_and_mul(x.double()), w.double()))
     # Fused: the residual add and the norm in the GEMV (every program recomputes the row's statistics, so
     # wider row blocks are tried too). Unfused: the norm kernel, then the plain winner (conservative: the
     # unfused side skips the residual add).
     normed_configs, normed_report = _choose(
         normed_by_shape, 1, lambda x, w: plain(rms_norm(x, torch.ones_like(x[0]), 1e-5), w, None),
         lambda x, w, *c: gemv_rmsnorm(x, x, torch.ones_like(x[0]), 1e-5, w, *c)[0], "RMSNorm+",
-        CANDIDATES + NORMED_CANDIDATES, FUSED_MIN_GAIN)
+        CANDIDATES + NORMED_CANDIDATES, FUSED_MIN_GAIN, _normed_reference)
     if log and report:
         logger.info("batch-1 linear layers: %s", ", ".join(report + swiglu_report + normed_report))
-    if not configs and not swiglu_configs and not normed_configs:
-        return None
     kernel = Batch1GemvKernel(configs, swiglu_configs, normed_configs)
+    if agree is not None:
+        kernel = agree(kernel)
+    if not kernel.configs and not kernel.swiglu_configs and not kernel.normed_configs:
+        return None
     for layer in layers:
         layer.kernel = kernel
     return kernel
 
 
-def _choose(by_shape, inputs_per_column: int, baseline_fn, triton_fn, label: str, candidates, min_gain: float):
-    """Per weight shape, the fastest Triton candidate where it beats `baseline_fn` by `min_gain` (a fraction of
-    the baseline's time; negative: where it is at most that much slower); and a report."""
+def _normed_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float64 RMSNorm(x + x) (unit weight, eps 1e-5), rounded to x's dtype as the model does, then @ w^T."""
+    h = 2 * x.double()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+    return F.linear(h.double(), w.double())
+
+
+def _choose(by_shape, inputs_per_column: int, baseline_fn, triton_fn, label: str, candidates, min_gain: float,
+            reference_fn):
+    """Per weight shape, the fastest Triton candidate that matches `reference_fn` (float64) where it beats
+    `baseline_fn` by `min_gain` (a fraction of the baseline's time; negative: where it is at most that much
+    slower); and a report."""
+    from shardserve.kernels.self_check import TOLERANCE, relative_error
+
     configs, report = {}, []
     for shape, weights in by_shape.items():
         weights = weights[:32]
         x = torch.randn(1, inputs_per_column * shape[1], dtype=weights[0].dtype, device=weights[0].device)
+        reference = reference_fn(x, weights[0]).cpu()
+        correct = []
+        for c in candidates:
+            error = relative_error(triton_fn(x, weights[0], *c), reference)
+            if error <= TOLERANCE[weights[0].dtype]:
+                correct.append(c)
+            else:
+                logger.warning("Triton %sGEMV %s on %dx%d failed its start-up check (error %.2g against float64); "
+                               "not used", label, c, shape[0], shape[1], error)
         baseline = time_in_graph_us(baseline_fn, weights, x)
-        timed = [(time_in_graph_us(lambda x, w, c=c: triton_fn(x, w, *c), weights, x), c) for c in candidates]
+        timed = [(time_in_graph_us(lambda x, w, c=c: triton_fn(x, w, *c), weights, x), c) for c in correct]
+        if not timed:
+            report.append(f"{label}{shape[0]}x{shape[1]} no Triton candidate passed its check")
+            continue
         best_us, best = min(timed)
         if best_us < baseline * (1 - min_gain):
             configs[shape] = best

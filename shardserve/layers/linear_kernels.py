@@ -6,20 +6,21 @@
   parts of other vendors), this is about 1.5x faster for decode-sized batches and up to 3x for the
   LM head; in bfloat16 (CPUs with fast bfloat16 matmuls) 1.5x to 1.8x. The packed copy replaces the
   loaded weight, so memory does not double.
-- "bf16-decode": on CPUs without fast bfloat16 matmuls, a 16-bit checkpoint keeps a bfloat16 copy of
-  each weight for single-token steps (half the bytes a batch-1 decode step reads; a small AVX2 kernel
-  in shardserve/kernels widens it in registers, activations stay float32), and the oneDNN-packed
-  float32 form for larger batches, where that kernel is slower. It holds 1.5x the float32 weight bytes.
+- "bf16-decode": on CPUs computing in float32, a bfloat16 checkpoint keeps a bfloat16 copy of each weight
+  for single-token steps (half the bytes a batch-1 decode step reads; a small AVX2 kernel in
+  shardserve/kernels widens it in registers, activations stay float32), and the oneDNN-packed float32 form
+  for larger batches, where that kernel is slower. Both hold exactly the checkpoint's values (widening
+  bfloat16 to float32 is exact), so a request meets the same weights alone or in a batch; the plan offers
+  it only for bfloat16 checkpoints, and the start-up check would catch weights that bfloat16 cannot hold.
+  It holds 1.5x the float32 weight bytes.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -67,47 +68,20 @@ class BF16DecodeKernel(LinearKernel):
         return out if bias is None else out + bias
 
 
-def choose_linear_kernel(device: torch.device, dtype: torch.dtype, keep_bf16_weights: bool = False) -> LinearKernel:
-    """keep_bf16_weights: the checkpoint is in 16-bit floats, computed in float32 on a CPU."""
-    if device.type != "cpu":
-        return LinearKernel()
-    if dtype == torch.bfloat16:
-        # CPUs with fast bfloat16 matmuls: oneDNN's blocked layout beats F.linear's path on the weight as
-        # loaded, 1.5x for single-token steps and 1.8x at 16 rows on an AVX-512 BF16 part (SmolLM2 shapes).
-        return OneDNNPackedKernel() if _onednn_linear_works(torch.bfloat16) else LinearKernel()
-    if dtype != torch.float32:
-        return LinearKernel()
-    if keep_bf16_weights:
+def build_linear_kernel(name: str) -> tuple[LinearKernel | None, str]:
+    """The kernel of that name (kernels/plan.py LINEAR_KERNELS), or None and why it cannot run here. Whether it
+    computes the right numbers is checked on the model's own shapes at start-up (engine/kernel_setup.py)."""
+    if name == "torch":
+        return LinearKernel(), ""
+    if not torch.backends.mkldnn.is_available():
+        return None, "this torch build has no oneDNN"
+    if name == "onednn-packed":
+        return OneDNNPackedKernel(), ""
+    if name == "bf16-decode":
         from shardserve.kernels import bf16_gemv
 
         extension = bf16_gemv.load()
-        if extension is not None and _onednn_linear_works():
-            return BF16DecodeKernel(extension)
-    if _onednn_linear_works():
-        return OneDNNPackedKernel()
-    return LinearKernel()
-
-
-@functools.cache
-def _onednn_linear_works(dtype: torch.dtype = torch.float32) -> bool:
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w, x = torch.randn(8, 64).to(dtype), torch.randn(2, 64).to(dtype)
-        out = OneDNNPackedKernel()(x, OneDNNPackedKernel().prepare(w), None)
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        expected = F.linear(x, w).float()
-        return out.dtype == dtype and torch.allclose(out.float(), expected, atol=tolerance, rtol=tolerance)
-    except (RuntimeError, AttributeError):
-        return False
-
-
-def pack_linear_weights(model: nn.Module, kernel: LinearKernel) -> int:
-    """Give every layer with a `use_kernel` hook the kernel; returns how many layers were packed."""
-    count = 0
-    for module in model.modules():
-        hook = getattr(module, "use_kernel", None)
-        if hook is not None:
-            hook(kernel)
-            count += 1
-    return count
+        if extension is None:
+            return None, "the bfloat16 CPU extension could not be built (it needs AVX2/FMA and a C++ compiler)"
+        return BF16DecodeKernel(extension), ""
+    raise ValueError(f"unknown linear kernel {name!r}")

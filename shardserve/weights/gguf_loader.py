@@ -248,6 +248,8 @@ def _hf_config(header: GGUFHeader, path: str) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "torch_dtype": _torch_dtype(header.tensors),
+        # Dequantized values are exact in float32 only: a CPU computing in float32 keeps them so.
+        "gguf_quantized": _quantized(header.tensors),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
@@ -274,7 +276,12 @@ def _torch_dtype(tensors: list[GGUFTensorInfo]) -> str:
         return "float32"
     if types <= {GGMLQuantizationType.F32, GGMLQuantizationType.F16}:
         return "float16"
-    return "bfloat16"  # bf16 or quantized weights: bf16 has the range to hold them
+    return "bfloat16"  # bf16 or quantized weights: bf16 has the range to hold them (GPUs compute in it)
+
+
+def _quantized(tensors: list[GGUFTensorInfo]) -> bool:
+    plain = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+    return any(t.ggml_type not in plain for t in tensors)
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.kernels import bf16_gemv
-from shardserve.layers.linear_kernels import BF16DecodeKernel, choose_linear_kernel
+from shardserve.layers.linear_kernels import BF16DecodeKernel, build_linear_kernel
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_matches_float64_reference(extension, rows, k):
 
 
 def test_decode_kernel_single_row_and_batches_agree(extension):
-    kernel = choose_linear_kernel(torch.device("cpu"), torch.float32, keep_bf16_weights=True)
+    kernel, _ = build_linear_kernel("bf16-decode")
     assert isinstance(kernel, BF16DecodeKernel)
     w = torch.randn(256, 96).to(torch.bfloat16).float()  # values exactly representable in bfloat16
     bias = torch.randn(256)

@@ -1,0 +1,249 @@
+"""Start-up of one rank's kernels: check each chosen kernel on this model's shapes, agree with the other
+ranks, attach them, and compare the finished kernel plan (kernels/plan.py) across ranks.
+
+Every function here that takes a RankContext is a collective: all ranks call it in the same order. A kernel
+that fails its check on any rank is dropped on every rank (with a WARNING naming the rank and the error),
+so the ranks never run one model two ways; if no candidate is left, start-up stops on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import time
+
+import torch
+from torch import nn
+
+from shardserve.attention import StepBatch
+from shardserve.distributed.control_plane import all_gather_msgpack
+from shardserve.distributed.handshake import StartupMismatch
+from shardserve.distributed.process_group import RankContext
+from shardserve.engine.kv_cache import allocate_kv_cache
+from shardserve.engine.step_plan import SeqChunk
+from shardserve.kernels.plan import KernelPlan, KernelPlanError
+from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, check_linear,
+                                           relative_error, rotate_reference)
+from shardserve.layers.linear import KernelLinear
+from shardserve.layers.linear_kernels import build_linear_kernel
+
+logger = logging.getLogger(__name__)
+
+
+def _gather(value, ctx: RankContext) -> list:
+    if ctx.world_size == 1:
+        return [value]
+    return all_gather_msgpack(value, ctx.control_group, ctx.world_size)
+
+
+def _failures(local: CheckResult | None, ctx: RankContext) -> list[str]:
+    """Every rank's failed check (None: passed), as 'rank R (host): what failed', agreed on all ranks."""
+    mine = None if local is None else local.describe()
+    gathered = _gather([ctx.rank, socket.gethostname(), mine], ctx)
+    return [f"rank {rank} ({host}): {failure}" for rank, host, failure in gathered if failure is not None]
+
+
+def linear_layers_by_shape(model: nn.Module) -> dict[tuple, KernelLinear]:
+    """One layer of each distinct (weight shape, with bias) among the model's linear layers, in model order:
+    what this rank's kernels must be right on (sharded, replicated and the vocabulary-parallel head)."""
+    found: dict[tuple, KernelLinear] = {}
+    for module in model.modules():
+        if isinstance(module, KernelLinear) and module.prepared is None:
+            found.setdefault((tuple(module.weight.shape), _bias(module) is not None), module)
+    return found
+
+
+def _bias(layer: KernelLinear) -> torch.Tensor | None:
+    bias = getattr(layer, "bias", None)
+    return None if bias is None else bias.data
+
+
+def choose_linear_kernel(model: nn.Module, plan: KernelPlan, ctx: RankContext):
+    """The first of the plan's linear candidates that passes its check on every distinct shape on every rank."""
+    layers = linear_layers_by_shape(model)
+    failed: list[str] = []
+    for name in plan.linear_candidates:
+        kernel, unavailable = build_linear_kernel(name)
+        worst: CheckResult | None = None
+        if kernel is None:
+            worst = CheckResult(name, math.inf, 0.0, unavailable)
+        else:
+            for (shape, _), layer in layers.items():
+                result = check_linear(kernel, layer.weight.data, _bias(layer), plan.dtype,
+                                      f"{name} {shape[0]}x{shape[1]}")
+                if not result.passed:
+                    worst = result
+                    break
+        problems = _failures(worst, ctx)
+        if not problems:
+            return kernel
+        failed += problems
+        rest = plan.linear_candidates[plan.linear_candidates.index(name) + 1:]
+        if ctx.is_driver:
+            logger.warning("linear kernel %s failed its start-up check, %s: %s", name,
+                           f"using {rest[0]} instead" if rest else "and no other candidate is left",
+                           "; ".join(problems))
+    raise KernelPlanError("no linear kernel passed its start-up check against a float64 reference, so start-up "
+                          "stops here:\n  " + "\n  ".join(failed))
+
+
+def attach_linear_kernel(model: nn.Module, kernel) -> int:
+    """Give every linear layer the kernel (preparing its weights); returns how many layers were prepared."""
+    if kernel.name == "torch":
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, KernelLinear):
+            module.use_kernel(kernel)
+            count += 1
+    return count
+
+
+# -- attention ------------------------------------------------------------------------------------------
+
+
+def _attention_steps(block_size: int) -> tuple[list[list[SeqChunk]], int]:
+    """Three steps over a paged cache that exercise every path of a backend: two prompts (one of them longer
+    than a 16-token block), then a decode beside a prompt continued in a chunk, then decoding only. Returns
+    the steps and how many cache blocks they use (block 0 stays the zeroed padding block)."""
+    def blocks(first: int, positions: int) -> list[int]:
+        return list(range(first, first + -(-positions // block_size)))
+
+    table0 = blocks(1, 9)
+    table1 = blocks(1 + len(table0), 23)
+    first = [SeqChunk(0, 0, [0] * 7, table0, True), SeqChunk(1, 0, [0] * 19, table1, True)]
+    second = [SeqChunk(0, 7, [0], table0, True), SeqChunk(1, 19, [0] * 3, table1, True)]
+    third = [SeqChunk(0, 8, [0], table0, True), SeqChunk(1, 22, [0], table1, True)]
+    return [first, second, third], 1 + len(table0) + len(table1)
+
+
+@torch.inference_mode()
+def check_attention(backend, attn, rotary, dtype: torch.dtype, device: torch.device, block_size: int,
+                    seed: int = 0) -> CheckResult:
+    """The backend on a small paged batch (prefill, chunked prefill beside decode, decode) against float64
+    attention, with the model's own head layout (attn: a PagedAttention) and rotary tables."""
+    name = f"{backend.name} attention ({attn.num_heads} heads, {attn.num_kv_heads} KV heads, dim {attn.head_dim})"
+    tolerance = TOLERANCE.get(dtype, 1e-2)
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        steps, num_blocks = _attention_steps(block_size)
+        (k_cache, v_cache), = allocate_kv_cache(1, num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype,
+                                                device)
+        history: dict[int, tuple[list, list]] = {}  # seq -> rotated keys, values (float64, by position)
+        worst = 0.0
+        heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        for chunks in steps:
+            batch = StepBatch.from_chunks(chunks, block_size)
+            n = batch.num_tokens
+            qk = torch.randn(n, heads + kv_heads, dim, generator=generator).to(dtype)
+            v = torch.randn(n, kv_heads, dim, generator=generator).to(dtype)
+            positions = torch.tensor(batch.positions, dtype=torch.long)
+            cos, sin = rotary.cos[positions].double().cpu(), rotary.signed_sin[positions].double().cpu()
+            rotated = rotate_reference(qk.double(), cos, sin)
+            expected = torch.empty(n, heads * dim, dtype=torch.float64)
+            for i, chunk in enumerate(batch.chunks):
+                rows = slice(batch.row_start[i], batch.row_start[i + 1])
+                keys, values = history.setdefault(chunk.seq_id, ([], []))
+                keys.append(rotated[rows, heads:])
+                values.append(v[rows].double())
+                expected[rows] = attention_reference(rotated[rows, :heads], torch.cat(keys), torch.cat(values),
+                                                     list(attn.kv_index_tuple), attn.scale, chunk.start_position)
+            meta = backend.build_metadata(batch)
+            out = backend.forward(attn, qk.to(device), v.to(device), rotary.lookup(positions.to(device)),
+                                  (k_cache, v_cache), meta)
+            worst = max(worst, relative_error(out, expected))
+        return CheckResult(name, worst, tolerance)
+    except Exception as e:  # noqa: BLE001 - a backend that cannot run this batch fails its check
+        return CheckResult(name, math.inf, tolerance, f"{type(e).__name__}: {e}")
+
+
+def verify_attention(backend, attn, rotary, dtype, device, block_size, ctx: RankContext) -> None:
+    problems = _failures(_only_failed(check_attention(backend, attn, rotary, dtype, device, block_size)), ctx)
+    if problems:
+        raise KernelPlanError("the attention backend failed its start-up check against a float64 reference, so "
+                              "start-up stops here:\n  " + "\n  ".join(problems))
+
+
+def _only_failed(result: CheckResult) -> CheckResult | None:
+    return None if result.passed else result
+
+
+# -- all-reduce -----------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def check_all_reduce(comm, dtype: torch.dtype, device: torch.device, message_bytes: list[int]) -> CheckResult:
+    """The communicator's all-reduce at each message size on known values: rank r sends (r + 1) times small
+    integers (exact in every dtype), so the sum is exact and must come back bit for bit on every rank."""
+    world = comm.world_size
+    name = "all-reduce"
+    for nbytes in message_bytes:
+        numel = max(1, nbytes // dtype.itemsize)
+        base = (torch.arange(numel, device=device) % 7 - 3).to(dtype)
+        try:
+            out = comm.all_reduce(base * (comm.rank + 1))
+            expected = base * (world * (world + 1) // 2)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            wrong = int((out != expected).sum())
+        except Exception as e:  # noqa: BLE001
+            return CheckResult(f"{name} at {nbytes} bytes", math.inf, 0.0, f"{type(e).__name__}: {e}")
+        if wrong:
+            return CheckResult(f"{name} at {nbytes} bytes", math.inf, 0.0,
+                               f"{wrong} of {numel} sums wrong")
+    return CheckResult(name, 0.0, 0.0)
+
+
+def verify_all_reduce(comm, dtype, device, message_bytes: list[int], ctx: RankContext) -> bool:
+    """Check the chosen all-reduce methods; if any rank sees a wrong sum, fall back to the process group's own
+    all-reduce (gloo or NCCL) on every rank and check that. Returns whether the fallback was taken."""
+    problems = _failures(_only_failed(check_all_reduce(comm, dtype, device, message_bytes)), ctx)
+    if not problems:
+        return False
+    if comm.choice is not None:
+        if ctx.is_driver:
+            logger.warning("the chosen all-reduce failed its start-up check, using the process group's own "
+                           "all-reduce instead: %s", "; ".join(problems))
+        comm.use(None)
+        problems = _failures(_only_failed(check_all_reduce(comm, dtype, device, message_bytes)), ctx)
+        if not problems:
+            return True
+    raise KernelPlanError("the all-reduce gave wrong sums in its start-up check, so start-up stops here:\n  "
+                          + "\n  ".join(problems))
+
+
+# -- the plan across ranks ------------------------------------------------------------------------------
+
+
+def agree_on_gemv(kernel, ctx: RankContext):
+    """Rank 0's batch-1 GEMV choice, on every rank: timings differ a little between GPUs, and ranks that
+    picked different kernels for one shape would round their shards differently."""
+    if ctx.world_size == 1:
+        return kernel
+    chosen = _gather(kernel.as_lists(), ctx)[0]
+    return type(kernel).from_lists(chosen)
+
+
+
+def agree_on_plan(plan: KernelPlan, ctx: RankContext) -> None:
+    """Every rank must have arrived at the same plan; otherwise stop, naming the ranks and their plans."""
+    gathered = _gather([ctx.rank, socket.gethostname(), plan.describe()], ctx)
+    reference = gathered[0][2]
+    differing = [f"rank {rank} ({host}): {described}" for rank, host, described in gathered[1:]
+                 if described != reference]
+    if differing:
+        raise StartupMismatch(f"the ranks did not arrive at the same kernel plan, so start-up stops here:\n  "
+                              f"rank 0 ({gathered[0][1]}): {reference}\n  " + "\n  ".join(differing))
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds += time.perf_counter() - self._started

@@ -1,0 +1,179 @@
+"""Start-up self-checks: every kernel a rank is about to use is run on this model's shapes against float64;
+one that fails is dropped on every rank (with a warning naming it, the rank and the error), and start-up
+stops when nothing is left."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardserve.attention.sdpa import SdpaBackend
+from shardserve.distributed.handshake import StartupMismatch
+from shardserve.engine import kernel_setup
+from shardserve.engine.sampling_params import SamplingParams
+from shardserve.entrypoints.llm import LLM
+from shardserve.kernels.plan import KernelPlanError
+from shardserve.kernels.self_check import check_linear
+from shardserve.layers.attention import PagedAttention
+from shardserve.layers.linear_kernels import LinearKernel, OneDNNPackedKernel, build_linear_kernel
+from shardserve.layers.rotary import RotaryEmbedding
+from tests.ranks import run_ranks
+
+
+class TileLimitedKernel(LinearKernel):
+    """F.linear that, like a kernel past its tile limit, leaves outputs beyond the first 64 features at zero."""
+
+    name = "tile-limited"
+
+    def __call__(self, x, weight, bias):
+        out = F.linear(x, weight, bias)
+        out[..., 64:] = 0
+        return out
+
+
+def _shapes():
+    # qkv / o / gate-up / down / head of a small model, a ragged shard width (75) and a one-row head shard.
+    return [(480, 96), (96, 288), (300, 96), (96, 150), (75, 96), (1000, 96), (1, 96)]
+
+
+@pytest.mark.parametrize("name, dtype", [("torch", torch.float32), ("onednn-packed", torch.float32),
+                                         ("bf16-decode", torch.float32), ("torch", torch.bfloat16),
+                                         ("onednn-packed", torch.bfloat16)])
+def test_every_cpu_kernel_passes_on_real_and_ragged_shapes(name, dtype):
+    kernel, why = build_linear_kernel(name)
+    if kernel is None:
+        pytest.skip(why)
+    for n, k in _shapes():
+        weight = torch.randn(n, k).to(torch.bfloat16).to(dtype)  # values a bfloat16 checkpoint holds
+        result = check_linear(kernel, weight, torch.randn(n).to(dtype), dtype, f"{name} {n}x{k}")
+        assert result.passed, result.describe()
+
+
+def test_a_tile_limit_and_silently_narrowed_weights_fail_the_check():
+    weight = torch.randn(300, 96)
+    tiled = check_linear(TileLimitedKernel(), weight, None, torch.float32, "tile-limited 300x96")
+    assert not tiled.passed and tiled.error > 0.5
+    kernel, why = build_linear_kernel("bf16-decode")
+    if kernel is None:
+        pytest.skip(why)
+    # float16 checkpoint values rounded to bfloat16 for single-token steps: about 2^-9, far above float32's 1e-5.
+    narrowed = check_linear(kernel, torch.randn(300, 96).half().float(), None, torch.float32, "bf16-decode 300x96")
+    assert not narrowed.passed and 1e-4 < narrowed.error < 1e-2
+    assert "error" in narrowed.describe() and "tolerance 1e-05" in narrowed.describe()
+
+
+def test_a_kernel_that_fails_on_this_model_is_dropped_with_a_warning_and_the_next_one_serves(
+        tiny_model_dir, monkeypatch, caplog):
+    """onednn-packed made to break on this model's widest layers: the engine falls back to torch and the
+    tokens are those of a clean run."""
+    model = tiny_model_dir("llama-untied")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 9, 13, 21], [40, 41, 42]]
+    monkeypatch.setenv("SHARDSERVE_LINEAR_KERNEL", "torch")
+    with LLM(model, kv_cache_memory_gb=0.05) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.delenv("SHARDSERVE_LINEAR_KERNEL")
+
+    def broken(self, x, weight, bias):
+        out = original(self, x, weight, bias)
+        if out.shape[-1] > 256:
+            out[..., 256:] = 0
+        return out
+
+    original = OneDNNPackedKernel.__call__
+    monkeypatch.setattr(OneDNNPackedKernel, "__call__", broken)
+    with caplog.at_level(logging.WARNING), LLM(model, kv_cache_memory_gb=0.05) as llm:
+        assert llm.engine.runner.plan.linear == "torch"
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    warning = next(r.getMessage() for r in caplog.records if "failed its start-up check" in r.getMessage())
+    assert "linear kernel onednn-packed" in warning and "using torch instead" in warning
+    assert "rank 0" in warning and "error" in warning
+
+
+def test_start_up_stops_when_no_linear_kernel_passes(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("SHARDSERVE_LINEAR_KERNEL", "torch")
+    monkeypatch.setattr(kernel_setup, "build_linear_kernel", lambda name: (TileLimitedKernel(), ""))
+    with pytest.raises(KernelPlanError) as e:
+        LLM(tiny_model_dir("llama-untied"), kv_cache_memory_gb=0.05)
+    message = str(e.value)
+    assert "no linear kernel passed its start-up check" in message
+    assert "rank 0" in message and "tile-limited" not in message.split("\n")[0]
+    assert re.search(r"rank 0 \(.*\): torch \d+x128: error 0\.\d+ \(tolerance 1e-05\)", message), message
+
+
+@pytest.mark.parametrize("heads, kv_heads, kv_index", [(6, 2, (0, 0, 0, 1, 1, 1)), (4, 4, (0, 1, 2, 3)),
+                                                        (2, 2, (0, 1)),  # a rank's heads straddling two groups
+                                                        (3, 1, (0, 0, 0))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_attention_check_passes_sdpa_on_every_head_layout(heads, kv_heads, kv_index, dtype):
+    attn = PagedAttention(heads, kv_heads, 32, kv_index)
+    rotary = RotaryEmbedding(32, 128, 10000.0, None, dtype)
+    result = kernel_setup.check_attention(SdpaBackend(torch.device("cpu"), 16), attn, rotary, dtype,
+                                          torch.device("cpu"), 16)
+    assert result.passed, result.describe()
+
+
+class NoMaskBackend(SdpaBackend):
+    """Prompts attend to every position of their chunk, later ones included: a causal mask lost."""
+
+    def forward(self, layer, qk, v, rotary, cache, meta):
+        for chunk in meta.prefills:
+            chunk.first_position = 0
+        out = super().forward(layer, qk, v, rotary, cache, meta)
+        return out if not meta.prefills else out.roll(1, dims=0)
+
+
+def test_the_attention_check_catches_a_broken_backend():
+    attn = PagedAttention(4, 2, 32, (0, 0, 1, 1))
+    rotary = RotaryEmbedding(32, 128, 10000.0, None, torch.float32)
+    result = kernel_setup.check_attention(NoMaskBackend(torch.device("cpu"), 16), attn, rotary, torch.float32,
+                                          torch.device("cpu"), 16)
+    assert not result.passed and "torch-sdpa attention (4 heads, 2 KV heads, dim 32)" in result.describe()
+
+
+def _two_rank_checks(rank: int, port: int, results) -> None:
+    """Rank 1's oneDNN kernel is broken: both ranks must drop it. Then the all-reduce check, and the plans
+    compared with one rank's plan different."""
+    from torch import nn
+
+    from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
+    from shardserve.kernels.plan import KernelPlan
+    from shardserve.layers.linear import ColumnParallelLinear
+
+    torch.set_num_threads(1)
+    ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}", control_token="t" * 64)
+    try:
+        if rank == 1:
+            OneDNNPackedKernel.__call__ = lambda self, x, w, b: torch.zeros(x.shape[0], 300)
+        model = nn.Sequential(ColumnParallelLinear(96, {None: (0, 300)}, True, torch.float32))
+        for p in model.parameters():
+            p.data.normal_()
+        plan = KernelPlan("cpu", torch.float32, ("onednn-packed", "torch"))
+        chosen = kernel_setup.choose_linear_kernel(model, plan, ctx)
+        reduced_ok = not kernel_setup.verify_all_reduce(ctx.comm, torch.float32, torch.device("cpu"),
+                                                        [4, 4096, 1 << 20], ctx)
+        try:
+            kernel_setup.agree_on_plan(plan.with_results(linear="torch" if rank == 0 else "onednn-packed"), ctx)
+            agreed = "agreed"
+        except StartupMismatch as e:
+            agreed = str(e)
+        results.put((rank, (chosen.name, reduced_ok, agreed)))
+    except Exception as e:  # noqa: BLE001
+        results.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        destroy_rank_context(ctx)
+
+
+def test_ranks_drop_a_kernel_that_fails_on_one_of_them_and_refuse_different_plans():
+    outcome = run_ranks(_two_rank_checks, 2)
+    for rank in (0, 1):
+        assert not isinstance(outcome[rank], str), outcome[rank]
+        name, reduced_ok, agreed = outcome[rank]
+        assert name == "torch", f"rank {rank} kept a kernel that failed on rank 1"
+        assert reduced_ok
+        assert "did not arrive at the same kernel plan" in agreed
+        assert "rank 1 (" in agreed and "linear onednn-packed" in agreed
