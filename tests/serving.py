@@ -147,7 +147,8 @@ def wait_until_healthy(url: str, procs: list[subprocess.Popen], timeout: float, 
 
 
 @contextmanager
-def serve_cli(args: list[str], timeout: float = 180.0, launcher: list[str] | None = None) -> Iterator[str]:
+def serve_cli(args: list[str], timeout: float = 180.0, launcher: list[str] | None = None,
+              env: dict[str, str] | None = None) -> Iterator[str]:
     """`python -m shardserve serve ARGS --port P` as a subprocess (or `LAUNCHER -m shardserve ...`, e.g.
     torchrun); yields the base URL once /health answers 200.
 
@@ -158,7 +159,7 @@ def serve_cli(args: list[str], timeout: float = 180.0, launcher: list[str] | Non
     prefix = launcher if launcher is not None else [sys.executable]
     proc = subprocess.Popen([*prefix, "-m", "shardserve", "serve", *args, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     output: deque[str] = deque(maxlen=2000)
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()

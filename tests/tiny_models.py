@@ -23,6 +23,7 @@ class TinySpec:
     architecture: str
     config: dict[str, Any] = field(default_factory=dict)
     max_shard_size: str | None = None
+    dtype: str = "float32"  # the dtype the checkpoint is saved in
 
 
 TINY_SPECS = {
@@ -44,6 +45,17 @@ TINY_SPECS = {
     "qwen3": TinySpec("qwen3", "qwen3", dict(
         hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=32, intermediate_size=192,
         tie_word_embeddings=False)),
+}
+
+
+# Odd shapes, saved as 16-bit checkpoints: 5 query heads over 1 KV head (attention replicated at TP 2 and 3,
+# fewer KV heads than ranks), 150 MLP features (75 and 50 per rank: ragged kernel widths) and a vocabulary of
+# 1000 that 3 ranks do not split evenly.
+_ODD = dict(hidden_size=80, num_attention_heads=5, num_key_value_heads=1, head_dim=16, intermediate_size=150,
+            tie_word_embeddings=False)
+CHECKPOINT_DTYPE_SPECS = {
+    f"llama-odd-{dtype}": TinySpec(f"llama-odd-{dtype}", "llama", _ODD, dtype=dtype)
+    for dtype in ("bfloat16", "float16")
 }
 
 
@@ -92,6 +104,9 @@ def make_tiny_model(spec: TinySpec, path: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_hf_config(spec), dtype=torch.float32)
     _perturb(model, torch.Generator().manual_seed(seed + 1))
+    if spec.dtype != "float32":
+        model = model.to(getattr(torch, spec.dtype))
+        model.config.dtype = spec.dtype
     kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     write_tokenizer(path)

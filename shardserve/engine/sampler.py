@@ -10,9 +10,13 @@ Semantics per row, as for one request alone:
   least the best token), and one token is drawn from what is left.
 
 Invariant: a seeded row's draw depends only on its own generator (seeded from `params.seed`, kept
-per sequence until `forget`) and its own logits, never on the other rows of the batch, so a seeded
-request gives the same tokens alone or in any batch. Unseeded rows share one generator per device,
-seeded from the engine seed.
+per sequence until `forget`) and its own logits, never on the other rows of the batch. Whether its
+logits are themselves independent of the batch is the model's business, not the sampler's: on CPUs
+under --dtype auto (float32 throughout, the same weights at every batch size) they differ at most in
+the last float32 bits, which leaves greedy and seeded tokens the same in the tests; in bfloat16, and
+on GPUs, kernels picked per batch size round differently, so a seeded or greedy request may take
+another path in a batch than alone. Unseeded rows share one generator per device, seeded from the
+engine seed.
 """
 
 from __future__ import annotations

@@ -79,3 +79,17 @@ def test_smollm2_gguf_tp2_answers_paris_streamed_and_not(smollm2_gguf):
             model="smol", messages=messages, temperature=0, max_tokens=40, stream=True) if chunk.choices)
         assert streamed == text
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "smol"
+
+
+def test_readme_tp2_command_answers_paris_on_a_cpu_without_native_bfloat16(smollm2_gguf):
+    """The README's command, exactly, with oneDNN held to AVX-512 without BF16 (the Xeon on which it once
+    answered "L'Étoile, la Marseillaise, la femme, ..." with HTTP 200): forced here on any CPU."""
+    with serve_cli([smollm2_gguf, "-tp", "2", "--device", "cpu", "--served-model-name", "smollm2"],
+                   timeout=600, env={"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}) as url:
+        import openai
+
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        answer = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0, max_tokens=24)
+        assert "Paris" in answer.choices[0].message.content

@@ -143,6 +143,7 @@ def test_tiny_llama_config(tmp_path: Path) -> None:
         "tie_word_embeddings": True,
         "attention_bias": False,
         "torch_dtype": "float16",
+        "gguf_quantized": False,
         "bos_token_id": 1,
         "eos_token_id": 2,
         "rope_scaling": {"rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 64},
@@ -243,6 +244,7 @@ def test_config_matches_transformers(smollm2_gguf: str, reference_model: torch.n
     assert config["rope_theta"] == expected.rope_parameters["rope_theta"]
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["torch_dtype"] == "bfloat16"
+    assert config["gguf_quantized"] is True  # Q4_1: exact in float32 only
 
 
 def test_config_and_tensors_rebuild_the_reference_model(
