@@ -226,7 +226,8 @@ def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
         print(stdout[-2000:], stderr[-6000:], sep="\n", flush=True)
         return {"error": f"exit {proc.returncode}: {stderr.strip().splitlines()[-1:]}"}
     log = [ln for ln in stderr.splitlines() if " INFO " in ln or "WARNING" in ln]
-    print("\n".join(log[-20:]), flush=True)
+    plan = [ln for ln in log[:-20] if "kernel plan:" in ln or "WARNING" in ln]  # start-up lines worth keeping
+    print("\n".join(plan + log[-20:]), flush=True)
     print(f"   ({time.perf_counter() - t:.0f} s)", flush=True)
     return json.loads(lines[-1][len("RESULT "):])
 

@@ -88,16 +88,18 @@ def choose_linear_kernel(model: nn.Module, plan: KernelPlan, ctx: RankContext):
                           "stops here:\n  " + "\n  ".join(failed))
 
 
-def attach_linear_kernel(model: nn.Module, kernel) -> int:
-    """Give every linear layer the kernel (preparing its weights); returns how many layers were prepared."""
+def attach_linear_kernel(model: nn.Module, kernel) -> tuple[int, int]:
+    """Give every linear layer the kernel (preparing its weights). Returns how many layers were prepared and how
+    many of them keep a compact copy for decode steps beside the float32 one (bf16-decode, blockq-decode)."""
     if kernel.name == "torch":
-        return 0
-    count = 0
+        return 0, 0
+    count = compact = 0
     for module in model.modules():
         if isinstance(module, KernelLinear):
             module.use_kernel(kernel)
             count += 1
-    return count
+            compact += isinstance(module.prepared, tuple) and len(module.prepared) > 1
+    return count, compact
 
 
 # -- attention ------------------------------------------------------------------------------------------

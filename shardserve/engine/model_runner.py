@@ -226,9 +226,10 @@ class ModelRunner:
             with self.self_check:
                 self.linear_kernel = kernel_setup.choose_linear_kernel(model, self.plan, self.ctx)
             self.plan = self.plan.with_results(linear=self.linear_kernel.name)
-        packed = kernel_setup.attach_linear_kernel(model, self.linear_kernel)
+        packed, compact = kernel_setup.attach_linear_kernel(model, self.linear_kernel)
         if packed and self.ctx.is_driver:
-            logger.info("linear layers: %s kernels (%d layers prepared)", self.linear_kernel.name, packed)
+            logger.info("linear layers: %s kernels (%d layers prepared%s)", self.linear_kernel.name, packed,
+                        f", {compact} with a compact copy for decode steps" if compact else "")
         model.eval()
         if self.device.type == "cuda":
             gemv = use_batch1_gemv(model, log=self.ctx.is_driver, agree=lambda c: kernel_setup.agree_on_gemv(c, self.ctx))

@@ -11,7 +11,8 @@ On CPUs `--dtype auto` computes in float32 whatever the checkpoint: every matmul
 activation is kept in float32, so a request's tokens do not depend on how many others share its batch or
 on how many ranks split its layers (bfloat16 activations round each partial result, and the rounding
 differs with the kernel a batch size or a shard width picks). A bfloat16 checkpoint keeps its weights in
-bfloat16 for single-token steps (exact: the float32 copy for batches holds the same values).
+bfloat16 for single-token steps and a GGUF-quantized one its 4- or 8-bit blocks (exact, both: the float32
+copy for batches holds the same values).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from shardserve.config import DTYPES, EngineConfig, ModelConfig
 from shardserve.kernels.cpu_features import CpuFeatures
 
 LINEAR_KERNEL_ENV = "SHARDSERVE_LINEAR_KERNEL"
-LINEAR_KERNELS = ("bf16-decode", "onednn-packed", "torch")
+LINEAR_KERNELS = ("bf16-decode", "blockq-decode", "onednn-packed", "torch")
 # Variables that force a choice the plan would otherwise make itself; each one in effect is shown in the plan.
 OVERRIDE_ENV = (LINEAR_KERNEL_ENV, "SHARDSERVE_ALL_REDUCE", "SHARDSERVE_GEMV", "SHARDSERVE_DISABLE_TRITON",
                 "SHARDSERVE_MIN_SHARD_WIDTH", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
@@ -90,8 +91,10 @@ def linear_candidates(device: str, dtype: torch.dtype, model_config: ModelConfig
     if device != "cpu":
         return ("torch",)  # cuBLAS; batch-1 Triton GEMVs are chosen per shape after loading (layers/cuda_gemv.py)
     if dtype == torch.float32:
-        bf16_exact = model_config.checkpoint_dtype() == torch.bfloat16 and not model_config.quantized
-        if bf16_exact and features is not None and features.avx2_fma:
+        avx2 = features is not None and features.avx2_fma
+        if avx2 and model_config.quantized:
+            return ("blockq-decode", "onednn-packed", "torch")  # GGUF blocks, recovered exactly where they are
+        if avx2 and model_config.checkpoint_dtype() == torch.bfloat16:
             return ("bf16-decode", "onednn-packed", "torch")
         return ("onednn-packed", "torch")
     if dtype == torch.bfloat16:

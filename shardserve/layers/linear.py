@@ -7,6 +7,7 @@ columns of the checkpoint tensor it owns, so sharding lives next to the layer, n
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Hashable
 
 import torch
@@ -32,9 +33,15 @@ class KernelLinear(nn.Module):
 
     kernel: LinearKernel = _DEFAULT_KERNEL
     prepared: Any = None
+    # Whole on every rank (a block that does not split): the ranks compare its weights after loading
+    # (weights/consistency.py), by the digest taken before a kernel prepared its own layout.
+    replicated = False
+    loaded_digest: str | None = None
 
     def use_kernel(self, kernel: LinearKernel) -> None:
         self.kernel = kernel
+        if self.replicated:
+            self.loaded_digest = tensor_digest(self.weight.data)
         self.prepared = kernel.prepare(self.weight.data)
         # Drop this module's reference to the loaded weight so its memory can go (a tied embedding
         # keeps its own reference for lookups).
@@ -49,6 +56,12 @@ class KernelLinear(nn.Module):
         if swiglu is not None and self.prepared is None:
             return swiglu(gate_up, self.weight)
         return self.matmul(silu_and_mul(gate_up))
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 (first 16 hex digits) of a tensor's bytes."""
+    data = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def load_whole(param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:

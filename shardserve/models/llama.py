@@ -34,6 +34,7 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, parts, cfg.qkv_bias, dtype)
         self.o_proj = RowParallelLinear((q0 * hd, q1 * hd), cfg.hidden_size, cfg.o_bias, dtype,
                                         comm if shard.sharded else None)
+        self.qkv_proj.replicated = self.o_proj.replicated = not shard.sharded
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = PagedAttention(shard.num_q, shard.num_kv, hd, shard.kv_index)
@@ -59,6 +60,7 @@ class MLP(nn.Module):
         rows, sharded = split_rows(cfg.intermediate_size, comm.rank, comm.world_size, "mlp")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {0: rows, 1: rows}, cfg.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(rows, cfg.hidden_size, cfg.mlp_bias, dtype, comm if sharded else None)
+        self.gate_up_proj.replicated = self.down_proj.replicated = not sharded
         self.down_proj.takes_swiglu_input = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:

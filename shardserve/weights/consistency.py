@@ -1,13 +1,15 @@
 """After loading, the ranks compare their replicated weights: a corrupted file or a different
 checkpoint on one node is caught before the first request instead of showing up as garbage output.
 
-Every rank holds the same full copy of each norm weight, whatever the tensor-parallel size, so their
-digests must be equal on every rank.
+Every rank holds the same full copy of each norm weight, whatever the tensor-parallel size, and of each
+linear layer that does not split (replicated blocks), so their digests must be equal on every rank. A
+linear layer whose kernel re-laid its weight out (a packed copy) is compared by the digest of the weight
+as loaded, taken just before; the packed copy itself is checked against float64 at start-up
+(engine/kernel_setup.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import socket
 
 import torch
@@ -16,6 +18,7 @@ from torch import nn
 
 from shardserve.distributed.control_plane import all_gather_msgpack
 from shardserve.distributed.handshake import StartupMismatch
+from shardserve.layers.linear import KernelLinear, tensor_digest
 from shardserve.layers.norm import RMSNorm
 
 
@@ -23,11 +26,15 @@ def replicated_digests(model: nn.Module) -> dict[str, str]:
     """name -> sha256 (first 16 hex digits) of each replicated parameter's bytes."""
     digests = {}
     for module_name, module in model.named_modules():
+        if isinstance(module, KernelLinear) and module.replicated:
+            weight = module.loaded_digest if module.prepared is not None else tensor_digest(module.weight)
+            digests[f"{module_name}.weight"] = weight
+            if module.bias is not None:
+                digests[f"{module_name}.bias"] = tensor_digest(module.bias)
         if not isinstance(module, RMSNorm):
             continue
         for name, param in module.named_parameters(recurse=False):
-            data = param.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-            digests[f"{module_name}.{name}"] = hashlib.sha256(data).hexdigest()[:16]
+            digests[f"{module_name}.{name}"] = tensor_digest(param)
     return digests
 
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardserve.kernels import bf16_gemv
+from shardserve.kernels import cpu_extensions
 from shardserve.layers.linear_kernels import BF16DecodeKernel, build_linear_kernel
 
 
 @pytest.fixture(scope="module")
 def extension():
-    ext = bf16_gemv.load()
+    ext = cpu_extensions.bf16_gemv()
     if ext is None:
         pytest.skip("the bfloat16 CPU kernel could not be built here (needs AVX2/FMA and a C++ compiler)")
     return ext

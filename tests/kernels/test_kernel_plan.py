@@ -74,9 +74,11 @@ def test_only_exact_bfloat16_weights_get_the_bfloat16_decode_kernel(monkeypatch)
     config, avx2 = EngineConfig(model="m", device="cpu"), _features(AVX2_ONLY)
     assert kernel_plan.decide(config, _model_config("bfloat16"), avx2).linear_candidates == (
         "bf16-decode", "onednn-packed", "torch")
-    # float16 and dequantized GGUF values are not exact in bfloat16: their weights stay float32.
-    for model_config in (_model_config("float16"), _model_config("bfloat16", quantized=True)):
-        assert kernel_plan.decide(config, model_config, avx2).linear_candidates == ("onednn-packed", "torch")
+    # float16 values are not exact in bfloat16: their weights stay float32.
+    assert kernel_plan.decide(config, _model_config("float16"), avx2).linear_candidates == ("onednn-packed", "torch")
+    # Nor are dequantized GGUF values: they keep their own blocks for decoding.
+    assert kernel_plan.decide(config, _model_config("bfloat16", quantized=True), avx2).linear_candidates == (
+        "blockq-decode", "onednn-packed", "torch")
     # The bfloat16 extension needs AVX2 and FMA.
     assert "bf16-decode" not in kernel_plan.decide(config, _model_config("bfloat16"),
                                                    CpuFeatures(frozenset())).linear_candidates
@@ -103,7 +105,7 @@ def test_an_unknown_forced_kernel_is_refused_naming_the_variable_and_the_choices
     with pytest.raises(kernel_plan.KernelPlanError) as e:
         kernel_plan.decide(EngineConfig(model="m", device="cpu"), _model_config("float32"), _features(AVX2_ONLY))
     assert "SHARDSERVE_LINEAR_KERNEL='mkl'" in str(e.value)
-    assert "bf16-decode, onednn-packed, torch" in str(e.value)
+    assert "bf16-decode, blockq-decode, onednn-packed, torch" in str(e.value)
 
 
 def test_the_plan_line_names_every_choice():

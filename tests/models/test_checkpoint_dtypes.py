@@ -67,10 +67,11 @@ def test_sixteen_bit_checkpoints_match_transformers_alone_and_batched(tiny_model
     assert linear != "bf16-decode" or dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("kernel", ["torch", "onednn-packed", "bf16-decode"])
+@pytest.mark.parametrize("kernel", ["torch", "onednn-packed", "bf16-decode", "blockq-decode"])
 def test_every_cpu_linear_kernel_forced_in_turn(tiny_model_dir, monkeypatch, kernel):
     """Each kernel the plan can pick on some CPU, forced here whatever this CPU is, at TP=2 (ragged 75-wide
-    MLP shards, replicated attention)."""
+    MLP shards, replicated attention). (blockq-decode finds no GGUF blocks in these weights, so it runs its
+    float32 form; its blocks are served in the GGUF test below.)"""
     from shardserve.layers.linear_kernels import build_linear_kernel
 
     if build_linear_kernel(kernel)[0] is None:
@@ -91,4 +92,8 @@ def test_a_quantized_gguf_matches_transformers_on_its_dequantized_weights(smollm
     path = Path(smollm2_gguf)
     prompts = _prompts(49152)[:3]
     expected = _reference(str(path.parent), path.name, 12, 49152)[:3]
-    _check(smollm2_gguf, tp, expected, prompts, 12, "Q4_1 GGUF")
+    linear = _check(smollm2_gguf, tp, expected, prompts, 12, "Q4_1 GGUF")
+    from shardserve.layers.linear_kernels import build_linear_kernel
+
+    if build_linear_kernel("blockq-decode")[0] is not None:
+        assert linear == "blockq-decode", "decode steps should read the file's own 4- and 8-bit blocks"

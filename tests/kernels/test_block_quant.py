@@ -1,0 +1,77 @@
+"""GGUF blocks recovered from dequantized weights (exactly, or not at all), and the 4-/8-bit CPU kernel on
+them: float64-accurate, and each row the same bits alone as inside a batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize, quantize
+
+from shardserve.kernels.block_quant import recover_4bit, recover_8bit
+from shardserve.layers.linear_kernels import BlockQuantDecodeKernel, build_linear_kernel
+
+
+def _gguf_round_trip(n: int, k: int, qtype: QType, seed: int = 0) -> torch.Tensor:
+    """What the loader holds for an [n, k] weight stored as qtype: the file's values dequantized to float32."""
+    values = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) * 0.05
+    return torch.from_numpy(dequantize(quantize(values, qtype), qtype).copy())
+
+
+@pytest.mark.parametrize("qtype, recover", [(QType.Q4_1, recover_4bit), (QType.Q4_0, recover_4bit),
+                                            (QType.Q8_0, recover_8bit)])
+def test_quantized_weights_recover_exactly_into_their_blocks(qtype, recover):
+    w = _gguf_round_trip(96, 320, qtype)
+    blocks = recover(w)
+    assert blocks is not None
+    if recover is recover_4bit:
+        packed, d, m = blocks
+        q = torch.cat([packed.view(96, 10, 16) & 15, packed.view(96, 10, 16) >> 4], dim=-1).float()
+        assert torch.equal(d.unsqueeze(-1) * q + m.unsqueeze(-1), w.view(96, 10, 32))
+    else:
+        q, d = blocks
+        assert torch.equal(d.unsqueeze(-1) * q.view(96, 10, 32).float(), w.view(96, 10, 32))
+
+
+def test_weights_that_are_not_those_blocks_do_not_recover():
+    assert recover_4bit(torch.randn(64, 128)) is None  # never quantized
+    assert recover_8bit(torch.randn(64, 128)) is None
+    w = _gguf_round_trip(64, 128, QType.Q4_1)
+    assert recover_4bit(w[:, 16:112].contiguous()) is None  # a shard boundary inside a block
+    assert recover_4bit(w[:, 32:96].contiguous()) is not None  # one on a block boundary
+    assert recover_4bit(w[:, :100]) is None  # not whole blocks
+    assert recover_8bit(_gguf_round_trip(64, 128, QType.Q4_1)) is None  # 16 levels in 255 is not Q8_0's grid
+
+
+@pytest.fixture(scope="module")
+def kernel() -> BlockQuantDecodeKernel:
+    kernel, why = build_linear_kernel("blockq-decode")
+    if kernel is None:
+        pytest.skip(why)
+    return kernel
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0, QType.Q8_0])
+@pytest.mark.parametrize("n, k", [(300, 96), (75, 576), (1, 32)])
+def test_the_kernel_matches_float64_and_each_row_is_the_same_alone_and_batched(kernel, qtype, n, k):
+    w = _gguf_round_trip(n, k, qtype, seed=n + k)
+    prepared = kernel.prepare(w)
+    assert len(prepared) == (3 if qtype == QType.Q8_0 else 4), "the blocks were not recovered"
+    bias = torch.randn(n)
+    x = torch.randn(5, k)
+    reference = F.linear(x.double(), w.double(), bias.double())
+    rows = [kernel(x[i:i + 1], prepared, bias) for i in range(5)]  # one row at a time: the 4/8-bit path
+    for got in (torch.cat(rows), kernel(x[:2], prepared, bias), kernel(x, prepared, bias)):
+        assert ((got.double() - reference[:len(got)]).norm() / reference[:len(got)].norm()).item() < 1e-6
+    pair = kernel(x[:2], prepared, bias)
+    assert torch.equal(pair, torch.cat(rows[:2])), "a row inside a pair differs from the same row alone"
+
+
+def test_unrecovered_weights_run_on_the_float32_form(kernel):
+    w = torch.randn(64, 96)
+    prepared = kernel.prepare(w)
+    assert len(prepared) == 1
+    x = torch.randn(1, 96)
+    assert torch.allclose(kernel(x, prepared, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
