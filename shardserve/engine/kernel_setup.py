@@ -160,11 +160,25 @@ def check_attention(backend, attn, rotary, dtype: torch.dtype, device: torch.dev
         return CheckResult(name, math.inf, tolerance, f"{type(e).__name__}: {e}")
 
 
-def verify_attention(backend, attn, rotary, dtype, device, block_size, ctx: RankContext) -> None:
+def checked_attention(backend, attn, rotary, dtype, device, block_size, ctx: RankContext):
+    """The backend if it passes its check on every rank; otherwise, with a WARNING, torch SDPA (which runs on
+    any device and layout) if that passes. Start-up stops when neither does."""
+    from shardserve.attention.sdpa import SdpaBackend
+
     problems = _failures(_only_failed(check_attention(backend, attn, rotary, dtype, device, block_size)), ctx)
-    if problems:
-        raise KernelPlanError("the attention backend failed its start-up check against a float64 reference, so "
-                              "start-up stops here:\n  " + "\n  ".join(problems))
+    if not problems:
+        return backend
+    if not isinstance(backend, SdpaBackend):
+        if ctx.is_driver:
+            logger.warning("attention backend %s failed its start-up check, using torch-sdpa instead: %s",
+                           backend.name, "; ".join(problems))
+        fallback = SdpaBackend(device, block_size)
+        more = _failures(_only_failed(check_attention(fallback, attn, rotary, dtype, device, block_size)), ctx)
+        if not more:
+            return fallback
+        problems += more
+    raise KernelPlanError("no attention backend passed its start-up check against a float64 reference, so "
+                          "start-up stops here:\n  " + "\n  ".join(problems))
 
 
 def _only_failed(result: CheckResult) -> CheckResult | None:

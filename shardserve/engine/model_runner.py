@@ -66,8 +66,8 @@ class ModelRunner:
         self.attention = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
                                                   attn.kv_index_tuple, log=False)
         with self.self_check:
-            kernel_setup.verify_attention(self.attention, attn, self.model.model.rotary, self.dtype, self.device,
-                                          self.block_size, ctx)
+            self.attention = kernel_setup.checked_attention(self.attention, attn, self.model.model.rotary,
+                                                            self.dtype, self.device, self.block_size, ctx)
         self.plan = self.plan.with_results(attention=self.attention.name)
         self.all_reduce_choice: all_reduce.AllReduceChoice | None = None
         self.graphs: CudaGraphRunner | None = None

@@ -181,16 +181,18 @@ def _choose(by_shape, inputs_per_column: int, baseline_fn, triton_fn, label: str
     """Per weight shape, the fastest Triton candidate that matches `reference_fn` (float64) where it beats
     `baseline_fn` by `min_gain` (a fraction of the baseline's time; negative: where it is at most that much
     slower); and a report."""
-    from shardserve.kernels.self_check import TOLERANCE, relative_error
+    from shardserve.kernels.self_check import TOLERANCE, relative_error, sampled_outputs
 
     configs, report = {}, []
     for shape, weights in by_shape.items():
         weights = weights[:32]
         x = torch.randn(1, inputs_per_column * shape[1], dtype=weights[0].dtype, device=weights[0].device)
-        reference = reference_fn(x, weights[0]).cpu()
+        outputs = sampled_outputs(shape[0])
+        outputs = slice(None) if outputs is None else outputs.to(x.device)
+        reference = reference_fn(x, weights[0][outputs]).cpu()
         correct = []
         for c in candidates:
-            error = relative_error(triton_fn(x, weights[0], *c), reference)
+            error = relative_error(triton_fn(x, weights[0], *c)[:, outputs], reference)
             if error <= TOLERANCE[weights[0].dtype]:
                 correct.append(c)
             else:

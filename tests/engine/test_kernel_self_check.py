@@ -177,3 +177,46 @@ def test_ranks_drop_a_kernel_that_fails_on_one_of_them_and_refuse_different_plan
         assert reduced_ok
         assert "did not arrive at the same kernel plan" in agreed
         assert "rank 1 (" in agreed and "linear onednn-packed" in agreed
+
+
+class BrokenPagedBackend:
+    """A device backend (not torch SDPA) whose decode output is off: the engine must not serve with it."""
+
+    name = "broken-paged"
+
+    def __init__(self) -> None:
+        self.inner = SdpaBackend(torch.device("cpu"), 16)
+
+    def build_metadata(self, batch):
+        return self.inner.build_metadata(batch)
+
+    def forward(self, layer, qk, v, rotary, cache, meta):
+        return self.inner.forward(layer, qk, v, rotary, cache, meta) * 1.01
+
+
+def test_a_backend_that_fails_its_check_gives_way_to_sdpa_with_a_warning(caplog):
+    from types import SimpleNamespace
+
+    attn = PagedAttention(4, 2, 32, (0, 0, 1, 1))
+    rotary = RotaryEmbedding(32, 128, 10000.0, None, torch.float32)
+    single = SimpleNamespace(rank=0, world_size=1, is_driver=True)
+    with caplog.at_level(logging.WARNING):
+        chosen = kernel_setup.checked_attention(BrokenPagedBackend(), attn, rotary, torch.float32,
+                                                torch.device("cpu"), 16, single)
+    assert isinstance(chosen, SdpaBackend)
+    assert "attention backend broken-paged failed its start-up check, using torch-sdpa instead" in caplog.text
+    assert "error 0.01" in caplog.text
+
+
+def test_a_head_too_wide_to_check_whole_is_sampled_edges_included():
+    """Past CHECKED_OUTPUTS rows only a sample is compared with float64, but the rows where tiles end are in it."""
+    class LastRowsLost(LinearKernel):
+        name = "last-rows-lost"
+
+        def __call__(self, x, weight, bias):
+            out = F.linear(x, weight, bias)
+            out[..., -100:] = 0
+            return out
+
+    result = check_linear(LastRowsLost(), torch.randn(20000, 64), None, torch.float32, "last-rows-lost 20000x64")
+    assert not result.passed
