@@ -58,7 +58,7 @@ def source_digest() -> str:
     """sha256 over the package's source files (relative path and bytes), in path order."""
     root = Path(shardserve.__file__).parent
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp") and p.is_file()):
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h") and p.is_file()):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(b"\0")
         digest.update(path.read_bytes())

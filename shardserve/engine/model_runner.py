@@ -232,7 +232,8 @@ class ModelRunner:
                         f", {compact} with a compact copy for decode steps" if compact else "")
         model.eval()
         if self.device.type == "cuda":
-            gemv = use_batch1_gemv(model, log=self.ctx.is_driver, agree=lambda c: kernel_setup.agree_on_gemv(c, self.ctx))
+            gemv = use_batch1_gemv(model, log=self.ctx.is_driver,
+                                   agree=lambda chosen: kernel_setup.agree_on_gemv(chosen, self.ctx))
             self.plan = self.plan.with_results(gemv=gemv.summary() if gemv is not None else "cublas")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s", self.ctx.rank, self.config.model,

@@ -7,20 +7,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 #include <cstring>
 #include <torch/extension.h>
 
 namespace {
 
 constexpr int kRowsAtOnce = 8;  // rows of x sharing each widened weight vector
-
-inline float horizontal_sum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
 
 inline __m256 widen_bf16(const uint16_t* p) {
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

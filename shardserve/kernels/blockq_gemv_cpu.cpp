@@ -9,20 +9,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 #include <torch/extension.h>
 
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kRowsAtOnce = 2;  // rows of x sharing each dequantized block (4 accumulators each: 12 registers)
-
-inline float horizontal_sum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
 
 // One block's 32 weights as four vectors of float32, equal bit for bit to the dequantizer's d * q + m: d * q is
 // exact in float32 (an 11-bit scale times a small integer), so one fused multiply-add rounds only the sum.

@@ -25,8 +25,9 @@ def _build(source: str):
         from torch.utils.cpp_extension import load as load_extension
 
         name = "shardserve_" + source.removesuffix(".cpp")
-        path = os.path.join(os.path.dirname(__file__), source)
-        return load_extension(name, [path], extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
+        here = os.path.dirname(__file__)
+        return load_extension(name, [os.path.join(here, source)], extra_cflags=["-O3", "-mavx2", "-mfma"],
+                              extra_include_paths=[here], verbose=False)
     except Exception as e:  # noqa: BLE001 - a missing compiler must not stop serving
         logger.warning("CPU kernel %s unavailable, using float32 weights instead: %s", source, e)
         return None
