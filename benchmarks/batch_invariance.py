@@ -56,7 +56,8 @@ def main() -> None:
         greedy = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, logprobs=2)
         batched = run(llm, prompts, greedy, "batched")
         alone = [run(llm, [prompt], greedy, f"alone{i}")[0] for i, prompt in enumerate(prompts)]
-        plan = llm.engine.runner.plan.describe()
+        plan = getattr(llm.engine.runner, "plan", None)
+        plan = plan.describe() if plan is not None else f"{llm.engine.runner.dtype} (before the kernel plan)"
     differing, margins = 0, []
     for (a, a_logprobs), (b, _) in zip(alone, batched):
         if a == b:
