@@ -60,11 +60,16 @@ def _bias(layer: KernelLinear) -> torch.Tensor | None:
 
 
 def choose_linear_kernel(model: nn.Module, plan: KernelPlan, ctx: RankContext):
-    """The first of the plan's linear candidates that passes its check on every distinct shape on every rank."""
+    """The first of the plan's linear candidates that passes its check on every distinct shape on every rank.
+
+    A candidate that cannot run on some ranks but can on others (an extension that did not build on one node)
+    stops start-up, naming the ranks: their setups differ. One that runs everywhere but computes wrong numbers
+    on any rank is dropped on every rank for the next candidate."""
     layers = linear_layers_by_shape(model)
     failed: list[str] = []
     for name in plan.linear_candidates:
         kernel, unavailable = build_linear_kernel(name)
+        _refuse_if_only_some_ranks_can_run(name, unavailable, ctx)
         worst: CheckResult | None = None
         if kernel is None:
             worst = CheckResult(name, math.inf, 0.0, unavailable)
@@ -86,6 +91,15 @@ def choose_linear_kernel(model: nn.Module, plan: KernelPlan, ctx: RankContext):
                            "; ".join(problems))
     raise KernelPlanError("no linear kernel passed its start-up check against a float64 reference, so start-up "
                           "stops here:\n  " + "\n  ".join(failed))
+
+
+def _refuse_if_only_some_ranks_can_run(name: str, unavailable: str, ctx: RankContext) -> None:
+    gathered = _gather([ctx.rank, socket.gethostname(), unavailable], ctx)
+    missing = [f"rank {rank} ({host}): {why}" for rank, host, why in gathered if why]
+    if missing and len(missing) < len(gathered):
+        raise StartupMismatch(f"linear kernel {name} runs on some ranks but not on others, so start-up stops "
+                              f"here (make the nodes alike, or set SHARDSERVE_LINEAR_KERNEL on every rank):\n  "
+                              + "\n  ".join(missing))
 
 
 def attach_linear_kernel(model: nn.Module, kernel) -> tuple[int, int]:

@@ -220,3 +220,37 @@ def test_a_head_too_wide_to_check_whole_is_sampled_edges_included():
 
     result = check_linear(LastRowsLost(), torch.randn(20000, 64), None, torch.float32, "last-rows-lost 20000x64")
     assert not result.passed
+
+
+def _extension_missing_on_rank_1(rank: int, port: int, results) -> None:
+    from torch import nn
+
+    from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
+    from shardserve.kernels.plan import KernelPlan
+    from shardserve.layers.linear import ColumnParallelLinear
+
+    torch.set_num_threads(1)
+    ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}", control_token="t" * 64)
+    try:
+        if rank == 1:
+            built = kernel_setup.build_linear_kernel
+            kernel_setup.build_linear_kernel = lambda name: ((None, "no C++ compiler on this node")
+                                                             if name == "bf16-decode" else built(name))
+        model = nn.Sequential(ColumnParallelLinear(96, {None: (0, 64)}, False, torch.float32))
+        kernel_setup.choose_linear_kernel(model, KernelPlan("cpu", torch.float32, ("bf16-decode", "torch")), ctx)
+        results.put((rank, "started"))
+    except Exception as e:  # noqa: BLE001
+        results.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        destroy_rank_context(ctx)
+
+
+def test_a_kernel_that_runs_on_some_ranks_only_stops_start_up_naming_them():
+    if build_linear_kernel("bf16-decode")[0] is None:
+        pytest.skip(build_linear_kernel("bf16-decode")[1])
+    outcome = run_ranks(_extension_missing_on_rank_1, 2)
+    for rank in (0, 1):
+        assert outcome[rank].startswith("StartupMismatch: linear kernel bf16-decode runs on some ranks but not"), \
+            outcome[rank]
+        assert "rank 1 (" in outcome[rank] and "no C++ compiler on this node" in outcome[rank]
+        assert "rank 0 (" not in outcome[rank]
