@@ -152,12 +152,6 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
 
-    def resolve_dtype(self, model_config: ModelConfig) -> torch.dtype:
-        """The dtype the model computes in (kernels/plan.py says why CPUs compute in float32 under auto)."""
-        from shardserve.kernels.plan import compute_dtype
-
-        return compute_dtype(self, model_config)
-
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:
         limit = model_config.max_position_embeddings
         if self.max_model_len is None:

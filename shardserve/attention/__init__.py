@@ -7,21 +7,19 @@ CUDA GPUs, torch SDPA elsewhere (CPUs, or layouts the kernels don't cover).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from shardserve.attention.batch import StepBatch
 from shardserve.attention.sdpa import SdpaBackend
 from shardserve.kernels.availability import use_triton
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["StepBatch", "create_attention_backend"]
 
 
 def create_attention_backend(device: torch.device, block_size: int, num_heads: int, num_kv_heads: int,
-                             kv_index: tuple[int, ...], log: bool = True):
+                             kv_index: tuple[int, ...]):
+    """The backend for this device and head layout; start-up checks it (engine/kernel_setup.py) and logs it
+    in the kernel plan line."""
     group = num_heads // num_kv_heads if num_heads % num_kv_heads == 0 else 0
     grouped = group > 0 and kv_index == tuple(i // group for i in range(num_heads))
     if use_triton(torch.empty(0, device=device)) and grouped:
@@ -30,6 +28,4 @@ def create_attention_backend(device: torch.device, block_size: int, num_heads: i
         backend = TritonPagedBackend(device, block_size, num_kv_heads)
     else:
         backend = SdpaBackend(device, block_size)
-    if log:
-        logger.info("attention: %s backend", backend.name)
     return backend

@@ -37,11 +37,16 @@ def _gather(value, ctx: RankContext) -> list:
     return all_gather_msgpack(value, ctx.control_group, ctx.world_size)
 
 
+def _by_rank(value, ctx: RankContext) -> list[tuple[str, object]]:
+    """Every rank's `value` (plain data), as ('rank R (host)', value) in rank order, on every rank."""
+    gathered = _gather([ctx.rank, socket.gethostname(), value], ctx)
+    return [(f"rank {rank} ({host})", v) for rank, host, v in gathered]
+
+
 def _failures(local: CheckResult | None, ctx: RankContext) -> list[str]:
     """Every rank's failed check (None: passed), as 'rank R (host): what failed', agreed on all ranks."""
     mine = None if local is None else local.describe()
-    gathered = _gather([ctx.rank, socket.gethostname(), mine], ctx)
-    return [f"rank {rank} ({host}): {failure}" for rank, host, failure in gathered if failure is not None]
+    return [f"{who}: {failure}" for who, failure in _by_rank(mine, ctx) if failure is not None]
 
 
 def linear_layers_by_shape(model: nn.Module) -> dict[tuple, KernelLinear]:
@@ -69,18 +74,15 @@ def choose_linear_kernel(model: nn.Module, plan: KernelPlan, ctx: RankContext):
     failed: list[str] = []
     for name in plan.linear_candidates:
         kernel, unavailable = build_linear_kernel(name)
-        _refuse_if_only_some_ranks_can_run(name, unavailable, ctx)
-        worst: CheckResult | None = None
-        if kernel is None:
-            worst = CheckResult(name, math.inf, 0.0, unavailable)
-        else:
-            for (shape, _), layer in layers.items():
-                result = check_linear(kernel, layer.weight.data, _bias(layer), plan.dtype,
-                                      f"{name} {shape[0]}x{shape[1]}")
-                if not result.passed:
-                    worst = result
-                    break
-        problems = _failures(worst, ctx)
+        worst = None if kernel is None else _worst_linear_check(name, kernel, layers, plan.dtype)
+        # One exchange per candidate: [why it cannot run here, what failed its check], each None when fine.
+        verdicts = _by_rank([unavailable or None, None if worst is None else worst.describe()], ctx)
+        missing = [f"{who}: {why}" for who, (why, _) in verdicts if why]
+        if missing and len(missing) < len(verdicts):
+            raise StartupMismatch(f"linear kernel {name} runs on some ranks but not on others, so start-up stops "
+                                  f"here (make the nodes alike, or set SHARDSERVE_LINEAR_KERNEL on every rank):\n  "
+                                  + "\n  ".join(missing))
+        problems = missing or [f"{who}: {bad}" for who, (_, bad) in verdicts if bad]
         if not problems:
             return kernel
         failed += problems
@@ -93,13 +95,14 @@ def choose_linear_kernel(model: nn.Module, plan: KernelPlan, ctx: RankContext):
                           "stops here:\n  " + "\n  ".join(failed))
 
 
-def _refuse_if_only_some_ranks_can_run(name: str, unavailable: str, ctx: RankContext) -> None:
-    gathered = _gather([ctx.rank, socket.gethostname(), unavailable], ctx)
-    missing = [f"rank {rank} ({host}): {why}" for rank, host, why in gathered if why]
-    if missing and len(missing) < len(gathered):
-        raise StartupMismatch(f"linear kernel {name} runs on some ranks but not on others, so start-up stops "
-                              f"here (make the nodes alike, or set SHARDSERVE_LINEAR_KERNEL on every rank):\n  "
-                              + "\n  ".join(missing))
+def _worst_linear_check(name: str, kernel, layers: dict[tuple, KernelLinear],
+                        dtype: torch.dtype) -> CheckResult | None:
+    """The first failed check of candidate `name` over the layers' shapes, or None when all pass."""
+    for (shape, _), layer in layers.items():
+        result = check_linear(kernel, layer.weight.data, _bias(layer), dtype, f"{name} {shape[0]}x{shape[1]}")
+        if not result.passed:
+            return result
+    return None
 
 
 def attach_linear_kernel(model: nn.Module, kernel) -> tuple[int, int]:
@@ -255,16 +258,13 @@ def agree_on_gemv(kernel, ctx: RankContext):
     return type(kernel).from_lists(chosen)
 
 
-
 def agree_on_plan(plan: KernelPlan, ctx: RankContext) -> None:
     """Every rank must have arrived at the same plan; otherwise stop, naming the ranks and their plans."""
-    gathered = _gather([ctx.rank, socket.gethostname(), plan.describe()], ctx)
-    reference = gathered[0][2]
-    differing = [f"rank {rank} ({host}): {described}" for rank, host, described in gathered[1:]
-                 if described != reference]
+    plans = _by_rank(plan.describe(), ctx)
+    (first, reference), differing = plans[0], [f"{who}: {p}" for who, p in plans[1:] if p != plans[0][1]]
     if differing:
         raise StartupMismatch(f"the ranks did not arrive at the same kernel plan, so start-up stops here:\n  "
-                              f"rank 0 ({gathered[0][1]}): {reference}\n  " + "\n  ".join(differing))
+                              f"{first}: {reference}\n  " + "\n  ".join(differing))
 
 
 class Stopwatch:

@@ -64,7 +64,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()
         attn = self.model.model.layers[0].self_attn.attn
         self.attention = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
-                                                  attn.kv_index_tuple, log=False)
+                                                  attn.kv_index_tuple)
         with self.self_check:
             self.attention = kernel_setup.checked_attention(self.attention, attn, self.model.model.rotary,
                                                             self.dtype, self.device, self.block_size, ctx)

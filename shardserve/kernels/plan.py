@@ -24,13 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.config import DTYPES, EngineConfig, ModelConfig
-from shardserve.kernels.cpu_features import CpuFeatures
+from shardserve.kernels.availability import DISABLE_ENV as DISABLE_TRITON_ENV
+from shardserve.kernels.cpu_features import ISA_CAP_ENV, CpuFeatures
 
 LINEAR_KERNEL_ENV = "SHARDSERVE_LINEAR_KERNEL"
 LINEAR_KERNELS = ("bf16-decode", "blockq-decode", "onednn-packed", "torch")
 # Variables that force a choice the plan would otherwise make itself; each one in effect is shown in the plan.
-OVERRIDE_ENV = (LINEAR_KERNEL_ENV, "SHARDSERVE_ALL_REDUCE", "SHARDSERVE_GEMV", "SHARDSERVE_DISABLE_TRITON",
-                "SHARDSERVE_MIN_SHARD_WIDTH", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+OVERRIDE_ENV = (LINEAR_KERNEL_ENV, "SHARDSERVE_ALL_REDUCE", "SHARDSERVE_GEMV", DISABLE_TRITON_ENV,
+                "SHARDSERVE_MIN_SHARD_WIDTH", *ISA_CAP_ENV, "ATEN_CPU_CAPABILITY")
 
 
 class KernelPlanError(ValueError):

@@ -68,16 +68,15 @@ def check_linear(kernel, weight: torch.Tensor, bias: torch.Tensor | None, dtype:
     try:
         prepared = kernel.prepare(weight)
         generator = torch.Generator().manual_seed(seed)
-        outputs = sampled_outputs(weight.shape[0])
+        sampled = sampled_outputs(weight.shape[0])
+        outputs = slice(None) if sampled is None else sampled.to(weight.device)
         # The reference in float64 on the weight's own device, for the sampled outputs only.
-        w64 = (weight if outputs is None else weight[outputs.to(weight.device)]).detach().double()
-        b64 = None if bias is None else (bias if outputs is None else bias[outputs.to(bias.device)]).double()
+        w64 = weight[outputs].detach().double()
+        b64 = None if bias is None else bias[outputs].double()
         worst = 0.0
         for rows in LINEAR_ROWS:
             x = torch.randn(rows, weight.shape[1], generator=generator).to(dtype).to(weight.device)
-            out = kernel(x, prepared, bias)
-            if outputs is not None:
-                out = out[:, outputs.to(out.device)]
+            out = kernel(x, prepared, bias)[:, outputs]
             worst = max(worst, relative_error(out, F.linear(x.double(), w64, b64).cpu()))
         return CheckResult(name, worst, tolerance)
     except Exception as e:  # noqa: BLE001 - a kernel that cannot run on these shapes fails its check

@@ -53,51 +53,60 @@ class OneDNNPackedKernel(LinearKernel):
         return out.reshape(*shape[:-1], out.shape[-1])
 
 
-class BF16DecodeKernel(LinearKernel):
-    name = "bf16-decode"
+class CompactDecodeKernel(LinearKernel):
+    """A compact copy of each weight for steps of up to MAX_ROWS rows, read by an AVX2 extension, beside the
+    oneDNN-packed float32 form for longer steps. Both hold the same values, so a request meets the same weights
+    alone or in a batch. Prepared weights are flat tuples (packed float32, *compact), so sleep and wake move
+    every tensor (weights/offload.py); a weight with no compact form is (packed float32,)."""
+
+    MAX_ROWS = 1
 
     def __init__(self, extension) -> None:
         self.extension = extension
         self.batched = OneDNNPackedKernel()
 
-    def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return weight.to(torch.bfloat16).contiguous(), self.batched.prepare(weight)
+    def compact(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
 
-    def __call__(self, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor],
-                 bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] != 1:
-            return self.batched(x, weight[1], bias)
-        out = self.extension.bf16_weight_linear(x, weight[0])
-        return out if bias is None else out + bias
-
-
-class BlockQuantDecodeKernel(LinearKernel):
-    """Weights that recover exactly into GGUF-style 4- or 8-bit blocks (kernels/block_quant.py) keep that form for
-    steps of up to MAX_ROWS rows and the oneDNN-packed float32 form (the same values) for longer ones, where it
-    is faster. A layer whose weights do not recover runs on the packed form alone."""
-
-    name = "blockq-decode"
-    MAX_ROWS = 2  # on a 2-core AVX-512 part: 1.5x oneDNN float32 at one row, 1.35x at two, slower from four
-
-    def __init__(self, extension) -> None:
-        self.extension = extension
-        self.batched = OneDNNPackedKernel()
+    def compact_linear(self, x: torch.Tensor, compact: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        raise NotImplementedError
 
     def prepare(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        from shardserve.kernels.block_quant import recover_4bit, recover_8bit
-
-        # Flat: (packed float32, q, d[, m]), so sleep/wake moves every tensor (weights/offload.py).
-        blocks = recover_4bit(weight) or recover_8bit(weight) or ()
-        return (self.batched.prepare(weight), *blocks)
+        return (self.batched.prepare(weight), *self.compact(weight))
 
     def __call__(self, x: torch.Tensor, weight: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> torch.Tensor:
         if len(weight) == 1 or x.dim() != 2 or x.shape[0] > self.MAX_ROWS:
             return self.batched(x, weight[0], bias)
-        if len(weight) == 4:
-            out = self.extension.q4_linear(x, *weight[1:])
-        else:
-            out = self.extension.q8_linear(x, *weight[1:])
+        out = self.compact_linear(x, weight[1:])
         return out if bias is None else out + bias
+
+
+class BF16DecodeKernel(CompactDecodeKernel):
+    name = "bf16-decode"
+
+    def compact(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (weight.to(torch.bfloat16).contiguous(),)
+
+    def compact_linear(self, x: torch.Tensor, compact: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.extension.bf16_weight_linear(x, compact[0])
+
+
+class BlockQuantDecodeKernel(CompactDecodeKernel):
+    """Weights that recover exactly into GGUF-style 4- or 8-bit blocks (kernels/block_quant.py) keep that form;
+    a layer whose weights do not recover runs on the packed form alone."""
+
+    name = "blockq-decode"
+    MAX_ROWS = 2  # on a 2-core AVX-512 part: 1.5x oneDNN float32 at one row, 1.35x at two, slower from four
+
+    def compact(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from shardserve.kernels.block_quant import recover_4bit, recover_8bit
+
+        return recover_4bit(weight) or recover_8bit(weight) or ()
+
+    def compact_linear(self, x: torch.Tensor, compact: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if len(compact) == 3:  # q, d, m
+            return self.extension.q4_linear(x, *compact)
+        return self.extension.q8_linear(x, *compact)
 
 
 def build_linear_kernel(name: str) -> tuple[LinearKernel | None, str]:
