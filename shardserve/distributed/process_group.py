@@ -22,6 +22,7 @@ from shardserve.distributed.control_token import (
     resolve_token,
 )
 from shardserve.distributed.handshake import handshake
+from shardserve.distributed.setup_watchdog import setup_step
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,15 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
     if config is not None:
         handshake(store, rank, world_size, config)
     store = dist.PrefixStore("default_pg", store)
+    with setup_step("join the process groups", rank):
+        torch_device = _join_groups(store, rank, world_size, device, local_rank)
+    control_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    comm = Communicator(dist.group.WORLD, rank, world_size)
+    return RankContext(rank, world_size, torch_device, comm, control_group, key)
+
+
+def _join_groups(store, rank: int, world_size: int, device: str, local_rank: int | None) -> torch.device:
+    """The data plane's default group: NCCL on this rank's GPU, or gloo on CPU."""
     if device == "cuda":
         local = local_rank if local_rank is not None else rank % max(torch.cuda.device_count(), 1)
         torch_device = torch.device("cuda", local)
@@ -89,10 +99,7 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
         torch_device = torch.device("cpu")
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT)
-    data_group = dist.group.WORLD
-    control_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    comm = Communicator(data_group, rank, world_size)
-    return RankContext(rank, world_size, torch_device, comm, control_group, key)
+    return torch_device
 
 
 def destroy_rank_context(ctx: RankContext, timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
