@@ -25,7 +25,8 @@ NCCL = "nccl"  # NCCL captured inside the CUDA graph (or called eagerly outside 
 NCCL_EAGER_PIECES = "nccl-eager"  # NCCL run eagerly between graph pieces: graphs are split at each call
 SYMM_ONE_SHOT = "symm-one-shot"
 SYMM_TWO_SHOT = "symm-two-shot"
-METHOD_NAMES = (NCCL, NCCL_EAGER_PIECES, SYMM_ONE_SHOT, SYMM_TWO_SHOT)
+IPC_ONE_SHOT = "ipc-one-shot"  # kernels/triton/all_reduce.py over distributed/ipc_memory.py
+METHOD_NAMES = (NCCL, NCCL_EAGER_PIECES, SYMM_ONE_SHOT, SYMM_TWO_SHOT, IPC_ONE_SHOT)
 # CPU ranks: the process group's own all-reduce (gloo), or shared memory between ranks on one host.
 GLOO = "gloo"
 SHM = "shm"
@@ -33,6 +34,10 @@ CPU_METHOD_NAMES = (GLOO, SHM)
 
 # Symmetric-memory kernels pay off for small messages only; larger ones go to NCCL.
 SYMM_MAX_BYTES = 512 * 1024
+# torch's symmetric memory numbers its rendezvous with a counter per process that no API exposes or resets:
+# ranks whose processes made different numbers of them (rank 0 in a process that already ran an engine, the
+# others fresh) wait for each other's keys forever. Counted here, so such ranks skip it instead.
+_symm_rendezvous_count = 0
 # A graph split at every all-reduce costs extra launches: eager NCCL must beat in-graph methods by this much.
 SPLIT_MARGIN_US = 5.0
 
@@ -83,7 +88,9 @@ class SymmetricMemoryAllReduce(AllReduceMethod):
         self.slot_numel = slot_bytes // dtype.itemsize
         self.dtype = dtype
         self.num_graph_slots = graph_slots
+        global _symm_rendezvous_count
         self.buffer = symm_mem.empty((graph_slots + 2) * self.slot_numel, dtype=dtype, device=device)
+        _symm_rendezvous_count += 1
         symm_mem.rendezvous(self.buffer, self.group_name)
         self._graph_next = 0
         self._eager_next = 0
@@ -118,6 +125,91 @@ class SymmetricMemoryAllReduce(AllReduceMethod):
             torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", self.group_name)
             out.copy_(view)
         return x
+
+
+class IpcOneShotAllReduce(AllReduceMethod):
+    """One-shot all-reduce by a Triton kernel that writes each rank's rows into its peers' memory and polls
+    flags in its own (kernels/triton/all_reduce.py), and the same kernel fused with the residual add and
+    RMSNorm after it (`add_rms_norm`). Messages of up to SYMM_MAX_BYTES with rows of up to MAX_COLS.
+
+    Slots: two consecutive calls never use the same slot (the kernel's invariant). A captured graph's first
+    call takes slot 0 and its later calls alternate between 1 and 2, so a graph's last call never shares a
+    slot with the next replay's first, of this graph or another; eager calls alternate between 3 and 4.
+    """
+
+    name = IPC_ONE_SHOT
+    SLOTS = 5
+    MAX_ROWS = 1024
+    MAX_COLS = 32768
+
+    def __init__(self, group: dist.ProcessGroup, control_group, rank: int, world_size: int, device: torch.device,
+                 dtype: torch.dtype, slot_bytes: int = SYMM_MAX_BYTES) -> None:
+        from shardserve.distributed.ipc_memory import PeerMemory
+
+        self.rank, self.world_size, self.dtype = rank, world_size, dtype
+        self.slot_numel = slot_bytes // dtype.itemsize
+        data_bytes = self.SLOTS * world_size * slot_bytes
+        flag_bytes = self.SLOTS * self.MAX_ROWS * world_size * 4
+        self.memory = PeerMemory(data_bytes + flag_bytes, device, control_group, rank, world_size)
+        addresses = self.memory.addresses
+        self.data_ptrs = torch.tensor(addresses, dtype=torch.int64, device=device)
+        self.flag_ptrs = torch.tensor([a + data_bytes for a in addresses], dtype=torch.int64, device=device)
+        self.counters = torch.zeros(self.SLOTS * self.MAX_ROWS, dtype=torch.int32, device=device)
+        self._capturing = False
+        self._graph_calls = 0
+        self._eager_next = 0
+
+    def begin_capture(self) -> None:
+        self._capturing, self._graph_calls = True, 0
+
+    def end_capture(self) -> None:
+        self._capturing = False
+
+    def supports(self, x: torch.Tensor) -> bool:
+        rows, cols = _rows_cols(x)
+        return (x.dtype == self.dtype and x.is_cuda and x.is_contiguous() and x.numel() <= self.slot_numel
+                and rows <= self.MAX_ROWS and cols <= self.MAX_COLS)
+
+    def _slot(self) -> int:
+        if self._capturing:
+            calls, self._graph_calls = self._graph_calls, self._graph_calls + 1
+            return 0 if calls == 0 else 1 + (calls - 1) % 2
+        slot, self._eager_next = 3 + self._eager_next, 1 - self._eager_next
+        return slot
+
+    def _launch(self, x: torch.Tensor, residual, weight, eps: float) -> torch.Tensor:
+        from shardserve.kernels.triton.all_reduce import one_shot
+
+        rows, cols = _rows_cols(x)
+        one_shot(x.view(rows, cols), residual.view(rows, cols) if residual is not None else None, weight, eps,
+                 self.data_ptrs, self.flag_ptrs, self.counters, self._slot(), self.slot_numel, self.MAX_ROWS,
+                 self.rank, self.world_size)
+        return x
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.supports(x):  # the slots hold SYMM_MAX_BYTES: a larger message would overrun them
+            raise ValueError(f"{self.name} cannot reduce a {tuple(x.shape)} {x.dtype} message")
+        return self._launch(x, None, None, 0.0)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(RMSNorm(s) * weight, s) with s = sum of x over the ranks + residual, in one launch; x and residual
+        are overwritten with them. None where the inputs do not fit this kernel."""
+        if residual is None or residual.shape != x.shape or not residual.is_contiguous() \
+                or residual.dtype != x.dtype:
+            return None
+        if weight.dtype != x.dtype or not self.supports(x):
+            return None
+        self._launch(x, residual, weight, eps)
+        return x, residual
+
+    def close(self) -> None:
+        self.memory.close()
+
+
+def _rows_cols(x: torch.Tensor) -> tuple[int, int]:
+    cols = x.shape[-1] if x.dim() else 1
+    return (x.numel() // cols if cols else 0), cols
 
 
 @dataclass
@@ -175,14 +267,18 @@ def _time_us(fn: Callable[[], object], iters: int, synchronize: Callable[[], Non
     return (time.perf_counter() - start) * 1e6 / iters
 
 
-def _time_in_graph_us(method: AllReduceMethod, x: torch.Tensor, calls: int = 32, replays: int = 20) -> float:
+def _time_in_graph_us(method: Callable[[torch.Tensor], object], x: torch.Tensor, calls: int = 32,
+                      replays: int = 20, owner: object = None) -> float:
+    """Microseconds per call of method(x) replayed from a CUDA graph; `owner` (default: method) is the
+    all-reduce whose slots the capture uses."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         method(x)  # warm up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    capture = getattr(method, "begin_capture", None)
+    owner = owner if owner is not None else method
+    capture = getattr(owner, "begin_capture", None)
     if capture:
         capture()
     try:
@@ -191,7 +287,7 @@ def _time_in_graph_us(method: AllReduceMethod, x: torch.Tensor, calls: int = 32,
                 method(x)
     finally:
         if capture:
-            method.end_capture()
+            owner.end_capture()
     return _time_us(graph.replay, replays) / calls
 
 
@@ -202,37 +298,60 @@ def _agree(value: float, group: dist.ProcessGroup, device: torch.device) -> floa
     return float(t.item())
 
 
-def build_methods(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, graph_slots: int
-                  ) -> list[AllReduceMethod]:
+def build_methods(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, graph_slots: int,
+                  control_group=None) -> list[AllReduceMethod]:
+    """NCCL, and the peer-memory methods every rank could set up. Every rank must measure the same methods in
+    the same order, or their collectives would pair up wrongly: a method is kept only where all ranks have it."""
     methods: list[AllReduceMethod] = [NcclAllReduce(group)]
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if control_group is not None:
+        try:
+            method = IpcOneShotAllReduce(group, control_group, rank, world, device, dtype)
+        except Exception as e:  # no CUDA IPC between these processes, no Triton
+            logger.info("all-reduce: %s unavailable (%s)", IPC_ONE_SHOT, _first_line(e))
+            method = None
+        if _agree(0.0 if method is not None else 1.0, group, device) == 0.0 and method is not None:
+            methods.append(method)
+    # torch's symmetric memory only where every rank's process has made as many rendezvous as the others.
+    counts_differ = _agree(float(_symm_rendezvous_count), group, device) != -_agree(
+        -float(_symm_rendezvous_count), group, device)
+    if counts_differ:
+        logger.info("all-reduce: torch symmetric memory skipped: the ranks' processes have set it up different "
+                    "numbers of times (an engine ran before in one of them), and its rendezvous would never meet")
+        return methods
     for kind in (SYMM_ONE_SHOT, SYMM_TWO_SHOT):
         try:
             method = SymmetricMemoryAllReduce(group, device, dtype, kind, graph_slots)
         except Exception as e:  # no symmetric memory on this platform or torch build
-            logger.info("all-reduce: %s unavailable (%s)", kind, str(e).splitlines()[0][:200] if str(e) else e)
+            logger.info("all-reduce: %s unavailable (%s)", kind, _first_line(e))
             method = None
-        # Every rank must measure the same methods in the same order, or their collectives would
-        # pair up wrongly: keep a method only where all ranks have it.
         if _agree(0.0 if method is not None else 1.0, group, device) == 0.0 and method is not None:
             methods.append(method)
     return methods
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
 def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, message_sizes: list[int],
-              graph_slots: int) -> AllReduceChoice:
+              graph_slots: int, control_group=None, row_bytes: int | None = None) -> AllReduceChoice:
     """Time every method at each message size (bytes) on this group and build the size tables.
 
     A method that raises or gives a wrong sum is dropped. Every rank runs the same measurements in
-    the same order and takes the maximum over ranks, so all ranks pick the same tables.
+    the same order and takes the maximum over ranks, so all ranks pick the same tables. Messages are shaped
+    [tokens, hidden] with rows of `row_bytes` (the model's activations), or flat without it.
     """
-    methods = build_methods(group, device, dtype, graph_slots)
+    methods = build_methods(group, device, dtype, graph_slots, control_group)
     forced = os.environ.get(FORCE_ENV)
     if forced and forced not in METHOD_NAMES:
         raise ValueError(f"{FORCE_ENV}={forced!r} is not an all-reduce method: use one of {', '.join(METHOD_NAMES)}")
     timings: dict[str, dict[int, float]] = {}
     world = dist.get_world_size(group)
     for nbytes in sorted(set(message_sizes)):
-        x = torch.full((nbytes // dtype.itemsize,), 1.0, dtype=dtype, device=device)
+        shape = ((nbytes // row_bytes, row_bytes // dtype.itemsize) if row_bytes and nbytes % row_bytes == 0
+                 else (nbytes // dtype.itemsize,))
+        x = torch.full(shape, 1.0, dtype=dtype, device=device)
         for method in methods:
             if not method.supports(x):
                 continue
@@ -249,6 +368,14 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
                     ok, us = False, float("inf")
                 us = _agree(us if ok else float("inf"), group, device)
                 timings.setdefault(key, {})[nbytes] = us
+            if isinstance(method, IpcOneShotAllReduce) and x.dim() == 2:  # the fused form, for the record
+                residual, weight = torch.zeros_like(x), torch.ones_like(x[0])
+                try:
+                    us = _time_in_graph_us(lambda t: method.add_rms_norm(t, residual, weight, 1e-5), x, owner=method)
+                except Exception as e:
+                    logger.debug("all-reduce %s+norm failed at %d bytes: %s", method.name, nbytes, e)
+                    us = float("inf")
+                timings.setdefault(f"{method.name}+norm/graph", {})[nbytes] = _agree(us, group, device)
     return _choose(methods, timings, sorted(set(message_sizes)), forced)
 
 
@@ -262,10 +389,11 @@ def _choose(methods: list[AllReduceMethod], timings: dict[str, dict[int, float]]
     """
     by_name = {m.name: m for m in methods}
     nccl = by_name[NCCL]
+    known = set(by_name) | {NCCL_EAGER_PIECES}  # not the fused forms' timings, kept for the record
 
     def measured(mode: str, nbytes: int) -> dict[str, float]:
         return {key.split("/")[0]: t[nbytes] for key, t in timings.items()
-                if key.endswith("/" + mode) and nbytes in t}
+                if key.endswith("/" + mode) and nbytes in t and key.split("/")[0] in known}
 
     def best(mode: str, nbytes: int) -> str:
         options = measured(mode, nbytes)

@@ -68,6 +68,27 @@ class Communicator:
         table = self.choice.graph if self._in_graph else self.choice.eager
         return table.pick(x)(x)
 
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(RMSNorm(s) * weight, s) with s = (x summed over the group) + residual, in one kernel, where the
+        method chosen for x's size has that fused form (peer-memory one-shot); None elsewhere, and the caller
+        reduces and normalises in two steps. x and residual may be overwritten; use the returned pair."""
+        if self.world_size == 1 or self.choice is None or self._split_piece is not None:
+            return None
+        fused = getattr((self.choice.graph if self._in_graph else self.choice.eager).pick(x), "add_rms_norm", None)
+        return fused(x, residual, weight, eps) if fused is not None else None
+
+    def close(self) -> None:
+        """Free what the chosen methods hold on the device (peer memory). Every rank calls it at shutdown,
+        once no kernel that uses it can still run."""
+        if self.choice is not None:
+            for table in (self.choice.eager, self.choice.graph):
+                for _, method in table.entries:
+                    close = getattr(method, "close", None)
+                    if close is not None:
+                        close()
+        self.choice = None
+
     def broadcast_from_first(self, x: torch.Tensor) -> None:
         """Overwrite x on every rank with the group's first rank's x (the sampled tokens of a step computed
         ahead, which only rank 0 has). On GPUs this is queued on the stream: the host does not wait."""

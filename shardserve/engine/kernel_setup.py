@@ -206,40 +206,71 @@ def _only_failed(result: CheckResult) -> CheckResult | None:
 
 
 @torch.inference_mode()
-def check_all_reduce(comm, dtype: torch.dtype, device: torch.device, message_bytes: list[int]) -> CheckResult:
+def check_all_reduce(comm, dtype: torch.dtype, device: torch.device, message_bytes: list[int],
+                     row_bytes: int | None = None) -> CheckResult:
     """The communicator's all-reduce at each message size on known values: rank r sends (r + 1) times small
-    integers (exact in every dtype), so the sum is exact and must come back bit for bit on every rank."""
+    integers (exact in every dtype), so the sum is exact and must come back bit for bit on every rank.
+    Messages are [tokens, hidden] with rows of `row_bytes` (the model's activations), or flat without it.
+    Where the method for a size fuses the residual add and RMSNorm after the reduction, that form is checked
+    too: the sum exactly, the normalised rows against float64."""
     world = comm.world_size
     name = "all-reduce"
+    worst = 0.0
     for nbytes in message_bytes:
         numel = max(1, nbytes // dtype.itemsize)
-        base = (torch.arange(numel, device=device) % 7 - 3).to(dtype)
+        shape = (nbytes // row_bytes, row_bytes // dtype.itemsize) if row_bytes and nbytes % row_bytes == 0 \
+            else (numel,)
+        base = (torch.arange(numel, device=device) % 7 - 3).to(dtype).view(shape)
+        expected = base * (world * (world + 1) // 2)
         try:
             out = comm.all_reduce(base * (comm.rank + 1))
-            expected = base * (world * (world + 1) // 2)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             wrong = int((out != expected).sum())
+            if not wrong and len(shape) == 2:
+                error = _check_fused_norm(comm, base, expected)
+                if error is not None:
+                    wrong = int(error > TOLERANCE.get(dtype, 1e-2))
+                    worst = max(worst, error)
+                    name = "all-reduce (with the residual add and RMSNorm fused)"
         except Exception as e:  # noqa: BLE001
             return CheckResult(f"{name} at {nbytes} bytes", math.inf, 0.0, f"{type(e).__name__}: {e}")
         if wrong:
             return CheckResult(f"{name} at {nbytes} bytes", math.inf, 0.0,
-                               f"{wrong} of {numel} sums wrong")
-    return CheckResult(name, 0.0, 0.0)
+                               f"{wrong} of {numel} sums wrong" if worst == 0 else f"error {worst:.2g} against float64")
+    return CheckResult(name, worst, TOLERANCE.get(dtype, 1e-2))
 
 
-def verify_all_reduce(comm, dtype, device, message_bytes: list[int], ctx: RankContext) -> bool:
+def _check_fused_norm(comm, base: torch.Tensor, expected_sum: torch.Tensor) -> float | None:
+    """Relative error of the fused all-reduce + residual add + RMSNorm against float64, or None where the
+    communicator does not fuse at this size; a residual sum that is not exact counts as infinite error."""
+    cols = base.shape[1]
+    residual = (torch.arange(base.numel(), device=base.device).view(base.shape) % 5 - 2).to(base.dtype)
+    weight = (1 + (torch.arange(cols, device=base.device) % 4) / 4).to(base.dtype)
+    fused = comm.all_reduce_add_rms_norm(base * (comm.rank + 1), residual.clone(), weight, 1e-5)
+    if fused is None:
+        return None
+    normed, summed = fused
+    s = expected_sum.double() + residual.double()
+    if not torch.equal(summed.double(), s):
+        return math.inf
+    h = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)).to(base.dtype)
+    return relative_error(normed, (weight.double() * h.double()).to(base.dtype).double().cpu())
+
+
+def verify_all_reduce(comm, dtype, device, message_bytes: list[int], ctx: RankContext,
+                      row_bytes: int | None = None) -> bool:
     """Check the chosen all-reduce methods; if any rank sees a wrong sum, fall back to the process group's own
     all-reduce (gloo or NCCL) on every rank and check that. Returns whether the fallback was taken."""
-    problems = _failures(_only_failed(check_all_reduce(comm, dtype, device, message_bytes)), ctx)
+    problems = _failures(_only_failed(check_all_reduce(comm, dtype, device, message_bytes, row_bytes)), ctx)
     if not problems:
         return False
     if comm.choice is not None:
         if ctx.is_driver:
             logger.warning("the chosen all-reduce failed its start-up check, using the process group's own "
                            "all-reduce instead: %s", "; ".join(problems))
-        comm.use(None)
-        problems = _failures(_only_failed(check_all_reduce(comm, dtype, device, message_bytes)), ctx)
+        comm.close()
+        problems = _failures(_only_failed(check_all_reduce(comm, dtype, device, message_bytes, row_bytes)), ctx)
         if not problems:
             return True
     raise KernelPlanError("the all-reduce gave wrong sums in its start-up check, so start-up stops here:\n  "

@@ -15,6 +15,7 @@ from shardserve.attention import StepBatch, create_attention_backend
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed import all_reduce
 from shardserve.distributed.process_group import RankContext
+from shardserve.distributed.setup_watchdog import setup_step
 from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block, kv_cache_layers,
                                         kv_cache_budget_bytes)
 from shardserve.engine.cuda_graphs import CudaGraphRunner, graph_buckets
@@ -56,16 +57,18 @@ class ModelRunner:
         if self.device.type == "cuda" and stable_memory.enabled(self.device):
             self.weight_arena = stable_memory.move_model_into_arena(self.model, self.device)
         if ctx.world_size > 1:
-            checked = verify_replicated_weights(self.model, ctx.control_group, ctx.rank, ctx.world_size)
+            with setup_step("compare replicated weights", ctx.rank):
+                checked = verify_replicated_weights(self.model, ctx.control_group, ctx.rank, ctx.world_size)
             if ctx.is_driver:
                 logger.info("replicated weights identical on all %d ranks (%d tensors compared)", ctx.world_size,
                             checked)
-        self.num_blocks = self._size_kv_cache()
+        with setup_step("size the KV cache", ctx.rank):
+            self.num_blocks = self._size_kv_cache()
         self.kv_caches = self._allocate_kv_cache()
         attn = self.model.model.layers[0].self_attn.attn
         self.attention = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
                                                   attn.kv_index_tuple)
-        with self.self_check:
+        with self.self_check, setup_step("check the attention kernel", ctx.rank):
             self.attention = kernel_setup.checked_attention(self.attention, attn, self.model.model.rotary,
                                                             self.dtype, self.device, self.block_size, ctx)
         self.plan = self.plan.with_results(attention=self.attention.name)
@@ -73,12 +76,15 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.host_weights: HostCopy | None = None  # while the weights sleep at level 1
         self.weights_asleep = self.kv_asleep = False
-        self._choose_all_reduce()
-        kernel_setup.agree_on_plan(self.plan, ctx)
+        with setup_step("choose and check the all-reduce", ctx.rank):
+            self._choose_all_reduce()
+        with setup_step("compare kernel plans", ctx.rank):
+            kernel_setup.agree_on_plan(self.plan, ctx)
         if ctx.is_driver:
             logger.info("kernel plan: %s; every kernel checked against float64 on this model's shapes in %.2f s",
                         self.plan.describe(), self.self_check.seconds)
-        self._capture_graphs()
+        with setup_step("capture CUDA graphs", ctx.rank):
+            self._capture_graphs()
         if self.device.type == "cuda":
             self._log_memory_against_plan()
 
@@ -179,6 +185,7 @@ class ModelRunner:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.ctx.comm.close()
         for arena in (self.weight_arena, self.kv_arena):
             if arena is not None:
                 arena.release()
@@ -197,13 +204,14 @@ class ModelRunner:
         started = time.perf_counter()
         if self.device.type == "cuda":
             choice = all_reduce.calibrate(comm.group, self.device, self.dtype, sizes,
-                                          graph_slots=2 * self.model_config.num_layers + 4)
+                                          graph_slots=2 * self.model_config.num_layers + 4,
+                                          control_group=self.ctx.control_group, row_bytes=per_token)
         else:
             choice = all_reduce.calibrate_cpu(comm.group, comm.rank, comm.world_size, self.dtype, sizes)
         comm.use(choice)
         self.all_reduce_choice = choice
         with self.self_check:
-            if kernel_setup.verify_all_reduce(comm, self.dtype, self.device, sizes, self.ctx):
+            if kernel_setup.verify_all_reduce(comm, self.dtype, self.device, sizes, self.ctx, per_token):
                 self.all_reduce_choice = None
         described = choice.describe() if self.device.type == "cuda" else choice.eager.describe()
         self.plan = self.plan.with_results(all_reduce=described if self.all_reduce_choice else "process group's own")
@@ -223,7 +231,7 @@ class ModelRunner:
         self._fill_weights(model)
         self._log_planned_weights(model)
         if self.linear_kernel is None:
-            with self.self_check:
+            with self.self_check, setup_step("choose and check the linear kernel", self.ctx.rank):
                 self.linear_kernel = kernel_setup.choose_linear_kernel(model, self.plan, self.ctx)
             self.plan = self.plan.with_results(linear=self.linear_kernel.name)
         packed, compact = kernel_setup.attach_linear_kernel(model, self.linear_kernel)
@@ -232,8 +240,9 @@ class ModelRunner:
                         f", {compact} with a compact copy for decode steps" if compact else "")
         model.eval()
         if self.device.type == "cuda":
-            gemv = use_batch1_gemv(model, log=self.ctx.is_driver,
-                                   agree=lambda chosen: kernel_setup.agree_on_gemv(chosen, self.ctx))
+            with setup_step("choose the batch-1 GEMVs", self.ctx.rank):
+                gemv = use_batch1_gemv(model, log=self.ctx.is_driver,
+                                       agree=lambda chosen: kernel_setup.agree_on_gemv(chosen, self.ctx))
             self.plan = self.plan.with_results(gemv=gemv.summary() if gemv is not None else "cublas")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s", self.ctx.rank, self.config.model,

@@ -112,8 +112,12 @@ def smoke_test(config: EngineConfig, ctx) -> dict:
     if device.type == "cuda":
         from shardserve.distributed import all_reduce
 
-        choice = all_reduce.calibrate(ctx.comm.group, device, torch.bfloat16, CHOICE_SIZES, graph_slots=4)
+        # As the engine measures it: the peer-memory kernels too, on [tokens, 4096] messages.
+        choice = all_reduce.calibrate(ctx.comm.group, device, torch.bfloat16, CHOICE_SIZES, graph_slots=4,
+                                      control_group=ctx.control_group, row_bytes=4096 * 2)
         result["choice"] = choice.describe()
+        ctx.comm.use(choice)
+        ctx.comm.close()  # frees the peer memory the measurement set up
     return result
 
 

@@ -101,9 +101,20 @@ class ColumnParallelLinear(KernelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm,
+                       reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(s)), s) with s = x + residual, or x without a residual: the norm before this layer
-        (an RMSNorm module), fused into the matmul where the kernel can (single-token steps on GPUs)."""
+        (an RMSNorm module), fused into the matmul where the kernel can (single-token steps on GPUs).
+
+        With `reduce`, x is the previous row-parallel layer's partial sum (RowParallelLinear.pending): it is
+        all-reduced first, in the same kernel as the add and the norm where the communicator has one."""
+        if reduce is not None:
+            fused = reduce.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps) if residual is not None \
+                else None
+            if fused is not None:
+                h, residual = fused
+                return self.forward(h), residual
+            x = reduce.all_reduce(x)
         fused = getattr(self.kernel, "normed", None)
         if fused is not None and self.prepared is None:
             out = fused(x, residual, norm.weight, norm.eps, self.weight)
@@ -119,8 +130,13 @@ class ColumnParallelLinear(KernelLinear):
 class RowParallelLinear(KernelLinear):
     """y = sum over ranks of x_r W_r^T, plus b once: each rank holds the input columns `cols`.
 
-    With `comm` None the layer is whole on this rank (replicated) and nothing is reduced.
+    With `comm` None the layer is whole on this rank (replicated) and nothing is reduced. With
+    `defer_reduction` the layer returns its partial sum and `pending` names the communicator the next
+    layer must reduce it with (fused there with the residual add and the norm); only without a bias, which
+    must be added once, after the reduction.
     """
+
+    defer_reduction = False
 
     def __init__(self, cols: Rows, output_size: int, bias: bool, dtype: torch.dtype,
                  comm: Communicator | None) -> None:
@@ -134,6 +150,15 @@ class RowParallelLinear(KernelLinear):
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = load_whole
 
+    def defer(self) -> None:
+        """Leave the reduction to the consumer of the output (see `pending`), where this layer can."""
+        self.defer_reduction = self.comm is not None and self.bias is None
+
+    @property
+    def pending(self) -> Communicator | None:
+        """The communicator the output still has to be all-reduced with, or None if it is complete."""
+        return self.comm if self.defer_reduction else None
+
     def _load_cols(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
         start, end = self.cols
         param.data.copy_(as_tensor(loaded[:, start:end]))
@@ -141,7 +166,7 @@ class RowParallelLinear(KernelLinear):
     def forward(self, x: torch.Tensor, swiglu_input: bool = False) -> torch.Tensor:
         """With swiglu_input, x is [gate | up] and the layer's input is silu(gate) * up."""
         y = self.matmul_swiglu(x) if swiglu_input else self.matmul(x)
-        if self.comm is not None:
+        if self.comm is not None and not self.defer_reduction:
             y = self.comm.all_reduce(y)
         # The bias is added after the reduction so it counts once, not once per rank.
         return y if self.bias is None else y + self.bias

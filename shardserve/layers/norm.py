@@ -15,11 +15,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce=None):
         """Returns norm(x) or, with a residual, (norm(x + residual), x + residual).
 
         On CUDA one Triton kernel does the add and the norm (x and residual are then updated in place).
+        With `reduce` (a Communicator), x is a partial sum still to be all-reduced over the ranks first; where
+        the communicator can, the all-reduce, the add and the norm are one kernel.
         """
+        if reduce is not None:
+            fused = reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps) if residual is not None \
+                else None
+            if fused is not None:
+                return fused
+            x = reduce.all_reduce(x)
         if use_triton(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
             from shardserve.kernels.triton.fused_ops import fused_add_rms_norm, rms_norm
 

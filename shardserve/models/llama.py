@@ -35,16 +35,18 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear((q0 * hd, q1 * hd), cfg.hidden_size, cfg.o_bias, dtype,
                                         comm if shard.sharded else None)
         self.qkv_proj.replicated = self.o_proj.replicated = not shard.sharded
+        self.o_proj.defer()
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = PagedAttention(shard.num_q, shard.num_kv, hd, shard.kv_index)
         self.head_dim = hd
 
     def forward(self, rotary: RotaryLookup, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                cache: KVCache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of norm(x + residual); returns it with the new residual x + residual."""
+                cache: KVCache, meta, reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of norm(x + residual); returns it with the new residual x + residual. With `reduce`, x is
+        a partial sum to all-reduce first. The output is o_proj's partial sum where o_proj.pending is set."""
         tokens = x.shape[0]
-        qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
+        qkv, residual = self.qkv_proj.forward_normed(x, residual, norm, reduce)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(tokens, -1, self.head_dim)  # query heads, then key heads
         if self.q_norm is not None:
@@ -62,11 +64,13 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(rows, cfg.hidden_size, cfg.mlp_bias, dtype, comm if sharded else None)
         self.gate_up_proj.replicated = self.down_proj.replicated = not sharded
         self.down_proj.takes_swiglu_input = True
+        self.down_proj.defer()
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """MLP of norm(x + residual); returns it with the new residual. The norm and SwiGLU are fused into the
-        projections where a kernel can."""
-        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        projections where a kernel can. `reduce` and the output's pending reduction as in Attention."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm, reduce)
         return self.down_proj(gate_up, swiglu_input=True), residual
 
 
@@ -78,10 +82,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, rotary: RotaryLookup, x, residual, cache: KVCache, meta):
-        """x: the previous layer's output (the embeddings for the first layer, with residual None)."""
-        x, residual = self.self_attn(rotary, x, residual, self.input_layernorm, cache, meta)
-        return self.mlp(x, residual, self.post_attention_layernorm)
+    def forward(self, rotary: RotaryLookup, x, residual, cache: KVCache, meta, reduce: Communicator | None = None):
+        """x: the previous layer's output (the embeddings for the first layer, with residual None), a partial
+        sum still to be all-reduced with `reduce` where the previous layer deferred its reduction. Returns
+        this layer's output, a partial sum where `pending` is set, and the residual."""
+        x, residual = self.self_attn(rotary, x, residual, self.input_layernorm, cache, meta, reduce)
+        return self.mlp(x, residual, self.post_attention_layernorm, self.self_attn.o_proj.pending)
+
+    @property
+    def pending(self) -> Communicator | None:
+        return self.mlp.down_proj.pending
 
 
 class LlamaModel(nn.Module):
@@ -93,11 +103,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, token_ids, positions, caches: list[KVCache], meta) -> torch.Tensor:
-        x, residual = self.embed_tokens(token_ids), None
+        x, residual, pending = self.embed_tokens(token_ids), None, None
         rotary = self.rotary.lookup(positions)
         for layer, cache in zip(self.layers, caches):
-            x, residual = layer(rotary, x, residual, cache, meta)
-        x, _ = self.norm(x, residual)
+            # Each layer's last all-reduce happens in the next layer's first norm (one kernel with the add).
+            x, residual = layer(rotary, x, residual, cache, meta, pending)
+            pending = layer.pending
+        x, _ = self.norm(x, residual, reduce=pending)
         return x
 
 

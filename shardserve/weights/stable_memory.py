@@ -121,6 +121,11 @@ class _CudaArrayView:
                                          "version": 3, "strides": None}
 
 
+def device_bytes(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor viewing `nbytes` of device memory at `address` (no copy; the caller keeps it alive)."""
+    return torch.as_tensor(_CudaArrayView(address, nbytes), device=device)
+
+
 class StableArena:
     """`nbytes` (rounded up to the driver's granularity) of device memory at a fixed address.
 
@@ -145,7 +150,7 @@ class StableArena:
         self.address = address.value
         self._handles: list[int] = []  # one per mapped chunk, in order
         self.map()
-        self.bytes = torch.as_tensor(_CudaArrayView(self.address, self.nbytes), device=self.device)
+        self.bytes = device_bytes(self.address, self.nbytes, self.device)
 
     @property
     def mapped(self) -> bool:

@@ -1,0 +1,68 @@
+"""The peer-memory one-shot all-reduce (and its fused residual add + RMSNorm) on two GPUs: sums equal to the
+rank-ordered float32 sum bit for bit, on every rank, eagerly and replayed from CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ranks import run_ranks
+
+SHAPES = ((1, 4096), (3, 4096), (32, 4096), (5, 1000))  # up to the slots' 512 KiB in float32
+
+
+def _check_rank(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from shardserve.distributed.all_reduce import IpcOneShotAllReduce
+    from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
+    from shardserve.kernels.triton.fused_ops import fused_add_rms_norm
+
+    ctx = init_rank_context(rank, 2, "cuda", f"tcp://127.0.0.1:{port}", control_token="peer-all-reduce-test")
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            method = IpcOneShotAllReduce(ctx.comm.group, ctx.control_group, rank, 2, ctx.device, dtype)
+            for rows, cols in SHAPES:
+                g = torch.Generator(ctx.device).manual_seed(rows * cols + rank)
+                x = torch.randn(rows, cols, generator=g, device=ctx.device).to(dtype)
+                parts = [torch.empty_like(x) for _ in range(2)]
+                dist.all_gather(parts, x, group=ctx.comm.group)
+                expected = (parts[0].float() + parts[1].float()).to(dtype)
+                assert torch.equal(method(x.clone()), expected), f"sum {dtype} {rows}x{cols}"
+                residual = torch.randn(rows, cols, generator=g, device=ctx.device).to(dtype)
+                dist.broadcast(residual, 0, group=ctx.comm.group)  # replicated, as in the model
+                weight = (1 + torch.rand(cols, generator=g, device=ctx.device)).to(dtype)
+                dist.broadcast(weight, 0, group=ctx.comm.group)
+                normed, summed = method.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+                ref_normed, ref_summed = fused_add_rms_norm(expected.clone(), residual.clone(), weight, 1e-5)
+                assert torch.equal(summed, ref_summed), f"residual {dtype} {rows}x{cols}"
+                assert torch.equal(normed, ref_normed), f"norm {dtype} {rows}x{cols}"
+            # In a CUDA graph: several calls per replay (the slots alternate), replayed with new inputs.
+            static = [torch.zeros(2, 4096, dtype=dtype, device=ctx.device) for _ in range(5)]
+            graph = torch.cuda.CUDAGraph()
+            method.begin_capture()
+            with torch.cuda.graph(graph):
+                outs = [method(s) for s in static]
+            method.end_capture()
+            for replay in range(4):
+                inputs = [torch.full_like(s, float(i + replay + rank)) for i, s in enumerate(static)]
+                for s, v in zip(static, inputs):
+                    s.copy_(v)
+                graph.replay()
+                method(torch.ones(1, 4096, dtype=dtype, device=ctx.device))  # an eager call between replays
+                for i, out in enumerate(outs):
+                    assert torch.equal(out, torch.full_like(out, float(2 * (i + replay) + 1))), f"replay {replay}"
+            torch.cuda.synchronize()
+            method.close()
+        results.put((rank, "ok"))
+    except Exception as e:  # noqa: BLE001 - the test reports it
+        results.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        destroy_rank_context(ctx)
+
+
+@pytest.mark.gpu
+def test_peer_memory_all_reduce_matches_the_rank_ordered_sum_on_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+    assert run_ranks(_check_rank, 2, timeout=300) == {0: "ok", 1: "ok"}
