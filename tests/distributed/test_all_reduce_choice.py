@@ -93,3 +93,23 @@ def test_eager_nccl_winning_at_large_sizes_does_not_split_small_graphs():
     assert choice.graph.pick(_bf16(8 * KIB)).name == SYMM_ONE_SHOT
     assert not choice.split_graph(2048 * KIB), "a 4 us win does not pay for splitting the graph"
     assert not choice.split_graph(4096 * KIB)
+
+
+def test_the_fused_forms_timings_are_kept_for_the_record_but_never_chosen_as_a_method():
+    """The peer-memory kernel's fused (all-reduce + add + RMSNorm) timing sits beside the methods' timings;
+    it is not a method of its own, so a faster figure there must not turn into a pick (nor into NCCL)."""
+    from shardserve.distributed.all_reduce import IPC_ONE_SHOT
+
+    methods = [FakeMethod(NCCL), FakeMethod(IPC_ONE_SHOT, 512 * KIB)]
+    timings = {
+        f"{NCCL}/graph": {8 * KIB: 14.7, 64 * KIB: 16.0},
+        f"{NCCL_EAGER_PIECES}/eager": {8 * KIB: 50.0, 64 * KIB: 52.0},
+        f"{IPC_ONE_SHOT}/graph": {8 * KIB: 4.4, 64 * KIB: 6.0},
+        f"{IPC_ONE_SHOT}/eager": {8 * KIB: 43.0, 64 * KIB: 45.0},
+        f"{IPC_ONE_SHOT}+norm/graph": {8 * KIB: 1.0, 64 * KIB: 1.0},
+    }
+    choice = _choose(methods, timings, [8 * KIB, 64 * KIB], forced=None)
+    assert choice.graph.pick(_bf16(8 * KIB)).name == IPC_ONE_SHOT
+    assert choice.graph.pick(_bf16(64 * KIB)).name == IPC_ONE_SHOT
+    assert choice.eager.pick(_bf16(8 * KIB)).name == IPC_ONE_SHOT
+    assert "+norm" not in choice.describe()
