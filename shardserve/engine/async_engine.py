@@ -211,6 +211,9 @@ class AsyncEngine:
                 if stream is not None:
                     stream.put(e)
         elif command[0] == "abort":
+            # A request added while a sleep was pending is still deferred here: drop it, or it would run
+            # (and hold KV blocks) after its caller has gone.
+            self._deferred_adds = [c for c in self._deferred_adds if c[1] != command[1]]
             self.engine.abort(command[1])
 
     def _deliver(self, out: RequestOutput) -> None:

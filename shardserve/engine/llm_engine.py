@@ -160,9 +160,10 @@ class LLMEngine:
         self._check_canary()
         self.wakes += 1
         self.last_wake_seconds = time.perf_counter() - started
-        for seq in self.held:
-            self.scheduler.add(seq)
-        self.held.clear()
+        held, self.held = self.held, []
+        for seq in held:
+            if not seq.is_finished:  # aborted while asleep: _finish took it out already; never schedule it
+                self.scheduler.add(seq)
         logger.info("awake")
 
     def _check_canary(self) -> None:
@@ -304,6 +305,10 @@ class LLMEngine:
         return self._output(seq, [token], delta, [logprob] if logprob is not None else None)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of every place that holds it (waiting, running, held while asleep); a step in
+        flight that still names it drops its token (_resolve, Scheduler.finish_step)."""
+        if seq in self.held:
+            self.held.remove(seq)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

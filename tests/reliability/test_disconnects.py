@@ -21,3 +21,27 @@ def test_cut_streams_give_back_every_block_and_leave_other_requests_untouched(lo
     assert figures.healthy_after
     assert dict(figures.others.errors) == {}, figures.others.examples
     assert figures.others.answered == len(others)
+
+
+def test_a_request_that_gives_up_while_the_model_sleeps_does_not_kill_the_engine(load_server):
+    """POST /sleep, a completion whose client gives up while the model sleeps, POST /wake_up, then any
+    request: answered (before: HTTP 500 KeyError, every rank restarted, one of --max-restarts used)."""
+    import httpx
+    import pytest
+
+    body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 8, "temperature": 0}
+    with httpx.Client(base_url=load_server, timeout=60) as http:
+        before = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert http.post("/sleep", params={"level": "1"}).status_code == 200
+        try:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f"{load_server}/v1/completions", json={**body, "max_tokens": 64}, timeout=2)
+        finally:
+            assert http.post("/wake_up").status_code == 200
+        after = http.post("/v1/completions", json=body)
+        assert after.status_code == 200, after.text
+        assert after.json()["choices"][0]["text"] == before
+        assert http.get("/health").status_code == 200
+        restarts = [line for line in http.get("/metrics").text.splitlines()
+                    if line.startswith("shardserve:restarts_total")]
+        assert restarts and all(float(line.split()[-1]) == 0 for line in restarts), restarts
