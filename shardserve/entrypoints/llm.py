@@ -9,12 +9,14 @@ from shardserve.distributed.launcher import LocalRanks
 from shardserve.engine.llm_engine import LLMEngine
 from shardserve.engine.outputs import RequestOutput
 from shardserve.engine.sampling_params import SamplingParams
+from shardserve.model_files import check_model_path
 from shardserve.tokenizer import Tokenizer
 
 
 class LLM:
     def __init__(self, model: str, tensor_parallel_size: int = 1, **engine_options) -> None:
         self.config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **engine_options)
+        check_model_path(model, self.config.load_format)
         self.tokenizer = Tokenizer.from_model_path(model)
         self.ranks = LocalRanks(self.config)
         try:

@@ -58,8 +58,12 @@ def serve(args: argparse.Namespace) -> int:
     from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
     from shardserve.engine.llm_engine import run_worker
 
-    if not (args.model.endswith(".gguf") and os.path.isfile(args.model)) and not os.path.isdir(args.model):
-        raise SystemExit(f"MODEL {args.model!r} is neither a .gguf file nor a model directory")
+    from shardserve.model_files import ModelPathError, check_model_path
+
+    try:
+        check_model_path(args.model, args.load_format)
+    except ModelPathError as e:
+        raise SystemExit(f"shardserve serve: {e}") from None
     if args.control_interface:
         os.environ["GLOO_SOCKET_IFNAME"] = args.control_interface  # before any gloo group exists
     config = engine_config_from_args(args)
