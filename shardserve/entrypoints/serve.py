@@ -85,9 +85,10 @@ def serve(args: argparse.Namespace) -> int:
     else:
         ranks = LocalRanks(config, launch)
         ctx = ranks.ctx
+    code = 0
     try:
         if ctx.rank == 0:
-            _serve_rank0(args, config, ctx)
+            code = _serve_rank0(args, config, ctx)
         else:
             run_worker(config, ctx)
     finally:
@@ -95,7 +96,7 @@ def serve(args: argparse.Namespace) -> int:
             ranks.close()
         else:
             destroy_rank_context(ctx)
-    return 0
+    return code
 
 
 def _serves_http(launch) -> bool:
@@ -125,21 +126,23 @@ def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
             ranks.close(timeout=10)
             raise
 
-    _serve_http_until_stopped(args, config, Supervisor(start, args.max_restarts))
-    return 0
+    return _serve_http_until_stopped(args, config, Supervisor(start, args.max_restarts))
 
 
-def _serve_rank0(args: argparse.Namespace, config: EngineConfig, ctx) -> None:
+def _serve_rank0(args: argparse.Namespace, config: EngineConfig, ctx) -> int:
     from shardserve.engine.async_engine import AsyncEngine
     from shardserve.engine.llm_engine import LLMEngine
     from shardserve.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(config.model)
-    _serve_http_until_stopped(args, config, AsyncEngine(lambda: LLMEngine(config, ctx, tokenizer)))
+    return _serve_http_until_stopped(args, config, AsyncEngine(lambda: LLMEngine(config, ctx, tokenizer)))
 
 
-def _serve_http_until_stopped(args: argparse.Namespace, config: EngineConfig, engine) -> None:
-    """The HTTP API over `engine` (an AsyncEngine or a Supervisor) until SIGINT/SIGTERM; then shut it down."""
+def _serve_http_until_stopped(args: argparse.Namespace, config: EngineConfig, engine) -> int:
+    """The HTTP API over `engine` (an AsyncEngine or a Supervisor) until SIGINT/SIGTERM (exit status 0), or
+    until the engine is dead for good (1): a supervisor that used up its restarts, or, without one (ranks
+    under torchrun, srun or on several machines, which restart them), an engine that failed. Requests in
+    flight have their errors by then; the server finishes sending them before it stops."""
     from shardserve.entrypoints.openai.middleware import api_key_in_force
     from shardserve.entrypoints.openai.server import build_app, serve_http
 
@@ -150,6 +153,19 @@ def _serve_http_until_stopped(args: argparse.Namespace, config: EngineConfig, en
         logger.info("serving %s on http://%s:%d (tensor parallel size %d, %s%s)", config.model, args.host,
                     args.port, config.tensor_parallel_size, config.device,
                     ", API key required" if api_key else "")
-        serve_http(app, args.host, args.port, getattr(args, "http_socket", None))
+        reason = serve_http(app, args.host, args.port, getattr(args, "http_socket", None),
+                            stop_when=lambda: _dead_for_good(engine))
     finally:
         engine.shutdown()
+    if reason is None:
+        return 0
+    logger.error("exiting with status 1: %s", reason)
+    return 1
+
+
+def _dead_for_good(engine) -> str | None:
+    gave_up = getattr(engine, "gave_up", None)
+    if gave_up is not None or hasattr(engine, "gave_up"):
+        return gave_up  # a supervisor decides for itself
+    error = engine.error
+    return f"the engine failed: {error}" if error is not None else None

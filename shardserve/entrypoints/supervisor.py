@@ -5,8 +5,8 @@ HTTP server stays up through a restart and answers /health with 503 and the reas
 Failures: a rank process that exits, an engine error, or an engine loop stuck for STALL_RESTART_S (a
 hung rank). Invariants: requests are only ever given to the current engine; a failure is acted on
 once (in-flight requests end with an error, the old ranks are torn down, new ones start after a
-back-off of 1, 2, 4 ... up to 30 s); after `max_restarts` restarts the server stays unhealthy
-instead of looping.
+back-off of 1, 2, 4 ... up to 30 s); after `max_restarts` restarts it gives up (`gave_up` says why) and
+the server exits non-zero, so that systemd, Kubernetes or Slurm see the failure.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Supervisor:
         self.max_model_len = self.engine.max_model_len
         self.restarts = 0
         self.last_failure: str | None = None
+        self.gave_up: str | None = None  # set once the restarts are used up: the process should exit
         self._restarting = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="shardserve-supervisor", daemon=True)
@@ -97,6 +98,7 @@ class Supervisor:
             if self.restarts >= self.max_restarts:
                 logger.error("%s; in-flight requests failed; not restarting (--max-restarts %d reached)", problem,
                              self.max_restarts)
+                self.gave_up = f"{problem} (--max-restarts {self.max_restarts} used up)"
                 return
             self._restarting = True
             delay = min(MAX_BACKOFF_S, 2.0 ** self.restarts)

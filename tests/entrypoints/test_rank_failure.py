@@ -116,3 +116,34 @@ def test_a_failed_rank_fails_the_stream_turns_health_503_then_the_server_comes_b
     expected = "rank1" if fault == "killed" else "made no progress"
     assert health["restarts"] == 1 and expected in health["last_failure"], health
     assert _greedy(client) == before, "after the restart the server gives the same tokens"
+
+
+def test_with_the_restarts_used_up_the_server_fails_the_stream_and_exits_non_zero(tiny_model_dir):
+    """--max-restarts 0: the first dead rank ends the stream in flight with an error, then the process exits
+    with status 1 (as vLLM does), so that systemd, Kubernetes or Slurm see it, instead of answering 503."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("needs /proc to find the rank process")
+    port = find_free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardserve", "serve", tiny_model_dir("llama-untied"), "-tp", "2", "--device", "cpu",
+         "--served-model-name", "tiny", "--kv-cache-memory", "0.05", "--max-restarts", "0", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_health(proc, url, 200, timeout=120)
+        killed: dict = {}
+
+        def inject(chunks: int) -> None:
+            if chunks == 3:
+                os.kill(_spawned_rank(proc.pid), signal.SIGKILL)
+                killed["at"] = time.monotonic()
+
+        stream = _stream_in_background(_client(url), inject)
+        stream["thread"].join(timeout=60)
+        assert "error" in stream, "the stream in flight must end with an error"
+        code = proc.wait(timeout=60)
+        output = proc.stdout.read()
+        assert code == 1, output
+        assert "exiting with status 1" in output and "--max-restarts 0 used up" in output, output
+    finally:
+        stop_processes([proc], signal.SIGINT, 30)

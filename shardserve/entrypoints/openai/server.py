@@ -9,10 +9,11 @@ The generation routes check a request against the model's context (`_admit`) and
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -83,13 +84,27 @@ def bind_http_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_http(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> None:
+def serve_http(app: FastAPI, host: str, port: int, sock: socket.socket | None = None,
+               stop_when: Callable[[], str | None] | None = None) -> str | None:
     """Serve `app` until SIGINT/SIGTERM, on `sock` (from bind_http_port) or else binding host:port; blocks the
-    calling thread."""
-    if sock is None:
-        uvicorn.run(app, host=host, port=port, log_level="info")
-        return
-    uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+    calling thread. With `stop_when`, also stop (gracefully: responses under way are finished) once it returns
+    a reason, which is then returned; None after a signal."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="info")
+    server = uvicorn.Server(config)
+    reason: list[str] = []
+    if stop_when is not None:
+        def watch() -> None:
+            while not server.should_exit:
+                found = stop_when()
+                if found:
+                    reason.append(found)
+                    server.should_exit = True
+                    return
+                time.sleep(0.5)
+
+        threading.Thread(target=watch, name="shardserve-http-stop", daemon=True).start()
+    server.run(sockets=[sock] if sock is not None else None)
+    return reason[0] if reason else None
 
 
 # --------------------------------------------------------------------------- routes
