@@ -8,6 +8,7 @@ import logging
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -133,6 +134,9 @@ def engine_worker(config: EngineConfig, ctx: RankContext) -> None:
 def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
                  worker: Callable[[EngineConfig, RankContext], None], control_token: str) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{info.rank} %(levelname)s %(name)s: %(message)s")
+    # Ctrl-C in a terminal reaches every process of the foreground group; a spawned rank leaves it to rank 0,
+    # which stops the ranks in order (a shutdown plan), so that stopping does not look like a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from shardserve.distributed.handshake import StartupMismatch
     from shardserve.distributed.process_group import destroy_rank_context
 

@@ -29,6 +29,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class ServerShuttingDown(EngineDeadError):
+    """The server is stopping (SIGINT/SIGTERM): requests in flight and new ones are refused with a 503."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -55,6 +59,7 @@ class AsyncEngine:
         self._built = threading.Event()
         self._pending_sleeps: list[tuple[int, concurrent.futures.Future]] = []
         self._deferred_adds: list[tuple] = []
+        self._closing: str | None = None  # why new and running requests are refused (the server stops)
         self._thread = threading.Thread(target=self._run, args=(build_engine,), name="shardserve-engine",
                                         daemon=True)
         self._thread.start()
@@ -72,6 +77,8 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self._closing is not None:
+            raise ServerShuttingDown(self._closing)
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine has stopped: {self._error!r}")
         self.engine.validate_prompt(prompt_token_ids, params)
@@ -133,6 +140,13 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.put(EngineDeadError(reason))
 
+    def stop_accepting(self, reason: str) -> None:
+        """The server is stopping: end every request in flight with ServerShuttingDown (a 503) and refuse
+        new ones; the engine aborts them as their streams close."""
+        self._closing = reason
+        for stream in list(self._streams.values()):
+            stream.put(ServerShuttingDown(reason))
+
     def shutdown(self, timeout: float = 30.0) -> None:
         self._stop.set()
         self._commands.put(("wake",))
@@ -162,6 +176,10 @@ class AsyncEngine:
                         self._deliver(out)
             self.engine.shutdown()
         except BaseException as e:  # noqa: BLE001 - any failure must reach every waiting caller
+            if self._stop.is_set() or self._closing is not None:
+                # Stopping anyway: the other ranks may already be gone. Not a failure worth a traceback.
+                logger.info("engine loop ended while the server stops (%s: %s)", type(e).__name__, e)
+                return
             logger.exception("engine loop failed; failing all requests")
             self._error = e
             for stream in list(self._streams.values()):

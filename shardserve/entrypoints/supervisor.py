@@ -70,10 +70,19 @@ class Supervisor:
     async def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
         await self.engine.wake_up(weights, kv_cache)
 
+    def stop_accepting(self, reason: str) -> None:
+        self.engine.stop_accepting(reason)
+
     def shutdown(self) -> None:
+        """A clean stop: the engine sends the other ranks a shutdown plan and they leave in order (a failed
+        engine's ranks are torn down workers first instead, see _teardown)."""
         self._stop.set()
         self._thread.join(timeout=5)
-        self._teardown()
+        if self._restarting or self.gave_up is not None or self._problem() is not None:
+            self._teardown()
+            return
+        self.engine.shutdown(timeout=30)
+        self.ranks.close(timeout=10)
 
     # -- the watch --------------------------------------------------------------------------------
     def _problem(self) -> str | None:

@@ -25,7 +25,8 @@ from starlette.types import Receive, Scope, Send
 
 from shardserve.engine.outputs import RequestOutput, TokenLogprob
 from shardserve.engine.sampling_params import SamplingParams
-from shardserve.entrypoints.openai.errors import APIError, InvalidRequestError, ServerError
+from shardserve.engine.async_engine import ServerShuttingDown
+from shardserve.entrypoints.openai.errors import APIError, InvalidRequestError, ServerError, ServiceUnavailableError
 from shardserve.entrypoints.openai.protocol import GenerationRequest
 from shardserve.entrypoints.openai.renderers import Renderer, usage_of
 
@@ -160,7 +161,10 @@ class _Generation:
                 logger.exception("failed to release request %s", self.request_id)
 
 
-def _engine_failure(exc: Exception) -> ServerError:
+def _engine_failure(exc: Exception) -> APIError:
+    if isinstance(exc, ServerShuttingDown):  # a clean stop, not a failure: no traceback
+        return ServiceUnavailableError(f"The server is shutting down: {exc}. Retry against another replica "
+                                       f"or once it is back.")
     logger.error("engine failed while generating", exc_info=exc)
     return ServerError(f"The engine failed while generating: {type(exc).__name__}: {exc}")
 

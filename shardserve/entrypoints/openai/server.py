@@ -84,13 +84,28 @@ def bind_http_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on SIGINT/SIGTERM first tells the engine to end the requests in flight with a
+    503 (uvicorn would otherwise wait for every stream to finish before it stops)."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[str], None] | None) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._on_signal is not None and not self.should_exit:
+            self._on_signal("the server received a stop signal")
+        super().handle_exit(sig, frame)
+
+
 def serve_http(app: FastAPI, host: str, port: int, sock: socket.socket | None = None,
                stop_when: Callable[[], str | None] | None = None) -> str | None:
     """Serve `app` until SIGINT/SIGTERM, on `sock` (from bind_http_port) or else binding host:port; blocks the
     calling thread. With `stop_when`, also stop (gracefully: responses under way are finished) once it returns
     a reason, which is then returned; None after a signal."""
     config = uvicorn.Config(app, host=host, port=port, log_level="info")
-    server = uvicorn.Server(config)
+    serving = getattr(app.state, "serving", None)
+    server = _Server(config, on_signal=getattr(serving.engine, "stop_accepting", None) if serving else None)
     reason: list[str] = []
     if stop_when is not None:
         def watch() -> None:
@@ -103,7 +118,10 @@ def serve_http(app: FastAPI, host: str, port: int, sock: socket.socket | None = 
                 time.sleep(0.5)
 
         threading.Thread(target=watch, name="shardserve-http-stop", daemon=True).start()
-    server.run(sockets=[sock] if sock is not None else None)
+    try:
+        server.run(sockets=[sock] if sock is not None else None)
+    except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has stopped: handled here
+        pass
     return reason[0] if reason else None
 
 

@@ -1,0 +1,73 @@
+"""Ctrl-C on a `serve -tp 2` server is a clean stop: the stream in flight ends at once with a 503 that says
+the server is shutting down, the process exits 0, and the log has no ERROR line and no traceback (before:
+"engine loop failed; failing all requests" and gloo's "Connection closed by peer")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from shardserve.distributed.process_group import find_free_port
+
+
+def test_ctrl_c_stops_a_two_rank_server_quietly_and_tells_streams_why(tiny_model_dir):
+    port = find_free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardserve", "serve", tiny_model_dir("llama-untied"), "-tp", "2", "--device", "cpu",
+         "--served-model-name", "tiny", "--kv-cache-memory", "0.05", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.2)
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 480, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+
+        statuses: list[int] = []
+
+        def whole() -> None:
+            body = {"model": "tiny", "prompt": "w3 w4", "max_tokens": 480, "ignore_eos": True}
+            statuses.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code)
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        waiter = threading.Thread(target=whole, daemon=True)
+        waiter.start()
+        assert started.wait(60), "the stream never started"
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group gets it
+        code = proc.wait(timeout=60)
+        reader.join(timeout=30)
+        waiter.join(timeout=30)
+        output = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, output
+    assert "Traceback" not in output and " ERROR " not in output, output
+    errors = [e for e in events if '"error"' in e]
+    assert errors and "The server is shutting down" in errors[0], events[-3:]
+    assert statuses == [503], "a request in flight that was not streamed gets a 503"
