@@ -342,11 +342,12 @@ def _host_gb() -> float | None:
 
 
 def _pool(args: argparse.Namespace) -> int:
-    from shardserve.pool.config import PoolConfigError, load_pool_config
+    from shardserve.pool.config import PoolConfigError, check_model_paths, load_pool_config
     from shardserve.pool.router import run_pool
 
     try:
         config = load_pool_config(args.config)
+        check_model_paths(config)
     except PoolConfigError as e:
         print(f"shardserve pool: error: {e}", file=sys.stderr)
         return 2

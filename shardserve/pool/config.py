@@ -11,13 +11,18 @@
         ttl_s: 600               # optional: sleep after this long without requests
         args: ["--max-num-seqs", "128"]   # optional: more `shardserve serve` flags
 
-Errors name the key (`models.1.memory_gb: ...`).
+Errors name the key (`models.1.memory_gb: ...`). Relative model paths are relative to this file; each is
+checked when the pool starts (a missing path or tokenizer is an error then, not at the first request).
 """
 
 from __future__ import annotations
 
+import os
+
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from shardserve.model_files import ModelPathError, check_model_path
 
 
 def check_api_key(key: str) -> str:
@@ -69,6 +74,7 @@ class PoolConfig(BaseModel):
     models: list[PoolModel] = Field(min_length=1)
     memory_budget_gb: float | None = Field(default=None, gt=0)
     api_key: str | None = Field(default=None, repr=False)  # kept out of reprs, so out of logs and tracebacks
+    _source: str = PrivateAttr(default="the pool config")  # the file it was read from, for errors
 
     @field_validator("api_key")
     @classmethod
@@ -102,7 +108,31 @@ def load_pool_config(path: str) -> PoolConfig:
     except yaml.YAMLError as e:
         raise PoolConfigError(f"{path} is not valid YAML: {e}") from None
     try:
-        return PoolConfig.model_validate(data if data is not None else {})
+        config = PoolConfig.model_validate(data if data is not None else {})
     except ValidationError as e:
         lines = [f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
         raise PoolConfigError(f"{path}: " + "; ".join(lines)) from None
+    here = os.path.dirname(os.path.abspath(path))  # model paths are relative to the config file
+    for m in config.models:
+        m.model = os.path.normpath(os.path.join(here, os.path.expanduser(m.model)))
+    config._source = path
+    return config
+
+
+def check_model_paths(config: PoolConfig) -> None:
+    """Every model's path holds what `shardserve serve` needs: checked when the pool starts, before any model
+    does, rather than when one first starts (maybe at a request, much later)."""
+    for i, m in enumerate(config.models):
+        try:
+            check_model_path(m.model, _load_format(m.args))
+        except ModelPathError as e:
+            raise PoolConfigError(f"{config._source}: models.{i} ({m.name}): {e}") from None
+
+
+def _load_format(args: list[str]) -> str:
+    for i, arg in enumerate(args):
+        if arg.startswith("--load-format="):
+            return arg.split("=", 1)[1]
+        if arg == "--load-format" and i + 1 < len(args):
+            return args[i + 1]
+    return "auto"

@@ -65,8 +65,11 @@ def build_pool_app(pool: Pool) -> FastAPI:
             name = json.loads(body).get("model")
         except (ValueError, AttributeError):
             raise InvalidRequestError("the request body is not a JSON object") from None
+        known = ", ".join(pool.backends)
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"The request names no model: set 'model' to one of this pool's ({known}).",
+                                      param="model")
         if name not in pool.backends:
-            known = ", ".join(pool.backends)
             raise NotFoundError(f"The model {name!r} is not in this pool (models: {known}).", param="model",
                                 code="model_not_found")
         backend = await pool.acquire(name)

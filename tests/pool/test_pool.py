@@ -13,7 +13,7 @@ import pytest
 
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
-from shardserve.pool.config import PoolConfigError, load_pool_config
+from shardserve.pool.config import PoolConfigError, check_model_paths, load_pool_config
 from tests.pool.running import running_pool, write_config
 
 PROMPTS = ["w1 w2 w3", "w9 w8", "w30 w31 w32 w33"]
@@ -56,6 +56,9 @@ def test_two_models_in_room_for_one_serve_concurrent_requests_without_losing_any
         missing = httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "w1"})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         assert "llama" in missing.json()["error"]["message"]
+        unnamed = httpx.post(f"{url}/v1/completions", json={"prompt": "w1"})
+        assert unnamed.status_code == 400 and unnamed.json()["error"]["param"] == "model"
+        assert "names no model" in unnamed.json()["error"]["message"] and "None" not in unnamed.json()["error"]["message"]
 
 
 def test_config_errors_name_the_key(tmp_path):
@@ -72,6 +75,20 @@ def test_config_errors_name_the_key(tmp_path):
         load({"memory_budget_gb": 2, "models": [{"name": "a", "model": "/m", "memory_gb": 3}]})
     with pytest.raises(PoolConfigError, match=r"models\.0\.args: Value error, --port are set by the pool"):
         load({"models": [{"name": "a", "model": "/m", "memory_gb": 1, "args": ["--port", "1"]}]})
+
+
+def test_model_paths_are_checked_at_start_and_relative_to_the_config(tiny_model_dir, tmp_path):
+    import shutil
+
+    shutil.copytree(tiny_model_dir("llama-tied"), tmp_path / "models" / "tiny")
+    config = load_pool_config(write_config(tmp_path, {"models": [
+        {"name": "a", "model": "models/tiny", "memory_gb": 1}]}))
+    assert config.models[0].model == str(tmp_path / "models" / "tiny")
+    check_model_paths(config)
+    result = subprocess.run([sys.executable, "-m", "shardserve", "pool", write_config(tmp_path, {"models": [
+        {"name": "a", "model": "nowhere", "memory_gb": 1}]})], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "models.0 (a): model path" in result.stderr and "/nowhere' does not exist" in result.stderr
 
 
 def test_the_pool_command_reports_a_bad_config(tmp_path):
