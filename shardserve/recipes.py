@@ -10,7 +10,7 @@
     nodes: [10.0.0.1, 10.0.0.2]   # optional: the machines, node 0 first (gives --nnodes, --master-addr)
 
 `shardserve serve --recipe FILE` and `shardserve plan --recipe FILE` take it; flags given on the
-command line override it. Unknown keys and bad values are refused with their path and what is accepted.
+command line override it. A relative `model` path is relative to the recipe file. Unknown keys and bad values are refused with their path and what is accepted.
 """
 
 from __future__ import annotations
@@ -80,6 +80,9 @@ def load_recipe(path: str) -> Recipe:
     bad = [n for n in [*recipe.env, *recipe.forward_env] if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
     if bad:
         raise RecipeError(f"{path}: env/forward_env: not variable names: {', '.join(bad)}")
+    # A relative model path is relative to the recipe, so the recipe works from any directory.
+    recipe.model = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                 os.path.expanduser(recipe.model)))
     return recipe
 
 

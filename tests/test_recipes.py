@@ -79,3 +79,13 @@ def test_plan_takes_a_recipe_and_a_bad_one_is_a_cli_error(tmp_path):
                             text=True, timeout=60)
     assert result.returncode == 2
     assert "--recipe:" in result.stderr and "serve.max_num_seq: Extra inputs are not permitted" in result.stderr
+
+
+def test_a_relative_model_path_is_relative_to_the_recipe_not_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "recipes").mkdir()
+    path = tmp_path / "recipes" / "r.yaml"
+    path.write_text(yaml.safe_dump({"model": "../models/m.gguf", "tensor_parallel_size": 2}))
+    monkeypatch.chdir("/")
+    assert load_recipe(str(path)).model == str(tmp_path / "models" / "m.gguf")
+    assert load_recipe(str(RECIPES / "smollm2-tp2-cpu.yaml")).model == str(
+        RECIPES.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
