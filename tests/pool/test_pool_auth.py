@@ -95,7 +95,7 @@ def test_config_api_key_must_be_sendable(tmp_path):
             load_pool_config(write_config(tmp_path, {"api_key": bad, "models": models}))
     with pytest.raises(PoolConfigError, match=r"models\.0\.args: Value error, --api-key are set by the pool"):
         load_pool_config(write_config(tmp_path, {"models": [{**models[0], "args": ["--api-key", "k"]}]}))
-    # argparse also reads --flag=value and unambiguous abbreviations: those are the pool's too
+    # --flag=value, and abbreviations (which serve refuses anyway), are the pool's flags too
     for args, named in ((["--api-key=k"], "--api-key"), (["--api", "k"], r"--api \(--api-key\)"),
                         (["--po", "1"], r"--po \(--port\)")):
         with pytest.raises(PoolConfigError, match=rf"models\.0\.args: Value error, {named} are set by the pool"):

@@ -114,7 +114,8 @@ class BodySizeLimit:
 
     def _too_large(self) -> Response:
         limit = self.max_body_bytes
-        error = RequestTooLargeError(f"The request body is larger than this server's limit of {limit} bytes.")
+        error = RequestTooLargeError(f"The request body is larger than this server's limit of {limit} bytes "
+                                     f"({limit / 2**20:g} MiB; the server's --max-request-body-mb sets it).")
         # Past the discard cap the rest of the body is left unread, so the connection is not reused.
         return error.to_response(headers={"Connection": "close"})
 
