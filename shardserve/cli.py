@@ -126,6 +126,10 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gb", type=_positive_float("--gpu-memory-gb"), default=None,
                    help="memory of one device in GiB (default: what the first visible GPU has)")
     p.add_argument("--gpu-memory-utilization", type=_positive_float("--gpu-memory-utilization"), default=0.9)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="plan for GPUs or for CPU ranks in host memory (default: cuda where a GPU is visible)")
+    p.add_argument("--kv-cache-memory", type=_positive_float("--kv-cache-memory"), default=None,
+                   help="GiB of KV cache per rank on CPUs (default: what serve uses)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto")
     p.add_argument("--host-memory-gb", type=_positive_float("--host-memory-gb"), default=None,
                    help="host memory in GiB (default: this machine's)")
@@ -321,10 +325,12 @@ def _plan(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"shardserve plan: error: cannot read the config of {args.model!r}: {e}", file=sys.stderr)
         return 2
+    device = args.device or ("cuda" if args.gpu_memory_gb or _first_gpu_gb() else "cpu")
     request = PlanRequest(args.tensor_parallel_size, args.max_model_len, args.max_num_seqs,
-                          args.max_num_batched_tokens, args.gpu_memory_gb or _first_gpu_gb(),
+                          args.max_num_batched_tokens,
+                          (args.gpu_memory_gb or _first_gpu_gb()) if device == "cuda" else None,
                           args.gpu_memory_utilization, args.kv_cache_dtype, args.host_memory_gb or _host_gb(),
-                          args.host_floor_gb)
+                          args.host_floor_gb, device=device, kv_cache_memory_gb=args.kv_cache_memory)
     result = plan(cfg, request)
     print(json.dumps(result.to_json(), indent=2) if args.json else describe(result, args.tensor_parallel_size))
     return 1 if result.fits is False else 0

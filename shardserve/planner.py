@@ -25,6 +25,7 @@ GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 # Fixed per-rank costs on a GPU: CUDA context, cuBLAS/NCCL workspaces and buffers, allocator slack.
 GPU_FIXED_OVERHEAD = int(1.0 * GIB)
+CPU_FIXED_OVERHEAD = int(0.5 * GIB)  # per CPU rank: the torch runtime and its thread pools
 HOST_FLOOR_GB_DEFAULT = 6.0
 
 
@@ -40,6 +41,8 @@ class PlanRequest:
     host_memory_gb: float | None = None
     host_floor_gb: float = HOST_FLOOR_GB_DEFAULT
     ranks_per_host: int | None = None  # default: all ranks on one host
+    device: str = "cuda"  # "cpu": every rank in host memory, float32, no CUDA graphs
+    kv_cache_memory_gb: float | None = None  # per rank; on CPUs the engine's default when None
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     replicated: list[str] = field(default_factory=list)
+    device: str = "cuda"
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -206,6 +210,8 @@ def state_bytes_per_seq(cfg: dict, tp: int, state_bytes: int) -> int:
 
 # -- the plan ------------------------------------------------------------------------------------
 def plan(cfg: dict, req: PlanRequest) -> Plan:
+    if req.device == "cpu":
+        return _plan_cpu(cfg, req)
     tp = req.tensor_parallel_size
     dtype = _dtype_bytes(cfg)
     kv_dtype = dtype if req.kv_cache_dtype == "auto" else DTYPE_BYTES[req.kv_cache_dtype]
@@ -253,6 +259,58 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
                 cache_tokens, largest, fits, host_needed, host_left, warnings, reasons, sorted(set(replicated)))
 
 
+def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
+    """CPU ranks: weights in float32 (what the engine computes in on CPUs under --dtype auto), plus a 16-bit
+    compact copy for decode steps where the checkpoint is 16-bit; a KV cache of --kv-cache-memory per rank;
+    no CUDA graphs. Everything lives in host memory, shared by the ranks on the host: it fits when their sum
+    leaves the host floor and the KV cache holds a full context."""
+    from shardserve.engine.kv_cache import DEFAULT_CPU_KV_CACHE_GB
+
+    tp = req.tensor_parallel_size
+    replicated: list[str] = []
+    elements = weight_elements_per_rank(cfg, tp, replicated)
+    if cfg.get("tie_word_embeddings"):  # the LM head gets its own packed float32 copy of the embedding
+        elements += -(-cfg["vocab_size"] // tp) * cfg["hidden_size"]
+    # The compact copy for decode steps: GGUF blocks (about 5 bits a weight for Q4_1) or the 16-bit checkpoint.
+    compact = 0.625 if cfg.get("gguf_quantized") else (_dtype_bytes(cfg) if _dtype_bytes(cfg) < 4 else 0)
+    weights = int(elements * (4 + compact))
+    per_token = kv_bytes_per_token(cfg, tp, 4)
+    per_seq_state = state_bytes_per_seq(cfg, tp, 4)
+    model_limit = cfg.get("max_position_embeddings") or 2**31
+    max_len = req.max_model_len or model_limit
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    activations = req.max_num_batched_tokens * (6 * h + 3 * (_moe(cfg)[1] or inter) // tp) * 4
+    logits = max(req.max_num_seqs, 1) * -(-cfg["vocab_size"] // tp) * 4 * 2
+    overhead = activations + logits + CPU_FIXED_OVERHEAD
+    states = req.max_num_seqs * per_seq_state
+    kv_budget = int((req.kv_cache_memory_gb if req.kv_cache_memory_gb is not None else DEFAULT_CPU_KV_CACHE_GB) * GIB)
+    cache_tokens = max(0, (kv_budget - states) // per_token) if per_token else 2**62
+    largest = int(min(cache_tokens, model_limit))
+    ranks_here = req.ranks_per_host or tp
+    host_needed = ranks_here * (weights + overhead + kv_budget)
+    host_left = None
+    fits = None
+    reasons: list[str] = []
+    warnings: list[str] = []
+    if cache_tokens < max_len:
+        reasons.append(f"the KV cache of {kv_budget / GIB:.2f} GiB per rank (--kv-cache-memory) holds {cache_tokens} "
+                       f"tokens, fewer than --max-model-len {max_len}")
+    if req.host_memory_gb is not None:
+        host_left = int(req.host_memory_gb * GIB) - host_needed
+        if host_left < req.host_floor_gb * GIB:
+            reasons.append(f"{ranks_here} ranks need {host_needed / GIB:.2f} GiB of host memory, which leaves "
+                           f"{host_left / GIB:.1f} GiB of {req.host_memory_gb:.1f}, under the floor of "
+                           f"{req.host_floor_gb:g} GiB")
+        fits = not reasons
+    elif reasons:
+        fits = False
+    if replicated:
+        warnings.append(f"replicated on every rank (they do not split {tp} ways): {', '.join(sorted(set(replicated)))}")
+    return Plan(weights, per_token, per_seq_state, overhead, max_len, per_token * max_len, None, kv_budget,
+                cache_tokens, largest, fits, host_needed, host_left, warnings, reasons, sorted(set(replicated)),
+                device="cpu")
+
+
 def describe(p: Plan, tp: int) -> str:
     gib = lambda b: f"{b / GIB:,.2f} GiB"  # noqa: E731
     lines = [
@@ -263,16 +321,26 @@ def describe(p: Plan, tp: int) -> str:
     ]
     if p.state_bytes_per_seq:
         lines.append(f"  fixed state per seq    {p.state_bytes_per_seq / 2**20:,.1f} MiB (linear-attention/SSM layers)")
-    lines.append(f"  overhead (estimate)    {gib(p.overhead_bytes)} (activations, CUDA graphs, workspaces)")
+    if p.device == "cpu":
+        lines[0] = f"per rank (tensor parallel {tp}, CPU: float32, in host memory):"
+        lines.append(f"  overhead (estimate)    {gib(p.overhead_bytes)} (activations, runtime)")
+        lines.append(f"  KV cache               {gib(p.kv_budget_bytes)} (--kv-cache-memory) = {p.max_tokens_in_cache:,} "
+                     f"tokens")
+        lines.append(f"host memory for all ranks on this host: {gib(p.host_needed_bytes)}"
+                     + ("" if p.host_left_bytes is None else f", {gib(p.host_left_bytes)} left"))
+    else:
+        lines.append(f"  overhead (estimate)    {gib(p.overhead_bytes)} (activations, CUDA graphs, workspaces)")
     if p.usable_bytes is not None:
         lines += [f"  usable per device      {gib(p.usable_bytes)}",
                   f"  left for the KV cache  {gib(max(p.kv_budget_bytes, 0))} = {p.max_tokens_in_cache:,} tokens",
                   f"  largest context        {p.largest_context:,} tokens"]
-    lines.append(f"host memory while loading: {gib(p.host_needed_bytes)}"
-                 + ("" if p.host_left_bytes is None else f", {gib(p.host_left_bytes)} left"))
+    if p.device != "cpu":
+        lines.append(f"host memory while loading: {gib(p.host_needed_bytes)}"
+                     + ("" if p.host_left_bytes is None else f", {gib(p.host_left_bytes)} left"))
     lines += [f"warning: {w}" for w in p.warnings]
     if p.fits is None:
-        lines.append("fits: unknown (give --gpu-memory-gb, or run where the GPUs are)")
+        lines.append("fits: unknown (give --host-memory-gb)" if p.device == "cpu" else
+                     "fits: unknown (give --gpu-memory-gb, or run where the GPUs are, or --device cpu)")
     elif p.fits:
         lines.append(f"fits: yes, {p.max_tokens_in_cache // max(p.max_model_len, 1):,} full-length sequences at once")
     else:

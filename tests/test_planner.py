@@ -120,3 +120,30 @@ def test_planned_weights_equal_what_the_engine_builds_for_every_family_and_tp(ti
                 model = MODEL_CLASSES[model_config.family](model_config, Communicator(None, 0, tp), torch.float32, 64)
             built = sum(p.numel() for p in model.parameters())
             assert weight_elements_per_rank(load_hf_config(model_dir), tp, []) == built, (name, tp)
+
+
+def test_cpu_plans_count_float32_weights_the_kv_cache_and_every_rank_in_host_memory():
+    cpu = dict(device="cpu", host_memory_gb=64.0, kv_cache_memory_gb=2.0)
+    p = plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=2, max_model_len=8192, **cpu))
+    dense = plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=2, gpu_memory_gb=80))
+    # float32 (4 bytes) plus the bfloat16 checkpoint's compact copy for decode steps (2 bytes)
+    assert p.weight_bytes == dense.weight_bytes // 2 * 6
+    assert p.kv_bytes_per_token == 2 * 32 * 4 * 128 * 4 and p.kv_budget_bytes == 2 * GIB
+    assert p.overhead_bytes < dense.overhead_bytes, "no CUDA graphs on CPUs"
+    assert p.host_needed_bytes == 2 * (p.weight_bytes + p.overhead_bytes + 2 * GIB)
+    assert p.fits is True
+    short = plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=2, max_model_len=8192, **{**cpu, "host_memory_gb": 55}))
+    assert short.fits is False and "under the floor of 6 GiB" in short.reasons[0]
+    small_kv = plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=2, max_model_len=8192,
+                                           **{**cpu, "kv_cache_memory_gb": 0.5}))
+    assert small_kv.fits is False and "--kv-cache-memory" in small_kv.reasons[0]
+
+
+def test_plan_on_a_machine_without_a_gpu_plans_for_cpus(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA3_8B, "num_hidden_layers": 2}))
+    result = subprocess.run([sys.executable, "-m", "shardserve", "plan", str(config), "-tp", "2", "--device", "cpu",
+                             "--host-memory-gb", "64"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "CPU: float32, in host memory" in result.stdout and "CUDA graphs" not in result.stdout
+    assert "fits: yes" in result.stdout

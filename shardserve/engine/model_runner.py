@@ -24,6 +24,7 @@ from shardserve.engine import kernel_setup
 from shardserve.kernels import cpu_features
 from shardserve.kernels import plan as kernel_plan
 from shardserve.layers.cuda_gemv import use_batch1_gemv
+from shardserve.layers.linear import weight_bytes
 from shardserve.models import MODEL_CLASSES
 from shardserve.transfers import on_device
 from shardserve.weights import stable_memory
@@ -244,9 +245,10 @@ class ModelRunner:
                 gemv = use_batch1_gemv(model, log=self.ctx.is_driver,
                                        agree=lambda chosen: kernel_setup.agree_on_gemv(chosen, self.ctx))
             self.plan = self.plan.with_results(gemv=gemv.summary() if gemv is not None else "cublas")
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s", self.ctx.rank, self.config.model,
-                    time.perf_counter() - started, weight_bytes / 2**30, self.dtype, self.device)
+        loaded, copies = weight_bytes(model)
+        logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s%s", self.ctx.rank, self.config.model,
+                    time.perf_counter() - started, loaded / 2**30, self.dtype, self.device,
+                    f" (+{copies / 2**30:.2f} GiB of compact copies for decode steps)" if copies else "")
         return model
 
     def _fill_weights(self, model) -> None:

@@ -58,6 +58,24 @@ class KernelLinear(nn.Module):
         return self.matmul(silu_and_mul(gate_up))
 
 
+def weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of the weights as the model computes with them, bytes of extra copies) on this rank: parameters,
+    plus linear layers' prepared forms (a kernel's packed layout replaces the parameter; a compact copy for
+    decode steps, the tail of a prepared tuple, is extra)."""
+    main = sum(p.numel() * p.element_size() for p in model.parameters())
+    extra = 0
+    for module in model.modules():
+        prepared = getattr(module, "prepared", None)
+        if prepared is None:
+            continue
+        parts = prepared if isinstance(prepared, tuple) else (prepared,)
+        sizes = [t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor)]
+        if sizes:
+            main += sizes[0]
+            extra += sum(sizes[1:])
+    return main, extra
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     """sha256 (first 16 hex digits) of a tensor's bytes."""
     data = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
