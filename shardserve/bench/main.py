@@ -29,7 +29,13 @@ def bench(args: argparse.Namespace) -> int:
     config = BenchConfig(base_url=args.base_url, model=args.model, concurrency=args.concurrency,
                          request_rate=args.request_rate, slos=tuple(args.goodput), api_key=args.api_key,
                          num_warmups=args.num_warmups, timeout_s=args.request_timeout)
-    levels = run_bench(config, workload, Console(stderr=True))
+    console = Console(stderr=True)
+    total = len(args.concurrency) * args.num_prompts
+    console.print(f"shardserve bench: {len(args.concurrency)} levels x {args.num_prompts} requests, "
+                  f"{args.output_len} output tokens each: {total * args.output_len:,} tokens to generate "
+                  f"(against a server on a few CPU cores, fewer do: --concurrency 1,4 --num-prompts 16 "
+                  f"--output-len 32)", highlight=False)
+    levels = run_bench(config, workload, console)
     title = f"{args.model} at {args.base_url}: {_describe(args)}"
     # Off a terminal rich would wrap the table at 80 columns.
     print_table(levels, Console() if sys.stdout.isatty() else Console(width=200), title)

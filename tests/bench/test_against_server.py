@@ -60,6 +60,8 @@ def test_cli_writes_results_whose_tokens_match_the_servers_counters(server, mode
                      "--tokenizer", model_dir, "--num-warmups", "0", "--goodput", "ttft:60000", "tpot:60000",
                      "--out", str(out), "--csv", str(table), "--plot", str(png))
     assert run.returncode == 0, run.stderr
+    assert f"2 levels x {NUM_PROMPTS} requests, {OUTPUT_LEN} output tokens each: " \
+           f"{2 * NUM_PROMPTS * OUTPUT_LEN:,} tokens to generate" in run.stderr, "the run says what it will ask for"
     after = _counters(server)
 
     results = json.loads(out.read_text())
