@@ -31,10 +31,10 @@ def bench(args: argparse.Namespace) -> int:
                          num_warmups=args.num_warmups, timeout_s=args.request_timeout)
     console = Console(stderr=True)
     total = len(args.concurrency) * args.num_prompts
-    console.print(f"shardserve bench: {len(args.concurrency)} levels x {args.num_prompts} requests, "
-                  f"{args.output_len} output tokens each: {total * args.output_len:,} tokens to generate "
-                  f"(against a server on a few CPU cores, fewer do: --concurrency 1,4 --num-prompts 16 "
-                  f"--output-len 32)", highlight=False)
+    print(f"shardserve bench: {len(args.concurrency)} levels x {args.num_prompts} requests, "
+          f"{args.output_len} output tokens each: {total * args.output_len:,} tokens to generate "
+          f"(against a server on a few CPU cores, fewer do: --concurrency 1,4 --num-prompts 16 --output-len 32)",
+          file=sys.stderr, flush=True)
     levels = run_bench(config, workload, console)
     title = f"{args.model} at {args.base_url}: {_describe(args)}"
     # Off a terminal rich would wrap the table at 80 columns.
