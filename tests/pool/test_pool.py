@@ -96,3 +96,54 @@ def test_the_pool_command_reports_a_bad_config(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "shardserve pool: error:" in result.stderr and "models: List should have at least 1 item" in result.stderr
+
+
+def test_ctrl_c_stops_a_pool_of_two_rank_models_quietly(tiny_model_dir, tmp_path):
+    """Ctrl-C reaches the pool, its models and their ranks at once (one process group): every process stops
+    in order, the stream in flight ends with the 'shutting down' error, and no ERROR or traceback is logged."""
+    import os
+    import signal
+    import tempfile
+    import threading
+    import time
+
+    from shardserve.distributed.process_group import find_free_port
+    from tests.serving import wait_until_healthy
+
+    config = write_config(tmp_path, {"models": [{"name": "llama", "model": tiny_model_dir("llama-untied"),
+                                                 "memory_gb": 1, "tensor_parallel_size": 2,
+                                                 "args": ["--kv-cache-memory", "0.05"]}]})
+    port = find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        pool = subprocess.Popen([sys.executable, "-m", "shardserve", "pool", config, "--port", str(port), "--device",
+                                 "cpu"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            wait_until_healthy(url, [pool], 180, lambda: (log.seek(0), log.read())[1])
+            events: list[str] = []
+            started = threading.Event()
+
+            def stream() -> None:
+                body = {"model": "llama", "prompt": "w1 w2", "max_tokens": 480, "stream": True, "ignore_eos": True}
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            started.set()
+
+            reader = threading.Thread(target=stream, daemon=True)
+            reader.start()
+            assert started.wait(60), "the stream never started"
+            time.sleep(0.2)
+            os.killpg(pool.pid, signal.SIGINT)
+            code = pool.wait(timeout=90)
+            reader.join(timeout=30)
+        finally:
+            if pool.poll() is None:
+                os.killpg(pool.pid, signal.SIGKILL)
+        log.seek(0)
+        output = log.read()
+    assert code == 0, output
+    assert "Traceback" not in output and " ERROR " not in output, output
+    assert any("shutting down" in e for e in events), events[-3:]
