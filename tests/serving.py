@@ -174,3 +174,21 @@ def serve_cli(args: list[str], timeout: float = 180.0, launcher: list[str] | Non
         yield url
     finally:
         stop_processes([proc], signal.SIGTERM, 30)
+
+
+def stream_in_background(url: str, body: dict) -> tuple[threading.Thread, list[str], threading.Event]:
+    """POST a streamed completion on a thread: its `data:` payloads are appended to the list as they come, and
+    the event is set at the first."""
+    events: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return reader, events, started

@@ -142,8 +142,9 @@ class IpcOneShotAllReduce(AllReduceMethod):
     MAX_ROWS = 1024
     MAX_COLS = 32768
 
-    def __init__(self, group: dist.ProcessGroup, control_group, rank: int, world_size: int, device: torch.device,
-                 dtype: torch.dtype, slot_bytes: int = SYMM_MAX_BYTES) -> None:
+    def __init__(self, control_group, rank: int, world_size: int, device: torch.device, dtype: torch.dtype,
+                 slot_bytes: int = SYMM_MAX_BYTES) -> None:
+        """A collective over `control_group` (gloo), which carries the peers' memory handles."""
         from shardserve.distributed.ipc_memory import PeerMemory
 
         self.rank, self.world_size, self.dtype = rank, world_size, dtype
@@ -306,7 +307,7 @@ def build_methods(group: dist.ProcessGroup, device: torch.device, dtype: torch.d
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if control_group is not None:
         try:
-            method = IpcOneShotAllReduce(group, control_group, rank, world, device, dtype)
+            method = IpcOneShotAllReduce(control_group, rank, world, device, dtype)
         except Exception as e:  # no CUDA IPC between these processes, no Triton
             logger.info("all-reduce: %s unavailable (%s)", IPC_ONE_SHOT, _first_line(e))
             method = None

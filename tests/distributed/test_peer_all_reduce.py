@@ -21,7 +21,7 @@ def _check_rank(rank: int, port: int, results) -> None:
     ctx = init_rank_context(rank, 2, "cuda", f"tcp://127.0.0.1:{port}", control_token="peer-all-reduce-test")
     try:
         for dtype in (torch.bfloat16, torch.float32):
-            method = IpcOneShotAllReduce(ctx.comm.group, ctx.control_group, rank, 2, ctx.device, dtype)
+            method = IpcOneShotAllReduce(ctx.control_group, rank, 2, ctx.device, dtype)
             for rows, cols in SHAPES:
                 g = torch.Generator(ctx.device).manual_seed(rows * cols + rank)
                 x = torch.randn(rows, cols, generator=g, device=ctx.device).to(dtype)

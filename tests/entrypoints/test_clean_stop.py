@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
 
 from shardserve.distributed.process_group import find_free_port
+from tests.serving import stream_in_background, wait_until_healthy
 
 
 def test_ctrl_c_stops_a_two_rank_server_quietly_and_tells_streams_why(tiny_model_dir):
@@ -26,35 +26,15 @@ def test_ctrl_c_stops_a_two_rank_server_quietly_and_tells_streams_why(tiny_model
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            time.sleep(0.2)
-        events: list[str] = []
-        started = threading.Event()
-
-        def stream() -> None:
-            body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 480, "stream": True, "ignore_eos": True}
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        started.set()
-
+        wait_until_healthy(url, [proc], 120, lambda: proc.stdout.read())
+        reader, events, started = stream_in_background(
+            url, {"model": "tiny", "prompt": "w1 w2", "max_tokens": 480, "ignore_eos": True})
         statuses: list[int] = []
 
         def whole() -> None:
             body = {"model": "tiny", "prompt": "w3 w4", "max_tokens": 480, "ignore_eos": True}
             statuses.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code)
 
-        reader = threading.Thread(target=stream, daemon=True)
-        reader.start()
         waiter = threading.Thread(target=whole, daemon=True)
         waiter.start()
         assert started.wait(60), "the stream never started"

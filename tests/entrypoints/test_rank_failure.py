@@ -35,17 +35,23 @@ def _greedy(client: openai.OpenAI, max_tokens: int = 12) -> str:
                                      extra_body={"ignore_eos": True}).choices[0].text
 
 
-@pytest.fixture
-def server(tiny_model_dir):
-    """A `shardserve serve -tp 2` process (CPU, --max-restarts 2) and its URL, once healthy."""
+def _start_server(model_dir: str, max_restarts: int) -> tuple[subprocess.Popen, str]:
+    """A `shardserve serve -tp 2` process (CPU) and its URL, not yet healthy."""
     if not Path("/proc/self/task").is_dir():
         pytest.skip("needs /proc to find the rank process")
     port = find_free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shardserve", "serve", tiny_model_dir("llama-untied"), "-tp", "2", "--device", "cpu",
-         "--served-model-name", "tiny", "--kv-cache-memory", "0.05", "--max-restarts", "2", "--port", str(port)],
+        [sys.executable, "-m", "shardserve", "serve", model_dir, "-tp", "2", "--device", "cpu",
+         "--served-model-name", "tiny", "--kv-cache-memory", "0.05", "--max-restarts", str(max_restarts),
+         "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def server(tiny_model_dir):
+    """A `shardserve serve -tp 2` process (CPU, --max-restarts 2) and its URL, once healthy."""
+    proc, url = _start_server(tiny_model_dir("llama-untied"), max_restarts=2)
     try:
         _wait_for_health(proc, url, 200, timeout=120)
         yield proc, url
@@ -121,14 +127,7 @@ def test_a_failed_rank_fails_the_stream_turns_health_503_then_the_server_comes_b
 def test_with_the_restarts_used_up_the_server_fails_the_stream_and_exits_non_zero(tiny_model_dir):
     """--max-restarts 0: the first dead rank ends the stream in flight with an error, then the process exits
     with status 1 (as vLLM does), so that systemd, Kubernetes or Slurm see it, instead of answering 503."""
-    if not Path("/proc/self/task").is_dir():
-        pytest.skip("needs /proc to find the rank process")
-    port = find_free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shardserve", "serve", tiny_model_dir("llama-untied"), "-tp", "2", "--device", "cpu",
-         "--served-model-name", "tiny", "--kv-cache-memory", "0.05", "--max-restarts", "0", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _start_server(tiny_model_dir("llama-untied"), max_restarts=0)
     try:
         _wait_for_health(proc, url, 200, timeout=120)
         killed: dict = {}

@@ -104,11 +104,10 @@ def test_ctrl_c_stops_a_pool_of_two_rank_models_quietly(tiny_model_dir, tmp_path
     import os
     import signal
     import tempfile
-    import threading
     import time
 
     from shardserve.distributed.process_group import find_free_port
-    from tests.serving import wait_until_healthy
+    from tests.serving import stream_in_background, wait_until_healthy
 
     config = write_config(tmp_path, {"models": [{"name": "llama", "model": tiny_model_dir("llama-untied"),
                                                  "memory_gb": 1, "tensor_parallel_size": 2,
@@ -121,19 +120,8 @@ def test_ctrl_c_stops_a_pool_of_two_rank_models_quietly(tiny_model_dir, tmp_path
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             wait_until_healthy(url, [pool], 180, lambda: (log.seek(0), log.read())[1])
-            events: list[str] = []
-            started = threading.Event()
-
-            def stream() -> None:
-                body = {"model": "llama", "prompt": "w1 w2", "max_tokens": 480, "stream": True, "ignore_eos": True}
-                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-                    for line in response.iter_lines():
-                        if line.startswith("data: "):
-                            events.append(line[6:])
-                            started.set()
-
-            reader = threading.Thread(target=stream, daemon=True)
-            reader.start()
+            reader, events, started = stream_in_background(
+                url, {"model": "llama", "prompt": "w1 w2", "max_tokens": 480, "ignore_eos": True})
             assert started.wait(60), "the stream never started"
             time.sleep(0.2)
             os.killpg(pool.pid, signal.SIGINT)

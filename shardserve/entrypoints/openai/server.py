@@ -96,6 +96,9 @@ class _Server(uvicorn.Server):
         if self._on_signal is not None and not self.should_exit:
             self._on_signal("the server received a stop signal")
         super().handle_exit(sig, frame)
+        # uvicorn raises the signals it caught again once it has stopped serving; SIGTERM's default action
+        # would then end the process before the engine and the other ranks shut down in order.
+        getattr(self, "_captured_signals", []).clear()
 
 
 def serve_http(app: FastAPI, host: str, port: int, sock: socket.socket | None = None,
@@ -118,10 +121,7 @@ def serve_http(app: FastAPI, host: str, port: int, sock: socket.socket | None = 
                 time.sleep(0.5)
 
         threading.Thread(target=watch, name="shardserve-http-stop", daemon=True).start()
-    try:
-        server.run(sockets=[sock] if sock is not None else None)
-    except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has stopped: handled here
-        pass
+    server.run(sockets=[sock] if sock is not None else None)
     return reason[0] if reason else None
 
 
