@@ -65,14 +65,17 @@ def weight_bytes(cfg: dict) -> int:
 
 
 def write_model_dir(path: str, shape: dict = LLAMA3_8B) -> str:
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(shape, f)
     # Benchmarks feed token ids; a word-level tokenizer over the whole vocabulary stands in for the real one.
+    # The whitespace pre-tokenizer makes text prompts (HTTP benchmarks) count one token a word, not one in all.
     vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(os.path.join(path, "tokenizer.json"))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t128001", "unk_token": "t0"}, f)
     return path

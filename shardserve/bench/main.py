@@ -39,13 +39,45 @@ def bench(args: argparse.Namespace) -> int:
     title = f"{args.model} at {args.base_url}: {_describe(args)}"
     # Off a terminal rich would wrap the table at 80 columns.
     print_table(levels, Console() if sys.stdout.isatty() else Console(width=200), title)
+    record = _run_record(args, seed)
+    mismatch = prompt_length_mismatch(args, levels)
+    if mismatch is not None:
+        print(f"shardserve bench: WARNING: {mismatch}", file=sys.stderr, flush=True)
+        record.update(input_len_exact=False, prompt_length_warning=mismatch)
     if args.out:
-        write_json(args.out, _run_record(args, seed), levels)
+        write_json(args.out, record, levels)
     if args.csv:
         write_csv(args.csv, levels)
     if args.plot:
         plot(levels, title).savefig(args.plot, dpi=120)
-    return 1 if any(level.failed for level in levels) else 0
+    return 1 if mismatch is not None or any(level.failed for level in levels) else 0
+
+
+def prompt_length_mismatch(args: argparse.Namespace, levels) -> str | None:
+    """Why the prompts the server counted (`usage.prompt_tokens`) are not the ones this run meant to send, or
+    None. With --tokenizer every prompt is exactly --input-len tokens; without, about one token a word, so a
+    count under half or over twice that means the figures describe another workload (a word-level tokenizer
+    without a whitespace pre-tokenizer counts a whole prompt as one token)."""
+    if args.dataset is not None:
+        return None
+    completed = sum(level.completed for level in levels)
+    counted = sum(level.total_input_tokens for level in levels)
+    if completed == 0:
+        return None
+    if counted == 0:
+        return "the server reported no usage.prompt_tokens: the prompt lengths of this run are unchecked"
+    mean = counted / completed
+    if args.tokenizer is not None:
+        if counted != completed * args.input_len:
+            return (f"the server counted {mean:.1f} prompt tokens per request on average, not the {args.input_len} "
+                    f"this run built with --tokenizer {args.tokenizer}: does the server use the same tokenizer?")
+        return None
+    if not 0.5 <= mean / args.input_len <= 2.0:
+        return (f"the server counted {mean:.1f} prompt tokens per request on average for prompts of about "
+                f"{args.input_len} words: the figures describe another workload than --input-len says (a "
+                f"word-level tokenizer without a whitespace pre-tokenizer counts a whole prompt as one token); "
+                f"pass --tokenizer to build prompts of exact length")
+    return None
 
 
 def _workload(args: argparse.Namespace, seed: int) -> Workload:

@@ -126,3 +126,27 @@ def test_failed_requests_are_counted_with_their_error_and_the_run_goes_on(server
     assert [(level["completed"], level["failed"]) for level in levels] == [(0, 2), (0, 2)]
     assert "no-such-model" in next(iter(levels[0]["errors"]))
     assert "no-such-model" in run.stdout and "warm-up request failed" in run.stderr
+
+
+def test_a_server_that_counts_other_prompt_lengths_is_reported_loudly(model_dir, tmp_path):
+    """A word-level tokenizer without a whitespace pre-tokenizer counts each whole prompt as one token: the
+    run's figures then describe another workload, and bench must say so (exit status 1), not report
+    input_len_exact."""
+    import shutil
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    broken = tmp_path / "no-pre-tokenizer"
+    shutil.copytree(model_dir, broken)
+    vocab = json.loads((broken / "tokenizer.json").read_text())["model"]["vocab"]
+    HFTokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(broken / "tokenizer.json"))
+    out = tmp_path / "r.json"
+    with serve_model(str(broken), name=MODEL, max_model_len=MAX_MODEL_LEN, kv_cache_memory_gb=0.05) as running:
+        run = _bench_cli("--base-url", running.url, "--model", MODEL, "--concurrency", "1", "--num-prompts", "2",
+                         "--input-len", "32", "--output-len", "2", "--num-warmups", "0", "--out", str(out))
+    assert run.returncode == 1, run.stderr
+    assert "WARNING: the server counted 1.0 prompt tokens per request on average for prompts of about 32 words" \
+        in run.stderr
+    record = json.loads(out.read_text())
+    assert record["input_len_exact"] is False and "pre-tokenizer" in record["prompt_length_warning"]
