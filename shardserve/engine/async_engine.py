@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from shardserve.engine.client import EngineStats
 from shardserve.engine.llm_engine import LLMEngine
 from shardserve.engine.outputs import RequestOutput
 from shardserve.engine.sampling_params import SamplingParams
@@ -102,6 +103,12 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def health_details(self) -> dict:
+        return {}
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     # -- sleep / wake (run on the engine thread; a sleep waits for the requests in flight) ----------
     @property

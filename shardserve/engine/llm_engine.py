@@ -19,6 +19,7 @@ from shardserve.distributed.control_plane import ControlPlane
 from shardserve.distributed.lockstep import LockstepCheck, default_every
 from shardserve.distributed.process_group import RankContext
 from shardserve.engine.block_manager import BlockManager
+from shardserve.engine.client import EngineStats
 from shardserve.engine.detokenizer import IncrementalDetokenizer
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.outputs import RequestOutput, TokenLogprob
@@ -270,6 +271,15 @@ class LLMEngine:
         tokens, logprobs = self.sampler.resolve(step.pending)
         return [self._append(seq, token, lp) for seq, token, lp in zip(step.seqs, tokens, logprobs)
                 if not seq.is_finished]
+
+    def stats(self) -> EngineStats:
+        blocks = self.block_manager
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self.held),
+            kv_blocks_total=blocks.num_blocks, kv_blocks_free=blocks.num_free_blocks,
+            preemptions=self.scheduler.num_preemptions, prefix_queries=blocks.prefix_queries,
+            prefix_hits=blocks.prefix_hits, sleeping=self.is_sleeping, sleeps=self.sleeps, wakes=self.wakes,
+            last_wake_seconds=self.last_wake_seconds)
 
     @property
     def busy(self) -> bool:

@@ -1,7 +1,7 @@
 """Keeps the ranks serving: watches them, fails in-flight requests the moment one dies, restarts them all.
 
-The supervisor stands where the HTTP app expects its engine (same generate/abort/is_healthy), so the
-HTTP server stays up through a restart and answers /health with 503 and the reason meanwhile.
+The supervisor is an EngineClient (engine/client.py) like the AsyncEngine it wraps, so the HTTP server stays
+up through a restart and answers /health with 503 and the reason meanwhile.
 Failures: a rank process that exits, an engine error, or an engine loop stuck for STALL_RESTART_S (a
 hung rank). Invariants: requests are only ever given to the current engine; a failure is acted on
 once (in-flight requests end with an error, the old ranks are torn down, new ones start after a
@@ -11,12 +11,14 @@ the server exits non-zero, so that systemd, Kubernetes or Slurm see the failure.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import AsyncIterator, Callable
 
 from shardserve.distributed.launcher import LocalRanks
 from shardserve.engine.async_engine import AsyncEngine
+from shardserve.engine.client import EngineStats
 from shardserve.engine.outputs import RequestOutput
 from shardserve.engine.sampling_params import SamplingParams
 
@@ -51,6 +53,9 @@ class Supervisor:
     def health_details(self) -> dict:
         current = None if self._restarting else self._problem()  # seen before the watch acts on it
         return {"restarts": self.restarts, "last_failure": current or self.last_failure}
+
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self.engine.stats(), restarts=self.restarts)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

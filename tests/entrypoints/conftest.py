@@ -136,11 +136,8 @@ class FailingEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
 
-    def is_healthy(self) -> bool:
-        return self._engine.is_healthy()
-
-    async def abort(self, request_id: str) -> None:
-        await self._engine.abort(request_id)
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)  # the rest of EngineClient: the real engine's
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

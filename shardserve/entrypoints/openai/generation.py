@@ -31,7 +31,7 @@ from shardserve.entrypoints.openai.protocol import GenerationRequest
 from shardserve.entrypoints.openai.renderers import Renderer, usage_of
 
 if TYPE_CHECKING:
-    from shardserve.engine.async_engine import AsyncEngine
+    from shardserve.engine.client import EngineClient
     from shardserve.entrypoints.openai.metrics import RequestTimer
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ _CLIENT_CLOSED_REQUEST = 499
 
 async def serve_generation(
     raw_request: Request,
-    engine: AsyncEngine,
+    engine: EngineClient,
     renderer: Renderer,
     prompt_ids: list[int],
     params: SamplingParams,
@@ -88,7 +88,7 @@ class _Generation:
     covers iterators without `aclose` (abort of an already-gone request is expected to be a no-op).
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, timer: RequestTimer | None = None) -> None:
+    def __init__(self, engine: EngineClient, request_id: str, timer: RequestTimer | None = None) -> None:
         self.engine = engine
         self.request_id = request_id
         self.timer = timer  # observes every output for /metrics

@@ -67,17 +67,11 @@ class RequestTimer:
 
 
 class _EngineState:
-    """The engine's state at scrape time (an AsyncEngine, or a Supervisor around one)."""
+    """The engine's state at scrape time (EngineClient.stats())."""
 
     def __init__(self, engine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-
-    def _llm_engine(self):
-        engine = self.engine
-        while engine is not None and not hasattr(engine, "scheduler"):
-            engine = getattr(engine, "engine", None)
-        return engine
 
     def collect(self):
         labels = [self.model_name]
@@ -92,27 +86,24 @@ class _EngineState:
             c.add_metric(labels, value)
             return c
 
-        engine = self._llm_engine()
-        if engine is not None:
-            blocks = engine.block_manager
-            yield gauge("num_requests_running", "Requests being computed.", len(engine.scheduler.running))
-            yield gauge("num_requests_waiting", "Requests waiting to start (or for a wake).",
-                        len(engine.scheduler.waiting) + len(engine.held))
-            free = blocks.num_free_blocks
-            yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                        1.0 - free / max(blocks.num_blocks, 1))
-            # Exact counts: with no request in flight, free == total, or blocks leaked.
-            yield gauge("kv_cache_blocks_total", "KV cache blocks of the engine.", blocks.num_blocks)
-            yield gauge("kv_cache_blocks_free", "KV cache blocks free or held only by the prefix cache.", free)
-            yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later) for lack of "
-                                             "KV cache blocks.", engine.scheduler.num_preemptions)
-            yield counter("prefix_cache_queries", "Blocks looked up in the prefix cache.", blocks.prefix_queries)
-            yield counter("prefix_cache_hits", "Blocks found in the prefix cache.", blocks.prefix_hits)
-            yield gauge("is_sleeping", "1 while the model sleeps.", float(engine.is_sleeping))
-            yield counter("sleeps", "Times the model was put to sleep.", engine.sleeps)
-            yield counter("wakes", "Times the model woke.", engine.wakes)
-            yield gauge("last_wake_seconds", "Duration of the last wake (0 before the first).",
-                        engine.last_wake_seconds)
-        restarts = getattr(self.engine, "restarts", None)
-        if restarts is not None:
-            yield counter("restarts", "Times all ranks were restarted after a failure.", restarts)
+        try:
+            s = self.engine.stats()
+        except AttributeError:  # no engine yet, or none any more (a restart in progress)
+            return
+        yield gauge("num_requests_running", "Requests being computed.", s.running)
+        yield gauge("num_requests_waiting", "Requests waiting to start (or for a wake).", s.waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                    1.0 - s.kv_blocks_free / max(s.kv_blocks_total, 1))
+        # Exact counts: with no request in flight, free == total, or blocks leaked.
+        yield gauge("kv_cache_blocks_total", "KV cache blocks of the engine.", s.kv_blocks_total)
+        yield gauge("kv_cache_blocks_free", "KV cache blocks free or held only by the prefix cache.", s.kv_blocks_free)
+        yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later) for lack of "
+                                         "KV cache blocks.", s.preemptions)
+        yield counter("prefix_cache_queries", "Blocks looked up in the prefix cache.", s.prefix_queries)
+        yield counter("prefix_cache_hits", "Blocks found in the prefix cache.", s.prefix_hits)
+        yield gauge("is_sleeping", "1 while the model sleeps.", float(s.sleeping))
+        yield counter("sleeps", "Times the model was put to sleep.", s.sleeps)
+        yield counter("wakes", "Times the model woke.", s.wakes)
+        yield gauge("last_wake_seconds", "Duration of the last wake (0 before the first).", s.last_wake_seconds)
+        if s.restarts is not None:
+            yield counter("restarts", "Times all ranks were restarted after a failure.", s.restarts)

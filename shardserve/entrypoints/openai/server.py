@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server in front of an `AsyncEngine`: the app, its routes, request admission.
+"""The OpenAI-compatible HTTP server in front of an engine client (engine/client.py): the app, its routes, request admission.
 
 `build_app` wires the routes, the error handlers (errors.py) and the ASGI middlewares
 (middleware.py: API-key check, request-body size limit); `serve_http` runs the app under uvicorn.
@@ -44,11 +44,11 @@ from shardserve.entrypoints.openai.protocol import (
 from shardserve.entrypoints.openai.renderers import ChatRenderer, CompletionRenderer
 
 if TYPE_CHECKING:
-    from shardserve.engine.async_engine import AsyncEngine
+    from shardserve.engine.client import EngineClient
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = 4 * 2**20,
@@ -130,7 +130,7 @@ def serve_http(app: FastAPI, host: str, port: int, sock: socket.socket | None = 
 
 @dataclass(frozen=True)
 class _ServingState:
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
     created: int
 
@@ -164,7 +164,7 @@ def _generation_responses(body: type) -> dict[int | str, dict]:
 @_router.get("/health")
 async def health(request: Request) -> Response:
     engine = _serving(request).engine
-    details = engine.health_details() if hasattr(engine, "health_details") else {}
+    details = engine.health_details()
     if not engine.is_healthy():
         why = f": {details['last_failure']}" if details.get("last_failure") else ""
         restarts = f" (restarts so far: {details['restarts']})" if "restarts" in details else ""
