@@ -42,6 +42,10 @@ class Tokenizer:
         self, hf_tokenizer: PreTrainedTokenizerBase, eos_token_ids: Iterable[int], name: str
     ) -> None:
         self._tokenizer = hf_tokenizer
+        # A fast tokenizer that does no clean-up after decoding decodes exactly as its Rust backend does.
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._backend = backend if backend is not None and not getattr(
+            hf_tokenizer, "clean_up_tokenization_spaces", True) else None
         self.name = name
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
@@ -84,6 +88,8 @@ class Tokenizer:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None:  # the Rust tokenizer itself: what transformers would return, less its
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)  # per-call overhead
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(

@@ -1,8 +1,11 @@
 """Incremental detokenization with stop strings.
 
-Text is re-decoded from the generated ids each step (exact for any tokenizer, including byte-level
-merges across tokens). Text that could still become a stop string, or that ends in an incomplete
-UTF-8 character, is held back until it is known.
+Each step decodes only a window of the newest ids: the ids since the last text that came out whole (the
+prefix) and the new ones, and the text they add beyond the prefix's is the step's new text. Decoding
+from a token boundary the tokenizer already produced text at gives the same characters as decoding
+everything (byte-level merges and leading-space rules resolve inside the window), and each step costs
+a few tokens instead of the whole output. New ids that end inside a multi-byte character add nothing
+until it completes. Text that could still become a stop string is held back until it is known.
 """
 
 from __future__ import annotations
@@ -21,10 +24,25 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # everything decoded so far, cut at a matched stop string
         self.emitted = 0  # characters of self.text already handed out
+        self._decoded = ""  # the text of output_ids[:read_offset]
+        self._prefix_offset = 0  # the window starts here: text came out whole up to this id...
+        self._read_offset = 0  # ...and again up to this one
 
     def update(self, output_ids: list[int], finished: bool) -> tuple[str, bool]:
         """Decode after new tokens; returns (new text to hand out, whether a stop string matched)."""
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        window = output_ids[self._prefix_offset:]
+        prefix = self.tokenizer.decode(window[:self._read_offset - self._prefix_offset], skip_special_tokens=True)
+        current = self.tokenizer.decode(window, skip_special_tokens=True)
+        complete = len(current) > len(prefix) and not current.endswith("\ufffd")
+        if complete or finished:  # a finished request's incomplete character is flushed as it is
+            pending = current[len(prefix):]
+        else:
+            pending = ""
+        if complete:
+            self._decoded += pending
+            self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
+            pending = ""
+        text = self._decoded + pending
         matches = [at for at in (text.find(s) for s in self.stop) if at != -1]
         stopped = bool(matches)
         if stopped:
@@ -33,9 +51,9 @@ class IncrementalDetokenizer:
         if stopped or finished:
             end = len(text)
         else:
-            # An incomplete character is not text yet; a stop string may still begin in the
-            # holdback characters before it.
-            end = len(text) - (1 if text.endswith("\ufffd") else 0) - self.holdback
+            # A stop string may still begin in the holdback characters (an incomplete character is not
+            # in `text` yet: it stays pending until its last byte comes).
+            end = len(text) - self.holdback
         delta = text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return delta, stopped

@@ -109,3 +109,31 @@ def test_finish_mid_character_flushes_everything(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, ("zz",))
     out = "".join(detok.update(ids[:j], finished=j == k)[0] for j in range(1, k + 1))
     assert out == detok.text == tokenizer.decode(ids[:k])
+
+
+def test_each_step_decodes_a_few_ids_not_the_whole_output(tokenizer):
+    """A long output streams with the same text as one decode of all of it, while each step decodes only the
+    window since the last whole character: the work grows linearly with the output, not quadratically."""
+    text = " ".join([MULTIBYTE, ENGLISH] * 40)
+    ids = _ids(tokenizer, text)
+    decoded: list[int] = []
+    real = tokenizer.decode
+
+    class Counting:
+        def decode(self, window, skip_special_tokens=True):
+            decoded.append(len(window))
+            return real(window, skip_special_tokens=skip_special_tokens)
+
+    detok = IncrementalDetokenizer(tokenizer, ())
+    detok.tokenizer = Counting()
+    out = "".join(detok.update(ids[:k], finished=k == len(ids))[0] for k in range(1, len(ids) + 1))
+    assert out == tokenizer.decode(ids) == text
+    assert len(ids) > 500 and max(decoded) <= 8, "a window spans the last few tokens only"
+    assert sum(decoded) < 8 * len(ids)
+
+
+def test_the_fast_decode_equals_transformers_decode(tokenizer):
+    ids = _ids(tokenizer, MULTIBYTE + " " + ENGLISH) + [0, 1, 2]  # special tokens too
+    for skip in (True, False):
+        assert tokenizer.decode(ids, skip_special_tokens=skip) == \
+            tokenizer._tokenizer.decode(ids, skip_special_tokens=skip)
