@@ -9,6 +9,13 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
+def relative_to_file(model: str, config_file: str) -> str:
+    """A model path from a recipe or pool file: `~` expanded, and relative to that file's folder, not to the
+    current directory, so the file works from anywhere."""
+    here = os.path.dirname(os.path.abspath(config_file))
+    return os.path.normpath(os.path.join(here, os.path.expanduser(model)))
+
+
 class ModelPathError(ValueError):
     """A model path that cannot be served; the message is one line that says why."""
 

@@ -209,6 +209,29 @@ def state_bytes_per_seq(cfg: dict, tp: int, state_bytes: int) -> int:
 
 
 # -- the plan ------------------------------------------------------------------------------------
+def _context(cfg: dict, req: PlanRequest, kv_dtype: int) -> tuple[int, int, int, int]:
+    """(KV bytes per token, fixed state bytes per sequence, the model's context limit, the planned context)."""
+    tp = req.tensor_parallel_size
+    model_limit = cfg.get("max_position_embeddings") or 2**31
+    # Recurrent states are kept in float32.
+    return (kv_bytes_per_token(cfg, tp, kv_dtype), state_bytes_per_seq(cfg, tp, 4), model_limit,
+            req.max_model_len or model_limit)
+
+
+def _step_bytes(cfg: dict, req: PlanRequest, dtype: int) -> int:
+    """The activations of a full step in `dtype` and the logits of its sequences (float32, twice)."""
+    tp = req.tensor_parallel_size
+    activations = req.max_num_batched_tokens * (6 * cfg["hidden_size"] + 3 * (
+        _moe(cfg)[1] or cfg["intermediate_size"]) // tp) * dtype
+    return activations + max(req.max_num_seqs, 1) * -(-cfg["vocab_size"] // tp) * 4 * 2
+
+
+def _replicated_warning(replicated: list[str], tp: int) -> list[str]:
+    if not replicated:
+        return []
+    return [f"replicated on every rank (they do not split {tp} ways): {', '.join(sorted(set(replicated)))}"]
+
+
 def plan(cfg: dict, req: PlanRequest) -> Plan:
     if req.device == "cpu":
         return _plan_cpu(cfg, req)
@@ -217,16 +240,10 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
     kv_dtype = dtype if req.kv_cache_dtype == "auto" else DTYPE_BYTES[req.kv_cache_dtype]
     replicated: list[str] = []
     weights = weight_elements_per_rank(cfg, tp, replicated) * dtype
-    per_token = kv_bytes_per_token(cfg, tp, kv_dtype)
-    per_seq_state = state_bytes_per_seq(cfg, tp, 4)  # recurrent states are kept in float32
-    model_limit = cfg.get("max_position_embeddings") or 2**31
-    max_len = req.max_model_len or model_limit
+    per_token, per_seq_state, model_limit, max_len = _context(cfg, req, kv_dtype)
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    tokens = req.max_num_batched_tokens
-    activations = tokens * (6 * h + 3 * (_moe(cfg)[1] or inter) // tp) * dtype
-    logits = max(req.max_num_seqs, 1) * -(-cfg["vocab_size"] // tp) * 4 * 2
     graphs = req.max_num_seqs * (8 * h + 3 * inter // tp) * dtype
-    overhead = activations + logits + graphs + GPU_FIXED_OVERHEAD
+    overhead = _step_bytes(cfg, req, dtype) + graphs + GPU_FIXED_OVERHEAD
     states = req.max_num_seqs * per_seq_state
     usable = budget = cache_tokens = largest = None
     fits = None
@@ -253,8 +270,7 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
         if host_left < req.host_floor_gb * GIB:
             warnings.append(f"host memory left while loading would be {host_left / GIB:.1f} GiB, under the floor of "
                             f"{req.host_floor_gb:g} GiB: the host may swap or stall; start fewer ranks per host")
-    if replicated:
-        warnings.append(f"replicated on every rank (they do not split {tp} ways): {', '.join(sorted(set(replicated)))}")
+    warnings += _replicated_warning(replicated, tp)
     return Plan(weights, per_token, per_seq_state, overhead, max_len, per_token * max_len, usable, budget,
                 cache_tokens, largest, fits, host_needed, host_left, warnings, reasons, sorted(set(replicated)))
 
@@ -274,14 +290,8 @@ def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
     # The compact copy for decode steps: GGUF blocks (about 5 bits a weight for Q4_1) or the 16-bit checkpoint.
     compact = 0.625 if cfg.get("gguf_quantized") else (_dtype_bytes(cfg) if _dtype_bytes(cfg) < 4 else 0)
     weights = int(elements * (4 + compact))
-    per_token = kv_bytes_per_token(cfg, tp, 4)
-    per_seq_state = state_bytes_per_seq(cfg, tp, 4)
-    model_limit = cfg.get("max_position_embeddings") or 2**31
-    max_len = req.max_model_len or model_limit
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    activations = req.max_num_batched_tokens * (6 * h + 3 * (_moe(cfg)[1] or inter) // tp) * 4
-    logits = max(req.max_num_seqs, 1) * -(-cfg["vocab_size"] // tp) * 4 * 2
-    overhead = activations + logits + CPU_FIXED_OVERHEAD
+    per_token, per_seq_state, model_limit, max_len = _context(cfg, req, 4)
+    overhead = _step_bytes(cfg, req, 4) + CPU_FIXED_OVERHEAD
     states = req.max_num_seqs * per_seq_state
     kv_budget = int((req.kv_cache_memory_gb if req.kv_cache_memory_gb is not None else DEFAULT_CPU_KV_CACHE_GB) * GIB)
     cache_tokens = max(0, (kv_budget - states) // per_token) if per_token else 2**62
@@ -291,7 +301,6 @@ def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
     host_left = None
     fits = None
     reasons: list[str] = []
-    warnings: list[str] = []
     if cache_tokens < max_len:
         reasons.append(f"the KV cache of {kv_budget / GIB:.2f} GiB per rank (--kv-cache-memory) holds {cache_tokens} "
                        f"tokens, fewer than --max-model-len {max_len}")
@@ -304,10 +313,9 @@ def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
         fits = not reasons
     elif reasons:
         fits = False
-    if replicated:
-        warnings.append(f"replicated on every rank (they do not split {tp} ways): {', '.join(sorted(set(replicated)))}")
     return Plan(weights, per_token, per_seq_state, overhead, max_len, per_token * max_len, None, kv_budget,
-                cache_tokens, largest, fits, host_needed, host_left, warnings, reasons, sorted(set(replicated)),
+                cache_tokens, largest, fits, host_needed, host_left, _replicated_warning(replicated, tp), reasons,
+                sorted(set(replicated)),
                 device="cpu")
 
 

@@ -23,6 +23,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shardserve.model_files import relative_to_file
+
+
 class ServeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -80,9 +83,7 @@ def load_recipe(path: str) -> Recipe:
     bad = [n for n in [*recipe.env, *recipe.forward_env] if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
     if bad:
         raise RecipeError(f"{path}: env/forward_env: not variable names: {', '.join(bad)}")
-    # A relative model path is relative to the recipe, so the recipe works from any directory.
-    recipe.model = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)),
-                                                 os.path.expanduser(recipe.model)))
+    recipe.model = relative_to_file(recipe.model, path)
     return recipe
 
 

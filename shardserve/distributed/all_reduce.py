@@ -192,11 +192,11 @@ class IpcOneShotAllReduce(AllReduceMethod):
             raise ValueError(f"{self.name} cannot reduce a {tuple(x.shape)} {x.dtype} message")
         return self._launch(x, None, None, 0.0)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(RMSNorm(s) * weight, s) with s = sum of x over the ranks + residual, in one launch; x and residual
         are overwritten with them. None where the inputs do not fit this kernel."""
-        if residual is None or residual.shape != x.shape or not residual.is_contiguous() \
+        if residual.shape != x.shape or not residual.is_contiguous() \
                 or residual.dtype != x.dtype:
             return None
         if weight.dtype != x.dtype or not self.supports(x):
@@ -206,6 +206,14 @@ class IpcOneShotAllReduce(AllReduceMethod):
 
     def close(self) -> None:
         self.memory.close()
+
+
+def message_shape(nbytes: int, dtype: torch.dtype, row_bytes: int | None) -> tuple[int, ...]:
+    """A message of `nbytes` as the model sends it, [tokens, hidden] with rows of `row_bytes`, or flat
+    (without row_bytes, or when the rows do not divide it)."""
+    if row_bytes and nbytes % row_bytes == 0:
+        return nbytes // row_bytes, row_bytes // dtype.itemsize
+    return (max(1, nbytes // dtype.itemsize),)
 
 
 def _rows_cols(x: torch.Tensor) -> tuple[int, int]:
@@ -350,9 +358,7 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     timings: dict[str, dict[int, float]] = {}
     world = dist.get_world_size(group)
     for nbytes in sorted(set(message_sizes)):
-        shape = ((nbytes // row_bytes, row_bytes // dtype.itemsize) if row_bytes and nbytes % row_bytes == 0
-                 else (nbytes // dtype.itemsize,))
-        x = torch.full(shape, 1.0, dtype=dtype, device=device)
+        x = torch.full(message_shape(nbytes, dtype, row_bytes), 1.0, dtype=dtype, device=device)
         for method in methods:
             if not method.supports(x):
                 continue

@@ -37,7 +37,7 @@ class Communicator:
     @contextlib.contextmanager
     def capturing(self, split_piece: Callable[[Callable[[], None]], None] | None = None) -> Iterator[None]:
         """While a CUDA graph is captured: graph-table methods, or with `split_piece` eager NCCL between pieces."""
-        methods = self._symmetric_methods()
+        methods = [m for m in self._methods() if hasattr(m, "begin_capture")]
         for m in methods:
             m.begin_capture()
         self._in_graph, self._split_piece = True, split_piece
@@ -48,11 +48,11 @@ class Communicator:
             for m in methods:
                 m.end_capture()
 
-    def _symmetric_methods(self) -> list[AllReduceMethod]:
+    def _methods(self) -> list[AllReduceMethod]:
+        """The chosen methods, each once (one may stand in both tables)."""
         if self.choice is None:
             return []
-        found = {id(m): m for table in (self.choice.eager, self.choice.graph) for _, m in table.entries
-                 if hasattr(m, "begin_capture")}
+        found = {id(m): m for table in (self.choice.eager, self.choice.graph) for _, m in table.entries}
         return list(found.values())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,12 +68,13 @@ class Communicator:
         table = self.choice.graph if self._in_graph else self.choice.eager
         return table.pick(x)(x)
 
-    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(RMSNorm(s) * weight, s) with s = (x summed over the group) + residual, in one kernel, where the
-        method chosen for x's size has that fused form (peer-memory one-shot); None elsewhere, and the caller
-        reduces and normalises in two steps. x and residual may be overwritten; use the returned pair."""
-        if self.world_size == 1 or self.choice is None or self._split_piece is not None:
+        method chosen for x's size has that fused form (peer-memory one-shot); None elsewhere or without a
+        residual, and the caller reduces and normalises in two steps. x and residual may be overwritten; use
+        the returned pair."""
+        if self.world_size == 1 or self.choice is None or self._split_piece is not None or residual is None:
             return None
         fused = getattr((self.choice.graph if self._in_graph else self.choice.eager).pick(x), "add_rms_norm", None)
         return fused(x, residual, weight, eps) if fused is not None else None
@@ -81,12 +82,10 @@ class Communicator:
     def close(self) -> None:
         """Free what the chosen methods hold on the device (peer memory). Every rank calls it at shutdown,
         once no kernel that uses it can still run."""
-        if self.choice is not None:
-            for table in (self.choice.eager, self.choice.graph):
-                for _, method in table.entries:
-                    close = getattr(method, "close", None)
-                    if close is not None:
-                        close()
+        for method in self._methods():
+            close = getattr(method, "close", None)
+            if close is not None:
+                close()
         self.choice = None
 
     def broadcast_from_first(self, x: torch.Tensor) -> None:

@@ -25,10 +25,6 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
-def available(device: torch.device) -> bool:
-    return device.type == "cuda" and stable_memory._driver() is not None
-
-
 class PeerMemory:
     """`nbytes` of zeroed device memory on this rank and the same on every other rank of `group`, all
     addressable from this rank's GPU. `addresses[r]` is rank r's allocation as seen from here (this rank's
@@ -40,7 +36,6 @@ class PeerMemory:
         drv = stable_memory._driver()
         self.ordinal = device.index if device.index is not None else torch.cuda.current_device()
         self.nbytes = nbytes
-        self.rank = rank
         self._opened: list[int] = []
         self.local = None
         stable_memory._make_context_current(self.ordinal)

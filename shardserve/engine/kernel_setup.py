@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shardserve.attention import StepBatch
+from shardserve.distributed.all_reduce import message_shape
 from shardserve.distributed.control_plane import all_gather_msgpack
 from shardserve.distributed.handshake import StartupMismatch
 from shardserve.distributed.process_group import RankContext
@@ -217,9 +218,8 @@ def check_all_reduce(comm, dtype: torch.dtype, device: torch.device, message_byt
     name = "all-reduce"
     worst = 0.0
     for nbytes in message_bytes:
-        numel = max(1, nbytes // dtype.itemsize)
-        shape = (nbytes // row_bytes, row_bytes // dtype.itemsize) if row_bytes and nbytes % row_bytes == 0 \
-            else (numel,)
+        shape = message_shape(nbytes, dtype, row_bytes)
+        numel = math.prod(shape)
         base = (torch.arange(numel, device=device) % 7 - 3).to(dtype).view(shape)
         expected = base * (world * (world + 1) // 2)
         try:

@@ -164,8 +164,7 @@ def _serve_http_until_stopped(args: argparse.Namespace, config: EngineConfig, en
 
 
 def _dead_for_good(engine) -> str | None:
-    gave_up = getattr(engine, "gave_up", None)
-    if gave_up is not None or hasattr(engine, "gave_up"):
-        return gave_up  # a supervisor decides for itself
+    if hasattr(engine, "gave_up"):  # a supervisor: dead for good once its restarts are used up
+        return engine.gave_up
     error = engine.error
     return f"the engine failed: {error}" if error is not None else None

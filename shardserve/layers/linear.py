@@ -127,8 +127,7 @@ class ColumnParallelLinear(KernelLinear):
         With `reduce`, x is the previous row-parallel layer's partial sum (RowParallelLinear.pending): it is
         all-reduced first, in the same kernel as the add and the norm where the communicator has one."""
         if reduce is not None:
-            fused = reduce.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps) if residual is not None \
-                else None
+            fused = reduce.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
             if fused is not None:
                 h, residual = fused
                 return self.forward(h), residual

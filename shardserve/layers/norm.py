@@ -23,8 +23,7 @@ class RMSNorm(nn.Module):
         the communicator can, the all-reduce, the add and the norm are one kernel.
         """
         if reduce is not None:
-            fused = reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps) if residual is not None \
-                else None
+            fused = reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
             x = reduce.all_reduce(x)

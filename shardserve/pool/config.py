@@ -17,12 +17,10 @@ checked when the pool starts (a missing path or tokenizer is an error then, not 
 
 from __future__ import annotations
 
-import os
-
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from shardserve.model_files import ModelPathError, check_model_path
+from shardserve.model_files import ModelPathError, check_model_path, relative_to_file
 
 
 def check_api_key(key: str) -> str:
@@ -112,9 +110,8 @@ def load_pool_config(path: str) -> PoolConfig:
     except ValidationError as e:
         lines = [f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
         raise PoolConfigError(f"{path}: " + "; ".join(lines)) from None
-    here = os.path.dirname(os.path.abspath(path))  # model paths are relative to the config file
     for m in config.models:
-        m.model = os.path.normpath(os.path.join(here, os.path.expanduser(m.model)))
+        m.model = relative_to_file(m.model, path)
     config._source = path
     return config
 

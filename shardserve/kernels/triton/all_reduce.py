@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+# The norm's sum of squares must reduce in the same order as fused_ops' kernel: the same warps per row.
+from shardserve.kernels.triton.fused_ops import _row_warps
+
 
 # The slot changes between calls of one shape: not specialised, so a CUDA-graph capture never compiles a variant.
 @triton.jit(do_not_specialize=["slot"])
@@ -79,10 +82,6 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
     tl.store(out_ptr + offset, s, mask=mask)
 
 
-def _warps(block: int) -> int:
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16
-
-
 def one_shot(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
              data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counters: torch.Tensor, slot: int,
              slot_numel: int, max_rows: int, rank: int, world: int) -> torch.Tensor:
@@ -93,5 +92,5 @@ def one_shot(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     _one_shot_kernel[(rows,)](x, residual if residual is not None else x, weight if weight is not None else x, x,
                               data_ptrs, flag_ptrs, counters, slot, cols, eps, slot_numel, max_rows,
                               RANK=rank, WORLD=world, ADD_RESIDUAL=residual is not None, NORM=weight is not None,
-                              BLOCK=block, num_warps=_warps(block))
+                              BLOCK=block, num_warps=_row_warps(block))
     return x
