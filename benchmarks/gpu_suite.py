@@ -1,10 +1,12 @@
 """GPU benchmark suite: decode speed against the memory-bandwidth roofline, offline throughput against
-Hugging Face transformers, scaling over tensor-parallel sizes and bf16 agreement between them, on a
+Hugging Face transformers, scaling over tensor-parallel sizes and bf16 agreement between them, and the
+offline TP=1 workload served over HTTP (`shardserve serve` measured by `shardserve bench`), on a
 Llama-3-8B- or Llama-3-70B-shaped model with random bf16 weights (speed does not depend on the values).
 
-    python benchmarks/gpu_suite.py                          # 8B at TP 1, 2, 4, 8 as the GPUs allow, and HF
+    python benchmarks/gpu_suite.py                          # 8B at TP 1, 2, 4, 8 as the GPUs allow, HF, online
     python benchmarks/gpu_suite.py --skip-hf --tp 1
     python benchmarks/gpu_suite.py --model llama3-70b --tp 4,8
+    python benchmarks/gpu_suite.py --phase online           # the online phase alone; prints its RESULT line
 
 Each phase runs in its own process (a crash or hang in one cannot take the others down); the parent
 prints a table and writes benchmarks/results/<device-kind>[-<model>]-<YYYYMMDD>.json (no model part for
@@ -16,13 +18,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -41,6 +47,14 @@ HF_BATCH = 64
 AGREE_PROMPTS, AGREE_TOKENS = 32, 16
 DECODE_PROMPT = 128
 DECODE_REPEATS, OFFLINE_REPEATS = 5, 3
+# Online: the offline workload at these concurrencies, after a short batch-1 run for the per-token latency.
+ONLINE_LEVELS = (64, 256, 512)
+ONLINE_C1_REQUESTS = 16
+ONLINE_HEALTH_TIMEOUT_S = 600
+ONLINE_STOP_GRACE_S = 60
+# The online phase's stdout names the session of each server it starts, and again once that server is
+# stopped: run_phase kills any left running (a phase killed on a hang never reaches its own clean-up).
+SERVER_STARTED, SERVER_STOPPED = "SERVER_SESSION ", "SERVER_STOPPED "
 
 
 def graph_replay_ms(graph, replays: int = 50) -> float:
@@ -194,7 +208,180 @@ def phase_engine(args) -> dict:
     return out
 
 
-PHASES = {"roofline": phase_roofline, "hf": phase_hf, "engine": phase_engine}
+# -- the online phase: the offline workload served over HTTP -------------------------------------
+# Its parts take the device, sizes and counts as parameters, so that they run on CPU with a tiny model too.
+log = logging.getLogger("gpu_suite.online")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, port: int, log_path: str, *, name: str, device: str = "cuda",
+                 dtype: str = "bfloat16", max_num_seqs: int = OFFLINE_REQUESTS, max_batched_tokens: int = 8192,
+                 max_model_len: int = 2048, api_server_count: int | None = None,
+                 extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`shardserve serve` with dummy weights in its own session, its stdout and stderr in `log_path`."""
+    cmd = [sys.executable, "-m", "shardserve.cli", "serve", model_dir, "--load-format", "dummy", "--device", device,
+           "--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_batched_tokens),
+           "--max-model-len", str(max_model_len), "--served-model-name", name, "--host", "127.0.0.1",
+           "--port", str(port), *extra_args]
+    if api_server_count is not None:  # otherwise the server's default applies
+        cmd += ["--api-server-count", str(api_server_count)]
+    log.info("online: starting %s", " ".join(cmd))
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    print(f"{SERVER_STARTED}{proc.pid}", flush=True)
+    return proc
+
+
+def log_tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "\n".join(f.read().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout: float = ONLINE_HEALTH_TIMEOUT_S) -> float:
+    """Seconds until GET /health answered 200; RuntimeError (with the server's log tail) when the server exits
+    first or `timeout` passes."""
+    started = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before /health answered 200; "
+                               f"its output ends:\n{log_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return time.monotonic() - started
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        if time.monotonic() - started > timeout:
+            raise RuntimeError(f"/health did not answer 200 within {timeout:.0f} s; the server's output ends:\n"
+                               f"{log_tail(log_path)}")
+        time.sleep(1)
+
+
+def stop_server(proc: subprocess.Popen, grace: float = ONLINE_STOP_GRACE_S) -> str:
+    """SIGINT, then SIGKILL to the server's whole session if it has not exited within `grace` seconds; how it
+    ended, in words. Every process left in the session is killed either way."""
+    how = "exited before it was stopped"
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=grace)
+            how = f"stopped on SIGINT (status {proc.returncode})"
+        except subprocess.TimeoutExpired:
+            how = f"killed: still running {grace:.0f} s after SIGINT"
+    _signal_session(proc.pid, signal.SIGKILL)
+    proc.wait()
+    print(f"{SERVER_STOPPED}{proc.pid}", flush=True)
+    return how
+
+
+def session_cpu_seconds(sid: int) -> float:
+    """User + system CPU seconds of every live process in session `sid`, with the children they reaped."""
+    ticks = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # After the command: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        # cutime cstime ...
+        if int(fields[3]) == sid:
+            ticks += sum(int(v) for v in fields[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def bench_level(url: str, name: str, tokenizer_dir: str, concurrency: int, num_prompts: int, prompt_len: int,
+                output_len: int, seed: int, out_path: str, timeout: float = 3600) -> dict:
+    """One `shardserve bench` level; its JSON summary. Prompts are built with the model's tokenizer, so each is
+    exactly `prompt_len` tokens, and the server's count of them is checked (RuntimeError when it differs, when
+    a request failed or when fewer than num_prompts x output_len tokens came back)."""
+    cmd = [sys.executable, "-m", "shardserve.cli", "bench", "--base-url", url, "--model", name,
+           "--concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--input-len", str(prompt_len),
+           "--output-len", str(output_len), "--tokenizer", tokenizer_dir, "--seed", str(seed), "--out", out_path]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL)
+    record = None
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            record = json.load(f)
+    where = f"online c{concurrency}"
+    if record is not None and record.get("prompt_length_warning"):
+        raise RuntimeError(f"{where}: the server counted other prompt lengths than the {prompt_len} tokens sent, "
+                           f"so the figures would describe another workload: {record['prompt_length_warning']}")
+    if run.returncode != 0 or record is None:
+        raise RuntimeError(f"{where}: shardserve bench exited with status {run.returncode}; its output ends:\n"
+                           f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    level = record["levels"][0]
+    if level["completed"] != num_prompts or level["total_output_tokens"] != num_prompts * output_len:
+        raise RuntimeError(f"{where}: {level['completed']} of {num_prompts} requests completed with "
+                           f"{level['total_output_tokens']} output tokens, not {num_prompts * output_len}")
+    return level
+
+
+def run_online(model_dir: str, *, name: str = "llama3-8b", device: str = "cuda", dtype: str = "bfloat16",
+               max_batched_tokens: int = 8192, max_model_len: int = 2048, max_num_seqs: int = OFFLINE_REQUESTS,
+               requests: int = OFFLINE_REQUESTS, prompt_len: int = OFFLINE_PROMPT, output_len: int = OFFLINE_OUTPUT,
+               levels: tuple[int, ...] = ONLINE_LEVELS, c1_requests: int = ONLINE_C1_REQUESTS,
+               api_server_count: int | None = None, extra_serve_args: tuple[str, ...] = (),
+               health_timeout: float = ONLINE_HEALTH_TIMEOUT_S, work_dir: str | None = None) -> dict:
+    """Serve `model_dir` (dummy weights) over HTTP and measure it with `shardserve bench`: `c1_requests` at
+    concurrency 1 (per-token latency), then `requests` at each of `levels`, all of `prompt_len` prompt tokens
+    and `output_len` output tokens (ignore_eos). Keys: online_c<N>_output_tok_s, online_c<N>_tpot_ms and
+    online_c<N>_ttft_ms (p50) for N = 1 and each level, online_c<largest>_server_cpu_s (the server's processes'
+    CPU seconds during that level), online_startup_s and how the server stopped."""
+    work_dir = work_dir or tempfile.mkdtemp(prefix="gpu-suite-online-")
+    os.makedirs(work_dir, exist_ok=True)
+    server_log = os.path.join(work_dir, "server.log")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    out: dict = {"online_server_log": server_log}
+    proc = start_server(model_dir, port, server_log, name=name, device=device, dtype=dtype,
+                        max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens, max_model_len=max_model_len,
+                        api_server_count=api_server_count, extra_args=tuple(extra_serve_args))
+    try:
+        out["online_startup_s"] = wait_healthy(proc, url, server_log, health_timeout)
+        log.info("online: %s healthy after %.0f s", url, out["online_startup_s"])
+        plan = [(1, c1_requests)] + [(c, requests) for c in levels]
+        largest = max(levels, default=None)
+        for i, (concurrency, count) in enumerate(plan):
+            before = session_cpu_seconds(proc.pid) if concurrency == largest else None
+            # A seed per level: no prompt shares a prefix with another level's (or the warm-up's).
+            level = bench_level(url, name, model_dir, concurrency, count, prompt_len, output_len, seed=1000 + i,
+                                out_path=os.path.join(work_dir, f"bench-c{concurrency}.json"))
+            if before is not None:
+                out[f"online_c{concurrency}_server_cpu_s"] = session_cpu_seconds(proc.pid) - before
+            out[f"online_c{concurrency}_output_tok_s"] = level["output_throughput"]
+            out[f"online_c{concurrency}_tpot_ms"] = level["tpot_ms"]["p50"] if level["tpot_ms"] else None
+            out[f"online_c{concurrency}_ttft_ms"] = level["ttft_ms"]["p50"] if level["ttft_ms"] else None
+            out[f"online_c{concurrency}_duration_s"] = level["duration_s"]
+            log.info("online: concurrency %d, %d requests: %.1f output tok/s, TPOT p50 %.2f ms", concurrency,
+                     count, level["output_throughput"], out[f"online_c{concurrency}_tpot_ms"] or float("nan"))
+    finally:
+        out["online_server_stop"] = stop_server(proc)
+        log.info("online: server %s", out["online_server_stop"])
+    out["online_workload"] = {"requests": requests, "c1_requests": c1_requests, "prompt_tokens": prompt_len,
+                              "output_tokens": output_len, "levels": [1, *levels],
+                              "api_server_count": api_server_count}
+    return out
+
+
+def phase_online(args) -> dict:
+    model_dir = args.model_dir or write_model_dir(tempfile.mkdtemp(prefix=f"{args.model}-shape-"), SHAPES[args.model])
+    return run_online(model_dir, name=args.model, device="cuda", max_batched_tokens=args.max_batched_tokens,
+                      api_server_count=args.api_server_count)
+
+
+PHASES = {"roofline": phase_roofline, "hf": phase_hf, "engine": phase_engine, "online": phase_online}
 
 
 def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
@@ -219,6 +406,9 @@ def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
             _signal_session(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
     _signal_session(proc.pid, signal.SIGKILL)  # no rank process outlives its phase
+    for server in _servers_left_running(stdout):  # nor a server it started in a session of its own
+        print(f"{name}: killing the server it left running (session {server})", flush=True)
+        _signal_session(server, signal.SIGKILL)
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if hung:
         print(f"{name}: timed out after {timeout} s; stacks:\n{_stacks(stderr)}", flush=True)
@@ -240,6 +430,14 @@ def _signal_session(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _servers_left_running(stdout: str) -> list[int]:
+    """The sessions of the servers a phase started and did not report stopped."""
+    lines = stdout.splitlines()
+    started = [int(ln[len(SERVER_STARTED):]) for ln in lines if ln.startswith(SERVER_STARTED)]
+    stopped = {int(ln[len(SERVER_STOPPED):]) for ln in lines if ln.startswith(SERVER_STOPPED)}
+    return [pid for pid in started if pid not in stopped]
 
 
 def _stacks(stderr: str) -> str:
@@ -271,6 +469,13 @@ def main() -> int:
                    help="tensor-parallel sizes, e.g. 1,2 (default: every power of two up to the GPU count whose "
                         "share of the weights fits one GPU)")
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers baseline (only run for llama3-8b)")
+    p.add_argument("--online", dest="online", action="store_true", default=None,
+                   help="serve the offline TP=1 workload over HTTP and measure it with shardserve bench at "
+                        f"concurrency 1 and {', '.join(map(str, ONLINE_LEVELS))} (default: when the TP sizes "
+                        "include 1)")
+    p.add_argument("--skip-online", dest="online", action="store_false", help="no online phase")
+    p.add_argument("--api-server-count", type=int, default=None,
+                   help="passed on to shardserve serve in the online phase (default: not passed, the server's own)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -279,8 +484,6 @@ def main() -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if args.phase:
-        import logging
-
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         result = PHASES[args.phase](args)
         print("RESULT " + json.dumps(result), flush=True)
@@ -299,7 +502,11 @@ def main() -> int:
     if not args.skip_hf and args.model == "llama3-8b":  # HF's generate holds the whole model on one GPU
         report.update(run_phase("hf", args, [], args.phase_timeout))
     engines = {tp: run_phase("engine", args, ["--tp", str(tp)], args.phase_timeout) for tp in sizes}
-    results = summarize(report, engines, args.model)
+    online = None
+    if args.online or (args.online is None and 1 in sizes):
+        extra = [] if args.api_server_count is None else ["--api-server-count", str(args.api_server_count)]
+        online = run_phase("online", args, extra, args.phase_timeout)
+    results = summarize(report, engines, args.model, online)
     print_table(results)
     os.makedirs(args.out, exist_ok=True)
     model = "" if args.model == "llama3-8b" else f"{args.model}-"
@@ -325,7 +532,7 @@ def default_sizes(gpus: int, weight_bytes_total: int, gpu_memory_bytes: int) -> 
     return [tp for tp in (1, 2, 4, 8, 16) if tp <= gpus and weight_bytes_total / tp <= 0.75 * gpu_memory_bytes]
 
 
-def summarize(report: dict, engines: dict[int, dict], model: str = "llama3-8b") -> dict:
+def summarize(report: dict, engines: dict[int, dict], model: str = "llama3-8b", online: dict | None = None) -> dict:
     wb = report["weight_bytes"]
     res = {"device": report["device"], "device_kind": device_kind(report["device"], report["gpus"]),
            "model_shape": model, "commit": commit_id(), "torch": report["torch"], "copy_GBps": report["copy_GBps"],
@@ -361,6 +568,15 @@ def summarize(report: dict, engines: dict[int, dict], model: str = "llama3-8b") 
     res.setdefault("allreduce_choice", "single GPU: no all-reduce")
     if res.get("hf_offline_output_tok_s") and "offline_tp1_output_tok_s" in res:
         res["offline_tp1_vs_hf"] = res["offline_tp1_output_tok_s"] / res["hf_offline_output_tok_s"]
+    if online is not None:
+        if "error" in online:
+            res["online_error"] = online["error"]
+        else:
+            res.update({k: v for k, v in online.items() if k != "online_server_log"})
+            offline = res.get("offline_tp1_output_tok_s")
+            for c in online["online_workload"]["levels"][1:]:
+                if offline and online.get(f"online_c{c}_output_tok_s"):
+                    res[f"online_c{c}_vs_offline"] = online[f"online_c{c}_output_tok_s"] / offline
     ran = sorted(tp for tp in engines if "decode_bs1_tok_s" in engines[tp])
     for tp in ran[1:]:  # each size against the smallest: batch-1 speed-up and bf16 agreement
         base = ran[0]
@@ -411,9 +627,35 @@ def print_table(r: dict) -> None:
         (f"HF generate, batch {HF_BATCH}", fmt("hf_offline_output_tok_s")),
         ("offline TP=1 / HF", fmt("offline_tp1_vs_hf", "x")),
     ]
+    rows += online_rows(r, fmt)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+
+
+def online_rows(r: dict, fmt) -> list[tuple[str, str]]:
+    """The online phase's rows of the table: none when it did not run."""
+    if "online_error" in r:
+        return [("online (shardserve serve + bench), TP=1", f"failed: {r['online_error']}")]
+    workload = r.get("online_workload")
+    if not workload:
+        return []
+    served = f"online {workload['requests']}x({workload['prompt_tokens']}+{workload['output_tokens']})"
+    servers = "" if workload.get("api_server_count") is None else f", {workload['api_server_count']} API servers"
+    rows = [(f"online TPOT p50 at concurrency 1 ({workload['c1_requests']} requests{servers})",
+             fmt("online_c1_tpot_ms", "ms", digits=2))]
+    levels = workload["levels"][1:]
+    for c in levels:
+        tpot = r.get(f"online_c{c}_tpot_ms")
+        rows.append((f"{served}, concurrency {c}",
+                     fmt(f"online_c{c}_output_tok_s") + ("" if tpot is None else f"  (TPOT p50 {tpot:,.1f} ms)")))
+        if f"online_c{c}_vs_offline" in r:
+            rows.append((f"  concurrency {c} / offline TP=1", fmt(f"online_c{c}_vs_offline", "x", digits=2)))
+    if levels and f"online_c{max(levels)}_server_cpu_s" in r:
+        rows.append((f"  server CPU during concurrency {max(levels)}",
+                     fmt(f"online_c{max(levels)}_server_cpu_s", "s") +
+                     f" in {r.get(f'online_c{max(levels)}_duration_s', 0):,.1f} s"))
+    return rows
 
 
 if __name__ == "__main__":
