@@ -92,6 +92,9 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
+    p.add_argument("--api-server-count", type=_positive(int, "--api-server-count", allow_zero=True), default=None,
+                   help="HTTP front-end processes (tokenizing, detokenizing, streaming) in front of the engine's "
+                        "process; 0 serves HTTP from the engine's process (default 1)")
     p.add_argument("--max-restarts", type=_positive(int, "--max-restarts", allow_zero=True), default=3,
                    help="restart all ranks up to this many times when one dies (ranks started on this machine; "
                         "default 3, 0 never)")

@@ -18,6 +18,7 @@ import torch
 from shardserve.config import EngineConfig
 from shardserve.distributed.control_token import TOKEN_ENV, new_token, resolve_token
 from shardserve.distributed.process_group import RankContext, find_free_port, init_rank_context
+from shardserve.process_name import name_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
     # Ctrl-C in a terminal reaches every process of the foreground group; a spawned rank leaves it to rank 0,
     # which stops the ranks in order (a shutdown plan), so that stopping does not look like a crash.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_this_process(f"shardserve-r{info.rank}")
     from shardserve.distributed.handshake import StartupMismatch
     from shardserve.distributed.process_group import destroy_rank_context
 

@@ -1,7 +1,9 @@
-"""The engine behind the HTTP server: one thread steps the engine, asyncio callers stream results.
+"""The engine loop: one thread steps the engine; callers hand it requests and get their outputs back.
 
 Only the engine thread touches the engine (and so issues collectives); callers talk to it through a
-command queue, and it answers each request through that request's asyncio queue.
+command queue, and it answers each request through that request's stream: an asyncio queue for callers in
+this process (`generate`), or any object with `put` (`submit`: the engine core server batches a step's
+outputs per front end and sends them once the step is done, from the `after_iteration` hook).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
-from shardserve.engine.client import EngineStats
+from shardserve.engine.client import EngineDeadError, EngineStats, ServerShuttingDown
 from shardserve.engine.llm_engine import LLMEngine
 from shardserve.engine.outputs import RequestOutput
 from shardserve.engine.sampling_params import SamplingParams
@@ -26,12 +28,10 @@ KEEPALIVE_INTERVAL_S = 1.0
 HEALTH_STALL_S = 8.0  # /health fails when the loop has not come round for this long while busy
 
 
-class EngineDeadError(RuntimeError):
-    pass
+class OutputStream(Protocol):
+    """Where one request's outputs go, on the engine thread (errors may come from other threads)."""
 
-
-class ServerShuttingDown(EngineDeadError):
-    """The server is stopping (SIGINT/SIGTERM): requests in flight and new ones are refused with a 503."""
+    def put(self, item: RequestOutput | BaseException) -> None: ...
 
 
 @dataclass
@@ -51,9 +51,11 @@ class AsyncEngine:
     pool, and the idle pool competes for the cores).
     """
 
-    def __init__(self, build_engine: Callable[[], LLMEngine]) -> None:
+    def __init__(self, build_engine: Callable[[], LLMEngine],
+                 after_iteration: Callable[[], None] | None = None) -> None:
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
+        self._after_iteration = after_iteration  # on the engine thread, after each round of commands and step
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._last_beat = time.monotonic()
@@ -78,14 +80,8 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        if self._closing is not None:
-            raise ServerShuttingDown(self._closing)
-        if self._error is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine has stopped: {self._error!r}")
-        self.engine.validate_prompt(prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params))
+        self.submit(request_id, prompt_token_ids, params, stream)
         finished = False
         try:
             while True:
@@ -101,8 +97,24 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
-    async def abort(self, request_id: str) -> None:
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               stream: OutputStream) -> None:
+        """Queue a request whose outputs go to `stream`; raises ValueError for a prompt the engine refuses,
+        EngineDeadError (ServerShuttingDown) when it cannot run."""
+        if self._closing is not None:
+            raise ServerShuttingDown(self._closing)
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine has stopped: {self._error!r}")
+        self.engine.validate_prompt(prompt_token_ids, params)
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt_token_ids, params))
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort a request (a no-op for one that already ended); its stream gets nothing more."""
         self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_soon(request_id)
 
     def health_details(self) -> dict:
         return {}
@@ -122,11 +134,16 @@ class AsyncEngine:
         await self._call("wake_up", weights, kv_cache)
 
     async def _call(self, *command) -> None:
+        await asyncio.wrap_future(self.call(*command))
+
+    def call(self, *command) -> concurrent.futures.Future:
+        """Run ("sleep", level) or ("wake_up", weights, kv_cache) on the engine thread; the future settles
+        when it is done (a sleep waits for the requests in flight)."""
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine has stopped: {self._error!r}")
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((*command, done))
-        await asyncio.wrap_future(done)
+        return done
 
     def stalled_for(self) -> float:
         """Seconds since the engine loop last came round (it does at least every KEEPALIVE_INTERVAL_S)."""
@@ -181,6 +198,8 @@ class AsyncEngine:
                 if self.engine.has_work():
                     for out in self.engine.step():
                         self._deliver(out)
+                if self._after_iteration is not None:
+                    self._after_iteration()
             self.engine.shutdown()
         except BaseException as e:  # noqa: BLE001 - any failure must reach every waiting caller
             if self._stop.is_set() or self._closing is not None:
@@ -232,17 +251,18 @@ class AsyncEngine:
             try:
                 self.engine.add_request(request_id, prompt, params)
             except ValueError as e:
-                stream = self._streams.get(request_id)
+                stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     stream.put(e)
         elif command[0] == "abort":
             # A request added while a sleep was pending is still deferred here: drop it, or it would run
             # (and hold KV blocks) after its caller has gone.
             self._deferred_adds = [c for c in self._deferred_adds if c[1] != command[1]]
+            self._streams.pop(command[1], None)
             self.engine.abort(command[1])
 
     def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
+        stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
         if stream is not None:
             stream.put(out)
 

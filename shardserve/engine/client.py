@@ -16,6 +16,14 @@ if TYPE_CHECKING:
     from shardserve.tokenizer import Tokenizer
 
 
+class EngineDeadError(RuntimeError):
+    """The engine has stopped (failed, or its ranks died): requests in flight and new ones get a 500."""
+
+
+class ServerShuttingDown(EngineDeadError):
+    """The server is stopping (SIGINT/SIGTERM): requests in flight and new ones are refused with a 503."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """The engine's state at one moment, as /metrics shows it."""

@@ -57,3 +57,11 @@ class IncrementalDetokenizer:
         delta = text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return delta, stopped
+
+
+def text_update(detokenizer: IncrementalDetokenizer, output_ids: list[int],
+                finish_reason: str | None) -> tuple[str, bool]:
+    """The detokenizer's update after a step that left `output_ids` with `finish_reason` (None: still running).
+    A request that stopped on a stop token (eos included) does not show that token in its text."""
+    text_ids = output_ids[:-1] if finish_reason == "stop" else output_ids
+    return detokenizer.update(text_ids, finished=finish_reason is not None)

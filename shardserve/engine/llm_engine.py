@@ -20,7 +20,7 @@ from shardserve.distributed.lockstep import LockstepCheck, default_every
 from shardserve.distributed.process_group import RankContext
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.client import EngineStats
-from shardserve.engine.detokenizer import IncrementalDetokenizer
+from shardserve.engine.detokenizer import IncrementalDetokenizer, text_update
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.outputs import RequestOutput, TokenLogprob
 from shardserve.engine.sampler import PendingSample, Sampler
@@ -303,11 +303,9 @@ class LLMEngine:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        # The stop token itself is not part of the text (eos decodes to nothing with skip_special_tokens).
-        text_ids = seq.output_token_ids[:-1] if reason == "stop" else seq.output_token_ids
         delta, stopped = "", False  # without detokenize the text stays ""
         if p.detokenize:
-            delta, stopped = self.detokenizers[seq.seq_id].update(text_ids, finished=reason is not None)
+            delta, stopped = text_update(self.detokenizers[seq.seq_id], seq.output_token_ids, reason)
         if stopped:
             reason = "stop"
         if reason is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import threading
 
 import torch
 
@@ -13,6 +15,8 @@ from shardserve.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MASTER_PORT = 29500
+# API server processes by device when --api-server-count is not given (0: HTTP in the engine's own process).
+DEFAULT_API_SERVERS = {"cuda": 1, "cpu": 1}
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -118,15 +122,18 @@ def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
 
     tokenizer = Tokenizer.from_model_path(config.model)
 
-    def start():
-        ranks = LocalRanks(config)  # a fresh rendezvous port each time
-        try:
-            return AsyncEngine(lambda: LLMEngine(config, ranks.ctx, tokenizer)), ranks
-        except BaseException:
-            ranks.close(timeout=10)
-            raise
+    def start_engine(after_iteration):
+        def start():
+            ranks = LocalRanks(config)  # a fresh rendezvous port each time
+            try:
+                return AsyncEngine(lambda: LLMEngine(config, ranks.ctx, tokenizer), after_iteration), ranks
+            except BaseException:
+                ranks.close(timeout=10)
+                raise
 
-    return _serve_http_until_stopped(args, config, Supervisor(start, args.max_restarts))
+        return Supervisor(start, args.max_restarts)
+
+    return _serve_engine(args, config, start_engine)
 
 
 def _serve_rank0(args: argparse.Namespace, config: EngineConfig, ctx) -> int:
@@ -135,7 +142,78 @@ def _serve_rank0(args: argparse.Namespace, config: EngineConfig, ctx) -> int:
     from shardserve.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(config.model)
-    return _serve_http_until_stopped(args, config, AsyncEngine(lambda: LLMEngine(config, ctx, tokenizer)))
+    return _serve_engine(args, config,
+                         lambda after_iteration: AsyncEngine(lambda: LLMEngine(config, ctx, tokenizer), after_iteration))
+
+
+def _serve_engine(args: argparse.Namespace, config: EngineConfig, start_engine) -> int:
+    """Serve the engine `start_engine(after_iteration)` builds (an AsyncEngine or a Supervisor): through
+    --api-server-count front-end processes, or with 0, from this process."""
+    if api_server_count(args, config) == 0:
+        return _serve_http_until_stopped(args, config, start_engine(None))
+    return _serve_through_api_servers(args, config, start_engine)
+
+
+def api_server_count(args: argparse.Namespace, config: EngineConfig) -> int:
+    return args.api_server_count if args.api_server_count is not None else DEFAULT_API_SERVERS[config.device]
+
+
+def _serve_through_api_servers(args: argparse.Namespace, config: EngineConfig, start_engine) -> int:
+    """This process is the engine core; the API servers (front ends) are spawned processes
+    (entrypoints/api_servers.py) that reach it through ipc/. Runs until SIGINT/SIGTERM (0) or until the
+    engine is dead for good (1)."""
+    from shardserve.entrypoints.api_servers import ApiServers, FrontendOptions
+    from shardserve.entrypoints.openai.middleware import api_key_in_force
+    from shardserve.ipc.core_server import EngineCoreServer
+
+    count = api_server_count(args, config)
+    ipc_dir, metrics_dir = ApiServers.make_dirs()
+    options = FrontendOptions(
+        tokenizer_path=config.model, served_model_name=args.served_model_name or config.model,
+        api_key=api_key_in_force(args.api_key), max_body_bytes=int(args.max_request_body_mb * 2**20),
+        host=args.host, port=args.port, ipc_dir=ipc_dir, metrics_dir=metrics_dir,
+        log_level=logging.getLogger().level)
+    api_servers = ApiServers(count, args.http_socket, options)
+    core_server = EngineCoreServer(ipc_dir, count)
+    engine = None
+    stop = threading.Event()
+    previous = {}
+    try:
+        api_servers.start()  # their tokenizers load while the model does
+        engine = start_engine(core_server.flush)
+        core_server.attach(engine)
+        # From here until every process has stopped in order, SIGINT and SIGTERM only ask for that stop: a
+        # second signal (Ctrl-C reaches every process of the group, a pool or systemd adds SIGTERM) must not
+        # end this process before it has sent the other ranks their shutdown plan.
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        logger.info("serving %s on http://%s:%d (tensor parallel size %d, %s, %d API server process%s%s)",
+                    config.model, args.host, args.port, config.tensor_parallel_size, config.device, count,
+                    "es" if count > 1 else "", ", API key required" if options.api_key else "")
+        reason = _run_until_stopped(stop, engine, api_servers, core_server)
+    finally:
+        api_servers.stop(timeout=30)
+        core_server.close()
+        if engine is not None:
+            engine.shutdown()
+        api_servers.cleanup()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if reason is None:
+        return 0
+    logger.error("exiting with status 1: %s", reason)
+    return 1
+
+
+def _run_until_stopped(stop: threading.Event, engine, api_servers, core_server) -> str | None:
+    """Watch until `stop` is set (a signal: None) or until the engine is dead for good (the reason); restart API
+    servers that die meanwhile."""
+    while not stop.wait(0.5):
+        reason = _dead_for_good(engine)
+        if reason is None:
+            reason = api_servers.restart_dead(on_lost=core_server.forget_frontend)
+        if reason is not None:
+            return reason
+    return None
 
 
 def _serve_http_until_stopped(args: argparse.Namespace, config: EngineConfig, engine) -> int:

@@ -65,6 +65,16 @@ class Supervisor:
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
+    # -- what the engine core server calls (ipc/core_server.py) ----------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream) -> None:
+        self.engine.submit(request_id, prompt_token_ids, params, stream)
+
+    def abort_soon(self, request_id: str) -> None:
+        self.engine.abort_soon(request_id)
+
+    def call(self, *command):
+        return self.engine.call(*command)
+
     @property
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping

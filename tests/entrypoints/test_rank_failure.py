@@ -22,10 +22,10 @@ PROMPT = "w3 w1 w4 w1 w5"
 
 
 def _spawned_rank(server_pid: int) -> int:
-    """The pid of the rank process the server spawned (not multiprocessing's resource tracker)."""
+    """The pid of the rank process the server spawned (not an API server, nor multiprocessing's resource
+    tracker)."""
     for child in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"spawn_main" in cmdline:
+        if Path(f"/proc/{child}/comm").read_text().strip() == "shardserve-r1":
             return int(child)
     raise AssertionError("no spawned rank process found")
 

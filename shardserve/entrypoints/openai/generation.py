@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from shardserve.engine.outputs import RequestOutput, TokenLogprob
 from shardserve.engine.sampling_params import SamplingParams
-from shardserve.engine.async_engine import ServerShuttingDown
+from shardserve.engine.client import ServerShuttingDown
 from shardserve.entrypoints.openai.errors import APIError, InvalidRequestError, ServerError, ServiceUnavailableError
 from shardserve.entrypoints.openai.protocol import GenerationRequest
 from shardserve.entrypoints.openai.renderers import Renderer, usage_of

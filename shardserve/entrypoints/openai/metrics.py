@@ -6,9 +6,11 @@ scrape time.
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shardserve.engine.outputs import RequestOutput
@@ -17,23 +19,30 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    20.0, 40.0, 80.0)
 
 
+_METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, engine) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
+        shared = _METRICS_DIR_ENV in os.environ
+        if shared:  # several front-end processes: each writes its counts to files, /metrics sums them all
+            MultiProcessCollector(self.registry)
+        registry = None if shared else self.registry
         label = ["model_name"]
         self.prompt_tokens = Counter("shardserve:prompt_tokens", "Prompt tokens of finished requests.", label,
-                                     registry=self.registry)
+                                     registry=registry)
         self.generation_tokens = Counter("shardserve:generation_tokens", "Generated tokens of finished requests.",
-                                         label, registry=self.registry)
+                                         label, registry=registry)
         self.request_success = Counter("shardserve:request_success", "Requests that finished, by finish reason.",
-                                       ["model_name", "finished_reason"], registry=self.registry)
+                                       ["model_name", "finished_reason"], registry=registry)
         self.ttft = Histogram("shardserve:time_to_first_token_seconds", "Time to the first generated token.",
-                              label, buckets=LATENCY_BUCKETS, registry=self.registry)
+                              label, buckets=LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram("shardserve:inter_token_latency_seconds", "Time between streamed outputs.", label,
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
+                             buckets=LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("shardserve:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             label, buckets=LATENCY_BUCKETS, registry=self.registry)
+                             label, buckets=LATENCY_BUCKETS, registry=registry)
         self.registry.register(_EngineState(engine, model_name))
 
     def render(self) -> bytes:

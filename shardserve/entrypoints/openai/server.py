@@ -8,12 +8,13 @@ The generation routes check a request against the model's context (`_admit`) and
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -52,13 +53,27 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = 4 * 2**20,
+    on_startup: Callable[[], Awaitable[None]] | None = None,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `engine` under the name `served_model_name`.
 
     With `api_key`, every path except /health and /version requires `Authorization: Bearer <api_key>`.
-    Request bodies over `max_body_bytes` are refused with 413 before they are parsed.
+    Request bodies over `max_body_bytes` are refused with 413 before they are parsed. `on_startup` runs in
+    the server's event loop before it accepts connections, `on_shutdown` after it has stopped.
     """
-    app = FastAPI(title="shardserve", version=__version__)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        if on_startup is not None:
+            await on_startup()
+        try:
+            yield
+        finally:
+            if on_shutdown is not None:
+                await on_shutdown()
+
+    app = FastAPI(title="shardserve", version=__version__, lifespan=lifespan)
     app.state.serving = _ServingState(engine=engine, model_name=served_model_name, created=int(time.time()))
     app.state.metrics = ServerMetrics(served_model_name, engine)
     install_error_handlers(app)
