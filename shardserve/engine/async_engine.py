@@ -1,7 +1,7 @@
 """The engine loop: one thread steps the engine; callers hand it requests and get their outputs back.
 
 Only the engine thread touches the engine (and so issues collectives); callers talk to it through a
-command queue, and it answers each request through that request's stream: an asyncio queue for callers in
+command queue, and it answers each request through that request's stream: an OutputCollector for callers in
 this process (`generate`), or any object with `put` (`submit`: the engine core server batches a step's
 outputs per front end and sends them once the step is done, from the `after_iteration` hook).
 """
@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 from shardserve.engine.client import EngineDeadError, EngineStats, ServerShuttingDown
 from shardserve.engine.llm_engine import LLMEngine
+from shardserve.engine.output_collector import OutputCollector
 from shardserve.engine.outputs import RequestOutput
 from shardserve.engine.sampling_params import SamplingParams
 
@@ -37,10 +38,10 @@ class OutputStream(Protocol):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    collector: OutputCollector
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.collector.put, item)
 
 
 class AsyncEngine:
@@ -80,12 +81,12 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), OutputCollector())
         self.submit(request_id, prompt_token_ids, params, stream)
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.collector.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

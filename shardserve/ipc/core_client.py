@@ -3,7 +3,7 @@
 It sends token ids and sampling parameters to the core and turns the token outputs that come back into
 RequestOutputs with their text: detokenization and stop strings happen here, in the front end (a request
 that meets a stop string is finished here and aborted in the core). One task reads the core's channel and
-hands each output to its request's queue; health, sleep state and statistics are the core's latest Status.
+hands each output to its request's collector (engine/output_collector.py); health, sleep state and statistics are the core's latest Status.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from shardserve.engine.client import EngineDeadError, EngineStats, ServerShuttingDown
 from shardserve.engine.detokenizer import IncrementalDetokenizer, text_update
+from shardserve.engine.output_collector import OutputCollector
 from shardserve.engine.outputs import RequestOutput
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.ipc.core_server import input_address, output_address
@@ -59,7 +60,7 @@ def _exception(kind: str, message: str) -> BaseException:
 class _Request:
     """One request's state in the front end: its tokens so far, its text, where its outputs go."""
 
-    __slots__ = ("request_id", "prompt_token_ids", "params", "token_ids", "detokenizer", "queue", "done")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "token_ids", "detokenizer", "outputs", "done")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer: "Tokenizer") -> None:
@@ -68,7 +69,7 @@ class _Request:
         self.params = params
         self.token_ids: list[int] = []
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.stop) if params.detokenize else None
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.outputs = OutputCollector()
         self.done = False  # finished here (the core's last output, or a stop string)
 
     def output(self, item: TokenOutput) -> tuple[RequestOutput, bool]:
@@ -143,7 +144,7 @@ class CoreClient:
         await self._send(AddRequest(self.frontend, request_id, prompt_token_ids, core_params))
         try:
             while True:
-                item = await request.queue.get()
+                item = await request.outputs.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -186,7 +187,7 @@ class CoreClient:
     def stop_accepting(self, reason: str) -> None:
         self._closing = reason
         for request in list(self._requests.values()):
-            request.queue.put_nowait(ServerShuttingDown(reason))
+            request.outputs.put(ServerShuttingDown(reason))
 
     def shutdown(self) -> None:
         pass  # the sockets close with the event loop (stop)
@@ -235,7 +236,7 @@ class CoreClient:
                 if request is None or request.done:
                     continue  # aborted here, or ended by a stop string; the core drops it soon
                 output, stopped_here = request.output(item)
-                request.queue.put_nowait(output)
+                request.outputs.put(output)
                 if stopped_here:
                     stopped.append(item.request_id)
             if stopped:
@@ -247,7 +248,7 @@ class CoreClient:
             request = self._requests.get(message.request_id)
             if request is not None:
                 request.done = True
-                request.queue.put_nowait(_exception(message.kind, message.message))
+                request.outputs.put(_exception(message.kind, message.message))
         elif isinstance(message, CallReply):
             done = self._calls.get(message.call_id)
             if done is not None and not done.done():
@@ -266,7 +267,7 @@ class CoreClient:
             for request in list(self._requests.values()):
                 if not request.done:
                     request.done = True
-                    request.queue.put_nowait(EngineDeadError(reason))
+                    request.outputs.put(EngineDeadError(reason))
             for done in self._calls.values():
                 if not done.done():
                     done.set_exception(EngineDeadError(reason))

@@ -265,12 +265,13 @@ def test_raw_stream_framing(http: httpx.Client) -> None:
     events = sse_events(http.post("/v1/chat/completions", json=body | {"stream": True}))
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
-    assert len(chunks) == 4  # one per generated token
+    # One chunk per output; outputs that reach the server faster than it streams them go out merged.
+    assert 1 <= len(chunks) <= 4
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
     assert set(deltas[0]) == {"role", "content"} and deltas[0]["role"] == "assistant"
     assert all(set(delta) == {"content"} for delta in deltas[1:])
     assert "".join(delta["content"] for delta in deltas) == whole["choices"][0]["message"]["content"]
-    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None, None, None, "length"]
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None] * (len(chunks) - 1) + ["length"]
     assert all("usage" not in chunk for chunk in chunks)
 
 
@@ -302,7 +303,7 @@ def test_streamed_logprobs_continue_offsets(client: openai.OpenAI) -> None:
     whole = complete(client, max_tokens=6, logprobs=1).choices[0].logprobs
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
                                             stream=True, extra_body={"ignore_eos": True}))
-    assert len(chunks) == 6
+    assert 1 <= len(chunks) <= 6  # outputs the server could not stream at once go out merged
     tokens = [token for chunk in chunks for token in chunk.choices[0].logprobs.tokens]
     offsets = [offset for chunk in chunks for offset in chunk.choices[0].logprobs.text_offset]
     assert tokens == whole.tokens

@@ -256,17 +256,19 @@ def _check_stream(job: Job, lines: list[str]) -> Answer:
         text = "".join(d.get("content", "") for d in deltas)
     else:
         text = "".join(c["choices"][0]["text"] for c in chunks)
-    # One chunk per generated token: the count a client without include_usage has.
-    tokens = len(chunks)
-    if usage is not None:
-        _require(_check_usage(job, usage) == tokens, f"usage says {usage['completion_tokens']} tokens, "
-                                                    f"the stream had {tokens} chunks")
-    _check_length(job, tokens, reasons[-1])
     token_texts: list[str] = []
     best: list[dict[str, float]] = []
     for chunk in chunks:
         chunk_tokens, chunk_best = _token_logprobs(job, chunk["choices"][0].get("logprobs"))
+        _require(len(chunk_tokens) >= 1 or chunk is chunks[-1], "a content chunk without a token")
         token_texts += chunk_tokens
         best += chunk_best
-    _require(len(token_texts) == tokens, f"logprobs for {len(token_texts)} tokens in {tokens} chunks")
+    # At least one token per chunk (outputs the server could not stream at once go out merged): the logprobs
+    # count them, and usage must agree.
+    tokens = len(token_texts)
+    _require(len(chunks) <= max(tokens, 1), f"{len(chunks)} chunks for {tokens} tokens")
+    if usage is not None:
+        _require(_check_usage(job, usage) == tokens, f"usage says {usage['completion_tokens']} tokens, "
+                                                    f"the stream's logprobs {tokens}")
+    _check_length(job, tokens, reasons[-1])
     return Answer(text, tokens, reasons[-1], tuple(token_texts), tuple(best))

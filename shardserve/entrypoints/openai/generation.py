@@ -183,25 +183,24 @@ async def _collect(generation: _Generation) -> tuple[RequestOutput, list[TokenLo
 # --------------------------------------------------------------------------- streaming
 
 
-def _sse(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
-    data = payload.model_dump_json(exclude=exclude) if isinstance(payload, BaseModel) else json.dumps(payload)
+def _sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"
 
 
 async def _stream_events(
     generation: _Generation, renderer: Renderer, include_usage: bool
-) -> AsyncGenerator[str, None]:
+) -> AsyncGenerator[str | bytes, None]:
     """Server-sent events: one chunk per engine output, usage if asked, then `[DONE]`.
 
     An error after the stream has started cannot change the status code any more; it is
     sent as an `{"error": ...}` event before `[DONE]`.
     """
     # Without include_usage chunks carry no `usage` key at all; with it, `null` until the last.
-    exclude = None if include_usage else {"usage"}
     try:
         last = None
         while (output := await generation.next_output()) is not None:
-            yield _sse(renderer.chunk(output), exclude)
+            yield renderer.chunk_event(output, include_usage)
             last = output
         if include_usage and last is not None:
             yield _sse(renderer.usage_chunk(usage_of(last)))
@@ -224,7 +223,7 @@ class _EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, generation: _Generation, events: AsyncGenerator[str, None]) -> None:
+    def __init__(self, generation: _Generation, events: AsyncGenerator[str | bytes, None]) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache"})
         self._generation = generation
         self._events = events

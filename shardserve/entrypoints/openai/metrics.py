@@ -44,6 +44,12 @@ class ServerMetrics:
         self.e2e = Histogram("shardserve:e2e_request_latency_seconds", "Time from arrival to the last token.",
                              label, buckets=LATENCY_BUCKETS, registry=registry)
         self.registry.register(_EngineState(engine, model_name))
+        # The children of this model's label, looked up once: RequestTimer observes every output.
+        self.ttft_child = self.ttft.labels(model_name)
+        self.itl_child = self.itl.labels(model_name)
+        self.e2e_child = self.e2e.labels(model_name)
+        self.prompt_tokens_child = self.prompt_tokens.labels(model_name)
+        self.generation_tokens_child = self.generation_tokens.labels(model_name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -55,6 +61,8 @@ class ServerMetrics:
 class RequestTimer:
     """Observes one request: call `output` for each engine output, in order."""
 
+    __slots__ = ("metrics", "arrived", "last")
+
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.arrived = time.monotonic()
@@ -62,17 +70,17 @@ class RequestTimer:
 
     def output(self, out: RequestOutput) -> None:
         now = time.monotonic()
-        m, name = self.metrics, self.metrics.model_name
+        m = self.metrics
         if self.last is None:
-            m.ttft.labels(name).observe(now - self.arrived)
+            m.ttft_child.observe(now - self.arrived)
         elif out.new_token_ids:
-            m.itl.labels(name).observe(now - self.last)
+            m.itl_child.observe(now - self.last)
         self.last = now
         if out.finished and out.finish_reason in ("stop", "length"):
-            m.e2e.labels(name).observe(now - self.arrived)
-            m.request_success.labels(name, out.finish_reason).inc()
-            m.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
-            m.generation_tokens.labels(name).inc(out.num_output_tokens)
+            m.e2e_child.observe(now - self.arrived)
+            m.request_success.labels(m.model_name, out.finish_reason).inc()
+            m.prompt_tokens_child.inc(out.num_prompt_tokens)
+            m.generation_tokens_child.inc(out.num_output_tokens)
 
 
 class _EngineState:
