@@ -82,18 +82,22 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
 
     def register_computed(self, seq: Sequence) -> None:
-        """Publish the hashes of seq's blocks that are full and fully computed."""
+        """Publish the hashes of seq's blocks that are full and fully computed. Only the blocks after the
+        ones already hashed are looked at (seq.num_hashed_blocks: every block before it has a hash), so a step
+        costs the blocks it filled, not the whole table."""
         if not self.enable_prefix_caching:
             return
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        parent = None
-        for i in range(full):
+        start = seq.num_hashed_blocks
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else None
+        for i in range(start, full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash = chain_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
                 # An identical block computed by another sequence may already be registered; keep that one.
                 self.cached.setdefault(block.hash, block.block_id)
             parent = block.hash
+        seq.num_hashed_blocks = max(start, full)
 
     def free_sequence(self, seq: Sequence) -> None:
         # Release in reverse so a sequence's tail blocks are reused before its shared prefix.
@@ -104,6 +108,7 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
 
     def _take_free(self) -> int:
         block_id, _ = self.free.popitem(last=False)

@@ -296,7 +296,7 @@ class LLMEngine:
         self.runner.close()
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        seq.token_ids.append(token)
+        seq.append_token(token)
         p = seq.params
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):

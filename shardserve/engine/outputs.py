@@ -18,6 +18,8 @@ class RequestOutput:
 
     `new_token_ids` / `delta_text` / `new_logprobs` hold what this step added; `text` and
     `token_ids` hold everything generated so far. `text` never contains a matched stop string.
+    `token_ids` is the request's own list, which later steps extend (copied per step it would cost every
+    running request its whole output each step): copy it to keep this step's view.
     """
 
     request_id: str

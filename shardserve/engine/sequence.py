@@ -22,25 +22,27 @@ class Sequence:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt followed by every generated token
+        self.output_token_ids: list[int] = []  # the generated tokens alone (append_token keeps both)
         self.params = params
         self.status = SequenceStatus.WAITING
         # Invariant: the first num_computed_tokens of token_ids have their keys/values in the blocks
         # of block_table; the rest are still to be computed (the last sampled token, or a prompt chunk).
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # the first blocks of block_table whose hashes are registered (BlockManager)
         self.finish_reason: str | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.output_token_ids.append(token)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.output_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -33,7 +33,7 @@ class Harness:
         for chunk in plan.chunks:
             if chunk.sample:
                 seq = self.seqs[chunk.seq_id]
-                seq.token_ids.append(7)
+                seq.append_token(7)
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     self.sched.remove(seq)
                     seq.status = SequenceStatus.FINISHED
