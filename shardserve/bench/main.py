@@ -14,6 +14,7 @@ import sys
 from rich.console import Console
 
 from shardserve import __version__
+from shardserve.bench.metrics import client_bound_warning
 from shardserve.bench.report import plot, print_table, write_csv, write_json
 from shardserve.bench.runner import BenchConfig, run_bench
 from shardserve.bench.workload import Workload, WorkloadError, load_dataset
@@ -44,6 +45,10 @@ def bench(args: argparse.Namespace) -> int:
     if mismatch is not None:
         print(f"shardserve bench: WARNING: {mismatch}", file=sys.stderr, flush=True)
         record.update(input_len_exact=False, prompt_length_warning=mismatch)
+    client_bound = client_bound_warning(levels)
+    if client_bound is not None:
+        print(f"shardserve bench: WARNING: {client_bound}", file=sys.stderr, flush=True)
+        record.update(client_bound_warning=client_bound)
     if args.out:
         write_json(args.out, record, levels)
     if args.csv:

@@ -86,11 +86,12 @@ class LevelSummary:
     goodput: float | None  # requests/s meeting every SLO; None without SLOs
     slos: tuple[Slo, ...] = ()
     requests_without_usage: int = 0  # counted from chunks: the server did not report usage
+    client_cpu_s: float | None = None  # CPU seconds the bench process itself used during the level
     errors: dict[str, int] = field(default_factory=dict)  # message -> how many requests failed with it
 
 
 def summarize(results: list[RequestResult], duration_s: float, concurrency: int, request_rate: float | None,
-              slos: tuple[Slo, ...] = ()) -> LevelSummary:
+              slos: tuple[Slo, ...] = (), client_cpu_s: float | None = None) -> LevelSummary:
     done = [r for r in results if r.ok]
     errors: dict[str, int] = {}
     for r in results:
@@ -109,4 +110,21 @@ def summarize(results: list[RequestResult], duration_s: float, concurrency: int,
         tpot_ms=Distribution.of([r.tpot_s for r in done if r.tpot_s is not None]),
         itl_ms=Distribution.of([gap for r in done for gap in r.itl_s]),
         e2el_ms=Distribution.of([r.e2e_s for r in done]),
-        goodput=goodput, slos=slos, requests_without_usage=sum(not r.usage_reported for r in done), errors=errors)
+        goodput=goodput, slos=slos, requests_without_usage=sum(not r.usage_reported for r in done), errors=errors,
+        client_cpu_s=client_cpu_s)
+
+
+# The bench process busy this share of a level's wall time read its streams late: it measured itself.
+CLIENT_BOUND_SHARE = 0.85
+
+
+def client_bound_warning(levels: list[LevelSummary]) -> str | None:
+    """Which levels kept the bench client busy nearly all the time (their figures are the client's limit,
+    not the server's), or None."""
+    busy = [f"concurrency {s.concurrency}: {s.client_cpu_s:.1f} s of CPU in {s.duration_s:.1f} s" for s in levels
+            if s.client_cpu_s is not None and s.duration_s > 0 and s.client_cpu_s >= CLIENT_BOUND_SHARE * s.duration_s]
+    if not busy:
+        return None
+    return ("the bench client was busy almost all the time (" + "; ".join(busy) + "), so it may have read the "
+            "streams late and these levels measure it rather than the server: run several bench processes with "
+            "a share of the concurrency each, or the client on another machine")

@@ -56,7 +56,8 @@ def csv_row(s: LevelSummary) -> dict[str, object]:
         "duration_s": s.duration_s, "request_throughput": s.request_throughput,
         "output_throughput": s.output_throughput, "total_token_throughput": s.total_token_throughput,
         "total_input_tokens": s.total_input_tokens, "total_output_tokens": s.total_output_tokens,
-        "goodput": "" if s.goodput is None else s.goodput}
+        "goodput": "" if s.goodput is None else s.goodput,
+        "client_cpu_s": "" if s.client_cpu_s is None else s.client_cpu_s}
     for name in LATENCIES:
         d = getattr(s, name)
         for stat in _STATS:

@@ -46,9 +46,11 @@ async def _run(config: BenchConfig, workload: Workload, console: Console) -> lis
             for level, concurrency in enumerate(config.concurrency):
                 requests = workload.requests(level)
                 task = progress.add_task(f"concurrency {concurrency}", total=len(requests))
+                cpu = time.process_time()
                 results, duration = await _run_level(client, requests, concurrency, rate, workload.seed + level,
                                                      lambda: progress.advance(task))
-                summaries.append(summarize(results, duration, concurrency, rate, config.slos))
+                summaries.append(summarize(results, duration, concurrency, rate, config.slos,
+                                           client_cpu_s=time.process_time() - cpu))
     finally:
         await client.aclose()
     return summaries

@@ -73,6 +73,7 @@ def test_cli_writes_results_whose_tokens_match_the_servers_counters(server, mode
         assert level["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN, "ignore_eos runs to --output-len"
         assert level["goodput"] == pytest.approx(level["request_throughput"]), "every request met a 60 s SLO"
         assert 0 < level["ttft_ms"]["p50"] <= level["ttft_ms"]["p99"] <= level["e2el_ms"]["p99"]
+        assert 0 < level["client_cpu_s"] < level["duration_s"] * 2, "the client's own CPU time is recorded"
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
     assert delta["shardserve:prompt_tokens_total"] == sum(level["total_input_tokens"] for level in levels)
     assert delta["shardserve:generation_tokens_total"] == sum(level["total_output_tokens"] for level in levels)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from shardserve.bench.client import RequestResult
-from shardserve.bench.metrics import Slo, parse_slo, summarize
+from shardserve.bench.metrics import Slo, client_bound_warning, parse_slo, summarize
 
 
 def _result(ttft: float, e2e: float, tokens: int, prompt: int = 10) -> RequestResult:
@@ -59,3 +59,13 @@ def test_bad_bench_flags_are_named_with_accepted_values(args, expected):
                           "--model", "m", *args], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert expected in run.stderr
+
+
+def test_a_client_busy_all_the_level_says_its_figures_are_its_own():
+    results = [_result(0.1, 1.0, 10) for _ in range(4)]
+    calm = summarize(results, 10.0, 4, None, client_cpu_s=2.0)
+    busy = summarize(results, 10.0, 512, None, client_cpu_s=9.5)
+    assert client_bound_warning([calm]) is None
+    warning = client_bound_warning([calm, busy])
+    assert "concurrency 512: 9.5 s of CPU in 10.0 s" in warning and "concurrency 4" not in warning
+    assert "several bench processes" in warning
