@@ -20,6 +20,7 @@ import datetime
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -283,22 +284,54 @@ def stop_server(proc: subprocess.Popen, grace: float = ONLINE_STOP_GRACE_S) -> s
     return how
 
 
-def session_cpu_seconds(sid: int) -> float:
-    """User + system CPU seconds of every live process in session `sid`, with the children they reaped."""
-    ticks = 0
+def session_cpu_by_process(sid: int) -> dict[str, float]:
+    """User + system CPU seconds of every live process in session `sid`, with the children they reaped, by
+    process name (/proc/PID/comm: the engine core is python3, front ends shardserve-api<i>, ranks shardserve-r<i>)."""
+    seconds: dict[str, float] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                comm, _, rest = f.read().partition(" (")[2].rpartition(")")
+                fields = rest.split()
         except (OSError, IndexError):
             continue  # gone meanwhile
         # After the command: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
         # cutime cstime ...
         if int(fields[3]) == sid:
-            ticks += sum(int(v) for v in fields[11:15])
-    return ticks / os.sysconf("SC_CLK_TCK")
+            ticks = sum(int(v) for v in fields[11:15])
+            seconds[comm] = seconds.get(comm, 0.0) + ticks / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+def session_cpu_seconds(sid: int) -> float:
+    """User + system CPU seconds of every live process in session `sid`, with the children they reaped."""
+    return sum(session_cpu_by_process(sid).values())
+
+
+def start_profilers(sid: int, out_dir: str, delay_s: int = 4, duration_s: int = 10) -> list:
+    """py-spy (when installed) on every process of session `sid`, `delay_s` from now for `duration_s`, as raw
+    folded stacks in out_dir/<name>-<pid>.raw: where each process of the server spends a loaded level."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        log.warning("online: py-spy is not installed; no profiles")
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    procs = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                comm, _, rest = f.read().partition(" (")[2].rpartition(")")
+            if not entry.isdigit() or int(rest.split()[3]) != sid:
+                continue
+        except (OSError, IndexError, ValueError):
+            continue
+        raw = os.path.join(out_dir, f"{comm}-{entry}.raw")
+        cmd = f"sleep {delay_s}; exec {spy} record -r 100 -d {duration_s} --nonblocking -f raw -o {raw} -p {entry}"
+        with open(raw.removesuffix(".raw") + ".log", "w") as spy_log:
+            procs.append(subprocess.Popen(["bash", "-c", cmd], stdout=spy_log, stderr=subprocess.STDOUT))
+    return procs
 
 
 def bench_level(url: str, name: str, tokenizer_dir: str, concurrency: int, num_prompts: int, prompt_len: int,
@@ -333,12 +366,15 @@ def run_online(model_dir: str, *, name: str = "llama3-8b", device: str = "cuda",
                requests: int = OFFLINE_REQUESTS, prompt_len: int = OFFLINE_PROMPT, output_len: int = OFFLINE_OUTPUT,
                levels: tuple[int, ...] = ONLINE_LEVELS, c1_requests: int = ONLINE_C1_REQUESTS,
                api_server_count: int | None = None, extra_serve_args: tuple[str, ...] = (),
-               health_timeout: float = ONLINE_HEALTH_TIMEOUT_S, work_dir: str | None = None) -> dict:
+               health_timeout: float = ONLINE_HEALTH_TIMEOUT_S, work_dir: str | None = None,
+               profile_dir: str | None = None) -> dict:
     """Serve `model_dir` (dummy weights) over HTTP and measure it with `shardserve bench`: `c1_requests` at
     concurrency 1 (per-token latency), then `requests` at each of `levels`, all of `prompt_len` prompt tokens
     and `output_len` output tokens (ignore_eos). Keys: online_c<N>_output_tok_s, online_c<N>_tpot_ms and
     online_c<N>_ttft_ms (p50) for N = 1 and each level, online_c<largest>_server_cpu_s (the server's processes'
-    CPU seconds during that level), online_startup_s and how the server stopped."""
+    CPU seconds during that level; by process in online_c<largest>_cpu_s_by_process, the bench client's in
+    online_c<largest>_client_cpu_s), online_startup_s and how the server stopped. With `profile_dir`, py-spy
+    profiles of the server's processes during the largest level go there."""
     work_dir = work_dir or tempfile.mkdtemp(prefix="gpu-suite-online-")
     os.makedirs(work_dir, exist_ok=True)
     server_log = os.path.join(work_dir, "server.log")
@@ -354,12 +390,21 @@ def run_online(model_dir: str, *, name: str = "llama3-8b", device: str = "cuda",
         plan = [(1, c1_requests)] + [(c, requests) for c in levels]
         largest = max(levels, default=None)
         for i, (concurrency, count) in enumerate(plan):
-            before = session_cpu_seconds(proc.pid) if concurrency == largest else None
+            measured = concurrency == largest
+            if measured:
+                before = session_cpu_by_process(proc.pid)
+                profilers = start_profilers(proc.pid, profile_dir) if profile_dir else []
             # A seed per level: no prompt shares a prefix with another level's (or the warm-up's).
             level = bench_level(url, name, model_dir, concurrency, count, prompt_len, output_len, seed=1000 + i,
                                 out_path=os.path.join(work_dir, f"bench-c{concurrency}.json"))
-            if before is not None:
-                out[f"online_c{concurrency}_server_cpu_s"] = session_cpu_seconds(proc.pid) - before
+            if measured:
+                after = session_cpu_by_process(proc.pid)
+                by_process = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+                out[f"online_c{concurrency}_server_cpu_s"] = sum(by_process.values())
+                out[f"online_c{concurrency}_cpu_s_by_process"] = by_process
+                out[f"online_c{concurrency}_client_cpu_s"] = level.get("client_cpu_s")  # the bench process's own
+                for p in profilers:
+                    p.wait(timeout=60)
             out[f"online_c{concurrency}_output_tok_s"] = level["output_throughput"]
             out[f"online_c{concurrency}_tpot_ms"] = level["tpot_ms"]["p50"] if level["tpot_ms"] else None
             out[f"online_c{concurrency}_ttft_ms"] = level["ttft_ms"]["p50"] if level["ttft_ms"] else None
@@ -378,7 +423,7 @@ def run_online(model_dir: str, *, name: str = "llama3-8b", device: str = "cuda",
 def phase_online(args) -> dict:
     model_dir = args.model_dir or write_model_dir(tempfile.mkdtemp(prefix=f"{args.model}-shape-"), SHAPES[args.model])
     return run_online(model_dir, name=args.model, device="cuda", max_batched_tokens=args.max_batched_tokens,
-                      api_server_count=args.api_server_count)
+                      api_server_count=args.api_server_count, profile_dir=args.profile_online)
 
 
 PHASES = {"roofline": phase_roofline, "hf": phase_hf, "engine": phase_engine, "online": phase_online}
@@ -476,6 +521,9 @@ def main() -> int:
     p.add_argument("--skip-online", dest="online", action="store_false", help="no online phase")
     p.add_argument("--api-server-count", type=int, default=None,
                    help="passed on to shardserve serve in the online phase (default: not passed, the server's own)")
+    p.add_argument("--profile-online", default=None, metavar="DIR",
+                   help="py-spy profiles (raw folded stacks) of the server's processes during the largest online "
+                        "level, written to DIR (needs py-spy)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -505,6 +553,7 @@ def main() -> int:
     online = None
     if args.online or (args.online is None and 1 in sizes):
         extra = [] if args.api_server_count is None else ["--api-server-count", str(args.api_server_count)]
+        extra += [] if args.profile_online is None else ["--profile-online", args.profile_online]
         online = run_phase("online", args, extra, args.phase_timeout)
     results = summarize(report, engines, args.model, online)
     print_table(results)
@@ -655,6 +704,12 @@ def online_rows(r: dict, fmt) -> list[tuple[str, str]]:
         rows.append((f"  server CPU during concurrency {max(levels)}",
                      fmt(f"online_c{max(levels)}_server_cpu_s", "s") +
                      f" in {r.get(f'online_c{max(levels)}_duration_s', 0):,.1f} s"))
+        by_process = r.get(f"online_c{max(levels)}_cpu_s_by_process") or {}
+        client = r.get(f"online_c{max(levels)}_client_cpu_s")
+        parts = [f"{name} {seconds:,.1f} s" for name, seconds in sorted(by_process.items())]
+        parts += [] if client is None else [f"bench client {client:,.1f} s"]
+        if parts:
+            rows.append(("  CPU by process", ", ".join(parts)))
     return rows
 
 
