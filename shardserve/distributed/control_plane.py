@@ -1,6 +1,7 @@
 """Control data between ranks, over the gloo control group, in msgpack (never pickle).
 
-Step plans go from rank 0 to the other ranks. Each message is a header [message number, payload bytes]
+Step plans go from rank 0 to the other ranks (block tables as their changes: engine/step_plan.py's PlanEncoder
+and PlanDecoder, whose state the lockstep digest of the whole plan checks). Each message is a header [message number, payload bytes]
 followed by the msgpack payload and its MAC under the launch's control key (distributed/control_token.py),
 which covers the message number too. Message numbers run 1, 2, 3... on every rank. A receiver that sees
 another number than the one it expects, a MAC that does not match, or a payload that is not a plan logs
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from shardserve.distributed.control_token import MAC_BYTES, mac
 from shardserve.distributed.lockstep import LockstepError
-from shardserve.engine.step_plan import StepPlan
+from shardserve.engine.step_plan import PlanDecoder, PlanEncoder, StepPlan
 
 __all__ = ["ControlPlane", "ControlMessageRefused", "LockstepError", "all_gather_msgpack"]
 
@@ -46,11 +47,13 @@ class ControlPlane:
         self.key = key
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
         self.message_no = 0
+        self._encoder = PlanEncoder()  # rank 0
+        self._decoder = PlanDecoder()  # the other ranks
 
     def send(self, plan: StepPlan) -> None:
         if self.world_size == 1:
             return
-        payload = plan.encode()
+        payload = self._encoder.encode(plan)
         self.message_no += 1
         signed = payload + mac(self.key, self.message_no, payload)
         header = torch.tensor([self.message_no, len(payload)], dtype=torch.int64)
@@ -75,7 +78,7 @@ class ControlPlane:
             self._refuse(f"step message {message_no} does not carry rank 0's signature (wrong control token, or "
                          f"someone else on the control connection)")
         try:
-            return StepPlan.decode(payload)
+            return self._decoder.decode(payload)
         except Exception as exc:  # noqa: BLE001 - any decoding failure means the same: not a plan
             self._refuse(f"step message {message_no} is not a step plan ({type(exc).__name__}: {exc})")
 

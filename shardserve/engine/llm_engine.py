@@ -88,6 +88,7 @@ class LLMEngine:
         self.last_wake_seconds = 0.0
         self.wake_on_request = config.wake_on_request
         self._in_flight: _InFlight | None = None
+        self._freed: list[int] = []  # sequences finished since the last plan went out (the ranks drop their tables)
         self.steps_overlapped = 0  # steps queued before the previous step's tokens reached the host
         self.overlap_steps = overlap_steps_enabled(self.runner, ctx.world_size)
 
@@ -204,7 +205,12 @@ class LLMEngine:
 
     def _send_control(self, kind: PlanKind, arg: int) -> None:
         self._step_id += 1
-        self.control.send(StepPlan(self._step_id, kind, arg=arg))
+        self._send(StepPlan(self._step_id, kind, arg=arg))
+
+    def _send(self, plan: StepPlan) -> None:
+        """Send a plan to the other ranks, with the sequences finished since the last one."""
+        plan.freed_seq_ids, self._freed = self._freed, []
+        self.control.send(plan)
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -251,7 +257,7 @@ class LLMEngine:
 
     def _launch(self, plan: StepPlan, device_tokens=None) -> "_InFlight":
         """Queue a step on the device, and its sampling; nothing here waits for the device."""
-        self.control.send(plan)
+        self._send(plan)
         if plan.tokens_from_device:
             self.runner.ctx.comm.broadcast_from_first(device_tokens)  # the other ranks need the tokens too
         seq_ids, logits = self.runner.execute(plan, device_tokens)
@@ -287,12 +293,10 @@ class LLMEngine:
         return self.scheduler.has_work() or self._in_flight is not None
 
     def keepalive(self) -> None:
-        self._step_id += 1
-        self.control.send(StepPlan(self._step_id, PlanKind.KEEPALIVE))
+        self._send_control(PlanKind.KEEPALIVE, 0)
 
     def shutdown(self) -> None:
-        self._step_id += 1
-        self.control.send(StepPlan(self._step_id, PlanKind.SHUTDOWN))
+        self._send_control(PlanKind.SHUTDOWN, 0)
         self.runner.close()
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
@@ -320,6 +324,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._freed.append(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
         self.by_request.pop(seq.request_id, None)
         self.sampler.forget(seq.seq_id)
