@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_LOGPROBS = 5
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 # What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -19,7 +20,18 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int | None = None  # number of top alternatives (0-5) to report per sampled token
+    logprobs: int | None = None  # number of top alternatives (0-20) to report per sampled token
+    # Logits processing, applied on the device to every row that asks for it, in this order: logit_bias,
+    # min_tokens, the three penalties, then temperature, min_p, top-k and top-p. Reported logprobs are those of
+    # the model's own distribution, before any of it.
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
+    min_tokens: int = 0  # eos and stop_token_ids cannot be sampled (and stop strings do not match) before this
+    repetition_penalty: float = 1.0  # tokens of the prompt or the output: logit / p if positive, * p if not
+    presence_penalty: float = 0.0  # subtracted from the logit of each token present in the output
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    min_p: float = 0.0  # tokens below min_p x the best token's probability are dropped
+    skip_special_tokens: bool = True  # the text leaves out special tokens
+    include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it
     # False: no text is decoded (outputs carry token ids, text stays ""), e.g. for benchmarks that
     # send token ids. Stop strings need the text, so they are refused then.
     detokenize: bool = True
@@ -38,6 +50,19 @@ class SamplingParams:
                              f"got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias maps token ids >= 0 to values in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {token_id}: {bias}")
         if self.stop and not self.detokenize:
             raise ValueError(f"stop strings {list(self.stop)!r} need the generated text, but detokenize is False: "
                              f"set detokenize=True, or stop on token ids with stop_token_ids")
@@ -45,3 +70,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling reads the tokens so far (the penalties), so a step cannot be queued before the
+        previous step's token is known on the host."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processing other than temperature, top-k and top-p applies."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalized or self.min_p > 0
