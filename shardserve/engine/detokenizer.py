@@ -13,15 +13,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from shardserve.engine.sampling_params import SamplingParams
     from shardserve.tokenizer import Tokenizer
 
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], skip_special_tokens: bool = True,
+                 include_stop: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop  # the text keeps the stop string that ended it
+        self.min_tokens = min_tokens  # stop strings match only in text that comes after this many tokens
         self.holdback = max((len(s) for s in stop), default=1) - 1
+        self._search_from = 0  # stop strings are looked for from here on (text before min_tokens is final)
         self.text = ""  # everything decoded so far, cut at a matched stop string
         self.emitted = 0  # characters of self.text already handed out
         self._decoded = ""  # the text of output_ids[:read_offset]
@@ -31,8 +37,9 @@ class IncrementalDetokenizer:
     def update(self, output_ids: list[int], finished: bool) -> tuple[str, bool]:
         """Decode after new tokens; returns (new text to hand out, whether a stop string matched)."""
         window = output_ids[self._prefix_offset:]
-        prefix = self.tokenizer.decode(window[:self._read_offset - self._prefix_offset], skip_special_tokens=True)
-        current = self.tokenizer.decode(window, skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(window[:self._read_offset - self._prefix_offset], skip_special_tokens=skip)
+        current = self.tokenizer.decode(window, skip_special_tokens=skip)
         complete = len(current) > len(prefix) and not current.endswith("\ufffd")
         if complete or finished:  # a finished request's incomplete character is flushed as it is
             pending = current[len(prefix):]
@@ -43,12 +50,18 @@ class IncrementalDetokenizer:
             self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
             pending = ""
         text = self._decoded + pending
-        matches = [at for at in (text.find(s) for s in self.stop) if at != -1]
+        if len(output_ids) < self.min_tokens:
+            self._search_from = len(text)
+            matches = []
+        else:
+            matches = [(at, len(s)) for s in self.stop if (at := text.find(s, self._search_from)) != -1]
         stopped = bool(matches)
         if stopped:
-            text = text[:min(matches)]  # the earliest stop string wins; it is never part of the output
+            # The earliest stop string wins; it is part of the output only with include_stop.
+            at, length = min(matches)
+            text = text[:at + length] if self.include_stop else text[:at]
         self.text = text
-        if stopped or finished:
+        if stopped or finished or len(output_ids) < self.min_tokens:
             end = len(text)
         else:
             # A stop string may still begin in the holdback characters (an incomplete character is not
@@ -62,6 +75,13 @@ class IncrementalDetokenizer:
 def text_update(detokenizer: IncrementalDetokenizer, output_ids: list[int],
                 finish_reason: str | None) -> tuple[str, bool]:
     """The detokenizer's update after a step that left `output_ids` with `finish_reason` (None: still running).
-    A request that stopped on a stop token (eos included) does not show that token in its text."""
-    text_ids = output_ids[:-1] if finish_reason == "stop" else output_ids
+    A request that stopped on a stop token (eos included) does not show that token in its text, unless it asked
+    for its stop string in the output."""
+    text_ids = output_ids[:-1] if finish_reason == "stop" and not detokenizer.include_stop else output_ids
     return detokenizer.update(text_ids, finished=finish_reason is not None)
+
+
+def detokenizer_for(tokenizer: Tokenizer, params: SamplingParams) -> IncrementalDetokenizer:
+    """The detokenizer of a request with these sampling parameters."""
+    return IncrementalDetokenizer(tokenizer, params.stop, params.skip_special_tokens,
+                                  params.include_stop_str_in_output, params.min_tokens)

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from shardserve.engine.client import EngineDeadError, EngineStats, ServerShuttingDown
-from shardserve.engine.detokenizer import IncrementalDetokenizer, text_update
+from shardserve.engine.detokenizer import detokenizer_for, text_update
 from shardserve.engine.output_collector import OutputCollector
 from shardserve.engine.outputs import RequestOutput
 from shardserve.engine.sampling_params import SamplingParams
@@ -68,7 +68,7 @@ class _Request:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.token_ids: list[int] = []
-        self.detokenizer = IncrementalDetokenizer(tokenizer, params.stop) if params.detokenize else None
+        self.detokenizer = detokenizer_for(tokenizer, params) if params.detokenize else None
         self.outputs = OutputCollector()
         self.done = False  # finished here (the core's last output, or a stop string)
 

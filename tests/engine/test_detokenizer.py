@@ -137,3 +137,38 @@ def test_the_fast_decode_equals_transformers_decode(tokenizer):
     for skip in (True, False):
         assert tokenizer.decode(ids, skip_special_tokens=skip) == \
             tokenizer._tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def _run(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[str, int | None]:
+    out = []
+    for k in range(1, len(ids) + 1):
+        delta, stopped = detok.update(ids[:k], finished=k == len(ids))
+        out.append(delta)
+        if stopped:
+            return "".join(out), k
+    return "".join(out), None
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(tokenizer):
+    ids = _ids(tokenizer, "The cat sat on the mat. Then it slept.")
+    without, k1 = _run(IncrementalDetokenizer(tokenizer, ("mat",)), ids)
+    with_stop, k2 = _run(IncrementalDetokenizer(tokenizer, ("mat",), include_stop=True), ids)
+    assert without == "The cat sat on the " and with_stop == "The cat sat on the mat" and k1 == k2
+
+
+def test_stop_strings_only_match_after_min_tokens(tokenizer):
+    ids = _ids(tokenizer, "one two one two three")
+    first_one = _run(IncrementalDetokenizer(tokenizer, ("one",)), ids)
+    assert first_one == ("", 1)
+    # Before min_tokens no stop string matches, and text from then on is final: the second "one" stops it.
+    text, k = _run(IncrementalDetokenizer(tokenizer, (" one",), min_tokens=3), ids)
+    assert text == "one two" and k is not None and k >= 3
+
+
+def test_special_tokens_are_kept_when_asked(tokenizer):
+    eos = min(tokenizer.eos_token_ids)
+    ids = _ids(tokenizer, "Hello there") + [eos] + _ids(tokenizer, " again")
+    skipped, _ = _run(IncrementalDetokenizer(tokenizer, ()), ids)
+    kept, _ = _run(IncrementalDetokenizer(tokenizer, (), skip_special_tokens=False), ids)
+    special = tokenizer.decode([eos], skip_special_tokens=False)
+    assert special and special not in skipped and kept == "Hello there" + special + " again"

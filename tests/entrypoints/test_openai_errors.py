@@ -127,11 +127,16 @@ def test_non_text_content_part(http: httpx.Client) -> None:
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        (COMPLETIONS, {"presence_penalty": 0.5}, "presence_penalty"),
-        (CHAT, {"frequency_penalty": -1}, "frequency_penalty"),
+        (COMPLETIONS, {"presence_penalty": 2.5}, "presence_penalty"),
+        (CHAT, {"frequency_penalty": -3}, "frequency_penalty"),
+        (CHAT, {"repetition_penalty": 0}, "repetition_penalty"),
+        (CHAT, {"min_p": 1.5}, "min_p"),
+        (CHAT, {"logit_bias": {"w7": 1}}, "logit_bias"),
+        (CHAT, {"logit_bias": {"7": 101}}, "logit_bias"),
         (COMPLETIONS, {"echo": True}, "echo"),
-        (COMPLETIONS, {"logprobs": 6}, "logprobs"),
-        (CHAT, {"logprobs": True, "top_logprobs": 9}, "top_logprobs"),
+        (CHAT, {"echo": True}, "echo"),
+        (COMPLETIONS, {"logprobs": 21}, "logprobs"),
+        (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         (CHAT, {"top_logprobs": 2}, "top_logprobs"),
         (COMPLETIONS, {"stream_options": {"include_usage": True}}, "stream_options"),
         (COMPLETIONS, {"stop": ["ok", ""]}, "stop"),
@@ -144,6 +149,8 @@ def test_non_text_content_part(http: httpx.Client) -> None:
         (COMPLETIONS, {"prompt": []}, "prompt"),
         (COMPLETIONS, {"prompt": [10, -5]}, "prompt"),
         (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (CHAT, {"tool_choice": "required"}, "tool_choice"),
+        (CHAT, {"continue_final_message": True}, "continue_final_message"),
         (CHAT, {"max_completion_tokens": "many"}, "max_completion_tokens"),
     ],
 )
@@ -309,3 +316,31 @@ def test_server_survives_bad_input(http: httpx.Client) -> None:
         assert http.post(CHAT, content=body, headers={"content-type": "application/json"}).status_code == 400
     response = http.post(COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    (CHAT, {"guided_json": {"type": "object"}}, "guided_json"),
+    (COMPLETIONS, {"guided_choice": ["a", "b"]}, "guided_choice"),
+    (CHAT, {"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
+    (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"reasoning_effort": "low"}, "reasoning_effort"),
+    (COMPLETIONS, {"use_beam_search": True}, "use_beam_search"),
+    (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
+])
+def test_a_known_field_that_would_change_the_output_is_refused_by_name(http: httpx.Client, path: str, extra: dict,
+                                                                        param: str) -> None:
+    body = {"prompt": PROMPT} if path == COMPLETIONS else {"messages": USER_MESSAGES}
+    error = error_of(http.post(path, json=body | extra), 400)
+    assert error["param"] == param and error["code"] == "unsupported_parameter"
+    assert f"'{param}'" in error["message"] and "not supported" in error["message"]
+
+
+def test_no_op_and_unknown_fields_are_accepted_and_unknown_ones_warned_once(http: httpx.Client, caplog) -> None:
+    body = {"messages": USER_MESSAGES, "max_tokens": 2, "user": "u1", "store": False, "metadata": {"k": "v"},
+            "service_tier": "auto", "parallel_tool_calls": True, "tool_choice": "none", "guided_json": None,
+            "frobnicate_level": 3}
+    with caplog.at_level("WARNING", logger="shardserve.entrypoints.openai.protocol"):
+        for _ in range(2):
+            assert http.post(CHAT, json=body).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "not known to this server" in r.getMessage()]
+    assert len(warnings) == 1 and "frobnicate_level" in warnings[0]

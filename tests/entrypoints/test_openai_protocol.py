@@ -185,9 +185,9 @@ def test_chat_content_parts_and_developer_role(
     rendered: list[list[dict]] = []
     apply_chat_template = server.engine.tokenizer.apply_chat_template
 
-    def recording(messages, add_generation_prompt=True):
+    def recording(messages, **options):
         rendered.append(messages)
-        return apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return apply_chat_template(messages, **options)
 
     monkeypatch.setattr(server.engine.tokenizer, "apply_chat_template", recording)
     with_parts = [
@@ -384,3 +384,65 @@ def test_health_fails_once_the_engine_stops(tiny_model_dir) -> None:
 
 def test_version(http: httpx.Client) -> None:
     assert http.get("/version").json() == {"version": shardserve.__version__}
+
+
+# --------------------------------------------------------------------------- models, tokenize, detokenize
+
+
+def test_retrieve_the_served_model(client: openai.OpenAI, http: httpx.Client, server: InProcessServer) -> None:
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    assert http.get(f"/v1/models/{MODEL}").json()["max_model_len"] == server.engine.max_model_len
+    missing = http.get("/v1/models/no-such-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_a_prompt_and_a_conversation_as_the_server_counts_them(http: httpx.Client, tokenizer: Tokenizer
+                                                                        ) -> None:
+    body = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
+    assert body["tokens"] == tokenizer.encode(PROMPT) and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == [tokenizer.token_text(t) for t in body["tokens"]]
+    chat_ids = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert chat_ids == tokenizer.apply_chat_template(MESSAGES)
+    usage = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == len(chat_ids)
+    both = http.post("/tokenize", json={"prompt": PROMPT, "messages": MESSAGES})
+    assert both.status_code == 400 and "either prompt or messages" in both.json()["error"]["message"]
+
+
+def test_detokenize(http: httpx.Client, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(PROMPT)
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == tokenizer.decode(
+        ids, skip_special_tokens=False)
+    bad = http.post("/detokenize", json={"tokens": [tokenizer.vocab_size + 5]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+# --------------------------------------------------------------------------- chat template options
+
+
+def test_chat_template_options_shape_the_prompt(http: httpx.Client, tokenizer: Tokenizer) -> None:
+    def prompt_tokens(**extra) -> int:
+        response = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1} | extra)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens(add_generation_prompt=False) == len(
+        tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=False))
+    continued = MESSAGES + [{"role": "assistant", "content": "w40 w41"}]
+    assert prompt_tokens(messages=continued, add_generation_prompt=False, continue_final_message=True) == len(
+        tokenizer.apply_chat_template(continued, add_generation_prompt=False, continue_final_message=True))
+    clash = http.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}})
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "chat_template_kwargs"
+    assert "'tokenize'" in clash.json()["error"]["message"]
+
+
+def test_sampling_fields_reach_the_engine(client: openai.OpenAI, engine_spy: EngineSpy) -> None:
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logit_bias={"7": 3.5}, presence_penalty=0.5,
+                              frequency_penalty=-0.25,
+                              extra_body={"min_tokens": 2, "min_p": 0.1, "repetition_penalty": 1.2,
+                                          "skip_special_tokens": False, "include_stop_str_in_output": True})
+    [(_, (_, params))] = engine_spy.added.items()
+    assert (params.min_tokens, params.min_p, params.repetition_penalty) == (2, 0.1, 1.2)
+    assert (params.presence_penalty, params.frequency_penalty, params.logit_bias) == (0.5, -0.25, ((7, 3.5),))
+    assert params.skip_special_tokens is False and params.include_stop_str_in_output is True

@@ -98,6 +98,10 @@ def validation_error_to_api_error(errors: Sequence[dict[str, Any]]) -> InvalidRe
         position = f" at character {loc[0]}" if loc else ""
         return InvalidRequestError(f"The request body is not valid JSON: {reason}{position}.")
 
+    refused = error.get("ctx", {}).get("error")
+    if getattr(refused, "param", None) and getattr(refused, "why", None):  # protocol.REFUSED_FIELDS
+        return InvalidRequestError(f"Unsupported parameter '{refused.param}': {refused.why}.", param=refused.param,
+                                   code="unsupported_parameter")
     param = format_loc(loc)
     if param is None:
         return InvalidRequestError(_body_problem(error))

@@ -13,6 +13,7 @@ can smuggle in unpaired surrogates, which neither the tokenizer nor UTF-8 accept
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -27,10 +28,13 @@ from pydantic import (
     WithJsonSchema,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from shardserve.engine.outputs import TokenLogprob
-from shardserve.engine.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from shardserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_RANGE, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 TokenText = Callable[[int], str]
 
@@ -61,6 +65,85 @@ class _RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
+# OpenAI's fields that change nothing a request computes here: accepted without a word.
+NO_OP_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                          "safety_identifier"})
+_warned_unknown: set[str] = set()
+
+
+def _warn_unknown_fields(model: type[BaseModel], data: Any) -> None:
+    """Fields no model here declares are accepted (as vLLM does), with one warning per field name."""
+    if not isinstance(data, dict):
+        return
+    for name in data:
+        if name in model.model_fields or name in NO_OP_FIELDS or name in REFUSED_FIELDS:
+            continue
+        if name not in _warned_unknown:
+            _warned_unknown.add(name)
+            logger.warning("request field %r is not known to this server and is ignored (warned once)", name)
+
+
+# Fields this server knows and does not implement: each changes the output, so a request that sets one is
+# refused with a 400 naming it rather than answered as if it had not been sent. The value is why.
+_NOT_YET = "is not supported by this server yet"
+_STRUCTURED = "structured outputs are not supported by this server yet: the output would not be constrained"
+REFUSED_FIELDS: dict[str, str] = {
+    "guided_json": _STRUCTURED,
+    "guided_regex": _STRUCTURED,
+    "guided_choice": _STRUCTURED,
+    "guided_grammar": _STRUCTURED,
+    "guided_whitespace_pattern": _STRUCTURED,
+    "guided_decoding_backend": _STRUCTURED,
+    "structured_outputs": _STRUCTURED,
+    "functions": "function calling " + _NOT_YET,
+    "function_call": "function calling " + _NOT_YET,
+    "reasoning_effort": _NOT_YET,
+    "use_beam_search": "beam search " + _NOT_YET,
+    "length_penalty": "beam search " + _NOT_YET,
+    "prompt_logprobs": _NOT_YET,
+    "bad_words": _NOT_YET,
+    "allowed_token_ids": _NOT_YET,
+    "truncate_prompt_tokens": _NOT_YET,
+    "return_tokens_as_token_ids": _NOT_YET,
+    "spaces_between_special_tokens": _NOT_YET,
+}
+
+
+def _is_set(name: str, value: Any) -> bool:
+    """Whether a refused field asks for something (its defaults, and null, ask for nothing)."""
+    if value is None or value is False:
+        return False
+    if name == "length_penalty":
+        return value != 1
+    if name == "spaces_between_special_tokens":
+        return value is not True
+    return not (isinstance(value, (list, dict, str)) and not value)
+
+
+def _refuse_known_unsupported(data: Any) -> Any:
+    if isinstance(data, dict):
+        for name, why in REFUSED_FIELDS.items():
+            if name in data and _is_set(name, data[name]):
+                raise _Refused(name, why)
+    return data
+
+
+# Arguments of transformers' apply_chat_template that a template variable must not override.
+TEMPLATE_CALL_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class _Refused(ValueError):
+    """A known field this server does not implement; the handler turns it into a 400 with `param` = name."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"{name}: {why}")
+        self.param = name
+        self.why = why
+
+
 class StreamOptions(_RequestModel):
     include_usage: bool | None = False
 
@@ -82,10 +165,21 @@ class GenerationRequest(_RequestModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    min_tokens: int | None = Field(default=None, ge=0)
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
     user: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        _warn_unknown_fields(cls, data)
+        return _refuse_known_unsupported(data)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -114,18 +208,15 @@ class GenerationRequest(_RequestModel):
             raise ValueError(f"only n=1 is supported, got n={value}")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value:
-            raise ValueError(f"{info.field_name} is not supported; only 0 is accepted, got {value}")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _token_ids_to_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+                raise ValueError(f"keys must be token ids (as strings of digits), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bias} "
+                                 f"for token {key}")
         return value
 
     @field_validator("stream_options")
@@ -166,6 +257,14 @@ class GenerationRequest(_RequestModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
             logprobs=self.num_logprobs,
+            logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            min_tokens=self.min_tokens or 0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            min_p=self.min_p or 0.0,
+            skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
 
 
@@ -262,7 +361,12 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    echo: bool | None = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -283,10 +387,47 @@ class ChatCompletionRequest(GenerationRequest):
     def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
         return _reject_if_set("tools", value, bool)
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_to_choose(cls, value: Any) -> Any:
+        # Without tools, "none" and "auto" both mean: answer in text. Anything else needs tools.
+        if value not in (None, "none", "auto"):
+            raise ValueError(f"tool_choice {value!r} needs tools, which this server does not support yet; "
+                             f"'none' and 'auto' (without tools: answer in text) are accepted")
+        return value
+
     @field_validator("response_format")
     @classmethod
     def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return _reject_if_set("response_format", value, lambda v: v is not None and v.get("type") != "text")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_chat_echo(cls, value: bool | None) -> bool | None:
+        return _reject_if_set("echo", value, bool)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        clashing = sorted(set(value or {}) & TEMPLATE_CALL_ARGUMENTS)
+        if clashing:
+            raise ValueError(f"{', '.join(map(repr, clashing))} cannot be set here: chat_template_kwargs are "
+                             f"variables of the chat template (such as enable_thinking), not rendering options")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_an_assistant_message(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if not value:
+            return value
+        if info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message needs add_generation_prompt set to false: the final "
+                             "message is continued, not answered")
+        messages = info.data.get("messages") or []
+        if messages and messages[-1].role != "assistant":
+            raise ValueError(f"continue_final_message continues a final assistant message, but the final "
+                             f"message's role is {messages[-1].role!r}")
+        return value
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -296,6 +437,12 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def template_options(self) -> dict[str, Any]:
+        """How to render the conversation with the chat template (tokenizer.apply_chat_template)."""
+        return {"add_generation_prompt": self.add_generation_prompt is not False,
+                "continue_final_message": bool(self.continue_final_message),
+                "template_kwargs": dict(self.chat_template_kwargs or {})}
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages in the shape the tokenizer's chat template takes."""
@@ -433,6 +580,49 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(_RequestModel):
+    """POST /tokenize (vLLM's shape): a completion `prompt`, or chat `messages` rendered with the template."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # a prompt: default true; messages: the template places them
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return ChatCompletionRequest._template_variables_only(value)
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        if self.messages is not None and self.add_special_tokens:
+            raise ValueError("add_special_tokens applies to a prompt; with messages the chat template places "
+                             "the special tokens")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_RequestModel):
+    model: Text | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 import uvicorn
+from jinja2 import TemplateError
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -37,10 +38,14 @@ from shardserve.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     GenerationRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from shardserve.entrypoints.openai.renderers import ChatRenderer, CompletionRenderer
 
@@ -225,16 +230,58 @@ async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
+def _model_card(state: "_ServingState") -> ModelCard:
+    return ModelCard(id=state.model_name, created=state.created, root=state.model_name,
+                     max_model_len=state.engine.max_model_len)
+
+
 @_router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_model_card(_serving(request))])
+
+
+@_router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> ModelCard:
     state = _serving(request)
-    card = ModelCard(
-        id=state.model_name,
-        created=state.created,
-        root=state.model_name,
-        max_model_len=state.engine.max_model_len,
-    )
-    return ModelList(data=[card])
+    state.check_model(model_id)
+    return _model_card(state)
+
+
+@_router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, raw_request: Request) -> TokenizeResponse:
+    """A prompt's token ids as this server counts them (vLLM's endpoint)."""
+    state = _serving(raw_request)
+    state.check_model(body.model)
+    tokenizer = state.engine.tokenizer
+    if body.messages is not None:
+        options = {"add_generation_prompt": body.add_generation_prompt is not False,
+                   "continue_final_message": bool(body.continue_final_message),
+                   "template_kwargs": dict(body.chat_template_kwargs or {})}
+        ids = _render_chat(tokenizer, [{"role": m.role, "content": m.content} for m in body.messages], options)
+    else:
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    strs = [tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids, token_strs=strs)
+
+
+@_router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, raw_request: Request) -> DetokenizeResponse:
+    state = _serving(raw_request)
+    state.check_model(body.model)
+    vocab = state.engine.tokenizer.vocab_size
+    bad = next((t for t in body.tokens if t >= vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    return DetokenizeResponse(prompt=state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+
+def _render_chat(tokenizer, messages: list[dict], options: dict) -> list[int]:
+    """A conversation's prompt ids; a template that refuses the conversation is the client's error (400)."""
+    try:
+        return tokenizer.apply_chat_template(messages, **options)
+    except (ValueError, TemplateError) as exc:  # no chat template; the template's raise_exception
+        raise InvalidRequestError(f"The chat template could not render the messages: {exc}",
+                                  param="messages") from exc
 
 
 @_router.post("/v1/completions", responses=_generation_responses(CompletionResponse))
@@ -261,10 +308,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     state = _serving(raw_request)
     state.check_model(body.model)
     tokenizer = state.engine.tokenizer
-    try:
-        prompt_ids = tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True)
-    except ValueError as exc:  # e.g. the model has no chat template
-        raise InvalidRequestError(str(exc), param="messages") from exc
+    prompt_ids = _render_chat(tokenizer, body.chat_messages(), body.template_options())
     params = _admit(body, prompt_ids, state.engine.max_model_len, prompt_param="messages")
     renderer = ChatRenderer(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
