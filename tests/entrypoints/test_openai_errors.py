@@ -70,11 +70,12 @@ def test_top_p_out_of_range(client: openai.OpenAI, top_p: float) -> None:
     assert "top_p" in info.value.body["message"]
 
 
-def test_more_than_one_choice(client: openai.OpenAI) -> None:
+@pytest.mark.parametrize("n", [0, 129])
+def test_choices_out_of_range(client: openai.OpenAI, n: int) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=USER_MESSAGES, n=2)
+        client.chat.completions.create(model=MODEL, messages=USER_MESSAGES, n=n)
     assert info.value.body["param"] == "n"
-    assert "n=1" in info.value.body["message"]
+    assert "between 1 and 128" in info.value.body["message"]
 
 
 def test_invalid_json(http: httpx.Client) -> None:
@@ -133,7 +134,8 @@ def test_non_text_content_part(http: httpx.Client) -> None:
         (CHAT, {"min_p": 1.5}, "min_p"),
         (CHAT, {"logit_bias": {"w7": 1}}, "logit_bias"),
         (CHAT, {"logit_bias": {"7": 101}}, "logit_bias"),
-        (COMPLETIONS, {"echo": True}, "echo"),
+        (COMPLETIONS, {"echo": True, "logprobs": 1}, "echo"),
+        (COMPLETIONS, {"best_of": 3, "n": 2}, "best_of"),
         (CHAT, {"echo": True}, "echo"),
         (COMPLETIONS, {"logprobs": 21}, "logprobs"),
         (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -145,7 +147,7 @@ def test_non_text_content_part(http: httpx.Client) -> None:
         (COMPLETIONS, {"max_tokens": 0}, "max_tokens"),
         (COMPLETIONS, {"seed": 1.5}, "seed"),
         (COMPLETIONS, {"stream": "yes"}, "stream"),
-        (COMPLETIONS, {"prompt": ["w10", "w11"]}, "prompt"),
+        (COMPLETIONS, {"prompt": ["w10", []]}, "prompt"),
         (COMPLETIONS, {"prompt": []}, "prompt"),
         (COMPLETIONS, {"prompt": [10, -5]}, "prompt"),
         (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),

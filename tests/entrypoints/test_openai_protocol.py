@@ -446,3 +446,48 @@ def test_sampling_fields_reach_the_engine(client: openai.OpenAI, engine_spy: Eng
     assert (params.min_tokens, params.min_p, params.repetition_penalty) == (2, 0.1, 1.2)
     assert (params.presence_penalty, params.frequency_penalty, params.logit_bias) == (0.5, -0.25, ((7, 3.5),))
     assert params.skip_special_tokens is False and params.include_stop_str_in_output is True
+
+
+# --------------------------------------------------------------------------- several choices
+
+
+def test_n_choices_with_a_seed_are_the_seeded_requests_one_by_one(client: openai.OpenAI) -> None:
+    def sampled(**extra):
+        return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=1.0,
+                                              extra_body={"ignore_eos": True}, **extra)
+
+    several = sampled(n=3, seed=11)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    alone = [sampled(seed=11 + k).choices[0].message.content for k in range(3)]
+    assert len(set(alone)) > 1, "the seeds give different samples"
+    assert [c.message.content for c in several.choices] == alone
+    single = chat(client, max_tokens=6)
+    assert several.usage.prompt_tokens == single.usage.prompt_tokens, "the prompt counts once"
+    assert several.usage.completion_tokens == 18
+
+
+def test_batched_prompts_and_n_stream_every_choice_by_index(client: openai.OpenAI) -> None:
+    prompts = ["w10 w11", "w20 w21 w22"]
+    whole = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [complete(client, prompt=p, max_tokens=5).choices[0].text
+                                               for p in prompts for _ in range(2)]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(4)] == [c.text for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == 20 == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> None:
+    plain = complete(client, max_tokens=4).choices[0].text
+    assert complete(client, max_tokens=4, echo=True).choices[0].text == PROMPT + plain
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT + plain

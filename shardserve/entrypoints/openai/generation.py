@@ -1,11 +1,12 @@
 """One request's lifecycle with the engine and the client: submit, collect or stream, release.
 
-`serve_generation` answers a request admitted by a route, as one JSON response or as
-server-sent events, with the bodies a renderer (renderers.py) builds.
+`serve_choices` answers a request admitted by a route, as one JSON response or as
+server-sent events, with the bodies a renderer (renderers.py) builds; each choice (n of each prompt) is
+an engine request of its own.
 
 Every request that reaches the engine is owned by a `_Generation`, whose `close()` runs on
 every exit path (finished, failed, client gone), so an abandoned request never keeps its
-KV-cache blocks: `serve_generation` closes it for plain JSON responses, `_EventStreamResponse`
+KV-cache blocks: `serve_choices` closes it for plain JSON responses, `_EventStreamResponse`
 for streams.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -28,7 +30,8 @@ from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.client import ServerShuttingDown
 from shardserve.entrypoints.openai.errors import APIError, InvalidRequestError, ServerError, ServiceUnavailableError
 from shardserve.entrypoints.openai.protocol import GenerationRequest
-from shardserve.entrypoints.openai.renderers import Renderer, usage_of
+from shardserve.entrypoints.openai.protocol import UsageInfo
+from shardserve.entrypoints.openai.renderers import Renderer
 
 if TYPE_CHECKING:
     from shardserve.engine.client import EngineClient
@@ -45,35 +48,65 @@ _CLIENT_FINISH_REASONS = frozenset({"stop", "length"})
 _CLIENT_CLOSED_REQUEST = 499
 
 
-async def serve_generation(
+@dataclass(frozen=True)
+class Choice:
+    """One choice of a response: which of the request's prompts it continues, and how it samples."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+async def serve_choices(
     raw_request: Request,
     engine: EngineClient,
     renderer: Renderer,
-    prompt_ids: list[int],
-    params: SamplingParams,
+    choices: list[Choice],
     body: GenerationRequest,
     prompt_param: str = "prompt",
 ) -> Response:
-    """Run the request on `engine` and answer it as `body` asks: one JSON body, or a stream of events.
+    """Run each choice as its own engine request and answer as `body` asks: one JSON body with every choice,
+    or one stream of events whose chunks name their choice's index.
 
     `prompt_param` is the request field an engine refusal of the prompt names ("prompt" or "messages").
     """
     metrics = getattr(raw_request.app.state, "metrics", None)
-    generation: _Generation | None = _Generation(engine, renderer.request_id,
-                                                 metrics.request() if metrics is not None else None)
+    generations: list[_Generation] | None = [
+        _Generation(engine, renderer.request_id if i == 0 else f"{renderer.request_id}-{i}",
+                    metrics.request() if metrics is not None else None)
+        for i in range(len(choices))]
     try:
-        await _unless_disconnected(raw_request, generation.start(prompt_ids, params, prompt_param))
+        await _unless_disconnected(raw_request, _start_all(generations, choices, prompt_param))
         if body.stream:
-            response = _EventStreamResponse(generation, _stream_events(generation, renderer, body.include_usage))
-            generation = None  # the response owns it from here and closes it
+            events = _stream_events(generations, renderer, body.include_usage, choices)
+            response = _EventStreamResponse(generations, events)
+            generations = None  # the response owns them from here and closes them
             return response
-        final, logprobs = await _unless_disconnected(raw_request, _collect(generation))
-        return JSONResponse(renderer.response(final, logprobs).model_dump(mode="json"))
+        results = await _unless_disconnected(raw_request, asyncio.gather(*(_collect(g) for g in generations)))
+        usage = _usage(choices, [final for final, _ in results])
+        return JSONResponse(renderer.response_choices(results, usage).model_dump(mode="json"))
     except _ClientDisconnected:
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
     finally:
-        if generation is not None:
-            await generation.close()
+        if generations is not None:
+            for generation in generations:
+                await generation.close()
+
+
+async def _start_all(generations: list["_Generation"], choices: list[Choice], prompt_param: str) -> None:
+    """Start every choice; the first failure is raised once all have started or failed (the caller closes
+    them all either way)."""
+    outcomes = await asyncio.gather(*(g.start(c.prompt_ids, c.params, prompt_param)
+                                      for g, c in zip(generations, choices)), return_exceptions=True)
+    failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+    if failure is not None:
+        raise failure
+
+
+def _usage(choices: list[Choice], finals: list[RequestOutput]) -> UsageInfo:
+    """Every prompt counted once (n choices of one prompt share it), every choice's generated tokens."""
+    prompts = {c.prompt_index: len(c.prompt_ids) for c in choices}
+    return UsageInfo.of(sum(prompts.values()), sum(f.num_output_tokens for f in finals))
 
 
 # --------------------------------------------------------------------------- generation
@@ -189,43 +222,77 @@ def _sse(payload: BaseModel | dict[str, Any]) -> str:
 
 
 async def _stream_events(
-    generation: _Generation, renderer: Renderer, include_usage: bool
+    generations: list[_Generation], renderer: Renderer, include_usage: bool, choices: list[Choice]
 ) -> AsyncGenerator[str | bytes, None]:
-    """Server-sent events: one chunk per engine output, usage if asked, then `[DONE]`.
+    """Server-sent events: one chunk per engine output of each choice, usage if asked, then `[DONE]`.
 
     An error after the stream has started cannot change the status code any more; it is
     sent as an `{"error": ...}` event before `[DONE]`.
     """
     # Without include_usage chunks carry no `usage` key at all; with it, `null` until the last.
     try:
-        last = None
-        while (output := await generation.next_output()) is not None:
-            yield renderer.chunk_event(output, include_usage)
-            last = output
-        if include_usage and last is not None:
-            yield _sse(renderer.usage_chunk(usage_of(last)))
+        finals: dict[int, RequestOutput] = {}
+        async for index, output in _outputs_of(generations):
+            yield renderer.chunk_event(output, include_usage, index)
+            finals[index] = output
+        if include_usage and len(finals) == len(generations):
+            yield _sse(renderer.usage_chunk(_usage(choices, [finals[i] for i in range(len(generations))])))
     except APIError as exc:
         yield _sse(exc.to_dict())
     except Exception as exc:
         logger.exception("failed while streaming request %s", renderer.request_id)
         yield _sse(ServerError(f"Internal error while streaming: {type(exc).__name__}").to_dict())
-    await generation.close()  # release the engine request before the client reads the end
+    for generation in generations:
+        await generation.close()  # release the engine requests before the client reads the end
     yield "data: [DONE]\n\n"
 
 
+async def _outputs_of(generations: list[_Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) of every generation as they come; the first failure is raised."""
+    if len(generations) == 1:  # the common case, without a task per choice
+        while (output := await generations[0].next_output()) is not None:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generation: _Generation) -> None:
+        try:
+            while (output := await generation.next_output()) is not None:
+                queue.put_nowait((index, output))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the stream
+            queue.put_nowait((index, exc))
+
+    pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        running = len(generations)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
 class _EventStreamResponse(StreamingResponse):
-    """Sends a generation's events, and closes the generation however the response ends.
+    """Sends a request's events, and closes its generations however the response ends.
 
     Starlette cancels a stream whose client disconnects, which may leave the event generator
     suspended at a `yield`, or not even started; neither would run its cleanup code until
-    the garbage collector got to it. Closing here releases the engine request right away.
+    the garbage collector got to it. Closing here releases the engine requests right away.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, generation: _Generation, events: AsyncGenerator[str | bytes, None]) -> None:
+    def __init__(self, generations: list[_Generation], events: AsyncGenerator[str | bytes, None]) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache"})
-        self._generation = generation
+        self._generations = generations
         self._events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -234,7 +301,8 @@ class _EventStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()
-                await self._generation.close()
+                for generation in self._generations:
+                    await generation.close()
 
 
 # --------------------------------------------------------------------------- disconnects

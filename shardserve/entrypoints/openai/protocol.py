@@ -47,6 +47,8 @@ def _now() -> int:
 
 # Token ids: anything past this is out of every vocabulary, and rejected before it could overflow a tensor.
 MAX_TOKEN_ID = 2**31 - 1
+# Choices one request may ask for: n x the prompts of a batched completion request.
+MAX_CHOICES = 128
 
 
 def _valid_unicode(value: str) -> str:
@@ -203,10 +205,14 @@ class GenerationRequest(_RequestModel):
 
     @field_validator("n")
     @classmethod
-    def _single_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only n=1 is supported, got n={value}")
+    def _choices_in_range(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"n must be between 1 and {MAX_CHOICES}, got {value}")
         return value
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @field_validator("logit_bias")
     @classmethod
@@ -274,12 +280,28 @@ def _reject_if_set(name: str, value: Any, unsupported: Callable[[Any], bool]) ->
     return value
 
 
+def _one_prompt(value: Any) -> str | list[int]:
+    if isinstance(value, str):
+        return _valid_unicode(value)
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        bad = next((t for t in value if not 0 <= t <= MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise ValueError(f"token ids must be between 0 and {MAX_TOKEN_ID}, got {bad}")
+        return value
+    if isinstance(value, list) and not value:
+        raise ValueError("prompt must not be empty")
+    raise ValueError("prompt must be a string, a list of token ids, or a list of either (a batch)")
+
+
 class CompletionRequest(GenerationRequest):
-    # One prompt per request: a string or a list of token ids (a one-element batch is unwrapped).
-    prompt: Annotated[str | list[int], WithJsonSchema({"anyOf": [
+    # A string or a list of token ids, or a batch of them (each prompt gets n choices, in prompt order).
+    prompt: Annotated[list[str | list[int]], WithJsonSchema({"anyOf": [
         {"type": "string"},
         {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}, "minItems": 1},
-        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}, "minItems": 1},
+        ]}, "minItems": 1},
     ]})]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
@@ -288,37 +310,39 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _single_prompt(cls, value: Any) -> Any:
+    def _prompts(cls, value: Any) -> Any:
         # Checked here rather than by the annotation, so an error names `prompt`, not a branch of the union.
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-            value = value[0]
-        if isinstance(value, str):
-            return _valid_unicode(value)
-        if isinstance(value, list) and all(type(t) is int for t in value):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            bad = next((t for t in value if not 0 <= t <= MAX_TOKEN_ID), None)
-            if bad is not None:
-                raise ValueError(f"token ids must be between 0 and {MAX_TOKEN_ID}, got {bad}")
-            return value
-        if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
-            raise ValueError("batched prompts are not supported; send one prompt per request")
-        raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
+        if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+            return [_one_prompt(p) for p in value]  # a batch
+        return [_one_prompt(value)]
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, value: bool | None) -> bool | None:
-        return _reject_if_set("echo", value, bool)
+    def _echo_without_logprobs(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not "
+                             "compute yet; send echo or logprobs")
+        return value
 
     @field_validator("best_of")
     @classmethod
-    def _no_best_of(cls, value: int | None) -> int | None:
-        return _reject_if_set("best_of", value, lambda v: v is not None and v != 1)
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if value is not None and value != n:
+            raise ValueError(f"best_of other than n (ranking more candidates than are returned) is not supported "
+                             f"yet, got best_of={value} with n={n}")
+        return value
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         return _reject_if_set("suffix", value, bool)
+
+    @model_validator(mode="after")
+    def _choices_within_limit(self) -> "CompletionRequest":
+        if len(self.prompt) * self.num_choices > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompt)} prompts x n={self.num_choices} is more than {MAX_CHOICES} choices")
+        return self
 
     @property
     def num_logprobs(self) -> int | None:

@@ -25,6 +25,7 @@ from shardserve.entrypoints.openai.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionLogprobsFormatter,
     CompletionResponse,
     CompletionStreamResponse,
@@ -40,15 +41,20 @@ class Renderer(Protocol):
 
     request_id: str
 
-    def chunk(self, output: RequestOutput) -> BaseModel: ...
+    def chunk(self, output: RequestOutput, index: int = 0) -> BaseModel: ...
 
-    def chunk_event(self, output: RequestOutput, include_usage: bool) -> bytes:
-        """The server-sent event of `chunk(output)`, with `"usage": null` when include_usage."""
+    def chunk_event(self, output: RequestOutput, include_usage: bool, index: int = 0) -> bytes:
+        """The server-sent event of `chunk(output, index)`, with `"usage": null` when include_usage."""
         ...
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel: ...
 
     def response(self, final: RequestOutput, logprobs: list[TokenLogprob]) -> BaseModel: ...
+
+    def response_choices(self, results: list[tuple[RequestOutput, list[TokenLogprob]]],
+                         usage: UsageInfo) -> BaseModel:
+        """The whole response: choice i is results[i] (its final output and every token's logprobs)."""
+        ...
 
 
 def usage_of(output: RequestOutput) -> UsageInfo:
@@ -74,39 +80,52 @@ class _ChunkFrame:
 
 
 class CompletionRenderer:
-    def __init__(self, request_id: str, model: str, token_text: TokenText, with_logprobs: bool) -> None:
+    """`echo`: choice index -> the prompt text that choice's text starts with (completions' echo)."""
+
+    def __init__(self, request_id: str, model: str, token_text: TokenText, with_logprobs: bool,
+                 echo: dict[int, str] | None = None) -> None:
         self.request_id = request_id
         self.model = model
-        self._logprobs = CompletionLogprobsFormatter(token_text) if with_logprobs else None
+        self._token_text = token_text
+        self._with_logprobs = with_logprobs
+        self._formatters: dict[int, CompletionLogprobsFormatter] = {}  # per choice: offsets continue per choice
+        self._echo = dict(echo or {})  # left to send: each choice's first chunk takes its prompt
+        self._echo_whole = dict(self._echo)
         self._frame: _ChunkFrame | None = None
 
-    def _choice(self, text: str, logprobs: list[TokenLogprob] | None, output: RequestOutput) -> CompletionChoice:
-        return CompletionChoice(
-            text=text,
-            logprobs=self._logprobs.format(logprobs or []) if self._logprobs else None,
-            finish_reason=output.finish_reason if output.finished else None,
-        )
+    def _format(self, logprobs: list[TokenLogprob] | None, index: int) -> CompletionLogprobs | None:
+        if not self._with_logprobs:
+            return None
+        formatter = self._formatters.setdefault(index, CompletionLogprobsFormatter(self._token_text))
+        return formatter.format(logprobs or [])
 
-    def chunk(self, output: RequestOutput) -> CompletionStreamResponse:
-        choice = self._choice(output.delta_text, output.new_logprobs, output)
+    def chunk(self, output: RequestOutput, index: int = 0) -> CompletionStreamResponse:
+        choice = CompletionChoice(index=index, text=self._echo.pop(index, "") + output.delta_text,
+                                  logprobs=self._format(output.new_logprobs, index),
+                                  finish_reason=output.finish_reason if output.finished else None)
         return CompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice])
 
-    def chunk_event(self, output: RequestOutput, include_usage: bool) -> bytes:
+    def chunk_event(self, output: RequestOutput, include_usage: bool, index: int = 0) -> bytes:
         if self._frame is None:
             self._frame = _ChunkFrame(CompletionStreamResponse(id=self.request_id, model=self.model, choices=[]),
                                       include_usage)
-        logprobs = None
-        if self._logprobs is not None:
-            logprobs = self._logprobs.format(output.new_logprobs or []).model_dump(mode="json")
-        return self._frame.event({"index": 0, "text": output.delta_text, "logprobs": logprobs,
+        logprobs = self._format(output.new_logprobs, index)
+        return self._frame.event({"index": index, "text": self._echo.pop(index, "") + output.delta_text,
+                                  "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
                                   "finish_reason": output.finish_reason if output.finished else None})
 
     def usage_chunk(self, usage: UsageInfo) -> CompletionStreamResponse:
         return CompletionStreamResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
 
     def response(self, final: RequestOutput, logprobs: list[TokenLogprob]) -> CompletionResponse:
-        choice = self._choice(final.text, logprobs, final)
-        return CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage_of(final))
+        return self.response_choices([(final, logprobs)], usage_of(final))
+
+    def response_choices(self, results: list[tuple[RequestOutput, list[TokenLogprob]]],
+                         usage: UsageInfo) -> CompletionResponse:
+        choices = [CompletionChoice(index=i, text=self._echo_whole.get(i, "") + final.text,
+                                    logprobs=self._format(logprobs, i), finish_reason=final.finish_reason)
+                   for i, (final, logprobs) in enumerate(results)]
+        return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
 
 
 class ChatRenderer:
@@ -115,30 +134,34 @@ class ChatRenderer:
         self.model = model
         self._token_text = token_text
         self._with_logprobs = with_logprobs
-        self._role_sent = False
+        self._role_sent: set[int] = set()  # choices whose first chunk went out
         self._frame: _ChunkFrame | None = None
 
-    def chunk(self, output: RequestOutput) -> ChatCompletionStreamResponse:
-        # The first chunk announces the speaker, as OpenAI's streams do.
-        delta = DeltaMessage(role=None if self._role_sent else "assistant", content=output.delta_text)
-        self._role_sent = True
+    def _first(self, index: int) -> bool:
+        first = index not in self._role_sent
+        self._role_sent.add(index)
+        return first
+
+    def chunk(self, output: RequestOutput, index: int = 0) -> ChatCompletionStreamResponse:
+        # Each choice's first chunk announces the speaker, as OpenAI's streams do.
+        delta = DeltaMessage(role="assistant" if self._first(index) else None, content=output.delta_text)
         choice = ChatCompletionStreamChoice(
+            index=index,
             delta=delta,
             logprobs=self._logprobs(output.new_logprobs or []),
             finish_reason=output.finish_reason if output.finished else None,
         )
         return ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice])
 
-    def chunk_event(self, output: RequestOutput, include_usage: bool) -> bytes:
+    def chunk_event(self, output: RequestOutput, include_usage: bool, index: int = 0) -> bytes:
         if self._frame is None:
             self._frame = _ChunkFrame(ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[]),
                                       include_usage)
         # As DeltaMessage serializes: the parts that are set.
-        delta = {"content": output.delta_text} if self._role_sent else {"role": "assistant",
-                                                                         "content": output.delta_text}
-        self._role_sent = True
+        delta = {"role": "assistant", "content": output.delta_text} if self._first(index) else {
+            "content": output.delta_text}
         logprobs = self._logprobs(output.new_logprobs or [])
-        return self._frame.event({"index": 0, "delta": delta,
+        return self._frame.event({"index": index, "delta": delta,
                                   "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
                                   "finish_reason": output.finish_reason if output.finished else None})
 
@@ -146,12 +169,14 @@ class ChatRenderer:
         return ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
 
     def response(self, final: RequestOutput, logprobs: list[TokenLogprob]) -> ChatCompletionResponse:
-        choice = ChatCompletionChoice(
-            message=ChatResponseMessage(content=final.text),
-            logprobs=self._logprobs(logprobs),
-            finish_reason=final.finish_reason,
-        )
-        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage_of(final))
+        return self.response_choices([(final, logprobs)], usage_of(final))
+
+    def response_choices(self, results: list[tuple[RequestOutput, list[TokenLogprob]]],
+                         usage: UsageInfo) -> ChatCompletionResponse:
+        choices = [ChatCompletionChoice(index=i, message=ChatResponseMessage(content=final.text),
+                                        logprobs=self._logprobs(logprobs), finish_reason=final.finish_reason)
+                   for i, (final, logprobs) in enumerate(results)]
+        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs | None:
         return chat_logprobs(logprobs, self._token_text) if self._with_logprobs else None

@@ -3,12 +3,14 @@
 `build_app` wires the routes, the error handlers (errors.py) and the ASGI middlewares
 (middleware.py: API-key check, request-body size limit); `serve_http` runs the app under uvicorn.
 The generation routes check a request against the model's context (`_admit`) and hand it to
-`serve_generation` (generation.py), with the endpoint's renderer (renderers.py).
+`serve_choices` (generation.py), one engine request per choice (n of each prompt), with the endpoint's
+renderer (renderers.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -23,14 +25,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from shardserve import __version__
-from shardserve.engine.sampling_params import SamplingParams
+from shardserve.engine.sampling_params import SEED_RANGE, SamplingParams
 from shardserve.entrypoints.openai.errors import (
     InvalidRequestError,
     ServiceUnavailableError,
     install_error_handlers,
     model_not_found,
 )
-from shardserve.entrypoints.openai.generation import serve_generation
+from shardserve.entrypoints.openai.generation import Choice, serve_choices
 from shardserve.entrypoints.openai.metrics import ServerMetrics
 from shardserve.entrypoints.openai.middleware import BodySizeLimit, require_api_key
 from shardserve.entrypoints.openai.protocol import (
@@ -289,18 +291,21 @@ async def create_completion(body: CompletionRequest, raw_request: Request) -> Re
     state = _serving(raw_request)
     state.check_model(body.model)
     tokenizer = state.engine.tokenizer
-    if isinstance(body.prompt, str):
-        prompt_ids = tokenizer.encode(body.prompt, add_special_tokens=True)
-    else:
-        prompt_ids = list(body.prompt)
-    params = _admit(body, prompt_ids, state.engine.max_model_len, prompt_param="prompt")
+    prompts = [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in body.prompt]
+    choices = [choice for i, ids in enumerate(prompts)
+               for choice in _choices(body, i, ids, state.engine.max_model_len, "prompt")]
+    echo = None
+    if body.echo:  # each choice's text starts with its prompt's
+        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompt]
+        echo = {i: texts[c.prompt_index] for i, c in enumerate(choices)}
     renderer = CompletionRenderer(
         request_id=f"cmpl-{uuid.uuid4().hex}",
         model=state.model_name,
         token_text=tokenizer.token_text,
-        with_logprobs=params.logprobs is not None,
+        with_logprobs=body.num_logprobs is not None,
+        echo=echo,
     )
-    return await serve_generation(raw_request, state.engine, renderer, prompt_ids, params, body, "prompt")
+    return await serve_choices(raw_request, state.engine, renderer, choices, body, "prompt")
 
 
 @_router.post("/v1/chat/completions", responses=_generation_responses(ChatCompletionResponse))
@@ -309,17 +314,33 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     state.check_model(body.model)
     tokenizer = state.engine.tokenizer
     prompt_ids = _render_chat(tokenizer, body.chat_messages(), body.template_options())
-    params = _admit(body, prompt_ids, state.engine.max_model_len, prompt_param="messages")
+    choices = _choices(body, 0, prompt_ids, state.engine.max_model_len, "messages")
     renderer = ChatRenderer(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         model=state.model_name,
         token_text=tokenizer.token_text,
-        with_logprobs=params.logprobs is not None,
+        with_logprobs=body.num_logprobs is not None,
     )
-    return await serve_generation(raw_request, state.engine, renderer, prompt_ids, params, body, "messages")
+    return await serve_choices(raw_request, state.engine, renderer, choices, body, "messages")
 
 
 # --------------------------------------------------------------------------- admission
+
+
+def _choices(body: GenerationRequest, prompt_index: int, prompt_ids: list[int], max_model_len: int,
+             prompt_param: str) -> list[Choice]:
+    """The request's n choices of one prompt. With a seed, choice k samples with seed + k (as vLLM does), so
+    the choices differ and each is reproducible."""
+    params = _admit(body, prompt_ids, max_model_len, prompt_param)
+
+    def seed(k: int) -> int:  # seed + k, wrapped into the 64-bit range seeds have
+        value = params.seed + k
+        return value - 2**64 if value > SEED_RANGE[1] else value
+
+    return [Choice(prompt_index, prompt_ids,
+                   params if params.seed is None or k == 0 else dataclasses.replace(params, seed=seed(k)))
+            for k in range(body.num_choices)]
+
 
 
 def _admit(body: GenerationRequest, prompt_ids: list[int], max_model_len: int, prompt_param: str) -> SamplingParams:
