@@ -491,3 +491,14 @@ def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> No
     streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed) == PROMPT + plain
+
+
+def test_the_choices_of_a_prompt_share_its_cached_blocks(client: openai.OpenAI, server: InProcessServer) -> None:
+    prompt = " ".join(f"w{100 + i}" for i in range(40))  # several full KV blocks
+    before = server.engine.stats()
+    client.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=3, temperature=0)
+    after = server.engine.stats()
+    # The three choices after the first find the prompt's full blocks in the prefix cache.
+    full_blocks = (len(prompt.split()) - 1) // server.engine.engine.block_manager.block_size
+    assert full_blocks >= 2
+    assert after.prefix_hits - before.prefix_hits >= 3 * full_blocks

@@ -95,12 +95,22 @@ async def serve_choices(
 
 async def _start_all(generations: list["_Generation"], choices: list[Choice], prompt_param: str) -> None:
     """Start every choice; the first failure is raised once all have started or failed (the caller closes
-    them all either way)."""
-    outcomes = await asyncio.gather(*(g.start(c.prompt_ids, c.params, prompt_param)
-                                      for g, c in zip(generations, choices)), return_exceptions=True)
-    failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
-    if failure is not None:
-        raise failure
+    them all either way).
+
+    The first choice of each prompt starts first: once it has its first token, its prompt's KV-cache blocks
+    are in the prefix cache, and the prompt's other choices start on them instead of computing and holding
+    the prompt again (the n choices of a prompt share its blocks)."""
+    leaders = {}
+    for i, choice in enumerate(choices):
+        leaders.setdefault(choice.prompt_index, i)
+    first = [i for i in range(len(choices)) if leaders[choices[i].prompt_index] == i]
+    rest = [i for i in range(len(choices)) if leaders[choices[i].prompt_index] != i]
+    for group in (first, rest):
+        outcomes = await asyncio.gather(*(generations[i].start(choices[i].prompt_ids, choices[i].params, prompt_param)
+                                          for i in group), return_exceptions=True)
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failure is not None:
+            raise failure
 
 
 def _usage(choices: list[Choice], finals: list[RequestOutput]) -> UsageInfo:
