@@ -23,7 +23,7 @@ from shardserve.engine.client import EngineStats
 from shardserve.engine.detokenizer import IncrementalDetokenizer, text_update
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.outputs import RequestOutput, TokenLogprob
-from shardserve.engine.sampler import PendingSample, Sampler
+from shardserve.engine.sampler import PendingSample, RowHistory, Sampler
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
@@ -73,8 +73,8 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.seqs: dict[int, Sequence] = {}
         self.by_request: dict[str, Sequence] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
@@ -118,6 +118,9 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.by_request.get(request_id)
@@ -220,7 +223,8 @@ class LLMEngine:
         the tokens it samples (Scheduler.schedule_ahead: the sequences that sample decode on with their
         tokens taken on the device, prompts go on and waiting requests join as usual), so the device never
         waits for the host's bookkeeping between steps. The step queued ahead is `self._in_flight` between
-        calls; its outputs are returned by the next call.
+        calls; its outputs are returned by the next call. No step is queued ahead of one that samples for a
+        penalized sequence: its penalties need the token in flight on the host.
         """
         if self.held and self.is_sleeping and self.wake_on_request:
             self.wake_up()
@@ -230,7 +234,7 @@ class LLMEngine:
                 return []
             self._in_flight = self._launch(plan)
         current, self._in_flight = self._in_flight, None
-        if self.overlap_steps:
+        if self.overlap_steps and not any(s.params.penalized for s in current.seqs):
             plan = self.scheduler.schedule_ahead(current.seqs, self.max_model_len)
             if plan is not None:
                 self._in_flight = self._launch(plan, self._device_tokens(plan, current))
@@ -267,7 +271,9 @@ class LLMEngine:
         if not seq_ids:
             return _InFlight(plan, [], None)
         seqs = [self.seqs[i] for i in seq_ids]
-        return _InFlight(plan, seqs, self.sampler.enqueue(logits, seq_ids, [s.params for s in seqs]))
+        params = [s.params for s in seqs]
+        histories = _histories(plan, seqs) if any(p.processes_logits for p in params) else None
+        return _InFlight(plan, seqs, self.sampler.enqueue(logits, seq_ids, params, histories))
 
     def _resolve(self, step: "_InFlight") -> list[RequestOutput]:
         """Wait for a step's tokens and append them; a sequence that finished or was aborted while the step
@@ -303,7 +309,9 @@ class LLMEngine:
         seq.append_token(token)
         p = seq.params
         reason = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        # Before min_tokens the sampler masks the stop tokens; this check agrees with it.
+        stops_allowed = seq.num_output_tokens > p.min_tokens
+        if stops_allowed and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
@@ -338,6 +346,14 @@ class LLMEngine:
             text=detok.text, new_token_ids=new_ids, delta_text=delta, new_logprobs=logprobs,
             finished=seq.is_finished, finish_reason=seq.finish_reason,
         )
+
+
+def _histories(plan: StepPlan, seqs: list[Sequence]) -> list[RowHistory]:
+    """Per sampling sequence, what logits processing reads of it. A sequence whose input token is still on the
+    device (a FROM_DEVICE chunk: the step was queued ahead) has generated one token more than it holds."""
+    in_flight = {c.seq_id for c in plan.chunks[:plan.num_device_tokens]}
+    return [RowHistory(s.prompt_token_ids, s.output_token_ids, s.num_output_tokens + (s.seq_id in in_flight))
+            for s in seqs]
 
 
 def run_worker(config: EngineConfig, ctx: RankContext) -> None:

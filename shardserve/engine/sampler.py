@@ -1,13 +1,21 @@
-"""Turns rank 0's logits into next tokens: greedy, temperature, top-k, top-p, seeds and logprobs.
+"""Turns rank 0's logits into next tokens: logits processing, greedy, temperature, min-p, top-k, top-p, seeds
+and logprobs.
 
 All the work happens on the logits' own device, batched over the rows; only the chosen token ids
 (one host transfer) and, when some row asks for logprobs, their values (one more) reach the host.
 
 Semantics per row, as for one request alone:
-- greedy (temperature 0 or top_k 1): the argmax;
-- otherwise the logits are divided by the temperature, top-k keeps the logits >= the k-th largest,
-  top-p keeps the smallest prefix of the sorted distribution whose mass reaches top_p (always at
-  least the best token), and one token is drawn from what is left.
+- first the logits processing the row asks for, in this order: logit_bias is added; while fewer than
+  min_tokens tokens are generated, the stop tokens (eos unless ignore_eos, and stop_token_ids) get -inf;
+  the repetition penalty divides the positive logits of the tokens in the prompt or the output by p and
+  multiplies the others by p; the frequency and presence penalties subtract frequency x count +
+  presence x (count > 0), counting the output tokens only;
+- greedy (temperature 0 or top_k 1): the argmax of the processed logits;
+- otherwise the processed logits are divided by the temperature, min-p drops the tokens whose probability
+  is below min_p x the row's highest, top-k keeps the logits >= the k-th largest, top-p keeps the smallest
+  prefix of the sorted distribution whose mass reaches top_p (always at least the best token), and one token
+  is drawn from what is left.
+Reported logprobs are those of the model's own distribution, before all of this.
 
 Invariant: a seeded row's draw depends only on its own generator (seeded from `params.seed`, kept
 per sequence until `forget`) and its own logits, never on the other rows of the batch. Whether its
@@ -21,6 +29,12 @@ engine seed.
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from shardserve.engine.outputs import TokenLogprob
@@ -29,6 +43,17 @@ from shardserve.transfers import on_device
 
 # Keeps every token when a row has no top-p cut: the mass before a token never exceeds 1 by this much.
 _NO_TOP_P = 2.0
+
+
+@dataclass(frozen=True)
+class RowHistory:
+    """What min_tokens and the penalties read of a row's sequence when it samples."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # Tokens generated before this one: one more than output_token_ids holds while the previous token is still
+    # on the device (a step queued ahead). Such a row cannot be penalized: the penalties need that token.
+    num_generated: int
 
 
 class PendingSample:
@@ -63,23 +88,26 @@ class PendingSample:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, eos_token_ids: Collection[int] = ()) -> None:
         self.seed = seed
+        self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens keeps from being sampled, unless ignore_eos
         self._default_generators: dict[torch.device, torch.Generator] = {}  # for unseeded rows, per device
         self._generators: dict[int, torch.Generator] = {}  # seq id -> its own seeded generator
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
-    def sample(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]
-               ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [n, vocab] on any device, in any float dtype, row i for seq_ids[i] with params[i].
+    def sample(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
+               histories: Sequence[RowHistory] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [n, vocab] on any device, in any float dtype, row i for seq_ids[i] with params[i] and, when
+        some row has min_tokens or a penalty, histories[i].
 
         Returns the n chosen token ids and, per row, its TokenLogprob or None (when not asked for).
         """
-        return self.resolve(self.enqueue(logits, seq_ids, params))
+        return self.resolve(self.enqueue(logits, seq_ids, params, histories))
 
-    def enqueue(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> "PendingSample":
+    def enqueue(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
+                histories: Sequence[RowHistory] | None = None) -> "PendingSample":
         """Queue all the device work of `sample` without waiting for it; `resolve` brings the results to the
         host. Once this returns, `logits` may be overwritten (stream order): everything read from it has
         been queued, and the results live in tensors of their own."""
@@ -89,11 +117,14 @@ class Sampler:
         if not params:
             return PendingSample(params, None)
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        processed = logits
+        if any(p.processes_logits for p in params):
+            processed = self._processed(logits, params, histories)
+        tokens = processed.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             rows = on_device(sampled, logits.device)
-            drawn = self._draw(logits.index_select(0, rows), [seq_ids[i] for i in sampled],
+            drawn = self._draw(processed.index_select(0, rows), [seq_ids[i] for i in sampled],
                                [params[i] for i in sampled])
             tokens.index_copy_(0, rows, drawn)
         pending = PendingSample(params, tokens)
@@ -124,6 +155,18 @@ class Sampler:
             logprobs[i] = TokenLogprob(token_list[i], floats[row][0], list(zip(ids, floats[row][1:1 + n])))
         return token_list, logprobs
 
+    def _processed(self, logits: torch.Tensor, params: list[SamplingParams],
+                   histories: Sequence[RowHistory] | None) -> torch.Tensor:
+        """A copy of float32 `logits` [n, vocab] with logit_bias, min_tokens and the penalties applied to the
+        rows that ask for them, each processor batched over its rows."""
+        if histories is None and any(p.min_tokens > 0 or p.penalized for p in params):
+            raise ValueError("min_tokens and the penalties need each row's history: pass `histories`")
+        processed = logits.clone()
+        _add_logit_bias(processed, params)
+        _mask_stop_tokens(processed, params, histories, self.eos_token_ids)
+        _apply_penalties(processed, params, histories)
+        return processed
+
     def _draw(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> torch.Tensor:
         """One token per row of float32 `logits` [m, vocab] (all rows non-greedy), on their device."""
         vocab = logits.shape[-1]
@@ -131,6 +174,8 @@ class Sampler:
         temperature = on_device([p.temperature for p in params], device)
         # Shifting by the row maximum changes no probability and keeps a tiny temperature from overflowing.
         scaled = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))
+        if any(p.min_p > 0 for p in params):
+            _drop_below_min_p(scaled, params)
 
         # Rows with a top-p cut need a sort; rows with only a top-k cut need just their k-th largest
         # logit. Both keep exactly the tokens the semantics above keep, so which path a row takes
@@ -170,6 +215,99 @@ class Sampler:
         return g
 
 
+def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    rows, token_ids, biases = [], [], []
+    for r, p in enumerate(params):
+        if p.logit_bias:
+            bias = dict(p.logit_bias)  # a token listed twice takes its last value, as in a JSON object
+            rows += [r] * len(bias)
+            token_ids += bias.keys()
+            biases += bias.values()
+    if rows:
+        device = logits.device
+        # Each (row, token) pair appears once: one addition per logit, whatever order the device runs them in.
+        logits.index_put_((on_device(rows, device), on_device(token_ids, device)),
+                          on_device(biases, device, torch.float32), accumulate=True)
+
+
+def _mask_stop_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                      histories: Sequence[RowHistory] | None, eos_token_ids: tuple[int, ...]) -> None:
+    """-inf on the stop tokens of the rows that have generated fewer than min_tokens tokens."""
+    vocab = logits.shape[-1]
+    rows, token_ids = [], []
+    for r, p in enumerate(params):
+        if p.min_tokens > 0 and histories[r].num_generated < p.min_tokens:
+            stops = [t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if 0 <= t < vocab]
+            rows += [r] * len(stops)
+            token_ids += stops
+    if rows:
+        device = logits.device
+        logits.index_put_((on_device(rows, device), on_device(token_ids, device)),
+                          logits.new_full((), float("-inf")))
+
+
+def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                     histories: Sequence[RowHistory] | None) -> None:
+    """The repetition, frequency and presence penalties of the penalized rows, computed on the (row, token) pairs
+    of their prompts and outputs only, never over the whole vocabulary."""
+    penalized = [r for r, p in enumerate(params) if p.penalized]
+    if not penalized:
+        return
+    if any(histories[r].num_generated != len(histories[r].output_token_ids) for r in penalized):
+        raise ValueError("a penalized row needs all its output tokens on the host when it samples")
+    device, vocab = logits.device, logits.shape[-1]
+    outputs = [histories[r].output_token_ids for r in penalized]
+    # A repetition penalty of 1 changes nothing: those rows need not visit their prompts.
+    prompts = [histories[r].prompt_token_ids if params[r].repetition_penalty != 1.0 else () for r in penalized]
+    local = list(range(len(penalized)))
+    rows, tokens = _flat_pairs(prompts + outputs, local + local, device)
+    if rows is None:
+        return
+    counts = _output_counts(rows * vocab + tokens, sum(len(output) for output in outputs))
+    factors = on_device([[params[r].repetition_penalty, params[r].frequency_penalty, params[r].presence_penalty]
+                         for r in penalized], device, torch.float32).index_select(0, rows)
+    repetition, frequency, presence = factors.unbind(1)
+    logit_rows = on_device(penalized, device).index_select(0, rows)
+    values = logits[logit_rows, tokens]
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values -= counts * frequency + (counts > 0) * presence
+    # A token seen several times has several equal pairs, and each writes the same value.
+    logits.index_put_((logit_rows, tokens), values)
+
+
+def _flat_pairs(token_lists: Sequence[Sequence[int]], row_of_list: list[int], device: torch.device
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The (row, token) pairs of every token of every list, as two flat tensors; (None, None) when there are none."""
+    lengths = [len(tokens) for tokens in token_lists]
+    total = sum(lengths)
+    if total == 0:
+        return None, None
+    # np.fromiter: a third of the time torch.as_tensor takes on a list of Python ints.
+    tokens = on_device(np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, total), device)
+    # output_size: the device need not report the total back to the host.
+    rows = torch.repeat_interleave(on_device(row_of_list, device), on_device(lengths, device), output_size=total)
+    return rows, tokens
+
+
+def _output_counts(keys: torch.Tensor, num_output_pairs: int) -> torch.Tensor:
+    """keys: row x vocab + token of every (row, token) pair, the output pairs last. Per pair, float32: how many
+    output pairs share its key. Counted by binary search among the sorted output keys, in integers, so that no
+    order of additions changes the result."""
+    if num_output_pairs == 0:
+        return torch.zeros_like(keys, dtype=torch.float32)
+    output_keys = keys[keys.shape[0] - num_output_pairs:].sort().values
+    return (torch.searchsorted(output_keys, keys, right=True) - torch.searchsorted(output_keys, keys)).float()
+
+
+def _drop_below_min_p(scaled: torch.Tensor, params: list[SamplingParams]) -> None:
+    """-inf on the tokens whose probability is below min_p x the row's highest, for temperature-scaled logits
+    [m, vocab] already shifted so that each row's maximum is 0 (a token's probability over the highest is then
+    exp(its scaled logit))."""
+    log_min_p = on_device([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params], scaled.device,
+                          torch.float32)
+    scaled.masked_fill_(scaled < log_min_p.unsqueeze(1), float("-inf"))
+
+
 def _top_k(scaled: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """Temperature-scaled logits [c, vocab] with the logits below each row's k-th largest set to -inf."""
     k = on_device(ks, scaled.device)
@@ -201,7 +339,7 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int], top
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For the `wanted` rows: the chosen token's logprob [w], the top_n best logprobs [w, top_n] and
     their token ids [w, top_n], best first; all on the logits' device. Logprobs are those of the
-    model's distribution (before temperature, top-k and top-p)."""
+    model's distribution (before logits processing, temperature, min-p, top-k and top-p)."""
     rows = on_device(wanted, logits.device)
     lp = torch.log_softmax(logits.index_select(0, rows), dim=-1)
     chosen = lp.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1)
