@@ -20,7 +20,7 @@ from shardserve.distributed.lockstep import LockstepCheck, default_every
 from shardserve.distributed.process_group import RankContext
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.client import EngineStats
-from shardserve.engine.detokenizer import IncrementalDetokenizer, text_update
+from shardserve.engine.detokenizer import IncrementalDetokenizer, detokenizer_for, text_update
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.outputs import RequestOutput, TokenLogprob
 from shardserve.engine.sampler import PendingSample, RowHistory, Sampler
@@ -100,7 +100,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params)
         self.seqs[seq.seq_id] = seq
         self.by_request[request_id] = seq
-        self.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.detokenizers[seq.seq_id] = detokenizer_for(self.tokenizer, params)
         if self.is_sleeping:
             self.held.append(seq)
         else:
