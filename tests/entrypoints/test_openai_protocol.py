@@ -332,6 +332,17 @@ def test_raw_stream_disconnect_aborts_the_request(server: InProcessServer, engin
     assert server.all_blocks_free(), "the aborted request's KV blocks did not return to the pool"
 
 
+def test_a_closed_stream_of_several_choices_aborts_them_all(server: InProcessServer, engine_spy: EngineSpy) -> None:
+    stream = server.openai().completions.create(
+        model=MODEL, prompt=PROMPT, n=3, max_tokens=LONG, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    first = next(iter(stream))
+    stream.close()
+    ids = [first.id, f"{first.id}-1", f"{first.id}-2"]
+    assert wait_until(lambda: all(i in engine_spy.aborted for i in ids)), "a choice kept generating"
+    assert server.all_blocks_free(), "the aborted choices' KV blocks did not return to the pool"
+
+
 def test_non_streamed_disconnect_aborts_the_request(server: InProcessServer, engine_spy: EngineSpy) -> None:
     body = json.dumps({"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
