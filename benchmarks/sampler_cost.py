@@ -3,6 +3,9 @@ one batch of logits, without processing and with every processor on every row.
 
     python benchmarks/sampler_cost.py [--device cuda] [--batch 256] [--vocab 128256] [--history 640]
 
+The first of the timed steps of a mode meets its sequences for the first time (prompts counted then); the
+median is a step of a running batch, where each row adds the one token it generated since.
+
 Prints one JSON object (milliseconds per sampling step, median of --repeats). On GPUs compare it with the
 decode step of the same batch (BENCHMARKS.md).
 """
@@ -37,18 +40,20 @@ def main() -> None:
     rng = random.Random(0)
     device = torch.device(args.device)
     logits = torch.randn(args.batch, args.vocab, device=device, dtype=torch.bfloat16)
-    histories = [RowHistory([rng.randrange(args.vocab) for _ in range(args.history // 2)],
-                            [rng.randrange(args.vocab) for _ in range(args.history // 2)], args.history // 2)
-                 for _ in range(args.batch)]
+    prompts = [[rng.randrange(args.vocab) for _ in range(args.history // 2)] for _ in range(args.batch)]
+    outputs = [[rng.randrange(args.vocab) for _ in range(args.history // 2)] for _ in range(args.batch)]
     processing = dict(min_p=0.05, min_tokens=4096, repetition_penalty=1.1, presence_penalty=0.3,
                       frequency_penalty=0.2, logit_bias=((1, 2.0), (2, -5.0)))
     modes = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_p=0.95)}
-    seq_ids = list(range(args.batch))
     sampler = Sampler(seed=0, eos_token_ids=(0,))
 
     def step_ms(params) -> float:
+        """Each step, as in decoding: every row has one token more than at its previous step."""
         times = []
         for _ in range(args.repeats + 3):
+            for output in outputs:
+                output.append(rng.randrange(args.vocab))
+            histories = [RowHistory(prompt, output, len(output)) for prompt, output in zip(prompts, outputs)]
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
@@ -58,7 +63,8 @@ def main() -> None:
 
     result = {"device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
               "batch": args.batch, "vocab": args.vocab, "history": args.history}
-    for mode, sampling in modes.items():
+    for i, (mode, sampling) in enumerate(modes.items()):
+        seq_ids = [i * args.batch + j for j in range(args.batch)]  # new sequences for each mode
         plain = step_ms([SamplingParams(max_tokens=4096, **sampling)] * args.batch)
         processed = step_ms([SamplingParams(max_tokens=4096, **sampling, **processing)] * args.batch)
         result[mode] = {"plain_ms": round(plain, 3), "all_processors_ms": round(processed, 3),

@@ -29,12 +29,10 @@ engine seed.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from shardserve.engine.outputs import TokenLogprob
@@ -93,9 +91,11 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens keeps from being sampled, unless ignore_eos
         self._default_generators: dict[torch.device, torch.Generator] = {}  # for unseeded rows, per device
         self._generators: dict[int, torch.Generator] = {}  # seq id -> its own seeded generator
+        self._token_counts = TokenCounts()  # what the penalties read, kept on the device between steps
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        self._token_counts.forget(seq_id)
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
                histories: Sequence[RowHistory] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -119,7 +119,7 @@ class Sampler:
         logits = logits.float()
         processed = logits
         if any(p.processes_logits for p in params):
-            processed = self._processed(logits, params, histories)
+            processed = self._processed(logits, seq_ids, params, histories)
         tokens = processed.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
@@ -155,7 +155,7 @@ class Sampler:
             logprobs[i] = TokenLogprob(token_list[i], floats[row][0], list(zip(ids, floats[row][1:1 + n])))
         return token_list, logprobs
 
-    def _processed(self, logits: torch.Tensor, params: list[SamplingParams],
+    def _processed(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
                    histories: Sequence[RowHistory] | None) -> torch.Tensor:
         """A copy of float32 `logits` [n, vocab] with logit_bias, min_tokens and the penalties applied to the
         rows that ask for them, each processor batched over its rows."""
@@ -164,7 +164,7 @@ class Sampler:
         processed = logits.clone()
         _add_logit_bias(processed, params)
         _mask_stop_tokens(processed, params, histories, self.eos_token_ids)
-        _apply_penalties(processed, params, histories)
+        _apply_penalties(processed, seq_ids, params, histories, self._token_counts)
         return processed
 
     def _draw(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> torch.Tensor:
@@ -246,57 +246,105 @@ def _mask_stop_tokens(logits: torch.Tensor, params: list[SamplingParams],
                           logits.new_full((), float("-inf")))
 
 
-def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
-                     histories: Sequence[RowHistory] | None) -> None:
-    """The repetition, frequency and presence penalties of the penalized rows, computed on the (row, token) pairs
-    of their prompts and outputs only, never over the whole vocabulary."""
+def _apply_penalties(logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
+                     histories: Sequence[RowHistory] | None, token_counts: "TokenCounts") -> None:
+    """The repetition, frequency and presence penalties of the penalized rows, as dense operations over their
+    rows of the vocabulary, from the token counts kept on the device (TokenCounts)."""
     penalized = [r for r, p in enumerate(params) if p.penalized]
     if not penalized:
         return
     if any(histories[r].num_generated != len(histories[r].output_token_ids) for r in penalized):
         raise ValueError("a penalized row needs all its output tokens on the host when it samples")
-    device, vocab = logits.device, logits.shape[-1]
-    outputs = [histories[r].output_token_ids for r in penalized]
-    # A repetition penalty of 1 changes nothing: those rows need not visit their prompts.
-    prompts = [histories[r].prompt_token_ids if params[r].repetition_penalty != 1.0 else () for r in penalized]
-    local = list(range(len(penalized)))
-    rows, tokens = _flat_pairs(prompts + outputs, local + local, device)
-    if rows is None:
-        return
-    counts = _output_counts(rows * vocab + tokens, sum(len(output) for output in outputs))
+    device = logits.device
+    counts, in_prompt = token_counts.rows([seq_ids[r] for r in penalized], [histories[r] for r in penalized],
+                                          device, logits.shape[-1])
     factors = on_device([[params[r].repetition_penalty, params[r].frequency_penalty, params[r].presence_penalty]
-                         for r in penalized], device, torch.float32).index_select(0, rows)
-    repetition, frequency, presence = factors.unbind(1)
-    logit_rows = on_device(penalized, device).index_select(0, rows)
-    values = logits[logit_rows, tokens]
-    values = torch.where(values > 0, values / repetition, values * repetition)
-    values -= counts * frequency + (counts > 0) * presence
-    # A token seen several times has several equal pairs, and each writes the same value.
-    logits.index_put_((logit_rows, tokens), values)
+                         for r in penalized], device, torch.float32)
+    repetition, frequency, presence = (f.unsqueeze(1) for f in factors.unbind(1))
+    rows = on_device(penalized, device)
+    values = logits.index_select(0, rows)
+    seen = counts > 0
+    repeated = torch.where(values > 0, values / repetition, values * repetition)
+    values = torch.where(seen | in_prompt, repeated, values)
+    values -= counts * frequency + seen * presence
+    logits.index_copy_(0, rows, values)
 
 
-def _flat_pairs(token_lists: Sequence[Sequence[int]], row_of_list: list[int], device: torch.device
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The (row, token) pairs of every token of every list, as two flat tensors; (None, None) when there are none."""
-    lengths = [len(tokens) for tokens in token_lists]
-    total = sum(lengths)
-    if total == 0:
-        return None, None
-    # np.fromiter: a third of the time torch.as_tensor takes on a list of Python ints.
-    tokens = on_device(np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, total), device)
-    # output_size: the device need not report the total back to the host.
-    rows = torch.repeat_interleave(on_device(row_of_list, device), on_device(lengths, device), output_size=total)
-    return rows, tokens
+class TokenCounts:
+    """Per penalized sequence, on the logits' device: how often each token occurs in its output (float32
+    counts, exact below 2^24) and which tokens its prompt holds, one row of [slots, vocab] tensors per sequence.
 
+    Each step adds only the tokens generated since the sequence last sampled (one, usually), and a sequence's
+    prompt once, so a step costs the batch's new tokens, not its histories. Invariant: for a sequence with a
+    slot, its row holds exactly the first `synced[seq_id]` output tokens and its whole prompt.
+    """
 
-def _output_counts(keys: torch.Tensor, num_output_pairs: int) -> torch.Tensor:
-    """keys: row x vocab + token of every (row, token) pair, the output pairs last. Per pair, float32: how many
-    output pairs share its key. Counted by binary search among the sorted output keys, in integers, so that no
-    order of additions changes the result."""
-    if num_output_pairs == 0:
-        return torch.zeros_like(keys, dtype=torch.float32)
-    output_keys = keys[keys.shape[0] - num_output_pairs:].sort().values
-    return (torch.searchsorted(output_keys, keys, right=True) - torch.searchsorted(output_keys, keys)).float()
+    _FIRST_SLOTS = 64
+
+    def __init__(self) -> None:
+        self.counts: torch.Tensor | None = None
+        self.in_prompt: torch.Tensor | None = None
+        self.slot_of: dict[int, int] = {}
+        self.synced: dict[int, int] = {}  # seq id -> output tokens counted in its row
+        self.free: list[int] = []
+
+    def forget(self, seq_id: int) -> None:
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self.synced.pop(seq_id, None)
+            self.free.append(slot)
+
+    def rows(self, seq_ids: list[int], histories: list[RowHistory], device: torch.device, vocab: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The counts [r, vocab] (float32) and prompt masks [r, vocab] (bool) of these sequences, brought up
+        to date with their histories."""
+        self._fit(len(self.slot_of) + len(seq_ids), device, vocab)
+        fresh, slots, rows, tokens = [], [], [], []
+        for seq_id, history in zip(seq_ids, histories):
+            slot = self.slot_of.get(seq_id)
+            done = self.synced.get(seq_id, 0)
+            if slot is None or done > len(history.output_token_ids):  # new (or not the sequence it was)
+                if slot is None:
+                    slot = self.slot_of[seq_id] = self._take()
+                fresh.append((slot, history.prompt_token_ids))
+                done = 0
+            new = history.output_token_ids[done:]
+            rows += [slot] * len(new)
+            tokens += new
+            self.synced[seq_id] = done + len(new)
+            slots.append(slot)
+        if fresh:
+            fresh_slots = on_device([slot for slot, _ in fresh], device)
+            self.counts.index_fill_(0, fresh_slots, 0)
+            self.in_prompt.index_fill_(0, fresh_slots, False)
+            prompt_rows = [slot for slot, prompt in fresh for _ in prompt]
+            prompt_tokens = [t for _, prompt in fresh for t in prompt]
+            if prompt_tokens:
+                self.in_prompt.index_put_((on_device(prompt_rows, device), on_device(prompt_tokens, device)),
+                                          self.in_prompt.new_ones(()))
+        if tokens:
+            self.counts.index_put_((on_device(rows, device), on_device(tokens, device)),
+                                   self.counts.new_ones(()), accumulate=True)
+        index = on_device(slots, device)
+        return self.counts.index_select(0, index), self.in_prompt.index_select(0, index)
+
+    def _take(self) -> int:
+        return self.free.pop() if self.free else len(self.slot_of)
+
+    def _fit(self, slots_needed: int, device: torch.device, vocab: int) -> None:
+        """Room for `slots_needed` slots, doubling; the tensors move to `device` (and its vocabulary) if needed."""
+        if self.counts is not None and (self.counts.device != device or self.counts.shape[1] != vocab):
+            self.__init__()  # another device or vocabulary: nothing kept applies
+        have = 0 if self.counts is None else self.counts.shape[0]
+        if slots_needed <= have:
+            return
+        size = max(self._FIRST_SLOTS, have * 2, slots_needed)
+        counts = torch.zeros(size, vocab, dtype=torch.float32, device=device)
+        in_prompt = torch.zeros(size, vocab, dtype=torch.bool, device=device)
+        if self.counts is not None:
+            counts[:have] = self.counts
+            in_prompt[:have] = self.in_prompt
+        self.counts, self.in_prompt = counts, in_prompt
 
 
 def _drop_below_min_p(scaled: torch.Tensor, params: list[SamplingParams]) -> None:

@@ -280,3 +280,26 @@ def test_a_penalized_request_among_plain_ones_with_overlap(engines):
     got, overlapped = run(engines[True])
     assert got == expected
     assert overlapped > 0
+
+
+def test_penalties_kept_on_the_device_between_steps_equal_a_fresh_count_every_step():
+    """One sampler over many steps (counts updated with each step's new tokens, finished sequences' slots
+    reused) picks what a sampler counting each row's whole history from nothing picks."""
+    gen = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=0, repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.3)
+    prompts = {s: torch.randint(0, VOCAB, (9,), generator=gen).tolist() for s in range(6)}
+    outputs: dict[int, list[int]] = {s: [] for s in prompts}
+    running, waiting = [0, 1, 2], [3, 4, 5]
+    kept = Sampler(0, EOS_IDS)
+    for step in range(24):
+        logits = torch.randn(len(running), VOCAB, generator=gen) * 3
+        histories = [RowHistory(prompts[s], list(outputs[s]), len(outputs[s])) for s in running]
+        got, _ = kept.sample(logits, running, [params] * len(running), histories)
+        fresh, _ = Sampler(0, EOS_IDS).sample(logits, running, [params] * len(running), histories)
+        assert got == fresh, f"step {step}"
+        for s, token in zip(running, got):
+            outputs[s].append(token)
+        if step % 8 == 7 and waiting:  # a sequence finishes, a new one takes its slot
+            done = running.pop(0)
+            kept.forget(done)
+            running.append(waiting.pop(0))
