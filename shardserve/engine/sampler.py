@@ -215,6 +215,13 @@ class Sampler:
         return g
 
 
+def _flat(tensor: torch.Tensor, rows: list[int], token_ids: list[int]) -> torch.Tensor:
+    """The positions of (row, token) pairs in `tensor` [rows, vocab] seen as one flat vector, on its device.
+    (index_add_/index_fill_ on a flat view cost a fraction of index_put_ with two index tensors.)"""
+    vocab = tensor.shape[-1]
+    return on_device([r * vocab + t for r, t in zip(rows, token_ids)], tensor.device)
+
+
 def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     rows, token_ids, biases = [], [], []
     for r, p in enumerate(params):
@@ -224,10 +231,8 @@ def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
             token_ids += bias.keys()
             biases += bias.values()
     if rows:
-        device = logits.device
         # Each (row, token) pair appears once: one addition per logit, whatever order the device runs them in.
-        logits.index_put_((on_device(rows, device), on_device(token_ids, device)),
-                          on_device(biases, device, torch.float32), accumulate=True)
+        logits.view(-1).index_add_(0, _flat(logits, rows, token_ids), on_device(biases, logits.device, torch.float32))
 
 
 def _mask_stop_tokens(logits: torch.Tensor, params: list[SamplingParams],
@@ -241,9 +246,7 @@ def _mask_stop_tokens(logits: torch.Tensor, params: list[SamplingParams],
             rows += [r] * len(stops)
             token_ids += stops
     if rows:
-        device = logits.device
-        logits.index_put_((on_device(rows, device), on_device(token_ids, device)),
-                          logits.new_full((), float("-inf")))
+        logits.view(-1).index_fill_(0, _flat(logits, rows, token_ids), float("-inf"))
 
 
 def _apply_penalties(logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
@@ -320,11 +323,11 @@ class TokenCounts:
             prompt_rows = [slot for slot, prompt in fresh for _ in prompt]
             prompt_tokens = [t for _, prompt in fresh for t in prompt]
             if prompt_tokens:
-                self.in_prompt.index_put_((on_device(prompt_rows, device), on_device(prompt_tokens, device)),
-                                          self.in_prompt.new_ones(()))
+                self.in_prompt.view(-1).index_fill_(0, _flat(self.in_prompt, prompt_rows, prompt_tokens), True)
         if tokens:
-            self.counts.index_put_((on_device(rows, device), on_device(tokens, device)),
-                                   self.counts.new_ones(()), accumulate=True)
+            # Whole numbers: the sum is exact whatever order the device adds repeated tokens in.
+            flat = _flat(self.counts, rows, tokens)
+            self.counts.view(-1).index_add_(0, flat, torch.ones(len(tokens), dtype=torch.float32, device=device))
         index = on_device(slots, device)
         return self.counts.index_select(0, index), self.in_prompt.index_select(0, index)
 
