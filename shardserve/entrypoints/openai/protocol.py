@@ -51,6 +51,13 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_CHOICES = 128
 
 
+def _token_ids_in_range(value: list[int] | None) -> list[int] | None:
+    bad = next((t for t in value or () if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise ValueError(f"token ids must be between 0 and {MAX_TOKEN_ID}, got {bad}")
+    return value
+
+
 def _valid_unicode(value: str) -> str:
     try:
         value.encode("utf-8")
@@ -137,6 +144,28 @@ TEMPLATE_CALL_ARGUMENTS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+def _template_variables_only(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs: variables of the template, none of which may stand for a rendering option."""
+    clashing = sorted(set(value or {}) & TEMPLATE_CALL_ARGUMENTS)
+    if clashing:
+        raise ValueError(f"{', '.join(map(repr, clashing))} cannot be set here: chat_template_kwargs are "
+                         f"variables of the chat template (such as enable_thinking), not rendering options")
+    return value
+
+
+def _template_options(add_generation_prompt: bool | None, continue_final_message: bool | None,
+                      chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """How to render a conversation with the chat template (tokenizer.apply_chat_template)."""
+    return {"add_generation_prompt": add_generation_prompt is not False,
+            "continue_final_message": bool(continue_final_message),
+            "template_kwargs": dict(chat_template_kwargs or {})}
+
+
+def _template_messages(messages: list["ChatMessage"]) -> list[dict[str, str]]:
+    """Messages in the shape the tokenizer's chat template takes."""
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
 class _Refused(ValueError):
     """A known field this server does not implement; the handler turns it into a 400 with `param` = name."""
 
@@ -197,11 +226,8 @@ class GenerationRequest(_RequestModel):
 
     @field_validator("stop_token_ids")
     @classmethod
-    def _token_ids_in_range(cls, value: list[int] | None) -> list[int] | None:
-        bad = next((t for t in value or () if not 0 <= t <= MAX_TOKEN_ID), None)
-        if bad is not None:
-            raise ValueError(f"token ids must be between 0 and {MAX_TOKEN_ID}, got {bad}")
-        return value
+    def _stop_token_ids_in_range(cls, value: list[int] | None) -> list[int] | None:
+        return _token_ids_in_range(value)
 
     @field_validator("n")
     @classmethod
@@ -284,10 +310,7 @@ def _one_prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
         return _valid_unicode(value)
     if isinstance(value, list) and value and all(type(t) is int for t in value):
-        bad = next((t for t in value if not 0 <= t <= MAX_TOKEN_ID), None)
-        if bad is not None:
-            raise ValueError(f"token ids must be between 0 and {MAX_TOKEN_ID}, got {bad}")
-        return value
+        return _token_ids_in_range(value)
     if isinstance(value, list) and not value:
         raise ValueError("prompt must not be empty")
     raise ValueError("prompt must be a string, a list of token ids, or a list of either (a batch)")
@@ -432,12 +455,8 @@ class ChatCompletionRequest(GenerationRequest):
 
     @field_validator("chat_template_kwargs")
     @classmethod
-    def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        clashing = sorted(set(value or {}) & TEMPLATE_CALL_ARGUMENTS)
-        if clashing:
-            raise ValueError(f"{', '.join(map(repr, clashing))} cannot be set here: chat_template_kwargs are "
-                             f"variables of the chat template (such as enable_thinking), not rendering options")
-        return value
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _template_variables_only(value)
 
     @field_validator("continue_final_message")
     @classmethod
@@ -463,14 +482,10 @@ class ChatCompletionRequest(GenerationRequest):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def template_options(self) -> dict[str, Any]:
-        """How to render the conversation with the chat template (tokenizer.apply_chat_template)."""
-        return {"add_generation_prompt": self.add_generation_prompt is not False,
-                "continue_final_message": bool(self.continue_final_message),
-                "template_kwargs": dict(self.chat_template_kwargs or {})}
+        return _template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
 
     def chat_messages(self) -> list[dict[str, str]]:
-        """Messages in the shape the tokenizer's chat template takes."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return _template_messages(self.messages)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -620,8 +635,8 @@ class TokenizeRequest(_RequestModel):
 
     @field_validator("chat_template_kwargs")
     @classmethod
-    def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return ChatCompletionRequest._template_variables_only(value)
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _template_variables_only(value)
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> "TokenizeRequest":
@@ -631,6 +646,12 @@ class TokenizeRequest(_RequestModel):
             raise ValueError("add_special_tokens applies to a prompt; with messages the chat template places "
                              "the special tokens")
         return self
+
+    def template_options(self) -> dict[str, Any]:
+        return _template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return _template_messages(self.messages)
 
 
 class TokenizeResponse(BaseModel):

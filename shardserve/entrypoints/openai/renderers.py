@@ -1,7 +1,7 @@
 """Response bodies built from engine outputs: one renderer per endpoint (completions, chat).
 
 A renderer turns each `RequestOutput` into a stream chunk, a run's usage into the final usage
-chunk, and a finished request into the complete JSON response; it knows nothing of transport.
+chunk, and the finished choices into the complete JSON response; it knows nothing of transport.
 
 The pydantic models of protocol.py define every body. Stream chunks, one per output of every request in
 flight, are also written directly (`chunk_event`): the parts that never change within a request (id, object,
@@ -49,17 +49,25 @@ class Renderer(Protocol):
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel: ...
 
-    def response(self, final: RequestOutput, logprobs: list[TokenLogprob]) -> BaseModel: ...
-
     def response_choices(self, results: list[tuple[RequestOutput, list[TokenLogprob]]],
                          usage: UsageInfo) -> BaseModel:
         """The whole response: choice i is results[i] (its final output and every token's logprobs)."""
         ...
 
 
-def usage_of(output: RequestOutput) -> UsageInfo:
-    """The token counts of the request `output` belongs to, as of that output."""
-    return UsageInfo.of(output.num_prompt_tokens, output.num_output_tokens)
+class _FirstChunks:
+    """Which choices' first chunk has gone out (it carries what only the first does: the role, the echo)."""
+
+    __slots__ = ("_sent",)
+
+    def __init__(self) -> None:
+        self._sent: set[int] = set()
+
+    def first(self, index: int) -> bool:
+        """Whether the chunk about to go out for choice `index` is its first."""
+        first = index not in self._sent
+        self._sent.add(index)
+        return first
 
 
 _encode = msgspec.json.Encoder().encode
@@ -89,9 +97,13 @@ class CompletionRenderer:
         self._token_text = token_text
         self._with_logprobs = with_logprobs
         self._formatters: dict[int, CompletionLogprobsFormatter] = {}  # per choice: offsets continue per choice
-        self._echo = dict(echo or {})  # left to send: each choice's first chunk takes its prompt
-        self._echo_whole = dict(self._echo)
+        self._echo = dict(echo or {})  # each choice's first chunk, and its whole text, start with its prompt
+        self._started = _FirstChunks()
         self._frame: _ChunkFrame | None = None
+
+    def _echoed(self, index: int) -> str:
+        """The prompt text a stream chunk of choice `index` starts with: its echo in the first, else nothing."""
+        return self._echo.get(index, "") if self._started.first(index) else ""
 
     def _format(self, logprobs: list[TokenLogprob] | None, index: int) -> CompletionLogprobs | None:
         if not self._with_logprobs:
@@ -100,7 +112,7 @@ class CompletionRenderer:
         return formatter.format(logprobs or [])
 
     def chunk(self, output: RequestOutput, index: int = 0) -> CompletionStreamResponse:
-        choice = CompletionChoice(index=index, text=self._echo.pop(index, "") + output.delta_text,
+        choice = CompletionChoice(index=index, text=self._echoed(index) + output.delta_text,
                                   logprobs=self._format(output.new_logprobs, index),
                                   finish_reason=output.finish_reason if output.finished else None)
         return CompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice])
@@ -110,19 +122,16 @@ class CompletionRenderer:
             self._frame = _ChunkFrame(CompletionStreamResponse(id=self.request_id, model=self.model, choices=[]),
                                       include_usage)
         logprobs = self._format(output.new_logprobs, index)
-        return self._frame.event({"index": index, "text": self._echo.pop(index, "") + output.delta_text,
+        return self._frame.event({"index": index, "text": self._echoed(index) + output.delta_text,
                                   "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
                                   "finish_reason": output.finish_reason if output.finished else None})
 
     def usage_chunk(self, usage: UsageInfo) -> CompletionStreamResponse:
         return CompletionStreamResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
 
-    def response(self, final: RequestOutput, logprobs: list[TokenLogprob]) -> CompletionResponse:
-        return self.response_choices([(final, logprobs)], usage_of(final))
-
     def response_choices(self, results: list[tuple[RequestOutput, list[TokenLogprob]]],
                          usage: UsageInfo) -> CompletionResponse:
-        choices = [CompletionChoice(index=i, text=self._echo_whole.get(i, "") + final.text,
+        choices = [CompletionChoice(index=i, text=self._echo.get(i, "") + final.text,
                                     logprobs=self._format(logprobs, i), finish_reason=final.finish_reason)
                    for i, (final, logprobs) in enumerate(results)]
         return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
@@ -134,17 +143,12 @@ class ChatRenderer:
         self.model = model
         self._token_text = token_text
         self._with_logprobs = with_logprobs
-        self._role_sent: set[int] = set()  # choices whose first chunk went out
+        self._started = _FirstChunks()
         self._frame: _ChunkFrame | None = None
-
-    def _first(self, index: int) -> bool:
-        first = index not in self._role_sent
-        self._role_sent.add(index)
-        return first
 
     def chunk(self, output: RequestOutput, index: int = 0) -> ChatCompletionStreamResponse:
         # Each choice's first chunk announces the speaker, as OpenAI's streams do.
-        delta = DeltaMessage(role="assistant" if self._first(index) else None, content=output.delta_text)
+        delta = DeltaMessage(role="assistant" if self._started.first(index) else None, content=output.delta_text)
         choice = ChatCompletionStreamChoice(
             index=index,
             delta=delta,
@@ -158,7 +162,7 @@ class ChatRenderer:
             self._frame = _ChunkFrame(ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[]),
                                       include_usage)
         # As DeltaMessage serializes: the parts that are set.
-        delta = {"role": "assistant", "content": output.delta_text} if self._first(index) else {
+        delta = {"role": "assistant", "content": output.delta_text} if self._started.first(index) else {
             "content": output.delta_text}
         logprobs = self._logprobs(output.new_logprobs or [])
         return self._frame.event({"index": index, "delta": delta,
@@ -167,9 +171,6 @@ class ChatRenderer:
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
-
-    def response(self, final: RequestOutput, logprobs: list[TokenLogprob]) -> ChatCompletionResponse:
-        return self.response_choices([(final, logprobs)], usage_of(final))
 
     def response_choices(self, results: list[tuple[RequestOutput, list[TokenLogprob]]],
                          usage: UsageInfo) -> ChatCompletionResponse:

@@ -256,10 +256,7 @@ async def tokenize(body: TokenizeRequest, raw_request: Request) -> TokenizeRespo
     state.check_model(body.model)
     tokenizer = state.engine.tokenizer
     if body.messages is not None:
-        options = {"add_generation_prompt": body.add_generation_prompt is not False,
-                   "continue_final_message": bool(body.continue_final_message),
-                   "template_kwargs": dict(body.chat_template_kwargs or {})}
-        ids = _render_chat(tokenizer, [{"role": m.role, "content": m.content} for m in body.messages], options)
+        ids = _render_chat(tokenizer, body.chat_messages(), body.template_options())
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     strs = [tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
