@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -98,42 +99,44 @@ class OpenAIClient:
     async def _read_stream(self, response: aiohttp.ClientResponse, started: float, result: RequestResult) -> None:
         last_arrival: float | None = None
         chunks_with_output = 0
-        pending = b""
-        async for data in response.content.iter_any():
-            *lines, pending = (pending + data).split(b"\n")
-            for line in lines:
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[len(b"data:"):].strip()
-                if payload == b"[DONE]":
-                    if not result.usage_reported:
-                        result.completion_tokens = chunks_with_output  # a server that ignores include_usage
-                    return
-                try:
-                    chunk = json.loads(payload)
-                except ValueError:
-                    result.error = (f"the stream sent something that is not JSON: "
-                                    f"{payload[:_ERROR_TEXT_LIMIT].decode(errors='replace')!r}")
-                    return
-                if not isinstance(chunk, dict):
-                    continue
-                if "error" in chunk:
-                    result.error = f"error in the stream: {_message(chunk)}"
-                    return
-                if _carries_output(chunk):
-                    now = time.perf_counter()
-                    if last_arrival is None:
-                        result.ttft_s = now - started
-                    else:
-                        result.itl_s.append(now - last_arrival)
-                    last_arrival = now
-                    chunks_with_output += 1
-                if usage := chunk.get("usage"):
-                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    result.completion_tokens = int(usage.get("completion_tokens") or 0)
-                    result.usage_reported = True
+        async for payload in _event_payloads(response):
+            if payload == b"[DONE]":
+                break
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                result.error = (f"the stream sent something that is not JSON: "
+                                f"{payload[:_ERROR_TEXT_LIMIT].decode(errors='replace')!r}")
+                return
+            if not isinstance(chunk, dict):
+                continue
+            if "error" in chunk:
+                result.error = f"error in the stream: {_message(chunk)}"
+                return
+            if _carries_output(chunk):
+                now = time.perf_counter()
+                if last_arrival is None:
+                    result.ttft_s = now - started
+                else:
+                    result.itl_s.append(now - last_arrival)
+                last_arrival = now
+                chunks_with_output += 1
+            if usage := chunk.get("usage"):
+                result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                result.completion_tokens = int(usage.get("completion_tokens") or 0)
+                result.usage_reported = True
         if not result.usage_reported:
-            result.completion_tokens = chunks_with_output
+            result.completion_tokens = chunks_with_output  # a server that ignores include_usage
+
+
+async def _event_payloads(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The data of each `data:` line of a server-sent event stream, as it arrives."""
+    pending = b""
+    async for data in response.content.iter_any():
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[len(b"data:"):].strip()
 
 
 def _carries_output(chunk: dict) -> bool:

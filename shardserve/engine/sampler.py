@@ -116,10 +116,14 @@ class Sampler:
                              f"{tuple(logits.shape)} for {len(seq_ids)} sequence ids and {len(params)} parameter sets")
         if not params:
             return PendingSample(params, None)
-        logits = logits.float()
+        owned = logits.dtype != torch.float32  # .float() below then makes a copy of our own
+        logits = logits.float()  # the model's distribution: what logprobs report
         processed = logits
         if any(p.processes_logits for p in params):
-            processed = self._processed(logits, seq_ids, params, histories)
+            # Processed in place where nothing reads the unprocessed values afterwards: the caller's buffer is
+            # never written, and logprobs need the model's own values.
+            keep_raw = not owned or any(p.logprobs is not None for p in params)
+            processed = self._processed(logits.clone() if keep_raw else logits, seq_ids, params, histories)
         tokens = processed.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
@@ -157,15 +161,14 @@ class Sampler:
 
     def _processed(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
                    histories: Sequence[RowHistory] | None) -> torch.Tensor:
-        """A copy of float32 `logits` [n, vocab] with logit_bias, min_tokens and the penalties applied to the
-        rows that ask for them, each processor batched over its rows."""
+        """Float32 `logits` [n, vocab], changed in place, with logit_bias, min_tokens and the penalties applied to
+        the rows that ask for them, each processor batched over its rows."""
         if histories is None and any(p.min_tokens > 0 or p.penalized for p in params):
             raise ValueError("min_tokens and the penalties need each row's history: pass `histories`")
-        processed = logits.clone()
-        _add_logit_bias(processed, params)
-        _mask_stop_tokens(processed, params, histories, self.eos_token_ids)
-        _apply_penalties(processed, seq_ids, params, histories, self._token_counts)
-        return processed
+        _add_logit_bias(logits, params)
+        _mask_stop_tokens(logits, params, histories, self.eos_token_ids)
+        _apply_penalties(logits, seq_ids, params, histories, self._token_counts)
+        return logits
 
     def _draw(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> torch.Tensor:
         """One token per row of float32 `logits` [m, vocab] (all rows non-greedy), on their device."""
