@@ -127,6 +127,26 @@ def test_the_sampler_matches_the_reference_chain_on_mixed_batches(seed):
     assert any(tokens[i] != int(logits[i].argmax()) for i in greedy)
 
 
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_bfloat16_logits_are_processed_in_a_copy_of_their_own(with_logprobs):
+    """From bf16 logits (as the model returns them) the sampler's float32 copy is processed in place: the
+    caller's tensor stays as it was, the tokens are the reference's on the float32 values, and logprobs stay
+    the model's own."""
+    logits, params, histories = _mixed_batch(5)
+    logits = logits.bfloat16()
+    if with_logprobs:
+        params = [dataclasses.replace(p, logprobs=2) for p in params]
+    before = logits.clone()
+    tokens, logprobs = Sampler(0, EOS_IDS).sample(logits, list(range(len(params))), params, histories)
+    assert torch.equal(logits, before), "the caller's logits were written"
+    expected = [_reference_token(row, p, h) for row, p, h in zip(logits.float(), params, histories)]
+    assert tokens == expected
+    if with_logprobs:
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        assert [lp.logprob for lp in logprobs] == pytest.approx([float(raw[i, t]) for i, t in enumerate(tokens)],
+                                                                abs=1e-5)
+
+
 def test_a_row_is_processed_the_same_alone_as_in_a_batch():
     logits, params, histories = _mixed_batch(4)
     seq_ids = list(range(len(params)))
