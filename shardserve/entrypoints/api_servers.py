@@ -107,8 +107,8 @@ class ApiServers:
 
 
 def frontend_main(options: FrontendOptions, index: int, sock: socket.socket, parent_pid: int) -> None:
-    """A front end's process: the OpenAI app over a CoreClient, until SIGTERM/SIGINT or until rank 0's process
-    is gone."""
+    """A front end's process: the OpenAI app over a CoreClient, until SIGTERM (rank 0's process sends it; a
+    Ctrl-C is rank 0's to act on) or until rank 0's process is gone."""
     # Before prometheus_client is imported: request metrics go to files every front end's /metrics reads.
     os.environ[_METRICS_DIR_ENV] = options.metrics_dir
     name_this_process(f"shardserve-api{index}")
@@ -129,6 +129,6 @@ def frontend_main(options: FrontendOptions, index: int, sock: socket.socket, par
 
     app = build_app(client, options.served_model_name, api_key=options.api_key,
                     max_body_bytes=options.max_body_bytes, on_startup=startup, on_shutdown=client.stop)
-    reason = serve_http(app, options.host, options.port, sock, stop_when=parent_gone)
+    reason = serve_http(app, options.host, options.port, sock, stop_when=parent_gone, ignore_interrupt=True)
     if reason is not None:
         logger.error("API server %d stops: %s", index, reason)

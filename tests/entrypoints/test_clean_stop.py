@@ -51,3 +51,22 @@ def test_ctrl_c_stops_a_two_rank_server_quietly_and_tells_streams_why(tiny_model
     errors = [e for e in events if '"error"' in e]
     assert errors and "The server is shutting down" in errors[0], events[-3:]
     assert statuses == [503], "a request in flight that was not streamed gets a 503"
+
+
+def test_an_api_server_stops_in_order_when_ctrl_c_comes_after_the_cores_sigterm():
+    """Ctrl-C reaches the API server processes too, but the engine core stops them with SIGTERM; a SIGINT that
+    arrives after that SIGTERM must not count as a second Ctrl-C (which makes uvicorn skip its orderly
+    shutdown and log a traceback)."""
+    from fastapi import FastAPI
+    import uvicorn
+
+    from shardserve.entrypoints.openai.server import _Server
+
+    api_server = _Server(uvicorn.Config(FastAPI()), on_signal=None, ignore_interrupt=True)
+    api_server.handle_exit(signal.SIGTERM, None)
+    api_server.handle_exit(signal.SIGINT, None)
+    assert api_server.should_exit and not api_server.force_exit
+    single_process = _Server(uvicorn.Config(FastAPI()), on_signal=None)
+    single_process.handle_exit(signal.SIGTERM, None)
+    single_process.handle_exit(signal.SIGINT, None)
+    assert single_process.force_exit, "without it, a second stop signal is uvicorn's forced exit"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import socket
 import threading
 import time
@@ -108,13 +109,18 @@ def bind_http_port(host: str, port: int) -> socket.socket:
 
 class _Server(uvicorn.Server):
     """uvicorn's server, which on SIGINT/SIGTERM first tells the engine to end the requests in flight with a
-    503 (uvicorn would otherwise wait for every stream to finish before it stops)."""
+    503 (uvicorn would otherwise wait for every stream to finish before it stops). With `ignore_interrupt`,
+    SIGINT is left to another process (see serve_http)."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[str], None] | None) -> None:
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[str], None] | None,
+                 ignore_interrupt: bool = False) -> None:
         super().__init__(config)
         self._on_signal = on_signal
+        self._ignore_interrupt = ignore_interrupt
 
     def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGINT and self._ignore_interrupt:
+            return
         if self._on_signal is not None and not self.should_exit:
             self._on_signal("the server received a stop signal")
         super().handle_exit(sig, frame)
@@ -124,13 +130,18 @@ class _Server(uvicorn.Server):
 
 
 def serve_http(app: FastAPI, host: str, port: int, sock: socket.socket | None = None,
-               stop_when: Callable[[], str | None] | None = None) -> str | None:
+               stop_when: Callable[[], str | None] | None = None, ignore_interrupt: bool = False) -> str | None:
     """Serve `app` until SIGINT/SIGTERM, on `sock` (from bind_http_port) or else binding host:port; blocks the
     calling thread. With `stop_when`, also stop (gracefully: responses under way are finished) once it returns
-    a reason, which is then returned; None after a signal."""
+    a reason, which is then returned; None after a signal.
+
+    `ignore_interrupt`: only SIGTERM stops it. For an API server process: Ctrl-C reaches the whole process
+    group, and the engine core, which acts on it, stops the API servers with SIGTERM; taken here too, a SIGINT
+    that arrived after that SIGTERM would count as a second Ctrl-C and make uvicorn skip its orderly shutdown."""
     config = uvicorn.Config(app, host=host, port=port, log_level="info")
     serving = getattr(app.state, "serving", None)
-    server = _Server(config, on_signal=getattr(serving.engine, "stop_accepting", None) if serving else None)
+    server = _Server(config, on_signal=getattr(serving.engine, "stop_accepting", None) if serving else None,
+                     ignore_interrupt=ignore_interrupt)
     reason: list[str] = []
     if stop_when is not None:
         def watch() -> None:
