@@ -84,6 +84,16 @@ class Tokenizer:
         eos_ids.update(header.metadata[key] for key in _GGUF_EOS_KEYS if key in header.metadata)
         return cls(hf_tokenizer, eos_ids, str(gguf_path))
 
+    @property
+    def hf_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The transformers tokenizer underneath (grammar engines read its vocabulary)."""
+        return self._tokenizer
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self._tokenizer.chat_template
+        return template if isinstance(template, str) or template is None else next(iter(template.values()), None)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

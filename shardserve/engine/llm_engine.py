@@ -27,6 +27,7 @@ from shardserve.engine.sampler import PendingSample, RowHistory, Sampler
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
+from shardserve.engine.structured_output import StructuredOutputs
 from shardserve.engine.step_plan import WAKE_KV_CACHE, WAKE_WEIGHTS, PlanKind, StepPlan
 from shardserve.transfers import on_device
 
@@ -75,6 +76,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
+        self.grammars = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.seqs: dict[int, Sequence] = {}
         self.by_request: dict[str, Sequence] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
@@ -98,6 +100,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params)
+        if params.structured is not None:
+            self.grammars.add(seq.seq_id, params.structured)  # before anything else holds it: may refuse
         self.seqs[seq.seq_id] = seq
         self.by_request[request_id] = seq
         self.detokenizers[seq.seq_id] = detokenizer_for(self.tokenizer, params)
@@ -224,7 +228,7 @@ class LLMEngine:
         tokens taken on the device, prompts go on and waiting requests join as usual), so the device never
         waits for the host's bookkeeping between steps. The step queued ahead is `self._in_flight` between
         calls; its outputs are returned by the next call. No step is queued ahead of one that samples for a
-        penalized sequence: its penalties need the token in flight on the host.
+        penalized or constrained sequence: its penalties or its grammar need the token in flight on the host.
         """
         if self.held and self.is_sleeping and self.wake_on_request:
             self.wake_up()
@@ -234,7 +238,7 @@ class LLMEngine:
                 return []
             self._in_flight = self._launch(plan)
         current, self._in_flight = self._in_flight, None
-        if self.overlap_steps and not any(s.params.penalized for s in current.seqs):
+        if self.overlap_steps and not any(s.params.needs_last_token for s in current.seqs):
             plan = self.scheduler.schedule_ahead(current.seqs, self.max_model_len)
             if plan is not None:
                 self._in_flight = self._launch(plan, self._device_tokens(plan, current))
@@ -273,7 +277,9 @@ class LLMEngine:
         seqs = [self.seqs[i] for i in seq_ids]
         params = [s.params for s in seqs]
         histories = _histories(plan, seqs) if any(p.processes_logits for p in params) else None
-        return _InFlight(plan, seqs, self.sampler.enqueue(logits, seq_ids, params, histories))
+        # The device computes the logits meanwhile: the grammar masks cost no device time where it runs ahead.
+        allowed = self.grammars.allowed(seq_ids) if self.grammars.matchers else None
+        return _InFlight(plan, seqs, self.sampler.enqueue(logits, seq_ids, params, histories, allowed))
 
     def _resolve(self, step: "_InFlight") -> list[RequestOutput]:
         """Wait for a step's tokens and append them; a sequence that finished or was aborted while the step
@@ -315,6 +321,8 @@ class LLMEngine:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        if p.structured is not None and self.grammars.accept(seq.seq_id, token):
+            reason = "stop"  # the end-of-sequence token of a complete grammar (with ignore_eos too)
         delta, stopped = "", False  # without detokenize the text stays ""
         if p.detokenize:
             delta, stopped = text_update(self.detokenizers[seq.seq_id], seq.output_token_ids, reason)
@@ -336,6 +344,7 @@ class LLMEngine:
         self.seqs.pop(seq.seq_id, None)
         self.by_request.pop(seq.request_id, None)
         self.sampler.forget(seq.seq_id)
+        self.grammars.forget(seq.seq_id)
 
     def _output(self, seq: Sequence, new_ids: list[int], delta: str, logprobs) -> RequestOutput:
         detok = self.detokenizers[seq.seq_id]

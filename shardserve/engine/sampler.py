@@ -9,7 +9,8 @@ Semantics per row, as for one request alone:
   min_tokens tokens are generated, the stop tokens (eos unless ignore_eos, and stop_token_ids) get -inf;
   the repetition penalty divides the positive logits of the tokens in the prompt or the output by p and
   multiplies the others by p; the frequency and presence penalties subtract frequency x count +
-  presence x (count > 0), counting the output tokens only;
+  presence x (count > 0), counting the output tokens only; last, the tokens a structured output's grammar
+  does not allow get -inf (so nothing after can bring them back);
 - greedy (temperature 0 or top_k 1): the argmax of the processed logits;
 - otherwise the processed logits are divided by the temperature, min-p drops the tokens whose probability
   is below min_p x the row's highest, top-k keeps the logits >= the k-th largest, top-p keeps the smallest
@@ -37,6 +38,7 @@ import torch
 
 from shardserve.engine.outputs import TokenLogprob
 from shardserve.engine.sampling_params import SamplingParams
+from shardserve.engine.structured_output import AllowedTokens, apply_allowed
 from shardserve.transfers import on_device
 
 # Keeps every token when a row has no top-p cut: the mass before a token never exceeds 1 by this much.
@@ -98,16 +100,18 @@ class Sampler:
         self._token_counts.forget(seq_id)
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
-               histories: Sequence[RowHistory] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+               histories: Sequence[RowHistory] | None = None, allowed: AllowedTokens | None = None
+               ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [n, vocab] on any device, in any float dtype, row i for seq_ids[i] with params[i] and, when
-        some row has min_tokens or a penalty, histories[i].
+        some row has min_tokens or a penalty, histories[i]; `allowed`: the grammar masks of the constrained rows.
 
         Returns the n chosen token ids and, per row, its TokenLogprob or None (when not asked for).
         """
-        return self.resolve(self.enqueue(logits, seq_ids, params, histories))
+        return self.resolve(self.enqueue(logits, seq_ids, params, histories, allowed))
 
     def enqueue(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
-                histories: Sequence[RowHistory] | None = None) -> "PendingSample":
+                histories: Sequence[RowHistory] | None = None, allowed: AllowedTokens | None = None
+                ) -> "PendingSample":
         """Queue all the device work of `sample` without waiting for it; `resolve` brings the results to the
         host. Once this returns, `logits` may be overwritten (stream order): everything read from it has
         been queued, and the results live in tensors of their own."""
@@ -123,7 +127,7 @@ class Sampler:
             # Processed in place where nothing reads the unprocessed values afterwards: the caller's buffer is
             # never written, and logprobs need the model's own values.
             keep_raw = not owned or any(p.logprobs is not None for p in params)
-            processed = self._processed(logits.clone() if keep_raw else logits, seq_ids, params, histories)
+            processed = self._processed(logits.clone() if keep_raw else logits, seq_ids, params, histories, allowed)
         tokens = processed.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
@@ -160,14 +164,19 @@ class Sampler:
         return token_list, logprobs
 
     def _processed(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
-                   histories: Sequence[RowHistory] | None) -> torch.Tensor:
-        """Float32 `logits` [n, vocab], changed in place, with logit_bias, min_tokens and the penalties applied to
-        the rows that ask for them, each processor batched over its rows."""
+                   histories: Sequence[RowHistory] | None, allowed: AllowedTokens | None) -> torch.Tensor:
+        """Float32 `logits` [n, vocab], changed in place, with logit_bias, min_tokens, the penalties and the
+        grammar masks applied to the rows that ask for them, each processor batched over its rows."""
         if histories is None and any(p.min_tokens > 0 or p.penalized for p in params):
             raise ValueError("min_tokens and the penalties need each row's history: pass `histories`")
+        constrained = [r for r, p in enumerate(params) if p.structured is not None]
+        if constrained != (allowed.rows if allowed is not None else []):
+            raise ValueError("every row with a structured output, and only those, needs its grammar mask in `allowed`")
         _add_logit_bias(logits, params)
         _mask_stop_tokens(logits, params, histories, self.eos_token_ids)
         _apply_penalties(logits, seq_ids, params, histories, self._token_counts)
+        if allowed is not None:
+            apply_allowed(logits, allowed)
         return logits
 
     def _draw(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> torch.Tensor:

@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 # What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+# What a structured output's `spec` holds, per kind: a JSON schema (JSON text), nothing (any JSON object), a
+# regular expression, a JSON list of strings, a grammar in Lark or GBNF syntax.
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint every generated token must keep: the output stays a prefix of a string of the language,
+    and ends when the language does (engine/grammar.py compiles it)."""
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -30,6 +49,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of each token present in the output
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
     min_p: float = 0.0  # tokens below min_p x the best token's probability are dropped
+    structured: StructuredOutput | None = None  # tokens the grammar does not allow get -inf, after the above
     skip_special_tokens: bool = True  # the text leaves out special tokens
     include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it
     # False: no text is decoded (outputs carry token ids, text stays ""), e.g. for benchmarks that
@@ -63,6 +83,9 @@ class SamplingParams:
             if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias maps token ids >= 0 to values in [-{MAX_LOGIT_BIAS:g}, "
                                  f"{MAX_LOGIT_BIAS:g}], got {token_id}: {bias}")
+        if self.structured is not None and self.min_tokens > 0:
+            raise ValueError("min_tokens cannot be combined with a structured output: the grammar decides where "
+                             "the output ends")
         if self.stop and not self.detokenize:
             raise ValueError(f"stop strings {list(self.stop)!r} need the generated text, but detokenize is False: "
                              f"set detokenize=True, or stop on token ids with stop_token_ids")
@@ -78,6 +101,13 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def needs_last_token(self) -> bool:
+        """Whether sampling depends on the previous token on the host (penalties count it, a grammar must accept
+        it), so no step can be queued before that token is known."""
+        return self.penalized or self.structured is not None
+
+    @property
     def processes_logits(self) -> bool:
         """Whether any logits processing other than temperature, top-k and top-p applies."""
-        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalized or self.min_p > 0
+        return (bool(self.logit_bias) or self.min_tokens > 0 or self.penalized or self.min_p > 0
+                or self.structured is not None)
