@@ -92,6 +92,13 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
+    p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "none"], default="auto",
+                   help="how tool calls are read from chat outputs under tool_choice 'auto': hermes (Qwen2.5, Qwen3: "
+                        "<tool_call> tags), llama3_json (Llama 3.x); auto: the one the chat template's tool format "
+                        "calls for (default)")
+    p.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                   help="split the model's reasoning (<think>...</think>) out of chat content into "
+                        "reasoning_content (default: none)")
     p.add_argument("--api-server-count", type=_positive(int, "--api-server-count", allow_zero=True), default=None,
                    help="HTTP front-end processes (tokenizing, detokenizing, streaming) in front of the engine's "
                         "process; 0 serves HTTP from the engine's process (default 1)")

@@ -105,16 +105,18 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The token ids of a conversation rendered with the model's chat template; `template_kwargs` are
-        variables the template reads (e.g. enable_thinking)."""
+        variables the template reads (e.g. enable_thinking); `tools` are OpenAI tool definitions, which the
+        template lays out in its model's own format."""
         if not self._tokenizer.chat_template:
             raise ValueError(
                 f"the tokenizer of {self.name} has no chat template; use a plain completion prompt"
             )
         return self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            tokenize=True, return_dict=False, **(template_kwargs or {})
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=True, return_dict=False, **(template_kwargs or {})
         )
 
     def token_text(self, token_id: int) -> str:

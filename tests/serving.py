@@ -89,10 +89,11 @@ class InProcessServer:
 
 @contextmanager
 def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | None = None,
-                max_body_bytes: int | None = None, **engine_options) -> Iterator[InProcessServer]:
+                max_body_bytes: int | None = None, chat_parsers=None, **engine_options) -> Iterator[InProcessServer]:
     """A real engine (rank 0 in this process, other ranks spawned) behind the real HTTP app.
 
-    `api_key` and `max_body_bytes` go to `build_app` (None: its defaults); the rest to `EngineConfig`.
+    `api_key`, `max_body_bytes` and `chat_parsers` go to `build_app` (None: its defaults); the rest to
+    `EngineConfig`.
     """
     from shardserve.config import EngineConfig
     from shardserve.distributed.launcher import LocalRanks
@@ -109,6 +110,8 @@ def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | 
         engine = AsyncEngine(lambda: LLMEngine(config, ranks.ctx, tokenizer))
         try:
             app_options = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
+            if chat_parsers is not None:
+                app_options["chat_parsers"] = chat_parsers
             with serve_in_thread(build_app(engine, name, api_key=api_key, **app_options)) as url:
                 yield InProcessServer(url, name, engine, api_key)
         finally:

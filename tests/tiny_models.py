@@ -96,8 +96,41 @@ def write_tokenizer(path: str) -> None:
                    "model_max_length": 512}, f)
 
 
-def make_tiny_model(spec: TinySpec, path: str, seed: int = 0) -> str:
-    """Write config.json, safetensors and tokenizer files for `spec` into `path`; returns path."""
+# A Qwen-style template that lays out tools and tool calls (hermes: <tool_call> tags), for the byte tokenizer.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_byte_tokenizer(path: str) -> None:
+    """A byte-level BPE tokenizer without merges: any text encodes, one token per byte (ids 5..260), so a
+    grammar can spell JSON, regexes and tool calls with it; the model's other ids decode to nothing."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for symbol in sorted(alphabet):
+        vocab[symbol] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
+                   "unk_token": "<unk>", "pad_token": "<unk>", "chat_template": TOOLS_CHAT_TEMPLATE,
+                   "model_max_length": 2048}, f)
+
+
+def make_tiny_model(spec: TinySpec, path: str, seed: int = 0, tokenizer: str = "words") -> str:
+    """Write config.json, safetensors and tokenizer files for `spec` into `path`; returns path. `tokenizer`:
+    "words" (w5 ... w999, a word per token) or "bytes" (write_byte_tokenizer)."""
     from transformers import AutoModelForCausalLM
 
     os.makedirs(path, exist_ok=True)
@@ -109,5 +142,5 @@ def make_tiny_model(spec: TinySpec, path: str, seed: int = 0) -> str:
         model.config.dtype = spec.dtype
     kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
-    write_tokenizer(path)
+    (write_byte_tokenizer if tokenizer == "bytes" else write_tokenizer)(path)
     return path

@@ -20,6 +20,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 from typing import Callable
 
 from shardserve.process_name import name_this_process
@@ -42,6 +43,7 @@ class FrontendOptions:
     ipc_dir: str
     metrics_dir: str
     log_level: int
+    chat_parsers: Any = None  # chat_output.ChatParsers (None: the defaults)
 
 
 class ApiServers:
@@ -128,7 +130,8 @@ def frontend_main(options: FrontendOptions, index: int, sock: socket.socket, par
         await client.start(is_abandoned=parent_gone)
 
     app = build_app(client, options.served_model_name, api_key=options.api_key,
-                    max_body_bytes=options.max_body_bytes, on_startup=startup, on_shutdown=client.stop)
+                    max_body_bytes=options.max_body_bytes, on_startup=startup, on_shutdown=client.stop,
+                    **({"chat_parsers": options.chat_parsers} if options.chat_parsers is not None else {}))
     reason = serve_http(app, options.host, options.port, sock, stop_when=parent_gone, ignore_interrupt=True)
     if reason is not None:
         logger.error("API server %d stops: %s", index, reason)

@@ -26,19 +26,29 @@ class LLM:
             raise
         self._ids = itertools.count()
 
-    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; results in prompt order."""
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; results in prompt order. `params`: one for all the
+        prompts, or one per prompt."""
         if self.engine.is_sleeping and not self.engine.wake_on_request:
             raise RuntimeError("the engine is asleep: call wake_up() first (or create it with wake_on_request=True)")
         batch = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        per_prompt = params if isinstance(params, list) else [params] * len(batch)
+        if len(per_prompt) != len(batch):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts: pass one, or one per prompt")
         # Check every prompt before queueing any, so a refused batch leaves nothing behind in the engine.
-        for token_ids in batch:
-            self.engine.validate_prompt(token_ids, params)
+        for token_ids, p in zip(batch, per_prompt):
+            self.engine.validate_prompt(token_ids, p)
         ids = []
-        for token_ids in batch:
-            request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, token_ids, params)
-            ids.append(request_id)
+        try:
+            for token_ids, p in zip(batch, per_prompt):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(request_id, token_ids, p)  # a grammar that does not compile refuses here
+                ids.append(request_id)
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_work():
             for out in self.engine.step():

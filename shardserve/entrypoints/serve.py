@@ -57,6 +57,12 @@ def choose_launch(args: argparse.Namespace, world_size: int):
     return slurm if slurm is not None else single_node(world_size)
 
 
+def chat_parsers(args: argparse.Namespace):
+    from shardserve.entrypoints.openai.chat_output import ChatParsers
+
+    return ChatParsers(getattr(args, "tool_call_parser", "auto"), getattr(args, "reasoning_parser", None))
+
+
 def serve(args: argparse.Namespace) -> int:
     from shardserve.distributed.launcher import LaunchInfo, LocalRanks, NodeLaunch, set_cpu_threads
     from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
@@ -172,7 +178,7 @@ def _serve_through_api_servers(args: argparse.Namespace, config: EngineConfig, s
         tokenizer_path=config.model, served_model_name=args.served_model_name or config.model,
         api_key=api_key_in_force(args.api_key), max_body_bytes=int(args.max_request_body_mb * 2**20),
         host=args.host, port=args.port, ipc_dir=ipc_dir, metrics_dir=metrics_dir,
-        log_level=logging.getLogger().level)
+        log_level=logging.getLogger().level, chat_parsers=chat_parsers(args))
     api_servers = ApiServers(count, args.http_socket, options)
     core_server = EngineCoreServer(ipc_dir, count)
     engine = None
@@ -227,7 +233,7 @@ def _serve_http_until_stopped(args: argparse.Namespace, config: EngineConfig, en
     try:
         api_key = api_key_in_force(args.api_key)
         app = build_app(engine, args.served_model_name or config.model, api_key=api_key,
-                        max_body_bytes=int(args.max_request_body_mb * 2**20))
+                        max_body_bytes=int(args.max_request_body_mb * 2**20), chat_parsers=chat_parsers(args))
         logger.info("serving %s on http://%s:%d (tensor parallel size %d, %s%s)", config.model, args.host,
                     args.port, config.tensor_parallel_size, config.device,
                     ", API key required" if api_key else "")

@@ -165,3 +165,22 @@ def serve_failing(server: InProcessServer) -> Iterator[Callable[[int], InProcess
             return InProcessServer(url, MODEL, server.engine)
 
         yield start
+
+
+@pytest.fixture(scope="session")
+def byte_model_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen2 with a byte-level tokenizer (any text encodes) and a chat template with tools in the
+    hermes format (<tool_call> tags): random weights, so every structure in its outputs comes from a grammar."""
+    from dataclasses import replace
+
+    from tests.tiny_models import TINY_SPECS, make_tiny_model
+
+    qwen2 = TINY_SPECS["qwen2"]  # a token per byte: prompts with tools run to a few hundred tokens
+    spec = replace(qwen2, name="qwen2-bytes", config={**qwen2.config, "max_position_embeddings": 2048})
+    return make_tiny_model(spec, str(tmp_path_factory.mktemp("byte-model")), tokenizer="bytes")
+
+
+@pytest.fixture(scope="module")
+def byte_server(byte_model_dir) -> Iterator[InProcessServer]:
+    with serve_model(byte_model_dir, name=MODEL, max_model_len=2048, kv_cache_memory_gb=0.05) as running:
+        yield running

@@ -19,9 +19,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     ValidationInfo,
@@ -32,7 +30,18 @@ from pydantic import (
 )
 
 from shardserve.engine.outputs import TokenLogprob
-from shardserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from shardserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_RANGE, SamplingParams, StructuredOutput
+from shardserve.entrypoints.openai.constraints import ResponseFormat, StructuredOutputsParams
+from shardserve.entrypoints.openai.tools import (
+    ToolCallInMessage,
+    ToolCallOut,
+    ToolChoice,
+    ToolDefinition,
+    ToolPlan,
+    template_tool_calls,
+    tool_plan,
+)
+from shardserve.entrypoints.openai.fields import RequestModel, Text, valid_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -58,25 +67,12 @@ def _token_ids_in_range(value: list[int] | None) -> list[int] | None:
     return value
 
 
-def _valid_unicode(value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"must be valid Unicode text, but character {exc.start} is an unpaired surrogate "
-                         f"({value[exc.start]!r})") from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-
-
-class _RequestModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_valid_unicode = valid_unicode
+_RequestModel = RequestModel
 
 
 # OpenAI's fields that change nothing a request computes here: accepted without a word.
-NO_OP_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                          "safety_identifier"})
+NO_OP_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
 _warned_unknown: set[str] = set()
 
 
@@ -95,17 +91,12 @@ def _warn_unknown_fields(model: type[BaseModel], data: Any) -> None:
 # Fields this server knows and does not implement: each changes the output, so a request that sets one is
 # refused with a 400 naming it rather than answered as if it had not been sent. The value is why.
 _NOT_YET = "is not supported by this server yet"
-_STRUCTURED = "structured outputs are not supported by this server yet: the output would not be constrained"
 REFUSED_FIELDS: dict[str, str] = {
-    "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
-    "guided_whitespace_pattern": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
-    "functions": "function calling " + _NOT_YET,
-    "function_call": "function calling " + _NOT_YET,
+    "guided_whitespace_pattern": "the whitespace of structured JSON is fixed by this server (\", \" between items, "
+                                 "\": \" after keys, nothing else)",
+    "functions": "the legacy function calling; send the functions as tools (each {\"type\": \"function\", "
+                 "\"function\": {...}}) and function_call as tool_choice",
+    "function_call": "the legacy function calling; send tool_choice with tools instead",
     "reasoning_effort": _NOT_YET,
     "use_beam_search": "beam search " + _NOT_YET,
     "length_penalty": "beam search " + _NOT_YET,
@@ -154,16 +145,17 @@ def _template_variables_only(value: dict[str, Any] | None) -> dict[str, Any] | N
 
 
 def _template_options(add_generation_prompt: bool | None, continue_final_message: bool | None,
-                      chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+                      chat_template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None = None
+                      ) -> dict[str, Any]:
     """How to render a conversation with the chat template (tokenizer.apply_chat_template)."""
-    return {"add_generation_prompt": add_generation_prompt is not False,
+    return {"add_generation_prompt": add_generation_prompt is not False, "tools": tools,
             "continue_final_message": bool(continue_final_message),
             "template_kwargs": dict(chat_template_kwargs or {})}
 
 
-def _template_messages(messages: list["ChatMessage"]) -> list[dict[str, str]]:
+def _template_messages(messages: list["ChatMessage"]) -> list[dict[str, Any]]:
     """Messages in the shape the tokenizer's chat template takes."""
-    return [{"role": m.role, "content": m.content} for m in messages]
+    return [m.for_template() for m in messages]
 
 
 class _Refused(ValueError):
@@ -205,6 +197,14 @@ class GenerationRequest(_RequestModel):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     user: Text | None = None
+    # Structured outputs (constraints.py): at most one of these.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: Text | None = None  # which engine enforces a constraint changes no output: ignored
 
     @model_validator(mode="before")
     @classmethod
@@ -277,9 +277,10 @@ class GenerationRequest(_RequestModel):
         """Alternatives to report per generated token (0: only the sampled one); None: no logprobs."""
         return None
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, structured: StructuredOutput | None = None) -> SamplingParams:
         """Raises ValueError (from SamplingParams) for values out of range."""
         return SamplingParams(
+            structured=structured,
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -373,12 +374,17 @@ class CompletionRequest(GenerationRequest):
 
 
 class ChatMessage(_RequestModel):
-    role: Annotated[Literal["system", "user", "assistant"], WithJsonSchema(
-        {"type": "string", "enum": ["system", "developer", "user", "assistant"]})]
-    # A string or a list of text parts, joined into one string by the validator.
-    content: Annotated[Text, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {
+    role: Annotated[Literal["system", "user", "assistant", "tool"], WithJsonSchema(
+        {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]})]
+    # A string or a list of text parts, joined into one string by the validator; None only for an assistant
+    # message that calls tools.
+    content: Annotated[Text | None, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {
         "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-        "required": ["type", "text"]}}]})]
+        "required": ["type", "text"]}}, {"type": "null"}]})] = None
+    tool_calls: list[ToolCallInMessage] | None = None  # an assistant message's calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+    name: Text | None = None
+    reasoning_content: Text | None = None  # an earlier answer's reasoning: not shown to the template
 
     @field_validator("role", mode="before")
     @classmethod
@@ -401,15 +407,37 @@ class ChatMessage(_RequestModel):
             texts.append(part["text"])
         return "\n".join(texts)
 
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} messages")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role!r} message needs content (only an assistant message that calls "
+                             f"tools may leave it null)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a 'tool' message needs the tool_call_id of the call it answers")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = template_tool_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     echo: bool | None = False
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -429,24 +457,18 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
-    @field_validator("tools")
+    @field_validator("tool_choice", mode="before")
     @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        return _reject_if_set("tools", value, bool)
+    def _choice_shape(cls, value: Any) -> Any:
+        # One message for every wrong shape, rather than one per member of the union.
+        if value is None or value in ("none", "auto", "required") or isinstance(value, dict):
+            return value
+        raise ValueError(f"tool_choice is 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": "
+                         f"{{\"name\": ...}}}}, got {value!r}")
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_to_choose(cls, value: Any) -> Any:
-        # Without tools, "none" and "auto" both mean: answer in text. Anything else needs tools.
-        if value not in (None, "none", "auto"):
-            raise ValueError(f"tool_choice {value!r} needs tools, which this server does not support yet; "
-                             f"'none' and 'auto' (without tools: answer in text) are accepted")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return _reject_if_set("response_format", value, lambda v: v is not None and v.get("type") != "text")
+    def tool_plan(self) -> ToolPlan:
+        """What the tools and tool_choice ask for; ValueError when they do not fit together."""
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @field_validator("echo")
     @classmethod
@@ -481,10 +503,11 @@ class ChatCompletionRequest(GenerationRequest):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def template_options(self) -> dict[str, Any]:
-        return _template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+    def template_options(self, plan: ToolPlan) -> dict[str, Any]:
+        return _template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs,
+                                 plan.tools)
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         return _template_messages(self.messages)
 
     @property
@@ -494,7 +517,7 @@ class ChatCompletionRequest(GenerationRequest):
 
 # --------------------------------------------------------------------------- responses
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class UsageInfo(BaseModel):
@@ -561,7 +584,19 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_parts(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # content is always there (null when the message only calls tools); the others only when they are.
+        body = handler(self)
+        if body.get("reasoning_content") is None:
+            body.pop("reasoning_content", None)
+        if not body.get("tool_calls"):
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatCompletionChoice(BaseModel):
@@ -583,6 +618,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # tools.tool_call_delta entries
 
     @model_serializer(mode="wrap")
     def _omit_unset_parts(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -631,6 +668,7 @@ class TokenizeRequest(_RequestModel):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered into the prompt as the chat template does
     return_token_strs: bool | None = False
 
     @field_validator("chat_template_kwargs")
@@ -648,9 +686,11 @@ class TokenizeRequest(_RequestModel):
         return self
 
     def template_options(self) -> dict[str, Any]:
-        return _template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+        tools = [t.model_dump(mode="json", exclude_none=True) for t in self.tools or ()]
+        return _template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs,
+                                 tools)
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         return _template_messages(self.messages)
 
 

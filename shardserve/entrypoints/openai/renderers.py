@@ -17,6 +17,7 @@ import msgspec
 from pydantic import BaseModel
 
 from shardserve.engine.outputs import RequestOutput, TokenLogprob
+from shardserve.entrypoints.openai.chat_output import ChatOutput, ChoiceStreamer
 from shardserve.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionResponse,
@@ -34,6 +35,7 @@ from shardserve.entrypoints.openai.protocol import (
     UsageInfo,
     chat_logprobs,
 )
+from shardserve.entrypoints.openai.tools import ToolCallOut
 
 
 class Renderer(Protocol):
@@ -138,15 +140,23 @@ class CompletionRenderer:
 
 
 class ChatRenderer:
-    def __init__(self, request_id: str, model: str, token_text: TokenText, with_logprobs: bool) -> None:
+    """`output`: how the text becomes a message (chat_output.py); None: the text is the content."""
+
+    def __init__(self, request_id: str, model: str, token_text: TokenText, with_logprobs: bool,
+                 output: ChatOutput | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self._token_text = token_text
         self._with_logprobs = with_logprobs
+        self._output = output if output is not None and not output.is_plain else None
+        self._streamers: dict[int, ChoiceStreamer] = {}
         self._started = _FirstChunks()
         self._frame: _ChunkFrame | None = None
 
     def chunk(self, output: RequestOutput, index: int = 0) -> ChatCompletionStreamResponse:
+        if self._output is not None:
+            choice = ChatCompletionStreamChoice.model_validate(self._shaped_choice(output, index))
+            return ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice])
         # Each choice's first chunk announces the speaker, as OpenAI's streams do.
         delta = DeltaMessage(role="assistant" if self._started.first(index) else None, content=output.delta_text)
         choice = ChatCompletionStreamChoice(
@@ -161,6 +171,11 @@ class ChatRenderer:
         if self._frame is None:
             self._frame = _ChunkFrame(ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[]),
                                       include_usage)
+        if self._output is not None:
+            choice = self._shaped_choice(output, index)
+            if not choice["delta"] and choice["finish_reason"] is None and choice["logprobs"] is None:
+                return b""  # text held back (a marker's start, a tool call being written): nothing to say yet
+            return self._frame.event(choice)
         # As DeltaMessage serializes: the parts that are set.
         delta = {"role": "assistant", "content": output.delta_text} if self._started.first(index) else {
             "content": output.delta_text}
@@ -169,14 +184,34 @@ class ChatRenderer:
                                   "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
                                   "finish_reason": output.finish_reason if output.finished else None})
 
+    def _shaped_choice(self, output: RequestOutput, index: int) -> dict[str, Any]:
+        """A stream choice, as JSON, of a response whose text is shaped into reasoning, content and tool calls."""
+        streamer = self._streamers.get(index)
+        if streamer is None:
+            streamer = self._streamers[index] = self._output.streamer()
+        delta = streamer.delta(output.delta_text, output.finished)
+        if self._started.first(index):
+            delta = {"role": "assistant", **delta}
+        logprobs = self._logprobs(output.new_logprobs or [])
+        reason = self._output.finish_reason(output.finish_reason, streamer.called_tools) if output.finished else None
+        return {"index": index, "delta": delta,
+                "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"), "finish_reason": reason}
+
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
 
     def response_choices(self, results: list[tuple[RequestOutput, list[TokenLogprob]]],
                          usage: UsageInfo) -> ChatCompletionResponse:
-        choices = [ChatCompletionChoice(index=i, message=ChatResponseMessage(content=final.text),
-                                        logprobs=self._logprobs(logprobs), finish_reason=final.finish_reason)
-                   for i, (final, logprobs) in enumerate(results)]
+        choices = []
+        for i, (final, logprobs) in enumerate(results):
+            message, reason = ChatResponseMessage(content=final.text), final.finish_reason
+            if self._output is not None:
+                parts = self._output.message(final.text)
+                message = ChatResponseMessage(content=parts.content, reasoning_content=parts.reasoning,
+                                              tool_calls=[ToolCallOut.of(c) for c in parts.tool_calls])
+                reason = self._output.finish_reason(reason, bool(parts.tool_calls))
+            choices.append(ChatCompletionChoice(index=i, message=message, logprobs=self._logprobs(logprobs),
+                                                finish_reason=reason))
         return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=usage)
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs | None:

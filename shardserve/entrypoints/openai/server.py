@@ -26,13 +26,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from shardserve import __version__
-from shardserve.engine.sampling_params import SEED_RANGE, SamplingParams
+from shardserve.engine.sampling_params import SEED_RANGE, SamplingParams, StructuredOutput
 from shardserve.entrypoints.openai.errors import (
     InvalidRequestError,
     ServiceUnavailableError,
     install_error_handlers,
     model_not_found,
 )
+from shardserve.entrypoints.openai.chat_output import ChatOutput, ChatParsers
+from shardserve.entrypoints.openai.constraints import checked, constraint_of
 from shardserve.entrypoints.openai.generation import Choice, serve_choices
 from shardserve.entrypoints.openai.metrics import ServerMetrics
 from shardserve.entrypoints.openai.middleware import BodySizeLimit, require_api_key
@@ -50,7 +52,9 @@ from shardserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from shardserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from shardserve.entrypoints.openai.renderers import ChatRenderer, CompletionRenderer
+from shardserve.entrypoints.openai.tool_parsers import ToolParser
 
 if TYPE_CHECKING:
     from shardserve.engine.client import EngineClient
@@ -63,8 +67,10 @@ def build_app(
     max_body_bytes: int = 4 * 2**20,
     on_startup: Callable[[], Awaitable[None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    chat_parsers: ChatParsers = ChatParsers(),
 ) -> FastAPI:
-    """The OpenAI-compatible app serving `engine` under the name `served_model_name`.
+    """The OpenAI-compatible app serving `engine` under the name `served_model_name`; `chat_parsers` read tool
+    calls and reasoning out of chat outputs.
 
     With `api_key`, every path except /health and /version requires `Authorization: Bearer <api_key>`.
     Request bodies over `max_body_bytes` are refused with 413 before they are parsed. `on_startup` runs in
@@ -82,7 +88,9 @@ def build_app(
                 await on_shutdown()
 
     app = FastAPI(title="shardserve", version=__version__, lifespan=lifespan)
-    app.state.serving = _ServingState(engine=engine, model_name=served_model_name, created=int(time.time()))
+    tool_parser, reasoning_parser = chat_parsers.resolve(engine.tokenizer.chat_template)
+    app.state.serving = _ServingState(engine=engine, model_name=served_model_name, created=int(time.time()),
+                                      tool_parser=tool_parser, reasoning_parser=reasoning_parser)
     app.state.metrics = ServerMetrics(served_model_name, engine)
     install_error_handlers(app)
     app.include_router(_router)
@@ -166,6 +174,8 @@ class _ServingState:
     engine: EngineClient
     model_name: str
     created: int
+    tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
@@ -300,8 +310,10 @@ async def create_completion(body: CompletionRequest, raw_request: Request) -> Re
     state.check_model(body.model)
     tokenizer = state.engine.tokenizer
     prompts = [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in body.prompt]
+    constraint = constraint_of(body)
+    structured = constraint[0] if constraint is not None else None
     choices = [choice for i, ids in enumerate(prompts)
-               for choice in _choices(body, i, ids, state.engine.max_model_len, "prompt")]
+               for choice in _choices(body, i, ids, state.engine.max_model_len, "prompt", structured)]
     echo = None
     if body.echo:  # each choice's text starts with its prompt's
         texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompt]
@@ -321,25 +333,48 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     state = _serving(raw_request)
     state.check_model(body.model)
     tokenizer = state.engine.tokenizer
-    prompt_ids = _render_chat(tokenizer, body.chat_messages(), body.template_options())
-    choices = _choices(body, 0, prompt_ids, state.engine.max_model_len, "messages")
+    output, structured = _chat_output(body, state)
+    prompt_ids = _render_chat(tokenizer, body.chat_messages(), body.template_options(output.plan))
+    choices = _choices(body, 0, prompt_ids, state.engine.max_model_len, "messages", structured)
     renderer = ChatRenderer(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         model=state.model_name,
         token_text=tokenizer.token_text,
         with_logprobs=body.num_logprobs is not None,
+        output=output,
     )
     return await serve_choices(raw_request, state.engine, renderer, choices, body, "messages")
+
+
+def _chat_output(body: ChatCompletionRequest, state: _ServingState) -> tuple[ChatOutput, StructuredOutput | None]:
+    """How the request's outputs become messages, and the one constraint on them (tools or structured outputs)."""
+    try:
+        plan = body.tool_plan()
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="tool_choice" if body.tools else "tools") from None
+    if plan.mode == "auto" and state.tool_parser is None:
+        raise InvalidRequestError(
+            "tool_choice 'auto' (the default with tools) needs the model's tool-call format, and this model's chat "
+            "template shows none this server knows: start the server with --tool-call-parser hermes or "
+            "llama3_json, or send tool_choice 'required' or a named function (the grammar then enforces the call)",
+            param="tool_choice")
+    constraint = constraint_of(body)
+    if plan.constraint is not None and constraint is not None:
+        raise InvalidRequestError(f"tool_choice {body.tool_choice!r} constrains the output to tool calls, which "
+                                  f"leaves no room for {constraint[1]}", param=constraint[1])
+    structured = checked(plan.constraint, "tools") if plan.constraint is not None else (
+        constraint[0] if constraint is not None else None)
+    return ChatOutput(plan, state.tool_parser, state.reasoning_parser), structured
 
 
 # --------------------------------------------------------------------------- admission
 
 
 def _choices(body: GenerationRequest, prompt_index: int, prompt_ids: list[int], max_model_len: int,
-             prompt_param: str) -> list[Choice]:
+             prompt_param: str, structured: StructuredOutput | None = None) -> list[Choice]:
     """The request's n choices of one prompt. With a seed, choice k samples with seed + k (as vLLM does), so
     the choices differ and each is reproducible."""
-    params = _admit(body, prompt_ids, max_model_len, prompt_param)
+    params = _admit(body, prompt_ids, max_model_len, prompt_param, structured)
 
     def seed(k: int) -> int:  # seed + k, wrapped into the 64-bit range seeds have
         value = params.seed + k
@@ -351,13 +386,14 @@ def _choices(body: GenerationRequest, prompt_index: int, prompt_ids: list[int], 
 
 
 
-def _admit(body: GenerationRequest, prompt_ids: list[int], max_model_len: int, prompt_param: str) -> SamplingParams:
+def _admit(body: GenerationRequest, prompt_ids: list[int], max_model_len: int, prompt_param: str,
+           structured: StructuredOutput | None) -> SamplingParams:
     """The request's SamplingParams, once the prompt and the completion are known to fit the context."""
     if not prompt_ids:
         raise InvalidRequestError("The prompt is empty.", param=prompt_param)
     max_tokens = _max_tokens(body, len(prompt_ids), max_model_len, prompt_param)
     try:
-        return body.to_sampling_params(max_tokens)
+        return body.to_sampling_params(max_tokens, structured)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
 
