@@ -89,8 +89,12 @@ class StructuredOutputs:
 
     def _tokenizer_info(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self._tokenizer.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None)
+            try:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._tokenizer.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None)
+            except (ValueError, RuntimeError) as exc:  # e.g. a word-level vocabulary: no bytes to spell with
+                raise ValueError(f"structured outputs need a tokenizer whose tokens are bytes or text pieces, and "
+                                 f"the grammar engine cannot read this model's ({exc})") from None
         return self._ll_tokenizer
 
     def _executor_for_masks(self) -> llguidance.LLExecutor:
