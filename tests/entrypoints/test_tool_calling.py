@@ -149,7 +149,7 @@ def test_tool_call_history_renders_through_the_template(http, byte_server):
 
 @pytest.mark.parametrize("body, param, words", [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
-    ({"tools": None, "tool_choice": "required"}, "tools", "needs tools"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tool_choice": "sometimes"}, "tool_choice", "'required'"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "no room"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name", "letters"),

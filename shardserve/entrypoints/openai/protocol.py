@@ -92,11 +92,11 @@ def _warn_unknown_fields(model: type[BaseModel], data: Any) -> None:
 # refused with a 400 naming it rather than answered as if it had not been sent. The value is why.
 _NOT_YET = "is not supported by this server yet"
 REFUSED_FIELDS: dict[str, str] = {
-    "guided_whitespace_pattern": "the whitespace of structured JSON is fixed by this server (\", \" between items, "
-                                 "\": \" after keys, nothing else)",
-    "functions": "the legacy function calling; send the functions as tools (each {\"type\": \"function\", "
-                 "\"function\": {...}}) and function_call as tool_choice",
-    "function_call": "the legacy function calling; send tool_choice with tools instead",
+    "guided_whitespace_pattern": "is not supported: the whitespace of structured JSON is fixed by this server "
+                                 "(\", \" between items, \": \" after keys, nothing else)",
+    "functions": "legacy function calling is not supported: send the functions as tools (each "
+                 "{\"type\": \"function\", \"function\": {...}}) and function_call as tool_choice",
+    "function_call": "legacy function calling is not supported: send tool_choice with tools instead",
     "reasoning_effort": _NOT_YET,
     "use_beam_search": "beam search " + _NOT_YET,
     "length_penalty": "beam search " + _NOT_YET,

@@ -351,7 +351,7 @@ def _chat_output(body: ChatCompletionRequest, state: _ServingState) -> tuple[Cha
     try:
         plan = body.tool_plan()
     except ValueError as exc:
-        raise InvalidRequestError(str(exc), param="tool_choice" if body.tools else "tools") from None
+        raise InvalidRequestError(str(exc), param="tool_choice") from None
     if plan.mode == "auto" and state.tool_parser is None:
         raise InvalidRequestError(
             "tool_choice 'auto' (the default with tools) needs the model's tool-call format, and this model's chat "
