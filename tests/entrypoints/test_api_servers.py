@@ -28,12 +28,13 @@ PROMPTS = ["w5 w9", "w7 w8", "w30 w31 w32 w33"]
 
 
 @contextmanager
-def api_server_processes(model: str, count: int):
-    """`shardserve serve MODEL --api-server-count COUNT` in its own session; yields (url, process, its log)."""
+def api_server_processes(model: str, count: int, *flags: str):
+    """`shardserve serve MODEL --api-server-count COUNT [FLAGS]` in its own session; yields (url, process, its
+    log)."""
     port = find_free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardserve", "serve", model, "--device", "cpu", "--served-model-name", "tiny",
-         "--kv-cache-memory", "0.05", "--api-server-count", str(count), "--port", str(port)],
+         "--kv-cache-memory", "0.05", "--api-server-count", str(count), "--port", str(port), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     output: deque[str] = deque(maxlen=3000)
@@ -146,3 +147,25 @@ def test_api_servers_do_not_outlive_the_engine_process(tiny_model_dir):
             return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
         assert wait_until(lambda: all(gone(p) for p in pids), 15), "an API server outlived the engine's process"
+
+
+def test_constraints_tools_and_reasoning_cross_to_the_engine_core(byte_model_dir):
+    """The grammar runs in the engine core's process, the parsers in the API server's (set by the CLI flags)."""
+    import json
+
+    with api_server_processes(byte_model_dir, 1, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+                              "--max-model-len", "2048") as (url, _, log):
+        assert "tool calls read by the hermes parser, reasoning split out by the qwen3 parser" in "".join(log)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        tool = {"type": "function", "function": {"name": "pick", "parameters": {
+            "type": "object", "properties": {"side": {"enum": ["left", "right"]}}, "required": ["side"],
+            "additionalProperties": False}}}
+        got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Pick."}],
+                                             tools=[tool], tool_choice="required", max_tokens=400, seed=1)
+        assert got.choices[0].finish_reason == "tool_calls"
+        assert json.loads(got.choices[0].message.tool_calls[0].function.arguments)["side"] in ("left", "right")
+        got = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Think."}], max_tokens=100, seed=1,
+            extra_body={"structured_outputs": {"regex": r"<think>\nHm\.\n</think>\n\n(yes|no)"}})
+        message = got.choices[0].message
+        assert (message.model_extra["reasoning_content"], message.content in ("yes", "no")) == ("Hm.", True)
