@@ -228,7 +228,8 @@ class LLMEngine:
         tokens taken on the device, prompts go on and waiting requests join as usual), so the device never
         waits for the host's bookkeeping between steps. The step queued ahead is `self._in_flight` between
         calls; its outputs are returned by the next call. No step is queued ahead of one that samples for a
-        penalized or constrained sequence: its penalties or its grammar need the token in flight on the host.
+        constrained sequence: its grammar must accept the token in flight on the host first. (Penalties count
+        a token still in flight from the device: TokenCounts.)
         """
         if self.held and self.is_sleeping and self.wake_on_request:
             self.wake_up()
@@ -279,7 +280,7 @@ class LLMEngine:
         histories = _histories(plan, seqs) if any(p.processes_logits for p in params) else None
         # The device computes the logits meanwhile: the grammar masks cost no device time where it runs ahead.
         allowed = self.grammars.allowed(seq_ids) if self.grammars.matchers else None
-        return _InFlight(plan, seqs, self.sampler.enqueue(logits, seq_ids, params, histories, allowed))
+        return _InFlight(plan, seqs, self.sampler.enqueue(logits, seq_ids, params, histories, allowed, device_tokens))
 
     def _resolve(self, step: "_InFlight") -> list[RequestOutput]:
         """Wait for a step's tokens and append them; a sequence that finished or was aborted while the step
@@ -359,10 +360,11 @@ class LLMEngine:
 
 def _histories(plan: StepPlan, seqs: list[Sequence]) -> list[RowHistory]:
     """Per sampling sequence, what logits processing reads of it. A sequence whose input token is still on the
-    device (a FROM_DEVICE chunk: the step was queued ahead) has generated one token more than it holds."""
-    in_flight = {c.seq_id for c in plan.chunks[:plan.num_device_tokens]}
-    return [RowHistory(s.prompt_token_ids, s.output_token_ids, s.num_output_tokens + (s.seq_id in in_flight))
-            for s in seqs]
+    device (a FROM_DEVICE chunk: the step was queued ahead) has generated one token more than it holds: the
+    chunk's entry in the step's device tokens."""
+    in_flight = {c.seq_id: i for i, c in enumerate(plan.chunks[:plan.num_device_tokens])}
+    return [RowHistory(s.prompt_token_ids, s.output_token_ids, s.num_output_tokens + (s.seq_id in in_flight),
+                       in_flight.get(s.seq_id)) for s in seqs]
 
 
 def run_worker(config: EngineConfig, ctx: RankContext) -> None:

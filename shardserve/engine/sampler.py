@@ -30,7 +30,9 @@ engine seed.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +42,10 @@ from shardserve.engine.outputs import TokenLogprob
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.structured_output import AllowedTokens, apply_allowed
 from shardserve.transfers import on_device
+
+logger = logging.getLogger(__name__)
+
+FUSED_PENALTIES_ENV = "SHARDSERVE_FUSED_PENALTIES"  # "0": the dense penalties on GPUs too
 
 # Keeps every token when a row has no top-p cut: the mass before a token never exceeds 1 by this much.
 _NO_TOP_P = 2.0
@@ -52,8 +58,9 @@ class RowHistory:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     # Tokens generated before this one: one more than output_token_ids holds while the previous token is still
-    # on the device (a step queued ahead). Such a row cannot be penalized: the penalties need that token.
+    # on the device (a step queued ahead); that token is then tokens_in_flight[in_flight] (Sampler.enqueue).
     num_generated: int
+    in_flight: int | None = None
 
 
 class PendingSample:
@@ -100,18 +107,19 @@ class Sampler:
         self._token_counts.forget(seq_id)
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
-               histories: Sequence[RowHistory] | None = None, allowed: AllowedTokens | None = None
-               ) -> tuple[list[int], list[TokenLogprob | None]]:
+               histories: Sequence[RowHistory] | None = None, allowed: AllowedTokens | None = None,
+               tokens_in_flight: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [n, vocab] on any device, in any float dtype, row i for seq_ids[i] with params[i] and, when
-        some row has min_tokens or a penalty, histories[i]; `allowed`: the grammar masks of the constrained rows.
+        some row has min_tokens or a penalty, histories[i]; `allowed`: the grammar masks of the constrained rows;
+        `tokens_in_flight`: on the logits' device, the tokens that histories name by `in_flight`.
 
         Returns the n chosen token ids and, per row, its TokenLogprob or None (when not asked for).
         """
-        return self.resolve(self.enqueue(logits, seq_ids, params, histories, allowed))
+        return self.resolve(self.enqueue(logits, seq_ids, params, histories, allowed, tokens_in_flight))
 
     def enqueue(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
-                histories: Sequence[RowHistory] | None = None, allowed: AllowedTokens | None = None
-                ) -> "PendingSample":
+                histories: Sequence[RowHistory] | None = None, allowed: AllowedTokens | None = None,
+                tokens_in_flight: torch.Tensor | None = None) -> "PendingSample":
         """Queue all the device work of `sample` without waiting for it; `resolve` brings the results to the
         host. Once this returns, `logits` may be overwritten (stream order): everything read from it has
         been queued, and the results live in tensors of their own."""
@@ -127,7 +135,8 @@ class Sampler:
             # Processed in place where nothing reads the unprocessed values afterwards: the caller's buffer is
             # never written, and logprobs need the model's own values.
             keep_raw = not owned or any(p.logprobs is not None for p in params)
-            processed = self._processed(logits.clone() if keep_raw else logits, seq_ids, params, histories, allowed)
+            processed = self._processed(logits.clone() if keep_raw else logits, seq_ids, params, histories, allowed,
+                                        tokens_in_flight)
         tokens = processed.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
@@ -164,7 +173,8 @@ class Sampler:
         return token_list, logprobs
 
     def _processed(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
-                   histories: Sequence[RowHistory] | None, allowed: AllowedTokens | None) -> torch.Tensor:
+                   histories: Sequence[RowHistory] | None, allowed: AllowedTokens | None,
+                   tokens_in_flight: torch.Tensor | None) -> torch.Tensor:
         """Float32 `logits` [n, vocab], changed in place, with logit_bias, min_tokens, the penalties and the
         grammar masks applied to the rows that ask for them, each processor batched over its rows."""
         if histories is None and any(p.min_tokens > 0 or p.penalized for p in params):
@@ -174,7 +184,7 @@ class Sampler:
             raise ValueError("every row with a structured output, and only those, needs its grammar mask in `allowed`")
         _add_logit_bias(logits, params)
         _mask_stop_tokens(logits, params, histories, self.eos_token_ids)
-        _apply_penalties(logits, seq_ids, params, histories, self._token_counts)
+        _apply_penalties(logits, seq_ids, params, histories, self._token_counts, tokens_in_flight)
         if allowed is not None:
             apply_allowed(logits, allowed)
         return logits
@@ -262,27 +272,78 @@ def _mask_stop_tokens(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _apply_penalties(logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
-                     histories: Sequence[RowHistory] | None, token_counts: "TokenCounts") -> None:
-    """The repetition, frequency and presence penalties of the penalized rows, as dense operations over their
-    rows of the vocabulary, from the token counts kept on the device (TokenCounts)."""
+                     histories: Sequence[RowHistory] | None, token_counts: "TokenCounts",
+                     tokens_in_flight: torch.Tensor | None) -> None:
+    """The repetition, frequency and presence penalties of the penalized rows, from the token counts kept on the
+    device (TokenCounts): one fused pass on GPUs (kernels/triton/penalties.py, once it has matched the dense
+    version below on this device), dense operations over the rows' vocabulary otherwise."""
     penalized = [r for r, p in enumerate(params) if p.penalized]
     if not penalized:
         return
-    if any(histories[r].num_generated != len(histories[r].output_token_ids) for r in penalized):
-        raise ValueError("a penalized row needs all its output tokens on the host when it samples")
+    missing = [r for r in penalized if histories[r].num_generated != len(histories[r].output_token_ids)
+               and (histories[r].in_flight is None or tokens_in_flight is None)]
+    if missing:
+        raise ValueError("a penalized row whose last token is still on the device needs it in tokens_in_flight")
     device = logits.device
-    counts, in_prompt = token_counts.rows([seq_ids[r] for r in penalized], [histories[r] for r in penalized],
-                                          device, logits.shape[-1])
+    slots = token_counts.sync([seq_ids[r] for r in penalized], [histories[r] for r in penalized], device,
+                              logits.shape[-1], tokens_in_flight)
     factors = on_device([[params[r].repetition_penalty, params[r].frequency_penalty, params[r].presence_penalty]
                          for r in penalized], device, torch.float32)
-    repetition, frequency, presence = (f.unsqueeze(1) for f in factors.unbind(1))
     rows = on_device(penalized, device)
+    if fused_penalties_work(device):
+        from shardserve.kernels.triton.penalties import apply_penalties
+
+        apply_penalties(logits, rows, slots, token_counts.counts, token_counts.in_prompt, factors)
+        return
+    _dense_penalties(logits, rows, token_counts.counts.index_select(0, slots),
+                     token_counts.in_prompt.index_select(0, slots), factors)
+
+
+def _dense_penalties(logits: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor,
+                     factors: torch.Tensor) -> None:
+    repetition, frequency, presence = (f.unsqueeze(1) for f in factors.unbind(1))
     values = logits.index_select(0, rows)
     seen = counts > 0
     repeated = torch.where(values > 0, values / repetition, values * repetition)
     values = torch.where(seen | in_prompt, repeated, values)
     values -= counts * frequency + seen * presence
     logits.index_copy_(0, rows, values)
+
+
+_fused_checked: dict[torch.device, bool] = {}
+
+
+def fused_penalties_work(device: torch.device) -> bool:
+    """Whether the fused penalties kernel runs here: CUDA with Triton, and its output on random inputs equal to
+    the dense version's (checked once per device; a mismatch is logged and the dense version used)."""
+    if device.type != "cuda" or os.environ.get(FUSED_PENALTIES_ENV) == "0":
+        return False
+    if device not in _fused_checked:
+        _fused_checked[device] = _check_fused_penalties(device)
+    return _fused_checked[device]
+
+
+def _check_fused_penalties(device: torch.device) -> bool:
+    try:
+        from shardserve.kernels.triton.penalties import apply_penalties
+    except ImportError:
+        return False
+    g = torch.Generator(device="cpu").manual_seed(0)
+    vocab, slots = 5003, 6  # a vocabulary that ends inside a block
+    logits = (torch.randn(5, vocab, generator=g) * 4).to(device)
+    counts = torch.randint(0, 3, (slots, vocab), generator=g).float().to(device)
+    in_prompt = (torch.rand(slots, vocab, generator=g) < 0.1).to(device)
+    rows, slot_ids = on_device([4, 0, 2], device), on_device([5, 1, 3], device)
+    factors = on_device([[1.3, 0.5, 0.2], [0.8, -0.4, 1.5], [1.0, 0.0, -2.0]], device, torch.float32)
+    fused, dense = logits.clone(), logits.clone()
+    apply_penalties(fused, rows, slot_ids, counts, in_prompt, factors)
+    _dense_penalties(dense, rows, counts.index_select(0, slot_ids), in_prompt.index_select(0, slot_ids), factors)
+    error = (fused - dense).abs().max().item()
+    if error > 1e-5:
+        logger.error("the fused penalties kernel differs from the dense version by %.3g on %s: using the dense "
+                     "version", error, device)
+        return False
+    return True
 
 
 class TokenCounts:
@@ -309,16 +370,18 @@ class TokenCounts:
             self.synced.pop(seq_id, None)
             self.free.append(slot)
 
-    def rows(self, seq_ids: list[int], histories: list[RowHistory], device: torch.device, vocab: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The counts [r, vocab] (float32) and prompt masks [r, vocab] (bool) of these sequences, brought up
-        to date with their histories."""
+    def sync(self, seq_ids: list[int], histories: list[RowHistory], device: torch.device, vocab: int,
+             tokens_in_flight: torch.Tensor | None = None) -> torch.Tensor:
+        """The slots [r] (on `device`) of these sequences, their rows brought up to date with their histories:
+        the output tokens on the host, and a token still on the device (RowHistory.in_flight), counted here
+        from `tokens_in_flight`, and skipped when it reaches the host output at the next step."""
         self._fit(len(self.slot_of) + len(seq_ids), device, vocab)
         fresh, slots, rows, tokens = [], [], [], []
+        flight_slots, flight_index = [], []
         for seq_id, history in zip(seq_ids, histories):
             slot = self.slot_of.get(seq_id)
             done = self.synced.get(seq_id, 0)
-            if slot is None or done > len(history.output_token_ids):  # new (or not the sequence it was)
+            if slot is None or done > history.num_generated:  # new (or not the sequence it was)
                 if slot is None:
                     slot = self.slot_of[seq_id] = self._take()
                 fresh.append((slot, history.prompt_token_ids))
@@ -326,7 +389,12 @@ class TokenCounts:
             new = history.output_token_ids[done:]
             rows += [slot] * len(new)
             tokens += new
-            self.synced[seq_id] = done + len(new)
+            done += len(new)
+            if history.in_flight is not None and done < history.num_generated:
+                flight_slots.append(slot)
+                flight_index.append(history.in_flight)
+                done += 1
+            self.synced[seq_id] = done
             slots.append(slot)
         if fresh:
             fresh_slots = on_device([slot for slot, _ in fresh], device)
@@ -336,11 +404,21 @@ class TokenCounts:
             prompt_tokens = [t for _, prompt in fresh for t in prompt]
             if prompt_tokens:
                 self.in_prompt.view(-1).index_fill_(0, _flat(self.in_prompt, prompt_rows, prompt_tokens), True)
+        # Whole numbers: the sums are exact whatever order the device adds repeated tokens in.
         if tokens:
-            # Whole numbers: the sum is exact whatever order the device adds repeated tokens in.
             flat = _flat(self.counts, rows, tokens)
             self.counts.view(-1).index_add_(0, flat, torch.ones(len(tokens), dtype=torch.float32, device=device))
-        index = on_device(slots, device)
+        if flight_slots:
+            on_the_device = tokens_in_flight.index_select(0, on_device(flight_index, device))
+            flat = on_device(flight_slots, device) * vocab + on_the_device
+            self.counts.view(-1).index_add_(0, flat, torch.ones(len(flight_slots), dtype=torch.float32, device=device))
+        return on_device(slots, device)
+
+    def rows(self, seq_ids: list[int], histories: list[RowHistory], device: torch.device, vocab: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The counts [r, vocab] (float32) and prompt masks [r, vocab] (bool) of these sequences, brought up
+        to date with their histories (all on the host)."""
+        index = self.sync(seq_ids, histories, device, vocab)
         return self.counts.index_select(0, index), self.in_prompt.index_select(0, index)
 
     def _take(self) -> int:

@@ -96,15 +96,14 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether sampling reads the tokens so far (the penalties), so a step cannot be queued before the
-        previous step's token is known on the host."""
+        """Whether sampling reads the tokens so far (the penalties)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def needs_last_token(self) -> bool:
-        """Whether sampling depends on the previous token on the host (penalties count it, a grammar must accept
-        it), so no step can be queued before that token is known."""
-        return self.penalized or self.structured is not None
+        """Whether sampling depends on the previous token on the host (a grammar must accept it), so no step can
+        be queued before that token is known. (The penalties count it where it is, on the device.)"""
+        return self.structured is not None
 
     @property
     def processes_logits(self) -> bool:

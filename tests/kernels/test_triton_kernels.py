@@ -460,3 +460,28 @@ def test_gemv_with_the_norm_before_it_matches_norm_then_linear(dtype, with_resid
     assert torch.equal(summed, expected_sum)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y.float(), F.linear(h.float(), w.float()), atol=tol * k ** 0.5, rtol=tol)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Penalties
+
+
+def test_fused_penalties_equal_the_dense_version():
+    from shardserve.engine.sampler import _check_fused_penalties, _dense_penalties
+    from shardserve.kernels.triton.penalties import apply_penalties
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 4100  # two full blocks and a partial one
+    logits = (torch.randn(4, vocab, generator=g) * 3).to(DEVICE)
+    counts = torch.randint(0, 4, (5, vocab), generator=g).float().to(DEVICE)
+    in_prompt = (torch.rand(5, vocab, generator=g) < 0.2).to(DEVICE)
+    rows = torch.tensor([3, 1], device=DEVICE)
+    slots = torch.tensor([0, 4], device=DEVICE)
+    factors = torch.tensor([[1.2, 0.3, 0.7], [0.9, -0.5, 0.0]], device=DEVICE)
+    fused, dense = logits.clone(), logits.clone()
+    apply_penalties(fused, rows, slots, counts, in_prompt, factors)
+    _dense_penalties(dense, rows, counts.index_select(0, slots), in_prompt.index_select(0, slots), factors)
+    torch.testing.assert_close(fused, dense, rtol=0, atol=1e-6)
+    assert torch.equal(fused[[0, 2]], logits[[0, 2]])  # rows without penalties untouched
+    # The start-up comparison the sampler runs before it uses the kernel on a device passes here too.
+    assert _check_fused_penalties(torch.device(DEVICE))
