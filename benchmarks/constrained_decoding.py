@@ -15,6 +15,7 @@ object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -56,6 +57,12 @@ def main() -> None:
     if args.config:
         with open(args.config) as f:
             shape = json.load(f)
+    with open(os.path.join(args.tokenizer, "tokenizer_config.json")) as f:
+        eos_token = json.load(f).get("eos_token")
+    if eos_token is not None:  # the tokenizer's end of sequence, not Llama-3's (past this vocabulary)
+        with open(os.path.join(args.tokenizer, "tokenizer.json")) as f:
+            added = {t["content"]: t["id"] for t in json.load(f).get("added_tokens", [])}
+        shape = {**shape, "eos_token_id": added.get(eos_token, shape.get("eos_token_id"))}
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(shape, f)
     for name in os.listdir(args.tokenizer):
@@ -70,6 +77,7 @@ def main() -> None:
         "json_schema": SamplingParams(max_tokens=4 * args.output, temperature=0.8, seed=1,
                                       structured=StructuredOutput("json", json.dumps(SCHEMA))),
         "plain_sampled": SamplingParams(max_tokens=args.output, temperature=0.8, seed=1, ignore_eos=True),
+        "plain_again": plain,  # the first mode once more: what changed over the run, beside the differences
     }
     import torch
 
@@ -100,13 +108,12 @@ def main() -> None:
     with LLM(model_dir, device=args.device, load_format="dummy", max_num_seqs=args.batch,
              max_num_batched_tokens=max(8192, args.batch * 8)) as llm:
         engine = llm.engine
-        llm.generate(prompts[:8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm up
         for name, params in modes.items():
-            for warm in (True, False):
+            for warm in (True, False):  # the whole batch first for a few tokens: graphs, allocations, caches
                 mask_times.clear()
                 steps, overlapped = launches[0], engine.steps_overlapped
                 started = time.perf_counter()
-                outputs = llm.generate(prompts if not warm else prompts[:16], params)
+                outputs = llm.generate(prompts, dataclasses.replace(params, max_tokens=8) if warm else params)
                 elapsed = time.perf_counter() - started
             steps = launches[0] - steps
             tokens = sum(len(o.token_ids) for o in outputs)

@@ -89,9 +89,12 @@ class StructuredOutputs:
 
     def _tokenizer_info(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
+            # An end-of-sequence id the tokenizer does not have (a config's, past its vocabulary) is no token the
+            # grammar could allow.
+            eos = [t for t in self._eos_token_ids if t < self._tokenizer.vocab_size]
             try:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._tokenizer.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None)
+                    self._tokenizer.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos or None)
             except (ValueError, RuntimeError) as exc:  # e.g. a word-level vocabulary: no bytes to spell with
                 raise ValueError(f"structured outputs need a tokenizer whose tokens are bytes or text pieces, and "
                                  f"the grammar engine cannot read this model's ({exc})") from None
