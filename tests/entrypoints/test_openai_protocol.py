@@ -477,6 +477,27 @@ def test_n_choices_with_a_seed_are_the_seeded_requests_one_by_one(client: openai
     assert several.usage.completion_tokens == 18
 
 
+def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(client: openai.OpenAI) -> None:
+    prompts = ["w10 w11", "w20 w21 w22"]
+
+    def sampled(**extra):
+        return client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=1.0, seed=5,
+                                          extra_body={"ignore_eos": True}, **extra)
+
+    # The same five candidates a prompt, each with its tokens' logprobs (candidate k samples with seed + k).
+    everything = sampled(n=5, logprobs=0)
+    best = sampled(n=2, best_of=5)
+    for p in range(2):
+        candidates = everything.choices[5 * p: 5 * p + 5]
+        ranked = sorted(candidates, key=lambda c: -sum(c.logprobs.token_logprobs))
+        assert [c.text for c in best.choices[2 * p: 2 * p + 2]] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1, 2, 3]
+    assert all(c.logprobs is None for c in best.choices), "logprobs only when asked for"
+    assert best.usage.completion_tokens == 60, "every candidate's tokens count"
+    echoed = sampled(n=1, best_of=3, echo=True)
+    assert [c.text.startswith(p) for c, p in zip(echoed.choices, prompts)] == [True, True]
+
+
 def test_batched_prompts_and_n_stream_every_choice_by_index(client: openai.OpenAI) -> None:
     prompts = ["w10 w11", "w20 w21 w22"]
     whole = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0,

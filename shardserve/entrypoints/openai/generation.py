@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -64,11 +64,14 @@ async def serve_choices(
     choices: list[Choice],
     body: GenerationRequest,
     prompt_param: str = "prompt",
+    keep: Callable[[list[tuple[RequestOutput, list[TokenLogprob]]]], list[int]] | None = None,
 ) -> Response:
     """Run each choice as its own engine request and answer as `body` asks: one JSON body with every choice,
     or one stream of events whose chunks name their choice's index.
 
-    `prompt_param` is the request field an engine refusal of the prompt names ("prompt" or "messages").
+    `prompt_param` is the request field an engine refusal of the prompt names ("prompt" or "messages"). `keep`
+    (responses that are not streamed) picks the finished choices the response shows, in order (best_of); the
+    usage counts them all.
     """
     metrics = getattr(raw_request.app.state, "metrics", None)
     generations: list[_Generation] | None = [
@@ -84,6 +87,8 @@ async def serve_choices(
             return response
         results = await _unless_disconnected(raw_request, asyncio.gather(*(_collect(g) for g in generations)))
         usage = _usage(choices, [final for final, _ in results])
+        if keep is not None:
+            results = [results[i] for i in keep(results)]
         return JSONResponse(renderer.response_choices(results, usage).model_dump(mode="json"))
     except _ClientDisconnected:
         return Response(status_code=_CLIENT_CLOSED_REQUEST)

@@ -350,11 +350,13 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+    def _best_of_at_least_n(cls, value: int | None, info: ValidationInfo) -> int | None:
         n = info.data.get("n") or 1
-        if value is not None and value != n:
-            raise ValueError(f"best_of other than n (ranking more candidates than are returned) is not supported "
-                             f"yet, got best_of={value} with n={n}")
+        if value is not None and value < n:
+            raise ValueError(f"best_of must be at least n (the candidates the n returned are chosen from), got "
+                             f"best_of={value} with n={n}")
+        if value is not None and value > n and info.data.get("stream"):
+            raise ValueError("best_of greater than n cannot be streamed: the best are known only once all finish")
         return value
 
     @field_validator("suffix")
@@ -364,9 +366,15 @@ class CompletionRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _choices_within_limit(self) -> "CompletionRequest":
-        if len(self.prompt) * self.num_choices > MAX_CHOICES:
-            raise ValueError(f"{len(self.prompt)} prompts x n={self.num_choices} is more than {MAX_CHOICES} choices")
+        if len(self.prompt) * self.num_candidates > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompt)} prompts x {self.num_candidates} candidates (n, best_of) is more than "
+                             f"{MAX_CHOICES} choices")
         return self
+
+    @property
+    def num_candidates(self) -> int:
+        """Completions generated per prompt: best_of, of which the n with the highest cumulative logprob return."""
+        return max(self.best_of or 1, self.num_choices)
 
     @property
     def num_logprobs(self) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import socket
 import threading
@@ -312,12 +313,13 @@ async def create_completion(body: CompletionRequest, raw_request: Request) -> Re
     prompts = [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in body.prompt]
     constraint = constraint_of(body)
     structured = constraint[0] if constraint is not None else None
+    candidates, n = body.num_candidates, body.num_choices
     choices = [choice for i, ids in enumerate(prompts)
-               for choice in _choices(body, i, ids, state.engine.max_model_len, "prompt", structured)]
+               for choice in _choices(body, i, ids, state.engine.max_model_len, "prompt", structured, candidates)]
     echo = None
-    if body.echo:  # each choice's text starts with its prompt's
+    if body.echo:  # each choice's text starts with its prompt's (choice j continues prompt j // n)
         texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompt]
-        echo = {i: texts[c.prompt_index] for i, c in enumerate(choices)}
+        echo = {j: texts[j // n] for j in range(len(prompts) * n)}
     renderer = CompletionRenderer(
         request_id=f"cmpl-{uuid.uuid4().hex}",
         model=state.model_name,
@@ -325,6 +327,9 @@ async def create_completion(body: CompletionRequest, raw_request: Request) -> Re
         with_logprobs=body.num_logprobs is not None,
         echo=echo,
     )
+    if candidates > n:
+        return await serve_choices(raw_request, state.engine, renderer, choices, body, "prompt",
+                                   keep=functools.partial(_best_of, n, candidates))
     return await serve_choices(raw_request, state.engine, renderer, choices, body, "prompt")
 
 
@@ -371,10 +376,14 @@ def _chat_output(body: ChatCompletionRequest, state: _ServingState) -> tuple[Cha
 
 
 def _choices(body: GenerationRequest, prompt_index: int, prompt_ids: list[int], max_model_len: int,
-             prompt_param: str, structured: StructuredOutput | None = None) -> list[Choice]:
-    """The request's n choices of one prompt. With a seed, choice k samples with seed + k (as vLLM does), so
-    the choices differ and each is reproducible."""
+             prompt_param: str, structured: StructuredOutput | None = None, count: int | None = None) -> list[Choice]:
+    """The request's n choices (or `count` candidates) of one prompt. With a seed, choice k samples with seed + k
+    (as vLLM does), so the choices differ and each is reproducible. Candidates for best_of report their tokens'
+    logprobs (what they are ranked by), which the response shows only when the request asked for them."""
     params = _admit(body, prompt_ids, max_model_len, prompt_param, structured)
+    count = count or body.num_choices
+    if count > body.num_choices and params.logprobs is None:
+        params = dataclasses.replace(params, logprobs=0)
 
     def seed(k: int) -> int:  # seed + k, wrapped into the 64-bit range seeds have
         value = params.seed + k
@@ -382,8 +391,18 @@ def _choices(body: GenerationRequest, prompt_index: int, prompt_ids: list[int], 
 
     return [Choice(prompt_index, prompt_ids,
                    params if params.seed is None or k == 0 else dataclasses.replace(params, seed=seed(k)))
-            for k in range(body.num_choices)]
+            for k in range(count)]
 
+
+
+def _best_of(n: int, candidates: int, results: list) -> list[int]:
+    """Of each prompt's candidates (consecutive in `results`, as (final output, logprobs)), the n with the highest
+    cumulative logprob, best first: the indices kept."""
+    kept = []
+    for start in range(0, len(results), candidates):
+        group = range(start, start + candidates)
+        kept += sorted(group, key=lambda i: -sum(lp.logprob for lp in results[i][1]))[:n]
+    return kept
 
 
 def _admit(body: GenerationRequest, prompt_ids: list[int], max_model_len: int, prompt_param: str,
