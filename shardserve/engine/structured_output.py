@@ -13,7 +13,6 @@ the device computes the step's logits, since the engine asks for the masks after
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,9 +31,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Threads that fill a batch's masks: on a 16-core GPU host, 4 filled 256 rows in 1.0 to 1.2 ms where 16 took 2.1
-# to 3.1 ms (benchmarks/grammar_backends.py); the rest of the host has its own work meanwhile.
-MASK_THREADS = 4
 _STARTED_KEPT = 256  # constraints whose start matcher is kept, oldest dropped first
 
 
@@ -115,7 +111,10 @@ class StructuredOutputs:
 
     def _executor_for_masks(self) -> llguidance.LLExecutor:
         if self._executor is None:
-            self._executor = llguidance.LLExecutor(num_threads=min(MASK_THREADS, os.cpu_count() or 1))
+            # llguidance's default: 80% of the cores, up to 32. On a 16-core GPU host a batch of 256 JSON rows took
+            # 6.6 ms a step with it and 7.9 ms with 4 threads in the engine (benchmarks/constrained_decoding.py),
+            # though 4 threads won in the mask-only benchmark (benchmarks/grammar_backends.py).
+            self._executor = llguidance.LLExecutor()
         return self._executor
 
 
