@@ -6,6 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA, Triton kernels run in Triton's interpreter (tests/kernels). It is chosen when triton is first
+# imported, which any test may cause (torch.compile imports it): decide before the first test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shardserve.example_model import fetch_example
 

@@ -66,5 +66,25 @@ def check(structured: StructuredOutput) -> str:
     return grammar
 
 
+_tokenizer_problems: dict[int, str | None] = {}
+
+
+def tokenizer_problem(tokenizer) -> str | None:
+    """Why the grammar engine cannot spell outputs with this model's tokenizer (a shardserve Tokenizer), or None
+    when it can. Built once per tokenizer (a fraction of a second to a few seconds), so a front end can refuse a
+    constraint with a 400 naming its field instead of letting the engine refuse the request."""
+    key = id(tokenizer)
+    if key not in _tokenizer_problems:
+        import llguidance.hf
+
+        try:
+            llguidance.hf.from_tokenizer(tokenizer.hf_tokenizer)
+            _tokenizer_problems[key] = None
+        except (ValueError, RuntimeError) as exc:
+            _tokenizer_problems[key] = (f"structured outputs need a tokenizer whose tokens are bytes or text "
+                                        f"pieces, and the grammar engine cannot read this model's ({exc})")
+    return _tokenizer_problems[key]
+
+
 def choice_spec(choices: list[str]) -> str:
     return json.dumps(choices, ensure_ascii=False)

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from shardserve.engine.grammar import check
@@ -74,9 +73,11 @@ class StructuredOutputs:
         rows = [r for r, seq_id in enumerate(seq_ids) if seq_id in self.matchers]
         if not rows:
             return None
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         matchers = [(self.matchers[seq_ids[r]], i) for i, r in enumerate(rows)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor_for_masks(), matchers, bitmask)
+        # Row i of the bitmask is written by matcher i, at data_ptr + i * (words * 4); llguidance's threads.
+        self._executor_for_masks().unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
         return AllowedTokens(rows, bitmask)
 
     def accept(self, seq_id: int, token_id: int) -> bool:

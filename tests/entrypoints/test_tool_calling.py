@@ -154,7 +154,7 @@ def test_tool_call_history_renders_through_the_template(http, byte_server):
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "no room"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name", "letters"),
     ({"messages": [{"role": "tool", "content": "18"}]}, "messages[0]", "tool_call_id"),
-    ({"messages": [{"role": "user", "content": None}]}, "messages[0]", "needs content"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "needs content"),
     ({"functions": [{"name": "f"}]}, "functions", "tools"),
 ])
 def test_tool_requests_that_cannot_work_are_400s(http, body, param, words):

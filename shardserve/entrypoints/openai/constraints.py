@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from shardserve.engine.grammar import GrammarError, check, choice_spec
+from shardserve.engine.grammar import GrammarError, check, choice_spec, tokenizer_problem
 from shardserve.engine.sampling_params import StructuredOutput
 from shardserve.entrypoints.openai.errors import InvalidRequestError
 from shardserve.entrypoints.openai.fields import ClosedRequestModel, RequestModel, Text
@@ -60,7 +60,7 @@ class StructuredOutputsParams(ClosedRequestModel):
                 if value is not None}
 
 
-def constraint_of(body: Any) -> tuple[StructuredOutput, str] | None:
+def constraint_of(body: Any, tokenizer) -> tuple[StructuredOutput, str] | None:
     """The constraint a generation request sets, with the field that set it (for errors), or None.
 
     Raises InvalidRequestError naming the field when more than one is set or the one set does not compile."""
@@ -89,16 +89,20 @@ def constraint_of(body: Any) -> tuple[StructuredOutput, str] | None:
                                   param=found[1][1])
     if not found:
         return None
-    checked(*found[0])
+    checked(*found[0], tokenizer)
     return found[0]
 
 
-def checked(structured: StructuredOutput, param: str) -> StructuredOutput:
-    """The constraint, once it compiles; a 400 naming `param` and what is wrong otherwise."""
+def checked(structured: StructuredOutput, param: str, tokenizer) -> StructuredOutput:
+    """The constraint, once it compiles and the model's tokenizer can spell it; a 400 naming `param` and what is
+    wrong otherwise."""
     try:
         check(structured)
     except (GrammarError, ValueError) as exc:
         raise InvalidRequestError(f"Invalid {param}: {exc}", param=param) from None
+    problem = tokenizer_problem(tokenizer)
+    if problem is not None:
+        raise InvalidRequestError(f"Cannot honour {param}: {problem}", param=param)
     return structured
 
 

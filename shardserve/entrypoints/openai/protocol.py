@@ -384,12 +384,13 @@ class CompletionRequest(GenerationRequest):
 class ChatMessage(_RequestModel):
     role: Annotated[Literal["system", "user", "assistant", "tool"], WithJsonSchema(
         {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]})]
+    tool_calls: list[ToolCallInMessage] | None = None  # an assistant message's calls (before content: read by
+    # content's check)
     # A string or a list of text parts, joined into one string by the validator; None only for an assistant
     # message that calls tools.
     content: Annotated[Text | None, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {
         "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-        "required": ["type", "text"]}}, {"type": "null"}]})] = None
-    tool_calls: list[ToolCallInMessage] | None = None  # an assistant message's calls
+        "required": ["type", "text"]}}, {"type": "null"}]})] = Field(default=None, validate_default=True)
     tool_call_id: Text | None = None  # a tool message: the call it answers
     name: Text | None = None
     reasoning_content: Text | None = None  # an earlier answer's reasoning: not shown to the template
@@ -415,13 +416,19 @@ class ChatMessage(_RequestModel):
             texts.append(part["text"])
         return "\n".join(texts)
 
+    @field_validator("content")
+    @classmethod
+    def _content_unless_calling_tools(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if value is None and not (role == "assistant" and info.data.get("tool_calls")):
+            raise ValueError(f"a {role!r} message needs content (only an assistant message that calls tools may "
+                             f"leave it null)")
+        return value
+
     @model_validator(mode="after")
-    def _content_or_calls(self) -> "ChatMessage":
+    def _calls_and_answers(self) -> "ChatMessage":
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} messages")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role!r} message needs content (only an assistant message that calls "
-                             f"tools may leave it null)")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a 'tool' message needs the tool_call_id of the call it answers")
         return self

@@ -311,7 +311,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request) -> Re
     state.check_model(body.model)
     tokenizer = state.engine.tokenizer
     prompts = [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in body.prompt]
-    constraint = constraint_of(body)
+    constraint = constraint_of(body, tokenizer)
     structured = constraint[0] if constraint is not None else None
     candidates, n = body.num_candidates, body.num_choices
     choices = [choice for i, ids in enumerate(prompts)
@@ -363,12 +363,14 @@ def _chat_output(body: ChatCompletionRequest, state: _ServingState) -> tuple[Cha
             "template shows none this server knows: start the server with --tool-call-parser hermes or "
             "llama3_json, or send tool_choice 'required' or a named function (the grammar then enforces the call)",
             param="tool_choice")
-    constraint = constraint_of(body)
+    constraint = constraint_of(body, state.engine.tokenizer)
     if plan.constraint is not None and constraint is not None:
         raise InvalidRequestError(f"tool_choice {body.tool_choice!r} constrains the output to tool calls, which "
                                   f"leaves no room for {constraint[1]}", param=constraint[1])
-    structured = checked(plan.constraint, "tools") if plan.constraint is not None else (
-        constraint[0] if constraint is not None else None)
+    if plan.constraint is not None:
+        structured = checked(plan.constraint, "tool_choice", state.engine.tokenizer)
+    else:
+        structured = constraint[0] if constraint is not None else None
     return ChatOutput(plan, state.tool_parser, state.reasoning_parser), structured
 
 
