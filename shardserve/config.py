@@ -14,6 +14,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # Mixtures of experts: the family's attention, sparse expert blocks in place of (some) MLPs.
+    "MixtralForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3",
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,6 +48,14 @@ class ModelConfig:
     mlp_bias: bool
     torch_dtype: str
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (num_experts 0: a dense model): each layer in moe_layers has num_experts SwiGLU experts
+    # of moe_intermediate_size features, num_experts_per_tok of them per token; renormalize_topk: the chosen
+    # experts' softmax weights are scaled to sum to 1.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    renormalize_topk: bool = True
+    moe_layers: tuple[int, ...] = ()
     # Weights stored quantized (GGUF Q4_1...) and dequantized at load: neither bfloat16 nor float16 holds
     # their values exactly.
     quantized: bool = False
@@ -87,6 +98,7 @@ class ModelConfig:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             quantized=bool(cfg.get("gguf_quantized", False)),
+            **_moe_fields(arch, cfg),
         )
 
     @classmethod
@@ -105,6 +117,24 @@ class ModelConfig:
 
     def checkpoint_dtype(self) -> torch.dtype:
         return DTYPES.get(self.torch_dtype.replace("torch.", ""), torch.float32)
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json (none for a dense model)."""
+    layers = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], renormalize_topk=True,
+                    moe_layers=tuple(range(layers)))
+    if arch == "Qwen3MoeForCausalLM":
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = set(cfg.get("mlp_only_layers") or ())
+        experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))  # newer transformers write the latter
+        return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["moe_intermediate_size"],
+                    renormalize_topk=bool(cfg.get("norm_topk_prob", True)),
+                    moe_layers=tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0))
+    return {}
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -59,10 +59,29 @@ CHECKPOINT_DTYPE_SPECS = {
 }
 
 
-def _hf_config(spec: TinySpec):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+# Mixtures of experts, top-2 of 4 experts. Expert features (48) split in 2 and 3; Qwen3-MoE keeps layer 1 dense
+# (mlp_only_layers) so a model holds both kinds of block. "qwen3-moe-odd": 52 expert features, which 3 ranks do
+# not split: the experts are then replicated.
+MOE_SPECS = {
+    "qwen3-moe": TinySpec("qwen3-moe", "qwen3_moe", dict(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=32, intermediate_size=120,
+        moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[1], num_hidden_layers=3, tie_word_embeddings=False)),
+    "mixtral": TinySpec("mixtral", "mixtral", dict(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=48, num_local_experts=4,
+        num_experts_per_tok=2, tie_word_embeddings=False)),
+    "qwen3-moe-odd": TinySpec("qwen3-moe-odd", "qwen3_moe", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+        moe_intermediate_size=52, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        tie_word_embeddings=True)),
+}
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[spec.architecture]
+
+def _hf_config(spec: TinySpec):
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
+           "mixtral": MixtralConfig}[spec.architecture]
     common = dict(vocab_size=VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                   initializer_range=0.1, bos_token_id=1, eos_token_id=None, pad_token_id=0,
                   dtype="float32")

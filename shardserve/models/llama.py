@@ -1,11 +1,14 @@
 """The Llama family decoder (Llama 2/3, SmolLM2, Mistral), with the Qwen2 (q/k/v bias) and Qwen3
-(per-head q/k RMSNorm) variants, written for tensor parallelism.
+(per-head q/k RMSNorm) variants and their mixtures of experts (Mixtral, Qwen3-MoE: a sparse expert block in
+place of the MLP in the layers the config names, layers/moe.py), written for tensor parallelism.
 
-Attention is split by query heads and the MLP by intermediate features; each block falls back to
-replication when its shapes don't split evenly (see layers/sharding.py).
+Attention is split by query heads and the MLP (and every expert) by intermediate features; each block falls
+back to replication when its shapes don't split evenly (see layers/sharding.py).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -15,6 +18,7 @@ from shardserve.distributed.communicator import Communicator
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardserve.layers.moe import SparseMoE
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
 from shardserve.layers.sharding import attention_shard, split_rows
@@ -75,10 +79,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, sparse: bool = False) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, comm, dtype)
-        self.mlp = MLP(cfg, comm, dtype)
+        self.mlp = (SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                              cfg.renormalize_topk, comm, dtype) if sparse else MLP(cfg, comm, dtype))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -91,7 +96,7 @@ class DecoderLayer(nn.Module):
 
     @property
     def pending(self) -> Communicator | None:
-        return self.mlp.down_proj.pending
+        return self.mlp.pending if isinstance(self.mlp, SparseMoE) else self.mlp.down_proj.pending
 
 
 class LlamaModel(nn.Module):
@@ -99,7 +104,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, dtype, sparse=i in cfg.moe_layers)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, token_ids, positions, caches: list[KVCache], meta) -> torch.Tensor:
@@ -111,6 +117,15 @@ class LlamaModel(nn.Module):
             pending = layer.pending
         x, _ = self.norm(x, residual, reduce=pending)
         return x
+
+
+# Expert blocks' tensors: Qwen3-MoE's mlp.experts.{e}.{gate,up,down}_proj and mlp.gate, Mixtral's
+# block_sparse_moe.experts.{e}.{w1,w3,w2} and block_sparse_moe.gate, and the fused experts.gate_up_proj /
+# experts.down_proj of newer checkpoints.
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<layer>model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\."
+    r"(?:experts\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight"
+    r"|experts\.(?P<fused>gate_up_proj|down_proj)|(?P<router>gate)\.weight)$")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -128,6 +143,22 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg, comm, dtype, max_positions)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> tuple[str, object] | None:
+        """Where an expert block's checkpoint tensor goes: (parameter, shard id), or None for every other
+        tensor (packed_modules then applies)."""
+        found = _EXPERT_TENSOR.match(name)
+        if found is None:
+            return None
+        layer, expert, part, fused = found.group("layer", "expert", "part", "fused")
+        if found.group("router"):
+            return f"{layer}.mlp.gate", None
+        if fused is not None:
+            return f"{layer}.mlp.{'w13' if fused == 'gate_up_proj' else 'w2'}", "all"
+        if part in ("down_proj", "w2"):
+            return f"{layer}.mlp.w2", (int(expert), None)
+        return f"{layer}.mlp.w13", (int(expert), 0 if part in ("gate_proj", "w1") else 1)
 
     def forward(self, token_ids, positions, caches: list[KVCache], meta) -> torch.Tensor:
         return self.model(token_ids, positions, caches, meta)

@@ -100,11 +100,12 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
+    own_names = getattr(model, "checkpoint_name", lambda name: None)  # e.g. experts' tensors into their stacks
     loaded: set[str] = set()
     for name, tensor in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight"):
             continue
-        target, shard_id = _resolve(name, packed)
+        target, shard_id = own_names(name) or _resolve(name, packed)
         param = params.get(target)
         if param is None:
             raise ValueError(f"{source} has a tensor {name!r} with no place in the model (looked for {target!r})")

@@ -1,6 +1,7 @@
 """Synthetic weights in a model's real shapes, for benchmarks where only config.json is at hand.
 
-`iter_synthetic_checkpoint` yields every tensor a Hugging Face Llama/Qwen2/Qwen3 checkpoint of the
+`iter_synthetic_checkpoint` yields every tensor a Hugging Face Llama/Qwen2/Qwen3 (or Mixtral/Qwen3-MoE, with
+their experts in the fused layout) checkpoint of the
 config would hold, under the same names and with the full (unsharded) shapes, so they go through the
 same per-parameter weight loaders as a real checkpoint and each rank keeps only its own slices.
 
@@ -46,6 +47,14 @@ def synthetic_checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[i
         if cfg.qk_norm:
             yield f"{attn}.q_norm.weight", (hd,)
             yield f"{attn}.k_norm.weight", (hd,)
+        if i in cfg.moe_layers:  # the router, then the experts stacked (the fused layout: one tensor each)
+            e, moe_inter = cfg.num_experts, cfg.moe_intermediate_size
+            yield f"{mlp}.gate.weight", (e, h)
+            yield f"{mlp}.experts.gate_up_proj", (e, 2 * moe_inter, h)
+            yield f"{mlp}.experts.down_proj", (e, h, moe_inter)
+            yield f"model.layers.{i}.input_layernorm.weight", (h,)
+            yield f"model.layers.{i}.post_attention_layernorm.weight", (h,)
+            continue
         for proj in ("gate_proj", "up_proj"):
             yield f"{mlp}.{proj}.weight", (inter, h)
             if cfg.mlp_bias:

@@ -1,0 +1,114 @@
+"""A sparse mixture-of-experts block (Qwen3-MoE, Mixtral): a router picks k of E experts per token, each a
+SwiGLU FFN, whose outputs are summed with the router's weights.
+
+Tensor parallelism: every expert's FFN is split by intermediate features across ranks like the dense MLP (rank r
+holds rows [r0, r1) of each expert's gate and up projections and the same columns of its down projection), so
+each rank's output is a partial sum, all-reduced once per layer (deferred into the next norm, as the dense
+MLP's). The router is replicated: every rank routes the same tokens to the same experts. When the experts'
+intermediate size does not split evenly, the experts are replicated whole (logged), never split wrongly.
+
+Experts' weights live in two tensors per layer: `w13` [E, 2 * I_rank, H] (gate rows, then up rows) and `w2`
+[E, H, I_rank]. Checkpoints hold them per expert (`experts.{e}.gate_proj`, Mixtral's `w1`/`w3`/`w2`) or fused
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]); the loaders below take either.
+
+The computation groups the (token, expert) pairs by expert and runs each expert that received tokens on its
+tokens at once: a loop over experts, never over tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.distributed.communicator import Communicator
+from shardserve.layers.linear import as_tensor, load_whole
+from shardserve.layers.sharding import split_rows
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        (r0, r1), sharded = split_rows(intermediate_size, comm.rank, comm.world_size, "moe experts")
+        self.rows = (r0, r1)
+        self.intermediate_size = intermediate_size
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        rows = r1 - r0
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+        self.gate.weight_loader = load_whole
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * rows, hidden_size, dtype=dtype), requires_grad=False)
+        self.w13.weight_loader = self._load_w13
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, rows, dtype=dtype), requires_grad=False)
+        self.w2.weight_loader = self._load_w2
+        self.replicated = not sharded
+        self.pending = comm if sharded else None  # the output is a partial sum to all-reduce (in the next norm)
+
+    # -- loading: shard_id is (expert, 0 gate / 1 up) for w13, (expert, None) for w2, or "all" (fused tensors)
+    def _load_w13(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:
+        (r0, r1), i, rows = self.rows, self.intermediate_size, self.rows[1] - self.rows[0]
+        if shard_id == "all":
+            _check_shape(loaded, (self.num_experts, 2 * i, param.shape[2]), "experts.gate_up_proj")
+            param.data[:, :rows].copy_(as_tensor(loaded[:, r0:r1]))
+            param.data[:, rows:].copy_(as_tensor(loaded[:, i + r0:i + r1]))
+            return
+        expert, half = shard_id
+        _check_shape(loaded, (i, param.shape[2]), f"expert {expert}'s gate/up projection")
+        param.data[expert, half * rows:(half + 1) * rows].copy_(as_tensor(loaded[r0:r1]))
+
+    def _load_w2(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:
+        r0, r1 = self.rows
+        if shard_id == "all":
+            _check_shape(loaded, (self.num_experts, param.shape[1], self.intermediate_size), "experts.down_proj")
+            param.data.copy_(as_tensor(loaded[:, :, r0:r1]))
+            return
+        expert, _ = shard_id
+        _check_shape(loaded, (param.shape[1], self.intermediate_size), f"expert {expert}'s down projection")
+        param.data[expert].copy_(as_tensor(loaded[:, r0:r1]))
+
+    # -- computation
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on norm(x + residual); returns its output (a partial sum where `pending` is set) and the new
+        residual. `reduce`: x is a partial sum still to be all-reduced (the previous block deferred it)."""
+        h, residual = norm(x, residual, reduce=reduce)
+        weights, experts = self.route(h)
+        return self.experts(h, weights, experts), residual
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k experts of each token [T, k] and their weights [T, k] (float32): softmax over all experts'
+        logits, the k best, renormalized to sum to 1 where the model says so (Mixtral always, Qwen3-MoE with
+        norm_topk_prob)."""
+        probs = torch.softmax(F.linear(h, self.gate).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def experts(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]), this rank's features only; grouped by expert."""
+        tokens, k = experts.shape
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, in token order within each
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        scale = weights.flatten().index_select(0, order).to(h.dtype).unsqueeze(1)
+        token_of = order // k
+        out = torch.zeros_like(h)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            picked = token_of[start:start + count]
+            gate, up = F.linear(h.index_select(0, picked), self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert]) * scale[start:start + count]
+            out.index_add_(0, picked, y)
+            start += count
+        return out
+
+
+def _check_shape(loaded: Any, expected: tuple[int, ...], what: str) -> None:
+    shape = tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+    if shape != tuple(expected):
+        raise ValueError(f"checkpoint tensor for {what} has shape {shape}, expected {tuple(expected)}")

@@ -1,0 +1,78 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral): greedy tokens equal transformers' float32 greedy generate on the same
+weights at TP 1, 2 and 3, from per-expert and from fused expert tensors, and with experts that do not split
+(replicated on every rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.models.test_matches_transformers import _check_matches
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_moe_greedy_tokens_match_transformers(tiny_model_dir, name, tp):
+    _check_matches(tiny_model_dir(name), name, tp, device="cpu")
+
+
+def test_experts_that_do_not_split_are_replicated(tiny_model_dir, caplog):
+    with caplog.at_level("INFO"):
+        _check_matches(tiny_model_dir("qwen3-moe-odd"), "qwen3-moe-odd", 3, device="cpu")
+    assert any("moe experts" in r.getMessage() and "replicat" in r.getMessage() for r in caplog.records)
+
+
+def test_fused_expert_tensors_load_as_per_expert_ones(tiny_model_dir, tmp_path):
+    """Newer checkpoints stack each layer's experts: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]."""
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_dir("qwen3-moe")
+    fused_dir = tmp_path / "fused"
+    shutil.copytree(source, fused_dir)
+    tensors = {}
+    for name in os.listdir(source):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(source, name)))
+            os.remove(fused_dir / name)
+    layers = {n.split(".experts.")[0] for n in tensors if ".experts." in n}
+    for layer in layers:
+        count = len({n.split(".")[5] for n in tensors if n.startswith(layer + ".experts.")})
+        pop = lambda e, part: tensors.pop(f"{layer}.experts.{e}.{part}.weight")  # noqa: E731
+        tensors[f"{layer}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([pop(e, "gate_proj"), pop(e, "up_proj")]) for e in range(count)])
+        tensors[f"{layer}.experts.down_proj"] = torch.stack([pop(e, "down_proj") for e in range(count)])
+    save_file(tensors, fused_dir / "model.safetensors")
+    index = fused_dir / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()
+    assert json.loads((fused_dir / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    # The reference is transformers on the per-expert checkpoint: the same weights.
+    from tests.models import test_matches_transformers as reference
+
+    expected = reference._reference(source)
+    reference._reference.cache_clear()
+    original = reference._reference
+    try:
+        reference._reference = lambda _dir: expected
+        _check_matches(str(fused_dir), "qwen3-moe (fused experts)", 2, device="cpu")
+    finally:
+        reference._reference = original
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_dummy_weights_know_the_experts(tiny_model_dir, name):
+    """--load-format dummy: the experts in the fused layout, the same tokens at TP 1 and 2."""
+    from shardserve import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], [40] * 9]
+    outputs = {}
+    for tp in (1, 2):
+        with LLM(tiny_model_dir(name), tensor_parallel_size=tp, load_format="dummy", dtype="float32",
+                 kv_cache_memory_gb=0.05) as llm:
+            outputs[tp] = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert outputs[1] == outputs[2]
