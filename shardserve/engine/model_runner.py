@@ -104,6 +104,12 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or not hasattr(self.attention,
                                                                                   "static_decode_metadata"):
             return
+        unsafe = [name for name, module in self.model.named_modules() if getattr(module, "graph_safe", True) is False]
+        if unsafe:
+            logger.warning("no CUDA graphs: %s (and %d more) cannot be captured (a mixture of experts without its "
+                           "fused kernel reads expert counts on the host); decode runs eagerly", unsafe[0],
+                           len(unsafe) - 1)
+            return
         split_sizes = self.all_reduce_choice.split_sizes if self.all_reduce_choice else frozenset()
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.attention, self.ctx.comm,
                                       self.config.max_num_seqs, self.max_model_len, split_sizes,

@@ -11,12 +11,18 @@ Experts' weights live in two tensors per layer: `w13` [E, 2 * I_rank, H] (gate r
 [E, H, I_rank]. Checkpoints hold them per expert (`experts.{e}.gate_proj`, Mixtral's `w1`/`w3`/`w2`) or fused
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]); the loaders below take either.
 
-The computation groups the (token, expert) pairs by expert and runs each expert that received tokens on its
-tokens at once: a loop over experts, never over tokens.
+On CUDA the experts run in one fused Triton kernel (kernels/triton/fused_moe.py: tokens sorted by expert, a
+grouped GEMM over the experts that received tokens, SwiGLU and the router weights fused), which CUDA graphs can
+capture; it is compared once per device and shape with the grouped torch version below before it is used, and a
+mismatch is logged and falls back to that version (decode then runs without CUDA graphs). Elsewhere the
+computation groups the (token, expert) pairs by expert and runs each expert that received tokens on its tokens
+at once: a loop over experts, never over tokens.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any, Hashable
 
 import torch
@@ -26,6 +32,10 @@ from torch import nn
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.linear import as_tensor, load_whole
 from shardserve.layers.sharding import split_rows
+
+logger = logging.getLogger(__name__)
+
+FUSED_MOE_ENV = "SHARDSERVE_FUSED_MOE"  # "0": the grouped torch version on GPUs too (no CUDA graphs then)
 
 
 class SparseMoE(nn.Module):
@@ -87,25 +97,83 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a CUDA graph can capture this block: the fused kernel runs here (no host synchronisation)."""
+        return self.w13.is_cuda and fused_moe_works(self.w13, self.w2)
+
     def experts(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]), this rank's features only; grouped by expert."""
-        tokens, k = experts.shape
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, in token order within each
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        scale = weights.flatten().index_select(0, order).to(h.dtype).unsqueeze(1)
-        token_of = order // k
-        out = torch.zeros_like(h)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            picked = token_of[start:start + count]
-            gate, up = F.linear(h.index_select(0, picked), self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert]) * scale[start:start + count]
-            out.index_add_(0, picked, y)
-            start += count
-        return out
+        """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]), this rank's features only."""
+        if h.is_cuda and fused_moe_works(self.w13, self.w2):
+            from shardserve.kernels.triton.fused_moe import fused_moe
+
+            return fused_moe(h, self.w13, self.w2, weights, experts)
+        return grouped_experts(h, self.w13, self.w2, weights, experts)
+
+
+def grouped_experts(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    experts: torch.Tensor) -> torch.Tensor:
+    """The experts grouped by expert in plain torch (any device; reads the expert counts on the host)."""
+    num_experts = w13.shape[0]
+    tokens, k = experts.shape
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, in token order within each
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    scale = weights.flatten().index_select(0, order).to(h.dtype).unsqueeze(1)
+    token_of = order // k
+    out = torch.zeros_like(h)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        picked = token_of[start:start + count]
+        gate, up = F.linear(h.index_select(0, picked), w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * scale[start:start + count]
+        out.index_add_(0, picked, y)
+        start += count
+    return out
+
+
+_fused_checked: dict[tuple, bool] = {}
+
+
+def fused_moe_works(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the fused kernel computes these experts' shapes right on this device: checked once per (device,
+    shapes, dtype) against grouped_experts on random inputs of 1 and 37 tokens; a mismatch is logged."""
+    if not w13.is_cuda or os.environ.get(FUSED_MOE_ENV) == "0":
+        return False
+    key = (w13.device, tuple(w13.shape), tuple(w2.shape), w13.dtype)
+    if key not in _fused_checked:
+        _fused_checked[key] = _check_fused(w13, w2)
+    return _fused_checked[key]
+
+
+def _check_fused(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    try:
+        from shardserve.kernels.triton.fused_moe import fused_moe
+    except ImportError:
+        return False
+    from shardserve.kernels.self_check import TOLERANCE
+
+    num_experts, hidden = w13.shape[0], w13.shape[2]
+    g = torch.Generator(device=w13.device).manual_seed(0)
+    # Random weights of the layer's shapes and scale (the real ones may not be loaded yet).
+    a = torch.randn(w13.shape, generator=g, device=w13.device).mul_(0.05).to(w13.dtype)
+    b = torch.randn(w2.shape, generator=g, device=w13.device).mul_(0.05).to(w13.dtype)
+    k = min(2, num_experts)
+    for tokens in (1, 37):
+        x = torch.randn(tokens, hidden, generator=g, device=w13.device).to(w13.dtype)
+        logits = torch.randn(tokens, num_experts, generator=g, device=w13.device)
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        got = fused_moe(x, a, b, weights, ids).double()
+        want = grouped_experts(x.double(), a.double(), b.double(), weights.double(), ids)
+        error = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+        if not error < TOLERANCE[w13.dtype]:
+            logger.error("the fused MoE kernel is off by %.3g (relative) for experts of shape %s on %s at %d "
+                         "tokens: using the grouped torch version, without CUDA graphs", error, tuple(w13.shape),
+                         w13.device, tokens)
+            return False
+    return True
 
 
 def _check_shape(loaded: Any, expected: tuple[int, ...], what: str) -> None:
