@@ -90,6 +90,9 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="auto: read the checkpoint; dummy: random weights in the model's shapes, drawn from "
                         "--seed (benchmarks: only config.json and the tokenizer are read)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a mixture of experts: give each rank whole experts (experts / ranks of them) instead of "
+                        "splitting every expert by features across the ranks")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "none"], default="auto",

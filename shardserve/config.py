@@ -177,6 +177,7 @@ class EngineConfig:
     # Variables rank 0 ships to every rank at start-up (distributed/handshake.py); rank 0's list counts.
     forward_env: tuple[str, ...] = ()
     wake_on_request: bool = False  # a request to a sleeping engine wakes it (else it waits for a wake-up)
+    enable_expert_parallel: bool = False  # a mixture of experts: whole experts per rank, not experts split by features
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

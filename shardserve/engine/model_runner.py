@@ -234,7 +234,8 @@ class ModelRunner:
         cls = MODEL_CLASSES[self.model_config.family]
         torch.manual_seed(0)
         with torch.device(self.device):
-            model = cls(self.model_config, self.ctx.comm, self.dtype, self.max_model_len)
+            model = cls(self.model_config, self.ctx.comm, self.dtype, self.max_model_len,
+                        expert_parallel=self.config.enable_expert_parallel)
         self._fill_weights(model)
         self._log_planned_weights(model)
         if self.linear_kernel is None:

@@ -31,6 +31,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, enforce_eager=args.enforce_eager,
         load_format=args.load_format, forward_env=tuple(dict.fromkeys(args.forward_env)),
         wake_on_request=args.wake_on_request,
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
     )
 
 

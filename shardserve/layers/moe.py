@@ -40,18 +40,29 @@ FUSED_MOE_ENV = "SHARDSERVE_FUSED_MOE"  # "0": the grouped torch version on GPUs
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, comm: Communicator, dtype: torch.dtype) -> None:
+                 renormalize: bool, comm: Communicator, dtype: torch.dtype, expert_parallel: bool = False) -> None:
         super().__init__()
-        (r0, r1), sharded = split_rows(intermediate_size, comm.rank, comm.world_size, "moe experts")
+        self.experts_held = (0, num_experts)  # [e0, e1): the experts this rank computes
+        if expert_parallel and comm.world_size > 1 and num_experts % comm.world_size == 0:
+            # Expert parallelism: whole experts, E / ranks each; every rank routes all tokens and computes its
+            # experts' share, and the layer's all-reduce sums the shares (masking, no all-to-all).
+            per_rank = num_experts // comm.world_size
+            self.experts_held = (comm.rank * per_rank, (comm.rank + 1) * per_rank)
+            (r0, r1), sharded = (0, intermediate_size), True
+        else:
+            if expert_parallel and comm.world_size > 1:
+                logger.info("%d experts do not divide among %d ranks: each expert is split by features instead",
+                            num_experts, comm.world_size)
+            (r0, r1), sharded = split_rows(intermediate_size, comm.rank, comm.world_size, "moe experts")
         self.rows = (r0, r1)
         self.intermediate_size = intermediate_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        rows = r1 - r0
+        rows, held = r1 - r0, self.experts_held[1] - self.experts_held[0]
         self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
         self.gate.weight_loader = load_whole
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * rows, hidden_size, dtype=dtype), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(held, 2 * rows, hidden_size, dtype=dtype), requires_grad=False)
         self.w13.weight_loader = self._load_w13
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, rows, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(held, hidden_size, rows, dtype=dtype), requires_grad=False)
         self.w2.weight_loader = self._load_w2
         self.replicated = not sharded
         self.pending = comm if sharded else None  # the output is a partial sum to all-reduce (in the next norm)
@@ -59,24 +70,28 @@ class SparseMoE(nn.Module):
     # -- loading: shard_id is (expert, 0 gate / 1 up) for w13, (expert, None) for w2, or "all" (fused tensors)
     def _load_w13(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:
         (r0, r1), i, rows = self.rows, self.intermediate_size, self.rows[1] - self.rows[0]
+        e0, e1 = self.experts_held
         if shard_id == "all":
             _check_shape(loaded, (self.num_experts, 2 * i, param.shape[2]), "experts.gate_up_proj")
-            param.data[:, :rows].copy_(as_tensor(loaded[:, r0:r1]))
-            param.data[:, rows:].copy_(as_tensor(loaded[:, i + r0:i + r1]))
+            param.data[:, :rows].copy_(as_tensor(loaded[e0:e1, r0:r1]))
+            param.data[:, rows:].copy_(as_tensor(loaded[e0:e1, i + r0:i + r1]))
             return
         expert, half = shard_id
         _check_shape(loaded, (i, param.shape[2]), f"expert {expert}'s gate/up projection")
-        param.data[expert, half * rows:(half + 1) * rows].copy_(as_tensor(loaded[r0:r1]))
+        if e0 <= expert < e1:  # another rank's expert under expert parallelism: not read
+            param.data[expert - e0, half * rows:(half + 1) * rows].copy_(as_tensor(loaded[r0:r1]))
 
     def _load_w2(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:
         r0, r1 = self.rows
+        e0, e1 = self.experts_held
         if shard_id == "all":
             _check_shape(loaded, (self.num_experts, param.shape[1], self.intermediate_size), "experts.down_proj")
-            param.data.copy_(as_tensor(loaded[:, :, r0:r1]))
+            param.data.copy_(as_tensor(loaded[e0:e1, :, r0:r1]))
             return
         expert, _ = shard_id
         _check_shape(loaded, (param.shape[1], self.intermediate_size), f"expert {expert}'s down projection")
-        param.data[expert].copy_(as_tensor(loaded[:, r0:r1]))
+        if e0 <= expert < e1:
+            param.data[expert - e0].copy_(as_tensor(loaded[:, r0:r1]))
 
     # -- computation
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
@@ -103,22 +118,28 @@ class SparseMoE(nn.Module):
         return self.w13.is_cuda and fused_moe_works(self.w13, self.w2)
 
     def experts(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]), this rank's features only."""
+        """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]) over this rank's experts and features."""
+        e0, e1 = self.experts_held
         if h.is_cuda and fused_moe_works(self.w13, self.w2):
             from shardserve.kernels.triton.fused_moe import fused_moe
 
+            if (e0, e1) != (0, self.num_experts):  # other ranks' choices weigh 0 here (computed on expert e0)
+                held = (experts >= e0) & (experts < e1)
+                weights, experts = weights * held, torch.where(held, experts - e0, 0)
             return fused_moe(h, self.w13, self.w2, weights, experts)
-        return grouped_experts(h, self.w13, self.w2, weights, experts)
+        return grouped_experts(h, self.w13, self.w2, weights, experts - e0)
 
 
 def grouped_experts(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     experts: torch.Tensor) -> torch.Tensor:
-    """The experts grouped by expert in plain torch (any device; reads the expert counts on the host)."""
+    """The experts grouped by expert in plain torch (any device; reads the expert counts on the host). Choices of
+    experts outside [0, len(w13)) (another rank's, under expert parallelism) are left out."""
     num_experts = w13.shape[0]
     tokens, k = experts.shape
     flat = experts.flatten()
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # the others in one last group
     order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, in token order within each
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
     scale = weights.flatten().index_select(0, order).to(h.dtype).unsqueeze(1)
     token_of = order // k
     out = torch.zeros_like(h)

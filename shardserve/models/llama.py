@@ -79,11 +79,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, sparse: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, sparse: bool = False,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, comm, dtype)
         self.mlp = (SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                              cfg.renormalize_topk, comm, dtype) if sparse else MLP(cfg, comm, dtype))
+                              cfg.renormalize_topk, comm, dtype, expert_parallel) if sparse else MLP(cfg, comm, dtype))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -100,11 +101,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, dtype, sparse=i in cfg.moe_layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, dtype, i in cfg.moe_layers, expert_parallel)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -138,10 +140,13 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
+                 expert_parallel: bool = False) -> None:
+        """expert_parallel: a mixture of experts' experts divided among the ranks (whole experts) rather than
+        each split by features."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, comm, dtype, max_positions)
+        self.model = LlamaModel(cfg, comm, dtype, max_positions, expert_parallel)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
 
     @staticmethod

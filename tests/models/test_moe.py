@@ -76,3 +76,23 @@ def test_dummy_weights_know_the_experts(tiny_model_dir, name):
                  kv_cache_memory_gb=0.05) as llm:
             outputs[tp] = [o.token_ids for o in llm.generate(prompts, greedy)]
     assert outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_expert_parallel_matches_transformers(tiny_model_dir, name, tp, caplog):
+    """--enable-expert-parallel: 4 experts, 2 whole experts a rank at TP 2; at TP 3 they do not divide, and each
+    expert is split by features instead (logged)."""
+    from shardserve import LLM, SamplingParams
+    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts, _reference
+
+    model_dir = tiny_model_dir(name)
+    expected = _reference(model_dir)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with caplog.at_level("INFO"), LLM(model_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05,
+                                      enable_expert_parallel=True) as llm:
+        outputs = llm.generate(_prompts(), greedy)
+        layer = next(m for m in llm.engine.runner.model.modules() if type(m).__name__ == "SparseMoE")
+        held = layer.experts_held
+    assert [tuple(o.token_ids) for o in outputs] == list(expected)
+    assert held == ((0, 2) if tp == 2 else (0, 4))
