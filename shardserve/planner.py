@@ -64,6 +64,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     replicated: list[str] = field(default_factory=list)
     device: str = "cuda"
+    active_weight_bytes: int = 0  # per rank, what one token reads (a mixture of experts: its chosen experts); 0: dense
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -145,8 +146,9 @@ def _mamba_shapes(cfg: dict) -> tuple[int, int, int, int]:
     return inner, d_state, cfg.get("mamba_d_conv", 4), dt_rank
 
 
-def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str]) -> int:
-    """Parameters one rank holds, sharded the way the engine shards them."""
+def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: bool = False) -> int:
+    """Parameters one rank holds, sharded the way the engine shards them; `active`: those one token reads (of a
+    mixture of experts' layers, the router and the num_experts_per_tok chosen experts)."""
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     hd = _head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
@@ -176,7 +178,8 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str]) -> int:
                 + inner * d_state + inner + inner * h
         if _is_moe_layer(cfg, i):
             per_expert = 3 * h * _rows(moe_inter, tp, "experts", replicated)
-            total += experts * per_expert + h * experts  # experts and the router
+            used = cfg.get("num_experts_per_tok", experts) if active else experts
+            total += used * per_expert + h * experts  # experts and the router
             if shared_inter:
                 total += 3 * h * _rows(shared_inter, tp, "shared expert", replicated) + h
         else:
@@ -271,8 +274,10 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
             warnings.append(f"host memory left while loading would be {host_left / GIB:.1f} GiB, under the floor of "
                             f"{req.host_floor_gb:g} GiB: the host may swap or stall; start fewer ranks per host")
     warnings += _replicated_warning(replicated, tp)
+    active = weight_elements_per_rank(cfg, tp, [], active=True) * dtype if _moe(cfg)[0] else 0
     return Plan(weights, per_token, per_seq_state, overhead, max_len, per_token * max_len, usable, budget,
-                cache_tokens, largest, fits, host_needed, host_left, warnings, reasons, sorted(set(replicated)))
+                cache_tokens, largest, fits, host_needed, host_left, warnings, reasons, sorted(set(replicated)),
+                active_weight_bytes=active)
 
 
 def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
@@ -324,6 +329,8 @@ def describe(p: Plan, tp: int) -> str:
     lines = [
         f"per rank (tensor parallel {tp}):",
         f"  weights                {gib(p.weight_bytes)}",
+        *([f"  read per token         {gib(p.active_weight_bytes)} (the router and the chosen experts of "
+           f"each expert layer)"] if p.active_weight_bytes else []),
         f"  KV cache per token     {p.kv_bytes_per_token / 1024:,.1f} KiB (full-attention layers)",
         f"  KV for one context     {gib(p.kv_bytes_for_context)} at {p.max_model_len:,} tokens",
     ]

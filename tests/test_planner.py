@@ -61,6 +61,9 @@ def test_qwen3_moe_counts_every_expert_and_the_router():
     assert moe.weight_bytes == 2 * params  # about 30.5 B parameters
     assert 30.4e9 < params < 30.6e9
     assert moe.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2
+    # What a token reads: attention, the router and 8 of the 128 experts a layer (about 3.3 B parameters).
+    active = 48 * (attn + 8 * 3 * 2048 * 768 + 2048 * 128 + 2 * 2048) + 2 * 151936 * 2048 + 2048
+    assert moe.active_weight_bytes == 2 * active and 3.2e9 < active < 3.4e9
 
 
 def test_hybrid_model_grows_kv_only_in_full_attention_layers_and_keeps_fixed_state_elsewhere():
