@@ -96,3 +96,12 @@ def test_expert_parallel_matches_transformers(tiny_model_dir, name, tp, caplog):
         held = layer.experts_held
     assert [tuple(o.token_ids) for o in outputs] == list(expected)
     assert held == ((0, 2) if tp == 2 else (0, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_moe_greedy_tokens_match_transformers_on_a_gpu(tiny_model_dir, name):
+    """The CUDA path (the fused kernel where it passed its start-up check, with CUDA graphs), float32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _check_matches(tiny_model_dir(name), name, 1, device="cuda")
