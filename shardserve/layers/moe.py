@@ -17,6 +17,10 @@ capture; it is compared once per device and shape with the grouped torch version
 mismatch is logged and falls back to that version (decode then runs without CUDA graphs). Elsewhere the
 computation groups the (token, expert) pairs by expert and runs each expert that received tokens on its tokens
 at once: a loop over experts, never over tokens.
+
+A shared expert (Qwen2-MoE, DeepSeek) would be the dense MLP of models/llama.py beside this block, on the same
+normed input, its output added before the layer's one all-reduce (Qwen2-MoE scales it by a sigmoid gate); the
+loader would map `mlp.shared_expert.*` to it.
 """
 
 from __future__ import annotations
