@@ -11,10 +11,11 @@ Experts' weights live in two tensors per layer: `w13` [E, 2 * I_rank, H] (gate r
 [E, H, I_rank]. Checkpoints hold them per expert (`experts.{e}.gate_proj`, Mixtral's `w1`/`w3`/`w2`) or fused
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]); the loaders below take either.
 
-On CUDA the experts run in one fused Triton kernel (kernels/triton/fused_moe.py: tokens sorted by expert, a
-grouped GEMM over the experts that received tokens, SwiGLU and the router weights fused), which CUDA graphs can
-capture; it is compared once per device and shape with the grouped torch version below before it is used, and a
-mismatch is logged and falls back to that version (decode then runs without CUDA graphs). Elsewhere the
+On CUDA the experts run without any host synchronisation, so CUDA graphs capture decode: in the fused Triton
+kernel (kernels/triton/fused_moe.py) where present, else through torch's grouped GEMM (tokens sorted by expert
+on the device, one group per expert); each is compared once per device and shape with a float64 reference
+before it is used, and a mismatch is logged and falls back (to the next, or to the grouped version below, which
+reads the expert counts on the host: decode then runs without CUDA graphs). Elsewhere the
 computation groups the (token, expert) pairs by expert and runs each expert that received tokens on its tokens
 at once: a loop over experts, never over tokens.
 
@@ -39,7 +40,7 @@ from shardserve.layers.sharding import split_rows
 
 logger = logging.getLogger(__name__)
 
-FUSED_MOE_ENV = "SHARDSERVE_FUSED_MOE"  # "0": the grouped torch version on GPUs too (no CUDA graphs then)
+FUSED_MOE_ENV = "SHARDSERVE_DEVICE_EXPERTS"  # "0": the host-grouped version on GPUs too (no CUDA graphs)
 
 
 class SparseMoE(nn.Module):
@@ -118,20 +119,20 @@ class SparseMoE(nn.Module):
 
     @property
     def graph_safe(self) -> bool:
-        """Whether a CUDA graph can capture this block: the fused kernel runs here (no host synchronisation)."""
-        return self.w13.is_cuda and fused_moe_works(self.w13, self.w2)
+        """Whether a CUDA graph can capture this block: a device-only expert computation runs here (no host
+        synchronisation)."""
+        return self.w13.is_cuda and device_experts(self.w13, self.w2) is not None
 
     def experts(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]) over this rank's experts and features."""
         e0, e1 = self.experts_held
-        if h.is_cuda and fused_moe_works(self.w13, self.w2):
-            from shardserve.kernels.triton.fused_moe import fused_moe
-
-            if (e0, e1) != (0, self.num_experts):  # other ranks' choices weigh 0 here (computed on expert e0)
-                held = (experts >= e0) & (experts < e1)
-                weights, experts = weights * held, torch.where(held, experts - e0, 0)
-            return fused_moe(h, self.w13, self.w2, weights, experts)
-        return grouped_experts(h, self.w13, self.w2, weights, experts - e0)
+        compute = device_experts(self.w13, self.w2) if h.is_cuda else None
+        if compute is fused_experts and (e0, e1) != (0, self.num_experts):
+            # Other ranks' choices weigh 0 here (computed on expert e0).
+            held = (experts >= e0) & (experts < e1)
+            weights, experts = weights * held, torch.where(held, experts - e0, 0)
+            return compute(h, self.w13, self.w2, weights, experts)
+        return (compute or grouped_experts)(h, self.w13, self.w2, weights, experts - e0)
 
 
 def grouped_experts(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -159,25 +160,54 @@ def grouped_experts(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     return out
 
 
-_fused_checked: dict[tuple, bool] = {}
+def grouped_mm_experts(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                       experts: torch.Tensor) -> torch.Tensor:
+    """The experts through torch's grouped GEMM (CUDA, 16-bit): pairs sorted by expert on the device, each
+    expert's rows one group; no host synchronisation, so CUDA graphs capture it. Choices outside [0, len(w13))
+    sort last, outside every group, and count 0."""
+    tokens, k = experts.shape
+    num_experts = w13.shape[0]
+    flat = experts.flatten()
+    held = (flat >= 0) & (flat < num_experts)
+    ids, order = torch.sort(torch.where(held, flat, num_experts))
+    # histc takes integers on CUDA only (floats here: exact below 2^24); the tail falls outside [0, E - 1].
+    counts = torch.histc(ids.int() if ids.is_cuda else ids.float(), bins=num_experts, min=0, max=num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    x = h.index_select(0, order // k)
+    gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+    scale = torch.where(held, weights.flatten(), 0).index_select(0, order).to(y.dtype).unsqueeze(1)
+    y = torch.where(scale != 0, y * scale, 0)  # rows past the groups are never written: drop them, NaN or not
+    unsorted = torch.empty_like(y).index_copy_(0, order, y)
+    return unsorted.view(tokens, k, -1).sum(dim=1)
 
 
-def fused_moe_works(w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether the fused kernel computes these experts' shapes right on this device: checked once per (device,
-    shapes, dtype) against grouped_experts on random inputs of 1 and 37 tokens; a mismatch is logged."""
+def fused_experts(h, w13, w2, weights, experts):
+    from shardserve.kernels.triton.fused_moe import fused_moe
+
+    return fused_moe(h, w13, w2, weights, experts)
+
+
+_device_checked: dict[tuple, object] = {}
+
+
+def device_experts(w13: torch.Tensor, w2: torch.Tensor):
+    """The device-only expert computation for these experts' shapes on this GPU, or None (then grouped_experts,
+    without CUDA graphs): the fused Triton kernel, else torch's grouped GEMM, whichever first matches the
+    float64 reference on random inputs of 1 and 37 tokens (checked once per device, shapes and dtype; a
+    mismatch is logged)."""
     if not w13.is_cuda or os.environ.get(FUSED_MOE_ENV) == "0":
-        return False
+        return None
     key = (w13.device, tuple(w13.shape), tuple(w2.shape), w13.dtype)
-    if key not in _fused_checked:
-        _fused_checked[key] = _check_fused(w13, w2)
-    return _fused_checked[key]
+    if key not in _device_checked:
+        _device_checked[key] = next((f for f in (fused_experts, grouped_mm_experts) if _matches(f, w13, w2)), None)
+        if _device_checked[key] is None:
+            logger.warning("experts of shape %s on %s run grouped by expert with the counts read on the host: "
+                           "no CUDA graphs", tuple(w13.shape), w13.device)
+    return _device_checked[key]
 
 
-def _check_fused(w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    try:
-        from shardserve.kernels.triton.fused_moe import fused_moe
-    except ImportError:
-        return False
+def _matches(compute, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     from shardserve.kernels.self_check import TOLERANCE
 
     num_experts, hidden = w13.shape[0], w13.shape[2]
@@ -190,18 +220,16 @@ def _check_fused(w13: torch.Tensor, w2: torch.Tensor) -> bool:
         x = torch.randn(tokens, hidden, generator=g, device=w13.device).to(w13.dtype)
         logits = torch.randn(tokens, num_experts, generator=g, device=w13.device)
         weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-        got = fused_moe(x, a, b, weights, ids).double()
+        try:
+            got = compute(x, a, b, weights, ids).double()
+        except (ImportError, RuntimeError, NotImplementedError, AttributeError) as exc:
+            logger.info("%s does not run experts of shape %s here: %s", compute.__name__, tuple(w13.shape), exc)
+            return False
         want = grouped_experts(x.double(), a.double(), b.double(), weights.double(), ids)
         error = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
         if not error < TOLERANCE[w13.dtype]:
-            logger.error("the fused MoE kernel is off by %.3g (relative) for experts of shape %s on %s at %d "
-                         "tokens: using the grouped torch version, without CUDA graphs", error, tuple(w13.shape),
-                         w13.device, tokens)
+            logger.error("%s is off by %.3g (relative) for experts of shape %s on %s at %d tokens: not used",
+                         compute.__name__, error, tuple(w13.shape), w13.device, tokens)
             return False
+    logger.info("experts of shape %s on %s: %s", tuple(w13.shape), w13.device, compute.__name__)
     return True
-
-
-def _check_shape(loaded: Any, expected: tuple[int, ...], what: str) -> None:
-    shape = tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
-    if shape != tuple(expected):
-        raise ValueError(f"checkpoint tensor for {what} has shape {shape}, expected {tuple(expected)}")

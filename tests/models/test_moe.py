@@ -105,3 +105,21 @@ def test_moe_greedy_tokens_match_transformers_on_a_gpu(tiny_model_dir, name):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     _check_matches(tiny_model_dir(name), name, 1, device="cuda")
+
+
+@pytest.mark.parametrize("held", [(0, 4), (2, 4)])
+def test_the_device_only_expert_path_equals_the_grouped_one(held):
+    """torch's grouped GEMM path (what CUDA graphs capture) against the host-grouped version, here on the CPU:
+    all experts, and a rank holding experts 2 and 3 under expert parallelism (other ranks' choices count 0)."""
+    from shardserve.layers.moe import grouped_experts, grouped_mm_experts
+
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, features, tokens, k = 4, 64, 32, 9, 2
+    w13 = torch.randn(experts, 2 * features, hidden, generator=g) * 0.1
+    w2 = torch.randn(experts, hidden, features, generator=g) * 0.1
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=g), dim=-1), k, dim=-1)
+    e0, e1 = held
+    got = grouped_mm_experts(x, w13[e0:e1], w2[e0:e1], weights, ids - e0)
+    want = grouped_experts(x.double(), w13[e0:e1].double(), w2[e0:e1].double(), weights.double(), ids - e0)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
