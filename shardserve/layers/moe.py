@@ -233,3 +233,9 @@ def _matches(compute, w13: torch.Tensor, w2: torch.Tensor) -> bool:
             return False
     logger.info("experts of shape %s on %s: %s", tuple(w13.shape), w13.device, compute.__name__)
     return True
+
+
+def _check_shape(loaded: Any, expected: tuple[int, ...], what: str) -> None:
+    shape = tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+    if shape != tuple(expected):
+        raise ValueError(f"checkpoint tensor for {what} has shape {shape}, expected {tuple(expected)}")
