@@ -200,7 +200,10 @@ def device_experts(w13: torch.Tensor, w2: torch.Tensor):
         return None
     key = (w13.device, tuple(w13.shape), tuple(w2.shape), w13.dtype)
     if key not in _device_checked:
-        _device_checked[key] = next((f for f in (fused_experts, grouped_mm_experts) if _matches(f, w13, w2)), None)
+        # torch's grouped GEMM has a device kernel for 16-bit weights only; in float32 it loops on the host.
+        candidates = (fused_experts, grouped_mm_experts) if w13.dtype in (torch.bfloat16, torch.float16) else (
+            fused_experts,)
+        _device_checked[key] = next((f for f in candidates if _matches(f, w13, w2)), None)
         if _device_checked[key] is None:
             logger.warning("experts of shape %s on %s run grouped by expert with the counts read on the host: "
                            "no CUDA graphs", tuple(w13.shape), w13.device)
