@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 
-import torch
 import torch.distributed as dist
 from torch import nn
 

@@ -13,13 +13,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from contextlib import contextmanager
 
 import httpx
 import openai
-import pytest
 
 from shardserve.distributed.process_group import find_free_port
 from tests.serving import wait_until, wait_until_healthy

@@ -11,7 +11,6 @@ import sys
 import threading
 
 import httpx
-import pytest
 
 from shardserve.distributed.process_group import find_free_port
 from tests.serving import stream_in_background, wait_until_healthy
