@@ -1,9 +1,10 @@
-"""Where a batch-1 decode step's time goes, on the host and on the GPU, for a Llama-3-8B-shaped model.
+"""Where a batch-1 decode step's time goes, on the host and on the GPU, for a model of a real shape (random weights).
 
-    python benchmarks/profile_decode.py [--tokens 200]
+    python benchmarks/profile_decode.py [--model llama3-8b] [--tokens 200] [--kernels]
 
-Prints the engine's step time (overlapped decoding off and on), the GPU time of one step (CUDA events around the graph replay alone),
-and the host functions that take the most time per step (cProfile, cumulative).
+Prints the engine's step time (overlapped decoding off and on), the GPU time of one step (CUDA events around the
+graph replay alone), and the host functions that take the most time per step (cProfile). --kernels adds the GPU
+kernels of one replayed step by total time (torch.profiler over 20 replays).
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_suite import graph_replay_ms, write_model_dir  # noqa: E402
+from gpu_suite import SHAPES, graph_replay_ms, write_model_dir  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--model", choices=sorted(SHAPES), default="llama3-8b")
+    p.add_argument("--kernels", action="store_true", help="the GPU kernels of a step, by total time")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -34,13 +37,16 @@ def main() -> None:
     from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
 
-    model_dir = write_model_dir(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"))
+    model_dir = write_model_dir(os.path.join(tempfile.mkdtemp(), f"{args.model}-shape"), SHAPES[args.model])
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2048, max_num_seqs=64)
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, detokenize=False)
     prompt = [[(7 * i) % 128000 for i in range(1, 129)]]
     llm.generate(prompt, params)  # warm up
 
-    replay_ms = graph_replay_ms(llm.engine.runner.graphs.graphs[1])
+    graph = llm.engine.runner.graphs.graphs[1]
+    replay_ms = graph_replay_ms(graph)
+    if args.kernels:
+        print_kernels(graph, replays=20)
 
     step_ms = {}
     for overlap in (False, True):
@@ -61,6 +67,27 @@ def main() -> None:
     print(f"graph replay alone {replay_ms:.3f} ms ({1000 / replay_ms:.1f} tok/s)")
     print(text.getvalue())
     llm.shutdown()
+
+
+def print_kernels(graph, replays: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name, [0.0, 0])
+            entry[0] += getattr(event, "device_time", event.cuda_time) / replays
+            entry[1] += 1 / replays
+    step_us = sum(us for us, _ in totals.values())
+    print(f"GPU kernels of one step: {step_us:.1f} us in all")
+    for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:25]:
+        print(f"{us:9.1f} us {us / step_us:6.1%} x{count:5.0f}  {name[:110]}")
 
 
 if __name__ == "__main__":

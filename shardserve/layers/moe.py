@@ -11,13 +11,14 @@ Experts' weights live in two tensors per layer: `w13` [E, 2 * I_rank, H] (gate r
 [E, H, I_rank]. Checkpoints hold them per expert (`experts.{e}.gate_proj`, Mixtral's `w1`/`w3`/`w2`) or fused
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]); the loaders below take either.
 
-On CUDA the experts run without any host synchronisation, so CUDA graphs capture decode: in the fused Triton
-kernel (kernels/triton/fused_moe.py) where present, else through torch's grouped GEMM (tokens sorted by expert
-on the device, one group per expert); each is compared once per device and shape with a float64 reference
-before it is used, and a mismatch is logged and falls back (to the next, or to the grouped version below, which
-reads the expert counts on the host: decode then runs without CUDA graphs). Elsewhere the
-computation groups the (token, expert) pairs by expert and runs each expert that received tokens on its tokens
-at once: a loop over experts, never over tokens.
+On CUDA the block runs without any host synchronisation, so CUDA graphs capture decode: the router's softmax and
+top k in one kernel (kernels/triton/moe_router.py), the experts in the fused Triton kernel
+(kernels/triton/fused_moe.py) for decode and small batches and through torch's grouped GEMM (tokens sorted by
+expert on the device, one group per expert) for large ones. Each is compared once per device and shape with a
+reference before it is used (the experts with float64 at every kernel config a layer can take); a mismatch is
+logged and falls back (to the other, or to the grouped version below, which reads the expert counts on the host:
+decode then runs without CUDA graphs). Elsewhere the computation groups the (token, expert) pairs by expert and
+runs each expert that received tokens on its tokens at once: a loop over experts, never over tokens.
 
 A shared expert (Qwen2-MoE, DeepSeek) would be the dense MLP of models/llama.py beside this block, on the same
 normed input, its output added before the layer's one all-reduce (Qwen2-MoE scales it by a sigmoid gate); the
@@ -110,29 +111,72 @@ class SparseMoE(nn.Module):
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k experts of each token [T, k] and their weights [T, k] (float32): softmax over all experts'
         logits, the k best, renormalized to sum to 1 where the model says so (Mixtral always, Qwen3-MoE with
-        norm_topk_prob)."""
-        probs = torch.softmax(F.linear(h, self.gate).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, experts
+        norm_topk_prob). On CUDA in one fused kernel where it matched this version on this device."""
+        logits = F.linear(h, self.gate)
+        if logits.is_cuda and device_router(logits.device, self.num_experts, self.top_k, self.renormalize):
+            from shardserve.kernels.triton.moe_router import route_top_k
+
+            return route_top_k(logits, self.top_k, self.renormalize)
+        return route_reference(logits, self.top_k, self.renormalize)
 
     @property
     def graph_safe(self) -> bool:
         """Whether a CUDA graph can capture this block: a device-only expert computation runs here (no host
         synchronisation)."""
-        return self.w13.is_cuda and device_experts(self.w13, self.w2) is not None
+        return self.w13.is_cuda and device_experts(self.w13, self.w2, self.top_k) is not None
 
     def experts(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]) over this rank's experts and features."""
-        e0, e1 = self.experts_held
-        compute = device_experts(self.w13, self.w2) if h.is_cuda else None
-        if compute is fused_experts and (e0, e1) != (0, self.num_experts):
-            # Other ranks' choices weigh 0 here (computed on expert e0).
-            held = (experts >= e0) & (experts < e1)
-            weights, experts = weights * held, torch.where(held, experts - e0, 0)
-            return compute(h, self.w13, self.w2, weights, experts)
-        return (compute or grouped_experts)(h, self.w13, self.w2, weights, experts - e0)
+        """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]) over this rank's experts and features (every path
+        leaves out choices of experts outside [0, held): other ranks' under expert parallelism)."""
+        if self.experts_held[0]:
+            experts = experts - self.experts_held[0]
+        compute = device_experts(self.w13, self.w2, self.top_k) if h.is_cuda else None
+        return (compute or grouped_experts)(h, self.w13, self.w2, weights, experts)
+
+
+def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+_router_checked: dict[tuple, bool] = {}
+
+
+def device_router(device: torch.device, num_experts: int, top_k: int, renormalize: bool) -> bool:
+    """Whether the fused router kernel chose the same experts as route_reference (in any order), with weights
+    within 1e-5, on random logits of 1, 37 and 300 tokens on this device (once per device and router shape)."""
+    key = (device, num_experts, top_k, renormalize)
+    if key not in _router_checked:
+        _router_checked[key] = os.environ.get(FUSED_MOE_ENV) != "0" and _router_matches(*key)
+    return _router_checked[key]
+
+
+def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(-1, order), ids
+
+
+def _router_matches(device, num_experts: int, top_k: int, renormalize: bool) -> bool:
+    try:
+        from shardserve.kernels.triton.moe_router import route_top_k
+
+        g = torch.Generator(device=device).manual_seed(0)
+        for tokens in (1, 37, 300):
+            # float32 logits: no ties, so one right set of experts (whose order does not matter).
+            logits = torch.randn(tokens, num_experts, generator=g, device=device)
+            weights, ids = _by_expert(*route_top_k(logits, top_k, renormalize))
+            want_weights, want_ids = _by_expert(*route_reference(logits, top_k, renormalize))
+            if not (torch.equal(ids, want_ids) and torch.allclose(weights, want_weights, rtol=1e-5, atol=1e-6)):
+                logger.error("the fused router differs from torch's for %d experts, top %d on %s: not used",
+                             num_experts, top_k, device)
+                return False
+    except Exception as exc:  # no Triton, or the kernel does not build here
+        logger.info("the fused router does not run here: %s: %s", type(exc).__name__, exc)
+        return False
+    return True
 
 
 def grouped_experts(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -191,26 +235,59 @@ def fused_experts(h, w13, w2, weights, experts):
 _device_checked: dict[tuple, object] = {}
 
 
-def device_experts(w13: torch.Tensor, w2: torch.Tensor):
+def device_experts(w13: torch.Tensor, w2: torch.Tensor, top_k: int):
     """The device-only expert computation for these experts' shapes on this GPU, or None (then grouped_experts,
     without CUDA graphs): the fused Triton kernel, else torch's grouped GEMM, whichever first matches the
-    float64 reference on random inputs of 1 and 37 tokens (checked once per device, shapes and dtype; a
-    mismatch is logged)."""
+    float64 reference on random inputs at every token count that picks another kernel config, with the layer's
+    top k (checked once per device, shapes, top k and dtype; a mismatch is logged)."""
     if not w13.is_cuda or os.environ.get(FUSED_MOE_ENV) == "0":
         return None
-    key = (w13.device, tuple(w13.shape), tuple(w2.shape), w13.dtype)
+    key = (w13.device, tuple(w13.shape), tuple(w2.shape), w13.dtype, top_k)
     if key not in _device_checked:
+        fused = _matches(fused_experts, w13, w2, top_k)
         # torch's grouped GEMM has a device kernel for 16-bit weights only; in float32 it loops on the host.
-        candidates = (fused_experts, grouped_mm_experts) if w13.dtype in (torch.bfloat16, torch.float16) else (
-            fused_experts,)
-        _device_checked[key] = next((f for f in candidates if _matches(f, w13, w2)), None)
+        grouped = w13.dtype in (torch.bfloat16, torch.float16) and _matches(grouped_mm_experts, w13, w2, top_k)
+        if fused and grouped:
+            _device_checked[key] = fused_then_grouped_mm
+        else:
+            _device_checked[key] = fused_experts if fused else grouped_mm_experts if grouped else None
         if _device_checked[key] is None:
             logger.warning("experts of shape %s on %s run grouped by expert with the counts read on the host: "
                            "no CUDA graphs", tuple(w13.shape), w13.device)
     return _device_checked[key]
 
 
-def _matches(compute, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+def fused_then_grouped_mm(h, w13, w2, weights, experts):
+    """The fused kernel while it reads each chosen expert's weights about once (decode, small batches), torch's
+    grouped GEMM past that (prefill), where it computes faster (BENCHMARKS.md, "MoE kernels")."""
+    from shardserve.kernels.fused_moe_table import FUSED_MAX_ROWS_PER_EXPERT
+
+    if experts.numel() > FUSED_MAX_ROWS_PER_EXPERT * w13.shape[0]:
+        return grouped_mm_experts(h, w13, w2, weights, experts)
+    return fused_experts(h, w13, w2, weights, experts)
+
+
+def _check_token_counts(top_k: int, num_experts: int) -> list[int]:
+    """A single token, a small odd batch, and one token count per config of the fused kernel's table."""
+    from shardserve.kernels.fused_moe_table import token_counts_per_config
+
+    return sorted({1, 37, *token_counts_per_config(top_k, num_experts)})
+
+
+def reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      experts: torch.Tensor) -> torch.Tensor:
+    """float64, one chosen expert at a time (only that expert's weights widened: a layer's experts in float64
+    would take 4x their memory)."""
+    x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for expert in experts.unique().tolist():
+        token, choice = (experts == expert).nonzero(as_tuple=True)
+        gate, up = F.linear(x[token], w13[expert].double()).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert].double())
+        out.index_add_(0, token, y * weights[token, choice, None].double())
+    return out
+
+
+def _matches(compute, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
     from shardserve.kernels.self_check import TOLERANCE
 
     num_experts, hidden = w13.shape[0], w13.shape[2]
@@ -218,17 +295,18 @@ def _matches(compute, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     # Random weights of the layer's shapes and scale (the real ones may not be loaded yet).
     a = torch.randn(w13.shape, generator=g, device=w13.device).mul_(0.05).to(w13.dtype)
     b = torch.randn(w2.shape, generator=g, device=w13.device).mul_(0.05).to(w13.dtype)
-    k = min(2, num_experts)
-    for tokens in (1, 37):
+    k = min(top_k, num_experts)
+    for tokens in _check_token_counts(k, num_experts):
         x = torch.randn(tokens, hidden, generator=g, device=w13.device).to(w13.dtype)
         logits = torch.randn(tokens, num_experts, generator=g, device=w13.device)
         weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
         try:
             got = compute(x, a, b, weights, ids).double()
-        except (ImportError, RuntimeError, NotImplementedError, AttributeError) as exc:
-            logger.info("%s does not run experts of shape %s here: %s", compute.__name__, tuple(w13.shape), exc)
+        except Exception as exc:  # a kernel that cannot run here (no Triton, out of shared memory...): not used
+            logger.info("%s does not run experts of shape %s here at %d tokens: %s: %s", compute.__name__,
+                        tuple(w13.shape), tokens, type(exc).__name__, exc)
             return False
-        want = grouped_experts(x.double(), a.double(), b.double(), weights.double(), ids)
+        want = reference_experts(x, a, b, weights, ids)
         error = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
         if not error < TOLERANCE[w13.dtype]:
             logger.error("%s is off by %.3g (relative) for experts of shape %s on %s at %d tokens: not used",

@@ -15,6 +15,7 @@ from torch import nn
 
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
+from shardserve.kernels.availability import use_triton
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -55,7 +56,12 @@ class Attention(nn.Module):
         qk = qk.view(tokens, -1, self.head_dim)  # query heads, then key heads
         if self.q_norm is not None:
             nq = self.q_size // self.head_dim
-            qk = torch.cat((self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])), dim=1)
+            if use_triton(qk) and not self.head_dim & (self.head_dim - 1):
+                from shardserve.kernels.triton.fused_ops import qk_rms_norm_
+
+                qk_rms_norm_(qk, nq, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # one launch
+            else:
+                qk = torch.cat((self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])), dim=1)
         # The attention backend rotates query and key heads together and stores keys and values in the cache.
         return self.o_proj(self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)), residual
 

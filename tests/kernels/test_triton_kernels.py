@@ -289,6 +289,27 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(x.dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_query_and_key_head_norms_in_place_on_a_fused_projection(dtype):
+    """Qwen3's q_norm and k_norm in one launch on the q and k heads of a qkv output (a strided view): each head
+    as RMSNorm computes it with its own weight; the values beside them untouched."""
+    g = torch.Generator().manual_seed(3)
+    tokens, nq, nkv, hd, eps = 5, 6, 2, 32, 1e-6
+    qkv = (3 * torch.randn(tokens, (nq + 2 * nkv) * hd, generator=g)).to(dtype)
+    q_weight, k_weight = ((1 + 0.1 * torch.randn(hd, generator=g)).to(dtype) for _ in range(2))
+    qk_ref = qkv[:, :(nq + nkv) * hd].view(tokens, -1, hd)
+    want = torch.cat((reference_rms_norm(qk_ref[:, :nq], q_weight, eps),
+                      reference_rms_norm(qk_ref[:, nq:], k_weight, eps)), dim=1)
+    on_device = qkv.to(DEVICE)
+    qk = on_device[:, :(nq + nkv) * hd].view(tokens, -1, hd)
+    assert fused_ops.qk_rms_norm_(qk, nq, q_weight.to(DEVICE), k_weight.to(DEVICE), eps) is qk
+    if dtype == torch.float32:
+        torch.testing.assert_close(qk.cpu(), want, atol=1e-6, rtol=1e-6)
+    else:
+        _mostly_identical(qk.cpu(), want)
+    assert torch.equal(on_device[:, (nq + nkv) * hd:].cpu(), qkv[:, (nq + nkv) * hd:])
+
+
 def reference_rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                      signed_sin: torch.Tensor) -> torch.Tensor:
     cos, signed_sin = cos[positions].unsqueeze(1), signed_sin[positions].unsqueeze(1)

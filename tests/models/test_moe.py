@@ -123,3 +123,27 @@ def test_the_device_only_expert_path_equals_the_grouped_one(held):
     got = grouped_mm_experts(x, w13[e0:e1], w2[e0:e1], weights, ids - e0)
     want = grouped_experts(x.double(), w13[e0:e1].double(), w2[e0:e1].double(), weights.double(), ids - e0)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_the_device_check_runs_every_kernel_config_and_rejects_one_wrong_at_any():
+    """Before a GPU expert computation is used it must match float64 at a token count that picks each config of
+    the fused kernel's table, with the layer's top k: a kernel wrong only at large batches is refused."""
+    from shardserve.kernels.fused_moe_table import CONFIGS, pick_config
+    from shardserve.layers.moe import _matches, reference_experts
+
+    experts, hidden, features, top_k = 8, 32, 16, 2
+    w13, w2 = torch.empty(experts, 2 * features, hidden), torch.empty(experts, hidden, features)
+    calls = []
+
+    def exact(x, w13, w2, weights, ids):
+        calls.append(tuple(ids.shape))
+        return reference_experts(x, w13, w2, weights, ids).to(x.dtype)
+
+    def wrong_past_100_tokens(x, w13, w2, weights, ids):
+        out = exact(x, w13, w2, weights, ids)
+        return out * 1.01 if x.shape[0] > 100 else out
+
+    assert _matches(exact, w13, w2, top_k)
+    assert {k for _, k in calls} == {top_k}
+    assert {pick_config(t, top_k, experts) for t, _ in calls} == {config for _, config in CONFIGS}
+    assert not _matches(wrong_past_100_tokens, w13, w2, top_k)

@@ -101,6 +101,45 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return x2.view(x.shape), r2.view(x.shape)
 
 
+@triton.jit
+def _qk_norm_kernel(qk_ptr, q_weight_ptr, k_weight_ptr, num_q_heads, num_heads, eps, stride_t, stride_h,
+                    HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr):
+    """One program per token: every query and key head normalised in place, as _rms_norm_kernel per head row,
+    with the query weight on heads [0, num_q_heads) and the key weight on the rest."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_P)
+    dims = tl.arange(0, HEAD_DIM)
+    mask = (heads < num_heads)[:, None]
+    ptrs = qk_ptr + token * stride_t + heads[:, None] * stride_h + dims[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    dtype = x.dtype
+    h = x.to(tl.float32)
+    mean_sq = tl.sum(h * h, 1) / HEAD_DIM
+    h = (h * tl.rsqrt(mean_sq + eps)[:, None]).to(dtype)
+    w_q = tl.load(q_weight_ptr + dims).to(tl.float32)
+    w_k = tl.load(k_weight_ptr + dims).to(tl.float32)
+    w = tl.where((heads < num_q_heads)[:, None], w_q[None, :], w_k[None, :])
+    tl.store(ptrs, (w * h.to(tl.float32)).to(dtype), mask=mask)
+
+
+def qk_rms_norm_(qk: torch.Tensor, num_q_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Per-head RMSNorm (Qwen3's q_norm and k_norm) of qk [tokens, q heads + kv heads, head_dim], query heads
+    first, in place and in one launch; returns qk. Same rounding as rms_norm on each head. qk may be a strided
+    view (the query and key heads of a fused projection) with unit stride in the last dim."""
+    tokens, num_heads, head_dim = qk.shape
+    for weight in (q_weight, k_weight):
+        _check_norm_args(qk, weight)
+    if qk.stride(-1) != 1 or head_dim & (head_dim - 1):
+        raise ValueError("qk needs unit stride in the last dim and a power-of-two head_dim")
+    if tokens:
+        heads_p = triton.next_power_of_2(num_heads)
+        _qk_norm_kernel[(tokens,)](qk, q_weight, k_weight, num_q_heads, num_heads, eps, qk.stride(0),
+                                   qk.stride(1), HEAD_DIM=head_dim, HEADS_P=heads_p,
+                                   num_warps=4 if heads_p * head_dim <= 4096 else 8)
+    return qk
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # SwiGLU
 

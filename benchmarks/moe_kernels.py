@@ -1,0 +1,128 @@
+"""The experts of one MoE layer on a GPU: the fused Triton kernel against torch's grouped GEMM, per token count.
+
+    python benchmarks/moe_kernels.py [--shape qwen3-30b-a3b] [--tokens 1,2,4,...] [--sweep] [--out FILE]
+
+Each call is captured in a CUDA graph and replayed (as the engine runs decode), timed with CUDA events over
+--iters replays, median of --repeats. Reported per token count: microseconds per layer for each path, the bytes
+of the experts the call had to read (the distinct chosen experts' w13 and w2) and the bandwidth that makes.
+Routes are random (softmax top-k of Gaussian logits), the same for every path. --sweep also times every config
+of a small grid for the fused kernel and reports the fastest beside the table's. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from shardserve.kernels.fused_moe_table import MoeConfig, Tile  # noqa: E402
+
+# (experts, top k, hidden, expert features) on one rank.
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "qwen3-235b-a22b-tp8": (128, 8, 4096, 192),
+          "mixtral-8x7b-tp2": (8, 2, 4096, 7168)}
+
+
+def graph_time_us(fn, iters: int, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / iters)
+    return statistics.median(times)
+
+
+def sweep_configs(rows_per_expert: float):
+    """A grid around the table: row blocks near the expected rows per expert, a few tile shapes."""
+    tiles = [Tile(n, k, w, s) for (n, k), (w, s) in itertools.product(
+        itertools.product((32, 64, 128), (64, 128)), ((4, 3), (4, 4), (8, 3)))]
+    block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 4 * rows_per_expert)][-2:]
+    wide = [Tile(n, k, 8, s) for n, k, s in ((128, 64, 4), (256, 64, 3), (256, 32, 4), (128, 32, 4))]
+    for block_m in block_ms:
+        for up in tiles + (wide if block_m >= 64 else []):
+            yield MoeConfig(block_m, up, up)
+
+
+def best_of(time_config, configs) -> tuple[float, object]:
+    best = None
+    for config in configs:
+        try:
+            us = time_config(config)
+        except Exception as exc:  # out of shared memory and the like: not a candidate
+            print(f"skip {config}: {type(exc).__name__}", file=sys.stderr)
+            continue
+        if best is None or us < best[0]:
+            best = (us, config)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-tokens", default="1,4,64,1024,4096", help="token counts to sweep at")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    from shardserve.kernels.fused_moe_table import pick_config
+    from shardserve.kernels.triton.fused_moe import fused_moe
+    from shardserve.layers.moe import grouped_mm_experts
+
+    num_experts, top_k, hidden, inter = SHAPES[args.shape]
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device=device) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g, device=device) * inter ** -0.5).to(dtype)
+    expert_bytes = 3 * hidden * inter * dtype.itemsize
+    rows = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+        weights, ids = torch.topk(torch.softmax(torch.randn(tokens, num_experts, generator=g, device=device), -1),
+                                  top_k, dim=-1)
+        read = len(ids.unique()) * expert_bytes
+        row = {"tokens": tokens, "bytes_read": read}
+        for name, fn in (("fused", lambda: fused_moe(x, w13, w2, weights, ids)),
+                         ("grouped_mm", lambda: grouped_mm_experts(x, w13, w2, weights, ids))):
+            us = graph_time_us(fn, args.iters, args.repeats)
+            row[f"{name}_us"] = round(us, 1)
+            row[f"{name}_gb_s"] = round(read / us / 1e3, 1)
+        if args.sweep and str(tokens) in args.sweep_tokens.split(","):
+            table = pick_config(tokens, top_k, num_experts)
+            best = best_of(lambda config: graph_time_us(lambda: fused_moe(x, w13, w2, weights, ids, config=config),
+                                                        20, 3), sweep_configs(tokens * top_k / num_experts))
+            row["sweep_best_us"] = round(best[0], 1)
+            row["sweep_best_config"] = repr(best[1])
+            row["table_config"] = repr(table)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
+    result = {"shape": args.shape, "experts": num_experts, "top_k": top_k, "hidden": hidden,
+              "expert_features": inter, "dtype": "bfloat16", "device": torch.cuda.get_device_name(),
+              "rows": rows}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The fused mixture-of-experts kernel's block sizes (kernels/triton/fused_moe.py), apart from the kernel so that
+what a layer will run can be known without Triton.
+
+Block sizes come from this table keyed on the expected rows per expert (T*k/E), never from an autotuner, which
+would time kernels inside a CUDA graph capture. The entries were chosen from a sweep on an H200 at Qwen3-30B-A3B's
+shape (benchmarks/moe_kernels.py --sweep; BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One GEMM's tiling: output columns and reduction depth per program, warps, pipeline stages."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """block_m: slots per block (rows of both GEMMs' tiles); up: the w13 GEMM's tile; down: the w2 GEMM's."""
+    block_m: int
+    up: Tile
+    down: Tile
+
+
+# (largest expected rows per expert, config), first match wins. Decode (a few rows per expert) is bound by
+# reading the chosen experts' weights: small row blocks, many narrow column tiles so that every SM streams.
+# Larger batches still read each expert once while a block covers the busiest expert's rows; past that the
+# GEMMs become compute-bound and take wide tiles.
+CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
+    (8, MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4))),
+    (20, MoeConfig(32, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
+    (48, MoeConfig(64, Tile(64, 64, 4, 4), Tile(64, 64, 4, 4))),
+    (float("inf"), MoeConfig(128, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3))),
+)
+
+
+def pick_config(tokens: int, top_k: int, num_experts: int, element_size: int = 2) -> MoeConfig:
+    """The table's config for this many tokens (fixed for a given T, so a captured graph keeps its shapes).
+    The table is for 16-bit inputs; 4-byte inputs halve the reduction depth so a pipeline stage keeps its bytes
+    (and fits in shared memory)."""
+    rows = tokens * top_k / num_experts
+    config = next(config for limit, config in CONFIGS if rows <= limit)
+    if element_size > 2:
+        config = MoeConfig(config.block_m, *(replace(t, block_k=max(16, t.block_k * 2 // element_size))
+                                             for t in (config.up, config.down)))
+    return config
+
+
+def token_counts_per_config(top_k: int, num_experts: int) -> list[int]:
+    """One token count that picks each config a layer of this shape can take (the smallest that does): a
+    self-check over these runs every one."""
+    counts, previous = [], 0.0
+    for limit, _ in CONFIGS:
+        first = int(previous * num_experts // top_k) + 1
+        if first * top_k <= limit * num_experts:
+            counts.append(first)
+        previous = limit
+    return counts
+
+
+# Past this many (token, choice) pairs per expert, torch's grouped GEMM beats the table's widest config on an H200
+# (Qwen3-30B-A3B's shape: 1,024 tokens, 64 rows per expert, 724 against 851 us); layers use it there when both
+# passed their self-check.
+FUSED_MAX_ROWS_PER_EXPERT = 48

@@ -1,0 +1,254 @@
+"""The experts of a mixture-of-experts block in four launches, with no host synchronisation.
+
+out[t] = sum_j weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t])), e = ids[t, j].
+
+1. Alignment (one program): the T*k (token, choice) pairs are grouped by expert, in pair order within each
+   expert, and each expert's group is padded to a multiple of BLOCK_M with the sentinel T*k. Every block of
+   BLOCK_M slots then belongs to one expert, written to `block_expert` (-1 past the last group).
+2. Grouped GEMM with w13, SwiGLU in its epilogue: program (block, column tile) multiplies its block's token
+   rows by the gate and the up tiles of its expert, and stores silu(gate) * up (rounded to x's dtype) per slot.
+3. Grouped GEMM with w2: the activations of a block times its expert's w2 tile, scaled by each pair's router
+   weight, stored per pair: y [T*k, H].
+4. out[t] = sum_j y[t*k + j] in float32, in a fixed order: deterministic, no atomics.
+
+Shapes are fixed for a given T (the slot list has room for the worst case, T*k + min(E, T*k) * (BLOCK_M - 1)
+slots; blocks past the real groups exit at once), so CUDA graphs capture the whole call. Only experts that
+received tokens are read: decode reads k experts' weights, not E. Block sizes come from a table keyed on the
+expected rows per expert (T*k/E): kernels/fused_moe_table.py.
+Accumulation is float32 for every input dtype; float32 inputs multiply in full float32 (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shardserve.kernels.fused_moe_table import MoeConfig, pick_config
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Alignment
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
+                  BLOCK_M: tl.constexpr, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCKS_CHUNK: tl.constexpr):
+    """One program. Pairs with ids outside [0, E) join no group and are never stored.
+
+    Invariant: expert e owns slots [start_e, end_e), end_e - start_e = count_e rounded up to BLOCK_M; its real
+    pairs fill [start_e, start_e + count_e) (pass 2) and the sentinel the rest (pass 3). The two passes write
+    disjoint slots, so no barrier orders them.
+    """
+    experts = tl.arange(0, EXPERTS_P)
+    pair = tl.arange(0, CHUNK)
+    # Pass 1: pairs per expert.
+    counts = tl.zeros([EXPERTS_P], dtype=tl.int32)
+    for c in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + c + pair, mask=c + pair < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    counts = tl.where(experts < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    # Pass 2: each pair's slot = its expert's start + pairs of that expert before it.
+    seen = starts
+    for c in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + c + pair, mask=c + pair < num_pairs, other=-1).to(tl.int32)
+        hit = ((ids[:, None] == experts[None, :]) & (experts < num_experts)[None, :]).to(tl.int32)
+        earlier = tl.cumsum(hit, axis=0) - hit  # same expert, earlier in this chunk
+        slot = tl.sum(hit * (seen[None, :] + earlier), axis=1)
+        tl.store(sorted_ptr + slot, c + pair, mask=tl.sum(hit, axis=1) > 0)
+        seen += tl.sum(hit, axis=0)
+    # Pass 3: the sentinel in each group's padding (fewer than BLOCK_M slots per expert).
+    pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ptr + pad, tl.full(pad.shape, 0, tl.int32) + num_pairs, mask=pad < ends[:, None])
+    # The expert of block b is the number of groups that end at or before its first slot.
+    total = tl.sum(padded, axis=0)
+    for b in range(0, num_blocks, BLOCKS_CHUNK):
+        blocks = b + tl.arange(0, BLOCKS_CHUNK)
+        first = blocks * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(first < total, owner, -1), mask=blocks < num_blocks)
+
+
+def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks in the worst case: every expert that can receive a pair leaves BLOCK_M - 1 slots of padding."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [blocks * block_m] int32, block_expert [blocks] int32) for topk_ids [T, k].
+
+    sorted_pairs holds pair indices t * k + j grouped by expert (ascending within a group), each group padded to
+    a multiple of block_m with T * k; slots past the last group are left unset. block_expert[b] is the expert
+    of slots [b * block_m, (b + 1) * block_m), or -1 past the last group.
+    """
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    pairs = ids.numel()
+    blocks = num_blocks(pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    experts_p = triton.next_power_of_2(num_experts)
+    chunk = min(triton.next_power_of_2(pairs), max(16, 8192 // experts_p))
+    blocks_chunk = min(triton.next_power_of_2(blocks), max(16, 8192 // experts_p))
+    _align_kernel[(1,)](ids, sorted_pairs, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m,
+                        EXPERTS_P=experts_p, CHUNK=chunk, BLOCKS_CHUNK=blocks_chunk,
+                        num_warps=4 if pairs * experts_p <= 1 << 16 else 8)
+    return sorted_pairs, block_expert
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grouped GEMMs
+
+
+@triton.jit
+def _up_swiglu_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
+                      stride_x, stride_we, stride_wn, stride_a,
+                      HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (block, column tile): act[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for
+    the block's slots (padding rows compute zeros from masked loads and are not stored)."""
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    slots = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + slots)
+    row_ok = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < INTER
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * stride_x + ks[None, :]
+    g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
+    u_ptrs = g_ptrs + INTER * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, HIDDEN, BLOCK_K):
+        if HIDDEN % BLOCK_K == 0:
+            a = tl.load(a_ptrs + k, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs + k, mask=col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs + k, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = k + ks < HIDDEN
+            a = tl.load(a_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs + k, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs + k, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        gate = tl.dot(a, g, gate, input_precision=PRECISION)
+        up = tl.dot(a, u, up, input_precision=PRECISION)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + slots.to(tl.int64)[:, None] * stride_a + cols[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+                 stride_a, stride_we, stride_wn, stride_y,
+                 HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (block, column tile): y[pair, n] = weight[pair] * (act[slot] . w2[e, n]), stored per pair."""
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    slots = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + slots)
+    row_ok = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < HIDDEN
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + slots.to(tl.int64)[:, None] * stride_a + ks[None, :]
+    b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, INTER, BLOCK_K):
+        if INTER % BLOCK_K == 0:
+            a = tl.load(a_ptrs + k, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs + k, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = k + ks < INTER
+            a = tl.load(a_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs + k, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    scale = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    y = acc * scale[:, None]
+    tl.store(y_ptr + pairs.to(tl.int64)[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_choices_kernel(y_ptr, ids_ptr, out_ptr, num_experts, stride_y, stride_o,
+                        HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (token, column block): out[t] = sum over j in order of y[t * k + j], choices outside [0, E)
+    (never grouped, so never written) left out."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < HIDDEN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + token * TOP_K + j)
+        held = (expert >= 0) & (expert < num_experts)
+        acc += tl.load(y_ptr + (token * TOP_K + j) * stride_y + cols, mask=col_ok & held, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _check_args(x, w13, w2, topk_weights, topk_ids) -> None:
+    num_experts, two_inter, hidden = w13.shape
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must be [T, {hidden}] for w13 {tuple(w13.shape)}, got {tuple(x.shape)}")
+    if two_inter % 2 or tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"w2 must be [{num_experts}, {hidden}, {two_inter // 2}] for w13 {tuple(w13.shape)}, "
+                         f"got {tuple(w2.shape)}")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"x, w13 and w2 must share one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("x, w13 and w2 need unit stride in their last dim")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    """x [T, H] (bf16, fp16 or fp32); w13 [E, 2*I, H]: per expert the gate rows [0, I) then the up rows [I, 2I);
+    w2 [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int64 or int32 (values in [0, E); others add
+    nothing). Returns [T, H] in x.dtype: out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) *
+    (w13[e, I:] @ x[t])), e = topk_ids[t, j]. `config`: block sizes instead of the table's (pick_config)."""
+    _check_args(x, w13, w2, topk_weights, topk_ids)
+    tokens, top_k = topk_ids.shape
+    num_experts, hidden, inter = w2.shape
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if tokens == 0 or top_k == 0:
+        return out.zero_()
+    config = config or pick_config(tokens, top_k, num_experts, x.element_size())
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    sorted_pairs, block_expert = align_pairs(ids, num_experts, config.block_m)
+    blocks = block_expert.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs ignore it
+
+    act = torch.empty(blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
+    up = config.up
+    _up_swiglu_kernel[(blocks, triton.cdiv(inter, up.block_n))](
+        x, w13, act, sorted_pairs, block_expert, tokens * top_k, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
+        PRECISION=precision, num_warps=up.num_warps, num_stages=up.num_stages)
+
+    y = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    down = config.down
+    _down_kernel[(blocks, triton.cdiv(hidden, down.block_n))](
+        act, w2, weights, y, sorted_pairs, block_expert, tokens * top_k,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        PRECISION=precision, num_warps=down.num_warps, num_stages=down.num_stages)
+
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_choices_kernel[(tokens, triton.cdiv(hidden, block))](
+        y, ids, out, num_experts, y.stride(0), out.stride(0), HIDDEN=hidden, TOP_K=top_k, BLOCK=block,
+        num_warps=4)
+    return out

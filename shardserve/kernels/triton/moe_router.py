@@ -1,0 +1,64 @@
+"""A mixture-of-experts router's choice in one launch: softmax over the experts' logits, the top k, and their
+weights renormalised to sum to 1 where the model says so.
+
+The torch version (layers/moe.py SparseMoE.route) takes six to seven launches a layer (cast, softmax, top-k's
+gather and sort, sum, divide); at batch 1 on 48 layers that is most of a millisecond a token, more than the
+experts' own GEMMs take to read a quarter of their weights. One program per token holds its E logits in registers.
+
+Ties pick the lower expert index. Choices are made on the logits (the softmax is monotonic), weights are
+exp(l - max) / sum over all experts (or over the chosen k when renormalising), in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
+                  TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, EXPERTS_P)
+    real = experts < num_experts
+    logits = tl.load(logits_ptr + token * stride_logits + experts, mask=real, other=float("-inf")).to(tl.float32)
+    top = tl.max(logits, axis=0)
+    exps = tl.where(real, tl.exp(logits - top), 0.0)
+    slots = tl.arange(0, TOP_K_P)
+    chosen_ids = tl.zeros([TOP_K_P], dtype=tl.int32)
+    chosen_exps = tl.zeros([TOP_K_P], dtype=tl.float32)
+    remaining = tl.where(real, logits, float("-inf"))
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        # The lowest index holding the maximum (a chosen expert is out of `remaining`, so never chosen twice).
+        index = tl.min(tl.where((remaining == best) & real, experts, EXPERTS_P), axis=0)
+        chosen_ids = tl.where(slots == j, index, chosen_ids)
+        chosen_exps = tl.where(slots == j, tl.sum(tl.where(experts == index, exps, 0.0), axis=0), chosen_exps)
+        remaining = tl.where(experts == index, float("-inf"), remaining)
+    if RENORMALIZE:
+        total = tl.sum(chosen_exps, axis=0)
+    else:
+        total = tl.sum(exps, axis=0)
+    keep = slots < TOP_K
+    tl.store(weights_ptr + token * TOP_K + slots, chosen_exps / total, mask=keep)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids.to(ids_ptr.dtype.element_ty), mask=keep)
+
+
+def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (any float dtype) -> (weights [T, k] float32, expert ids [T, k] int64), as
+    torch.topk(torch.softmax(logits.float(), -1), k) followed, with `renormalize`, by dividing the weights by
+    their sum."""
+    tokens, num_experts = logits.shape
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        experts_p = triton.next_power_of_2(num_experts)
+        _route_kernel[(tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+                                 TOP_K_P=triton.next_power_of_2(top_k), EXPERTS_P=experts_p,
+                                 RENORMALIZE=renormalize, num_warps=1 if experts_p <= 128 else 4)
+    return weights, ids

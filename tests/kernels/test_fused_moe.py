@@ -1,0 +1,202 @@
+"""The fused mixture-of-experts kernel agrees with a float64 reference, and CUDA graphs replay it on new routes.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (tiny shapes; float32 and float16, since the
+interpreter multiplies no bfloat16 matrices). On CUDA the shapes include Qwen3-30B-A3B's experts at TP 1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
+from shardserve.kernels.fused_moe_table import MoeConfig, Tile, pick_config  # noqa: E402
+from shardserve.kernels.triton.fused_moe import align_pairs, fused_moe  # noqa: E402
+from tests.kernels.test_triton_kernels import _allow_one_element_arrays_as_indices  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _allow_one_element_arrays_as_indices()  # the kernels loop up to their pair and block counts
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32, torch.float16]
+# Real shape: Qwen3-30B-A3B's experts on one rank (E, k, H, I).
+QWEN3_30B = (128, 8, 2048, 768)
+# Small tiles for the interpreter: several reduction steps over H, and a tile wider than I's remainder.
+SMALL = MoeConfig(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
+
+
+def reference_moe(x, w13, w2, weights, ids) -> torch.Tensor:
+    """float64, one expert at a time over the pairs that chose it; choices outside [0, E) add nothing."""
+    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
+    out = torch.zeros_like(x)
+    for expert in range(w13.shape[0]):
+        token, choice = (ids == expert).nonzero(as_tuple=True)
+        if token.numel():
+            gate, up = (x[token] @ w13[expert].T).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ w2[expert].T
+            out.index_add_(0, token, y * weights[token, choice, None])
+    return out
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def make_experts(num_experts, hidden, inter, dtype, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device=DEVICE) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g, device=DEVICE) * inter ** -0.5).to(dtype)
+    return w13, w2
+
+
+def make_routes(tokens, num_experts, top_k, dtype, hidden, seed=1, ids_dtype=torch.int64):
+    """x and the router's choices: the top k of random logits, weights renormalised to sum to 1."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g, device=DEVICE).to(dtype)
+    logits = torch.randn(tokens, num_experts, generator=g, device=DEVICE)
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    return x, weights / weights.sum(dim=-1, keepdim=True), ids.to(ids_dtype)
+
+
+def check_against_reference(tokens, num_experts, top_k, hidden, inter, dtype, config=None, same_route=False,
+                            ids_dtype=torch.int64):
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    x, weights, ids = make_routes(tokens, num_experts, top_k, dtype, hidden, ids_dtype=ids_dtype)
+    if same_route:
+        weights, ids = weights[:1].expand_as(weights).contiguous(), ids[:1].expand_as(ids).contiguous()
+    got = fused_moe(x, w13, w2, weights, ids, config=config)
+    assert got.shape == x.shape and got.dtype == dtype
+    error = relative_error(got, reference_moe(x, w13, w2, weights, ids))
+    assert error < TOLERANCE[dtype], f"relative error {error:.3g} at T={tokens} E={num_experts} k={top_k}"
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Alignment
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [(1, 4, 2, 16), (8, 4, 2, 16), (7, 128, 8, 16),
+                                                              (130, 8, 2, 64), (64, 128, 8, 32)])
+def test_alignment_groups_every_pair_once_by_expert(tokens, num_experts, top_k, block_m):
+    """Each block holds pairs of its own expert, in pair order, padded with T*k; every pair appears once; experts
+    without pairs get no block; blocks past the groups are marked -1."""
+    _, _, ids = make_routes(tokens, num_experts, top_k, torch.float32, 8)
+    sorted_pairs, block_expert = align_pairs(ids, num_experts, block_m)
+    sorted_pairs, block_expert, flat = sorted_pairs.cpu(), block_expert.cpu(), ids.flatten().cpu()
+    used = block_expert[block_expert >= 0]
+    assert (block_expert[len(used):] == -1).all()  # the groups come first
+    assert torch.equal(used, used.sort().values)
+    assert set(used.tolist()) == set(flat.tolist())
+    pairs = sorted_pairs[:len(used) * block_m].view(-1, block_m)
+    real = pairs < flat.numel()
+    assert torch.equal(pairs[~real], torch.full_like(pairs[~real], flat.numel()))
+    assert torch.equal(flat[pairs[real].long()], used[:, None].expand_as(pairs)[real])
+    assert torch.equal(pairs[real].sort().values, torch.arange(flat.numel(), dtype=torch.int32))
+    groups = [pairs[used == e][real[used == e]] for e in used.unique()]
+    assert all(torch.equal(p, p.sort().values) for p in groups)
+    assert all(len(p) > (used == e).sum().item() * block_m - block_m for p, e in zip(groups, used.unique()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Against the reference
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs the larger set below")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (2, 2), (5, 1), (8, 2), (8, 4)])
+def test_interpreter_matches_reference(dtype, tokens, top_k):
+    ids = check_against_reference(tokens, 4, top_k, 32, 16, dtype, config=SMALL)
+    check_against_reference(tokens, 4, top_k, 32, 16, dtype)  # the table's config: tiles wider than H and I
+    if tokens == 1:
+        assert len(ids.unique()) < 4  # some experts receive no token
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+def test_interpreter_uneven_sizes_and_one_shared_route():
+    """H and I not multiples of the tiles (masked, not dropped); every token on the same experts; int32 ids."""
+    check_against_reference(6, 4, 2, 48, 24, torch.float32, config=MoeConfig(16, Tile(16, 32, 4, 1),
+                                                                            Tile(16, 32, 4, 1)))
+    check_against_reference(8, 4, 2, 32, 16, torch.float16, config=SMALL, same_route=True, ids_dtype=torch.int32)
+
+
+@pytest.mark.skipif(not CUDA, reason="GPU shapes")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("num_experts", [8, 128])
+@pytest.mark.parametrize("tokens", [1, 2, 7, 16, 64, 130, 512])
+def test_gpu_matches_reference(tokens, num_experts, top_k, dtype):
+    ids = check_against_reference(tokens, num_experts, top_k, 256, 128, dtype)
+    if num_experts == 128 and tokens <= 7:
+        assert len(ids.unique()) < num_experts  # some experts receive no token
+
+
+@pytest.mark.skipif(not CUDA, reason="GPU shapes")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [7, 130])
+def test_gpu_every_token_on_the_same_experts(tokens, dtype):
+    """One expert's group spans several blocks (130 * 1 rows of each chosen expert)."""
+    check_against_reference(tokens, 128, 8, 256, 128, dtype, same_route=True, ids_dtype=torch.int32)
+
+
+@pytest.mark.skipif(not CUDA, reason="GPU shapes")
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_gpu_qwen3_30b_shape(tokens):
+    num_experts, top_k, hidden, inter = QWEN3_30B
+    check_against_reference(tokens, num_experts, top_k, hidden, inter, torch.bfloat16)
+
+
+def test_choices_of_other_ranks_add_nothing_and_results_repeat_exactly():
+    """ids outside [0, E) (another rank's experts) contribute nothing; two calls agree bit for bit."""
+    dtype = torch.float32
+    w13, w2 = make_experts(4, 32, 16, dtype)
+    x, weights, ids = make_routes(6, 4, 2, dtype, 32)
+    ids[1, 0], ids[4, 1], ids[5] = -1, 7, 4
+    got = fused_moe(x, w13, w2, weights, ids)
+    assert relative_error(got, reference_moe(x, w13, w2, weights, ids)) < TOLERANCE[dtype]
+    assert torch.equal(got[5], torch.zeros_like(got[5]))
+    assert torch.equal(got, fused_moe(x, w13, w2, weights, ids))
+
+
+def test_table_reads_each_chosen_expert_once_at_decode():
+    """Decode at the real shape takes the smallest row block; larger batches a block that covers an expert's
+    rows."""
+    num_experts, top_k, _, _ = QWEN3_30B
+    assert pick_config(1, top_k, num_experts).block_m == pick_config(64, top_k, num_experts).block_m == 16
+    assert pick_config(512, top_k, num_experts).block_m >= 32
+    assert pick_config(8192, top_k, num_experts).block_m == 128
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA graphs
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_replays_in_cuda_graph_with_new_routes():
+    num_experts, top_k, hidden, inter, tokens = 128, 8, 256, 128, 16
+    dtype = torch.bfloat16
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    x, weights, ids = make_routes(tokens, num_experts, top_k, dtype, hidden, seed=1)
+    fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, weights, ids)
+
+    new_x, new_weights, new_ids = make_routes(tokens, num_experts, top_k, dtype, hidden, seed=2)
+    new_ids[:4] = new_ids[0]  # and a few tokens on the same experts
+    for buffer, value in ((x, new_x), (weights, new_weights), (ids, new_ids)):
+        buffer.copy_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, reference_moe(new_x, w13, w2, new_weights, new_ids)) < TOLERANCE[dtype]
+    assert torch.equal(out, fused_moe(new_x, w13, w2, new_weights, new_ids))

@@ -1,0 +1,63 @@
+"""The fused router kernel chooses the same experts as torch's softmax + topk, with the same weights.
+
+Without CUDA the kernel runs in Triton's interpreter on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from shardserve.kernels.triton.moe_router import route_top_k  # noqa: E402
+from shardserve.layers.moe import route_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def by_expert(weights, ids):
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(-1, order), ids
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (60, 4), (128, 8), (8, 8), (3, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_same_experts_and_weights_as_softmax_topk(num_experts, top_k, renormalize, dtype):
+    """Distinct logits per token (bfloat16 ones: sixteenths of a permutation, exact), so the top k is one set;
+    the order of the k choices does not matter to the layer."""
+    g = torch.Generator(device=DEVICE).manual_seed(num_experts * top_k)
+    if dtype == torch.float32:
+        logits = torch.randn(33, num_experts, generator=g, device=DEVICE) * 3
+    else:
+        logits = torch.stack([torch.randperm(num_experts, generator=g, device=DEVICE) for _ in range(33)])
+        logits = ((logits - num_experts // 2) / 16).to(dtype)
+    weights, ids = by_expert(*route_top_k(logits, top_k, renormalize))
+    want_weights, want_ids = by_expert(*route_reference(logits, top_k, renormalize))
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(33, device=DEVICE))
+
+
+def test_ties_pick_the_lower_expert_and_no_expert_twice():
+    logits = torch.zeros(2, 8, device=DEVICE)
+    logits[1, [2, 5, 6]] = 1.0
+    weights, ids = route_top_k(logits, 4, renormalize=True)
+    assert ids.tolist() == [[0, 1, 2, 3], [2, 5, 6, 0]]
+    torch.testing.assert_close(weights[0], torch.full((4,), 0.25, device=DEVICE))
+
+
+def test_a_strided_view_and_a_bad_k():
+    logits = torch.randn(16, 10, device=DEVICE)[::2]
+    torch.testing.assert_close(route_top_k(logits, 3, False)[0], route_reference(logits, 3, False)[0])
+    with pytest.raises(ValueError, match="top_k must be in"):
+        route_top_k(logits, 11, False)
