@@ -60,6 +60,12 @@ def sweep_configs(rows_per_expert: float):
             yield MoeConfig(block_m, up, up)
 
 
+def wide_grid():
+    for n, k, (w, s) in itertools.product((16, 32, 64, 128), (64, 128, 256),
+                                          ((2, 3), (4, 3), (4, 4), (4, 5), (8, 3), (8, 4))):
+        yield Tile(n, k, w, s)
+
+
 def best_of(time_config, configs) -> tuple[float, object]:
     best = None
     for config in configs:
@@ -81,6 +87,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-tokens", default="1,4,64,1024,4096", help="token counts to sweep at")
+    parser.add_argument("--sweep-each-gemm", action="store_true",
+                        help="with --sweep: also each GEMM's tile on its own over a wider grid")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -108,8 +116,15 @@ def main() -> None:
             row[f"{name}_gb_s"] = round(read / us / 1e3, 1)
         if args.sweep and str(tokens) in args.sweep_tokens.split(","):
             table = pick_config(tokens, top_k, num_experts)
-            best = best_of(lambda config: graph_time_us(lambda: fused_moe(x, w13, w2, weights, ids, config=config),
-                                                        20, 3), sweep_configs(tokens * top_k / num_experts))
+            time_config = lambda config: graph_time_us(  # noqa: E731
+                lambda: fused_moe(x, w13, w2, weights, ids, config=config), 20, 3)
+            best = best_of(time_config, sweep_configs(tokens * top_k / num_experts))
+            if args.sweep_each_gemm:
+                # Each GEMM's tile alone over a wider grid: the up tile with the best down tile so far, then the
+                # down tile with that up tile.
+                up = best_of(time_config, (MoeConfig(best[1].block_m, tile, best[1].down) for tile in wide_grid()))
+                down = best_of(time_config, (MoeConfig(best[1].block_m, up[1].up, tile) for tile in wide_grid()))
+                best = min((best, up, down), key=lambda b: b[0])
             row["sweep_best_us"] = round(best[0], 1)
             row["sweep_best_config"] = repr(best[1])
             row["table_config"] = repr(table)

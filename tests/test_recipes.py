@@ -89,3 +89,25 @@ def test_a_relative_model_path_is_relative_to_the_recipe_not_the_current_directo
     assert load_recipe(str(path)).model == str(tmp_path / "models" / "m.gguf")
     assert load_recipe(str(RECIPES / "smollm2-tp2-cpu.yaml")).model == str(
         RECIPES.parent / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_a_recipe_can_set_every_serve_option():
+    """Each `serve` flag has its place in a recipe: under serve:, or as the recipe's own model,
+    tensor_parallel_size, forward_env or nodes (which give nnodes, node_rank and master_addr)."""
+    from shardserve.cli import build_parser
+    from shardserve.recipes import Recipe, ServeOptions
+
+    serve = build_parser().get_default("subparsers")["serve"]
+    flags = {action.dest for action in serve._actions} - {"help", "recipe"}
+    by_nodes = {"nnodes", "node_rank", "master_addr"}
+    assert flags - by_nodes - set(Recipe.model_fields) == set(ServeOptions.model_fields)
+
+
+def test_a_mixture_of_experts_recipe(tmp_path):
+    path = _recipe(tmp_path, {"model": "/models/Qwen3-30B-A3B", "tensor_parallel_size": 2,
+                              "serve": {"enable_expert_parallel": True, "reasoning_parser": "qwen3",
+                                        "tool_call_parser": "hermes"}})
+    args = parse_args(["serve", "--recipe", path])
+    assert (args.enable_expert_parallel, args.reasoning_parser, args.tool_call_parser) == (True, "qwen3", "hermes")
+    with pytest.raises(RecipeError, match=r"serve\.reasoning_parser: Input should be 'qwen3' or 'deepseek_r1'"):
+        load_recipe(_recipe(tmp_path, {"model": "/m", "serve": {"reasoning_parser": "think"}}))

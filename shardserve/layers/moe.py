@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
-from shardserve.layers.linear import as_tensor, load_whole
+from shardserve.layers.linear import ColumnParallelLinear, as_tensor
 from shardserve.layers.sharding import split_rows
 
 logger = logging.getLogger(__name__)
@@ -64,8 +64,9 @@ class SparseMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         rows, held = r1 - r0, self.experts_held[1] - self.experts_held[0]
-        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
-        self.gate.weight_loader = load_whole
+        # The router: whole on every rank, a linear layer so that single-token steps get the GEMV kernels.
+        self.gate = ColumnParallelLinear(hidden_size, {None: (0, num_experts)}, False, dtype)
+        self.gate.replicated = True
         self.w13 = nn.Parameter(torch.empty(held, 2 * rows, hidden_size, dtype=dtype), requires_grad=False)
         self.w13.weight_loader = self._load_w13
         self.w2 = nn.Parameter(torch.empty(held, hidden_size, rows, dtype=dtype), requires_grad=False)
@@ -112,7 +113,7 @@ class SparseMoE(nn.Module):
         """The top-k experts of each token [T, k] and their weights [T, k] (float32): softmax over all experts'
         logits, the k best, renormalized to sum to 1 where the model says so (Mixtral always, Qwen3-MoE with
         norm_topk_prob). On CUDA in one fused kernel where it matched this version on this device."""
-        logits = F.linear(h, self.gate)
+        logits = self.gate(h)
         if logits.is_cuda and device_router(logits.device, self.num_experts, self.top_k, self.renormalize):
             from shardserve.kernels.triton.moe_router import route_top_k
 

@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         layer, expert, part, fused = found.group("layer", "expert", "part", "fused")
         if found.group("router"):
-            return f"{layer}.mlp.gate", None
+            return f"{layer}.mlp.gate.weight", None
         if fused is not None:
             return f"{layer}.mlp.{'w13' if fused == 'gate_up_proj' else 'w2'}", "all"
         if part in ("down_proj", "w2"):
