@@ -5,7 +5,9 @@ the tokenizer vocabulary up front (seconds for a 50k-token vocabulary); this par
 array contents, so reading a header takes milliseconds. Tensor data is memory-mapped and
 dequantized one tensor at a time with `gguf.quants.dequantize`.
 
-Supported architectures: llama, qwen2, qwen3.
+Supported architectures: llama (Mixtral too: llama with experts), qwen2, qwen3, qwen3moe. A mixture of experts'
+merged expert tensors (blk.N.ffn_{gate,up,down}_exps, one [E, ...] tensor each) come out as the per-expert
+tensors of a Hugging Face checkpoint, and the router (ffn_gate_inp) as mlp.gate.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# llama.cpp writes Mixtral as llama with {arch}.expert_count set.
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
 
 _GLOBAL_TENSOR_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -71,6 +76,13 @@ _LAYER_MODULE_NAMES: dict[str, str] = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
+}
+# Merged expert tensors [E, rows, cols] -> the per-expert module name under mlp.experts.{e}.
+_EXPERT_MODULE_NAMES: dict[str, str] = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3 rope frequency factors: llama.cpp stores them as a tensor, HF derives them from the config.
@@ -219,7 +231,8 @@ def read_gguf_config(path: str) -> dict[str, Any]:
 def _hf_config(header: GGUFHeader, path: str) -> dict[str, Any]:
     meta = header.metadata
     arch = _architecture(meta, path)
-    model_class, model_type = _ARCHITECTURES[arch]
+    num_experts = meta.get(f"{arch}.expert_count", 0)
+    model_class, model_type = _MIXTRAL if arch == "llama" and num_experts else _ARCHITECTURES[arch]
     tensors = {t.name: t for t in header.tensors}
 
     def arch_value(key: str, default: Any = None) -> Any:
@@ -235,7 +248,7 @@ def _hf_config(header: GGUFHeader, path: str) -> dict[str, Any]:
         "architectures": [model_class],
         "model_type": model_type,
         "hidden_size": hidden_size,
-        "intermediate_size": arch_value("feed_forward_length"),
+        "intermediate_size": meta.get(f"{arch}.feed_forward_length") or arch_value("expert_feed_forward_length"),
         "num_hidden_layers": arch_value("block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": arch_value("attention.head_count_kv", num_heads),
@@ -253,6 +266,8 @@ def _hf_config(header: GGUFHeader, path: str) -> dict[str, Any]:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    if num_experts:
+        config.update(_experts_config(meta, arch, model_type, num_experts, arch_value))
     if (rope_scaling := _rope_scaling(meta, arch)) is not None:
         config["rope_scaling"] = rope_scaling
     if _ROPE_FREQS_TENSOR in tensors:
@@ -260,6 +275,19 @@ def _hf_config(header: GGUFHeader, path: str) -> dict[str, Any]:
             "%s: %s is ignored, llama3 rope scaling is not reconstructed", path, _ROPE_FREQS_TENSOR
         )
     return config
+
+
+def _experts_config(meta: dict[str, Any], arch: str, model_type: str, num_experts: int, arch_value) -> dict[str, Any]:
+    """The mixture-of-experts keys of the HF config. Qwen3-MoE: every layer sparse (llama.cpp has no dense
+    layers for it), weights renormalised over the chosen experts unless the file says otherwise; Mixtral: the
+    experts' size is feed_forward_length."""
+    top_k = arch_value("expert_used_count")
+    if model_type == "mixtral":
+        return {"num_local_experts": num_experts, "num_experts_per_tok": top_k}
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": arch_value("expert_feed_forward_length"),
+            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def _architecture(meta: dict[str, Any], path: str) -> str:
@@ -299,12 +327,15 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None for tensors that are not parameters."""
+    """The Hugging Face name of a GGUF tensor, or None for tensors that are not parameters. For merged expert
+    tensors, the name with "{expert}" in place of the expert's number."""
     if gguf_name == _ROPE_FREQS_TENSOR:
         return None
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
+    if match is not None and match.group(2) in _EXPERT_MODULE_NAMES and match.group(3) == "weight":
+        return f"model.layers.{match.group(1)}.mlp.experts.{{expert}}.{_EXPERT_MODULE_NAMES[match.group(2)]}.weight"
     if match is None or match.group(2) not in _LAYER_MODULE_NAMES:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
     layer, module, kind = match.groups()
@@ -313,7 +344,11 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 
 def count_gguf_tensors(path: str) -> int:
     """How many tensors `iter_gguf_tensors` yields, from the header alone."""
-    return sum(hf_tensor_name(info.name) is not None for info in read_gguf_header(path).tensors)
+    count = 0
+    for info in read_gguf_header(path).tensors:
+        name = hf_tensor_name(info.name)
+        count += 0 if name is None else info.shape[0] if "{expert}" in name else 1
+    return count
 
 
 def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -328,6 +363,10 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         if name is None:
             continue
         tensor = _dequantize(data, info)
+        if "{expert}" in name:
+            for expert, weight in enumerate(tensor):  # [E, rows, cols]: one expert's matrix at a time
+                yield name.format(expert=expert), weight
+            continue
         suffix = info.name.split(".", 2)[-1]  # "blk.3.attn_q.weight" -> "attn_q.weight"
         if (num_heads := permuted_heads.get(suffix)) is not None:
             tensor = _interleaved_to_half_rotation(tensor, num_heads)
@@ -336,8 +375,8 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _permuted_rope_heads(config: dict[str, Any]) -> dict[str, int]:
     """The head count of each projection whose rows llama.cpp permuted, by GGUF tensor suffix."""
-    if config["model_type"] != "llama":
-        return {}  # llama.cpp keeps HF's row order for qwen2 and qwen3
+    if config["model_type"] not in ("llama", "mixtral"):
+        return {}  # llama.cpp keeps HF's row order for qwen2, qwen3 and qwen3moe
     return {
         "attn_q.weight": config["num_attention_heads"],
         "attn_k.weight": config["num_key_value_heads"],

@@ -13,8 +13,10 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize, quantize
 
+from shardserve.config import ModelConfig
 from shardserve.weights.gguf_loader import (
     GGUFArray,
+    count_gguf_tensors,
     hf_tensor_name,
     iter_gguf_tensors,
     read_gguf_config,
@@ -268,3 +270,92 @@ def test_config_and_tensors_rebuild_the_reference_model(
 
     assert not loading_info["missing_keys"] and not loading_info["unexpected_keys"]
     torch.testing.assert_close(logits, expected_logits)
+
+
+# HF tensor name (under model.layers.{i}.) -> GGUF name (under blk.{i}.), as llama.cpp's converter writes them.
+_GGUF_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+}  # fmt: skip
+
+
+def _moe_gguf(model, arch: str, path: Path) -> None:
+    """A transformers MoE model written as llama.cpp does: merged expert tensors, q/k rows permuted for llama."""
+    cfg = model.config
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    tensors = {"token_embd.weight": state.pop("model.embed_tokens.weight"),
+               "output_norm.weight": state.pop("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        tensors["output.weight"] = state.pop("lm_head.weight")
+    state.pop("lm_head.weight", None)
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        gate_up = state.pop(prefix + "mlp.experts.gate_up_proj")  # [E, 2I, H]: gate rows, then up rows
+        inter = gate_up.shape[1] // 2
+        tensors[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :inter]
+        tensors[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, inter:]
+        tensors[f"blk.{i}.ffn_down_exps.weight"] = state.pop(prefix + "mlp.experts.down_proj")
+        for hf_name, gguf_name in _GGUF_LAYER_NAMES.items():
+            if prefix + hf_name in state:
+                tensors[f"blk.{i}.{gguf_name}"] = state.pop(prefix + hf_name)
+        if arch == "llama":
+            for name, heads in (("attn_q.weight", cfg.num_attention_heads), ("attn_k.weight", cfg.num_key_value_heads)):
+                tensors[f"blk.{i}.{name}"] = _llama_cpp_permute(tensors[f"blk.{i}.{name}"], heads)
+    assert not state, f"tensors left unwritten: {sorted(state)}"
+    metadata = {
+        f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.context_length": 512,
+        f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.attention.head_count": cfg.num_attention_heads,
+        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{arch}.attention.key_length": cfg.hidden_size // cfg.num_attention_heads if arch == "llama" else cfg.head_dim,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+        f"{arch}.expert_used_count": cfg.num_experts_per_tok,
+    }  # fmt: skip
+    if arch == "llama":
+        metadata |= {"llama.expert_count": cfg.num_local_experts, "llama.feed_forward_length": cfg.intermediate_size}
+    else:
+        metadata |= {f"{arch}.expert_count": cfg.num_experts,
+                     f"{arch}.expert_feed_forward_length": cfg.moe_intermediate_size,
+                     f"{arch}.expert_weights_norm": int(cfg.norm_topk_prob)}
+    _write_gguf(path, arch, metadata, {name: (np.ascontiguousarray(v), QType.F32) for name, v in tensors.items()})
+
+
+@pytest.mark.parametrize("name, arch", [("mixtral", "llama"), ("qwen3-moe-odd", "qwen3moe")])
+def test_a_mixture_of_experts_from_gguf_rebuilds_the_model(tiny_model_dir, tmp_path: Path, name: str, arch: str):
+    """Mixtral (llama with experts) and Qwen3-MoE with merged expert tensors: the config says what the
+    checkpoint's does, each expert comes out as its own tensors, and transformers built from them computes the
+    same logits as the original."""
+    import transformers
+
+    original = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir(name), dtype=torch.float32).eval()
+    path = tmp_path / f"{name}.gguf"
+    _moe_gguf(original, arch, path)
+
+    config = read_gguf_config(str(path))
+    assert config["architectures"] == original.config.architectures
+    got, want = ModelConfig.from_hf_dict(config), ModelConfig.from_hf_dict(original.config.to_dict())
+    moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "renormalize_topk", "moe_layers")
+    assert [getattr(got, f) for f in moe_fields] == [getattr(want, f) for f in moe_fields]
+    assert got.num_experts == 4 and got.moe_layers == tuple(range(config["num_hidden_layers"]))
+
+    tensors = dict(iter_gguf_tensors(str(path)))
+    assert count_gguf_tensors(str(path)) == len(tensors)
+    num_experts = got.num_experts
+    assert f"model.layers.0.mlp.experts.{num_experts - 1}.down_proj.weight" in tensors
+    for i in range(config["num_hidden_layers"]):  # transformers keeps the experts of a layer in two tensors
+        per_expert = {part: torch.stack([tensors.pop(f"model.layers.{i}.mlp.experts.{e}.{part}.weight")
+                                         for e in range(num_experts)])
+                      for part in ("gate_proj", "up_proj", "down_proj")}
+        tensors[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat(
+            (per_expert["gate_proj"], per_expert["up_proj"]), dim=1)
+        tensors[f"model.layers.{i}.mlp.experts.down_proj"] = per_expert["down_proj"]
+    rebuilt = getattr(transformers, config["architectures"][0])(transformers.AutoConfig.for_model(**config))
+    rebuilt.load_state_dict(tensors, strict=not original.config.tie_word_embeddings)  # tied: no lm_head tensor
+    if original.config.tie_word_embeddings:
+        rebuilt.tie_weights()
+    input_ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt.eval()(input_ids).logits, original(input_ids).logits)
