@@ -38,6 +38,7 @@ class SdpaMetadata:
 
 class SdpaBackend:
     name = "torch-sdpa"
+    fuses_head_norm = False
 
     def __init__(self, device: torch.device, block_size: int) -> None:
         self.device = device

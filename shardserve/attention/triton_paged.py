@@ -44,6 +44,7 @@ def block_table_array(tables: list[list[int]], width: int | None = None) -> np.n
 
 class TritonPagedBackend:
     name = "triton-paged"
+    fuses_head_norm = True  # the head norm runs inside the rotary kernel
 
     def __init__(self, device: torch.device, block_size: int, num_kv_heads: int) -> None:
         self.device = device
@@ -81,13 +82,20 @@ class TritonPagedBackend:
 
     def forward(self, layer, qk: torch.Tensor, v: torch.Tensor, rotary, cache: tuple[torch.Tensor, torch.Tensor],
                 meta: TritonMetadata) -> torch.Tensor:
-        """qk: [tokens, heads + kv_heads, dim] before rotation; v: [tokens, kv_heads, dim].
-        Returns [tokens, heads * dim]. One kernel rotates q and k and writes k and v to the cache."""
+        """qk: [tokens, heads + kv_heads, dim] before the head norm and the rotation; v: [tokens, kv_heads, dim].
+        Returns [tokens, heads * dim]. One kernel normalises (layer.head_norm) and rotates q and k and writes k
+        and v to the cache."""
         k_cache, v_cache = cache
         if rotary.positions is not None:
+            head_norm = None
+            if layer.head_norm is not None:
+                q_norm, k_norm = layer.head_norm
+                head_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
             apply_rotary_and_store_(qk, layer.num_heads, v, rotary.positions, rotary.cos, rotary.signed_sin,
-                                    k_cache, v_cache, meta.slot_mapping)
+                                    k_cache, v_cache, meta.slot_mapping, head_norm)
         else:
+            if layer.head_norm is not None:
+                qk = layer.normed_heads(qk)
             qk = rotary.apply(qk)
             store_kv_cache(qk[:, layer.num_heads:], v, k_cache, v_cache, meta.slot_mapping)
         q = qk[:, :layer.num_heads]

@@ -11,8 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardserve.kernels.availability import use_triton
+
 
 class PagedAttention(nn.Module):
+    # Qwen3's per-head RMSNorms (query norm, key norm), applied to qk before the rotation, or None. Held, not
+    # registered: their weights belong to the attention block that loads them.
+    head_norm: tuple[nn.Module, nn.Module] | None = None
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_index: tuple[int, ...]) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -27,9 +33,21 @@ class PagedAttention(nn.Module):
 
     def forward(self, qk: torch.Tensor, v: torch.Tensor, rotary, cache: tuple[torch.Tensor, torch.Tensor],
                 meta) -> torch.Tensor:
-        """qk: [tokens, heads + kv_heads, dim], query heads first, not yet rotated; v: [tokens, kv_heads, dim].
+        """qk: [tokens, heads + kv_heads, dim], query heads first, not yet normed or rotated; v: [tokens,
+        kv_heads, dim].
 
-        The backend rotates q and k with `rotary` (a RotaryLookup), stores k and v in the cache and attends.
-        Returns [tokens, heads * dim].
+        The backend normalises the heads (head_norm, unless it fuses that itself), rotates q and k with `rotary`
+        (a RotaryLookup), stores k and v in the cache and attends. Returns [tokens, heads * dim].
         """
+        if self.head_norm is not None and not meta.backend.fuses_head_norm:
+            qk = self.normed_heads(qk)
         return meta.backend.forward(self, qk, v, rotary, cache, meta)
+
+    def normed_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """head_norm applied to qk's query heads and key heads (in place where a kernel does it)."""
+        q_norm, k_norm = self.head_norm
+        if use_triton(qk) and not self.head_dim & (self.head_dim - 1):
+            from shardserve.kernels.triton.fused_ops import qk_rms_norm_
+
+            return qk_rms_norm_(qk, self.num_heads, q_norm.weight, k_norm.weight, q_norm.eps)  # one launch
+        return torch.cat((q_norm(qk[:, :self.num_heads]), k_norm(qk[:, self.num_heads:])), dim=1)

@@ -15,7 +15,6 @@ from torch import nn
 
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
-from shardserve.kernels.availability import use_triton
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -44,6 +43,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = PagedAttention(shard.num_q, shard.num_kv, hd, shard.kv_index)
+        if cfg.qk_norm:
+            self.attn.head_norm = (self.q_norm, self.k_norm)
         self.head_dim = hd
 
     def forward(self, rotary: RotaryLookup, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
@@ -54,15 +55,8 @@ class Attention(nn.Module):
         qkv, residual = self.qkv_proj.forward_normed(x, residual, norm, reduce)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(tokens, -1, self.head_dim)  # query heads, then key heads
-        if self.q_norm is not None:
-            nq = self.q_size // self.head_dim
-            if use_triton(qk) and not self.head_dim & (self.head_dim - 1):
-                from shardserve.kernels.triton.fused_ops import qk_rms_norm_
-
-                qk_rms_norm_(qk, nq, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # one launch
-            else:
-                qk = torch.cat((self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])), dim=1)
-        # The attention backend rotates query and key heads together and stores keys and values in the cache.
+        # The attention backend normalises (Qwen3) and rotates query and key heads together and stores keys and
+        # values in the cache.
         return self.o_proj(self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)), residual
 
 

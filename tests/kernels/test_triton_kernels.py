@@ -410,6 +410,35 @@ def test_rotary_fused_with_the_cache_write_equals_the_two_kernels(dtype):
     assert torch.equal(cache, expected_cache)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_norm_rotary_and_cache_write_in_one_launch_equal_the_two_kernels(dtype):
+    """Qwen3: the per-head norms inside the rotary kernel give what qk_rms_norm_ then the rotary kernel give."""
+    g = torch.Generator().manual_seed(9)
+    head_dim, q_heads, kv_heads, tokens, slots, eps = 32, 6, 2, 5, 20, 1e-6
+    rope = RotaryEmbedding(head_dim, 128, 1000000.0, None, dtype)
+    cos, sin = rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE)
+    qkv = (3 * torch.randn(tokens, q_heads + 2 * kv_heads, head_dim, generator=g)).to(dtype).to(DEVICE)
+    q_weight, k_weight = ((1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2))
+    positions = torch.randint(0, 128, (tokens,), generator=g).to(DEVICE)
+    slot_mapping = torch.tensor([3, -1, 0, 19, 7], device=DEVICE)
+    cache = torch.zeros(2, slots, kv_heads, head_dim).to(dtype).to(DEVICE)
+
+    expected_qkv, expected_cache = qkv.clone(), cache.clone()
+    qk = expected_qkv[:, :q_heads + kv_heads]
+    fused_ops.qk_rms_norm_(qk, q_heads, q_weight, k_weight, eps)
+    fused_ops.apply_rotary_and_store_(qk, q_heads, expected_qkv[:, q_heads + kv_heads:], positions, cos, sin,
+                                      expected_cache[0], expected_cache[1], slot_mapping)
+
+    fused_ops.apply_rotary_and_store_(qkv[:, :q_heads + kv_heads], q_heads, qkv[:, q_heads + kv_heads:], positions,
+                                      cos, sin, cache[0], cache[1], slot_mapping, (q_weight, k_weight, eps))
+    if dtype == torch.float32:
+        torch.testing.assert_close(qkv, expected_qkv, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(cache, expected_cache, atol=1e-6, rtol=1e-6)
+    else:
+        _mostly_identical(qkv.cpu(), expected_qkv.cpu())
+        _mostly_identical(cache.cpu(), expected_cache.cpu())
+
+
 # -- batch-1 GEMV -------------------------------------------------------------------------------------------
 
 

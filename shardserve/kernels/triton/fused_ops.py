@@ -248,11 +248,13 @@ def apply_rotary_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 @triton.jit
 def _rotary_store_kernel(qk_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+                         q_weight_ptr, k_weight_ptr, eps,
                          num_q_heads, num_kv_heads, stride_t, stride_h, stride_vt, stride_vh, stride_cos, stride_sin,
                          stride_kcs, stride_kch, stride_vcs, stride_vch,
-                         HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr, KV_P: tl.constexpr):
-    """One program per token: rotates its query and key heads in place (as _rotary_kernel), then writes the
-    rotated keys and the values to the token's cache slot, or nowhere where the slot is negative."""
+                         HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr, KV_P: tl.constexpr, NORM: tl.constexpr):
+    """One program per token: with NORM, first normalises each query and key head (as _qk_norm_kernel: the same
+    roundings); rotates them in place (as _rotary_kernel), then writes the rotated keys and the values to the
+    token's cache slot, or nowhere where the slot is negative."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_P)
     dims = tl.arange(0, HEAD_DIM)
@@ -265,6 +267,16 @@ def _rotary_store_kernel(qk_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_c
     base = qk_ptr + token * stride_t + heads[:, None] * stride_h
     x = tl.load(base + dims[None, :], mask=mask, other=0.0)
     x_rolled = tl.load(base + rolled[None, :], mask=mask, other=0.0)
+    if NORM:
+        dtype = x.dtype
+        x32 = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 1) / HEAD_DIM + eps)[:, None]  # x_rolled: the same head's values
+        is_query = (heads < num_q_heads)[:, None]
+        w = tl.where(is_query, tl.load(q_weight_ptr + dims)[None, :], tl.load(k_weight_ptr + dims)[None, :])
+        w_rolled = tl.where(is_query, tl.load(q_weight_ptr + rolled)[None, :],
+                            tl.load(k_weight_ptr + rolled)[None, :])
+        x = (w.to(tl.float32) * (x32 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+        x_rolled = (w_rolled.to(tl.float32) * (x_rolled.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)).to(dtype)
     rotated = _rotate(x, x_rolled, cos, sin)
     tl.store(base + dims[None, :], rotated, mask=mask)
 
@@ -281,10 +293,11 @@ def _rotary_store_kernel(qk_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_c
 
 def apply_rotary_and_store_(qk: torch.Tensor, num_q_heads: int, value: torch.Tensor, positions: torch.Tensor,
                             cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            slot_mapping: torch.Tensor) -> torch.Tensor:
+                            slot_mapping: torch.Tensor, head_norm: tuple | None = None) -> torch.Tensor:
     """apply_rotary_ on qk [tokens, q heads + kv heads, head_dim] (query heads first), then the key heads and
     `value` [tokens, kv heads, head_dim] written to the cache at slot_mapping (negative: not written), in one
-    launch. Same numbers as apply_rotary_ followed by store_kv_cache. Returns qk, rotated in place."""
+    launch. Same numbers as apply_rotary_ followed by store_kv_cache. With head_norm = (query weight, key
+    weight, eps), each head is first normalised as qk_rms_norm_ does. Returns qk, rotated in place."""
     tokens, num_heads, head_dim = qk.shape
     num_kv_heads = num_heads - num_q_heads
     if qk.stride(-1) != 1 or value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -295,13 +308,18 @@ def apply_rotary_and_store_(qk: torch.Tensor, num_q_heads: int, value: torch.Ten
         raise ValueError("value and cache shapes disagree with the key heads")
     if cos.dtype != qk.dtype or signed_sin.dtype != qk.dtype or k_cache.dtype != qk.dtype:
         raise ValueError("the tables and the cache must have qk's dtype")
+    if head_norm is not None:
+        for weight in head_norm[:2]:
+            _check_norm_args(qk, weight)
     if tokens == 0:
         return qk
     heads_p = triton.next_power_of_2(num_heads)
+    q_weight, k_weight, eps = head_norm if head_norm is not None else (qk, qk, 0.0)
     _rotary_store_kernel[(tokens,)](
-        qk, value, positions, slot_mapping, cos, signed_sin, k_cache, v_cache, num_q_heads, num_kv_heads,
+        qk, value, positions, slot_mapping, cos, signed_sin, k_cache, v_cache, q_weight, k_weight, eps,
+        num_q_heads, num_kv_heads,
         qk.stride(0), qk.stride(1), value.stride(0), value.stride(1), cos.stride(0), signed_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HEAD_DIM=head_dim, HEADS_P=heads_p, KV_P=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, HEADS_P=heads_p, KV_P=triton.next_power_of_2(num_kv_heads), NORM=head_norm is not None,
         num_warps=4 if heads_p * head_dim <= 4096 else 8, enable_fp_fusion=False)
     return qk
