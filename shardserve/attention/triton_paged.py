@@ -50,7 +50,8 @@ class TritonPagedBackend:
         self.device = device
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # On CPU tensors the kernels run in Triton's interpreter (tests): one "SM".
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
     def num_splits(self, batch_size: int, max_context: int) -> int:
         return choose_num_splits(batch_size, self.num_kv_heads, max_context, self.num_sms, self.block_size)

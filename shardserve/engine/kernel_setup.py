@@ -25,7 +25,7 @@ from shardserve.engine.kv_cache import allocate_kv_cache
 from shardserve.engine.step_plan import SeqChunk
 from shardserve.kernels.plan import KernelPlan, KernelPlanError
 from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, check_linear,
-                                           relative_error, rotate_reference)
+                                           head_norm_reference, relative_error, rotate_reference)
 from shardserve.layers.linear import KernelLinear
 from shardserve.layers.linear_kernels import build_linear_kernel
 
@@ -142,7 +142,8 @@ def _attention_steps(block_size: int) -> tuple[list[list[SeqChunk]], int]:
 def check_attention(backend, attn, rotary, dtype: torch.dtype, device: torch.device, block_size: int,
                     seed: int = 0) -> CheckResult:
     """The backend on a small paged batch (prefill, chunked prefill beside decode, decode) against float64
-    attention, with the model's own head layout (attn: a PagedAttention) and rotary tables."""
+    attention, with the model's own head layout, head norms (attn: a PagedAttention) and rotary tables. The
+    batch goes through attn's own forward, as the model's does, so whatever the backend fuses is checked."""
     name = f"{backend.name} attention ({attn.num_heads} heads, {attn.num_kv_heads} KV heads, dim {attn.head_dim})"
     tolerance = TOLERANCE.get(dtype, 1e-2)
     try:
@@ -160,7 +161,11 @@ def check_attention(backend, attn, rotary, dtype: torch.dtype, device: torch.dev
             v = torch.randn(n, kv_heads, dim, generator=generator).to(dtype)
             positions = torch.tensor(batch.positions, dtype=torch.long)
             cos, sin = rotary.cos[positions].double().cpu(), rotary.signed_sin[positions].double().cpu()
-            rotated = rotate_reference(qk.double(), cos, sin)
+            unrotated = qk.double()
+            if attn.head_norm is not None:
+                q_norm, k_norm = attn.head_norm
+                unrotated = head_norm_reference(unrotated, heads, q_norm.weight, k_norm.weight, q_norm.eps)
+            rotated = rotate_reference(unrotated, cos, sin)
             expected = torch.empty(n, heads * dim, dtype=torch.float64)
             for i, chunk in enumerate(batch.chunks):
                 rows = slice(batch.row_start[i], batch.row_start[i + 1])
@@ -170,8 +175,7 @@ def check_attention(backend, attn, rotary, dtype: torch.dtype, device: torch.dev
                 expected[rows] = attention_reference(rotated[rows, :heads], torch.cat(keys), torch.cat(values),
                                                      list(attn.kv_index_tuple), attn.scale, chunk.start_position)
             meta = backend.build_metadata(batch)
-            out = backend.forward(attn, qk.to(device), v.to(device), rotary.lookup(positions.to(device)),
-                                  (k_cache, v_cache), meta)
+            out = attn(qk.to(device), v.to(device), rotary.lookup(positions.to(device)), (k_cache, v_cache), meta)
             worst = max(worst, relative_error(out, expected))
         return CheckResult(name, worst, tolerance)
     except Exception as e:  # noqa: BLE001 - a backend that cannot run this batch fails its check

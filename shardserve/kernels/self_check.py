@@ -96,6 +96,17 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_in
     return out.reshape(q.shape[0], -1)
 
 
+def head_norm_reference(qk: torch.Tensor, num_q_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm in float64: query heads (the first num_q_heads) with q_weight, key heads with
+    k_weight. qk: [tokens, heads, dim]."""
+    qk = qk.double()
+    normed = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps)
+    weight = torch.cat((q_weight.double().cpu().expand(num_q_heads, -1),
+                        k_weight.double().cpu().expand(qk.shape[1] - num_q_heads, -1)))
+    return normed * weight
+
+
 def rotate_reference(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, dim] rotated in float64 with per-token tables [tokens, dim]."""
     return x * cos.unsqueeze(1) + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin.unsqueeze(1)

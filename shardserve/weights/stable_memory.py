@@ -135,7 +135,7 @@ class StableArena:
 
     CHUNK_BYTES = 1 << 30
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
+    def __init__(self, nbytes: int, device: torch.device, mapped: bool = True) -> None:
         self.ordinal = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", self.ordinal)
         gran = _granularity(self.ordinal)
@@ -148,13 +148,15 @@ class StableArena:
                                              ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_uint64(0)),
                "cuMemAddressReserve")
         self.address = address.value
-        self._handles: list[int] = []  # one per mapped chunk, in order
-        self.map()
+        self._handles: list[int] = []  # one per mapped chunk, in order: chunks map front to back
+        if mapped:
+            self.map()
         self.bytes = device_bytes(self.address, self.nbytes, self.device)
 
     @property
     def mapped(self) -> bool:
-        return bool(self._handles)
+        """Whether the whole range is backed by physical memory."""
+        return len(self._handles) == len(self.chunks)
 
     def map(self) -> None:
         """Back the range with new physical memory (contents undefined)."""
@@ -168,11 +170,23 @@ class StableArena:
             return
         _make_context_current(self.ordinal)
         try:
-            for start, size in self.chunks:
-                self._map_chunk(start, size)
+            for index, (start, size) in enumerate(self.chunks):
+                if index == len(self._handles):  # chunks already mapped (map_through) keep their contents
+                    self._map_chunk(start, size)
                 if host is not None and start < host.numel():
                     end = min(start + size, host.numel())
                     self.bytes[start:end].copy_(host[start:end], non_blocking=True)
+        except RuntimeError:
+            self.release()
+            raise
+
+    def map_through(self, end: int) -> None:
+        """Back the range from its start through byte `end`: an arena filled front to back needs physical
+        memory only as far as it has been filled."""
+        _make_context_current(self.ordinal)
+        try:
+            while not self.mapped and self.chunks[len(self._handles)][0] < end:
+                self._map_chunk(*self.chunks[len(self._handles)])
         except RuntimeError:
             self.release()
             raise
@@ -196,7 +210,7 @@ class StableArena:
 
     def release(self) -> None:
         """Give the physical memory back to the driver; the addresses stay reserved for `map`."""
-        if not self.mapped:
+        if not self._handles:
             return
         torch.cuda.synchronize(self.device)  # no kernel or copy may still be using the memory
         drv = _driver()
@@ -248,16 +262,20 @@ def move_model_into_arena(model: nn.Module, device: torch.device) -> StableArena
     params = [p for p in model.parameters() if p.numel()]
     if len({p.untyped_storage().data_ptr() for p in params}) != len(params):
         raise RuntimeError("two parameters share memory; cannot move them into an arena")
-    arena = StableArena(arena_bytes(params), device)
+    # The arena is backed chunk by chunk as it fills, and the old memory handed back every GiB, so the move
+    # needs the weights plus about two GiB, never twice the weights.
+    arena = StableArena(arena_bytes(params), device, mapped=False)
     moved = 0
     for param, new in zip(params, arena.carve(params)):
+        arena.map_through(new.data_ptr() - arena.address + new.numel() * new.element_size())
         new.copy_(param.data)
         moved += new.numel() * new.element_size()
         param.data = new  # drops the last reference to the old memory
-        if moved > 2**30:  # hand freed blocks back as we go, so the move never needs twice the weights
+        if moved > 2**30:
             torch.cuda.synchronize(arena.device)
             torch.cuda.empty_cache()
             moved = 0
+    arena.map()  # the rounding past the last parameter
     torch.cuda.synchronize(arena.device)
     torch.cuda.empty_cache()
     return arena

@@ -135,6 +135,40 @@ def test_the_attention_check_catches_a_broken_backend():
     assert not result.passed and "torch-sdpa attention (4 heads, 2 KV heads, dim 32)" in result.describe()
 
 
+def _with_head_norm(attn: PagedAttention, dtype: torch.dtype) -> PagedAttention:
+    """Qwen3's per-head norms on attn, with weights far from 1 so that skipping them shows."""
+    from shardserve.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    norms = (RMSNorm(attn.head_dim, 1e-6, dtype), RMSNorm(attn.head_dim, 1e-6, dtype))
+    for norm in norms:
+        norm.weight.data = (0.5 + torch.rand(attn.head_dim, generator=g)).to(dtype)
+    attn.head_norm = norms
+    return attn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_attention_check_passes_sdpa_with_qwen3_head_norms(dtype):
+    attn = _with_head_norm(PagedAttention(4, 2, 32, (0, 0, 1, 1)), dtype)
+    rotary = RotaryEmbedding(32, 128, 10000.0, None, dtype)
+    result = kernel_setup.check_attention(SdpaBackend(torch.device("cpu"), 16), attn, rotary, dtype,
+                                          torch.device("cpu"), 16)
+    assert result.passed, result.describe()
+
+
+class SkipsTheHeadNormBackend(SdpaBackend):
+    """Claims to apply the head norms itself (as the Triton kernel does) and never does."""
+    fuses_head_norm = True
+
+
+def test_the_attention_check_catches_a_backend_that_skips_the_head_norms():
+    attn = _with_head_norm(PagedAttention(4, 2, 32, (0, 0, 1, 1)), torch.float32)
+    rotary = RotaryEmbedding(32, 128, 10000.0, None, torch.float32)
+    result = kernel_setup.check_attention(SkipsTheHeadNormBackend(torch.device("cpu"), 16), attn, rotary,
+                                          torch.float32, torch.device("cpu"), 16)
+    assert not result.passed, result.describe()
+
+
 def _two_rank_checks(rank: int, port: int, results) -> None:
     """Rank 1's oneDNN kernel is broken: both ranks must drop it. Then the all-reduce check, and the plans
     compared with one rank's plan different."""
@@ -183,12 +217,15 @@ class BrokenPagedBackend:
     """A device backend (not torch SDPA) whose decode output is off: the engine must not serve with it."""
 
     name = "broken-paged"
+    fuses_head_norm = False
 
     def __init__(self) -> None:
         self.inner = SdpaBackend(torch.device("cpu"), 16)
 
     def build_metadata(self, batch):
-        return self.inner.build_metadata(batch)
+        meta = self.inner.build_metadata(batch)
+        meta.backend = self  # the layers call the backend their metadata names
+        return meta
 
     def forward(self, layer, qk, v, rotary, cache, meta):
         return self.inner.forward(layer, qk, v, rotary, cache, meta) * 1.01

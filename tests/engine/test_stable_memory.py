@@ -53,6 +53,26 @@ def test_released_memory_goes_back_to_the_driver_and_returns_at_the_same_address
         arena.close()
 
 
+def test_weights_larger_than_half_the_gpu_move_into_an_arena(cuda_arenas):
+    """The arena is backed as it fills while the old memory goes back, so weights of 60% of the free memory
+    move (backing the whole arena first would need 120%), every value where it was."""
+    from torch import nn
+
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(0)
+    gib = 2**30
+    model = nn.ParameterList(nn.Parameter(torch.full((gib // 4,), float(i), device="cuda:0"), requires_grad=False)
+                             for i in range(int(0.6 * free) // gib))
+    arena = stable_memory.move_model_into_arena(model, torch.device("cuda", 0))
+    try:
+        assert all(arena.address <= p.data_ptr() < arena.address + arena.nbytes for p in model)
+        assert [float(p.min()) for p in model] == [float(p.max()) for p in model] == [float(i) for i in
+                                                                                        range(len(model))]
+    finally:
+        del model
+        arena.close()
+
+
 def _tokens(llm: LLM) -> list[list[int]]:
     return [out.token_ids for out in llm.generate(PROMPTS, PARAMS)]
 

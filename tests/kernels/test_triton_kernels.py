@@ -535,3 +535,26 @@ def test_fused_penalties_equal_the_dense_version():
     assert torch.equal(fused[[0, 2]], logits[[0, 2]])  # rows without penalties untouched
     # The start-up comparison the sampler runs before it uses the kernel on a device passes here too.
     assert _check_fused_penalties(torch.device(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_start_up_check_passes_the_paged_backend_with_qwen3_head_norms(dtype, monkeypatch):
+    """The backend normalises the heads inside its rotary kernel; the check (float64 norm, rotation, attention)
+    goes through the layer as the model does, so a wrong fused norm would fail start-up."""
+    from shardserve.attention.triton_paged import TritonPagedBackend
+    from shardserve.engine import kernel_setup
+    from shardserve.layers import rotary as rotary_module
+    from shardserve.layers.attention import PagedAttention
+    from shardserve.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    attn = PagedAttention(4, 2, 32, (0, 0, 1, 1))
+    norms = (RMSNorm(32, 1e-6, dtype), RMSNorm(32, 1e-6, dtype))
+    for norm in norms:
+        norm.weight.data = (0.5 + torch.rand(32, generator=g)).to(dtype).to(DEVICE)
+    attn.head_norm = norms
+    rotary = RotaryEmbedding(32, 128, 10000.0, None, dtype).to(DEVICE)
+    monkeypatch.setattr(rotary_module, "use_triton", lambda t: True)  # CPU tensors too: the kernel path
+    backend = TritonPagedBackend(torch.device(DEVICE), 16, 2)
+    result = kernel_setup.check_attention(backend, attn, rotary, dtype, torch.device(DEVICE), 16)
+    assert result.passed, result.describe()
