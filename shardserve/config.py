@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     # Mixtures of experts: the family's attention, sparse expert blocks in place of (some) MLPs.
     "MixtralForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2",
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +57,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     renormalize_topk: bool = True
     moe_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one gated expert every token takes (0: none)
     # Weights stored quantized (GGUF Q4_1...) and dequantized at load: neither bfloat16 nor float16 holds
     # their values exactly.
     quantized: bool = False
@@ -90,8 +92,9 @@ class ModelConfig:
             rope_scaling=rope["scaling"],
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always carries q/k/v biases; Llama-style configs say so with attention_bias.
-            qkv_bias=family == "qwen2" or attention_bias,
+            # Qwen2 carries q/k/v biases (Qwen2-MoE's config may say otherwise with qkv_bias); Llama-style configs
+            # say so with attention_bias.
+            qkv_bias=(family == "qwen2" and bool(cfg.get("qkv_bias", True))) or attention_bias,
             o_bias=attention_bias and family != "qwen2",
             qk_norm=family == "qwen3",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -126,14 +129,17 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["intermediate_size"], renormalize_topk=True,
                     moe_layers=tuple(range(layers)))
-    if arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         step = cfg.get("decoder_sparse_step", 1) or 1
         dense = set(cfg.get("mlp_only_layers") or ())
         experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))  # newer transformers write the latter
+        qwen2 = arch == "Qwen2MoeForCausalLM"
+        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
         return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["moe_intermediate_size"],
-                    renormalize_topk=bool(cfg.get("norm_topk_prob", True)),
-                    moe_layers=tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0))
+                    # transformers' default for Qwen2-MoE: no renormalisation
+                    renormalize_topk=bool(cfg.get("norm_topk_prob", not qwen2)), moe_layers=sparse,
+                    shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if qwen2 else 0)
     return {}
 
 

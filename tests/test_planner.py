@@ -113,9 +113,9 @@ def test_planned_weights_equal_what_the_engine_builds_for_every_family_and_tp(ti
     from shardserve.distributed.communicator import Communicator
     from shardserve.models import MODEL_CLASSES
     from shardserve.planner import load_hf_config, weight_elements_per_rank
-    from tests.tiny_models import TINY_SPECS
+    from tests.tiny_models import MOE_SPECS, TINY_SPECS
 
-    for name in TINY_SPECS:
+    for name in {**TINY_SPECS, **MOE_SPECS}:
         model_dir = tiny_model_dir(name)
         model_config = ModelConfig.from_model_path(model_dir)
         for tp in (1, 2, 3):

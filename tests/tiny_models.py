@@ -59,8 +59,8 @@ CHECKPOINT_DTYPE_SPECS = {
 }
 
 
-# Mixtures of experts, top-2 of 4 experts. Expert features (48) split in 2 and 3; Qwen3-MoE keeps layer 1 dense
-# (mlp_only_layers) so a model holds both kinds of block. "qwen3-moe-odd": 52 expert features, which 3 ranks do
+# Mixtures of experts, top-2 of 4 experts. Expert features (48) split in 2 and 3; Qwen3-MoE and Qwen2-MoE keep
+# layer 1 dense (mlp_only_layers) so a model holds both kinds of block. "qwen3-moe-odd": 52 expert features, which 3 ranks do
 # not split: the experts are then replicated.
 MOE_SPECS = {
     "qwen3-moe": TinySpec("qwen3-moe", "qwen3_moe", dict(
@@ -70,6 +70,13 @@ MOE_SPECS = {
     "mixtral": TinySpec("mixtral", "mixtral", dict(
         hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=48, num_local_experts=4,
         num_experts_per_tok=2, tie_word_embeddings=False)),
+    # Qwen2-MoE: q/k/v biases, a gated shared expert of 64 features (split in 2; whole at TP 3, where the routed
+    # experts' 48 still split), no renormalisation of the top 2.
+    "qwen2-moe": TinySpec("qwen2-moe", "qwen2_moe", dict(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=120,
+        moe_intermediate_size=48, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3,
+        tie_word_embeddings=False)),
     "qwen3-moe-odd": TinySpec("qwen3-moe-odd", "qwen3_moe", dict(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
         moe_intermediate_size=52, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
@@ -78,10 +85,10 @@ MOE_SPECS = {
 
 
 def _hf_config(spec: TinySpec):
-    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
-           "mixtral": MixtralConfig}[spec.architecture]
+           "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig}[spec.architecture]
     common = dict(vocab_size=VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                   initializer_range=0.1, bos_token_id=1, eos_token_id=None, pad_token_id=0,
                   dtype="float32")

@@ -20,9 +20,11 @@ logged and falls back (to the other, or to the grouped version below, which read
 decode then runs without CUDA graphs). Elsewhere the computation groups the (token, expert) pairs by expert and
 runs each expert that received tokens on its tokens at once: a loop over experts, never over tokens.
 
-A shared expert (Qwen2-MoE, DeepSeek) would be the dense MLP of models/llama.py beside this block, on the same
-normed input, its output added before the layer's one all-reduce (Qwen2-MoE scales it by a sigmoid gate); the
-loader would map `mlp.shared_expert.*` to it.
+A shared expert (Qwen2-MoE) is a SwiGLU FFN every token takes beside the routed ones, on the same normed input,
+scaled by sigmoid(shared_expert_gate(h)) and added before the layer's one all-reduce: split by features like the
+experts, or whole on every rank and added on one rank only where its size does not split. DeepSeek's shared
+experts are the same FFN without the gate (n_shared_experts * moe_intermediate_size features); its grouped
+top-k routing would be a new `route`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
-from shardserve.layers.linear import ColumnParallelLinear, as_tensor
+from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear, as_tensor
 from shardserve.layers.sharding import split_rows
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,8 @@ FUSED_MOE_ENV = "SHARDSERVE_DEVICE_EXPERTS"  # "0": the host-grouped version on 
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, comm: Communicator, dtype: torch.dtype, expert_parallel: bool = False) -> None:
+                 renormalize: bool, comm: Communicator, dtype: torch.dtype, expert_parallel: bool = False,
+                 shared_intermediate_size: int = 0) -> None:
         super().__init__()
         self.experts_held = (0, num_experts)  # [e0, e1): the experts this rank computes
         if expert_parallel and comm.world_size > 1 and num_experts % comm.world_size == 0:
@@ -73,6 +76,23 @@ class SparseMoE(nn.Module):
         self.w2.weight_loader = self._load_w2
         self.replicated = not sharded
         self.pending = comm if sharded else None  # the output is a partial sum to all-reduce (in the next norm)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            self._add_shared_expert(hidden_size, shared_intermediate_size, comm, dtype)
+
+    def _add_shared_expert(self, hidden_size: int, size: int, comm: Communicator, dtype: torch.dtype) -> None:
+        """Qwen2-MoE's shared expert and its one-output gate (replicated). The expert is split by features where
+        the block's output is all-reduced anyway and its size splits; otherwise it is whole on every rank, and
+        while the block's output is a partial sum only rank 0 adds it (once in the all-reduced sum)."""
+        if self.pending is not None:
+            rows, split = split_rows(size, comm.rank, comm.world_size, "shared expert")
+        else:
+            rows, split = (0, size), False
+        self.shared_expert = SharedExpert(hidden_size, rows, dtype)
+        self.shared_expert.gate_up_proj.replicated = self.shared_expert.down_proj.replicated = not split
+        self.shared_expert_gate = ColumnParallelLinear(hidden_size, {None: (0, 1)}, False, dtype)
+        self.shared_expert_gate.replicated = True
+        self.adds_shared_expert = split or self.pending is None or comm.rank == 0
 
     # -- loading: shard_id is (expert, 0 gate / 1 up) for w13, (expert, None) for w2, or "all" (fused tensors)
     def _load_w13(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:
@@ -107,7 +127,10 @@ class SparseMoE(nn.Module):
         residual. `reduce`: x is a partial sum still to be all-reduced (the previous block deferred it)."""
         h, residual = norm(x, residual, reduce=reduce)
         weights, experts = self.route(h)
-        return self.experts(h, weights, experts), residual
+        out = self.experts(h, weights, experts)
+        if self.shared_expert is not None and self.adds_shared_expert:
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        return out, residual
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k experts of each token [T, k] and their weights [T, k] (float32): softmax over all experts'
@@ -133,6 +156,20 @@ class SparseMoE(nn.Module):
             experts = experts - self.experts_held[0]
         compute = device_experts(self.w13, self.w2, self.top_k) if h.is_cuda else None
         return (compute or grouped_experts)(h, self.w13, self.w2, weights, experts)
+
+
+class SharedExpert(nn.Module):
+    """A SwiGLU FFN over this rank's features `rows` (of the checkpoint's gate_proj / up_proj rows and down_proj
+    columns): no reduction of its own, its output joins the expert block's."""
+
+    def __init__(self, hidden_size: int, rows: tuple[int, int], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, {0: rows, 1: rows}, False, dtype)
+        self.down_proj = RowParallelLinear(rows, hidden_size, False, dtype, None)
+        self.down_proj.takes_swiglu_input = True
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(h), swiglu_input=True)
 
 
 def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

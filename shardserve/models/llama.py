@@ -84,7 +84,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, comm, dtype)
         self.mlp = (SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                              cfg.renormalize_topk, comm, dtype, expert_parallel) if sparse else MLP(cfg, comm, dtype))
+                              cfg.renormalize_topk, comm, dtype, expert_parallel, cfg.shared_expert_intermediate_size)
+                    if sparse else MLP(cfg, comm, dtype))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

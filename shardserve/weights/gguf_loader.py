@@ -5,7 +5,7 @@ the tokenizer vocabulary up front (seconds for a 50k-token vocabulary); this par
 array contents, so reading a header takes milliseconds. Tensor data is memory-mapped and
 dequantized one tensor at a time with `gguf.quants.dequantize`.
 
-Supported architectures: llama (Mixtral too: llama with experts), qwen2, qwen3, qwen3moe. A mixture of experts'
+Supported architectures: llama (Mixtral too: llama with experts), qwen2, qwen3, qwen2moe, qwen3moe. A mixture of experts'
 merged expert tensors (blk.N.ffn_{gate,up,down}_exps, one [E, ...] tensor each) come out as the per-expert
 tensors of a Hugging Face checkpoint, and the router (ffn_gate_inp) as mlp.gate.
 """
@@ -54,6 +54,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 # llama.cpp writes Mixtral as llama with {arch}.expert_count set.
@@ -77,6 +78,11 @@ _LAYER_MODULE_NAMES: dict[str, str] = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate_inp": "mlp.gate",
+    # Qwen2-MoE's shared expert and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Merged expert tensors [E, rows, cols] -> the per-expert module name under mlp.experts.{e}.
 _EXPERT_MODULE_NAMES: dict[str, str] = {
@@ -278,16 +284,20 @@ def _hf_config(header: GGUFHeader, path: str) -> dict[str, Any]:
 
 
 def _experts_config(meta: dict[str, Any], arch: str, model_type: str, num_experts: int, arch_value) -> dict[str, Any]:
-    """The mixture-of-experts keys of the HF config. Qwen3-MoE: every layer sparse (llama.cpp has no dense
-    layers for it), weights renormalised over the chosen experts unless the file says otherwise; Mixtral: the
-    experts' size is feed_forward_length."""
+    """The mixture-of-experts keys of the HF config. Qwen2/3-MoE: every layer sparse (llama.cpp has no dense
+    layers for them), weights renormalised over the chosen experts where the file says so (by default for
+    Qwen3-MoE, not for Qwen2-MoE, as in transformers), Qwen2-MoE's shared expert of
+    expert_shared_feed_forward_length features; Mixtral: the experts' size is feed_forward_length."""
     top_k = arch_value("expert_used_count")
     if model_type == "mixtral":
         return {"num_local_experts": num_experts, "num_experts_per_tok": top_k}
-    return {"num_experts": num_experts, "num_experts_per_tok": top_k,
-            "moe_intermediate_size": arch_value("expert_feed_forward_length"),
-            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
-            "decoder_sparse_step": 1, "mlp_only_layers": []}
+    config = {"num_experts": num_experts, "num_experts_per_tok": top_k,
+              "moe_intermediate_size": arch_value("expert_feed_forward_length"),
+              "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", model_type == "qwen3_moe")),
+              "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if model_type == "qwen2_moe":
+        config["shared_expert_intermediate_size"] = arch_value("expert_shared_feed_forward_length")
+    return config
 
 
 def _architecture(meta: dict[str, Any], path: str) -> str:
@@ -370,6 +380,8 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         suffix = info.name.split(".", 2)[-1]  # "blk.3.attn_q.weight" -> "attn_q.weight"
         if (num_heads := permuted_heads.get(suffix)) is not None:
             tensor = _interleaved_to_half_rotation(tensor, num_heads)
+        if suffix == "ffn_gate_inp_shexp.weight":
+            tensor = tensor.reshape(1, -1)  # llama.cpp keeps the shared expert's one-output gate as a vector
         yield name, tensor
 
 

@@ -52,6 +52,12 @@ def synthetic_checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[i
             yield f"{mlp}.gate.weight", (e, h)
             yield f"{mlp}.experts.gate_up_proj", (e, 2 * moe_inter, h)
             yield f"{mlp}.experts.down_proj", (e, h, moe_inter)
+            if cfg.shared_expert_intermediate_size:
+                shared = cfg.shared_expert_intermediate_size
+                yield f"{mlp}.shared_expert.gate_proj.weight", (shared, h)
+                yield f"{mlp}.shared_expert.up_proj.weight", (shared, h)
+                yield f"{mlp}.shared_expert.down_proj.weight", (h, shared)
+                yield f"{mlp}.shared_expert_gate.weight", (1, h)
             yield f"model.layers.{i}.input_layernorm.weight", (h,)
             yield f"model.layers.{i}.post_attention_layernorm.weight", (h,)
             continue

@@ -1,4 +1,4 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral): greedy tokens equal transformers' float32 greedy generate on the same
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): greedy tokens equal transformers' float32 greedy generate on the same
 weights at TP 1, 2 and 3, from per-expert and from fused expert tensors, and with experts that do not split
 (replicated on every rank)."""
 
@@ -15,12 +15,15 @@ from tests.models.test_matches_transformers import _check_matches
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3])
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
 def test_moe_greedy_tokens_match_transformers(tiny_model_dir, name, tp):
     _check_matches(tiny_model_dir(name), name, tp, device="cpu")
 
 
-def test_experts_that_do_not_split_are_replicated(tiny_model_dir, caplog):
+def test_experts_that_do_not_split_are_replicated(tiny_model_dir, caplog, monkeypatch):
+    from shardserve.layers import sharding
+
+    monkeypatch.setattr(sharding, "_logged", set())  # logged once a process: maybe already, by another test
     with caplog.at_level("INFO"):
         _check_matches(tiny_model_dir("qwen3-moe-odd"), "qwen3-moe-odd", 3, device="cpu")
     assert any("moe experts" in r.getMessage() and "replicat" in r.getMessage() for r in caplog.records)
@@ -63,7 +66,7 @@ def test_fused_expert_tensors_load_as_per_expert_ones(tiny_model_dir, tmp_path):
         reference._reference = original
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
 def test_dummy_weights_know_the_experts(tiny_model_dir, name):
     """--load-format dummy: the experts in the fused layout, the same tokens at TP 1 and 2."""
     from shardserve import LLM, SamplingParams
@@ -79,7 +82,7 @@ def test_dummy_weights_know_the_experts(tiny_model_dir, name):
 
 
 @pytest.mark.parametrize("tp", [2, 3])
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
 def test_expert_parallel_matches_transformers(tiny_model_dir, name, tp, caplog):
     """--enable-expert-parallel: 4 experts, 2 whole experts a rank at TP 2; at TP 3 they do not divide, and each
     expert is split by features instead (logged)."""
@@ -99,7 +102,7 @@ def test_expert_parallel_matches_transformers(tiny_model_dir, name, tp, caplog):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
 def test_moe_greedy_tokens_match_transformers_on_a_gpu(tiny_model_dir, name):
     """The CUDA path (the fused kernel where it passed its start-up check, with CUDA graphs), float32."""
     if not torch.cuda.is_available():

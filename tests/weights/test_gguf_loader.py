@@ -276,9 +276,12 @@ def test_config_and_tensors_rebuild_the_reference_model(
 _GGUF_LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight", "mlp.shared_expert.up_proj.weight":
+    "ffn_up_shexp.weight", "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
 }  # fmt: skip
 
 
@@ -301,6 +304,8 @@ def _moe_gguf(model, arch: str, path: Path) -> None:
         for hf_name, gguf_name in _GGUF_LAYER_NAMES.items():
             if prefix + hf_name in state:
                 tensors[f"blk.{i}.{gguf_name}"] = state.pop(prefix + hf_name)
+        if prefix + "mlp.shared_expert_gate.weight" in state:  # [1, H], a vector in llama.cpp's files
+            tensors[f"blk.{i}.ffn_gate_inp_shexp.weight"] = state.pop(prefix + "mlp.shared_expert_gate.weight")[0]
         if arch == "llama":
             for name, heads in (("attn_q.weight", cfg.num_attention_heads), ("attn_k.weight", cfg.num_key_value_heads)):
                 tensors[f"blk.{i}.{name}"] = _llama_cpp_permute(tensors[f"blk.{i}.{name}"], heads)
@@ -309,7 +314,7 @@ def _moe_gguf(model, arch: str, path: Path) -> None:
         f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.context_length": 512,
         f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.attention.head_count": cfg.num_attention_heads,
         f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
-        f"{arch}.attention.key_length": cfg.hidden_size // cfg.num_attention_heads if arch == "llama" else cfg.head_dim,
+        f"{arch}.attention.key_length": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
         f"{arch}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
         f"{arch}.expert_used_count": cfg.num_experts_per_tok,
@@ -320,24 +325,37 @@ def _moe_gguf(model, arch: str, path: Path) -> None:
         metadata |= {f"{arch}.expert_count": cfg.num_experts,
                      f"{arch}.expert_feed_forward_length": cfg.moe_intermediate_size,
                      f"{arch}.expert_weights_norm": int(cfg.norm_topk_prob)}
+    if arch == "qwen2moe":
+        metadata |= {"qwen2moe.expert_shared_feed_forward_length": cfg.shared_expert_intermediate_size}
     _write_gguf(path, arch, metadata, {name: (np.ascontiguousarray(v), QType.F32) for name, v in tensors.items()})
 
 
-@pytest.mark.parametrize("name, arch", [("mixtral", "llama"), ("qwen3-moe-odd", "qwen3moe")])
+@pytest.mark.parametrize("name, arch", [("mixtral", "llama"), ("qwen3-moe-odd", "qwen3moe"), ("qwen2-moe", "qwen2moe")])
 def test_a_mixture_of_experts_from_gguf_rebuilds_the_model(tiny_model_dir, tmp_path: Path, name: str, arch: str):
-    """Mixtral (llama with experts) and Qwen3-MoE with merged expert tensors: the config says what the
-    checkpoint's does, each expert comes out as its own tensors, and transformers built from them computes the
-    same logits as the original."""
+    """Mixtral (llama with experts), Qwen3-MoE and Qwen2-MoE (a shared expert and its gate) with merged expert
+    tensors: the config says what the checkpoint's does, each expert comes out as its own tensors, and
+    transformers built from them computes the same logits as the original."""
+    import dataclasses
+
     import transformers
 
-    original = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir(name), dtype=torch.float32).eval()
+    from tests.tiny_models import MOE_SPECS, make_tiny_model
+
+    if name == "qwen2-moe":  # llama.cpp's qwen2moe has no dense layers
+        spec = MOE_SPECS[name]
+        model_dir = make_tiny_model(dataclasses.replace(spec, config={**spec.config, "mlp_only_layers": []}),
+                                    str(tmp_path / name))
+    else:
+        model_dir = tiny_model_dir(name)
+    original = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     path = tmp_path / f"{name}.gguf"
     _moe_gguf(original, arch, path)
 
     config = read_gguf_config(str(path))
     assert config["architectures"] == original.config.architectures
     got, want = ModelConfig.from_hf_dict(config), ModelConfig.from_hf_dict(original.config.to_dict())
-    moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "renormalize_topk", "moe_layers")
+    moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "renormalize_topk", "moe_layers",
+                  "shared_expert_intermediate_size", "qkv_bias")
     assert [getattr(got, f) for f in moe_fields] == [getattr(want, f) for f in moe_fields]
     assert got.num_experts == 4 and got.moe_layers == tuple(range(config["num_hidden_layers"]))
 
