@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from shardserve.weights.quantized import QuantScheme, parse_quantization
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -61,6 +63,9 @@ class ModelConfig:
     # Weights stored quantized (GGUF Q4_1...) and dequantized at load: neither bfloat16 nor float16 holds
     # their values exactly.
     quantized: bool = False
+    # A safetensors checkpoint's quantized linear layers (FP8, GPTQ): read as the values they encode
+    # (weights/quantized.py).
+    quantization: QuantScheme | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -101,6 +106,7 @@ class ModelConfig:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             quantized=bool(cfg.get("gguf_quantized", False)),
+            quantization=parse_quantization(cfg),
             **_moe_fields(arch, cfg),
         )
 

@@ -253,9 +253,12 @@ class ModelRunner:
                                        agree=lambda chosen: kernel_setup.agree_on_gemv(chosen, self.ctx))
             self.plan = self.plan.with_results(gemv=gemv.summary() if gemv is not None else "cublas")
         loaded, copies = weight_bytes(model)
-        logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s%s", self.ctx.rank, self.config.model,
+        quantization = self.model_config.quantization
+        logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s%s%s", self.ctx.rank, self.config.model,
                     time.perf_counter() - started, loaded / 2**30, self.dtype, self.device,
-                    f" (+{copies / 2**30:.2f} GiB of compact copies for decode steps)" if copies else "")
+                    f" (+{copies / 2**30:.2f} GiB of compact copies for decode steps)" if copies else "",
+                    f" (a {quantization.describe()} checkpoint, held as the values it encodes)"
+                    if quantization is not None and self.config.load_format != "dummy" else "")
         return model
 
     def _fill_weights(self, model) -> None:
@@ -264,7 +267,8 @@ class ModelRunner:
             from shardserve.weights.synthetic import load_synthetic_weights
             load_synthetic_weights(model, self.model_config, self.device, self.dtype, seed=self.config.seed)
         else:
-            load_weights(model, self.config.model, self.model_config.tie_word_embeddings)
+            load_weights(model, self.config.model, self.model_config.tie_word_embeddings,
+                         self.model_config.quantization)
 
     def _log_planned_weights(self, model) -> None:
         """Log the planner's per-rank weight bytes next to what was loaded (they should agree)."""

@@ -9,6 +9,7 @@ stderr is not a terminal or INFO messages are not logged (`--log-level warning`)
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -23,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shardserve.layers.linear import load_whole
+from shardserve.weights.quantized import Checkpoint, QuantScheme, count_dequantized, dequantized_checkpoint
 
 # Tensors some checkpoints carry that the model derives itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -40,44 +42,55 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_checkpoint(model_path: str) -> Iterator[tuple[str, Any]]:
-    """(name, lazily sliceable tensor) for every tensor of the checkpoint."""
+def iter_checkpoint(model_path: str, quantization: QuantScheme | None = None) -> Iterator[tuple[str, Any]]:
+    """(name, lazily sliceable tensor) for every tensor of the checkpoint; with `quantization`, each quantized
+    layer's tensors as one `{layer}.weight` that reads as the float values they encode."""
     if model_path.endswith(".gguf"):
         from shardserve.weights.gguf_loader import iter_gguf_tensors
 
         yield from iter_gguf_tensors(model_path)
         return
-    for path in safetensors_files(model_path):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_slice(name)
+    if quantization is None:
+        for path in safetensors_files(model_path):
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_slice(name)
+        return
+    # A quantized layer's tensors may lie in different files: all stay open (their headers only are read).
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(safe_open(path, framework="pt")) for path in safetensors_files(model_path)]
+        holder = {name: f for f in files for name in f.keys()}
+        checkpoint = Checkpoint(lambda name: holder[name].get_slice(name), lambda name: holder[name].get_tensor(name))
+        yield from dequantized_checkpoint(list(holder), checkpoint, quantization)
 
 
-def count_checkpoint_tensors(model_path: str) -> int:
+def count_checkpoint_tensors(model_path: str, quantization: QuantScheme | None = None) -> int:
     """How many tensors `iter_checkpoint` yields, read from the headers only."""
     if model_path.endswith(".gguf"):
         from shardserve.weights.gguf_loader import count_gguf_tensors
 
         return count_gguf_tensors(model_path)
-    total = 0
+    names = []
     for path in safetensors_files(model_path):
         with safe_open(path, framework="pt") as f:
-            total += len(f.keys())
-    return total
+            names += f.keys()
+    return len(names) if quantization is None else count_dequantized(names, quantization)
 
 
-def load_weights(model: nn.Module, model_path: str, tied_embeddings: bool) -> None:
-    """Load the checkpoint at `model_path` (safetensors directory or .gguf file) into `model`."""
+def load_weights(model: nn.Module, model_path: str, tied_embeddings: bool,
+                 quantization: QuantScheme | None = None) -> None:
+    """Load the checkpoint at `model_path` (safetensors directory or .gguf file) into `model`; `quantization`:
+    how its linear layers are quantized (ModelConfig.quantization), read as the values they encode."""
     source = f"checkpoint {model_path!r}"
     console = progress_console()
     if console is None:
-        load_tensors(model, iter_checkpoint(model_path), tied_embeddings, source)
+        load_tensors(model, iter_checkpoint(model_path, quantization), tied_embeddings, source)
         return
     label = f"loading {os.path.basename(model_path.rstrip(os.sep))}"
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tensors"),
                   TimeElapsedColumn(), console=console) as progress:
-        tensors = progress.track(iter_checkpoint(model_path), total=count_checkpoint_tensors(model_path),
-                                 description=label)
+        tensors = progress.track(iter_checkpoint(model_path, quantization),
+                                 total=count_checkpoint_tensors(model_path, quantization), description=label)
         load_tensors(model, tensors, tied_embeddings, source)
 
 

@@ -1,0 +1,266 @@
+"""Quantized checkpoints (FP8 and 4-bit GPTQ), read as the float matrices they encode.
+
+A quantized linear layer's tensors (FP8: `weight` in float8_e4m3fn with `weight_scale_inv` per block or
+`weight_scale` per output channel or per tensor; GPTQ: `qweight`, `qzeros`, `scales`, `g_idx`) come out of
+`dequantized_checkpoint` as one `{module}.weight` whose value is a `DequantizedWeight`: it has the matrix's
+[out features, in features] shape and is sliced like a safetensors slice, so a rank's weight loader asks for
+its rows (column-parallel layers) or columns (row-parallel layers) and only the packed bytes and scales
+those need are read and dequantized, to float32. Everything else passes through unchanged.
+
+Layers hold the dequantized values in the compute dtype: a quantized checkpoint loads and serves with the same
+tokens as its dequantized float weights, on every device and at every tensor-parallel size, but takes the
+compute dtype's memory and speed.
+
+GPTQ packing (the `gptq` checkpoint format, AutoGPTQ's and AutoRound's GPTQ export): `qweight` [K / 8, N]
+int32 holds eight 4-bit values along the input dimension, value j of row i being input feature 8 i + j;
+`qzeros` [groups, N / 8] packs the zero points along the output dimension, stored minus one (`gptq_v2`:
+as they are); `scales` [groups, N]; `g_idx` [K] the group of each input feature (absent: feature // group
+size). The weight is W[n, k] = scales[g, n] * (q[k, n] - zero[g, n]) with g = g_idx[k].
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+SUPPORTED = ("fp8 (block-scaled, per-channel or per-tensor)", "compressed-tensors float-quantized (FP8)",
+             "gptq (4-bit)")
+
+
+class UnsupportedQuantization(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a checkpoint's linear layers are quantized (config.json's quantization_config)."""
+
+    method: str  # "fp8" or "gptq"
+    weight_block: tuple[int, int] | None = None  # FP8 scaled per [rows, cols] block
+    group_size: int = 0  # GPTQ: input features per group (-1: one group)
+    zero_offset: int = 0  # GPTQ: added to the stored zero points (1 in the `gptq` format)
+
+    def describe(self) -> str:
+        if self.method == "fp8":
+            return f"fp8 (blocks of {self.weight_block[0]}x{self.weight_block[1]})" if self.weight_block else "fp8"
+        return f"gptq 4-bit (groups of {self.group_size})"
+
+
+def _unsupported(what: str) -> UnsupportedQuantization:
+    return UnsupportedQuantization(f"{what} in config.json's quantization_config is not supported; shardserve "
+                                   f"loads {', '.join(SUPPORTED)}")
+
+
+def parse_quantization(cfg: dict[str, Any]) -> QuantScheme | None:
+    """The checkpoint's quantization, None for a float checkpoint; an UnsupportedQuantization naming what is not
+    supported, at start-up, before anything is loaded."""
+    qc = cfg.get("quantization_config") or cfg.get("compression_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8":
+        if str(qc.get("fmt", "e4m3")).lower() != "e4m3":
+            raise _unsupported(f"fp8 format {qc.get('fmt')!r} (e4m3 only)")
+        block = qc.get("weight_block_size")
+        return QuantScheme("fp8", weight_block=tuple(block) if block else None)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    if method == "gptq":
+        bits = qc.get("bits", 4)
+        if bits != 4:
+            raise _unsupported(f"gptq with {bits} bits (4 only)")
+        checkpoint_format = str(qc.get("checkpoint_format", "gptq")).lower()
+        if checkpoint_format not in ("gptq", "gptq_v2"):
+            raise _unsupported(f"gptq checkpoint_format {checkpoint_format!r}")
+        return QuantScheme("gptq", group_size=int(qc.get("group_size", 128)),
+                           zero_offset=1 if checkpoint_format == "gptq" else 0)
+    raise _unsupported(f"quantization method {method!r}" if method else "a quantization_config without quant_method")
+
+
+def _compressed_tensors(qc: dict[str, Any]) -> QuantScheme:
+    fmt = qc.get("format")
+    if fmt != "float-quantized":
+        raise _unsupported(f"compressed-tensors format {fmt!r} (float-quantized only)")
+    for group in (qc.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("num_bits") != 8 or weights.get("type") != "float":
+            raise _unsupported(f"compressed-tensors weights of {weights.get('num_bits')} bits, type "
+                               f"{weights.get('type')!r} (8-bit float only)")
+        if weights.get("strategy") == "block":
+            return QuantScheme("fp8", weight_block=tuple(weights["block_structure"]))
+        if weights.get("strategy") not in ("channel", "tensor"):
+            raise _unsupported(f"compressed-tensors FP8 strategy {weights.get('strategy')!r}")
+    return QuantScheme("fp8")
+
+
+# -- reading -------------------------------------------------------------------------------------------------
+
+class Checkpoint:
+    """Access to a checkpoint's tensors by name: `slice` (lazily indexable) and `tensor` (read whole)."""
+
+    def __init__(self, slice_of: Callable[[str], Any], tensor_of: Callable[[str], torch.Tensor]) -> None:
+        self.slice, self.tensor = slice_of, tensor_of
+
+
+_FP8_PARTS = ("weight", "weight_scale_inv", "weight_scale", "input_scale")
+_GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def _quantized_modules(names: list[str], scheme: QuantScheme) -> dict[str, dict[str, str]]:
+    """module prefix -> {part: tensor name} for every quantized linear layer of the checkpoint."""
+    parts: dict[str, dict[str, str]] = defaultdict(dict)
+    known = _FP8_PARTS if scheme.method == "fp8" else _GPTQ_PARTS
+    for name in names:
+        prefix, _, part = name.rpartition(".")
+        if part in known:
+            parts[prefix][part] = name
+    if scheme.method == "fp8":
+        return {p: s for p, s in parts.items() if "weight_scale_inv" in s or "weight_scale" in s}
+    return {p: s for p, s in parts.items() if "qweight" in s}
+
+
+def count_dequantized(names: list[str], scheme: QuantScheme) -> int:
+    """How many tensors dequantized_checkpoint yields for a checkpoint of these tensor names."""
+    modules = _quantized_modules(names, scheme)
+    return len(names) - sum(len(parts) for parts in modules.values()) + len(modules)
+
+
+def dequantized_checkpoint(names: list[str], checkpoint: Checkpoint, scheme: QuantScheme
+                           ) -> Iterator[tuple[str, Any]]:
+    """(name, sliceable) for every tensor of the checkpoint, each quantized layer's tensors replaced by one
+    `{module}.weight` (a DequantizedWeight), yielded where its first tensor was."""
+    modules = _quantized_modules(names, scheme)
+    position = {name: i for i, name in enumerate(names)}
+    first_part = {min(parts.values(), key=position.__getitem__): prefix for prefix, parts in modules.items()}
+    for name in names:
+        prefix, _, part = name.rpartition(".")
+        parts = modules.get(prefix)
+        if parts is None or parts.get(part) != name:
+            yield name, checkpoint.slice(name)
+        elif name in first_part:
+            yield f"{prefix}.weight", (_fp8 if scheme.method == "fp8" else _gptq)(prefix, parts, checkpoint, scheme)
+
+
+class DequantizedWeight:
+    """A quantized [out, in] matrix seen as its float32 values, indexed like a safetensors slice with at most
+    two plain slices (rows, then columns): only the stored bytes of the rows and columns asked for are read."""
+
+    def __init__(self, name: str, shape: tuple[int, int]) -> None:
+        self.name = name
+        self.shape = torch.Size(shape)
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, key) -> torch.Tensor:
+        keys = key if isinstance(key, tuple) else (key,)
+        if len(keys) > 2 or not all(isinstance(k, slice) or k is Ellipsis for k in keys):
+            raise IndexError(f"{self.name}: a quantized weight is read by row and column ranges, not {key!r}")
+        keys = [slice(None) if k is Ellipsis else k for k in keys] + [slice(None)] * (2 - len(keys))
+        (r0, r1, rs), (c0, c1, cs) = (k.indices(n) for k, n in zip(keys, self.shape))
+        if rs != 1 or cs != 1:
+            raise IndexError(f"{self.name}: strided reads of a quantized weight are not supported")
+        return self.read(r0, max(r0, r1), c0, max(c0, c1))
+
+    def read(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """Rows [r0, r1) and columns [c0, c1) of the matrix, float32."""
+        raise NotImplementedError
+
+
+def _expand(scale: torch.Tensor, first: int, count: int, block: int, dim: int) -> torch.Tensor:
+    """Per-block scales (the blocks from first // block on) repeated over their rows (dim 0) or columns (dim 1),
+    cut to `count` from `first`."""
+    offset = first - first // block * block
+    return scale.repeat_interleave(block, dim).narrow(dim, offset, count)
+
+
+class Fp8Weight(DequantizedWeight):
+    """float8_e4m3fn values times a scale per [bn, bk] block, per output row, or per tensor."""
+
+    def __init__(self, name: str, weight, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
+        shape = tuple(weight.get_shape())
+        super().__init__(name, shape)
+        self.weight, self.scale, self.block = weight, scale.float(), block
+        rows, cols = shape
+        if scale.numel() == 1:
+            self.kind = "tensor"
+        elif block is not None and scale.dim() == 2 and tuple(scale.shape) == (-(-rows // block[0]),
+                                                                              -(-cols // block[1])):
+            self.kind = "block"
+        elif scale.numel() == rows:
+            self.kind = "channel"
+            self.scale = self.scale.reshape(rows, 1)
+        else:
+            raise ValueError(f"{name}: FP8 scale of shape {tuple(scale.shape)} fits neither blocks of {block}, "
+                             f"nor the {rows} output rows, nor the whole [{rows}, {cols}] tensor")
+
+    def read(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        values = torch.as_tensor(self.weight[r0:r1, c0:c1])
+        if values.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{self.name}: an FP8 weight must be stored as float8_e4m3fn, found {values.dtype}")
+        values = values.float()
+        if self.kind == "tensor":
+            return values * self.scale.reshape(())
+        if self.kind == "channel":
+            return values * self.scale[r0:r1]
+        if r1 == r0 or c1 == c0:
+            return values
+        bn, bk = self.block
+        blocks = self.scale[r0 // bn:(r1 - 1) // bn + 1, c0 // bk:(c1 - 1) // bk + 1]
+        return values * _expand(_expand(blocks, r0, r1 - r0, bn, 0), c0, c1 - c0, bk, 1)
+
+
+def _fp8(prefix: str, parts: dict[str, str], checkpoint: Checkpoint, scheme: QuantScheme) -> Fp8Weight:
+    if "weight" not in parts:
+        raise ValueError(f"{prefix}: the checkpoint has FP8 scales but no weight")
+    scale = checkpoint.tensor(parts.get("weight_scale_inv") or parts["weight_scale"])  # both multiply
+    return Fp8Weight(parts["weight"], checkpoint.slice(parts["weight"]), scale, scheme.weight_block)
+
+
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Eight 4-bit values from each int32 along `dim` (value j in bits 4j..4j+3), as int32 in 0..15."""
+    if dim == 0:
+        return ((packed.unsqueeze(1) >> _SHIFTS.view(1, 8, 1)) & 15).reshape(-1, packed.shape[1])
+    return ((packed.unsqueeze(2) >> _SHIFTS.view(1, 1, 8)) & 15).reshape(packed.shape[0], -1)
+
+
+class GptqWeight(DequantizedWeight):
+    def __init__(self, name: str, qweight, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                 scheme: QuantScheme) -> None:
+        packed_rows, out_features = qweight.get_shape()
+        in_features = packed_rows * 8
+        super().__init__(name, (out_features, in_features))
+        if qzeros.dtype != torch.int32 or scales.shape[1] != out_features or qzeros.shape[1] * 8 != out_features:
+            raise ValueError(f"{name}: GPTQ tensors disagree: qweight {[packed_rows, out_features]}, qzeros "
+                             f"{list(qzeros.shape)} ({qzeros.dtype}), scales {list(scales.shape)}")
+        if g_idx is None:
+            size = scheme.group_size if scheme.group_size > 0 else in_features
+            g_idx = torch.arange(in_features) // size
+        if g_idx.numel() != in_features or int(g_idx.max()) >= scales.shape[0] or int(g_idx.min()) < 0:
+            raise ValueError(f"{name}: g_idx names groups outside the {scales.shape[0]} of scales")
+        self.qweight, self.g_idx = qweight, g_idx.long()
+        self.zeros = unpack_int4(qzeros, 1) + scheme.zero_offset  # [groups, N]
+        self.scales = scales.float()
+
+    def read(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        first = c0 // 8
+        packed = torch.as_tensor(self.qweight[first:-(-c1 // 8), r0:r1])
+        q = unpack_int4(packed, 0)[c0 - first * 8:c1 - first * 8]  # [in features c0..c1, out features r0..r1]
+        groups = self.g_idx[c0:c1]
+        w = (q - self.zeros[groups, r0:r1]).float() * self.scales[groups, r0:r1]
+        return w.t().contiguous()
+
+
+def _gptq(prefix: str, parts: dict[str, str], checkpoint: Checkpoint, scheme: QuantScheme) -> GptqWeight:
+    missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
+    if missing:
+        raise ValueError(f"{prefix}: the GPTQ layer lacks {', '.join(missing)}")
+    g_idx = checkpoint.tensor(parts["g_idx"]) if "g_idx" in parts else None
+    return GptqWeight(parts["qweight"], checkpoint.slice(parts["qweight"]), checkpoint.tensor(parts["qzeros"]),
+                      checkpoint.tensor(parts["scales"]), g_idx, scheme)

@@ -1,0 +1,228 @@
+"""Quantized checkpoints, built here by quantizing a tiny Llama's random weights: FP8 with block scales
+(DeepSeek-V3 / Qwen3-FP8 layout), FP8 per channel (compressed-tensors), 4-bit GPTQ symmetric with groups of 32
+and asymmetric with groups of 128 in activation order (a g_idx that permutes). Served at TP 1, 2 and 4, the
+greedy tokens equal transformers float32 on the values the quantization encodes (computed here, while
+quantizing, not by unpacking). A quantized layer's tensors are written to two different files, as sharded
+checkpoints may. Unsupported methods stop start-up with one line naming them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardserve.config import ModelConfig
+from shardserve.weights.quantized import UnsupportedQuantization, parse_quantization
+from tests.models.test_matches_transformers import _check_matches, _reference
+
+FP8_MAX = 448.0
+
+
+def _quantize_fp8(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w / scale in float8_e4m3fn, and the value that encodes (scale broadcast against w)."""
+    q = (w / scale).to(torch.float8_e4m3fn)
+    return q, q.float() * scale
+
+
+def fp8_block(w: torch.Tensor, block: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    rows, cols = w.shape
+    nr, nc = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(nr * block, nc * block)
+    padded[:rows, :cols] = w
+    amax = padded.abs().reshape(nr, block, nc, block).amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp_min(1e-12)
+    full = scale[:, None, :, None].expand(nr, block, nc, block).reshape(nr * block, nc * block)[:rows, :cols]
+    q, value = _quantize_fp8(w, full)
+    return {"weight": q, "weight_scale_inv": scale}, value
+
+
+def fp8_channel(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    q, value = _quantize_fp8(w, scale)
+    return {"weight": q, "weight_scale": scale}, value
+
+
+def _pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Eight 0..15 values per int32 along dim, value j in bits 4j..4j+3."""
+    v = values.numpy().astype(np.uint32)
+    v = v.reshape(-1, 8, v.shape[1]) if dim == 0 else v.reshape(v.shape[0], -1, 8)
+    packed = np.zeros(v.shape[:1] + v.shape[2:] if dim == 0 else v.shape[:2], dtype=np.uint32)
+    for j in range(8):
+        packed |= (v[:, j, :] if dim == 0 else v[:, :, j]) << np.uint32(4 * j)
+    return torch.from_numpy(packed.view(np.int32))
+
+
+def gptq(w: torch.Tensor, group: int, sym: bool, act_order: bool, seed: int
+         ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """GPTQ's storage of w [N, K] (round to nearest; the checkpoint format is what matters here)."""
+    n, k = w.shape
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else torch.arange(k)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // group).to(torch.int32)
+    groups = -(-k // group)
+    q = torch.empty(k, n, dtype=torch.int64)
+    scales = torch.empty(groups, n, dtype=torch.float16)
+    zeros = torch.empty(groups, n, dtype=torch.int64)
+    value = torch.empty(n, k)
+    for g in range(groups):
+        cols = (g_idx == g).nonzero().flatten()
+        part = w[:, cols]
+        if sym:
+            scale = (part.abs().amax(dim=1) / 7).clamp_min(1e-6).half()
+            zero = torch.full((n,), 8, dtype=torch.int64)
+        else:
+            low, high = part.amin(dim=1).clamp(max=0), part.amax(dim=1).clamp(min=0)
+            scale = ((high - low) / 15).clamp_min(1e-6).half()
+            zero = (-low / scale.float()).round().clamp(0, 15).long()
+        codes = (part / scale.float()[:, None]).round().long().add(zero[:, None]).clamp(0, 15)
+        q[cols] = codes.t()
+        scales[g], zeros[g] = scale, zero
+        value[:, cols] = (codes - zero[:, None]).float() * scale.float()[:, None]
+    tensors = {"qweight": _pack_int4(q, 0), "qzeros": _pack_int4(zeros - 1, 1), "scales": scales, "g_idx": g_idx}
+    return tensors, value
+
+
+SCHEMES = {
+    "fp8-block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [32, 32]},
+                  lambda w, seed: fp8_block(w, 32)),
+    "fp8-channel": ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                     "config_groups": {"group_0": {
+                         "targets": ["Linear"],
+                         "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+                         "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                               "dynamic": True}}}},
+                    lambda w, seed: fp8_channel(w)),
+    "gptq-sym-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
+                      "checkpoint_format": "gptq"},
+                     lambda w, seed: gptq(w, 32, sym=True, act_order=False, seed=seed)),
+    "gptq-asym-g128-act-order": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False,
+                                  "desc_act": True, "checkpoint_format": "gptq"},
+                                 lambda w, seed: gptq(w, 128, sym=False, act_order=True, seed=seed)),
+}
+
+
+def _linear_weights(tensors: dict[str, torch.Tensor]) -> list[str]:
+    return [n for n in tensors if n.startswith("model.layers.") and n.endswith("_proj.weight")]
+
+
+def write_quantized(source: str, scheme: str, root) -> tuple[str, str]:
+    """The checkpoint at `source` with its attention and MLP (expert) projections quantized by `scheme`, each
+    layer's tensors spread over two files; and a float checkpoint of the values they encode."""
+    quant_config, quantize = SCHEMES[scheme]
+    tensors = {}
+    for name in os.listdir(source):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(source, name)))
+    quant_dir, float_dir = root / "quantized", root / "float"
+    for path in (quant_dir, float_dir):
+        shutil.copytree(source, path)
+        for name in os.listdir(path):
+            if "safetensors" in name:
+                os.remove(path / name)
+    linear = _linear_weights(tensors)
+    first, second, values = {}, {}, dict(tensors)
+    for i, name in enumerate(linear):
+        parts, values[name] = quantize(tensors[name], i)
+        module = name.removesuffix(".weight")
+        for j, (part, tensor) in enumerate(sorted(parts.items())):
+            (first if j % 2 == 0 else second)[f"{module}.{part}"] = tensor.contiguous()
+    first.update({n: t for n, t in tensors.items() if n not in linear})
+    save_file(first, quant_dir / "model-00001-of-00002.safetensors")
+    save_file(second, quant_dir / "model-00002-of-00002.safetensors")
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in first}
+    weight_map |= {n: "model-00002-of-00002.safetensors" for n in second}
+    (quant_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((quant_dir / "config.json").read_text())
+    config["quantization_config"] = quant_config
+    (quant_dir / "config.json").write_text(json.dumps(config))
+    save_file(values, float_dir / "model.safetensors")
+    return str(quant_dir), str(float_dir)
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tiny_model_dir, tmp_path_factory):
+    """scheme -> (quantized checkpoint, float checkpoint of the encoded values), from llama-untied (8 heads of
+    16 over 2 KV heads, 256 MLP features: groups of 32 and 128 both divide its input widths)."""
+    return {scheme: write_quantized(tiny_model_dir("llama-untied"), scheme, tmp_path_factory.mktemp(scheme))
+            for scheme in SCHEMES}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_quantized_checkpoints_give_transformers_tokens_on_the_encoded_values(quantized_dirs, scheme, tp,
+                                                                                monkeypatch):
+    quant_dir, float_dir = quantized_dirs[scheme]
+    from tests.models import test_matches_transformers as reference
+
+    expected = _reference(float_dir)
+    monkeypatch.setattr(reference, "_reference", lambda _dir: expected)
+    _check_matches(quant_dir, f"llama-untied {scheme}", tp, device="cpu")
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "gptq-sym-g32"])
+def test_a_quantized_mixture_of_experts_at_two_ranks_and_with_expert_parallelism(tiny_model_dir, tmp_path,
+                                                                                   scheme, monkeypatch):
+    """Qwen3-MoE with every expert's projections quantized (the router stays float, as in Qwen3-30B-A3B-FP8)."""
+    from shardserve import LLM, SamplingParams
+    from tests.models import test_matches_transformers as reference
+    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
+
+    quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe"), scheme, tmp_path)
+    expected = _reference(float_dir)
+    monkeypatch.setattr(reference, "_reference", lambda _dir: expected)
+    _check_matches(quant_dir, f"qwen3-moe {scheme}", 2, device="cpu")
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(quant_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.05,
+             enable_expert_parallel=True) as llm:
+        assert [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)] == list(expected)
+
+
+def test_the_encoded_values_differ_from_the_float_weights(quantized_dirs, tiny_model_dir):
+    """The reference above is not the unquantized model: a loader that read the float weights would fail."""
+    quant_dir, float_dir = quantized_dirs["gptq-asym-g128-act-order"]
+    assert _reference(float_dir) != _reference(tiny_model_dir("llama-untied"))
+
+
+def test_the_config_names_the_scheme():
+    scheme = parse_quantization({"quantization_config": SCHEMES["fp8-block"][0]})
+    assert (scheme.method, scheme.weight_block) == ("fp8", (32, 32))
+    scheme = parse_quantization({"quantization_config": SCHEMES["gptq-sym-g32"][0]})
+    assert (scheme.method, scheme.group_size, scheme.zero_offset) == ("gptq", 32, 1)
+    assert parse_quantization({}) is None
+
+
+@pytest.mark.parametrize("quant_config, named", [
+    ({"quant_method": "awq", "bits": 4}, "'awq'"),
+    ({"quant_method": "gptq", "bits": 8}, "gptq with 8 bits"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "'modelopt'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "'pack-quantized'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+])
+def test_an_unsupported_method_is_refused_naming_it_and_the_supported_ones(quant_config, named):
+    with pytest.raises(UnsupportedQuantization) as e:
+        parse_quantization({"quantization_config": quant_config})
+    message = str(e.value)
+    assert named in message and "gptq (4-bit)" in message and "fp8" in message and "\n" not in message
+
+
+def test_serve_stops_with_one_line_for_an_unsupported_method(tiny_model_dir, tmp_path):
+    model_dir = tmp_path / "awq"
+    shutil.copytree(tiny_model_dir("llama-tied"), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedQuantization):
+        ModelConfig.from_model_path(str(model_dir))
+    from tests.serving import find_free_port
+
+    run = subprocess.run([sys.executable, "-m", "shardserve", "serve", str(model_dir), "--port", str(find_free_port())],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "quantization method 'awq'" in run.stderr and "Traceback" not in run.stderr, run.stderr
