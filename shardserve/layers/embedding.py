@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
-from shardserve.layers.linear import KernelLinear, as_tensor
+from shardserve.layers.linear import KernelLinear, copy_exact
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -29,7 +29,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def _load_rows(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
         if self.end > self.start:
-            param.data[: self.end - self.start].copy_(as_tensor(loaded[self.start:self.end]))
+            copy_exact(param.data[: self.end - self.start], loaded[self.start:self.end])
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:

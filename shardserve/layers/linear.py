@@ -26,6 +26,15 @@ def as_tensor(loaded: Any) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else torch.as_tensor(loaded)
 
 
+def copy_exact(target: torch.Tensor, loaded: Any) -> None:
+    """target.copy_(loaded) where the shapes are equal; never a broadcast (a [1, H] weight read from a
+    vector of H values would otherwise fill with its first value)."""
+    tensor = as_tensor(loaded)
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(f"checkpoint tensor slice has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    target.copy_(tensor)
+
+
 class KernelLinear(nn.Module):
     """A layer whose matmul runs through a LinearKernel. Before `use_kernel` it is plain F.linear on
     `self.weight`; afterwards the kernel's prepared form (`self.prepared`) replaces the weight, which
@@ -114,7 +123,7 @@ class ColumnParallelLinear(KernelLinear):
 
     def _load_rows(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
         offset, (start, end) = self.offsets[shard_id]
-        param.data[offset:offset + end - start].copy_(as_tensor(loaded[start:end]))
+        copy_exact(param.data[offset:offset + end - start], loaded[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -178,7 +187,7 @@ class RowParallelLinear(KernelLinear):
 
     def _load_cols(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
         start, end = self.cols
-        param.data.copy_(as_tensor(loaded[:, start:end]))
+        copy_exact(param.data, loaded[:, start:end])
 
     def forward(self, x: torch.Tensor, swiglu_input: bool = False) -> torch.Tensor:
         """With swiglu_input, x is [gate | up] and the layer's input is silu(gate) * up."""

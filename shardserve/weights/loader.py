@@ -122,7 +122,10 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
         param = params.get(target)
         if param is None:
             raise ValueError(f"{source} has a tensor {name!r} with no place in the model (looked for {target!r})")
-        getattr(param, "weight_loader", load_whole)(param, tensor, shard_id)
+        try:
+            getattr(param, "weight_loader", load_whole)(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"{source}: tensor {name!r} (into {target!r}): {e}") from None
         loaded.add(target)
     missing = {n for n in params if n not in loaded and not (tied_embeddings and n == "lm_head.weight")}
     if missing:

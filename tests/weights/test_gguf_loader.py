@@ -41,6 +41,10 @@ def _write_gguf(
     for key, value in metadata.items():
         if isinstance(value, str):
             writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
         else:
@@ -285,8 +289,9 @@ _GGUF_LAYER_NAMES = {
 }  # fmt: skip
 
 
-def _moe_gguf(model, arch: str, path: Path) -> None:
-    """A transformers MoE model written as llama.cpp does: merged expert tensors, q/k rows permuted for llama."""
+def _moe_gguf(model, arch: str, path: Path, tokenizer: dict[str, Any] | None = None) -> None:
+    """A transformers MoE model written as llama.cpp does: merged expert tensors, q/k rows permuted for llama;
+    `tokenizer`: tokenizer.* metadata to write with it."""
     cfg = model.config
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     tensors = {"token_embd.weight": state.pop("model.embed_tokens.weight"),
@@ -327,7 +332,45 @@ def _moe_gguf(model, arch: str, path: Path) -> None:
                      f"{arch}.expert_weights_norm": int(cfg.norm_topk_prob)}
     if arch == "qwen2moe":
         metadata |= {"qwen2moe.expert_shared_feed_forward_length": cfg.shared_expert_intermediate_size}
+    metadata |= tokenizer or {}
     _write_gguf(path, arch, metadata, {name: (np.ascontiguousarray(v), QType.F32) for name, v in tensors.items()})
+
+
+def _all_layers_sparse(name: str, path: Path, **config: Any) -> str:
+    """A tiny MoE of MOE_SPECS[name] without dense layers (llama.cpp's qwen2moe and qwen3moe have none)."""
+    import dataclasses
+
+    from tests.tiny_models import MOE_SPECS, make_tiny_model
+
+    spec = MOE_SPECS[name]
+    extra = {"mlp_only_layers": []} if "mlp_only_layers" in spec.config else {}
+    return make_tiny_model(dataclasses.replace(spec, config={**spec.config, **extra, **config}), str(path))
+
+
+@pytest.mark.parametrize("name, arch", [("mixtral", "llama"), ("qwen3-moe", "qwen3moe"), ("qwen2-moe", "qwen2moe")])
+def test_a_mixture_of_experts_gguf_is_served_at_two_ranks_with_transformers_tokens(smollm2_gguf, tmp_path: Path,
+                                                                                    name: str, arch: str):
+    """The engine end to end on a GGUF mixture of experts (SmolLM2's tokenizer, so a vocabulary of 49,152):
+    greedy tokens at TP 2 equal transformers float32 on the checkpoint the file was written from."""
+    import transformers
+
+    from tests.models.test_matches_transformers import _check_matches, _reference
+    from tests.models import test_matches_transformers as reference
+
+    reader = gguf.GGUFReader(smollm2_gguf)
+    tokenizer = {f.name: f.contents() for f in reader.fields.values() if f.name.startswith("tokenizer.")}
+    vocab = len(tokenizer["tokenizer.ggml.tokens"])
+    model_dir = _all_layers_sparse(name, tmp_path / name, vocab_size=vocab)
+    original = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    path = tmp_path / f"{name}.gguf"
+    _moe_gguf(original, arch, path, tokenizer)
+    expected = _reference(model_dir)
+    original_reference = reference._reference
+    try:
+        reference._reference = lambda _path: expected
+        _check_matches(str(path), f"{name} GGUF", 2, device="cpu")
+    finally:
+        reference._reference = original_reference
 
 
 @pytest.mark.parametrize("name, arch", [("mixtral", "llama"), ("qwen3-moe-odd", "qwen3moe"), ("qwen2-moe", "qwen2moe")])
@@ -335,18 +378,9 @@ def test_a_mixture_of_experts_from_gguf_rebuilds_the_model(tiny_model_dir, tmp_p
     """Mixtral (llama with experts), Qwen3-MoE and Qwen2-MoE (a shared expert and its gate) with merged expert
     tensors: the config says what the checkpoint's does, each expert comes out as its own tensors, and
     transformers built from them computes the same logits as the original."""
-    import dataclasses
-
     import transformers
 
-    from tests.tiny_models import MOE_SPECS, make_tiny_model
-
-    if name == "qwen2-moe":  # llama.cpp's qwen2moe has no dense layers
-        spec = MOE_SPECS[name]
-        model_dir = make_tiny_model(dataclasses.replace(spec, config={**spec.config, "mlp_only_layers": []}),
-                                    str(tmp_path / name))
-    else:
-        model_dir = tiny_model_dir(name)
+    model_dir = _all_layers_sparse(name, tmp_path / name) if name == "qwen2-moe" else tiny_model_dir(name)
     original = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     path = tmp_path / f"{name}.gguf"
     _moe_gguf(original, arch, path)

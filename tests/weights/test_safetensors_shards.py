@@ -66,8 +66,8 @@ def test_rank_reads_only_its_share_of_the_bytes(tiny_model_dir, monkeypatch):
             read["bytes"] += tensor.numel() * tensor.element_size()
             return tensor
 
-    def counting_iter(path):
-        for name, tensor_slice in real_iter(path):
+    def counting_iter(path, quantization=None):
+        for name, tensor_slice in real_iter(path, quantization):
             yield name, CountingSlice(tensor_slice)
 
     monkeypatch.setattr(loader, "iter_checkpoint", counting_iter)
@@ -84,3 +84,26 @@ def test_uneven_vocab_is_padded_and_cut(tiny_model_dir):
     assert rows.shape[0] == 334
     assert torch.equal(rows[:332], full[668:])
     assert torch.count_nonzero(rows[332:]) == 0
+
+
+@pytest.mark.parametrize("tensor, shape", [("model.layers.0.self_attn.o_proj.weight", (128, 120)),
+                                           ("model.layers.0.mlp.up_proj.weight", (256, 1)),
+                                           ("model.embed_tokens.weight", (1000, 1))])
+def test_a_tensor_of_the_wrong_shape_is_refused_by_name_not_broadcast(tiny_model_dir, tmp_path, tensor, shape):
+    """A column of one value would broadcast over a layer's rows; a narrower matrix would fill part of one."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model_dir = tmp_path / "wrong"
+    shutil.copytree(tiny_model_dir("llama-untied"), model_dir)
+    tensors = _checkpoint(str(model_dir))
+    for path in safetensors_files(str(model_dir)):
+        path_obj = model_dir / path.rsplit("/", 1)[-1]
+        path_obj.unlink()
+    (model_dir / "model.safetensors.index.json").unlink(missing_ok=True)
+    tensors[tensor] = torch.randn(shape)
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(ValueError) as e:
+        _rank_model(str(model_dir), 1, 2)
+    assert f"tensor {tensor!r}" in str(e.value) and "expected" in str(e.value), str(e.value)
