@@ -112,12 +112,17 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
     a place in the model; `source` names where the tensors come from in the errors.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
+    expected = _expected_shapes(model)
     packed = getattr(model, "packed_modules", {})
     own_names = getattr(model, "checkpoint_name", lambda name: None)  # e.g. experts' tensors into their stacks
     loaded: set[str] = set()
     for name, tensor in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight"):
             continue
+        want, got = expected.get(name), _full_shape(tensor)
+        if want is not None and got is not None and got != want:
+            # A rank's slice of a wrong-sized tensor can still fit its parameter: checked whole, on every rank.
+            raise ValueError(f"{source}: tensor {name!r} has shape {got}, but the model's config makes it {want}")
         target, shard_id = own_names(name) or _resolve(name, packed)
         param = params.get(target)
         if param is None:
@@ -130,6 +135,20 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
     missing = {n for n in params if n not in loaded and not (tied_embeddings and n == "lm_head.weight")}
     if missing:
         raise ValueError(f"{source} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    from shardserve.weights.synthetic import expected_checkpoint_shapes
+
+    return expected_checkpoint_shapes(config)
+
+
+def _full_shape(tensor: Any) -> tuple[int, ...] | None:
+    shape = tensor.get_shape() if hasattr(tensor, "get_shape") else getattr(tensor, "shape", None)
+    return None if shape is None else tuple(shape)
 
 
 def _resolve(name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any]:

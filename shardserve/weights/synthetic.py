@@ -75,6 +75,24 @@ def synthetic_checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[i
         yield "lm_head.weight", (cfg.vocab_size, h)
 
 
+def expected_checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The full shape of every tensor a checkpoint of this config may hold: synthetic_checkpoint_shapes' names
+    and the per-expert names of a mixture of experts (Qwen-MoE's mlp.experts.{e}.{gate,up,down}_proj,
+    Mixtral's block_sparse_moe.experts.{e}.{w1,w3,w2} and router)."""
+    shapes = dict(synthetic_checkpoint_shapes(cfg))
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    for i in cfg.moe_layers:
+        for block in ("mlp", "block_sparse_moe"):
+            prefix = f"model.layers.{i}.{block}"
+            shapes[f"{prefix}.gate.weight"] = (cfg.num_experts, h)
+            for e in range(cfg.num_experts):
+                for part in ("gate_proj", "up_proj", "w1", "w3"):
+                    shapes[f"{prefix}.experts.{e}.{part}.weight"] = (inter, h)
+                for part in ("down_proj", "w2"):
+                    shapes[f"{prefix}.experts.{e}.{part}.weight"] = (h, inter)
+    return shapes
+
+
 def synthetic_tensor(name: str, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype,
                      seed: int = 0) -> torch.Tensor:
     """The synthetic values of checkpoint tensor `name`: a function of (seed, name, shape) on a device kind."""
