@@ -2,6 +2,8 @@
 
 A GGUF checkpoint stores most weights as blocks of 32 along the input dimension: Q4_1 as w = d * q + m (q in
 0..15, d and m float16 per block), Q4_0 as the special case m = -8 d, Q8_0 as w = d * q (q in -127..127).
+A symmetric 4-bit GPTQ checkpoint is Q4_0 in disguise: w = s * (q - 8) with one scale per group of 32, 64 or
+128 input features (in order, without act order), so each block of 32 has the form with d = s.
 The loader dequantizes them to float32 and shards them like any weight. From a rank's float32 slice this
 module finds d, q (and m) again, and returns them only if d * q (+ m), computed in float32 exactly as the
 dequantizer did, gives back every value bit for bit: the 4- or 8-bit form then holds exactly the weights the
@@ -33,16 +35,37 @@ def recover_4bit(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     d = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()
     found = _levels(blocks, d, m)
     if found is None:
-        # Q4_0: w = d * (q - 8); the weight of largest magnitude has q = 0, so it is -8 d.
-        extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
-        d = -extreme / 8
-        found = _levels(blocks, d, -8 * d)
-        if found is None:
+        if _symmetric_scales(blocks[:1]) is None:  # weights of another form fail on the first row already
+            return None
+        d = _symmetric_scales(blocks)
+        if d is None:
             return None
         m = -8 * d
+        found = _levels(blocks, d, m)
+        if found is None:
+            return None
     q = found.to(torch.uint8)
     packed = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
     return packed.reshape(w.shape[0], -1).contiguous(), d.squeeze(-1).contiguous(), m.squeeze(-1).contiguous()
+
+
+def _symmetric_scales(blocks: torch.Tensor) -> torch.Tensor | None:
+    """Q4_0's d per block (w = d * (q - 8)), or None where a block has none. The weight of largest magnitude is
+    d * l for a level l in -8..7: GGUF's Q4_0 puts it at -8 (d of either sign); a symmetric GPTQ group at -7 or
+    7, and a block inside a larger group lower. Levels are tried from the largest magnitude down, each block
+    keeping the first that gives back all of its values."""
+    extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+    chosen = torch.zeros_like(extreme)
+    done = torch.zeros_like(extreme, dtype=torch.bool)
+    for level in (-8, -7, 7, -6, 6, -5, 5, -4, 4, -3, 3, -2, 2, -1, 1):  # d may take either sign
+        d = extreme / level
+        q = torch.round(blocks / torch.where(d == 0, 1, d) + 8).clamp_(0, 15)
+        exact = (d * q - 8 * d == blocks).all(-1, keepdim=True)
+        chosen = torch.where(exact & ~done, d, chosen)
+        done |= exact
+        if bool(done.all()):
+            return chosen
+    return None
 
 
 def _levels(blocks: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:

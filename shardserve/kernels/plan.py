@@ -93,8 +93,10 @@ def linear_candidates(device: str, dtype: torch.dtype, model_config: ModelConfig
         return ("torch",)  # cuBLAS; batch-1 Triton GEMVs are chosen per shape after loading (layers/cuda_gemv.py)
     if dtype == torch.float32:
         avx2 = features is not None and features.avx2_fma
-        if avx2 and model_config.quantized:
-            return ("blockq-decode", "onednn-packed", "torch")  # GGUF blocks, recovered exactly where they are
+        gptq = model_config.quantization is not None and model_config.quantization.method == "gptq"
+        if avx2 and (model_config.quantized or gptq):
+            # GGUF blocks (or a symmetric GPTQ's groups), recovered exactly where they are
+            return ("blockq-decode", "onednn-packed", "torch")
         if avx2 and model_config.checkpoint_dtype() == torch.bfloat16:
             return ("bf16-decode", "onednn-packed", "torch")
         return ("onednn-packed", "torch")

@@ -75,3 +75,31 @@ def test_unrecovered_weights_run_on_the_float32_form(kernel):
     assert len(prepared) == 1
     x = torch.randn(1, 96)
     assert torch.allclose(kernel(x, prepared, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_symmetric_gptq_groups_recover_as_q4_0_blocks(group):
+    """w = s * (q - 8) with a float16 scale per group of input features: every block of 32 inside a group has
+    Q4_0's form, whether or not it holds the group's largest weight (at level 7 or -7)."""
+    g = torch.Generator().manual_seed(group)
+    n, k = 48, 256
+    scales = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-3).half().float()
+    q = torch.randint(1, 16, (n, k), generator=g)
+    q[:, 0] = 1  # each group's first block holds its extreme (-7 s); the others mostly do not
+    w = (q - 8).float() * scales.repeat_interleave(group, dim=1)
+    packed, d, m = recover_4bit(w)
+    codes = torch.cat([packed.view(n, k // 32, 16) & 15, packed.view(n, k // 32, 16) >> 4], dim=-1).float()
+    assert torch.equal(d.unsqueeze(-1) * codes + m.unsqueeze(-1), w.view(n, k // 32, 32))
+
+
+def test_asymmetric_gptq_groups_recover_exactly_or_not_at_all():
+    g = torch.Generator().manual_seed(0)
+    scales = (torch.rand(48, 2, generator=g) * 0.01 + 1e-3).half().float()
+    zeros = torch.randint(3, 13, (48, 2), generator=g)
+    q = torch.randint(0, 16, (48, 256), generator=g)
+    w = (q - zeros.repeat_interleave(128, dim=1)).float() * scales.repeat_interleave(128, dim=1)
+    recovered = recover_4bit(w)
+    if recovered is not None:  # Q4_1 may hold some such weights exactly: then every value must come back
+        packed, d, m = recovered
+        codes = torch.cat([packed.view(48, 8, 16) & 15, packed.view(48, 8, 16) >> 4], dim=-1).float()
+        assert torch.equal(d.unsqueeze(-1) * codes + m.unsqueeze(-1), w.view(48, 8, 32))

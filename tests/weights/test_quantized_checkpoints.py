@@ -226,3 +226,26 @@ def test_serve_stops_with_one_line_for_an_unsupported_method(tiny_model_dir, tmp
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "quantization method 'awq'" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_symmetric_gptq_checkpoint_decodes_from_4_bit_blocks_on_cpu(quantized_dirs, tp, monkeypatch):
+    """blockq-decode (forced, whatever this CPU would pick) finds each rank's GPTQ groups again as Q4_0 blocks:
+    every quantized layer keeps a 4-bit copy for decode steps, and the tokens stay transformers'."""
+    from shardserve import LLM, SamplingParams
+    from shardserve.layers.linear import KernelLinear
+    from shardserve.layers.linear_kernels import build_linear_kernel
+    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
+
+    if build_linear_kernel("blockq-decode")[0] is None:
+        pytest.skip(build_linear_kernel("blockq-decode")[1])
+    monkeypatch.setenv("SHARDSERVE_LINEAR_KERNEL", "blockq-decode")
+    quant_dir, float_dir = quantized_dirs["gptq-sym-g32"]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
+        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+        layers = [m for name, m in llm.engine.runner.model.named_modules()
+                  if isinstance(m, KernelLinear) and ".layers." in f".{name}"]
+        compact = [len(m.prepared) == 4 for m in layers]  # the float32 form, then q, d, m
+    assert layers and all(compact), f"{compact.count(False)} of {len(layers)} layers kept no 4-bit copy"
+    assert outputs == list(_reference(float_dir))
