@@ -344,7 +344,11 @@ def _plan(args: argparse.Namespace) -> int:
                           (args.gpu_memory_gb or _first_gpu_gb()) if device == "cuda" else None,
                           args.gpu_memory_utilization, args.kv_cache_dtype, args.host_memory_gb or _host_gb(),
                           args.host_floor_gb, device=device, kv_cache_memory_gb=args.kv_cache_memory)
-    result = plan(cfg, request)
+    try:
+        result = plan(cfg, request)
+    except ValueError as e:  # a model it cannot serve (an unsupported quantization, say)
+        print(f"shardserve plan: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(result.to_json(), indent=2) if args.json else describe(result, args.tensor_parallel_size))
     return 1 if result.fits is False else 0
 

@@ -235,9 +235,24 @@ def _replicated_warning(replicated: list[str], tp: int) -> list[str]:
     return [f"replicated on every rank (they do not split {tp} ways): {', '.join(sorted(set(replicated)))}"]
 
 
+def _quantization_warning(cfg: dict) -> list[str]:
+    """What a quantized checkpoint costs here (its layers are held as the values they encode); an unsupported
+    quantization raises, as start-up would."""
+    from shardserve.weights.quantized import parse_quantization
+
+    scheme = parse_quantization(cfg)
+    if scheme is None:
+        return []
+    return [f"the checkpoint is quantized ({scheme.describe()}): its layers are held dequantized, counted here at "
+            f"{_dtype_bytes(cfg)} bytes a weight ({cfg.get('torch_dtype') or 'bfloat16'})"]
+
+
 def plan(cfg: dict, req: PlanRequest) -> Plan:
+    quantization = _quantization_warning(cfg)
     if req.device == "cpu":
-        return _plan_cpu(cfg, req)
+        cpu = _plan_cpu(cfg, req)
+        cpu.warnings[:0] = quantization
+        return cpu
     tp = req.tensor_parallel_size
     dtype = _dtype_bytes(cfg)
     kv_dtype = dtype if req.kv_cache_dtype == "auto" else DTYPE_BYTES[req.kv_cache_dtype]
@@ -273,7 +288,7 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
         if host_left < req.host_floor_gb * GIB:
             warnings.append(f"host memory left while loading would be {host_left / GIB:.1f} GiB, under the floor of "
                             f"{req.host_floor_gb:g} GiB: the host may swap or stall; start fewer ranks per host")
-    warnings += _replicated_warning(replicated, tp)
+    warnings += quantization + _replicated_warning(replicated, tp)
     active = weight_elements_per_rank(cfg, tp, [], active=True) * dtype if _moe(cfg)[0] else 0
     return Plan(weights, per_token, per_seq_state, overhead, max_len, per_token * max_len, usable, budget,
                 cache_tokens, largest, fits, host_needed, host_left, warnings, reasons, sorted(set(replicated)),

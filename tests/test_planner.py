@@ -150,3 +150,18 @@ def test_plan_on_a_machine_without_a_gpu_plans_for_cpus(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "CPU: float32, in host memory" in result.stdout and "CUDA graphs" not in result.stdout
     assert "fits: yes" in result.stdout
+
+
+def test_a_quantized_checkpoint_is_planned_as_it_is_held_and_an_unsupported_one_refused(tmp_path):
+    fp8 = {**LLAMA3_8B, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    dense = plan(LLAMA3_8B, PlanRequest(gpu_memory_gb=80))
+    quantized = plan(fp8, PlanRequest(gpu_memory_gb=80))
+    assert quantized.weight_bytes == dense.weight_bytes  # held dequantized, in the checkpoint's 16-bit dtype
+    assert any("quantized (fp8 (blocks of 128x128))" in w and "held dequantized" in w for w in quantized.warnings)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA3_8B, "quantization_config": {"quant_method": "awq", "bits": 4}}))
+    result = subprocess.run([sys.executable, "-m", "shardserve", "plan", str(config), "--gpu-memory-gb", "80"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("shardserve plan: error: quantization method 'awq'") and "Traceback" not in \
+        result.stderr, result.stderr
