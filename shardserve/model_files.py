@@ -22,7 +22,8 @@ class ModelPathError(ValueError):
 
 def check_model_path(path: str, load_format: str = "auto") -> None:
     """Raise ModelPathError unless `path` is a .gguf file or a model directory with config.json, a tokenizer
-    and (unless the weights are synthetic, load_format "dummy") safetensors weights."""
+    and (unless the weights are synthetic, load_format "dummy") safetensors weights, whose architecture and
+    quantization shardserve serves."""
     p = Path(path)
     if not p.exists():
         raise ModelPathError(f"model path {path!r} does not exist")
@@ -30,6 +31,7 @@ def check_model_path(path: str, load_format: str = "auto") -> None:
         if p.suffix != ".gguf":
             raise ModelPathError(f"model path {path!r} is a file but not a .gguf file; pass a .gguf file or a "
                                  f"directory with config.json, *.safetensors and a tokenizer")
+        _check_config(path)
         return
     ggufs = sorted(f.name for f in p.glob("*.gguf"))
     if ggufs and not (p / "config.json").is_file():
@@ -45,3 +47,15 @@ def check_model_path(path: str, load_format: str = "auto") -> None:
     if missing:
         listed = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " and " + missing[-1]
         raise ModelPathError(f"model directory {path!r} is missing {listed}")
+    _check_config(path)
+
+
+def _check_config(path: str) -> None:
+    """The config names an architecture and a quantization shardserve serves (one line where it does not)."""
+    from shardserve.config import ModelConfig
+
+    try:
+        ModelConfig.from_model_path(path)
+    except (ValueError, KeyError, OSError) as e:
+        what = f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
+        raise ModelPathError(f"{path}: {what}") from None

@@ -23,6 +23,8 @@ def _serve(path: str) -> subprocess.CompletedProcess:
     ("empty", "is missing config.json, *.safetensors weights and a tokenizer"),
     ("gguf folder", "is a directory of GGUF files: pass one of them"),
     ("absent", "does not exist"),
+    ("unknown architecture", "unsupported model architecture ['GPTNeoXForCausalLM']"),
+    ("awq", "quantization method 'awq' in config.json's quantization_config is not supported"),
 ])
 def test_serve_names_what_the_model_path_lacks_in_one_line(tiny_model_dir, tmp_path, case, expected):
     path = tmp_path / "model"
@@ -35,6 +37,16 @@ def test_serve_names_what_the_model_path_lacks_in_one_line(tiny_model_dir, tmp_p
     elif case == "gguf folder":
         path.mkdir()
         (path / "model.Q4_0.gguf").write_bytes(b"GGUF")
+    elif case in ("unknown architecture", "awq"):
+        import json
+
+        shutil.copytree(tiny_model_dir("llama-tied"), path)
+        config = json.loads((path / "config.json").read_text())
+        if case == "awq":
+            config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+        else:
+            config["architectures"] = ["GPTNeoXForCausalLM"]
+        (path / "config.json").write_text(json.dumps(config))
     done = _serve(str(path))
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
