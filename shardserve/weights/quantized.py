@@ -170,6 +170,11 @@ class DequantizedWeight:
         raise NotImplementedError
 
 
+def _shape(tensor) -> tuple[int, ...]:
+    """A safetensors slice's shape, or a tensor's."""
+    return tuple(tensor.get_shape()) if hasattr(tensor, "get_shape") else tuple(tensor.shape)
+
+
 def _expand(scale: torch.Tensor, first: int, count: int, block: int, dim: int) -> torch.Tensor:
     """Per-block scales (the blocks from first // block on) repeated over their rows (dim 0) or columns (dim 1),
     cut to `count` from `first`."""
@@ -181,7 +186,7 @@ class Fp8Weight(DequantizedWeight):
     """float8_e4m3fn values times a scale per [bn, bk] block, per output row, or per tensor."""
 
     def __init__(self, name: str, weight, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
-        shape = tuple(weight.get_shape())
+        shape = _shape(weight)
         super().__init__(name, shape)
         self.weight, self.scale, self.block = weight, scale.float(), block
         rows, cols = shape
@@ -233,7 +238,7 @@ def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
 class GptqWeight(DequantizedWeight):
     def __init__(self, name: str, qweight, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                  scheme: QuantScheme) -> None:
-        packed_rows, out_features = qweight.get_shape()
+        packed_rows, out_features = _shape(qweight)
         in_features = packed_rows * 8
         super().__init__(name, (out_features, in_features))
         if qzeros.dtype != torch.int32 or scales.shape[1] != out_features or qzeros.shape[1] * 8 != out_features:
@@ -253,8 +258,9 @@ class GptqWeight(DequantizedWeight):
         packed = torch.as_tensor(self.qweight[first:-(-c1 // 8), r0:r1])
         q = unpack_int4(packed, 0)[c0 - first * 8:c1 - first * 8]  # [in features c0..c1, out features r0..r1]
         groups = self.g_idx[c0:c1]
-        w = (q - self.zeros[groups, r0:r1]).float() * self.scales[groups, r0:r1]
-        return w.t().contiguous()
+        zeros = self.zeros[:, r0:r1].index_select(0, groups)  # whole rows: faster than indexing both dims
+        scales = self.scales[:, r0:r1].index_select(0, groups)
+        return q.sub_(zeros).float().mul_(scales).t().contiguous()
 
 
 def _gptq(prefix: str, parts: dict[str, str], checkpoint: Checkpoint, scheme: QuantScheme) -> GptqWeight:
