@@ -57,8 +57,12 @@ def test_greedy_tokens_match_transformers_on_gpus(tiny_model_dir, name, tp):
     _check_matches(tiny_model_dir(name), name, tp, device="cuda")
 
 
-def _check_matches(model_dir: str, name: str, tp: int, device: str) -> None:
-    expected = _reference(model_dir)
+def _check_matches(model_dir: str, name: str, tp: int, device: str,
+                   expected: tuple[tuple[int, ...], ...] | None = None) -> None:
+    """shardserve's greedy tokens for model_dir against `expected` (default: transformers on model_dir itself;
+    pass transformers' tokens on another checkpoint of the same values, e.g. the float one a quantized or
+    GGUF file was written from)."""
+    expected = _reference(model_dir) if expected is None else expected
     assert all(len(e) == NEW_TOKENS for e in expected)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(model_dir, tensor_parallel_size=tp, device=device, dtype="float32", kv_cache_memory_gb=0.05) as llm:

@@ -1,6 +1,6 @@
-"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): greedy tokens equal transformers' float32 greedy generate on the same
-weights at TP 1, 2 and 3, from per-expert and from fused expert tensors, and with experts that do not split
-(replicated on every rank)."""
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): greedy tokens equal transformers'
+float32 greedy generate on the same weights at TP 1, 2 and 3, from per-expert and from fused expert tensors, and
+with experts that do not split (replicated on every rank)."""
 
 from __future__ import annotations
 
@@ -54,16 +54,9 @@ def test_fused_expert_tensors_load_as_per_expert_ones(tiny_model_dir, tmp_path):
         index.unlink()
     assert json.loads((fused_dir / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     # The reference is transformers on the per-expert checkpoint: the same weights.
-    from tests.models import test_matches_transformers as reference
+    from tests.models.test_matches_transformers import _reference
 
-    expected = reference._reference(source)
-    reference._reference.cache_clear()
-    original = reference._reference
-    try:
-        reference._reference = lambda _dir: expected
-        _check_matches(str(fused_dir), "qwen3-moe (fused experts)", 2, device="cpu")
-    finally:
-        reference._reference = original
+    _check_matches(str(fused_dir), "qwen3-moe (fused experts)", 2, device="cpu", expected=_reference(source))
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])

@@ -156,28 +156,20 @@ def quantized_dirs(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
-def test_quantized_checkpoints_give_transformers_tokens_on_the_encoded_values(quantized_dirs, scheme, tp,
-                                                                                monkeypatch):
+def test_quantized_checkpoints_give_transformers_tokens_on_the_encoded_values(quantized_dirs, scheme, tp):
     quant_dir, float_dir = quantized_dirs[scheme]
-    from tests.models import test_matches_transformers as reference
-
-    expected = _reference(float_dir)
-    monkeypatch.setattr(reference, "_reference", lambda _dir: expected)
-    _check_matches(quant_dir, f"llama-untied {scheme}", tp, device="cpu")
+    _check_matches(quant_dir, f"llama-untied {scheme}", tp, device="cpu", expected=_reference(float_dir))
 
 
 @pytest.mark.parametrize("scheme", ["fp8-block", "gptq-sym-g32"])
-def test_a_quantized_mixture_of_experts_at_two_ranks_and_with_expert_parallelism(tiny_model_dir, tmp_path,
-                                                                                   scheme, monkeypatch):
+def test_a_quantized_mixture_of_experts_at_two_ranks_and_with_expert_parallelism(tiny_model_dir, tmp_path, scheme):
     """Qwen3-MoE with every expert's projections quantized (the router stays float, as in Qwen3-30B-A3B-FP8)."""
     from shardserve import LLM, SamplingParams
-    from tests.models import test_matches_transformers as reference
     from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
     quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe"), scheme, tmp_path)
     expected = _reference(float_dir)
-    monkeypatch.setattr(reference, "_reference", lambda _dir: expected)
-    _check_matches(quant_dir, f"qwen3-moe {scheme}", 2, device="cpu")
+    _check_matches(quant_dir, f"qwen3-moe {scheme}", 2, device="cpu", expected=expected)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.05,
              enable_expert_parallel=True) as llm:
