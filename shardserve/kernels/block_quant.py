@@ -35,36 +35,35 @@ def recover_4bit(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     d = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()
     found = _levels(blocks, d, m)
     if found is None:
-        if _symmetric_scales(blocks[:1]) is None:  # weights of another form fail on the first row already
+        if _q4_0(blocks[:1]) is None:  # weights of another form fail on the first row already
             return None
-        d = _symmetric_scales(blocks)
-        if d is None:
+        q4_0 = _q4_0(blocks)
+        if q4_0 is None:
             return None
+        d, found = q4_0
         m = -8 * d
-        found = _levels(blocks, d, m)
-        if found is None:
-            return None
     q = found.to(torch.uint8)
     packed = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
     return packed.reshape(w.shape[0], -1).contiguous(), d.squeeze(-1).contiguous(), m.squeeze(-1).contiguous()
 
 
-def _symmetric_scales(blocks: torch.Tensor) -> torch.Tensor | None:
-    """Q4_0's d per block (w = d * (q - 8)), or None where a block has none. The weight of largest magnitude is
-    d * l for a level l in -8..7: GGUF's Q4_0 puts it at -8 (d of either sign); a symmetric GPTQ group at -7 or
-    7, and a block inside a larger group lower. Levels are tried from the largest magnitude down, each block
-    keeping the first that gives back all of its values."""
+def _q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q4_0's d per block and q in 0..15 (w = d * (q - 8) bit for bit), or None where a block has no such form.
+    The weight of largest magnitude is d * l for a level l in -8..7: GGUF's Q4_0 puts it at -8 (d of either
+    sign); a symmetric GPTQ group at -7 or 7, and a block inside a larger group lower. Levels are tried from the
+    largest magnitude down, each block keeping the first that gives back all of its values."""
     extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
-    chosen = torch.zeros_like(extreme)
+    chosen_d, chosen_q = torch.zeros_like(extreme), torch.zeros_like(blocks)
     done = torch.zeros_like(extreme, dtype=torch.bool)
     for level in (-8, -7, 7, -6, 6, -5, 5, -4, 4, -3, 3, -2, 2, -1, 1):  # d may take either sign
         d = extreme / level
         q = torch.round(blocks / torch.where(d == 0, 1, d) + 8).clamp_(0, 15)
         exact = (d * q - 8 * d == blocks).all(-1, keepdim=True)
-        chosen = torch.where(exact & ~done, d, chosen)
+        take = exact & ~done
+        chosen_d, chosen_q = torch.where(take, d, chosen_d), torch.where(take, q, chosen_q)
         done |= exact
         if bool(done.all()):
-            return chosen
+            return chosen_d, chosen_q
     return None
 
 
