@@ -26,6 +26,12 @@ def as_tensor(loaded: Any) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else torch.as_tensor(loaded)
 
 
+def shape_of(loaded: Any) -> tuple[int, ...]:
+    """The whole shape of a checkpoint tensor as weight loaders get it: a tensor, or a slice read on indexing
+    (safetensors, quantized weights) that tells its shape with get_shape()."""
+    return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+
+
 def copy_exact(target: torch.Tensor, loaded: Any) -> None:
     """target.copy_(loaded) where the shapes are equal; never a broadcast (a [1, H] weight read from a
     vector of H values would otherwise fill with its first value)."""

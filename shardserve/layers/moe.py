@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
-from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear, as_tensor
+from shardserve.layers.linear import ColumnParallelLinear, as_tensor, shape_of
+from shardserve.layers.mlp import SwiGLUMLP
 from shardserve.layers.sharding import split_rows
 
 logger = logging.getLogger(__name__)
@@ -88,8 +89,7 @@ class SparseMoE(nn.Module):
             rows, split = split_rows(size, comm.rank, comm.world_size, "shared expert")
         else:
             rows, split = (0, size), False
-        self.shared_expert = SharedExpert(hidden_size, rows, dtype)
-        self.shared_expert.gate_up_proj.replicated = self.shared_expert.down_proj.replicated = not split
+        self.shared_expert = SwiGLUMLP(hidden_size, rows, False, dtype, None, not split)  # no reduction of its own
         self.shared_expert_gate = ColumnParallelLinear(hidden_size, {None: (0, 1)}, False, dtype)
         self.shared_expert_gate.replicated = True
         self.adds_shared_expert = split or self.pending is None or comm.rank == 0
@@ -156,20 +156,6 @@ class SparseMoE(nn.Module):
             experts = experts - self.experts_held[0]
         compute = device_experts(self.w13, self.w2, self.top_k) if h.is_cuda else None
         return (compute or grouped_experts)(h, self.w13, self.w2, weights, experts)
-
-
-class SharedExpert(nn.Module):
-    """A SwiGLU FFN over this rank's features `rows` (of the checkpoint's gate_proj / up_proj rows and down_proj
-    columns): no reduction of its own, its output joins the expert block's."""
-
-    def __init__(self, hidden_size: int, rows: tuple[int, int], dtype: torch.dtype) -> None:
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, {0: rows, 1: rows}, False, dtype)
-        self.down_proj = RowParallelLinear(rows, hidden_size, False, dtype, None)
-        self.down_proj.takes_swiglu_input = True
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(h), swiglu_input=True)
 
 
 def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,6 +341,6 @@ def _matches(compute, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
 
 
 def _check_shape(loaded: Any, expected: tuple[int, ...], what: str) -> None:
-    shape = tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+    shape = shape_of(loaded)
     if shape != tuple(expected):
         raise ValueError(f"checkpoint tensor for {what} has shape {shape}, expected {tuple(expected)}")

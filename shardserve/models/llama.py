@@ -18,6 +18,7 @@ from shardserve.distributed.communicator import Communicator
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardserve.layers.mlp import SwiGLUMLP
 from shardserve.layers.moe import SparseMoE
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
@@ -60,22 +61,16 @@ class Attention(nn.Module):
         return self.o_proj(self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)), residual
 
 
-class MLP(nn.Module):
+class MLP(SwiGLUMLP):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
-        super().__init__()
         rows, sharded = split_rows(cfg.intermediate_size, comm.rank, comm.world_size, "mlp")
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {0: rows, 1: rows}, cfg.mlp_bias, dtype)
-        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, cfg.mlp_bias, dtype, comm if sharded else None)
-        self.gate_up_proj.replicated = self.down_proj.replicated = not sharded
-        self.down_proj.takes_swiglu_input = True
-        self.down_proj.defer()
+        super().__init__(cfg.hidden_size, rows, cfg.mlp_bias, dtype, comm if sharded else None, not sharded)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                 reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """MLP of norm(x + residual); returns it with the new residual. The norm and SwiGLU are fused into the
-        projections where a kernel can. `reduce` and the output's pending reduction as in Attention."""
-        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm, reduce)
-        return self.down_proj(gate_up, swiglu_input=True), residual
+        """MLP of norm(x + residual); returns it with the new residual. `reduce` and the output's pending
+        reduction as in Attention."""
+        return self.forward_normed(x, residual, norm, reduce)
 
 
 class DecoderLayer(nn.Module):

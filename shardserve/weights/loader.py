@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from safetensors import safe_open
 from torch import nn
 
-from shardserve.layers.linear import load_whole
+from shardserve.layers.linear import load_whole, shape_of
 from shardserve.weights.quantized import Checkpoint, QuantScheme, count_dequantized, dequantized_checkpoint
 
 # Tensors some checkpoints carry that the model derives itself.
@@ -119,10 +119,11 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
     for name, tensor in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight"):
             continue
-        want, got = expected.get(name), _full_shape(tensor)
-        if want is not None and got is not None and got != want:
+        want = expected.get(name)
+        if want is not None and shape_of(tensor) != want:
             # A rank's slice of a wrong-sized tensor can still fit its parameter: checked whole, on every rank.
-            raise ValueError(f"{source}: tensor {name!r} has shape {got}, but the model's config makes it {want}")
+            raise ValueError(f"{source}: tensor {name!r} has shape {shape_of(tensor)}, but the model's config makes "
+                             f"it {want}")
         target, shard_id = own_names(name) or _resolve(name, packed)
         param = params.get(target)
         if param is None:
@@ -144,11 +145,6 @@ def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     from shardserve.weights.synthetic import expected_checkpoint_shapes
 
     return expected_checkpoint_shapes(config)
-
-
-def _full_shape(tensor: Any) -> tuple[int, ...] | None:
-    shape = tensor.get_shape() if hasattr(tensor, "get_shape") else getattr(tensor, "shape", None)
-    return None if shape is None else tuple(shape)
 
 
 def _resolve(name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any]:

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from shardserve.layers.linear import shape_of
+
 SUPPORTED = ("fp8 (block-scaled, per-channel or per-tensor)", "compressed-tensors float-quantized (FP8)",
              "gptq (4-bit)")
 
@@ -170,11 +172,6 @@ class DequantizedWeight:
         raise NotImplementedError
 
 
-def _shape(tensor) -> tuple[int, ...]:
-    """A safetensors slice's shape, or a tensor's."""
-    return tuple(tensor.get_shape()) if hasattr(tensor, "get_shape") else tuple(tensor.shape)
-
-
 def _expand(scale: torch.Tensor, first: int, count: int, block: int, dim: int) -> torch.Tensor:
     """Per-block scales (the blocks from first // block on) repeated over their rows (dim 0) or columns (dim 1),
     cut to `count` from `first`."""
@@ -186,7 +183,7 @@ class Fp8Weight(DequantizedWeight):
     """float8_e4m3fn values times a scale per [bn, bk] block, per output row, or per tensor."""
 
     def __init__(self, name: str, weight, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
-        shape = _shape(weight)
+        shape = shape_of(weight)
         super().__init__(name, shape)
         self.weight, self.scale, self.block = weight, scale.float(), block
         rows, cols = shape
@@ -238,7 +235,7 @@ def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
 class GptqWeight(DequantizedWeight):
     def __init__(self, name: str, qweight, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                  scheme: QuantScheme) -> None:
-        packed_rows, out_features = _shape(qweight)
+        packed_rows, out_features = shape_of(qweight)
         in_features = packed_rows * 8
         super().__init__(name, (out_features, in_features))
         if qzeros.dtype != torch.int32 or scales.shape[1] != out_features or qzeros.shape[1] * 8 != out_features:
