@@ -1,0 +1,96 @@
+"""Layouts of quantized weights, and turning them back into dense matrices, in plain torch (CPU or CUDA).
+
+Two layouts, both row-major over the output features N and the input features K:
+- fp8: weight float8_e4m3fn [N, K], scale float32 [N, ceil(K / group_k)],
+  W[n, k] = float(weight[n, k]) * scale[n, k // group_k]. group_k >= K means one scale per row.
+- int4: qweight uint8 [N, K // 2], byte j of a row holding column 2j in its low nibble and 2j + 1 in its high
+  one (values 0..15); scale and zero float32 [N, K // group_size], zero holding whole numbers;
+  W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with g = k // group_size.
+The dequantizers compute W in float32 and round once to the requested dtype, so every backend that does the
+same gives the same bits. This module imports no Triton: the CUDA kernel behind dequantize_int4 is loaded
+only when a CUDA tensor asks for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] integers in 0..15 (K even) -> uint8 [N, K // 2], column 2j in the low nibble of byte j."""
+    if q.dim() != 2 or q.shape[1] % 2:
+        raise ValueError(f"pack_int4 needs a 2-D tensor with an even number of columns, got {tuple(q.shape)}")
+    if q.is_floating_point() or q.is_complex():
+        raise ValueError(f"pack_int4 needs integers in 0..15, got dtype {q.dtype}")
+    if q.numel() and (q.min() < 0 or q.max() > 15):
+        raise ValueError(f"pack_int4 needs values in 0..15, got {q.min().item()}..{q.max().item()}")
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K // 2] from pack_int4 -> uint8 [N, K] of values 0..15."""
+    if packed.dim() != 2 or packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_int4_rows needs a 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])
+
+
+def fp8_groups(k: int, group_k: int) -> int:
+    """Scale columns of an fp8 weight with K input features: one per group of group_k (the last may be short)."""
+    return -(-k // group_k)
+
+
+def check_fp8(weight: torch.Tensor, scale: torch.Tensor, group_k: int) -> None:
+    """Raise ValueError unless (weight, scale, group_k) is the fp8 layout described at the top."""
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1:
+        raise ValueError(f"fp8 weight must be a row-major 2-D torch.float8_e4m3fn tensor, got {weight.dtype} "
+                         f"{tuple(weight.shape)} with strides {weight.stride()}")
+    n, k = weight.shape
+    if group_k < 1:
+        raise ValueError(f"fp8 group_k must be positive, got {group_k}")
+    groups = fp8_groups(k, group_k)
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (n, groups) or not scale.is_contiguous():
+        raise ValueError(f"fp8 scale for weight {n}x{k} with group_k {group_k} must be contiguous float32 "
+                         f"[{n}, {groups}], got {scale.dtype} {tuple(scale.shape)}")
+
+
+def check_int4(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> None:
+    """Raise ValueError unless (qweight, scale, zero, group_size) is the int4 layout described at the top."""
+    if qweight.dim() != 2 or qweight.dtype != torch.uint8 or qweight.stride(1) != 1:
+        raise ValueError(f"int4 qweight must be a row-major 2-D uint8 tensor [N, K // 2], got {qweight.dtype} "
+                         f"{tuple(qweight.shape)} with strides {qweight.stride()}")
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    if group_size < 2 or group_size % 2 or k % group_size:
+        raise ValueError(f"int4 group_size must be even and divide K={k}, got {group_size}")
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (n, k // group_size) or not t.is_contiguous():
+            raise ValueError(f"int4 {name} for K={k} with group_size {group_size} must be contiguous float32 "
+                             f"[{n}, {k // group_size}], got {t.dtype} {tuple(t.shape)}")
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, group_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 weight [N, K] and its scales -> dense [N, K] in dtype (float32 products, rounded once)."""
+    check_fp8(weight, scale, group_k)
+    n, k = weight.shape
+    groups = scale.shape[1]
+    w = weight.float()
+    if groups == 1:
+        return (w * scale).to(dtype)
+    padded = groups * group_k
+    if padded != k:
+        w = torch.nn.functional.pad(w, (0, padded - k))
+    return (w.view(n, groups, group_k) * scale[:, :, None]).view(n, padded)[:, :k].to(dtype)
+
+
+def dequantize_int4(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """int4 qweight [N, K // 2] with its scales and zeros -> dense [N, K] in dtype, (q - zero) * scale in
+    float32 rounded once. One Triton launch on CUDA, torch ops elsewhere; both give the same bits."""
+    check_int4(qweight, scale, zero, group_size)
+    if qweight.is_cuda:
+        from shardserve.kernels.triton.quant_gemv import dequantize_int4_cuda
+
+        return dequantize_int4_cuda(qweight, scale, zero, group_size, dtype)
+    n, groups = scale.shape
+    q = unpack_int4_rows(qweight).float().view(n, groups, group_size)
+    return ((q - zero[:, :, None]) * scale[:, :, None]).view(n, groups * group_size).to(dtype)

@@ -1,0 +1,216 @@
+"""Single-token GEMVs over quantized weights (fp8 with scales, int4 with scales and zeros), and the int4
+dequantizer that batches use. Layouts: shardserve.kernels.quant_pack.
+
+As in gemv.py, a decode step reads every weight once, so each launch streams the weights with an evict-first
+hint, each program owning BLOCK_N output rows and walking K in tiles with float32 partial sums, one launch per
+product. A tile of BLOCK_K columns is split into TILE_GROUPS sub-tiles of SUB columns, SUB a power of two
+that divides the quantization group, so each sub-tile lies inside one group and needs one scale (and zero)
+per row: a tile may span several groups without per-element scale lookups. With one group per row
+(per-channel), the scale is applied once after the reduction instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shardserve.kernels.quant_pack import check_fp8, check_int4, fp8_groups
+
+
+@triton.jit
+def _e4m3_bits_to_float(b):
+    """float8_e4m3fn bits (uint8) -> the value / 256 in float32, for GPUs without fp8 conversions: the seven
+    magnitude bits shifted into a float16 land on its exponent and mantissa (subnormals included) with the
+    exponent bias off by 8. The NaN code (0x7f) decodes to 480 / 256; weights hold no NaN."""
+    b = b.to(tl.int32)
+    h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn,
+                     K: tl.constexpr, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                     BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
+    """out[n] = sum_k float(w[n, k]) * s[n, k // GROUP_K] * x[k]. SUB divides GROUP_K unless PER_ROW (one scale
+    per row, applied after the reduction). w points at the raw bytes (masked loads of uint8 can fill with 0),
+reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it."""
+    BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
+    NUM_GROUPS: tl.constexpr = (K + GROUP_K - 1) // GROUP_K
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    sub = tl.arange(0, TILE_GROUPS)
+    cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_wn
+    s_rows = s_ptr + rows.to(tl.int64)[:, None] * NUM_GROUPS
+    acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if K % BLOCK_K == 0:
+            x = tl.load(x_ptr + k + cols)
+            w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None], other=0,
+                        eviction_policy="evict_first")
+        else:
+            col_ok = k + cols < K
+            x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
+            w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None] & col_ok[None], other=0,
+                        eviction_policy="evict_first")
+        if NATIVE_FP8:
+            prod = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None]
+        else:
+            prod = _e4m3_bits_to_float(w) * x.to(tl.float32)[None]
+        if PER_ROW:
+            acc += prod
+        else:
+            group = (k + sub * SUB) // GROUP_K
+            s = tl.load(s_rows + group[None, :], mask=row_ok[:, None] & (group < NUM_GROUPS)[None, :], other=0.0)
+            acc += prod * s[:, :, None]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if PER_ROW:
+        y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    if not NATIVE_FP8:
+        y *= 256.0
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn,
+                      K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
+                      SUB: tl.constexpr):
+    """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP, q packed two columns a byte.
+    The nibbles of a byte are interleaved back into column order in registers (join + reshape), so x is read
+    contiguously. Per sub-tile (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum):
+    the scale and zero cost one multiply-add per row and sub-tile, not per weight. GROUP == K is one group:
+    the sums run over the whole row and the scale and zero are applied once at the end."""
+    HALF: tl.constexpr = SUB // 2
+    BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
+    ONE_GROUP: tl.constexpr = GROUP == K
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    sub = tl.arange(0, TILE_GROUPS)
+    byte = sub[:, None] * HALF + tl.arange(0, HALF)[None, :]  # bytes of a tile, holding its columns 2b, 2b + 1
+    cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    q_rows = q_ptr + rows.to(tl.int64)[:, None, None] * stride_qn
+    s_rows = s_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
+    z_rows = z_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
+    if ONE_GROUP:
+        acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
+        x_acc = tl.zeros((TILE_GROUPS, SUB), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, TILE_GROUPS), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if K % BLOCK_K == 0:
+            b = tl.load(q_rows + k // 2 + byte[None], mask=row_ok[:, None, None], other=0,
+                        eviction_policy="evict_first")
+            x = tl.load(x_ptr + k + cols).to(tl.float32)
+        else:
+            b = tl.load(q_rows + k // 2 + byte[None], mask=row_ok[:, None, None] & (k // 2 + byte < K // 2)[None],
+                        other=0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
+        b = b.to(tl.int32)
+        q = tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)).reshape(BLOCK_N, TILE_GROUPS, SUB)
+        if ONE_GROUP:
+            acc += q * x[None]
+            x_acc += x
+        else:
+            group = (k + sub * SUB) // GROUP
+            group_ok = row_ok[:, None] & (group < K // GROUP)[None, :]
+            s = tl.load(s_rows + group[None, :], mask=group_ok, other=0.0)
+            z = tl.load(z_rows + group[None, :], mask=group_ok, other=0.0)
+            acc += s * (tl.sum(q * x[None], axis=2) - z * tl.sum(x, axis=1)[None, :])
+    if ONE_GROUP:
+        s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+        z = tl.load(z_ptr + rows, mask=row_ok, other=0.0)
+        y = s * (tl.sum(tl.sum(acc, axis=2), axis=1) - z * tl.sum(tl.sum(x_acc, axis=1), axis=0))
+    else:
+        y = tl.sum(acc, axis=1)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8,
+             block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x [1, K] (or [K]) times the fp8 weight [N, K]^T with scale [N, ceil(K / group_k)] -> [1, N] in x's
+    dtype. group_k >= K is one scale per row. block_n and block_k are powers of two; a block_k tile spans
+    block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_k) columns."""
+    check_fp8(weight, scale, group_k)
+    x = _one_row(x, weight.shape[1], "fp8_gemv")
+    _check_blocks(block_n, block_k, 1)
+    n, k = weight.shape
+    per_row = fp8_groups(k, group_k) == 1
+    sub = block_k if per_row else min(block_k, group_k & -group_k)
+    native = _native_fp8(x.device)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight.view(torch.uint8), scale, out, n, weight.stride(0), K=k,
+        GROUP_K=k if per_row else group_k, PER_ROW=per_row, NATIVE_FP8=native, BLOCK_N=block_n,
+        TILE_GROUPS=block_k // sub, SUB=sub, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+              block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x [1, K] (or [K]) times the int4 weight (qweight [N, K // 2], scale and zero [N, K // group_size])
+    transposed -> [1, N] in x's dtype. block_n and block_k (columns, not bytes) are powers of two, block_k >= 2;
+    a tile spans block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_size)
+    columns, or one of block_k columns when group_size == K."""
+    check_int4(qweight, scale, zero, group_size)
+    x = _one_row(x, 2 * qweight.shape[1], "int4_gemv")
+    _check_blocks(block_n, block_k, 2)
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    sub = block_k if group_size == k else min(block_k, group_size & -group_size)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, qweight, scale, zero, out, n, qweight.stride(0), K=k, GROUP=group_size, BLOCK_N=block_n,
+        TILE_GROUPS=block_k // sub, SUB=sub, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def _one_row(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
+    """x as K contiguous values of a floating dtype the kernels read."""
+    if x.numel() != k or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name} needs x with {k} bfloat16, float16 or float32 values, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    return x.reshape(k).contiguous()
+
+
+def _check_blocks(block_n: int, block_k: int, min_k: int) -> None:
+    for name, value, least in (("block_n", block_n, 1), ("block_k", block_k, min_k)):
+        if value < least or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
+
+
+def _native_fp8(device: torch.device) -> bool:
+    """Whether Triton converts float8_e4m3fn itself here (sm89+ and the interpreter); else bits are decoded."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@triton.jit
+def _dequantize_int4_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_qn, GROUP: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[n, 2j + h] = (nibble h of q[n, j] - z[n, g]) * s[n, g] in float32, rounded once; both columns of a
+    byte share g = 2j // GROUP since GROUP is even. Programs own BLOCK_R rows by BLOCK_C bytes."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    byte = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (rows < N)[:, None] & (byte < K // 2)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    b = tl.load(q_ptr + rows64 * stride_qn + byte[None, :], mask=ok, other=0).to(tl.int32)
+    group = rows64 * (K // GROUP) + (2 * byte // GROUP)[None, :]
+    s = tl.load(s_ptr + group, mask=ok, other=0.0)
+    z = tl.load(z_ptr + group, mask=ok, other=0.0)
+    low = ((b & 15).to(tl.float32) - z) * s
+    high = ((b >> 4).to(tl.float32) - z) * s
+    w = tl.join(low, high).reshape(BLOCK_R, 2 * BLOCK_C)
+    out_cols = tl.program_id(1) * 2 * BLOCK_C + tl.arange(0, 2 * BLOCK_C)
+    out_ok = (rows < N)[:, None] & (out_cols < K)[None, :]
+    tl.store(out_ptr + rows64 * K + out_cols[None, :], w.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+def dequantize_int4_cuda(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                         dtype: torch.dtype, block_r: int = 16, block_c: int = 128) -> torch.Tensor:
+    """shardserve.kernels.quant_pack.dequantize_int4 in one launch (any device Triton runs on)."""
+    check_int4(qweight, scale, zero, group_size)
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(n, block_r), triton.cdiv(k // 2, block_c))
+    _dequantize_int4_kernel[grid](qweight, scale, zero, out, n, k, qweight.stride(0), GROUP=group_size,
+                                  BLOCK_R=block_r, BLOCK_C=block_c)
+    return out

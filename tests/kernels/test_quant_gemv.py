@@ -1,0 +1,292 @@
+"""Quantized weights: the int4 packing round-trips, the dequantizers and the batch-1 GEMVs agree with the
+formulas of shardserve.kernels.quant_pack evaluated in float64.
+
+The packing and torch dequantizers run everywhere. Without CUDA the Triton kernels run in Triton's interpreter
+on tiny CPU shapes (float32 and float16 inputs: the interpreter truncates rather than rounds to bfloat16); on
+CUDA they run on Llama-3-8B's projections at TP 1 and 2 for every group size and several tile shapes, and
+inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4,  # noqa: E402
+                                           unpack_int4_rows)
+from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+# (N, K) of Llama-3-8B's qkv, o, gate_up and down projections at TP 1, and of the same at TP 2.
+LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+             (3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)]
+TINY = (24, 256)  # below one tile of rows (N % 8 != 0 for block_n 16) and of columns for block_k 512
+# (block_n, block_k, num_warps, num_stages); block_k 1024 spans several groups, 256 is below a group of K.
+CONFIGS = [(8, 512, 4, 1), (4, 1024, 8, 4), (16, 256, 4, 2)]
+
+
+# -- the formulas, in float64, written from the layout's definition -------------------------------------------
+
+
+def random_int4(n: int, k: int, group: int, device=DEVICE, seed: int = 0):
+    """(q [N, K] int64 in 0..15, scale, zero [N, K // group] float32) with zeros as whole numbers."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, device=device)
+    scale = torch.rand(n, k // group, generator=g, device=device) * 0.02 + 0.002
+    zero = torch.randint(0, 16, (n, k // group), generator=g, device=device).float()
+    return q, scale, zero
+
+
+def random_fp8(n: int, k: int, group_k: int, device=DEVICE, seed: int = 0):
+    """(weight float8_e4m3fn [N, K], scale float32 [N, ceil(K / group_k)])."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    weight = (torch.randn(n, k, generator=g, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, -(-k // group_k), generator=g, device=device) * 1e-3 + 1e-4
+    return weight, scale
+
+
+def int4_reference(q, scale, zero, group) -> torch.Tensor:
+    column_group = torch.arange(q.shape[1], device=q.device) // group
+    return (q.double() - zero.double()[:, column_group]) * scale.double()[:, column_group]
+
+
+def fp8_reference(weight, scale, group_k) -> torch.Tensor:
+    column_group = torch.arange(weight.shape[1], device=weight.device) // group_k
+    return weight.double() * scale.double()[:, column_group]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+# -- packing and dequantizing (plain torch, any device) --------------------------------------------------------
+
+
+def test_pack_puts_even_columns_in_the_low_nibble_and_round_trips():
+    assert pack_int4(torch.tensor([[1, 2, 15, 0]])).tolist() == [[0x21, 0x0F]]
+    q = torch.randint(0, 16, (7, 96), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = pack_int4(q.to(DEVICE))
+    assert packed.dtype == torch.uint8 and packed.shape == (7, 48)
+    assert torch.equal(unpack_int4_rows(packed).cpu(), q.to(torch.uint8))
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([[16, 0]]), torch.tensor([[-1, 0]]), torch.tensor([[1, 2, 3]]),
+                                 torch.tensor([[1.0, 2.0]])])
+def test_pack_rejects_what_does_not_fit_four_bits(bad):
+    with pytest.raises(ValueError, match="pack_int4"):
+        pack_int4(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group", [(5, 256, 32), (3, 384, 128), (4, 96, 96)])
+def test_dequantize_int4_is_the_formula_rounded_once(dtype, n, k, group):
+    """(q - zero) * scale is exact in float64, so rounding it to float32 and then to dtype is the contract."""
+    q, scale, zero = random_int4(n, k, group, device="cpu", seed=k)
+    got = dequantize_int4(pack_int4(q), scale, zero, group, dtype)
+    assert got.dtype == dtype and torch.equal(got, int4_reference(q, scale, zero, group).float().to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,group_k", [(5, 256, 128), (3, 200, 64), (4, 96, 96), (2, 64, 128)])
+def test_dequantize_fp8_is_the_formula_rounded_once(dtype, n, k, group_k):
+    """Block-scaled (including a short last block) and one scale per row (group_k >= K)."""
+    weight, scale = random_fp8(n, k, group_k, device="cpu", seed=k)
+    got = dequantize_fp8(weight, scale, group_k, dtype)
+    assert got.dtype == dtype and torch.equal(got, fp8_reference(weight, scale, group_k).float().to(dtype))
+
+
+def test_layout_errors_name_the_tensor_and_the_shape_expected():
+    q, scale, zero = random_int4(4, 64, 32, device="cpu")
+    packed = pack_int4(q)
+    with pytest.raises(ValueError, match=r"int4 group_size must be even and divide K=64"):
+        dequantize_int4(packed, scale, zero, 48, torch.float32)
+    with pytest.raises(ValueError, match=r"int4 zero .* \[4, 2\]"):
+        dequantize_int4(packed, scale, zero[:, :1].contiguous(), 32, torch.float32)
+    with pytest.raises(ValueError, match=r"int4 qweight must be a row-major 2-D uint8"):
+        dequantize_int4(packed.to(torch.int32), scale, zero, 32, torch.float32)
+    weight, scale = random_fp8(4, 64, 32, device="cpu")
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        dequantize_fp8(weight.float(), scale, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"fp8 scale .* \[4, 2\]"):
+        dequantize_fp8(weight, scale.double(), 32, torch.float32)
+
+
+# -- Triton kernels: the interpreter's tiny shapes on CPU --------------------------------------------------------
+
+# (N, K, group, block_n, block_k): rows past N, a tile wider than a group, one narrower, a masked last tile.
+INTERPRETER_INT4 = [(24, 256, 128, 8, 64), (19, 192, 32, 8, 128), (13, 200, 200, 8, 64), (8, 96, 32, 4, 128)]
+# group_k: 128 (block-scaled), 64 with a short last block, and one scale per row.
+INTERPRETER_FP8 = [(24, 256, 128, 8, 64), (19, 200, 64, 8, 128), (13, 200, 200, 8, 64), (9, 256, 256, 16, 512)]
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs Llama-3-8B's below")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,group,block_n,block_k", INTERPRETER_INT4)
+def test_interpreter_int4_gemv(dtype, n, k, group, block_n, block_k):
+    from shardserve.kernels.triton.quant_gemv import int4_gemv
+
+    q, scale, zero = random_int4(n, k, group, seed=n)
+    x = torch.randn(k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = int4_gemv(x, pack_int4(q), scale, zero, group, block_n, block_k, num_warps=4, num_stages=1)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert relative_error(got[0], x.double() @ int4_reference(q, scale, zero, group).T) < TOLERANCE[dtype]
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs Llama-3-8B's below")
+@pytest.mark.parametrize("native", [True, False], ids=["fp8", "fp8-bits"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,group_k,block_n,block_k", INTERPRETER_FP8)
+def test_interpreter_fp8_gemv(dtype, n, k, group_k, block_n, block_k, native, monkeypatch):
+    """native=False decodes the e4m3 bits itself, the path of GPUs older than sm89."""
+    from shardserve.kernels.triton import quant_gemv
+
+    monkeypatch.setattr(quant_gemv, "_native_fp8", lambda device: native)
+    weight, scale = random_fp8(n, k, group_k, seed=n)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = quant_gemv.fp8_gemv(x, weight, scale, group_k, block_n, block_k, num_warps=4, num_stages=1)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert relative_error(got[0], x[0].double() @ fp8_reference(weight, scale, group_k).T) < TOLERANCE[dtype]
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="CUDA checks the kernel through dequantize_int4 below")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interpreter_dequantize_int4_kernel_equals_torch(dtype):
+    from shardserve.kernels.triton.quant_gemv import dequantize_int4_cuda
+
+    q, scale, zero = random_int4(19, 320, 64, seed=3)
+    got = dequantize_int4_cuda(pack_int4(q), scale, zero, 64, dtype, block_r=8, block_c=64)
+    assert torch.equal(got, dequantize_int4(pack_int4(q), scale, zero, 64, dtype))
+
+
+@needs_triton
+def test_kernels_reject_bad_inputs_with_the_reason():
+    from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
+
+    q, scale, zero = random_int4(8, 64, 32)
+    with pytest.raises(ValueError, match="int4_gemv needs x with 64"):
+        int4_gemv(torch.randn(1, 32, device=DEVICE), pack_int4(q), scale, zero, 32)
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        int4_gemv(torch.randn(1, 64, device=DEVICE), pack_int4(q), scale, zero, 32, block_k=96)
+    weight, scale = random_fp8(8, 64, 32)
+    with pytest.raises(ValueError, match="fp8_gemv needs x with 64 bfloat16, float16 or float32"):
+        fp8_gemv(torch.randn(1, 64, device=DEVICE).double(), weight, scale, 32)
+    with pytest.raises(ValueError, match=r"fp8 scale .* \[8, 1\]"):
+        fp8_gemv(torch.randn(1, 64, device=DEVICE), weight, scale, 64)
+
+
+# -- Triton kernels on CUDA: real shapes, CUDA graphs -----------------------------------------------------------
+
+
+def _check_configs(run, x_by_dtype, w64, what: str) -> list[str]:
+    """Failures of run(x, config) against x @ w64^T for every dtype and config, as readable lines."""
+    failures = []
+    for dtype, x in x_by_dtype.items():
+        want = x.double() @ w64.T
+        for config in CONFIGS:
+            got = run(x, config)
+            error = relative_error(got[0], want) if got.shape == (1, w64.shape[0]) else float("inf")
+            if not (got.dtype == dtype and error < TOLERANCE[dtype]):
+                failures.append(f"{what} {dtype} {config}: error {error:.2g}, dtype {got.dtype}")
+    return failures
+
+
+def _inputs(k: int) -> dict:
+    g = torch.Generator(device=DEVICE).manual_seed(k)
+    x = torch.randn(k, generator=g, device=DEVICE)
+    return {dtype: x.to(dtype) for dtype in (torch.bfloat16, torch.float16)}
+
+
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="GPU shapes")
+@pytest.mark.parametrize("n,k", LLAMA3_8B + [TINY])
+def test_gpu_int4_gemv(n, k):
+    """Group sizes 32, 64, 128 and K; every config for bfloat16 and float16 inputs."""
+    from shardserve.kernels.triton.quant_gemv import int4_gemv
+
+    failures = []
+    for group in (32, 64, 128, k):
+        q, scale, zero = random_int4(n, k, group, seed=group)
+        qweight, w64 = pack_int4(q), int4_reference(q, scale, zero, group)
+        del q
+        run = lambda x, c: int4_gemv(x, qweight, scale, zero, group, *c)  # noqa: E731
+        failures += _check_configs(run, _inputs(k), w64, f"int4 {n}x{k} group {group}")
+    assert not failures, "\n".join(failures)
+
+
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="GPU shapes")
+@pytest.mark.parametrize("n,k", LLAMA3_8B + [TINY])
+def test_gpu_fp8_gemv(n, k):
+    """Block-scaled with group_k 128 and one scale per row; every config for bfloat16 and float16 inputs."""
+    from shardserve.kernels.triton.quant_gemv import fp8_gemv
+
+    failures = []
+    for group_k in (128, k):
+        weight, scale = random_fp8(n, k, group_k, seed=group_k)
+        w64 = fp8_reference(weight, scale, group_k)
+        run = lambda x, c: fp8_gemv(x, weight, scale, group_k, *c)  # noqa: E731
+        failures += _check_configs(run, _inputs(k), w64, f"fp8 {n}x{k} group_k {group_k}")
+    assert not failures, "\n".join(failures)
+
+
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="GPU shapes")
+@pytest.mark.parametrize("n,k,group_k", [(4096, 14336, 128), (24, 256, 256), (3072, 4000, 128)])
+def test_gpu_fp8_gemv_from_bits(n, k, group_k, monkeypatch):
+    """The path for GPUs without fp8 conversions (decoding e4m3 bits), here on a GPU that has them; the last
+    shape has a short last scale block."""
+    from shardserve.kernels.triton import quant_gemv
+
+    monkeypatch.setattr(quant_gemv, "_native_fp8", lambda device: False)
+    weight, scale = random_fp8(n, k, group_k)
+    run = lambda x, c: quant_gemv.fp8_gemv(x, weight, scale, group_k, *c)  # noqa: E731
+    failures = _check_configs(run, _inputs(k), fp8_reference(weight, scale, group_k), f"fp8-bits {n}x{k}")
+    assert not failures, "\n".join(failures)
+
+
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="GPU shapes")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k,group", [(4096, 14336, 128), (28672, 4096, 32), (24, 256, 256), (37, 192, 64)])
+def test_gpu_dequantize_int4_equals_torch(dtype, n, k, group):
+    """One launch on CUDA, the same bits as the torch formula on CPU."""
+    q, scale, zero = random_int4(n, k, group)
+    got = dequantize_int4(pack_int4(q), scale, zero, group, dtype)
+    assert torch.equal(got.cpu(), dequantize_int4(pack_int4(q).cpu(), scale.cpu(), zero.cpu(), group, dtype))
+
+
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_replays_in_cuda_graph_with_a_new_input():
+    from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
+
+    n, k, group = 4096, 4096, 128
+    q, scale, zero = random_int4(n, k, group)
+    qweight = pack_int4(q)
+    weight, fp8_scale = random_fp8(n, k, group)
+    launches = {"int4": lambda x: int4_gemv(x, qweight, scale, zero, group),
+                "fp8": lambda x: fp8_gemv(x, weight, fp8_scale, group)}
+    for name, launch in launches.items():
+        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        launch(x)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = launch(x)
+        new_x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        x.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, launch(new_x)), name
