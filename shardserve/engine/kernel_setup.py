@@ -55,7 +55,7 @@ def linear_layers_by_shape(model: nn.Module) -> dict[tuple, KernelLinear]:
     what this rank's kernels must be right on (sharded, replicated and the vocabulary-parallel head)."""
     found: dict[tuple, KernelLinear] = {}
     for module in model.modules():
-        if isinstance(module, KernelLinear) and module.prepared is None:
+        if isinstance(module, KernelLinear) and module.prepared is None and module.packed is None:
             found.setdefault((tuple(module.weight.shape), _bias(module) is not None), module)
     return found
 
@@ -113,11 +113,39 @@ def attach_linear_kernel(model: nn.Module, kernel) -> tuple[int, int]:
         return 0, 0
     count = compact = 0
     for module in model.modules():
-        if isinstance(module, KernelLinear):
+        if isinstance(module, KernelLinear) and module.packed is None:  # packed layers run their own kernels
             module.use_kernel(kernel)
             count += 1
             compact += isinstance(module.prepared, tuple) and len(module.prepared) > 1
     return count, compact
+
+
+def setup_packed_layers(model: nn.Module, ctx: RankContext, device: torch.device) -> str:
+    """After loading: the packed (quantized) layers' kernels checked against float64 on every rank and, on GPUs,
+    their single-row configurations timed (rank 0's choice used everywhere); a failure anywhere unpacks every
+    packed layer on every rank (the values they encode, in the compute dtype). Off GPUs they are unpacked: CPUs
+    compute with the dequantized values. Returns what the kernel plan records."""
+    import os
+
+    from shardserve.layers import quantized_linear as ql
+
+    layers = ql.packed_layers(model)
+    if not layers:
+        return ""
+    layout = layers[0][1].packed.layout.describe()
+    if device.type != "cuda" and os.environ.get("SHARDSERVE_QUANTIZED_LAYERS", "auto") != "packed":
+        ql.unpack_all(model)
+        return f"{layout} dequantized to the compute dtype"
+    problems = [f"{who}: {failure}" for who, failures in _by_rank(ql.check_packed(model), ctx) for failure in failures]
+    if problems:
+        if ctx.is_driver:
+            logger.warning("packed %s layers failed their start-up check, so every rank computes with the values "
+                           "they encode in the compute dtype instead: %s", layout, "; ".join(problems))
+        ql.unpack_all(model)
+        return f"{layout} dequantized (packed kernels failed their check)"
+    if device.type == "cuda":
+        ql.use_gemv_configs(model, _gather(ql.time_gemv_configs(model), ctx)[0])
+    return f"{layout} packed on {len(layers)} layers"
 
 
 # -- attention ------------------------------------------------------------------------------------------

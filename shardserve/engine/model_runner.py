@@ -5,8 +5,10 @@ Every rank runs the same plan, so every rank issues the same collectives in the 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import os
 import time
 
 import torch
@@ -24,12 +26,13 @@ from shardserve.engine import kernel_setup
 from shardserve.kernels import cpu_features
 from shardserve.kernels import plan as kernel_plan
 from shardserve.layers.cuda_gemv import use_batch1_gemv
-from shardserve.layers.linear import weight_bytes
+from shardserve.layers.linear import deferred_weights, weight_bytes
+from shardserve.layers.quantized_linear import PackedLayout, pack_layers
 from shardserve.models import MODEL_CLASSES
 from shardserve.transfers import on_device
 from shardserve.weights import stable_memory
 from shardserve.weights.consistency import verify_replicated_weights
-from shardserve.weights.loader import load_weights
+from shardserve.weights.loader import load_weights, quantized_module_names
 from shardserve.weights.offload import HostCopy, offload, restore
 
 logger = logging.getLogger(__name__)
@@ -233,11 +236,19 @@ class ModelRunner:
         started = time.perf_counter()
         cls = MODEL_CLASSES[self.model_config.family]
         torch.manual_seed(0)
-        with torch.device(self.device):
+        packing = self._packed_layout()
+        with torch.device(self.device), (deferred_weights() if packing else contextlib.nullcontext()):
             model = cls(self.model_config, self.ctx.comm, self.dtype, self.max_model_len,
                         expert_parallel=self.config.enable_expert_parallel)
+        if packing:
+            layout, names = packing
+            pack_layers(model, names, layout, self.device, log=self.ctx.is_driver)
         self._fill_weights(model)
         self._log_planned_weights(model)
+        if packing:
+            with self.self_check, setup_step("check the quantized layers' kernels", self.ctx.rank):
+                self.plan = self.plan.with_results(
+                    quantized=kernel_setup.setup_packed_layers(model, self.ctx, self.device))
         if self.linear_kernel is None:
             with self.self_check, setup_step("choose and check the linear kernel", self.ctx.rank):
                 self.linear_kernel = kernel_setup.choose_linear_kernel(model, self.plan, self.ctx)
@@ -257,9 +268,33 @@ class ModelRunner:
         logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s%s%s", self.ctx.rank, self.config.model,
                     time.perf_counter() - started, loaded / 2**30, self.dtype, self.device,
                     f" (+{copies / 2**30:.2f} GiB of compact copies for decode steps)" if copies else "",
+                    f" (quantized layers: {self.plan.quantized})" if self.plan.quantized else
                     f" (a {quantization.describe()} checkpoint, held as the values it encodes)"
                     if quantization is not None and self.config.load_format != "dummy" else "")
         return model
+
+    def _packed_layout(self) -> tuple[PackedLayout, set[str] | None] | None:
+        """How this model's linear layers are kept packed, and which (None: every quantizable layer), or None.
+
+        --quantization fp8 packs every layer (quantized at load; CPUs then compute with the rounded values). A
+        quantized checkpoint's layers are packed on GPUs, and on CPUs only with SHARDSERVE_QUANTIZED_LAYERS=packed
+        (else read as the values they encode); SHARDSERVE_QUANTIZED_LAYERS=dequantized reads them so anywhere."""
+        scheme = self.model_config.quantization
+        if self.config.quantization == "fp8":
+            if scheme is not None:
+                raise ValueError(f"--quantization fp8 quantizes a float checkpoint, but {self.config.model!r} is already "
+                                 f"quantized ({scheme.describe()}); leave --quantization out")
+            return PackedLayout("fp8", 0), None
+        mode = os.environ.get("SHARDSERVE_QUANTIZED_LAYERS", "auto")
+        if scheme is None or mode == "dequantized" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        if scheme.method == "fp8":
+            layout = PackedLayout("fp8", scheme.weight_block[1] if scheme.weight_block else 0)
+        else:
+            layout = PackedLayout("int4", max(scheme.group_size, 0), scheme.act_order)
+        if self.config.load_format == "dummy":
+            return layout, None
+        return layout, quantized_module_names(self.config.model, scheme, MODEL_CLASSES[self.model_config.family])
 
     def _fill_weights(self, model) -> None:
         """Copy the checkpoint's values (this rank's shards) into the model's existing parameters."""
@@ -290,7 +325,8 @@ class ModelRunner:
             device_gb = torch.cuda.mem_get_info(self.device)[1] / 2**30 if self.device.type == "cuda" else None
             return plan(cfg, PlanRequest(self.ctx.world_size, self.max_model_len, self.config.max_num_seqs,
                                          self.config.max_num_batched_tokens, device_gb,
-                                         self.config.gpu_memory_utilization))
+                                         self.config.gpu_memory_utilization,
+                                         quantization=self.config.quantization))
         except (OSError, KeyError, ValueError) as e:
             logger.debug("planner: no prediction for %s: %s", self.config.model, e)
             return None

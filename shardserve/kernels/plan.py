@@ -31,7 +31,8 @@ LINEAR_KERNEL_ENV = "SHARDSERVE_LINEAR_KERNEL"
 LINEAR_KERNELS = ("bf16-decode", "blockq-decode", "onednn-packed", "torch")
 # Variables that force a choice the plan would otherwise make itself; each one in effect is shown in the plan.
 OVERRIDE_ENV = (LINEAR_KERNEL_ENV, "SHARDSERVE_ALL_REDUCE", "SHARDSERVE_GEMV", DISABLE_TRITON_ENV,
-                "SHARDSERVE_MIN_SHARD_WIDTH", *ISA_CAP_ENV, "ATEN_CPU_CAPABILITY")
+                "SHARDSERVE_MIN_SHARD_WIDTH", *ISA_CAP_ENV, "ATEN_CPU_CAPABILITY", "SHARDSERVE_QUANTIZED_LAYERS",
+                "SHARDSERVE_FP8_MATMUL")
 
 
 class KernelPlanError(ValueError):
@@ -50,6 +51,7 @@ class KernelPlan:
     attention: str = ""
     all_reduce: str = ""
     gemv: str = ""
+    quantized: str = ""  # packed quantized layers (layers/quantized_linear.py), e.g. "fp8 (...) packed on 96 layers"
 
     def with_results(self, **fields: str) -> "KernelPlan":
         return dataclasses.replace(self, **fields)
@@ -58,7 +60,8 @@ class KernelPlan:
         dtype = str(self.dtype).removeprefix("torch.")
         parts = [f"{self.device} {dtype}", f"linear {self.linear or '/'.join(self.linear_candidates)}"]
         parts += [f"{name} {value}" for name, value in
-                  (("attention", self.attention), ("all-reduce", self.all_reduce), ("batch-1 GEMV", self.gemv))
+                  (("attention", self.attention), ("all-reduce", self.all_reduce), ("batch-1 GEMV", self.gemv),
+                   ("quantized", self.quantized))
                   if value]
         if self.cpu:
             parts.append(f"cpu {self.cpu}")

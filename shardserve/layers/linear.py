@@ -7,6 +7,7 @@ columns of the checkpoint tensor it owns, so sharding lives next to the layer, n
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any, Hashable
 
@@ -18,6 +19,19 @@ from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.linear_kernels import LinearKernel
 
 _DEFAULT_KERNEL = LinearKernel()
+_deferred = False  # inside deferred_weights(): linear layers' weights are built on the meta device
+
+
+@contextlib.contextmanager
+def deferred_weights():
+    """Column- and row-parallel layers built inside take weights on the meta device (no memory), so each can
+    become packed (layers/quantized_linear.py) or take its real weight (`materialize`) before loading."""
+    global _deferred
+    _deferred, before = True, _deferred
+    try:
+        yield
+    finally:
+        _deferred = before
 
 Rows = tuple[int, int]  # [start, end) of the checkpoint tensor's first dimension
 
@@ -52,6 +66,26 @@ class KernelLinear(nn.Module):
     # (weights/consistency.py), by the digest taken before a kernel prepared its own layout.
     replicated = False
     loaded_digest: str | None = None
+    # Quantized weights kept packed (layers/quantized_linear.PackedWeights): its own matmul replaces the kernel's.
+    packed: Any = None
+
+    def _new_weight(self, rows: int, cols: int, dtype: torch.dtype, loader) -> None:
+        device = "meta" if _deferred else None
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = loader
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Give a layer built under deferred_weights() its real (empty) weight on `device`."""
+        if self.weight.is_meta:
+            loader = self.weight.weight_loader
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device=device),
+                                       requires_grad=False)
+            self.weight.weight_loader = loader
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the kernel's fused forms (norm, SwiGLU) may read self.weight: a plain loaded weight."""
+        return self.prepared is None and self.packed is None
 
     def use_kernel(self, kernel: LinearKernel) -> None:
         self.kernel = kernel
@@ -63,12 +97,15 @@ class KernelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None:
+            out = self.packed.matmul(self, x)
+            return out if bias is None else out + bias
         return self.kernel(x, self.weight if self.prepared is None else self.prepared, bias)
 
     def matmul_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """matmul(silu(gate) * up) for gate_up = [gate | up]; one launch where the kernel fuses the two."""
         swiglu = getattr(self.kernel, "swiglu", None)
-        if swiglu is not None and self.prepared is None:
+        if swiglu is not None and self.fusable:
             return swiglu(gate_up, self.weight)
         return self.matmul(silu_and_mul(gate_up))
 
@@ -120,8 +157,7 @@ class ColumnParallelLinear(KernelLinear):
             self.offsets[shard_id] = (offset, rows)
             offset += rows[1] - rows[0]
         self.output_size = offset
-        self.weight = nn.Parameter(torch.empty(offset, input_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self._load_rows
+        self._new_weight(offset, input_size, dtype, self._load_rows)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(offset, dtype=dtype), requires_grad=False)
@@ -129,6 +165,9 @@ class ColumnParallelLinear(KernelLinear):
 
     def _load_rows(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
         offset, (start, end) = self.offsets[shard_id]
+        if self.packed is not None and param is not self.bias:
+            self.packed.load(self, loaded, slice(offset, offset + end - start), (start, end), None, shard_id)
+            return
         copy_exact(param.data[offset:offset + end - start], loaded[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +187,7 @@ class ColumnParallelLinear(KernelLinear):
                 return self.forward(h), residual
             x = reduce.all_reduce(x)
         fused = getattr(self.kernel, "normed", None)
-        if fused is not None and self.prepared is None:
+        if fused is not None and self.fusable:
             out = fused(x, residual, norm.weight, norm.eps, self.weight)
             if out is not None:
                 y, summed = out
@@ -175,8 +214,7 @@ class RowParallelLinear(KernelLinear):
         super().__init__()
         self.cols = cols
         self.comm = comm
-        self.weight = nn.Parameter(torch.empty(output_size, cols[1] - cols[0], dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self._load_cols
+        self._new_weight(output_size, cols[1] - cols[0], dtype, self._load_cols)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False)
@@ -193,6 +231,9 @@ class RowParallelLinear(KernelLinear):
 
     def _load_cols(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
         start, end = self.cols
+        if self.packed is not None:
+            self.packed.load(self, loaded, slice(None), None, (start, end), shard_id)
+            return
         copy_exact(param.data, loaded[:, start:end])
 
     def forward(self, x: torch.Tensor, swiglu_input: bool = False) -> torch.Tensor:

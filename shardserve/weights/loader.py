@@ -24,7 +24,8 @@ from safetensors import safe_open
 from torch import nn
 
 from shardserve.layers.linear import load_whole, shape_of
-from shardserve.weights.quantized import Checkpoint, QuantScheme, count_dequantized, dequantized_checkpoint
+from shardserve.weights.quantized import (Checkpoint, QuantScheme, count_dequantized, dequantized_checkpoint,
+                                          quantized_prefixes)
 
 # Tensors some checkpoints carry that the model derives itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -75,6 +76,22 @@ def count_checkpoint_tensors(model_path: str, quantization: QuantScheme | None =
         with safe_open(path, framework="pt") as f:
             names += f.keys()
     return len(names) if quantization is None else count_dequantized(names, quantization)
+
+
+def quantized_module_names(model_path: str, scheme: QuantScheme, model_class) -> set[str]:
+    """The model's modules that receive a quantized checkpoint tensor (e.g. model.layers.0.self_attn.qkv_proj
+    for q_proj, k_proj and v_proj), read from the safetensors headers."""
+    names = []
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            names += f.keys()
+    packed = getattr(model_class, "packed_modules", {})
+    own_names = getattr(model_class, "checkpoint_name", lambda name: None)
+    modules = set()
+    for prefix in quantized_prefixes(names, scheme):
+        target, _ = own_names(f"{prefix}.weight") or _resolve(f"{prefix}.weight", packed)
+        modules.add(target.removesuffix(".weight"))
+    return modules
 
 
 def load_weights(model: nn.Module, model_path: str, tied_embeddings: bool,
@@ -133,7 +150,11 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
         except ValueError as e:
             raise ValueError(f"{source}: tensor {name!r} (into {target!r}): {e}") from None
         loaded.add(target)
-    missing = {n for n in params if n not in loaded and not (tied_embeddings and n == "lm_head.weight")}
+    # A packed layer's scales come with its weight (layers/quantized_linear.py).
+    filled_with_weight = {f"{name}.{part}" for name, m in model.named_modules() if getattr(m, "packed", None) is not None
+                          and f"{name}.weight" in loaded for part in ("weight_scale", "weight_zero", "input_perm")}
+    missing = {n for n in params if n not in loaded and n not in filled_with_weight
+               and not (tied_embeddings and n == "lm_head.weight")}
     if missing:
         raise ValueError(f"{source} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 

@@ -44,6 +44,7 @@ class QuantScheme:
     weight_block: tuple[int, int] | None = None  # FP8 scaled per [rows, cols] block
     group_size: int = 0  # GPTQ: input features per group (-1: one group)
     zero_offset: int = 0  # GPTQ: added to the stored zero points (1 in the `gptq` format)
+    act_order: bool = False  # GPTQ desc_act: g_idx permutes the input features' groups
 
     def describe(self) -> str:
         if self.method == "fp8":
@@ -78,7 +79,7 @@ def parse_quantization(cfg: dict[str, Any]) -> QuantScheme | None:
         if checkpoint_format not in ("gptq", "gptq_v2"):
             raise _unsupported(f"gptq checkpoint_format {checkpoint_format!r}")
         return QuantScheme("gptq", group_size=int(qc.get("group_size", 128)),
-                           zero_offset=1 if checkpoint_format == "gptq" else 0)
+                           zero_offset=1 if checkpoint_format == "gptq" else 0, act_order=bool(qc.get("desc_act")))
     raise _unsupported(f"quantization method {method!r}" if method else "a quantization_config without quant_method")
 
 
@@ -122,6 +123,11 @@ def _quantized_modules(names: list[str], scheme: QuantScheme) -> dict[str, dict[
     if scheme.method == "fp8":
         return {p: s for p, s in parts.items() if "weight_scale_inv" in s or "weight_scale" in s}
     return {p: s for p, s in parts.items() if "qweight" in s}
+
+
+def quantized_prefixes(names: list[str], scheme: QuantScheme) -> list[str]:
+    """The checkpoint's quantized linear layers, by module prefix (e.g. model.layers.0.self_attn.q_proj)."""
+    return list(_quantized_modules(names, scheme))
 
 
 def count_dequantized(names: list[str], scheme: QuantScheme) -> int:
@@ -214,6 +220,29 @@ class Fp8Weight(DequantizedWeight):
         blocks = self.scale[r0 // bn:(r1 - 1) // bn + 1, c0 // bk:(c1 - 1) // bk + 1]
         return values * _expand(_expand(blocks, r0, r1 - r0, bn, 0), c0, c1 - c0, bk, 1)
 
+    def packed_group(self, c0: int, c1: int) -> int | None:
+        """How many of columns [c0, c1) one scale covers in `read_packed` (all of them: per row), or None where
+        the range starts inside a scale block (its per-rank form would need two scales in one block)."""
+        if self.kind != "block":
+            return c1 - c0
+        return self.block[1] if c0 % self.block[1] == 0 else None
+
+    def read_packed(self, r0: int, r1: int, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [r0, r1) and columns [c0, c1) as stored (float8_e4m3fn) and their scales as float32
+        [rows, ceil(columns / packed_group)]: a row's values times the scale of their column group."""
+        if self.packed_group(c0, c1) is None:
+            raise ValueError(f"{self.name}: columns from {c0} start inside a scale block of {self.block[1]}")
+        values = torch.as_tensor(self.weight[r0:r1, c0:c1])
+        if values.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{self.name}: an FP8 weight must be stored as float8_e4m3fn, found {values.dtype}")
+        if self.kind == "tensor":
+            return values, self.scale.reshape(1, 1).expand(r1 - r0, 1).contiguous()
+        if self.kind == "channel":
+            return values, self.scale[r0:r1].contiguous()
+        bn, bk = self.block
+        rows = torch.arange(r0, r1) // bn
+        return values, self.scale[:, c0 // bk:-(-c1 // bk)].index_select(0, rows).contiguous()
+
 
 def _fp8(prefix: str, parts: dict[str, str], checkpoint: Checkpoint, scheme: QuantScheme) -> Fp8Weight:
     if "weight" not in parts:
@@ -258,6 +287,37 @@ class GptqWeight(DequantizedWeight):
         zeros = self.zeros[:, r0:r1].index_select(0, groups)  # whole rows: faster than indexing both dims
         scales = self.scales[:, r0:r1].index_select(0, groups)
         return q.sub_(zeros).float().mul_(scales).t().contiguous()
+
+    def packed_group(self, c0: int, c1: int) -> int | None:
+        """The group size of columns [c0, c1) in `read_packed`, or None where they are not whole groups of one
+        size once sorted by group (a row-parallel slice of an act-order layer, or one starting mid-group)."""
+        counts = torch.bincount(self.g_idx[c0:c1])
+        sizes = counts[counts > 0].unique()
+        if sizes.numel() != 1:
+            return None
+        size = int(sizes[0])
+        whole = int(torch.bincount(self.g_idx).max())
+        return size if size == whole or c1 - c0 == size else None
+
+    def read_packed(self, r0: int, r1: int, c0: int, c1: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows [r0, r1), columns [c0, c1) as 4-bit codes: (codes uint8 [rows, columns] in 0..15, scales and zero
+        points float32 [rows, groups], perm). Columns are sorted by group so each group is `packed_group`
+        consecutive columns; perm (None when already in order) says which input feature each column holds."""
+        if self.packed_group(c0, c1) is None:
+            raise ValueError(f"{self.name}: columns [{c0}, {c1}) are not whole groups of one size")
+        first = c0 // 8
+        packed = torch.as_tensor(self.qweight[first:-(-c1 // 8), r0:r1])
+        q = unpack_int4(packed, 0)[c0 - first * 8:c1 - first * 8]  # [columns, rows]
+        groups = self.g_idx[c0:c1]
+        perm = torch.argsort(groups, stable=True)
+        in_order = bool((perm == torch.arange(perm.numel())).all())
+        if not in_order:
+            q, groups = q.index_select(0, perm), groups[perm]
+        used = torch.unique_consecutive(groups)
+        scales = self.scales[used, r0:r1].t().contiguous()
+        zeros = self.zeros[used, r0:r1].t().float().contiguous()
+        return q.t().to(torch.uint8).contiguous(), scales, zeros, None if in_order else perm
 
 
 def _gptq(prefix: str, parts: dict[str, str], checkpoint: Checkpoint, scheme: QuantScheme) -> GptqWeight:

@@ -241,3 +241,82 @@ def test_a_symmetric_gptq_checkpoint_decodes_from_4_bit_blocks_on_cpu(quantized_
         compact = [len(m.prepared) == 4 for m in layers]  # the float32 form, then q, d, m
     assert layers and all(compact), f"{compact.count(False)} of {len(layers)} layers kept no 4-bit copy"
     assert outputs == list(_reference(float_dir))
+
+
+@pytest.mark.parametrize("scheme, tp", [(s, 2) for s in sorted(SCHEMES)] + [("fp8-block", 4), ("gptq-sym-g32", 4),
+                                                                          ("gptq-asym-g128-act-order", 1)])
+def test_packed_quantized_layers_give_transformers_tokens(quantized_dirs, scheme, tp, monkeypatch):
+    """The packed form GPUs compute with (layers/quantized_linear.py: FP8 bytes and scales, 4-bit codes, zero points
+    and act order's column order, sliced per rank), kept packed here on CPU, where each product dequantizes: the
+    tokens are transformers' on the encoded values. An act-order layer split by columns (TP > 1) stays unpacked."""
+    from shardserve import LLM, SamplingParams
+    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
+
+    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    quant_dir, float_dir = quantized_dirs[scheme]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
+        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+        packed = {name.split(".")[-1]: type(m.packed).__name__ for name, m in llm.engine.runner.model.named_modules()
+                  if getattr(m, "packed", None) is not None}
+    unsplit = ["qkv_proj", "gate_up_proj"]
+    split = [] if scheme.endswith("act-order") and tp > 1 else ["o_proj", "down_proj"]
+    assert sorted(packed) == sorted(unsplit + split)
+    assert outputs == list(_reference(float_dir))
+
+
+def _fp8_rows(w: torch.Tensor, parts: int) -> torch.Tensor:
+    """w's values as FP8 with a scale per row of each of `parts` column slices (a row-parallel layer's ranks)."""
+    return torch.cat([fp8_channel(chunk)[1] for chunk in w.chunk(parts, dim=1)], dim=1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_quantization_fp8_rounds_a_float_checkpoint_at_load(tiny_model_dir, tmp_path, tp):
+    """--quantization fp8: every projection stored as FP8 with a scale per output row of the rank's slice; on CPU
+    the engine computes with those values, so the tokens are transformers' on them."""
+    source = tiny_model_dir("llama-untied")
+    tensors = {}
+    for name in os.listdir(source):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(source, name)))
+    float_dir = tmp_path / "fp8-values"
+    shutil.copytree(source, float_dir, ignore=shutil.ignore_patterns("*.safetensors*"))
+    row_parallel = ("o_proj.weight", "down_proj.weight")
+    values = {n: _fp8_rows(t, tp if n.endswith(row_parallel) else 1) if n in _linear_weights(tensors) else t
+              for n, t in tensors.items()}
+    save_file(values, float_dir / "model.safetensors")
+    from shardserve import LLM, SamplingParams
+    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
+
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(source, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05, quantization="fp8") as llm:
+        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+        assert "fp8" in llm.engine.runner.plan.quantized
+    assert outputs == list(_reference(str(float_dir)))
+    assert _reference(str(float_dir)) != _reference(source)
+
+
+def test_quantization_fp8_refuses_a_quantized_checkpoint(quantized_dirs):
+    from shardserve import LLM
+
+    with pytest.raises(Exception, match="already quantized"):
+        LLM(quantized_dirs["gptq-sym-g32"][0], dtype="float32", kv_cache_memory_gb=0.05, quantization="fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_packed_quantized_layers_on_a_gpu(quantized_dirs, scheme):
+    """On CUDA the layers stay packed by default and run the GPU kernels (float32 activations: the single-row
+    GEMVs and dequantize + matmul): transformers' tokens on the encoded values, at one rank and at two."""
+    from shardserve import LLM, SamplingParams
+    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    quant_dir, float_dir = quantized_dirs[scheme]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for tp in [1, 2] if torch.cuda.device_count() >= 2 else [1]:
+        with LLM(quant_dir, tensor_parallel_size=tp, device="cuda", dtype="float32", kv_cache_memory_gb=0.05) as llm:
+            outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+            assert "packed on" in llm.engine.runner.plan.quantized, llm.engine.runner.plan.quantized
+        assert outputs == list(_reference(float_dir)), f"{scheme} TP={tp}"

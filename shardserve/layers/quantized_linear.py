@@ -1,0 +1,398 @@
+"""Linear layers that keep quantized weights packed: FP8 (a byte a weight) and 4-bit (half a byte).
+
+A packed layer's parameters, on this rank:
+- FP8: `weight` float8_e4m3fn [N, K]; `weight_scale` float32 [N, ceil(K / group)]: W[n, k] = weight[n, k] *
+  weight_scale[n, k // group], with group the checkpoint's scale block (128) or K (one scale a row: per-channel
+  and per-tensor checkpoints, and bf16 checkpoints quantized at load with --quantization fp8).
+- INT4: `weight` uint8 [N, K / 2], column 2j in the low nibble of byte j, 2j+1 in the high one; `weight_scale`,
+  `weight_zero` float32 [N, K / group]: W[n, k] = (q[n, k] - weight_zero[n, g]) * weight_scale[n, g], g = k //
+  group. An act-order checkpoint's columns are sorted by group at load; `input_perm` [K] then says which input
+  feature each column holds, and inputs are gathered in that order.
+
+Rows of a fused layer (q/k/v, gate/up) stack their parts' rows, each with its own scales, so sharding packed weights
+is the dense rule: column-parallel layers own rows, row-parallel layers own columns, and a rank's columns must be
+whole scale groups. A layer whose slice would split a group is not packed: it keeps the values it encodes in the
+compute dtype (logged by name), exactly as on CPUs.
+
+Products: a single row runs the Triton GEMVs of kernels/triton/quant_gemv.py; batches run torch._scaled_mm on FP8
+with one scale a row and dynamic per-token activation scales (Hopper and Ada), else the weight dequantized to the
+compute dtype and cuBLAS. Every distinct packed shape is checked against float64 at start-up on both paths
+(`check_packed_layers`); a failure unpacks every packed layer (WARNING), so no rank serves a wrong product.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, pack_int4
+from shardserve.layers.linear import ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor
+
+logger = logging.getLogger(__name__)
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# (block_n, block_k, num_warps, num_stages) of the single-row kernels until start-up timing picks per shape.
+DEFAULT_GEMV = (8, 512, 4, 3)
+GEMV_CANDIDATES = ((8, 512, 4, 3), (4, 1024, 8, 4), (16, 256, 4, 2), (8, 1024, 8, 3))
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    kind: str  # "fp8" or "int4"
+    group: int  # input columns one scale covers on this rank; 0: all of them
+    act_order: bool = False  # int4: columns may come sorted by group (input_perm)
+
+    def describe(self) -> str:
+        return f"{self.kind} ({f'groups of {self.group}' if self.group else 'one scale a row'})"
+
+
+class PackedWeights:
+    """The packed parameters of one layer (set as layer.packed): loading into them, and the layer's product."""
+
+    def __init__(self, layer: KernelLinear, layout: PackedLayout, device: torch.device | str) -> None:
+        n, k = layer.weight.shape
+        group = layout.group or k
+        if k % group or (layout.kind == "int4" and (k % 2 or group % 2)):
+            raise ValueError(f"{layout.describe()} does not fit {k} input features")
+        self.layout, self.n, self.k, self.group = layout, n, k, group
+        self.compute_dtype = layer.weight.dtype
+        self.gemv_config = DEFAULT_GEMV
+        loader = layer.weight.weight_loader
+        groups = -(-k // group)
+
+        def param(*shape, dtype=torch.float32):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        if layout.kind == "fp8":
+            layer.weight = param(n, k, dtype=torch.float8_e4m3fn)
+        else:
+            layer.weight = param(n, k // 2, dtype=torch.uint8)
+            layer.weight_zero = param(n, groups)
+            # Identity until an act-order checkpoint's columns arrive sorted; gathering by it is then exact.
+            layer.input_perm = nn.Parameter(torch.arange(k, device=device), requires_grad=False) \
+                if layout.act_order else None
+        layer.weight_scale = param(n, groups)
+        layer.weight.weight_loader = loader
+        self.perm_of: dict[Hashable, torch.Tensor | None] = {}
+
+    # -- loading ---------------------------------------------------------------------------------------------
+
+    def load(self, layer: KernelLinear, loaded: Any, rows: slice, src_rows: tuple[int, int] | None,
+             src_cols: tuple[int, int] | None, shard_id: Hashable) -> None:
+        """Rows `rows` of the packed parameters from checkpoint rows `src_rows` (None: all) and columns `src_cols`
+        (None: all) of `loaded`: a quantized checkpoint's weight (its stored form is copied) or a float tensor
+        (quantized here: FP8 by the absolute maximum of each row's group, 4-bit by its minimum and maximum)."""
+        from shardserve.weights.quantized import Fp8Weight, GptqWeight
+
+        shape = tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+        r0, r1 = src_rows if src_rows is not None else (0, shape[0])
+        c0, c1 = src_cols if src_cols is not None else (0, shape[1])
+        if c1 - c0 != self.k:
+            raise ValueError(f"checkpoint columns [{c0}, {c1}) do not fill the layer's {self.k} inputs")
+        kind = self.layout.kind
+        if isinstance(loaded, Fp8Weight) and kind == "fp8":
+            values, scale = loaded.read_packed(r0, r1, c0, c1)
+            layer.weight.data[rows].copy_(values)
+            _copy_scales(layer.weight_scale.data[rows], scale)
+        elif isinstance(loaded, GptqWeight) and kind == "int4":
+            codes, scale, zero, perm = loaded.read_packed(r0, r1, c0, c1)
+            self._check_perm(layer, perm, shard_id)
+            layer.weight.data[rows].copy_(pack_int4(codes))
+            _copy_scales(layer.weight_scale.data[rows], scale)
+            _copy_scales(layer.weight_zero.data[rows], zero)
+        elif not hasattr(loaded, "read_packed"):
+            values = as_tensor(loaded[r0:r1, c0:c1]).float()
+            if kind == "fp8":
+                codes, scale = quantize_fp8(values, self.group)
+            else:
+                codes, scale, zero = quantize_int4(values, self.group)
+                _copy_scales(layer.weight_zero.data[rows], zero)
+            layer.weight.data[rows].copy_(codes)
+            _copy_scales(layer.weight_scale.data[rows], scale)
+        else:
+            raise ValueError(f"a {type(loaded).__name__} cannot load into a {self.layout.describe()} layer")
+
+    def _check_perm(self, layer: KernelLinear, perm: torch.Tensor | None, shard_id: Hashable) -> None:
+        """Every part of a fused layer shares one input, so they must sort their columns alike."""
+        if perm is not None and layer.input_perm is None:
+            raise ValueError("the checkpoint's columns are in act order, but the layer was not built for it")
+        self.perm_of[shard_id] = perm
+        perms = list(self.perm_of.values())
+        if any(not _same_perm(p, perms[0]) for p in perms[1:]):
+            raise ValueError("the fused layer's parts order their input columns differently (act order)")
+        if perm is not None:
+            layer.input_perm.data.copy_(perm)
+
+    # -- the product -----------------------------------------------------------------------------------------
+
+    def matmul(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.k)
+        perm = getattr(layer, "input_perm", None)
+        if perm is not None:
+            x = x.index_select(1, perm)
+        out = self._product(layer, x)
+        return out.reshape(*shape[:-1], self.n)
+
+    def _product(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.shape[0] == 1:
+            from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
+
+            if self.layout.kind == "fp8":
+                return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config)
+            return int4_gemv(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group, *self.gemv_config)
+        if self.rowwise_fp8(x):
+            return scaled_mm_rowwise(x, layer.weight, layer.weight_scale)
+        return F.linear(x, self.dequantized(layer, x.dtype))
+
+    def rowwise_fp8(self, x: torch.Tensor) -> bool:
+        """Whether a batch takes torch._scaled_mm: FP8 with one scale a row, on a GPU with FP8 tensor cores."""
+        return (self.layout.kind == "fp8" and self.group == self.k and x.is_cuda and self.k % 16 == 0
+                and self.n % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16) and _has_fp8_matmul(x.device)
+                and os.environ.get("SHARDSERVE_FP8_MATMUL", "scaled_mm") == "scaled_mm")
+
+    def dequantized(self, layer: KernelLinear, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's [N, K] weight in `dtype`, columns in the packed order (input_perm's)."""
+        if self.layout.kind == "fp8":
+            return dequantize_fp8(layer.weight, layer.weight_scale, self.group, dtype)
+        return dequantize_int4(layer.weight, layer.weight_scale, layer.weight_zero, self.group, dtype)
+
+    def unpack(self, layer: KernelLinear) -> None:
+        """Replace the packed parameters by the values they encode in the compute dtype (a dense layer again)."""
+        weight = self.dequantized(layer, self.compute_dtype)
+        perm = getattr(layer, "input_perm", None)
+        if perm is not None:
+            dense = torch.empty_like(weight)
+            dense[:, perm] = weight
+            weight = dense
+        loader = layer.weight.weight_loader
+        for name in ("weight_scale", "weight_zero", "input_perm"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.weight.weight_loader = loader
+        layer.packed = None
+
+
+def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(a, b)
+
+
+def _copy_scales(target: torch.Tensor, scale: torch.Tensor) -> None:
+    if tuple(scale.shape) != tuple(target.shape):
+        raise ValueError(f"scales of shape {tuple(scale.shape)} where the layer holds {tuple(target.shape)}")
+    target.copy_(scale)
+
+
+def quantize_fp8(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (float8_e4m3fn codes, float32 scales [N, K / group]): each row's group scaled so its
+    largest magnitude is FP8's largest value."""
+    n, k = values.shape
+    blocks = values.float().reshape(n, -1, group)
+    scale = (blocks.abs().amax(dim=2) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = (blocks / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.reshape(n, k), scale
+
+
+def quantize_int4(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (packed uint8 [N, K / 2], scales, zero points [N, K / group]): asymmetric, each row's group
+    spanning its minimum to maximum in 16 levels."""
+    n, k = values.shape
+    blocks = values.float().reshape(n, -1, group)
+    low, high = blocks.amin(dim=2).clamp(max=0), blocks.amax(dim=2).clamp(min=0)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    zero = (-low / scale).round().clamp(0, 15)
+    codes = (blocks / scale[:, :, None] + zero[:, :, None]).round().clamp(0, 15).to(torch.uint8)
+    return pack_int4(codes.reshape(n, k)), scale, zero
+
+
+_FP8_MATMUL: dict[torch.device, bool] = {}
+
+
+def _has_fp8_matmul(device: torch.device) -> bool:
+    """FP8 tensor cores: compute capability 8.9 (Ada) or newer."""
+    if device not in _FP8_MATMUL:
+        _FP8_MATMUL[device] = torch.cuda.get_device_capability(device) >= (8, 9)
+    return _FP8_MATMUL[device]
+
+
+def scaled_mm_rowwise(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (weight * weight_scale)^T with x quantized to FP8 per row (its absolute maximum to FP8's
+    largest value) and FP8 tensor cores; float32 accumulation, output in x's dtype."""
+    x_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    x_fp8 = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1),
+                            out_dtype=x.dtype)
+
+
+# -- which layers are packed -------------------------------------------------------------------------------
+
+
+def packed_layers(model: nn.Module) -> list[tuple[str, KernelLinear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, KernelLinear) and m.packed is not None]
+
+
+def is_router(name: str) -> bool:
+    """Routers and shared-expert gates stay in the compute dtype (checkpoints keep them so: a few rows that
+    decide which experts run)."""
+    last = name.rsplit(".", 1)[-1]
+    return last in ("gate", "shared_expert_gate")
+
+
+def quantizable_layers(model: nn.Module) -> list[tuple[str, KernelLinear]]:
+    """The column- and row-parallel layers a packed format applies to: every one but the routers."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not is_router(name)]
+
+
+def layout_for(layer: KernelLinear, layout: PackedLayout) -> tuple[PackedLayout | None, str]:
+    """The layout this rank's slice of `layer` takes (the group in local columns), or None and why it cannot be
+    packed: a row-parallel slice that starts or ends inside a scale group, or of an act-order layer at more
+    than one rank (its groups are spread over all columns)."""
+    k = layer.weight.shape[1]
+    if layout.group and k % layout.group:
+        return None, f"its {k} input columns are not whole groups of {layout.group}"
+    if layout.kind == "int4" and k % 2:
+        return None, f"its {k} input columns do not pack in pairs"
+    if not isinstance(layer, RowParallelLinear) or layer.comm is None:
+        return layout, ""
+    c0, c1 = layer.cols
+    if layout.act_order:
+        return None, "an act-order layer split by input columns"
+    if layout.group and (c0 % layout.group or (c1 - c0) % layout.group):
+        return None, f"its columns [{c0}, {c1}) split groups of {layout.group}"
+    return layout, ""
+
+
+def pack_layers(model: nn.Module, names: set[str] | None, layout: PackedLayout, device: torch.device | str,
+                log: bool = True) -> int:
+    """Make the quantizable layers (those in `names`, None: all) packed before loading; the others get their
+    dense weights (layers built under deferred_weights()). Returns how many were packed."""
+    chosen = {name for name, _ in quantizable_layers(model) if names is None or name in names}
+    count, unpacked = 0, []
+    for name, module in model.named_modules():
+        if not isinstance(module, KernelLinear):
+            continue
+        local = None
+        if name in chosen:
+            local, why = layout_for(module, layout)
+            if local is None:
+                unpacked.append(f"{name} ({why})")
+        if local is not None:
+            module.packed = PackedWeights(module, local, device)
+            count += 1
+        else:
+            module.materialize(device)
+    if unpacked and log:
+        logger.info("%d layers keep dequantized weights rather than %s: %s", len(unpacked), layout.describe(),
+                    "; ".join(unpacked[:4]) + (" ..." if len(unpacked) > 4 else ""))
+    return count
+
+
+def unpack_all(model: nn.Module) -> int:
+    layers = packed_layers(model)
+    for _, layer in layers:
+        layer.packed.unpack(layer)
+    return len(layers)
+
+
+# -- start-up: check, then time the single-row kernels ---------------------------------------------------------
+
+# FP8 batches quantize their activations to FP8 as well: each input then carries up to 2^-4 relative rounding,
+# about 2e-2 over a dot product. A wrong layout or a scale applied to the wrong group is off by far more.
+FP8_ACTIVATION_TOLERANCE = 6e-2
+
+
+def reference_weight(layer: KernelLinear) -> torch.Tensor:
+    """float64 [N, K] from the packed bytes, written from the layouts' definitions (not the dequantizers)."""
+    packed = layer.packed
+    scale = layer.weight_scale.double().repeat_interleave(packed.group, dim=1)[:, :packed.k]
+    if packed.layout.kind == "fp8":
+        return layer.weight.float().double() * scale
+    low, high = (layer.weight & 15).double(), (layer.weight >> 4).double()
+    q = torch.stack([low, high], dim=2).reshape(packed.n, packed.k)
+    return (q - layer.weight_zero.double().repeat_interleave(packed.group, dim=1)) * scale
+
+
+def distinct_packed(model: nn.Module) -> dict[tuple, list[KernelLinear]]:
+    """Packed layers grouped by (layout, N, K): what the kernels must be right on, and timed over."""
+    found: dict[tuple, list[KernelLinear]] = {}
+    for _, layer in packed_layers(model):
+        found.setdefault((layer.packed.layout, layer.packed.n, layer.packed.k), []).append(layer)
+    return found
+
+
+@torch.inference_mode()
+def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
+    """Each distinct packed shape's product at one row (the GEMV) and a batch, against float64 on the same
+    packed values; returns what failed, as 'fp8 (...) NxK at R rows: error E (tolerance T)'."""
+    from shardserve.kernels.self_check import TOLERANCE, relative_error, sampled_outputs
+
+    failures = []
+    for (layout, n, k), layers in distinct_packed(model).items():
+        layer = layers[0]
+        dtype = layer.packed.compute_dtype
+        sampled = sampled_outputs(n)
+        outputs = slice(None) if sampled is None else sampled.to(layer.weight.device)
+        w64 = reference_weight(layer)[outputs]
+        generator = torch.Generator().manual_seed(seed)
+        for m in rows:
+            x = torch.randn(m, k, generator=generator).to(dtype).to(layer.weight.device)
+            tolerance = TOLERANCE.get(dtype, 1e-2)
+            if m > 1 and layer.packed.rowwise_fp8(x):
+                tolerance = max(tolerance, FP8_ACTIVATION_TOLERANCE)
+            try:
+                error = relative_error(layer.packed._product(layer, x)[:, outputs], F.linear(x.double(), w64).cpu())
+                detail = f"error {error:.2g} (tolerance {tolerance:.2g})"
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot run this shape fails its check
+                error, detail = float("inf"), f"{type(e).__name__}: {e}"
+            if not error <= tolerance:
+                failures.append(f"{layout.describe()} {n}x{k} at {m} rows: {detail}")
+    return failures
+
+
+@torch.inference_mode()
+def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
+    """Per distinct packed shape on CUDA, the fastest of GEMV_CANDIDATES that matches float64, timed inside a
+    CUDA graph over the model's own layers of that shape. Keys are 'kind/group/N/K' (plain data, to agree on)."""
+    from shardserve.kernels.self_check import TOLERANCE, relative_error
+    from shardserve.layers.cuda_gemv import time_in_graph_us
+
+    chosen: dict[str, list[int]] = {}
+    for (layout, n, k), layers in distinct_packed(model).items():
+        first = layers[0]
+        if not first.weight.is_cuda:
+            continue
+        dtype = first.packed.compute_dtype
+        x = torch.randn(1, k, dtype=dtype, device=first.weight.device)
+        reference = F.linear(x.double(), reference_weight(first)).cpu()
+        timed = []
+        for config in GEMV_CANDIDATES:
+            first.packed.gemv_config = config
+            try:
+                if relative_error(first.packed._product(first, x), reference) > TOLERANCE.get(dtype, 1e-2):
+                    continue
+                us = time_in_graph_us(lambda x, layer: layer.packed._product(layer, x), layers[:32], x)
+            except Exception as e:  # noqa: BLE001 - a configuration this shape cannot take
+                logger.debug("GEMV config %s on %s %dx%d: %s", config, layout.describe(), n, k, e)
+                continue
+            timed.append((us, config))
+        first.packed.gemv_config = DEFAULT_GEMV
+        if timed:
+            chosen[f"{layout.kind}/{first.packed.group}/{n}/{k}"] = list(min(timed)[1])
+    return chosen
+
+
+def use_gemv_configs(model: nn.Module, chosen: dict[str, list[int]]) -> None:
+    for layers in distinct_packed(model).values():
+        for layer in layers:
+            key = f"{layer.packed.layout.kind}/{layer.packed.group}/{layer.packed.n}/{layer.packed.k}"
+            layer.packed.gemv_config = tuple(chosen.get(key, DEFAULT_GEMV))

@@ -1,0 +1,92 @@
+"""Packed quantized layers (layers/quantized_linear.py) against float64 on their own packed values: every product
+path (the single-row Triton GEMVs, torch._scaled_mm for FP8 batches, dequantize + matmul) from 1 to 512 rows, on
+Llama-3-8B's projections at TP 1 and 2 and a slice narrower than any kernel tile. On CPU, the dequantizing path on
+small shapes; the start-up check catches a corrupted scale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardserve.layers.quantized_linear import (FP8_ACTIVATION_TOLERANCE, PackedLayout, PackedWeights, check_packed,
+                                                reference_weight)
+from shardserve.kernels.self_check import TOLERANCE, relative_error
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+LAYOUTS = [PackedLayout("fp8", 0), PackedLayout("fp8", 128), PackedLayout("int4", 128), PackedLayout("int4", 32),
+           PackedLayout("int4", 0)]
+# (N, K): Llama-3-8B's qkv, o, gate_up and down projections at TP 1, then at TP 2; then a 24-row, 256-column slice.
+GPU_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 4096), (4096, 2048), (14336, 4096),
+              (4096, 7168), (24, 256)]
+CPU_SHAPES = [(48, 256), (24, 256)]
+
+
+def packed_layer(n: int, k: int, layout: PackedLayout, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """A column-parallel layer of [n, k], packed, loaded from random float weights (quantized at load)."""
+    layer = ColumnParallelLinear(k, {None: (0, n)}, False, dtype).to(DEVICE)
+    layer.packed = PackedWeights(layer, layout, DEVICE)
+    weights = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k ** -0.5
+    layer.weight.weight_loader(layer.weight, weights, None)
+    return layer
+
+
+def check_rows(layer, rows, dtype) -> None:
+    w64 = reference_weight(layer)
+    for m in rows:
+        x = torch.randn(m, layer.packed.k, device=DEVICE).to(dtype)
+        tolerance = TOLERANCE[dtype]
+        if m > 1 and layer.packed.rowwise_fp8(x):
+            tolerance = FP8_ACTIVATION_TOLERANCE
+        error = relative_error(layer(x), (x.double() @ w64.T).cpu())
+        assert error < tolerance, f"{layer.packed.layout.describe()} {tuple(layer.weight.shape)} at {m} rows: {error}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=PackedLayout.describe)
+@pytest.mark.parametrize("shape", GPU_SHAPES if CUDA else CPU_SHAPES, ids=str)
+def test_packed_products_match_float64_from_one_to_512_rows(layout, shape):
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    check_rows(packed_layer(*shape, layout, dtype), (1, 2, 7, 64, 512) if CUDA else (1, 3), dtype)
+
+
+@pytest.mark.skipif(not CUDA, reason="float16 activations: the GPU kernels")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=PackedLayout.describe)
+def test_float16_activations(layout):
+    check_rows(packed_layer(4096, 4096, layout, torch.float16), (1, 16), torch.float16)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=PackedLayout.describe)
+def test_products_replay_in_a_cuda_graph(layout):
+    layer = packed_layer(4096, 4096, layout, torch.bfloat16)
+    for m in (1, 8):
+        x = torch.randn(m, 4096, device=DEVICE, dtype=torch.bfloat16)
+        layer(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(out, layer(x))
+
+
+def test_a_row_parallel_slice_loads_its_own_columns_and_scales():
+    """A row-parallel layer at rank 1 of 2 takes columns [128, 256) of the checkpoint and their groups' scales."""
+    weights = torch.randn(32, 256, generator=torch.Generator().manual_seed(3))
+    whole = ColumnParallelLinear(256, {None: (0, 32)}, False, torch.float32)
+    whole.packed = PackedWeights(whole, PackedLayout("int4", 64), "cpu")
+    whole.weight.weight_loader(whole.weight, weights, None)
+    half = RowParallelLinear((128, 256), 32, False, torch.float32, comm=None)
+    half.packed = PackedWeights(half, PackedLayout("int4", 64), "cpu")
+    half.weight.weight_loader(half.weight, weights, None)
+    assert torch.equal(reference_weight(half), reference_weight(whole)[:, 128:])
+
+
+def test_the_start_up_check_catches_a_kernel_that_drops_the_scales():
+    model = nn.Sequential(packed_layer(48, 256, PackedLayout("fp8", 128), torch.bfloat16 if CUDA else torch.float32))
+    assert check_packed(model) == []
+    model[0].packed._product = lambda layer, x: x @ layer.weight.to(x.dtype).T  # FP8 values without their scales
+    failures = check_packed(model)
+    assert len(failures) == 2 and "48x256 at 1 rows" in failures[0] and "error" in failures[0]
