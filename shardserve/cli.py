@@ -93,6 +93,9 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="a mixture of experts: give each rank whole experts (experts / ranks of them) instead of "
                         "splitting every expert by features across the ranks")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: quantize a float checkpoint's linear layers to FP8 at load (a scale per output row; "
+                        "on GPUs half the weight bytes of bfloat16). Quantized checkpoints (FP8, GPTQ) need no flag")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "none"], default="auto",
@@ -144,6 +147,8 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=_positive_float("--kv-cache-memory"), default=None,
                    help="GiB of KV cache per rank on CPUs (default: what serve uses)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="plan for serve --quantization fp8 (projections quantized to FP8 at load)")
     p.add_argument("--host-memory-gb", type=_positive_float("--host-memory-gb"), default=None,
                    help="host memory in GiB (default: this machine's)")
     p.add_argument("--host-floor-gb", type=_positive_float("--host-floor-gb"), default=6.0,
@@ -343,7 +348,8 @@ def _plan(args: argparse.Namespace) -> int:
                           args.max_num_batched_tokens,
                           (args.gpu_memory_gb or _first_gpu_gb()) if device == "cuda" else None,
                           args.gpu_memory_utilization, args.kv_cache_dtype, args.host_memory_gb or _host_gb(),
-                          args.host_floor_gb, device=device, kv_cache_memory_gb=args.kv_cache_memory)
+                          args.host_floor_gb, device=device, kv_cache_memory_gb=args.kv_cache_memory,
+                          quantization=args.quantization)
     try:
         result = plan(cfg, request)
     except ValueError as e:  # a model it cannot serve (an unsupported quantization, say)

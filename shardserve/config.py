@@ -25,6 +25,8 @@ SUPPORTED_ARCHITECTURES = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": read the checkpoint; "dummy": synthetic weights in the model's shapes (shardserve/weights/synthetic.py).
 LOAD_FORMATS = ("auto", "dummy")
+# --quantization: quantize a float checkpoint at load (None: serve it as stored).
+ONLINE_QUANTIZATION = (None, "fp8")
 
 
 @dataclass(frozen=True)
@@ -190,10 +192,15 @@ class EngineConfig:
     forward_env: tuple[str, ...] = ()
     wake_on_request: bool = False  # a request to a sleeping engine wakes it (else it waits for a wake-up)
     enable_expert_parallel: bool = False  # a mixture of experts: whole experts per rank, not experts split by features
+    # "fp8": a float checkpoint's linear layers quantized at load (FP8 with a scale per output row); None: as stored.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.quantization not in ONLINE_QUANTIZATION:
+            raise ValueError(f"quantization must be one of {', '.join(map(str, ONLINE_QUANTIZATION))}, got "
+                             f"{self.quantization!r}")
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:
         limit = model_config.max_position_embeddings

@@ -43,6 +43,7 @@ class PlanRequest:
     ranks_per_host: int | None = None  # default: all ranks on one host
     device: str = "cuda"  # "cpu": every rank in host memory, float32, no CUDA graphs
     kv_cache_memory_gb: float | None = None  # per rank; on CPUs the engine's default when None
+    quantization: str | None = None  # "fp8": --quantization fp8 (a float checkpoint quantized at load)
 
 
 @dataclass
@@ -235,20 +236,53 @@ def _replicated_warning(replicated: list[str], tp: int) -> list[str]:
     return [f"replicated on every rank (they do not split {tp} ways): {', '.join(sorted(set(replicated)))}"]
 
 
-def _quantization_warning(cfg: dict) -> list[str]:
-    """What a quantized checkpoint costs here (its layers are held as the values they encode); an unsupported
-    quantization raises, as start-up would."""
+def projection_elements_per_rank(cfg: dict, tp: int) -> int:
+    """Weights of the attention and dense MLP projections one rank holds: what a quantized checkpoint (or
+    --quantization fp8) keeps packed on GPUs. Experts, routers, norms, embeddings and the head stay in the compute
+    dtype."""
+    h, hd = cfg["hidden_size"], _head_dim(cfg)
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    shard = attention_shard(heads, kv_heads, hd, 0, tp)
+    attn = h * (shard.num_q + 2 * shard.num_kv) * hd + shard.num_q * hd * h
+    dense = 3 * h * _rows(cfg["intermediate_size"], tp, "mlp", [])
+    shared = 3 * h * _rows(_moe(cfg)[2], tp, "shared expert", []) if _moe(cfg)[2] else 0
+    total = 0
+    for i, kind in enumerate(layer_kinds(cfg)):
+        if kind == "attention":
+            total += attn
+        total += shared if _is_moe_layer(cfg, i) else dense
+    return total
+
+
+def _packed_bytes_per_weight(cfg: dict, online: str | None) -> tuple[float, str] | None:
+    """Bytes a packed projection weight takes on GPUs (scales included), and the format's name; None for float
+    weights. An unsupported quantization raises, as start-up would."""
     from shardserve.weights.quantized import parse_quantization
 
     scheme = parse_quantization(cfg)
+    if online == "fp8" and scheme is None:
+        return 1 + 4 / cfg["hidden_size"], "fp8 at load (a scale a row)"
     if scheme is None:
+        return None
+    if scheme.method == "fp8":
+        return (1 + 4 / scheme.weight_block[1] if scheme.weight_block else 1.0), scheme.describe()
+    group = scheme.group_size if scheme.group_size > 0 else cfg["hidden_size"]
+    return 0.5 + 8 / group, scheme.describe()
+
+
+def _quantization_warning(cfg: dict, req: PlanRequest) -> list[str]:
+    packed = _packed_bytes_per_weight(cfg, req.quantization)
+    if packed is None:
         return []
-    return [f"the checkpoint is quantized ({scheme.describe()}): its layers are held dequantized, counted here at "
-            f"{_dtype_bytes(cfg)} bytes a weight ({cfg.get('torch_dtype') or 'bfloat16'})"]
+    if req.device == "cpu":
+        return [f"the checkpoint's layers are quantized ({packed[1]}): on CPUs they are held dequantized, counted "
+                f"here in float32"]
+    return [f"quantized projections ({packed[1]}): counted at {packed[0]:.3g} bytes a weight; experts, embeddings "
+            f"and the head at {_dtype_bytes(cfg)}"]
 
 
 def plan(cfg: dict, req: PlanRequest) -> Plan:
-    quantization = _quantization_warning(cfg)
+    quantization = _quantization_warning(cfg, req)
     if req.device == "cpu":
         cpu = _plan_cpu(cfg, req)
         cpu.warnings[:0] = quantization
@@ -258,6 +292,9 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
     kv_dtype = dtype if req.kv_cache_dtype == "auto" else DTYPE_BYTES[req.kv_cache_dtype]
     replicated: list[str] = []
     weights = weight_elements_per_rank(cfg, tp, replicated) * dtype
+    packed = _packed_bytes_per_weight(cfg, req.quantization)
+    if packed is not None:
+        weights -= int(projection_elements_per_rank(cfg, tp) * (dtype - packed[0]))
     per_token, per_seq_state, model_limit, max_len = _context(cfg, req, kv_dtype)
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     graphs = req.max_num_seqs * (8 * h + 3 * inter // tp) * dtype

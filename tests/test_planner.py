@@ -153,11 +153,22 @@ def test_plan_on_a_machine_without_a_gpu_plans_for_cpus(tmp_path):
 
 
 def test_a_quantized_checkpoint_is_planned_as_it_is_held_and_an_unsupported_one_refused(tmp_path):
+    """On GPUs the projections stay packed (FP8: a byte a weight plus a float32 scale per 128-wide block; 4-bit
+    GPTQ: half a byte plus a float32 scale and zero point per group); on CPUs they are held dequantized."""
+    projections = 32 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336)  # Llama-3-8B's, at TP 1
     fp8 = {**LLAMA3_8B, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    gptq = {**LLAMA3_8B, "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
     dense = plan(LLAMA3_8B, PlanRequest(gpu_memory_gb=80))
     quantized = plan(fp8, PlanRequest(gpu_memory_gb=80))
-    assert quantized.weight_bytes == dense.weight_bytes  # held dequantized, in the checkpoint's 16-bit dtype
-    assert any("quantized (fp8 (blocks of 128x128))" in w and "held dequantized" in w for w in quantized.warnings)
+    assert quantized.weight_bytes == dense.weight_bytes - int(projections * (2 - 1 - 4 / 128))
+    assert any("fp8 (blocks of 128x128)" in w and "1.03 bytes a weight" in w for w in quantized.warnings)
+    assert plan(gptq, PlanRequest(gpu_memory_gb=80)).weight_bytes == \
+        dense.weight_bytes - int(projections * (2 - 0.5 - 8 / 128))
+    online = plan(LLAMA3_8B, PlanRequest(gpu_memory_gb=80, quantization="fp8"))
+    assert online.weight_bytes == dense.weight_bytes - int(projections * (1 - 4 / 4096))
+    on_cpu = plan(fp8, PlanRequest(device="cpu"))
+    assert on_cpu.weight_bytes == plan(LLAMA3_8B, PlanRequest(device="cpu")).weight_bytes
+    assert any("held dequantized" in w for w in on_cpu.warnings)
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**LLAMA3_8B, "quantization_config": {"quant_method": "awq", "bits": 4}}))
     result = subprocess.run([sys.executable, "-m", "shardserve", "plan", str(config), "--gpu-memory-gb", "80"],

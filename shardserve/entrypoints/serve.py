@@ -32,6 +32,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format, forward_env=tuple(dict.fromkeys(args.forward_env)),
         wake_on_request=args.wake_on_request,
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+        quantization=getattr(args, "quantization", None),
     )
 
 
