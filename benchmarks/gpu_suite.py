@@ -7,6 +7,8 @@ Llama-3-8B- or Llama-3-70B-shaped model with random bf16 weights (speed does not
     python benchmarks/gpu_suite.py --skip-hf --tp 1
     python benchmarks/gpu_suite.py --model llama3-70b --tp 4,8
     python benchmarks/gpu_suite.py --phase online           # the online phase alone; prints its RESULT line
+    python benchmarks/gpu_suite.py --tp 1 --skip-hf --quantization fp8        # --quantization fp8 at load
+    python benchmarks/gpu_suite.py --tp 1 --skip-hf --quantization gptq-int4  # a 4-bit GPTQ config, groups of 128
 
 Each phase runs in its own process (a crash or hang in one cannot take the others down); the parent
 prints a table and writes benchmarks/results/<device-kind>[-<model>]-<YYYYMMDD>.json (no model part for
@@ -20,6 +22,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -51,6 +54,12 @@ QWEN3_30B_A3B = {
     "bos_token_id": 151643, "eos_token_id": 151645,
 }
 SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+# --quantization: the tag of its result keys, and bytes a projection weight takes (int4: half a byte plus a
+# float32 scale and zero point per group of 128).
+QUANTIZATION_TAGS = {"fp8": "fp8", "gptq-int4": "int4"}
+LINEAR_WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "gptq-int4": 0.5 + 8 / 128}
+GPTQ_INT4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
+             "checkpoint_format": "gptq"}
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_OUTPUT = 512, 512, 256
 HF_BATCH = 64
 AGREE_PROMPTS, AGREE_TOKENS = 32, 16
@@ -79,21 +88,24 @@ def graph_replay_ms(graph, replays: int = 50) -> float:
     return start.elapsed_time(end) / replays
 
 
-def weight_bytes(cfg: dict, active: bool = False) -> int:
+def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = None) -> int:
     """bf16 bytes of the weights (embedding and untied head included); `active`: those one decoded token reads,
-    for a mixture of experts its router and its num_experts_per_tok chosen experts a layer, not all of them.
+    for a mixture of experts its router and its num_experts_per_tok chosen experts a layer, not all of them;
+    `quantization`: the attention and MLP projections in that format (LINEAR_WEIGHT_BYTES).
     (The roofline counts one embedding row as the whole embedding, a rounding error beside the head.)"""
     h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    per_layer = h * (q + 2 * kv) + q * h + 2 * h
+    projections = h * (q + 2 * kv) + q * h
+    per_layer = 2 * h
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     if experts:
         used = cfg["num_experts_per_tok"] if active else experts
         per_layer += experts * h + used * 3 * h * cfg["moe_intermediate_size"]
     else:
-        per_layer += 3 * h * cfg["intermediate_size"]
-    return 2 * (layers * per_layer + 2 * v * h + h)
+        projections += 3 * h * cfg["intermediate_size"]
+    linear = LINEAR_WEIGHT_BYTES[quantization] * layers * projections
+    return int(linear + 2 * (layers * per_layer + 2 * v * h + h))
 
 
 def write_model_dir(path: str, shape: dict = LLAMA3_8B) -> str:
@@ -135,7 +147,8 @@ def phase_roofline(args) -> dict:
         b.copy_(a)
     torch.cuda.synchronize()
     bw = 2 * nbytes * 10 / (time.perf_counter() - t) / 1e9
-    wb, active = weight_bytes(SHAPES[args.model]), weight_bytes(SHAPES[args.model], active=True)
+    wb = weight_bytes(SHAPES[args.model], quantization=args.quantization)
+    active = weight_bytes(SHAPES[args.model], active=True, quantization=args.quantization)
     return {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
             "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory,
             "copy_GBps": bw, "weight_bytes": wb, "active_weight_bytes": active, "roofline_tok_s": bw * 1e9 / active}
@@ -176,8 +189,10 @@ def phase_engine(args) -> dict:
 
     started = time.perf_counter()
     llm = LLM(args.model_dir, tensor_parallel_size=args.tp[0], device="cuda", dtype="bfloat16", load_format="dummy",
-              max_model_len=2048, max_num_seqs=OFFLINE_REQUESTS, max_num_batched_tokens=args.max_batched_tokens)
-    out = {"startup_s": time.perf_counter() - started, "kv_cache_blocks": llm.engine.runner.num_blocks}
+              max_model_len=2048, max_num_seqs=OFFLINE_REQUESTS, max_num_batched_tokens=args.max_batched_tokens,
+              quantization="fp8" if args.quantization == "fp8" else None)
+    out = {"startup_s": time.perf_counter() - started, "kv_cache_blocks": llm.engine.runner.num_blocks,
+           "kernel_plan": llm.engine.runner.plan.describe()}
     runner = llm.engine.runner
     if runner.all_reduce_choice is not None:
         out["allreduce_choice"] = runner.all_reduce_choice.describe()
@@ -451,6 +466,8 @@ def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
     spawned ranks too) is sent SIGABRT, which with PYTHONFAULTHANDLER set prints each one's stack."""
     cmd = [sys.executable, __file__, "--phase", name, "--model", args.model, "--model-dir", args.model_dir,
            "--max-batched-tokens", str(args.max_batched_tokens), *extra]
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
     print(f"== {name} {' '.join(extra)}", flush=True)
     t = time.perf_counter()
     env = dict(os.environ, PYTHONFAULTHANDLER="1")
@@ -541,6 +558,9 @@ def main() -> int:
     p.add_argument("--profile-online", default=None, metavar="DIR",
                    help="py-spy profiles (raw folded stacks) of the server's processes during the largest online "
                         "level, written to DIR (needs py-spy)")
+    p.add_argument("--quantization", choices=sorted(QUANTIZATION_TAGS), default=None,
+                   help="fp8: --quantization fp8 at load; gptq-int4: a 4-bit GPTQ checkpoint (groups of 128). Results "
+                        "go under keys tagged fp8 / int4, added to the day's results file (no HF, no online phase)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -555,6 +575,10 @@ def main() -> int:
         sys.stdout.flush()
         os._exit(0)  # symmetric-memory and NCCL teardown can hang at interpreter exit
     shape = SHAPES[args.model]
+    if args.quantization == "gptq-int4":
+        shape = {**shape, "quantization_config": GPTQ_INT4}
+    if args.quantization:
+        args.skip_hf, args.online = True, False
     args.model_dir = args.model_dir or write_model_dir(tempfile.mkdtemp(prefix=f"{args.model}-shape-"), shape)
     report = run_phase("roofline", args, [], 300)
     if "error" in report:
@@ -577,6 +601,13 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     model = "" if args.model == "llama3-8b" else f"{args.model}-"
     path = os.path.join(args.out, f"{results['device_kind']}-{model}{datetime.date.today():%Y%m%d}.json")
+    if args.quantization:
+        earlier = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                earlier = json.load(f)
+        results = quantized_results(results, QUANTIZATION_TAGS[args.quantization], earlier)
+        print("\n".join(f"{key}: {value}" for key, value in results.items() if key not in earlier))
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
     print(f"wrote {path}")
@@ -651,6 +682,26 @@ def summarize(report: dict, engines: dict[int, dict], model: str = "llama3-8b", 
         if a and b:
             res[f"tp{base}_tp{tp}_bf16_first16_agree_fraction"] = sum(x == y for x, y in zip(a, b)) / len(a)
     return res
+
+
+def quantized_results(res: dict, tag: str, earlier: dict) -> dict:
+    """A quantized run's figures under keys tagged `tag` (decode_bs1_tp1_fp8_tok_s, offline_tp1_fp8_output_tok_s,
+    roofline_fp8_tok_s, ...), added to `earlier` (the day's bf16 results, if any), with the ratios to its bf16
+    figures where that run is there."""
+    out = dict(earlier) or {k: res[k] for k in ("device", "device_kind", "model_shape", "torch", "copy_GBps")}
+    out.update({f"commit_{tag}": res["commit"], f"weight_bytes_{tag}": res["weight_bytes"],
+                f"active_weight_bytes_{tag}": res["active_weight_bytes"], f"roofline_{tag}_tok_s": res["roofline_tok_s"]})
+    for key, value in res.items():
+        for old, new in ((r"^decode_bs1_tp(\d+)_", rf"decode_bs1_tp\1_{tag}_"), (r"^offline_tp(\d+)_", rf"offline_tp\1_{tag}_"),
+                         (r"^tp(\d+)_", rf"tp\1_{tag}_")):
+            if re.match(old, key):
+                out[re.sub(old, new, key)] = value
+    for tp in (1, 2, 4, 8):
+        for kind in ("decode_bs1_tp{}{}_tok_s", "offline_tp{}{}_output_tok_s"):
+            bf16, quantized = kind.format(tp, ""), kind.format(tp, f"_{tag}")
+            if out.get(bf16) and out.get(quantized):
+                out[quantized.replace("_tok_s", "_vs_bf16")] = out[quantized] / out[bf16]
+    return out
 
 
 def print_table(r: dict) -> None:
