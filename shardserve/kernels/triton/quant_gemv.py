@@ -29,9 +29,29 @@ def _e4m3_bits_to_float(b):
 
 
 @triton.jit
+def _input(x_ptr, offs, mask, K: tl.constexpr, SWIGLU: tl.constexpr, MASKED: tl.constexpr):
+    """The GEMV's input at offs as float32: x, or with SWIGLU silu(gate) * up from x = [gate | up] (2K values),
+    rounded as shardserve.kernels.triton.fused_ops.silu_and_mul rounds, so the fused product equals the two-kernel
+    one. Without MASKED, `mask` is ignored (every offset is inside K)."""
+    if SWIGLU:
+        if MASKED:
+            gate = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            up = tl.load(x_ptr + K + offs, mask=mask, other=0.0)
+        else:
+            gate = tl.load(x_ptr + offs)
+            up = tl.load(x_ptr + K + offs)
+        g = gate.to(tl.float32)
+        act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
+        return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    if MASKED:
+        return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(x_ptr + offs).to(tl.float32)
+
+
+@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn,
                      K: tl.constexpr, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                     BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
+                     BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, SWIGLU: tl.constexpr):
     """out[n] = sum_k float(w[n, k]) * s[n, k // GROUP_K] * x[k]. SUB divides GROUP_K unless PER_ROW (one scale
     per row, applied after the reduction). w points at the raw bytes (masked loads of uint8 can fill with 0),
 reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it."""
@@ -46,12 +66,12 @@ reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it.""
     acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
-            x = tl.load(x_ptr + k + cols)
+            x = _input(x_ptr, k + cols, None, K, SWIGLU, False)
             w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None], other=0,
                         eviction_policy="evict_first")
         else:
             col_ok = k + cols < K
-            x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
+            x = _input(x_ptr, k + cols, col_ok, K, SWIGLU, True)
             w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None] & col_ok[None], other=0,
                         eviction_policy="evict_first")
         if NATIVE_FP8:
@@ -75,64 +95,69 @@ reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it.""
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn,
                       K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
-                      SUB: tl.constexpr):
-    """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP, q packed two columns a byte.
-    The nibbles of a byte are interleaved back into column order in registers (join + reshape), so x is read
-    contiguously. Per sub-tile (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum):
-    the scale and zero cost one multiply-add per row and sub-tile, not per weight. GROUP == K is one group:
-    the sums run over the whole row and the scale and zero are applied once at the end."""
-    HALF: tl.constexpr = SUB // 2
+                      SUB: tl.constexpr, SWIGLU: tl.constexpr):
+    """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP. The packed bytes are read as 32-bit
+    words, eight columns each in order (nibble i of word w is column 8 w + i), so a nibble becomes a float with
+    a shift, a mask and an OR into the mantissa of 2^23 followed by one subtraction, all full-rate instructions:
+    integer-to-float conversions run at a quarter of the rate and bounded this kernel by arithmetic. Per sub-tile
+    (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum). GROUP == K is one group: the
+    sums run over the whole row and the scale and zero are applied once at the end."""
+    WORDS: tl.constexpr = SUB // 8
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     ONE_GROUP: tl.constexpr = GROUP == K
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     sub = tl.arange(0, TILE_GROUPS)
-    byte = sub[:, None] * HALF + tl.arange(0, HALF)[None, :]  # bytes of a tile, holding its columns 2b, 2b + 1
-    cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [TILE_GROUPS, WORDS] words of a tile
+    shifts = tl.arange(0, 8) * 4
+    cols = word[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [TILE_GROUPS, WORDS, 8] in column order
     q_rows = q_ptr + rows.to(tl.int64)[:, None, None] * stride_qn
     s_rows = s_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
     z_rows = z_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
     if ONE_GROUP:
-        acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
-        x_acc = tl.zeros((TILE_GROUPS, SUB), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, TILE_GROUPS), dtype=tl.float32)
+        x_acc = tl.zeros((TILE_GROUPS,), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, TILE_GROUPS), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
-            b = tl.load(q_rows + k // 2 + byte[None], mask=row_ok[:, None, None], other=0,
+            w = tl.load(q_rows + k // 8 + word[None], mask=row_ok[:, None, None], other=0,
                         eviction_policy="evict_first")
-            x = tl.load(x_ptr + k + cols).to(tl.float32)
+            x = _input(x_ptr, k + cols, None, K, SWIGLU, False)
         else:
-            b = tl.load(q_rows + k // 2 + byte[None], mask=row_ok[:, None, None] & (k // 2 + byte < K // 2)[None],
+            w = tl.load(q_rows + k // 8 + word[None], mask=row_ok[:, None, None] & (k // 8 + word < K // 8)[None],
                         other=0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
-        b = b.to(tl.int32)
-        q = tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)).reshape(BLOCK_N, TILE_GROUPS, SUB)
+            x = _input(x_ptr, k + cols, k + cols < K, K, SWIGLU, True)
+        bits = ((w[:, :, :, None] >> shifts[None, None, None, :]) & 15) | 0x4B000000
+        q = bits.to(tl.float32, bitcast=True) - 8388608.0  # 2^23 + q - 2^23, exact
+        qx = tl.sum(tl.sum(q * x[None], axis=3), axis=2)  # [BLOCK_N, TILE_GROUPS]
+        xs = tl.sum(tl.sum(x, axis=2), axis=1)  # [TILE_GROUPS]
         if ONE_GROUP:
-            acc += q * x[None]
-            x_acc += x
+            acc += qx
+            x_acc += xs
         else:
             group = (k + sub * SUB) // GROUP
             group_ok = row_ok[:, None] & (group < K // GROUP)[None, :]
             s = tl.load(s_rows + group[None, :], mask=group_ok, other=0.0)
             z = tl.load(z_rows + group[None, :], mask=group_ok, other=0.0)
-            acc += s * (tl.sum(q * x[None], axis=2) - z * tl.sum(x, axis=1)[None, :])
+            acc += s * (qx - z * xs[None, :])
     if ONE_GROUP:
         s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
         z = tl.load(z_ptr + rows, mask=row_ok, other=0.0)
-        y = s * (tl.sum(tl.sum(acc, axis=2), axis=1) - z * tl.sum(tl.sum(x_acc, axis=1), axis=0))
+        y = s * (tl.sum(acc, axis=1) - z * tl.sum(x_acc, axis=0))
     else:
         y = tl.sum(acc, axis=1)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8,
-             block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+             block_k: int = 512, num_warps: int = 4, num_stages: int = 3, swiglu: bool = False) -> torch.Tensor:
     """x [1, K] (or [K]) times the fp8 weight [N, K]^T with scale [N, ceil(K / group_k)] -> [1, N] in x's
     dtype. group_k >= K is one scale per row. block_n and block_k are powers of two; a block_k tile spans
-    block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_k) columns."""
+    block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_k) columns. With swiglu, x
+    is [gate | up] (2K values) and the input silu(gate) * up."""
     check_fp8(weight, scale, group_k)
-    x = _one_row(x, weight.shape[1], "fp8_gemv")
+    x = _one_row(x, weight.shape[1] * (2 if swiglu else 1), "fp8_gemv")
     _check_blocks(block_n, block_k, 1)
     n, k = weight.shape
     per_row = fp8_groups(k, group_k) == 1
@@ -142,25 +167,31 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight.view(torch.uint8), scale, out, n, weight.stride(0), K=k,
         GROUP_K=k if per_row else group_k, PER_ROW=per_row, NATIVE_FP8=native, BLOCK_N=block_n,
-        TILE_GROUPS=block_k // sub, SUB=sub, num_warps=num_warps, num_stages=num_stages)
+        TILE_GROUPS=block_k // sub, SUB=sub, SWIGLU=swiglu, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-              block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+              block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3,
+              swiglu: bool = False) -> torch.Tensor:
     """x [1, K] (or [K]) times the int4 weight (qweight [N, K // 2], scale and zero [N, K // group_size])
-    transposed -> [1, N] in x's dtype. block_n and block_k (columns, not bytes) are powers of two, block_k >= 2;
-    a tile spans block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_size)
-    columns, or one of block_k columns when group_size == K."""
+    transposed -> [1, N] in x's dtype. K and the group size are multiples of 8 (the kernel reads 32-bit words of
+    eight columns); block_n and block_k (columns, not bytes) are powers of two, block_k >= 8; a tile spans
+    block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_size) columns, or one of
+    block_k columns when group_size == K. With swiglu, x is [gate | up] (2K values) and the input silu(gate) * up."""
+    x = _one_row(x, 2 * qweight.shape[1] * (2 if swiglu else 1), "int4_gemv")
     check_int4(qweight, scale, zero, group_size)
-    x = _one_row(x, 2 * qweight.shape[1], "int4_gemv")
-    _check_blocks(block_n, block_k, 2)
+    _check_blocks(block_n, block_k, 8)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
+    if k % 8 or group_size % 8 or qweight.stride(0) % 4 or qweight.storage_offset() % 4:
+        raise ValueError(f"int4_gemv reads 32-bit words: K ({k}) and the group size ({group_size}) must be multiples "
+                         f"of 8 and the rows aligned to 4 bytes")
     sub = block_k if group_size == k else min(block_k, group_size & -group_size)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scale, zero, out, n, qweight.stride(0), K=k, GROUP=group_size, BLOCK_N=block_n,
-        TILE_GROUPS=block_k // sub, SUB=sub, num_warps=num_warps, num_stages=num_stages)
+        x, qweight.view(torch.int32), scale, zero, out, n, qweight.stride(0) // 4, K=k, GROUP=group_size,
+        BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, SWIGLU=swiglu, num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 
@@ -214,3 +245,36 @@ def dequantize_int4_cuda(qweight: torch.Tensor, scale: torch.Tensor, zero: torch
     _dequantize_int4_kernel[grid](qweight, scale, zero, out, n, k, qweight.stride(0), GROUP=group_size,
                                   BLOCK_R=block_r, BLOCK_C=block_c)
     return out
+
+
+@triton.jit
+def _quantize_rows_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, K: tl.constexpr, FP8_MAX: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    """One program per row: the row's absolute maximum, then every value divided by max / FP8_MAX and rounded to
+    float8_e4m3fn; the scale (max / FP8_MAX, at least 1e-12) goes to s_ptr[row]."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, K, BLOCK):
+        x = tl.load(x_row + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), 1e-12)
+    tl.store(s_ptr + row, scale)
+    for k in range(0, K, BLOCK):
+        x = tl.load(x_row + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * K + k + cols, q.to(q_ptr.dtype.element_ty), mask=k + cols < K)
+
+
+def quantize_rows_fp8(x: torch.Tensor, fp8_max: float = 448.0, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]) with x ~ q * scale row by row: the dynamic
+    per-token activation scaling of an FP8 matmul, in one launch."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_rows_fp8 needs a 2-D tensor with contiguous rows, got {tuple(x.shape)}")
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_fp8_kernel[(m,)](x, q, scale, x.stride(0), K=k, FP8_MAX=fp8_max, BLOCK=block, num_warps=4)
+    return q, scale
