@@ -277,8 +277,8 @@ def layout_for(layer: KernelLinear, layout: PackedLayout) -> tuple[PackedLayout 
     k = layer.weight.shape[1]
     if layout.group and k % layout.group:
         return None, f"its {k} input columns are not whole groups of {layout.group}"
-    if layout.kind == "int4" and (k % 8 or (layout.group or k) % 8):
-        return None, f"its {k} input columns are not 32-bit words of eight 4-bit values per group"
+    if layout.kind == "int4" and k % 2:
+        return None, f"its {k} input columns do not pack in pairs"
     if not isinstance(layer, RowParallelLinear) or layer.comm is None:
         return layout, ""
     c0, c1 = layer.cols
@@ -375,9 +375,12 @@ def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
                 failures.append(f"{layout.describe()} {n}x{k} at {m} rows: {detail}")
         if any(getattr(each, "takes_swiglu_input", False) for each in layers):
             gate_up = torch.randn(1, 2 * k, generator=generator).to(dtype).to(layer.weight.device)
+            activation = silu_and_mul(gate_up)  # the reference takes it in the packed column order
+            if getattr(layer, "input_perm", None) is not None:
+                activation = activation.index_select(1, layer.input_perm)
             try:
                 error = relative_error(layer.packed.matmul_swiglu(layer, gate_up)[:, outputs],
-                                       F.linear(silu_and_mul(gate_up).double(), w64).cpu())
+                                       F.linear(activation.double(), w64).cpu())
                 detail = f"error {error:.2g} (tolerance {TOLERANCE.get(dtype, 1e-2):.2g})"
             except Exception as e:  # noqa: BLE001
                 error, detail = float("inf"), f"{type(e).__name__}: {e}"

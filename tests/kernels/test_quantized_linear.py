@@ -108,3 +108,11 @@ def test_swiglu_input_one_launch_or_two_is_the_same_product(layout):
         want = silu_and_mul(gate_up).double() @ w64.T
         tolerance = FP8_ACTIVATION_TOLERANCE if m > 1 and layer.packed.rowwise_fp8(gate_up) else TOLERANCE[dtype]
         assert relative_error(got, want.cpu()) < tolerance, f"{m} rows"
+
+
+def test_the_start_up_check_passes_an_act_order_down_projection():
+    """An act-order layer takes its input in group order (input_perm); the check's SwiGLU reference must too."""
+    layer = packed_layer(48, 256, PackedLayout("int4", 128, act_order=True), torch.bfloat16 if CUDA else torch.float32)
+    layer.input_perm.data.copy_(torch.randperm(256, generator=torch.Generator().manual_seed(0)))
+    layer.takes_swiglu_input = True
+    assert check_packed(nn.Sequential(layer)) == []

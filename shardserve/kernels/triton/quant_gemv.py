@@ -96,55 +96,51 @@ reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it.""
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn,
                       K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
                       SUB: tl.constexpr, SWIGLU: tl.constexpr):
-    """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP. The packed bytes are read as 32-bit
-    words, eight columns each in order (nibble i of word w is column 8 w + i), so a nibble becomes a float with
-    a shift, a mask and an OR into the mantissa of 2^23 followed by one subtraction, all full-rate instructions:
-    integer-to-float conversions run at a quarter of the rate and bounded this kernel by arithmetic. Per sub-tile
-    (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum). GROUP == K is one group: the
-    sums run over the whole row and the scale and zero are applied once at the end."""
-    WORDS: tl.constexpr = SUB // 8
+    """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP, q packed two columns a byte.
+    The nibbles of a byte are interleaved back into column order in registers (join + reshape), so x is read
+    contiguously. Per sub-tile (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum):
+    the scale and zero cost one multiply-add per row and sub-tile, not per weight. GROUP == K is one group:
+    the sums run over the whole row and the scale and zero are applied once at the end."""
+    HALF: tl.constexpr = SUB // 2
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     ONE_GROUP: tl.constexpr = GROUP == K
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     sub = tl.arange(0, TILE_GROUPS)
-    word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [TILE_GROUPS, WORDS] words of a tile
-    shifts = tl.arange(0, 8) * 4
-    cols = word[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [TILE_GROUPS, WORDS, 8] in column order
+    byte = sub[:, None] * HALF + tl.arange(0, HALF)[None, :]  # bytes of a tile, holding its columns 2b, 2b + 1
+    cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
     q_rows = q_ptr + rows.to(tl.int64)[:, None, None] * stride_qn
     s_rows = s_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
     z_rows = z_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
     if ONE_GROUP:
-        acc = tl.zeros((BLOCK_N, TILE_GROUPS), dtype=tl.float32)
-        x_acc = tl.zeros((TILE_GROUPS,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
+        x_acc = tl.zeros((TILE_GROUPS, SUB), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, TILE_GROUPS), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
-            w = tl.load(q_rows + k // 8 + word[None], mask=row_ok[:, None, None], other=0,
+            b = tl.load(q_rows + k // 2 + byte[None], mask=row_ok[:, None, None], other=0,
                         eviction_policy="evict_first")
             x = _input(x_ptr, k + cols, None, K, SWIGLU, False)
         else:
-            w = tl.load(q_rows + k // 8 + word[None], mask=row_ok[:, None, None] & (k // 8 + word < K // 8)[None],
+            b = tl.load(q_rows + k // 2 + byte[None], mask=row_ok[:, None, None] & (k // 2 + byte < K // 2)[None],
                         other=0, eviction_policy="evict_first")
             x = _input(x_ptr, k + cols, k + cols < K, K, SWIGLU, True)
-        bits = ((w[:, :, :, None] >> shifts[None, None, None, :]) & 15) | 0x4B000000
-        q = bits.to(tl.float32, bitcast=True) - 8388608.0  # 2^23 + q - 2^23, exact
-        qx = tl.sum(tl.sum(q * x[None], axis=3), axis=2)  # [BLOCK_N, TILE_GROUPS]
-        xs = tl.sum(tl.sum(x, axis=2), axis=1)  # [TILE_GROUPS]
+        b = b.to(tl.int32)
+        q = tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)).reshape(BLOCK_N, TILE_GROUPS, SUB)
         if ONE_GROUP:
-            acc += qx
-            x_acc += xs
+            acc += q * x[None]
+            x_acc += x
         else:
             group = (k + sub * SUB) // GROUP
             group_ok = row_ok[:, None] & (group < K // GROUP)[None, :]
             s = tl.load(s_rows + group[None, :], mask=group_ok, other=0.0)
             z = tl.load(z_rows + group[None, :], mask=group_ok, other=0.0)
-            acc += s * (qx - z * xs[None, :])
+            acc += s * (tl.sum(q * x[None], axis=2) - z * tl.sum(x, axis=1)[None, :])
     if ONE_GROUP:
         s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
         z = tl.load(z_ptr + rows, mask=row_ok, other=0.0)
-        y = s * (tl.sum(acc, axis=1) - z * tl.sum(x_acc, axis=0))
+        y = s * (tl.sum(tl.sum(acc, axis=2), axis=1) - z * tl.sum(tl.sum(x_acc, axis=1), axis=0))
     else:
         y = tl.sum(acc, axis=1)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -175,23 +171,19 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero:
               block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3,
               swiglu: bool = False) -> torch.Tensor:
     """x [1, K] (or [K]) times the int4 weight (qweight [N, K // 2], scale and zero [N, K // group_size])
-    transposed -> [1, N] in x's dtype. K and the group size are multiples of 8 (the kernel reads 32-bit words of
-    eight columns); block_n and block_k (columns, not bytes) are powers of two, block_k >= 8; a tile spans
-    block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_size) columns, or one of
-    block_k columns when group_size == K. With swiglu, x is [gate | up] (2K values) and the input silu(gate) * up."""
+    transposed -> [1, N] in x's dtype. block_n and block_k (columns, not bytes) are powers of two, block_k >= 2;
+    a tile spans block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_size)
+    columns, or one of block_k columns when group_size == K. With swiglu, x is [gate | up] (2K values) and the
+    input silu(gate) * up."""
     x = _one_row(x, 2 * qweight.shape[1] * (2 if swiglu else 1), "int4_gemv")
     check_int4(qweight, scale, zero, group_size)
-    _check_blocks(block_n, block_k, 8)
+    _check_blocks(block_n, block_k, 2)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
-    if k % 8 or group_size % 8 or qweight.stride(0) % 4 or qweight.storage_offset() % 4:
-        raise ValueError(f"int4_gemv reads 32-bit words: K ({k}) and the group size ({group_size}) must be multiples "
-                         f"of 8 and the rows aligned to 4 bytes")
     sub = block_k if group_size == k else min(block_k, group_size & -group_size)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight.view(torch.int32), scale, zero, out, n, qweight.stride(0) // 4, K=k, GROUP=group_size,
-        BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, SWIGLU=swiglu, num_warps=num_warps,
-        num_stages=num_stages)
+        x, qweight, scale, zero, out, n, qweight.stride(0), K=k, GROUP=group_size, BLOCK_N=block_n,
+        TILE_GROUPS=block_k // sub, SUB=sub, SWIGLU=swiglu, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
