@@ -104,8 +104,6 @@ class KernelLinear(nn.Module):
 
     def matmul_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """matmul(silu(gate) * up) for gate_up = [gate | up]; one launch where the kernel fuses the two."""
-        if self.packed is not None:
-            return self.packed.matmul_swiglu(self, gate_up)
         swiglu = getattr(self.kernel, "swiglu", None)
         if swiglu is not None and self.fusable:
             return swiglu(gate_up, self.weight)

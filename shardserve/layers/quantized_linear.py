@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, pack_int4
-from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.linear import ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor
 
 logger = logging.getLogger(__name__)
@@ -142,21 +141,12 @@ class PackedWeights:
         out = self._product(layer, x)
         return out.reshape(*shape[:-1], self.n)
 
-    def matmul_swiglu(self, layer: KernelLinear, gate_up: torch.Tensor) -> torch.Tensor:
-        """matmul(silu(gate) * up) for gate_up = [gate | up]: one launch for a single row on a GPU (the GEMV
-        computes its input), where the columns are in input order."""
-        if gate_up.is_cuda and gate_up.dim() == 2 and gate_up.shape[0] == 1 and getattr(layer, "input_perm",
-                                                                                           None) is None:
-            return self._gemv(layer, gate_up, swiglu=True)
-        return self.matmul(layer, silu_and_mul(gate_up))
-
-    def _gemv(self, layer: KernelLinear, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    def _gemv(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
         from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
 
         if self.layout.kind == "fp8":
-            return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config, swiglu=swiglu)
-        return int4_gemv(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group, *self.gemv_config,
-                         swiglu=swiglu)
+            return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config)
+        return int4_gemv(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group, *self.gemv_config)
 
     def _product(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.shape[0] == 1:
@@ -373,19 +363,6 @@ def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
                 error, detail = float("inf"), f"{type(e).__name__}: {e}"
             if not error <= tolerance:
                 failures.append(f"{layout.describe()} {n}x{k} at {m} rows: {detail}")
-        if any(getattr(each, "takes_swiglu_input", False) for each in layers):
-            gate_up = torch.randn(1, 2 * k, generator=generator).to(dtype).to(layer.weight.device)
-            activation = silu_and_mul(gate_up)  # the reference takes it in the packed column order
-            if getattr(layer, "input_perm", None) is not None:
-                activation = activation.index_select(1, layer.input_perm)
-            try:
-                error = relative_error(layer.packed.matmul_swiglu(layer, gate_up)[:, outputs],
-                                       F.linear(activation.double(), w64).cpu())
-                detail = f"error {error:.2g} (tolerance {TOLERANCE.get(dtype, 1e-2):.2g})"
-            except Exception as e:  # noqa: BLE001
-                error, detail = float("inf"), f"{type(e).__name__}: {e}"
-            if not error <= TOLERANCE.get(dtype, 1e-2):
-                failures.append(f"{layout.describe()} {n}x{k} SwiGLU-fused at 1 row: {detail}")
     return failures
 
 

@@ -311,25 +311,3 @@ def test_per_row_fp8_activation_quantization(m, k):
     else:  # the interpreter's float32 -> float8 rounding carries wrongly into the exponent (127.2 -> 64) now and then
         want = (x.float() / want_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
         assert (q.view(torch.uint8) == want.view(torch.uint8)).float().mean() > 0.95
-
-
-@needs_triton
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
-@pytest.mark.parametrize("n, k, group", [(24, 256, 128), (13, 200, 200)] + ([(4096, 14336, 128)] if CUDA else []))
-def test_swiglu_input_is_fused_into_the_gemv(kind, n, k, group):
-    """swiglu=True: the input is silu(gate) * up of a [gate | up] row, as the MLP's down projection takes it."""
-    from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
-
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    gate_up = torch.randn(2 * k, generator=torch.Generator().manual_seed(k)).to(dtype).to(DEVICE)
-    gate, up = gate_up.double().chunk(2)
-    x = torch.nn.functional.silu(gate) * up
-    if kind == "fp8":
-        weight, scale = random_fp8(n, k, group)
-        got, w64 = fp8_gemv(gate_up, weight, scale, group, 8, 64, swiglu=True), fp8_reference(weight, scale, group)
-    else:
-        q, scale, zero = random_int4(n, k, group)
-        got = int4_gemv(gate_up, pack_int4(q), scale, zero, group, 8, 64, swiglu=True)
-        w64 = int4_reference(q, scale, zero, group)
-    assert got.shape == (1, n)
-    assert relative_error(got[0], x @ w64.T) < TOLERANCE[dtype]

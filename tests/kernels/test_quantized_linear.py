@@ -92,27 +92,12 @@ def test_the_start_up_check_catches_a_kernel_that_drops_the_scales():
     assert len(failures) == 2 and "48x256 at 1 rows" in failures[0] and "error" in failures[0]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=PackedLayout.describe)
-def test_swiglu_input_one_launch_or_two_is_the_same_product(layout):
-    """The down projection's input silu(gate) * up: computed inside the single-row GEMV on GPUs, by a separate
-    kernel for batches and on CPUs; both against float64."""
-    from shardserve.layers.activation import silu_and_mul
-
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    n, k = (4096, 14336) if CUDA else (48, 256)
-    layer = packed_layer(n, k, layout, dtype)
-    w64 = reference_weight(layer)
-    for m in (1, 4):
-        gate_up = torch.randn(m, 2 * k, device=DEVICE).to(dtype)
-        got = layer.matmul_swiglu(gate_up)
-        want = silu_and_mul(gate_up).double() @ w64.T
-        tolerance = FP8_ACTIVATION_TOLERANCE if m > 1 and layer.packed.rowwise_fp8(gate_up) else TOLERANCE[dtype]
-        assert relative_error(got, want.cpu()) < tolerance, f"{m} rows"
-
-
-def test_the_start_up_check_passes_an_act_order_down_projection():
-    """An act-order layer takes its input in group order (input_perm); the check's SwiGLU reference must too."""
+def test_an_act_order_layer_gathers_its_input_in_group_order():
+    """An act-order layer's columns are sorted by group (input_perm): its product gathers the input the same way,
+    and the start-up check passes it."""
     layer = packed_layer(48, 256, PackedLayout("int4", 128, act_order=True), torch.bfloat16 if CUDA else torch.float32)
     layer.input_perm.data.copy_(torch.randperm(256, generator=torch.Generator().manual_seed(0)))
-    layer.takes_swiglu_input = True
     assert check_packed(nn.Sequential(layer)) == []
+    x = torch.randn(3, 256, device=DEVICE).to(layer.packed.compute_dtype)
+    want = x.double()[:, layer.input_perm] @ reference_weight(layer).T
+    assert relative_error(layer(x), want.cpu()) < TOLERANCE[layer.packed.compute_dtype]

@@ -29,29 +29,9 @@ def _e4m3_bits_to_float(b):
 
 
 @triton.jit
-def _input(x_ptr, offs, mask, K: tl.constexpr, SWIGLU: tl.constexpr, MASKED: tl.constexpr):
-    """The GEMV's input at offs as float32: x, or with SWIGLU silu(gate) * up from x = [gate | up] (2K values),
-    rounded as shardserve.kernels.triton.fused_ops.silu_and_mul rounds, so the fused product equals the two-kernel
-    one. Without MASKED, `mask` is ignored (every offset is inside K)."""
-    if SWIGLU:
-        if MASKED:
-            gate = tl.load(x_ptr + offs, mask=mask, other=0.0)
-            up = tl.load(x_ptr + K + offs, mask=mask, other=0.0)
-        else:
-            gate = tl.load(x_ptr + offs)
-            up = tl.load(x_ptr + K + offs)
-        g = gate.to(tl.float32)
-        act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
-        return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-    if MASKED:
-        return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return tl.load(x_ptr + offs).to(tl.float32)
-
-
-@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn,
                      K: tl.constexpr, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                     BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, SWIGLU: tl.constexpr):
+                     BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
     """out[n] = sum_k float(w[n, k]) * s[n, k // GROUP_K] * x[k]. SUB divides GROUP_K unless PER_ROW (one scale
     per row, applied after the reduction). w points at the raw bytes (masked loads of uint8 can fill with 0),
 reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it."""
@@ -66,12 +46,12 @@ reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it.""
     acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
-            x = _input(x_ptr, k + cols, None, K, SWIGLU, False)
+            x = tl.load(x_ptr + k + cols)
             w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None], other=0,
                         eviction_policy="evict_first")
         else:
             col_ok = k + cols < K
-            x = _input(x_ptr, k + cols, col_ok, K, SWIGLU, True)
+            x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
             w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None] & col_ok[None], other=0,
                         eviction_policy="evict_first")
         if NATIVE_FP8:
@@ -95,7 +75,7 @@ reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it.""
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn,
                       K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
-                      SUB: tl.constexpr, SWIGLU: tl.constexpr):
+                      SUB: tl.constexpr):
     """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP, q packed two columns a byte.
     The nibbles of a byte are interleaved back into column order in registers (join + reshape), so x is read
     contiguously. Per sub-tile (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum):
@@ -121,11 +101,11 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn,
         if K % BLOCK_K == 0:
             b = tl.load(q_rows + k // 2 + byte[None], mask=row_ok[:, None, None], other=0,
                         eviction_policy="evict_first")
-            x = _input(x_ptr, k + cols, None, K, SWIGLU, False)
+            x = tl.load(x_ptr + k + cols).to(tl.float32)
         else:
             b = tl.load(q_rows + k // 2 + byte[None], mask=row_ok[:, None, None] & (k // 2 + byte < K // 2)[None],
                         other=0, eviction_policy="evict_first")
-            x = _input(x_ptr, k + cols, k + cols < K, K, SWIGLU, True)
+            x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
         b = b.to(tl.int32)
         q = tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)).reshape(BLOCK_N, TILE_GROUPS, SUB)
         if ONE_GROUP:
@@ -147,13 +127,12 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn,
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8,
-             block_k: int = 512, num_warps: int = 4, num_stages: int = 3, swiglu: bool = False) -> torch.Tensor:
+             block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x [1, K] (or [K]) times the fp8 weight [N, K]^T with scale [N, ceil(K / group_k)] -> [1, N] in x's
     dtype. group_k >= K is one scale per row. block_n and block_k are powers of two; a block_k tile spans
-    block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_k) columns. With swiglu, x
-    is [gate | up] (2K values) and the input silu(gate) * up."""
+    block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_k) columns."""
     check_fp8(weight, scale, group_k)
-    x = _one_row(x, weight.shape[1] * (2 if swiglu else 1), "fp8_gemv")
+    x = _one_row(x, weight.shape[1], "fp8_gemv")
     _check_blocks(block_n, block_k, 1)
     n, k = weight.shape
     per_row = fp8_groups(k, group_k) == 1
@@ -163,19 +142,17 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight.view(torch.uint8), scale, out, n, weight.stride(0), K=k,
         GROUP_K=k if per_row else group_k, PER_ROW=per_row, NATIVE_FP8=native, BLOCK_N=block_n,
-        TILE_GROUPS=block_k // sub, SUB=sub, SWIGLU=swiglu, num_warps=num_warps, num_stages=num_stages)
+        TILE_GROUPS=block_k // sub, SUB=sub, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-              block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3,
-              swiglu: bool = False) -> torch.Tensor:
+              block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x [1, K] (or [K]) times the int4 weight (qweight [N, K // 2], scale and zero [N, K // group_size])
     transposed -> [1, N] in x's dtype. block_n and block_k (columns, not bytes) are powers of two, block_k >= 2;
     a tile spans block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_size)
-    columns, or one of block_k columns when group_size == K. With swiglu, x is [gate | up] (2K values) and the
-    input silu(gate) * up."""
-    x = _one_row(x, 2 * qweight.shape[1] * (2 if swiglu else 1), "int4_gemv")
+    columns, or one of block_k columns when group_size == K."""
+    x = _one_row(x, 2 * qweight.shape[1], "int4_gemv")
     check_int4(qweight, scale, zero, group_size)
     _check_blocks(block_n, block_k, 2)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
@@ -183,7 +160,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero:
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, qweight, scale, zero, out, n, qweight.stride(0), K=k, GROUP=group_size, BLOCK_N=block_n,
-        TILE_GROUPS=block_k // sub, SUB=sub, SWIGLU=swiglu, num_warps=num_warps, num_stages=num_stages)
+        TILE_GROUPS=block_k // sub, SUB=sub, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
