@@ -320,3 +320,26 @@ def test_packed_quantized_layers_on_a_gpu(quantized_dirs, scheme):
             outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
             assert "packed on" in llm.engine.runner.plan.quantized, llm.engine.runner.plan.quantized
         assert outputs == list(_reference(float_dir)), f"{scheme} TP={tp}"
+
+
+def test_an_unknown_online_quantization_is_refused_naming_the_accepted_one():
+    from shardserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization must be one of None, fp8, got 'int8'"):
+        EngineConfig(model="m", quantization="int8")
+    run = subprocess.run([sys.executable, "-m", "shardserve", "serve", "m", "--quantization", "int8"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--quantization: invalid choice: 'int8'" in run.stderr and "'fp8'" in run.stderr
+
+
+def test_plan_counts_fp8_at_load(tmp_path):
+    """shardserve plan --quantization fp8: the projections at a byte a weight, named in a warning."""
+    from tests.test_planner import LLAMA3_8B
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_8B))
+    plans = [json.loads(subprocess.run([sys.executable, "-m", "shardserve", "plan", str(config), "--gpu-memory-gb",
+                                        "80", "--json", *extra], capture_output=True, text=True, timeout=60).stdout)
+             for extra in ([], ["--quantization", "fp8"])]
+    assert plans[1]["weight_bytes"] < 0.6 * plans[0]["weight_bytes"]
+    assert any("fp8 at load" in w for w in plans[1]["warnings"])
