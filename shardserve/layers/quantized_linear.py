@@ -126,7 +126,9 @@ class PackedWeights:
         self.perm_of[shard_id] = perm
         perms = list(self.perm_of.values())
         if any(not _same_perm(p, perms[0]) for p in perms[1:]):
-            raise ValueError("the fused layer's parts order their input columns differently (act order)")
+            raise ValueError("the fused layer's parts (e.g. q, k and v) sort their input columns into groups differently "
+                             "(act order), so they cannot share one packed input order; SHARDSERVE_QUANTIZED_LAYERS="
+                             "dequantized serves this checkpoint with the values it encodes")
         if perm is not None:
             layer.input_perm.data.copy_(perm)
 

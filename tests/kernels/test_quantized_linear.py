@@ -101,3 +101,22 @@ def test_an_act_order_layer_gathers_its_input_in_group_order():
     x = torch.randn(3, 256, device=DEVICE).to(layer.packed.compute_dtype)
     want = x.double()[:, layer.input_perm] @ reference_weight(layer).T
     assert relative_error(layer(x), want.cpu()) < TOLERANCE[layer.packed.compute_dtype]
+
+
+def test_fused_parts_in_different_act_orders_are_refused_naming_the_way_out():
+    """q, k and v share one input, so one column order: parts sorted differently stop loading with the setting that
+    serves the checkpoint dequantized."""
+    from shardserve.weights.quantized import GptqWeight, QuantScheme
+
+    def gptq_part(seed: int) -> GptqWeight:
+        g = torch.Generator().manual_seed(seed)
+        g_idx = torch.randperm(256, generator=g) // 128
+        return GptqWeight("part", torch.randint(0, 2**31 - 1, (32, 16), generator=g, dtype=torch.int32),
+                          torch.zeros(2, 2, dtype=torch.int32), torch.rand(2, 16), g_idx,
+                          QuantScheme("gptq", group_size=128, act_order=True))
+
+    layer = ColumnParallelLinear(256, {"q": (0, 16), "k": (0, 16)}, False, torch.float32)
+    layer.packed = PackedWeights(layer, PackedLayout("int4", 128, act_order=True), "cpu")
+    layer.weight.weight_loader(layer.weight, gptq_part(1), "q")
+    with pytest.raises(ValueError, match="SHARDSERVE_QUANTIZED_LAYERS=dequantized"):
+        layer.weight.weight_loader(layer.weight, gptq_part(2), "k")
