@@ -26,6 +26,7 @@ from shardserve.engine.step_plan import SeqChunk
 from shardserve.kernels.plan import KernelPlan, KernelPlanError
 from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, check_linear,
                                            head_norm_reference, relative_error, rotate_reference)
+from shardserve.layers import quantized_linear as ql
 from shardserve.layers.linear import KernelLinear
 from shardserve.layers.linear_kernels import build_linear_kernel
 
@@ -124,16 +125,13 @@ def setup_packed_layers(model: nn.Module, ctx: RankContext, device: torch.device
     """After loading: the packed (quantized) layers' kernels checked against float64 on every rank and, on GPUs,
     their single-row configurations timed (rank 0's choice used everywhere); a failure anywhere unpacks every
     packed layer on every rank (the values they encode, in the compute dtype). Off GPUs they are unpacked: CPUs
-    compute with the dequantized values. Returns what the kernel plan records."""
-    import os
-
-    from shardserve.layers import quantized_linear as ql
-
+    compute with the dequantized values (unless SHARDSERVE_QUANTIZED_LAYERS=packed). Returns what the kernel plan
+    records."""
     layers = ql.packed_layers(model)
     if not layers:
         return ""
     layout = layers[0][1].packed.layout.describe()
-    if device.type != "cuda" and os.environ.get("SHARDSERVE_QUANTIZED_LAYERS", "auto") != "packed":
+    if device.type != "cuda" and ql.quantized_layers_mode() != "packed":
         ql.unpack_all(model)
         return f"{layout} dequantized to the compute dtype"
     problems = [f"{who}: {failure}" for who, failures in _by_rank(ql.check_packed(model), ctx) for failure in failures]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import time
 
 import torch
@@ -27,7 +26,7 @@ from shardserve.kernels import cpu_features
 from shardserve.kernels import plan as kernel_plan
 from shardserve.layers.cuda_gemv import use_batch1_gemv
 from shardserve.layers.linear import deferred_weights, weight_bytes
-from shardserve.layers.quantized_linear import PackedLayout, pack_layers
+from shardserve.layers.quantized_linear import PackedLayout, pack_layers, quantized_layers_mode
 from shardserve.models import MODEL_CLASSES
 from shardserve.transfers import on_device
 from shardserve.weights import stable_memory
@@ -285,13 +284,10 @@ class ModelRunner:
                 raise ValueError(f"--quantization fp8 quantizes a float checkpoint, but {self.config.model!r} is already "
                                  f"quantized ({scheme.describe()}); leave --quantization out")
             return PackedLayout("fp8", 0), None
-        mode = os.environ.get("SHARDSERVE_QUANTIZED_LAYERS", "auto")
+        mode = quantized_layers_mode()
         if scheme is None or mode == "dequantized" or (mode == "auto" and self.device.type != "cuda"):
             return None
-        if scheme.method == "fp8":
-            layout = PackedLayout("fp8", scheme.weight_block[1] if scheme.weight_block else 0)
-        else:
-            layout = PackedLayout("int4", max(scheme.group_size, 0), scheme.act_order)
+        layout = PackedLayout.of_checkpoint(scheme)
         if self.config.load_format == "dummy":
             return layout, None
         return layout, quantized_module_names(self.config.model, scheme, MODEL_CLASSES[self.model_config.family])

@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, pack_int4
+from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, pack_int4, unpack_int4_rows
 from shardserve.layers.linear import ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor
+from shardserve.weights.quantized import Fp8Weight, GptqWeight, QuantScheme
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,21 @@ GEMV_CANDIDATES = ((8, 512, 4, 3), (4, 1024, 8, 4), (16, 256, 4, 2), (8, 1024, 8
                    (8, 2048, 8, 3), (16, 1024, 8, 3), (4, 2048, 8, 4))
 
 
+# A packed layer's parameters besides `weight`: filled by the weight's loader, along with it.
+PACKED_PARTS = ("weight_scale", "weight_zero", "input_perm")
+QUANTIZED_LAYERS_ENV = "SHARDSERVE_QUANTIZED_LAYERS"
+QUANTIZED_LAYERS_MODES = ("auto", "packed", "dequantized")
+
+
+def quantized_layers_mode() -> str:
+    """SHARDSERVE_QUANTIZED_LAYERS: auto (a checkpoint's quantized layers packed on GPUs, dequantized on CPUs),
+    packed (on CPUs too: each product dequantizes) or dequantized (everywhere)."""
+    mode = os.environ.get(QUANTIZED_LAYERS_ENV, "auto")
+    if mode not in QUANTIZED_LAYERS_MODES:
+        raise ValueError(f"{QUANTIZED_LAYERS_ENV} must be one of {', '.join(QUANTIZED_LAYERS_MODES)}, got {mode!r}")
+    return mode
+
+
 @dataclass(frozen=True)
 class PackedLayout:
     kind: str  # "fp8" or "int4"
@@ -51,6 +67,13 @@ class PackedLayout:
 
     def describe(self) -> str:
         return f"{self.kind} ({f'groups of {self.group}' if self.group else 'one scale a row'})"
+
+    @classmethod
+    def of_checkpoint(cls, scheme: QuantScheme) -> "PackedLayout":
+        """How a quantized checkpoint's layers are kept: FP8 scaled per block's columns or per row, GPTQ per group."""
+        if scheme.method == "fp8":
+            return cls("fp8", scheme.weight_block[1] if scheme.weight_block else 0)
+        return cls("int4", max(scheme.group_size, 0), scheme.act_order)
 
 
 class PackedWeights:
@@ -64,6 +87,11 @@ class PackedWeights:
         self.layout, self.n, self.k, self.group = layout, n, k, group
         self.compute_dtype = layer.weight.dtype
         self.gemv_config = DEFAULT_GEMV
+        device = torch.device(device)
+        # Batches on FP8 tensor cores (compute capability 8.9 on): FP8 with one scale a row, in 16-wide shapes.
+        self.scaled_mm = (layout.kind == "fp8" and group == k and k % 16 == 0 and n % 16 == 0
+                          and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+                          and os.environ.get("SHARDSERVE_FP8_MATMUL", "scaled_mm") == "scaled_mm")
         loader = layer.weight.weight_loader
         groups = -(-k // group)
 
@@ -89,8 +117,6 @@ class PackedWeights:
         """Rows `rows` of the packed parameters from checkpoint rows `src_rows` (None: all) and columns `src_cols`
         (None: all) of `loaded`: a quantized checkpoint's weight (its stored form is copied) or a float tensor
         (quantized here: FP8 by the absolute maximum of each row's group, 4-bit by its minimum and maximum)."""
-        from shardserve.weights.quantized import Fp8Weight, GptqWeight
-
         shape = tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
         r0, r1 = src_rows if src_rows is not None else (0, shape[0])
         c0, c1 = src_cols if src_cols is not None else (0, shape[1])
@@ -158,10 +184,12 @@ class PackedWeights:
         return F.linear(x, self.dequantized(layer, x.dtype))
 
     def rowwise_fp8(self, x: torch.Tensor) -> bool:
-        """Whether a batch takes torch._scaled_mm: FP8 with one scale a row, on a GPU with FP8 tensor cores."""
-        return (self.layout.kind == "fp8" and self.group == self.k and x.is_cuda and self.k % 16 == 0
-                and self.n % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16) and _has_fp8_matmul(x.device)
-                and os.environ.get("SHARDSERVE_FP8_MATMUL", "scaled_mm") == "scaled_mm")
+        """Whether a batch x takes torch._scaled_mm (16-bit activations on a layer that can)."""
+        return self.scaled_mm and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+    def config_key(self) -> str:
+        """This layer's shape and layout, as the plain-data key its single-row configuration is agreed under."""
+        return f"{self.layout.kind}/{self.group}/{self.n}/{self.k}"
 
     def dequantized(self, layer: KernelLinear, dtype: torch.dtype) -> torch.Tensor:
         """The layer's [N, K] weight in `dtype`, columns in the packed order (input_perm's)."""
@@ -178,7 +206,7 @@ class PackedWeights:
             dense[:, perm] = weight
             weight = dense
         loader = layer.weight.weight_loader
-        for name in ("weight_scale", "weight_zero", "input_perm"):
+        for name in PACKED_PARTS:
             if hasattr(layer, name):
                 delattr(layer, name)
         layer.weight = nn.Parameter(weight, requires_grad=False)
@@ -218,16 +246,6 @@ def quantize_int4(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     zero = (-low / scale).round().clamp(0, 15)
     codes = (blocks / scale[:, :, None] + zero[:, :, None]).round().clamp(0, 15).to(torch.uint8)
     return pack_int4(codes.reshape(n, k)), scale, zero
-
-
-_FP8_MATMUL: dict[torch.device, bool] = {}
-
-
-def _has_fp8_matmul(device: torch.device) -> bool:
-    """FP8 tensor cores: compute capability 8.9 (Ada) or newer."""
-    if device not in _FP8_MATMUL:
-        _FP8_MATMUL[device] = torch.cuda.get_device_capability(device) >= (8, 9)
-    return _FP8_MATMUL[device]
 
 
 def scaled_mm_rowwise(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -326,8 +344,7 @@ def reference_weight(layer: KernelLinear) -> torch.Tensor:
     scale = layer.weight_scale.double().repeat_interleave(packed.group, dim=1)[:, :packed.k]
     if packed.layout.kind == "fp8":
         return layer.weight.float().double() * scale
-    low, high = (layer.weight & 15).double(), (layer.weight >> 4).double()
-    q = torch.stack([low, high], dim=2).reshape(packed.n, packed.k)
+    q = unpack_int4_rows(layer.weight).double()
     return (q - layer.weight_zero.double().repeat_interleave(packed.group, dim=1)) * scale
 
 
@@ -397,14 +414,12 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
         first.packed.gemv_config = DEFAULT_GEMV
         if timed:
             us, best = min(timed)
-            chosen[f"{layout.kind}/{first.packed.group}/{n}/{k}"] = list(best)
+            chosen[first.packed.config_key()] = list(best)
             logger.info("packed %s %dx%d single-row GEMV: %s, %.1f us (%.0f GB/s)", layout.describe(), n, k, best, us,
                         sum(t.numel() * t.element_size() for t in (first.weight, first.weight_scale)) / us / 1e3)
     return chosen
 
 
 def use_gemv_configs(model: nn.Module, chosen: dict[str, list[int]]) -> None:
-    for layers in distinct_packed(model).values():
-        for layer in layers:
-            key = f"{layer.packed.layout.kind}/{layer.packed.group}/{layer.packed.n}/{layer.packed.k}"
-            layer.packed.gemv_config = tuple(chosen.get(key, DEFAULT_GEMV))
+    for _, layer in packed_layers(model):
+        layer.packed.gemv_config = tuple(chosen.get(layer.packed.config_key(), DEFAULT_GEMV))

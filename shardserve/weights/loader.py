@@ -24,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shardserve.layers.linear import load_whole, shape_of
+from shardserve.layers.quantized_linear import PACKED_PARTS
 from shardserve.weights.quantized import (Checkpoint, QuantScheme, count_dequantized, dequantized_checkpoint,
                                           quantized_prefixes)
 
@@ -152,7 +153,7 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
         loaded.add(target)
     # A packed layer's scales come with its weight (layers/quantized_linear.py).
     filled_with_weight = {f"{name}.{part}" for name, m in model.named_modules() if getattr(m, "packed", None) is not None
-                          and f"{name}.weight" in loaded for part in ("weight_scale", "weight_zero", "input_perm")}
+                          and f"{name}.weight" in loaded for part in PACKED_PARTS}
     missing = {n for n in params if n not in loaded and n not in filled_with_weight
                and not (tied_embeddings and n == "lm_head.weight")}
     if missing:

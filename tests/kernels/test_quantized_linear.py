@@ -120,3 +120,12 @@ def test_fused_parts_in_different_act_orders_are_refused_naming_the_way_out():
     layer.weight.weight_loader(layer.weight, gptq_part(1), "q")
     with pytest.raises(ValueError, match="SHARDSERVE_QUANTIZED_LAYERS=dequantized"):
         layer.weight.weight_loader(layer.weight, gptq_part(2), "k")
+
+
+def test_an_unknown_quantized_layers_mode_names_the_accepted_ones(monkeypatch):
+    from shardserve.layers.quantized_linear import quantized_layers_mode
+
+    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packd")
+    with pytest.raises(ValueError, match="SHARDSERVE_QUANTIZED_LAYERS must be one of auto, packed, dequantized, "
+                                         "got 'packd'"):
+        quantized_layers_mode()
