@@ -5,7 +5,9 @@
 Each call is captured in a CUDA graph and replayed (as the engine runs decode), timed with CUDA events over
 --iters replays, median of --repeats. Reported per token count: microseconds per layer for each path, the bytes
 of the experts the call had to read (the distinct chosen experts' w13 and w2) and the bandwidth that makes.
-Routes are random (softmax top-k of Gaussian logits), the same for every path. --sweep also times every config
+Routes are random (softmax top-k of Gaussian logits), the same for every path. The router_then_fused and
+fused_from_logits paths include the router's choice from logits (two kernels against one launch for both where
+the table fuses them); fused_separate_sum is the table's config without the summing w2 GEMM. --sweep also times every config
 of a small grid for the fused kernel and reports the fastest beside the table's. Prints one JSON object.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 import json
 import os
 import statistics
@@ -93,7 +96,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from shardserve.kernels.fused_moe_table import pick_config
-    from shardserve.kernels.triton.fused_moe import fused_moe
+    from shardserve.kernels.triton.fused_moe import fused_moe, fused_moe_from_logits
+    from shardserve.kernels.triton.moe_router import route_top_k
     from shardserve.layers.moe import grouped_mm_experts
 
     num_experts, top_k, hidden, inter = SHAPES[args.shape]
@@ -109,13 +113,21 @@ def main() -> None:
                                   top_k, dim=-1)
         read = len(ids.unique()) * expert_bytes
         row = {"tokens": tokens, "bytes_read": read}
-        for name, fn in (("fused", lambda: fused_moe(x, w13, w2, weights, ids)),
-                         ("grouped_mm", lambda: grouped_mm_experts(x, w13, w2, weights, ids))):
+        logits = torch.randn(tokens, num_experts, generator=g, device=device).to(dtype)
+        table = pick_config(tokens, top_k, num_experts)
+        paths = [("fused", lambda: fused_moe(x, w13, w2, weights, ids)),
+                 ("grouped_mm", lambda: grouped_mm_experts(x, w13, w2, weights, ids)),
+                 # The router's choice included: its own kernel then the experts, or one launch for both.
+                 ("router_then_fused", lambda: fused_moe(x, w13, w2, *route_top_k(logits, top_k, True))),
+                 ("fused_from_logits", lambda: fused_moe_from_logits(x, logits, w13, w2, top_k, True))]
+        if table.down_sum is not None:  # the same without the summing w2 GEMM
+            paths.append(("fused_separate_sum", lambda: fused_moe(x, w13, w2, weights, ids,
+                                                                  config=replace(table, down_sum=None))))
+        for name, fn in paths:
             us = graph_time_us(fn, args.iters, args.repeats)
             row[f"{name}_us"] = round(us, 1)
             row[f"{name}_gb_s"] = round(read / us / 1e3, 1)
         if args.sweep and str(tokens) in args.sweep_tokens.split(","):
-            table = pick_config(tokens, top_k, num_experts)
             time_config = lambda config: graph_time_us(  # noqa: E731
                 lambda: fused_moe(x, w13, w2, weights, ids, config=config), 20, 3)
             best = best_of(time_config, sweep_configs(tokens * top_k / num_experts))

@@ -84,14 +84,15 @@ class Batch1GemvKernel(LinearKernel):
         return gemv_swiglu(gate_up, weight, *config)
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-               weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch, or None where not chosen."""
+               weight: torch.Tensor, keep_normed: bool = False) -> tuple[torch.Tensor, ...] | None:
+        """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch, or None where not chosen; with
+        `keep_normed`, RMSNorm(x + residual) third."""
         config = _one_row_config(self.normed_configs, x, weight)
         if config is None:
             return None
         from shardserve.kernels.triton.gemv import gemv_rmsnorm
 
-        return gemv_rmsnorm(x, residual, norm_weight, eps, weight, *config)
+        return gemv_rmsnorm(x, residual, norm_weight, eps, weight, *config, keep_normed=keep_normed)
 
 
 def _one_row_config(configs: dict[tuple[int, int], Config], x: torch.Tensor, weight: torch.Tensor) -> Config | None:

@@ -174,9 +174,10 @@ class ColumnParallelLinear(KernelLinear):
         return self.matmul(x, self.bias)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm,
-                       reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       reduce: Communicator | None = None, keep_normed: bool = False) -> tuple[torch.Tensor, ...]:
         """(forward(norm(s)), s) with s = x + residual, or x without a residual: the norm before this layer
-        (an RMSNorm module), fused into the matmul where the kernel can (single-token steps on GPUs).
+        (an RMSNorm module), fused into the matmul where the kernel can (single-token steps on GPUs). With
+        `keep_normed`, (forward(norm(s)), norm(s), s), for other layers that take the same input.
 
         With `reduce`, x is the previous row-parallel layer's partial sum (RowParallelLinear.pending): it is
         all-reduced first, in the same kernel as the add and the norm where the communicator has one."""
@@ -184,18 +185,19 @@ class ColumnParallelLinear(KernelLinear):
             fused = reduce.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
             if fused is not None:
                 h, residual = fused
-                return self.forward(h), residual
+                return (self.forward(h), h, residual) if keep_normed else (self.forward(h), residual)
             x = reduce.all_reduce(x)
         fused = getattr(self.kernel, "normed", None)
         if fused is not None and self.fusable:
-            out = fused(x, residual, norm.weight, norm.eps, self.weight)
+            out = fused(x, residual, norm.weight, norm.eps, self.weight, keep_normed=keep_normed)
             if out is not None:
-                y, summed = out
-                return (y if self.bias is None else y + self.bias), summed
+                y = out[0] if self.bias is None else out[0] + self.bias
+                return (y, out[2], out[1]) if keep_normed else (y, out[1])
         if residual is None:
-            return self.forward(norm(x)), x
-        h, residual = norm(x, residual)
-        return self.forward(h), residual
+            h, residual = norm(x), x
+        else:
+            h, residual = norm(x, residual)
+        return (self.forward(h), h, residual) if keep_normed else (self.forward(h), residual)
 
 
 class RowParallelLinear(KernelLinear):

@@ -11,8 +11,9 @@ Experts' weights live in two tensors per layer: `w13` [E, 2 * I_rank, H] (gate r
 [E, H, I_rank]. Checkpoints hold them per expert (`experts.{e}.gate_proj`, Mixtral's `w1`/`w3`/`w2`) or fused
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]); the loaders below take either.
 
-On CUDA the block runs without any host synchronisation, so CUDA graphs capture decode: the router's softmax and
-top k in one kernel (kernels/triton/moe_router.py), the experts in the fused Triton kernel
+On CUDA the block runs without any host synchronisation, so CUDA graphs capture decode: the norm inside the
+router's GEMV (single tokens), the router's softmax and top k in one kernel (kernels/triton/moe_router.py), or for
+one or two tokens in the same launch as the experts' alignment, the experts in the fused Triton kernel
 (kernels/triton/fused_moe.py) for decode and small batches and through torch's grouped GEMM (tokens sorted by
 expert on the device, one group per expert) for large ones. Each is compared once per device and shape with a
 reference before it is used (the experts with float64 at every kernel config a layer can take); a mismatch is
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
+from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
 from shardserve.layers.linear import ColumnParallelLinear, as_tensor, shape_of
 from shardserve.layers.mlp import SwiGLUMLP
 from shardserve.layers.sharding import split_rows
@@ -124,19 +126,30 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
                 reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block on norm(x + residual); returns its output (a partial sum where `pending` is set) and the new
-        residual. `reduce`: x is a partial sum still to be all-reduced (the previous block deferred it)."""
-        h, residual = norm(x, residual, reduce=reduce)
-        weights, experts = self.route(h)
-        out = self.experts(h, weights, experts)
+        residual. `reduce`: x is a partial sum still to be all-reduced (the previous block deferred it). The
+        norm runs inside the router's GEMV where that kernel was chosen (single tokens on GPUs)."""
+        logits, h, residual = self.gate.forward_normed(x, residual, norm, reduce, keep_normed=True)
+        out = self.routed_experts(h, logits)
         if self.shared_expert is not None and self.adds_shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         return out, residual
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def routed_experts(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The experts' sum for the router's logits [T, E]: on CUDA for a few tokens the choice and the experts'
+        alignment in one launch (fused_moe_from_logits) where that matched the reference on this device."""
+        if h.is_cuda and 0 < h.shape[0] <= ROUTE_ALIGN_MAX_TOKENS and device_routed_experts(
+                self.w13, self.w2, logits.shape[1], self.top_k, self.renormalize):
+            from shardserve.kernels.triton.fused_moe import fused_moe_from_logits
+
+            return fused_moe_from_logits(h, logits, self.w13, self.w2, self.top_k, self.renormalize,
+                                         self.experts_held[0])
+        weights, experts = self.route(logits)
+        return self.experts(h, weights, experts)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k experts of each token [T, k] and their weights [T, k] (float32): softmax over all experts'
         logits, the k best, renormalized to sum to 1 where the model says so (Mixtral always, Qwen3-MoE with
         norm_topk_prob). On CUDA in one fused kernel where it matched this version on this device."""
-        logits = self.gate(h)
         if logits.is_cuda and device_router(logits.device, self.num_experts, self.top_k, self.renormalize):
             from shardserve.kernels.triton.moe_router import route_top_k
 
@@ -291,6 +304,57 @@ def fused_then_grouped_mm(h, w13, w2, weights, experts):
     return fused_experts(h, w13, w2, weights, experts)
 
 
+_routed_checked: dict[tuple, bool] = {}
+
+
+def device_routed_experts(w13: torch.Tensor, w2: torch.Tensor, num_logits: int, top_k: int,
+                          renormalize: bool) -> bool:
+    """Whether fused_moe_from_logits may run these experts for a few tokens: the fused router and the fused
+    experts passed their own checks, and the one-launch choice and alignment gave the reference's output at every
+    token count it takes, for experts [0, E) and for the last E of num_logits (another rank's first)."""
+    if not (device_router(w13.device, num_logits, top_k, renormalize)
+            and device_experts(w13, w2, top_k) in (fused_experts, fused_then_grouped_mm)):
+        return False
+    key = (w13.device, tuple(w13.shape), tuple(w2.shape), w13.dtype, num_logits, top_k, renormalize)
+    if key not in _routed_checked:
+        _routed_checked[key] = _routed_matches(w13, w2, num_logits, top_k, renormalize)
+    return _routed_checked[key]
+
+
+def _routed_matches(w13: torch.Tensor, w2: torch.Tensor, num_logits: int, top_k: int, renormalize: bool) -> bool:
+    from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
+    from shardserve.kernels.self_check import TOLERANCE
+    from shardserve.kernels.triton.fused_moe import fused_moe_from_logits
+
+    g = torch.Generator(device=w13.device).manual_seed(0)
+    a, b = _random_experts(w13, w2, g)
+    bases = sorted({0, num_logits - w13.shape[0]})
+    for tokens in range(1, ROUTE_ALIGN_MAX_TOKENS + 1):
+        x = torch.randn(tokens, w13.shape[2], generator=g, device=w13.device).to(w13.dtype)
+        logits = torch.randn(tokens, num_logits, generator=g, device=w13.device)  # float32: no ties
+        weights, ids = route_reference(logits, top_k, renormalize)
+        for base in bases:
+            try:
+                got = fused_moe_from_logits(x, logits, a, b, top_k, renormalize, base).double()
+            except Exception as exc:
+                logger.info("the one-launch router and alignment do not run here: %s: %s", type(exc).__name__, exc)
+                return False
+            want = reference_experts(x, a, b, weights, ids - base)
+            error = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+            if not error < TOLERANCE[w13.dtype]:
+                logger.error("the one-launch router and alignment are off by %.3g (relative) for experts of shape "
+                             "%s on %s at %d tokens: not used", error, tuple(w13.shape), w13.device, tokens)
+                return False
+    return True
+
+
+def _random_experts(w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights of the layer's shapes and scale (the real ones may not be loaded yet)."""
+    a = torch.randn(w13.shape, generator=g, device=w13.device).mul_(0.05).to(w13.dtype)
+    b = torch.randn(w2.shape, generator=g, device=w13.device).mul_(0.05).to(w13.dtype)
+    return a, b
+
+
 def _check_token_counts(top_k: int, num_experts: int) -> list[int]:
     """A single token, a small odd batch, and one token count per config of the fused kernel's table."""
     from shardserve.kernels.fused_moe_table import token_counts_per_config
@@ -301,9 +365,11 @@ def _check_token_counts(top_k: int, num_experts: int) -> list[int]:
 def reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       experts: torch.Tensor) -> torch.Tensor:
     """float64, one chosen expert at a time (only that expert's weights widened: a layer's experts in float64
-    would take 4x their memory)."""
+    would take 4x their memory). Choices outside [0, len(w13)) (another rank's experts) add nothing."""
     x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for expert in experts.unique().tolist():
+        if not 0 <= expert < w13.shape[0]:
+            continue
         token, choice = (experts == expert).nonzero(as_tuple=True)
         gate, up = F.linear(x[token], w13[expert].double()).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w2[expert].double())
@@ -316,9 +382,7 @@ def _matches(compute, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
 
     num_experts, hidden = w13.shape[0], w13.shape[2]
     g = torch.Generator(device=w13.device).manual_seed(0)
-    # Random weights of the layer's shapes and scale (the real ones may not be loaded yet).
-    a = torch.randn(w13.shape, generator=g, device=w13.device).mul_(0.05).to(w13.dtype)
-    b = torch.randn(w2.shape, generator=g, device=w13.device).mul_(0.05).to(w13.dtype)
+    a, b = _random_experts(w13, w2, g)
     k = min(top_k, num_experts)
     for tokens in _check_token_counts(k, num_experts):
         x = torch.randn(tokens, hidden, generator=g, device=w13.device).to(w13.dtype)

@@ -20,7 +20,10 @@ triton = pytest.importorskip("triton")
 
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
 from shardserve.kernels.fused_moe_table import MoeConfig, Tile, pick_config  # noqa: E402
-from shardserve.kernels.triton.fused_moe import align_pairs, fused_moe  # noqa: E402
+from shardserve.kernels.triton.fused_moe import (align_pairs, fused_moe, fused_moe_from_logits,  # noqa: E402
+                                                 route_and_align)
+from shardserve.kernels.triton.moe_router import route_top_k  # noqa: E402
+from shardserve.layers.moe import route_reference  # noqa: E402
 from tests.kernels.test_triton_kernels import _allow_one_element_arrays_as_indices  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -33,6 +36,8 @@ DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32, torch.floa
 QWEN3_30B = (128, 8, 2048, 768)
 # Small tiles for the interpreter: several reduction steps over H, and a tile wider than I's remainder.
 SMALL = MoeConfig(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
+# The same with the w2 GEMM summing each token's choices itself.
+SMALL_SUMMED = MoeConfig(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
 
 
 def reference_moe(x, w13, w2, weights, ids) -> torch.Tensor:
@@ -129,6 +134,69 @@ def test_interpreter_uneven_sizes_and_one_shared_route():
     check_against_reference(8, 4, 2, 32, 16, torch.float16, config=SMALL, same_route=True, ids_dtype=torch.int32)
 
 
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 6])
+def test_interpreter_summing_down_gemm_matches_reference(dtype, tokens):
+    """The w2 GEMM that sums each token's choices itself (the table's pick for one token), at more tokens too
+    (several tokens per block), with H and I not multiples of the tiles."""
+    check_against_reference(tokens, 4, 2, 32, 16, dtype, config=SMALL_SUMMED)
+    check_against_reference(tokens, 4, 2, 48, 24, dtype, config=SMALL_SUMMED)
+    check_against_reference(tokens, 4, 2, 32, 16, dtype, config=SMALL_SUMMED, same_route=True)
+
+
+def test_table_sums_in_the_down_gemm_for_one_token_only():
+    num_experts, top_k, _, _ = QWEN3_30B
+    assert pick_config(1, top_k, num_experts).down_sum is not None
+    assert pick_config(2, top_k, num_experts).down_sum is None
+
+
+def check_from_logits(tokens, num_experts, top_k, hidden, inter, dtype, renormalize=True, held=None, config=None):
+    """fused_moe_from_logits against the float64 reference on the torch router's choice; `held` (e0, e1): this
+    rank holds only those experts (expert parallelism), the others' choices add nothing."""
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    g = torch.Generator(device=DEVICE).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g, device=DEVICE).to(dtype)
+    logits = torch.randn(tokens, num_experts, generator=g, device=DEVICE)  # float32: no ties
+    e0, e1 = held or (0, num_experts)
+    got = fused_moe_from_logits(x, logits, w13[e0:e1], w2[e0:e1], top_k, renormalize, e0, config=config)
+    weights, ids = route_reference(logits, top_k, renormalize)
+    want = reference_moe(x, w13[e0:e1], w2[e0:e1], weights, ids - e0)
+    if not want.any():  # no choice of this rank's experts
+        assert not got.any()
+        return got
+    error = relative_error(got, want)
+    assert error < TOLERANCE[dtype], f"relative error {error:.3g} at T={tokens} held={held}"
+    return got
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_interpreter_experts_from_logits_match_reference(tokens, renormalize):
+    """One and two tokens take the one-launch choice and alignment, three the router kernel then fused_moe; the
+    shares of two ranks' experts (expert parallelism) add up to the whole."""
+    dtype = torch.float32
+    whole = check_from_logits(tokens, 8, 2, 32, 16, dtype, renormalize)
+    first = check_from_logits(tokens, 8, 2, 32, 16, dtype, renormalize, held=(0, 4))
+    second = check_from_logits(tokens, 8, 2, 32, 16, dtype, renormalize, held=(4, 8))
+    assert torch.equal(first + second, whole)  # two choices a token: one float32 addition either way
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k", [(1, 8, 2), (2, 8, 2), (1, 128, 8), (2, 60, 4)])
+def test_route_and_align_equal_the_two_kernels(tokens, num_experts, top_k):
+    """The one-program choice and alignment store what route_top_k and align_pairs store."""
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    logits = torch.randn(tokens, num_experts, generator=g, device=DEVICE)
+    weights, ids, sorted_pairs, block_expert = route_and_align(logits, top_k, True, num_experts, 16)
+    want_weights, want_ids = route_top_k(logits, top_k, True)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    want_sorted, want_blocks = align_pairs(want_ids, num_experts, 16)
+    assert torch.equal(block_expert, want_blocks)
+    used = (block_expert >= 0).sum().item() * 16
+    assert torch.equal(sorted_pairs[:used], want_sorted[:used])
+
+
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("top_k", [2, 8])
@@ -153,6 +221,14 @@ def test_gpu_every_token_on_the_same_experts(tokens, dtype):
 def test_gpu_qwen3_30b_shape(tokens):
     num_experts, top_k, hidden, inter = QWEN3_30B
     check_against_reference(tokens, num_experts, top_k, hidden, inter, torch.bfloat16)
+
+
+@pytest.mark.skipif(not CUDA, reason="GPU shapes")
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_gpu_qwen3_30b_shape_from_logits(tokens):
+    num_experts, top_k, hidden, inter = QWEN3_30B
+    check_from_logits(tokens, num_experts, top_k, hidden, inter, torch.bfloat16)
+    check_from_logits(tokens, num_experts, top_k, hidden, inter, torch.bfloat16, held=(64, 128))
 
 
 def test_choices_of_other_ranks_add_nothing_and_results_repeat_exactly():
@@ -181,6 +257,30 @@ def test_table_reads_each_chosen_expert_once_at_decode():
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_one_token_from_logits_replays_in_cuda_graph():
+    """Batch-1 decode's three launches (choice + alignment, w13, summing w2) captured, replayed on new logits."""
+    num_experts, top_k, hidden, inter = QWEN3_30B
+    dtype = torch.bfloat16
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    x = torch.randn(1, hidden, generator=g, device=DEVICE).to(dtype)
+    logits = torch.randn(1, num_experts, generator=g, device=DEVICE)
+    fused_moe_from_logits(x, logits, w13, w2, top_k, True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_from_logits(x, logits, w13, w2, top_k, True)
+    for seed in (6, 7):
+        g.manual_seed(seed)
+        x.copy_(torch.randn(1, hidden, generator=g, device=DEVICE))
+        logits.copy_(torch.randn(1, num_experts, generator=g, device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        weights, ids = route_reference(logits, top_k, True)
+        assert relative_error(out, reference_moe(x, w13, w2, weights, ids)) < TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_replays_in_cuda_graph_with_new_routes():
     num_experts, top_k, hidden, inter, tokens = 128, 8, 256, 128, 16
     dtype = torch.bfloat16
@@ -200,3 +300,25 @@ def test_replays_in_cuda_graph_with_new_routes():
     torch.cuda.synchronize()
     assert relative_error(out, reference_moe(new_x, w13, w2, new_weights, new_ids)) < TOLERANCE[dtype]
     assert torch.equal(out, fused_moe(new_x, w13, w2, new_weights, new_ids))
+
+
+def test_one_launch_routing_is_used_only_after_matching_the_reference(monkeypatch):
+    """The start-up check of fused_moe_from_logits passes the kernel, and refuses one that drops a rank's expert
+    offset (expert parallelism) or is wrong at two tokens only."""
+    import shardserve.kernels.triton.fused_moe as kernels
+    from shardserve.layers.moe import _routed_matches
+
+    w13, w2 = make_experts(4, 32, 16, torch.float32)
+    assert _routed_matches(w13, w2, 8, 2, True)
+    real = kernels.fused_moe_from_logits
+
+    def without_offset(x, logits, w13, w2, top_k, renormalize, id_base=0, config=None):
+        return real(x, logits, w13, w2, top_k, renormalize, 0, config)
+
+    def wrong_at_two_tokens(x, *args, **kwargs):
+        out = real(x, *args, **kwargs)
+        return out * 1.01 if x.shape[0] == 2 else out
+
+    for wrong in (without_offset, wrong_at_two_tokens):
+        monkeypatch.setattr(kernels, "fused_moe_from_logits", wrong)
+        assert not _routed_matches(w13, w2, 8, 2, True)

@@ -1,16 +1,20 @@
-"""The experts of a mixture-of-experts block in four launches, with no host synchronisation.
+"""The experts of a mixture-of-experts block in four launches or fewer, with no host synchronisation.
 
 out[t] = sum_j weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t])), e = ids[t, j].
 
 1. Alignment (one program): the T*k (token, choice) pairs are grouped by expert, in pair order within each
    expert, and each expert's group is padded to a multiple of BLOCK_M with the sentinel T*k. Every block of
-   BLOCK_M slots then belongs to one expert, written to `block_expert` (-1 past the last group).
+   BLOCK_M slots then belongs to one expert, written to `block_expert` (-1 past the last group). For a few
+   tokens the same program first makes the router's choice from the logits (fused_moe_from_logits).
 2. Grouped GEMM with w13, SwiGLU in its epilogue: program (block, column tile) multiplies its block's token
    rows by the gate and the up tiles of its expert, and stores silu(gate) * up (rounded to x's dtype) per slot.
 3. Grouped GEMM with w2: the activations of a block times its expert's w2 tile, scaled by each pair's router
    weight, stored per pair: y [T*k, H].
 4. out[t] = sum_j y[t*k + j] in float32, in a fixed order: deterministic, no atomics.
+For a single token, 3 and 4 are one kernel (the table's down_sum): each column tile's program walks the token's
+k blocks and sums their rows in expert order.
 
+At batch 1 a layer is then three launches (router choice + alignment, w13, w2 + sum) after the router's GEMV.
 Shapes are fixed for a given T (the slot list has room for the worst case, T*k + min(E, T*k) * (BLOCK_M - 1)
 slots; blocks past the real groups exit at once), so CUDA graphs capture the whole call. Only experts that
 received tokens are read: decode reads k experts' weights, not E. Block sizes come from a table keyed on the
@@ -24,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.fused_moe_table import MoeConfig, pick_config
+from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS, MoeConfig, pick_config
+from shardserve.kernels.triton.moe_router import check_top_k, route_token
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -32,10 +37,9 @@ from shardserve.kernels.fused_moe_table import MoeConfig, pick_config
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
-                  BLOCK_M: tl.constexpr, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCKS_CHUNK: tl.constexpr):
-    """One program. Pairs with ids outside [0, E) join no group and are never stored.
+def _align(ids_ptr, id_base, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
+           BLOCK_M: tl.constexpr, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+    """Pairs whose id - id_base is outside [0, E) join no group and are never stored.
 
     Invariant: expert e owns slots [start_e, end_e), end_e - start_e = count_e rounded up to BLOCK_M; its real
     pairs fill [start_e, start_e + count_e) (pass 2) and the sentinel the rest (pass 3). The two passes write
@@ -46,7 +50,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
     # Pass 1: pairs per expert.
     counts = tl.zeros([EXPERTS_P], dtype=tl.int32)
     for c in range(0, num_pairs, CHUNK):
-        ids = tl.load(ids_ptr + c + pair, mask=c + pair < num_pairs, other=-1).to(tl.int32)
+        ids = tl.load(ids_ptr + c + pair, mask=c + pair < num_pairs, other=-1).to(tl.int32) - id_base
         counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
     counts = tl.where(experts < num_experts, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -55,7 +59,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
     # Pass 2: each pair's slot = its expert's start + pairs of that expert before it.
     seen = starts
     for c in range(0, num_pairs, CHUNK):
-        ids = tl.load(ids_ptr + c + pair, mask=c + pair < num_pairs, other=-1).to(tl.int32)
+        ids = tl.load(ids_ptr + c + pair, mask=c + pair < num_pairs, other=-1).to(tl.int32) - id_base
         hit = ((ids[:, None] == experts[None, :]) & (experts < num_experts)[None, :]).to(tl.int32)
         earlier = tl.cumsum(hit, axis=0) - hit  # same expert, earlier in this chunk
         slot = tl.sum(hit * (seen[None, :] + earlier), axis=1)
@@ -73,9 +77,48 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
         tl.store(block_expert_ptr + blocks, tl.where(first < total, owner, -1), mask=blocks < num_blocks)
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
+                  BLOCK_M: tl.constexpr, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCKS_CHUNK: tl.constexpr):
+    """One program."""
+    _align(ids_ptr, 0, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks, BLOCK_M, EXPERTS_P,
+           CHUNK, BLOCKS_CHUNK)
+
+
+@triton.jit
+def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_logits,
+                        stride_logits, id_base, num_experts, num_blocks, TOP_K: tl.constexpr,
+                        TOP_K_P: tl.constexpr, LOGITS_P: tl.constexpr, RENORMALIZE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr,
+                        BLOCKS_CHUNK: tl.constexpr):
+    """One program: the router's choice for every token (moe_router.route_token), then their alignment. The
+    barrier makes the ids this program stored visible to all its threads before they are read back."""
+    for token in range(num_tokens):
+        route_token(logits_ptr, weights_ptr, ids_ptr, token, num_logits, stride_logits, TOP_K, TOP_K_P, LOGITS_P,
+                    RENORMALIZE)
+    tl.debug_barrier()
+    _align(ids_ptr, id_base, sorted_ptr, block_expert_ptr, num_tokens * TOP_K, num_experts, num_blocks, BLOCK_M,
+           EXPERTS_P, CHUNK, BLOCKS_CHUNK)
+
+
 def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Blocks in the worst case: every expert that can receive a pair leaves BLOCK_M - 1 slots of padding."""
     return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+
+
+def _alignment_buffers(pairs: int, num_experts: int, block_m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = num_blocks(pairs, num_experts, block_m)
+    return (torch.empty(blocks * block_m, dtype=torch.int32, device=device),
+            torch.empty(blocks, dtype=torch.int32, device=device))
+
+
+def _alignment_meta(pairs: int, num_experts: int, blocks: int) -> dict:
+    """The alignment's chunk sizes and warps (its registers hold a chunk x experts table)."""
+    experts_p = triton.next_power_of_2(num_experts)
+    return dict(EXPERTS_P=experts_p, CHUNK=min(triton.next_power_of_2(pairs), max(16, 8192 // experts_p)),
+                BLOCKS_CHUNK=min(triton.next_power_of_2(blocks), max(16, 8192 // experts_p)),
+                num_warps=4 if pairs * experts_p <= 1 << 16 else 8)
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,16 +132,32 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     if not ids.is_contiguous():
         ids = ids.contiguous()
     pairs = ids.numel()
-    blocks = num_blocks(pairs, num_experts, block_m)
-    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    experts_p = triton.next_power_of_2(num_experts)
-    chunk = min(triton.next_power_of_2(pairs), max(16, 8192 // experts_p))
-    blocks_chunk = min(triton.next_power_of_2(blocks), max(16, 8192 // experts_p))
+    sorted_pairs, block_expert = _alignment_buffers(pairs, num_experts, block_m, ids.device)
+    blocks = block_expert.numel()
     _align_kernel[(1,)](ids, sorted_pairs, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m,
-                        EXPERTS_P=experts_p, CHUNK=chunk, BLOCKS_CHUNK=blocks_chunk,
-                        num_warps=4 if pairs * experts_p <= 1 << 16 else 8)
+                        **_alignment_meta(pairs, num_experts, blocks))
     return sorted_pairs, block_expert
+
+
+def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, num_experts: int, block_m: int,
+                    id_base: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, ids [T, k] int64, sorted_pairs, block_expert) in one launch: route_top_k of the
+    logits [T, E_all], then align_pairs of ids - id_base over num_experts experts (this rank's, from id_base)."""
+    tokens, num_logits = logits.shape
+    check_top_k(top_k, num_logits)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    pairs = tokens * top_k
+    sorted_pairs, block_expert = _alignment_buffers(pairs, num_experts, block_m, logits.device)
+    blocks = block_expert.numel()
+    _route_align_kernel[(1,)](logits, weights, ids, sorted_pairs, block_expert, tokens, num_logits,
+                              logits.stride(0), id_base, num_experts, blocks, TOP_K=top_k,
+                              TOP_K_P=triton.next_power_of_2(top_k), LOGITS_P=triton.next_power_of_2(num_logits),
+                              RENORMALIZE=renormalize, BLOCK_M=block_m,
+                              **_alignment_meta(pairs, num_experts, blocks))
+    return weights, ids, sorted_pairs, block_expert
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -192,6 +251,46 @@ def _sum_choices_kernel(y_ptr, ids_ptr, out_ptr, num_experts, stride_y, stride_o
     tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _down_sum_kernel(act_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
+                     num_tokens, num_blocks, stride_a, stride_we, stride_wn, stride_o,
+                     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOKENS_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Steps 3 and 4 in one for a few tokens. Program (column tile): walks every block in order, multiplies its
+    activations by its expert's w2 tile, and adds each pair's row, scaled and rounded to the output dtype as
+    the per-pair path rounds it, to its token's float32 sum. A token has at most one pair per expert, so its
+    sum runs over its experts in ascending order, whatever the other tokens chose."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < HIDDEN
+    ks = tl.arange(0, BLOCK_K)
+    tokens = tl.arange(0, TOKENS_P)
+    total = tl.zeros((TOKENS_P, BLOCK_N), dtype=tl.float32)
+    for b in range(num_blocks):
+        expert = tl.load(block_expert_ptr + b)
+        if expert >= 0:
+            slots = b * BLOCK_M + tl.arange(0, BLOCK_M)
+            pairs = tl.load(sorted_ptr + slots)
+            row_ok = pairs < num_pairs
+            a_ptrs = act_ptr + slots.to(tl.int64)[:, None] * stride_a + ks[None, :]
+            b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, INTER, BLOCK_K):
+                if INTER % BLOCK_K == 0:
+                    a = tl.load(a_ptrs + k, mask=row_ok[:, None], other=0.0)
+                    w = tl.load(b_ptrs + k, mask=col_ok[None, :], other=0.0)
+                else:
+                    k_ok = k + ks < INTER
+                    a = tl.load(a_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    w = tl.load(b_ptrs + k, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            scale = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+            y = (acc * scale[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+            owner = (tokens[:, None] == pairs[None, :] // top_k) & row_ok[None, :]
+            total += tl.sum(tl.where(owner[:, :, None], y[None, :, :], 0.0), axis=1)
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * stride_o + cols[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=(tokens < num_tokens)[:, None] & col_ok[None, :])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Entry point
 
@@ -220,14 +319,38 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     (w13[e, I:] @ x[t])), e = topk_ids[t, j]. `config`: block sizes instead of the table's (pick_config)."""
     _check_args(x, w13, w2, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
-    num_experts, hidden, inter = w2.shape
-    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0 or top_k == 0:
-        return out.zero_()
-    config = config or pick_config(tokens, top_k, num_experts, x.element_size())
+        return x.new_zeros(x.shape)
+    config = config or pick_config(tokens, top_k, w13.shape[0], x.element_size())
     ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous()
-    sorted_pairs, block_expert = align_pairs(ids, num_experts, config.block_m)
+    sorted_pairs, block_expert = align_pairs(ids, w13.shape[0], config.block_m)
+    return _experts(x, w13, w2, topk_weights.contiguous(), ids, sorted_pairs, block_expert, config)
+
+
+def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                          renormalize: bool, id_base: int = 0, config: MoeConfig | None = None) -> torch.Tensor:
+    """The router's choice (moe_router.route_top_k of logits [T, E_all]) and fused_moe on it, for experts
+    [id_base, id_base + E) held as w13/w2 (choices of others add nothing). Up to the table's
+    ROUTE_ALIGN_MAX_TOKENS the choice and the alignment are one launch."""
+    tokens = x.shape[0]
+    config = config or pick_config(tokens, top_k, w13.shape[0], x.element_size())
+    if not 0 < tokens <= ROUTE_ALIGN_MAX_TOKENS:
+        from shardserve.kernels.triton.moe_router import route_top_k
+
+        weights, ids = route_top_k(logits, top_k, renormalize)
+        return fused_moe(x, w13, w2, weights, ids - id_base if id_base else ids, config)
+    if logits.shape[0] != tokens:
+        raise ValueError(f"logits must have one row per token ({tokens}), got {tuple(logits.shape)}")
+    weights, ids, sorted_pairs, block_expert = route_and_align(logits, top_k, renormalize, w13.shape[0],
+                                                               config.block_m, id_base)
+    _check_args(x, w13, w2, weights, ids)
+    return _experts(x, w13, w2, weights, ids - id_base if id_base else ids, sorted_pairs, block_expert, config)
+
+
+def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeConfig) -> torch.Tensor:
+    """Steps 2 to 4 on aligned pairs (ids: this rank's expert numbers, for the per-pair sum)."""
+    tokens, top_k = ids.shape
+    num_experts, hidden, inter = w2.shape
     blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs ignore it
 
@@ -238,6 +361,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
         PRECISION=precision, num_warps=up.num_warps, num_stages=up.num_stages)
+
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if config.down_sum is not None:
+        tile = config.down_sum
+        _down_sum_kernel[(triton.cdiv(hidden, tile.block_n),)](
+            act, w2, weights, out, sorted_pairs, block_expert, tokens * top_k, top_k, tokens, blocks,
+            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+            HIDDEN=hidden, INTER=inter, TOKENS_P=triton.next_power_of_2(tokens), BLOCK_M=config.block_m,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION=precision, num_warps=tile.num_warps,
+            num_stages=tile.num_stages)
+        return out
 
     y = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     down = config.down

@@ -97,12 +97,14 @@ def gemv_swiglu(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 8, b
 
 
 @triton.jit
-def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_ptr, N, stride_wn, eps,
-                         K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_ptr, normed_ptr, N, stride_wn, eps,
+                         K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, KEEP_NORMED: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """As _gemv_kernel on h = RMSNorm(s) with s = x + residual (or x), both computed on the fly with the
     rounding of fused_ops._rms_norm_kernel: s = round(x + residual), h = round(w * round(s * rstd)). Every
     program first reduces the row's sum of squares itself (the row is small and L2-resident); program 0 also
-    writes s to sum_ptr, the next residual."""
+    writes s to sum_ptr, the next residual, and with KEEP_NORMED h to normed_ptr (for other layers on the same
+    input: a mixture of experts' router and its experts)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
     sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -131,6 +133,9 @@ def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_pt
         h = (s.to(tl.float32) * rstd).to(s.dtype)
         nw = tl.load(norm_w_ptr + k + cols, mask=col_ok, other=0.0)
         h = (nw.to(tl.float32) * h.to(tl.float32)).to(s.dtype)
+        if KEEP_NORMED:
+            if pid == 0:
+                tl.store(normed_ptr + k + cols, h, mask=col_ok)
         w = tl.load(w_rows + k + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
                     eviction_policy="evict_first")
         acc += w.to(tl.float32) * h.to(tl.float32)[None, :]
@@ -140,9 +145,10 @@ def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_pt
 
 def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                  weight: torch.Tensor, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
-                 num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_stages: int = 3, keep_normed: bool = False) -> tuple[torch.Tensor, ...]:
     """(RMSNorm(s) @ weight^T, s) for one row, s = x + residual (x alone without a residual): the norm of
-    the layer before a projection, fused into it. s is a new tensor (x when there is no residual)."""
+    the layer before a projection, fused into it. s is a new tensor (x when there is no residual). With
+    `keep_normed`, (RMSNorm(s) @ weight^T, s, RMSNorm(s))."""
     n, k = weight.shape
     if x.numel() != k or norm_weight.numel() != k or weight.stride(1) != 1:
         raise ValueError(f"gemv_rmsnorm needs {k} inputs and norm weights and a row-major weight")
@@ -150,8 +156,9 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     res = None if residual is None else residual.reshape(1, k).contiguous()
     summed = x if res is None else torch.empty_like(x)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    normed = torch.empty_like(x) if keep_normed else out
     _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n),)](
-        x, x if res is None else res, norm_weight, weight, out, summed, n, weight.stride(0), eps, K=k,
-        HAS_RESIDUAL=res is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages)
-    return out, summed
+        x, x if res is None else res, norm_weight, weight, out, summed, normed, n, weight.stride(0), eps, K=k,
+        HAS_RESIDUAL=res is not None, KEEP_NORMED=keep_normed, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages)
+    return (out, summed, normed) if keep_normed else (out, summed)

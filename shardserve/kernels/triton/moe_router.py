@@ -17,9 +17,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
-                  TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_logits,
+                TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Token `token`'s k choices: weights to weights_ptr[token * k + j], expert ids to ids_ptr[...]."""
     experts = tl.arange(0, EXPERTS_P)
     real = experts < num_experts
     logits = tl.load(logits_ptr + token * stride_logits + experts, mask=real, other=float("-inf")).to(tl.float32)
@@ -45,13 +45,24 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
     tl.store(ids_ptr + token * TOP_K + slots, chosen_ids.to(ids_ptr.dtype.element_ty), mask=keep)
 
 
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
+                  TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr):
+    route_token(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0).to(tl.int64), num_experts, stride_logits,
+                TOP_K, TOP_K_P, EXPERTS_P, RENORMALIZE)
+
+
+def check_top_k(top_k: int, num_experts: int) -> None:
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+
+
 def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (any float dtype) -> (weights [T, k] float32, expert ids [T, k] int64), as
     torch.topk(torch.softmax(logits.float(), -1), k) followed, with `renormalize`, by dividing the weights by
     their sum."""
     tokens, num_experts = logits.shape
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    check_top_k(top_k, num_experts)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
