@@ -7,15 +7,15 @@ Each call is captured in a CUDA graph and replayed (as the engine runs decode), 
 of the experts the call had to read (the distinct chosen experts' w13 and w2) and the bandwidth that makes.
 Routes are random (softmax top-k of Gaussian logits), the same for every path. The router_then_fused and
 fused_from_logits paths include the router's choice from logits (two kernels against one launch for both where
-the table fuses them); fused_separate_sum is the table's config without the summing w2 GEMM. --sweep also times every config
-of a small grid for the fused kernel and reports the fastest beside the table's. Prints one JSON object.
+the table fuses them); route_align_only and route_then_align_only time the choice and alignment alone. --sweep also times every config
+of a small grid for the fused kernel and reports the fastest beside the table's.
+Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import replace
 import json
 import os
 import statistics
@@ -96,7 +96,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from shardserve.kernels.fused_moe_table import pick_config
-    from shardserve.kernels.triton.fused_moe import fused_moe, fused_moe_from_logits
+    from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
+    from shardserve.kernels.triton.fused_moe import align_pairs, fused_moe, fused_moe_from_logits, route_and_align
     from shardserve.kernels.triton.moe_router import route_top_k
     from shardserve.layers.moe import grouped_mm_experts
 
@@ -120,9 +121,11 @@ def main() -> None:
                  # The router's choice included: its own kernel then the experts, or one launch for both.
                  ("router_then_fused", lambda: fused_moe(x, w13, w2, *route_top_k(logits, top_k, True))),
                  ("fused_from_logits", lambda: fused_moe_from_logits(x, logits, w13, w2, top_k, True))]
-        if table.down_sum is not None:  # the same without the summing w2 GEMM
-            paths.append(("fused_separate_sum", lambda: fused_moe(x, w13, w2, weights, ids,
-                                                                  config=replace(table, down_sum=None))))
+        if tokens <= ROUTE_ALIGN_MAX_TOKENS:  # the choice and the alignment alone: one launch against two
+            block_m = table.block_m
+            paths += [("route_align_only", lambda: route_and_align(logits, top_k, True, num_experts, block_m)),
+                      ("route_then_align_only",
+                       lambda: align_pairs(route_top_k(logits, top_k, True)[1], num_experts, block_m))]
         for name, fn in paths:
             us = graph_time_us(fn, args.iters, args.repeats)
             row[f"{name}_us"] = round(us, 1)

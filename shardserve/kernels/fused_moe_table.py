@@ -22,13 +22,10 @@ class Tile:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """block_m: slots per block (rows of both GEMMs' tiles); up: the w13 GEMM's tile; down: the w2 GEMM's;
-    down_sum: where set, the w2 GEMM sums each token's choices itself with this tile (one program per column
-    tile walks every block), instead of the down tile plus a separate sum."""
+    """block_m: slots per block (rows of both GEMMs' tiles); up: the w13 GEMM's tile; down: the w2 GEMM's."""
     block_m: int
     up: Tile
     down: Tile
-    down_sum: Tile | None = None
 
 
 # (largest expected rows per expert, config), first match wins. Decode (a few rows per expert) is bound by
@@ -46,10 +43,6 @@ CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
 # Up to this many tokens the router's choice and the alignment run in one program (one launch fewer a layer);
 # the program routes its tokens one after another, so only a few.
 ROUTE_ALIGN_MAX_TOKENS = 2
-# A single token's k blocks are few enough for one program per column tile to walk them all: the w2 GEMM then
-# sums the choices (one launch fewer, no per-choice rows). Narrow tiles keep every SM streaming.
-DOWN_SUM_MAX_TOKENS = 1
-DOWN_SUM_TILE = Tile(16, 256, 4, 3)
 
 
 def pick_config(tokens: int, top_k: int, num_experts: int, element_size: int = 2) -> MoeConfig:
@@ -58,25 +51,22 @@ def pick_config(tokens: int, top_k: int, num_experts: int, element_size: int = 2
     (and fits in shared memory)."""
     rows = tokens * top_k / num_experts
     config = next(config for limit, config in CONFIGS if rows <= limit)
-    if tokens <= DOWN_SUM_MAX_TOKENS:
-        config = replace(config, down_sum=DOWN_SUM_TILE)
     if element_size > 2:
-        config = replace(config, **{name: replace(t, block_k=max(16, t.block_k * 2 // element_size))
-                                    for name in ("up", "down", "down_sum")
-                                    if (t := getattr(config, name)) is not None})
+        config = MoeConfig(config.block_m, *(replace(t, block_k=max(16, t.block_k * 2 // element_size))
+                                             for t in (config.up, config.down)))
     return config
 
 
 def token_counts_per_config(top_k: int, num_experts: int) -> list[int]:
     """One token count that picks each config a layer of this shape can take (the smallest that does): a
-    self-check over these runs every one (the single-token sum, then the first row's config without it)."""
-    counts, previous = [DOWN_SUM_MAX_TOKENS + 1], 0.0
+    self-check over these runs every one."""
+    counts, previous = [], 0.0
     for limit, _ in CONFIGS:
         first = int(previous * num_experts // top_k) + 1
         if first * top_k <= limit * num_experts:
             counts.append(first)
         previous = limit
-    return sorted(set(counts))
+    return counts
 
 
 # Past this many (token, choice) pairs per expert, torch's grouped GEMM beats the table's widest config on an H200

@@ -36,8 +36,6 @@ DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32, torch.floa
 QWEN3_30B = (128, 8, 2048, 768)
 # Small tiles for the interpreter: several reduction steps over H, and a tile wider than I's remainder.
 SMALL = MoeConfig(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
-# The same with the w2 GEMM summing each token's choices itself.
-SMALL_SUMMED = MoeConfig(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
 
 
 def reference_moe(x, w13, w2, weights, ids) -> torch.Tensor:
@@ -132,23 +130,6 @@ def test_interpreter_uneven_sizes_and_one_shared_route():
     check_against_reference(6, 4, 2, 48, 24, torch.float32, config=MoeConfig(16, Tile(16, 32, 4, 1),
                                                                             Tile(16, 32, 4, 1)))
     check_against_reference(8, 4, 2, 32, 16, torch.float16, config=SMALL, same_route=True, ids_dtype=torch.int32)
-
-
-@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 6])
-def test_interpreter_summing_down_gemm_matches_reference(dtype, tokens):
-    """The w2 GEMM that sums each token's choices itself (the table's pick for one token), at more tokens too
-    (several tokens per block), with H and I not multiples of the tiles."""
-    check_against_reference(tokens, 4, 2, 32, 16, dtype, config=SMALL_SUMMED)
-    check_against_reference(tokens, 4, 2, 48, 24, dtype, config=SMALL_SUMMED)
-    check_against_reference(tokens, 4, 2, 32, 16, dtype, config=SMALL_SUMMED, same_route=True)
-
-
-def test_table_sums_in_the_down_gemm_for_one_token_only():
-    num_experts, top_k, _, _ = QWEN3_30B
-    assert pick_config(1, top_k, num_experts).down_sum is not None
-    assert pick_config(2, top_k, num_experts).down_sum is None
 
 
 def check_from_logits(tokens, num_experts, top_k, hidden, inter, dtype, renormalize=True, held=None, config=None):
@@ -258,7 +239,7 @@ def test_table_reads_each_chosen_expert_once_at_decode():
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_one_token_from_logits_replays_in_cuda_graph():
-    """Batch-1 decode's three launches (choice + alignment, w13, summing w2) captured, replayed on new logits."""
+    """Batch-1 decode's launches (choice + alignment, w13, w2, sum) captured, replayed on new logits."""
     num_experts, top_k, hidden, inter = QWEN3_30B
     dtype = torch.bfloat16
     w13, w2 = make_experts(num_experts, hidden, inter, dtype)

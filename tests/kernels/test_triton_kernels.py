@@ -510,10 +510,12 @@ def test_gemv_with_the_norm_before_it_matches_norm_then_linear(dtype, with_resid
     assert torch.equal(summed, expected_sum)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y.float(), F.linear(h.float(), w.float()), atol=tol * k ** 0.5, rtol=tol)
-    # Kept for the layers beside this one (an MoE's experts beside its router): the norm's own output, exactly.
+    # Kept for the layers beside this one (an MoE's experts beside its router).
     kept_y, kept_sum, normed = gemv_rmsnorm(x, residual, norm_weight, 1e-5, w, block_n=8, block_k=64, num_warps=4,
                                             num_stages=1, keep_normed=True)
-    assert torch.equal(normed, h) and torch.equal(kept_sum, expected_sum) and torch.equal(kept_y, y)
+    assert torch.equal(kept_sum, expected_sum) and torch.equal(kept_y, y)
+    # The norm's own output, to its rounding (the two kernels sum the squares in different orders).
+    torch.testing.assert_close(normed.float(), h.float(), atol=0, rtol=1e-6 if dtype == torch.float32 else 8e-3)
 
 
 # ---------------------------------------------------------------------------------------------------------------
