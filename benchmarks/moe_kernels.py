@@ -7,9 +7,9 @@ Each call is captured in a CUDA graph and replayed (as the engine runs decode), 
 of the experts the call had to read (the distinct chosen experts' w13 and w2) and the bandwidth that makes.
 Routes are random (softmax top-k of Gaussian logits), the same for every path. The router_then_fused and
 fused_from_logits paths include the router's choice from logits (two kernels against one launch for both where
-the table fuses them); route_align_only and route_then_align_only time the choice and alignment alone. --sweep also times every config
-of a small grid for the fused kernel and reports the fastest beside the table's.
-Prints one JSON object.
+the table fuses them); route_align_only and route_then_align_only time the choice and alignment alone. --sweep
+also times every config of a small grid for the fused kernel and reports the fastest beside the table's. Prints
+one JSON object.
 """
 
 from __future__ import annotations
