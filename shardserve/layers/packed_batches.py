@@ -41,11 +41,17 @@ def time_batch_kernels(model: nn.Module) -> dict[str, list[list[int] | None]]:
         if not (first.weight.is_cuda and first.packed.takes_gemm()):
             continue
         weight64, outputs = _sampled_reference(first)
-        results = [_fastest(layers, rows, weight64, outputs) for rows in TIMING_ROWS]
+        results = []
+        for rows in TIMING_ROWS:
+            try:
+                results.append(_fastest(layers, rows, weight64, outputs))
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: that bucket keeps dequantizing
+                logger.warning("packed %s %dx%d: timing batches of %d rows failed, so they dequantize: %s: %s",
+                               layout.describe(), n, k, rows, type(e).__name__, e)
+                results.append((None, float("nan"), float("nan")))
         chosen[first.packed.config_key()] = [config for config, _, _ in results]
         logger.info("packed %s %dx%d batches: %s", layout.describe(), n, k, "; ".join(
-            f"{rows} rows {_describe(config)} {us:.1f} us (dequantize + cuBLAS {dense_us:.1f} us)"
-            for rows, (config, us, dense_us) in zip(TIMING_ROWS, results)))
+            f"{rows} rows: {_describe(*result)}" for rows, result in zip(TIMING_ROWS, results)))
         del weight64
     if chosen:
         torch.cuda.empty_cache()  # the timing graphs' memory, back before the KV cache is sized
@@ -90,11 +96,12 @@ def _fastest(layers: list[KernelLinear], rows: int, weight64: torch.Tensor,
     return best[0], best[1], dense_us
 
 
-def _describe(config: list[int] | None) -> str:
+def _describe(config: list[int] | None, us: float, dense_us: float) -> str:
     if config is None:
-        return "dequantize + cuBLAS"
+        return f"dequantize + cuBLAS {dense_us:.1f} us" if dense_us == dense_us else "dequantize + cuBLAS (not timed)"
     block_m, block_n, block_k, warps, stages = config
-    return f"GEMM {block_m}x{block_n}x{block_k} ({warps} warps, {stages} stages)"
+    return (f"GEMM {block_m}x{block_n}x{block_k} ({warps} warps, {stages} stages) {us:.1f} us, dequantize + cuBLAS "
+            f"{dense_us:.1f} us")
 
 
 def use_batch_kernels(model: nn.Module, chosen: dict[str, list[list[int] | None]]) -> None:

@@ -82,6 +82,37 @@ def test_a_chosen_gemm_is_checked_and_a_wrong_one_dropped(monkeypatch, caplog):
     assert "fused GEMM failed its start-up check" in caplog.text and "40x256 at 5 rows" in caplog.text
 
 
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="CPU: the timer is faked; the GPU test below times")
+def test_timing_keeps_the_gemm_only_where_faster_and_skips_tiles_that_compute_wrong(monkeypatch):
+    """Two candidate tiles, the first computing wrong; a fake timer where the GEMM wins every bucket but the third,
+    and the last (4096 rows) runs out of memory: the right tiles where the GEMM won, dequantizing elsewhere."""
+    from shardserve.kernels.triton import quant_gemm
+    from shardserve.layers import cuda_gemv
+
+    wrong, right = (16, 32, 64, 4, 1), (16, 16, 64, 4, 1)
+    model = nn.Sequential(*[packed_layer(40, 256, PackedLayout("int4", 64), torch.float16, seed=i) for i in range(2)])
+    gemm = PackedWeights._gemm
+
+    def gemm_wrong_for_one_tile(self, layer, x, config):
+        return gemm(self, layer, x, right) * (2 if tuple(config) == wrong else 1)
+
+    def fake_timer(fn, layers, x, replays=10):
+        if x.shape[0] == packed_batches.TIMING_ROWS[-1]:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        dense = "_dequantized_product" in fn.__code__.co_names
+        return (10.0 if dense else 5.0) if x.shape[0] != packed_batches.TIMING_ROWS[2] else (5.0 if dense else 10.0)
+
+    monkeypatch.setattr(packed_batches, "TIMING_ROWS", (16, 64, 20, 30, 4096))  # interpreter-sized batches
+    monkeypatch.setattr(quant_gemm, "candidate_configs", lambda m: (wrong, right))
+    monkeypatch.setattr(PackedWeights, "_gemm", gemm_wrong_for_one_tile)
+    monkeypatch.setattr(cuda_gemv, "time_in_graph_us", fake_timer)
+    monkeypatch.setattr(nn.Parameter, "is_cuda", property(lambda self: True))  # time these CPU layers
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    chosen = packed_batches.time_batch_kernels(model)
+    assert chosen == {model[0].packed.config_key(): [list(right), list(right), None, list(right), None]}
+
+
 def _two_ranks_choose(rank: int, port: int, results) -> None:
     """Rank 0 times tiles for the first bucket, rank 1 would dequantize; then rank 1's GEMM computes wrong."""
     from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
