@@ -26,6 +26,7 @@ from shardserve.engine.step_plan import SeqChunk
 from shardserve.kernels.plan import KernelPlan, KernelPlanError
 from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, check_linear,
                                            head_norm_reference, relative_error, rotate_reference)
+from shardserve.layers import packed_batches
 from shardserve.layers import quantized_linear as ql
 from shardserve.layers.linear import KernelLinear
 from shardserve.layers.linear_kernels import build_linear_kernel
@@ -123,7 +124,8 @@ def attach_linear_kernel(model: nn.Module, kernel) -> tuple[int, int]:
 
 def setup_packed_layers(model: nn.Module, ctx: RankContext, device: torch.device) -> str:
     """After loading: the packed (quantized) layers' kernels checked against float64 on every rank and, on GPUs,
-    their single-row configurations timed (rank 0's choice used everywhere); a failure anywhere unpacks every
+    their single-row configurations and their batches' kernels timed (rank 0's choice used everywhere, batch
+    kernels checked again once chosen: choose_batch_kernels); a failure of the first check anywhere unpacks every
     packed layer on every rank (the values they encode, in the compute dtype). Off GPUs they are unpacked: CPUs
     compute with the dequantized values (unless SHARDSERVE_QUANTIZED_LAYERS=packed). Returns what the kernel plan
     records."""
@@ -141,9 +143,29 @@ def setup_packed_layers(model: nn.Module, ctx: RankContext, device: torch.device
                            "they encode in the compute dtype instead: %s", layout, "; ".join(problems))
         ql.unpack_all(model)
         return f"{layout} dequantized (packed kernels failed their check)"
+    batches = ""
     if device.type == "cuda":
         ql.use_gemv_configs(model, _gather(ql.time_gemv_configs(model), ctx)[0])
-    return f"{layout} packed on {len(layers)} layers"
+        batches = choose_batch_kernels(model, ctx)
+    return f"{layout} packed on {len(layers)} layers" + (f", {batches}" if batches else "")
+
+
+def choose_batch_kernels(model: nn.Module, ctx: RankContext) -> str:
+    """Rank 0's timed choice between the fused GEMM and dequantize + cuBLAS for the packed layers' batches, used
+    on every rank and checked against float64 there in every bucket that runs the GEMM; a failure on any rank
+    puts every batch back on dequantize + cuBLAS (checked already). Returns what the kernel plan records ("" where
+    no layer can take the GEMM)."""
+    packed_batches.use_batch_kernels(model, _gather(packed_batches.time_batch_kernels(model), ctx)[0])
+    rows = packed_batches.gemm_check_rows(model)
+    problems = [f"{who}: {failure}" for who, failures in _by_rank(ql.check_packed(model, rows) if rows else [], ctx)
+                for failure in failures]
+    if problems:
+        if ctx.is_driver:
+            logger.warning("the packed layers' fused GEMM failed its start-up check, so every rank dequantizes for "
+                           "batches instead: %s", "; ".join(problems))
+        packed_batches.use_batch_kernels(model, {})
+        return "batches dequantized (the fused GEMM failed its check)"
+    return packed_batches.summary(model)
 
 
 # -- attention ------------------------------------------------------------------------------------------

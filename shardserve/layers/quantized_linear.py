@@ -15,15 +15,18 @@ whole scale groups. A layer whose slice would split a group is not packed: it ke
 compute dtype (logged by name), exactly as on CPUs.
 
 Products: a single row runs the Triton GEMVs of kernels/triton/quant_gemv.py; batches run torch._scaled_mm on FP8
-with one scale a row and dynamic per-token activation scales (Hopper and Ada), else the weight dequantized to the
-compute dtype and cuBLAS. Every distinct packed shape is checked against float64 at start-up on both paths
-(`check_packed_layers`); a failure unpacks every packed layer (WARNING), so no rank serves a wrong product.
+with one scale a row and dynamic per-token activation scales (Hopper and Ada), else, per bucket of row counts
+(BATCH_LIMITS), the Triton GEMM of kernels/triton/quant_gemm.py that reads the packed weights (16-bit activations,
+only where start-up timing chose it: layers/packed_batches.py) or the weight dequantized to the compute dtype and
+cuBLAS. Every distinct packed shape is checked against float64 at start-up on the paths it runs (`check_packed`);
+a failure unpacks every packed layer (WARNING), so no rank serves a wrong product.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -42,6 +45,17 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DEFAULT_GEMV = (8, 512, 4, 3)
 GEMV_CANDIDATES = ((8, 512, 4, 3), (4, 1024, 8, 4), (16, 256, 4, 2), (8, 1024, 8, 3), (8, 1024, 4, 3),
                    (8, 2048, 8, 3), (16, 1024, 8, 3), (4, 2048, 8, 4))
+
+
+# Batches by row count: at most 16, 64, 256 or 1024 rows, or more. Each bucket of a layer runs the fused GEMM with
+# its own tiles, or dequantize + cuBLAS (PackedWeights.batch_gemms).
+BATCH_LIMITS = (16, 64, 256, 1024)
+BATCH_BUCKETS = len(BATCH_LIMITS) + 1
+
+
+def batch_bucket(rows: int) -> int:
+    """Index of the bucket a batch of `rows` rows falls in (0 for 16 rows or fewer)."""
+    return bisect_left(BATCH_LIMITS, rows)
 
 
 # A packed layer's parameters besides `weight`: filled by the weight's loader, along with it.
@@ -87,6 +101,9 @@ class PackedWeights:
         self.layout, self.n, self.k, self.group = layout, n, k, group
         self.compute_dtype = layer.weight.dtype
         self.gemv_config = DEFAULT_GEMV
+        # Per batch bucket, the fused GEMM's (block_m, block_n, block_k, num_warps, num_stages), or None for
+        # dequantize + cuBLAS: None until start-up timing picks (packed_batches.py), and always on CPUs.
+        self.batch_gemms: tuple[tuple[int, ...] | None, ...] = (None,) * BATCH_BUCKETS
         device = torch.device(device)
         # Batches on FP8 tensor cores (compute capability 8.9 on): FP8 with one scale a row, in 16-wide shapes.
         self.scaled_mm = (layout.kind == "fp8" and group == k and k % 16 == 0 and n % 16 == 0
@@ -176,19 +193,43 @@ class PackedWeights:
             return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config)
         return int4_gemv(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group, *self.gemv_config)
 
+    def _gemm(self, layer: KernelLinear, x: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
+        from shardserve.kernels.triton.quant_gemm import fp8_gemm, int4_gemm
+
+        if self.layout.kind == "fp8":
+            return fp8_gemm(x, layer.weight, layer.weight_scale, self.group, config)
+        return int4_gemm(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group, config)
+
+    def _dequantized_product(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(layer, x.dtype))
+
     def _product(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.shape[0] == 1:
             return self._gemv(layer, x)
         if self.rowwise_fp8(x):
             return scaled_mm_rowwise(x, layer.weight, layer.weight_scale)
-        return F.linear(x, self.dequantized(layer, x.dtype))
+        config = self.batch_gemm(x)
+        if config is not None:
+            return self._gemm(layer, x, config)
+        return self._dequantized_product(layer, x)
 
     def rowwise_fp8(self, x: torch.Tensor) -> bool:
         """Whether a batch x takes torch._scaled_mm (16-bit activations on a layer that can)."""
         return self.scaled_mm and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
+    def takes_gemm(self) -> bool:
+        """Whether batches may run the fused GEMM: 16-bit activations, and not FP8 that torch._scaled_mm takes."""
+        return self.compute_dtype in (torch.bfloat16, torch.float16) and not self.scaled_mm
+
+    def batch_gemm(self, x: torch.Tensor) -> tuple[int, ...] | None:
+        """The GEMM tiles chosen for x's bucket of row counts, or None: dequantize + cuBLAS."""
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        return self.batch_gemms[batch_bucket(x.shape[0])]
+
     def config_key(self) -> str:
-        """This layer's shape and layout, as the plain-data key its single-row configuration is agreed under."""
+        """This layer's shape and layout, as the plain-data key its single-row configuration and batch kernels are
+        agreed under."""
         return f"{self.layout.kind}/{self.group}/{self.n}/{self.k}"
 
     def dequantized(self, layer: KernelLinear, dtype: torch.dtype) -> torch.Tensor:
@@ -359,7 +400,8 @@ def distinct_packed(model: nn.Module) -> dict[tuple, list[KernelLinear]]:
 @torch.inference_mode()
 def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
     """Each distinct packed shape's product at one row (the GEMV) and a batch, against float64 on the same
-    packed values; returns what failed, as 'fp8 (...) NxK at R rows: error E (tolerance T)'."""
+    packed values, through the path each row count takes now (once batch kernels are chosen, again at a row count
+    in each bucket that runs the GEMM); returns what failed, as 'fp8 (...) NxK at R rows: error E (tolerance T)'."""
     from shardserve.kernels.self_check import TOLERANCE, relative_error, sampled_outputs
 
     failures = []

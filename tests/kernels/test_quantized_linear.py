@@ -1,21 +1,25 @@
 """Packed quantized layers (layers/quantized_linear.py) against float64 on their own packed values: every product
-path (the single-row Triton GEMVs, torch._scaled_mm for FP8 batches, dequantize + matmul) from 1 to 512 rows, on
-Llama-3-8B's projections at TP 1 and 2 and a slice narrower than any kernel tile. On CPU, the dequantizing path on
-small shapes; the start-up check catches a corrupted scale."""
+path (the single-row Triton GEMVs, torch._scaled_mm for FP8 batches, the fused GEMM, dequantize + matmul) from 1 to
+512 rows, on Llama-3-8B's projections at TP 1 and 2 and a slice narrower than any kernel tile. On CPU, the
+dequantizing path on small shapes and the fused GEMM in Triton's interpreter; the start-up check catches a
+corrupted scale."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 from torch import nn
 
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
-from shardserve.layers.quantized_linear import (FP8_ACTIVATION_TOLERANCE, PackedLayout, PackedWeights, check_packed,
-                                                reference_weight)
+from shardserve.layers.quantized_linear import (BATCH_LIMITS, FP8_ACTIVATION_TOLERANCE, PackedLayout, PackedWeights,
+                                                check_packed, reference_weight)
 from shardserve.kernels.self_check import TOLERANCE, relative_error
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 LAYOUTS = [PackedLayout("fp8", 0), PackedLayout("fp8", 128), PackedLayout("int4", 128), PackedLayout("int4", 32),
            PackedLayout("int4", 0)]
 # (N, K): Llama-3-8B's qkv, o, gate_up and down projections at TP 1, then at TP 2; then a 24-row, 256-column slice.
@@ -62,6 +66,61 @@ def test_float16_activations(layout):
 def test_products_replay_in_a_cuda_graph(layout):
     layer = packed_layer(4096, 4096, layout, torch.bfloat16)
     for m in (1, 8):
+        x = torch.randn(m, 4096, device=DEVICE, dtype=torch.bfloat16)
+        layer(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(out, layer(x))
+
+
+# Layouts whose batches can take the fused GEMM (FP8 with one scale a row takes torch._scaled_mm on CUDA).
+GEMM_LAYOUTS = [PackedLayout("int4", 128), PackedLayout("int4", 32), PackedLayout("int4", 0), PackedLayout("fp8", 128)]
+
+
+def with_gemm(layer: nn.Module, tiles=None) -> nn.Module:
+    """The layer with every bucket of batches on the fused GEMM: `tiles`, or each bucket's default tiles."""
+    from shardserve.kernels.triton.quant_gemm import default_config
+
+    largest = BATCH_LIMITS + (BATCH_LIMITS[-1] + 1,)  # a batch size in each bucket
+    layer.packed.batch_gemms = tuple(tuple(tiles or default_config(rows)) for rows in largest)
+    return layer
+
+
+@needs_triton
+@pytest.mark.usefixtures("bfloat16_dot_in_the_interpreter")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", GEMM_LAYOUTS + ([] if CUDA else [PackedLayout("fp8", 0)]), ids=PackedLayout.describe)
+def test_batches_through_the_fused_gemm_match_float64(layout, dtype):
+    """On CPU in Triton's interpreter with small tiles; on CUDA on Llama-3-8B's shapes with each bucket's default
+    tiles, from 2 to 512 rows."""
+    if not CUDA:
+        check_rows(with_gemm(packed_layer(40, 256, layout, dtype), (16, 32, 64, 4, 1)), (3, 17), dtype)
+        return
+    for shape in GPU_SHAPES:
+        check_rows(with_gemm(packed_layer(*shape, layout, dtype)), (2, 7, 17, 64, 100, 512), dtype)
+
+
+@needs_triton
+@pytest.mark.usefixtures("bfloat16_dot_in_the_interpreter")
+def test_an_act_order_layer_gathers_its_input_before_the_fused_gemm():
+    layer = packed_layer(40, 256, PackedLayout("int4", 64, act_order=True), torch.bfloat16)
+    layer.input_perm.data.copy_(torch.randperm(256, generator=torch.Generator().manual_seed(0)))
+    with_gemm(layer, None if CUDA else (16, 32, 64, 4, 1))
+    assert check_packed(nn.Sequential(layer), (5, 40)) == []
+    x = torch.randn(17, 256, device=DEVICE).to(torch.bfloat16)
+    want = x.double()[:, layer.input_perm] @ reference_weight(layer).T
+    assert relative_error(layer(x), want.cpu()) < TOLERANCE[torch.bfloat16]
+
+
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+@pytest.mark.parametrize("layout", GEMM_LAYOUTS, ids=PackedLayout.describe)
+def test_the_fused_gemm_replays_in_a_cuda_graph(layout):
+    layer = with_gemm(packed_layer(4096, 4096, layout, torch.bfloat16))
+    for m in (8, 200):
         x = torch.randn(m, 4096, device=DEVICE, dtype=torch.bfloat16)
         layer(x)
         graph = torch.cuda.CUDAGraph()
