@@ -13,7 +13,7 @@ Experts' weights live in two tensors per layer: `w13` [E, 2 * I_rank, H] (gate r
 
 On CUDA the block runs without any host synchronisation, so CUDA graphs capture decode: the norm inside the
 router's GEMV (single tokens), the router's softmax and top k in one kernel (kernels/triton/moe_router.py), or for
-one or two tokens in the same launch as the experts' alignment, the experts in the fused Triton kernel
+a single token in the same launch as the experts' alignment, the experts in the fused Triton kernel
 (kernels/triton/fused_moe.py) for decode and small batches and through torch's grouped GEMM (tokens sorted by
 expert on the device, one group per expert) for large ones. Each is compared once per device and shape with a
 reference before it is used (the experts with float64 at every kernel config a layer can take); a mismatch is
@@ -135,7 +135,7 @@ class SparseMoE(nn.Module):
         return out, residual
 
     def routed_experts(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The experts' sum for the router's logits [T, E]: on CUDA for a few tokens the choice and the experts'
+        """The experts' sum for the router's logits [T, E]: on CUDA for a single token the choice and the experts'
         alignment in one launch (fused_moe_from_logits) where that matched the reference on this device."""
         if h.is_cuda and 0 < h.shape[0] <= ROUTE_ALIGN_MAX_TOKENS and device_routed_experts(
                 self.w13, self.w2, logits.shape[1], self.top_k, self.renormalize):

@@ -4,8 +4,8 @@ out[t] = sum_j weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ 
 
 1. Alignment (one program): the T*k (token, choice) pairs are grouped by expert, in pair order within each
    expert, and each expert's group is padded to a multiple of BLOCK_M with the sentinel T*k. Every block of
-   BLOCK_M slots then belongs to one expert, written to `block_expert` (-1 past the last group). For a few
-   tokens the same program first makes the router's choice from the logits (fused_moe_from_logits).
+   BLOCK_M slots then belongs to one expert, written to `block_expert` (-1 past the last group). For a single
+   token the same program first makes the router's choice from the logits (fused_moe_from_logits).
 2. Grouped GEMM with w13, SwiGLU in its epilogue: program (block, column tile) multiplies its block's token
    rows by the gate and the up tiles of its expert, and stores silu(gate) * up (rounded to x's dtype) per slot.
 3. Grouped GEMM with w2: the activations of a block times its expert's w2 tile, scaled by each pair's router
