@@ -143,11 +143,27 @@ def setup_packed_layers(model: nn.Module, ctx: RankContext, device: torch.device
                            "they encode in the compute dtype instead: %s", layout, "; ".join(problems))
         ql.unpack_all(model)
         return f"{layout} dequantized (packed kernels failed their check)"
-    batches = ""
+    chosen = []
     if device.type == "cuda":
-        ql.use_gemv_configs(model, _gather(ql.time_gemv_configs(model), ctx)[0])
-        batches = choose_batch_kernels(model, ctx)
-    return f"{layout} packed on {len(layers)} layers" + (f", {batches}" if batches else "")
+        chosen = [choose_gemv_configs(model, ctx), choose_batch_kernels(model, ctx)]
+    return ", ".join([f"{layout} packed on {len(layers)} layers", *filter(None, chosen)])
+
+
+def choose_gemv_configs(model: nn.Module, ctx: RankContext) -> str:
+    """Rank 0's timed single-row configurations (and where the norm runs inside the GEMV), used on every rank and
+    checked there against float64; a failure on any rank puts every rank back on the default configuration
+    without the norm inside (checked already). Returns what the kernel plan records ("" without norm-fused
+    GEMVs)."""
+    ql.use_gemv_configs(model, _gather(ql.time_gemv_configs(model), ctx)[0])
+    problems = [f"{who}: {failure}" for who, failures in _by_rank(ql.check_packed(model, rows=(1,)), ctx)
+                for failure in failures]
+    if problems:
+        if ctx.is_driver:
+            logger.warning("the packed layers' timed single-row GEMVs failed their start-up check, so every rank "
+                           "uses the default: %s", "; ".join(problems))
+        ql.use_gemv_configs(model, {})
+    fused = sum(layers[0].packed.norm_fused for layers in ql.distinct_packed(model).values())
+    return f"the norm inside the single-row GEMV on {fused} shapes" if fused else ""
 
 
 def choose_batch_kernels(model: nn.Module, ctx: RankContext) -> str:

@@ -187,12 +187,14 @@ class ColumnParallelLinear(KernelLinear):
                 h, residual = fused
                 return (self.forward(h), h, residual) if keep_normed else (self.forward(h), residual)
             x = reduce.all_reduce(x)
-        fused = getattr(self.kernel, "normed", None)
-        if fused is not None and self.fusable:
-            out = fused(x, residual, norm.weight, norm.eps, self.weight, keep_normed=keep_normed)
-            if out is not None:
-                y = out[0] if self.bias is None else out[0] + self.bias
-                return (y, out[2], out[1]) if keep_normed else (y, out[1])
+        out = None
+        if self.packed is not None and not keep_normed:
+            out = self.packed.normed(self, x, residual, norm.weight, norm.eps)
+        elif getattr(self.kernel, "normed", None) is not None and self.fusable:
+            out = self.kernel.normed(x, residual, norm.weight, norm.eps, self.weight, keep_normed=keep_normed)
+        if out is not None:
+            y = out[0] if self.bias is None else out[0] + self.bias
+            return (y, out[2], out[1]) if keep_normed else (y, out[1])
         if residual is None:
             h, residual = norm(x), x
         else:

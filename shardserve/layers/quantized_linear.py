@@ -101,6 +101,9 @@ class PackedWeights:
         self.layout, self.n, self.k, self.group = layout, n, k, group
         self.compute_dtype = layer.weight.dtype
         self.gemv_config = DEFAULT_GEMV
+        # One-row products of a normed input (the QKV and gate/up projections) with the norm inside the GEMV:
+        # set by start-up timing where that measured faster than the norm kernel and the GEMV.
+        self.norm_fused = False
         # Per batch bucket, the fused GEMM's (block_m, block_n, block_k, num_warps, num_stages), or None for
         # dequantize + cuBLAS: None until start-up timing picks (packed_batches.py), and always on CPUs.
         self.batch_gemms: tuple[tuple[int, ...] | None, ...] = (None,) * BATCH_BUCKETS
@@ -185,6 +188,20 @@ class PackedWeights:
             x = x.index_select(1, perm)
         out = self._product(layer, x)
         return out.reshape(*shape[:-1], self.n)
+
+    def normed(self, layer: KernelLinear, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the product of RMSNorm(x + residual), x + residual) for one row in one launch, where start-up timing
+        chose the norm-fused GEMV for this shape (never for act order: its input is gathered first); else None."""
+        if not self.norm_fused or x.dim() != 2 or x.shape[0] != 1 or getattr(layer, "input_perm", None) is not None:
+            return None
+        from shardserve.kernels.triton.quant_gemv import fp8_gemv_rmsnorm, int4_gemv_rmsnorm
+
+        if self.layout.kind == "fp8":
+            return fp8_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, self.group,
+                                    *self.gemv_config)
+        return int4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.weight_zero,
+                                 self.group, *self.gemv_config)
 
     def _gemv(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
         from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
@@ -424,7 +441,31 @@ def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
                 error, detail = float("inf"), f"{type(e).__name__}: {e}"
             if not error <= tolerance:
                 failures.append(f"{layout.describe()} {n}x{k} at {m} rows: {detail}")
+        if layer.packed.norm_fused:
+            error, detail = _normed_error(layer, w64, outputs, generator)
+            if not error <= TOLERANCE.get(dtype, 1e-2):
+                failures.append(f"{layout.describe()} {n}x{k} with the norm before it: {detail}")
     return failures
+
+
+def _normed_error(layer: KernelLinear, w64: torch.Tensor, outputs, generator: torch.Generator) -> tuple[float, str]:
+    """The norm-fused single-row product (PackedWeights.normed) against float64 on the norm module's output, with
+    a residual: (relative error, what to report)."""
+    from shardserve.kernels.self_check import TOLERANCE, relative_error
+    from shardserve.layers.norm import RMSNorm
+
+    dtype, k = layer.packed.compute_dtype, layer.packed.k
+    norm = RMSNorm(k, 1e-5, dtype).to(layer.weight.device)
+    norm.weight.data.copy_(torch.rand(k, generator=generator).add_(0.5))
+    x = torch.randn(1, k, generator=generator).mul_(3).to(dtype).to(layer.weight.device)
+    residual = torch.randn(1, k, generator=generator).to(dtype).to(layer.weight.device)
+    try:
+        h, _ = norm(x.clone(), residual.clone())
+        out = layer.packed.normed(layer, x, residual, norm.weight, norm.eps)
+        error = relative_error(out[0][:, outputs], F.linear(h.double(), w64).cpu())
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot run this shape fails its check
+        return float("inf"), f"{type(e).__name__}: {e}"
+    return error, f"error {error:.2g} (tolerance {TOLERANCE.get(dtype, 1e-2):.2g})"
 
 
 @torch.inference_mode()
@@ -459,9 +500,56 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
             chosen[first.packed.config_key()] = list(best)
             logger.info("packed %s %dx%d single-row GEMV: %s, %.1f us (%.0f GB/s)", layout.describe(), n, k, best, us,
                         sum(t.numel() * t.element_size() for t in (first.weight, first.weight_scale)) / us / 1e3)
+            if _norm_fused_wins(layers, best):
+                chosen[first.packed.config_key() + NORM_FUSED_SUFFIX] = [1]
     return chosen
+
+
+# A norm-fused single-row GEMV replaces the norm kernel and the plain GEMV: it must be faster by this share of
+# their time (as layers/cuda_gemv.py asks of 16-bit weights).
+NORM_FUSED_MIN_GAIN = 0.03
+NORM_FUSED_SUFFIX = "/norm"
+
+
+def _norm_fused_wins(layers: list[KernelLinear], config) -> bool:
+    """Whether the layers of one packed shape take a normed input (column-parallel, no input permutation) and
+    the norm inside their GEMV (`config`) matched float64 and beat the norm kernel then the GEMV."""
+    first = layers[0]
+    if not hasattr(first, "forward_normed") or getattr(first, "input_perm", None) is not None:
+        return False
+    from shardserve.kernels.self_check import TOLERANCE
+    from shardserve.layers.cuda_gemv import time_in_graph_us
+    from shardserve.layers.norm import RMSNorm
+
+    dtype, k, device = first.packed.compute_dtype, first.packed.k, first.weight.device
+    norm = RMSNorm(k, 1e-5, dtype).to(device)
+    residual = torch.randn(1, k, dtype=dtype, device=device)
+    x = torch.randn(1, k, dtype=dtype, device=device)
+    first.packed.gemv_config, first.packed.norm_fused = config, True
+    try:
+        error, detail = _normed_error(first, reference_weight(first), slice(None), torch.Generator().manual_seed(3))
+        if not error <= TOLERANCE.get(dtype, 1e-2):
+            logger.warning("packed %dx%d: the norm-fused GEMV failed its check (%s); not used", first.packed.n, k,
+                           detail)
+            return False
+        for layer in layers[:32]:
+            layer.packed.gemv_config, layer.packed.norm_fused = config, True
+        fused = time_in_graph_us(lambda x, layer: layer.packed.normed(layer, x, residual, norm.weight, norm.eps),
+                                 layers[:32], x)
+        apart = time_in_graph_us(lambda x, layer: layer.packed._product(layer, norm(x, residual)[0]), layers[:32], x)
+    except Exception as e:  # noqa: BLE001 - a form this shape cannot take
+        logger.debug("norm-fused GEMV on %dx%d: %s", first.packed.n, k, e)
+        return False
+    finally:
+        for layer in layers[:32]:
+            layer.packed.gemv_config, layer.packed.norm_fused = DEFAULT_GEMV, False
+    logger.info("packed %dx%d with the norm before it: %.1f us fused, %.1f us apart: %s", first.packed.n, k, fused,
+                apart, "fused" if fused < apart * (1 - NORM_FUSED_MIN_GAIN) else "apart")
+    return fused < apart * (1 - NORM_FUSED_MIN_GAIN)
 
 
 def use_gemv_configs(model: nn.Module, chosen: dict[str, list[int]]) -> None:
     for _, layer in packed_layers(model):
-        layer.packed.gemv_config = tuple(chosen.get(layer.packed.config_key(), DEFAULT_GEMV))
+        key = layer.packed.config_key()
+        layer.packed.gemv_config = tuple(chosen.get(key, DEFAULT_GEMV))
+        layer.packed.norm_fused = key + NORM_FUSED_SUFFIX in chosen

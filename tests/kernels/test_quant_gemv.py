@@ -159,6 +159,61 @@ def test_interpreter_fp8_gemv(dtype, n, k, group_k, block_n, block_k, native, mo
     assert relative_error(got[0], x[0].double() @ fp8_reference(weight, scale, group_k).T) < TOLERANCE[dtype]
 
 
+def normed_input(k: int, dtype, with_residual: bool, seed: int = 2):
+    """(x, residual or None, norm weight, eps) of one row, and the norm's output and the sum as the model's
+    norm kernel makes them (fused_add_rms_norm, or rms_norm without a residual)."""
+    from shardserve.kernels.triton import fused_ops
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g).mul_(3).to(DEVICE, dtype)
+    residual = torch.randn(1, k, generator=g).to(DEVICE, dtype) if with_residual else None
+    norm_weight = torch.rand(k, generator=g).add_(0.5).to(DEVICE, dtype)
+    if with_residual:
+        h, summed = fused_ops.fused_add_rms_norm(x.clone(), residual.clone(), norm_weight, 1e-5)
+    else:
+        h, summed = fused_ops.rms_norm(x, norm_weight, 1e-5), x
+    return (x, residual, norm_weight, 1e-5), h, summed
+
+
+def check_normed_gemv(kind: str, n: int, k: int, group: int, dtype, with_residual: bool, config) -> None:
+    """The norm-fused packed GEMV equals the norm kernel followed by the packed GEMV: the same sum bit for bit,
+    products within the dtype's tolerance of float64 on the norm's output."""
+    from shardserve.kernels.triton import quant_gemv
+
+    norm_args, h, summed = normed_input(k, dtype, with_residual)
+    if kind == "fp8":
+        weight, scale = random_fp8(n, k, group, seed=n)
+        got, got_sum = quant_gemv.fp8_gemv_rmsnorm(*norm_args, weight, scale, group, *config)
+        want = h[0].double() @ fp8_reference(weight, scale, group).T
+    else:
+        q, scale, zero = random_int4(n, k, group, seed=n)
+        got, got_sum = quant_gemv.int4_gemv_rmsnorm(*norm_args, pack_int4(q), scale, zero, group, *config)
+        want = h[0].double() @ int4_reference(q, scale, zero, group).T
+    assert torch.equal(got_sum, summed)
+    assert got.shape == (1, n) and relative_error(got[0], want) < TOLERANCE[dtype]
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs Llama-3-8B's below")
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind,n,k,group,block_n,block_k", [
+    ("fp8", 24, 256, 128, 8, 64), ("fp8", 13, 200, 200, 8, 64), ("int4", 19, 192, 32, 8, 128),
+    ("int4", 13, 200, 200, 8, 64)])
+def test_interpreter_norm_fused_packed_gemv(kind, n, k, group, block_n, block_k, dtype, with_residual):
+    check_normed_gemv(kind, n, k, group, dtype, with_residual, (block_n, block_k, 4, 1))
+
+
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="GPU shapes")
+@pytest.mark.parametrize("kind,group", [("fp8", 4096), ("fp8", 128), ("int4", 128)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096), (3072, 4096), (24, 256)])
+def test_gpu_norm_fused_packed_gemv(kind, group, n, k):
+    for config in CONFIGS:
+        check_normed_gemv(kind, n, k, min(group, k), torch.bfloat16, True, config)
+    check_normed_gemv(kind, n, k, min(group, k), torch.bfloat16, False, CONFIGS[0])
+
+
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="CUDA checks the kernel through dequantize_int4 below")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -188,3 +188,40 @@ def test_an_unknown_quantized_layers_mode_names_the_accepted_ones(monkeypatch):
     with pytest.raises(ValueError, match="SHARDSERVE_QUANTIZED_LAYERS must be one of auto, packed, dequantized, "
                                          "got 'packd'"):
         quantized_layers_mode()
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", [PackedLayout("fp8", 0), PackedLayout("fp8", 128), PackedLayout("int4", 128)],
+                         ids=PackedLayout.describe)
+def test_the_norm_inside_the_single_row_gemv_equals_the_norm_then_the_product(layout, monkeypatch):
+    """Where start-up timing chose it (the plain-data choice rank 0 shares), a packed layer's normed one-row input
+    runs the norm inside its GEMV: the same residual sum bit for bit and the same product to the dtype's
+    tolerance; the start-up check catches a fused kernel that drops the norm's weight."""
+    from shardserve.layers.norm import RMSNorm
+    from shardserve.layers.quantized_linear import DEFAULT_GEMV, NORM_FUSED_SUFFIX, use_gemv_configs
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    n, k = (6144, 4096) if CUDA else (48, 256)
+    layer = packed_layer(n, k, layout, dtype)
+    model = nn.Sequential(layer)
+    norm = RMSNorm(k, 1e-5, dtype).to(DEVICE)
+    g = torch.Generator().manual_seed(4)
+    norm.weight.data.copy_(torch.rand(k, generator=g).add_(0.5))
+    x, residual = (torch.randn(1, k, generator=g).to(DEVICE, dtype) for _ in range(2))
+    want, want_sum = layer.forward_normed(x.clone(), residual.clone(), norm)
+
+    use_gemv_configs(model, {layer.packed.config_key(): list(DEFAULT_GEMV),
+                             layer.packed.config_key() + NORM_FUSED_SUFFIX: [1]})
+    assert layer.packed.norm_fused and layer.packed.normed(layer, x, residual.clone(), norm.weight, 1e-5) is not None
+    got, got_sum = layer.forward_normed(x.clone(), residual.clone(), norm)
+    assert torch.equal(got_sum, want_sum)
+    assert relative_error(got, want.double().cpu()) < TOLERANCE[dtype]
+    assert check_packed(model, rows=(1,)) == []
+
+    fused = layer.packed.normed
+    monkeypatch.setattr(layer.packed, "normed", lambda layer, x, residual, weight, eps: fused(
+        layer, x, residual, torch.ones_like(weight), eps))
+    failures = check_packed(model, rows=(1,))
+    assert len(failures) == 1 and "with the norm before it" in failures[0]
+    use_gemv_configs(model, {})
+    assert not layer.packed.norm_fused

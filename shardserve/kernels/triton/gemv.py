@@ -97,15 +97,10 @@ def gemv_swiglu(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 8, b
 
 
 @triton.jit
-def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_ptr, normed_ptr, N, stride_wn, eps,
-                         K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, KEEP_NORMED: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """As _gemv_kernel on h = RMSNorm(s) with s = x + residual (or x), both computed on the fly with the
-    rounding of fused_ops._rms_norm_kernel: s = round(x + residual), h = round(w * round(s * rstd)). Every
-    program first reduces the row's sum of squares itself (the row is small and L2-resident); program 0 also
-    writes s to sum_ptr, the next residual, and with KEEP_NORMED h to normed_ptr (for other layers on the same
-    input: a mixture of experts' router and its experts)."""
-    pid = tl.program_id(0)
+def rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, write_sum, K: tl.constexpr, BLOCK_K: tl.constexpr,
+               HAS_RESIDUAL: tl.constexpr):
+    """1 / rms of the row s = round(x + residual) (x alone without a residual), reduced over K in BLOCK_K chunks
+    in float32; with `write_sum` (one program of a launch) s is stored to sum_ptr, the next residual."""
     cols = tl.arange(0, BLOCK_K)
     sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -114,25 +109,44 @@ def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_pt
         if HAS_RESIDUAL:
             r = tl.load(residual_ptr + k + cols, mask=col_ok, other=0.0)
             s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
-            if pid == 0:
+            if write_sum:
                 tl.store(sum_ptr + k + cols, s, mask=col_ok)
         sf = s.to(tl.float32)
         sq += sf * sf
-    rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+    return tl.rsqrt(tl.sum(sq, 0) / K + eps)
 
+
+@triton.jit
+def normed_values(x_ptr, residual_ptr, norm_w_ptr, offsets, mask, rstd, HAS_RESIDUAL: tl.constexpr):
+    """h = RMSNorm(s) at `offsets` (any shape) of the row, with the rounding of fused_ops._rms_norm_kernel:
+    s = round(x + residual), h = round(w * round(s * rstd)); in x's dtype, 0 where masked."""
+    s = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
+        s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+    h = (s.to(tl.float32) * rstd).to(s.dtype)
+    nw = tl.load(norm_w_ptr + offsets, mask=mask, other=0.0)
+    return (nw.to(tl.float32) * h.to(tl.float32)).to(s.dtype)
+
+
+@triton.jit
+def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_ptr, normed_ptr, N, stride_wn, eps,
+                         K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, KEEP_NORMED: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """As _gemv_kernel on h = RMSNorm(s) with s = x + residual (or x), both computed on the fly (rms_of_sum,
+    normed_values). Every program first reduces the row's sum of squares itself (the row is small and
+    L2-resident); program 0 also writes s to sum_ptr, the next residual, and with KEEP_NORMED h to normed_ptr
+    (for other layers on the same input: a mixture of experts' router and its experts)."""
+    pid = tl.program_id(0)
+    rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, pid == 0, K, BLOCK_K, HAS_RESIDUAL)
+    cols = tl.arange(0, BLOCK_K)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         col_ok = k + cols < K
-        s = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(residual_ptr + k + cols, mask=col_ok, other=0.0)
-            s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
-        h = (s.to(tl.float32) * rstd).to(s.dtype)
-        nw = tl.load(norm_w_ptr + k + cols, mask=col_ok, other=0.0)
-        h = (nw.to(tl.float32) * h.to(tl.float32)).to(s.dtype)
+        h = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, col_ok, rstd, HAS_RESIDUAL)
         if KEEP_NORMED:
             if pid == 0:
                 tl.store(normed_ptr + k + cols, h, mask=col_ok)
@@ -150,11 +164,9 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     the layer before a projection, fused into it. s is a new tensor (x when there is no residual). With
     `keep_normed`, (RMSNorm(s) @ weight^T, s, RMSNorm(s))."""
     n, k = weight.shape
-    if x.numel() != k or norm_weight.numel() != k or weight.stride(1) != 1:
-        raise ValueError(f"gemv_rmsnorm needs {k} inputs and norm weights and a row-major weight")
-    x = x.reshape(1, k).contiguous()
-    res = None if residual is None else residual.reshape(1, k).contiguous()
-    summed = x if res is None else torch.empty_like(x)
+    if weight.stride(1) != 1:
+        raise ValueError("gemv_rmsnorm needs a row-major weight")
+    x, res, summed = normed_row_args(x, residual, norm_weight, k, "gemv_rmsnorm")
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     normed = torch.empty_like(x) if keep_normed else out
     _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n),)](
@@ -162,3 +174,14 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
         HAS_RESIDUAL=res is not None, KEEP_NORMED=keep_normed, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages)
     return (out, summed, normed) if keep_normed else (out, summed)
+
+
+def normed_row_args(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, k: int,
+                    name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """For a norm-fused GEMV: x and the residual as contiguous [1, k] rows, and the tensor the sum goes to (a new
+    one; x itself without a residual)."""
+    if x.numel() != k or norm_weight.numel() != k or (residual is not None and residual.numel() != k):
+        raise ValueError(f"{name} needs {k} inputs, residuals and norm weights, got {tuple(x.shape)}")
+    x = x.reshape(1, k).contiguous()
+    res = None if residual is None else residual.reshape(1, k).contiguous()
+    return x, res, (x if res is None else torch.empty_like(x))

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.quant_pack import check_fp8, check_int4, fp8_groups
+from shardserve.kernels.triton.gemv import normed_row_args, normed_values, rms_of_sum
 
 
 @triton.jit
@@ -29,14 +30,18 @@ def _e4m3_bits_to_float(b):
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, norm_w_ptr, sum_ptr, eps,
                      K: tl.constexpr, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                     BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
+                     BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, NORM: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
     """out[n] = sum_k float(w[n, k]) * s[n, k // GROUP_K] * x[k]. SUB divides GROUP_K unless PER_ROW (one scale
     per row, applied after the reduction). w points at the raw bytes (masked loads of uint8 can fill with 0),
-reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it."""
+    reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it. With NORM, x is RMSNorm(x +
+    residual) computed on the fly as gemv.py's norm-fused GEMV computes it (program 0 stores the sum)."""
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     NUM_GROUPS: tl.constexpr = (K + GROUP_K - 1) // GROUP_K
+    if NORM:
+        rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     sub = tl.arange(0, TILE_GROUPS)
@@ -46,12 +51,18 @@ reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it.""
     acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
-            x = tl.load(x_ptr + k + cols)
+            if NORM:
+                x = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, k + cols < K, rstd, HAS_RESIDUAL)
+            else:
+                x = tl.load(x_ptr + k + cols)
             w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None], other=0,
                         eviction_policy="evict_first")
         else:
             col_ok = k + cols < K
-            x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
+            if NORM:
+                x = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, col_ok, rstd, HAS_RESIDUAL)
+            else:
+                x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
             w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None] & col_ok[None], other=0,
                         eviction_policy="evict_first")
         if NATIVE_FP8:
@@ -73,17 +84,20 @@ reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it.""
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn,
+def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, residual_ptr, norm_w_ptr, sum_ptr, eps,
                       K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
-                      SUB: tl.constexpr):
+                      SUB: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP, q packed two columns a byte.
     The nibbles of a byte are interleaved back into column order in registers (join + reshape), so x is read
     contiguously. Per sub-tile (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum):
     the scale and zero cost one multiply-add per row and sub-tile, not per weight. GROUP == K is one group:
-    the sums run over the whole row and the scale and zero are applied once at the end."""
+    the sums run over the whole row and the scale and zero are applied once at the end. NORM: as in
+    _fp8_gemv_kernel."""
     HALF: tl.constexpr = SUB // 2
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     ONE_GROUP: tl.constexpr = GROUP == K
+    if NORM:
+        rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     sub = tl.arange(0, TILE_GROUPS)
@@ -101,11 +115,19 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn,
         if K % BLOCK_K == 0:
             b = tl.load(q_rows + k // 2 + byte[None], mask=row_ok[:, None, None], other=0,
                         eviction_policy="evict_first")
-            x = tl.load(x_ptr + k + cols).to(tl.float32)
+            if NORM:
+                x = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, k + cols < K, rstd,
+                                  HAS_RESIDUAL).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + k + cols).to(tl.float32)
         else:
             b = tl.load(q_rows + k // 2 + byte[None], mask=row_ok[:, None, None] & (k // 2 + byte < K // 2)[None],
                         other=0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
+            if NORM:
+                x = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, k + cols < K, rstd,
+                                  HAS_RESIDUAL).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
         b = b.to(tl.int32)
         q = tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)).reshape(BLOCK_N, TILE_GROUPS, SUB)
         if ONE_GROUP:
@@ -131,18 +153,37 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k
     """x [1, K] (or [K]) times the fp8 weight [N, K]^T with scale [N, ceil(K / group_k)] -> [1, N] in x's
     dtype. group_k >= K is one scale per row. block_n and block_k are powers of two; a block_k tile spans
     block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_k) columns."""
-    check_fp8(weight, scale, group_k)
     x = _one_row(x, weight.shape[1], "fp8_gemv")
+    return _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages), None)
+
+
+def fp8_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8, block_k: int = 512,
+                     num_warps: int = 4, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8_gemv of RMSNorm(x + residual), x + residual) in one launch, as gemv.gemv_rmsnorm for 16-bit weights
+    (without a residual, the second is x itself)."""
+    x, res, summed = normed_row_args(_one_row(x, weight.shape[1], "fp8_gemv_rmsnorm"), residual, norm_weight,
+                                     weight.shape[1], "fp8_gemv_rmsnorm")
+    return _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages),
+                       (res, norm_weight, summed, eps)), summed
+
+
+def _fp8_launch(x, weight, scale, group_k: int, config, norm) -> torch.Tensor:
+    """norm: None, or (residual or None, norm weight, the sum's tensor, eps) for the norm-fused form."""
+    check_fp8(weight, scale, group_k)
+    block_n, block_k, num_warps, num_stages = config
     _check_blocks(block_n, block_k, 1)
     n, k = weight.shape
     per_row = fp8_groups(k, group_k) == 1
     sub = block_k if per_row else min(block_k, group_k & -group_k)
     native = _native_fp8(x.device)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight.view(torch.uint8), scale, out, n, weight.stride(0), K=k,
-        GROUP_K=k if per_row else group_k, PER_ROW=per_row, NATIVE_FP8=native, BLOCK_N=block_n,
-        TILE_GROUPS=block_k // sub, SUB=sub, num_warps=num_warps, num_stages=num_stages)
+        x, weight.view(torch.uint8), scale, out, n, weight.stride(0), x if residual is None else residual,
+        norm_weight, summed, eps, K=k, GROUP_K=k if per_row else group_k, PER_ROW=per_row, NATIVE_FP8=native,
+        BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -153,14 +194,34 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero:
     a tile spans block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_size)
     columns, or one of block_k columns when group_size == K."""
     x = _one_row(x, 2 * qweight.shape[1], "int4_gemv")
+    return _int4_launch(x, qweight, scale, zero, group_size, (block_n, block_k, num_warps, num_stages), None)
+
+
+def int4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                      block_n: int = 8, block_k: int = 512, num_warps: int = 4,
+                      num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int4_gemv of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm."""
+    k = 2 * qweight.shape[1]
+    x, res, summed = normed_row_args(_one_row(x, k, "int4_gemv_rmsnorm"), residual, norm_weight, k,
+                                     "int4_gemv_rmsnorm")
+    return _int4_launch(x, qweight, scale, zero, group_size, (block_n, block_k, num_warps, num_stages),
+                        (res, norm_weight, summed, eps)), summed
+
+
+def _int4_launch(x, qweight, scale, zero, group_size: int, config, norm) -> torch.Tensor:
+    """norm: as in _fp8_launch."""
     check_int4(qweight, scale, zero, group_size)
+    block_n, block_k, num_warps, num_stages = config
     _check_blocks(block_n, block_k, 2)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     sub = block_k if group_size == k else min(block_k, group_size & -group_size)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scale, zero, out, n, qweight.stride(0), K=k, GROUP=group_size, BLOCK_N=block_n,
-        TILE_GROUPS=block_k // sub, SUB=sub, num_warps=num_warps, num_stages=num_stages)
+        x, qweight, scale, zero, out, n, qweight.stride(0), x if residual is None else residual, norm_weight,
+        summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub,
+        NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
