@@ -136,7 +136,7 @@ def setup_packed_layers(model: nn.Module, ctx: RankContext, device: torch.device
     if device.type != "cuda" and ql.quantized_layers_mode() != "packed":
         ql.unpack_all(model)
         return f"{layout} dequantized to the compute dtype"
-    problems = [f"{who}: {failure}" for who, failures in _by_rank(ql.check_packed(model), ctx) for failure in failures]
+    problems = _packed_failures_by_rank(model, (1, 5), ctx)
     if problems:
         if ctx.is_driver:
             logger.warning("packed %s layers failed their start-up check, so every rank computes with the values "
@@ -149,14 +149,20 @@ def setup_packed_layers(model: nn.Module, ctx: RankContext, device: torch.device
     return ", ".join([f"{layout} packed on {len(layers)} layers", *filter(None, chosen)])
 
 
+def _packed_failures_by_rank(model: nn.Module, rows, ctx: RankContext) -> list[str]:
+    """The packed layers' check (quantized_linear.check_packed) at `rows` on every rank, each failure named by the
+    rank that saw it; the same on every rank."""
+    return [f"{who}: {failure}" for who, failures in _by_rank(ql.check_packed(model, rows) if rows else [], ctx)
+            for failure in failures]
+
+
 def choose_gemv_configs(model: nn.Module, ctx: RankContext) -> str:
     """Rank 0's timed single-row configurations (and where the norm runs inside the GEMV), used on every rank and
     checked there against float64; a failure on any rank puts every rank back on the default configuration
     without the norm inside (checked already). Returns what the kernel plan records ("" without norm-fused
     GEMVs)."""
     ql.use_gemv_configs(model, _gather(ql.time_gemv_configs(model), ctx)[0])
-    problems = [f"{who}: {failure}" for who, failures in _by_rank(ql.check_packed(model, rows=(1,)), ctx)
-                for failure in failures]
+    problems = _packed_failures_by_rank(model, (1,), ctx)
     if problems:
         if ctx.is_driver:
             logger.warning("the packed layers' timed single-row GEMVs failed their start-up check, so every rank "
@@ -172,9 +178,7 @@ def choose_batch_kernels(model: nn.Module, ctx: RankContext) -> str:
     puts every batch back on dequantize + cuBLAS (checked already). Returns what the kernel plan records ("" where
     no layer can take the GEMM)."""
     packed_batches.use_batch_kernels(model, _gather(packed_batches.time_batch_kernels(model), ctx)[0])
-    rows = packed_batches.gemm_check_rows(model)
-    problems = [f"{who}: {failure}" for who, failures in _by_rank(ql.check_packed(model, rows) if rows else [], ctx)
-                for failure in failures]
+    problems = _packed_failures_by_rank(model, packed_batches.gemm_check_rows(model), ctx)
     if problems:
         if ctx.is_driver:
             logger.warning("the packed layers' fused GEMM failed its start-up check, so every rank dequantizes for "

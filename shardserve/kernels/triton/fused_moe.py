@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS, MoeConfig, pick_config
-from shardserve.kernels.triton.moe_router import check_top_k, route_token
+from shardserve.kernels.triton.moe_router import route_token, routing_outputs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -144,11 +144,7 @@ def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, num_exp
     """(weights [T, k] float32, ids [T, k] int64, sorted_pairs, block_expert) in one launch: route_top_k of the
     logits [T, E_all], then align_pairs of ids - id_base over num_experts experts (this rank's, from id_base)."""
     tokens, num_logits = logits.shape
-    check_top_k(top_k, num_logits)
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    logits, weights, ids = routing_outputs(logits, top_k)
     pairs = tokens * top_k
     sorted_pairs, block_expert = _alignment_buffers(pairs, num_experts, block_m, logits.device)
     blocks = block_expert.numel()

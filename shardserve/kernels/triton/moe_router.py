@@ -52,9 +52,16 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
                 TOP_K, TOP_K_P, EXPERTS_P, RENORMALIZE)
 
 
-def check_top_k(top_k: int, num_experts: int) -> None:
+def routing_outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits with unit stride over the experts, empty weights [T, k] float32, empty ids [T, k] int64) after
+    checking top_k against the experts."""
+    tokens, num_experts = logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    return (logits, torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device),
+            torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device))
 
 
 def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,11 +69,7 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[to
     torch.topk(torch.softmax(logits.float(), -1), k) followed, with `renormalize`, by dividing the weights by
     their sum."""
     tokens, num_experts = logits.shape
-    check_top_k(top_k, num_experts)
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    logits, weights, ids = routing_outputs(logits, top_k)
     if tokens:
         experts_p = triton.next_power_of_2(num_experts)
         _route_kernel[(tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
