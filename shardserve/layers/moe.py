@@ -362,17 +362,20 @@ def _check_token_counts(top_k: int, num_experts: int) -> list[int]:
     return sorted({1, 37, *token_counts_per_config(top_k, num_experts)})
 
 
-def reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      experts: torch.Tensor) -> torch.Tensor:
+def reference_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, weights: torch.Tensor,
+                      experts: torch.Tensor, packed=None) -> torch.Tensor:
     """float64, one chosen expert at a time (only that expert's weights widened: a layer's experts in float64
-    would take 4x their memory). Choices outside [0, len(w13)) (another rank's experts) add nothing."""
+    would take 4x their memory). Choices outside [0, len(w13)) (another rank's experts) add nothing. `packed`
+    (kernels/packed_experts.PackedExperts) instead of w13 and w2: its experts from the packed definition."""
     x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    count = packed.num_experts if packed is not None else w13.shape[0]
     for expert in experts.unique().tolist():
-        if not 0 <= expert < w13.shape[0]:
+        if not 0 <= expert < count:
             continue
         token, choice = (experts == expert).nonzero(as_tuple=True)
-        gate, up = F.linear(x[token], w13[expert].double()).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert].double())
+        a, b = packed.reference(expert) if packed is not None else (w13[expert].double(), w2[expert].double())
+        gate, up = F.linear(x[token], a).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, b)
         out.index_add_(0, token, y * weights[token, choice, None].double())
     return out
 
