@@ -136,3 +136,30 @@ def test_gpu_packed_experts_replay_in_a_cuda_graph_with_new_routes(kind):
     graph.replay()
     error = relative_error(out, reference(x, experts, weights, ids))
     assert error < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+def test_the_packed_check_runs_every_kernel_config_and_rejects_one_wrong_at_any():
+    """Packed experts take the fused kernel only after it matched float64 on their packed values at a token count
+    that picks each config of the table (here in the interpreter, with the table's tiles); a kernel wrong only
+    at large batches is refused, and so would be a fallback that ignored the scales."""
+    from shardserve.kernels.fused_moe_table import CONFIGS, pick_config
+    from shardserve.layers.moe_packed import packed_fused, packed_grouped, packed_matches
+
+    experts = packed_experts("fp8", 4, 64, 32, 32)
+    seen = []
+
+    def counted(x, experts, weights, ids):
+        seen.append(pick_config(x.shape[0], ids.shape[1], experts.num_experts))
+        return packed_fused(x, experts, weights, ids)
+
+    def wrong_past_90_tokens(x, experts, weights, ids):
+        out = packed_grouped(x, experts, weights, ids)
+        return out * 1.01 if x.shape[0] > 90 else out
+
+    assert packed_matches(counted, experts, 2, torch.float32)
+    assert set(seen) == {config for _, config in CONFIGS}
+    assert packed_matches(packed_grouped, experts, 2, torch.float32)
+    assert not packed_matches(wrong_past_90_tokens, experts, 2, torch.float32)
+    unscaled = experts._replace(scale2=torch.ones_like(experts.scale2))
+    assert not packed_matches(lambda x, e, w, i: packed_grouped(x, unscaled, w, i), experts, 2, torch.float32)
