@@ -21,6 +21,10 @@ logged and falls back (to the other, or to the grouped version below, which read
 decode then runs without CUDA graphs). Elsewhere the computation groups the (token, expert) pairs by expert and
 runs each expert that received tokens on its tokens at once: a loop over experts, never over tokens.
 
+A quantized checkpoint's experts may stay packed (FP8 or 4-bit with their scales): layers/moe_packed.py holds them,
+loads them and picks their product (the fused kernel on the packed bytes where it matched float64, else the
+host-grouped version dequantizing the chosen experts per call).
+
 A shared expert (Qwen2-MoE) is a SwiGLU FFN every token takes beside the routed ones, on the same normed input,
 scaled by sigmoid(shared_expert_gate(h)) and added before the layer's one all-reduce: split by features like the
 experts, or whole on every rank and added on one rank only where its size does not split. DeepSeek's shared
