@@ -254,6 +254,24 @@ def projection_elements_per_rank(cfg: dict, tp: int) -> int:
     return total
 
 
+def packed_expert_elements_per_rank(cfg: dict, tp: int) -> int:
+    """Expert weights one rank keeps packed (layers/moe_packed.py): those of a quantized checkpoint whose rank slice
+    holds whole scale groups (w13's hidden size, w2's share of the expert features), not in act order; 0 for float
+    checkpoints. Experts split by features (expert parallelism holds whole experts: at least as packable)."""
+    from shardserve.weights.quantized import parse_quantization
+
+    scheme = parse_quantization(cfg)
+    experts, inter, _ = _moe(cfg)
+    if scheme is None or not experts or scheme.act_order:
+        return 0
+    group = (scheme.weight_block[1] if scheme.weight_block else 0) if scheme.method == "fp8" else max(
+        scheme.group_size, 0)
+    h, rows = cfg["hidden_size"], _rows(inter, tp, "experts", [])
+    if group and (h % group or rows % group):
+        return 0
+    return sum(experts * 3 * h * rows for i in range(len(layer_kinds(cfg))) if _is_moe_layer(cfg, i))
+
+
 def _packed_bytes_per_weight(cfg: dict, online: str | None) -> tuple[float, str] | None:
     """Bytes a packed projection weight takes on GPUs (scales included), and the format's name; None for float
     weights. An unsupported quantization raises, as start-up would."""
@@ -277,8 +295,10 @@ def _quantization_warning(cfg: dict, req: PlanRequest) -> list[str]:
     if req.device == "cpu":
         return [f"the checkpoint's layers are quantized ({packed[1]}): on CPUs they are held dequantized, counted "
                 f"here in float32"]
-    return [f"quantized projections ({packed[1]}): counted at {packed[0]:.3g} bytes a weight; experts, embeddings "
-            f"and the head at {_dtype_bytes(cfg)}"]
+    experts = "" if req.quantization == "fp8" or not packed_expert_elements_per_rank(cfg, req.tensor_parallel_size) \
+        else " and experts"
+    return [f"quantized projections{experts} ({packed[1]}): counted at {packed[0]:.3g} bytes a weight; "
+            f"{'' if experts else 'experts, '}embeddings and the head at {_dtype_bytes(cfg)}"]
 
 
 def plan(cfg: dict, req: PlanRequest) -> Plan:
@@ -295,6 +315,8 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
     packed = _packed_bytes_per_weight(cfg, req.quantization)
     if packed is not None:
         weights -= int(projection_elements_per_rank(cfg, tp) * (dtype - packed[0]))
+        if req.quantization != "fp8":  # --quantization fp8 leaves experts in the compute dtype
+            weights -= int(packed_expert_elements_per_rank(cfg, tp) * (dtype - packed[0]))
     per_token, per_seq_state, model_limit, max_len = _context(cfg, req, kv_dtype)
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     graphs = req.max_num_seqs * (8 * h + 3 * inter // tp) * dtype

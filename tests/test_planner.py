@@ -176,3 +176,27 @@ def test_a_quantized_checkpoint_is_planned_as_it_is_held_and_an_unsupported_one_
     assert result.returncode == 2
     assert result.stderr.startswith("shardserve plan: error: quantization method 'awq'") and "Traceback" not in \
         result.stderr, result.stderr
+
+
+def test_a_quantized_mixture_of_experts_counts_its_experts_packed_where_the_slices_hold_whole_groups():
+    """Qwen3-30B-A3B-FP8 (blocks of 128): its experts at a byte a weight plus a float32 scale a block on each rank
+    at TP 1 and 2 (768 and 384 expert features: whole blocks); at TP 4 the 192 features a rank holds split a block,
+    so the experts are counted in bf16, as the engine then holds them. GPTQ in groups of 128 likewise at half a
+    byte plus a scale and a zero point a group."""
+    fp8 = {**QWEN3_MOE, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    gptq = {**QWEN3_MOE, "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
+    attn = 2048 * (32 + 8) * 128 + 32 * 128 * 2048  # the packed projections at TP 1 (no dense MLP layers)
+    for tp in (1, 2):
+        dense = plan(QWEN3_MOE, PlanRequest(tensor_parallel_size=tp)).weight_bytes
+        projections = 48 * (2048 * (32 // tp + 2 * 4 // tp) * 128 + 32 // tp * 128 * 2048)
+        experts = 48 * 128 * 3 * 2048 * 768 // tp
+        quantized = plan(fp8, PlanRequest(tensor_parallel_size=tp))
+        assert quantized.weight_bytes == dense - int(projections * (1 - 4 / 128)) - int(experts * (1 - 4 / 128))
+        assert any("projections and experts" in w for w in quantized.warnings)
+        assert plan(gptq, PlanRequest(tensor_parallel_size=tp)).weight_bytes == \
+            dense - int(projections * (1.5 - 8 / 128)) - int(experts * (1.5 - 8 / 128))
+    assert projections * 2 == 48 * attn
+    dense4 = plan(QWEN3_MOE, PlanRequest(tensor_parallel_size=4)).weight_bytes
+    four = plan(fp8, PlanRequest(tensor_parallel_size=4))
+    assert four.weight_bytes == dense4 - int(48 * (2048 * 10 * 128 + 8 * 128 * 2048) * (1 - 4 / 128))
+    assert any("experts, embeddings" in w for w in four.warnings)

@@ -77,6 +77,11 @@ MOE_SPECS = {
         moe_intermediate_size=48, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3,
         tie_word_embeddings=False)),
+    # Expert features (64) that split in two into whole quantization groups of 32 (packed experts at TP 2).
+    "qwen3-moe-64": TinySpec("qwen3-moe-64", "qwen3_moe", dict(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=32, intermediate_size=128,
+        moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[1], num_hidden_layers=3, tie_word_embeddings=False)),
     "qwen3-moe-odd": TinySpec("qwen3-moe-odd", "qwen3_moe", dict(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
         moe_intermediate_size=52, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,

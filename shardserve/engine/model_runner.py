@@ -26,6 +26,7 @@ from shardserve.kernels import cpu_features
 from shardserve.kernels import plan as kernel_plan
 from shardserve.layers.cuda_gemv import use_batch1_gemv
 from shardserve.layers.linear import deferred_weights, weight_bytes
+from shardserve.layers.moe_packed import pack_experts
 from shardserve.layers.quantized_linear import PackedLayout, pack_layers, quantized_layers_mode
 from shardserve.models import MODEL_CLASSES
 from shardserve.transfers import on_device
@@ -242,6 +243,7 @@ class ModelRunner:
         if packing:
             layout, names = packing
             pack_layers(model, names, layout, self.device, log=self.ctx.is_driver)
+            pack_experts(model, names, layout, self.device, log=self.ctx.is_driver)
         self._fill_weights(model)
         self._log_planned_weights(model)
         if packing:

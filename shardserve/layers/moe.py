@@ -21,6 +21,10 @@ logged and falls back (to the other, or to the grouped version below, which read
 decode then runs without CUDA graphs). Elsewhere the computation groups the (token, expert) pairs by expert and
 runs each expert that received tokens on its tokens at once: a loop over experts, never over tokens.
 
+A quantized checkpoint's experts may stay packed (FP8 or 4-bit with their scales): layers/moe_packed.py holds them,
+loads them and picks their product (the fused kernel on the packed bytes where it matched float64, else the
+host-grouped version dequantizing the chosen experts per call).
+
 A shared expert (Qwen2-MoE) is a SwiGLU FFN every token takes beside the routed ones, on the same normed input,
 scaled by sigmoid(shared_expert_gate(h)) and added before the layer's one all-reduce: split by features like the
 experts, or whole on every rank and added on one rank only where its size does not split. DeepSeek's shared
@@ -40,6 +44,7 @@ from torch import nn
 
 from shardserve.distributed.communicator import Communicator
 from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
+from shardserve.layers import linear
 from shardserve.layers.linear import ColumnParallelLinear, as_tensor, shape_of
 from shardserve.layers.mlp import SwiGLUMLP
 from shardserve.layers.sharding import split_rows
@@ -73,10 +78,15 @@ class SparseMoE(nn.Module):
         # The router: whole on every rank, a linear layer so that single-token steps get the GEMV kernels.
         self.gate = ColumnParallelLinear(hidden_size, {None: (0, num_experts)}, False, dtype)
         self.gate.replicated = True
-        self.w13 = nn.Parameter(torch.empty(held, 2 * rows, hidden_size, dtype=dtype), requires_grad=False)
+        # Under deferred_weights() the experts wait on the meta device until they are packed or materialized.
+        device = "meta" if linear._deferred else None
+        self.hidden_size = hidden_size
+        self.w13 = nn.Parameter(torch.empty(held, 2 * rows, hidden_size, dtype=dtype, device=device),
+                                requires_grad=False)
         self.w13.weight_loader = self._load_w13
-        self.w2 = nn.Parameter(torch.empty(held, hidden_size, rows, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(held, hidden_size, rows, dtype=dtype, device=device), requires_grad=False)
         self.w2.weight_loader = self._load_w2
+        self.packed = None  # a quantized checkpoint's experts kept packed (layers/moe_packed.ExpertPacking)
         self.replicated = not sharded
         self.pending = comm if sharded else None  # the output is a partial sum to all-reduce (in the next norm)
         self.shared_expert = self.shared_expert_gate = None
@@ -96,8 +106,20 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate.replicated = True
         self.adds_shared_expert = split or self.pending is None or comm.rank == 0
 
+    def materialize(self, device) -> None:
+        """Give experts built under deferred_weights() their real (empty) weights on `device`."""
+        for name in ("w13", "w2"):
+            param = getattr(self, name)
+            if param.is_meta:
+                loader = param.weight_loader
+                setattr(self, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                                 requires_grad=False))
+                getattr(self, name).weight_loader = loader
+
     # -- loading: shard_id is (expert, 0 gate / 1 up) for w13, (expert, None) for w2, or "all" (fused tensors)
     def _load_w13(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:
+        if self.packed is not None:
+            return self.packed.load(self, "w13", loaded, shard_id)
         (r0, r1), i, rows = self.rows, self.intermediate_size, self.rows[1] - self.rows[0]
         e0, e1 = self.experts_held
         if shard_id == "all":
@@ -111,6 +133,8 @@ class SparseMoE(nn.Module):
             param.data[expert - e0, half * rows:(half + 1) * rows].copy_(as_tensor(loaded[r0:r1]))
 
     def _load_w2(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:
+        if self.packed is not None:
+            return self.packed.load(self, "w2", loaded, shard_id)
         r0, r1 = self.rows
         e0, e1 = self.experts_held
         if shard_id == "all":
@@ -137,7 +161,7 @@ class SparseMoE(nn.Module):
     def routed_experts(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The experts' sum for the router's logits [T, E]: on CUDA for a single token the choice and the experts'
         alignment in one launch (fused_moe_from_logits) where that matched the reference on this device."""
-        if h.is_cuda and 0 < h.shape[0] <= ROUTE_ALIGN_MAX_TOKENS and device_routed_experts(
+        if h.is_cuda and self.packed is None and 0 < h.shape[0] <= ROUTE_ALIGN_MAX_TOKENS and device_routed_experts(
                 self.w13, self.w2, logits.shape[1], self.top_k, self.renormalize):
             from shardserve.kernels.triton.fused_moe import fused_moe_from_logits
 
@@ -160,6 +184,11 @@ class SparseMoE(nn.Module):
     def graph_safe(self) -> bool:
         """Whether a CUDA graph can capture this block: a device-only expert computation runs here (no host
         synchronisation)."""
+        if self.packed is not None:
+            from shardserve.layers.moe_packed import packed_compute, packed_fused
+
+            return self.w13.is_cuda and packed_compute(self.packed.view(self), self.top_k,
+                                                       self.packed.compute_dtype) is packed_fused
         return self.w13.is_cuda and device_experts(self.w13, self.w2, self.top_k) is not None
 
     def experts(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -167,6 +196,11 @@ class SparseMoE(nn.Module):
         leaves out choices of experts outside [0, held): other ranks' under expert parallelism)."""
         if self.experts_held[0]:
             experts = experts - self.experts_held[0]
+        if self.packed is not None:
+            from shardserve.layers.moe_packed import packed_compute
+
+            packed = self.packed.view(self)
+            return packed_compute(packed, self.top_k, h.dtype)(h, packed, weights, experts)
         compute = device_experts(self.w13, self.w2, self.top_k) if h.is_cuda else None
         return (compute or grouped_experts)(h, self.w13, self.w2, weights, experts)
 
@@ -220,7 +254,13 @@ def grouped_experts(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
                     experts: torch.Tensor) -> torch.Tensor:
     """The experts grouped by expert in plain torch (any device; reads the expert counts on the host). Choices of
     experts outside [0, len(w13)) (another rank's, under expert parallelism) are left out."""
-    num_experts = w13.shape[0]
+    return grouped_by_expert(h, w13.shape[0], lambda e: (w13[e], w2[e]), weights, experts)
+
+
+def grouped_by_expert(h: torch.Tensor, num_experts: int, expert_weights, weights: torch.Tensor,
+                      experts: torch.Tensor) -> torch.Tensor:
+    """grouped_experts with expert e's (w13 [2I, H], w2 [H, I]) from expert_weights(e), asked only for experts
+    that received tokens (packed experts dequantize there)."""
     tokens, k = experts.shape
     flat = experts.flatten()
     flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # the others in one last group
@@ -234,8 +274,9 @@ def grouped_experts(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         if count == 0:
             continue
         picked = token_of[start:start + count]
-        gate, up = F.linear(h.index_select(0, picked), w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * scale[start:start + count]
+        a, b = expert_weights(expert)
+        gate, up = F.linear(h.index_select(0, picked), a).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, b) * scale[start:start + count]
         out.index_add_(0, picked, y)
         start += count
     return out
@@ -362,17 +403,20 @@ def _check_token_counts(top_k: int, num_experts: int) -> list[int]:
     return sorted({1, 37, *token_counts_per_config(top_k, num_experts)})
 
 
-def reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      experts: torch.Tensor) -> torch.Tensor:
+def reference_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tensor | None, weights: torch.Tensor,
+                      experts: torch.Tensor, packed=None) -> torch.Tensor:
     """float64, one chosen expert at a time (only that expert's weights widened: a layer's experts in float64
-    would take 4x their memory). Choices outside [0, len(w13)) (another rank's experts) add nothing."""
+    would take 4x their memory). Choices outside [0, len(w13)) (another rank's experts) add nothing. `packed`
+    (kernels/packed_experts.PackedExperts) instead of w13 and w2: its experts from the packed definition."""
     x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    count = packed.num_experts if packed is not None else w13.shape[0]
     for expert in experts.unique().tolist():
-        if not 0 <= expert < w13.shape[0]:
+        if not 0 <= expert < count:
             continue
         token, choice = (experts == expert).nonzero(as_tuple=True)
-        gate, up = F.linear(x[token], w13[expert].double()).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert].double())
+        a, b = packed.reference(expert) if packed is not None else (w13[expert].double(), w2[expert].double())
+        gate, up = F.linear(x[token], a).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, b)
         out.index_add_(0, token, y * weights[token, choice, None].double())
     return out
 

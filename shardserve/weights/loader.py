@@ -154,6 +154,10 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
     # A packed layer's scales come with its weight (layers/quantized_linear.py).
     filled_with_weight = {f"{name}.{part}" for name, m in model.named_modules() if getattr(m, "packed", None) is not None
                           and f"{name}.weight" in loaded for part in PACKED_PARTS}
+    # Packed experts' scales come with their weights (layers/moe_packed.py).
+    filled_with_weight |= {f"{name}.{part}" for name, m in model.named_modules()
+                           for weight, parts in getattr(getattr(m, "packed", None), "parts_with", {}).items()
+                           if f"{name}.{weight}" in loaded for part in parts}
     missing = {n for n in params if n not in loaded and n not in filled_with_weight
                and not (tied_embeddings and n == "lm_head.weight")}
     if missing:

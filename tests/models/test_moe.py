@@ -143,3 +143,26 @@ def test_the_device_check_runs_every_kernel_config_and_rejects_one_wrong_at_any(
     assert {k for _, k in calls} == {top_k}
     assert {pick_config(t, top_k, experts) for t, _ in calls} == {config for _, config in CONFIGS}
     assert not _matches(wrong_past_100_tokens, w13, w2, top_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["fp8-block", "gptq-sym-g32"])
+def test_packed_experts_on_a_gpu(tiny_model_dir, tmp_path, scheme):
+    """On CUDA a quantized Qwen3-MoE's experts stay packed by default and run the fused kernel on the packed bytes
+    (checked against float64 first; graphs capture it): transformers' tokens on the encoded values, bf16 tolerance
+    aside in float32."""
+    from shardserve import LLM, SamplingParams
+    from shardserve.layers.moe_packed import packed_compute, packed_fused
+    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts, _reference
+    from tests.weights.test_quantized_checkpoints import write_quantized
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe-64"), scheme, tmp_path)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(quant_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.05) as llm:
+        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+        blocks = [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "SparseMoE"]
+        assert blocks and all(m.packed is not None for m in blocks)
+        assert packed_compute(blocks[0].packed.view(blocks[0]), 2, torch.float32) is packed_fused
+    assert outputs == list(_reference(float_dir))

@@ -343,3 +343,46 @@ def test_plan_counts_fp8_at_load(tmp_path):
              for extra in ([], ["--quantization", "fp8"])]
     assert plans[1]["weight_bytes"] < 0.6 * plans[0]["weight_bytes"]
     assert any("fp8 at load" in w for w in plans[1]["warnings"])
+
+
+def _expert_blocks(llm) -> list:
+    return [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "SparseMoE"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("scheme", ["fp8-block", "gptq-sym-g32"])
+def test_packed_experts_give_transformers_tokens(tiny_model_dir, tmp_path, monkeypatch, scheme, tp):
+    """A quantized Qwen3-MoE whose experts stay packed (SHARDSERVE_QUANTIZED_LAYERS=packed on CPU: each call
+    dequantizes the chosen experts): a byte (FP8) or half a byte (4-bit) a weight on each rank, and transformers'
+    tokens on the encoded values."""
+    from shardserve import LLM, SamplingParams
+    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
+
+    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe-64"), scheme, tmp_path)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
+        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+        blocks = _expert_blocks(llm)
+        weights_held = 2 * 4 * (64 // tp) * 96  # w13's weights on a rank: 4 experts, gate and up rows, H = 96
+        held = [(m.packed is not None, m.w13.dtype, m.w13.element_size() * m.w13.numel() / weights_held)
+                for m in blocks]
+    want_dtype, bytes_per_weight = (torch.float8_e4m3fn, 1.0) if scheme.startswith("fp8") else (torch.uint8, 0.5)
+    assert blocks and held == [(True, want_dtype, bytes_per_weight)] * len(blocks)
+    assert outputs == list(_reference(float_dir))
+
+
+def test_experts_whose_slice_splits_a_scale_group_stay_dequantized(tiny_model_dir, tmp_path, monkeypatch):
+    """48 expert features in two ranks of 24 split FP8's blocks of 32: the experts are held dequantized (logged) and
+    the tokens stay transformers'."""
+    from shardserve import LLM, SamplingParams
+    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
+
+    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe"), "fp8-block", tmp_path)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(quant_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.05) as llm:
+        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+        blocks = _expert_blocks(llm)
+        assert blocks and all(m.packed is None and m.w13.dtype == torch.float32 for m in blocks)
+    assert outputs == list(_reference(float_dir))

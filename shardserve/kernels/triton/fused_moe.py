@@ -20,6 +20,8 @@ slots; blocks past the real groups exit at once), so CUDA graphs capture the who
 received tokens are read: decode reads k experts' weights, not E. Block sizes come from a table keyed on the
 expected rows per expert (T*k/E): kernels/fused_moe_table.py.
 Accumulation is float32 for every input dtype; float32 inputs multiply in full float32 (no TF32).
+Packed experts (FP8 or 4-bit with scales, kernels/packed_experts.py: fused_moe_packed) run the same GEMMs, each
+weight tile dequantized in registers before its product, so only the packed bytes are read.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS, MoeConfig, pick_config
+from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS, MoeConfig, fit_block_k, pick_config
+from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.triton.moe_router import route_token, routing_outputs
+from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,13 +168,52 @@ def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, num_exp
 # Grouped GEMMs
 
 
+# Weight kinds (the KIND constexpr): the compute dtype as it is, or packed (kernels/packed_experts.py) and
+# dequantized tile by tile in registers, each weight in float32 then rounded once to the activations' dtype.
+DENSE, FP8, INT4 = 0, 1, 2
+
+
 @triton.jit
-def _up_swiglu_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
-                      stride_x, stride_we, stride_wn, stride_a,
+def _weight_tile(w_ptr, s_ptr, z_ptr, feats, feat_ok, k, stride_wn, stride_sn, K: tl.constexpr, KIND: tl.constexpr,
+                 GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DTYPE: tl.constexpr):
+    """[BLOCK_K, BLOCK_N]: columns k..k + BLOCK_K of one expert's weight rows `feats`, in DTYPE. Packed tiles lie
+    inside one scale group (BLOCK_K divides GROUP, or GROUP is K), so each row takes one scale (and zero) a tile.
+    Columns past K load as 0 (their activations are 0 too)."""
+    ks = tl.arange(0, BLOCK_K)
+    if KIND == 0:
+        mask = feat_ok[None, :] if K % BLOCK_K == 0 else feat_ok[None, :] & (k + ks < K)[:, None]
+        w = tl.load(w_ptr + feats[None, :] * stride_wn + (k + ks)[:, None], mask=mask, other=0.0)
+    else:
+        s = tl.load(s_ptr + feats * stride_sn + k // GROUP, mask=feat_ok, other=0.0)
+        if KIND == 1:
+            mask = feat_ok[:, None] if K % BLOCK_K == 0 else feat_ok[:, None] & (k + ks < K)[None, :]
+            bits = tl.load(w_ptr + feats[:, None] * stride_wn + (k + ks)[None, :], mask=mask, other=0)
+            if NATIVE_FP8:
+                v = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, None]
+            else:
+                v = _e4m3_bits_to_float(bits) * (s * 256.0)[:, None]  # decoded to value / 256
+        else:
+            byte = tl.arange(0, BLOCK_K // 2)
+            mask = feat_ok[:, None] if K % BLOCK_K == 0 else feat_ok[:, None] & (k // 2 + byte < K // 2)[None, :]
+            b = tl.load(w_ptr + feats[:, None] * stride_wn + (k // 2 + byte)[None, :], mask=mask, other=0)
+            b = b.to(tl.int32)
+            q = tl.join(b & 15, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
+            z = tl.load(z_ptr + feats * stride_sn + k // GROUP, mask=feat_ok, other=0.0)
+            v = (q - z[:, None]) * s[:, None]
+        w = tl.trans(v.to(DTYPE))
+    return w
+
+
+@triton.jit
+def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
+                      stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_a,
                       HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
+                      NATIVE_FP8: tl.constexpr):
     """Program (block, column tile): act[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for
-    the block's slots (padding rows compute zeros from masked loads and are not stored)."""
+    the block's slots (padding rows compute zeros from masked loads and are not stored). Packed weights: s and z
+    are the scales and zeros [E, 2I, groups] (the gate's and the up rows' own)."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -181,20 +224,21 @@ def _up_swiglu_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_p
     col_ok = cols < INTER
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * stride_x + ks[None, :]
-    g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
-    u_ptrs = g_ptrs + INTER * stride_wn
+    w_e = w_ptr + expert.to(tl.int64) * stride_we
+    s_e = s_ptr + expert.to(tl.int64) * stride_se
+    z_e = z_ptr + expert.to(tl.int64) * stride_se
+    dtype = x_ptr.dtype.element_ty
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, HIDDEN, BLOCK_K):
         if HIDDEN % BLOCK_K == 0:
             a = tl.load(a_ptrs + k, mask=row_ok[:, None], other=0.0)
-            g = tl.load(g_ptrs + k, mask=col_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs + k, mask=col_ok[None, :], other=0.0)
         else:
-            k_ok = k + ks < HIDDEN
-            a = tl.load(a_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs + k, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs + k, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs + k, mask=row_ok[:, None] & (k + ks < HIDDEN)[None, :], other=0.0)
+        g = _weight_tile(w_e, s_e, z_e, cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND, GROUP, NATIVE_FP8,
+                         BLOCK_K, BLOCK_N, dtype)
+        u = _weight_tile(w_e, s_e, z_e, INTER + cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND, GROUP,
+                         NATIVE_FP8, BLOCK_K, BLOCK_N, dtype)
         gate = tl.dot(a, g, gate, input_precision=PRECISION)
         up = tl.dot(a, u, up, input_precision=PRECISION)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -203,10 +247,11 @@ def _up_swiglu_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_p
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs,
-                 stride_a, stride_we, stride_wn, stride_y,
+def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+                 stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
+                 NATIVE_FP8: tl.constexpr):
     """Program (block, column tile): y[pair, n] = weight[pair] * (act[slot] . w2[e, n]), stored per pair."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
@@ -218,16 +263,17 @@ def _down_kernel(act_ptr, w_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_pt
     col_ok = cols < HIDDEN
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + slots.to(tl.int64)[:, None] * stride_a + ks[None, :]
-    b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
+    w_e = w_ptr + expert.to(tl.int64) * stride_we
+    s_e = s_ptr + expert.to(tl.int64) * stride_se
+    z_e = z_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, INTER, BLOCK_K):
         if INTER % BLOCK_K == 0:
             a = tl.load(a_ptrs + k, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs + k, mask=col_ok[None, :], other=0.0)
         else:
-            k_ok = k + ks < INTER
-            a = tl.load(a_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs + k, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs + k, mask=row_ok[:, None] & (k + ks < INTER)[None, :], other=0.0)
+        b = _weight_tile(w_e, s_e, z_e, cols, col_ok, k, stride_wn, stride_sn, INTER, KIND, GROUP, NATIVE_FP8,
+                         BLOCK_K, BLOCK_N, act_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     scale = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     y = acc * scale[:, None]
@@ -307,28 +353,86 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tens
     return _experts(x, w13, w2, weights, ids - id_base if id_base else ids, sorted_pairs, block_expert, config)
 
 
-def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeConfig) -> torch.Tensor:
+def fused_moe_packed(x: torch.Tensor, experts: PackedExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     config: MoeConfig | None = None) -> torch.Tensor:
+    """fused_moe with packed experts (kernels/packed_experts.py): each weight tile is dequantized in registers
+    (float32, rounded once to x's dtype) before its product. x [T, H] in bf16, fp16 or fp32. The table's block_k is
+    narrowed so that a tile stays inside one scale group (fit_block_k)."""
+    _check_packed(x, experts, topk_weights, topk_ids)
+    tokens, top_k = topk_ids.shape
+    if tokens == 0 or top_k == 0:
+        return x.new_zeros(x.shape)
+    config = config or pick_config(tokens, top_k, experts.num_experts, x.element_size())
+    ids = topk_ids.contiguous()
+    sorted_pairs, block_expert = align_pairs(ids, experts.num_experts, config.block_m)
+    return _experts(x, experts.w13, experts.w2, topk_weights.contiguous(), ids, sorted_pairs, block_expert, config,
+                    experts)
+
+
+def _check_packed(x, experts: PackedExperts, topk_weights, topk_ids) -> None:
+    e, h, i = experts.num_experts, experts.hidden, experts.inter
+    per_byte = 2 if experts.kind == "int4" else 1
+    if x.dim() != 2 or x.shape[1] != h:
+        raise ValueError(f"x must be [T, {h}] for experts of hidden size {h}, got {tuple(x.shape)}")
+    for name, w, scale, zero, group, n, k in (("w13", experts.w13, experts.scale13, experts.zero13, experts.group13,
+                                               2 * i, h),
+                                              ("w2", experts.w2, experts.scale2, experts.zero2, experts.group2, h, i)):
+        if tuple(w.shape) != (e, n, k // per_byte) or k % group or not w.is_contiguous():
+            raise ValueError(f"packed {name} must be contiguous [{e}, {n}, {k // per_byte}] in groups dividing {k}, "
+                             f"got {tuple(w.shape)} in groups of {group}")
+        for part in (scale, zero) if experts.kind == "int4" else (scale,):
+            if part.dtype != torch.float32 or tuple(part.shape) != (e, n, k // group) or not part.is_contiguous():
+                raise ValueError(f"{name}'s scales and zeros must be contiguous float32 [{e}, {n}, {k // group}], "
+                                 f"got {part.dtype} {tuple(part.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+
+
+def _packed_args(w: torch.Tensor, scale, zero, group: int, kind: str, k: int) -> tuple:
+    """(weight as the kernel reads it, scales, zeros, scale strides (expert, row), group, KIND)."""
+    if kind == "fp8":
+        return w.view(torch.uint8), scale, scale, scale.stride(0), scale.stride(1), group, FP8
+    return w, scale, zero, scale.stride(0), scale.stride(1), group, INT4
+
+
+def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeConfig,
+             packed: PackedExperts | None = None) -> torch.Tensor:
     """Steps 2 to 4 on aligned pairs (ids: this rank's expert numbers, for the sum)."""
     tokens, top_k = ids.shape
-    num_experts, hidden, inter = w2.shape
+    if packed is None:
+        num_experts, hidden, inter = w2.shape
+        up_args = (w13, w13, w13, 0, 0, 1, DENSE)
+        down_args = (w2, w2, w2, 0, 0, 1, DENSE)
+    else:
+        num_experts, hidden, inter = packed.num_experts, packed.hidden, packed.inter
+        up_args = _packed_args(w13, packed.scale13, packed.zero13, packed.group13, packed.kind, hidden)
+        down_args = _packed_args(w2, packed.scale2, packed.zero2, packed.group2, packed.kind, inter)
     blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs ignore it
+    native_fp8 = x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 9)
 
     act = torch.empty(blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
     up = config.up
+    w, s, z, stride_se, stride_sn, group, kind = up_args
     _up_swiglu_kernel[(blocks, triton.cdiv(inter, up.block_n))](
-        x, w13, act, sorted_pairs, block_expert, tokens * top_k, top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
-        PRECISION=precision, num_warps=up.num_warps, num_stages=up.num_stages)
+        x, w, s, z, act, sorted_pairs, block_expert, tokens * top_k, top_k,
+        x.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, act.stride(0),
+        HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=up.block_n,
+        BLOCK_K=up.block_k if kind == DENSE else fit_block_k(up.block_k, group, hidden),
+        PRECISION=precision, KIND=kind, GROUP=group, NATIVE_FP8=native_fp8, num_warps=up.num_warps,
+        num_stages=up.num_stages)
 
     y = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     down = config.down
+    w, s, z, stride_se, stride_sn, group, kind = down_args
     _down_kernel[(blocks, triton.cdiv(hidden, down.block_n))](
-        act, w2, weights, y, sorted_pairs, block_expert, tokens * top_k,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        PRECISION=precision, num_warps=down.num_warps, num_stages=down.num_stages)
+        act, w, s, z, weights, y, sorted_pairs, block_expert, tokens * top_k,
+        act.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, y.stride(0),
+        HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=down.block_n,
+        BLOCK_K=down.block_k if kind == DENSE else fit_block_k(down.block_k, group, inter),
+        PRECISION=precision, KIND=kind, GROUP=group, NATIVE_FP8=native_fp8, num_warps=down.num_warps,
+        num_stages=down.num_stages)
 
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(hidden))

@@ -1,0 +1,69 @@
+"""A mixture of experts' weights kept packed: every expert's w13 [2I, H] and w2 [H, I] in one of the layouts of
+kernels/quant_pack.py, stacked over the experts. No Triton here: what the fused kernel reads
+(kernels/triton/fused_moe.py), what the host-grouped fallback dequantizes per expert, and the float64 reference.
+
+- fp8: w float8_e4m3fn [E, N, K], scale float32 [E, N, K / group]: W[e, n, k] = w[e, n, k] * scale[e, n, k // group].
+- int4: w uint8 [E, N, K / 2] (column 2j in the low nibble of byte j), scale and zero float32 [E, N, K / group]:
+  W[e, n, k] = (q[e, n, k] - zero[e, n, g]) * scale[e, n, g], g = k // group.
+group divides K (K itself: one scale a row). w13's gate rows and up rows each keep their own scales (rows of the
+scale tensors follow the weight's rows).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, unpack_int4_rows
+
+
+class PackedExperts(NamedTuple):
+    kind: str  # "fp8" or "int4"
+    w13: torch.Tensor
+    scale13: torch.Tensor
+    zero13: torch.Tensor | None  # int4 only
+    group13: int
+    w2: torch.Tensor
+    scale2: torch.Tensor
+    zero2: torch.Tensor | None
+    group2: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def inter(self) -> int:
+        return self.w13.shape[1] // 2
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13 [2I, H], w2 [H, I]) dequantized to dtype (float32 products, rounded once)."""
+        if self.kind == "fp8":
+            return (dequantize_fp8(self.w13[e], self.scale13[e], self.group13, dtype),
+                    dequantize_fp8(self.w2[e], self.scale2[e], self.group2, dtype))
+        return (dequantize_int4(self.w13[e], self.scale13[e], self.zero13[e], self.group13, dtype),
+                dequantize_int4(self.w2[e], self.scale2[e], self.zero2[e], self.group2, dtype))
+
+    def reference(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's weights in float64, written from the layouts' definitions (not the dequantizers)."""
+        return (_reference(self.kind, self.w13[e], self.scale13[e], None if self.zero13 is None else self.zero13[e],
+                           self.group13),
+                _reference(self.kind, self.w2[e], self.scale2[e], None if self.zero2 is None else self.zero2[e],
+                           self.group2))
+
+    def describe(self) -> str:
+        return f"{self.kind} (groups of {self.group13} and {self.group2})"
+
+
+def _reference(kind: str, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+               group: int) -> torch.Tensor:
+    scale = scale.double().repeat_interleave(group, dim=1)
+    if kind == "fp8":
+        return w.float().double() * scale[:, :w.shape[1]]
+    q = unpack_int4_rows(w).double()
+    return (q - zero.double().repeat_interleave(group, dim=1)) * scale

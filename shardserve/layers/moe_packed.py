@@ -1,0 +1,201 @@
+"""A quantized mixture of experts' experts kept packed (kernels/packed_experts.py): a byte a weight for FP8, half a
+byte for 4-bit, with their scales (and zero points), on GPUs and on CPUs with SHARDSERVE_QUANTIZED_LAYERS=packed.
+
+Sharding is the dense rule: each rank reads only the packed bytes and scales of its experts' rows (w13: the
+gate's and the up projection's rows [r0, r1), each with its own scales) and columns (w2: [r0, r1)), so its
+columns must be whole scale groups. A layer whose slice would split a group, or whose checkpoint is in act order
+(g_idx), keeps its experts dequantized in the compute dtype (logged), as dense layers do.
+
+Products: on CUDA the fused kernel reads the packed experts (fused_moe_packed), used only after it matched
+float64 on the packed values at every token count that picks another kernel config (once per device, layout,
+shapes and top k). Where it failed, or Triton cannot run, or off GPUs, each call groups the pairs by expert on
+the host and dequantizes each chosen expert on the fly (no CUDA graphs on GPUs): never wrong numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Hashable
+
+import torch
+from torch import nn
+
+from shardserve.kernels.packed_experts import PackedExperts
+from shardserve.kernels.quant_pack import pack_int4
+from shardserve.layers.moe import (FUSED_MOE_ENV, SparseMoE, _check_shape, _check_token_counts, grouped_by_expert,
+                                   reference_experts)
+from shardserve.layers.quantized_linear import PackedLayout, _copy_scales
+from shardserve.weights.quantized import Fp8Weight, GptqWeight
+
+logger = logging.getLogger(__name__)
+
+_DEQUANTIZED_HINT = "SHARDSERVE_QUANTIZED_LAYERS=dequantized serves this checkpoint with the values it encodes"
+
+
+def expert_groups(moe: SparseMoE, layout: PackedLayout) -> tuple[tuple[int, int] | None, str]:
+    """The scale groups (w13's, w2's) of this rank's packed experts, or None and why they cannot be packed."""
+    hidden, (r0, r1) = moe.hidden_size, moe.rows
+    if layout.act_order:
+        return None, "an act-order (g_idx) checkpoint"
+    g13, g2 = layout.group or hidden, layout.group or r1 - r0
+    if hidden % g13:
+        return None, f"its hidden size {hidden} is not whole groups of {g13}"
+    if r0 % g2 or (r1 - r0) % g2:
+        return None, f"its expert features [{r0}, {r1}) split groups of {g2}"
+    if layout.kind == "int4" and (hidden % 2 or (r1 - r0) % 2 or g13 % 2 or g2 % 2):
+        return None, "its columns do not pack in pairs"
+    return (g13, g2), ""
+
+
+class ExpertPacking:
+    """The packed parameters of one SparseMoE (set as moe.packed): w13 / w2 hold the codes, w13_scale / w2_scale
+    (and w13_zero / w2_zero for 4-bit) their scales [E, N, K / group]."""
+
+    # Parameters filled by the loader of the weight they belong to.
+    parts_with = {"w13": ("w13_scale", "w13_zero"), "w2": ("w2_scale", "w2_zero")}
+
+    def __init__(self, moe: SparseMoE, layout: PackedLayout, groups: tuple[int, int], device) -> None:
+        experts, two_rows, hidden = moe.w13.shape
+        rows = two_rows // 2
+        self.kind, (self.group13, self.group2) = layout.kind, groups
+        self.compute_dtype = moe.w13.dtype
+        per_byte, dtype = (2, torch.uint8) if layout.kind == "int4" else (1, torch.float8_e4m3fn)
+
+        def param(*shape, dtype=torch.float32):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        moe.w13, moe.w2 = param(experts, two_rows, hidden // per_byte, dtype=dtype), param(
+            experts, hidden, rows // per_byte, dtype=dtype)
+        moe.w13.weight_loader, moe.w2.weight_loader = moe._load_w13, moe._load_w2
+        moe.w13_scale, moe.w2_scale = param(experts, two_rows, hidden // self.group13), param(
+            experts, hidden, rows // self.group2)
+        if layout.kind == "int4":
+            moe.w13_zero, moe.w2_zero = param(*moe.w13_scale.shape), param(*moe.w2_scale.shape)
+
+    def describe(self) -> str:
+        return f"{self.kind} experts (groups of {self.group13} and {self.group2})"
+
+    def view(self, moe: SparseMoE) -> PackedExperts:
+        return PackedExperts(self.kind, moe.w13.data, moe.w13_scale.data, getattr(moe, "w13_zero", None),
+                             self.group13, moe.w2.data, moe.w2_scale.data, getattr(moe, "w2_zero", None), self.group2)
+
+    def load(self, moe: SparseMoE, which: str, loaded: Any, shard_id: Hashable) -> None:
+        """One expert's gate, up (which "w13", shard id (expert, 0 or 1)) or down projection ("w2") from a quantized
+        checkpoint: only this rank's rows (w13) or columns (w2) of its packed bytes and scales are read."""
+        if shard_id == "all" or not isinstance(loaded, (Fp8Weight, GptqWeight)):
+            raise ValueError(f"packed {self.kind} experts load from the checkpoint's quantized per-expert tensors, "
+                             f"not {type(loaded).__name__}; {_DEQUANTIZED_HINT}")
+        expert, half = shard_id
+        (r0, r1), inter, hidden = moe.rows, moe.intermediate_size, moe.hidden_size
+        if which == "w13":
+            _check_shape(loaded, (inter, hidden), f"expert {expert}'s gate/up projection")
+            source, rows = (r0, r1, 0, hidden), slice(half * (r1 - r0), (half + 1) * (r1 - r0))
+        else:
+            _check_shape(loaded, (hidden, inter), f"expert {expert}'s down projection")
+            source, rows = (0, hidden, r0, r1), slice(None)
+        e0, e1 = moe.experts_held
+        if not e0 <= expert < e1:  # another rank's expert under expert parallelism: not read
+            return
+        target = getattr(moe, which).data[expert - e0, rows]
+        scale = getattr(moe, f"{which}_scale").data[expert - e0, rows]
+        if self.kind == "fp8" and isinstance(loaded, Fp8Weight):
+            values, scales = loaded.read_packed(*source)
+            target.copy_(values)
+            _copy_scales(scale, scales)
+        elif self.kind == "int4" and isinstance(loaded, GptqWeight):
+            codes, scales, zeros, perm = loaded.read_packed(*source)
+            if perm is not None:
+                raise ValueError(f"expert {expert}'s columns are in act order, which packed experts do not take; "
+                                 f"{_DEQUANTIZED_HINT}")
+            target.copy_(pack_int4(codes))
+            _copy_scales(scale, scales)
+            _copy_scales(getattr(moe, f"{which}_zero").data[expert - e0, rows], zeros)
+        else:
+            raise ValueError(f"a {type(loaded).__name__} cannot load into packed {self.kind} experts")
+
+
+def pack_experts(model: nn.Module, names: set[str] | None, layout: PackedLayout, device, log: bool = True) -> int:
+    """Make the expert blocks whose experts the checkpoint quantizes (both w13 and w2 in `names`) packed before
+    loading; every other block gets its dense experts (built under deferred_weights()). Returns how many."""
+    count, unpacked = 0, []
+    for name, moe in model.named_modules():
+        if not isinstance(moe, SparseMoE):
+            continue
+        groups = None
+        if names is not None and {f"{name}.w13", f"{name}.w2"} <= names:
+            groups, why = expert_groups(moe, layout)
+            if groups is None:
+                unpacked.append(f"{name} ({why})")
+        if groups is not None:
+            moe.packed = ExpertPacking(moe, layout, groups, device)
+            count += 1
+        else:
+            moe.materialize(device)
+    if log and unpacked:
+        logger.info("%d expert blocks keep dequantized experts rather than %s: %s", len(unpacked), layout.describe(),
+                    "; ".join(unpacked[:4]) + (" ..." if len(unpacked) > 4 else ""))
+    if log and count:
+        logger.info("%d expert blocks keep their experts packed (%s)", count, layout.describe())
+    return count
+
+
+# -- the products ----------------------------------------------------------------------------------------------
+
+
+def packed_fused(h, experts: PackedExperts, weights, ids):
+    from shardserve.kernels.triton.fused_moe import fused_moe_packed
+
+    return fused_moe_packed(h, experts, weights, ids)
+
+
+def packed_grouped(h: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Grouped by expert on the host, each chosen expert dequantized to h's dtype for its tokens (any device)."""
+    return grouped_by_expert(h, experts.num_experts, lambda e: experts.expert(e, h.dtype), weights, ids)
+
+
+_checked: dict[tuple, bool] = {}
+
+
+def packed_compute(experts: PackedExperts, top_k: int, dtype: torch.dtype):
+    """packed_fused where it matched float64 here (CUDA: checked once per device, layout, shapes, dtype and top k
+    on these experts' packed values), else packed_grouped (host-synchronised: no CUDA graphs)."""
+    if not experts.w13.is_cuda or os.environ.get(FUSED_MOE_ENV) == "0":
+        return packed_grouped
+    key = (experts.w13.device, experts.kind, experts.group13, experts.group2, tuple(experts.w13.shape),
+           tuple(experts.w2.shape), dtype, top_k)
+    if key not in _checked:
+        _checked[key] = packed_matches(packed_fused, experts, top_k, dtype)
+        if not _checked[key]:
+            logger.warning("packed %s experts of shape %s on %s are dequantized per call and grouped by expert "
+                           "on the host: no CUDA graphs", experts.kind, tuple(experts.w13.shape), experts.w13.device)
+    return packed_fused if _checked[key] else packed_grouped
+
+
+def packed_matches(compute, experts: PackedExperts, top_k: int, dtype: torch.dtype) -> bool:
+    """Whether compute(x, experts, weights, ids) is within the dtype's tolerance of float64 on the packed
+    definition, on random inputs at every token count that picks another config of the fused kernel's table."""
+    from shardserve.kernels.self_check import TOLERANCE
+
+    device, count = experts.w13.device, experts.num_experts
+    g = torch.Generator(device=device).manual_seed(0)
+    k = min(top_k, count)
+    for tokens in _check_token_counts(k, count):
+        x = torch.randn(tokens, experts.hidden, generator=g, device=device).to(dtype)
+        logits = torch.randn(tokens, count, generator=g, device=device)
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        try:
+            got = compute(x, experts, weights, ids).double()
+        except Exception as exc:  # a kernel that cannot run here: not used
+            logger.info("%s does not run packed %s experts here at %d tokens: %s: %s", compute.__name__,
+                        experts.describe(), tokens, type(exc).__name__, exc)
+            return False
+        want = reference_experts(x, None, None, weights, ids, packed=experts)
+        error = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+        if not error < TOLERANCE[dtype]:
+            logger.error("%s is off by %.3g (relative) for packed %s experts of shape %s at %d tokens: not used",
+                         compute.__name__, error, experts.describe(), tuple(experts.w13.shape), tokens)
+            return False
+    logger.info("packed %s experts of shape %s on %s: %s", experts.describe(), tuple(experts.w13.shape), device,
+                compute.__name__)
+    return True

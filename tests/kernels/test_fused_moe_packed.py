@@ -1,0 +1,165 @@
+"""The fused mixture-of-experts kernel on packed experts (FP8 with a scale per row and group of columns, 4-bit with
+scales and zero points) agrees with float64 on the packed definition, and would not if it ignored the scales or
+the zero points. Without CUDA the kernels run in Triton's interpreter on tiny shapes."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from shardserve.kernels.fused_moe_table import MoeConfig, Tile  # noqa: E402
+from shardserve.kernels.packed_experts import PackedExperts  # noqa: E402
+from shardserve.kernels.quant_pack import pack_int4  # noqa: E402
+from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
+from shardserve.kernels.triton.fused_moe import fused_moe_packed  # noqa: E402
+from tests.kernels.test_fused_moe import DEVICE, make_routes, relative_error  # noqa: E402
+from tests.kernels.test_triton_kernels import _allow_one_element_arrays_as_indices  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _allow_one_element_arrays_as_indices()
+
+CUDA = torch.cuda.is_available()
+SMALL = MoeConfig(16, Tile(16, 32, 4, 1), Tile(16, 32, 4, 1))
+
+
+def _fp8(n: int, k: int, group: int, experts: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random FP8 codes and scales that differ between groups and rows (a kernel that mixed them up would fail)."""
+    w = torch.randn(experts, n, k, generator=g) * 0.1
+    blocks = w.reshape(experts, n, k // group, group)
+    scale = (blocks.abs().amax(dim=3) / 448.0) * (1 + torch.rand(experts, n, k // group, generator=g))
+    codes = (blocks / scale[..., None]).to(torch.float8_e4m3fn).reshape(experts, n, k)
+    return codes.to(DEVICE), scale.float().to(DEVICE)
+
+
+def _int4(n: int, k: int, group: int, experts: int, sym: bool, g: torch.Generator):
+    q = torch.randint(0, 16, (experts, n, k), generator=g)
+    scale = (torch.rand(experts, n, k // group, generator=g) + 0.5) * 0.02
+    zero = torch.full_like(scale, 8.0) if sym else torch.randint(0, 16, scale.shape, generator=g).float()
+    packed = torch.stack([pack_int4(q[e]) for e in range(experts)])
+    return packed.to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+
+
+def packed_experts(kind: str, experts: int, hidden: int, inter: int, group: int, sym: bool = False,
+                   seed: int = 0) -> PackedExperts:
+    g = torch.Generator().manual_seed(seed)
+    g13, g2 = min(group, hidden), min(group, inter)
+    if kind == "fp8":
+        w13, s13 = _fp8(2 * inter, hidden, g13, experts, g)
+        w2, s2 = _fp8(hidden, inter, g2, experts, g)
+        return PackedExperts("fp8", w13, s13, None, g13, w2, s2, None, g2)
+    w13, s13, z13 = _int4(2 * inter, hidden, g13, experts, sym, g)
+    w2, s2, z2 = _int4(hidden, inter, g2, experts, sym, g)
+    return PackedExperts("int4", w13, s13, z13, g13, w2, s2, z2, g2)
+
+
+def reference(x, experts: PackedExperts, weights, ids) -> torch.Tensor:
+    """float64 on the packed definition (PackedExperts.reference), one expert at a time."""
+    from shardserve.layers.moe import reference_experts
+
+    return reference_experts(x, None, None, weights, ids, packed=experts)
+
+
+def check(kind, tokens, group, sym=False, config=None, dtype=torch.float32, hidden=64, inter=32, top_k=2,
+          experts_count=4):
+    experts = packed_experts(kind, experts_count, hidden, inter, group, sym)
+    x, weights, ids = make_routes(tokens, experts_count, top_k, dtype, hidden)
+    got = fused_moe_packed(x, experts, weights, ids, config=config)
+    want = reference(x, experts, weights, ids)
+    error = relative_error(got, want)
+    assert error < TOLERANCE[dtype], f"{kind} group {group}: relative error {error:.3g} at {tokens} tokens"
+    return experts, x, weights, ids, want
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+@pytest.mark.parametrize("kind, group, sym", [("fp8", 32, False), ("int4", 32, True), ("int4", 32, False),
+                                              ("int4", 128, False)])
+def test_interpreter_packed_experts_match_float64(kind, group, sym, tokens):
+    """Groups of 32 (two per expert row at H=64, one at I=32) and 128 (one group a row: wider than H and I)."""
+    check(kind, tokens, group, sym, config=SMALL)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+def test_interpreter_fp8_block_128_with_the_tables_tiles():
+    """FP8 in blocks of 128 columns over H = 256 (two scale groups a row), the table's config (block_k narrowed)."""
+    check("fp8", 3, 128, hidden=256, inter=128)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_ignoring_scales_or_zeros_fails_the_check(kind):
+    """The reference would notice a kernel that dropped the per-group scales (or the zero points): with them made
+    uniform, the kernel's output moves far beyond the tolerance."""
+    experts, x, weights, ids, want = check(kind, 3, 32, config=SMALL)
+    uniform = experts._replace(scale13=experts.scale13.mean().expand_as(experts.scale13).contiguous())
+    assert relative_error(fused_moe_packed(x, uniform, weights, ids, config=SMALL), want) > 0.05
+    if kind == "int4":
+        no_zero = experts._replace(zero13=torch.zeros_like(experts.zero13), zero2=torch.zeros_like(experts.zero2))
+        assert relative_error(fused_moe_packed(x, no_zero, weights, ids, config=SMALL), want) > 0.05
+
+
+# -- on a GPU: Qwen3-30B-A3B's experts (E=128, k=8, H=2048, I=768), FP8 in blocks of 128 and 4-bit in groups of 128
+
+QWEN3_30B = (128, 8, 2048, 768)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, 2, 7, 16, 64, 129, 512])
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_gpu_qwen3_30b_packed_experts(kind, tokens):
+    e, k, h, i = QWEN3_30B
+    check(kind, tokens, 128, dtype=torch.bfloat16, hidden=h, inter=i, top_k=k, experts_count=e)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_gpu_packed_experts_replay_in_a_cuda_graph_with_new_routes(kind):
+    e, k, h, i = QWEN3_30B
+    experts = packed_experts(kind, e, h, i, 128)
+    x, weights, ids = make_routes(4, e, k, torch.bfloat16, h)
+    fused_moe_packed(x, experts, weights, ids)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_packed(x, experts, weights, ids)
+    x2, weights2, ids2 = make_routes(4, e, k, torch.bfloat16, h, seed=7)
+    x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
+    graph.replay()
+    error = relative_error(out, reference(x, experts, weights, ids))
+    assert error < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+def test_the_packed_check_runs_every_kernel_config_and_rejects_one_wrong_at_any():
+    """Packed experts take the fused kernel only after it matched float64 on their packed values at a token count
+    that picks each config of the table (here in the interpreter, with the table's tiles); a kernel wrong only
+    at large batches is refused, and so would be a fallback that ignored the scales."""
+    from shardserve.kernels.fused_moe_table import CONFIGS, pick_config
+    from shardserve.layers.moe_packed import packed_fused, packed_grouped, packed_matches
+
+    experts = packed_experts("fp8", 4, 64, 32, 32)
+    seen = []
+
+    def counted(x, experts, weights, ids):
+        seen.append(pick_config(x.shape[0], ids.shape[1], experts.num_experts))
+        return packed_fused(x, experts, weights, ids)
+
+    def wrong_past_90_tokens(x, experts, weights, ids):
+        out = packed_grouped(x, experts, weights, ids)
+        return out * 1.01 if x.shape[0] > 90 else out
+
+    assert packed_matches(counted, experts, 2, torch.float32)
+    assert set(seen) == {config for _, config in CONFIGS}
+    assert packed_matches(packed_grouped, experts, 2, torch.float32)
+    assert not packed_matches(wrong_past_90_tokens, experts, 2, torch.float32)
+    unscaled = experts._replace(scale2=torch.ones_like(experts.scale2))
+    assert not packed_matches(lambda x, e, w, i: packed_grouped(x, unscaled, w, i), experts, 2, torch.float32)
