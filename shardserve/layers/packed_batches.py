@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 # Per bucket: the batch its tiles are timed at (the bucket's largest, and for the open-ended last bucket a long
 # prefill chunk), and the ragged one its chosen GEMM is checked at once the ranks agree.
-TIMING_ROWS = (16, 64, 256, 1024, 4096)
-CHECK_ROWS = (5, 40, 200, 600, 1500)
+TIMING_ROWS = (16, 64, 256, 512, 1024, 4096)
+CHECK_ROWS = (5, 40, 200, 400, 600, 1500)
 # Batches up to this many rows stream the weights: timed over up to 32 layers so that the weights do not sit in
 # L2 (as the GEMVs are); larger ones are bound by arithmetic, and a few layers keep start-up short.
 STREAMING_ROWS = 256

@@ -47,9 +47,10 @@ GEMV_CANDIDATES = ((8, 512, 4, 3), (4, 1024, 8, 4), (16, 256, 4, 2), (8, 1024, 8
                    (8, 2048, 8, 3), (16, 1024, 8, 3), (4, 2048, 8, 4))
 
 
-# Batches by row count: at most 16, 64, 256 or 1024 rows, or more. Each bucket of a layer runs the fused GEMM with
-# its own tiles, or dequantize + cuBLAS (PackedWeights.batch_gemms).
-BATCH_LIMITS = (16, 64, 256, 1024)
+# Batches by row count: at most 16, 64, 256, 512 or 1024 rows, or more (a full decode batch of 512 sequences has
+# a bucket of its own: on an H100 the 4-bit GEMM beat dequantizing there on some shapes and not at 1024). Each
+# bucket of a layer runs the fused GEMM with its own tiles, or dequantize + cuBLAS (PackedWeights.batch_gemms).
+BATCH_LIMITS = (16, 64, 256, 512, 1024)
 BATCH_BUCKETS = len(BATCH_LIMITS) + 1
 
 
@@ -172,9 +173,10 @@ class PackedWeights:
         self.perm_of[shard_id] = perm
         perms = list(self.perm_of.values())
         if any(not _same_perm(p, perms[0]) for p in perms[1:]):
-            raise ValueError("the fused layer's parts (e.g. q, k and v) sort their input columns into groups differently "
-                             "(act order), so they cannot share one packed input order; SHARDSERVE_QUANTIZED_LAYERS="
-                             "dequantized serves this checkpoint with the values it encodes")
+            raise ValueError("the fused layer's parts (e.g. q, k and v) sort their input columns into groups "
+                             "differently (act order), so they cannot share one packed input order; "
+                             "SHARDSERVE_QUANTIZED_LAYERS=dequantized serves this checkpoint with the values it "
+                             "encodes")
         if perm is not None:
             layer.input_perm.data.copy_(perm)
 

@@ -40,19 +40,21 @@ def test_layers_dequantize_batches_until_a_gemm_is_chosen_for_their_shape():
                           packed_layer(48, 256, PackedLayout("int4", 64), torch.float16))
     assert all(layer.packed.batch_gemms == (None,) * BATCH_BUCKETS for layer in model)
     assert packed_batches.gemm_check_rows(model) == ()
-    packed_batches.use_batch_kernels(model, {model[0].packed.config_key(): [None, list(TILES), None, None, TILES]})
-    assert model[0].packed.batch_gemms == (None, TILES, None, None, TILES)
+    choice = [None, list(TILES), None, None, None, TILES]  # 17 to 64 rows, and past 1024
+    packed_batches.use_batch_kernels(model, {model[0].packed.config_key(): choice})
+    assert model[0].packed.batch_gemms == (None, TILES, None, None, None, TILES)
     assert model[1].packed.batch_gemms == (None,) * BATCH_BUCKETS
     assert model[0].packed.batch_gemm(torch.zeros(17, 256, dtype=torch.float16)) == TILES
     assert model[0].packed.batch_gemm(torch.zeros(16, 256, dtype=torch.float16)) is None
     assert model[0].packed.batch_gemm(torch.zeros(17, 256)) is None  # float32 activations never take it
     assert packed_batches.gemm_check_rows(model) == (40, 1500)
-    assert packed_batches.summary(model) == "batches through the fused GEMM in 2 of 10 (shape, rows) buckets"
+    assert packed_batches.summary(model) == \
+        f"batches through the fused GEMM in 2 of {2 * BATCH_BUCKETS} (shape, rows) buckets"
 
 
 def test_a_choice_for_another_number_of_buckets_is_refused():
     model = nn.Sequential(packed_layer(40, 256, PackedLayout("int4", 64), torch.float16))
-    with pytest.raises(ValueError, match="name 2 buckets, not 5: every rank must run the same version"):
+    with pytest.raises(ValueError, match=f"name 2 buckets, not {BATCH_BUCKETS}: every rank must run the same"):
         packed_batches.use_batch_kernels(model, {model[0].packed.config_key(): [None, None]})
 
 
@@ -68,11 +70,11 @@ def test_float32_layers_and_fp8_on_scaled_mm_never_take_the_gemm():
 @pytest.mark.usefixtures("bfloat16_dot_in_the_interpreter")
 def test_a_chosen_gemm_is_checked_and_a_wrong_one_dropped(monkeypatch, caplog):
     model = nn.Sequential(packed_layer(40, 256, PackedLayout("int4", 64), torch.bfloat16))
-    choice = {model[0].packed.config_key(): [list(TILES), list(TILES), None, None, None]}
+    choice = {model[0].packed.config_key(): [list(TILES), list(TILES)] + [None] * (BATCH_BUCKETS - 2)}
     monkeypatch.setattr(packed_batches, "time_batch_kernels", lambda model: choice)
     ctx = single_rank_context("cpu")
     assert kernel_setup.choose_batch_kernels(model, ctx) == \
-        "batches through the fused GEMM in 2 of 5 (shape, rows) buckets"
+        f"batches through the fused GEMM in 2 of {BATCH_BUCKETS} (shape, rows) buckets"
     assert model[0].packed.batch_gemms[:2] == (TILES, TILES)
 
     monkeypatch.setattr(PackedWeights, "_gemm", lambda self, layer, x, config: 2 * self._dequantized_product(layer, x))
@@ -103,14 +105,14 @@ def test_timing_keeps_the_gemm_only_where_faster_and_skips_tiles_that_compute_wr
         dense = "_dequantized_product" in fn.__code__.co_names
         return (10.0 if dense else 5.0) if x.shape[0] != packed_batches.TIMING_ROWS[2] else (5.0 if dense else 10.0)
 
-    monkeypatch.setattr(packed_batches, "TIMING_ROWS", (16, 64, 20, 30, 4096))  # interpreter-sized batches
+    monkeypatch.setattr(packed_batches, "TIMING_ROWS", (16, 64, 20, 25, 30, 4096))  # interpreter-sized batches
     monkeypatch.setattr(quant_gemm, "candidate_configs", lambda m: (wrong, right))
     monkeypatch.setattr(PackedWeights, "_gemm", gemm_wrong_for_one_tile)
     monkeypatch.setattr(cuda_gemv, "time_in_graph_us", fake_timer)
     monkeypatch.setattr(nn.Parameter, "is_cuda", property(lambda self: True))  # time these CPU layers
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     chosen = packed_batches.time_batch_kernels(model)
-    assert chosen == {model[0].packed.config_key(): [list(right), list(right), None, list(right), None]}
+    assert chosen == {model[0].packed.config_key(): [list(right), list(right), None, list(right), list(right), None]}
 
 
 def _two_ranks_choose(rank: int, port: int, results) -> None:
@@ -141,7 +143,7 @@ def test_every_rank_uses_rank_0s_choice_and_drops_it_when_any_rank_fails_the_che
     for rank in (0, 1):
         assert not isinstance(outcome[rank], str), outcome[rank]
         (first, tiles), (second, after) = outcome[rank]
-        assert tiles == TILES and first.startswith("batches through the fused GEMM in 1 of 5"), rank
+        assert tiles == TILES and first.startswith(f"batches through the fused GEMM in 1 of {BATCH_BUCKETS}"), rank
         assert after is None and second == "batches dequantized (the fused GEMM failed its check)", rank
 
 
