@@ -58,18 +58,6 @@ def pick_config(tokens: int, top_k: int, num_experts: int, element_size: int = 2
     return config
 
 
-def fit_block_k(block_k: int, group: int, k: int) -> int:
-    """A packed GEMM's reduction depth: the table's, narrowed to the largest power of two dividing the scale group
-    so that a tile needs one scale a row (any depth where one group spans all k columns). ValueError below 16,
-    tl.dot's smallest."""
-    if group >= k:
-        return block_k
-    fitted = min(block_k, group & -group)
-    if fitted < 16:
-        raise ValueError(f"packed experts need scale groups of a multiple of 16 columns, got {group}")
-    return fitted
-
-
 def token_counts_per_config(top_k: int, num_experts: int) -> list[int]:
     """One token count that picks each config a layer of this shape can take (the smallest that does): a
     self-check over these runs every one."""

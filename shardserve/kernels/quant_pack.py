@@ -94,3 +94,15 @@ def dequantize_int4(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     n, groups = scale.shape
     q = unpack_int4_rows(qweight).float().view(n, groups, group_size)
     return ((q - zero[:, :, None]) * scale[:, :, None]).view(n, groups * group_size).to(dtype)
+
+
+def fit_block_k(block_k: int, group: int, k: int) -> int:
+    """A packed GEMM's reduction depth: block_k narrowed to the largest power of two dividing the scale group, so
+    that a tile needs one scale a row (any depth where one group spans all k columns). ValueError below 16,
+    tl.dot's smallest."""
+    if group >= k:
+        return block_k
+    fitted = min(block_k, group & -group)
+    if fitted < 16:
+        raise ValueError(f"packed GEMMs need scale groups of a multiple of 16 columns, got {group}")
+    return fitted

@@ -364,29 +364,50 @@ def device_routed_experts(w13: torch.Tensor, w2: torch.Tensor, num_logits: int, 
 
 def _routed_matches(w13: torch.Tensor, w2: torch.Tensor, num_logits: int, top_k: int, renormalize: bool) -> bool:
     from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
-    from shardserve.kernels.self_check import TOLERANCE
     from shardserve.kernels.triton.fused_moe import fused_moe_from_logits
 
     g = torch.Generator(device=w13.device).manual_seed(0)
     a, b = _random_experts(w13, w2, g)
     bases = sorted({0, num_logits - w13.shape[0]})
+    what = f"experts of shape {tuple(w13.shape)} on {w13.device}"
     for tokens in range(1, ROUTE_ALIGN_MAX_TOKENS + 1):
         x = torch.randn(tokens, w13.shape[2], generator=g, device=w13.device).to(w13.dtype)
         logits = torch.randn(tokens, num_logits, generator=g, device=w13.device)  # float32: no ties
         weights, ids = route_reference(logits, top_k, renormalize)
         for base in bases:
-            try:
-                got = fused_moe_from_logits(x, logits, a, b, top_k, renormalize, base).double()
-            except Exception as exc:
-                logger.info("the one-launch router and alignment do not run here: %s: %s", type(exc).__name__, exc)
-                return False
-            want = reference_experts(x, a, b, weights, ids - base)
-            error = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-            if not error < TOLERANCE[w13.dtype]:
-                logger.error("the one-launch router and alignment are off by %.3g (relative) for experts of shape "
-                             "%s on %s at %d tokens: not used", error, tuple(w13.shape), w13.device, tokens)
+            if not close_to_float64("fused_moe_from_logits", what, tokens, w13.dtype,
+                                    lambda: fused_moe_from_logits(x, logits, a, b, top_k, renormalize, base),
+                                    lambda: reference_experts(x, a, b, weights, ids - base)):
                 return False
     return True
+
+
+def close_to_float64(name: str, what: str, tokens: int, dtype: torch.dtype, run, reference) -> bool:
+    """Whether run() is within dtype's tolerance (relative) of the float64 reference(); a run that raises (no
+    Triton, out of shared memory...) or misses is logged, naming `name`, `what` it computed and at how many tokens."""
+    from shardserve.kernels.self_check import TOLERANCE
+
+    try:
+        got = run().double()
+    except Exception as exc:  # a kernel that cannot run here: not used
+        logger.info("%s does not run %s here at %d tokens: %s: %s", name, what, tokens, type(exc).__name__, exc)
+        return False
+    want = reference()
+    error = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    if not error < TOLERANCE[dtype]:
+        logger.error("%s is off by %.3g (relative) for %s at %d tokens: not used", name, error, what, tokens)
+        return False
+    return True
+
+
+def check_routes(num_experts: int, hidden: int, top_k: int, dtype: torch.dtype, device, g: torch.Generator):
+    """(tokens, x, weights, ids) of random tokens routed to top_k of num_experts, at every token count a check of
+    the experts runs (_check_token_counts)."""
+    k = min(top_k, num_experts)
+    for tokens in _check_token_counts(k, num_experts):
+        x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+        logits = torch.randn(tokens, num_experts, generator=g, device=device)
+        yield (tokens, x, *torch.topk(torch.softmax(logits, dim=-1), k, dim=-1))
 
 
 def _random_experts(w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,29 +443,14 @@ def reference_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tenso
 
 
 def _matches(compute, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
-    from shardserve.kernels.self_check import TOLERANCE
-
-    num_experts, hidden = w13.shape[0], w13.shape[2]
     g = torch.Generator(device=w13.device).manual_seed(0)
     a, b = _random_experts(w13, w2, g)
-    k = min(top_k, num_experts)
-    for tokens in _check_token_counts(k, num_experts):
-        x = torch.randn(tokens, hidden, generator=g, device=w13.device).to(w13.dtype)
-        logits = torch.randn(tokens, num_experts, generator=g, device=w13.device)
-        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-        try:
-            got = compute(x, a, b, weights, ids).double()
-        except Exception as exc:  # a kernel that cannot run here (no Triton, out of shared memory...): not used
-            logger.info("%s does not run experts of shape %s here at %d tokens: %s: %s", compute.__name__,
-                        tuple(w13.shape), tokens, type(exc).__name__, exc)
+    what = f"experts of shape {tuple(w13.shape)} on {w13.device}"
+    for tokens, x, weights, ids in check_routes(w13.shape[0], w13.shape[2], top_k, w13.dtype, w13.device, g):
+        if not close_to_float64(compute.__name__, what, tokens, w13.dtype, lambda: compute(x, a, b, weights, ids),
+                                lambda: reference_experts(x, a, b, weights, ids)):
             return False
-        want = reference_experts(x, a, b, weights, ids)
-        error = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-        if not error < TOLERANCE[w13.dtype]:
-            logger.error("%s is off by %.3g (relative) for experts of shape %s on %s at %d tokens: not used",
-                         compute.__name__, error, tuple(w13.shape), w13.device, tokens)
-            return False
-    logger.info("experts of shape %s on %s: %s", tuple(w13.shape), w13.device, compute.__name__)
+    logger.info("%s: %s", what, compute.__name__)
     return True
 
 

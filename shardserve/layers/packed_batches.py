@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.layers.linear import KernelLinear
-from shardserve.layers.quantized_linear import (BATCH_BUCKETS, distinct_packed, packed_layers, reference_weight)
+from shardserve.layers.quantized_linear import BATCH_BUCKETS, distinct_packed, packed_layers, sampled_reference
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def time_batch_kernels(model: nn.Module) -> dict[str, list[list[int] | None]]:
         first = layers[0]
         if not (first.weight.is_cuda and first.packed.takes_gemm()):
             continue
-        weight64, outputs = _sampled_reference(first)
+        weight64, outputs = sampled_reference(first)
         results = []
         for rows in TIMING_ROWS:
             try:
@@ -56,15 +56,6 @@ def time_batch_kernels(model: nn.Module) -> dict[str, list[list[int] | None]]:
     if chosen:
         torch.cuda.empty_cache()  # the timing graphs' memory, back before the KV cache is sized
     return chosen
-
-
-def _sampled_reference(layer: KernelLinear) -> tuple[torch.Tensor, slice | torch.Tensor]:
-    """(float64 weight of the outputs the check compares, which outputs): all of them up to CHECKED_OUTPUTS."""
-    from shardserve.kernels.self_check import sampled_outputs
-
-    sampled = sampled_outputs(layer.packed.n)
-    outputs = slice(None) if sampled is None else sampled.to(layer.weight.device)
-    return reference_weight(layer)[outputs], outputs
 
 
 def _fastest(layers: list[KernelLinear], rows: int, weight64: torch.Tensor,

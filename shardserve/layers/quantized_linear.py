@@ -416,20 +416,28 @@ def distinct_packed(model: nn.Module) -> dict[tuple, list[KernelLinear]]:
     return found
 
 
+def sampled_reference(layer: KernelLinear) -> tuple[torch.Tensor, slice | torch.Tensor]:
+    """(float64 weight of the outputs a check compares, which outputs): all of them up to the self-check's
+    sample (kernels/self_check.sampled_outputs)."""
+    from shardserve.kernels.self_check import sampled_outputs
+
+    sampled = sampled_outputs(layer.packed.n)
+    outputs = slice(None) if sampled is None else sampled.to(layer.weight.device)
+    return reference_weight(layer)[outputs], outputs
+
+
 @torch.inference_mode()
 def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
     """Each distinct packed shape's product at one row (the GEMV) and a batch, against float64 on the same
     packed values, through the path each row count takes now (once batch kernels are chosen, again at a row count
     in each bucket that runs the GEMM); returns what failed, as 'fp8 (...) NxK at R rows: error E (tolerance T)'."""
-    from shardserve.kernels.self_check import TOLERANCE, relative_error, sampled_outputs
+    from shardserve.kernels.self_check import TOLERANCE, relative_error
 
     failures = []
     for (layout, n, k), layers in distinct_packed(model).items():
         layer = layers[0]
         dtype = layer.packed.compute_dtype
-        sampled = sampled_outputs(n)
-        outputs = slice(None) if sampled is None else sampled.to(layer.weight.device)
-        w64 = reference_weight(layer)[outputs]
+        w64, outputs = sampled_reference(layer)
         generator = torch.Generator().manual_seed(seed)
         for m in rows:
             x = torch.randn(m, k, generator=generator).to(dtype).to(layer.weight.device)
@@ -484,7 +492,8 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
             continue
         dtype = first.packed.compute_dtype
         x = torch.randn(1, k, dtype=dtype, device=first.weight.device)
-        reference = F.linear(x.double(), reference_weight(first)).cpu()
+        weight64 = reference_weight(first)
+        reference = F.linear(x.double(), weight64).cpu()
         timed = []
         for config in GEMV_CANDIDATES:
             first.packed.gemv_config = config
@@ -502,8 +511,9 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
             chosen[first.packed.config_key()] = list(best)
             logger.info("packed %s %dx%d single-row GEMV: %s, %.1f us (%.0f GB/s)", layout.describe(), n, k, best, us,
                         sum(t.numel() * t.element_size() for t in (first.weight, first.weight_scale)) / us / 1e3)
-            if _norm_fused_wins(layers, best):
+            if _norm_fused_wins(layers, best, weight64):
                 chosen[first.packed.config_key() + NORM_FUSED_SUFFIX] = [1]
+        del weight64
     return chosen
 
 
@@ -513,9 +523,10 @@ NORM_FUSED_MIN_GAIN = 0.03
 NORM_FUSED_SUFFIX = "/norm"
 
 
-def _norm_fused_wins(layers: list[KernelLinear], config) -> bool:
+def _norm_fused_wins(layers: list[KernelLinear], config, weight64: torch.Tensor) -> bool:
     """Whether the layers of one packed shape take a normed input (column-parallel, no input permutation) and
-    the norm inside their GEMV (`config`) matched float64 and beat the norm kernel then the GEMV."""
+    the norm inside their GEMV (`config`) matched float64 (weight64: their reference weight) and beat the norm
+    kernel then the GEMV."""
     first = layers[0]
     if not hasattr(first, "forward_normed") or getattr(first, "input_perm", None) is not None:
         return False
@@ -529,7 +540,7 @@ def _norm_fused_wins(layers: list[KernelLinear], config) -> bool:
     x = torch.randn(1, k, dtype=dtype, device=device)
     first.packed.gemv_config, first.packed.norm_fused = config, True
     try:
-        error, detail = _normed_error(first, reference_weight(first), slice(None), torch.Generator().manual_seed(3))
+        error, detail = _normed_error(first, weight64, slice(None), torch.Generator().manual_seed(3))
         if not error <= TOLERANCE.get(dtype, 1e-2):
             logger.warning("packed %dx%d: the norm-fused GEMV failed its check (%s); not used", first.packed.n, k,
                            detail)

@@ -30,10 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS, MoeConfig, fit_block_k, pick_config
+from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS, MoeConfig, pick_config
 from shardserve.kernels.packed_experts import PackedExperts
+from shardserve.kernels.quant_pack import fit_block_k
 from shardserve.kernels.triton.moe_router import route_token, routing_outputs
-from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float
+from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -301,6 +302,12 @@ def _sum_choices_kernel(y_ptr, ids_ptr, out_ptr, num_experts, stride_y, stride_o
 # Entry point
 
 
+def _check_routes(x, topk_weights, topk_ids) -> None:
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+
+
 def _check_args(x, w13, w2, topk_weights, topk_ids) -> None:
     num_experts, two_inter, hidden = w13.shape
     if x.dim() != 2 or x.shape[1] != hidden:
@@ -312,9 +319,7 @@ def _check_args(x, w13, w2, topk_weights, topk_ids) -> None:
         raise ValueError(f"x, w13 and w2 must share one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("x, w13 and w2 need unit stride in their last dim")
-    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], got "
-                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    _check_routes(x, topk_weights, topk_ids)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -384,9 +389,7 @@ def _check_packed(x, experts: PackedExperts, topk_weights, topk_ids) -> None:
             if part.dtype != torch.float32 or tuple(part.shape) != (e, n, k // group) or not part.is_contiguous():
                 raise ValueError(f"{name}'s scales and zeros must be contiguous float32 [{e}, {n}, {k // group}], "
                                  f"got {part.dtype} {tuple(part.shape)}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], got "
-                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    _check_routes(x, topk_weights, topk_ids)
 
 
 def _packed_args(w: torch.Tensor, scale, zero, group: int, kind: str, k: int) -> tuple:
@@ -410,7 +413,7 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
         down_args = _packed_args(w2, packed.scale2, packed.zero2, packed.group2, packed.kind, inter)
     blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs ignore it
-    native_fp8 = x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 9)
+    native_fp8 = _native_fp8(x.device)
 
     act = torch.empty(blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
     up = config.up

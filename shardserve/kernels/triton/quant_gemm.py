@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.quant_pack import check_fp8, check_int4, fp8_groups
+from shardserve.kernels.quant_pack import check_fp8, check_int4, fit_block_k, fp8_groups
 from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
 
 # Output tiles along M visited together, so that their weight tiles are read while still in L2.
@@ -165,7 +165,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero:
     check_int4(qweight, scale, zero, group_size)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     x = _activations(x, k, "int4_gemm")
-    config = _fitted(config or default_config(x.shape[0]), group_size, one_group=group_size == k)
+    config = _fitted(config or default_config(x.shape[0]), group_size, k)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         _int4_gemm_kernel[_grid(x.shape[0], n, config)](
@@ -184,7 +184,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k
     n, k = weight.shape
     x = _activations(x, k, "fp8_gemm")
     per_row = fp8_groups(k, group_k) == 1
-    config = _fitted(config or default_config(x.shape[0]), group_k, one_group=per_row)
+    config = _fitted(config or default_config(x.shape[0]), group_k, k)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         _fp8_gemm_kernel[_grid(x.shape[0], n, config)](
@@ -202,18 +202,15 @@ def _activations(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def _fitted(config: GemmConfig, group: int, one_group: bool) -> GemmConfig:
-    """config with block_k no wider than the largest power of two dividing the group, so a tile stays inside
-    one group (one group a row: any width, ragged K masked). Raises ValueError for a config tl.dot cannot take."""
+def _fitted(config: GemmConfig, group: int, k: int) -> GemmConfig:
+    """config with block_k fitted to the scale group (quant_pack.fit_block_k: a tile stays inside one group; one
+    group a row takes any width, ragged K masked). Raises ValueError for a config tl.dot cannot take."""
     config = GemmConfig(*config)
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(config, name)
         if value < 16 or value & (value - 1):
             raise ValueError(f"GEMM {name} must be a power of two >= 16, got {value}")
-    block_k = config.block_k if one_group else min(config.block_k, group & -group)
-    if block_k < 16:
-        raise ValueError(f"the quantized GEMMs need scale groups of a multiple of 16 columns, got {group}")
-    return config._replace(block_k=block_k)
+    return config._replace(block_k=fit_block_k(config.block_k, group, k))
 
 
 def _grid(m: int, n: int, config: GemmConfig) -> tuple[int]:
