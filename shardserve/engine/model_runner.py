@@ -263,7 +263,10 @@ class ModelRunner:
             with setup_step("choose the batch-1 GEMVs", self.ctx.rank):
                 gemv = use_batch1_gemv(model, log=self.ctx.is_driver,
                                        agree=lambda chosen: kernel_setup.agree_on_gemv(chosen, self.ctx))
-            self.plan = self.plan.with_results(gemv=gemv.summary() if gemv is not None else "cublas")
+            from shardserve.kernels.triton import pdl
+
+            self.plan = self.plan.with_results(gemv=gemv.summary() if gemv is not None else "cublas",
+                                               dependent_launch=pdl.describe(self.device))
         loaded, copies = weight_bytes(model)
         quantization = self.model_config.quantization
         logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s%s%s", self.ctx.rank, self.config.model,

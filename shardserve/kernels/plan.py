@@ -32,7 +32,7 @@ LINEAR_KERNELS = ("bf16-decode", "blockq-decode", "onednn-packed", "torch")
 # Variables that force a choice the plan would otherwise make itself; each one in effect is shown in the plan.
 OVERRIDE_ENV = (LINEAR_KERNEL_ENV, "SHARDSERVE_ALL_REDUCE", "SHARDSERVE_GEMV", DISABLE_TRITON_ENV,
                 "SHARDSERVE_MIN_SHARD_WIDTH", *ISA_CAP_ENV, "ATEN_CPU_CAPABILITY", "SHARDSERVE_QUANTIZED_LAYERS",
-                "SHARDSERVE_FP8_MATMUL")
+                "SHARDSERVE_FP8_MATMUL", "SHARDSERVE_PDL", "SHARDSERVE_PDL_PREFETCH_KB")
 
 
 class KernelPlanError(ValueError):
@@ -51,6 +51,7 @@ class KernelPlan:
     attention: str = ""
     all_reduce: str = ""
     gemv: str = ""
+    dependent_launch: str = ""  # Triton kernels launched to overlap the one before (kernels/triton/pdl.py)
     quantized: str = ""  # packed quantized layers (layers/quantized_linear.py), e.g. "fp8 (...) packed on 96 layers"
 
     def with_results(self, **fields: str) -> "KernelPlan":
@@ -61,7 +62,7 @@ class KernelPlan:
         parts = [f"{self.device} {dtype}", f"linear {self.linear or '/'.join(self.linear_candidates)}"]
         parts += [f"{name} {value}" for name, value in
                   (("attention", self.attention), ("all-reduce", self.all_reduce), ("batch-1 GEMV", self.gemv),
-                   ("quantized", self.quantized))
+                   ("dependent launch", self.dependent_launch), ("quantized", self.quantized))
                   if value]
         if self.cpu:
             parts.append(f"cpu {self.cpu}")

@@ -23,7 +23,9 @@ import triton
 import triton.language as tl
 
 # The norm's sum of squares must reduce in the same order as fused_ops' kernel: the same warps per row.
+from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.fused_ops import _row_warps
+from shardserve.kernels.triton.pdl import enter
 
 
 # The slot changes between calls of one shape: not specialised, so a CUDA-graph capture never compiles a variant.
@@ -31,7 +33,8 @@ from shardserve.kernels.triton.fused_ops import _row_warps
 def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_ptrs, counter_ptr,
                      slot, n_cols, eps, slot_numel, max_rows,
                      RANK: tl.constexpr, WORLD: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)  # before any read of x and any write to a peer (pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -92,5 +95,5 @@ def one_shot(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     _one_shot_kernel[(rows,)](x, residual if residual is not None else x, weight if weight is not None else x, x,
                               data_ptrs, flag_ptrs, counters, slot, cols, eps, slot_numel, max_rows,
                               RANK=rank, WORLD=world, ADD_RESIDUAL=residual is not None, NORM=weight is not None,
-                              BLOCK=block, num_warps=_row_warps(block))
+                              BLOCK=block, num_warps=_row_warps(block), **pdl.launch(x.device))
     return x

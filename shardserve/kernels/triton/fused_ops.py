@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.triton import pdl
+from shardserve.kernels.triton.pdl import enter
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as a 2-D [rows, last] view sharing its memory, or a contiguous copy when no such view exists."""
@@ -251,10 +254,12 @@ def _rotary_store_kernel(qk_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_c
                          q_weight_ptr, k_weight_ptr, eps,
                          num_q_heads, num_kv_heads, stride_t, stride_h, stride_vt, stride_vh, stride_cos, stride_sin,
                          stride_kcs, stride_kch, stride_vcs, stride_vch,
-                         HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr, KV_P: tl.constexpr, NORM: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr, KV_P: tl.constexpr, NORM: tl.constexpr,
+                         PDL: tl.constexpr):
     """One program per token: with NORM, first normalises each query and key head (as _qk_norm_kernel: the same
     roundings); rotates them in place (as _rotary_kernel), then writes the rotated keys and the values to the
-    token's cache slot, or nowhere where the slot is negative."""
+    token's cache slot, or nowhere where the slot is negative. PDL: as in kernels/triton/pdl.py."""
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_P)
     dims = tl.arange(0, HEAD_DIM)
@@ -321,5 +326,5 @@ def apply_rotary_and_store_(qk: torch.Tensor, num_q_heads: int, value: torch.Ten
         qk.stride(0), qk.stride(1), value.stride(0), value.stride(1), cos.stride(0), signed_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HEAD_DIM=head_dim, HEADS_P=heads_p, KV_P=triton.next_power_of_2(num_kv_heads), NORM=head_norm is not None,
-        num_warps=4 if heads_p * head_dim <= 4096 else 8, enable_fp_fusion=False)
+        num_warps=4 if heads_p * head_dim <= 4096 else 8, enable_fp_fusion=False, **pdl.launch(qk.device))
     return qk

@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.triton import pdl
+from shardserve.kernels.triton.pdl import enter
+
 _LOG2E = 1.4426950408889634
 
 
@@ -148,13 +151,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (b, kv_head, split): every query head of the KV-head group over one contiguous share of b's context.
 
     The context [0, context_lens[b]) is cut into num_splits ranges of equal length, a multiple of BLOCK_SIZE
     (the last ones shorter or empty). With SPLIT, writes the normalised partial output (float32) at
     [b, head, split] and its log2-sum-exp (-inf when the range is empty); otherwise writes the final output.
+    PDL: launched to overlap the kernel before it (kernels/triton/pdl.py).
     """
+    enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -194,8 +199,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
 @triton.jit
 def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
                            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                           SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr):
+                           SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """Program (b, head): out = sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max lse); 0 if all empty."""
+    enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P)
@@ -253,7 +259,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits = max(1, int(num_splits))
     group = num_heads // num_kv_heads
     common = dict(GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-                  HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype), **_decode_config(head_dim, q.dtype))
+                  HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype), **_decode_config(head_dim, q.dtype),
+                  **pdl.launch(q.device))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                      block_tables.stride(0))
     grid = (batch, num_kv_heads, num_splits)
@@ -270,7 +277,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _combine_splits_kernel[(batch, num_heads)](
         partial, lse, out, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        SPLITS_P=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8)
+        SPLITS_P=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8,
+        **pdl.launch(q.device))
     return out
 
 

@@ -1,0 +1,99 @@
+"""Kernels launched to overlap the one before them (programmatic dependent launch, Hopper and newer) give the
+same bits as launched one after another: a chain of decode-step kernels, each reading the output of the one
+before, replayed from a CUDA graph (GPU machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+LAYERS = 24
+HIDDEN, INTERMEDIATE = 1024, 2816
+
+
+def _needs_hopper() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs a GPU of compute capability 9.0 or newer")
+
+
+def _weights(seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g, device="cuda") * shape[-1] ** -0.5).to(torch.bfloat16)
+
+    return [(rand(3 * HIDDEN, HIDDEN), rand(HIDDEN, HIDDEN), rand(2 * INTERMEDIATE, HIDDEN),
+             rand(HIDDEN, INTERMEDIATE), 1 + rand(HIDDEN) * 0.1) for _ in range(LAYERS)]
+
+
+def _chain(x: torch.Tensor, layers) -> torch.Tensor:
+    """A decoder-like chain at batch 1: norm-fused QKV GEMV, rotary + cache write, decode attention over 40
+    cached tokens, o_proj GEMV, norm-fused gate/up GEMV, SwiGLU-fused down GEMV; every kernel reads its
+    predecessor's output."""
+    from shardserve.kernels.triton.fused_ops import apply_rotary_and_store_
+    from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm, gemv_swiglu
+    from shardserve.kernels.triton.paged_attention import paged_decode_attention
+
+    heads, head_dim, block = 8, 128, 16
+    k_cache = torch.zeros(64, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.ones_like(k_cache)
+    tables = torch.arange(4, dtype=torch.int32, device="cuda").view(1, 4)
+    context = torch.tensor([40], dtype=torch.int32, device="cuda")
+    positions = torch.tensor([39], device="cuda")
+    slots = torch.tensor([39], device="cuda")
+    cos = torch.ones(64, head_dim, dtype=torch.bfloat16, device="cuda")
+    sin = torch.zeros_like(cos)
+    residual = None
+    for qkv_w, o_w, gate_up_w, down_w, norm_w in layers:
+        qkv, residual = gemv_rmsnorm(x, residual, norm_w, 1e-6, qkv_w, 16, 512, 8, 1)
+        qkv = qkv.view(1, 3 * heads, head_dim)
+        qk, v = qkv[:, :2 * heads], qkv[:, 2 * heads:]
+        apply_rotary_and_store_(qk, heads, v, positions, cos, sin, k_cache, v_cache, slots)
+        attn = paged_decode_attention(qk[:, :heads], k_cache, v_cache, tables, context, head_dim ** -0.5, block,
+                                      num_splits=4)
+        x = gemv(attn.reshape(1, HIDDEN), o_w, 8, 512, 4, 1)
+        gate_up, residual = gemv_rmsnorm(x, residual, norm_w, 1e-6, gate_up_w, 16, 512, 8, 1)
+        x = gemv_swiglu(gate_up, down_w, 4, 1024, 8, 4)
+    return x + residual
+
+
+def _replayed(monkeypatch, pdl: str, layers, x) -> torch.Tensor:
+    monkeypatch.setenv("SHARDSERVE_PDL", pdl)
+    static_x = x.clone()
+    _chain(static_x, layers)  # compiles every variant before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _chain(static_x, layers)
+    results = []
+    for _ in range(3):
+        graph.replay()
+        results.append(out.clone())
+    torch.cuda.synchronize()
+    assert all(torch.equal(r, results[0]) for r in results), "replays of one graph disagree"
+    return results[0]
+
+
+@pytest.mark.gpu
+def test_dependent_launch_keeps_every_bit_of_a_decode_chain(monkeypatch):
+    _needs_hopper()
+    from shardserve.kernels.triton import pdl
+
+    layers = _weights(3)
+    x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
+    serial = _replayed(monkeypatch, "off", layers, x)
+    overlapped = _replayed(monkeypatch, "on", layers, x)
+    assert pdl.active(x.device)
+    assert torch.isfinite(serial).all()
+    assert torch.equal(overlapped, serial)
+    monkeypatch.setenv("SHARDSERVE_PDL_PREFETCH_KB", "0")
+    assert torch.equal(_replayed(monkeypatch, "on", layers, x), serial)
+
+
+def test_a_bad_mode_is_named(monkeypatch):
+    pytest.importorskip("triton")
+    from shardserve.kernels.triton import pdl
+
+    monkeypatch.setenv("SHARDSERVE_PDL", "yes")
+    with pytest.raises(ValueError, match="SHARDSERVE_PDL='yes'.*auto, on, off"):
+        pdl.mode()
