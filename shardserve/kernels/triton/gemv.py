@@ -14,20 +14,20 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.triton import pdl
-from shardserve.kernels.triton.pdl import enter, prefetch_rows
+from shardserve.kernels.triton.pdl import enter
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                 PDL: tl.constexpr):
     """K is a compile-time constant (one variant per layer shape): tiles need no column mask when it divides.
-    With PDL, the program prefetches PREFETCH lines of its rows while the kernel before it finishes (pdl.py)."""
+    PDL: launched to overlap the kernel before it (pdl.py)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    prefetch_then_enter(w_ptr, rows, N, stride_wn, PDL, PREFETCH, LINE_ELEMS)
+    enter(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
@@ -42,15 +42,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
-
-
-@triton.jit
-def prefetch_then_enter(w_ptr, rows, N, stride_wn, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         LINE_ELEMS: tl.constexpr):
-    """The weight rows' first PREFETCH lines asked of L2 (rows past N read row N - 1), then pdl.enter."""
-    if PREFETCH > 0:
-        prefetch_rows(w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn, PREFETCH, LINE_ELEMS)
-    enter(PDL)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
@@ -76,14 +67,14 @@ def _launch_per_row(kernel, x: torch.Tensor, weight: torch.Tensor, block_n: int,
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k,
                                        num_warps=num_warps, num_stages=num_stages,
-                                       **pdl.streaming(weight, block_n))
+                                       **pdl.launch(weight.device))
     return out
 
 
 @triton.jit
 def _gemv_swiglu_kernel(gate_up_ptr, w_ptr, out_ptr, N, stride_wn,
                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                        PDL: tl.constexpr):
     """As _gemv_kernel with x = silu(gate) * up computed on the fly from gate_up = [gate | up] (2K values),
     rounded as shardserve.kernels.triton.fused_ops.silu_and_mul rounds, so the products equal the two-kernel
     path's. Every program recomputes the activation of its K columns: cheap next to streaming the weights."""
@@ -91,7 +82,7 @@ def _gemv_swiglu_kernel(gate_up_ptr, w_ptr, out_ptr, N, stride_wn,
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    prefetch_then_enter(w_ptr, rows, N, stride_wn, PDL, PREFETCH, LINE_ELEMS)
+    enter(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         col_ok = k + cols < K
@@ -151,14 +142,14 @@ def normed_values(x_ptr, residual_ptr, norm_w_ptr, offsets, mask, rstd, HAS_RESI
 def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_ptr, normed_ptr, N, stride_wn, eps,
                          K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, KEEP_NORMED: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                         PDL: tl.constexpr):
     """As _gemv_kernel on h = RMSNorm(s) with s = x + residual (or x), both computed on the fly (rms_of_sum,
     normed_values). Every program first reduces the row's sum of squares itself (the row is small and
     L2-resident); program 0 also writes s to sum_ptr, the next residual, and with KEEP_NORMED h to normed_ptr
     (for other layers on the same input: a mixture of experts' router and its experts)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    prefetch_then_enter(w_ptr, rows, N, stride_wn, PDL, PREFETCH, LINE_ELEMS)
+    enter(PDL)
     rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, pid == 0, K, BLOCK_K, HAS_RESIDUAL)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
@@ -192,7 +183,7 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n),)](
         x, x if res is None else res, norm_weight, weight, out, summed, normed, n, weight.stride(0), eps, K=k,
         HAS_RESIDUAL=res is not None, KEEP_NORMED=keep_normed, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **pdl.streaming(weight, block_n))
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(weight.device))
     return (out, summed, normed) if keep_normed else (out, summed)
 
 

@@ -17,7 +17,8 @@ import triton.language as tl
 
 from shardserve.kernels.quant_pack import check_fp8, check_int4, fp8_groups
 from shardserve.kernels.triton import pdl
-from shardserve.kernels.triton.gemv import normed_row_args, normed_values, prefetch_then_enter, rms_of_sum
+from shardserve.kernels.triton.pdl import enter
+from shardserve.kernels.triton.gemv import normed_row_args, normed_values, rms_of_sum
 
 
 @triton.jit
@@ -34,17 +35,16 @@ def _e4m3_bits_to_float(b):
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, norm_w_ptr, sum_ptr, eps,
                      K: tl.constexpr, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, NATIVE_FP8: tl.constexpr,
                      BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, NORM: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                     LINE_ELEMS: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """out[n] = sum_k float(w[n, k]) * s[n, k // GROUP_K] * x[k]. SUB divides GROUP_K unless PER_ROW (one scale
     per row, applied after the reduction). w points at the raw bytes (masked loads of uint8 can fill with 0),
     reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it. With NORM, x is RMSNorm(x +
-    residual) computed on the fly as gemv.py's norm-fused GEMV computes it (program 0 stores the sum). PDL,
-    PREFETCH: as in gemv.py."""
+    residual) computed on the fly as gemv.py's norm-fused GEMV computes it (program 0 stores the sum). PDL: as in
+    gemv.py."""
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     NUM_GROUPS: tl.constexpr = (K + GROUP_K - 1) // GROUP_K
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    prefetch_then_enter(w_ptr, rows, N, stride_wn, PDL, PREFETCH, LINE_ELEMS)
+    enter(PDL)
     if NORM:
         rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
     row_ok = rows < N
@@ -90,19 +90,18 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, residual_ptr, norm_w_ptr, sum_ptr, eps,
                       K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
-                      SUB: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                      PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                      SUB: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP, q packed two columns a byte.
     The nibbles of a byte are interleaved back into column order in registers (join + reshape), so x is read
     contiguously. Per sub-tile (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum):
     the scale and zero cost one multiply-add per row and sub-tile, not per weight. GROUP == K is one group:
-    the sums run over the whole row and the scale and zero are applied once at the end. NORM, PDL, PREFETCH:
-    as in _fp8_gemv_kernel."""
+    the sums run over the whole row and the scale and zero are applied once at the end. NORM, PDL: as in
+    _fp8_gemv_kernel."""
     HALF: tl.constexpr = SUB // 2
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     ONE_GROUP: tl.constexpr = GROUP == K
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    prefetch_then_enter(q_ptr, rows, N, stride_qn, PDL, PREFETCH, LINE_ELEMS)
+    enter(PDL)
     if NORM:
         rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
     row_ok = rows < N
@@ -190,7 +189,7 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm) -> torch.Tensor:
         norm_weight, summed, eps, K=k, GROUP_K=k if per_row else group_k, PER_ROW=per_row, NATIVE_FP8=native,
         BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, NORM=norm is not None,
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
-        **pdl.streaming(weight.view(torch.uint8), block_n))
+        **pdl.launch(x.device))
     return out
 
 
@@ -229,7 +228,7 @@ def _int4_launch(x, qweight, scale, zero, group_size: int, config, norm) -> torc
         x, qweight, scale, zero, out, n, qweight.stride(0), x if residual is None else residual, norm_weight,
         summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub,
         NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
-        **pdl.streaming(qweight, block_n))
+        **pdl.launch(x.device))
     return out
 
 
