@@ -19,7 +19,10 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
+
 from shardserve.kernels.triton import fused_ops, paged_attention as pa  # noqa: E402
+from shardserve.kernels.triton.all_reduce import _ll_values, _ll_words  # noqa: E402
 from shardserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -473,6 +476,47 @@ def test_batch1_kernel_uses_the_chosen_shape_only(monkeypatch):
         calls.clear()
         torch.testing.assert_close(kernel(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
         assert bool(calls) == triton_expected, (shape, rows)
+
+
+def test_a_down_projection_without_its_fused_form_runs_the_plain_winner(monkeypatch):
+    """Where the SwiGLU-fused GEMV lost its timing, the layer runs SwiGLU and then the Triton GEMV chosen for
+    its shape (what the fused form was timed against), not cuBLAS."""
+    from shardserve.kernels.triton import gemv as gemv_module
+    from shardserve.layers.cuda_gemv import Batch1GemvKernel
+
+    calls = []
+    original = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(a[1].shape) or original(*a, **kw))
+    kernel = Batch1GemvKernel({(24, 64): (8, 64, 4, 1)}, {}, {})
+    gate_up, w = torch.randn(1, 128, device=DEVICE), torch.randn(24, 64, device=DEVICE)
+    expected = F.linear(F.silu(gate_up[:, :64]) * gate_up[:, 64:], w)
+    torch.testing.assert_close(kernel.swiglu(gate_up, w), expected, atol=1e-4, rtol=1e-4)
+    assert calls == [(24, 64)]
+
+
+@triton.jit
+def _word_round_trip(x_ptr, out_ptr, epochs_ptr, n_cols, BLOCK: tl.constexpr, PACK: tl.constexpr):
+    words = _ll_words(x_ptr, 0, n_cols, tl.load(epochs_ptr) + 0, BLOCK, PACK)
+    tl.store(epochs_ptr + 1 + tl.arange(0, BLOCK // PACK), (words >> 32).to(tl.int32))
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_ptr + cols, _ll_values(words, x_ptr.dtype.element_ty, BLOCK, PACK), mask=cols < n_cols)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_all_reduce_word_format_keeps_every_bit(dtype):
+    """The low-latency all-reduce sends a row as 8-byte words of 4 value bytes and the call's epoch; the
+    receiving side's decoding gives back the row bit for bit, and reads the epoch."""
+    n_cols, block = 94, 128
+    pack = 4 // torch.empty(0, dtype=dtype).element_size()
+    x = torch.randn(n_cols, device=DEVICE).to(dtype)
+    x[:4] = torch.tensor([-0.0, float("inf"), -3.5e-5, 65000 if dtype == torch.float16 else -1e30])
+    out = torch.zeros_like(x)
+    epochs = torch.full((1 + block // pack,), 0, dtype=torch.int32, device=DEVICE)
+    epochs[0] = 123456
+    _word_round_trip[(1,)](x, out, epochs, n_cols, BLOCK=block, PACK=pack)
+    assert torch.equal(out.view(torch.int16 if pack == 2 else torch.int32),
+                       x.view(torch.int16 if pack == 2 else torch.int32))
+    assert (epochs[1:] == 123456).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,6 +12,10 @@ Program `row` of a call at slot s on rank r:
      order in float32 (every rank adds the same numbers in the same order: results equal bit for bit),
      rounds to the dtype like the unfused all-reduce, and optionally adds the residual and normalises with
      exactly the rounding of fused_ops._rms_norm_kernel.
+Small messages take a low-latency form instead (NCCL's LL protocol): each 8-byte word a rank writes into a
+peer's separate word area holds 4 bytes of its row and the call's epoch; the peer polls the words themselves
+until every one carries the epoch, so the data and its arrival cross NVLink in one write, with no flag and no
+fence between them (8-byte stores arrive whole). The area starts zeroed and epochs start at 1.
 Slot reuse: a rank writes slot s again only two calls later (the caller alternates slots), and by then each
 peer has started the call in between, so (in stream order) it has finished reading slot s.
 """
@@ -28,12 +32,49 @@ from shardserve.kernels.triton.fused_ops import _row_warps
 from shardserve.kernels.triton.pdl import enter
 
 
+@triton.jit
+def _take_epoch(counter_ptr, slot, max_rows, row):
+    """The call's epoch for (slot, row): its counter plus one, stored back; the same in every warp."""
+    counter = counter_ptr + slot * max_rows + row
+    epoch = tl.load(counter) + 1
+    tl.debug_barrier()  # every warp has read the old count before it changes: all hold the same epoch
+    tl.store(counter, epoch)
+    return epoch
+
+
+@triton.jit
+def _ll_words(x_ptr, offset, n_cols, epoch, BLOCK: tl.constexpr, PACK: tl.constexpr):
+    """The row at offset as 8-byte words: 4 bytes of values (two 16-bit or one 32-bit) under the epoch."""
+    i = tl.arange(0, BLOCK // PACK)
+    if PACK == 2:
+        lo = tl.load(x_ptr + offset + 2 * i, mask=2 * i < n_cols, other=0.0)
+        hi = tl.load(x_ptr + offset + 2 * i + 1, mask=2 * i + 1 < n_cols, other=0.0)
+        payload = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | \
+            (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+    else:
+        payload = tl.load(x_ptr + offset + i, mask=i < n_cols, other=0.0).to(tl.int32, bitcast=True)
+    return (epoch.to(tl.int64) << 32) | payload.to(tl.uint32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _ll_values(words, dtype: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.constexpr):
+    """_ll_words' values back, in column order."""
+    payload = words.to(tl.int32)  # the low half
+    if PACK == 2:
+        lo = payload.to(tl.int16).to(dtype, bitcast=True)
+        hi = (payload >> 16).to(tl.int16).to(dtype, bitcast=True)
+        values = tl.join(lo, hi).reshape(BLOCK)
+    else:
+        values = payload.to(dtype, bitcast=True)
+    return values
+
+
 # The slot changes between calls of one shape: not specialised, so a CUDA-graph capture never compiles a variant.
 @triton.jit(do_not_specialize=["slot"])
-def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_ptrs, counter_ptr,
-                     slot, n_cols, eps, slot_numel, max_rows,
+def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_ptrs, ll_ptrs, counter_ptr,
+                     slot, n_cols, eps, slot_numel, ll_slot_words, max_rows,
                      RANK: tl.constexpr, WORLD: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK: tl.constexpr, LL: tl.constexpr, PACK: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)  # before any read of x and any write to a peer (pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -41,36 +82,56 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
     offset = row.to(tl.int64) * n_cols + cols
     x = tl.load(x_ptr + offset, mask=mask, other=0.0)
     dtype = x.dtype
-    for q in tl.static_range(WORLD):
-        if q != RANK:
-            peer = tl.load(data_ptrs + q).to(tl.pointer_type(dtype))
-            tl.store(peer + (slot * WORLD + RANK).to(tl.int64) * slot_numel + offset, x, mask=mask)
-    counter = counter_ptr + slot * max_rows + row
-    epoch = tl.load(counter) + 1
-    tl.debug_barrier()  # every warp has read the old count before it changes: all hold the same epoch
-    tl.store(counter, epoch)
-    tl.debug_barrier()  # every thread's stores above come before the release below
-    flag_index = (slot * max_rows + row) * WORLD
-    for q in tl.static_range(WORLD):
-        if q != RANK:
-            peer_flags = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(peer_flags + flag_index + RANK, epoch, sem="release", scope="sys")
-    own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
-    for q in tl.static_range(WORLD):
-        if q != RANK:
-            seen = tl.atomic_add(own_flags + flag_index + q, 0, sem="acquire", scope="sys")
-            while seen < epoch:
+    acc = x.to(tl.float32) * 0.0
+    if LL:
+        # Low-latency form: each 8-byte word carries its epoch, so one NVLink write per word delivers the data
+        # and says it arrived; no flag, no fence.
+        epoch = _take_epoch(counter_ptr, slot, max_rows, row)
+        words = _ll_words(x_ptr, row.to(tl.int64) * n_cols, n_cols, epoch, BLOCK, PACK)
+        w = tl.arange(0, BLOCK // PACK)
+        word_ok = w * PACK < n_cols
+        word_at = row.to(tl.int64) * (n_cols // PACK) + w
+        for q in tl.static_range(WORLD):
+            if q != RANK:
+                peer = tl.load(ll_ptrs + q).to(tl.pointer_type(tl.int64))
+                tl.store(peer + (slot * WORLD + RANK).to(tl.int64) * ll_slot_words + word_at, words, mask=word_ok)
+        own = tl.load(ll_ptrs + RANK).to(tl.pointer_type(tl.int64))
+        for q in tl.static_range(WORLD):
+            if q == RANK:
+                acc += x.to(tl.float32)
+            else:
+                at = own + (slot * WORLD + q).to(tl.int64) * ll_slot_words + word_at
+                got = tl.load(at, mask=word_ok, other=0, volatile=True)
+                while tl.sum((word_ok & ((got >> 32).to(tl.int32) != epoch)).to(tl.int32), 0) > 0:
+                    got = tl.load(at, mask=word_ok, other=0, volatile=True)
+                acc += tl.where(mask, _ll_values(got, dtype, BLOCK, PACK), 0.0).to(tl.float32)
+    else:
+        for q in tl.static_range(WORLD):
+            if q != RANK:
+                peer = tl.load(data_ptrs + q).to(tl.pointer_type(dtype))
+                tl.store(peer + (slot * WORLD + RANK).to(tl.int64) * slot_numel + offset, x, mask=mask)
+        epoch = _take_epoch(counter_ptr, slot, max_rows, row)
+        tl.debug_barrier()  # every thread's stores above come before the release below
+        flag_index = (slot * max_rows + row) * WORLD
+        for q in tl.static_range(WORLD):
+            if q != RANK:
+                peer_flags = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int32))
+                tl.atomic_xchg(peer_flags + flag_index + RANK, epoch, sem="release", scope="sys")
+        own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
+        for q in tl.static_range(WORLD):
+            if q != RANK:
                 seen = tl.atomic_add(own_flags + flag_index + q, 0, sem="acquire", scope="sys")
-    tl.debug_barrier()
-    received = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for q in tl.static_range(WORLD):
-        if q == RANK:
-            acc += x.to(tl.float32)
-        else:
-            part = tl.load(received + (slot * WORLD + q).to(tl.int64) * slot_numel + offset, mask=mask, other=0.0,
-                           volatile=True)
-            acc += part.to(tl.float32)
+                while seen < epoch:
+                    seen = tl.atomic_add(own_flags + flag_index + q, 0, sem="acquire", scope="sys")
+        tl.debug_barrier()
+        received = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
+        for q in tl.static_range(WORLD):
+            if q == RANK:
+                acc += x.to(tl.float32)
+            else:
+                part = tl.load(received + (slot * WORLD + q).to(tl.int64) * slot_numel + offset, mask=mask,
+                               other=0.0, volatile=True)
+                acc += part.to(tl.float32)
     s = acc.to(dtype)
     if ADD_RESIDUAL:
         r = tl.load(residual_ptr + offset, mask=mask, other=0.0)
@@ -86,14 +147,18 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
 
 
 def one_shot(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
-             data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counters: torch.Tensor, slot: int,
-             slot_numel: int, max_rows: int, rank: int, world: int) -> torch.Tensor:
+             data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, ll_ptrs: torch.Tensor, counters: torch.Tensor,
+             slot: int, slot_numel: int, ll_slot_bytes: int, max_rows: int, rank: int, world: int) -> torch.Tensor:
     """Sum x ([rows, cols], contiguous) over the ranks, in place. With `residual`: residual += sum (in place),
-    and with `weight`: x becomes RMSNorm(residual) * weight. Returns x."""
+    and with `weight`: x becomes RMSNorm(residual) * weight. Returns x. Messages whose words fit ll_slot_bytes
+    (16-bit rows of an even width, or 32-bit) take the low-latency form."""
     rows, cols = x.shape
     block = triton.next_power_of_2(cols)
+    pack = 4 // x.element_size()
+    ll = pack in (1, 2) and cols % pack == 0 and block >= pack and rows * cols * 8 // pack <= ll_slot_bytes
     _one_shot_kernel[(rows,)](x, residual if residual is not None else x, weight if weight is not None else x, x,
-                              data_ptrs, flag_ptrs, counters, slot, cols, eps, slot_numel, max_rows,
-                              RANK=rank, WORLD=world, ADD_RESIDUAL=residual is not None, NORM=weight is not None,
-                              BLOCK=block, num_warps=_row_warps(block), **pdl.launch(x.device))
+                              data_ptrs, flag_ptrs, ll_ptrs, counters, slot, cols, eps, slot_numel,
+                              ll_slot_bytes // 8, max_rows, RANK=rank, WORLD=world, ADD_RESIDUAL=residual is not None,
+                              NORM=weight is not None, BLOCK=block, LL=ll, PACK=max(pack, 1),
+                              num_warps=_row_warps(block), **pdl.launch(x.device))
     return x
