@@ -141,7 +141,9 @@ class IpcOneShotAllReduce(AllReduceMethod):
     SLOTS = 5
     MAX_ROWS = 1024
     MAX_COLS = 32768
-    LL_SLOT_BYTES = 256 * 1024  # words of the low-latency form: 128 KiB of a message, 16 rows of 4096 bf16
+    # The low-latency form's words: up to LL_ROWS rows of 32 KiB of values (16384 16-bit columns) a message.
+    LL_ROWS = 8
+    LL_ROW_BYTES = 64 * 1024
 
     def __init__(self, control_group, rank: int, world_size: int, device: torch.device, dtype: torch.dtype,
                  slot_bytes: int = SYMM_MAX_BYTES) -> None:
@@ -152,7 +154,7 @@ class IpcOneShotAllReduce(AllReduceMethod):
         self.slot_numel = slot_bytes // dtype.itemsize
         data_bytes = self.SLOTS * world_size * slot_bytes
         flag_bytes = self.SLOTS * self.MAX_ROWS * world_size * 4
-        ll_bytes = self.SLOTS * world_size * self.LL_SLOT_BYTES
+        ll_bytes = self.SLOTS * world_size * self.LL_ROWS * self.LL_ROW_BYTES
         self.memory = PeerMemory(data_bytes + flag_bytes + ll_bytes, device, control_group, rank, world_size)
         addresses = self.memory.addresses
         self.data_ptrs = torch.tensor(addresses, dtype=torch.int64, device=device)
@@ -188,7 +190,7 @@ class IpcOneShotAllReduce(AllReduceMethod):
         rows, cols = _rows_cols(x)
         one_shot(x.view(rows, cols), residual.view(rows, cols) if residual is not None else None, weight, eps,
                  self.data_ptrs, self.flag_ptrs, self.ll_ptrs, self.counters, self._slot(), self.slot_numel,
-                 self.LL_SLOT_BYTES, self.MAX_ROWS, self.rank, self.world_size)
+                 self.LL_ROWS, self.LL_ROW_BYTES, self.MAX_ROWS, self.rank, self.world_size)
         return x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

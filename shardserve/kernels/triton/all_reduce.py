@@ -15,7 +15,9 @@ Program `row` of a call at slot s on rank r:
 Small messages take a low-latency form instead (NCCL's LL protocol): each 8-byte word a rank writes into a
 peer's separate word area holds 4 bytes of its row and the call's epoch; the peer polls the words themselves
 until every one carries the epoch, so the data and its arrival cross NVLink in one write, with no flag and no
-fence between them (8-byte stores arrive whole). The area starts zeroed and epochs start at 1.
+fence between them (8-byte stores arrive whole). The area starts zeroed and epochs start at 1. Row r of every
+message lives at the same words of a slot whatever the width, so a word only ever holds epochs of (s, r), which
+only grow: a word left by an earlier call, of any shape, never passes for the current one.
 Slot reuse: a rank writes slot s again only two calls later (the caller alternates slots), and by then each
 peer has started the call in between, so (in stream order) it has finished reading slot s.
 """
@@ -72,7 +74,7 @@ def _ll_values(words, dtype: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.constex
 # The slot changes between calls of one shape: not specialised, so a CUDA-graph capture never compiles a variant.
 @triton.jit(do_not_specialize=["slot"])
 def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_ptrs, ll_ptrs, counter_ptr,
-                     slot, n_cols, eps, slot_numel, ll_slot_words, max_rows,
+                     slot, n_cols, eps, slot_numel, ll_slot_words, ll_row_words, max_rows,
                      RANK: tl.constexpr, WORLD: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
                      BLOCK: tl.constexpr, LL: tl.constexpr, PACK: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)  # before any read of x and any write to a peer (pdl.py)
@@ -90,7 +92,7 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
         words = _ll_words(x_ptr, row.to(tl.int64) * n_cols, n_cols, epoch, BLOCK, PACK)
         w = tl.arange(0, BLOCK // PACK)
         word_ok = w * PACK < n_cols
-        word_at = row.to(tl.int64) * (n_cols // PACK) + w
+        word_at = row.to(tl.int64) * ll_row_words + w  # a row's words are always its own: see the module doc
         for q in tl.static_range(WORLD):
             if q != RANK:
                 peer = tl.load(ll_ptrs + q).to(tl.pointer_type(tl.int64))
@@ -148,17 +150,20 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
 
 def one_shot(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
              data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, ll_ptrs: torch.Tensor, counters: torch.Tensor,
-             slot: int, slot_numel: int, ll_slot_bytes: int, max_rows: int, rank: int, world: int) -> torch.Tensor:
+             slot: int, slot_numel: int, ll_rows: int, ll_row_bytes: int, max_rows: int, rank: int,
+             world: int) -> torch.Tensor:
     """Sum x ([rows, cols], contiguous) over the ranks, in place. With `residual`: residual += sum (in place),
-    and with `weight`: x becomes RMSNorm(residual) * weight. Returns x. Messages whose words fit ll_slot_bytes
-    (16-bit rows of an even width, or 32-bit) take the low-latency form."""
+    and with `weight`: x becomes RMSNorm(residual) * weight. Returns x. Messages of up to ll_rows rows whose
+    words fit ll_row_bytes a row (16-bit rows of an even width, or 32-bit) take the low-latency form."""
     rows, cols = x.shape
     block = triton.next_power_of_2(cols)
     pack = 4 // x.element_size()
-    ll = pack in (1, 2) and cols % pack == 0 and block >= pack and rows * cols * 8 // pack <= ll_slot_bytes
+    ll = (pack in (1, 2) and cols % pack == 0 and block >= pack and rows <= ll_rows
+          and cols * 8 // pack <= ll_row_bytes)
     _one_shot_kernel[(rows,)](x, residual if residual is not None else x, weight if weight is not None else x, x,
                               data_ptrs, flag_ptrs, ll_ptrs, counters, slot, cols, eps, slot_numel,
-                              ll_slot_bytes // 8, max_rows, RANK=rank, WORLD=world, ADD_RESIDUAL=residual is not None,
+                              ll_rows * ll_row_bytes // 8, ll_row_bytes // 8, max_rows, RANK=rank, WORLD=world,
+                              ADD_RESIDUAL=residual is not None,
                               NORM=weight is not None, BLOCK=block, LL=ll, PACK=max(pack, 1),
                               num_warps=_row_warps(block), **pdl.launch(x.device))
     return x
