@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-# The norm's sum of squares must reduce in the same order as fused_ops' kernel: the same warps per row.
 from shardserve.kernels.triton import pdl
+# The norm's sum of squares must reduce in the same order as fused_ops' kernel: the same warps per row.
 from shardserve.kernels.triton.fused_ops import _row_warps
 from shardserve.kernels.triton.pdl import enter
 
@@ -84,7 +84,7 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
     offset = row.to(tl.int64) * n_cols + cols
     x = tl.load(x_ptr + offset, mask=mask, other=0.0)
     dtype = x.dtype
-    acc = x.to(tl.float32) * 0.0
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
     if LL:
         # Low-latency form: each 8-byte word carries its epoch, so one NVLink write per word delivers the data
         # and says it arrived; no flag, no fence.
