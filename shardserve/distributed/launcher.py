@@ -17,7 +17,7 @@ import torch
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.control_token import TOKEN_ENV, new_token, resolve_token
-from shardserve.distributed.process_group import RankContext, find_free_port, init_rank_context
+from shardserve.distributed.process_group import RankContext, RankExitedError, find_free_port, init_rank_context
 from shardserve.process_name import name_this_process
 
 logger = logging.getLogger(__name__)
@@ -183,8 +183,12 @@ class LocalRanks:
             p.start()
             self.processes.append(p)
         set_cpu_threads(node.per_node)
-        self.ctx: RankContext = init_rank_context(node.first_rank, node.world_size, config.device, node.init_method,
-                                                  0, config, token)
+        try:
+            self.ctx: RankContext = init_rank_context(node.first_rank, node.world_size, config.device,
+                                                      node.init_method, 0, config, token, exited_rank=self.dead_rank)
+        except RankExitedError:
+            self.stop_workers()
+            raise
 
     def close(self, timeout: float = 30.0) -> None:
         """Leave the process group, then wait for the other ranks to exit.

@@ -56,15 +56,26 @@ def single_rank_context(device: str) -> RankContext:
     return RankContext(0, 1, torch.device(device), SINGLE, None)
 
 
+class RankExitedError(RuntimeError):
+    """A rank process this one started exited before it joined the group: start-up cannot complete."""
+
+
+# Every spawned rank imports the script that started the engine again (multiprocessing's spawn method).
+MAIN_GUARD_HINT = ("a script that starts several ranks must create the engine under `if __name__ == \"__main__\":`, "
+                   "because each rank's process imports the script again")
+
+
 def init_rank_context(rank: int, world_size: int, device: str, init_method: str | None = None,
                       local_rank: int | None = None, config: EngineConfig | None = None,
-                      control_token: str | None = None) -> RankContext:
+                      control_token: str | None = None, exited_rank=None) -> RankContext:
     """Join the process group (from env:// under torchrun, else init_method) and build both planes.
 
     First, on the rendezvous store, the ranks prove to each other that they hold the launch's control
     token (`control_token`, else $SHARDSERVE_CONTROL_TOKEN; distributed/control_token.py). Then, with
     `config`, the start-up handshake (distributed/handshake.py): forwarded variables are applied and
     the ranks' fingerprints compared before NCCL or gloo read any variable and before any weights load.
+    `exited_rank` (rank 0 of a launch that spawned its node's other ranks): a function naming a spawned rank
+    that has exited, or None; the wait for the ranks to connect stops with RankExitedError when it names one.
     """
     if world_size == 1:  # no process group: nothing to communicate with
         if device == "cuda":
@@ -74,7 +85,7 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
         raise ControlTokenError(f"{TOKEN_ENV} cannot be forwarded: --forward-env (and a recipe's env:) send values "
                                 f"through the rendezvous store in the clear; set it on every node instead")
     key = control_key(resolve_token(control_token))
-    store, _, _ = next(dist.rendezvous(init_method or "env://", rank, world_size, timeout=COLLECTIVE_TIMEOUT))
+    store = _rendezvous(init_method or "env://", rank, world_size, exited_rank)
     authenticate_ranks(store, rank, world_size, key)
     if config is not None:
         handshake(store, rank, world_size, config)
@@ -84,6 +95,36 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
     control_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     comm = Communicator(dist.group.WORLD, rank, world_size)
     return RankContext(rank, world_size, torch_device, comm, control_group, key)
+
+
+def _rendezvous(init_method: str, rank: int, world_size: int, exited_rank) -> dist.Store:
+    """The rendezvous store once every rank has connected. Rank 0 hosts it, and torch waits for the others
+    inside native code for up to COLLECTIVE_TIMEOUT; with `exited_rank` that wait runs in a thread while this one
+    checks the spawned ranks, so one that died first (a script without a main guard, an import error) stops
+    start-up at once, naming it, instead of at the timeout."""
+    if exited_rank is None:
+        return next(dist.rendezvous(init_method, rank, world_size, timeout=COLLECTIVE_TIMEOUT))[0]
+    outcome: dict = {}
+
+    def connect() -> None:
+        try:
+            outcome["store"] = next(dist.rendezvous(init_method, rank, world_size, timeout=COLLECTIVE_TIMEOUT))[0]
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = e
+
+    waiter = threading.Thread(target=connect, name="shardserve-rendezvous", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.2)
+        exited = exited_rank() if waiter.is_alive() else None
+        if exited is not None:
+            waiter.join(1.0)  # it may have connected just before it exited: then the handshake reports it
+            if waiter.is_alive():
+                raise RankExitedError(f"{exited} before it connected to rank 0, so start-up stops here (its "
+                                      f"error is above); {MAIN_GUARD_HINT}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["store"]
 
 
 def _join_groups(store, rank: int, world_size: int, device: str, local_rank: int | None) -> torch.device:

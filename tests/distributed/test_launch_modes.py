@@ -95,3 +95,17 @@ def test_control_interface_sets_gloo_socket_ifname_for_every_rank(tiny_model_dir
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert result.returncode != 0
     assert "no-such-iface0" in result.stdout + result.stderr, "gloo was told to use the named interface"
+
+
+def test_a_script_without_a_main_guard_stops_at_once_naming_the_fix(tiny_model_dir, tmp_path):
+    """Each spawned rank imports the script again; unguarded, it dies trying to start ranks of its own, and rank 0
+    stops waiting for it then (not at the 120 s rendezvous timeout), saying what to change."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from shardserve.entrypoints.llm import LLM\n"
+                      f"LLM({tiny_model_dir('qwen2')!r}, tensor_parallel_size=2, device='cpu', kv_cache_memory_gb=0.05)\n"
+                      "print('started')\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,
+                            env={**os.environ, "SHARDSERVE_COLLECTIVE_TIMEOUT_S": "90"}, cwd=tmp_path)
+    assert result.returncode != 0 and "started" not in result.stdout
+    assert "rank1" in result.stderr and "before it connected to rank 0" in result.stderr
+    assert 'if __name__ == "__main__":' in result.stderr
