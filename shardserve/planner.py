@@ -223,11 +223,16 @@ def _context(cfg: dict, req: PlanRequest, kv_dtype: int) -> tuple[int, int, int,
 
 
 def _step_bytes(cfg: dict, req: PlanRequest, dtype: int) -> int:
-    """The activations of a full step in `dtype` and the logits of its sequences (float32, twice)."""
+    """The activations of a full step in `dtype`, the logits of its sequences (float32, twice), and the
+    penalties' token counts when every sequence has a penalty (engine/sampler.py's TokenCounts, on the rank
+    that samples: counted on each, as the plan is one rank's)."""
+    from shardserve.engine.sampler import TokenCounts
+
     tp = req.tensor_parallel_size
     activations = req.max_num_batched_tokens * (6 * cfg["hidden_size"] + 3 * (
         _moe(cfg)[1] or cfg["intermediate_size"]) // tp) * dtype
-    return activations + max(req.max_num_seqs, 1) * -(-cfg["vocab_size"] // tp) * 4 * 2
+    return (activations + max(req.max_num_seqs, 1) * -(-cfg["vocab_size"] // tp) * 4 * 2
+            + TokenCounts.peak_bytes(req.max_num_seqs, cfg["vocab_size"]))
 
 
 def _replicated_warning(replicated: list[str], tp: int) -> list[str]:

@@ -375,7 +375,8 @@ class TokenCounts:
         """The slots [r] (on `device`) of these sequences, their rows brought up to date with their histories:
         the output tokens on the host, and a token still on the device (RowHistory.in_flight), counted here
         from `tokens_in_flight`, and skipped when it reaches the host output at the next step."""
-        self._fit(len(self.slot_of) + len(seq_ids), device, vocab)
+        # Slots in use are below len(slot_of) (freed ones are reused first): room for the sequences without one.
+        self._fit(len(self.slot_of) + sum(seq_id not in self.slot_of for seq_id in seq_ids), device, vocab)
         fresh, slots, rows, tokens = [], [], [], []
         flight_slots, flight_index = [], []
         for seq_id, history in zip(seq_ids, histories):
@@ -424,14 +425,27 @@ class TokenCounts:
     def _take(self) -> int:
         return self.free.pop() if self.free else len(self.slot_of)
 
+    @classmethod
+    def _slots_for(cls, sequences: int) -> int:
+        """Slots held for `sequences`: a power of two, at least _FIRST_SLOTS."""
+        return max(cls._FIRST_SLOTS, 1 << (max(sequences, 1) - 1).bit_length())
+
+    @classmethod
+    def peak_bytes(cls, max_num_seqs: int, vocab: int) -> int:
+        """Device bytes at the most (for the memory planner): float32 counts and a bool a vocabulary entry for
+        the slots of max_num_seqs sequences, plus the half as large pair they were copied from as they grew."""
+        slots = cls._slots_for(max_num_seqs)
+        held = slots + (slots // 2 if slots > cls._FIRST_SLOTS else 0)
+        return held * vocab * (4 + 1)
+
     def _fit(self, slots_needed: int, device: torch.device, vocab: int) -> None:
-        """Room for `slots_needed` slots, doubling; the tensors move to `device` (and its vocabulary) if needed."""
+        """Room for `slots_needed` slots (a power of two); the tensors move to `device` (and its vocabulary) if needed."""
         if self.counts is not None and (self.counts.device != device or self.counts.shape[1] != vocab):
             self.__init__()  # another device or vocabulary: nothing kept applies
         have = 0 if self.counts is None else self.counts.shape[0]
         if slots_needed <= have:
             return
-        size = max(self._FIRST_SLOTS, have * 2, slots_needed)
+        size = self._slots_for(slots_needed)
         counts = torch.zeros(size, vocab, dtype=torch.float32, device=device)
         in_prompt = torch.zeros(size, vocab, dtype=torch.bool, device=device)
         if self.counts is not None:

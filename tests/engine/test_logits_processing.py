@@ -323,3 +323,31 @@ def test_penalties_kept_on_the_device_between_steps_equal_a_fresh_count_every_st
             done = running.pop(0)
             kept.forget(done)
             running.append(waiting.pop(0))
+
+
+def test_penalty_counts_stay_within_what_the_planner_reserves():
+    """100 penalized sequences sampled step after step (each already holding a slot after the first) keep the
+    token-count tensors at the slots of 100 sequences, within TokenCounts.peak_bytes, which the planner counts."""
+    from shardserve.engine.sampler import TokenCounts
+    from shardserve.planner import PlanRequest, plan
+
+    g = torch.Generator().manual_seed(9)
+    sequences = 100
+    params = [SamplingParams(max_tokens=64, temperature=0, frequency_penalty=0.5)] * sequences
+    histories = [_history(g, 0) for _ in range(sequences)]
+    sampler = Sampler(0, EOS_IDS)
+    for step in range(3):
+        logits = torch.randn(sequences, VOCAB, generator=g)
+        tokens, _ = sampler.sample(logits, list(range(sequences)), params, histories)
+        histories = [dataclasses.replace(h, output_token_ids=[*h.output_token_ids, t],
+                                         num_generated=h.num_generated + 1) for h, t in zip(histories, tokens)]
+    counts = sampler._token_counts
+    assert counts.counts.shape == (128, VOCAB), "slots for 100 sequences: the next power of two"
+    held = counts.counts.numel() * 4 + counts.in_prompt.numel()
+    assert held <= TokenCounts.peak_bytes(sequences, VOCAB)
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 150_000, "torch_dtype": "bfloat16"}
+    with_penalties = plan(cfg, PlanRequest(max_num_seqs=512, gpu_memory_gb=80)).overhead_bytes
+    logits = 511 * 150_000 * 4 * 2  # float32 logits of 511 more sequences, twice
+    assert with_penalties - plan(cfg, PlanRequest(max_num_seqs=1, gpu_memory_gb=80)).overhead_bytes \
+        >= logits + TokenCounts.peak_bytes(512, 150_000) - TokenCounts.peak_bytes(1, 150_000)
