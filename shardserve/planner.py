@@ -259,6 +259,17 @@ def projection_elements_per_rank(cfg: dict, tp: int) -> int:
     return total
 
 
+def largest_projection_elements_per_rank(cfg: dict, tp: int) -> int:
+    """The largest attention or dense MLP projection one rank holds (gate and up together): the size of the
+    dequantized copy a packed layer makes for a batch, which the CUDA graphs' memory pool keeps."""
+    h, hd = cfg["hidden_size"], _head_dim(cfg)
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    shard = attention_shard(heads, kv_heads, hd, 0, tp)
+    rows = max(_rows(cfg["intermediate_size"], tp, "mlp", []),
+               _rows(_moe(cfg)[2], tp, "shared expert", []) if _moe(cfg)[2] else 0)
+    return max(h * (shard.num_q + 2 * shard.num_kv) * hd, 2 * h * rows)
+
+
 def packed_expert_elements_per_rank(cfg: dict, tp: int) -> int:
     """Expert weights one rank keeps packed (layers/moe_packed.py): those of a quantized checkpoint whose rank slice
     holds whole scale groups (w13's hidden size, w2's share of the expert features), not in act order; 0 for float
@@ -326,6 +337,8 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     graphs = req.max_num_seqs * (8 * h + 3 * inter // tp) * dtype
     overhead = _step_bytes(cfg, req, dtype) + graphs + GPU_FIXED_OVERHEAD
+    if packed is not None:
+        overhead += largest_projection_elements_per_rank(cfg, tp) * dtype
     states = req.max_num_seqs * per_seq_state
     usable = budget = cache_tokens = largest = None
     fits = None

@@ -162,6 +162,8 @@ def test_a_quantized_checkpoint_is_planned_as_it_is_held_and_an_unsupported_one_
     quantized = plan(fp8, PlanRequest(gpu_memory_gb=80))
     assert quantized.weight_bytes == dense.weight_bytes - int(projections * (2 - 1 - 4 / 128))
     assert any("fp8 (blocks of 128x128)" in w and "1.03 bytes a weight" in w for w in quantized.warnings)
+    # Batches dequantize a packed layer into a 16-bit copy the CUDA graphs keep: the gate/up pair at the most.
+    assert quantized.overhead_bytes == dense.overhead_bytes + 2 * 14336 * 4096 * 2
     assert plan(gptq, PlanRequest(gpu_memory_gb=80)).weight_bytes == \
         dense.weight_bytes - int(projections * (2 - 0.5 - 8 / 128))
     online = plan(LLAMA3_8B, PlanRequest(gpu_memory_gb=80, quantization="fp8"))
