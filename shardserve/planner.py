@@ -27,6 +27,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 GPU_FIXED_OVERHEAD = int(1.0 * GIB)
 CPU_FIXED_OVERHEAD = int(0.5 * GIB)  # per CPU rank: the torch runtime and its thread pools
 HOST_FLOOR_GB_DEFAULT = 6.0
+# A top-p step's sampler temporaries beyond the float32 logits, per logit: the scaled logits, the top-p rows' copy,
+# their sorted values and int64 order, probabilities, running mass and mask (35.8 bytes measured by
+# benchmarks/sampler_memory.py; without top-p 15.9).
+SAMPLER_BYTES_PER_LOGIT = 40
 
 
 @dataclass
@@ -223,16 +227,17 @@ def _context(cfg: dict, req: PlanRequest, kv_dtype: int) -> tuple[int, int, int,
 
 
 def _step_bytes(cfg: dict, req: PlanRequest, dtype: int) -> int:
-    """The activations of a full step in `dtype`, the logits of its sequences (float32, twice), and the
-    penalties' token counts when every sequence has a penalty (engine/sampler.py's TokenCounts, on the rank
-    that samples: counted on each, as the plan is one rank's)."""
+    """The activations of a full step in `dtype`, and on the rank that samples (counted on each, as the plan is
+    one rank's): the float32 logits of its sequences over the whole vocabulary with the sampler's temporaries at
+    their peak, and the penalties' token counts when every sequence has a penalty (engine/sampler.py's
+    TokenCounts)."""
     from shardserve.engine.sampler import TokenCounts
 
     tp = req.tensor_parallel_size
     activations = req.max_num_batched_tokens * (6 * cfg["hidden_size"] + 3 * (
         _moe(cfg)[1] or cfg["intermediate_size"]) // tp) * dtype
-    return (activations + max(req.max_num_seqs, 1) * -(-cfg["vocab_size"] // tp) * 4 * 2
-            + TokenCounts.peak_bytes(req.max_num_seqs, cfg["vocab_size"]))
+    logits = max(req.max_num_seqs, 1) * cfg["vocab_size"] * (4 + SAMPLER_BYTES_PER_LOGIT)
+    return activations + logits + TokenCounts.peak_bytes(req.max_num_seqs, cfg["vocab_size"])
 
 
 def _replicated_warning(replicated: list[str], tp: int) -> list[str]:

@@ -329,7 +329,7 @@ def test_penalty_counts_stay_within_what_the_planner_reserves():
     """100 penalized sequences sampled step after step (each already holding a slot after the first) keep the
     token-count tensors at the slots of 100 sequences, within TokenCounts.peak_bytes, which the planner counts."""
     from shardserve.engine.sampler import TokenCounts
-    from shardserve.planner import PlanRequest, plan
+    from shardserve.planner import SAMPLER_BYTES_PER_LOGIT, PlanRequest, plan
 
     g = torch.Generator().manual_seed(9)
     sequences = 100
@@ -348,6 +348,6 @@ def test_penalty_counts_stay_within_what_the_planner_reserves():
     cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2, "vocab_size": 150_000, "torch_dtype": "bfloat16"}
     with_penalties = plan(cfg, PlanRequest(max_num_seqs=512, gpu_memory_gb=80)).overhead_bytes
-    logits = 511 * 150_000 * 4 * 2  # float32 logits of 511 more sequences, twice
+    logits = 511 * 150_000 * (4 + SAMPLER_BYTES_PER_LOGIT)  # 511 more sequences' logits and their sampling
     assert with_penalties - plan(cfg, PlanRequest(max_num_seqs=1, gpu_memory_gb=80)).overhead_bytes \
         >= logits + TokenCounts.peak_bytes(512, 150_000) - TokenCounts.peak_bytes(1, 150_000)
