@@ -3,16 +3,16 @@ SAMPLER_BYTES_PER_LOGIT must cover it.
 
     python benchmarks/sampler_memory.py [--rows 256] [--vocab 152064] [--top-p 0.9]
 
-Run each setting in a fresh process: the figure is the growth of the process's peak resident memory
-(ru_maxrss) over one Sampler.sample of [rows, vocab] logits with temperature 0.8, after a warm-up on two
-rows. Prints one JSON object.
+The figure is the growth of the process's peak resident memory over one Sampler.sample of [rows, vocab] logits
+with temperature 0.8, after a warm-up on two rows: the peak (VmHWM) is reset to the current resident memory
+just before (Linux; ru_maxrss would not do: a process started from a large one inherits its peak across exec).
+Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 
 
 def peak_bytes_per_logit(rows: int, vocab: int, top_p: float) -> float:
@@ -26,10 +26,19 @@ def peak_bytes_per_logit(rows: int, vocab: int, top_p: float) -> float:
     params = [SamplingParams(temperature=0.8, top_p=top_p, max_tokens=4)] * rows
     sampler = Sampler(0)
     sampler.sample(logits[:2].clone(), [0, 1], params[:2])
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident memory back to the current one
+    before = _status_kib("VmRSS")
     sampler.sample(logits, list(range(rows)), params)
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024  # KiB on Linux
-    return grown / (rows * vocab)
+    return (_status_kib("VmHWM") - before) * 1024 / (rows * vocab)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def main() -> None:

@@ -28,8 +28,8 @@ GPU_FIXED_OVERHEAD = int(1.0 * GIB)
 CPU_FIXED_OVERHEAD = int(0.5 * GIB)  # per CPU rank: the torch runtime and its thread pools
 HOST_FLOOR_GB_DEFAULT = 6.0
 # A top-p step's sampler temporaries beyond the float32 logits, per logit: the scaled logits, the top-p rows' copy,
-# their sorted values and int64 order, probabilities, running mass and mask (35.8 bytes measured by
-# benchmarks/sampler_memory.py; without top-p 15.9).
+# their sorted values and int64 order, probabilities, running mass and mask (36 to 37 bytes measured by
+# benchmarks/sampler_memory.py; without top-p 16).
 SAMPLER_BYTES_PER_LOGIT = 40
 
 
