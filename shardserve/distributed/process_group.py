@@ -102,13 +102,16 @@ def _rendezvous(init_method: str, rank: int, world_size: int, exited_rank) -> di
     inside native code for up to COLLECTIVE_TIMEOUT; with `exited_rank` that wait runs in a thread while this one
     checks the spawned ranks, so one that died first (a script without a main guard, an import error) stops
     start-up at once, naming it, instead of at the timeout."""
-    if exited_rank is None:
+    def join() -> dist.Store:
         return next(dist.rendezvous(init_method, rank, world_size, timeout=COLLECTIVE_TIMEOUT))[0]
+
+    if exited_rank is None:
+        return join()
     outcome: dict = {}
 
     def connect() -> None:
         try:
-            outcome["store"] = next(dist.rendezvous(init_method, rank, world_size, timeout=COLLECTIVE_TIMEOUT))[0]
+            outcome["store"] = join()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             outcome["error"] = e
 

@@ -19,7 +19,7 @@ from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.linear_kernels import LinearKernel
 
 _DEFAULT_KERNEL = LinearKernel()
-_deferred = False  # inside deferred_weights(): linear layers' weights are built on the meta device
+_deferred = False  # inside deferred_weights(): layers' weights (linear layers, experts) are built on the meta device
 
 
 @contextlib.contextmanager
@@ -55,6 +55,26 @@ def copy_exact(target: torch.Tensor, loaded: Any) -> None:
     target.copy_(tensor)
 
 
+def weights_device() -> str | None:
+    """Where a layer built now puts its weights: the meta device inside deferred_weights(), else the default."""
+    return "meta" if _deferred else None
+
+
+def empty_parameter(*shape: int, dtype: torch.dtype = torch.float32, device=None) -> nn.Parameter:
+    """An uninitialised weight that takes no gradient."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def materialized(param: nn.Parameter, device) -> nn.Parameter:
+    """param, or where it waits on the meta device (deferred_weights()), a real empty one on `device` with its
+    weight_loader."""
+    if not param.is_meta:
+        return param
+    real = empty_parameter(*param.shape, dtype=param.dtype, device=device)
+    real.weight_loader = param.weight_loader
+    return real
+
+
 class KernelLinear(nn.Module):
     """A layer whose matmul runs through a LinearKernel. Before `use_kernel` it is plain F.linear on
     `self.weight`; afterwards the kernel's prepared form (`self.prepared`) replaces the weight, which
@@ -70,17 +90,12 @@ class KernelLinear(nn.Module):
     packed: Any = None
 
     def _new_weight(self, rows: int, cols: int, dtype: torch.dtype, loader) -> None:
-        device = "meta" if _deferred else None
-        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
+        self.weight = empty_parameter(rows, cols, dtype=dtype, device=weights_device())
         self.weight.weight_loader = loader
 
     def materialize(self, device: torch.device | str) -> None:
         """Give a layer built under deferred_weights() its real (empty) weight on `device`."""
-        if self.weight.is_meta:
-            loader = self.weight.weight_loader
-            self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device=device),
-                                       requires_grad=False)
-            self.weight.weight_loader = loader
+        self.weight = materialized(self.weight, device)
 
     @property
     def fusable(self) -> bool:

@@ -44,8 +44,8 @@ from torch import nn
 
 from shardserve.distributed.communicator import Communicator
 from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
-from shardserve.layers import linear
-from shardserve.layers.linear import ColumnParallelLinear, as_tensor, shape_of
+from shardserve.layers.linear import (ColumnParallelLinear, as_tensor, empty_parameter, materialized, shape_of,
+                                     weights_device)
 from shardserve.layers.mlp import SwiGLUMLP
 from shardserve.layers.sharding import split_rows
 
@@ -79,12 +79,11 @@ class SparseMoE(nn.Module):
         self.gate = ColumnParallelLinear(hidden_size, {None: (0, num_experts)}, False, dtype)
         self.gate.replicated = True
         # Under deferred_weights() the experts wait on the meta device until they are packed or materialized.
-        device = "meta" if linear._deferred else None
+        device = weights_device()
         self.hidden_size = hidden_size
-        self.w13 = nn.Parameter(torch.empty(held, 2 * rows, hidden_size, dtype=dtype, device=device),
-                                requires_grad=False)
+        self.w13 = empty_parameter(held, 2 * rows, hidden_size, dtype=dtype, device=device)
         self.w13.weight_loader = self._load_w13
-        self.w2 = nn.Parameter(torch.empty(held, hidden_size, rows, dtype=dtype, device=device), requires_grad=False)
+        self.w2 = empty_parameter(held, hidden_size, rows, dtype=dtype, device=device)
         self.w2.weight_loader = self._load_w2
         self.packed = None  # a quantized checkpoint's experts kept packed (layers/moe_packed.ExpertPacking)
         self.replicated = not sharded
@@ -108,13 +107,7 @@ class SparseMoE(nn.Module):
 
     def materialize(self, device) -> None:
         """Give experts built under deferred_weights() their real (empty) weights on `device`."""
-        for name in ("w13", "w2"):
-            param = getattr(self, name)
-            if param.is_meta:
-                loader = param.weight_loader
-                setattr(self, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
-                                                 requires_grad=False))
-                getattr(self, name).weight_loader = loader
+        self.w13, self.w2 = materialized(self.w13, device), materialized(self.w2, device)
 
     # -- loading: shard_id is (expert, 0 gate / 1 up) for w13, (expert, None) for w2, or "all" (fused tensors)
     def _load_w13(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:

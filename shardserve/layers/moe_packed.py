@@ -14,6 +14,7 @@ the host and dequantizes each chosen expert on the fly (no CUDA graphs on GPUs):
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Hashable
@@ -25,7 +26,8 @@ from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.quant_pack import pack_int4
 from shardserve.layers.moe import (FUSED_MOE_ENV, SparseMoE, _check_shape, check_routes, close_to_float64,
                                    grouped_by_expert, reference_experts)
-from shardserve.layers.quantized_linear import PackedLayout, _copy_scales
+from shardserve.layers.linear import empty_parameter
+from shardserve.layers.quantized_linear import PackedLayout, _copy_scales, log_kept_dequantized
 from shardserve.weights.quantized import Fp8Weight, GptqWeight
 
 logger = logging.getLogger(__name__)
@@ -62,8 +64,7 @@ class ExpertPacking:
         self.compute_dtype = moe.w13.dtype
         per_byte, dtype = (2, torch.uint8) if layout.kind == "int4" else (1, torch.float8_e4m3fn)
 
-        def param(*shape, dtype=torch.float32):
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+        param = functools.partial(empty_parameter, device=device)
 
         moe.w13, moe.w2 = param(experts, two_rows, hidden // per_byte, dtype=dtype), param(
             experts, hidden, rows // per_byte, dtype=dtype)
@@ -132,9 +133,8 @@ def pack_experts(model: nn.Module, names: set[str] | None, layout: PackedLayout,
             count += 1
         else:
             moe.materialize(device)
-    if log and unpacked:
-        logger.info("%d expert blocks keep dequantized experts rather than %s: %s", len(unpacked), layout.describe(),
-                    "; ".join(unpacked[:4]) + (" ..." if len(unpacked) > 4 else ""))
+    if log:
+        log_kept_dequantized("expert blocks keep dequantized experts", unpacked, layout)
     if log and count:
         logger.info("%d expert blocks keep their experts packed (%s)", count, layout.describe())
     return count

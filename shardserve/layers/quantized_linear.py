@@ -24,6 +24,7 @@ a failure unpacks every packed layer (WARNING), so no rank serves a wrong produc
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from bisect import bisect_left
@@ -35,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, pack_int4, unpack_int4_rows
-from shardserve.layers.linear import ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor
+from shardserve.layers.linear import (ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor,
+                                     empty_parameter)
 from shardserve.weights.quantized import Fp8Weight, GptqWeight, QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -116,8 +118,7 @@ class PackedWeights:
         loader = layer.weight.weight_loader
         groups = -(-k // group)
 
-        def param(*shape, dtype=torch.float32):
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+        param = functools.partial(empty_parameter, device=device)
 
         if layout.kind == "fp8":
             layer.weight = param(n, k, dtype=torch.float8_e4m3fn)
@@ -378,10 +379,16 @@ def pack_layers(model: nn.Module, names: set[str] | None, layout: PackedLayout, 
             count += 1
         else:
             module.materialize(device)
-    if unpacked and log:
-        logger.info("%d layers keep dequantized weights rather than %s: %s", len(unpacked), layout.describe(),
-                    "; ".join(unpacked[:4]) + (" ..." if len(unpacked) > 4 else ""))
+    if log:
+        log_kept_dequantized("layers keep dequantized weights", unpacked, layout)
     return count
+
+
+def log_kept_dequantized(what: str, unpacked: list[str], layout: PackedLayout) -> None:
+    """One line naming the first few of the modules (with why) that could not stay packed in `layout`."""
+    if unpacked:
+        logger.info("%d %s rather than %s: %s", len(unpacked), what, layout.describe(),
+                    "; ".join(unpacked[:4]) + (" ..." if len(unpacked) > 4 else ""))
 
 
 def unpack_all(model: nn.Module) -> int:

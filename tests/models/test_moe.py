@@ -154,7 +154,7 @@ def test_packed_experts_on_a_gpu(tiny_model_dir, tmp_path, scheme):
     from shardserve import LLM, SamplingParams
     from shardserve.layers.moe_packed import packed_compute, packed_fused
     from tests.models.test_matches_transformers import NEW_TOKENS, _prompts, _reference
-    from tests.weights.test_quantized_checkpoints import write_quantized
+    from tests.weights.test_quantized_checkpoints import _expert_blocks, write_quantized
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -162,7 +162,7 @@ def test_packed_experts_on_a_gpu(tiny_model_dir, tmp_path, scheme):
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.05) as llm:
         outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
-        blocks = [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "SparseMoE"]
+        blocks = _expert_blocks(llm)
         assert blocks and all(m.packed is not None for m in blocks)
         assert packed_compute(blocks[0].packed.view(blocks[0]), 2, torch.float32) is packed_fused
     assert outputs == list(_reference(float_dir))

@@ -392,7 +392,7 @@ def _check_packed(x, experts: PackedExperts, topk_weights, topk_ids) -> None:
     _check_routes(x, topk_weights, topk_ids)
 
 
-def _packed_args(w: torch.Tensor, scale, zero, group: int, kind: str, k: int) -> tuple:
+def _packed_args(w: torch.Tensor, scale, zero, group: int, kind: str) -> tuple:
     """(weight as the kernel reads it, scales, zeros, scale strides (expert, row), group, KIND)."""
     if kind == "fp8":
         return w.view(torch.uint8), scale, scale, scale.stride(0), scale.stride(1), group, FP8
@@ -409,8 +409,8 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
         down_args = (w2, w2, w2, 0, 0, 1, DENSE)
     else:
         num_experts, hidden, inter = packed.num_experts, packed.hidden, packed.inter
-        up_args = _packed_args(w13, packed.scale13, packed.zero13, packed.group13, packed.kind, hidden)
-        down_args = _packed_args(w2, packed.scale2, packed.zero2, packed.group2, packed.kind, inter)
+        up_args = _packed_args(w13, packed.scale13, packed.zero13, packed.group13, packed.kind)
+        down_args = _packed_args(w2, packed.scale2, packed.zero2, packed.group2, packed.kind)
     blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs ignore it
     native_fp8 = _native_fp8(x.device)
