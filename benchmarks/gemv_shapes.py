@@ -1,11 +1,14 @@
 """Batch-1 matrix-vector products of a Llama-3-8B layer, timed the way a decode step runs them: inside a
 CUDA graph, each call on a different copy of the weight so nothing is served from L2.
 
-    python benchmarks/gemv_shapes.py [--tp 2]
+    python benchmarks/gemv_shapes.py [--tp 2] [--packed int4|fp8]
 
 Methods: cuBLAS through F.linear, cuBLASLt through F.linear, torch.mm on a transposed weight, and the
-Triton kernel of shardserve/kernels/triton/gemv.py over a grid of launch configurations. Prints us per
-call and GB/s of weights read, and a RESULT line with every figure.
+Triton kernel of shardserve/kernels/triton/gemv.py over a grid of launch configurations. With --packed, the
+packed GEMVs of shardserve/kernels/triton/quant_gemv.py instead (4-bit in groups of 128 with zero points, or
+FP8 with a scale per row) over the configurations the engine times at start-up, checked against the
+dequantized product. Prints us per call and GB/s of weights read (packed bytes and scales), and a RESULT line
+with every figure.
 """
 
 from __future__ import annotations
@@ -37,11 +40,65 @@ def cublaslt_linear(x, w):
         torch.backends.cuda.preferred_blas_library("cublas")
 
 
+def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]]) -> dict:
+    """The packed GEMVs over GEMV_CANDIDATES, best per shape."""
+    from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
+    from shardserve.layers.quantized_linear import GEMV_CANDIDATES, quantize_fp8, quantize_int4
+
+    group = 128
+    results = {}
+    for name, (n, k) in shape_list.items():
+        dense = torch.randn(n, k, device="cuda") * k ** -0.5
+        if kind == "int4":
+            q, scale, zero = quantize_int4(dense, group)
+            reference_w = ((unpack_codes(q).float() - zero.repeat_interleave(group, 1))
+                           * scale.repeat_interleave(group, 1))
+            parts = (q, scale, zero)
+            fn_of = lambda config: lambda x, packed: int4_gemv(x, *packed, group, *config)  # noqa: E731
+        else:
+            q, scale = quantize_fp8(dense, k)
+            reference_w = q.float() * scale
+            parts = (q, scale)
+            fn_of = lambda config: lambda x, packed: fp8_gemv(x, *packed, k, *config)  # noqa: E731
+        del dense
+        nbytes = sum(t.numel() * t.element_size() for t in parts)
+        copies = max(2, -(-400 * 2**20 // nbytes))  # several times the L2 size in total
+        packs = [parts] + [tuple(t.clone() for t in parts) for _ in range(copies - 1)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        reference = x.float() @ reference_w.t()
+        del reference_w
+        row = {}
+        for config in GEMV_CANDIDATES:
+            fn = fn_of(config)
+            err = (fn(x, packs[0]).float() - reference).abs().max().item()
+            if err > 0.02 * reference.abs().max().item():
+                raise AssertionError(f"{kind} gemv wrong for {name} {config}: {err}")
+            row["_".join(map(str, config))] = time_in_graph_us(fn, packs, x)
+        best = min((v, key) for key, v in row.items())
+        print(f"{name:8s} [{n}x{k}] {kind} best {best[1]} {best[0]:.1f} us ({nbytes / best[0] / 1e3:.0f} GB/s)",
+              flush=True)
+        results[name] = {"shape": [n, k], "bytes": nbytes, "us": {key: round(v, 2) for key, v in row.items()}}
+        del packs
+        torch.cuda.empty_cache()
+    return results
+
+
+def unpack_codes(q: torch.Tensor) -> torch.Tensor:
+    """[N, K / 2] uint8 -> [N, K] codes, column 2j in the low nibble of byte j."""
+    return torch.stack((q & 15, q >> 4), dim=-1).reshape(q.shape[0], -1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--packed", choices=("int4", "fp8"), default=None)
     args = p.parse_args()
     torch.manual_seed(0)
+    if args.packed:
+        results = packed_rows(args.packed, shapes(args.tp))
+        print("RESULT " + json.dumps({"tp": args.tp, "device": torch.cuda.get_device_name(0),
+                                      f"{args.packed}_gemv": results}))
+        return
     results = {}
     for name, (n, k) in shapes(args.tp).items():
         nbytes = n * k * 2

@@ -45,6 +45,10 @@ CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
 # the two launches at one token, 7.0 against 6.8 at two (benchmarks/moe_kernels.py).
 ROUTE_ALIGN_MAX_TOKENS = 1
 
+# Up to this many tokens the w2 GEMM's last program of each column tile sums the choices (one launch fewer a
+# layer); past it a separate kernel sums them, with more programs than the GEMM's column tiles.
+SUM_IN_DOWN_MAX_TOKENS = 8
+
 
 def pick_config(tokens: int, top_k: int, num_experts: int, element_size: int = 2) -> MoeConfig:
     """The table's config for this many tokens (fixed for a given T, so a captured graph keeps its shapes).

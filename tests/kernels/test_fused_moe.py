@@ -224,6 +224,29 @@ def test_choices_of_other_ranks_add_nothing_and_results_repeat_exactly():
     assert torch.equal(got, fused_moe(x, w13, w2, weights, ids))
 
 
+@pytest.mark.parametrize("tokens,top_k,num_experts", [(1, 2, 4), (3, 2, 4), (8, 4, 8)] +
+                         ([(1, 8, 128), (8, 8, 128)] if CUDA else []))
+def test_sum_in_the_w2_gemm_equals_the_separate_sum(monkeypatch, tokens, top_k, num_experts):
+    """Up to SUM_IN_DOWN_MAX_TOKENS the w2 GEMM's last program of each column tile sums the choices: the same
+    bits as the separate sum kernel (another rank's choices included), and every arrival count back to 0."""
+    import shardserve.kernels.triton.fused_moe as kernels
+
+    assert tokens <= kernels.SUM_IN_DOWN_MAX_TOKENS
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    hidden, inter = (2048, 768) if num_experts == 128 else (80, 48)  # 80: a column tile past the hidden size
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    x, weights, ids = make_routes(tokens, num_experts, top_k, dtype, hidden)
+    ids[0, 0] = num_experts + 3  # a choice held by another rank
+    config = None if CUDA else SMALL
+    fused = fused_moe(x, w13, w2, weights, ids, config=config)
+    counts = kernels._arrivals[x.device]
+    assert counts.count_nonzero().item() == 0
+    monkeypatch.setattr(kernels, "SUM_IN_DOWN_MAX_TOKENS", 0)
+    separate = fused_moe(x, w13, w2, weights, ids, config=config)
+    assert torch.equal(fused, separate)
+    assert relative_error(fused, reference_moe(x, w13, w2, weights, ids)) < TOLERANCE[dtype]
+
+
 def test_table_reads_each_chosen_expert_once_at_decode():
     """Decode at the real shape takes the smallest row block; larger batches a block that covers an expert's
     rows."""
@@ -281,6 +304,42 @@ def test_replays_in_cuda_graph_with_new_routes():
     torch.cuda.synchronize()
     assert relative_error(out, reference_moe(new_x, w13, w2, new_weights, new_ids)) < TOLERANCE[dtype]
     assert torch.equal(out, fused_moe(new_x, w13, w2, new_weights, new_ids))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_sum_in_the_w2_gemm_over_many_replays(monkeypatch):
+    """The arrival counts stay right over many replays of a graph of several layers' experts (each layer's w2
+    GEMM sums in its last programs): every replay's output equals the separate sum's on the same routes."""
+    import shardserve.kernels.triton.fused_moe as kernels
+
+    num_experts, top_k, hidden, inter = QWEN3_30B
+    dtype, layers = torch.bfloat16, 4
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    x = torch.randn(1, hidden, generator=g, device=DEVICE).to(dtype)
+    logits = torch.randn(layers, 1, num_experts, generator=g, device=DEVICE).to(dtype)
+
+    def chain():
+        h = x
+        for layer in range(layers):
+            h = fused_moe_from_logits(h, logits[layer], w13, w2, top_k, True) * 4
+        return h
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for seed in range(20):
+        g.manual_seed(100 + seed)
+        x.copy_(torch.randn(1, hidden, generator=g, device=DEVICE))
+        logits.copy_(torch.randn(layers, 1, num_experts, generator=g, device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "SUM_IN_DOWN_MAX_TOKENS", 0)
+            assert torch.equal(out, chain()), f"replay {seed}"
+    assert kernels._arrivals[x.device].count_nonzero().item() == 0
 
 
 def test_one_launch_routing_is_used_only_after_matching_the_reference(monkeypatch):

@@ -30,11 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS, MoeConfig, pick_config
+from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS, SUM_IN_DOWN_MAX_TOKENS, MoeConfig, pick_config
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.quant_pack import fit_block_k
+from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.moe_router import route_token, routing_outputs
-from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
+from shardserve.kernels.triton.pdl import enter
+from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8, _nibbles_minus
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -85,8 +87,9 @@ def _align(ids_ptr, id_base, sorted_ptr, block_expert_ptr, num_pairs, num_expert
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
                   BLOCK_M: tl.constexpr, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCKS_CHUNK: tl.constexpr):
-    """One program."""
+                  BLOCKS_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """One program. PDL: launched to overlap the kernel before it (kernels/triton/pdl.py), as every kernel here."""
+    enter(PDL)
     _align(ids_ptr, 0, sorted_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks, BLOCK_M, EXPERTS_P,
            CHUNK, BLOCKS_CHUNK)
 
@@ -96,9 +99,10 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expe
                         stride_logits, id_base, num_experts, num_blocks, TOP_K: tl.constexpr,
                         TOP_K_P: tl.constexpr, LOGITS_P: tl.constexpr, RENORMALIZE: tl.constexpr,
                         BLOCK_M: tl.constexpr, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr,
-                        BLOCKS_CHUNK: tl.constexpr):
+                        BLOCKS_CHUNK: tl.constexpr, PDL: tl.constexpr):
     """One program: the router's choice for every token (moe_router.route_token), then their alignment. The
     barrier makes the ids this program stored visible to all its threads before they are read back."""
+    enter(PDL)
     for token in range(num_tokens):
         route_token(logits_ptr, weights_ptr, ids_ptr, token, num_logits, stride_logits, TOP_K, TOP_K_P, LOGITS_P,
                     RENORMALIZE)
@@ -140,7 +144,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     sorted_pairs, block_expert = _alignment_buffers(pairs, num_experts, block_m, ids.device)
     blocks = block_expert.numel()
     _align_kernel[(1,)](ids, sorted_pairs, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m,
-                        **_alignment_meta(pairs, num_experts, blocks))
+                        **_alignment_meta(pairs, num_experts, blocks), **pdl.launch(ids.device))
     return sorted_pairs, block_expert
 
 
@@ -161,7 +165,7 @@ def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, num_exp
     _route_align_kernel[(1,)](logits, weights, ids, sorted_pairs, block_expert, tokens, num_logits,
                               logits.stride(0), id_base, num_experts, blocks, TOP_K=top_k,
                               TOP_K_P=triton.next_power_of_2(top_k), LOGITS_P=triton.next_power_of_2(num_logits),
-                              RENORMALIZE=renormalize, BLOCK_M=block_m, **meta)
+                              RENORMALIZE=renormalize, BLOCK_M=block_m, **meta, **pdl.launch(logits.device))
     return weights, ids, sorted_pairs, block_expert
 
 
@@ -198,10 +202,9 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, feats, feat_ok, k, stride_wn, stride_sn, K
             byte = tl.arange(0, BLOCK_K // 2)
             mask = feat_ok[:, None] if K % BLOCK_K == 0 else feat_ok[:, None] & (k // 2 + byte < K // 2)[None, :]
             b = tl.load(w_ptr + feats[:, None] * stride_wn + (k // 2 + byte)[None, :], mask=mask, other=0)
-            b = b.to(tl.int32)
-            q = tl.join(b & 15, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
             z = tl.load(z_ptr + feats * stride_sn + k // GROUP, mask=feat_ok, other=0.0)
-            v = (q - z[:, None]) * s[:, None]
+            low, high = _nibbles_minus(b, (8388608.0 + z)[:, None])
+            v = tl.join(low, high).reshape(BLOCK_N, BLOCK_K) * s[:, None]
         w = tl.trans(v.to(DTYPE))
     return w
 
@@ -211,10 +214,11 @@ def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, block_exp
                       stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_a,
                       HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                      NATIVE_FP8: tl.constexpr):
+                      NATIVE_FP8: tl.constexpr, PDL: tl.constexpr):
     """Program (block, column tile): act[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for
     the block's slots (padding rows compute zeros from masked loads and are not stored). Packed weights: s and z
     are the scales and zeros [E, 2I, groups] (the gate's and the up rows' own)."""
+    enter(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -248,25 +252,16 @@ def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, block_exp
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs,
-                 stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_y,
-                 HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                 NATIVE_FP8: tl.constexpr):
-    """Program (block, column tile): y[pair, n] = weight[pair] * (act[slot] . w2[e, n]), stored per pair."""
-    expert = tl.load(block_expert_ptr + tl.program_id(0))
-    if expert < 0:
-        return
+def _down_block(act_ptr, w_e, s_e, z_e, weights_ptr, y_ptr, sorted_ptr, num_pairs, cols, col_ok,
+                stride_a, stride_wn, stride_sn, stride_y, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                KIND: tl.constexpr, GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """y[pair, cols] = weight[pair] * (act[slot] . w2[e, cols]) for the slots of this program's block."""
     slots = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ptr + slots)
     row_ok = pairs < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < HIDDEN
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + slots.to(tl.int64)[:, None] * stride_a + ks[None, :]
-    w_e = w_ptr + expert.to(tl.int64) * stride_we
-    s_e = s_ptr + expert.to(tl.int64) * stride_se
-    z_e = z_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, INTER, BLOCK_K):
         if INTER % BLOCK_K == 0:
@@ -283,19 +278,73 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, y_ptr, sorted_ptr, b
 
 
 @triton.jit
-def _sum_choices_kernel(y_ptr, ids_ptr, out_ptr, num_experts, stride_y, stride_o,
-                        HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (token, column block): out[t] = sum over j in order of y[t * k + j], choices outside [0, E)
-    (never grouped, so never written) left out."""
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    col_ok = cols < HIDDEN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+def _sum_choices(y_ptr, ids_ptr, out_ptr, token, cols, col_ok, num_experts, stride_y, stride_o,
+                 TOP_K: tl.constexpr, Y_FROM_L2: tl.constexpr):
+    """out[token, cols] = sum over j in order of y[token * k + j, cols] in float32; choices outside [0, E) (never
+    grouped, so never written) left out. Y_FROM_L2: y was written by other programs of this launch, so its loads
+    skip this SM's L1."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         expert = tl.load(ids_ptr + token * TOP_K + j)
         held = (expert >= 0) & (expert < num_experts)
-        acc += tl.load(y_ptr + (token * TOP_K + j) * stride_y + cols, mask=col_ok & held, other=0.0).to(tl.float32)
+        y_ptrs = y_ptr + (token * TOP_K + j) * stride_y + cols
+        if Y_FROM_L2:
+            y = tl.load(y_ptrs, mask=col_ok & held, other=0.0, cache_modifier=".cg")
+        else:
+            y = tl.load(y_ptrs, mask=col_ok & held, other=0.0)
+        acc += y.to(tl.float32)
     tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+                 stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_y,
+                 ids_ptr, out_ptr, arrivals_ptr, num_experts, stride_o,
+                 HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
+                 NATIVE_FP8: tl.constexpr, TOP_K: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr):
+    """Program (block, column tile): y[pair, n] = weight[pair] * (act[slot] . w2[e, n]), stored per pair.
+
+    SUM: the last program of a column tile to finish also sums the choices of every token over that tile into
+    out (step 4 without its launch). Every program, blocks past the real groups too, counts itself in
+    arrivals[column tile] after its stores; the one that finds all others counted has every y row of the tile
+    visible (the barrier orders the program's stores before the count, whose release/acquire publishes them)
+    and puts the count back to 0 for the next launch. The order of the sum is fixed, as in the separate kernel.
+    """
+    enter(PDL)
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < HIDDEN
+    if SUM:
+        if expert >= 0:
+            e = expert.to(tl.int64)
+            _down_block(act_ptr, w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se, weights_ptr,
+                        y_ptr, sorted_ptr, num_pairs, cols, col_ok, stride_a, stride_wn, stride_sn, stride_y,
+                        HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, KIND, GROUP, NATIVE_FP8)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            for token in range(num_pairs // TOP_K):
+                _sum_choices(y_ptr, ids_ptr, out_ptr, token, cols, col_ok, num_experts, stride_y, stride_o, TOP_K,
+                             True)
+            tl.store(arrivals_ptr + tl.program_id(1), 0)
+    else:
+        if expert < 0:
+            return
+        e = expert.to(tl.int64)
+        _down_block(act_ptr, w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se, weights_ptr, y_ptr,
+                    sorted_ptr, num_pairs, cols, col_ok, stride_a, stride_wn, stride_sn, stride_y, HIDDEN, INTER,
+                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, KIND, GROUP, NATIVE_FP8)
+
+
+@triton.jit
+def _sum_choices_kernel(y_ptr, ids_ptr, out_ptr, num_experts, stride_y, stride_o,
+                        HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (token, column block): out[t] = the sum of its choices (_sum_choices)."""
+    enter(PDL)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    _sum_choices(y_ptr, ids_ptr, out_ptr, tl.program_id(0).to(tl.int64), cols, cols < HIDDEN, num_experts, stride_y,
+                 stride_o, TOP_K, False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -399,6 +448,24 @@ def _packed_args(w: torch.Tensor, scale, zero, group: int, kind: str) -> tuple:
     return w, scale, zero, scale.stride(0), scale.stride(1), group, INT4
 
 
+# One arrival count per column tile of the w2 GEMM, per device, zero between launches (each launch that sums in
+# its w2 GEMM puts its counts back to 0). Never freed or replaced: CUDA graphs keep its address. Invariant: the
+# experts of one device run on one stream at a time (the engine's forward), so no two launches share counts.
+ARRIVAL_SLOTS = 4096
+_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's zeroed counts, or None where there are too few of them or they would be made inside a CUDA
+    graph capture (the first eager call on a device makes them; the start-up checks make that call)."""
+    counts = _arrivals.get(device)
+    if counts is None:
+        if tiles > ARRIVAL_SLOTS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        counts = _arrivals[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+    return counts if tiles <= ARRIVAL_SLOTS else None
+
+
 def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeConfig,
              packed: PackedExperts | None = None) -> torch.Tensor:
     """Steps 2 to 4 on aligned pairs (ids: this rank's expert numbers, for the sum)."""
@@ -414,6 +481,7 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
     blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs ignore it
     native_fp8 = _native_fp8(x.device)
+    launch = pdl.launch(x.device)
 
     act = torch.empty(blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
     up = config.up
@@ -424,22 +492,27 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
         HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=up.block_n,
         BLOCK_K=up.block_k if kind == DENSE else fit_block_k(up.block_k, group, hidden),
         PRECISION=precision, KIND=kind, GROUP=group, NATIVE_FP8=native_fp8, num_warps=up.num_warps,
-        num_stages=up.num_stages)
+        num_stages=up.num_stages, **launch)
 
     y = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down = config.down
+    tiles = triton.cdiv(hidden, down.block_n)
+    arrivals = arrival_counts(x.device, tiles) if tokens <= SUM_IN_DOWN_MAX_TOKENS else None
     w, s, z, stride_se, stride_sn, group, kind = down_args
-    _down_kernel[(blocks, triton.cdiv(hidden, down.block_n))](
+    _down_kernel[(blocks, tiles)](
         act, w, s, z, weights, y, sorted_pairs, block_expert, tokens * top_k,
         act.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, y.stride(0),
+        ids, out, block_expert if arrivals is None else arrivals, num_experts, out.stride(0),
         HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=down.block_n,
         BLOCK_K=down.block_k if kind == DENSE else fit_block_k(down.block_k, group, inter),
-        PRECISION=precision, KIND=kind, GROUP=group, NATIVE_FP8=native_fp8, num_warps=down.num_warps,
-        num_stages=down.num_stages)
+        PRECISION=precision, KIND=kind, GROUP=group, NATIVE_FP8=native_fp8, TOP_K=top_k, SUM=arrivals is not None,
+        num_warps=down.num_warps, num_stages=down.num_stages, **launch)
+    if arrivals is not None:
+        return out
 
-    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_choices_kernel[(tokens, triton.cdiv(hidden, block))](
         y, ids, out, num_experts, y.stride(0), out.stride(0), HIDDEN=hidden, TOP_K=top_k, BLOCK=block,
-        num_warps=4)
+        num_warps=4, **launch)
     return out

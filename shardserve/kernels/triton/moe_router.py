@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.triton import pdl
+from shardserve.kernels.triton.pdl import enter
+
 
 @triton.jit
 def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_logits,
@@ -47,7 +50,10 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
-                  TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr):
+    """PDL: launched to overlap the kernel before it (kernels/triton/pdl.py)."""
+    enter(PDL)
     route_token(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0).to(tl.int64), num_experts, stride_logits,
                 TOP_K, TOP_K_P, EXPERTS_P, RENORMALIZE)
 
@@ -74,5 +80,6 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[to
         experts_p = triton.next_power_of_2(num_experts)
         _route_kernel[(tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                  TOP_K_P=triton.next_power_of_2(top_k), EXPERTS_P=experts_p,
-                                 RENORMALIZE=renormalize, num_warps=1 if experts_p <= 128 else 4)
+                                 RENORMALIZE=renormalize, num_warps=1 if experts_p <= 128 else 4,
+                                 **pdl.launch(logits.device))
     return weights, ids
