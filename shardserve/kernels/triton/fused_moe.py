@@ -36,7 +36,7 @@ from shardserve.kernels.quant_pack import fit_block_k
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.moe_router import route_token, routing_outputs
 from shardserve.kernels.triton.pdl import enter
-from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8, _nibbles_minus
+from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,9 +202,10 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, feats, feat_ok, k, stride_wn, stride_sn, K
             byte = tl.arange(0, BLOCK_K // 2)
             mask = feat_ok[:, None] if K % BLOCK_K == 0 else feat_ok[:, None] & (k // 2 + byte < K // 2)[None, :]
             b = tl.load(w_ptr + feats[:, None] * stride_wn + (k // 2 + byte)[None, :], mask=mask, other=0)
+            b = b.to(tl.int32)
+            q = tl.join(b & 15, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
             z = tl.load(z_ptr + feats * stride_sn + k // GROUP, mask=feat_ok, other=0.0)
-            low, high = _nibbles_minus(b, (8388608.0 + z)[:, None])
-            v = tl.join(low, high).reshape(BLOCK_N, BLOCK_K) * s[:, None]
+            v = (q - z[:, None]) * s[:, None]
         w = tl.trans(v.to(DTYPE))
     return w
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.quant_pack import check_fp8, check_int4, fit_block_k, fp8_groups
-from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8, _nibbles_minus
+from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
 
 # Output tiles along M visited together, so that their weight tiles are read while still in L2.
 GROUP_M = tl.constexpr(8)
@@ -83,9 +83,8 @@ def _int4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
                       K: tl.constexpr, GROUP: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g], g = k // GROUP, q packed two columns a byte
-    (column 2j in the low nibble of byte j). The nibbles become q - z without conversion instructions
-    (quant_gemv._nibbles_minus) and are interleaved back into column order in registers (join + reshape), so the
-    bytes and x are both read contiguously along K."""
+    (column 2j in the low nibble of byte j). The nibbles are interleaved back into column order in registers
+    (join + reshape), so the bytes and x are both read contiguously along K."""
     tile_m, tile_n = _program_tile(M, N, BLOCK_M, BLOCK_N)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     feats = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,7 +96,7 @@ def _int4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
     s_feat = s_ptr + feats.to(tl.int64) * (K // GROUP)
     z_feat = z_ptr + feats.to(tl.int64) * (K // GROUP)
     if ONE_GROUP:
-        bias = (8388608.0 + tl.load(z_feat, mask=feat_ok, other=0.0))[:, None]
+        zero = tl.load(z_feat, mask=feat_ok, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -106,14 +105,14 @@ def _int4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
         else:
             x = tl.load(x_tile + k, mask=row_ok[:, None] & (k + cols < K)[None, :], other=0.0)
             b = tl.load(q_tile + k // 2, mask=feat_ok[:, None] & (k // 2 + byte < K // 2)[None, :], other=0)
+        b = b.to(tl.int32)
+        q = tl.join(b & 15, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
         if ONE_GROUP:
-            low, high = _nibbles_minus(b, bias)
-            w = tl.join(low, high).reshape(BLOCK_N, BLOCK_K)
+            w = q - zero[:, None]
         else:
             s = tl.load(s_feat + k // GROUP, mask=feat_ok, other=0.0)
             z = tl.load(z_feat + k // GROUP, mask=feat_ok, other=0.0)
-            low, high = _nibbles_minus(b, (8388608.0 + z)[:, None])
-            w = tl.join(low, high).reshape(BLOCK_N, BLOCK_K) * s[:, None]
+            w = (q - z[:, None]) * s[:, None]
         acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
     if ONE_GROUP:
         acc *= tl.load(s_feat, mask=feat_ok, other=0.0)[None, :]

@@ -32,16 +32,6 @@ def _e4m3_bits_to_float(b):
 
 
 @triton.jit
-def _nibbles_minus(b, bias):
-    """Packed bytes (uint8) -> (low nibbles, high nibbles) - (bias - 2^23) in float32, by bit operations and one
-    subtraction each: 2^23's bits ORed with q are the float 2^23 + q. Exact for integer bias - 2^23 in [0, 2^23)."""
-    b = b.to(tl.int32)
-    low = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - bias
-    high = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - bias
-    return low, high
-
-
-@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, norm_w_ptr, sum_ptr, eps,
                      K: tl.constexpr, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, NATIVE_FP8: tl.constexpr,
                      BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, NORM: tl.constexpr,
@@ -102,17 +92,11 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, residua
                       K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
                       SUB: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP, q packed two columns a byte.
-
-    Every step is per weight and stays in the thread that loaded it, reduced across threads once at the end
-    (a version that reduced each sub-tile every step, and converted nibbles with conversion instructions, ran
-    at 1.0-1.6 TB/s on an H100: shuffles and conversions run at 1/4 and 1/8 of the FMA rate):
-      - x is read contiguously and split in registers into its even and odd columns, which the low and the high
-        nibbles multiply;
-      - a nibble q becomes the float q - z without a conversion: its bits ORed into the mantissa of 2^23 make
-        the float 2^23 + q, and subtracting 2^23 + z (exact: zero points are integers 0..16) leaves q - z;
-      - the group's scale multiplies the pair of products (one multiply-add), or with one group per row
-        (GROUP == K) the row's sum once at the end.
-    NORM, PDL: as in _fp8_gemv_kernel."""
+    The nibbles of a byte are interleaved back into column order in registers (join + reshape), so x is read
+    contiguously. Per sub-tile (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum):
+    the scale and zero cost one multiply-add per row and sub-tile, not per weight. GROUP == K is one group:
+    the sums run over the whole row and the scale and zero are applied once at the end. NORM, PDL: as in
+    _fp8_gemv_kernel."""
     HALF: tl.constexpr = SUB // 2
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     ONE_GROUP: tl.constexpr = GROUP == K
@@ -128,8 +112,10 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, residua
     s_rows = s_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
     z_rows = z_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
     if ONE_GROUP:
-        row_bias = (8388608.0 + tl.load(z_ptr + rows, mask=row_ok, other=0.0))[:, None, None]
-    acc = tl.zeros((BLOCK_N, TILE_GROUPS, HALF), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
+        x_acc = tl.zeros((TILE_GROUPS, SUB), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, TILE_GROUPS), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
             b = tl.load(q_rows + k // 2 + byte[None], mask=row_ok[:, None, None], other=0,
@@ -147,20 +133,23 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, residua
                                   HAS_RESIDUAL).to(tl.float32)
             else:
                 x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
-        x_even, x_odd = tl.split(x.reshape(TILE_GROUPS, HALF, 2))
+        b = b.to(tl.int32)
+        q = tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)).reshape(BLOCK_N, TILE_GROUPS, SUB)
         if ONE_GROUP:
-            low, high = _nibbles_minus(b, row_bias)
-            acc += low * x_even[None] + high * x_odd[None]
+            acc += q * x[None]
+            x_acc += x
         else:
             group = (k + sub * SUB) // GROUP
             group_ok = row_ok[:, None] & (group < K // GROUP)[None, :]
             s = tl.load(s_rows + group[None, :], mask=group_ok, other=0.0)
             z = tl.load(z_rows + group[None, :], mask=group_ok, other=0.0)
-            low, high = _nibbles_minus(b, (8388608.0 + z)[:, :, None])
-            acc += s[:, :, None] * (low * x_even[None] + high * x_odd[None])
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+            acc += s * (tl.sum(q * x[None], axis=2) - z * tl.sum(x, axis=1)[None, :])
     if ONE_GROUP:
-        y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+        s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+        z = tl.load(z_ptr + rows, mask=row_ok, other=0.0)
+        y = s * (tl.sum(tl.sum(acc, axis=2), axis=1) - z * tl.sum(tl.sum(x_acc, axis=1), axis=0))
+    else:
+        y = tl.sum(acc, axis=1)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
