@@ -173,9 +173,38 @@ def test_route_and_align_equal_the_two_kernels(tokens, num_experts, top_k):
     want_weights, want_ids = route_top_k(logits, top_k, True)
     assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
     want_sorted, want_blocks = align_pairs(want_ids, num_experts, 16)
-    assert torch.equal(block_expert, want_blocks)
-    used = (block_expert >= 0).sum().item() * 16
-    assert torch.equal(sorted_pairs[:used], want_sorted[:used])
+    assert expert_groups(sorted_pairs, block_expert, 16, tokens * top_k) == \
+        expert_groups(want_sorted, want_blocks, 16, tokens * top_k)
+    if tokens > 1:  # a single token's blocks follow its choices, not the experts' order
+        assert torch.equal(block_expert, want_blocks)
+
+
+@pytest.mark.parametrize("id_base,num_experts", [(0, 128), (16, 16), (100, 40)])
+def test_one_token_alignment_of_this_ranks_experts(id_base, num_experts):
+    """A single token's alignment (expert parallelism: this rank holds experts [id_base, id_base + E)) groups the
+    same pairs under the same experts as align_pairs, and leaves other ranks' choices out."""
+    top_k, all_experts = 8, 160
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    logits = torch.randn(1, all_experts, generator=g, device=DEVICE)
+    _, ids, sorted_pairs, block_expert = route_and_align(logits, top_k, True, num_experts, 16, id_base)
+    local = ids - id_base
+    local[(local < 0) | (local >= num_experts)] = -1
+    want_sorted, want_blocks = align_pairs(local, num_experts, 16)
+    groups = expert_groups(sorted_pairs, block_expert, 16, top_k)
+    assert groups == expert_groups(want_sorted, want_blocks, 16, top_k)
+    assert sorted(groups) == sorted(e for e in local[0].tolist() if e >= 0)
+
+
+def expert_groups(sorted_pairs, block_expert, block_m, sentinel) -> dict[int, list[int]]:
+    """expert -> its pairs in block order, after checking that every slot of a used block holds a pair or the
+    sentinel."""
+    blocks = block_expert.tolist()
+    groups: dict[int, list[int]] = {}
+    for b in (b for b, e in enumerate(blocks) if e >= 0):
+        slots = sorted_pairs[b * block_m:(b + 1) * block_m].tolist()
+        assert all(0 <= p <= sentinel for p in slots)
+        groups.setdefault(blocks[b], []).extend(p for p in slots if p < sentinel)
+    return groups
 
 
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")

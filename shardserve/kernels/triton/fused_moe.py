@@ -95,20 +95,42 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
 
 
 @triton.jit
+def _align_one_token(ids, id_base, sorted_ptr, block_expert_ptr, num_experts, TOP_K: tl.constexpr,
+                     TOP_K_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The alignment of a single token's k distinct choices ([TOP_K_P] expert ids, E >= k so there are k blocks):
+    block j holds choice j alone (pair j in its first slot, the sentinel k in the others) and belongs to its
+    expert, or to none (-1) where another rank holds it. Any order of the groups serves the GEMMs, and the sum
+    of choices runs over pairs, not blocks."""
+    choice = tl.arange(0, TOP_K_P)
+    expert = ids - id_base
+    held = (expert >= 0) & (expert < num_experts)
+    tl.store(block_expert_ptr + choice, tl.where(held, expert, -1), mask=choice < TOP_K)
+    slot = tl.arange(0, BLOCK_M)
+    pair = tl.where(slot[None, :] == 0, choice[:, None], TOP_K)
+    tl.store(sorted_ptr + choice[:, None] * BLOCK_M + slot[None, :], pair, mask=(choice < TOP_K)[:, None])
+
+
+@triton.jit
 def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_logits,
                         stride_logits, id_base, num_experts, num_blocks, TOP_K: tl.constexpr,
                         TOP_K_P: tl.constexpr, LOGITS_P: tl.constexpr, RENORMALIZE: tl.constexpr,
                         BLOCK_M: tl.constexpr, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr,
-                        BLOCKS_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                        BLOCKS_CHUNK: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr):
     """One program: the router's choice for every token (moe_router.route_token), then their alignment. The
-    barrier makes the ids this program stored visible to all its threads before they are read back."""
+    barrier makes the ids this program stored visible to all its threads before they are read back. ONE_TOKEN
+    (a single token, E >= k): the alignment from the choices in registers (_align_one_token)."""
     enter(PDL)
-    for token in range(num_tokens):
-        route_token(logits_ptr, weights_ptr, ids_ptr, token, num_logits, stride_logits, TOP_K, TOP_K_P, LOGITS_P,
-                    RENORMALIZE)
-    tl.debug_barrier()
-    _align(ids_ptr, id_base, sorted_ptr, block_expert_ptr, num_tokens * TOP_K, num_experts, num_blocks, BLOCK_M,
-           EXPERTS_P, CHUNK, BLOCKS_CHUNK)
+    if ONE_TOKEN:
+        ids = route_token(logits_ptr, weights_ptr, ids_ptr, 0, num_logits, stride_logits, TOP_K, TOP_K_P, LOGITS_P,
+                          RENORMALIZE)
+        _align_one_token(ids, id_base, sorted_ptr, block_expert_ptr, num_experts, TOP_K, TOP_K_P, BLOCK_M)
+    else:
+        for token in range(num_tokens):
+            route_token(logits_ptr, weights_ptr, ids_ptr, token, num_logits, stride_logits, TOP_K, TOP_K_P,
+                        LOGITS_P, RENORMALIZE)
+        tl.debug_barrier()
+        _align(ids_ptr, id_base, sorted_ptr, block_expert_ptr, num_tokens * TOP_K, num_experts, num_blocks,
+               BLOCK_M, EXPERTS_P, CHUNK, BLOCKS_CHUNK)
 
 
 def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -165,7 +187,8 @@ def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, num_exp
     _route_align_kernel[(1,)](logits, weights, ids, sorted_pairs, block_expert, tokens, num_logits,
                               logits.stride(0), id_base, num_experts, blocks, TOP_K=top_k,
                               TOP_K_P=triton.next_power_of_2(top_k), LOGITS_P=triton.next_power_of_2(num_logits),
-                              RENORMALIZE=renormalize, BLOCK_M=block_m, **meta, **pdl.launch(logits.device))
+                              RENORMALIZE=renormalize, BLOCK_M=block_m, ONE_TOKEN=tokens == 1 and num_experts >= top_k,
+                              **meta, **pdl.launch(logits.device))
     return weights, ids, sorted_pairs, block_expert
 
 

@@ -22,7 +22,8 @@ from shardserve.kernels.triton.pdl import enter
 @triton.jit
 def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_logits,
                 TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """Token `token`'s k choices: weights to weights_ptr[token * k + j], expert ids to ids_ptr[...]."""
+    """Token `token`'s k choices: weights to weights_ptr[token * k + j], expert ids to ids_ptr[...]; returns the
+    ids, [TOP_K_P] int32 (0 past k)."""
     experts = tl.arange(0, EXPERTS_P)
     real = experts < num_experts
     logits = tl.load(logits_ptr + token * stride_logits + experts, mask=real, other=float("-inf")).to(tl.float32)
@@ -46,6 +47,7 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
     keep = slots < TOP_K
     tl.store(weights_ptr + token * TOP_K + slots, chosen_exps / total, mask=keep)
     tl.store(ids_ptr + token * TOP_K + slots, chosen_ids.to(ids_ptr.dtype.element_ty), mask=keep)
+    return chosen_ids
 
 
 @triton.jit
