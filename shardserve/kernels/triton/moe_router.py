@@ -38,7 +38,8 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
         # The lowest index holding the maximum (a chosen expert is out of `remaining`, so never chosen twice).
         index = tl.min(tl.where((remaining == best) & real, experts, EXPERTS_P), axis=0)
         chosen_ids = tl.where(slots == j, index, chosen_ids)
-        chosen_exps = tl.where(slots == j, tl.sum(tl.where(experts == index, exps, 0.0), axis=0), chosen_exps)
+        # best is the chosen logit itself, so its exp is the one in `exps` (no third reduction a round).
+        chosen_exps = tl.where(slots == j, tl.exp(best - top), chosen_exps)
         remaining = tl.where(experts == index, float("-inf"), remaining)
     if RENORMALIZE:
         total = tl.sum(chosen_exps, axis=0)
