@@ -27,10 +27,19 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 GPU_FIXED_OVERHEAD = int(1.0 * GIB)
 CPU_FIXED_OVERHEAD = int(0.5 * GIB)  # per CPU rank: the torch runtime and its thread pools
 HOST_FLOOR_GB_DEFAULT = 6.0
-# A top-p step's sampler temporaries beyond the float32 logits, per logit: the scaled logits, the top-p rows' copy,
-# their sorted values and int64 order, probabilities, running mass and mask (36 to 37 bytes measured by
-# benchmarks/sampler_memory.py; without top-p 16).
+# A sampling step's temporaries beyond the float32 logits, per logit (benchmarks/sampler_memory.py): for the rows
+# drawn together (sampler.DRAW_CHUNK_ROWS at most), the drawn rows' copy, scaled logits, a top-p row's sorted
+# values and int64 order, probabilities, running mass, mask and noise (36 to 37 bytes measured); for every row,
+# a processed copy (penalties, logit bias, grammars) and the logprobs' copy and log-softmax.
 SAMPLER_BYTES_PER_LOGIT = 40
+SAMPLER_ALL_ROWS_BYTES_PER_LOGIT = 12
+
+
+def sampling_bytes(rows: int, vocab: int) -> int:
+    """A sampling step of `rows` sequences at its peak, beyond their float32 logits."""
+    from shardserve.engine.sampler import DRAW_CHUNK_ROWS
+
+    return vocab * (rows * SAMPLER_ALL_ROWS_BYTES_PER_LOGIT + min(rows, DRAW_CHUNK_ROWS) * SAMPLER_BYTES_PER_LOGIT)
 
 
 @dataclass
@@ -236,7 +245,8 @@ def _step_bytes(cfg: dict, req: PlanRequest, dtype: int) -> int:
     tp = req.tensor_parallel_size
     activations = req.max_num_batched_tokens * (6 * cfg["hidden_size"] + 3 * (
         _moe(cfg)[1] or cfg["intermediate_size"]) // tp) * dtype
-    logits = max(req.max_num_seqs, 1) * cfg["vocab_size"] * (4 + SAMPLER_BYTES_PER_LOGIT)
+    rows = max(req.max_num_seqs, 1)
+    logits = rows * cfg["vocab_size"] * 4 + sampling_bytes(rows, cfg["vocab_size"])
     return activations + logits + TokenCounts.peak_bytes(req.max_num_seqs, cfg["vocab_size"])
 
 

@@ -47,6 +47,12 @@ logger = logging.getLogger(__name__)
 
 FUSED_PENALTIES_ENV = "SHARDSERVE_FUSED_PENALTIES"  # "0": the dense penalties on GPUs too
 
+# Rows drawn (and penalized, without the fused kernel) at once. A draw's temporaries (scaled logits, a top-p row's
+# sorted values and int64 order, probabilities, running mass, noise) take about 36 bytes a logit, the dense
+# penalties' about 25 (benchmarks/sampler_memory.py): 2.8 GB for 512 rows of a 152k vocabulary at once, 0.35 GB
+# for 64. The planner reserves them for this many rows only.
+DRAW_CHUNK_ROWS = 64
+
 # Keeps every token when a row has no top-p cut: the mass before a token never exceeds 1 by this much.
 _NO_TOP_P = 2.0
 
@@ -139,10 +145,11 @@ class Sampler:
                                         tokens_in_flight)
         tokens = processed.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            rows = on_device(sampled, logits.device)
-            drawn = self._draw(processed.index_select(0, rows), [seq_ids[i] for i in sampled],
-                               [params[i] for i in sampled])
+        for start in range(0, len(sampled), DRAW_CHUNK_ROWS):
+            chunk = sampled[start:start + DRAW_CHUNK_ROWS]
+            rows = on_device(chunk, logits.device)
+            drawn = self._draw(processed.index_select(0, rows), [seq_ids[i] for i in chunk],
+                               [params[i] for i in chunk])
             tokens.index_copy_(0, rows, drawn)
         pending = PendingSample(params, tokens)
         pending.wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -295,8 +302,10 @@ def _apply_penalties(logits: torch.Tensor, seq_ids: list[int], params: list[Samp
 
         apply_penalties(logits, rows, slots, token_counts.counts, token_counts.in_prompt, factors)
         return
-    _dense_penalties(logits, rows, token_counts.counts.index_select(0, slots),
-                     token_counts.in_prompt.index_select(0, slots), factors)
+    for start in range(0, len(penalized), DRAW_CHUNK_ROWS):  # a chunk's temporaries at a time, as draws
+        part = slice(start, start + DRAW_CHUNK_ROWS)
+        _dense_penalties(logits, rows[part], token_counts.counts.index_select(0, slots[part]),
+                         token_counts.in_prompt.index_select(0, slots[part]), factors[part])
 
 
 def _dense_penalties(logits: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor,

@@ -127,6 +127,20 @@ def test_the_sampler_matches_the_reference_chain_on_mixed_batches(seed):
     assert any(tokens[i] != int(logits[i].argmax()) for i in greedy)
 
 
+def test_batches_past_one_chunk_of_rows_match_the_reference_chain():
+    """Three mixed batches as one (165 rows: penalized and drawn DRAW_CHUNK_ROWS rows at a time) give every
+    row the reference chain's token."""
+    from shardserve.engine.sampler import DRAW_CHUNK_ROWS
+
+    batches = [_mixed_batch(seed) for seed in (4, 5, 6)]
+    logits = torch.cat([b[0] for b in batches])
+    params = [p for b in batches for p in b[1]]
+    histories = [h for b in batches for h in b[2]]
+    assert len(params) > 2 * DRAW_CHUNK_ROWS
+    tokens, _ = Sampler(0, EOS_IDS).sample(logits, list(range(len(params))), params, histories)
+    assert tokens == [_reference_token(row, p, h) for row, p, h in zip(logits, params, histories)]
+
+
 @pytest.mark.parametrize("with_logprobs", [False, True])
 def test_bfloat16_logits_are_processed_in_a_copy_of_their_own(with_logprobs):
     """From bf16 logits (as the model returns them) the sampler's float32 copy is processed in place: the
@@ -329,7 +343,7 @@ def test_penalty_counts_stay_within_what_the_planner_reserves():
     """100 penalized sequences sampled step after step (each already holding a slot after the first) keep the
     token-count tensors at the slots of 100 sequences, within TokenCounts.peak_bytes, which the planner counts."""
     from shardserve.engine.sampler import TokenCounts
-    from shardserve.planner import SAMPLER_BYTES_PER_LOGIT, PlanRequest, plan
+    from shardserve.planner import PlanRequest, plan, sampling_bytes
 
     g = torch.Generator().manual_seed(9)
     sequences = 100
@@ -348,6 +362,7 @@ def test_penalty_counts_stay_within_what_the_planner_reserves():
     cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2, "vocab_size": 150_000, "torch_dtype": "bfloat16"}
     with_penalties = plan(cfg, PlanRequest(max_num_seqs=512, gpu_memory_gb=80)).overhead_bytes
-    logits = 511 * 150_000 * (4 + SAMPLER_BYTES_PER_LOGIT)  # 511 more sequences' logits and their sampling
+    # 511 more sequences' logits and their sampling
+    logits = 511 * 150_000 * 4 + sampling_bytes(512, 150_000) - sampling_bytes(1, 150_000)
     assert with_penalties - plan(cfg, PlanRequest(max_num_seqs=1, gpu_memory_gb=80)).overhead_bytes \
         >= logits + TokenCounts.peak_bytes(512, 150_000) - TokenCounts.peak_bytes(1, 150_000)

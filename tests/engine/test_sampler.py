@@ -134,6 +134,8 @@ def test_seeded_row_gives_the_same_tokens_in_any_batch(target):
         ([SamplingParams(top_k=5), SamplingParams(top_p=0.5, seed=123), SamplingParams(seed=9)], 3),
         ([SAMPLED] * 7, 0),
         ([target, SamplingParams(temperature=2.0, top_k=3, seed=1)], 2),
+        ([SAMPLED] * 150, 140),  # drawn in the third chunk of DRAW_CHUNK_ROWS rows
+        ([SAMPLED, GREEDY] * 40, 64),  # the first row of the second chunk
     ]
     for others, position in batches:
         assert _seeded_run(target, others, position) == alone, f"batched with {others} at {position}"
