@@ -5,16 +5,20 @@ out[t] = sum_j weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ 
 1. Alignment (one program): the T*k (token, choice) pairs are grouped by expert, in pair order within each
    expert, and each expert's group is padded to a multiple of BLOCK_M with the sentinel T*k. Every block of
    BLOCK_M slots then belongs to one expert, written to `block_expert` (-1 past the last group). For a single
-   token the same program first makes the router's choice from the logits (fused_moe_from_logits).
+   token the same program first makes the router's choice from the logits (fused_moe_from_logits), and its k
+   distinct choices take one block each, in choice order, straight from registers.
 2. Grouped GEMM with w13, SwiGLU in its epilogue: program (block, column tile) multiplies its block's token
    rows by the gate and the up tiles of its expert, and stores silu(gate) * up (rounded to x's dtype) per slot.
 3. Grouped GEMM with w2: the activations of a block times its expert's w2 tile, scaled by each pair's router
    weight, stored per pair: y [T*k, H].
-4. out[t] = sum_j y[t*k + j] in float32, in a fixed order: deterministic, no atomics. (A w2 GEMM that summed a
-   single token's choices itself, one program per column tile walking its k experts, measured slower than 3 and
-   4 apart on an H100: 22.0 against 13.1 us a layer. A GEMM needs its programs spread over the experts.)
+4. out[t] = sum_j y[t*k + j] in float32, in a fixed order: deterministic. Up to SUM_IN_DOWN_MAX_TOKENS tokens
+   the last program of each of step 3's column tiles to finish does it (an arrival count per tile, _down_kernel);
+   past that, a kernel of its own. (A w2 GEMM whose programs each walked a single token's k experts for one
+   column tile measured slower on an H100: 22.0 against 13.1 us a layer. A GEMM needs its programs spread over
+   the experts; only the sum waits for all of them.)
 
-At batch 1 a layer is then four launches (router choice + alignment, w13, w2, sum) after the router's GEMV.
+At batch 1 a layer is then three launches (router choice + alignment, w13, w2 + sum) after the router's GEMV,
+each launched to overlap the one before it on Hopper (kernels/triton/pdl.py).
 Shapes are fixed for a given T (the slot list has room for the worst case, T*k + min(E, T*k) * (BLOCK_M - 1)
 slots; blocks past the real groups exit at once), so CUDA graphs capture the whole call. Only experts that
 received tokens are read: decode reads k experts' weights, not E. Block sizes come from a table keyed on the
