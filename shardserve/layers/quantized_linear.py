@@ -44,9 +44,12 @@ logger = logging.getLogger(__name__)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # (block_n, block_k, num_warps, num_stages) of the single-row kernels until start-up timing picks per shape.
+# The last two were the fastest FP8 GEMVs on an H100 for Llama-3-8B's q/k/v, o and gate/up shapes (gate/up at
+# 3.0 TB/s) in a grid of block_n 4-32, block_k 1024-4096, 4 or 8 warps and 2-4 stages, timed as
+# benchmarks/gemv_shapes.py --packed fp8 times them.
 DEFAULT_GEMV = (8, 512, 4, 3)
 GEMV_CANDIDATES = ((8, 512, 4, 3), (4, 1024, 8, 4), (16, 256, 4, 2), (8, 1024, 8, 3), (8, 1024, 4, 3),
-                   (8, 2048, 8, 3), (16, 1024, 8, 3), (4, 2048, 8, 4))
+                   (8, 2048, 8, 3), (16, 1024, 8, 3), (4, 2048, 8, 4), (4, 4096, 8, 4), (4, 4096, 8, 2))
 
 
 # Batches by row count: at most 16, 64, 256, 512 or 1024 rows, or more (a full decode batch of 512 sequences has
