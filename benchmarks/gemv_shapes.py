@@ -42,6 +42,7 @@ def cublaslt_linear(x, w):
 
 def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]]) -> dict:
     """The packed GEMVs over GEMV_CANDIDATES, best per shape."""
+    from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4
     from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
     from shardserve.layers.quantized_linear import GEMV_CANDIDATES, quantize_fp8, quantize_int4
 
@@ -51,13 +52,12 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]]) -> dict:
         dense = torch.randn(n, k, device="cuda") * k ** -0.5
         if kind == "int4":
             q, scale, zero = quantize_int4(dense, group)
-            reference_w = ((unpack_codes(q).float() - zero.repeat_interleave(group, 1))
-                           * scale.repeat_interleave(group, 1))
+            reference_w = dequantize_int4(q, scale, zero, group, torch.float32)
             parts = (q, scale, zero)
             fn_of = lambda config: lambda x, packed: int4_gemv(x, *packed, group, *config)  # noqa: E731
         else:
             q, scale = quantize_fp8(dense, k)
-            reference_w = q.float() * scale
+            reference_w = dequantize_fp8(q, scale, k, torch.float32)
             parts = (q, scale)
             fn_of = lambda config: lambda x, packed: fp8_gemv(x, *packed, k, *config)  # noqa: E731
         del dense
@@ -81,11 +81,6 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]]) -> dict:
         del packs
         torch.cuda.empty_cache()
     return results
-
-
-def unpack_codes(q: torch.Tensor) -> torch.Tensor:
-    """[N, K / 2] uint8 -> [N, K] codes, column 2j in the low nibble of byte j."""
-    return torch.stack((q & 15, q >> 4), dim=-1).reshape(q.shape[0], -1)
 
 
 def main() -> None:

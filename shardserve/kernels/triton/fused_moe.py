@@ -343,12 +343,12 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, y_ptr, sorted_ptr, b
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < HIDDEN
+    if expert >= 0:
+        e = expert.to(tl.int64)
+        _down_block(act_ptr, w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se, weights_ptr, y_ptr,
+                    sorted_ptr, num_pairs, cols, col_ok, stride_a, stride_wn, stride_sn, stride_y, HIDDEN, INTER,
+                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, KIND, GROUP, NATIVE_FP8)
     if SUM:
-        if expert >= 0:
-            e = expert.to(tl.int64)
-            _down_block(act_ptr, w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se, weights_ptr,
-                        y_ptr, sorted_ptr, num_pairs, cols, col_ok, stride_a, stride_wn, stride_sn, stride_y,
-                        HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, KIND, GROUP, NATIVE_FP8)
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
         if arrived == tl.num_programs(0) - 1:
@@ -356,13 +356,6 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, y_ptr, sorted_ptr, b
                 _sum_choices(y_ptr, ids_ptr, out_ptr, token, cols, col_ok, num_experts, stride_y, stride_o, TOP_K,
                              True)
             tl.store(arrivals_ptr + tl.program_id(1), 0)
-    else:
-        if expert < 0:
-            return
-        e = expert.to(tl.int64)
-        _down_block(act_ptr, w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se, weights_ptr, y_ptr,
-                    sorted_ptr, num_pairs, cols, col_ok, stride_a, stride_wn, stride_sn, stride_y, HIDDEN, INTER,
-                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, KIND, GROUP, NATIVE_FP8)
 
 
 @triton.jit
@@ -486,12 +479,14 @@ _arrivals: dict[torch.device, torch.Tensor] = {}
 def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The device's zeroed counts, or None where there are too few of them or they would be made inside a CUDA
     graph capture (the first eager call on a device makes them; the start-up checks make that call)."""
+    if tiles > ARRIVAL_SLOTS:
+        return None
     counts = _arrivals.get(device)
     if counts is None:
-        if tiles > ARRIVAL_SLOTS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         counts = _arrivals[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
-    return counts if tiles <= ARRIVAL_SLOTS else None
+    return counts
 
 
 def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeConfig,
