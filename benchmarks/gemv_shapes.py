@@ -6,8 +6,8 @@ CUDA graph, each call on a different copy of the weight so nothing is served fro
 Methods: cuBLAS through F.linear, cuBLASLt through F.linear, torch.mm on a transposed weight, and the
 Triton kernel of shardserve/kernels/triton/gemv.py over a grid of launch configurations. With --packed, the
 packed GEMVs of shardserve/kernels/triton/quant_gemv.py instead (4-bit in groups of 128 with zero points, or
-FP8 with a scale per row) over the configurations the engine times at start-up, checked against the
-dequantized product. Prints us per call and GB/s of weights read (packed bytes and scales), and a RESULT line
+FP8 with a scale per row) over the configurations the engine times at start-up (for 4-bit also the split-K
+GEMV's, keys starting with "split"), checked against the dequantized product. Prints us per call and GB/s of weights read (packed bytes and scales), and a RESULT line
 with every figure.
 """
 
@@ -41,10 +41,11 @@ def cublaslt_linear(x, w):
 
 
 def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]]) -> dict:
-    """The packed GEMVs over GEMV_CANDIDATES, best per shape."""
+    """The packed GEMVs over GEMV_CANDIDATES (and INT4_SPLIT_CANDIDATES for 4-bit), best per shape."""
     from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4
-    from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
-    from shardserve.layers.quantized_linear import GEMV_CANDIDATES, quantize_fp8, quantize_int4
+    from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv, int4_gemv_split, int4_split_sub
+    from shardserve.layers.quantized_linear import (GEMV_CANDIDATES, INT4_SPLIT_CANDIDATES, quantize_fp8,
+                                                    quantize_int4)
 
     group = 128
     results = {}
@@ -54,12 +55,16 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]]) -> dict:
             q, scale, zero = quantize_int4(dense, group)
             reference_w = dequantize_int4(q, scale, zero, group, torch.float32)
             parts = (q, scale, zero)
-            fn_of = lambda config: lambda x, packed: int4_gemv(x, *packed, group, *config)  # noqa: E731
+            launches = {"_".join(map(str, c)): lambda x, packed, c=c: int4_gemv(x, *packed, group, *c)
+                        for c in GEMV_CANDIDATES}
+            launches.update({"split_" + "_".join(map(str, c)): lambda x, packed, c=c: int4_gemv_split(
+                x, *packed, group, *c) for c in INT4_SPLIT_CANDIDATES if int4_split_sub(k, group, c[1])})
         else:
             q, scale = quantize_fp8(dense, k)
             reference_w = dequantize_fp8(q, scale, k, torch.float32)
             parts = (q, scale)
-            fn_of = lambda config: lambda x, packed: fp8_gemv(x, *packed, k, *config)  # noqa: E731
+            launches = {"_".join(map(str, c)): lambda x, packed, c=c: fp8_gemv(x, *packed, k, *c)
+                        for c in GEMV_CANDIDATES}
         del dense
         nbytes = sum(t.numel() * t.element_size() for t in parts)
         copies = max(2, -(-400 * 2**20 // nbytes))  # several times the L2 size in total
@@ -68,12 +73,11 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]]) -> dict:
         reference = x.float() @ reference_w.t()
         del reference_w
         row = {}
-        for config in GEMV_CANDIDATES:
-            fn = fn_of(config)
+        for key, fn in launches.items():
             err = (fn(x, packs[0]).float() - reference).abs().max().item()
             if err > 0.02 * reference.abs().max().item():
-                raise AssertionError(f"{kind} gemv wrong for {name} {config}: {err}")
-            row["_".join(map(str, config))] = time_in_graph_us(fn, packs, x)
+                raise AssertionError(f"{kind} gemv wrong for {name} {key}: {err}")
+            row[key] = time_in_graph_us(fn, packs, x)
         best = min((v, key) for key, v in row.items())
         print(f"{name:8s} [{n}x{k}] {kind} best {best[1]} {best[0]:.1f} us ({nbytes / best[0] / 1e3:.0f} GB/s)",
               flush=True)

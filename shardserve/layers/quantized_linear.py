@@ -50,6 +50,10 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DEFAULT_GEMV = (8, 512, 4, 3)
 GEMV_CANDIDATES = ((8, 512, 4, 3), (4, 1024, 8, 4), (16, 256, 4, 2), (8, 1024, 8, 3), (8, 1024, 4, 3),
                    (8, 2048, 8, 3), (16, 1024, 8, 3), (4, 2048, 8, 4), (4, 4096, 8, 4), (4, 4096, 8, 2))
+# (block_n, split_k, num_warps, row_tiles) of the 4-bit split-K GEMV (quant_gemv.int4_gemv_split), timed against
+# GEMV_CANDIDATES at start-up. The fastest five of a grid (block_n 64-256, split_k 256-512, 4 or 8 warps, 1-8 row
+# tiles) on Llama-3-8B's projections on an H100; configurations that spill registers left out.
+INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (128, 256, 4, 1), (128, 256, 4, 4), (256, 256, 4, 1), (64, 256, 4, 2))
 
 
 # Batches by row count: at most 16, 64, 256, 512 or 1024 rows, or more (a full decode batch of 512 sequences has
@@ -107,6 +111,9 @@ class PackedWeights:
         self.layout, self.n, self.k, self.group = layout, n, k, group
         self.compute_dtype = layer.weight.dtype
         self.gemv_config = DEFAULT_GEMV
+        # 4-bit only: the split-K GEMV's configuration (INT4_SPLIT_CANDIDATES) where start-up timing found it
+        # faster than every tiled one; None runs the tiled GEMV (gemv_config).
+        self.gemv_split: tuple[int, ...] | None = None
         # One-row products of a normed input (the QKV and gate/up projections) with the norm inside the GEMV:
         # set by start-up timing where that measured faster than the norm kernel and the GEMV.
         self.norm_fused = False
@@ -201,19 +208,25 @@ class PackedWeights:
         chose the norm-fused GEMV for this shape (never for act order: its input is gathered first); else None."""
         if not self.norm_fused or x.dim() != 2 or x.shape[0] != 1 or getattr(layer, "input_perm", None) is not None:
             return None
-        from shardserve.kernels.triton.quant_gemv import fp8_gemv_rmsnorm, int4_gemv_rmsnorm
+        from shardserve.kernels.triton.quant_gemv import fp8_gemv_rmsnorm, int4_gemv_rmsnorm, int4_gemv_split_rmsnorm
 
         if self.layout.kind == "fp8":
             return fp8_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, self.group,
                                     *self.gemv_config)
+        if self.gemv_split is not None:
+            return int4_gemv_split_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale,
+                                           layer.weight_zero, self.group, *self.gemv_split)
         return int4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.weight_zero,
                                  self.group, *self.gemv_config)
 
     def _gemv(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
-        from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
+        from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv, int4_gemv_split
 
         if self.layout.kind == "fp8":
             return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config)
+        if self.gemv_split is not None:
+            return int4_gemv_split(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group,
+                                   *self.gemv_split)
         return int4_gemv(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group, *self.gemv_config)
 
     def _gemm(self, layer: KernelLinear, x: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
@@ -488,41 +501,74 @@ def _normed_error(layer: KernelLinear, w64: torch.Tensor, outputs, generator: to
     return error, f"error {error:.2g} (tolerance {TOLERANCE.get(dtype, 1e-2):.2g})"
 
 
+# A single-row form: the tiled GEMV's configuration (GEMV_CANDIDATES) and the split-K GEMV's (4-bit weights,
+# INT4_SPLIT_CANDIDATES), or None to run the tiled one.
+GemvForm = tuple[tuple[int, ...], "tuple[int, ...] | None"]
+
+
+def _set_form(layers: list[KernelLinear], form: GemvForm, norm_fused: bool = False) -> None:
+    for layer in layers:
+        (layer.packed.gemv_config, layer.packed.gemv_split), layer.packed.norm_fused = form, norm_fused
+
+
+def _candidate_forms(packed: PackedWeights) -> list[GemvForm]:
+    from shardserve.kernels.triton.quant_gemv import int4_split_sub
+
+    forms: list[GemvForm] = [(config, None) for config in GEMV_CANDIDATES]
+    if packed.layout.kind == "int4":
+        forms += [(DEFAULT_GEMV, config) for config in INT4_SPLIT_CANDIDATES
+                  if int4_split_sub(packed.k, packed.group, config[1]) is not None]
+    return forms
+
+
+def _describe_form(form: GemvForm) -> str:
+    config, split = form
+    return f"tiled {config}" if split is None else f"split-K {split}"
+
+
 @torch.inference_mode()
 def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
-    """Per distinct packed shape on CUDA, the fastest of GEMV_CANDIDATES that matches float64, timed inside a
-    CUDA graph over the model's own layers of that shape. Keys are 'kind/group/N/K' (plain data, to agree on)."""
+    """Per distinct packed shape on CUDA, the fastest single-row form that matches float64 (_candidate_forms),
+    timed inside a CUDA graph over the model's own layers of that shape, each running the form; for layers that
+    take a normed input, also the norm inside the GEMV (_choose_normed). Keys (plain data, to agree on):
+    'kind/group/N/K' the tiled configuration, that + SPLIT_SUFFIX the split-K one where it won, + NORM_FUSED_SUFFIX
+    where the norm runs inside."""
     from shardserve.kernels.self_check import TOLERANCE, relative_error
     from shardserve.layers.cuda_gemv import time_in_graph_us
 
     chosen: dict[str, list[int]] = {}
     for (layout, n, k), layers in distinct_packed(model).items():
-        first = layers[0]
+        first, timed_layers = layers[0], layers[:32]
         if not first.weight.is_cuda:
             continue
         dtype = first.packed.compute_dtype
         x = torch.randn(1, k, dtype=dtype, device=first.weight.device)
         weight64 = reference_weight(first)
         reference = F.linear(x.double(), weight64).cpu()
-        timed = []
-        for config in GEMV_CANDIDATES:
-            first.packed.gemv_config = config
+        timed: list[tuple[float, GemvForm]] = []
+        for form in _candidate_forms(first.packed):
+            _set_form(timed_layers, form)
             try:
                 if relative_error(first.packed._product(first, x), reference) > TOLERANCE.get(dtype, 1e-2):
                     continue
-                us = time_in_graph_us(lambda x, layer: layer.packed._product(layer, x), layers[:32], x)
+                us = time_in_graph_us(lambda x, layer: layer.packed._product(layer, x), timed_layers, x)
             except Exception as e:  # noqa: BLE001 - a configuration this shape cannot take
-                logger.debug("GEMV config %s on %s %dx%d: %s", config, layout.describe(), n, k, e)
+                logger.debug("GEMV %s on %s %dx%d: %s", _describe_form(form), layout.describe(), n, k, e)
                 continue
-            timed.append((us, config))
-        first.packed.gemv_config = DEFAULT_GEMV
+            timed.append((us, form))
+        _set_form(timed_layers, (DEFAULT_GEMV, None))
         if timed:
-            us, best = min(timed)
-            chosen[first.packed.config_key()] = list(best)
-            logger.info("packed %s %dx%d single-row GEMV: %s, %.1f us (%.0f GB/s)", layout.describe(), n, k, best, us,
+            us, best = min(timed, key=lambda t: t[0])
+            logger.info("packed %s %dx%d single-row GEMV: %s, %.1f us (%.0f GB/s)", layout.describe(), n, k,
+                        _describe_form(best), us,
                         sum(t.numel() * t.element_size() for t in (first.weight, first.weight_scale)) / us / 1e3)
-            if _norm_fused_wins(layers, best, weight64):
-                chosen[first.packed.config_key() + NORM_FUSED_SUFFIX] = [1]
+            form, fused = _choose_normed(layers, timed, weight64) or (best, False)
+            key = first.packed.config_key()
+            chosen[key] = list(form[0])
+            if form[1] is not None:
+                chosen[key + SPLIT_SUFFIX] = list(form[1])
+            if fused:
+                chosen[key + NORM_FUSED_SUFFIX] = [1]
         del weight64
     return chosen
 
@@ -531,15 +577,18 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
 # their time (as layers/cuda_gemv.py asks of 16-bit weights).
 NORM_FUSED_MIN_GAIN = 0.03
 NORM_FUSED_SUFFIX = "/norm"
+SPLIT_SUFFIX = "/split"
 
 
-def _norm_fused_wins(layers: list[KernelLinear], config, weight64: torch.Tensor) -> bool:
-    """Whether the layers of one packed shape take a normed input (column-parallel, no input permutation) and
-    the norm inside their GEMV (`config`) matched float64 (weight64: their reference weight) and beat the norm
-    kernel then the GEMV."""
+def _choose_normed(layers: list[KernelLinear], timed: list[tuple[float, GemvForm]],
+                   weight64: torch.Tensor) -> tuple[GemvForm, bool] | None:
+    """For layers of one packed shape that take a normed input (column-parallel, no input permutation): of the
+    fastest tiled form and the fastest split-K form in `timed` (times of their plain GEMVs), the fastest after the
+    norm kernel or, where that checks against float64 (weight64: their reference weight) and is faster by
+    NORM_FUSED_MIN_GAIN, with the norm inside. Returns (form, norm inside), or None for other layers."""
     first = layers[0]
     if not hasattr(first, "forward_normed") or getattr(first, "input_perm", None) is not None:
-        return False
+        return None
     from shardserve.kernels.self_check import TOLERANCE
     from shardserve.layers.cuda_gemv import time_in_graph_us
     from shardserve.layers.norm import RMSNorm
@@ -548,31 +597,46 @@ def _norm_fused_wins(layers: list[KernelLinear], config, weight64: torch.Tensor)
     norm = RMSNorm(k, 1e-5, dtype).to(device)
     residual = torch.randn(1, k, dtype=dtype, device=device)
     x = torch.randn(1, k, dtype=dtype, device=device)
-    first.packed.gemv_config, first.packed.norm_fused = config, True
+    timed_layers = layers[:32]
+    fastest: dict[bool, GemvForm] = {}  # by whether the form is tiled
+    for _, form in sorted(timed, key=lambda t: t[0]):
+        fastest.setdefault(form[1] is None, form)
+    apart: list[tuple[float, GemvForm]] = []
+    fused: list[tuple[float, GemvForm]] = []
     try:
-        error, detail = _normed_error(first, weight64, slice(None), torch.Generator().manual_seed(3))
-        if not error <= TOLERANCE.get(dtype, 1e-2):
-            logger.warning("packed %dx%d: the norm-fused GEMV failed its check (%s); not used", first.packed.n, k,
-                           detail)
-            return False
-        for layer in layers[:32]:
-            layer.packed.gemv_config, layer.packed.norm_fused = config, True
-        fused = time_in_graph_us(lambda x, layer: layer.packed.normed(layer, x, residual, norm.weight, norm.eps),
-                                 layers[:32], x)
-        apart = time_in_graph_us(lambda x, layer: layer.packed._product(layer, norm(x, residual)[0]), layers[:32], x)
+        for form in fastest.values():
+            _set_form(timed_layers, form)
+            apart.append((time_in_graph_us(lambda x, layer: layer.packed._product(layer, norm(x, residual)[0]),
+                                           timed_layers, x), form))
+            _set_form(timed_layers, form, norm_fused=True)
+            error, detail = _normed_error(first, weight64, slice(None), torch.Generator().manual_seed(3))
+            if not error <= TOLERANCE.get(dtype, 1e-2):
+                logger.warning("packed %dx%d: the norm-fused %s failed its check (%s); not used", first.packed.n, k,
+                               _describe_form(form), detail)
+                continue
+            fused.append((time_in_graph_us(
+                lambda x, layer: layer.packed.normed(layer, x, residual, norm.weight, norm.eps), timed_layers, x),
+                form))
     except Exception as e:  # noqa: BLE001 - a form this shape cannot take
         logger.debug("norm-fused GEMV on %dx%d: %s", first.packed.n, k, e)
-        return False
     finally:
-        for layer in layers[:32]:
-            layer.packed.gemv_config, layer.packed.norm_fused = DEFAULT_GEMV, False
-    logger.info("packed %dx%d with the norm before it: %.1f us fused, %.1f us apart: %s", first.packed.n, k, fused,
-                apart, "fused" if fused < apart * (1 - NORM_FUSED_MIN_GAIN) else "apart")
-    return fused < apart * (1 - NORM_FUSED_MIN_GAIN)
+        _set_form(timed_layers, (DEFAULT_GEMV, None))
+    if not apart:
+        return None
+    best_apart = min(apart, key=lambda t: t[0])
+    best_fused = min(fused, key=lambda t: t[0]) if fused else None
+    inside = best_fused is not None and best_fused[0] < best_apart[0] * (1 - NORM_FUSED_MIN_GAIN)
+    us, form = best_fused if inside else best_apart
+    logger.info("packed %dx%d with the norm before it: %s %s, %.1f us (after the norm kernel at best %.1f us%s)",
+                first.packed.n, k, _describe_form(form), "with the norm inside" if inside else "after the norm kernel",
+                us, best_apart[0], f", with it inside at best {best_fused[0]:.1f} us" if best_fused else "")
+    return form, inside
 
 
 def use_gemv_configs(model: nn.Module, chosen: dict[str, list[int]]) -> None:
+    """Apply time_gemv_configs' choices (agreed by every rank); a shape not in `chosen` takes the default."""
     for _, layer in packed_layers(model):
         key = layer.packed.config_key()
-        layer.packed.gemv_config = tuple(chosen.get(key, DEFAULT_GEMV))
-        layer.packed.norm_fused = key + NORM_FUSED_SUFFIX in chosen
+        split = chosen.get(key + SPLIT_SUFFIX)
+        _set_form([layer], (tuple(chosen.get(key, DEFAULT_GEMV)), tuple(split) if split else None),
+                  key + NORM_FUSED_SUFFIX in chosen)

@@ -142,6 +142,68 @@ def test_interpreter_int4_gemv(dtype, n, k, group, block_n, block_k):
     assert relative_error(got[0], x.double() @ int4_reference(q, scale, zero, group).T) < TOLERANCE[dtype]
 
 
+# (N, K, group, (block_n, split_k, num_warps, row_tiles)): several splits and row tiles with rows past N, a split
+# of several groups, groups of 32 (sub-tiles of four words), one group a row.
+INTERPRETER_SPLIT = [(70, 1024, 128, (32, 512, 4, 2)), (19, 192, 32, (8, 64, 4, 3)), (13, 256, 256, (16, 128, 4, 1)),
+                     (40, 512, 64, (16, 256, 4, 2))]
+
+
+def split_counts_are_zero() -> bool:
+    from shardserve.kernels.triton import arrivals
+
+    return all(counts.count_nonzero().item() == 0 for counts in arrivals._counts.values())
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs Llama-3-8B's below")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,group,config", INTERPRETER_SPLIT)
+def test_interpreter_int4_split_gemv(dtype, n, k, group, config):
+    """The split-K GEMV (nibbles read as float32 denormals, partial sums over K splits summed by each row block's
+    last program) against float64, the same bits on a second call, every arrival count back to 0."""
+    from shardserve.kernels.triton.quant_gemv import int4_gemv_split
+
+    q, scale, zero = random_int4(n, k, group, seed=n)
+    x = torch.randn(k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = int4_gemv_split(x, pack_int4(q), scale, zero, group, *config)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert relative_error(got[0], x.double() @ int4_reference(q, scale, zero, group).T) < TOLERANCE[dtype]
+    assert split_counts_are_zero()
+    assert torch.equal(int4_gemv_split(x, pack_int4(q), scale, zero, group, *config), got)
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 3e4])
+def test_interpreter_int4_split_gemv_extreme_nibbles_and_inputs(magnitude):
+    """Nibbles 0 and 15 in every position of a word, zero points 0 and 15, inputs from tiny to large: the
+    denormal reading of each nibble and the scaling of x keep every product exact to float32 rounding."""
+    from shardserve.kernels.triton.quant_gemv import int4_gemv_split
+
+    n, k, group = 16, 256, 32
+    q = torch.zeros(n, k, dtype=torch.int64)
+    q[::2] = 15
+    q[:, 7::8] = 15 - q[:, 7::8]  # the last nibble of each word, read from the shifted word
+    zero = torch.zeros(n, k // group)
+    zero[:, 1::2] = 15
+    scale = torch.full((n, k // group), 0.01)
+    x = torch.randn(k, generator=torch.Generator().manual_seed(5)) * magnitude
+    got = int4_gemv_split(x, pack_int4(q), scale, zero, group, 8, 128, 4, 2)
+    want = x.double() @ int4_reference(q, scale, zero, group).T
+    assert relative_error(got[0], want) < 1e-6
+
+
+@needs_triton
+def test_int4_split_gemv_names_what_it_cannot_take():
+    from shardserve.kernels.triton.quant_gemv import int4_gemv_split, int4_split_sub
+
+    assert int4_split_sub(4096, 128, 512) == 128 and int4_split_sub(4096, 4096, 512) == 512
+    assert int4_split_sub(4000, 32, 512) is None  # K not a multiple of the split
+    assert int4_split_sub(4096, 4, 512) is None  # a group narrower than a 32-bit word of eight nibbles
+    q, scale, zero = random_int4(8, 96, 32, device="cpu")
+    with pytest.raises(ValueError, match="cannot split K=96 in groups of 32 every 64 columns"):
+        int4_gemv_split(torch.randn(96), pack_int4(q), scale, zero, 32, 8, 64)
+
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs Llama-3-8B's below")
 @pytest.mark.parametrize("native", [True, False], ids=["fp8", "fp8-bits"])
@@ -187,7 +249,8 @@ def check_normed_gemv(kind: str, n: int, k: int, group: int, dtype, with_residua
         want = h[0].double() @ fp8_reference(weight, scale, group).T
     else:
         q, scale, zero = random_int4(n, k, group, seed=n)
-        got, got_sum = quant_gemv.int4_gemv_rmsnorm(*norm_args, pack_int4(q), scale, zero, group, *config)
+        fused = quant_gemv.int4_gemv_split_rmsnorm if kind == "int4-split" else quant_gemv.int4_gemv_rmsnorm
+        got, got_sum = fused(*norm_args, pack_int4(q), scale, zero, group, *config)
         want = h[0].double() @ int4_reference(q, scale, zero, group).T
     assert torch.equal(got_sum, summed)
     assert got.shape == (1, n) and relative_error(got[0], want) < TOLERANCE[dtype]
@@ -199,19 +262,29 @@ def check_normed_gemv(kind: str, n: int, k: int, group: int, dtype, with_residua
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kind,n,k,group,block_n,block_k", [
     ("fp8", 24, 256, 128, 8, 64), ("fp8", 13, 200, 200, 8, 64), ("int4", 19, 192, 32, 8, 128),
-    ("int4", 13, 200, 200, 8, 64)])
+    ("int4", 13, 200, 200, 8, 64), ("int4-split", 19, 192, 32, 8, 64), ("int4-split", 40, 512, 128, 16, 256)])
 def test_interpreter_norm_fused_packed_gemv(kind, n, k, group, block_n, block_k, dtype, with_residual):
-    check_normed_gemv(kind, n, k, group, dtype, with_residual, (block_n, block_k, 4, 1))
+    """block_k: the split kernel's split_k (with two row tiles)."""
+    check_normed_gemv(kind, n, k, group, dtype, with_residual, (block_n, block_k, 4, 2 if "split" in kind else 1))
 
 
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
-@pytest.mark.parametrize("kind,group", [("fp8", 4096), ("fp8", 128), ("int4", 128)])
+@pytest.mark.parametrize("kind,group", [("fp8", 4096), ("fp8", 128), ("int4", 128), ("int4-split", 128)])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096), (3072, 4096), (24, 256)])
 def test_gpu_norm_fused_packed_gemv(kind, group, n, k):
-    for config in CONFIGS:
+    configs = split_configs(k, group) if kind == "int4-split" else CONFIGS
+    for config in configs:
         check_normed_gemv(kind, n, k, min(group, k), torch.bfloat16, True, config)
-    check_normed_gemv(kind, n, k, min(group, k), torch.bfloat16, False, CONFIGS[0])
+    check_normed_gemv(kind, n, k, min(group, k), torch.bfloat16, False, configs[0])
+
+
+def split_configs(k: int, group: int) -> list[tuple[int, ...]]:
+    """The start-up candidates of the split-K GEMV that take K columns in groups of `group`."""
+    from shardserve.kernels.triton.quant_gemv import int4_split_sub
+    from shardserve.layers.quantized_linear import INT4_SPLIT_CANDIDATES
+
+    return [c for c in INT4_SPLIT_CANDIDATES if int4_split_sub(k, min(group, k), c[1]) is not None]
 
 
 @needs_triton
@@ -244,12 +317,12 @@ def test_kernels_reject_bad_inputs_with_the_reason():
 # -- Triton kernels on CUDA: real shapes, CUDA graphs -----------------------------------------------------------
 
 
-def _check_configs(run, x_by_dtype, w64, what: str) -> list[str]:
+def _check_configs(run, x_by_dtype, w64, what: str, configs=CONFIGS) -> list[str]:
     """Failures of run(x, config) against x @ w64^T for every dtype and config, as readable lines."""
     failures = []
     for dtype, x in x_by_dtype.items():
         want = x.double() @ w64.T
-        for config in CONFIGS:
+        for config in configs:
             got = run(x, config)
             error = relative_error(got[0], want) if got.shape == (1, w64.shape[0]) else float("inf")
             if not (got.dtype == dtype and error < TOLERANCE[dtype]):
@@ -265,19 +338,25 @@ def _inputs(k: int) -> dict:
 
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
+@pytest.mark.parametrize("kernel", ["tiled", "split"])
 @pytest.mark.parametrize("n,k", LLAMA3_8B + [TINY])
-def test_gpu_int4_gemv(n, k):
-    """Group sizes 32, 64, 128 and K; every config for bfloat16 and float16 inputs."""
-    from shardserve.kernels.triton.quant_gemv import int4_gemv
+def test_gpu_int4_gemv(n, k, kernel):
+    """Group sizes 32, 64, 128 and K; every config for bfloat16 and float16 inputs (the split-K kernel: every
+    start-up candidate that takes the shape, and the arrival counts back to 0 after all of it)."""
+    from shardserve.kernels.triton.quant_gemv import int4_gemv, int4_gemv_split
 
+    gemv = int4_gemv_split if kernel == "split" else int4_gemv
     failures = []
     for group in (32, 64, 128, k):
         q, scale, zero = random_int4(n, k, group, seed=group)
         qweight, w64 = pack_int4(q), int4_reference(q, scale, zero, group)
         del q
-        run = lambda x, c: int4_gemv(x, qweight, scale, zero, group, *c)  # noqa: E731
-        failures += _check_configs(run, _inputs(k), w64, f"int4 {n}x{k} group {group}")
+        run = lambda x, c: gemv(x, qweight, scale, zero, group, *c)  # noqa: E731
+        failures += _check_configs(run, _inputs(k), w64, f"int4 {kernel} {n}x{k} group {group}",
+                                   split_configs(k, group) if kernel == "split" else CONFIGS)
     assert not failures, "\n".join(failures)
+    torch.cuda.synchronize()
+    assert split_counts_are_zero()
 
 
 @needs_triton
@@ -325,13 +404,14 @@ def test_gpu_dequantize_int4_equals_torch(dtype, n, k, group):
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_replays_in_cuda_graph_with_a_new_input():
-    from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
+    from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv, int4_gemv_split
 
     n, k, group = 4096, 4096, 128
     q, scale, zero = random_int4(n, k, group)
     qweight = pack_int4(q)
     weight, fp8_scale = random_fp8(n, k, group)
     launches = {"int4": lambda x: int4_gemv(x, qweight, scale, zero, group),
+                "int4-split": lambda x: int4_gemv_split(x, qweight, scale, zero, group),
                 "fp8": lambda x: fp8_gemv(x, weight, fp8_scale, group)}
     for name, launch in launches.items():
         x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)

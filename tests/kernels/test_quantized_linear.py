@@ -220,3 +220,41 @@ def test_the_norm_inside_the_single_row_gemv_equals_the_norm_then_the_product(la
     assert len(failures) == 1 and "with the norm before it" in failures[0]
     use_gemv_configs(model, {})
     assert not layer.packed.norm_fused
+
+
+@needs_triton
+def test_a_chosen_split_k_gemv_runs_the_one_row_products(monkeypatch):
+    """Where start-up timing chose the 4-bit split-K GEMV for a shape (the key + SPLIT_SUFFIX rank 0 shares), the
+    layer's one-row products run it, with the norm inside too where that was chosen, and match float64; the
+    default puts the tiled GEMV back."""
+    from shardserve.kernels.triton import quant_gemv
+    from shardserve.layers.norm import RMSNorm
+    from shardserve.layers.quantized_linear import (DEFAULT_GEMV, NORM_FUSED_SUFFIX, SPLIT_SUFFIX,
+                                                    use_gemv_configs)
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    n, k = (6144, 4096) if CUDA else (48, 256)
+    split = (128, 512, 4, 1) if CUDA else (16, 128, 4, 2)
+    layer = packed_layer(n, k, PackedLayout("int4", 128), dtype)
+    model, key = nn.Sequential(layer), layer.packed.config_key()
+    calls = []
+    for name in ("int4_gemv_split", "int4_gemv_split_rmsnorm"):
+        kernel = getattr(quant_gemv, name)
+        monkeypatch.setattr(quant_gemv, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
+
+    use_gemv_configs(model, {key: list(DEFAULT_GEMV), key + SPLIT_SUFFIX: list(split), key + NORM_FUSED_SUFFIX: [1]})
+    assert layer.packed.gemv_split == split and layer.packed.norm_fused
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    w64 = reference_weight(layer)
+    assert relative_error(layer.packed._gemv(layer, x), (x.double() @ w64.T).cpu()) < TOLERANCE[dtype]
+    norm = RMSNorm(k, 1e-5, dtype).to(DEVICE)
+    residual = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
+    h, _ = norm(x.clone(), residual.clone())
+    got, _ = layer.packed.normed(layer, x, residual, norm.weight, norm.eps)
+    assert relative_error(got, (h.double() @ w64.T).cpu()) < TOLERANCE[dtype]
+    assert calls == ["int4_gemv_split", "int4_gemv_split_rmsnorm"]
+    if CUDA:
+        assert check_packed(model, rows=(1,)) == []
+
+    use_gemv_configs(model, {})
+    assert layer.packed.gemv_split is None and not layer.packed.norm_fused

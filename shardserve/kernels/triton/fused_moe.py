@@ -38,6 +38,7 @@ from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS, SUM_IN_DO
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.quant_pack import fit_block_k
 from shardserve.kernels.triton import pdl
+from shardserve.kernels.triton.arrivals import arrival_counts
 from shardserve.kernels.triton.moe_router import route_token, routing_outputs
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
@@ -467,26 +468,6 @@ def _packed_args(w: torch.Tensor, scale, zero, group: int, kind: str) -> tuple:
     if kind == "fp8":
         return w.view(torch.uint8), scale, scale, scale.stride(0), scale.stride(1), group, FP8
     return w, scale, zero, scale.stride(0), scale.stride(1), group, INT4
-
-
-# One arrival count per column tile of the w2 GEMM, per device, zero between launches (each launch that sums in
-# its w2 GEMM puts its counts back to 0). Never freed or replaced: CUDA graphs keep its address. Invariant: the
-# experts of one device run on one stream at a time (the engine's forward), so no two launches share counts.
-ARRIVAL_SLOTS = 4096
-_arrivals: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's zeroed counts, or None where there are too few of them or they would be made inside a CUDA
-    graph capture (the first eager call on a device makes them; the start-up checks make that call)."""
-    if tiles > ARRIVAL_SLOTS:
-        return None
-    counts = _arrivals.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _arrivals[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
-    return counts
 
 
 def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeConfig,

@@ -128,14 +128,24 @@ def rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, write_sum, K: tl.constexpr, BL
 @triton.jit
 def normed_values(x_ptr, residual_ptr, norm_w_ptr, offsets, mask, rstd, HAS_RESIDUAL: tl.constexpr):
     """h = RMSNorm(s) at `offsets` (any shape) of the row, with the rounding of fused_ops._rms_norm_kernel:
-    s = round(x + residual), h = round(w * round(s * rstd)); in x's dtype, 0 where masked."""
-    s = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    s = round(x + residual), h = round(w * round(s * rstd)); in x's dtype, 0 where masked (mask None: every
+    offset is inside the row)."""
+    s = _masked_load(x_ptr + offsets, mask)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
+        r = _masked_load(residual_ptr + offsets, mask)
         s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
     h = (s.to(tl.float32) * rstd).to(s.dtype)
-    nw = tl.load(norm_w_ptr + offsets, mask=mask, other=0.0)
+    nw = _masked_load(norm_w_ptr + offsets, mask)
     return (nw.to(tl.float32) * h.to(tl.float32)).to(s.dtype)
+
+
+@triton.jit
+def _masked_load(pointers, mask):
+    if mask is None:
+        values = tl.load(pointers)
+    else:
+        values = tl.load(pointers, mask=mask, other=0.0)
+    return values
 
 
 @triton.jit

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from shardserve.kernels.quant_pack import check_fp8, check_int4, fp8_groups
 from shardserve.kernels.triton import pdl
+from shardserve.kernels.triton.arrivals import ARRIVAL_SLOTS, arrival_counts
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.gemv import normed_row_args, normed_values, rms_of_sum
 
@@ -153,6 +154,109 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, residua
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
+# The split-K 4-bit GEMV's products carry a factor 2**-SPLIT_SCALE_BITS (see _int4_split_gemv_kernel): x is scaled
+# by at most 2**53 (finite up to |x| < 2**75) and a product n * x stays a normal float down to |n * x| = 2**-30.
+SPLIT_SCALE_BITS = 96
+
+
+@triton.jit
+def _denormal(w, BIT: tl.constexpr):
+    """The nibble of w at bits BIT..BIT+3, alone in a word read as a float32: the denormal n * 2**(BIT - 149),
+    exactly, for one AND and no conversion instruction."""
+    return (w & (15 << BIT)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, J: tl.constexpr, BIT: tl.constexpr,
+                  SCALE_BITS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """x at `cols` + J (the column of nibble J of each word), in float32, as it is (to sum) and scaled by
+    2**(149 - SCALE_BITS - BIT) (to multiply nibble J's denormal with: the product is n * x * 2**-SCALE_BITS)."""
+    if NORM:
+        x = normed_values(x_ptr, residual_ptr, norm_w_ptr, cols + J, None, rstd, HAS_RESIDUAL)
+    else:
+        x = tl.load(x_ptr + cols + J)
+    x = x.to(tl.float32)
+    return x, x * (2.0 ** (149 - SCALE_BITS - BIT))
+
+
+@triton.jit
+def _int4_split_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, arrivals_ptr, out_ptr, N, stride_qw,
+                            residual_ptr, norm_w_ptr, sum_ptr, eps, K: tl.constexpr, GROUP: tl.constexpr,
+                            BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SUB: tl.constexpr,
+                            ROW_TILES: tl.constexpr, SCALE_BITS: tl.constexpr, NORM: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    """Program (k split, row block): part[split, n] = sum over the split's SPLIT_K columns of (q - z) * s * x for
+    ROW_TILES tiles of BLOCK_N rows, then the row block's last program to finish sums the splits into out.
+
+    The tiled kernel above reloads and converts x for every tile, in a layout the weights' does not match, and
+    turns every nibble into a float by a conversion instruction (a quarter of the FMA rate). Here a program's x
+    slice is loaded once and held in registers, pre-scaled, and the weights are read as 32-bit words of eight
+    columns: a nibble masked in place is a float32 denormal n * 2**(bit - 149), so one AND and one FMA take a
+    weight into the sum (x pre-scaled by 2**(149 - SCALE_BITS - bit) per nibble position; the products are
+    exact to float32 rounding, 2**-SCALE_BITS times n * x, and the sum is scaled back once per sub-tile). A
+    sub-tile of SUB columns lies inside one group: s * (sum n * x - z * sum x) per row and sub-tile. The next
+    row tile's words are loaded before the current one is reduced. Partial sums go to part (float32); each
+    program then counts itself in arrivals[row block] (kernels/triton/arrivals.py), and the last one sums the
+    K // SPLIT_K partial sums of the block's rows in split order, so results repeat bit for bit. NORM, PDL: as in
+    _fp8_gemv_kernel (every program computes the norm's 1 / rms; program (0, 0) stores the sum)."""
+    SUBS: tl.constexpr = SPLIT_K // SUB
+    WORDS: tl.constexpr = SUB // 8
+    SPLITS: tl.constexpr = K // SPLIT_K
+    GROUPS: tl.constexpr = K // GROUP
+    split = tl.program_id(0)
+    k0 = split * SPLIT_K
+    enter(PDL)
+    rstd = 0.0
+    if NORM:
+        rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, (split == 0) & (tl.program_id(1) == 0), K, SPLIT_K,
+                          HAS_RESIDUAL)
+    sub = tl.arange(0, SUBS)
+    word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    cols = k0 + word * 8
+    a0, x0 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 0, 0, SCALE_BITS, K, NORM, HAS_RESIDUAL)
+    a1, x1 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 1, 4, SCALE_BITS, K, NORM, HAS_RESIDUAL)
+    a2, x2 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 2, 8, SCALE_BITS, K, NORM, HAS_RESIDUAL)
+    a3, x3 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 3, 12, SCALE_BITS, K, NORM, HAS_RESIDUAL)
+    a4, x4 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 4, 16, SCALE_BITS, K, NORM, HAS_RESIDUAL)
+    a5, x5 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 5, 8, SCALE_BITS, K, NORM, HAS_RESIDUAL)
+    a6, x6 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 6, 12, SCALE_BITS, K, NORM, HAS_RESIDUAL)
+    a7, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 7, 16, SCALE_BITS, K, NORM, HAS_RESIDUAL)
+    x_sum = tl.sum(a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7, axis=1)
+    group = (k0 + sub * SUB) // GROUP
+    first_row = tl.program_id(1) * (ROW_TILES * BLOCK_N)
+    rows = first_row + tl.arange(0, BLOCK_N)
+    w_next = tl.load(q_ptr + rows.to(tl.int64)[:, None, None] * stride_qw + k0 // 8 + word[None],
+                     mask=(rows < N)[:, None, None], other=0, eviction_policy="evict_first")
+    for t in range(ROW_TILES):
+        w = w_next
+        rows = first_row + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        next_rows = rows + BLOCK_N
+        w_next = tl.load(q_ptr + next_rows.to(tl.int64)[:, None, None] * stride_qw + k0 // 8 + word[None],
+                         mask=((next_rows < N) & (t + 1 < ROW_TILES))[:, None, None], other=0,
+                         eviction_policy="evict_first")
+        h = w >> 12  # nibbles 5-7 at bits 8, 12, 16: below the exponent bits, as nibbles 0-4 are in w
+        products = (_denormal(w, 0) * x0 + _denormal(w, 4) * x1 + _denormal(w, 8) * x2 + _denormal(w, 12) * x3
+                    + _denormal(w, 16) * x4 + _denormal(h, 8) * x5 + _denormal(h, 12) * x6
+                    + _denormal(h, 16) * x7)
+        qx = tl.sum(products, axis=2) * (2.0 ** SCALE_BITS)
+        at = rows.to(tl.int64)[:, None] * GROUPS + group[None, :]
+        s = tl.load(s_ptr + at, mask=row_ok[:, None], other=0.0)
+        z = tl.load(z_ptr + at, mask=row_ok[:, None], other=0.0)
+        tl.store(part_ptr + split * N + rows, tl.sum(s * (qx - z * x_sum[None, :]), axis=1), mask=row_ok)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        for t in range(ROW_TILES):
+            rows = first_row + t * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok = rows < N
+            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for p in range(SPLITS):
+                y += tl.load(part_ptr + p * N + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(arrivals_ptr + tl.program_id(1), 0)
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8,
              block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x [1, K] (or [K]) times the fp8 weight [N, K]^T with scale [N, ceil(K / group_k)] -> [1, N] in x's
@@ -167,10 +271,8 @@ def fp8_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
                      num_warps: int = 4, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8_gemv of RMSNorm(x + residual), x + residual) in one launch, as gemv.gemv_rmsnorm for 16-bit weights
     (without a residual, the second is x itself)."""
-    x, res, summed = normed_row_args(_one_row(x, weight.shape[1], "fp8_gemv_rmsnorm"), residual, norm_weight,
-                                     weight.shape[1], "fp8_gemv_rmsnorm")
-    return _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages),
-                       (res, norm_weight, summed, eps)), summed
+    return _normed_launch("fp8_gemv_rmsnorm", x, residual, norm_weight, eps, weight.shape[1], lambda x, norm: (
+        _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages), norm)))
 
 
 def _fp8_launch(x, weight, scale, group_k: int, config, norm) -> torch.Tensor:
@@ -208,11 +310,8 @@ def int4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
                       block_n: int = 8, block_k: int = 512, num_warps: int = 4,
                       num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """(int4_gemv of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm."""
-    k = 2 * qweight.shape[1]
-    x, res, summed = normed_row_args(_one_row(x, k, "int4_gemv_rmsnorm"), residual, norm_weight, k,
-                                     "int4_gemv_rmsnorm")
-    return _int4_launch(x, qweight, scale, zero, group_size, (block_n, block_k, num_warps, num_stages),
-                        (res, norm_weight, summed, eps)), summed
+    return _normed_launch("int4_gemv_rmsnorm", x, residual, norm_weight, eps, 2 * qweight.shape[1], lambda x, norm: (
+        _int4_launch(x, qweight, scale, zero, group_size, (block_n, block_k, num_warps, num_stages), norm)))
 
 
 def _int4_launch(x, qweight, scale, zero, group_size: int, config, norm) -> torch.Tensor:
@@ -231,6 +330,69 @@ def _int4_launch(x, qweight, scale, zero, group_size: int, config, norm) -> torc
         **pdl.launch(x.device))
     return out
 
+
+def int4_split_sub(k: int, group_size: int, split_k: int) -> int | None:
+    """The split kernel's sub-tile width for K columns in groups of group_size split every split_k columns, or
+    None where it cannot take the shape (split_k a power of two of at least 8 dividing K; sub-tiles of whole
+    32-bit words inside one group)."""
+    sub = min(split_k, group_size & -group_size)
+    if split_k < 8 or split_k & (split_k - 1) or k % split_k or sub % 8:
+        return None
+    return sub
+
+
+def int4_gemv_split(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    group_size: int, block_n: int = 128, split_k: int = 512, num_warps: int = 4,
+                    row_tiles: int = 1) -> torch.Tensor:
+    """int4_gemv by the split-K kernel (_int4_split_gemv_kernel): programs of split_k columns by row_tiles tiles
+    of block_n rows. Raises ValueError where the shape does not fit it (int4_split_sub), where the weight's rows
+    are not whole 32-bit words, or where there are more row blocks than arrival counts."""
+    x = _one_row(x, 2 * qweight.shape[1], "int4_gemv_split")
+    return _int4_split_launch(x, qweight, scale, zero, group_size, (block_n, split_k, num_warps, row_tiles), None)
+
+
+def int4_gemv_split_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                            eps: float, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                            group_size: int, block_n: int = 128, split_k: int = 512, num_warps: int = 4,
+                            row_tiles: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int4_gemv_split of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm."""
+    return _normed_launch("int4_gemv_split_rmsnorm", x, residual, norm_weight, eps, 2 * qweight.shape[1],
+                          lambda x, norm: _int4_split_launch(x, qweight, scale, zero, group_size,
+                                                             (block_n, split_k, num_warps, row_tiles), norm))
+
+
+def _int4_split_launch(x, qweight, scale, zero, group_size: int, config, norm) -> torch.Tensor:
+    """norm: as in _fp8_launch."""
+    check_int4(qweight, scale, zero, group_size)
+    block_n, split_k, num_warps, row_tiles = config
+    _check_blocks(block_n, 8, 1)
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    sub = int4_split_sub(k, group_size, split_k)
+    if sub is None:
+        raise ValueError(f"int4_gemv_split cannot split K={k} in groups of {group_size} every {split_k} columns")
+    if qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
+        raise ValueError("int4_gemv_split needs rows of whole 32-bit words (K a multiple of 8, aligned rows)")
+    row_blocks = triton.cdiv(n, block_n * row_tiles)
+    counts = arrival_counts(x.device, row_blocks)
+    if counts is None:
+        raise ValueError(f"int4_gemv_split: {row_blocks} row blocks, more than the {ARRIVAL_SLOTS} arrival counts "
+                         "(or the counts are not made yet inside a CUDA graph capture)")
+    partial = torch.empty(k // split_k, n, dtype=torch.float32, device=x.device)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
+    _int4_split_gemv_kernel[(k // split_k, row_blocks)](
+        x, qweight.view(torch.int32), scale, zero, partial, counts, out, n, qweight.stride(0) // 4,
+        x if residual is None else residual, norm_weight, summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n,
+        SPLIT_K=split_k, SUB=sub, ROW_TILES=row_tiles, SCALE_BITS=SPLIT_SCALE_BITS, NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=1, **pdl.launch(x.device))
+    return out
+
+
+def _normed_launch(name: str, x, residual, norm_weight, eps: float, k: int, launch):
+    """(launch(x, norm), x + residual) for a norm-fused GEMV: the row, residual and the sum's tensor checked and
+    made (gemv.normed_row_args), norm as the launches take it: (residual or None, norm weight, sum, eps)."""
+    x, residual, summed = normed_row_args(_one_row(x, k, name), residual, norm_weight, k, name)
+    return launch(x, (residual, norm_weight, summed, eps)), summed
 
 def _one_row(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
     """x as K contiguous values of a floating dtype the kernels read."""
