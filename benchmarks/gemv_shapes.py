@@ -7,8 +7,8 @@ Methods: cuBLAS through F.linear, cuBLASLt through F.linear, torch.mm on a trans
 Triton kernel of shardserve/kernels/triton/gemv.py over a grid of launch configurations. With --packed, the
 packed GEMVs of shardserve/kernels/triton/quant_gemv.py instead (4-bit in groups of 128 with zero points, or
 FP8 with a scale per row) over the configurations the engine times at start-up (for 4-bit also the split-K
-GEMV's, keys starting with "split"), checked against the dequantized product. Prints us per call and GB/s of weights read (packed bytes and scales), and a RESULT line
-with every figure.
+GEMV's, keys starting with "split"), checked against the dequantized product. Prints us per call and GB/s of
+weights read (packed bytes and scales), and a RESULT line with every figure.
 """
 
 from __future__ import annotations
