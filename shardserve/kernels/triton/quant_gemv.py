@@ -167,16 +167,36 @@ def _denormal(w, BIT: tl.constexpr):
 
 
 @triton.jit
-def _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, J: tl.constexpr, BIT: tl.constexpr,
-                  SCALE_BITS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """x at `cols` + J (the column of nibble J of each word), in float32, as it is (to sum) and scaled by
-    2**(149 - SCALE_BITS - BIT) (to multiply nibble J's denormal with: the product is n * x * 2**-SCALE_BITS)."""
+def _scaled(x, BIT: tl.constexpr, SCALE_BITS: tl.constexpr):
+    """x times 2**(149 - SCALE_BITS - BIT): a nibble at bit BIT read as a denormal, times this, is n * x *
+    2**-SCALE_BITS."""
+    return x * (2.0 ** (149 - SCALE_BITS - BIT))
+
+
+@triton.jit
+def _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, SCALE_BITS: tl.constexpr, NORM: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr):
+    """The sum of x over each sub-tile, and x at column 8 * word + j for each nibble position j (x0 ... x7, each
+    shaped as `cols`, the first column of each word), scaled for nibble j's bit. One contiguous load of the
+    sub-tiles' columns, then split by position in registers."""
+    offsets = cols[:, :, None] + tl.arange(0, 8)[None, None, :]
     if NORM:
-        x = normed_values(x_ptr, residual_ptr, norm_w_ptr, cols + J, None, rstd, HAS_RESIDUAL)
+        x = normed_values(x_ptr, residual_ptr, norm_w_ptr, offsets, None, rstd, HAS_RESIDUAL)
     else:
-        x = tl.load(x_ptr + cols + J)
+        x = tl.load(x_ptr + offsets)
     x = x.to(tl.float32)
-    return x, x * (2.0 ** (149 - SCALE_BITS - BIT))
+    x_sum = tl.sum(tl.sum(x, axis=2), axis=1)
+    # column 8w + j at [w, j // 4, (j // 2) % 2, j % 2]; each split takes the last axis
+    even, odd = tl.split(x.reshape(cols.shape[0], cols.shape[1], 2, 2, 2))
+    x04, x26 = tl.split(even)
+    x15, x37 = tl.split(odd)
+    x0, x4 = tl.split(x04)
+    x2, x6 = tl.split(x26)
+    x1, x5 = tl.split(x15)
+    x3, x7 = tl.split(x37)
+    return (x_sum, _scaled(x0, 0, SCALE_BITS), _scaled(x1, 4, SCALE_BITS), _scaled(x2, 8, SCALE_BITS),
+            _scaled(x3, 12, SCALE_BITS), _scaled(x4, 16, SCALE_BITS), _scaled(x5, 8, SCALE_BITS),
+            _scaled(x6, 12, SCALE_BITS), _scaled(x7, 16, SCALE_BITS))
 
 
 @triton.jit
@@ -213,15 +233,8 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, arrivals_ptr, 
     sub = tl.arange(0, SUBS)
     word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
     cols = k0 + word * 8
-    a0, x0 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 0, 0, SCALE_BITS, K, NORM, HAS_RESIDUAL)
-    a1, x1 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 1, 4, SCALE_BITS, K, NORM, HAS_RESIDUAL)
-    a2, x2 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 2, 8, SCALE_BITS, K, NORM, HAS_RESIDUAL)
-    a3, x3 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 3, 12, SCALE_BITS, K, NORM, HAS_RESIDUAL)
-    a4, x4 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 4, 16, SCALE_BITS, K, NORM, HAS_RESIDUAL)
-    a5, x5 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 5, 8, SCALE_BITS, K, NORM, HAS_RESIDUAL)
-    a6, x6 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 6, 12, SCALE_BITS, K, NORM, HAS_RESIDUAL)
-    a7, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, 7, 16, SCALE_BITS, K, NORM, HAS_RESIDUAL)
-    x_sum = tl.sum(a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7, axis=1)
+    x_sum, x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, SCALE_BITS,
+                                                         NORM, HAS_RESIDUAL)
     group = (k0 + sub * SUB) // GROUP
     first_row = tl.program_id(1) * (ROW_TILES * BLOCK_N)
     rows = first_row + tl.arange(0, BLOCK_N)
