@@ -280,11 +280,12 @@ def test_gpu_norm_fused_packed_gemv(kind, group, n, k):
 
 
 def split_configs(k: int, group: int) -> list[tuple[int, ...]]:
-    """The start-up candidates of the split-K GEMV that take K columns in groups of `group`."""
+    """The start-up candidates of the split-K GEMV that take K columns in groups of `group`, and a small one
+    (rows past N on the tiny shape, several splits)."""
     from shardserve.kernels.triton.quant_gemv import int4_split_sub
     from shardserve.layers.quantized_linear import INT4_SPLIT_CANDIDATES
 
-    return [c for c in INT4_SPLIT_CANDIDATES if int4_split_sub(k, min(group, k), c[1]) is not None]
+    return [c for c in INT4_SPLIT_CANDIDATES + ((16, 128, 4, 2),) if int4_split_sub(k, min(group, k), c[1])]
 
 
 @needs_triton

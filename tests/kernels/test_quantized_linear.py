@@ -234,7 +234,7 @@ def test_a_chosen_split_k_gemv_runs_the_one_row_products(monkeypatch):
 
     dtype = torch.bfloat16 if CUDA else torch.float32
     n, k = (6144, 4096) if CUDA else (48, 256)
-    split = (128, 512, 4, 1) if CUDA else (16, 128, 4, 2)
+    split = (64, 512, 4, 1) if CUDA else (16, 128, 4, 2)
     layer = packed_layer(n, k, PackedLayout("int4", 128), dtype)
     model, key = nn.Sequential(layer), layer.packed.config_key()
     calls = []
