@@ -159,8 +159,8 @@ def _packed_failures_by_rank(model: nn.Module, rows, ctx: RankContext) -> list[s
 def choose_gemv_configs(model: nn.Module, ctx: RankContext) -> str:
     """Rank 0's timed single-row configurations (and where the norm runs inside the GEMV), used on every rank and
     checked there against float64; a failure on any rank puts every rank back on the default configuration
-    without the norm inside (checked already). Returns what the kernel plan records ("" without norm-fused
-    GEMVs)."""
+    without the norm inside (checked already). Returns what the kernel plan records ("" without norm-fused or
+    split-K GEMVs)."""
     ql.use_gemv_configs(model, _gather(ql.time_gemv_configs(model), ctx)[0])
     problems = _packed_failures_by_rank(model, (1,), ctx)
     if problems:
@@ -168,8 +168,10 @@ def choose_gemv_configs(model: nn.Module, ctx: RankContext) -> str:
             logger.warning("the packed layers' timed single-row GEMVs failed their start-up check, so every rank "
                            "uses the default: %s", "; ".join(problems))
         ql.use_gemv_configs(model, {})
-    fused = sum(layers[0].packed.norm_fused for layers in ql.distinct_packed(model).values())
-    return f"the norm inside the single-row GEMV on {fused} shapes" if fused else ""
+    shapes = [layers[0].packed for layers in ql.distinct_packed(model).values()]
+    fused, split = sum(p.norm_fused for p in shapes), sum(p.gemv_split is not None for p in shapes)
+    return ", ".join(([f"the norm inside the single-row GEMV on {fused} shapes"] if fused else []) +
+                     ([f"the split-K 4-bit GEMV on {split} shapes"] if split else []))
 
 
 def choose_batch_kernels(model: nn.Module, ctx: RankContext) -> str:

@@ -7,6 +7,10 @@ product. A tile of BLOCK_K columns is split into TILE_GROUPS sub-tiles of SUB co
 that divides the quantization group, so each sub-tile lies inside one group and needs one scale (and zero)
 per row: a tile may span several groups without per-element scale lookups. With one group per row
 (per-channel), the scale is applied once after the reduction instead.
+
+4-bit weights also have a GEMV split over K (_int4_split_gemv_kernel, int4_gemv_split): x's slice held in
+registers, nibbles read as float32 denormals, partial sums summed by each row block's last program; start-up
+timing (layers/quantized_linear.py) picks it or the tiled one per shape.
 """
 
 from __future__ import annotations
