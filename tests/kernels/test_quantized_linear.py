@@ -240,7 +240,8 @@ def test_a_chosen_split_k_gemv_runs_the_one_row_products(monkeypatch):
     calls = []
     for name in ("int4_gemv_split", "int4_gemv_split_rmsnorm"):
         kernel = getattr(quant_gemv, name)
-        monkeypatch.setattr(quant_gemv, name, lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
+        monkeypatch.setattr(quant_gemv, name,
+                            lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
 
     use_gemv_configs(model, {key: list(DEFAULT_GEMV), key + SPLIT_SUFFIX: list(split), key + NORM_FUSED_SUFFIX: [1]})
     assert layer.packed.gemv_split == split and layer.packed.norm_fused

@@ -183,7 +183,7 @@ def _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, SCALE_BITS: tl.co
         x = tl.load(x_ptr + offsets)
     x = x.to(tl.float32)
     x_sum = tl.sum(tl.sum(x, axis=2), axis=1)
-    # column 8w + j at [w, j // 4, (j // 2) % 2, j % 2]; each split takes the last axis
+    # column 8 * word + j at [sub-tile, word, j // 4, (j // 2) % 2, j % 2]; each split takes the last axis
     even, odd = tl.split(x.reshape(cols.shape[0], cols.shape[1], 2, 2, 2))
     x04, x26 = tl.split(even)
     x15, x37 = tl.split(odd)
@@ -221,10 +221,14 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, arrivals_ptr, 
     sub-tile of SUB columns lies inside one group: s * (sum n * x - z * sum x) per row and sub-tile. A tile is
     [sub-tile, row, word], so a warp's lanes lie along K (each holds x for a few words only) and its rows are
     repeated in each thread: x's registers do not grow with the rows (on an H100 13-14% faster on gate/up and
-    down than rows across lanes). The next row tile's words are loaded before the current one is reduced. Partial sums go to part (float32); each
-    program then counts itself in arrivals[row block] (kernels/triton/arrivals.py), and the last one sums the
-    K // SPLIT_K partial sums of the block's rows in split order, so results repeat bit for bit. NORM, PDL: as in
-    _fp8_gemv_kernel (every program computes the norm's 1 / rms; program (0, 0) stores the sum)."""
+    down than rows across lanes). The next row tile's words are loaded before the current one is reduced.
+    Partial sums go to part (float32); each program then counts itself in arrivals[row block]
+    (kernels/triton/arrivals.py), and the last one sums the K // SPLIT_K partial sums of the block's rows in split
+    order, so results repeat bit for bit. NORM, PDL: as in _fp8_gemv_kernel (every program computes the norm's
+    1 / rms; program (0, 0) stores the sum).
+
+    Invariant: float32 denormals are kept, not flushed to zero (Triton's default); a flush would zero every
+    product, which the start-up check against float64 would catch before the kernel serves."""
     SUBS: tl.constexpr = SPLIT_K // SUB
     WORDS: tl.constexpr = SUB // 8
     SPLITS: tl.constexpr = K // SPLIT_K
