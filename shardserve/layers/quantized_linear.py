@@ -504,7 +504,7 @@ def _normed_error(layer: KernelLinear, w64: torch.Tensor, outputs, generator: to
 
 # A single-row form: the tiled GEMV's configuration (GEMV_CANDIDATES) and the split-K GEMV's (4-bit weights,
 # INT4_SPLIT_CANDIDATES), or None to run the tiled one.
-GemvForm = tuple[tuple[int, ...], "tuple[int, ...] | None"]
+GemvForm = tuple[tuple[int, ...], tuple[int, ...] | None]
 
 
 def _set_form(layers: list[KernelLinear], form: GemvForm, norm_fused: bool = False) -> None:
