@@ -14,6 +14,8 @@ launches one after another can share the counts.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 ARRIVAL_SLOTS = 4096
 _counts: dict[torch.device, torch.Tensor] = {}
@@ -30,3 +32,18 @@ def arrival_counts(device: torch.device, slots: int) -> torch.Tensor | None:
             return None
         counts = _counts[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
     return counts
+
+
+@triton.jit
+def last_to_arrive(counts_ptr, slot, programs):
+    """Count this program in counts[slot] after all its threads' stores (the barrier orders them before the
+    count, whose release/acquire publishes them); True for the one of `programs` that arrives last, which then
+    sees every other program's stores and must put the count back to 0 (`leave`) once it is done."""
+    tl.debug_barrier()
+    return tl.atomic_add(counts_ptr + slot, 1, sem="acq_rel", scope="gpu") == programs - 1
+
+
+@triton.jit
+def leave(counts_ptr, slot):
+    """The last program's reset of counts[slot] for the next launch."""
+    tl.store(counts_ptr + slot, 0)

@@ -38,7 +38,7 @@ from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS, SUM_IN_DO
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.quant_pack import fit_block_k
 from shardserve.kernels.triton import pdl
-from shardserve.kernels.triton.arrivals import arrival_counts
+from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.moe_router import route_token, routing_outputs
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
@@ -336,8 +336,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, y_ptr, sorted_ptr, b
 
     SUM: the last program of a column tile to finish also sums the choices of every token over that tile into
     out (step 4 without its launch). Every program, blocks past the real groups too, counts itself in
-    arrivals[column tile] after its stores; the one that finds all others counted has every y row of the tile
-    visible (the barrier orders the program's stores before the count, whose release/acquire publishes them)
+    arrivals[column tile] after its stores (arrivals.last_to_arrive); the last one sees every y row of the tile
     and puts the count back to 0 for the next launch. The order of the sum is fixed, as in the separate kernel.
     """
     enter(PDL)
@@ -350,13 +349,11 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, y_ptr, sorted_ptr, b
                     sorted_ptr, num_pairs, cols, col_ok, stride_a, stride_wn, stride_sn, stride_y, HIDDEN, INTER,
                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, KIND, GROUP, NATIVE_FP8)
     if SUM:
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) - 1:
+        if last_to_arrive(arrivals_ptr, tl.program_id(1), tl.num_programs(0)):
             for token in range(num_pairs // TOP_K):
                 _sum_choices(y_ptr, ids_ptr, out_ptr, token, cols, col_ok, num_experts, stride_y, stride_o, TOP_K,
                              True)
-            tl.store(arrivals_ptr + tl.program_id(1), 0)
+            leave(arrivals_ptr, tl.program_id(1))
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from shardserve.kernels.quant_pack import check_fp8, check_int4, fp8_groups
 from shardserve.kernels.triton import pdl
-from shardserve.kernels.triton.arrivals import ARRIVAL_SLOTS, arrival_counts
+from shardserve.kernels.triton.arrivals import ARRIVAL_SLOTS, arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.gemv import normed_row_args, normed_values, rms_of_sum
 
@@ -267,9 +267,7 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, arrivals_ptr, 
         s = tl.load(s_ptr + at, mask=row_ok[None, :], other=0.0)
         z = tl.load(z_ptr + at, mask=row_ok[None, :], other=0.0)
         tl.store(part_ptr + split * N + rows, tl.sum(s * (qx - z * x_sum[:, None]), axis=0), mask=row_ok)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLITS - 1:
+    if last_to_arrive(arrivals_ptr, tl.program_id(1), SPLITS):
         for t in range(ROW_TILES):
             rows = first_row + t * BLOCK_N + tl.arange(0, BLOCK_N)
             row_ok = rows < N
@@ -277,7 +275,7 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, arrivals_ptr, 
             for p in range(SPLITS):
                 y += tl.load(part_ptr + p * N + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
-        tl.store(arrivals_ptr + tl.program_id(1), 0)
+        leave(arrivals_ptr, tl.program_id(1))
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8,
