@@ -7,12 +7,15 @@ by having all ranks execute the same step plan.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from shardserve.distributed.all_reduce import AllReduceChoice, AllReduceMethod
+
+if TYPE_CHECKING:
+    from shardserve.distributed.token_broadcast import PeerTokenBroadcast
 
 
 class Communicator:
@@ -28,6 +31,8 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.choice: AllReduceChoice | None = None  # None: plain dist.all_reduce (CPU, or not calibrated)
+        # Rank 0's sampled tokens to the others through peer memory (GPUs of one host), else NCCL.
+        self.tokens: PeerTokenBroadcast | None = None
         self._in_graph = False
         self._split_piece: Callable[[Callable[[], None]], None] | None = None
 
@@ -87,11 +92,17 @@ class Communicator:
             if close is not None:
                 close()
         self.choice = None
+        if self.tokens is not None:
+            self.tokens.close()
+            self.tokens = None
 
     def broadcast_from_first(self, x: torch.Tensor) -> None:
         """Overwrite x on every rank with the group's first rank's x (the sampled tokens of a step computed
-        ahead, which only rank 0 has). On GPUs this is queued on the stream: the host does not wait."""
-        if self.world_size > 1:
+        ahead, which only rank 0 has). On GPUs this is queued on the stream: the host does not wait. Capturable
+        in CUDA graphs where `tokens` is set (peer memory)."""
+        if self.tokens is not None and self.tokens.supports(x):
+            self.tokens(x)
+        elif self.world_size > 1:
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             dist.broadcast(x, src=src, group=self.group)
 

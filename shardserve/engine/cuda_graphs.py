@@ -10,6 +10,10 @@ the graphs pair up.
 Where the all-reduce choice says NCCL run eagerly beats every in-graph method at a bucket's message
 size (see distributed/all_reduce.py), that bucket's graph is captured in pieces split at each
 all-reduce, and the all-reduces run eagerly between the pieces.
+
+Across GPUs of one host (peer memory), each graph begins with the broadcast of rank 0's input tokens
+(distributed/token_broadcast.py): only rank 0 writes them before a replay, and the other ranks' graphs wait
+for them inside, so no eager collective runs between two replays.
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
         self.logits: dict[int, torch.Tensor | None] = {}
+        # Each graph's first kernel takes the input tokens from rank 0 (peer memory): the other ranks write none.
+        self.shares_tokens = comm.world_size > 1 and comm.tokens is not None
 
     def can_run(self, batch: StepBatch) -> bool:
         return batch.decode_only and 0 < batch.num_decode <= self.max_batch
@@ -115,6 +121,8 @@ class CudaGraphRunner:
 
     def _forward_fn(self, size: int, meta) -> Callable[[], torch.Tensor | None]:
         def forward():
+            if self.shares_tokens:
+                self.comm.broadcast_from_first(self.token_ids[:size])
             hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches, meta)
             return self.model.compute_logits(hidden)
         return forward
@@ -141,16 +149,19 @@ class CudaGraphRunner:
 
         With `device_tokens` the input tokens are copied on the device (the previous step's samples) and
         the host never waits: every host-to-device copy here is from pinned memory, queued in stream order.
+        Where the graphs share tokens, only rank 0 writes them (device_tokens is None on the others).
         """
         n = batch.num_decode
         size = next(b for b in self.buckets if b >= n)
+        writes_tokens = not self.shares_tokens or self.comm.rank == 0
         if device_tokens is not None:
             self.token_ids[:n].copy_(device_tokens)
-        else:
+        elif writes_tokens:
             self.token_ids[:n].copy_(pinned(batch.token_ids, torch.long), non_blocking=True)
         self.positions[:n].copy_(pinned(batch.positions, torch.long), non_blocking=True)
         if size > n:
-            self.token_ids[n:size].zero_()
+            if writes_tokens:
+                self.token_ids[n:size].zero_()
             self.positions[n:size].zero_()
         self.backend.fill_static(self.static_meta, batch, size)
         self.graphs[size].replay()

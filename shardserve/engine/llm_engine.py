@@ -12,7 +12,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
 
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.control_plane import ControlPlane
@@ -44,8 +43,8 @@ OVERLAP_ENV = "SHARDSERVE_OVERLAP_STEPS"
 
 def overlap_steps_enabled(runner: ModelRunner, world_size: int) -> bool:
     """Overlapped decoding pays where the device runs ahead of the host (CUDA graphs), at any number of ranks
-    (rank 0 then broadcasts the sampled tokens on the data plane before each step computed ahead: at TP=2 on
-    two H200s, batch-1 decode took 2.96 ms a token with it and 4.18 without). SHARDSERVE_OVERLAP_STEPS=1 also
+    (the runner then broadcasts rank 0's sampled tokens on the data plane before each step computed ahead: at
+    TP=2 on two H200s, batch-1 decode took 2.96 ms a token with it and 4.18 without). SHARDSERVE_OVERLAP_STEPS=1 also
     forces it on CPUs, where it is correct but gains nothing; SHARDSERVE_OVERLAP_STEPS=0 turns it off."""
     forced = os.environ.get(OVERLAP_ENV)
     if forced in ("0", "1"):
@@ -267,8 +266,6 @@ class LLMEngine:
     def _launch(self, plan: StepPlan, device_tokens=None) -> "_InFlight":
         """Queue a step on the device, and its sampling; nothing here waits for the device."""
         self._send(plan)
-        if plan.tokens_from_device:
-            self.runner.ctx.comm.broadcast_from_first(device_tokens)  # the other ranks need the tokens too
         seq_ids, logits = self.runner.execute(plan, device_tokens)
         self.lockstep.confirm(plan)
         if not plan.tokens_from_device:  # one taking tokens from the device is finished once they arrive
@@ -381,11 +378,7 @@ def run_worker(config: EngineConfig, ctx: RankContext) -> None:
             runner.close()
             return
         if plan.kind is PlanKind.RUN:
-            tokens = None
-            if plan.tokens_from_device:  # rank 0 broadcasts the tokens it sampled in the step before
-                tokens = torch.empty(plan.num_device_tokens, dtype=torch.long, device=ctx.device)
-                ctx.comm.broadcast_from_first(tokens)
-            runner.execute(plan, tokens)
+            runner.execute(plan)  # tokens from the device come from rank 0 inside it
             lockstep.confirm(plan)
         elif plan.kind is PlanKind.SLEEP:
             runner.sleep(plan.arg)

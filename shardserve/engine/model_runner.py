@@ -14,7 +14,7 @@ import torch
 
 from shardserve.attention import StepBatch, create_attention_backend
 from shardserve.config import EngineConfig, ModelConfig
-from shardserve.distributed import all_reduce
+from shardserve.distributed import all_reduce, token_broadcast
 from shardserve.distributed.process_group import RankContext
 from shardserve.distributed.setup_watchdog import setup_step
 from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block, kv_cache_layers,
@@ -224,6 +224,11 @@ class ModelRunner:
             if kernel_setup.verify_all_reduce(comm, self.dtype, self.device, sizes, self.ctx, per_token):
                 self.all_reduce_choice = None
         described = choice.describe() if self.device.type == "cuda" else choice.eager.describe()
+        if self.device.type == "cuda" and token_broadcast.wanted():
+            comm.tokens = token_broadcast.build(comm.group, self.ctx.control_group, comm.rank, comm.world_size,
+                                                self.device, max(graph_buckets(self.config.max_num_seqs)))
+            if comm.tokens is not None:
+                described += "; sampled tokens: peer memory, inside the decode graphs"
         self.plan = self.plan.with_results(all_reduce=described if self.all_reduce_choice else "process group's own")
         if self.ctx.is_driver:
             small = tokens[0] * per_token
@@ -381,12 +386,17 @@ class ModelRunner:
 
         For a plan with tokens_from_device, `device_tokens` holds the input tokens of its first
         num_device_tokens chunks (one each), sampled by the previous step and still on the device: the step
-        is queued without the host knowing them.
+        is queued without the host knowing them. Only rank 0 has them; the others pass None and receive them
+        here (eagerly, or inside the decode graph where it shares tokens).
         """
         batch = StepBatch.from_chunks(plan.chunks, self.block_size)
+        graphed = self.graphs is not None and self.graphs.can_run(batch)
         if plan.tokens_from_device:
-            device_tokens = self._input_tokens(plan, batch, device_tokens)
-        if self.graphs is not None and self.graphs.can_run(batch):
+            if not (graphed and self.graphs.shares_tokens):
+                device_tokens = self._shared_tokens(plan, device_tokens)
+            if device_tokens is not None:  # None: a later rank whose graph receives every token itself
+                device_tokens = self._input_tokens(plan, batch, device_tokens)
+        if graphed:
             logits = self.graphs.run(batch, device_tokens)
             if logits is not None and len(batch.sample_rows) < batch.num_tokens:
                 logits = logits[self._long(batch.sample_rows)]
@@ -398,6 +408,13 @@ class ModelRunner:
             return [], None
         logits = self.model.compute_logits(hidden[self._long(batch.sample_rows)])
         return batch.sample_seq_ids, logits
+
+    def _shared_tokens(self, plan: StepPlan, device_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Rank 0's tokens from the device, on every rank (rank 0 sends them; the others pass None)."""
+        if not self.ctx.is_driver:
+            device_tokens = torch.empty(plan.num_device_tokens, dtype=torch.long, device=self.device)
+        self.ctx.comm.broadcast_from_first(device_tokens)
+        return device_tokens
 
     def _input_tokens(self, plan: StepPlan, batch: StepBatch, device_tokens: torch.Tensor | None) -> torch.Tensor:
         """Every row's input token on the device: the FROM_DEVICE rows (the batch's first rows: single-token

@@ -1,5 +1,6 @@
 """The peer-memory one-shot all-reduce (and its fused residual add + RMSNorm) on two GPUs: sums equal to the
-rank-ordered float32 sum bit for bit, on every rank, eagerly and replayed from CUDA graphs."""
+rank-ordered float32 sum bit for bit, on every rank, eagerly and replayed from CUDA graphs; and the peer-memory
+broadcast of rank 0's sampled tokens, eagerly and inside a graph."""
 
 from __future__ import annotations
 
@@ -67,3 +68,51 @@ def test_peer_memory_all_reduce_matches_the_rank_ordered_sum_on_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
     assert run_ranks(_check_rank, 2, timeout=300) == {0: "ok", 1: "ok"}
+
+
+def _broadcast_rank(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from shardserve.distributed import token_broadcast
+    from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
+
+    ctx = init_rank_context(rank, 2, "cuda", f"tcp://127.0.0.1:{port}", control_token="token-broadcast-test")
+    try:
+        tokens = token_broadcast.build(ctx.comm.group, ctx.control_group, rank, 2, ctx.device, max_rows=64)
+        assert tokens is not None, "the peer-memory token broadcast was not set up"
+        for n in (1, 7, 64, 3):
+            sent = torch.arange(n, device=ctx.device) * 1009 + n
+            x = sent.clone() if rank == 0 else torch.full_like(sent, -1)
+            tokens(x)
+            assert torch.equal(x, sent), f"eager {n}: {x.tolist()}"
+            dist.barrier(group=ctx.comm.group)  # the collective between two calls that the kernel relies on
+        # In a CUDA graph, as the decode graphs use it: only rank 0 writes the static buffer before a replay.
+        static = torch.zeros(16, dtype=torch.long, device=ctx.device)
+        total = torch.zeros(1, device=ctx.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tokens(static)
+            total.copy_(static.sum().float().view(1))
+            dist.all_reduce(total, group=ctx.comm.group)
+        for replay in range(5):
+            sent = torch.arange(16, device=ctx.device) * (replay + 3) + replay
+            if rank == 0:
+                static.copy_(sent)
+            graph.replay()
+            assert torch.equal(static, sent), f"replay {replay}: {static.tolist()}"
+            assert float(total) == 2 * float(sent.sum()), f"replay {replay}: sum {float(total)}"
+        torch.cuda.synchronize()
+        del graph
+        tokens.close()
+        results.put((rank, "ok"))
+    except Exception as e:  # noqa: BLE001 - the test reports it
+        results.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        destroy_rank_context(ctx)
+
+
+@pytest.mark.gpu
+def test_peer_memory_token_broadcast_delivers_rank_zeros_ids_eagerly_and_in_graphs():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+    assert run_ranks(_broadcast_rank, 2, timeout=300) == {0: "ok", 1: "ok"}
