@@ -83,7 +83,7 @@ def device_share(model_dir: str, tp: int) -> None:
         ranks.close()
 
 
-def engine_share(model_dir: str, tp: int, tokens: int) -> None:
+def engine_share(model_dir: str, tp: int, tokens: int, timeline: bool = True) -> None:
     from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
 
@@ -105,6 +105,9 @@ def engine_share(model_dir: str, tp: int, tokens: int) -> None:
         ms = per_token_ms()
         print(f"engine TP={tp} batch 1, overlapped decoding {'on' if overlap else 'off'}: {ms:.3f} ms/token "
               f"({1000 / ms:.1f} tok/s)", flush=True)
+    if not timeline:
+        llm.shutdown()
+        return
     gpu_timeline(llm, prompt, 64)
     profiler = cProfile.Profile()
     profiler.enable()
@@ -147,6 +150,14 @@ def gpu_timeline(llm, prompt, tokens: int) -> None:
     print(f"  idle {total_gap / tokens:.1f} us/step; longest gaps:", flush=True)
     for gap, before, after in gaps[:8]:
         print(f"    {gap:8.1f} us  after {before}  before {after}", flush=True)
+    by_pair: dict[tuple[str, str], list[float]] = {}
+    for gap, before, after in gaps:
+        if gap > 0:
+            by_pair.setdefault((before, after), []).append(gap)
+    print("  idle by the kernels on either side (all steps):", flush=True)
+    for (before, after), times in sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        print(f"    {sum(times) / tokens:8.1f} us/step  {len(times) / tokens:5.1f}/step  after {before}  before {after}",
+              flush=True)
     cpu = {}
     for e in prof.key_averages():
         if e.cpu_time_total > 0:
@@ -161,13 +172,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--skip-device", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--no-timeline", action="store_true", help="the engine's times per token only, no profilers")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model_dir = write_model_dir(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"))
     if not args.skip_device:
         device_share(model_dir, args.tp)
     if not args.skip_engine:
-        engine_share(model_dir, args.tp, args.tokens)
+        engine_share(model_dir, args.tp, args.tokens, timeline=not args.no_timeline)
 
 
 if __name__ == "__main__":
