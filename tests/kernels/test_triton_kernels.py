@@ -447,7 +447,7 @@ def test_head_norm_rotary_and_cache_write_in_one_launch_equal_the_two_kernels(dt
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,block_k", [(48, 256, 128), (37, 200, 64), (16, 96, 128)])
-def test_gemv_matches_linear(dtype, n, k, block_k):
+def test_gemv_matches_linear(dtype, n, k, block_k, monkeypatch):
     """Rows not a multiple of the row block and K not a multiple of the column block are masked, not dropped."""
     from shardserve.kernels.triton.gemv import gemv
 
@@ -459,6 +459,11 @@ def test_gemv_matches_linear(dtype, n, k, block_k):
     assert got.shape == (1, n) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, atol=tol * k ** 0.5, rtol=tol)
+    # The first weight tiles loaded before the wait for the kernel before (dependent launch on GPUs) add the same
+    # products in the same order: the same bits.
+    for tiles in ("1", "2"):
+        monkeypatch.setenv("SHARDSERVE_GEMV_PRELOAD", tiles)
+        assert torch.equal(gemv(x, w, block_n=8, block_k=block_k, num_warps=4, num_stages=1), got), tiles
 
 
 def test_batch1_kernel_uses_the_chosen_shape_only(monkeypatch):

@@ -9,6 +9,8 @@ so they do not push the activations out of L2.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -20,28 +22,49 @@ from shardserve.kernels.triton.pdl import enter
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, PRELOAD: tl.constexpr = 0):
     """K is a compile-time constant (one variant per layer shape): tiles need no column mask when it divides.
-    PDL: launched to overlap the kernel before it (pdl.py)."""
+    PDL: launched to overlap the kernel before it (pdl.py). PRELOAD (0 to 2, at most 1 where K has fewer than
+    two tiles): that many weight tiles are loaded before that wait (no kernel of the chain writes weights), so
+    programs placed early stream weights while the kernel before them (an all-reduce, attention) still runs."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    if PRELOAD >= 1:
+        first = _weight_tile(w_rows, 0, cols, row_ok, K, BLOCK_K)
+    if PRELOAD >= 2:
+        second = _weight_tile(w_rows, BLOCK_K, cols, row_ok, K, BLOCK_K)
     enter(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if K % BLOCK_K == 0:
-            x = tl.load(x_ptr + k + cols)
-            w = tl.load(w_rows + k + cols[None, :], mask=row_ok[:, None], other=0.0,
-                        eviction_policy="evict_first")
-        else:
-            col_ok = k + cols < K
-            x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
-            w = tl.load(w_rows + k + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if PRELOAD >= 1:
+        acc += first.to(tl.float32) * _x_tile(x_ptr, 0, cols, K, BLOCK_K).to(tl.float32)[None, :]
+    if PRELOAD >= 2:
+        acc += second.to(tl.float32) * _x_tile(x_ptr, BLOCK_K, cols, K, BLOCK_K).to(tl.float32)[None, :]
+    for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
+        w = _weight_tile(w_rows, k, cols, row_ok, K, BLOCK_K)
+        acc += w.to(tl.float32) * _x_tile(x_ptr, k, cols, K, BLOCK_K).to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _weight_tile(w_rows, k, cols, row_ok, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    if K % BLOCK_K == 0:
+        w = tl.load(w_rows + k + cols[None, :], mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_rows + k + cols[None, :], mask=row_ok[:, None] & (k + cols < K)[None, :], other=0.0,
+                    eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _x_tile(x_ptr, k, cols, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    if K % BLOCK_K == 0:
+        x = tl.load(x_ptr + k + cols)
+    else:
+        x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0)
+    return x
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
@@ -65,10 +88,24 @@ def _launch_per_row(kernel, x: torch.Tensor, weight: torch.Tensor, block_n: int,
     """Run a one-row GEMV kernel (signature x, w, out, N, stride_wn, K=..) over block_n rows of weight a program."""
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    tiles = preload_tiles() if kernel is _gemv_kernel else 0
+    extra = {"PRELOAD": tiles if k >= tiles * block_k else 1} if tiles else {}
     kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k,
                                        num_warps=num_warps, num_stages=num_stages,
-                                       **pdl.launch(weight.device))
+                                       **pdl.launch(weight.device), **extra)
     return out
+
+
+PRELOAD_ENV = "SHARDSERVE_GEMV_PRELOAD"
+
+
+def preload_tiles() -> int:
+    """How many weight tiles the batch-1 GEMV loads before waiting for the kernel before it
+    (SHARDSERVE_GEMV_PRELOAD, 0 to 2; it matters only with dependent launch)."""
+    value = os.environ.get(PRELOAD_ENV, "0")
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"{PRELOAD_ENV}={value!r}: expected 0, 1 or 2")
+    return int(value)
 
 
 @triton.jit
