@@ -35,18 +35,29 @@ from shardserve.kernels.triton.pdl import enter
 
 
 @triton.jit
-def _take_epoch(counter_ptr, slot, max_rows, row):
-    """The call's epoch for (slot, row): its counter plus one, stored back; the same in every warp."""
-    counter = counter_ptr + slot * max_rows + row
-    epoch = tl.load(counter) + 1
+def _take_epoch(counter, old):
+    """The call's epoch for its (slot, row): the counter's old value plus one, stored back; the same in every
+    warp."""
+    epoch = old + 1
     tl.debug_barrier()  # every warp has read the old count before it changes: all hold the same epoch
     tl.store(counter, epoch)
     return epoch
 
 
 @triton.jit
-def _ll_words(x_ptr, offset, n_cols, epoch, BLOCK: tl.constexpr, PACK: tl.constexpr):
-    """The row at offset as 8-byte words: 4 bytes of values (two 16-bit or one 32-bit) under the epoch."""
+def _addresses(table_ptr, WORLD: tl.constexpr):
+    """Every rank's area as seen from here: a tuple of WORLD addresses."""
+    areas = ()
+    for q in tl.static_range(WORLD):
+        areas = areas + (tl.load(table_ptr + q),)
+    return areas
+
+
+@triton.jit
+def _ll_payload(x_ptr, offset, n_cols, BLOCK: tl.constexpr, PACK: tl.constexpr):
+    """The row at offset as the low halves of 8-byte words: 4 bytes of values each (two 16-bit or one 32-bit),
+    as uint32 in int64. (Read again from memory, where it is cached: pairing the values already in registers
+    costs a layout conversion through shared memory, with a barrier per chunk.)"""
     i = tl.arange(0, BLOCK // PACK)
     if PACK == 2:
         lo = tl.load(x_ptr + offset + 2 * i, mask=2 * i < n_cols, other=0.0)
@@ -55,7 +66,18 @@ def _ll_words(x_ptr, offset, n_cols, epoch, BLOCK: tl.constexpr, PACK: tl.conste
             (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
     else:
         payload = tl.load(x_ptr + offset + i, mask=i < n_cols, other=0.0).to(tl.int32, bitcast=True)
-    return (epoch.to(tl.int64) << 32) | payload.to(tl.uint32, bitcast=True).to(tl.int64)
+    return payload.to(tl.uint32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _with_epoch(payload, epoch):
+    return (epoch.to(tl.int64) << 32) | payload
+
+
+@triton.jit
+def _ll_words(x_ptr, offset, n_cols, epoch, BLOCK: tl.constexpr, PACK: tl.constexpr):
+    """The row at offset as 8-byte words: 4 bytes of values under the epoch."""
+    return _with_epoch(_ll_payload(x_ptr, offset, n_cols, BLOCK, PACK), epoch)
 
 
 @triton.jit
@@ -77,27 +99,42 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
                      slot, n_cols, eps, slot_numel, ll_slot_words, ll_row_words, max_rows,
                      RANK: tl.constexpr, WORLD: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
                      BLOCK: tl.constexpr, LL: tl.constexpr, PACK: tl.constexpr, PDL: tl.constexpr):
-    enter(PDL)  # before any read of x and any write to a peer (pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     offset = row.to(tl.int64) * n_cols + cols
+    # Read before the wait (pdl.py): the address tables never change, and (slot, row)'s counter was last written
+    # by the call two or more calls back (slots alternate), which is complete once this call's programs run.
+    counter = counter_ptr + slot * max_rows + row
+    old_epoch = tl.load(counter)
+    if LL:
+        areas = _addresses(ll_ptrs, WORLD)
+    else:
+        areas = _addresses(data_ptrs, WORLD)
+        flags = _addresses(flag_ptrs, WORLD)
+    enter(PDL)  # before any read of x and any write to a peer
     x = tl.load(x_ptr + offset, mask=mask, other=0.0)
     dtype = x.dtype
+    # Loaded before the exchange, so their latency hides behind the peers' writes instead of following them.
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + offset, mask=mask, other=0.0)
+    if NORM:
+        norm_w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     if LL:
         # Low-latency form: each 8-byte word carries its epoch, so one NVLink write per word delivers the data
         # and says it arrived; no flag, no fence.
-        epoch = _take_epoch(counter_ptr, slot, max_rows, row)
-        words = _ll_words(x_ptr, row.to(tl.int64) * n_cols, n_cols, epoch, BLOCK, PACK)
+        payload = _ll_payload(x_ptr, row.to(tl.int64) * n_cols, n_cols, BLOCK, PACK)  # loads before the barrier
+        epoch = _take_epoch(counter, old_epoch)
+        words = _with_epoch(payload, epoch)
         w = tl.arange(0, BLOCK // PACK)
         word_ok = w * PACK < n_cols
         word_at = row.to(tl.int64) * ll_row_words + w  # a row's words are always its own: see the module doc
         for q in tl.static_range(WORLD):
             if q != RANK:
-                peer = tl.load(ll_ptrs + q).to(tl.pointer_type(tl.int64))
+                peer = areas[q].to(tl.pointer_type(tl.int64))
                 tl.store(peer + (slot * WORLD + RANK).to(tl.int64) * ll_slot_words + word_at, words, mask=word_ok)
-        own = tl.load(ll_ptrs + RANK).to(tl.pointer_type(tl.int64))
+        own = areas[RANK].to(tl.pointer_type(tl.int64))
         for q in tl.static_range(WORLD):
             if q == RANK:
                 acc += x.to(tl.float32)
@@ -110,23 +147,23 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
     else:
         for q in tl.static_range(WORLD):
             if q != RANK:
-                peer = tl.load(data_ptrs + q).to(tl.pointer_type(dtype))
+                peer = areas[q].to(tl.pointer_type(dtype))
                 tl.store(peer + (slot * WORLD + RANK).to(tl.int64) * slot_numel + offset, x, mask=mask)
-        epoch = _take_epoch(counter_ptr, slot, max_rows, row)
+        epoch = _take_epoch(counter, old_epoch)
         tl.debug_barrier()  # every thread's stores above come before the release below
         flag_index = (slot * max_rows + row) * WORLD
         for q in tl.static_range(WORLD):
             if q != RANK:
-                peer_flags = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int32))
+                peer_flags = flags[q].to(tl.pointer_type(tl.int32))
                 tl.atomic_xchg(peer_flags + flag_index + RANK, epoch, sem="release", scope="sys")
-        own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
+        own_flags = flags[RANK].to(tl.pointer_type(tl.int32))
         for q in tl.static_range(WORLD):
             if q != RANK:
                 seen = tl.atomic_add(own_flags + flag_index + q, 0, sem="acquire", scope="sys")
                 while seen < epoch:
                     seen = tl.atomic_add(own_flags + flag_index + q, 0, sem="acquire", scope="sys")
         tl.debug_barrier()
-        received = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
+        received = areas[RANK].to(tl.pointer_type(dtype))
         for q in tl.static_range(WORLD):
             if q == RANK:
                 acc += x.to(tl.float32)
@@ -136,15 +173,13 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
                 acc += part.to(tl.float32)
     s = acc.to(dtype)
     if ADD_RESIDUAL:
-        r = tl.load(residual_ptr + offset, mask=mask, other=0.0)
         s = (s.to(tl.float32) + r.to(tl.float32)).to(dtype)
         tl.store(residual_ptr + offset, s, mask=mask)
     if NORM:
         h = s.to(tl.float32)
         mean_sq = tl.sum(h * h, 0) / n_cols
         h = (h * tl.rsqrt(mean_sq + eps)).to(dtype)
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-        s = (w.to(tl.float32) * h.to(tl.float32)).to(dtype)
+        s = (norm_w.to(tl.float32) * h.to(tl.float32)).to(dtype)
     tl.store(out_ptr + offset, s, mask=mask)
 
 

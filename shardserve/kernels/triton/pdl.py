@@ -5,13 +5,17 @@ before its programs are even scheduled. With programmatic dependent launch the n
 placed on the GPU as soon as every program of the current one has passed `enter`, and wait there for the
 current kernel's memory: the launch and the scheduling of programs leave the critical path. On two H100s
 this took a Llama-3-8B-shaped TP=2 batch-1 step from 3.34 to 3.23 ms (BENCHMARKS.md); prefetching the
-GEMVs' first weight lines into L2 during the wait made it slower, so nothing is read before the wait.
+GEMVs' first weight lines into L2 during the wait made it slower, loading their first tile into registers
+faster at TP=2 (gemv.preload_tiles).
 
 Rules every kernel launched this way follows (`enter` does both):
-  - it waits (griddepcontrol.wait) before reading anything an earlier kernel wrote and before writing
-    anything: the wait returns once the previous kernel has completed and its memory is visible, and since
-    that kernel waited in turn, once every earlier kernel has;
+  - it waits (griddepcontrol.wait) before reading anything the kernel just before it may have written and
+    before writing anything: the wait returns once the previous kernel has completed and its memory is
+    visible, and since that kernel waited in turn, once every earlier kernel has;
   - it lets its dependents launch only after that wait, so at most one kernel runs ahead of the chain.
+So when a kernel's programs start, every kernel two or more launches back has completed: before its wait a
+kernel may read what no kernel of the chain writes (weights, tables of addresses) and what only such earlier
+kernels wrote (the batch-1 GEMV's first weight tiles, the peer all-reduce's counters).
 Without the launch attribute (other GPUs, SHARDSERVE_PDL=off) the same kernels run as before: the wait returns
 at once.
 """
