@@ -94,6 +94,10 @@ def test_dependent_launch_keeps_every_bit_of_a_decode_chain(monkeypatch):
     assert pdl.active(x.device)
     assert torch.isfinite(serial).all()
     assert torch.equal(overlapped, serial)
+    # GEMVs that load their first weight tiles before the wait (none, one: the default, two): the same bits.
+    for tiles in ("0", "2"):
+        monkeypatch.setenv("SHARDSERVE_GEMV_PRELOAD", tiles)
+        assert torch.equal(_replayed(monkeypatch, "on", layers, x), serial), f"{tiles} tiles preloaded"
 
 
 def test_a_bad_mode_is_named(monkeypatch):
