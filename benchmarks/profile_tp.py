@@ -156,8 +156,8 @@ def gpu_timeline(llm, prompt, tokens: int) -> None:
             by_pair.setdefault((before, after), []).append(gap)
     print("  idle by the kernels on either side (all steps):", flush=True)
     for (before, after), times in sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:10]:
-        print(f"    {sum(times) / tokens:8.1f} us/step  {len(times) / tokens:5.1f}/step  after {before}  before {after}",
-              flush=True)
+        print(f"    {sum(times) / tokens:8.1f} us/step  {len(times) / tokens:5.1f}/step  after {before}  "
+              f"before {after}", flush=True)
     cpu = {}
     for e in prof.key_averages():
         if e.cpu_time_total > 0:

@@ -12,7 +12,6 @@ import os
 import time
 from dataclasses import dataclass
 
-
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.control_plane import ControlPlane
 from shardserve.distributed.lockstep import LockstepCheck, default_every
@@ -44,8 +43,9 @@ OVERLAP_ENV = "SHARDSERVE_OVERLAP_STEPS"
 def overlap_steps_enabled(runner: ModelRunner, world_size: int) -> bool:
     """Overlapped decoding pays where the device runs ahead of the host (CUDA graphs), at any number of ranks
     (the runner then broadcasts rank 0's sampled tokens on the data plane before each step computed ahead: at
-    TP=2 on two H200s, batch-1 decode took 2.96 ms a token with it and 4.18 without). SHARDSERVE_OVERLAP_STEPS=1 also
-    forces it on CPUs, where it is correct but gains nothing; SHARDSERVE_OVERLAP_STEPS=0 turns it off."""
+    TP=2 on two H200s, batch-1 decode took 2.96 ms a token with it and 4.18 without).
+    SHARDSERVE_OVERLAP_STEPS=1 also forces it on CPUs, where it is correct but gains nothing;
+    SHARDSERVE_OVERLAP_STEPS=0 turns it off."""
     forced = os.environ.get(OVERLAP_ENV)
     if forced in ("0", "1"):
         return forced == "1"
