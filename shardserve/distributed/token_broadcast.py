@@ -86,7 +86,7 @@ def build(group: dist.ProcessGroup, control_group, rank: int, world_size: int, d
         method = None
     if method is None and rank == 0:
         logger.info("token broadcast through peer memory not used (%s): NCCL broadcasts the sampled tokens "
-                       "between graph replays", problem or "another rank could not set it up")
+                    "between graph replays", problem or "another rank could not set it up")
     return method
 
 
