@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from shardserve.kernels.triton import fused_ops, paged_attention as pa  # noqa: E402
-from shardserve.kernels.triton.all_reduce import _ll_values, _ll_words  # noqa: E402
+from shardserve.kernels.triton.all_reduce import _ll_payload, _ll_values, with_epoch  # noqa: E402
 from shardserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -501,7 +501,7 @@ def test_a_down_projection_without_its_fused_form_runs_the_plain_winner(monkeypa
 
 @triton.jit
 def _word_round_trip(x_ptr, out_ptr, epochs_ptr, n_cols, BLOCK: tl.constexpr, PACK: tl.constexpr):
-    words = _ll_words(x_ptr, 0, n_cols, tl.load(epochs_ptr) + 0, BLOCK, PACK)
+    words = with_epoch(_ll_payload(x_ptr, 0, n_cols, BLOCK, PACK), tl.load(epochs_ptr) + 0)
     tl.store(epochs_ptr + 1 + tl.arange(0, BLOCK // PACK), (words >> 32).to(tl.int32))
     cols = tl.arange(0, BLOCK)
     tl.store(out_ptr + cols, _ll_values(words, x_ptr.dtype.element_ty, BLOCK, PACK), mask=cols < n_cols)

@@ -70,19 +70,23 @@ def _ll_payload(x_ptr, offset, n_cols, BLOCK: tl.constexpr, PACK: tl.constexpr):
 
 
 @triton.jit
-def _with_epoch(payload, epoch):
+def with_epoch(payload, epoch):
+    """Low-latency words: each payload (uint32 in int64) under its epoch in the high half."""
     return (epoch.to(tl.int64) << 32) | payload
 
 
 @triton.jit
-def _ll_words(x_ptr, offset, n_cols, epoch, BLOCK: tl.constexpr, PACK: tl.constexpr):
-    """The row at offset as 8-byte words: 4 bytes of values under the epoch."""
-    return _with_epoch(_ll_payload(x_ptr, offset, n_cols, BLOCK, PACK), epoch)
+def await_epoch(at, ok, epoch):
+    """The words at `at` (where ok), polled uncached until every one carries `epoch` in its high half."""
+    got = tl.load(at, mask=ok, other=0, volatile=True)
+    while tl.sum((ok & ((got >> 32).to(tl.int32) != epoch)).to(tl.int32), 0) > 0:
+        got = tl.load(at, mask=ok, other=0, volatile=True)
+    return got
 
 
 @triton.jit
 def _ll_values(words, dtype: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.constexpr):
-    """_ll_words' values back, in column order."""
+    """The values of words made from _ll_payload, in column order."""
     payload = words.to(tl.int32)  # the low half
     if PACK == 2:
         lo = payload.to(tl.int16).to(dtype, bitcast=True)
@@ -126,7 +130,7 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
         # and says it arrived; no flag, no fence.
         payload = _ll_payload(x_ptr, row.to(tl.int64) * n_cols, n_cols, BLOCK, PACK)  # loads before the barrier
         epoch = _take_epoch(counter, old_epoch)
-        words = _with_epoch(payload, epoch)
+        words = with_epoch(payload, epoch)
         w = tl.arange(0, BLOCK // PACK)
         word_ok = w * PACK < n_cols
         word_at = row.to(tl.int64) * ll_row_words + w  # a row's words are always its own: see the module doc
@@ -139,10 +143,7 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
             if q == RANK:
                 acc += x.to(tl.float32)
             else:
-                at = own + (slot * WORLD + q).to(tl.int64) * ll_slot_words + word_at
-                got = tl.load(at, mask=word_ok, other=0, volatile=True)
-                while tl.sum((word_ok & ((got >> 32).to(tl.int32) != epoch)).to(tl.int32), 0) > 0:
-                    got = tl.load(at, mask=word_ok, other=0, volatile=True)
+                got = await_epoch(own + (slot * WORLD + q).to(tl.int64) * ll_slot_words + word_at, word_ok, epoch)
                 acc += tl.where(mask, _ll_values(got, dtype, BLOCK, PACK), 0.0).to(tl.float32)
     else:
         for q in tl.static_range(WORLD):

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.triton.all_reduce import await_epoch, with_epoch
+
 # Token ids travel as 32-bit payloads.
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -33,15 +35,13 @@ def _broadcast_kernel(x_ptr, n, word_ptrs, counter_ptr, RANK: tl.constexpr, WORL
     tl.store(counters, epoch, mask=ok)
     if RANK == 0:
         ids = tl.load(x_ptr + rows, mask=ok, other=0)
-        words = (epoch.to(tl.int64) << 32) | (ids & 0xFFFFFFFF)
+        words = with_epoch(ids & 0xFFFFFFFF, epoch)
         for q in tl.static_range(1, WORLD):
             peer = tl.load(word_ptrs + q).to(tl.pointer_type(tl.int64))
             tl.store(peer + rows, words, mask=ok)
     else:
         own = tl.load(word_ptrs + RANK).to(tl.pointer_type(tl.int64))
-        got = tl.load(own + rows, mask=ok, other=0, volatile=True)
-        while tl.sum((ok & ((got >> 32).to(tl.int32) != epoch)).to(tl.int32), 0) > 0:
-            got = tl.load(own + rows, mask=ok, other=0, volatile=True)
+        got = await_epoch(own + rows, ok, epoch)
         tl.store(x_ptr + rows, got & 0xFFFFFFFF, mask=ok)
 
 
