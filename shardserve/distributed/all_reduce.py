@@ -313,6 +313,11 @@ def _agree(value: float, group: dist.ProcessGroup, device: torch.device) -> floa
     return float(t.item())
 
 
+def every_rank(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank of the group (a collective: every rank asks)."""
+    return _agree(0.0 if ok else 1.0, group, device) == 0.0
+
+
 def build_methods(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, graph_slots: int,
                   control_group=None) -> list[AllReduceMethod]:
     """NCCL, and the peer-memory methods every rank could set up. Every rank must measure the same methods in
@@ -323,9 +328,9 @@ def build_methods(group: dist.ProcessGroup, device: torch.device, dtype: torch.d
         try:
             method = IpcOneShotAllReduce(control_group, rank, world, device, dtype)
         except Exception as e:  # no CUDA IPC between these processes, no Triton
-            logger.info("all-reduce: %s unavailable (%s)", IPC_ONE_SHOT, _first_line(e))
+            logger.info("all-reduce: %s unavailable (%s)", IPC_ONE_SHOT, first_line(e))
             method = None
-        if _agree(0.0 if method is not None else 1.0, group, device) == 0.0 and method is not None:
+        if every_rank(method is not None, group, device) and method is not None:
             methods.append(method)
     # torch's symmetric memory only where every rank's process has made as many rendezvous as the others.
     counts_differ = _agree(float(_symm_rendezvous_count), group, device) != -_agree(
@@ -338,14 +343,14 @@ def build_methods(group: dist.ProcessGroup, device: torch.device, dtype: torch.d
         try:
             method = SymmetricMemoryAllReduce(group, device, dtype, kind, graph_slots)
         except Exception as e:  # no symmetric memory on this platform or torch build
-            logger.info("all-reduce: %s unavailable (%s)", kind, _first_line(e))
+            logger.info("all-reduce: %s unavailable (%s)", kind, first_line(e))
             method = None
-        if _agree(0.0 if method is not None else 1.0, group, device) == 0.0 and method is not None:
+        if every_rank(method is not None, group, device) and method is not None:
             methods.append(method)
     return methods
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
@@ -457,12 +462,12 @@ def calibrate_cpu(group: dist.ProcessGroup, rank: int, world_size: int, dtype: t
     gloo = NcclAllReduce(group, name=GLOO)
     methods: list[AllReduceMethod] = [gloo]
     shm = None
-    if _agree(0.0 if shm_all_reduce.supported() else 1.0, group, cpu) == 0.0:  # constructing is collective
+    if every_rank(shm_all_reduce.supported(), group, cpu):  # constructing is collective
         try:
             shm = shm_all_reduce.ShmAllReduce(group, rank, world_size)
         except Exception as e:  # another host, or no shared memory
             logger.info("all-reduce: %s unavailable (%s)", SHM, e)
-        if _agree(0.0 if shm is not None else 1.0, group, cpu) == 0.0 and shm is not None:
+        if every_rank(shm is not None, group, cpu) and shm is not None:
             methods.append(shm)
     forced = os.environ.get(FORCE_ENV)
     if forced and forced not in CPU_METHOD_NAMES:

@@ -15,6 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from shardserve.distributed.all_reduce import every_rank, first_line
+
 logger = logging.getLogger(__name__)
 
 # "nccl" keeps the sampled tokens on NCCL (eager, between graph replays), for comparison and diagnosis.
@@ -64,8 +66,8 @@ def build(group: dist.ProcessGroup, control_group, rank: int, world_size: int, d
     try:
         method = PeerTokenBroadcast(control_group, rank, world_size, device, max_rows)
     except Exception as e:  # no CUDA IPC between these processes, no Triton
-        problem = f"unavailable ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
-    if _all_ok(method is not None, group, device) and method is not None:
+        problem = f"unavailable ({first_line(e)})"
+    if every_rank(method is not None, group, device) and method is not None:
         from shardserve.kernels.triton.broadcast import MAX_TOKEN_ID
 
         # Ids across the whole range, the largest included; the other ranks start from values that differ.
@@ -77,7 +79,7 @@ def build(group: dist.ProcessGroup, control_group, rank: int, world_size: int, d
             wrong = int((x != sent).sum())
         except Exception as e:  # noqa: BLE001 - a failing kernel falls back like a wrong one
             wrong, problem = max_rows, f"{type(e).__name__}: {e}"
-        if not _all_ok(wrong == 0, group, device):
+        if not every_rank(wrong == 0, group, device):
             problem = problem or f"{wrong} of {max_rows} ids wrong on rank {rank} in the start-up check"
             method.close()
             method = None
@@ -88,9 +90,3 @@ def build(group: dist.ProcessGroup, control_group, rank: int, world_size: int, d
         logger.info("token broadcast through peer memory not used (%s): NCCL broadcasts the sampled tokens "
                     "between graph replays", problem or "another rank could not set it up")
     return method
-
-
-def _all_ok(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag.item()) == 0
