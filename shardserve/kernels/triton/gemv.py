@@ -31,16 +31,13 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    if PRELOAD >= 1:
-        first = _weight_tile(w_rows, 0, cols, row_ok, K, BLOCK_K)
-    if PRELOAD >= 2:
-        second = _weight_tile(w_rows, BLOCK_K, cols, row_ok, K, BLOCK_K)
+    preloaded = ()
+    for t in tl.static_range(PRELOAD):
+        preloaded = preloaded + (_weight_tile(w_rows, t * BLOCK_K, cols, row_ok, K, BLOCK_K),)
     enter(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PRELOAD >= 1:
-        acc += first.to(tl.float32) * _x_tile(x_ptr, 0, cols, K, BLOCK_K).to(tl.float32)[None, :]
-    if PRELOAD >= 2:
-        acc += second.to(tl.float32) * _x_tile(x_ptr, BLOCK_K, cols, K, BLOCK_K).to(tl.float32)[None, :]
+    for t in tl.static_range(PRELOAD):
+        acc += preloaded[t].to(tl.float32) * _x_tile(x_ptr, t * BLOCK_K, cols, K, BLOCK_K).to(tl.float32)[None, :]
     for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
         w = _weight_tile(w_rows, k, cols, row_ok, K, BLOCK_K)
         acc += w.to(tl.float32) * _x_tile(x_ptr, k, cols, K, BLOCK_K).to(tl.float32)[None, :]
