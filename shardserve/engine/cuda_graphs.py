@@ -94,7 +94,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
         self.logits: dict[int, torch.Tensor | None] = {}
         # Each graph's first kernel takes the input tokens from rank 0 (peer memory): the other ranks write none.
-        self.shares_tokens = comm.world_size > 1 and comm.tokens is not None
+        self.shares_tokens = comm.tokens is not None
 
     def can_run(self, batch: StepBatch) -> bool:
         return batch.decode_only and 0 < batch.num_decode <= self.max_batch
