@@ -69,7 +69,38 @@ def replay_worker(config, ctx) -> None:
     if ctx.rank == 0:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70),
               flush=True)
+    if os.environ.get("PROFILE_TP_ALONE") == "1" and ctx.world_size > 1:
+        alone_ms = _replay_without_communication(runner, ctx)
+        print(f"rank {ctx.rank}: batch-1 graph without any collective (each rank on its own shard) "
+              f"{alone_ms:.3f} ms per step", flush=True)
     runner.close()
+
+
+def _replay_without_communication(runner, ctx) -> float:
+    """The batch-1 graph captured again as if the rank were alone (every collective skipped, wrong numbers):
+    what the step costs with no communication at all, on the same shard."""
+    import torch
+
+    comm = ctx.comm
+    world, tokens = comm.world_size, comm.tokens
+    comm.world_size, comm.tokens = 1, None
+    try:
+        graphs = runner.graphs
+        graphs.shares_tokens = False
+        graphs.capture_all()
+        graph = graphs.graphs[1]
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / REPLAYS
+    finally:
+        comm.world_size, comm.tokens = world, tokens
 
 
 def device_share(model_dir: str, tp: int) -> None:
