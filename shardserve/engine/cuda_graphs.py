@@ -5,7 +5,8 @@ padding: their slot is -1 (nothing stored) and their context length 0 (attention
 their logits are never read. Invariants: the static input buffers are the only inputs a graph
 reads, so they are written before each replay; every rank captures the same buckets in the same
 order and replays the same bucket each step (all ranks run the same plan), so the collectives inside
-the graphs pair up.
+the graphs pair up. The static buffers are written by the graph's first kernel, from one array of words the
+host copies before the replay (engine/graph_inputs.py).
 
 Where the all-reduce choice says NCCL run eagerly beats every in-graph method at a bucket's message
 size (see distributed/all_reduce.py), that bucket's graph is captured in pieces split at each
@@ -27,7 +28,7 @@ import torch
 
 from shardserve.attention.batch import StepBatch
 from shardserve.distributed.communicator import Communicator
-from shardserve.transfers import pinned
+from shardserve.engine.graph_inputs import GraphInputs
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ class CudaGraphRunner:
         self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         max_blocks = -(-max_model_len // backend.block_size)
         self.static_meta = backend.static_decode_metadata(self.max_batch, max_blocks)
+        meta = self.static_meta
+        self.inputs = GraphInputs(self.token_ids, self.positions, meta.slot_mapping, meta.decode_context_lens,
+                                  meta.decode_block_tables)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
         self.logits: dict[int, torch.Tensor | None] = {}
@@ -121,6 +125,7 @@ class CudaGraphRunner:
 
     def _forward_fn(self, size: int, meta) -> Callable[[], torch.Tensor | None]:
         def forward():
+            self.inputs.unpack(size)
             if self.shares_tokens:
                 self.comm.broadcast_from_first(self.token_ids[:size])
             hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches, meta)
@@ -148,7 +153,7 @@ class CudaGraphRunner:
         """Replay the decode step for `batch`; returns logits for its rows (rank 0), None elsewhere.
 
         With `device_tokens` the input tokens are copied on the device (the previous step's samples) and
-        the host never waits: every host-to-device copy here is from pinned memory, queued in stream order.
+        the host never waits: the one host-to-device copy here is from pinned memory, queued in stream order.
         Where the graphs share tokens, only rank 0 writes them (device_tokens is None on the others).
         """
         n = batch.num_decode
@@ -156,14 +161,7 @@ class CudaGraphRunner:
         writes_tokens = not self.shares_tokens or self.comm.rank == 0
         if device_tokens is not None:
             self.token_ids[:n].copy_(device_tokens)
-        elif writes_tokens:
-            self.token_ids[:n].copy_(pinned(batch.token_ids, torch.long), non_blocking=True)
-        self.positions[:n].copy_(pinned(batch.positions, torch.long), non_blocking=True)
-        if size > n:
-            if writes_tokens:
-                self.token_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-        self.backend.fill_static(self.static_meta, batch, size)
+        self.inputs.write(batch, size, host_tokens=device_tokens is None and writes_tokens)
         self.graphs[size].replay()
         logits = self.logits[size]
         return None if logits is None else logits[:n]

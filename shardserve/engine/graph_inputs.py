@@ -1,0 +1,71 @@
+"""A decode step's inputs for its CUDA graph in one host-to-device copy, unpacked inside the graph.
+
+The host writes positions, cache slots, context lengths, block tables and (where it has them) the token ids of
+a step into one array of int32 words in pinned memory and queues one copy of it; the graph's first kernel
+writes them into the static buffers the graph reads (kernels/triton/graph_inputs.py has the layout). Before,
+each buffer took a copy of its own: four or five copy-engine operations between two replays, each with a gap
+on the stream around it.
+
+Pinned arrays are reused in a ring. Invariant: an array is written again only once the copy that read it has
+completed (an event per array; the host checks it, which in practice never waits: the ring is longer than the
+number of steps the host queues ahead).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardserve.attention.batch import StepBatch
+from shardserve.kernels.triton.graph_inputs import HEADER, unpack
+
+RING = 4
+
+
+class GraphInputs:
+    def __init__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
+                 tables: torch.Tensor) -> None:
+        """The static buffers a graph reads: tokens and positions int64 [max_batch], slots int64, lens int32,
+        tables int32 [max_batch, max_blocks]."""
+        self.tokens, self.positions, self.slots, self.lens, self.tables = tokens, positions, slots, lens, tables
+        max_batch, self.max_blocks = tables.shape
+        capacity = HEADER + 4 * max_batch + max_batch * self.max_blocks
+        device = tokens.device
+        self.words = torch.zeros(capacity, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._host = [torch.zeros(capacity, dtype=torch.int32, pin_memory=pin) for _ in range(RING)]
+        self._copied: list[torch.cuda.Event | None] = [None] * RING
+        self._next = 0
+
+    def write(self, batch: StepBatch, size: int, host_tokens: bool) -> None:
+        """Queue the copy of `batch`'s inputs for the graph of `size` rows; with host_tokens its token ids too
+        (else the graph's token buffer is written another way before its rows are read)."""
+        n = batch.num_decode
+        width = min(max((len(c.block_table) for c in batch.chunks[:n]), default=0), self.max_blocks)
+        length = HEADER + 4 * size + n * width
+        i, self._next = self._next, (self._next + 1) % RING
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()
+        host = self._host[i]
+        words = host.numpy()
+        words[:HEADER] = (n, width, int(host_tokens))
+        body = words[HEADER:HEADER + 4 * size].reshape(4, size)
+        body[:, n:] = ((0,), (-1,), (0,), (0,))  # padding rows: position 0, no slot, no context, token 0
+        body[0, :n] = batch.positions[:n]
+        body[1, :n] = batch.slot_mapping[:n]
+        body[2, :n] = [batch.context_len(r) for r in range(n)]
+        if host_tokens:
+            body[3, :n] = batch.token_ids[:n]
+        tables = words[HEADER + 4 * size:length].reshape(n, width)
+        for r, chunk in enumerate(batch.chunks[:n]):
+            table = chunk.block_table[:width]
+            tables[r, :len(table)] = table
+            tables[r, len(table):] = 0
+        self.words[:length].copy_(host[:length], non_blocking=True)
+        if self.words.is_cuda:
+            event = self._copied[i] or torch.cuda.Event()
+            event.record()
+            self._copied[i] = event
+
+    def unpack(self, size: int) -> None:
+        """The graph's first kernel: rows [0, size) of the static buffers from the words last copied."""
+        unpack(self.words, self.tokens, self.positions, self.slots, self.lens, self.tables, size)

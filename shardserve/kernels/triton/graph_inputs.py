@@ -1,0 +1,57 @@
+"""A decode graph's inputs taken from one packed array of words: the graph's first kernel.
+
+Before each replay the host copies a step's inputs as one array of int32 words (engine/graph_inputs.py), so a
+step costs one host-to-device copy instead of one per buffer (each a copy-engine operation with a gap of a few
+microseconds around it on the stream). Layout, for a graph of `size` rows:
+
+    [0] n (live rows)   [1] table width w   [2] 1 if the words carry the token ids, else 0
+    [HEADER + r]             position of row r         (size words; padding rows 0)
+    [HEADER + size + r]      cache slot of row r       (padding rows -1: nothing stored)
+    [HEADER + 2 size + r]    context length of row r   (padding rows 0: attention outputs zeros)
+    [HEADER + 3 size + r]    token id of row r         (padding rows 0)
+    [HEADER + 4 size + r w]  the first w block-table entries of live row r
+
+Program r writes row r of the static buffers. Token ids of live rows are written only where the words carry
+them (elsewhere they were copied on the device, or arrive by the token broadcast); padding rows' always are, so
+they hold a valid id. Table entries past w are left as they were: no block past a row's context is read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+HEADER = 3
+TABLE_BLOCK = 256
+
+
+# n, w and size change between replays or graphs: not specialised, so one compiled variant serves every bucket.
+@triton.jit(do_not_specialize=["size"])
+def _unpack_kernel(words_ptr, tokens_ptr, positions_ptr, slots_ptr, lens_ptr, tables_ptr, table_stride, size,
+                   HEADER: tl.constexpr, MAX_WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    n = tl.load(words_ptr)
+    width = tl.load(words_ptr + 1)
+    host_tokens = tl.load(words_ptr + 2)
+    rows = words_ptr + HEADER + row
+    tl.store(positions_ptr + row, tl.load(rows).to(tl.int64))
+    tl.store(slots_ptr + row, tl.load(rows + size).to(tl.int64))
+    tl.store(lens_ptr + row, tl.load(rows + 2 * size))
+    if (host_tokens != 0) | (row >= n):
+        tl.store(tokens_ptr + row, tl.load(rows + 3 * size).to(tl.int64))
+    if row < n:
+        table = words_ptr + HEADER + 4 * size + row.to(tl.int64) * width
+        out = tables_ptr + row.to(tl.int64) * table_stride
+        for start in range(0, MAX_WIDTH, BLOCK):  # a static bound; past w every lane is masked
+            cols = start + tl.arange(0, BLOCK)
+            ok = cols < width
+            tl.store(out + cols, tl.load(table + cols, mask=ok), mask=ok)
+
+
+def unpack(words: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+           lens: torch.Tensor, tables: torch.Tensor, size: int) -> None:
+    """Write rows [0, size) of tokens and positions (int64), slots (int64), lens (int32) and tables (int32
+    [rows, max_blocks]) from `words` (int32, the layout above)."""
+    _unpack_kernel[(size,)](words, tokens, positions, slots, lens, tables, tables.stride(0), size,
+                            HEADER=HEADER, MAX_WIDTH=tables.shape[1], BLOCK=TABLE_BLOCK, num_warps=1)
