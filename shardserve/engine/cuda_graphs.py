@@ -152,16 +152,17 @@ class CudaGraphRunner:
     def run(self, batch: StepBatch, device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Replay the decode step for `batch`; returns logits for its rows (rank 0), None elsewhere.
 
-        With `device_tokens` the input tokens are copied on the device (the previous step's samples) and
-        the host never waits: the one host-to-device copy here is from pinned memory, queued in stream order.
+        With `device_tokens` (the previous step's samples) the graph's first kernel reads the input tokens from
+        them and the host never waits: the one host-to-device copy here is from pinned memory, queued in
+        stream order.
         Where the graphs share tokens, only rank 0 writes them (device_tokens is None on the others).
         """
         n = batch.num_decode
         size = next(b for b in self.buckets if b >= n)
         writes_tokens = not self.shares_tokens or self.comm.rank == 0
-        if device_tokens is not None:
-            self.token_ids[:n].copy_(device_tokens)
-        self.inputs.write(batch, size, host_tokens=device_tokens is None and writes_tokens)
+        if device_tokens is not None and not (device_tokens.dtype == torch.long and device_tokens.is_contiguous()):
+            device_tokens = device_tokens.to(torch.long).contiguous()
+        self.inputs.write(batch, size, device_tokens, host_tokens=writes_tokens)
         self.graphs[size].replay()
         logits = self.logits[size]
         return None if logits is None else logits[:n]

@@ -2,9 +2,10 @@
 
 The host writes positions, cache slots, context lengths, block tables and (where it has them) the token ids of
 a step into one array of int32 words in pinned memory and queues one copy of it; the graph's first kernel
-writes them into the static buffers the graph reads (kernels/triton/graph_inputs.py has the layout). Before,
-each buffer took a copy of its own: four or five copy-engine operations between two replays, each with a gap
-on the stream around it.
+writes them into the static buffers the graph reads (kernels/triton/graph_inputs.py has the layout), and takes
+the token ids sampled on the device by the previous step from their own tensor, whose address the words carry.
+Before, each buffer took a copy of its own, the tokens a device-to-device one: five copy-engine operations
+between two replays, each with a gap on the stream around it.
 
 Pinned arrays are reused in a ring. Invariant: an array is written again only once the copy that read it has
 completed (an event per array; the host checks it, which in practice never waits: the ring is longer than the
@@ -13,10 +14,12 @@ number of steps the host queues ahead).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from shardserve.attention.batch import StepBatch
-from shardserve.kernels.triton.graph_inputs import HEADER, unpack
+from shardserve.kernels.triton.graph_inputs import (HEADER, TOKENS_AT_ADDRESS, TOKENS_IN_WORDS, TOKENS_KEPT,
+                                                    unpack)
 
 RING = 4
 
@@ -34,11 +37,14 @@ class GraphInputs:
         pin = device.type == "cuda"
         self._host = [torch.zeros(capacity, dtype=torch.int32, pin_memory=pin) for _ in range(RING)]
         self._copied: list[torch.cuda.Event | None] = [None] * RING
+        self._held: list[torch.Tensor | None] = [None] * RING  # each array's device tokens, while it is in use
         self._next = 0
 
-    def write(self, batch: StepBatch, size: int, host_tokens: bool) -> None:
-        """Queue the copy of `batch`'s inputs for the graph of `size` rows; with host_tokens its token ids too
-        (else the graph's token buffer is written another way before its rows are read)."""
+    def write(self, batch: StepBatch, size: int, device_tokens: torch.Tensor | None, host_tokens: bool) -> None:
+        """Queue the copy of `batch`'s inputs for the graph of `size` rows. The live rows' token ids: read from
+        `device_tokens` (int64 [n], contiguous, on the graph's device and stream: its memory is reused only
+        after the graph, in stream order), else from the batch with host_tokens, else kept as the graph finds
+        them (the token broadcast writes them)."""
         n = batch.num_decode
         width = min(max((len(c.block_table) for c in batch.chunks[:n]), default=0), self.max_blocks)
         length = HEADER + 4 * size + n * width
@@ -47,13 +53,16 @@ class GraphInputs:
             self._copied[i].synchronize()
         host = self._host[i]
         words = host.numpy()
-        words[:HEADER] = (n, width, int(host_tokens))
+        source = TOKENS_AT_ADDRESS if device_tokens is not None else TOKENS_IN_WORDS if host_tokens else TOKENS_KEPT
+        words[:4] = (n, width, source, 0)
+        words[4:HEADER] = np.array([0 if device_tokens is None else device_tokens.data_ptr()], np.int64).view(np.int32)
+        self._held[i] = device_tokens
         body = words[HEADER:HEADER + 4 * size].reshape(4, size)
         body[:, n:] = ((0,), (-1,), (0,), (0,))  # padding rows: position 0, no slot, no context, token 0
         body[0, :n] = batch.positions[:n]
         body[1, :n] = batch.slot_mapping[:n]
         body[2, :n] = [batch.context_len(r) for r in range(n)]
-        if host_tokens:
+        if source == TOKENS_IN_WORDS:
             body[3, :n] = batch.token_ids[:n]
         tables = words[HEADER + 4 * size:length].reshape(n, width)
         for r, chunk in enumerate(batch.chunks[:n]):

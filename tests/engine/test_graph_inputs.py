@@ -29,14 +29,13 @@ def _batch(*contexts: int) -> StepBatch:
     return StepBatch.from_chunks(chunks, BLOCK_SIZE)
 
 
-def _check(inputs: GraphInputs, batch: StepBatch, size: int, host_tokens: bool, tokens_before: torch.Tensor) -> None:
+def _check(inputs: GraphInputs, batch: StepBatch, size: int, expected_tokens: list[int]) -> None:
     n = batch.num_decode
     assert inputs.positions[:n].tolist() == batch.positions
     assert inputs.slots[:n].tolist() == batch.slot_mapping
     assert inputs.lens[:n].tolist() == [batch.context_len(r) for r in range(n)]
     for r, chunk in enumerate(batch.chunks):
         assert inputs.tables[r, :len(chunk.block_table)].tolist() == chunk.block_table
-    expected_tokens = batch.token_ids if host_tokens else tokens_before[:n].tolist()
     assert inputs.tokens[:n].tolist() == expected_tokens
     # Padding rows: nothing stored, no context, a valid token id.
     assert inputs.positions[n:size].tolist() == [0] * (size - n)
@@ -48,24 +47,32 @@ def _check(inputs: GraphInputs, batch: StepBatch, size: int, host_tokens: bool, 
 def test_one_copy_fills_every_row_of_the_graph():
     inputs = _buffers()
     batch = _batch(5, 13, 1)
-    before = inputs.tokens.clone()
-    inputs.write(batch, 4, host_tokens=True)
+    inputs.write(batch, 4, None, host_tokens=True)
     inputs.unpack(4)
-    _check(inputs, batch, 4, True, before)
+    _check(inputs, batch, 4, batch.token_ids)
     # Rows past the graph's size are not the graph's: untouched.
     assert inputs.positions[4:].tolist() == [55] * (MAX_BATCH - 4)
 
 
-def test_tokens_written_on_the_device_are_kept():
-    """Tokens copied on the device before the replay (the previous step's samples) or broadcast inside the graph
-    are not overwritten; padding rows still get a valid id."""
+def test_tokens_sampled_on_the_device_are_read_from_their_tensor():
+    """The previous step's samples, still on the device, reach the graph's token buffer through their address."""
+    inputs = _buffers()
+    batch = _batch(7, 2, 21)
+    sampled = torch.tensor([41, 8, 2**31 - 1])
+    inputs.write(batch, 4, sampled, host_tokens=True)
+    inputs.unpack(4)
+    _check(inputs, batch, 4, sampled.tolist())
+
+
+def test_tokens_the_graph_broadcasts_are_kept():
+    """Ranks whose graph receives the tokens by the broadcast inside it write none of the live rows; padding rows
+    still get a valid id."""
     inputs = _buffers()
     inputs.tokens[:2] = torch.tensor([4, 9])
-    before = inputs.tokens.clone()
     batch = _batch(7, 2)
-    inputs.write(batch, 4, host_tokens=False)
+    inputs.write(batch, 4, None, host_tokens=False)
     inputs.unpack(4)
-    _check(inputs, batch, 4, False, before)
+    _check(inputs, batch, 4, [4, 9])
 
 
 def test_longer_tables_and_reused_host_arrays():
@@ -76,10 +83,10 @@ def test_longer_tables_and_reused_host_arrays():
         contexts = [1 + (step * 5 + 3 * r) % (MAX_BLOCKS * BLOCK_SIZE) for r in range(1 + step % 5)]
         batch = _batch(*contexts)
         size = 1 if len(contexts) == 1 else (4 if len(contexts) <= 4 else 8)
-        before = inputs.tokens.clone()
-        inputs.write(batch, size, host_tokens=step % 2 == 0)
+        sampled = torch.arange(len(contexts)) * 3 + step
+        inputs.write(batch, size, sampled if step % 2 else None, host_tokens=True)
         inputs.unpack(size)
-        _check(inputs, batch, size, step % 2 == 0, before)
+        _check(inputs, batch, size, sampled.tolist() if step % 2 else batch.token_ids)
 
 
 def test_a_table_wider_than_the_buffers_is_cut_to_them():
@@ -87,6 +94,6 @@ def test_a_table_wider_than_the_buffers_is_cut_to_them():
     keeps to the buffer (as the attention reads no further)."""
     inputs = _buffers()
     chunk = SeqChunk(0, 3, [7], list(range(1, MAX_BLOCKS + 3)), True)
-    inputs.write(StepBatch.from_chunks([chunk], BLOCK_SIZE), 1, host_tokens=True)
+    inputs.write(StepBatch.from_chunks([chunk], BLOCK_SIZE), 1, None, host_tokens=True)
     inputs.unpack(1)
     assert inputs.tables[0].tolist() == list(range(1, MAX_BLOCKS + 1))

@@ -4,16 +4,19 @@ Before each replay the host copies a step's inputs as one array of int32 words (
 step costs one host-to-device copy instead of one per buffer (each a copy-engine operation with a gap of a few
 microseconds around it on the stream). Layout, for a graph of `size` rows:
 
-    [0] n (live rows)   [1] table width w   [2] 1 if the words carry the token ids, else 0
+    [0] n (live rows)   [1] table width w   [2] where live rows' token ids come from: TOKENS_KEPT,
+    TOKENS_IN_WORDS or TOKENS_AT_ADDRESS   [4:6] that address (int64 [n] on the device)
     [HEADER + r]             position of row r         (size words; padding rows 0)
     [HEADER + size + r]      cache slot of row r       (padding rows -1: nothing stored)
     [HEADER + 2 size + r]    context length of row r   (padding rows 0: attention outputs zeros)
     [HEADER + 3 size + r]    token id of row r         (padding rows 0)
     [HEADER + 4 size + r w]  the first w block-table entries of live row r
 
-Program r writes row r of the static buffers. Token ids of live rows are written only where the words carry
-them (elsewhere they were copied on the device, or arrive by the token broadcast); padding rows' always are, so
-they hold a valid id. Table entries past w are left as they were: no block past a row's context is read.
+Program r writes row r of the static buffers. Live rows' token ids come from the words (the host has them),
+from a device tensor whose address the words carry (the previous step's samples: read in stream order, after
+the kernels that wrote them), or are kept (the token broadcast inside the graph writes them); padding rows'
+are always written from the words, so they hold a valid id. Table entries past w are left as they were: no
+block past a row's context is read.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-HEADER = 3
+HEADER = 6
+TOKENS_KEPT, TOKENS_IN_WORDS, TOKENS_AT_ADDRESS = 0, 1, 2
 TABLE_BLOCK = 256
 
 
@@ -33,13 +37,16 @@ def _unpack_kernel(words_ptr, tokens_ptr, positions_ptr, slots_ptr, lens_ptr, ta
     row = tl.program_id(0)
     n = tl.load(words_ptr)
     width = tl.load(words_ptr + 1)
-    host_tokens = tl.load(words_ptr + 2)
+    source = tl.load(words_ptr + 2)
     rows = words_ptr + HEADER + row
     tl.store(positions_ptr + row, tl.load(rows).to(tl.int64))
     tl.store(slots_ptr + row, tl.load(rows + size).to(tl.int64))
     tl.store(lens_ptr + row, tl.load(rows + 2 * size))
-    if (host_tokens != 0) | (row >= n):
+    if (source == 1) | (row >= n):  # TOKENS_IN_WORDS, or padding
         tl.store(tokens_ptr + row, tl.load(rows + 3 * size).to(tl.int64))
+    elif source == 2:  # TOKENS_AT_ADDRESS
+        sampled = tl.load(words_ptr.to(tl.pointer_type(tl.int64)) + 2).to(tl.pointer_type(tl.int64))
+        tl.store(tokens_ptr + row, tl.load(sampled + row))
     if row < n:
         table = words_ptr + HEADER + 4 * size + row.to(tl.int64) * width
         out = tables_ptr + row.to(tl.int64) * table_stride
