@@ -114,7 +114,7 @@ def device_share(model_dir: str, tp: int) -> None:
         ranks.close()
 
 
-def engine_share(model_dir: str, tp: int, tokens: int, timeline: bool = True) -> None:
+def engine_share(model_dir: str, tp: int, tokens: int, timeline: bool = True, overlap=(False, True)) -> None:
     from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
 
@@ -131,7 +131,7 @@ def engine_share(model_dir: str, tp: int, tokens: int, timeline: bool = True) ->
         run(8)
         return (run(tokens + 32) - run(32)) * 1000 / tokens
 
-    for overlap in (False, True):
+    for overlap in overlap:
         llm.engine.overlap_steps = overlap
         ms = per_token_ms()
         print(f"engine TP={tp} batch 1, overlapped decoding {'on' if overlap else 'off'}: {ms:.3f} ms/token "
@@ -204,13 +204,16 @@ def main() -> None:
     p.add_argument("--skip-device", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--no-timeline", action="store_true", help="the engine's times per token only, no profilers")
+    p.add_argument("--overlap", choices=("both", "on", "off"), default="both",
+                   help="the engine's overlapped decoding (with SHARDSERVE_GRAPH_TIMING=1: time one mode's replays)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model_dir = write_model_dir(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"))
     if not args.skip_device:
         device_share(model_dir, args.tp)
     if not args.skip_engine:
-        engine_share(model_dir, args.tp, args.tokens, timeline=not args.no_timeline)
+        overlap = {"both": (False, True), "on": (True,), "off": (False,)}[args.overlap]
+        engine_share(model_dir, args.tp, args.tokens, timeline=not args.no_timeline, overlap=overlap)
 
 
 if __name__ == "__main__":

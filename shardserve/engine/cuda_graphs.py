@@ -19,8 +19,10 @@ for them inside, so no eager collective runs between two replays.
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
+import os
 import time
 from typing import Callable
 
@@ -74,6 +76,41 @@ class PiecewiseGraph:
                 self.between[i]()
 
 
+class ReplayTimer:
+    """SHARDSERVE_GRAPH_TIMING=1: CUDA events around every replay, and at close the mean time a step spends
+    inside its graph and between two graphs, logged by each rank (where the ranks of a step wait: a rank whose
+    graphs take longer than the others' waits inside them for a peer)."""
+
+    KEPT = 4096
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.events: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque(maxlen=self.KEPT)
+
+    @staticmethod
+    def wanted() -> bool:
+        return os.environ.get("SHARDSERVE_GRAPH_TIMING") == "1"
+
+    def around(self, replay: Callable[[], None]) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        self.events.append((start, end))
+
+    def report(self) -> None:
+        if len(self.events) < 2:
+            return
+        self.events[-1][1].synchronize()
+        events = list(self.events)
+        inside = [s.elapsed_time(e) for s, e in events]
+        between = [e.elapsed_time(s) for (_, e), (s, _) in zip(events, events[1:])]
+        between = [ms for ms in between if ms < 1.0]  # a step queued after an idle host is not a gap
+        logger.info("rank %d: %d graph replays, %.3f ms inside a graph, %.3f ms between two (mean of %d)",
+                    self.rank, len(inside), sum(inside) / len(inside), sum(between) / max(len(between), 1),
+                    len(between))
+
+
 class CudaGraphRunner:
     def __init__(self, model, kv_caches, backend, comm: Communicator, max_batch: int, max_model_len: int,
                  split_sizes: frozenset[int], hidden_bytes_per_token: int) -> None:
@@ -99,6 +136,7 @@ class CudaGraphRunner:
         self.logits: dict[int, torch.Tensor | None] = {}
         # Each graph's first kernel takes the input tokens from rank 0 (peer memory): the other ranks write none.
         self.shares_tokens = comm.tokens is not None
+        self.timer = ReplayTimer(comm.rank) if ReplayTimer.wanted() else None
 
     def can_run(self, batch: StepBatch) -> bool:
         return batch.decode_only and 0 < batch.num_decode <= self.max_batch
@@ -163,7 +201,10 @@ class CudaGraphRunner:
         if device_tokens is not None and not (device_tokens.dtype == torch.long and device_tokens.is_contiguous()):
             device_tokens = device_tokens.to(torch.long).contiguous()
         self.inputs.write(batch, size, device_tokens, host_tokens=writes_tokens)
-        self.graphs[size].replay()
+        if self.timer is not None:
+            self.timer.around(self.graphs[size].replay)
+        else:
+            self.graphs[size].replay()
         logits = self.logits[size]
         return None if logits is None else logits[:n]
 

@@ -191,6 +191,8 @@ class ModelRunner:
     def close(self) -> None:
         """Free the CUDA graphs before the process group goes: captured graphs hold NCCL collectives and
         symmetric-memory buffers, and the communicators must not be torn down under them."""
+        if self.graphs is not None and self.graphs.timer is not None:
+            self.graphs.timer.report()
         self.graphs = None
         gc.collect()
         if self.device.type == "cuda":
