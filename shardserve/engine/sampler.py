@@ -41,6 +41,7 @@ import torch
 from shardserve.engine.outputs import TokenLogprob
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.structured_output import AllowedTokens, apply_allowed
+from shardserve.kernels.availability import use_triton
 from shardserve.transfers import on_device
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,11 @@ class Sampler:
                              f"{tuple(logits.shape)} for {len(seq_ids)} sequence ids and {len(params)} parameter sets")
         if not params:
             return PendingSample(params, None)
+        tokens = _plain_greedy_tokens(logits, params, allowed)
+        if tokens is not None:
+            pending = PendingSample(params, tokens)
+            pending.start_transfer()
+            return pending
         owned = logits.dtype != torch.float32  # .float() below then makes a copy of our own
         logits = logits.float()  # the model's distribution: what logprobs report
         processed = logits
@@ -242,6 +248,21 @@ class Sampler:
         if g is None or g.device != device:
             g = self._generators[seq_id] = torch.Generator(device=device).manual_seed(seed)
         return g
+
+
+def _plain_greedy_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                         allowed: AllowedTokens | None) -> torch.Tensor | None:
+    """The tokens of a batch whose every row is greedy on the model's own logits (no logits processing, no grammar
+    mask, no logprobs), read by the Triton argmax (kernels/triton/argmax.py) from `logits` as they are, without the
+    float32 copy: the same tokens as the general path's argmax. None where the batch or the logits do not qualify."""
+    plain = allowed is None and all(p.greedy and not p.processes_logits and p.logprobs is None for p in params)
+    if not plain or not use_triton(logits):
+        return None
+    from shardserve.kernels.triton.argmax import DTYPES, greedy_tokens
+
+    if logits.dtype not in DTYPES or logits.stride(1) != 1:
+        return None
+    return greedy_tokens(logits)
 
 
 def _flat(tensor: torch.Tensor, rows: list[int], token_ids: list[int]) -> torch.Tensor:

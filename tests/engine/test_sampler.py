@@ -1,17 +1,23 @@
 """The sampler on crafted logits: greedy, temperature, top-k, top-p, seeds and logprobs behave as a
 request's parameters say, whatever else is in the batch and whatever the logits' dtype.
 
+A batch of plain greedy rows takes its tokens with the Triton argmax on the model's logits; on a machine
+without CUDA those tests run it in Triton's interpreter on CPU tensors.
+
 The last tests run the engine with detokenize=False: token ids come back, text does not."""
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from shardserve.engine.sampler import Sampler
-from shardserve.engine.sampling_params import SamplingParams
+from shardserve.engine import sampler as sampler_module
+from shardserve.engine.sampler import RowHistory, Sampler
+from shardserve.engine.sampling_params import SamplingParams, StructuredOutput
+from shardserve.engine.structured_output import AllowedTokens
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0)
@@ -213,6 +219,74 @@ def test_sampling_on_a_cuda_device_matches_the_cpu_semantics():
     # A seeded row on the GPU is reproducible and independent of the rest of the batch.
     alone, _ = _sample(Sampler(1), logits[2:3], params[2:3], [2])
     assert alone == [tokens[2]]
+
+
+# -- the greedy kernel ------------------------------------------------------------------------------
+
+@pytest.fixture
+def argmax_kernel(monkeypatch):
+    """The device the sampler's greedy kernel runs on here, and the logits it was called with: CUDA if present,
+    else CPU tensors in Triton's interpreter (the sampler is told that Triton serves them)."""
+    pytest.importorskip("triton")
+    from shardserve.kernels.triton import argmax
+
+    calls = []
+    real = argmax.greedy_tokens
+
+    def counted(logits):
+        calls.append(logits)
+        return real(logits)
+
+    monkeypatch.setattr(argmax, "greedy_tokens", counted)
+    if torch.cuda.is_available():
+        return SimpleNamespace(device="cuda", calls=calls)
+    from tests.kernels.test_triton_kernels import _allow_one_element_arrays_as_indices
+
+    _allow_one_element_arrays_as_indices()  # the kernel's programs loop up to their part's end
+    monkeypatch.setattr(sampler_module, "use_triton", lambda x: True)
+    return SimpleNamespace(device="cpu", calls=calls)
+
+
+def test_an_all_greedy_batch_gets_the_same_tokens_from_the_kernel(argmax_kernel):
+    logits = _logits(4, seed=10, vocab=5003).to(argmax_kernel.device, torch.bfloat16)
+    logits[1, [17, 4000]] = logits[1].max() + 1  # tied maxima: the first is the token
+    params = [GREEDY, SamplingParams(temperature=0.8, top_k=1), GREEDY, SamplingParams(temperature=0, seed=3)]
+    pending = Sampler(0).enqueue(logits, [0, 1, 2, 3], params)
+    assert len(argmax_kernel.calls) == 1 and argmax_kernel.calls[0] is logits, "not read from the model's logits"
+    assert pending.tokens.device == logits.device and pending.host_ints is not None, "no transfer started"
+    tokens, logprobs = Sampler.resolve(pending)
+    assert tokens == logits.float().argmax(dim=-1).tolist() and tokens[1] == 17
+    assert logprobs == [None] * 4
+    # Asking for logprobs takes the general path (float32 copy, torch's argmax): the same tokens.
+    general, _ = _sample(Sampler(0), logits, [dataclasses.replace(p, logprobs=0) for p in params])
+    assert len(argmax_kernel.calls) == 1
+    assert general == tokens
+
+
+def _only_token_allowed(token: int, vocab: int) -> torch.Tensor:
+    """A grammar bitmask row [1, words] (int32) allowing `token` alone."""
+    mask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int64)
+    mask[0, token // 32] = 1 << token % 32
+    return (mask - (mask >= 2**31).long() * 2**32).int()  # bit 31 as the int32 sign bit
+
+
+def test_a_biased_penalized_or_constrained_row_is_still_processed(argmax_kernel):
+    logits = _logits(2, seed=11).to(argmax_kernel.device, torch.bfloat16)
+    best, second = logits[0].float().topk(2).indices.tolist()
+    worst = int(logits[0].float().argmin())
+    plain = [RowHistory([1], [], 0)]
+    cases = [  # (row 0's params, its history, the grammar masks, the token it must get)
+        (SamplingParams(temperature=0, logit_bias=((worst, 100.0),)), plain, None, worst),
+        (SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=2.0),
+         [RowHistory([1], [best] * 5, 5)], None, second),  # best loses 12: below the second
+        (SamplingParams(temperature=0, structured=StructuredOutput("regex", "x")), plain,
+         AllowedTokens([0], _only_token_allowed(worst, VOCAB)), worst),
+    ]
+    for params, history, allowed, token in cases:
+        tokens, _ = Sampler(0).sample(logits, [0, 1], [params, GREEDY], history + [RowHistory([1], [], 0)],
+                                      allowed)
+        assert tokens == [token, int(logits[1].float().argmax())], params
+    assert argmax_kernel.calls == []
 
 
 # -- detokenize=False -------------------------------------------------------------------------------
