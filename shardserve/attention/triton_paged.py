@@ -17,7 +17,7 @@ from shardserve.attention.batch import StepBatch
 from shardserve.kernels.triton.fused_ops import apply_rotary_and_store_
 from shardserve.kernels.triton.paged_attention import (choose_num_splits, paged_decode_attention,
                                                        paged_prefill_attention, store_kv_cache)
-from shardserve.transfers import on_device, pinned
+from shardserve.transfers import on_device
 
 
 @dataclass
@@ -32,6 +32,9 @@ class TritonMetadata:
     prefill_query_start: torch.Tensor | None = None  # [num_prefills + 1] int32, rows from num_decode
     prefill_context_lens: torch.Tensor | None = None  # [num_prefills] int32, including this step's tokens
     max_query_len: int = 0
+    # Zeroed int32 counts, at least num_decode * num_kv_heads, that the split decode's fused combine leaves at
+    # zero; None: the device's shared arrival counts (kernels/triton/arrivals.py).
+    decode_arrivals: torch.Tensor | None = None
 
 
 def block_table_array(tables: list[list[int]], width: int | None = None) -> np.ndarray:
@@ -104,7 +107,8 @@ class TritonPagedBackend:
         nd = meta.num_decode
         if nd:
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                   layer.scale, self.block_size, meta.num_splits, out=out[:nd])
+                                   layer.scale, self.block_size, meta.num_splits, out=out[:nd],
+                                   arrivals=meta.decode_arrivals)
         if meta.prefill_query_start is not None:
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
                                     meta.prefill_context_lens, meta.max_query_len, layer.scale, self.block_size,
@@ -113,7 +117,8 @@ class TritonPagedBackend:
 
     # -- static buffers for CUDA graphs ----------------------------------------------------------
     def static_decode_metadata(self, max_batch: int, max_blocks: int) -> TritonMetadata:
-        """Decode metadata in fixed buffers, sized for the largest graph batch."""
+        """Decode metadata in fixed buffers, sized for the largest graph batch. Made before any capture, and
+        kept as long as the graphs: they hold the addresses, the arrival counts' among them."""
         return TritonMetadata(
             self,
             slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, device=self.device),
@@ -121,25 +126,11 @@ class TritonPagedBackend:
             decode_block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=self.device),
             decode_context_lens=torch.zeros(max_batch, dtype=torch.int32, device=self.device),
             num_splits=1,
+            decode_arrivals=torch.zeros(max_batch * self.num_kv_heads, dtype=torch.int32, device=self.device),
         )
 
     def graph_view(self, static: TritonMetadata, batch_size: int, max_context: int) -> TritonMetadata:
         """The first batch_size rows of the static buffers, as a graph of that size captures them."""
         return TritonMetadata(self, static.slot_mapping[:batch_size], batch_size,
                               static.decode_block_tables[:batch_size], static.decode_context_lens[:batch_size],
-                              self.num_splits(batch_size, max_context))
-
-    def fill_static(self, static: TritonMetadata, batch: StepBatch, padded: int) -> None:
-        """Write a decode-only batch into the static buffers; rows [n, padded) become padding."""
-        n = batch.num_decode
-        width = static.decode_block_tables.shape[1]
-        slots = np.full(padded, -1, dtype=np.int64)
-        slots[:n] = batch.slot_mapping
-        lens = np.zeros(padded, dtype=np.int32)
-        lens[:n] = [batch.context_len(i) for i in range(n)]
-        tables = block_table_array([c.block_table for c in batch.chunks[:n]])
-        # Straight from pinned host memory into the static buffers: one copy each, queued in stream order.
-        static.slot_mapping[:padded].copy_(pinned(slots), non_blocking=True)
-        static.decode_context_lens[:padded].copy_(pinned(lens), non_blocking=True)
-        static.decode_block_tables[:n, : min(tables.shape[1], width)].copy_(pinned(np.ascontiguousarray(tables[:, :width])),
-                                                                             non_blocking=True)
+                              self.num_splits(batch_size, max_context), decode_arrivals=static.decode_arrivals)

@@ -180,6 +180,119 @@ def test_decode_without_grouping_and_into_given_output():
     assert_attention_close(out, ref, torch.float32)
 
 
+
+class _NoSecondKernel:
+    """Stands in for the combine kernel where the splits must be joined inside the decode launch."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the split decode launched a second kernel to combine its splits")
+
+
+def _decode_both_ways(monkeypatch, cache, q, context_lens, block_size, splits, arrivals=None):
+    """(fused, separate) outputs of one split decode; the fused one in a single launch."""
+    scale = q.shape[-1] ** -0.5
+    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "separate")
+    separate = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale, block_size,
+                                         splits)
+    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fused")
+    with monkeypatch.context() as one_launch:
+        one_launch.setattr(pa, "_combine_splits_kernel", _NoSecondKernel())
+        fused = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale,
+                                          block_size, splits, out=torch.full_like(q, float("nan")),
+                                          arrivals=arrivals)
+    return fused, separate
+
+
+def _shared_counts_are_zero() -> bool:
+    from shardserve.kernels.triton import arrivals
+
+    return all(counts.count_nonzero().item() == 0 for counts in arrivals._counts.values())
+
+
+# (context lengths, num_heads, num_kv_heads, splits, dtype): lengths that do not divide into the splits, padding
+# rows of length 0 among them, GQA groups of 1, 3 and 4.
+FUSED_COMBINE_CASES = [
+    ([29], 2, 2, 2, torch.float32),
+    ([0, 1, 13, 37, 0], 8, 2, 3, torch.float32),
+    ([45, 0, 7], 6, 2, 4, torch.float32),
+    ([30, 0, 11, 50], 4, 1, 3, torch.float16),
+]
+
+
+@pytest.mark.parametrize("lengths,num_heads,num_kv_heads,splits,dtype", FUSED_COMBINE_CASES)
+def test_fused_split_combine_gives_the_bits_of_the_separate_kernel(monkeypatch, lengths, num_heads, num_kv_heads,
+                                                                   splits, dtype):
+    block_size, head_dim = 8, 16
+    cache = PagedCache(lengths, num_kv_heads, head_dim, block_size, dtype, seed=len(lengths) + splits)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=cache.generator).to(dtype).to(DEVICE)
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+
+    fused, separate = _decode_both_ways(monkeypatch, cache, q, context_lens, block_size, splits)
+
+    assert torch.equal(fused, separate)
+    for s, n in enumerate(lengths):
+        k, v = cache.context(s, n)
+        ref = reference_attention(q[s:s + 1], k, v, torch.tensor([n - 1], device=DEVICE), head_dim ** -0.5)
+        assert_attention_close(fused[s:s + 1], ref, dtype)
+    assert _shared_counts_are_zero()
+
+
+def test_fused_split_combine_resets_its_counts_for_the_next_call(monkeypatch):
+    """A second launch over the same counts (as a CUDA graph replays) finds them at zero: every output is
+    written again, with new lengths too."""
+    num_kv_heads, block_size = 2, 8
+    cache = PagedCache([40, 0, 23], num_kv_heads, 16, block_size, torch.float32, seed=9)
+    q = torch.randn(3, 4, 16, generator=cache.generator).to(DEVICE)
+    counts = torch.zeros(3 * num_kv_heads, dtype=torch.int32, device=DEVICE)  # as the static metadata holds them
+    for lengths in ([40, 0, 23], [40, 0, 23], [17, 9, 0]):
+        context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        fused, separate = _decode_both_ways(monkeypatch, cache, q, context_lens, block_size, 3, arrivals=counts)
+        assert torch.equal(fused, separate), lengths
+        assert counts.count_nonzero().item() == 0
+
+
+def test_decode_combine_setting_rejects_unknown_values(monkeypatch):
+    cache = PagedCache([20], 1, 16, 8, torch.float32, seed=10)
+    q = torch.randn(1, 2, 16, generator=cache.generator).to(DEVICE)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fast")
+    with pytest.raises(ValueError, match=r"SHARDSERVE_DECODE_COMBINE='fast': expected one of fused, separate"):
+        pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 2)
+    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fused")
+    int64_counts = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="needs at least 1 zeroed int32 counts"):
+        pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 2, arrivals=int64_counts)
+
+
+def test_many_splits_are_combined_by_the_second_kernel(monkeypatch):
+    """Past FUSED_COMBINE_MAX_SPLITS the combine of a whole head group by one program costs more than the launch
+    it saves: the second kernel runs, and the result is the same."""
+    splits = pa.FUSED_COMBINE_MAX_SPLITS + 1
+    cache = PagedCache([8 * splits + 3], 1, 16, 8, torch.float32, seed=11)
+    q = torch.randn(1, 2, 16, generator=cache.generator).to(DEVICE)
+    lens = torch.tensor([8 * splits + 3], dtype=torch.int32, device=DEVICE)
+    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "separate")
+    separate = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, splits)
+    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fused")
+    launches = []
+    combine = pa._combine_splits_kernel
+    monkeypatch.setattr(pa, "_combine_splits_kernel", _Counted(combine, launches))
+    fused = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, splits)
+    assert len(launches) == 1
+    assert torch.equal(fused, separate)
+
+
+class _Counted:
+    """A kernel launched through `kernel[grid](...)` that records each launch."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
 def test_choose_num_splits():
     assert pa.choose_num_splits(1, 8, 4096) == 16  # wants 33 for 2 programs per SM, 4096 // 256 caps it
     assert pa.choose_num_splits(1, 1, 100_000) == 32

@@ -17,11 +17,14 @@ captured in a CUDA graph: sequence lengths are read inside the kernels.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from shardserve.kernels.triton import pdl
+from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.pdl import enter
 
 _LOG2E = 1.4426950408889634
@@ -145,19 +148,81 @@ def _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, e
 # Decode: one query token per sequence, split-K over the context
 
 
+COMBINE_MODES = ("fused", "separate")
+# Above this many splits the last program's combine (every split of a whole head group, alone) costs more than the
+# launch it saves: on an H100, 32 heads over 8 KV heads, one sequence, a layer took 7.75 -> 7.54 us fused at 2
+# splits, 8.32 -> 7.72 at 4, but 8.93 -> 9.53 at 16 and 28.4 -> 29.0 at 32.
+FUSED_COMBINE_MAX_SPLITS = 8
+
+
+def combine_mode() -> str:
+    """How decode with several splits joins them: "fused", the last split program of each (sequence, KV head) to
+    finish combines them in the same launch (up to FUSED_COMBINE_MAX_SPLITS splits), or "separate", a second
+    kernel does (the same bits, one more launch). SHARDSERVE_DECODE_COMBINE, default "fused"."""
+    value = os.environ.get("SHARDSERVE_DECODE_COMBINE", "fused")
+    if value not in COMBINE_MODES:
+        raise ValueError(f"SHARDSERVE_DECODE_COMBINE={value!r}: expected one of {', '.join(COMBINE_MODES)}")
+    return value
+
+
+@triton.jit
+def _combine_splits(partial_ptr, lse_ptr, out_ptr, b, first_head, heads, num_splits,
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                    HEADS_P: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    LOAD_CACHE: tl.constexpr):
+    """out[b, h] = sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max lse) for the `heads` heads from
+    first_head; 0 where every split is empty.
+
+    Each element is summed in split order, one split after another, so the bits do not depend on how the
+    compiler lays the tile out over threads: any number of heads per program gives the same result. Every split
+    below num_splits was written (zeros where its range is empty), so no load waits for the lse values, and all
+    of them are in flight at once. LOAD_CACHE ".cg": written by other programs of this launch, so the loads
+    skip this SM's L1.
+    """
+    rows = tl.arange(0, HEADS_P)
+    row_ok = rows < heads
+    head = first_head + rows
+    dims = tl.arange(0, HEAD_DIM)
+    lse_rows = lse_ptr + b * stride_lb + head * stride_lh
+    part_rows = partial_ptr + b * stride_pb + head[:, None] * stride_ph + dims[None, :]
+    splits = tl.arange(0, SPLITS_P)
+    lse = tl.load(lse_rows[:, None] + splits[None, :], mask=row_ok[:, None] & (splits < num_splits)[None, :],
+                  other=float("-inf"), cache_modifier=LOAD_CACHE)
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([HEADS_P], dtype=tl.float32)
+    acc = tl.zeros([HEADS_P, HEAD_DIM], dtype=tl.float32)
+    for s in tl.static_range(SPLITS_P):
+        ok = row_ok & (s < num_splits)
+        w = tl.exp2(tl.load(lse_rows + s, mask=ok, other=float("-inf"), cache_modifier=LOAD_CACHE) - m)
+        part = tl.load(part_rows + s * stride_ps, mask=ok[:, None], other=0.0, cache_modifier=LOAD_CACHE)
+        total += w
+        acc += part * w[:, None]
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr,
                    qk_scale, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
+                   final_ptr, arrivals_ptr, stride_fb, stride_fh,
                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, GROUP_C: tl.constexpr,
+                   SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (b, kv_head, split): every query head of the KV-head group over one contiguous share of b's context.
 
     The context [0, context_lens[b]) is cut into num_splits ranges of equal length, a multiple of BLOCK_SIZE
     (the last ones shorter or empty). With SPLIT, writes the normalised partial output (float32) at
     [b, head, split] and its log2-sum-exp (-inf when the range is empty); otherwise writes the final output.
-    PDL: launched to overlap the kernel before it (kernels/triton/pdl.py).
+    COMBINE (with SPLIT): each program then counts itself in arrivals[b * num_kv_heads + kv_head]
+    (kernels/triton/arrivals.py); the last of the num_splits to arrive sees every split's stores, combines them
+    into final[b, head] for the group's heads (GROUP_C: GROUP to a power of two) as _combine_splits_kernel
+    does (the same bits), and puts the count back to 0 for the next launch.
+    PDL: launched to overlap the kernel before it (kernels/triton/pdl.py); the counts are touched after the
+    wait, and only by this kernel's programs.
     """
     enter(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -191,6 +256,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
         tl.store(o_ptrs, out, mask=row_ok[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+        if COMBINE:
+            slot = b * tl.num_programs(1) + kv_head
+            if last_to_arrive(arrivals_ptr, slot, num_splits):
+                _combine_splits(out_ptr, lse_ptr, final_ptr, b, kv_head * GROUP, GROUP, num_splits,
+                                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
+                                GROUP_C, SPLITS_P, HEAD_DIM, ".cg")
+                leave(arrivals_ptr, slot)
     else:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -200,23 +272,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
 def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
                            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                            SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, head): out = sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max lse); 0 if all empty."""
+    """Program (b, head): out[b, head] from its splits (_combine_splits)."""
     enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_P)
-    dims = tl.arange(0, HEAD_DIM)
-    lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + splits, mask=splits < num_splits,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    used = lse > float("-inf")
-    parts = tl.load(partial_ptr + b * stride_pb + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
-                    mask=used[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    _combine_splits(partial_ptr, lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), 1, num_splits,
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, 1, SPLITS_P,
+                    HEAD_DIM, "")
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
@@ -233,14 +293,18 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
-                           num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int, out: torch.Tensor | None = None,
+                           arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context (flash-decoding).
 
     q: [B, num_heads, head_dim] (any strides, unit last-dim stride). Sequence b attends to positions
     [0, context_lens[b]) (int32), its own key/value already stored at context_lens[b] - 1; a row with
     context_lens[b] == 0 gets zeros. Returns [B, num_heads, head_dim] in q's dtype, written into `out` if given.
-    Launch: grid (B, num_kv_heads, num_splits), then, when num_splits > 1, a combine over (B, num_heads) that
-    reads a float32 workspace [B, num_heads, num_splits, head_dim] allocated here. Graph-capturable.
+    Launch: grid (B, num_kv_heads, num_splits). With num_splits > 1 the splits write a float32 workspace
+    [B, num_heads, num_splits, head_dim] allocated here, joined as combine_mode() says: in the same launch (up to
+    FUSED_COMBINE_MAX_SPLITS splits), counting in `arrivals` (zeroed int32, at least B * num_kv_heads, left at
+    zero; default: the device's shared arrival counts), or by a second kernel over (B, num_heads), which also
+    serves more splits and where the shared counts are too few. Graph-capturable; a graph keeps the address of the counts, so they must outlive it.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -252,11 +316,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("q and the caches need unit stride in the last dim")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError("q and the caches must share a dtype")
+    mode = combine_mode()
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     num_splits = max(1, int(num_splits))
+    fused = mode == "fused" and num_splits <= FUSED_COMBINE_MAX_SPLITS
     group = num_heads // num_kv_heads
     common = dict(GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
                   HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype), **_decode_config(head_dim, q.dtype),
@@ -267,19 +333,35 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits == 1:
         _decode_kernel[grid](q, k_cache, v_cache, out, out, block_tables, context_lens, scale * _LOG2E, 1,
                              q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *cache_strides,
-                             SPLIT=False, **common)
+                             out, out, 0, 0, SPLIT=False, COMBINE=False, GROUP_C=1, SPLITS_P=1, **common)
         return out
     partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    counts = _combine_counts(arrivals, batch * num_kv_heads, q.device) if fused else None
+    splits_p = triton.next_power_of_2(num_splits)
     _decode_kernel[grid](q, k_cache, v_cache, partial, lse, block_tables, context_lens, scale * _LOG2E, num_splits,
                          q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
-                         lse.stride(0), lse.stride(1), *cache_strides, SPLIT=True, **common)
-    _combine_splits_kernel[(batch, num_heads)](
-        partial, lse, out, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        SPLITS_P=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8,
-        **pdl.launch(q.device))
+                         lse.stride(0), lse.stride(1), *cache_strides,
+                         out, lse if counts is None else counts, out.stride(0), out.stride(1),
+                         SPLIT=True, COMBINE=counts is not None, GROUP_C=triton.next_power_of_2(group),
+                         SPLITS_P=1 if counts is None else splits_p, **common)
+    if counts is None:
+        _combine_splits_kernel[(batch, num_heads)](
+            partial, lse, out, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
+            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+            SPLITS_P=splits_p, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8, **pdl.launch(q.device))
     return out
+
+
+def _combine_counts(arrivals: torch.Tensor | None, slots: int, device: torch.device) -> torch.Tensor | None:
+    """The counts of a fused combine: `arrivals`, checked, or the device's shared ones; None where those are too
+    few (or not made yet inside a CUDA graph capture) and a second kernel combines."""
+    if arrivals is None:
+        return arrival_counts(device, slots)
+    if arrivals.dtype != torch.int32 or arrivals.numel() < slots or arrivals.device != device:
+        raise ValueError(f"arrivals: {arrivals.numel()} {arrivals.dtype} counts on {arrivals.device}; decode of "
+                         f"this batch needs at least {slots} zeroed int32 counts on {device}")
+    return arrivals
 
 
 # ---------------------------------------------------------------------------------------------------------------
