@@ -265,18 +265,18 @@ def test_decode_combine_setting_rejects_unknown_values(monkeypatch):
 
 
 def test_many_splits_are_combined_by_the_second_kernel(monkeypatch):
-    """Past FUSED_COMBINE_MAX_SPLITS the combine of a whole head group by one program costs more than the launch
-    it saves: the second kernel runs, and the result is the same."""
-    splits = pa.FUSED_COMBINE_MAX_SPLITS + 1
+    """Past FUSED_COMBINE_MAX_ROWS (query heads of a group x splits) the combine by one program costs more than
+    the launch it saves: the second kernel runs, and the result is the same."""
+    group = 2
+    splits = pa.FUSED_COMBINE_MAX_ROWS // group + 1
     cache = PagedCache([8 * splits + 3], 1, 16, 8, torch.float32, seed=11)
-    q = torch.randn(1, 2, 16, generator=cache.generator).to(DEVICE)
+    q = torch.randn(1, group, 16, generator=cache.generator).to(DEVICE)
     lens = torch.tensor([8 * splits + 3], dtype=torch.int32, device=DEVICE)
     monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "separate")
     separate = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, splits)
     monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fused")
     launches = []
-    combine = pa._combine_splits_kernel
-    monkeypatch.setattr(pa, "_combine_splits_kernel", _Counted(combine, launches))
+    monkeypatch.setattr(pa, "_combine_splits_kernel", _Counted(pa._combine_splits_kernel, launches))
     fused = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, splits)
     assert len(launches) == 1
     assert torch.equal(fused, separate)

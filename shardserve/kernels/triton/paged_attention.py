@@ -149,16 +149,18 @@ def _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, e
 
 
 COMBINE_MODES = ("fused", "separate")
-# Above this many splits the last program's combine (every split of a whole head group, alone) costs more than the
-# launch it saves: on an H100, 32 heads over 8 KV heads, one sequence, a layer took 7.75 -> 7.54 us fused at 2
-# splits, 8.32 -> 7.72 at 4, but 8.93 -> 9.53 at 16 and 28.4 -> 29.0 at 32.
-FUSED_COMBINE_MAX_SPLITS = 8
+# The last program of a fused combine joins every split of its KV head's whole group of query heads alone: past
+# this many (query head, split) rows that costs more than the launch it saves. On an H100, batch 1, a layer
+# (groups of 4): 7.75 -> 7.54 us fused at 2 splits, 8.32 -> 7.72 at 4, 8.93 -> 9.53 at 16, 28.4 -> 29.0 at 32; whole
+# decode graphs at 8 splits: Llama-3-8B's shape (groups of 4) 5.484 -> 5.440 ms, Qwen3-30B-A3B's (groups of 8)
+# 3.175 -> 3.218 ms.
+FUSED_COMBINE_MAX_ROWS = 32
 
 
 def combine_mode() -> str:
     """How decode with several splits joins them: "fused", the last split program of each (sequence, KV head) to
-    finish combines them in the same launch (up to FUSED_COMBINE_MAX_SPLITS splits), or "separate", a second
-    kernel does (the same bits, one more launch). SHARDSERVE_DECODE_COMBINE, default "fused"."""
+    finish combines them in the same launch (up to FUSED_COMBINE_MAX_ROWS query heads x splits), or "separate", a
+    second kernel does (the same bits, one more launch). SHARDSERVE_DECODE_COMBINE, default "fused"."""
     value = os.environ.get("SHARDSERVE_DECODE_COMBINE", "fused")
     if value not in COMBINE_MODES:
         raise ValueError(f"SHARDSERVE_DECODE_COMBINE={value!r}: expected one of {', '.join(COMBINE_MODES)}")
@@ -302,9 +304,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     context_lens[b] == 0 gets zeros. Returns [B, num_heads, head_dim] in q's dtype, written into `out` if given.
     Launch: grid (B, num_kv_heads, num_splits). With num_splits > 1 the splits write a float32 workspace
     [B, num_heads, num_splits, head_dim] allocated here, joined as combine_mode() says: in the same launch (up to
-    FUSED_COMBINE_MAX_SPLITS splits), counting in `arrivals` (zeroed int32, at least B * num_kv_heads, left at
-    zero; default: the device's shared arrival counts), or by a second kernel over (B, num_heads), which also
-    serves more splits and where the shared counts are too few. Graph-capturable; a graph keeps the address of the counts, so they must outlive it.
+    FUSED_COMBINE_MAX_ROWS query heads of a group x splits), counting in `arrivals` (zeroed int32, at least
+    B * num_kv_heads, left at zero; default: the device's shared arrival counts), or by a second kernel over
+    (B, num_heads), which also serves larger groups x splits and where the shared counts are too few.
+    Graph-capturable; a graph keeps the address of the counts, so they must outlive it.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -322,8 +325,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0:
         return out
     num_splits = max(1, int(num_splits))
-    fused = mode == "fused" and num_splits <= FUSED_COMBINE_MAX_SPLITS
     group = num_heads // num_kv_heads
+    fused = mode == "fused" and group * num_splits <= FUSED_COMBINE_MAX_ROWS
     common = dict(GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
                   HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype), **_decode_config(head_dim, q.dtype),
                   **pdl.launch(q.device))
