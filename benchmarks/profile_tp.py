@@ -47,18 +47,8 @@ def replay_worker(config, ctx) -> None:
     runner = ModelRunner(config, ModelConfig.from_model_path(config.model), ctx)
     graphs = runner.graphs
     for size in (1, 64):
-        graph = graphs.graphs[size]
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / REPLAYS
-        print(f"rank {ctx.rank}: batch-{size} graph replay {ms:.3f} ms per step", flush=True)
+        print(f"rank {ctx.rank}: batch-{size} graph replay {_ms_per_replay(graphs.graphs[size]):.3f} ms per step",
+              flush=True)
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -76,11 +66,25 @@ def replay_worker(config, ctx) -> None:
     runner.close()
 
 
+def _ms_per_replay(graph) -> float:
+    """Mean ms of REPLAYS replays after 20 to warm up (CUDA events; the other ranks replay at the same time)."""
+    import torch
+
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / REPLAYS
+
+
 def _replay_without_communication(runner, ctx) -> float:
     """The batch-1 graph captured again as if the rank were alone (every collective skipped, wrong numbers):
     what the step costs with no communication at all, on the same shard."""
-    import torch
-
     comm = ctx.comm
     world, tokens = comm.world_size, comm.tokens
     comm.world_size, comm.tokens = 1, None
@@ -88,17 +92,7 @@ def _replay_without_communication(runner, ctx) -> float:
         graphs = runner.graphs
         graphs.shares_tokens = False
         graphs.capture_all()
-        graph = graphs.graphs[1]
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / REPLAYS
+        return _ms_per_replay(graphs.graphs[1])
     finally:
         comm.world_size, comm.tokens = world, tokens
 
