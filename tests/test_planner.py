@@ -44,6 +44,20 @@ def test_llama3_8b_weights_and_kv_at_tp1_and_tp2():
     assert two.kv_bytes_per_token == one.kv_bytes_per_token // 2
 
 
+def test_a_tensor_parallel_rank_reserves_its_collectives_buffers():
+    """NCCL's communicator buffers and the peer-memory areas exist only with several GPUs: a TP=2 rank's overhead is
+    a TP=1 rank's, less the halved MLP activations and graph buffers, plus GPU_COLLECTIVE_OVERHEAD."""
+    from shardserve.planner import GPU_COLLECTIVE_OVERHEAD
+
+    request = {"max_num_seqs": 64, "max_num_batched_tokens": 2048}
+    one = plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=1, **request))
+    two = plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=2, **request))
+    halved = (2048 + 64) * 3 * (14336 - 14336 // 2) * 2  # activations and graph buffers of the MLP's features
+    assert two.overhead_bytes == one.overhead_bytes - halved + GPU_COLLECTIVE_OVERHEAD
+    on_cpu = [plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=tp, device="cpu", **request)) for tp in (1, 2)]
+    assert on_cpu[1].overhead_bytes == on_cpu[0].overhead_bytes - 2048 * 3 * (14336 - 14336 // 2) * 4
+
+
 def test_llama3_70b_at_tp8_fits_an_h200_and_refuses_one_80gb_gpu_at_tp1():
     eight = plan(LLAMA3_70B, PlanRequest(tensor_parallel_size=8, max_model_len=8192, gpu_memory_gb=139.8))
     layer = (8192 * 10 * 128 + 8 * 128 * 8192) + 3 * 8192 * 3584 + 2 * 8192  # 8 q + 1 k + 1 v heads per rank
