@@ -10,12 +10,12 @@ graph early and wait inside it, and the ids cross NVLink in one write each.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
 from shardserve.distributed.all_reduce import every_rank, first_line
+from shardserve.env_choice import env_choice
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +26,7 @@ MODES = ("peer", "nccl")
 
 def wanted() -> bool:
     """Whether to set up the peer-memory broadcast (SHARDSERVE_TOKEN_BROADCAST, default "peer")."""
-    value = os.environ.get(MODE_ENV, "peer")
-    if value not in MODES:
-        raise ValueError(f"{MODE_ENV}={value!r}: expected one of {', '.join(MODES)}")
-    return value == "peer"
+    return env_choice(MODE_ENV, MODES, "peer") == "peer"
 
 
 class PeerTokenBroadcast:

@@ -9,12 +9,11 @@ so they do not push the activations out of L2.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from shardserve.env_choice import env_choice
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.pdl import enter
 
@@ -101,10 +100,7 @@ def preload_tiles() -> int:
     (SHARDSERVE_GEMV_PRELOAD, 0 to 2, default 1; it matters only with dependent launch). On two H100s one tile
     took the Llama-3-8B-shaped TP=2 batch-1 graph from 3.096 to 3.049 ms, two 3.060; TP=1 5.322 -> 5.329 ms
     with two."""
-    value = os.environ.get(PRELOAD_ENV, "1")
-    if value not in ("0", "1", "2"):
-        raise ValueError(f"{PRELOAD_ENV}={value!r}: expected 0, 1 or 2")
-    return int(value)
+    return int(env_choice(PRELOAD_ENV, ("0", "1", "2"), "1"))
 
 
 @triton.jit

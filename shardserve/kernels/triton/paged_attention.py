@@ -17,12 +17,11 @@ captured in a CUDA graph: sequence lengths are read inside the kernels.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from shardserve.env_choice import env_choice
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.pdl import enter
@@ -161,10 +160,7 @@ def combine_mode() -> str:
     """How decode with several splits joins them: "fused", the last split program of each (sequence, KV head) to
     finish combines them in the same launch (up to FUSED_COMBINE_MAX_ROWS query heads x splits), or "separate", a
     second kernel does (the same bits, one more launch). SHARDSERVE_DECODE_COMBINE, default "fused"."""
-    value = os.environ.get("SHARDSERVE_DECODE_COMBINE", "fused")
-    if value not in COMBINE_MODES:
-        raise ValueError(f"SHARDSERVE_DECODE_COMBINE={value!r}: expected one of {', '.join(COMBINE_MODES)}")
-    return value
+    return env_choice("SHARDSERVE_DECODE_COMBINE", COMBINE_MODES, "fused")
 
 
 @triton.jit

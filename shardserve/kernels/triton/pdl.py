@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from shardserve.env_choice import env_choice
+
 MODES = ("auto", "on", "off")
 
 
@@ -42,10 +44,7 @@ def enter(PDL: tl.constexpr):
 
 
 def mode() -> str:
-    value = os.environ.get("SHARDSERVE_PDL", "auto")
-    if value not in MODES:
-        raise ValueError(f"SHARDSERVE_PDL={value!r}: expected one of {', '.join(MODES)}")
-    return value
+    return env_choice("SHARDSERVE_PDL", MODES, "auto")
 
 
 @functools.cache
