@@ -24,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_suite import write_model_dir  # noqa: E402
+from gpu_suite import graph_replay_ms, write_model_dir  # noqa: E402
 
 REPLAYS = 200
 
@@ -67,19 +67,10 @@ def replay_worker(config, ctx) -> None:
 
 
 def _ms_per_replay(graph) -> float:
-    """Mean ms of REPLAYS replays after 20 to warm up (CUDA events; the other ranks replay at the same time)."""
-    import torch
-
+    """Mean ms of REPLAYS replays after 20 to warm up (the other ranks replay at the same time)."""
     for _ in range(20):
         graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / REPLAYS
+    return graph_replay_ms(graph, REPLAYS)
 
 
 def _replay_without_communication(runner, ctx) -> float:
