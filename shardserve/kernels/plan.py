@@ -32,7 +32,8 @@ LINEAR_KERNELS = ("bf16-decode", "blockq-decode", "onednn-packed", "torch")
 # Variables that force a choice the plan would otherwise make itself; each one in effect is shown in the plan.
 OVERRIDE_ENV = (LINEAR_KERNEL_ENV, "SHARDSERVE_ALL_REDUCE", "SHARDSERVE_GEMV", DISABLE_TRITON_ENV,
                 "SHARDSERVE_MIN_SHARD_WIDTH", *ISA_CAP_ENV, "ATEN_CPU_CAPABILITY", "SHARDSERVE_QUANTIZED_LAYERS",
-                "SHARDSERVE_FP8_MATMUL", "SHARDSERVE_PDL", "SHARDSERVE_GEMV_PRELOAD", "SHARDSERVE_TOKEN_BROADCAST")
+                "SHARDSERVE_FP8_MATMUL", "SHARDSERVE_PDL", "SHARDSERVE_GEMV_PRELOAD", "SHARDSERVE_TOKEN_BROADCAST",
+                "SHARDSERVE_DECODE_COMBINE")
 
 
 class KernelPlanError(ValueError):
