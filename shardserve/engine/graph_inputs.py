@@ -18,8 +18,6 @@ import numpy as np
 import torch
 
 from shardserve.attention.batch import StepBatch
-from shardserve.kernels.triton.graph_inputs import (HEADER, TOKENS_AT_ADDRESS, TOKENS_IN_WORDS, TOKENS_KEPT,
-                                                    unpack)
 
 RING = 4
 
@@ -29,9 +27,13 @@ class GraphInputs:
                  tables: torch.Tensor) -> None:
         """The static buffers a graph reads: tokens and positions int64 [max_batch], slots int64, lens int32,
         tables int32 [max_batch, max_blocks]."""
+        # Imported here: Triton exists where CUDA graphs do, and engines without them (CPUs) must not need it.
+        from shardserve.kernels.triton import graph_inputs as kernel
+
+        self.kernel = kernel  # the layout of the words, and the kernel that unpacks them
         self.tokens, self.positions, self.slots, self.lens, self.tables = tokens, positions, slots, lens, tables
         max_batch, self.max_blocks = tables.shape
-        capacity = HEADER + 4 * max_batch + max_batch * self.max_blocks
+        capacity = kernel.HEADER + 4 * max_batch + max_batch * self.max_blocks
         device = tokens.device
         self.words = torch.zeros(capacity, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
@@ -45,26 +47,28 @@ class GraphInputs:
         `device_tokens` (int64 [n], contiguous, on the graph's device and stream: its memory is reused only
         after the graph, in stream order), else from the batch with host_tokens, else kept as the graph finds
         them (the token broadcast writes them)."""
+        k = self.kernel
         n = batch.num_decode
         width = min(max((len(c.block_table) for c in batch.chunks[:n]), default=0), self.max_blocks)
-        length = HEADER + 4 * size + n * width
+        length = k.HEADER + 4 * size + n * width
         i, self._next = self._next, (self._next + 1) % RING
         if self._copied[i] is not None:
             self._copied[i].synchronize()
         host = self._host[i]
         words = host.numpy()
-        source = TOKENS_AT_ADDRESS if device_tokens is not None else TOKENS_IN_WORDS if host_tokens else TOKENS_KEPT
+        source = (k.TOKENS_AT_ADDRESS if device_tokens is not None else k.TOKENS_IN_WORDS if host_tokens
+                  else k.TOKENS_KEPT)
         words[:4] = (n, width, source, 0)
-        words[4:HEADER] = np.array([0 if device_tokens is None else device_tokens.data_ptr()], np.int64).view(np.int32)
+        words[4:k.HEADER] = np.array([0 if device_tokens is None else device_tokens.data_ptr()], np.int64).view(np.int32)
         self._held[i] = device_tokens
-        body = words[HEADER:HEADER + 4 * size].reshape(4, size)
+        body = words[k.HEADER:k.HEADER + 4 * size].reshape(4, size)
         body[:, n:] = ((0,), (-1,), (0,), (0,))  # padding rows: position 0, no slot, no context, token 0
         body[0, :n] = batch.positions[:n]
         body[1, :n] = batch.slot_mapping[:n]
         body[2, :n] = [batch.context_len(r) for r in range(n)]
-        if source == TOKENS_IN_WORDS:
+        if source == k.TOKENS_IN_WORDS:
             body[3, :n] = batch.token_ids[:n]
-        tables = words[HEADER + 4 * size:length].reshape(n, width)
+        tables = words[k.HEADER + 4 * size:length].reshape(n, width)
         for r, chunk in enumerate(batch.chunks[:n]):
             table = chunk.block_table[:width]
             tables[r, :len(table)] = table
@@ -77,4 +81,4 @@ class GraphInputs:
 
     def unpack(self, size: int) -> None:
         """The graph's first kernel: rows [0, size) of the static buffers from the words last copied."""
-        unpack(self.words, self.tokens, self.positions, self.slots, self.lens, self.tables, size)
+        self.kernel.unpack(self.words, self.tokens, self.positions, self.slots, self.lens, self.tables, size)
