@@ -15,8 +15,8 @@ import torch
 
 from shardserve.attention.batch import StepBatch
 from shardserve.kernels.triton.fused_ops import apply_rotary_and_store_
-from shardserve.kernels.triton.paged_attention import (choose_num_splits, paged_decode_attention,
-                                                       paged_prefill_attention, store_kv_cache)
+from shardserve.kernels.triton.paged_attention import (NewTokens, choose_num_splits, paged_decode_attention,
+                                                       paged_prefill_attention, rotary_mode, store_kv_cache)
 from shardserve.transfers import on_device
 
 
@@ -88,13 +88,22 @@ class TritonPagedBackend:
                 meta: TritonMetadata) -> torch.Tensor:
         """qk: [tokens, heads + kv_heads, dim] before the head norm and the rotation; v: [tokens, kv_heads, dim].
         Returns [tokens, heads * dim]. One kernel normalises (layer.head_norm) and rotates q and k and writes k
-        and v to the cache."""
+        and v to the cache; in a decode-only step that is the decode attention launch itself (rotary_mode)."""
         k_cache, v_cache = cache
+        head_norm = None
+        if layer.head_norm is not None:
+            q_norm, k_norm = layer.head_norm
+            head_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
+        if rotary.positions is not None and meta.prefill_query_start is None and rotary_mode() == "fused":
+            # Decode only: the attention launch rotates and stores the new keys itself.
+            q = qk[:, :layer.num_heads]
+            new = NewTokens(qk[:, layer.num_heads:], v, rotary.positions, meta.slot_mapping, rotary.cos,
+                            rotary.signed_sin, head_norm)
+            out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                         layer.scale, self.block_size, meta.num_splits,
+                                         arrivals=meta.decode_arrivals, new_tokens=new)
+            return out.view(q.shape[0], -1)
         if rotary.positions is not None:
-            head_norm = None
-            if layer.head_norm is not None:
-                q_norm, k_norm = layer.head_norm
-                head_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
             apply_rotary_and_store_(qk, layer.num_heads, v, rotary.positions, rotary.cos, rotary.signed_sin,
                                     k_cache, v_cache, meta.slot_mapping, head_norm)
         else:

@@ -293,6 +293,86 @@ class _Counted:
         return self.kernel[grid]
 
 
+def _slots_of_last_positions(cache: PagedCache, lengths: list[int]) -> torch.Tensor:
+    """The cache slot of each sequence's position length - 1 (-1 for an empty sequence: a padding row)."""
+    slots = []
+    for s, n in enumerate(lengths):
+        block = int(cache.block_tables[s, (n - 1) // cache.block_size]) if n else -1
+        slots.append(block * cache.block_size + (n - 1) % cache.block_size if n else -1)
+    return torch.tensor(slots, device=DEVICE)
+
+
+# (context lengths, query heads, KV heads, splits, head norms, dtype): padding rows, the new token alone in its
+# range or at a range's end, one split and several (joined in the launch or by the second kernel).
+ROTATED_DECODE_CASES = [
+    ([0, 1, 8, 37, 70], 8, 2, 1, False, torch.float32),
+    ([0, 1, 8, 37, 70], 8, 2, 3, False, torch.float32),
+    ([24, 0, 17], 6, 2, 4, True, torch.float32),
+    ([33, 9], 4, 1, 2, True, torch.float16),
+    ([16, 5], 4, 2, 20, False, torch.float16),  # group x splits past FUSED_COMBINE_MAX_ROWS: a second kernel
+]
+
+
+@pytest.mark.parametrize("lengths,num_heads,num_kv_heads,splits,norm,dtype", ROTATED_DECODE_CASES)
+def test_decode_that_rotates_and_stores_its_new_token_equals_the_rotary_kernel_then_decode(
+        lengths, num_heads, num_kv_heads, splits, norm, dtype):
+    """With NewTokens the decode launch normalises and rotates q and the new keys and writes the keys and values
+    to the cache itself: the same output and the same cache as the rotary + cache-write kernel then decode."""
+    block_size, head_dim, eps = 8, 16, 1e-6
+    cache = PagedCache(lengths, num_kv_heads, head_dim, block_size, dtype, seed=sum(lengths) + splits)
+    g = cache.generator
+    rope = RotaryEmbedding(head_dim, 128, 10000.0, None, dtype)
+    cos, sin = rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE)
+    qkv = (2 * torch.randn(len(lengths), num_heads + 2 * num_kv_heads, head_dim, generator=g)).to(dtype).to(DEVICE)
+    head_norm = None
+    if norm:
+        head_norm = tuple((1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2))
+        head_norm += (eps,)
+    positions = torch.tensor([max(n - 1, 0) for n in lengths], device=DEVICE)
+    slots = _slots_of_last_positions(cache, lengths)
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+    k_cache, v_cache = cache.k.clone(), cache.v.clone()
+    before = qkv.clone()
+
+    expected_qkv = qkv.clone()
+    qk = expected_qkv[:, :num_heads + num_kv_heads]
+    fused_ops.apply_rotary_and_store_(qk, num_heads, expected_qkv[:, num_heads + num_kv_heads:], positions, cos,
+                                      sin, cache.k, cache.v, slots, head_norm)
+    expected = pa.paged_decode_attention(qk[:, :num_heads], cache.k, cache.v, cache.block_tables, context_lens,
+                                         scale, block_size, splits)
+
+    new = pa.NewTokens(qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:], positions,
+                       slots, cos, sin, head_norm)
+    got = pa.paged_decode_attention(qkv[:, :num_heads], k_cache, v_cache, cache.block_tables, context_lens, scale,
+                                    block_size, splits, new_tokens=new)
+
+    if norm and CUDA:  # the head norm's sum of squares runs in the tile's order: a last-bit flip may differ
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(k_cache, cache.k)
+    else:
+        assert torch.equal(got, expected)
+        assert torch.equal(k_cache, cache.k)
+    assert torch.equal(v_cache, cache.v)
+    assert torch.equal(qkv, before)  # the heads are rotated in registers, not in place
+    for row in (s for s, n in enumerate(lengths) if n == 0):
+        assert torch.equal(got[row], torch.zeros_like(got[row]))  # a padding row: zeros, nothing stored
+    assert _shared_counts_are_zero()
+
+
+def test_decode_rejects_new_tokens_that_do_not_fit_the_batch():
+    cache = PagedCache([20], 2, 16, 8, torch.float32, seed=12)
+    q = torch.randn(1, 4, 16, generator=cache.generator).to(DEVICE)
+    rope = RotaryEmbedding(16, 64, 10000.0, None, torch.float32)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    slot = torch.tensor([3], device=DEVICE)
+    wrong = pa.NewTokens(torch.zeros(1, 1, 16, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE), slot, slot,
+                         rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE))
+    with pytest.raises(ValueError, match=r"new keys: \(1, 1, 16\) torch.float32; decode of this batch needs "
+                                         r"\(1, 2, 16\)"):
+        pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 1, new_tokens=wrong)
+
+
 def test_choose_num_splits():
     assert pa.choose_num_splits(1, 8, 4096) == 16  # wants 33 for 2 programs per SM, 4096 // 256 caps it
     assert pa.choose_num_splits(1, 1, 100_000) == 32

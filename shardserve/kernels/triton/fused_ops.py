@@ -184,13 +184,41 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate(x, x_rolled, cos, sin):
+def rotate_rows(x, x_rolled, cos, sin):
     """round(round(x * cos) + round(x_rolled * sin)) in x's dtype: torch's rounding of the rotate-half form
-    (x_rolled = roll(x, head_dim / 2), sin = the signed table; cos and sin in float32, [head_dim])."""
+    (x_rolled = roll(x, head_dim / 2), sin = the signed table; cos and sin in float32, [head_dim]). Bit-exact
+    only where the launch disables multiply-add contraction (enable_fp_fusion=False)."""
     dtype = x.dtype
     a = (x.to(tl.float32) * cos[None, :]).to(dtype)
     b = (x_rolled.to(tl.float32) * sin[None, :]).to(dtype)
     return (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def head_rms_norm(x, x_rolled, w, w_rolled, eps, HEAD_DIM: tl.constexpr):
+    """Per-head RMSNorm (Qwen3's q_norm / k_norm) of head rows x [R, HEAD_DIM] and of the same rows rolled by
+    half a head (the same values, so one sum of squares serves both), with the weight w and its rolled copy;
+    rounded where shardserve.layers.norm.RMSNorm rounds. Returns both, normalised."""
+    dtype = x.dtype
+    x32 = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 1) / HEAD_DIM + eps)[:, None]
+    x = (w.to(tl.float32) * (x32 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+    x_rolled = (w_rolled.to(tl.float32) * (x_rolled.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+    return x, x_rolled
+
+
+@triton.jit
+def normed_rotated_heads(row_ptrs, row_ok, cos, sin, weight_ptr, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+    """Head rows at row_ptrs [R] (unit stride along the head), normalised with weight_ptr's weight if NORM, then
+    rotated (cos, sin: float32 [HEAD_DIM] at the rows' position); rows where row_ok is false read as 0."""
+    dims = tl.arange(0, HEAD_DIM)
+    rolled = (dims + HEAD_DIM // 2) % HEAD_DIM
+    x = tl.load(row_ptrs[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+    x_rolled = tl.load(row_ptrs[:, None] + rolled[None, :], mask=row_ok[:, None], other=0.0)
+    if NORM:
+        x, x_rolled = head_rms_norm(x, x_rolled, tl.load(weight_ptr + dims)[None, :],
+                                    tl.load(weight_ptr + rolled)[None, :], eps, HEAD_DIM)
+    return rotate_rows(x, x_rolled, cos, sin)
 
 
 @triton.jit
@@ -213,7 +241,7 @@ def _rotary_kernel(qk_ptr, pos_ptr, cos_ptr, sin_ptr, num_heads, stride_t, strid
     base = qk_ptr + token * stride_t + heads[:, None] * stride_h
     x = tl.load(base + dims[None, :], mask=mask, other=0.0)
     x_rolled = tl.load(base + rolled[None, :], mask=mask, other=0.0)
-    tl.store(base + dims[None, :], _rotate(x, x_rolled, cos, sin), mask=mask)
+    tl.store(base + dims[None, :], rotate_rows(x, x_rolled, cos, sin), mask=mask)
 
 
 def apply_rotary_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -273,16 +301,12 @@ def _rotary_store_kernel(qk_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_c
     x = tl.load(base + dims[None, :], mask=mask, other=0.0)
     x_rolled = tl.load(base + rolled[None, :], mask=mask, other=0.0)
     if NORM:
-        dtype = x.dtype
-        x32 = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 1) / HEAD_DIM + eps)[:, None]  # x_rolled: the same head's values
         is_query = (heads < num_q_heads)[:, None]
         w = tl.where(is_query, tl.load(q_weight_ptr + dims)[None, :], tl.load(k_weight_ptr + dims)[None, :])
         w_rolled = tl.where(is_query, tl.load(q_weight_ptr + rolled)[None, :],
                             tl.load(k_weight_ptr + rolled)[None, :])
-        x = (w.to(tl.float32) * (x32 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
-        x_rolled = (w_rolled.to(tl.float32) * (x_rolled.to(tl.float32) * inv_rms).to(dtype).to(tl.float32)).to(dtype)
-    rotated = _rotate(x, x_rolled, cos, sin)
+        x, x_rolled = head_rms_norm(x, x_rolled, w, w_rolled, eps, HEAD_DIM)
+    rotated = rotate_rows(x, x_rolled, cos, sin)
     tl.store(base + dims[None, :], rotated, mask=mask)
 
     slot = tl.load(slot_ptr + token).to(tl.int64)

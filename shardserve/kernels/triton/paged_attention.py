@@ -17,6 +17,8 @@ captured in a CUDA graph: sequence lengths are read inside the kernels.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,7 @@ import triton.language as tl
 from shardserve.env_choice import env_choice
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
+from shardserve.kernels.triton.fused_ops import normed_rotated_heads
 from shardserve.kernels.triton.pdl import enter
 
 _LOG2E = 1.4426950408889634
@@ -163,6 +166,16 @@ def combine_mode() -> str:
     return env_choice("SHARDSERVE_DECODE_COMBINE", COMBINE_MODES, "fused")
 
 
+ROTARY_MODES = ("fused", "separate")
+
+
+def rotary_mode() -> str:
+    """Where a decode-only step normalises and rotates its heads and writes its keys and values: "fused", inside
+    the decode launch (NewTokens), or "separate", in the rotary kernel launched before it (the same numbers, one
+    launch more a layer). SHARDSERVE_DECODE_ROTARY, default "fused"."""
+    return env_choice("SHARDSERVE_DECODE_ROTARY", ROTARY_MODES, "fused")
+
+
 @triton.jit
 def _combine_splits(partial_ptr, lse_ptr, out_ptr, b, first_head, heads, num_splits,
                     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -207,9 +220,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                    final_ptr, arrivals_ptr, stride_fb, stride_fh,
+                   k_new_ptr, v_new_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
+                   stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos, stride_sin,
                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, GROUP_C: tl.constexpr,
-                   SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program (b, kv_head, split): every query head of the KV-head group over one contiguous share of b's context.
 
     The context [0, context_lens[b]) is cut into num_splits ranges of equal length, a multiple of BLOCK_SIZE
@@ -219,6 +235,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     (kernels/triton/arrivals.py); the last of the num_splits to arrive sees every split's stores, combines them
     into final[b, head] for the group's heads (GROUP_C: GROUP to a power of two) as _combine_splits_kernel
     does (the same bits), and puts the count back to 0 for the next launch.
+    ROTATE: the query heads at q_ptr and this step's keys at k_new_ptr are not yet normalised (NORM: Qwen3's head
+    norms, q_norm_ptr / k_norm_ptr) nor rotated (cos/sin at pos_ptr[b]). Every program normalises and rotates
+    its group's query heads itself; the one whose range holds position context - 1 (the new token) does the
+    same to its KV head's key and stores it and v_new's row in the cache at slot_ptr[b] (negative: not stored)
+    before it reads the cache, so no launch for the cache write precedes attention.
+    The same bits as _rotary_store_kernel then this kernel (both without multiply-add contraction), except for
+    the head norm's sum of squares, whose order follows the tile layout.
     PDL: launched to overlap the kernel before it (kernels/triton/pdl.py); the counts are touched after the
     wait, and only by this kernel's programs.
     """
@@ -235,11 +258,24 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     row_ok = rows < GROUP
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
-
     k_base = k_cache_ptr + kv_head * stride_kch
     v_base = v_cache_ptr + kv_head * stride_vch
+    q_rows = q_ptr + b * stride_qb + heads * stride_qh
+    if ROTATE:
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * stride_cos + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + dims).to(tl.float32)
+        q = normed_rotated_heads(q_rows, row_ok, cos, sin, q_norm_ptr, eps, HEAD_DIM, NORM)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if (slot >= 0) & (context > lo) & (context <= hi):  # this range holds the new token: store it first
+            key_row = k_new_ptr + b * stride_knb + kv_head * stride_knh + tl.zeros([1], dtype=tl.int64)
+            key = normed_rotated_heads(key_row, tl.full([1], 1, tl.int1), cos, sin, k_norm_ptr, eps, HEAD_DIM, NORM)
+            tl.store(k_base + slot * stride_kcs + dims[None, :], key)
+            value = tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + dims)
+            tl.store(v_base + slot * stride_vcs + dims, value)
+            tl.debug_barrier()  # every thread's stores are seen by the loads of the tiles below
+    else:
+        q = tl.load(q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
     table_row = block_tables_ptr + b * stride_bt
     m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
@@ -289,15 +325,58 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_
     return int(max(1, min(wanted, by_length, 32)))
 
 
+@dataclass(frozen=True)
+class NewTokens:
+    """A decode step's own keys and values, for the decode launch to store before it attends.
+
+    keys and values: [B, num_kv_heads, head_dim] (strided views allowed, unit last-dim stride), the keys (like the
+    query) not yet normalised nor rotated; positions [B] and slots [B] (int32/int64; a negative slot is not
+    stored); cos and signed_sin: the tables of shardserve.layers.rotary.RotaryEmbedding; head_norm: (query
+    weight, key weight, eps) for Qwen3's per-head norms, or None.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+    head_norm: tuple | None = None
+
+    def check(self, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+        batch, num_kv_heads, head_dim = q.shape[0], k_cache.shape[1], q.shape[2]
+        for name in ("keys", "values"):
+            t = getattr(self, name)
+            if t.shape != (batch, num_kv_heads, head_dim) or t.stride(-1) != 1 or t.dtype != q.dtype:
+                raise ValueError(f"new {name}: {tuple(t.shape)} {t.dtype}; decode of this batch needs "
+                                 f"{(batch, num_kv_heads, head_dim)} {q.dtype} with unit last-dim stride")
+        for name in ("cos", "signed_sin"):
+            t = getattr(self, name)
+            if t.shape[-1] != head_dim or t.stride(-1) != 1 or t.dtype != q.dtype:
+                raise ValueError(f"rotary table {name}: {tuple(t.shape)} {t.dtype}; needs rows of {head_dim} "
+                                 f"{q.dtype} with unit stride")
+        if self.head_norm is not None and any(w.shape != (head_dim,) or not w.is_contiguous()
+                                              for w in self.head_norm[:2]):
+            raise ValueError(f"head norm weights must be contiguous [{head_dim}]")
+
+    def kernel_args(self) -> tuple:
+        q_weight, k_weight, eps = self.head_norm if self.head_norm is not None else (self.keys, self.keys, 0.0)
+        return (self.keys, self.values, self.positions, self.slots, self.cos, self.signed_sin, q_weight, k_weight,
+                eps, self.keys.stride(0), self.keys.stride(1), self.values.stride(0), self.values.stride(1),
+                self.cos.stride(0), self.signed_sin.stride(0))
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
                            num_splits: int, out: torch.Tensor | None = None,
-                           arrivals: torch.Tensor | None = None) -> torch.Tensor:
+                           arrivals: torch.Tensor | None = None, new_tokens: NewTokens | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context (flash-decoding).
 
     q: [B, num_heads, head_dim] (any strides, unit last-dim stride). Sequence b attends to positions
-    [0, context_lens[b]) (int32), its own key/value already stored at context_lens[b] - 1; a row with
-    context_lens[b] == 0 gets zeros. Returns [B, num_heads, head_dim] in q's dtype, written into `out` if given.
+    [0, context_lens[b]) (int32), its own key/value already stored at context_lens[b] - 1, or, with
+    `new_tokens`, stored by this launch (q and the keys are then normalised and rotated here: one launch where
+    apply_rotary_and_store_ and this would take two, the same numbers); a row with context_lens[b] == 0 gets
+    zeros. Returns [B, num_heads, head_dim] in q's dtype, written into `out` if given.
     Launch: grid (B, num_kv_heads, num_splits). With num_splits > 1 the splits write a float32 workspace
     [B, num_heads, num_splits, head_dim] allocated here, joined as combine_mode() says: in the same launch (up to
     FUSED_COMBINE_MAX_ROWS query heads of a group x splits), counting in `arrivals` (zeroed int32, at least
@@ -315,6 +394,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("q and the caches need unit stride in the last dim")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError("q and the caches must share a dtype")
+    if new_tokens is not None:
+        new_tokens.check(q, k_cache)
     mode = combine_mode()
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -323,16 +404,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits = max(1, int(num_splits))
     group = num_heads // num_kv_heads
     fused = mode == "fused" and group * num_splits <= FUSED_COMBINE_MAX_ROWS
+    # Every decode launch without multiply-add contraction: the rotation inside rounds as the rotary kernel does,
+    # and attention gives the same bits with or without it.
     common = dict(GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-                  HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype), **_decode_config(head_dim, q.dtype),
-                  **pdl.launch(q.device))
+                  HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype), ROTATE=new_tokens is not None,
+                  NORM=new_tokens is not None and new_tokens.head_norm is not None, enable_fp_fusion=False,
+                  **_decode_config(head_dim, q.dtype), **pdl.launch(q.device))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                      block_tables.stride(0))
+    rotation = new_tokens.kernel_args() if new_tokens is not None else (q,) * 8 + (0.0,) + (0,) * 6
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:
         _decode_kernel[grid](q, k_cache, v_cache, out, out, block_tables, context_lens, scale * _LOG2E, 1,
                              q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *cache_strides,
-                             out, out, 0, 0, SPLIT=False, COMBINE=False, GROUP_C=1, SPLITS_P=1, **common)
+                             out, out, 0, 0, *rotation, SPLIT=False, COMBINE=False, GROUP_C=1, SPLITS_P=1,
+                             **common)
         return out
     partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -341,14 +427,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_kernel[grid](q, k_cache, v_cache, partial, lse, block_tables, context_lens, scale * _LOG2E, num_splits,
                          q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
                          lse.stride(0), lse.stride(1), *cache_strides,
-                         out, lse if counts is None else counts, out.stride(0), out.stride(1),
+                         out, lse if counts is None else counts, out.stride(0), out.stride(1), *rotation,
                          SPLIT=True, COMBINE=counts is not None, GROUP_C=triton.next_power_of_2(group),
                          SPLITS_P=1 if counts is None else splits_p, **common)
     if counts is None:
         _combine_splits_kernel[(batch, num_heads)](
             partial, lse, out, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            SPLITS_P=splits_p, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8, **pdl.launch(q.device))
+            SPLITS_P=splits_p, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8, enable_fp_fusion=False,
+            **pdl.launch(q.device))
     return out
 
 
