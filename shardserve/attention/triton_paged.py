@@ -97,8 +97,7 @@ class TritonPagedBackend:
         if rotary.positions is not None and meta.prefill_query_start is None and rotary_mode() == "fused":
             # Decode only: the attention launch rotates and stores the new keys itself.
             q = qk[:, :layer.num_heads]
-            new = NewTokens(qk[:, layer.num_heads:], v, rotary.positions, meta.slot_mapping, rotary.cos,
-                            rotary.signed_sin, head_norm)
+            new = NewTokens(qk[:, layer.num_heads:], v, meta.slot_mapping, rotary.cos, rotary.signed_sin, head_norm)
             out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                          layer.scale, self.block_size, meta.num_splits,
                                          arrivals=meta.decode_arrivals, new_tokens=new)

@@ -342,8 +342,8 @@ def test_decode_that_rotates_and_stores_its_new_token_equals_the_rotary_kernel_t
     expected = pa.paged_decode_attention(qk[:, :num_heads], cache.k, cache.v, cache.block_tables, context_lens,
                                          scale, block_size, splits)
 
-    new = pa.NewTokens(qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:], positions,
-                       slots, cos, sin, head_norm)
+    new = pa.NewTokens(qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:], slots, cos,
+                       sin, head_norm)
     got = pa.paged_decode_attention(qkv[:, :num_heads], k_cache, v_cache, cache.block_tables, context_lens, scale,
                                     block_size, splits, new_tokens=new)
 
@@ -366,7 +366,7 @@ def test_decode_rejects_new_tokens_that_do_not_fit_the_batch():
     rope = RotaryEmbedding(16, 64, 10000.0, None, torch.float32)
     lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
     slot = torch.tensor([3], device=DEVICE)
-    wrong = pa.NewTokens(torch.zeros(1, 1, 16, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE), slot, slot,
+    wrong = pa.NewTokens(torch.zeros(1, 1, 16, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE), slot,
                          rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE))
     with pytest.raises(ValueError, match=r"new keys: \(1, 1, 16\) torch.float32; decode of this batch needs "
                                          r"\(1, 2, 16\)"):

@@ -113,13 +113,16 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 @triton.jit
 def _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, end, q_pos, qk_scale,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 new_pos=-1, new_k=None, new_v=None, NEW: tl.constexpr = False):
     """One online-softmax step of q [M, D] over positions [start, start + BLOCK_N) clipped to `end`.
 
     Keys are gathered slot by slot through the block table (positions >= end are never loaded). Scores are in
     log2 units (qk_scale includes log2(e)). MASK: 0 = the whole tile is visible to every row (caller's
     guarantee), 1 = positions >= end are hidden, 2 = also hide positions after q_pos[r] from row r (causal).
     Invariant: a row that has seen no visible position keeps m_i = -inf, l_i = 0 and acc = 0, with no NaN.
+    NEW: position new_pos takes its key and value from new_k and new_v ([1, HEAD_DIM]) instead of the cache,
+    which this launch is writing them to (no need to wait for the store); the same bits once they are there.
     """
     pos = start + tl.arange(0, BLOCK_N)
     in_range = pos < end
@@ -127,8 +130,15 @@ def _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, e
     slots = block.to(tl.int64) * BLOCK_SIZE + (pos % BLOCK_SIZE)
     dims = tl.arange(0, HEAD_DIM)
     offsets = slots[:, None] * stride_s + dims[None, :]
-    k = tl.load(k_base + offsets, mask=in_range[:, None], other=0.0)
-    v = tl.load(v_base + offsets, mask=in_range[:, None], other=0.0)
+    if NEW:
+        cached = in_range & (pos != new_pos)
+        k = tl.load(k_base + offsets, mask=cached[:, None], other=0.0)
+        v = tl.load(v_base + offsets, mask=cached[:, None], other=0.0)
+        k = tl.where((pos == new_pos)[:, None], new_k, k)
+        v = tl.where((pos == new_pos)[:, None], new_v, v)
+    else:
+        k = tl.load(k_base + offsets, mask=in_range[:, None], other=0.0)
+        v = tl.load(v_base + offsets, mask=in_range[:, None], other=0.0)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASK == 1:
@@ -220,7 +230,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                    final_ptr, arrivals_ptr, stride_fb, stride_fh,
-                   k_new_ptr, v_new_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
+                   k_new_ptr, v_new_ptr, slot_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
                    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos, stride_sin,
                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, GROUP_C: tl.constexpr,
@@ -236,10 +246,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     into final[b, head] for the group's heads (GROUP_C: GROUP to a power of two) as _combine_splits_kernel
     does (the same bits), and puts the count back to 0 for the next launch.
     ROTATE: the query heads at q_ptr and this step's keys at k_new_ptr are not yet normalised (NORM: Qwen3's head
-    norms, q_norm_ptr / k_norm_ptr) nor rotated (cos/sin at pos_ptr[b]). Every program normalises and rotates
-    its group's query heads itself; the one whose range holds position context - 1 (the new token) does the
-    same to its KV head's key and stores it and v_new's row in the cache at slot_ptr[b] (negative: not stored)
-    before it reads the cache, so no launch for the cache write precedes attention.
+    norms, q_norm_ptr / k_norm_ptr) nor rotated (cos/sin at the new token's position, context - 1). Every
+    program normalises and rotates its group's query heads itself; the one whose range holds the new token does
+    the same to its KV head's key, stores it and v_new's row in the cache at slot_ptr[b] (negative: not
+    stored), and attends to them from registers, so no launch for the cache write precedes attention.
     The same bits as _rotary_store_kernel then this kernel (both without multiply-add contraction), except for
     the head norm's sum of squares, whose order follows the tile layout.
     PDL: launched to overlap the kernel before it (kernels/triton/pdl.py); the counts are touched after the
@@ -260,29 +270,37 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     dims = tl.arange(0, HEAD_DIM)
     k_base = k_cache_ptr + kv_head * stride_kch
     v_base = v_cache_ptr + kv_head * stride_vch
-    q_rows = q_ptr + b * stride_qb + heads * stride_qh
-    if ROTATE:
-        pos = tl.load(pos_ptr + b).to(tl.int64)
-        cos = tl.load(cos_ptr + pos * stride_cos + dims).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_sin + dims).to(tl.float32)
-        q = normed_rotated_heads(q_rows, row_ok, cos, sin, q_norm_ptr, eps, HEAD_DIM, NORM)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        if (slot >= 0) & (context > lo) & (context <= hi):  # this range holds the new token: store it first
-            key_row = k_new_ptr + b * stride_knb + kv_head * stride_knh + tl.zeros([1], dtype=tl.int64)
-            key = normed_rotated_heads(key_row, tl.full([1], 1, tl.int1), cos, sin, k_norm_ptr, eps, HEAD_DIM, NORM)
-            tl.store(k_base + slot * stride_kcs + dims[None, :], key)
-            value = tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + dims)
-            tl.store(v_base + slot * stride_vcs + dims, value)
-            tl.debug_barrier()  # every thread's stores are seen by the loads of the tiles below
-    else:
-        q = tl.load(q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
     table_row = block_tables_ptr + b * stride_bt
+    q_rows = q_ptr + b * stride_qb + heads * stride_qh
     m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
     acc = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, hi, rows,
-                                     qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
+    if ROTATE:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        new_pos = context - 1
+        pos = tl.maximum(new_pos, 0).to(tl.int64)  # a padding row (context 0) rotates with position 0's table
+        cos = tl.load(cos_ptr + pos * stride_cos + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + dims).to(tl.float32)
+        q = normed_rotated_heads(q_rows, row_ok, cos, sin, q_norm_ptr, eps, HEAD_DIM, NORM)
+        holds_new = (new_pos >= lo) & (new_pos < hi)  # at most one program of (b, kv_head)
+        one = tl.zeros([1], dtype=tl.int64)
+        new_k = normed_rotated_heads(k_new_ptr + b * stride_knb + kv_head * stride_knh + one, holds_new | (one < 0),
+                                     cos, sin, k_norm_ptr, eps, HEAD_DIM, NORM)
+        new_v = tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + one[:, None] + dims[None, :],
+                        mask=holds_new, other=0.0)
+        stored = holds_new & (slot >= 0)
+        tl.store(k_base + slot * stride_kcs + one[:, None] + dims[None, :], new_k, mask=stored)
+        tl.store(v_base + slot * stride_vcs + one[:, None] + dims[None, :], new_v, mask=stored)
+        new_pos = tl.where(holds_new, new_pos, -1)
+        for start in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, hi, rows,
+                                         qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION,
+                                         new_pos, new_k, new_v, True)
+    else:
+        q = tl.load(q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+        for start in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, hi, rows,
+                                         qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # zeros for an empty range
     if SPLIT:
@@ -330,14 +348,14 @@ class NewTokens:
     """A decode step's own keys and values, for the decode launch to store before it attends.
 
     keys and values: [B, num_kv_heads, head_dim] (strided views allowed, unit last-dim stride), the keys (like the
-    query) not yet normalised nor rotated; positions [B] and slots [B] (int32/int64; a negative slot is not
-    stored); cos and signed_sin: the tables of shardserve.layers.rotary.RotaryEmbedding; head_norm: (query
-    weight, key weight, eps) for Qwen3's per-head norms, or None.
+    query) not yet normalised nor rotated, at position context_lens[b] - 1 (decode's invariant); slots [B]
+    (int32/int64; a negative slot is not stored); cos and signed_sin: the tables of
+    shardserve.layers.rotary.RotaryEmbedding; head_norm: (query weight, key weight, eps) for Qwen3's per-head
+    norms, or None.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
-    positions: torch.Tensor
     slots: torch.Tensor
     cos: torch.Tensor
     signed_sin: torch.Tensor
@@ -361,7 +379,7 @@ class NewTokens:
 
     def kernel_args(self) -> tuple:
         q_weight, k_weight, eps = self.head_norm if self.head_norm is not None else (self.keys, self.keys, 0.0)
-        return (self.keys, self.values, self.positions, self.slots, self.cos, self.signed_sin, q_weight, k_weight,
+        return (self.keys, self.values, self.slots, self.cos, self.signed_sin, q_weight, k_weight,
                 eps, self.keys.stride(0), self.keys.stride(1), self.values.stride(0), self.values.stride(1),
                 self.cos.stride(0), self.signed_sin.stride(0))
 
@@ -412,7 +430,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                   **_decode_config(head_dim, q.dtype), **pdl.launch(q.device))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                      block_tables.stride(0))
-    rotation = new_tokens.kernel_args() if new_tokens is not None else (q,) * 8 + (0.0,) + (0,) * 6
+    rotation = new_tokens.kernel_args() if new_tokens is not None else (q,) * 7 + (0.0,) + (0,) * 6
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:
         _decode_kernel[grid](q, k_cache, v_cache, out, out, block_tables, context_lens, scale * _LOG2E, 1,
