@@ -208,9 +208,10 @@ def head_rms_norm(x, x_rolled, w, w_rolled, eps, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def normed_rotated_heads(row_ptrs, row_ok, cos, sin, weight_ptr, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
-    """Head rows at row_ptrs [R] (unit stride along the head), normalised with weight_ptr's weight if NORM, then
-    rotated (cos, sin: float32 [HEAD_DIM] at the rows' position); rows where row_ok is false read as 0."""
+def normed_heads(row_ptrs, row_ok, weight_ptr, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+    """Head rows at row_ptrs [R] (unit stride along the head) and the same rows rolled by half a head, as
+    rotate_rows takes them; normalised with weight_ptr's weight if NORM (as head_rms_norm). Rows where row_ok is
+    false read as 0."""
     dims = tl.arange(0, HEAD_DIM)
     rolled = (dims + HEAD_DIM // 2) % HEAD_DIM
     x = tl.load(row_ptrs[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
@@ -218,7 +219,7 @@ def normed_rotated_heads(row_ptrs, row_ok, cos, sin, weight_ptr, eps, HEAD_DIM: 
     if NORM:
         x, x_rolled = head_rms_norm(x, x_rolled, tl.load(weight_ptr + dims)[None, :],
                                     tl.load(weight_ptr + rolled)[None, :], eps, HEAD_DIM)
-    return rotate_rows(x, x_rolled, cos, sin)
+    return x, x_rolled
 
 
 @triton.jit

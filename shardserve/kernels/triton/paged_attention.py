@@ -26,7 +26,7 @@ import triton.language as tl
 from shardserve.env_choice import env_choice
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
-from shardserve.kernels.triton.fused_ops import normed_rotated_heads
+from shardserve.kernels.triton.fused_ops import normed_heads, rotate_rows
 from shardserve.kernels.triton.pdl import enter
 
 _LOG2E = 1.4426950408889634
@@ -114,15 +114,19 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 def _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, end, q_pos, qk_scale,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 new_pos=-1, new_k=None, new_v=None, NEW: tl.constexpr = False):
+                 q_rolled=None, cos_row=None, sin_row=None, new_pos=-1, new_k=None, new_k_rolled=None, new_v=None,
+                 ROTATE: tl.constexpr = False):
     """One online-softmax step of q [M, D] over positions [start, start + BLOCK_N) clipped to `end`.
 
     Keys are gathered slot by slot through the block table (positions >= end are never loaded). Scores are in
     log2 units (qk_scale includes log2(e)). MASK: 0 = the whole tile is visible to every row (caller's
     guarantee), 1 = positions >= end are hidden, 2 = also hide positions after q_pos[r] from row r (causal).
     Invariant: a row that has seen no visible position keeps m_i = -inf, l_i = 0 and acc = 0, with no NaN.
-    NEW: position new_pos takes its key and value from new_k and new_v ([1, HEAD_DIM]) instead of the cache,
-    which this launch is writing them to (no need to wait for the store); the same bits once they are there.
+    ROTATE (decode of a new token): q and q_rolled (its copy rolled by half a head) are not yet rotated; the
+    rotary tables' rows at cos_row / sin_row are loaded beside the tile's keys and q rotated after them, so the
+    rotation never holds back the tile's loads. Position new_pos (-1: none) takes its key (new_k, new_k_rolled,
+    rotated the same way) and value (new_v), [1, HEAD_DIM], from registers instead of the cache, which this
+    launch writes them to: the same bits as reading them back.
     """
     pos = start + tl.arange(0, BLOCK_N)
     in_range = pos < end
@@ -130,11 +134,14 @@ def _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, e
     slots = block.to(tl.int64) * BLOCK_SIZE + (pos % BLOCK_SIZE)
     dims = tl.arange(0, HEAD_DIM)
     offsets = slots[:, None] * stride_s + dims[None, :]
-    if NEW:
+    if ROTATE:
         cached = in_range & (pos != new_pos)
         k = tl.load(k_base + offsets, mask=cached[:, None], other=0.0)
         v = tl.load(v_base + offsets, mask=cached[:, None], other=0.0)
-        k = tl.where((pos == new_pos)[:, None], new_k, k)
+        cos = tl.load(cos_row + dims).to(tl.float32)
+        sin = tl.load(sin_row + dims).to(tl.float32)
+        q = rotate_rows(q, q_rolled, cos, sin)
+        k = tl.where((pos == new_pos)[:, None], rotate_rows(new_k, new_k_rolled, cos, sin), k)
         v = tl.where((pos == new_pos)[:, None], new_v, v)
     else:
         k = tl.load(k_base + offsets, mask=in_range[:, None], other=0.0)
@@ -276,26 +283,30 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
     acc = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
     if ROTATE:
+        # Loads that wait for nothing first; the rotation itself happens in each tile (_attend_tile).
         slot = tl.load(slot_ptr + b).to(tl.int64)
+        q, q_rolled = normed_heads(q_rows, row_ok, q_norm_ptr, eps, HEAD_DIM, NORM)
         new_pos = context - 1
-        pos = tl.maximum(new_pos, 0).to(tl.int64)  # a padding row (context 0) rotates with position 0's table
-        cos = tl.load(cos_ptr + pos * stride_cos + dims).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_sin + dims).to(tl.float32)
-        q = normed_rotated_heads(q_rows, row_ok, cos, sin, q_norm_ptr, eps, HEAD_DIM, NORM)
         holds_new = (new_pos >= lo) & (new_pos < hi)  # at most one program of (b, kv_head)
         one = tl.zeros([1], dtype=tl.int64)
-        new_k = normed_rotated_heads(k_new_ptr + b * stride_knb + kv_head * stride_knh + one, holds_new | (one < 0),
-                                     cos, sin, k_norm_ptr, eps, HEAD_DIM, NORM)
+        new_k, new_k_rolled = normed_heads(k_new_ptr + b * stride_knb + kv_head * stride_knh + one,
+                                           holds_new | (one < 0), k_norm_ptr, eps, HEAD_DIM, NORM)
         new_v = tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + one[:, None] + dims[None, :],
                         mask=holds_new, other=0.0)
-        stored = holds_new & (slot >= 0)
-        tl.store(k_base + slot * stride_kcs + one[:, None] + dims[None, :], new_k, mask=stored)
-        tl.store(v_base + slot * stride_vcs + one[:, None] + dims[None, :], new_v, mask=stored)
+        pos = tl.maximum(new_pos, 0).to(tl.int64)  # a padding row (context 0) reads position 0's table
+        cos_row = cos_ptr + pos * stride_cos
+        sin_row = sin_ptr + pos * stride_sin
         new_pos = tl.where(holds_new, new_pos, -1)
         for start in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, hi, rows,
                                          qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION,
-                                         new_pos, new_k, new_v, True)
+                                         q_rolled, cos_row, sin_row, new_pos, new_k, new_k_rolled, new_v, True)
+        stored = holds_new & (slot >= 0)
+        if stored:
+            key = rotate_rows(new_k, new_k_rolled, tl.load(cos_row + dims).to(tl.float32),
+                              tl.load(sin_row + dims).to(tl.float32))
+            tl.store(k_base + slot * stride_kcs + one[:, None] + dims[None, :], key)
+            tl.store(v_base + slot * stride_vcs + one[:, None] + dims[None, :], new_v)
     else:
         q = tl.load(q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
         for start in range(lo, hi, BLOCK_N):
