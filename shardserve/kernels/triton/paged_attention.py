@@ -113,20 +113,13 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 @triton.jit
 def _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, end, q_pos, qk_scale,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 q_rolled=None, cos_row=None, sin_row=None, new_pos=-1, new_k=None, new_k_rolled=None, new_v=None,
-                 ROTATE: tl.constexpr = False):
+                 MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step of q [M, D] over positions [start, start + BLOCK_N) clipped to `end`.
 
     Keys are gathered slot by slot through the block table (positions >= end are never loaded). Scores are in
     log2 units (qk_scale includes log2(e)). MASK: 0 = the whole tile is visible to every row (caller's
     guarantee), 1 = positions >= end are hidden, 2 = also hide positions after q_pos[r] from row r (causal).
     Invariant: a row that has seen no visible position keeps m_i = -inf, l_i = 0 and acc = 0, with no NaN.
-    ROTATE (decode of a new token): q and q_rolled (its copy rolled by half a head) are not yet rotated; the
-    rotary tables' rows at cos_row / sin_row are loaded beside the tile's keys and q rotated after them, so the
-    rotation never holds back the tile's loads. Position new_pos (-1: none) takes its key (new_k, new_k_rolled,
-    rotated the same way) and value (new_v), [1, HEAD_DIM], from registers instead of the cache, which this
-    launch writes them to: the same bits as reading them back.
     """
     pos = start + tl.arange(0, BLOCK_N)
     in_range = pos < end
@@ -134,18 +127,8 @@ def _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, e
     slots = block.to(tl.int64) * BLOCK_SIZE + (pos % BLOCK_SIZE)
     dims = tl.arange(0, HEAD_DIM)
     offsets = slots[:, None] * stride_s + dims[None, :]
-    if ROTATE:
-        cached = in_range & (pos != new_pos)
-        k = tl.load(k_base + offsets, mask=cached[:, None], other=0.0)
-        v = tl.load(v_base + offsets, mask=cached[:, None], other=0.0)
-        cos = tl.load(cos_row + dims).to(tl.float32)
-        sin = tl.load(sin_row + dims).to(tl.float32)
-        q = rotate_rows(q, q_rolled, cos, sin)
-        k = tl.where((pos == new_pos)[:, None], rotate_rows(new_k, new_k_rolled, cos, sin), k)
-        v = tl.where((pos == new_pos)[:, None], new_v, v)
-    else:
-        k = tl.load(k_base + offsets, mask=in_range[:, None], other=0.0)
-        v = tl.load(v_base + offsets, mask=in_range[:, None], other=0.0)
+    k = tl.load(k_base + offsets, mask=in_range[:, None], other=0.0)
+    v = tl.load(v_base + offsets, mask=in_range[:, None], other=0.0)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASK == 1:
@@ -160,6 +143,21 @@ def _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, e
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attend_one(q, acc, l_i, m_i, k, v, qk_scale):
+    """The online-softmax step of q [M, D] over one position whose key and value, [1, D], are in registers
+    (decode's new token, not read back from the cache it is being written to). As _attend_tile computes a
+    tile, with the products summed in float32 in another order."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * qk_scale
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)  # m_new is finite: no NaN
+    p = tl.exp2(s - m_new)
+    l_i = l_i * alpha + p
+    p = p.to(v.dtype).to(tl.float32)  # rounded as the tile rounds the weights before they multiply V
+    acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
     return acc, l_i, m_new
 
 
@@ -256,9 +254,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     norms, q_norm_ptr / k_norm_ptr) nor rotated (cos/sin at the new token's position, context - 1). Every
     program normalises and rotates its group's query heads itself; the one whose range holds the new token does
     the same to its KV head's key, stores it and v_new's row in the cache at slot_ptr[b] (negative: not
-    stored), and attends to them from registers, so no launch for the cache write precedes attention.
-    The same bits as _rotary_store_kernel then this kernel (both without multiply-add contraction), except for
-    the head norm's sum of squares, whose order follows the tile layout.
+    stored), and attends to them last, from registers (_attend_one), so no launch for the cache write precedes
+    attention. The cache gets the bits _rotary_store_kernel writes (without multiply-add contraction; with
+    NORM up to the order of the sum of squares); attention agrees with the two launches to rounding.
     PDL: launched to overlap the kernel before it (kernels/triton/pdl.py); the counts are touched after the
     wait, and only by this kernel's programs.
     """
@@ -283,30 +281,29 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
     acc = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
     if ROTATE:
-        # Loads that wait for nothing first; the rotation itself happens in each tile (_attend_tile).
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        q, q_rolled = normed_heads(q_rows, row_ok, q_norm_ptr, eps, HEAD_DIM, NORM)
+        new_slot = tl.load(slot_ptr + b).to(tl.int64)
         new_pos = context - 1
+        pos = tl.maximum(new_pos, 0).to(tl.int64)  # a padding row (context 0) reads position 0's table
+        cos = tl.load(cos_ptr + pos * stride_cos + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + dims).to(tl.float32)
+        q, q_rolled = normed_heads(q_rows, row_ok, q_norm_ptr, eps, HEAD_DIM, NORM)
+        q = rotate_rows(q, q_rolled, cos, sin)
         holds_new = (new_pos >= lo) & (new_pos < hi)  # at most one program of (b, kv_head)
         one = tl.zeros([1], dtype=tl.int64)
         new_k, new_k_rolled = normed_heads(k_new_ptr + b * stride_knb + kv_head * stride_knh + one,
                                            holds_new | (one < 0), k_norm_ptr, eps, HEAD_DIM, NORM)
+        new_k = rotate_rows(new_k, new_k_rolled, cos, sin)
         new_v = tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + one[:, None] + dims[None, :],
                         mask=holds_new, other=0.0)
-        pos = tl.maximum(new_pos, 0).to(tl.int64)  # a padding row (context 0) reads position 0's table
-        cos_row = cos_ptr + pos * stride_cos
-        sin_row = sin_ptr + pos * stride_sin
-        new_pos = tl.where(holds_new, new_pos, -1)
-        for start in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, hi, rows,
-                                         qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION,
-                                         q_rolled, cos_row, sin_row, new_pos, new_k, new_k_rolled, new_v, True)
-        stored = holds_new & (slot >= 0)
-        if stored:
-            key = rotate_rows(new_k, new_k_rolled, tl.load(cos_row + dims).to(tl.float32),
-                              tl.load(sin_row + dims).to(tl.float32))
-            tl.store(k_base + slot * stride_kcs + one[:, None] + dims[None, :], key)
-            tl.store(v_base + slot * stride_vcs + one[:, None] + dims[None, :], new_v)
+        stored = holds_new & (new_slot >= 0)
+        tl.store(k_base + new_slot * stride_kcs + one[:, None] + dims[None, :], new_k, mask=stored)
+        tl.store(v_base + new_slot * stride_vcs + one[:, None] + dims[None, :], new_v, mask=stored)
+        cached_end = tl.where(holds_new, new_pos, hi)  # the new token is attended from registers, last
+        for start in range(lo, cached_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start,
+                                         cached_end, rows, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
+        if holds_new:
+            acc, l_i, m_i = _attend_one(q, acc, l_i, m_i, new_k, new_v, qk_scale)
     else:
         q = tl.load(q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
         for start in range(lo, hi, BLOCK_N):
@@ -404,8 +401,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q: [B, num_heads, head_dim] (any strides, unit last-dim stride). Sequence b attends to positions
     [0, context_lens[b]) (int32), its own key/value already stored at context_lens[b] - 1, or, with
     `new_tokens`, stored by this launch (q and the keys are then normalised and rotated here: one launch where
-    apply_rotary_and_store_ and this would take two, the same numbers); a row with context_lens[b] == 0 gets
-    zeros. Returns [B, num_heads, head_dim] in q's dtype, written into `out` if given.
+    apply_rotary_and_store_ and this would take two; the same cache, the same output to rounding); a row with
+    context_lens[b] == 0 gets zeros. Returns [B, num_heads, head_dim] in q's dtype, written into `out` if given.
     Launch: grid (B, num_kv_heads, num_splits). With num_splits > 1 the splits write a float32 workspace
     [B, num_heads, num_splits, head_dim] allocated here, joined as combine_mode() says: in the same launch (up to
     FUSED_COMBINE_MAX_ROWS query heads of a group x splits), counting in `arrivals` (zeroed int32, at least
