@@ -181,6 +181,12 @@ def combine_mode() -> str:
     return env_choice("SHARDSERVE_DECODE_COMBINE", COMBINE_MODES, "fused")
 
 
+# Warps of a decode launch that rotates and stores its new token: four spill registers once the rotation is in
+# (sm_90: 255 registers and 144-200 bytes of stack; eight: ~207, none). On an H100, us a layer of a 32-layer
+# batch-1 chain (benchmarks/decode_attention_chain.py) against the rotary kernel + four-warp decode, at contexts
+# 300 / 1,800 / 6,000: Llama-3-8B's heads 37.02 / 42.69 / 46.18 -> 36.75 / 43.10 / 45.79 (four warps: 38.51 /
+# 45.24 / 45.88); Qwen3-30B-A3B's 23.00 / 28.22 / 29.51 -> 22.47 / 28.20 / 28.38 (24.49 / 30.98 / 29.84).
+DECODE_NEW_TOKEN_WARPS = 8
 ROTARY_MODES = ("fused", "separate")
 
 
@@ -433,13 +439,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rotate = new_tokens is not None
     config = _decode_config(head_dim, q.dtype)
     if rotate:
-        # Without multiply-add contraction the rotation rounds as the rotary kernel does (the cache gets its
-        # bits). Eight warps: four spill registers once the rotation is in (sm_90: 255 registers, 144-200 bytes
-        # of stack); on an H100, a 32-layer chain of QKV GEMV, attention and o GEMV at batch 1, us a layer
-        # against the rotary kernel + four-warp decode: Llama-3-8B's heads 37.02 -> 36.75 (context 300),
-        # 42.69 -> 43.10 (1,800), 46.18 -> 45.79 (6,000); Qwen3-30B-A3B's 23.00 -> 22.47, 28.22 -> 28.20,
-        # 29.51 -> 28.38 (four warps: 38.51, 45.24, 45.88 and 24.49, 30.98, 29.84).
-        config.update(num_warps=8, enable_fp_fusion=False)
+        # Without multiply-add contraction the rotation rounds as the rotary kernel does (the cache gets its bits).
+        config.update(num_warps=DECODE_NEW_TOKEN_WARPS, enable_fp_fusion=False)
     common = dict(GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
                   HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype), ROTATE=rotate,
                   NORM=rotate and new_tokens.head_norm is not None, **config, **pdl.launch(q.device))
