@@ -10,7 +10,7 @@ each with four and eight warps in the decode launch. Random weights: the time do
 import torch
 import triton
 
-from shardserve.kernels.triton import fused_ops, gemv as gemv_mod, paged_attention as pa
+from shardserve.kernels.triton import fused_ops, gemv as gemv_mod, paged_decode as pa
 from shardserve.layers.rotary import RotaryEmbedding
 
 dev = torch.device("cuda")

@@ -44,7 +44,7 @@ def main() -> None:
     args = p.parse_args()
 
     from shardserve.kernels.triton.fused_ops import silu_and_mul
-    from shardserve.kernels.triton.paged_attention import choose_num_splits, paged_decode_attention
+    from shardserve.kernels.triton.paged_decode import choose_num_splits, paged_decode_attention
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     hidden, inter, heads, kv_heads, head_dim, block = 4096, 14336, 32, 8, 128, 16

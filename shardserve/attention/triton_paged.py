@@ -1,4 +1,5 @@
-"""Paged attention on CUDA with the Triton kernels in shardserve/kernels/triton/paged_attention.py.
+"""Paged attention on CUDA with the Triton kernels of shardserve/kernels/triton/paged_attention.py (prefill) and
+paged_decode.py (decode).
 
 Single-token chunks (decode) use a split-K flash-decoding kernel that reads each sequence's blocks
 through its block table; longer chunks (prefill, chunked prefill, prefix-cache hits) use a
@@ -15,8 +16,8 @@ import torch
 
 from shardserve.attention.batch import StepBatch
 from shardserve.kernels.triton.fused_ops import apply_rotary_and_store_
-from shardserve.kernels.triton.paged_attention import (NewTokens, choose_num_splits, paged_decode_attention,
-                                                       paged_prefill_attention, rotary_mode, store_kv_cache)
+from shardserve.kernels.triton.paged_attention import paged_prefill_attention, store_kv_cache
+from shardserve.kernels.triton.paged_decode import NewTokens, choose_num_splits, paged_decode_attention, rotary_mode
 from shardserve.transfers import on_device
 
 

@@ -47,7 +47,7 @@ def _chain(x: torch.Tensor, layers, s: dict) -> torch.Tensor:
     reads its predecessor's output."""
     from shardserve.kernels.triton.fused_ops import apply_rotary_and_store_
     from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm, gemv_swiglu
-    from shardserve.kernels.triton.paged_attention import paged_decode_attention
+    from shardserve.kernels.triton.paged_decode import paged_decode_attention
 
     heads, head_dim = HEADS, HEAD_DIM
     residual = None

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
 
-from shardserve.kernels.triton import fused_ops, paged_attention as pa  # noqa: E402
+from shardserve.kernels.triton import fused_ops, paged_attention as pa, paged_decode as pd  # noqa: E402
 from shardserve.kernels.triton.all_reduce import _ll_payload, _ll_values, with_epoch  # noqa: E402
 from shardserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -160,7 +160,7 @@ def test_decode_matches_reference_for_any_split(dtype, block_size):
     scale = q.shape[-1] ** -0.5
     results = {}
     for splits in (1, 3, 8):
-        out = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale,
+        out = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale,
                                         block_size, splits)
         assert out.shape == q.shape and out.dtype == dtype
         assert_attention_close(out, ref, dtype)
@@ -174,7 +174,7 @@ def test_decode_matches_reference_for_any_split(dtype, block_size):
 def test_decode_without_grouping_and_into_given_output():
     cache, q, context_lens, ref = _decode_case(torch.float32, 16, num_heads=2, num_kv_heads=2, head_dim=16, seed=2)
     out = torch.full(q.shape, float("nan"), device=DEVICE)
-    got = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, 16 ** -0.5, 16, 2,
+    got = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, 16 ** -0.5, 16, 2,
                                     out=out)
     assert got is out
     assert_attention_close(out, ref, torch.float32)
@@ -192,12 +192,12 @@ def _decode_both_ways(monkeypatch, cache, q, context_lens, block_size, splits, a
     """(fused, separate) outputs of one split decode; the fused one in a single launch."""
     scale = q.shape[-1] ** -0.5
     monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "separate")
-    separate = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale, block_size,
+    separate = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale, block_size,
                                          splits)
     monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fused")
     with monkeypatch.context() as one_launch:
-        one_launch.setattr(pa, "_combine_splits_kernel", _NoSecondKernel())
-        fused = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale,
+        one_launch.setattr(pd, "_combine_splits_kernel", _NoSecondKernel())
+        fused = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale,
                                           block_size, splits, out=torch.full_like(q, float("nan")),
                                           arrivals=arrivals)
     return fused, separate
@@ -257,27 +257,27 @@ def test_decode_combine_setting_rejects_unknown_values(monkeypatch):
     lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
     monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fast")
     with pytest.raises(ValueError, match=r"SHARDSERVE_DECODE_COMBINE='fast': expected one of fused, separate"):
-        pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 2)
+        pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 2)
     monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fused")
     int64_counts = torch.zeros(4, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="needs at least 1 zeroed int32 counts"):
-        pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 2, arrivals=int64_counts)
+        pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 2, arrivals=int64_counts)
 
 
 def test_many_splits_are_combined_by_the_second_kernel(monkeypatch):
     """Past FUSED_COMBINE_MAX_ROWS (query heads of a group x splits) the combine by one program costs more than
     the launch it saves: the second kernel runs, and the result is the same."""
     group = 2
-    splits = pa.FUSED_COMBINE_MAX_ROWS // group + 1
+    splits = pd.FUSED_COMBINE_MAX_ROWS // group + 1
     cache = PagedCache([8 * splits + 3], 1, 16, 8, torch.float32, seed=11)
     q = torch.randn(1, group, 16, generator=cache.generator).to(DEVICE)
     lens = torch.tensor([8 * splits + 3], dtype=torch.int32, device=DEVICE)
     monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "separate")
-    separate = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, splits)
+    separate = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, splits)
     monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fused")
     launches = []
-    monkeypatch.setattr(pa, "_combine_splits_kernel", _Counted(pa._combine_splits_kernel, launches))
-    fused = pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, splits)
+    monkeypatch.setattr(pd, "_combine_splits_kernel", _Counted(pd._combine_splits_kernel, launches))
+    fused = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, splits)
     assert len(launches) == 1
     assert torch.equal(fused, separate)
 
@@ -340,12 +340,12 @@ def test_decode_that_rotates_and_stores_its_new_token_equals_the_rotary_kernel_t
     qk = expected_qkv[:, :num_heads + num_kv_heads]
     fused_ops.apply_rotary_and_store_(qk, num_heads, expected_qkv[:, num_heads + num_kv_heads:], positions, cos,
                                       sin, cache.k, cache.v, slots, head_norm)
-    expected = pa.paged_decode_attention(qk[:, :num_heads], cache.k, cache.v, cache.block_tables, context_lens,
+    expected = pd.paged_decode_attention(qk[:, :num_heads], cache.k, cache.v, cache.block_tables, context_lens,
                                          scale, block_size, splits)
 
-    new = pa.NewTokens(qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:], slots, cos,
+    new = pd.NewTokens(qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:], slots, cos,
                        sin, head_norm)
-    got = pa.paged_decode_attention(qkv[:, :num_heads], k_cache, v_cache, cache.block_tables, context_lens, scale,
+    got = pd.paged_decode_attention(qkv[:, :num_heads], k_cache, v_cache, cache.block_tables, context_lens, scale,
                                     block_size, splits, new_tokens=new)
 
     # The new token is attended last, from registers: its products are summed in another order than a tile's.
@@ -372,19 +372,19 @@ def test_decode_rejects_new_tokens_that_do_not_fit_the_batch():
     rope = RotaryEmbedding(16, 64, 10000.0, None, torch.float32)
     lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
     slot = torch.tensor([3], device=DEVICE)
-    wrong = pa.NewTokens(torch.zeros(1, 1, 16, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE), slot,
+    wrong = pd.NewTokens(torch.zeros(1, 1, 16, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE), slot,
                          rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE))
     with pytest.raises(ValueError, match=r"new keys: \(1, 1, 16\) torch.float32; decode of this batch needs "
                                          r"\(1, 2, 16\)"):
-        pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 1, new_tokens=wrong)
+        pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 1, new_tokens=wrong)
 
 
 def test_choose_num_splits():
-    assert pa.choose_num_splits(1, 8, 4096) == 16  # wants 33 for 2 programs per SM, 4096 // 256 caps it
-    assert pa.choose_num_splits(1, 1, 100_000) == 32
-    assert pa.choose_num_splits(256, 8, 4096) == 1
-    assert pa.choose_num_splits(4, 8, 100) == 1
-    assert pa.choose_num_splits(2, 8, 8192, num_sms=66) == 9
+    assert pd.choose_num_splits(1, 8, 4096) == 16  # wants 33 for 2 programs per SM, 4096 // 256 caps it
+    assert pd.choose_num_splits(1, 1, 100_000) == 32
+    assert pd.choose_num_splits(256, 8, 4096) == 1
+    assert pd.choose_num_splits(4, 8, 100) == 1
+    assert pd.choose_num_splits(2, 8, 8192, num_sms=66) == 9
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -427,7 +427,7 @@ def test_prefill_and_decode_agree_on_last_token():
     prefill = pa.paged_prefill_attention(q, cache.k, cache.v, cache.block_tables,
                                          torch.tensor([0, n], dtype=torch.int32, device=DEVICE), lens, n, 0.25,
                                          block_size)
-    decode = pa.paged_decode_attention(q[-1:], cache.k, cache.v, cache.block_tables, lens, 0.25, block_size, 2)
+    decode = pd.paged_decode_attention(q[-1:], cache.k, cache.v, cache.block_tables, lens, 0.25, block_size, 2)
     torch.testing.assert_close(decode[0], prefill[-1], atol=2e-6, rtol=2e-6)
 
 
@@ -447,7 +447,7 @@ def test_model_sized_heads(dtype, head_dim):
     prefill = pa.paged_prefill_attention(q, cache.k, cache.v, cache.block_tables, query_start, context_lens,
                                          max(lens), scale, block_size)
     last_rows = query_start[1:].long() - 1
-    decode = pa.paged_decode_attention(q[last_rows], cache.k, cache.v, cache.block_tables, context_lens, scale,
+    decode = pd.paged_decode_attention(q[last_rows], cache.k, cache.v, cache.block_tables, context_lens, scale,
                                        block_size, 3)
     start = 0
     for s, (n, c) in enumerate(seqs):
@@ -465,7 +465,7 @@ def test_decode_replays_in_cuda_graph_with_new_lengths():
     q = q.contiguous()
 
     def run():
-        return pa.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale, 16, 4)
+        return pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale, 16, 4)
 
     run()  # compile outside the capture
     torch.cuda.synchronize()

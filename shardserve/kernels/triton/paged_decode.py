@@ -1,0 +1,366 @@
+"""Decode attention over the paged KV cache as Triton kernels: one query token per sequence, split-K over the
+context (flash-decoding), the splits joined in the same launch or by a second one, and in a decode-only step the
+new token's head norms, rotation and cache write inside the same launch (NewTokens).
+
+Cache layout and numerics: shardserve/kernels/triton/paged_attention.py. Every launch depends only on tensor
+shapes and Python ints, never on tensor contents, so decode can be captured in a CUDA graph: sequence lengths
+are read inside the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shardserve.env_choice import env_choice
+from shardserve.kernels.triton import pdl
+from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
+from shardserve.kernels.triton.fused_ops import normed_heads, rotate_rows
+from shardserve.kernels.triton.paged_attention import (LOG2E, attend_tile, check_block_size, check_head_dim,
+                                                       dot_precision)
+from shardserve.kernels.triton.pdl import enter
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of the decode kernel: KV tiles of 64 tokens (32 where a row is over 512 bytes), three
+    tiles in flight where rows are small enough for that to fit in shared memory."""
+    row_bytes = head_dim * torch.finfo(dtype).bits // 8
+    return dict(BLOCK_N=64 if row_bytes <= 512 else 32, num_warps=4, num_stages=3 if row_bytes <= 256 else 2)
+
+
+
+@triton.jit
+def _attend_one(q, acc, l_i, m_i, k, v, qk_scale):
+    """The online-softmax step of q [M, D] over one position whose key and value, [1, D], are in registers
+    (decode's new token, not read back from the cache it is being written to). As attend_tile computes a
+    tile, with the products summed in float32 in another order."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * qk_scale
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)  # m_new is finite: no NaN
+    p = tl.exp2(s - m_new)
+    l_i = l_i * alpha + p
+    p = p.to(v.dtype).to(tl.float32)  # rounded as the tile rounds the weights before they multiply V
+    acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+    return acc, l_i, m_new
+
+
+
+COMBINE_MODES = ("fused", "separate")
+# The last program of a fused combine joins every split of its KV head's whole group of query heads alone: past
+# this many (query head, split) rows that costs more than the launch it saves. On an H100, batch 1, a layer
+# (groups of 4): 7.75 -> 7.54 us fused at 2 splits, 8.32 -> 7.72 at 4, 8.93 -> 9.53 at 16, 28.4 -> 29.0 at 32; whole
+# decode graphs at 8 splits: Llama-3-8B's shape (groups of 4) 5.484 -> 5.440 ms, Qwen3-30B-A3B's (groups of 8)
+# 3.175 -> 3.218 ms.
+FUSED_COMBINE_MAX_ROWS = 32
+
+
+def combine_mode() -> str:
+    """How decode with several splits joins them: "fused", the last split program of each (sequence, KV head) to
+    finish combines them in the same launch (up to FUSED_COMBINE_MAX_ROWS query heads x splits), or "separate", a
+    second kernel does (the same bits, one more launch). SHARDSERVE_DECODE_COMBINE, default "fused"."""
+    return env_choice("SHARDSERVE_DECODE_COMBINE", COMBINE_MODES, "fused")
+
+
+# Warps of a decode launch that rotates and stores its new token: four spill registers once the rotation is in
+# (sm_90: 255 registers and 144-200 bytes of stack; eight: ~207, none). On an H100, us a layer of a 32-layer
+# batch-1 chain (benchmarks/decode_attention_chain.py) against the rotary kernel + four-warp decode, at contexts
+# 300 / 1,800 / 6,000: Llama-3-8B's heads 37.02 / 42.69 / 46.18 -> 36.75 / 43.10 / 45.79 (four warps: 38.51 /
+# 45.24 / 45.88); Qwen3-30B-A3B's 23.00 / 28.22 / 29.51 -> 22.47 / 28.20 / 28.38 (24.49 / 30.98 / 29.84).
+DECODE_NEW_TOKEN_WARPS = 8
+ROTARY_MODES = ("fused", "separate")
+
+
+def rotary_mode() -> str:
+    """Where a decode-only step normalises and rotates its heads and writes its keys and values: "fused", inside
+    the decode launch (NewTokens), or "separate", in the rotary kernel launched before it (the same numbers, one
+    launch more a layer). SHARDSERVE_DECODE_ROTARY, default "fused"."""
+    return env_choice("SHARDSERVE_DECODE_ROTARY", ROTARY_MODES, "fused")
+
+
+@triton.jit
+def _combine_splits(partial_ptr, lse_ptr, out_ptr, b, first_head, heads, num_splits,
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                    HEADS_P: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    LOAD_CACHE: tl.constexpr):
+    """out[b, h] = sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max lse) for the `heads` heads from
+    first_head; 0 where every split is empty.
+
+    Each element is summed in split order, one split after another, so the bits do not depend on how the
+    compiler lays the tile out over threads: any number of heads per program gives the same result. Every split
+    below num_splits was written (zeros where its range is empty), so no load waits for the lse values, and all
+    of them are in flight at once. LOAD_CACHE ".cg": written by other programs of this launch, so the loads
+    skip this SM's L1.
+    """
+    rows = tl.arange(0, HEADS_P)
+    row_ok = rows < heads
+    head = first_head + rows
+    dims = tl.arange(0, HEAD_DIM)
+    lse_rows = lse_ptr + b * stride_lb + head * stride_lh
+    part_rows = partial_ptr + b * stride_pb + head[:, None] * stride_ph + dims[None, :]
+    splits = tl.arange(0, SPLITS_P)
+    lse = tl.load(lse_rows[:, None] + splits[None, :], mask=row_ok[:, None] & (splits < num_splits)[None, :],
+                  other=float("-inf"), cache_modifier=LOAD_CACHE)
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([HEADS_P], dtype=tl.float32)
+    acc = tl.zeros([HEADS_P, HEAD_DIM], dtype=tl.float32)
+    for s in tl.static_range(SPLITS_P):
+        ok = row_ok & (s < num_splits)
+        w = tl.exp2(tl.load(lse_rows + s, mask=ok, other=float("-inf"), cache_modifier=LOAD_CACHE) - m)
+        part = tl.load(part_rows + s * stride_ps, mask=ok[:, None], other=0.0, cache_modifier=LOAD_CACHE)
+        total += w
+        acc += part * w[:, None]
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr,
+                   qk_scale, num_splits,
+                   stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                   stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
+                   final_ptr, arrivals_ptr, stride_fb, stride_fh,
+                   k_new_ptr, v_new_ptr, slot_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
+                   stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos, stride_sin,
+                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, GROUP_C: tl.constexpr,
+                   SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Program (b, kv_head, split): every query head of the KV-head group over one contiguous share of b's context.
+
+    The context [0, context_lens[b]) is cut into num_splits ranges of equal length, a multiple of BLOCK_SIZE
+    (the last ones shorter or empty). With SPLIT, writes the normalised partial output (float32) at
+    [b, head, split] and its log2-sum-exp (-inf when the range is empty); otherwise writes the final output.
+    COMBINE (with SPLIT): each program then counts itself in arrivals[b * num_kv_heads + kv_head]
+    (kernels/triton/arrivals.py); the last of the num_splits to arrive sees every split's stores, combines them
+    into final[b, head] for the group's heads (GROUP_C: GROUP to a power of two) as _combine_splits_kernel
+    does (the same bits), and puts the count back to 0 for the next launch.
+    ROTATE: the query heads at q_ptr and this step's keys at k_new_ptr are not yet normalised (NORM: Qwen3's head
+    norms, q_norm_ptr / k_norm_ptr) nor rotated (cos/sin at the new token's position, context - 1). Every
+    program normalises and rotates its group's query heads itself; the one whose range holds the new token does
+    the same to its KV head's key, stores it and v_new's row in the cache at slot_ptr[b] (negative: not
+    stored), and attends to them last, from registers (_attend_one), so no launch for the cache write precedes
+    attention. The cache gets the bits _rotary_store_kernel writes (without multiply-add contraction; with
+    NORM up to the order of the sum of squares); attention agrees with the two launches to rounding.
+    PDL: launched to overlap the kernel before it (kernels/triton/pdl.py); the counts are touched after the
+    wait, and only by this kernel's programs.
+    """
+    enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(context, BLOCK_SIZE), num_splits) * BLOCK_SIZE
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, context)
+
+    rows = tl.arange(0, GROUP_P)
+    row_ok = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    k_base = k_cache_ptr + kv_head * stride_kch
+    v_base = v_cache_ptr + kv_head * stride_vch
+    table_row = block_tables_ptr + b * stride_bt
+    q_rows = q_ptr + b * stride_qb + heads * stride_qh
+    m_i = tl.full([GROUP_P], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM], dtype=tl.float32)
+    if ROTATE:
+        new_slot = tl.load(slot_ptr + b).to(tl.int64)
+        new_pos = context - 1
+        pos = tl.maximum(new_pos, 0).to(tl.int64)  # a padding row (context 0) reads position 0's table
+        cos = tl.load(cos_ptr + pos * stride_cos + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + dims).to(tl.float32)
+        q, q_rolled = normed_heads(q_rows, row_ok, q_norm_ptr, eps, HEAD_DIM, NORM)
+        q = rotate_rows(q, q_rolled, cos, sin)
+        holds_new = (new_pos >= lo) & (new_pos < hi)  # at most one program of (b, kv_head)
+        one = tl.zeros([1], dtype=tl.int64)
+        new_k, new_k_rolled = normed_heads(k_new_ptr + b * stride_knb + kv_head * stride_knh + one,
+                                           holds_new | (one < 0), k_norm_ptr, eps, HEAD_DIM, NORM)
+        new_k = rotate_rows(new_k, new_k_rolled, cos, sin)
+        new_v = tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + one[:, None] + dims[None, :],
+                        mask=holds_new, other=0.0)
+        stored = holds_new & (new_slot >= 0)
+        tl.store(k_base + new_slot * stride_kcs + one[:, None] + dims[None, :], new_k, mask=stored)
+        tl.store(v_base + new_slot * stride_vcs + one[:, None] + dims[None, :], new_v, mask=stored)
+        cached_end = tl.where(holds_new, new_pos, hi)  # the new token is attended from registers, last
+        for start in range(lo, cached_end, BLOCK_N):
+            acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start,
+                                         cached_end, rows, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
+        if holds_new:
+            acc, l_i, m_i = _attend_one(q, acc, l_i, m_i, new_k, new_v, qk_scale)
+    else:
+        q = tl.load(q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+        for start in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, hi, rows,
+                                         qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # zeros for an empty range
+    if SPLIT:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
+        tl.store(o_ptrs, out, mask=row_ok[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+        if COMBINE:
+            slot = b * tl.num_programs(1) + kv_head
+            if last_to_arrive(arrivals_ptr, slot, num_splits):
+                _combine_splits(out_ptr, lse_ptr, final_ptr, b, kv_head * GROUP, GROUP, num_splits,
+                                stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
+                                GROUP_C, SPLITS_P, HEAD_DIM, ".cg")
+                leave(arrivals_ptr, slot)
+    else:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
+                           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                           SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, head): out[b, head] from its splits (_combine_splits)."""
+    enter(PDL)
+    _combine_splits(partial_ptr, lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), 1, num_splits,
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, 1, SPLITS_P,
+                    HEAD_DIM, "")
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
+                      block_size: int = 16) -> int:
+    """Splits of the context for decode: about two programs per SM when batch * kv_heads is small, 1 when large.
+
+    Capped so that a split of max_context covers at least ~256 tokens (and at least one block), and at 32.
+    """
+    programs = max(1, batch_size * num_kv_heads)
+    wanted = triton.cdiv(2 * num_sms, programs)
+    by_length = max(1, max_context // max(256, block_size))
+    return int(max(1, min(wanted, by_length, 32)))
+
+
+@dataclass(frozen=True)
+class NewTokens:
+    """A decode step's own keys and values, for the decode launch to store before it attends.
+
+    keys and values: [B, num_kv_heads, head_dim] (strided views allowed, unit last-dim stride), the keys (like the
+    query) not yet normalised nor rotated, at position context_lens[b] - 1 (decode's invariant); slots [B]
+    (int32/int64; a negative slot is not stored); cos and signed_sin: the tables of
+    shardserve.layers.rotary.RotaryEmbedding; head_norm: (query weight, key weight, eps) for Qwen3's per-head
+    norms, or None.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+    head_norm: tuple | None = None
+
+    def check(self, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+        batch, num_kv_heads, head_dim = q.shape[0], k_cache.shape[1], q.shape[2]
+        for name in ("keys", "values"):
+            t = getattr(self, name)
+            if t.shape != (batch, num_kv_heads, head_dim) or t.stride(-1) != 1 or t.dtype != q.dtype:
+                raise ValueError(f"new {name}: {tuple(t.shape)} {t.dtype}; decode of this batch needs "
+                                 f"{(batch, num_kv_heads, head_dim)} {q.dtype} with unit last-dim stride")
+        for name in ("cos", "signed_sin"):
+            t = getattr(self, name)
+            if t.shape[-1] != head_dim or t.stride(-1) != 1 or t.dtype != q.dtype:
+                raise ValueError(f"rotary table {name}: {tuple(t.shape)} {t.dtype}; needs rows of {head_dim} "
+                                 f"{q.dtype} with unit stride")
+        if self.head_norm is not None and any(w.shape != (head_dim,) or not w.is_contiguous()
+                                              for w in self.head_norm[:2]):
+            raise ValueError(f"head norm weights must be contiguous [{head_dim}]")
+
+    def kernel_args(self) -> tuple:
+        q_weight, k_weight, eps = self.head_norm if self.head_norm is not None else (self.keys, self.keys, 0.0)
+        return (self.keys, self.values, self.slots, self.cos, self.signed_sin, q_weight, k_weight,
+                eps, self.keys.stride(0), self.keys.stride(1), self.values.stride(0), self.values.stride(1),
+                self.cos.stride(0), self.signed_sin.stride(0))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
+                           num_splits: int, out: torch.Tensor | None = None,
+                           arrivals: torch.Tensor | None = None, new_tokens: NewTokens | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its cached context (flash-decoding).
+
+    q: [B, num_heads, head_dim] (any strides, unit last-dim stride). Sequence b attends to positions
+    [0, context_lens[b]) (int32), its own key/value already stored at context_lens[b] - 1, or, with
+    `new_tokens`, stored by this launch (q and the keys are then normalised and rotated here: one launch where
+    apply_rotary_and_store_ and this would take two; the same cache, the same output to rounding); a row with
+    context_lens[b] == 0 gets zeros. Returns [B, num_heads, head_dim] in q's dtype, written into `out` if given.
+    Launch: grid (B, num_kv_heads, num_splits). With num_splits > 1 the splits write a float32 workspace
+    [B, num_heads, num_splits, head_dim] allocated here, joined as combine_mode() says: in the same launch (up to
+    FUSED_COMBINE_MAX_ROWS query heads of a group x splits), counting in `arrivals` (zeroed int32, at least
+    B * num_kv_heads, left at zero; default: the device's shared arrival counts), or by a second kernel over
+    (B, num_heads), which also serves larger groups x splits and where the shared counts are too few.
+    Graph-capturable; a graph keeps the address of the counts, so they must outlive it.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    check_head_dim(head_dim)
+    check_block_size(block_size)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need unit stride in the last dim")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("q and the caches must share a dtype")
+    if new_tokens is not None:
+        new_tokens.check(q, k_cache)
+    mode = combine_mode()
+    if out is None:
+        out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    num_splits = max(1, int(num_splits))
+    group = num_heads // num_kv_heads
+    fused = mode == "fused" and group * num_splits <= FUSED_COMBINE_MAX_ROWS
+    rotate = new_tokens is not None
+    config = _decode_config(head_dim, q.dtype)
+    if rotate:
+        # Without multiply-add contraction the rotation rounds as the rotary kernel does (the cache gets its bits).
+        config.update(num_warps=DECODE_NEW_TOKEN_WARPS, enable_fp_fusion=False)
+    common = dict(GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+                  HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), ROTATE=rotate,
+                  NORM=rotate and new_tokens.head_norm is not None, **config, **pdl.launch(q.device))
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                     block_tables.stride(0))
+    rotation = new_tokens.kernel_args() if new_tokens is not None else (q,) * 7 + (0.0,) + (0,) * 6
+    grid = (batch, num_kv_heads, num_splits)
+    if num_splits == 1:
+        _decode_kernel[grid](q, k_cache, v_cache, out, out, block_tables, context_lens, scale * LOG2E, 1,
+                             q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *cache_strides,
+                             out, out, 0, 0, *rotation, SPLIT=False, COMBINE=False, GROUP_C=1, SPLITS_P=1,
+                             **common)
+        return out
+    partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    counts = _combine_counts(arrivals, batch * num_kv_heads, q.device) if fused else None
+    splits_p = triton.next_power_of_2(num_splits)
+    _decode_kernel[grid](q, k_cache, v_cache, partial, lse, block_tables, context_lens, scale * LOG2E, num_splits,
+                         q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
+                         lse.stride(0), lse.stride(1), *cache_strides,
+                         out, lse if counts is None else counts, out.stride(0), out.stride(1), *rotation,
+                         SPLIT=True, COMBINE=counts is not None, GROUP_C=triton.next_power_of_2(group),
+                         SPLITS_P=1 if counts is None else splits_p, **common)
+    if counts is None:
+        _combine_splits_kernel[(batch, num_heads)](
+            partial, lse, out, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
+            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+            SPLITS_P=splits_p, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8, **pdl.launch(q.device))
+    return out
+
+
+def _combine_counts(arrivals: torch.Tensor | None, slots: int, device: torch.device) -> torch.Tensor | None:
+    """The counts of a fused combine: `arrivals`, checked, or the device's shared ones; None where those are too
+    few (or not made yet inside a CUDA graph capture) and a second kernel combines."""
+    if arrivals is None:
+        return arrival_counts(device, slots)
+    if arrivals.dtype != torch.int32 or arrivals.numel() < slots or arrivals.device != device:
+        raise ValueError(f"arrivals: {arrivals.numel()} {arrivals.dtype} counts on {arrivals.device}; decode of "
+                         f"this batch needs at least {slots} zeroed int32 counts on {device}")
+    return arrivals
