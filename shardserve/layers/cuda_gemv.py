@@ -14,12 +14,12 @@ the Triton path off.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.env_choice import env_choice
 from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.linear_kernels import LinearKernel
 
@@ -128,7 +128,7 @@ def use_batch1_gemv(model: nn.Module, log: bool = True, agree=None) -> Batch1Gem
 
     A candidate is timed only once it matched a float64 reference on that shape (kernels/self_check.py).
     `agree` (several ranks) maps this rank's choice to the one every rank uses (rank 0's timings decide)."""
-    if os.environ.get("SHARDSERVE_GEMV", "auto") == "cublas":
+    if env_choice("SHARDSERVE_GEMV", ("auto", "cublas"), "auto") == "cublas":
         return None
     from shardserve.kernels.triton.fused_ops import rms_norm
     from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm, gemv_swiglu

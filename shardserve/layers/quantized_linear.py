@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Hashable
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.env_choice import env_choice
 from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, pack_int4, unpack_int4_rows
 from shardserve.layers.linear import (ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor,
                                      empty_parameter)
@@ -78,10 +78,17 @@ QUANTIZED_LAYERS_MODES = ("auto", "packed", "dequantized")
 def quantized_layers_mode() -> str:
     """SHARDSERVE_QUANTIZED_LAYERS: auto (a checkpoint's quantized layers packed on GPUs, dequantized on CPUs),
     packed (on CPUs too: each product dequantizes) or dequantized (everywhere)."""
-    mode = os.environ.get(QUANTIZED_LAYERS_ENV, "auto")
-    if mode not in QUANTIZED_LAYERS_MODES:
-        raise ValueError(f"{QUANTIZED_LAYERS_ENV} must be one of {', '.join(QUANTIZED_LAYERS_MODES)}, got {mode!r}")
-    return mode
+    return env_choice(QUANTIZED_LAYERS_ENV, QUANTIZED_LAYERS_MODES, "auto")
+
+
+FP8_MATMUL_ENV = "SHARDSERVE_FP8_MATMUL"
+FP8_MATMUL_KERNELS = ("scaled_mm", "triton")
+
+
+def fp8_matmul_kernel() -> str:
+    """SHARDSERVE_FP8_MATMUL: how batches multiply FP8 weights with one scale a row on GPUs with FP8 tensor cores:
+    "scaled_mm" (torch._scaled_mm, the default) or "triton" (the fused GEMM that the other layouts use)."""
+    return env_choice(FP8_MATMUL_ENV, FP8_MATMUL_KERNELS, "scaled_mm")
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,7 @@ class PackedWeights:
         # Batches on FP8 tensor cores (compute capability 8.9 on): FP8 with one scale a row, in 16-wide shapes.
         self.scaled_mm = (layout.kind == "fp8" and group == k and k % 16 == 0 and n % 16 == 0
                           and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-                          and os.environ.get("SHARDSERVE_FP8_MATMUL", "scaled_mm") == "scaled_mm")
+                          and fp8_matmul_kernel() == "scaled_mm")
         loader = layer.weight.weight_loader
         groups = -(-k // group)
 

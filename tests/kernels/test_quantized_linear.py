@@ -180,9 +180,19 @@ def test_an_unknown_quantized_layers_mode_names_the_accepted_ones(monkeypatch):
     from shardserve.layers.quantized_linear import quantized_layers_mode
 
     monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packd")
-    with pytest.raises(ValueError, match="SHARDSERVE_QUANTIZED_LAYERS must be one of auto, packed, dequantized, "
-                                         "got 'packd'"):
+    with pytest.raises(ValueError, match="SHARDSERVE_QUANTIZED_LAYERS='packd': expected one of auto, packed, "
+                                         "dequantized"):
         quantized_layers_mode()
+
+
+def test_an_unknown_fp8_matmul_kernel_names_the_accepted_ones(monkeypatch):
+    from shardserve.layers.quantized_linear import fp8_matmul_kernel
+
+    monkeypatch.setenv("SHARDSERVE_FP8_MATMUL", "scaledmm")
+    with pytest.raises(ValueError, match="SHARDSERVE_FP8_MATMUL='scaledmm': expected one of scaled_mm, triton"):
+        fp8_matmul_kernel()
+    monkeypatch.setenv("SHARDSERVE_FP8_MATMUL", "triton")
+    assert fp8_matmul_kernel() == "triton"
 
 
 @needs_triton
