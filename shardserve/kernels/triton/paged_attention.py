@@ -26,14 +26,24 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-def check_head_dim(head_dim: int) -> None:
+def _check_head_dim(head_dim: int) -> None:
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
 
 
-def check_block_size(block_size: int) -> None:
+def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> None:
+    """The shapes, strides and dtypes every attention kernel here needs: q [tokens, heads, head_dim] and the
+    caches [slots, kv_heads, head_dim], unit last-dim stride, one dtype; head_dim and block_size powers of two."""
+    head_dim, num_heads, num_kv_heads = q.shape[-1], q.shape[-2], k_cache.shape[1]
+    _check_head_dim(head_dim)
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need unit stride in the last dim")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("q and the caches must share a dtype")
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -79,7 +89,7 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    check_head_dim(head_dim)
+    _check_head_dim(head_dim)
     for t in (key, value, k_cache, v_cache):
         if t.stride(-1) != 1:
             raise ValueError("store_kv_cache needs unit stride in the last dim")
@@ -207,14 +217,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_seqs = query_start.shape[0] - 1
-    check_head_dim(head_dim)
-    check_block_size(block_size)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q and the caches need unit stride in the last dim")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError("q and the caches must share a dtype")
+    check_attention_args(q, k_cache, v_cache, block_size)
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs <= 0 or max_query_len <= 0:

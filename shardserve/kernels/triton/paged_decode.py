@@ -19,8 +19,7 @@ from shardserve.env_choice import env_choice
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.fused_ops import normed_heads, rotate_rows
-from shardserve.kernels.triton.paged_attention import (LOG2E, attend_tile, check_block_size, check_head_dim,
-                                                       dot_precision)
+from shardserve.kernels.triton.paged_attention import LOG2E, attend_tile, check_attention_args, dot_precision
 from shardserve.kernels.triton.pdl import enter
 
 
@@ -301,14 +300,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    check_head_dim(head_dim)
-    check_block_size(block_size)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q and the caches need unit stride in the last dim")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError("q and the caches must share a dtype")
+    check_attention_args(q, k_cache, v_cache, block_size)
     if new_tokens is not None:
         new_tokens.check(q, k_cache)
     mode = combine_mode()
