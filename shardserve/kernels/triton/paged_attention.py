@@ -109,8 +109,8 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 @triton.jit
 def attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, end, q_pos, qk_scale,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step of q [M, D] over positions [start, start + BLOCK_N) clipped to `end`.
 
     Keys are gathered slot by slot through the block table (positions >= end are never loaded). Scores are in
@@ -191,10 +191,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     causal_end = first_pos + tl.minimum((m_block + 1) * BLOCK_M, q_len)  # last row's position + 1
     for start in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, full_end,
-                                     q_pos, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 0, DOT_PRECISION)
+                                    q_pos, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 0, DOT_PRECISION)
     for start in range(full_end, causal_end, BLOCK_N):
         acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, causal_end,
-                                     q_pos, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 2, DOT_PRECISION)
+                                    q_pos, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 2, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],

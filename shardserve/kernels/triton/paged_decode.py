@@ -30,7 +30,6 @@ def _decode_config(head_dim: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_N=64 if row_bytes <= 512 else 32, num_warps=4, num_stages=3 if row_bytes <= 256 else 2)
 
 
-
 @triton.jit
 def _attend_one(q, acc, l_i, m_i, k, v, qk_scale):
     """The online-softmax step of q [M, D] over one position whose key and value, [1, D], are in registers
@@ -44,7 +43,6 @@ def _attend_one(q, acc, l_i, m_i, k, v, qk_scale):
     p = p.to(v.dtype).to(tl.float32)  # rounded as the tile rounds the weights before they multiply V
     acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
     return acc, l_i, m_new
-
 
 
 COMBINE_MODES = ("fused", "separate")
@@ -137,7 +135,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     COMBINE (with SPLIT): each program then counts itself in arrivals[b * num_kv_heads + kv_head]
     (kernels/triton/arrivals.py); the last of the num_splits to arrive sees every split's stores, combines them
     into final[b, head] for the group's heads (GROUP_C: GROUP to a power of two) as _combine_splits_kernel
-    does (the same bits), and puts the count back to 0 for the next launch.
+    does (the same bits, where both are compiled alike: not so with ROTATE, which turns off multiply-add
+    contraction), and puts the count back to 0 for the next launch.
     ROTATE: the query heads at q_ptr and this step's keys at k_new_ptr are not yet normalised (NORM: Qwen3's head
     norms, q_norm_ptr / k_norm_ptr) nor rotated (cos/sin at the new token's position, context - 1). Every
     program normalises and rotates its group's query heads itself; the one whose range holds the new token does
@@ -177,7 +176,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
         q, q_rolled = normed_heads(q_rows, row_ok, q_norm_ptr, eps, HEAD_DIM, NORM)
         q = rotate_rows(q, q_rolled, cos, sin)
         holds_new = (new_pos >= lo) & (new_pos < hi)  # at most one program of (b, kv_head)
-        one = tl.zeros([1], dtype=tl.int64)
+        one = tl.zeros([1], dtype=tl.int64)  # the new key as a one-row block; holds_new | (one < 0): its mask
         new_k, new_k_rolled = normed_heads(k_new_ptr + b * stride_knb + kv_head * stride_knh + one,
                                            holds_new | (one < 0), k_norm_ptr, eps, HEAD_DIM, NORM)
         new_k = rotate_rows(new_k, new_k_rolled, cos, sin)
@@ -189,14 +188,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
         cached_end = tl.where(holds_new, new_pos, hi)  # the new token is attended from registers, last
         for start in range(lo, cached_end, BLOCK_N):
             acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start,
-                                         cached_end, rows, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
+                                        cached_end, rows, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
         if holds_new:
             acc, l_i, m_i = _attend_one(q, acc, l_i, m_i, new_k, new_v, qk_scale)
     else:
         q = tl.load(q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
         for start in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, hi, rows,
-                                         qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
+                                        qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # zeros for an empty range
     if SPLIT:
