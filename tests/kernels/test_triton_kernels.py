@@ -377,6 +377,12 @@ def test_decode_rejects_new_tokens_that_do_not_fit_the_batch():
     with pytest.raises(ValueError, match=r"new keys: \(1, 1, 16\) torch.float32; decode of this batch needs "
                                          r"\(1, 2, 16\)"):
         pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 1, new_tokens=wrong)
+    keys = torch.zeros(1, 2, 16, device=DEVICE)
+    half_weight = torch.ones(16, dtype=torch.float16, device=DEVICE)
+    wrong_norm = pd.NewTokens(keys, keys, slot, rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE),
+                              (half_weight, half_weight, 1e-6))
+    with pytest.raises(ValueError, match=r"weight must be \[16\] in torch.float32, got \(16,\) torch.float16"):
+        pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 1, new_tokens=wrong_norm)
 
 
 def test_choose_num_splits():

@@ -60,7 +60,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, 
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 
-def _check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+def check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """A norm weight for rows of x: [x's last dim], x's dtype, unit stride."""
     if weight.dtype != x.dtype or weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must be [{x.shape[-1]}] in {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
     if weight.stride(-1) != 1:
@@ -73,7 +74,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Same rounding as shardserve.layers.norm.RMSNorm: the normalised value is rounded to x's dtype before the
     product with weight (of x's dtype), which is rounded again. Plain float32 arithmetic for float32 input.
     """
-    _check_norm_args(x, weight)
+    check_norm_args(x, weight)
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
@@ -92,7 +93,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     tensors are returned. When x or residual has no [rows, hidden] view (unusual strides), the results go to
     new tensors instead; callers must always use the returned pair.
     """
-    _check_norm_args(x, weight)
+    check_norm_args(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError("x and residual must share shape and dtype")
     x2, r2 = _rows(x), _rows(residual)
@@ -132,7 +133,7 @@ def qk_rms_norm_(qk: torch.Tensor, num_q_heads: int, q_weight: torch.Tensor, k_w
     view (the query and key heads of a fused projection) with unit stride in the last dim."""
     tokens, num_heads, head_dim = qk.shape
     for weight in (q_weight, k_weight):
-        _check_norm_args(qk, weight)
+        check_norm_args(qk, weight)
     if qk.stride(-1) != 1 or head_dim & (head_dim - 1):
         raise ValueError("qk needs unit stride in the last dim and a power-of-two head_dim")
     if tokens:
@@ -340,7 +341,7 @@ def apply_rotary_and_store_(qk: torch.Tensor, num_q_heads: int, value: torch.Ten
         raise ValueError("the tables and the cache must have qk's dtype")
     if head_norm is not None:
         for weight in head_norm[:2]:
-            _check_norm_args(qk, weight)
+            check_norm_args(qk, weight)
     if tokens == 0:
         return qk
     heads_p = triton.next_power_of_2(num_heads)

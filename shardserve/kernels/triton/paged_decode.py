@@ -18,7 +18,7 @@ import triton.language as tl
 from shardserve.env_choice import env_choice
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
-from shardserve.kernels.triton.fused_ops import normed_heads, rotate_rows
+from shardserve.kernels.triton.fused_ops import check_norm_args, normed_heads, rotate_rows
 from shardserve.kernels.triton.paged_attention import LOG2E, attend_tile, check_attention_args, dot_precision
 from shardserve.kernels.triton.pdl import enter
 
@@ -268,9 +268,9 @@ class NewTokens:
             if t.shape[-1] != head_dim or t.stride(-1) != 1 or t.dtype != q.dtype:
                 raise ValueError(f"rotary table {name}: {tuple(t.shape)} {t.dtype}; needs rows of {head_dim} "
                                  f"{q.dtype} with unit stride")
-        if self.head_norm is not None and any(w.shape != (head_dim,) or not w.is_contiguous()
-                                              for w in self.head_norm[:2]):
-            raise ValueError(f"head norm weights must be contiguous [{head_dim}]")
+        if self.head_norm is not None:
+            for weight in self.head_norm[:2]:
+                check_norm_args(q, weight)
 
     def kernel_args(self) -> tuple:
         q_weight, k_weight, eps = self.head_norm if self.head_norm is not None else (self.keys, self.keys, 0.0)
