@@ -17,10 +17,10 @@ dev = torch.device("cuda")
 
 
 SHAPES = {"llama3-8b": (32, 8, 4096, False), "qwen3-30b-a3b": (32, 4, 2048, True)}
-_FOUR_WARPS = pa._decode_config
 
 
-def chain(mode, shape, ctx, warps, layers=32, max_ctx=2048):
+def chain(mode, shape, ctx, layers=32, max_ctx=2048):
+    """us a layer of the chain, with the decode launches' warps as the module is set."""
     nq, nkv, hidden, norm = shape
     D, block = 128, 16
     nb = triton.cdiv(max_ctx, block) + 2
@@ -37,8 +37,6 @@ def chain(mode, shape, ctx, warps, layers=32, max_ctx=2048):
                  1e-6) if norm else None
     x0 = torch.randn(1, hidden, device=dev).to(torch.bfloat16)
     splits = pa.choose_num_splits(1, nkv, max_ctx, 132, block)
-    pa._decode_config = lambda head_dim, dtype: {**_FOUR_WARPS(head_dim, dtype), "num_warps": warps}
-    pa.DECODE_NEW_TOKEN_WARPS = warps
     counts = torch.zeros(64, dtype=torch.int32, device=dev)
 
     def step():
@@ -79,16 +77,20 @@ def chain(mode, shape, ctx, warps, layers=32, max_ctx=2048):
 
 
 def main() -> None:
-    original, original_warps = pa._decode_config, pa.DECODE_NEW_TOKEN_WARPS
-    for shape_name, shape in SHAPES.items():
-        for ctx, max_ctx in ((300, 2048), (1800, 2048), (6000, 8192)):
-            line = [f"{shape_name} context {ctx}"]
-            for mode in ("separate", "fused"):
-                for warps in (4, 8):
-                    line.append(f"{mode} {warps} warps {chain(mode, shape, ctx, warps, max_ctx=max_ctx):.2f}")
-            print(", ".join(line) + " us a layer", flush=True)
-    pa._decode_config = original
-    pa.DECODE_NEW_TOKEN_WARPS = original_warps
+    four_warps, new_token_warps = pa._decode_config, pa.DECODE_NEW_TOKEN_WARPS
+    try:
+        for shape_name, shape in SHAPES.items():
+            for ctx, max_ctx in ((300, 2048), (1800, 2048), (6000, 8192)):
+                line = [f"{shape_name} context {ctx}"]
+                for mode in ("separate", "fused"):
+                    for warps in (4, 8):
+                        pa._decode_config = lambda head_dim, dtype, w=warps: {**four_warps(head_dim, dtype),
+                                                                              "num_warps": w}
+                        pa.DECODE_NEW_TOKEN_WARPS = warps
+                        line.append(f"{mode} {warps} warps {chain(mode, shape, ctx, max_ctx=max_ctx):.2f}")
+                print(", ".join(line) + " us a layer", flush=True)
+    finally:
+        pa._decode_config, pa.DECODE_NEW_TOKEN_WARPS = four_warps, new_token_warps
 
 
 if __name__ == "__main__":
