@@ -394,13 +394,14 @@ def bench_level(url: str, name: str, tokenizer_dir: str, concurrency: int, num_p
 
 
 def run_online(model_dir: str, *, name: str = "llama3-8b", device: str = "cuda", dtype: str = "bfloat16",
-               max_batched_tokens: int = 8192, max_model_len: int = 2048, max_num_seqs: int = OFFLINE_REQUESTS,
+               tp: int = 1, max_batched_tokens: int = 8192, max_model_len: int = 2048, max_num_seqs: int = OFFLINE_REQUESTS,
                requests: int = OFFLINE_REQUESTS, prompt_len: int = OFFLINE_PROMPT, output_len: int = OFFLINE_OUTPUT,
                levels: tuple[int, ...] = ONLINE_LEVELS, c1_requests: int = ONLINE_C1_REQUESTS,
                api_server_count: int | None = None, extra_serve_args: tuple[str, ...] = (),
                health_timeout: float = ONLINE_HEALTH_TIMEOUT_S, work_dir: str | None = None,
                profile_dir: str | None = None) -> dict:
-    """Serve `model_dir` (dummy weights) over HTTP and measure it with `shardserve bench`: `c1_requests` at
+    """Serve `model_dir` (dummy weights) over HTTP at tensor-parallel size `tp` and measure it with `shardserve
+    bench`: `c1_requests` at
     concurrency 1 (per-token latency), then `requests` at each of `levels`, all of `prompt_len` prompt tokens
     and `output_len` output tokens (ignore_eos). Keys: online_c<N>_output_tok_s, online_c<N>_tpot_ms and
     online_c<N>_ttft_ms (p50) for N = 1 and each level, online_c<largest>_server_cpu_s (the server's processes'
@@ -415,7 +416,7 @@ def run_online(model_dir: str, *, name: str = "llama3-8b", device: str = "cuda",
     out: dict = {"online_server_log": server_log}
     proc = start_server(model_dir, port, server_log, name=name, device=device, dtype=dtype,
                         max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens, max_model_len=max_model_len,
-                        api_server_count=api_server_count, extra_args=tuple(extra_serve_args))
+                        api_server_count=api_server_count, extra_args=("-tp", str(tp), *extra_serve_args))
     try:
         out["online_startup_s"] = wait_healthy(proc, url, server_log, health_timeout)
         log.info("online: %s healthy after %.0f s", url, out["online_startup_s"])
@@ -448,13 +449,14 @@ def run_online(model_dir: str, *, name: str = "llama3-8b", device: str = "cuda",
         log.info("online: server %s", out["online_server_stop"])
     out["online_workload"] = {"requests": requests, "c1_requests": c1_requests, "prompt_tokens": prompt_len,
                               "output_tokens": output_len, "levels": [1, *levels],
-                              "api_server_count": api_server_count}
+                              "api_server_count": api_server_count, "tensor_parallel_size": tp}
     return out
 
 
 def phase_online(args) -> dict:
     model_dir = args.model_dir or write_model_dir(tempfile.mkdtemp(prefix=f"{args.model}-shape-"), SHAPES[args.model])
-    return run_online(model_dir, name=args.model, device="cuda", max_batched_tokens=args.max_batched_tokens,
+    return run_online(model_dir, name=args.model, device="cuda", tp=args.online_tp,
+                      max_batched_tokens=args.max_batched_tokens,
                       api_server_count=args.api_server_count, profile_dir=args.profile_online)
 
 
@@ -553,6 +555,7 @@ def main() -> int:
                         f"concurrency 1 and {', '.join(map(str, ONLINE_LEVELS))} (default: when the TP sizes "
                         "include 1)")
     p.add_argument("--skip-online", dest="online", action="store_false", help="no online phase")
+    p.add_argument("--online-tp", type=int, default=1, help="the online phase's tensor-parallel size (default 1)")
     p.add_argument("--api-server-count", type=int, default=None,
                    help="passed on to shardserve serve in the online phase (default: not passed, the server's own)")
     p.add_argument("--profile-online", default=None, metavar="DIR",
@@ -592,8 +595,9 @@ def main() -> int:
         report.update(run_phase("hf", args, [], args.phase_timeout))
     engines = {tp: run_phase("engine", args, ["--tp", str(tp)], args.phase_timeout) for tp in sizes}
     online = None
-    if args.online or (args.online is None and 1 in sizes):
-        extra = [] if args.api_server_count is None else ["--api-server-count", str(args.api_server_count)]
+    if args.online or (args.online is None and args.online_tp in sizes):
+        extra = ["--online-tp", str(args.online_tp)]
+        extra += [] if args.api_server_count is None else ["--api-server-count", str(args.api_server_count)]
         extra += [] if args.profile_online is None else ["--profile-online", args.profile_online]
         online = run_phase("online", args, extra, args.phase_timeout)
     results = summarize(report, engines, args.model, online)
@@ -670,7 +674,8 @@ def summarize(report: dict, engines: dict[int, dict], model: str = "llama3-8b", 
             res["online_error"] = online["error"]
         else:
             res.update({k: v for k, v in online.items() if k != "online_server_log"})
-            offline = res.get("offline_tp1_output_tok_s")
+            online_tp = online["online_workload"].get("tensor_parallel_size", 1)
+            offline = res.get(f"offline_tp{online_tp}_output_tok_s")
             for c in online["online_workload"]["levels"][1:]:
                 if offline and online.get(f"online_c{c}_output_tok_s"):
                     res[f"online_c{c}_vs_offline"] = online[f"online_c{c}_output_tok_s"] / offline
@@ -753,11 +758,12 @@ def print_table(r: dict) -> None:
 def online_rows(r: dict, fmt) -> list[tuple[str, str]]:
     """The online phase's rows of the table: none when it did not run."""
     if "online_error" in r:
-        return [("online (shardserve serve + bench), TP=1", f"failed: {r['online_error']}")]
+        return [("online (shardserve serve + bench)", f"failed: {r['online_error']}")]
     workload = r.get("online_workload")
     if not workload:
         return []
-    served = f"online {workload['requests']}x({workload['prompt_tokens']}+{workload['output_tokens']})"
+    tp = workload.get("tensor_parallel_size", 1)
+    served = f"online TP={tp} {workload['requests']}x({workload['prompt_tokens']}+{workload['output_tokens']})"
     servers = "" if workload.get("api_server_count") is None else f", {workload['api_server_count']} API servers"
     rows = [(f"online TPOT p50 at concurrency 1 ({workload['c1_requests']} requests{servers})",
              fmt("online_c1_tpot_ms", "ms", digits=2))]
@@ -767,7 +773,7 @@ def online_rows(r: dict, fmt) -> list[tuple[str, str]]:
         rows.append((f"{served}, concurrency {c}",
                      fmt(f"online_c{c}_output_tok_s") + ("" if tpot is None else f"  (TPOT p50 {tpot:,.1f} ms)")))
         if f"online_c{c}_vs_offline" in r:
-            rows.append((f"  concurrency {c} / offline TP=1", fmt(f"online_c{c}_vs_offline", "x", digits=2)))
+            rows.append((f"  concurrency {c} / offline TP={tp}", fmt(f"online_c{c}_vs_offline", "x", digits=2)))
     if levels and f"online_c{max(levels)}_server_cpu_s" in r:
         rows.append((f"  server CPU during concurrency {max(levels)}",
                      fmt(f"online_c{max(levels)}_server_cpu_s", "s") +

@@ -255,6 +255,23 @@ def _step_bytes(cfg: dict, req: PlanRequest, dtype: int) -> int:
     return activations + logits + TokenCounts.peak_bytes(req.max_num_seqs, cfg["vocab_size"])
 
 
+def _collective_bytes(cfg: dict, req: PlanRequest, dtype: int) -> int:
+    """A GPU rank's collective buffers at TP > 1: GPU_COLLECTIVE_OVERHEAD (measured with the peer-memory
+    all-reduce's smallest slots), plus what its larger slots add where the model sends larger messages
+    (distributed/all_reduce.py's peer_slot_bytes: the decode graphs' largest, up to a cap)."""
+    from shardserve.distributed.all_reduce import SYMM_MAX_BYTES, IpcOneShotAllReduce, peer_slot_bytes
+    from shardserve.engine.cuda_graphs import graph_buckets
+
+    tp = req.tensor_parallel_size
+    if tp == 1:
+        return 0
+    per_token = cfg["hidden_size"] * dtype
+    tokens = [*graph_buckets(req.max_num_seqs), req.max_num_batched_tokens]
+    slot = peer_slot_bytes((t * per_token for t in tokens), per_token)
+    area = IpcOneShotAllReduce.area_bytes
+    return GPU_COLLECTIVE_OVERHEAD + area(slot, tp) - area(SYMM_MAX_BYTES, tp)
+
+
 def _replicated_warning(replicated: list[str], tp: int) -> list[str]:
     if not replicated:
         return []
@@ -356,7 +373,7 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
     per_token, per_seq_state, model_limit, max_len = _context(cfg, req, kv_dtype)
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     graphs = req.max_num_seqs * (8 * h + 3 * inter // tp) * dtype
-    overhead = _step_bytes(cfg, req, dtype) + graphs + GPU_FIXED_OVERHEAD + (GPU_COLLECTIVE_OVERHEAD if tp > 1 else 0)
+    overhead = _step_bytes(cfg, req, dtype) + graphs + GPU_FIXED_OVERHEAD + _collective_bytes(cfg, req, dtype)
     if packed is not None:
         overhead += largest_projection_elements_per_rank(cfg, tp) * dtype
     states = req.max_num_seqs * per_seq_state

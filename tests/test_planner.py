@@ -58,6 +58,20 @@ def test_a_tensor_parallel_rank_reserves_its_collectives_buffers():
     assert on_cpu[1].overhead_bytes == on_cpu[0].overhead_bytes - 2048 * 3 * (14336 - 14336 // 2) * 4
 
 
+def test_larger_decode_batches_reserve_the_peer_all_reduces_larger_slots():
+    """At 512 sequences the decode graphs' all-reduce carries 4 MiB: the peer-memory area's five slots a rank and
+    peer grow from 512 KiB to that, and a TP rank's plan reserves the difference (a TP=1 rank's does not)."""
+    small, large = ({"max_num_seqs": n, "max_num_batched_tokens": 8192} for n in (64, 512))
+
+    def tp_cost(tp: int, request: dict) -> int:  # a TP rank's overhead beyond a TP=1 rank's
+        return (plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=tp, **request)).overhead_bytes
+                - plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=1, **request)).overhead_bytes)
+
+    for tp in (2, 4):
+        halved_graphs = (512 - 64) * 3 * (14336 - 14336 // tp) * 2  # the graphs' MLP buffers shrink with TP
+        assert tp_cost(tp, large) - tp_cost(tp, small) + halved_graphs == 5 * tp * (4 * 2**20 - 512 * 1024)
+
+
 def test_llama3_70b_at_tp8_fits_an_h200_and_refuses_one_80gb_gpu_at_tp1():
     eight = plan(LLAMA3_70B, PlanRequest(tensor_parallel_size=8, max_model_len=8192, gpu_memory_gb=139.8))
     layer = (8192 * 10 * 128 + 8 * 128 * 8192) + 3 * 8192 * 3584 + 2 * 8192  # 8 q + 1 k + 1 v heads per rank

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ CPU_METHOD_NAMES = (GLOO, SHM)
 
 # Symmetric-memory kernels pay off for small messages only; larger ones go to NCCL.
 SYMM_MAX_BYTES = 512 * 1024
+# The peer-memory one-shot's slots hold the model's messages up to this size (the decode graphs' at up to 512
+# sequences of an 8192-wide model); larger ones (prefill chunks) go to NCCL. A rank's area is SLOTS x world slots.
+IPC_MAX_SLOT_BYTES = 8 * 2**20
 # torch's symmetric memory numbers its rendezvous with a counter per process that no API exposes or resets:
 # ranks whose processes made different numbers of them (rank 0 in a process that already ran an engine, the
 # others fresh) wait for each other's keys forever. Counted here, so such ranks skip it instead.
@@ -130,7 +133,8 @@ class SymmetricMemoryAllReduce(AllReduceMethod):
 class IpcOneShotAllReduce(AllReduceMethod):
     """One-shot all-reduce by a Triton kernel that writes each rank's rows into its peers' memory and polls
     flags in its own (kernels/triton/all_reduce.py), and the same kernel fused with the residual add and
-    RMSNorm after it (`add_rms_norm`). Messages of up to SYMM_MAX_BYTES with rows of up to MAX_COLS.
+    RMSNorm after it (`add_rms_norm`). Messages of up to `slot_bytes` (peer_slot_bytes: the largest the model
+    sends up to IPC_MAX_SLOT_BYTES) of up to MAX_ROWS rows of up to MAX_COLS.
 
     Slots: two consecutive calls never use the same slot (the kernel's invariant). A captured graph's first
     call takes slot 0 and its later calls alternate between 1 and 2, so a graph's last call never shares a
@@ -154,8 +158,7 @@ class IpcOneShotAllReduce(AllReduceMethod):
         self.slot_numel = slot_bytes // dtype.itemsize
         data_bytes = self.SLOTS * world_size * slot_bytes
         flag_bytes = self.SLOTS * self.MAX_ROWS * world_size * 4
-        ll_bytes = self.SLOTS * world_size * self.LL_ROWS * self.LL_ROW_BYTES
-        self.memory = PeerMemory(data_bytes + flag_bytes + ll_bytes, device, control_group, rank, world_size)
+        self.memory = PeerMemory(self.area_bytes(slot_bytes, world_size), device, control_group, rank, world_size)
         addresses = self.memory.addresses
         self.data_ptrs = torch.tensor(addresses, dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor([a + data_bytes for a in addresses], dtype=torch.int64, device=device)
@@ -165,6 +168,11 @@ class IpcOneShotAllReduce(AllReduceMethod):
         self._capturing = False
         self._graph_calls = 0
         self._eager_next = 0
+
+    @classmethod
+    def area_bytes(cls, slot_bytes: int, world_size: int) -> int:
+        """Device memory a rank allocates (and maps from every peer): data slots, flags, low-latency words."""
+        return cls.SLOTS * world_size * (slot_bytes + cls.MAX_ROWS * 4 + cls.LL_ROWS * cls.LL_ROW_BYTES)
 
     def begin_capture(self) -> None:
         self._capturing, self._graph_calls = True, 0
@@ -194,7 +202,7 @@ class IpcOneShotAllReduce(AllReduceMethod):
         return x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.supports(x):  # the slots hold SYMM_MAX_BYTES: a larger message would overrun them
+        if not self.supports(x):  # a message larger than a slot would overrun it
             raise ValueError(f"{self.name} cannot reduce a {tuple(x.shape)} {x.dtype} message")
         return self._launch(x, None, None, 0.0)
 
@@ -212,6 +220,14 @@ class IpcOneShotAllReduce(AllReduceMethod):
 
     def close(self) -> None:
         self.memory.close()
+
+
+def peer_slot_bytes(message_sizes: Iterable[int], row_bytes: int | None = None) -> int:
+    """The peer-memory all-reduce's slot for a model that sends messages of these sizes (bytes) in rows of
+    `row_bytes`: the largest it can carry (up to IPC_MAX_SLOT_BYTES, and MAX_ROWS rows), at least SYMM_MAX_BYTES."""
+    max_rows = IpcOneShotAllReduce.MAX_ROWS
+    return max([SYMM_MAX_BYTES, *(n for n in message_sizes
+                                  if n <= IPC_MAX_SLOT_BYTES and (not row_bytes or n <= max_rows * row_bytes))])
 
 
 def message_shape(nbytes: int, dtype: torch.dtype, row_bytes: int | None) -> tuple[int, ...]:
@@ -319,14 +335,15 @@ def every_rank(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool
 
 
 def build_methods(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, graph_slots: int,
-                  control_group=None) -> list[AllReduceMethod]:
-    """NCCL, and the peer-memory methods every rank could set up. Every rank must measure the same methods in
-    the same order, or their collectives would pair up wrongly: a method is kept only where all ranks have it."""
+                  control_group=None, peer_slot: int = SYMM_MAX_BYTES) -> list[AllReduceMethod]:
+    """NCCL, and the peer-memory methods every rank could set up (the one-shot's slots of `peer_slot` bytes).
+    Every rank must measure the same methods in the same order, or their collectives would pair up wrongly: a
+    method is kept only where all ranks have it."""
     methods: list[AllReduceMethod] = [NcclAllReduce(group)]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if control_group is not None:
         try:
-            method = IpcOneShotAllReduce(control_group, rank, world, device, dtype)
+            method = IpcOneShotAllReduce(control_group, rank, world, device, dtype, peer_slot)
         except Exception as e:  # no CUDA IPC between these processes, no Triton
             logger.info("all-reduce: %s unavailable (%s)", IPC_ONE_SHOT, first_line(e))
             method = None
@@ -362,7 +379,8 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     the same order and takes the maximum over ranks, so all ranks pick the same tables. Messages are shaped
     [tokens, hidden] with rows of `row_bytes` (the model's activations), or flat without it.
     """
-    methods = build_methods(group, device, dtype, graph_slots, control_group)
+    methods = build_methods(group, device, dtype, graph_slots, control_group,
+                            peer_slot_bytes(message_sizes, row_bytes))
     forced = os.environ.get(FORCE_ENV)
     if forced and forced not in METHOD_NAMES:
         raise ValueError(f"{FORCE_ENV}={forced!r} is not an all-reduce method: use one of {', '.join(METHOD_NAMES)}")

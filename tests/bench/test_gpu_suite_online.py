@@ -57,8 +57,17 @@ def test_summary_and_table_carry_the_online_figures(suite, capsys):
     assert "online_server_log" not in res, "a path on the machine that ran it is no result"
     suite.print_table(res)
     table = capsys.readouterr().out
-    assert "online 512x(512+256), concurrency 512" in table and "18,000.0 tok/s" in table
+    assert "online TP=1 512x(512+256), concurrency 512" in table and "18,000.0 tok/s" in table
     assert "online TPOT p50 at concurrency 1 (16 requests)" in table
+
+    # Served at TP=2: compared with the offline figure of the same size, not TP=1's.
+    two = {**engine, "offline_output_tok_s": 30000.0, "offline_samples": [30000.0]}
+    at_two = {**online, "online_workload": {**online["online_workload"], "tensor_parallel_size": 2}}
+    res = suite.summarize({**report, "gpus": 2}, {1: engine, 2: two}, "llama3-8b", at_two)
+    assert res["online_c512_vs_offline"] == pytest.approx(0.6)
+    suite.print_table(res)
+    table = capsys.readouterr().out
+    assert "online TP=2 512x(512+256), concurrency 512" in table and "concurrency 512 / offline TP=2" in table
 
     failed = suite.summarize(report, {1: engine}, "llama3-8b", {"error": "exit 1: ['RuntimeError: boom']"})
     assert failed["online_error"].startswith("exit 1")

@@ -113,3 +113,17 @@ def test_the_fused_forms_timings_are_kept_for_the_record_but_never_chosen_as_a_m
     assert choice.graph.pick(_bf16(64 * KIB)).name == IPC_ONE_SHOT
     assert choice.eager.pick(_bf16(8 * KIB)).name == IPC_ONE_SHOT
     assert "+norm" not in choice.describe()
+
+
+def test_the_peer_memory_slots_hold_the_decode_graphs_largest_message_but_not_a_prefill_chunk():
+    """Llama-3-8B's rows are 8 KiB in bf16: decode graphs of up to 512 sequences send up to 4 MiB, a prefill chunk
+    of 8192 tokens 64 MiB (NCCL's: past the slots' cap). A 2048-wide model's 8 MiB message of 4096 rows is past
+    the kernel's row limit, so it does not size the slots either."""
+    from shardserve.distributed.all_reduce import SYMM_MAX_BYTES, peer_slot_bytes
+    from shardserve.engine.cuda_graphs import graph_buckets
+
+    row = 4096 * 2
+    decode = [b * row for b in graph_buckets(512)]
+    assert peer_slot_bytes([*decode, 8192 * row], row) == 512 * row == 4 * 2**20
+    assert peer_slot_bytes([b * row for b in graph_buckets(64)] + [2048 * row], row) == SYMM_MAX_BYTES
+    assert peer_slot_bytes([1024 * 4096, 4096 * 4096], 2048 * 2) == 1024 * 4096

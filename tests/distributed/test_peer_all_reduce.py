@@ -11,6 +11,9 @@ from tests.ranks import run_ranks
 
 # Up to the slots' 512 KiB in float32; up to 128 KiB the low-latency form (16-bit rows of an even width).
 SHAPES = ((1, 4096), (3, 4096), (32, 4096), (5, 1000), (2, 1001))
+# Slots of 4 MiB (a decode graph of 512 sequences of 4096 bf16 values): up to 1024 rows, each on its own flag.
+LARGE_SLOT = 4 * 2**20
+LARGE_SHAPES = ((512, 4096), (1024, 2048), (300, 1001), (1, 4096))
 
 
 def _on_rank(rank: int, port: int, device: str, check, results) -> None:
@@ -36,12 +39,14 @@ def _on_two_gpus(check) -> None:
 def _check_sums(rank: int, ctx) -> None:
     import torch.distributed as dist
 
-    from shardserve.distributed.all_reduce import IpcOneShotAllReduce
+    from shardserve.distributed.all_reduce import SYMM_MAX_BYTES, IpcOneShotAllReduce
     from shardserve.kernels.triton.fused_ops import fused_add_rms_norm
 
-    for dtype in (torch.bfloat16, torch.float32):
-        method = IpcOneShotAllReduce(ctx.control_group, rank, 2, ctx.device, dtype)
-        for rows, cols in SHAPES:
+    cases = [(dtype, SYMM_MAX_BYTES, SHAPES) for dtype in (torch.bfloat16, torch.float32)]
+    cases.append((torch.bfloat16, LARGE_SLOT, LARGE_SHAPES))
+    for dtype, slot_bytes, shapes in cases:
+        method = IpcOneShotAllReduce(ctx.control_group, rank, 2, ctx.device, dtype, slot_bytes)
+        for rows, cols in shapes:
             g = torch.Generator(ctx.device).manual_seed(rows * cols + rank)
             x = torch.randn(rows, cols, generator=g, device=ctx.device).to(dtype)
             parts = [torch.empty_like(x) for _ in range(2)]
