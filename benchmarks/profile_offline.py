@@ -1,7 +1,7 @@
 """Where offline throughput goes: GPU time per kernel family and the host's share, for a Llama-3-8B-shaped
-model on one GPU (random bf16 weights).
+model (random bf16 weights) on one GPU or, with --tp N, on N (rank 0's GPU is profiled).
 
-    python benchmarks/profile_offline.py [--requests 512 --prompt 512 --output 64]
+    python benchmarks/profile_offline.py [--requests 512 --prompt 512 --output 64 --tp 1]
 
 Runs the workload once to warm up, then once under torch.profiler; prints wall time, the summed GPU kernel
 time (the rest is the device idling while the host works), and the kernels with the most GPU time.
@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=512)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--output", type=int, default=64)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (rank 0, in this process, is profiled)")
     args = p.parse_args()
 
     import torch
@@ -36,8 +37,8 @@ def main() -> None:
     from shardserve.entrypoints.llm import LLM
 
     model_dir = write_model_dir(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"))
-    llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2048,
-              max_num_seqs=args.requests, max_num_batched_tokens=8192)
+    llm = LLM(model_dir, tensor_parallel_size=args.tp, device="cuda", dtype="bfloat16", load_format="dummy",
+              max_model_len=2048, max_num_seqs=args.requests, max_num_batched_tokens=8192)
     params = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True, detokenize=False)
     llm.generate(random_prompts(args.requests, args.prompt, 1), params)  # warm up
     prompts = random_prompts(args.requests, args.prompt, 2)
@@ -58,7 +59,7 @@ def main() -> None:
     print(f"{args.requests} x ({args.prompt} + {args.output}): wall {wall:.2f} s, "
           f"{args.requests * args.output / wall:.0f} output tok/s; GPU kernels {gpu_s:.2f} s "
           f"({100 * gpu_s / wall:.0f}% of wall)")
-    for name, us in kernels.most_common(25):
+    for name, us in kernels.most_common(30):
         print(f"{us / 1e6:8.3f} s {calls[name]:7d} x  {name}")
     llm.shutdown()
 
