@@ -30,20 +30,26 @@ class StepBatch:
         ordered = sorted(chunks, key=lambda c: len(c.token_ids) > 1)  # single-token chunks first
         batch = cls(ordered, block_size)
         bs = block_size
+        # Called for every step on every rank (at batch 512, 512 decode chunks): the lists' methods are bound once.
+        token_ids, positions, slots = batch.token_ids, batch.positions, batch.slot_mapping
+        row_start, sample_rows, sample_seq_ids = batch.row_start, batch.sample_rows, batch.sample_seq_ids
         for chunk in ordered:
-            n, start = len(chunk.token_ids), chunk.start_position
-            row = len(batch.token_ids)
-            batch.row_start.append(row)
-            batch.token_ids.extend(chunk.token_ids)
-            batch.positions.extend(range(start, start + n))
-            table = chunk.block_table
-            batch.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            tokens, start, table = chunk.token_ids, chunk.start_position, chunk.block_table
+            n = len(tokens)
+            row = len(token_ids)
+            row_start.append(row)
+            token_ids.extend(tokens)
             if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
                 batch.num_decode += 1
+            else:
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if chunk.sample:
-                batch.sample_rows.append(row + n - 1)
-                batch.sample_seq_ids.append(chunk.seq_id)
-        batch.row_start.append(len(batch.token_ids))
+                sample_rows.append(row + n - 1)
+                sample_seq_ids.append(chunk.seq_id)
+        row_start.append(len(token_ids))
         return batch
 
     @property

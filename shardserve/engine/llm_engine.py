@@ -12,6 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from shardserve import heap
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.control_plane import ControlPlane
 from shardserve.distributed.lockstep import LockstepCheck, default_every
@@ -92,6 +93,7 @@ class LLMEngine:
         self._freed: list[int] = []  # sequences finished since the last plan went out (the ranks drop their tables)
         self.steps_overlapped = 0  # steps queued before the previous step's tokens reached the host
         self.overlap_steps = overlap_steps_enabled(self.runner, ctx.world_size)
+        heap.freeze_startup_objects()
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -308,6 +310,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         self._send_control(PlanKind.SHUTDOWN, 0)
         self.runner.close()
+        heap.release_startup_objects()
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.append_token(token)
@@ -371,10 +374,18 @@ def run_worker(config: EngineConfig, ctx: RankContext) -> None:
     runner = ModelRunner(config, model_config, ctx)
     lockstep = LockstepCheck(ctx.control_group, ctx.rank, ctx.world_size, default_every(ctx.device))
     logger.info("rank %d ready", ctx.rank)
+    heap.freeze_startup_objects()
+    try:
+        _serve_plans(control, runner, lockstep, ctx.rank)
+    finally:
+        heap.release_startup_objects()
+
+
+def _serve_plans(control: ControlPlane, runner: ModelRunner, lockstep: LockstepCheck, rank: int) -> None:
     while True:
         plan = control.receive()
         if plan.kind is PlanKind.SHUTDOWN:
-            logger.info("rank %d shutting down", ctx.rank)
+            logger.info("rank %d shutting down", rank)
             runner.close()
             return
         if plan.kind is PlanKind.RUN:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -90,22 +91,24 @@ class SamplingParams:
             raise ValueError(f"stop strings {list(self.stop)!r} need the generated text, but detokenize is False: "
                              f"set detokenize=True, or stop on token ids with stop_token_ids")
 
-    @property
+    # The properties below are read for every sequence of every step: each is computed once (the fields are frozen;
+    # the cached values live outside the fields, so equality, hashing and msgspec encoding ignore them).
+    @functools.cached_property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    @property
+    @functools.cached_property
     def penalized(self) -> bool:
         """Whether sampling reads the tokens so far (the penalties)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    @property
+    @functools.cached_property
     def needs_last_token(self) -> bool:
         """Whether sampling depends on the previous token on the host (a grammar must accept it), so no step can
         be queued before that token is known. (The penalties count it where it is, on the device.)"""
         return self.structured is not None
 
-    @property
+    @functools.cached_property
     def processes_logits(self) -> bool:
         """Whether any logits processing other than temperature, top-k and top-p applies."""
         return (bool(self.logit_bias) or self.min_tokens > 0 or self.penalized or self.min_p > 0

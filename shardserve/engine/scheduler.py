@@ -93,23 +93,32 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[SeqChunk] = []
         ahead = set()
+        blocks, block_size, running = self.blocks, self.blocks.block_size, SequenceStatus.RUNNING
+        # Every step of a decoding batch runs this loop over every sequence: the block arithmetic of
+        # can_allocate / allocate is inlined (a sequence needs a block only where its new position starts one).
         for seq in sampling:
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # aborted while its step was in flight
             ahead.add(seq.seq_id)
-            if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= max_model_len:
+            position = len(seq.token_ids)  # where the token in flight goes
+            if len(seq.output_token_ids) + 1 >= seq.params.max_tokens or position + 1 >= max_model_len:
                 continue  # its last token is the one in flight
-            if budget == 0 or not self.blocks.can_allocate(seq, seq.num_tokens + 1):
+            if budget == 0:
                 return None
-            self.blocks.allocate(seq, seq.num_tokens + 1)
-            chunks.append(SeqChunk(seq.seq_id, seq.num_tokens, [FROM_DEVICE], list(seq.block_table), True))
+            table = seq.block_table
+            if position // block_size >= len(table):
+                if not blocks.can_allocate(seq, position + 1):
+                    return None
+                blocks.allocate(seq, position + 1)
+            chunks.append(SeqChunk(seq.seq_id, position, [FROM_DEVICE], table.copy(), True))
             budget -= 1
         num_device_tokens = len(chunks)
-        for seq in self.running:
+        # The running sequences that did not sample (prompts in chunks); none where every one decodes on (`ahead`
+        # holds running sequences only).
+        others = () if len(ahead) == len(self.running) else [s for s in self.running if s.seq_id not in ahead]
+        for seq in others:
             if budget == 0:
                 break
-            if seq.seq_id in ahead:
-                continue
             n = min(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 continue
@@ -149,12 +158,14 @@ class Scheduler:
 
     def finish_step(self, plan: StepPlan, seqs: dict[int, Sequence]) -> None:
         """Record that the plan's chunks are now in the cache."""
+        register, block_size, running = self.blocks.register_computed, self.blocks.block_size, SequenceStatus.RUNNING
         for chunk in plan.chunks:
             seq = seqs.get(chunk.seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
+            if seq is None or seq.status is not running:
                 continue
-            seq.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
-            self.blocks.register_computed(seq)
+            seq.num_computed_tokens = computed = chunk.start_position + len(chunk.token_ids)
+            if computed // block_size > seq.num_hashed_blocks:  # a block filled up: its hash can be published
+                register(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and return its blocks."""

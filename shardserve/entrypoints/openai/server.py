@@ -26,7 +26,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from shardserve import __version__
+from shardserve import __version__, heap
 from shardserve.engine.sampling_params import SEED_RANGE, SamplingParams, StructuredOutput
 from shardserve.entrypoints.openai.errors import (
     InvalidRequestError,
@@ -82,9 +82,11 @@ def build_app(
     async def lifespan(_app: FastAPI):
         if on_startup is not None:
             await on_startup()
+        heap.freeze_startup_objects()  # a request's objects are then all the collector walks (shardserve/heap.py)
         try:
             yield
         finally:
+            heap.release_startup_objects(collect=False)  # a front end holds no device memory
             if on_shutdown is not None:
                 await on_shutdown()
 
