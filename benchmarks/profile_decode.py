@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes, on the host and on the GPU, for a model of a real shape (random weights).
 
-    python benchmarks/profile_decode.py [--model llama3-8b] [--tokens 200] [--kernels]
+    python benchmarks/profile_decode.py [--model llama3-8b] [--tokens 200] [--kernels] [--quantization fp8]
 
 Prints the engine's step time (overlapped decoding off and on), the GPU time of one step (CUDA events around the
 graph replay alone), and the host functions that take the most time per step (cProfile). --kernels adds the GPU
@@ -30,15 +30,16 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=200)
     p.add_argument("--model", choices=sorted(SHAPES), default="llama3-8b")
     p.add_argument("--kernels", action="store_true", help="the GPU kernels of a step, by total time")
+    p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: the projections quantized at load")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-
 
     from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
 
     model_dir = write_model_dir(os.path.join(tempfile.mkdtemp(), f"{args.model}-shape"), SHAPES[args.model])
-    llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2048, max_num_seqs=64)
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2048, max_num_seqs=64,
+              quantization=args.quantization)
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, detokenize=False)
     prompt = [[(7 * i) % 128000 for i in range(1, 129)]]
     llm.generate(prompt, params)  # warm up

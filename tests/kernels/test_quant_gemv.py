@@ -219,6 +219,10 @@ def test_interpreter_fp8_gemv(dtype, n, k, group_k, block_n, block_k, native, mo
     got = quant_gemv.fp8_gemv(x, weight, scale, group_k, block_n, block_k, num_warps=4, num_stages=1)
     assert got.shape == (1, n) and got.dtype == dtype
     assert relative_error(got[0], x[0].double() @ fp8_reference(weight, scale, group_k).T) < TOLERANCE[dtype]
+    # The first weight tile loaded before the wait for the kernel before (the default) or after it: the same bits.
+    monkeypatch.setenv("SHARDSERVE_GEMV_PRELOAD", "0")
+    assert torch.equal(quant_gemv.fp8_gemv(x, weight, scale, group_k, block_n, block_k, num_warps=4, num_stages=1),
+                       got)
 
 
 def normed_input(k: int, dtype, with_residual: bool, seed: int = 2):

@@ -23,7 +23,7 @@ from shardserve.kernels.quant_pack import check_fp8, check_int4, fp8_groups
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import ARRIVAL_SLOTS, arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.pdl import enter
-from shardserve.kernels.triton.gemv import normed_row_args, normed_values, rms_of_sum
+from shardserve.kernels.triton.gemv import normed_row_args, normed_values, preload_tiles, rms_of_sum
 
 
 @triton.jit
@@ -40,56 +40,77 @@ def _e4m3_bits_to_float(b):
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, norm_w_ptr, sum_ptr, eps,
                      K: tl.constexpr, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, NATIVE_FP8: tl.constexpr,
                      BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, NORM: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = 0):
     """out[n] = sum_k float(w[n, k]) * s[n, k // GROUP_K] * x[k]. SUB divides GROUP_K unless PER_ROW (one scale
     per row, applied after the reduction). w points at the raw bytes (masked loads of uint8 can fill with 0),
     reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it. With NORM, x is RMSNorm(x +
-    residual) computed on the fly as gemv.py's norm-fused GEMV computes it (program 0 stores the sum). PDL: as in
-    gemv.py."""
+    residual) computed on the fly as gemv.py's norm-fused GEMV computes it (program 0 stores the sum). PDL and
+    PRELOAD (0 or 1 tile of weights loaded before the wait): as in gemv.py."""
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     NUM_GROUPS: tl.constexpr = (K + GROUP_K - 1) // GROUP_K
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    enter(PDL)
-    if NORM:
-        rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
     row_ok = rows < N
     sub = tl.arange(0, TILE_GROUPS)
     cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_wn
     s_rows = s_ptr + rows.to(tl.int64)[:, None] * NUM_GROUPS
+    if PRELOAD:
+        first = _fp8_weight_tile(w_rows, 0, cols, row_ok, K, BLOCK_K)  # no kernel of the chain writes weights
+    enter(PDL)
+    rstd = 0.0
+    if NORM:
+        rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
     acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if K % BLOCK_K == 0:
-            if NORM:
-                x = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, k + cols < K, rstd, HAS_RESIDUAL)
-            else:
-                x = tl.load(x_ptr + k + cols)
-            w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None], other=0,
-                        eviction_policy="evict_first")
-        else:
-            col_ok = k + cols < K
-            if NORM:
-                x = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, col_ok, rstd, HAS_RESIDUAL)
-            else:
-                x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
-            w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None] & col_ok[None], other=0,
-                        eviction_policy="evict_first")
-        if NATIVE_FP8:
-            prod = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None]
-        else:
-            prod = _e4m3_bits_to_float(w) * x.to(tl.float32)[None]
-        if PER_ROW:
-            acc += prod
-        else:
-            group = (k + sub * SUB) // GROUP_K
-            s = tl.load(s_rows + group[None, :], mask=row_ok[:, None] & (group < NUM_GROUPS)[None, :], other=0.0)
-            acc += prod * s[:, :, None]
+    if PRELOAD:
+        acc = _fp8_tile_products(acc, first, 0, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
+                                 K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL)
+    for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
+        w = _fp8_weight_tile(w_rows, k, cols, row_ok, K, BLOCK_K)
+        acc = _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
+                                 K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if PER_ROW:
         y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
     if not NATIVE_FP8:
         y *= 256.0
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _fp8_weight_tile(w_rows, k, cols, row_ok, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight bytes of the tile at column k: [BLOCK_N, TILE_GROUPS, SUB], 0 outside the matrix."""
+    if K % BLOCK_K == 0:
+        w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None], other=0, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_rows + k + cols[None], mask=row_ok[:, None, None] & (k + cols < K)[None], other=0,
+                    eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
+                       K: tl.constexpr, GROUP_K: tl.constexpr, NUM_GROUPS: tl.constexpr, PER_ROW: tl.constexpr,
+                       NATIVE_FP8: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                       HAS_RESIDUAL: tl.constexpr):
+    """acc plus the tile's products w * x (times its groups' scales unless PER_ROW)."""
+    col_ok = k + cols < K
+    if NORM:
+        x = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, col_ok, rstd, HAS_RESIDUAL)
+    elif K % BLOCK_K == 0:
+        x = tl.load(x_ptr + k + cols)
+    else:
+        x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
+    if NATIVE_FP8:
+        prod = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None]
+    else:
+        prod = _e4m3_bits_to_float(w) * x.to(tl.float32)[None]
+    if PER_ROW:
+        acc += prod
+    else:
+        group = (k + sub * SUB) // GROUP_K
+        s = tl.load(s_rows + group[None, :], mask=row_ok[:, None] & (group < NUM_GROUPS)[None, :], other=0.0)
+        acc += prod * s[:, :, None]
+    return acc
 
 
 @triton.jit
@@ -312,7 +333,7 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm) -> torch.Tensor:
         norm_weight, summed, eps, K=k, GROUP_K=k if per_row else group_k, PER_ROW=per_row, NATIVE_FP8=native,
         BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, NORM=norm is not None,
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
-        **pdl.launch(x.device))
+        PRELOAD=min(preload_tiles(), 1), **pdl.launch(x.device))
     return out
 
 
