@@ -1,14 +1,15 @@
 """Batch-1 matrix-vector products of a Llama-3-8B layer, timed the way a decode step runs them: inside a
 CUDA graph, each call on a different copy of the weight so nothing is served from L2.
 
-    python benchmarks/gemv_shapes.py [--tp 2] [--packed int4|fp8]
+    python benchmarks/gemv_shapes.py [--tp 2] [--packed int4|fp8 [--grid]]
 
 Methods: cuBLAS through F.linear, cuBLASLt through F.linear, torch.mm on a transposed weight, and the
 Triton kernel of shardserve/kernels/triton/gemv.py over a grid of launch configurations. With --packed, the
 packed GEMVs of shardserve/kernels/triton/quant_gemv.py instead (4-bit in groups of 128 with zero points, or
 FP8 with a scale per row) over the configurations the engine times at start-up (for 4-bit also the split-K
-GEMV's, keys starting with "split"), checked against the dequantized product. Prints us per call and GB/s of
-weights read (packed bytes and scales), and a RESULT line with every figure.
+GEMV's, keys starting with "split"), checked against the dequantized product; with --grid (FP8) also over
+FP8_GRID, to find candidates for another GPU. Prints us per call and GB/s of weights read (packed bytes and
+scales), and a RESULT line with every figure.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from shardserve.kernels.triton.gemv import gemv
 from shardserve.layers.cuda_gemv import time_in_graph_us
 
 TRITON_CONFIGS = list(itertools.product((4, 8, 16), (512, 1024), (4, 8), (1, 4)))  # block_n, block_k, warps, stages
+# Wider FP8 tiles than GEMV_CANDIDATES (a byte a weight: more columns for the same bytes in flight), up to 16 KiB
+# of weights a program (beyond, the float32 products spill).
+FP8_GRID = [(bn, bk, warps, 2) for bn, bk, warps in itertools.product((2, 4, 8), (2048, 4096), (4, 8))
+            if bn * bk <= 16384] + [(16, 1024, 8, 2), (16, 2048, 8, 2)]
 
 
 def shapes(tp: int) -> dict[str, tuple[int, int]]:
@@ -40,8 +45,9 @@ def cublaslt_linear(x, w):
         torch.backends.cuda.preferred_blas_library("cublas")
 
 
-def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]]) -> dict:
-    """The packed GEMVs over GEMV_CANDIDATES (and INT4_SPLIT_CANDIDATES for 4-bit), best per shape."""
+def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]], grid: bool = False) -> dict:
+    """The packed GEMVs over GEMV_CANDIDATES (and INT4_SPLIT_CANDIDATES for 4-bit; with `grid`, FP8_GRID for FP8),
+    best per shape."""
     from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4
     from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv, int4_gemv_split, int4_split_sub
     from shardserve.layers.quantized_linear import (GEMV_CANDIDATES, INT4_SPLIT_CANDIDATES, quantize_fp8,
@@ -63,8 +69,8 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]]) -> dict:
             q, scale = quantize_fp8(dense, k)
             reference_w = dequantize_fp8(q, scale, k, torch.float32)
             parts = (q, scale)
-            launches = {"_".join(map(str, c)): lambda x, packed, c=c: fp8_gemv(x, *packed, k, *c)
-                        for c in GEMV_CANDIDATES}
+            configs = dict.fromkeys([*GEMV_CANDIDATES, *(FP8_GRID if grid else ())])
+            launches = {"_".join(map(str, c)): lambda x, packed, c=c: fp8_gemv(x, *packed, k, *c) for c in configs}
         del dense
         nbytes = sum(t.numel() * t.element_size() for t in parts)
         copies = max(2, -(-400 * 2**20 // nbytes))  # several times the L2 size in total
@@ -91,15 +97,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--packed", choices=("int4", "fp8"), default=None)
+    p.add_argument("--grid", action="store_true", help="FP8: also time FP8_GRID's configurations")
+    p.add_argument("--only", default=None, help="comma-separated shape names (default: all)")
     args = p.parse_args()
     torch.manual_seed(0)
+    chosen = {name: shape for name, shape in shapes(args.tp).items()
+              if args.only is None or name in args.only.split(",")}
     if args.packed:
-        results = packed_rows(args.packed, shapes(args.tp))
+        results = packed_rows(args.packed, chosen, args.grid)
         print("RESULT " + json.dumps({"tp": args.tp, "device": torch.cuda.get_device_name(0),
                                       f"{args.packed}_gemv": results}))
         return
     results = {}
-    for name, (n, k) in shapes(args.tp).items():
+    for name, (n, k) in chosen.items():
         nbytes = n * k * 2
         copies = max(2, -(-400 * 2**20 // nbytes))  # several times the L2 size in total
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
