@@ -84,9 +84,9 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]], grid: bool = 
             if err > 0.02 * reference.abs().max().item():
                 raise AssertionError(f"{kind} gemv wrong for {name} {key}: {err}")
             row[key] = time_in_graph_us(fn, packs, x)
-        best = min((v, key) for key, v in row.items())
-        print(f"{name:8s} [{n}x{k}] {kind} best {best[1]} {best[0]:.1f} us ({nbytes / best[0] / 1e3:.0f} GB/s)",
-              flush=True)
+        ranked = sorted((v, key) for key, v in row.items())
+        print(f"{name:8s} [{n}x{k}] {kind} best " + ", ".join(
+            f"{key} {v:.1f} us ({nbytes / v / 1e3:.0f} GB/s)" for v, key in ranked[:3]), flush=True)
         results[name] = {"shape": [n, k], "bytes": nbytes, "us": {key: round(v, 2) for key, v in row.items()}}
         del packs
         torch.cuda.empty_cache()
