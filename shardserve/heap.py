@@ -15,12 +15,10 @@ from __future__ import annotations
 import gc
 
 
-def freeze_startup_objects() -> int:
-    """Collect what start-up left behind, then exempt every object alive now from later collections; returns how
-    many objects the permanent generation holds."""
+def freeze_startup_objects() -> None:
+    """Collect what start-up left behind, then exempt every object alive now from later collections."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 def release_startup_objects(collect: bool = True) -> None:

@@ -260,13 +260,13 @@ def _collective_bytes(cfg: dict, req: PlanRequest, dtype: int) -> int:
     all-reduce's smallest slots), plus what its larger slots add where the model sends larger messages
     (distributed/all_reduce.py's peer_slot_bytes: the decode graphs' largest, up to a cap)."""
     from shardserve.distributed.all_reduce import SYMM_MAX_BYTES, IpcOneShotAllReduce, peer_slot_bytes
-    from shardserve.engine.cuda_graphs import graph_buckets
+    from shardserve.engine.cuda_graphs import all_reduce_token_counts
 
     tp = req.tensor_parallel_size
     if tp == 1:
         return 0
     per_token = cfg["hidden_size"] * dtype
-    tokens = [*graph_buckets(req.max_num_seqs), req.max_num_batched_tokens]
+    tokens = all_reduce_token_counts(req.max_num_seqs, req.max_num_batched_tokens)
     slot = peer_slot_bytes((t * per_token for t in tokens), per_token)
     area = IpcOneShotAllReduce.area_bytes
     return GPU_COLLECTIVE_OVERHEAD + area(slot, tp) - area(SYMM_MAX_BYTES, tp)

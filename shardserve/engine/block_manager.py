@@ -85,10 +85,10 @@ class BlockManager:
         """Publish the hashes of seq's blocks that are full and fully computed. Only the blocks after the
         ones already hashed are looked at (seq.num_hashed_blocks: every block before it has a hash), so a step
         costs the blocks it filled, not the whole table."""
-        if not self.enable_prefix_caching:
-            return
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         start = seq.num_hashed_blocks
+        if not self.enable_prefix_caching or full <= start:  # no block filled since the last call (most decode steps)
+            return
         parent = self.blocks[seq.block_table[start - 1]].hash if start else None
         for i in range(start, full):
             block = self.blocks[seq.block_table[i]]
@@ -97,7 +97,7 @@ class BlockManager:
                 # An identical block computed by another sequence may already be registered; keep that one.
                 self.cached.setdefault(block.hash, block.block_id)
             parent = block.hash
-        seq.num_hashed_blocks = max(start, full)
+        seq.num_hashed_blocks = full
 
     def free_sequence(self, seq: Sequence) -> None:
         # Release in reverse so a sequence's tail blocks are reused before its shared prefix.

@@ -37,6 +37,12 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
+def all_reduce_token_counts(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """The step sizes (tokens) whose all-reduce messages start-up times and sizes buffers for: every decode graph's
+    batch and the largest step."""
+    return sorted(set(graph_buckets(max_num_seqs)) | {max_num_batched_tokens})
+
+
 def graph_buckets(max_batch: int) -> list[int]:
     buckets = [b for b in BUCKETS if b <= max_batch]
     if not buckets or buckets[-1] < max_batch <= BUCKETS[-1]:

@@ -19,7 +19,7 @@ from shardserve.distributed.process_group import RankContext
 from shardserve.distributed.setup_watchdog import setup_step
 from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block, kv_cache_layers,
                                         kv_cache_budget_bytes)
-from shardserve.engine.cuda_graphs import CudaGraphRunner, graph_buckets
+from shardserve.engine.cuda_graphs import CudaGraphRunner, all_reduce_token_counts, graph_buckets
 from shardserve.engine.step_plan import FROM_DEVICE, StepPlan
 from shardserve.engine import kernel_setup
 from shardserve.kernels import cpu_features
@@ -211,7 +211,7 @@ class ModelRunner:
         if comm.world_size == 1:
             return
         per_token = self._hidden_bytes_per_token()
-        tokens = sorted(set(graph_buckets(self.config.max_num_seqs)) | {self.config.max_num_batched_tokens})
+        tokens = all_reduce_token_counts(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         sizes = [t * per_token for t in tokens]
         started = time.perf_counter()
         if self.device.type == "cuda":

@@ -93,9 +93,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[SeqChunk] = []
         ahead = set()
-        blocks, block_size, running = self.blocks, self.blocks.block_size, SequenceStatus.RUNNING
-        # Every step of a decoding batch runs this loop over every sequence: the block arithmetic of
-        # can_allocate / allocate is inlined (a sequence needs a block only where its new position starts one).
+        blocks, running = self.blocks, SequenceStatus.RUNNING
+        # Every step of a decoding batch runs this loop over every sequence: a sequence is only asked for a new
+        # block where its new position starts one.
         for seq in sampling:
             if seq.status is not running:
                 continue  # aborted while its step was in flight
@@ -105,12 +105,11 @@ class Scheduler:
                 continue  # its last token is the one in flight
             if budget == 0:
                 return None
-            table = seq.block_table
-            if position // block_size >= len(table):
+            if blocks.blocks_needed(seq, position + 1):
                 if not blocks.can_allocate(seq, position + 1):
                     return None
                 blocks.allocate(seq, position + 1)
-            chunks.append(SeqChunk(seq.seq_id, position, [FROM_DEVICE], table.copy(), True))
+            chunks.append(SeqChunk(seq.seq_id, position, [FROM_DEVICE], seq.block_table.copy(), True))
             budget -= 1
         num_device_tokens = len(chunks)
         # The running sequences that did not sample (prompts in chunks); none where every one decodes on (`ahead`
@@ -158,14 +157,12 @@ class Scheduler:
 
     def finish_step(self, plan: StepPlan, seqs: dict[int, Sequence]) -> None:
         """Record that the plan's chunks are now in the cache."""
-        register, block_size, running = self.blocks.register_computed, self.blocks.block_size, SequenceStatus.RUNNING
         for chunk in plan.chunks:
             seq = seqs.get(chunk.seq_id)
-            if seq is None or seq.status is not running:
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens = computed = chunk.start_position + len(chunk.token_ids)
-            if computed // block_size > seq.num_hashed_blocks:  # a block filled up: its hash can be published
-                register(seq)
+            seq.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
+            self.blocks.register_computed(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and return its blocks."""

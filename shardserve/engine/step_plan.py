@@ -108,13 +108,11 @@ class PlanDecoder:
         for seq_id in freed:
             self.known.pop(seq_id, None)
         chunks = []
-        known_tables = self.known
         for seq_id, start, token_ids, keep, added, sample in encoded:
-            known = known_tables.get(seq_id, [])
+            known = self.known.get(seq_id, [])
             if not 0 <= keep <= len(known):
                 raise ValueError(f"the plan keeps {keep} blocks of sequence {seq_id}, this rank has {len(known)}")
-            # The chunk's table is a list of its own; the rank's record, a copy (a later plan may cut it).
-            table = known[:keep] + added if added or keep < len(known) else list(known)
-            known_tables[seq_id] = table
-            chunks.append(SeqChunk(seq_id, start, token_ids, table.copy(), sample))
+            table = known[:keep] + added
+            self.known[seq_id] = table
+            chunks.append(SeqChunk(seq_id, start, token_ids, list(table), sample))
         return StepPlan(step_id, PlanKind(kind), chunks, freed, arg, from_device)
