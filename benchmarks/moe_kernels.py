@@ -1,15 +1,17 @@
 """The experts of one MoE layer on a GPU: the fused Triton kernel against torch's grouped GEMM, per token count.
 
-    python benchmarks/moe_kernels.py [--shape qwen3-30b-a3b] [--tokens 1,2,4,...] [--sweep] [--out FILE]
+    python benchmarks/moe_kernels.py [--shape qwen3-30b-a3b] [--tokens 1,2,4,...] [--sweep] [--one-token-sweep]
+                                     [--out FILE]
 
 Each call is captured in a CUDA graph and replayed (as the engine runs decode), timed with CUDA events over
 --iters replays, median of --repeats. Reported per token count: microseconds per layer for each path, the bytes
 of the experts the call had to read (the distinct chosen experts' w13 and w2) and the bandwidth that makes.
 Routes are random (softmax top-k of Gaussian logits), the same for every path. The router_then_fused and
 fused_from_logits paths include the router's choice from logits (two kernels against one launch for both where
-the table fuses them); route_align_only and route_then_align_only time the choice and alignment alone. --sweep
-also times every config of a small grid for the fused kernel and reports the fastest beside the table's. Prints
-one JSON object.
+the table fuses them); at one token the grouped GEMMs (fused_gemm, gemm_from_logits) and the matrix-vector path
+(one_token, one_token_from_logits) are also timed by name; route_align_only and route_then_align_only time the
+choice and alignment alone. --sweep also times every config of a small grid for the fused kernel and reports the
+fastest beside the table's; --one-token-sweep the same for the one-token path's tiles. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shardserve.kernels.fused_moe_table import MoeConfig, Tile  # noqa: E402
+from shardserve.kernels.fused_moe_table import MoeConfig, OneTokenTiles, Tile  # noqa: E402
 
 # (experts, top k, hidden, expert features) on one rank.
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "qwen3-235b-a22b-tp8": (128, 8, 4096, 192),
@@ -69,6 +71,13 @@ def wide_grid():
         yield Tile(n, k, w, s)
 
 
+def one_token_grid():
+    """Tiles of the one-token path's products: block_n rows, block_k columns a step, warps, stages."""
+    for n, k, (w, st) in itertools.product((2, 4, 8, 16), (128, 256, 512, 1024), ((4, 2), (4, 3), (8, 2))):
+        if n * k <= 8192:
+            yield Tile(n, k, w, st)
+
+
 def best_of(time_config, configs) -> tuple[float, object]:
     best = None
     for config in configs:
@@ -92,10 +101,13 @@ def main() -> None:
     parser.add_argument("--sweep-tokens", default="1,4,64,1024,4096", help="token counts to sweep at")
     parser.add_argument("--sweep-each-gemm", action="store_true",
                         help="with --sweep: also each GEMM's tile on its own over a wider grid")
+    parser.add_argument("--one-token-sweep", action="store_true",
+                        help="at 1 token: the one-token path's w13 tile over a grid (w2 tile as the table's), then "
+                             "its w2 tile with the best w13 tile")
     parser.add_argument("--out")
     args = parser.parse_args()
 
-    from shardserve.kernels.fused_moe_table import pick_config
+    from shardserve.kernels.fused_moe_table import ONE_TOKEN_TILES, pick_config
     from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
     from shardserve.kernels.triton.fused_moe import align_pairs, fused_moe, fused_moe_from_logits, route_and_align
     from shardserve.kernels.triton.moe_router import route_top_k
@@ -121,6 +133,14 @@ def main() -> None:
                  # The router's choice included: its own kernel then the experts, or one launch for both.
                  ("router_then_fused", lambda: fused_moe(x, w13, w2, *route_top_k(logits, top_k, True))),
                  ("fused_from_logits", lambda: fused_moe_from_logits(x, logits, w13, w2, top_k, True))]
+        if tokens == 1:  # the grouped GEMMs and the one-token path, each named (plain "fused" takes the default)
+            tiles = ONE_TOKEN_TILES
+            paths += [("fused_gemm", lambda: fused_moe(x, w13, w2, weights, ids, config=table)),
+                      ("one_token", lambda: fused_moe(x, w13, w2, weights, ids, config=tiles)),
+                      ("gemm_from_logits", lambda: fused_moe_from_logits(x, logits, w13, w2, top_k, True,
+                                                                         config=table)),
+                      ("one_token_from_logits", lambda: fused_moe_from_logits(x, logits, w13, w2, top_k, True,
+                                                                              config=tiles))]
         if tokens <= ROUTE_ALIGN_MAX_TOKENS:  # the choice and the alignment alone: one launch against two
             block_m = table.block_m
             paths += [("route_align_only", lambda: route_and_align(logits, top_k, True, num_experts, block_m)),
@@ -143,6 +163,14 @@ def main() -> None:
             row["sweep_best_us"] = round(best[0], 1)
             row["sweep_best_config"] = repr(best[1])
             row["table_config"] = repr(table)
+        if args.one_token_sweep and tokens == 1:
+            time_tiles = lambda tiles: graph_time_us(  # noqa: E731
+                lambda: fused_moe(x, w13, w2, weights, ids, config=tiles), 20, 3)
+            up = best_of(time_tiles, (OneTokenTiles(t, ONE_TOKEN_TILES.down) for t in one_token_grid()))
+            best = best_of(time_tiles, (OneTokenTiles(up[1].up, t) for t in one_token_grid()))
+            row["one_token_sweep_best_us"] = round(best[0], 1)
+            row["one_token_sweep_best_tiles"] = repr(best[1])
+            row["one_token_table_tiles"] = repr(ONE_TOKEN_TILES)
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
     result = {"shape": args.shape, "experts": num_experts, "top_k": top_k, "hidden": hidden,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shardserve.env_choice import env_choice
+
 
 @dataclass(frozen=True)
 class Tile:
@@ -48,6 +50,27 @@ ROUTE_ALIGN_MAX_TOKENS = 1
 # Up to this many tokens the w2 GEMM's last program of each column tile sums the choices (one launch fewer a
 # layer); past it a separate kernel sums them, with more programs than the GEMM's column tiles.
 SUM_IN_DOWN_MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class OneTokenTiles:
+    """A single token's experts as matrix-vector products (fused_moe's one-token path): `up` the w13 product's
+    tile (block_n gate rows and the same up rows a program, block_k hidden columns a step), `down` the w2
+    product's (block_n output columns of one choice a program, block_k expert features a step)."""
+    up: Tile
+    down: Tile
+
+
+# Batch-1 decode: no row block of 16 slots around a single row, no alignment; each program streams its rows of
+# one chosen expert (the dense GEMV's shape of work).
+ONE_TOKEN_TILES = OneTokenTiles(Tile(4, 512, 4, 3), Tile(4, 256, 4, 2))
+ONE_TOKEN_ENV = "SHARDSERVE_MOE_ONE_TOKEN"
+
+
+def one_token_tiles() -> OneTokenTiles | None:
+    """The one-token path's tiles, or None where SHARDSERVE_MOE_ONE_TOKEN=gemm keeps a single token on the grouped
+    GEMMs of the table (default gemv)."""
+    return ONE_TOKEN_TILES if env_choice(ONE_TOKEN_ENV, ("gemv", "gemm"), "gemv") == "gemv" else None
 
 
 def pick_config(tokens: int, top_k: int, num_experts: int, element_size: int = 2) -> MoeConfig:

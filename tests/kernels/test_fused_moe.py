@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
-from shardserve.kernels.fused_moe_table import MoeConfig, Tile, pick_config  # noqa: E402
+from shardserve.kernels.fused_moe_table import MoeConfig, OneTokenTiles, Tile, pick_config  # noqa: E402
 from shardserve.kernels.triton.fused_moe import (align_pairs, fused_moe, fused_moe_from_logits,  # noqa: E402
                                                  route_and_align)
 from shardserve.kernels.triton.moe_router import route_top_k  # noqa: E402
@@ -267,7 +267,7 @@ def test_sum_in_the_w2_gemm_equals_the_separate_sum(monkeypatch, tokens, top_k, 
     w13, w2 = make_experts(num_experts, hidden, inter, dtype)
     x, weights, ids = make_routes(tokens, num_experts, top_k, dtype, hidden)
     ids[0, 0] = num_experts + 3  # a choice held by another rank
-    config = None if CUDA else SMALL
+    config = pick_config(tokens, top_k, num_experts) if CUDA else SMALL  # the grouped GEMMs, one token too
     fused = fused_moe(x, w13, w2, weights, ids, config=config)
     counts = arrivals._counts[x.device]
     assert counts.count_nonzero().item() == 0
@@ -337,9 +337,11 @@ def test_replays_in_cuda_graph_with_new_routes():
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_sum_in_the_w2_gemm_over_many_replays(monkeypatch):
+@pytest.mark.parametrize("path", ["gemm", "one_token"])
+def test_sum_in_the_w2_gemm_over_many_replays(monkeypatch, path):
     """The arrival counts stay right over many replays of a graph of several layers' experts (each layer's w2
-    GEMM sums in its last programs): every replay's output equals the separate sum's on the same routes."""
+    product sums in its last programs, grouped GEMM or one-token path): every replay's output equals the separate
+    sum's on the same routes."""
     import shardserve.kernels.triton.fused_moe as kernels
     from shardserve.kernels.triton import arrivals
 
@@ -349,11 +351,16 @@ def test_sum_in_the_w2_gemm_over_many_replays(monkeypatch):
     g = torch.Generator(device=DEVICE).manual_seed(3)
     x = torch.randn(1, hidden, generator=g, device=DEVICE).to(dtype)
     logits = torch.randn(layers, 1, num_experts, generator=g, device=DEVICE).to(dtype)
+    config = pick_config(1, top_k, num_experts) if path == "gemm" else ONE_TOKEN_TEST_TILES
+    if path == "one_token":  # the separate sum below: no arrival counts
+        real_counts = kernels.arrival_counts
+        monkeypatch.setattr(kernels, "arrival_counts", lambda device, slots: (
+            None if kernels.SUM_IN_DOWN_MAX_TOKENS == 0 else real_counts(device, slots)))
 
     def chain():
         h = x
         for layer in range(layers):
-            h = fused_moe_from_logits(h, logits[layer], w13, w2, top_k, True) * 4
+            h = fused_moe_from_logits(h, logits[layer], w13, w2, top_k, True, config=config) * 4
         return h
 
     chain()
@@ -392,3 +399,86 @@ def test_one_launch_routing_is_used_only_after_matching_the_reference(monkeypatc
     for wrong in (without_offset, one_percent_off):
         monkeypatch.setattr(kernels, "fused_moe_from_logits", wrong)
         assert not _routed_matches(w13, w2, 8, 2, True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One token: matrix-vector products
+
+# Narrow tiles, so that the interpreter's small shapes take several programs and steps (and masked remainders).
+ONE_TOKEN_SMALL = OneTokenTiles(Tile(4, 16, 4, 1), Tile(4, 16, 4, 1))
+ONE_TOKEN_TEST_TILES = OneTokenTiles(Tile(4, 512, 4, 3), Tile(4, 256, 4, 2)) if CUDA else ONE_TOKEN_SMALL
+ONE_TOKEN_SHAPES = [(8, 2, 48, 24), (4, 3, 40, 20)] + ([QWEN3_30B, (128, 8, 256, 384)] if CUDA else [])
+
+
+@pytest.mark.parametrize("num_experts,top_k,hidden,inter", ONE_TOKEN_SHAPES)
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_one_token_path_matches_reference_and_the_grouped_gemms(num_experts, top_k, hidden, inter, ids_dtype):
+    """A single token's matrix-vector experts agree with float64 and with the grouped GEMMs (to rounding: the
+    products sum in another order), with a choice of another rank's expert among them; results repeat exactly."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    x, weights, ids = make_routes(1, num_experts, top_k, dtype, hidden, ids_dtype=ids_dtype)
+    ids[0, -1] = num_experts + 2  # held by another rank: adds nothing
+    got = fused_moe(x, w13, w2, weights, ids, config=ONE_TOKEN_TEST_TILES)
+    want = reference_moe(x, w13, w2, weights, ids)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    grouped = fused_moe(x, w13, w2, weights, ids, config=pick_config(1, top_k, num_experts))
+    assert relative_error(got, grouped.double()) < TOLERANCE[dtype]
+    assert torch.equal(got, fused_moe(x, w13, w2, weights, ids, config=ONE_TOKEN_TEST_TILES))
+    assert arrivals_left_at_zero(x.device)
+
+
+def arrivals_left_at_zero(device) -> bool:
+    from shardserve.kernels.triton import arrivals
+
+    return arrivals._counts[device].count_nonzero().item() == 0
+
+
+def test_one_token_path_is_the_default_for_a_single_token(monkeypatch):
+    """Without a config a single token takes the one-token path (the same bits as asking for it);
+    SHARDSERVE_MOE_ONE_TOKEN=gemm keeps the grouped GEMMs, and a bad value names the variable."""
+    from shardserve.kernels import fused_moe_table
+
+    dtype = torch.float32
+    w13, w2 = make_experts(8, 48, 24, dtype)
+    x, weights, ids = make_routes(1, 8, 2, dtype, 48)
+    tiles = fused_moe_table.ONE_TOKEN_TILES
+    assert torch.equal(fused_moe(x, w13, w2, weights, ids), fused_moe(x, w13, w2, weights, ids, config=tiles))
+    monkeypatch.setenv(fused_moe_table.ONE_TOKEN_ENV, "gemm")
+    assert torch.equal(fused_moe(x, w13, w2, weights, ids),
+                       fused_moe(x, w13, w2, weights, ids, config=pick_config(1, 2, 8, 4)))
+    monkeypatch.setenv(fused_moe_table.ONE_TOKEN_ENV, "matvec")
+    with pytest.raises(ValueError, match="SHARDSERVE_MOE_ONE_TOKEN='matvec': expected one of gemv, gemm"):
+        fused_moe(x, w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="single token"):
+        x2, weights2, ids2 = make_routes(2, 8, 2, dtype, 48)
+        fused_moe(x2, w13, w2, weights2, ids2, config=tiles)
+
+
+def test_one_token_sum_in_the_w2_product_equals_the_separate_sum(monkeypatch):
+    """Where no arrival counts are to be had a kernel of its own sums the choices: the same bits; and the w2
+    product's weight tiles loaded before the wait give the same bits as loaded after it."""
+    import shardserve.kernels.triton.fused_moe as kernels
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    num_experts, top_k, hidden, inter = ONE_TOKEN_SHAPES[-1]
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    x, weights, ids = make_routes(1, num_experts, top_k, dtype, hidden)
+    ids[0, 0] = -1
+    fused = fused_moe(x, w13, w2, weights, ids, config=ONE_TOKEN_TEST_TILES)
+    monkeypatch.setattr(kernels, "arrival_counts", lambda device, slots: None)
+    assert torch.equal(fused, fused_moe(x, w13, w2, weights, ids, config=ONE_TOKEN_TEST_TILES))
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "ONE_TOKEN_PRELOAD_TILES", 0)
+    assert torch.equal(fused, fused_moe(x, w13, w2, weights, ids, config=ONE_TOKEN_TEST_TILES))
+
+
+@pytest.mark.parametrize("held", [None, (0, 4), (4, 8)])
+def test_one_token_from_logits_with_this_ranks_experts(held):
+    """The router's choice then the one-token path, for all experts or one rank's half (expert parallelism: the
+    ids keep their global numbers, the kernels subtract the rank's first); the halves add up to the whole."""
+    got = check_from_logits(1, 8, 2, 48, 24, torch.float32, held=held, config=ONE_TOKEN_SMALL)
+    if held == (4, 8):
+        first = check_from_logits(1, 8, 2, 48, 24, torch.float32, held=(0, 4), config=ONE_TOKEN_SMALL)
+        whole = check_from_logits(1, 8, 2, 48, 24, torch.float32, config=ONE_TOKEN_SMALL)
+        assert torch.equal(first + got, whole)  # two choices: one float32 addition either way

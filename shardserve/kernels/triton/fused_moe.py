@@ -17,8 +17,14 @@ out[t] = sum_j weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ 
    column tile measured slower on an H100: 22.0 against 13.1 us a layer. A GEMM needs its programs spread over
    the experts; only the sum waits for all of them.)
 
-At batch 1 a layer is then three launches (router choice + alignment, w13, w2 + sum) after the router's GEMV,
-each launched to overlap the one before it on Hopper (kernels/triton/pdl.py).
+A single token (batch-1 decode) takes matrix-vector products instead (one_token_tiles; SHARDSERVE_MOE_ONE_TOKEN=gemm
+keeps the steps above): no alignment and no row block of BLOCK_M slots around its one row. Program (choice j,
+feature tile) forms act[j] from its expert's gate and up rows; program (column tile, choice j) forms
+y[j] = weight[j] * w2[e] @ act[j] for its columns, and the last of a column tile's k programs to finish sums them
+in choice order (as step 4). The w2 programs load their weight rows before waiting for the w13 product (pdl.py:
+the expert ids come from the router, two launches back, and weights are written by no kernel).
+At batch 1 a layer is then three launches (router choice, w13, w2 + sum) after the router's GEMV, each launched
+to overlap the one before it on Hopper (kernels/triton/pdl.py).
 Shapes are fixed for a given T (the slot list has room for the worst case, T*k + min(E, T*k) * (BLOCK_M - 1)
 slots; blocks past the real groups exit at once), so CUDA graphs capture the whole call. Only experts that
 received tokens are read: decode reads k experts' weights, not E. Block sizes come from a table keyed on the
@@ -34,11 +40,14 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS, SUM_IN_DOWN_MAX_TOKENS, MoeConfig, pick_config
+from shardserve.kernels.fused_moe_table import (ROUTE_ALIGN_MAX_TOKENS, SUM_IN_DOWN_MAX_TOKENS, MoeConfig,
+                                                OneTokenTiles, one_token_tiles, pick_config)
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.quant_pack import fit_block_k
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
+from shardserve.kernels.triton.gemv import _weight_tile as _row_tile
+from shardserve.kernels.triton.gemv import _x_tile
 from shardserve.kernels.triton.moe_router import route_token, routing_outputs
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
@@ -308,13 +317,13 @@ def _down_block(act_ptr, w_e, s_e, z_e, weights_ptr, y_ptr, sorted_ptr, num_pair
 
 @triton.jit
 def _sum_choices(y_ptr, ids_ptr, out_ptr, token, cols, col_ok, num_experts, stride_y, stride_o,
-                 TOP_K: tl.constexpr, Y_FROM_L2: tl.constexpr):
-    """out[token, cols] = sum over j in order of y[token * k + j, cols] in float32; choices outside [0, E) (never
-    grouped, so never written) left out. Y_FROM_L2: y was written by other programs of this launch, so its loads
-    skip this SM's L1."""
+                 TOP_K: tl.constexpr, Y_FROM_L2: tl.constexpr, id_base=0):
+    """out[token, cols] = sum over j in order of y[token * k + j, cols] in float32; choices outside [0, E) (ids
+    less id_base; never grouped, so never written) left out. Y_FROM_L2: y was written by other programs of this
+    launch, so its loads skip this SM's L1."""
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        expert = tl.load(ids_ptr + token * TOP_K + j)
+        expert = tl.load(ids_ptr + token * TOP_K + j) - id_base
         held = (expert >= 0) & (expert < num_experts)
         y_ptrs = y_ptr + (token * TOP_K + j) * stride_y + cols
         if Y_FROM_L2:
@@ -357,13 +366,83 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, y_ptr, sorted_ptr, b
 
 
 @triton.jit
-def _sum_choices_kernel(y_ptr, ids_ptr, out_ptr, num_experts, stride_y, stride_o,
+def _sum_choices_kernel(y_ptr, ids_ptr, out_ptr, num_experts, stride_y, stride_o, id_base,
                         HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (token, column block): out[t] = the sum of its choices (_sum_choices)."""
     enter(PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     _sum_choices(y_ptr, ids_ptr, out_ptr, tl.program_id(0).to(tl.int64), cols, cols < HIDDEN, num_experts, stride_y,
-                 stride_o, TOP_K, False)
+                 stride_o, TOP_K, False, id_base)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One token: matrix-vector products
+
+
+@triton.jit
+def _one_token_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, id_base, num_experts, stride_we, stride_wn,
+                         HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Program (choice j, feature tile): act[j, n] = silu(w13[e, n] . x) * (w13[e, I + n] . x) for its BLOCK_N
+    features, e = ids[j] - id_base, rounded to x's dtype as the grouped GEMM rounds it; nothing for a choice
+    outside [0, E) (another rank's expert). The expert comes from the kernel just before: no load before the wait."""
+    enter(PDL)
+    choice = tl.program_id(0)
+    expert = tl.load(ids_ptr + choice) - id_base
+    if (expert < 0) | (expert >= num_experts):
+        return
+    feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    feat_ok = feats < INTER
+    cols = tl.arange(0, BLOCK_K)
+    gate_rows = w_ptr + expert.to(tl.int64) * stride_we + feats.to(tl.int64)[:, None] * stride_wn
+    up_rows = gate_rows + INTER * stride_wn
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, HIDDEN, BLOCK_K):
+        x = _x_tile(x_ptr, k, cols, HIDDEN, BLOCK_K).to(tl.float32)[None, :]
+        gate += _row_tile(gate_rows, k, cols, feat_ok, HIDDEN, BLOCK_K).to(tl.float32) * x
+        up += _row_tile(up_rows, k, cols, feat_ok, HIDDEN, BLOCK_K).to(tl.float32) * x
+    g = tl.sum(gate, axis=1)
+    act = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=1)
+    tl.store(act_ptr + choice * INTER + feats, act.to(act_ptr.dtype.element_ty), mask=feat_ok)
+
+
+@triton.jit
+def _one_token_down_kernel(act_ptr, w_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr, arrivals_ptr, id_base,
+                           num_experts, stride_we, stride_wn, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                           TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PRELOAD: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr):
+    """Program (column tile, choice j): y[j, n] = weight[j] * (w2[e, n] . act[j]) for its BLOCK_N columns, rounded
+    to x's dtype; the last of the tile's TOP_K programs to arrive sums y over the choices in order into out (the
+    rounding and order of the grouped GEMM's sum). A choice outside [0, E) stores nothing and is left out of the
+    sum (SUM; without it a kernel of its own sums). The expert ids were written two launches back and no kernel writes weights, so the first PRELOAD tiles
+    of the weight rows load before the wait (pdl.py), masked to nothing for another rank's expert."""
+    tile = tl.program_id(0)
+    choice = tl.program_id(1)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(ids_ptr + choice) - id_base
+    held = (expert >= 0) & (expert < num_experts)
+    row_ok = (rows < HIDDEN) & held
+    cols = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + tl.where(held, expert, 0).to(tl.int64) * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+    preloaded = ()
+    for t in tl.static_range(PRELOAD):
+        preloaded = preloaded + (_row_tile(w_rows, t * BLOCK_K, cols, row_ok, INTER, BLOCK_K),)
+    enter(PDL)
+    act_row = act_ptr + choice * INTER
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t in tl.static_range(PRELOAD):
+        acc += preloaded[t].to(tl.float32) * _x_tile(act_row, t * BLOCK_K, cols, INTER, BLOCK_K).to(tl.float32)[None, :]
+    for k in range(PRELOAD * BLOCK_K, INTER, BLOCK_K):
+        acc += (_row_tile(w_rows, k, cols, row_ok, INTER, BLOCK_K).to(tl.float32)
+                * _x_tile(act_row, k, cols, INTER, BLOCK_K).to(tl.float32)[None, :])
+    y = tl.sum(acc, axis=1) * tl.load(weights_ptr + choice).to(tl.float32)
+    tl.store(y_ptr + choice * HIDDEN + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+    if SUM:
+        if last_to_arrive(arrivals_ptr, tile, TOP_K):
+            _sum_choices(y_ptr, ids_ptr, out_ptr, 0, rows, rows < HIDDEN, num_experts, HIDDEN, HIDDEN, TOP_K, True,
+                         id_base)
+            leave(arrivals_ptr, tile)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -391,28 +470,41 @@ def _check_args(x, w13, w2, topk_weights, topk_ids) -> None:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoeConfig | OneTokenTiles | None = None) -> torch.Tensor:
     """x [T, H] (bf16, fp16 or fp32); w13 [E, 2*I, H]: per expert the gate rows [0, I) then the up rows [I, 2I);
     w2 [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int64 or int32 (values in [0, E); others add
     nothing). Returns [T, H] in x.dtype: out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) *
-    (w13[e, I:] @ x[t])), e = topk_ids[t, j]. `config`: block sizes instead of the table's (pick_config)."""
+    (w13[e, I:] @ x[t])), e = topk_ids[t, j]. `config`: block sizes instead of the table's (pick_config), or for
+    a single token the one-token path's tiles (a MoeConfig keeps it on the grouped GEMMs)."""
     _check_args(x, w13, w2, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
     if tokens == 0 or top_k == 0:
         return x.new_zeros(x.shape)
-    config = config or pick_config(tokens, top_k, w13.shape[0], x.element_size())
+    config = config or _table_config(tokens, top_k, w13.shape[0], x.element_size())
     ids = topk_ids.contiguous()
+    if isinstance(config, OneTokenTiles):
+        return _one_token_experts(x, w13, w2, topk_weights.contiguous(), ids, 0, config)
     sorted_pairs, block_expert = align_pairs(ids, w13.shape[0], config.block_m)
     return _experts(x, w13, w2, topk_weights.contiguous(), ids, sorted_pairs, block_expert, config)
 
 
 def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                          renormalize: bool, id_base: int = 0, config: MoeConfig | None = None) -> torch.Tensor:
+                          renormalize: bool, id_base: int = 0,
+                          config: MoeConfig | OneTokenTiles | None = None) -> torch.Tensor:
     """The router's choice (moe_router.route_top_k of logits [T, E_all]) and fused_moe on it, for experts
-    [id_base, id_base + E) held as w13/w2 (choices of others add nothing). Up to the table's
-    ROUTE_ALIGN_MAX_TOKENS the choice and the alignment are one launch."""
+    [id_base, id_base + E) held as w13/w2 (choices of others add nothing). A single token on the one-token path
+    reads the choices with their expert numbers as they are; otherwise, up to the table's ROUTE_ALIGN_MAX_TOKENS
+    the choice and the alignment are one launch."""
     tokens = x.shape[0]
-    config = config or pick_config(tokens, top_k, w13.shape[0], x.element_size())
+    config = config or _table_config(tokens, top_k, w13.shape[0], x.element_size())
+    if isinstance(config, OneTokenTiles):
+        from shardserve.kernels.triton.moe_router import route_top_k
+
+        if logits.shape[0] != tokens:
+            raise ValueError(f"logits must have one row per token ({tokens}), got {tuple(logits.shape)}")
+        weights, ids = route_top_k(logits, top_k, renormalize)
+        _check_args(x, w13, w2, weights, ids)
+        return _one_token_experts(x, w13, w2, weights, ids, id_base, config)
     if not 0 < tokens <= ROUTE_ALIGN_MAX_TOKENS:
         from shardserve.kernels.triton.moe_router import route_top_k
 
@@ -424,6 +516,13 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tens
                                                                config.block_m, id_base)
     _check_args(x, w13, w2, weights, ids)
     return _experts(x, w13, w2, weights, ids - id_base if id_base else ids, sorted_pairs, block_expert, config)
+
+
+def _table_config(tokens: int, top_k: int, num_experts: int, element_size: int) -> MoeConfig | OneTokenTiles:
+    """A single token's one-token tiles where that path is on, else the table's config."""
+    if tokens == 1 and (tiles := one_token_tiles()) is not None:
+        return tiles
+    return pick_config(tokens, top_k, num_experts, element_size)
 
 
 def fused_moe_packed(x: torch.Tensor, experts: PackedExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -512,8 +611,47 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
     if arrivals is not None:
         return out
 
+    return _sum_separately(y, ids, out, num_experts, 0, launch)
+
+
+def _sum_separately(y, ids, out, num_experts: int, id_base: int, launch: dict) -> torch.Tensor:
+    """Step 4 in a launch of its own."""
+    tokens, top_k = ids.shape
+    hidden = out.shape[1]
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_choices_kernel[(tokens, triton.cdiv(hidden, block))](
-        y, ids, out, num_experts, y.stride(0), out.stride(0), HIDDEN=hidden, TOP_K=top_k, BLOCK=block,
+        y, ids, out, num_experts, y.stride(0), out.stride(0), id_base, HIDDEN=hidden, TOP_K=top_k, BLOCK=block,
         num_warps=4, **launch)
     return out
+
+
+# The one-token w2 product loads up to this many tiles of its weight rows before waiting for the w13 product.
+ONE_TOKEN_PRELOAD_TILES = 4
+
+
+def _one_token_experts(x, w13, w2, weights, ids, id_base: int, tiles: OneTokenTiles) -> torch.Tensor:
+    """The experts of a single token x [1, H] as matrix-vector products (the module docstring's one-token path);
+    ids [1, k] are all experts' numbers, this rank's being [id_base, id_base + E)."""
+    if x.shape[0] != 1:
+        raise ValueError(f"the one-token path takes a single token, got {x.shape[0]}")
+    num_experts, hidden, inter = w2.shape
+    top_k = ids.shape[1]
+    launch = pdl.launch(x.device)
+    act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
+    up = tiles.up
+    _one_token_up_kernel[(top_k, triton.cdiv(inter, up.block_n))](
+        x, w13, act, ids, id_base, num_experts, w13.stride(0), w13.stride(1), HIDDEN=hidden, INTER=inter,
+        BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=up.num_warps, num_stages=up.num_stages, **launch)
+    down = tiles.down
+    col_tiles = triton.cdiv(hidden, down.block_n)
+    arrivals = arrival_counts(x.device, col_tiles)
+    y = torch.empty(top_k, hidden, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
+    _one_token_down_kernel[(col_tiles, top_k)](
+        act, w2, weights, ids, y, out, ids if arrivals is None else arrivals, id_base, num_experts, w2.stride(0),
+        w2.stride(1), HIDDEN=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        PRELOAD=min(triton.cdiv(inter, down.block_k), ONE_TOKEN_PRELOAD_TILES), SUM=arrivals is not None,
+        num_warps=down.num_warps, num_stages=down.num_stages, **launch)
+    if arrivals is not None:
+        return out
+    return _sum_separately(y, ids, out, num_experts, id_base, launch)
