@@ -31,7 +31,8 @@ received tokens are read: decode reads k experts' weights, not E. Block sizes co
 expected rows per expert (T*k/E): kernels/fused_moe_table.py.
 Accumulation is float32 for every input dtype; float32 inputs multiply in full float32 (no TF32).
 Packed experts (FP8 or 4-bit with scales, kernels/packed_experts.py: fused_moe_packed) run the same GEMMs, each
-weight tile dequantized in registers before its product, so only the packed bytes are read.
+weight tile dequantized in registers before its product, so only the packed bytes are read (a single token too:
+the one-token path is for weights in the activations' dtype).
 """
 
 from __future__ import annotations
