@@ -259,7 +259,6 @@ def test_sum_in_the_w2_gemm_equals_the_separate_sum(monkeypatch, tokens, top_k, 
     """Up to SUM_IN_DOWN_MAX_TOKENS the w2 GEMM's last program of each column tile sums the choices: the same
     bits as the separate sum kernel (another rank's choices included), and every arrival count back to 0."""
     import shardserve.kernels.triton.fused_moe as kernels
-    from shardserve.kernels.triton import arrivals
 
     assert tokens <= kernels.SUM_IN_DOWN_MAX_TOKENS
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -269,8 +268,7 @@ def test_sum_in_the_w2_gemm_equals_the_separate_sum(monkeypatch, tokens, top_k, 
     ids[0, 0] = num_experts + 3  # a choice held by another rank
     config = pick_config(tokens, top_k, num_experts) if CUDA else SMALL  # the grouped GEMMs, one token too
     fused = fused_moe(x, w13, w2, weights, ids, config=config)
-    counts = arrivals._counts[x.device]
-    assert counts.count_nonzero().item() == 0
+    assert arrivals_left_at_zero(x.device)
     monkeypatch.setattr(kernels, "SUM_IN_DOWN_MAX_TOKENS", 0)
     separate = fused_moe(x, w13, w2, weights, ids, config=config)
     assert torch.equal(fused, separate)
@@ -343,7 +341,6 @@ def test_sum_in_the_w2_gemm_over_many_replays(monkeypatch, path):
     product sums in its last programs, grouped GEMM or one-token path): every replay's output equals the separate
     sum's on the same routes."""
     import shardserve.kernels.triton.fused_moe as kernels
-    from shardserve.kernels.triton import arrivals
 
     num_experts, top_k, hidden, inter = QWEN3_30B
     dtype, layers = torch.bfloat16, 4
@@ -377,7 +374,7 @@ def test_sum_in_the_w2_gemm_over_many_replays(monkeypatch, path):
         with monkeypatch.context() as m:
             m.setattr(kernels, "SUM_IN_DOWN_MAX_TOKENS", 0)
             assert torch.equal(out, chain()), f"replay {seed}"
-    assert arrivals._counts[x.device].count_nonzero().item() == 0
+    assert arrivals_left_at_zero(x.device)
 
 
 def test_one_launch_routing_is_used_only_after_matching_the_reference(monkeypatch):

@@ -49,7 +49,7 @@ from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.gemv import _weight_tile as _row_tile
 from shardserve.kernels.triton.gemv import _x_tile
-from shardserve.kernels.triton.moe_router import route_token, routing_outputs
+from shardserve.kernels.triton.moe_router import route_token, route_top_k, routing_outputs
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
 
@@ -498,21 +498,16 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tens
     the choice and the alignment are one launch."""
     tokens = x.shape[0]
     config = config or _table_config(tokens, top_k, w13.shape[0], x.element_size())
-    if isinstance(config, OneTokenTiles):
-        from shardserve.kernels.triton.moe_router import route_top_k
-
-        if logits.shape[0] != tokens:
-            raise ValueError(f"logits must have one row per token ({tokens}), got {tuple(logits.shape)}")
-        weights, ids = route_top_k(logits, top_k, renormalize)
-        _check_args(x, w13, w2, weights, ids)
-        return _one_token_experts(x, w13, w2, weights, ids, id_base, config)
-    if not 0 < tokens <= ROUTE_ALIGN_MAX_TOKENS:
-        from shardserve.kernels.triton.moe_router import route_top_k
-
+    one_token = isinstance(config, OneTokenTiles)
+    if not one_token and not 0 < tokens <= ROUTE_ALIGN_MAX_TOKENS:
         weights, ids = route_top_k(logits, top_k, renormalize)
         return fused_moe(x, w13, w2, weights, ids - id_base if id_base else ids, config)
     if logits.shape[0] != tokens:
         raise ValueError(f"logits must have one row per token ({tokens}), got {tuple(logits.shape)}")
+    if one_token:
+        weights, ids = route_top_k(logits, top_k, renormalize)
+        _check_args(x, w13, w2, weights, ids)
+        return _one_token_experts(x, w13, w2, weights, ids, id_base, config)
     weights, ids, sorted_pairs, block_expert = route_and_align(logits, top_k, renormalize, w13.shape[0],
                                                                config.block_m, id_base)
     _check_args(x, w13, w2, weights, ids)
