@@ -20,10 +20,10 @@ import re
 import socket
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from shardserve.model_files import relative_to_file
+from shardserve.yaml_config import load_yaml_model
 
 
 class ServeOptions(BaseModel):
@@ -74,18 +74,7 @@ class RecipeError(ValueError):
 
 
 def load_recipe(path: str) -> Recipe:
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise RecipeError(f"cannot read the recipe {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path} is not valid YAML: {e}") from None
-    try:
-        recipe = Recipe.model_validate(data if data is not None else {})
-    except ValidationError as e:
-        lines = [f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
-        raise RecipeError(f"{path}: " + "; ".join(lines)) from None
+    recipe = load_yaml_model(path, Recipe, RecipeError, "recipe")
     bad = [n for n in [*recipe.env, *recipe.forward_env] if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
     if bad:
         raise RecipeError(f"{path}: env/forward_env: not variable names: {', '.join(bad)}")

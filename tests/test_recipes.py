@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from shardserve.cli import parse_args
-from shardserve.pool.config import load_pool_config
+from shardserve.pool.config import PoolConfigError, load_pool_config
 from shardserve.recipes import RecipeError, load_recipe
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -111,3 +111,23 @@ def test_a_mixture_of_experts_recipe(tmp_path):
     assert (args.enable_expert_parallel, args.reasoning_parser, args.tool_call_parser) == (True, "qwen3", "hermes")
     with pytest.raises(RecipeError, match=r"serve\.reasoning_parser: Input should be 'qwen3' or 'deepseek_r1'"):
         load_recipe(_recipe(tmp_path, {"model": "/m", "serve": {"reasoning_parser": "think"}}))
+
+
+@pytest.mark.parametrize("load, error, what", [(load_recipe, RecipeError, "recipe"),
+                                               (load_pool_config, PoolConfigError, "pool config")])
+def test_a_missing_unparsable_or_empty_file_is_one_line_naming_it(tmp_path, load, error, what):
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(error, match=f"cannot read the {what} {missing}: No such file or directory"):
+        load(str(missing))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    with pytest.raises(error, match=f"{broken} is not valid YAML"):
+        load(str(broken))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(error, match=f"{empty}: (model|models): Field required"):
+        load(str(empty))
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    with pytest.raises(error, match=rf"{listed}: \(top level\): Input should be a valid dictionary"):
+        load(str(listed))

@@ -17,10 +17,10 @@ checked when the pool starts (a missing path or tokenizer is an error then, not 
 
 from __future__ import annotations
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from shardserve.model_files import ModelPathError, check_model_path, relative_to_file
+from shardserve.yaml_config import load_yaml_model
 
 
 def check_api_key(key: str) -> str:
@@ -98,18 +98,7 @@ class PoolConfigError(ValueError):
 
 
 def load_pool_config(path: str) -> PoolConfig:
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise PoolConfigError(f"cannot read the pool config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise PoolConfigError(f"{path} is not valid YAML: {e}") from None
-    try:
-        config = PoolConfig.model_validate(data if data is not None else {})
-    except ValidationError as e:
-        lines = [f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in e.errors()]
-        raise PoolConfigError(f"{path}: " + "; ".join(lines)) from None
+    config = load_yaml_model(path, PoolConfig, PoolConfigError, "pool config")
     for m in config.models:
         m.model = relative_to_file(m.model, path)
     config._source = path
