@@ -48,7 +48,7 @@ from shardserve.kernels.quant_pack import fit_block_k
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.gemv import _weight_tile as _row_tile
-from shardserve.kernels.triton.gemv import _x_tile
+from shardserve.kernels.triton.gemv import _x_tile, load_first_tiles, row_dots
 from shardserve.kernels.triton.moe_router import route_token, route_top_k, routing_outputs
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
@@ -416,8 +416,9 @@ def _one_token_down_kernel(act_ptr, w_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr,
     """Program (column tile, choice j): y[j, n] = weight[j] * (w2[e, n] . act[j]) for its BLOCK_N columns, rounded
     to x's dtype; the last of the tile's TOP_K programs to arrive sums y over the choices in order into out (the
     rounding and order of the grouped GEMM's sum). A choice outside [0, E) stores nothing and is left out of the
-    sum (SUM; without it a kernel of its own sums). The expert ids were written two launches back and no kernel writes weights, so the first PRELOAD tiles
-    of the weight rows load before the wait (pdl.py), masked to nothing for another rank's expert."""
+    sum (SUM; without it a kernel of its own sums). The expert ids were written two launches back and no kernel
+    writes weights, so the first PRELOAD tiles of the weight rows load before the wait (pdl.py), masked to nothing
+    for another rank's expert."""
     tile = tl.program_id(0)
     choice = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -426,18 +427,10 @@ def _one_token_down_kernel(act_ptr, w_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr,
     row_ok = (rows < HIDDEN) & held
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + tl.where(held, expert, 0).to(tl.int64) * stride_we + rows.to(tl.int64)[:, None] * stride_wn
-    preloaded = ()
-    for t in tl.static_range(PRELOAD):
-        preloaded = preloaded + (_row_tile(w_rows, t * BLOCK_K, cols, row_ok, INTER, BLOCK_K),)
+    preloaded = load_first_tiles(w_rows, cols, row_ok, INTER, BLOCK_K, PRELOAD)
     enter(PDL)
-    act_row = act_ptr + choice * INTER
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for t in tl.static_range(PRELOAD):
-        acc += preloaded[t].to(tl.float32) * _x_tile(act_row, t * BLOCK_K, cols, INTER, BLOCK_K).to(tl.float32)[None, :]
-    for k in range(PRELOAD * BLOCK_K, INTER, BLOCK_K):
-        acc += (_row_tile(w_rows, k, cols, row_ok, INTER, BLOCK_K).to(tl.float32)
-                * _x_tile(act_row, k, cols, INTER, BLOCK_K).to(tl.float32)[None, :])
-    y = tl.sum(acc, axis=1) * tl.load(weights_ptr + choice).to(tl.float32)
+    y = row_dots(preloaded, w_rows, act_ptr + choice * INTER, cols, row_ok, INTER, BLOCK_N, BLOCK_K, PRELOAD)
+    y = y * tl.load(weights_ptr + choice).to(tl.float32)
     tl.store(y_ptr + choice * HIDDEN + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
     if SUM:
         if last_to_arrive(arrivals_ptr, tile, TOP_K):

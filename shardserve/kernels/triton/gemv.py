@@ -30,18 +30,34 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    preloaded = load_first_tiles(w_rows, cols, row_ok, K, BLOCK_K, PRELOAD)
+    enter(PDL)
+    y = row_dots(preloaded, w_rows, x_ptr, cols, row_ok, K, BLOCK_N, BLOCK_K, PRELOAD)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def load_first_tiles(w_rows, cols, row_ok, K: tl.constexpr, BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr):
+    """The first PRELOAD weight tiles of the rows, as a tuple: loaded before a dependent-launch wait, since no
+    kernel of a decode chain writes weights."""
     preloaded = ()
     for t in tl.static_range(PRELOAD):
         preloaded = preloaded + (_weight_tile(w_rows, t * BLOCK_K, cols, row_ok, K, BLOCK_K),)
-    enter(PDL)
+    return preloaded
+
+
+@triton.jit
+def row_dots(preloaded, w_rows, x_ptr, cols, row_ok, K: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr):
+    """[BLOCK_N] float32: each row's dot product with x over K, the preloaded tiles first (load_first_tiles), then
+    the rest tile by tile; float32 partial products in registers, reduced once."""
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for t in tl.static_range(PRELOAD):
         acc += preloaded[t].to(tl.float32) * _x_tile(x_ptr, t * BLOCK_K, cols, K, BLOCK_K).to(tl.float32)[None, :]
     for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
         w = _weight_tile(w_rows, k, cols, row_ok, K, BLOCK_K)
         acc += w.to(tl.float32) * _x_tile(x_ptr, k, cols, K, BLOCK_K).to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
