@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,18 +117,13 @@ def test_a_mixture_of_experts_recipe(tmp_path):
 @pytest.mark.parametrize("load, error, what", [(load_recipe, RecipeError, "recipe"),
                                                (load_pool_config, PoolConfigError, "pool config")])
 def test_a_missing_unparsable_or_empty_file_is_one_line_naming_it(tmp_path, load, error, what):
-    missing = tmp_path / "missing.yaml"
-    with pytest.raises(error, match=f"cannot read the {what} {missing}: No such file or directory"):
-        load(str(missing))
-    broken = tmp_path / "broken.yaml"
-    broken.write_text("model: [unclosed\n")
-    with pytest.raises(error, match=f"{broken} is not valid YAML"):
-        load(str(broken))
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("")
-    with pytest.raises(error, match=f"{empty}: (model|models): Field required"):
-        load(str(empty))
-    listed = tmp_path / "list.yaml"
-    listed.write_text("- a\n- b\n")
-    with pytest.raises(error, match=rf"{listed}: \(top level\): Input should be a valid dictionary"):
-        load(str(listed))
+    cases = [("missing.yaml", None, "cannot read the {what} {path}: No such file or directory"),
+             ("broken.yaml", "model: [unclosed\n", "{path} is not valid YAML"),
+             ("empty.yaml", "", "{path}: (model|models): Field required"),
+             ("list.yaml", "- a\n- b\n", r"{path}: \(top level\): Input should be a valid dictionary")]
+    for name, text, message in cases:
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(error, match=message.format(what=what, path=re.escape(str(path)))):
+            load(str(path))
