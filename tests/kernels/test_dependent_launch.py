@@ -41,13 +41,14 @@ def _step_inputs() -> dict:
                 cos=angles.cos().to(torch.bfloat16), sin=angles.sin().to(torch.bfloat16))
 
 
-def _chain(x: torch.Tensor, layers, s: dict) -> torch.Tensor:
-    """A decoder-like chain at batch 1: norm-fused QKV GEMV, rotary + cache write, decode attention over 40
-    cached tokens (split in 4), o_proj GEMV, norm-fused gate/up GEMV, SwiGLU-fused down GEMV; every kernel
-    reads its predecessor's output."""
+def _chain(x: torch.Tensor, layers, s: dict, rotary: str) -> torch.Tensor:
+    """A decoder-like chain at batch 1: norm-fused QKV GEMV, rotary + cache write (rotary "separate": a kernel of
+    its own; "fused": inside the decode launch, which loads its first cached tile before its wait), decode
+    attention over 40 cached tokens (split in 4), o_proj GEMV, norm-fused gate/up GEMV, SwiGLU-fused down GEMV;
+    every kernel reads its predecessor's output."""
     from shardserve.kernels.triton.fused_ops import apply_rotary_and_store_
     from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm, gemv_swiglu
-    from shardserve.kernels.triton.paged_decode import paged_decode_attention
+    from shardserve.kernels.triton.paged_decode import NewTokens, paged_decode_attention
 
     heads, head_dim = HEADS, HEAD_DIM
     residual = None
@@ -55,24 +56,28 @@ def _chain(x: torch.Tensor, layers, s: dict) -> torch.Tensor:
         qkv, residual = gemv_rmsnorm(x, residual, norm_w, 1e-6, qkv_w, 16, 512, 8, 1)
         qkv = qkv.view(1, 3 * heads, head_dim)
         qk, v = qkv[:, :2 * heads], qkv[:, 2 * heads:]
-        apply_rotary_and_store_(qk, heads, v, s["positions"], s["cos"], s["sin"], s["k_cache"], s["v_cache"],
-                                s["slots"])
+        new = None
+        if rotary == "fused":
+            new = NewTokens(qk[:, heads:], v, s["slots"], s["cos"], s["sin"])
+        else:
+            apply_rotary_and_store_(qk, heads, v, s["positions"], s["cos"], s["sin"], s["k_cache"],
+                                    s["v_cache"], s["slots"])
         attn = paged_decode_attention(qk[:, :heads], s["k_cache"], s["v_cache"], s["tables"], s["context"],
-                                      head_dim ** -0.5, BLOCK, num_splits=4)
+                                      head_dim ** -0.5, BLOCK, num_splits=4, new_tokens=new)
         x = gemv(attn.reshape(1, HIDDEN), o_w, 8, 512, 4, 1)
         gate_up, residual = gemv_rmsnorm(x, residual, norm_w, 1e-6, gate_up_w, 16, 512, 8, 1)
         x = gemv_swiglu(gate_up, down_w, 4, 1024, 8, 4)
     return x + residual
 
 
-def _replayed(monkeypatch, pdl: str, layers, x) -> torch.Tensor:
+def _replayed(monkeypatch, pdl: str, layers, x, rotary: str) -> torch.Tensor:
     monkeypatch.setenv("SHARDSERVE_PDL", pdl)
     static_x, inputs = x.clone(), _step_inputs()
-    _chain(static_x, layers, _step_inputs())  # compiles every variant before capture
+    _chain(static_x, layers, _step_inputs(), rotary)  # compiles every variant before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _chain(static_x, layers, inputs)
+        out = _chain(static_x, layers, inputs, rotary)
     results = []
     for _ in range(3):  # the cache slot written is the same each replay, with the same values
         graph.replay()
@@ -83,21 +88,22 @@ def _replayed(monkeypatch, pdl: str, layers, x) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-def test_dependent_launch_keeps_every_bit_of_a_decode_chain(monkeypatch):
+@pytest.mark.parametrize("rotary", ["separate", "fused"])
+def test_dependent_launch_keeps_every_bit_of_a_decode_chain(monkeypatch, rotary):
     _needs_hopper()
     from shardserve.kernels.triton import pdl
 
     layers = _weights(3)
     x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
-    serial = _replayed(monkeypatch, "off", layers, x)
-    overlapped = _replayed(monkeypatch, "on", layers, x)
+    serial = _replayed(monkeypatch, "off", layers, x, rotary)
+    overlapped = _replayed(monkeypatch, "on", layers, x, rotary)
     assert pdl.active(x.device)
     assert torch.isfinite(serial).all()
     assert torch.equal(overlapped, serial)
     # GEMVs that load their first weight tiles before the wait (none, one: the default, two): the same bits.
     for tiles in ("0", "2"):
         monkeypatch.setenv("SHARDSERVE_GEMV_PRELOAD", tiles)
-        assert torch.equal(_replayed(monkeypatch, "on", layers, x), serial), f"{tiles} tiles preloaded"
+        assert torch.equal(_replayed(monkeypatch, "on", layers, x, rotary), serial), f"{tiles} tiles preloaded"
 
 
 def test_a_bad_mode_is_named(monkeypatch):

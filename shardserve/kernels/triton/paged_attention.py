@@ -108,16 +108,11 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 @triton.jit
-def attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, end, q_pos, qk_scale,
-                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of q [M, D] over positions [start, start + BLOCK_N) clipped to `end`.
-
-    Keys are gathered slot by slot through the block table (positions >= end are never loaded). Scores are in
-    log2 units (qk_scale includes log2(e)). MASK: 0 = the whole tile is visible to every row (caller's
-    guarantee), 1 = positions >= end are hidden, 2 = also hide positions after q_pos[r] from row r (causal).
-    Invariant: a row that has seen no visible position keeps m_i = -inf, l_i = 0 and acc = 0, with no NaN.
-    """
+def load_kv_tile(k_base, v_base, table_row, stride_s, start, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
+    """The keys and values [BLOCK_N, D] of positions [start, start + BLOCK_N) clipped to `end`, gathered slot by
+    slot through the block table (positions >= end are never loaded; they read as 0), with the positions and
+    their mask: the operands of attend_loaded."""
     pos = start + tl.arange(0, BLOCK_N)
     in_range = pos < end
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_range, other=0)
@@ -126,7 +121,20 @@ def attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, en
     offsets = slots[:, None] * stride_s + dims[None, :]
     k = tl.load(k_base + offsets, mask=in_range[:, None], other=0.0)
     v = tl.load(v_base + offsets, mask=in_range[:, None], other=0.0)
+    return k, v, pos, in_range
 
+
+@triton.jit
+def attend_loaded(q, acc, l_i, m_i, k, v, pos, in_range, q_pos, qk_scale, MASK: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of q [M, D] over a tile load_kv_tile loaded.
+
+    Scores are in log2 units (qk_scale includes log2(e)). MASK: 0 = the whole tile is visible to every row
+    (caller's guarantee), 1 = positions outside the tile's range are hidden, 2 = also hide positions after
+    q_pos[r] from row r (causal).
+    Invariant: a row that has seen no visible position keeps m_i = -inf, l_i = 0 and acc = 0, with no NaN (so a
+    tile whose range is empty leaves the statistics as they were).
+    """
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASK == 1:
         qk = tl.where(in_range[None, :], qk, float("-inf"))
@@ -141,6 +149,17 @@ def attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, en
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, end, q_pos, qk_scale,
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of q [M, D] over positions [start, start + BLOCK_N) clipped to `end`: the tile
+    loaded (load_kv_tile) and attended (attend_loaded)."""
+    k, v, pos, in_range = load_kv_tile(k_base, v_base, table_row, stride_s, start, end, BLOCK_N, BLOCK_SIZE,
+                                       HEAD_DIM)
+    return attend_loaded(q, acc, l_i, m_i, k, v, pos, in_range, q_pos, qk_scale, MASK, DOT_PRECISION)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from shardserve.env_choice import env_choice
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.fused_ops import check_norm_args, normed_heads, rotate_rows
-from shardserve.kernels.triton.paged_attention import LOG2E, attend_tile, check_attention_args, dot_precision
+from shardserve.kernels.triton.paged_attention import (LOG2E, attend_loaded, attend_tile, check_attention_args,
+                                                       dot_precision, load_kv_tile)
 from shardserve.kernels.triton.pdl import enter
 
 
@@ -145,13 +146,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     attention. The cache gets the bits _rotary_store_kernel writes (without multiply-add contraction; with
     NORM up to the order of the sum of squares); attention agrees with the two launches to rounding.
     PDL: launched to overlap the kernel before it (kernels/triton/pdl.py); the counts are touched after the
-    wait, and only by this kernel's programs.
+    wait, and only by this kernel's programs. With ROTATE, what no kernel of the step's chain writes is read
+    before the wait: the step's inputs (context lengths, slots, block tables), the rotary tables and the first
+    tile of cached keys and values (the tile a split of a short context is made of).
     """
-    enter(PDL)
+    if not ROTATE:
+        enter(PDL)  # the kernel before may have written this step's keys and values to the cache
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    context = tl.load(context_lens_ptr + b)
+    context = tl.load(context_lens_ptr + b)  # with ROTATE before the wait: a step input, written before its chain
     per_split = tl.cdiv(tl.cdiv(context, BLOCK_SIZE), num_splits) * BLOCK_SIZE
     lo = split * per_split
     hi = tl.minimum(lo + per_split, context)
@@ -173,9 +177,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
         pos = tl.maximum(new_pos, 0).to(tl.int64)  # a padding row (context 0) reads position 0's table
         cos = tl.load(cos_ptr + pos * stride_cos + dims).to(tl.float32)
         sin = tl.load(sin_ptr + pos * stride_sin + dims).to(tl.float32)
+        holds_new = (new_pos >= lo) & (new_pos < hi)  # at most one program of (b, kv_head)
+        cached_end = tl.where(holds_new, new_pos, hi)  # the new token is attended from registers, last
+        # Positions before the new token were cached by earlier steps, which no kernel of this step's chain
+        # writes: the first tile is loaded before the wait, while the kernel before (the q/k/v projection) runs.
+        first_k, first_v, first_pos, first_ok = load_kv_tile(k_base, v_base, table_row, stride_kcs, lo, cached_end,
+                                                             BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+        enter(PDL)
         q, q_rolled = normed_heads(q_rows, row_ok, q_norm_ptr, eps, HEAD_DIM, NORM)
         q = rotate_rows(q, q_rolled, cos, sin)
-        holds_new = (new_pos >= lo) & (new_pos < hi)  # at most one program of (b, kv_head)
         one = tl.zeros([1], dtype=tl.int64)  # the new key as a one-row block; holds_new | (one < 0): its mask
         new_k, new_k_rolled = normed_heads(k_new_ptr + b * stride_knb + kv_head * stride_knh + one,
                                            holds_new | (one < 0), k_norm_ptr, eps, HEAD_DIM, NORM)
@@ -185,8 +195,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
         stored = holds_new & (new_slot >= 0)
         tl.store(k_base + new_slot * stride_kcs + one[:, None] + dims[None, :], new_k, mask=stored)
         tl.store(v_base + new_slot * stride_vcs + one[:, None] + dims[None, :], new_v, mask=stored)
-        cached_end = tl.where(holds_new, new_pos, hi)  # the new token is attended from registers, last
-        for start in range(lo, cached_end, BLOCK_N):
+        acc, l_i, m_i = attend_loaded(q, acc, l_i, m_i, first_k, first_v, first_pos, first_ok, rows, qk_scale, 1,
+                                      DOT_PRECISION)  # an empty range leaves the statistics as they were
+        for start in range(lo + BLOCK_N, cached_end, BLOCK_N):
             acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start,
                                         cached_end, rows, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
         if holds_new:
