@@ -746,8 +746,9 @@ def test_gemv_with_swiglu_input_matches_the_two_kernels(dtype, n, k, block_k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_gemv_with_the_norm_before_it_matches_norm_then_linear(dtype, with_residual):
-    """RMSNorm(x + residual) @ W^T in one launch, and the new residual x + residual exactly."""
+def test_gemv_with_the_norm_before_it_matches_norm_then_linear(dtype, with_residual, monkeypatch):
+    """RMSNorm(x + residual) @ W^T in one launch, and the new residual x + residual exactly; the same bits
+    whatever number of weight tiles is loaded before the norm."""
     from shardserve.kernels.triton.gemv import gemv_rmsnorm
 
     n, k = 24, 192
@@ -770,6 +771,11 @@ def test_gemv_with_the_norm_before_it_matches_norm_then_linear(dtype, with_resid
     assert torch.equal(kept_sum, expected_sum) and torch.equal(kept_y, y)
     # The norm's own output, to its rounding (the two kernels sum the squares in different orders).
     torch.testing.assert_close(normed.float(), h.float(), atol=0, rtol=1e-6 if dtype == torch.float32 else 8e-3)
+    for tiles in ("0", "2"):  # the default is one
+        monkeypatch.setenv("SHARDSERVE_GEMV_PRELOAD", tiles)
+        again = gemv_rmsnorm(x, residual, norm_weight, 1e-5, w, block_n=8, block_k=64, num_warps=4, num_stages=1,
+                             keep_normed=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, (kept_y, kept_sum, normed))), f"{tiles} tiles preloaded"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -100,19 +100,25 @@ def _launch_per_row(kernel, x: torch.Tensor, weight: torch.Tensor, block_n: int,
     """Run a one-row GEMV kernel (signature x, w, out, N, stride_wn, K=..) over block_n rows of weight a program."""
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    tiles = preload_tiles() if kernel is _gemv_kernel else 0
-    extra = {"PRELOAD": tiles if k >= tiles * block_k else 1} if tiles else {}
+    extra = _preload_arg(k, block_k) if kernel is _gemv_kernel else {}
     kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k,
                                        num_warps=num_warps, num_stages=num_stages,
                                        **pdl.launch(weight.device), **extra)
     return out
 
 
+def _preload_arg(k: int, block_k: int) -> dict:
+    """The PRELOAD argument of a launch over K = k columns: preload_tiles(), at most 1 where k has fewer than
+    that many tiles; none at 0 (the kernels' default)."""
+    tiles = preload_tiles()
+    return {"PRELOAD": tiles if k >= tiles * block_k else 1} if tiles else {}
+
+
 PRELOAD_ENV = "SHARDSERVE_GEMV_PRELOAD"
 
 
 def preload_tiles() -> int:
-    """How many weight tiles the batch-1 GEMV loads before waiting for the kernel before it
+    """How many weight tiles the batch-1 GEMVs (plain and norm-fused) load before waiting for the kernel before it
     (SHARDSERVE_GEMV_PRELOAD, 0 to 2, default 1; it matters only with dependent launch). On two H100s one tile
     took the Llama-3-8B-shaped TP=2 batch-1 graph from 3.096 to 3.049 ms, two 3.060; TP=1 5.322 -> 5.329 ms
     with two."""
@@ -200,30 +206,42 @@ def _masked_load(pointers, mask):
 def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_ptr, normed_ptr, N, stride_wn, eps,
                          K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, KEEP_NORMED: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, PRELOAD: tl.constexpr = 0):
     """As _gemv_kernel on h = RMSNorm(s) with s = x + residual (or x), both computed on the fly (rms_of_sum,
     normed_values). Every program first reduces the row's sum of squares itself (the row is small and
     L2-resident); program 0 also writes s to sum_ptr, the next residual, and with KEEP_NORMED h to normed_ptr
-    (for other layers on the same input: a mixture of experts' router and its experts)."""
+    (for other layers on the same input: a mixture of experts' router and its experts). PRELOAD: as in
+    _gemv_kernel; the preloaded tiles' loads are in flight while the sum of squares is reduced."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    enter(PDL)
-    rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, pid == 0, K, BLOCK_K, HAS_RESIDUAL)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    preloaded = load_first_tiles(w_rows, cols, row_ok, K, BLOCK_K, PRELOAD)
+    enter(PDL)
+    rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, pid == 0, K, BLOCK_K, HAS_RESIDUAL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        col_ok = k + cols < K
-        h = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, col_ok, rstd, HAS_RESIDUAL)
-        if KEEP_NORMED:
-            if pid == 0:
-                tl.store(normed_ptr + k + cols, h, mask=col_ok)
-        w = tl.load(w_rows + k + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        acc += w.to(tl.float32) * h.to(tl.float32)[None, :]
+    for t in tl.static_range(PRELOAD):
+        acc = _normed_products(acc, preloaded[t], t * BLOCK_K, x_ptr, residual_ptr, norm_w_ptr, normed_ptr, rstd,
+                               pid, cols, K, HAS_RESIDUAL, KEEP_NORMED)
+    for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
+        w = _weight_tile(w_rows, k, cols, row_ok, K, BLOCK_K)
+        acc = _normed_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, normed_ptr, rstd, pid, cols, K,
+                               HAS_RESIDUAL, KEEP_NORMED)
     y = tl.sum(acc, axis=1)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _normed_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, normed_ptr, rstd, pid, cols, K: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, KEEP_NORMED: tl.constexpr):
+    """acc + the weight tile at column k times h there (program 0 stores h with KEEP_NORMED)."""
+    col_ok = k + cols < K
+    h = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, col_ok, rstd, HAS_RESIDUAL)
+    if KEEP_NORMED:
+        if pid == 0:
+            tl.store(normed_ptr + k + cols, h, mask=col_ok)
+    return acc + w.to(tl.float32) * h.to(tl.float32)[None, :]
 
 
 def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -241,7 +259,7 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n),)](
         x, x if res is None else res, norm_weight, weight, out, summed, normed, n, weight.stride(0), eps, K=k,
         HAS_RESIDUAL=res is not None, KEEP_NORMED=keep_normed, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch(weight.device))
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(weight.device), **_preload_arg(k, block_k))
     return (out, summed, normed) if keep_normed else (out, summed)
 
 
