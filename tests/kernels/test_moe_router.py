@@ -61,3 +61,21 @@ def test_a_strided_view_and_a_bad_k():
     torch.testing.assert_close(route_top_k(logits, 3, False)[0], route_reference(logits, 3, False)[0])
     with pytest.raises(ValueError, match="top_k must be in"):
         route_top_k(logits, 11, False)
+
+
+
+@pytest.mark.parametrize("num_experts", [3, 8, 60, 128])
+def test_every_expert_chosen_once_in_order_even_past_the_finite_logits(num_experts):
+    """k as large as the experts, over logits with many ties and with -inf ones: each expert is chosen once, ties
+    to the lower index, -inf logits last in index order (a chosen -inf expert is still the maximum of what is
+    left, so it must leave the round's candidates by its index, not by its logit)."""
+    g = torch.Generator(device=DEVICE).manual_seed(num_experts)
+    logits = torch.randint(0, 5, (4, num_experts), generator=g, device=DEVICE).float()  # many ties
+    logits[1, ::2] = float("-inf")
+    logits[2] = 0.0
+    logits[3] = float("-inf")
+    logits[3, -1] = 1.0  # one finite logit: the rest follow it in index order
+    _, ids = route_top_k(logits.to(torch.bfloat16), num_experts, renormalize=True)
+    for row, chosen in zip(logits.cpu(), ids.cpu()):
+        want = sorted(range(num_experts), key=lambda e: (-float(row[e]), e))
+        assert chosen.tolist() == want

@@ -33,14 +33,17 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
     chosen_ids = tl.zeros([TOP_K_P], dtype=tl.int32)
     chosen_exps = tl.zeros([TOP_K_P], dtype=tl.float32)
     remaining = tl.where(real, logits, float("-inf"))
+    open_ = real
     for j in tl.static_range(TOP_K):
         best = tl.max(remaining, axis=0)
-        # The lowest index holding the maximum (a chosen expert is out of `remaining`, so never chosen twice).
-        index = tl.min(tl.where((remaining == best) & real, experts, EXPERTS_P), axis=0)
+        # The lowest index holding the maximum among the experts not yet chosen (a chosen one leaves `open_`: with
+        # -inf logits the maximum alone would not tell it from the rest).
+        index = tl.min(tl.where((remaining == best) & open_, experts, EXPERTS_P), axis=0)
         chosen_ids = tl.where(slots == j, index, chosen_ids)
         # best is the chosen logit itself, so its exp is the one in `exps` (no third reduction a round).
         chosen_exps = tl.where(slots == j, tl.exp(best - top), chosen_exps)
         remaining = tl.where(experts == index, float("-inf"), remaining)
+        open_ = open_ & (experts != index)
     if RENORMALIZE:
         total = tl.sum(chosen_exps, axis=0)
     else:
