@@ -616,9 +616,11 @@ def _choose_normed(layers: list[KernelLinear], timed: list[tuple[float, GemvForm
         by_kind.setdefault(form[1] is None, []).append(form)
     apart: list[tuple[float, GemvForm]] = []
     fused: list[tuple[float, GemvForm]] = []
+    fastest = [forms[0] for forms in by_kind.values()]  # timed after the norm kernel too
+    candidates = [form for forms in by_kind.values() for form in forms[:NORM_FUSED_CANDIDATES]]
     try:
-        for form in (form for forms in by_kind.values() for form in forms[:NORM_FUSED_CANDIDATES]):
-            if form in (f[0] for f in by_kind.values()):  # after the norm kernel: the fastest of its kind
+        for form in candidates:
+            if form in fastest:
                 _set_form(timed_layers, form)
                 apart.append((time_in_graph_us(
                     lambda x, layer: layer.packed._product(layer, norm(x, residual)[0]), timed_layers, x), form))

@@ -63,7 +63,6 @@ def test_a_strided_view_and_a_bad_k():
         route_top_k(logits, 11, False)
 
 
-
 @pytest.mark.parametrize("num_experts", [3, 8, 60, 128])
 def test_every_expert_chosen_once_in_order_even_past_the_finite_logits(num_experts):
     """k as large as the experts, over logits with many ties and with -inf ones: each expert is chosen once, ties

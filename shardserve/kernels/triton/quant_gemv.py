@@ -72,7 +72,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
                                  K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if PER_ROW:
-        y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0) if NORM else row_scale
+        if NORM:
+            row_scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+        y *= row_scale
     if not NATIVE_FP8:
         y *= 256.0
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
