@@ -17,6 +17,8 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from shardserve.env_choice import env_choice
+
 logger = logging.getLogger(__name__)
 
 # Forces one method for every message size (tests, diagnosis): a name from METHOD_NAMES.
@@ -37,12 +39,22 @@ SYMM_MAX_BYTES = 512 * 1024
 # The peer-memory one-shot's slots hold the model's messages up to this size (the decode graphs' at up to 512
 # sequences of an 8192-wide model); larger ones (prefill chunks) go to NCCL. A rank's area is SLOTS x world slots.
 IPC_MAX_SLOT_BYTES = 8 * 2**20
+# Whether a row-parallel batch-1 GEMV sums its output over the ranks, adds the residual and applies the next norm in
+# its own launch (kernels/triton/gemv_all_reduce.py: "fused"), or leaves that to the all-reduce kernel after it
+# ("separate", the default: on two H100s the Llama-3-8B-shaped TP=2 batch-1 graph took 2.968 ms with it and
+# 3.015 ms fused; BENCHMARKS.md).
+GEMV_ALL_REDUCE_ENV = "SHARDSERVE_GEMV_ALL_REDUCE"
 # torch's symmetric memory numbers its rendezvous with a counter per process that no API exposes or resets:
 # ranks whose processes made different numbers of them (rank 0 in a process that already ran an engine, the
 # others fresh) wait for each other's keys forever. Counted here, so such ranks skip it instead.
 _symm_rendezvous_count = 0
 # A graph split at every all-reduce costs extra launches: eager NCCL must beat in-graph methods by this much.
 SPLIT_MARGIN_US = 5.0
+
+
+def gemv_add_on() -> bool:
+    """Whether row-parallel batch-1 GEMVs all-reduce in their own launch where the method has that form."""
+    return env_choice(GEMV_ALL_REDUCE_ENV, ("separate", "fused"), "separate") == "fused"
 
 
 class AllReduceMethod:
@@ -165,9 +177,14 @@ class IpcOneShotAllReduce(AllReduceMethod):
         self.ll_ptrs = torch.tensor([a + data_bytes + flag_bytes for a in addresses], dtype=torch.int64,
                                     device=device)
         self.counters = torch.zeros(self.SLOTS * self.MAX_ROWS, dtype=torch.int32, device=device)
+        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            from shardserve.kernels.triton.arrivals import arrival_counts
+
+            arrival_counts(device, 1)  # made here, eagerly: `gemv_add` needs them, mostly inside graph captures
         self._capturing = False
         self._graph_calls = 0
         self._eager_next = 0
+        self.gemv_calls = 0  # calls of `gemv_add`, captured or eager (the tests read it)
 
     @classmethod
     def area_bytes(cls, slot_bytes: int, world_size: int) -> int:
@@ -217,6 +234,29 @@ class IpcOneShotAllReduce(AllReduceMethod):
             return None
         self._launch(x, residual, weight, eps)
         return x, residual
+
+    def takes_gemv(self, residual: torch.Tensor, block_n: int) -> bool:
+        """Whether `gemv_add` can add into this residual, computed in row blocks of block_n."""
+        from shardserve.kernels.triton.arrivals import arrival_counts
+        from shardserve.kernels.triton.gemv_all_reduce import fits
+
+        return (residual.dtype == self.dtype and residual.is_cuda and residual.dim() == 2
+                and residual.shape[0] == 1 and residual.is_contiguous()
+                and fits(residual.shape[1], self.dtype, block_n, self.LL_ROW_BYTES)
+                and arrival_counts(residual.device, 1) is not None)
+
+    def gemv_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                 eps: float, swiglu: bool, config: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(s) * norm_weight, s) with s = residual + the sum over the ranks of x @ weight^T (of
+        silu(gate) * up for x = [gate | up] with `swiglu`), written over residual: the GEMV, this all-reduce, the
+        add and the norm in one launch (kernels/triton/gemv_all_reduce.py), as a call of this method (it takes a
+        slot). Only where takes_gemv(residual, config[0])."""
+        from shardserve.kernels.triton.gemv_all_reduce import gemv_all_reduce
+
+        self.gemv_calls += 1
+        return gemv_all_reduce(x, weight, residual, norm_weight, eps, swiglu, config, self.ll_ptrs, self.counters,
+                               self._slot(), self.LL_ROWS * self.LL_ROW_BYTES // 8, self.MAX_ROWS, self.rank,
+                               self.world_size)
 
     def close(self) -> None:
         self.memory.close()
@@ -278,7 +318,10 @@ class AllReduceChoice:
         if self.split_sizes:
             split = ", ".join(_human(n) for n in sorted(self.split_sizes))
             graph = f"{graph} (split graphs, nccl eager between pieces, at {split})"
-        return f"in graphs: {graph}; eager: {self.eager.describe()}"
+        fused = [m.name for m in {id(m): m for _, m in self.graph.entries + self.eager.entries}.values()
+                 if hasattr(m, "gemv_add")]
+        inside = f"; inside the row-parallel batch-1 GEMVs: {', '.join(fused)}" if fused and gemv_add_on() else ""
+        return f"in graphs: {graph}; eager: {self.eager.describe()}{inside}"
 
 
 def _human(nbytes: int) -> str:

@@ -12,10 +12,22 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from shardserve.distributed.all_reduce import AllReduceChoice, AllReduceMethod
+from shardserve.distributed.all_reduce import AllReduceChoice, AllReduceMethod, gemv_add_on
 
 if TYPE_CHECKING:
     from shardserve.distributed.token_broadcast import PeerTokenBroadcast
+
+
+class Normed:
+    """The pending reduction of an output that its row-parallel layer's kernel already all-reduced, added to the
+    residual and normalised with the next norm (RowParallelLinear.forward_add): the next layer takes the output
+    as that norm's, as is. Passed where a Communicator says that a reduction is still to do."""
+
+    def __repr__(self) -> str:
+        return "NORMED"
+
+
+NORMED = Normed()
 
 
 class Communicator:
@@ -83,6 +95,16 @@ class Communicator:
             return None
         fused = getattr((self.choice.graph if self._in_graph else self.choice.eager).pick(x), "add_rms_norm", None)
         return fused(x, residual, weight, eps) if fused is not None else None
+
+    def gemv_add(self, residual: torch.Tensor, block_n: int) -> Callable[..., torch.Tensor] | None:
+        """The method that adds a row-parallel GEMV's output, summed over the group, to `residual` and normalises
+        the sum in the GEMV's own launch (IpcOneShotAllReduce.gemv_add), where the method chosen for the residual's
+        size has that form and SHARDSERVE_GEMV_ALL_REDUCE allows it; else None."""
+        if self.world_size == 1 or self.choice is None or self._split_piece is not None or not gemv_add_on():
+            return None
+        method = (self.choice.graph if self._in_graph else self.choice.eager).pick(residual)
+        takes = getattr(method, "takes_gemv", None)
+        return method.gemv_add if takes is not None and takes(residual, block_n) else None
 
     def close(self) -> None:
         """Free what the chosen methods hold on the device (peer memory). Every rank calls it at shutdown,

@@ -35,6 +35,8 @@ NORMED_CANDIDATES = ((16, 512, 8, 1), (32, 512, 8, 1))
 # two launches that already use the plain winner, so it must be faster by FUSED_MIN_GAIN.
 TIE = 0.01
 FUSED_MIN_GAIN = 0.03
+# The weights' dtypes whose shapes are timed (16-bit: what models are served in; the kernels take float32 too).
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 Config = tuple[int, int, int, int]
@@ -82,6 +84,20 @@ class Batch1GemvKernel(LinearKernel):
         from shardserve.kernels.triton.gemv import gemv_swiglu
 
         return gemv_swiglu(gate_up, weight, *config)
+
+    def reduce_add_norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float, comm, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(RMSNorm(s) * norm_weight, s) with s = residual + x @ weight^T summed over comm's group (x = silu(gate)
+        * up with `swiglu`), in the GEMV's own launch (Communicator.gemv_add), with the configuration chosen for
+        the plain or SwiGLU-fused product; None where there is no such form and the caller reduces after a plain
+        product."""
+        config = _one_row_config(self.swiglu_configs if swiglu else self.configs, x, weight)
+        if config is None and swiglu:  # SwiGLU first, as the two-launch form the fused one was timed against
+            config = _one_row_config(self.configs, x, weight)
+            fused = comm.gemv_add(residual, config[0]) if config is not None else None
+            return fused(silu_and_mul(x), weight, residual, norm_weight, eps, False, config) if fused else None
+        fused = comm.gemv_add(residual, config[0]) if config is not None else None
+        return fused(x, weight, residual, norm_weight, eps, swiglu, config) if fused is not None else None
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                weight: torch.Tensor, keep_normed: bool = False) -> tuple[torch.Tensor, ...] | None:
@@ -139,7 +155,7 @@ def use_batch1_gemv(model: nn.Module, log: bool = True, agree=None) -> Batch1Gem
     normed_by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     for layer in layers:
         w = layer.weight
-        if w.dim() == 2 and w.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and w.stride(1) == 1:
+        if w.dim() == 2 and w.is_cuda and w.dtype in GEMV_DTYPES and w.stride(1) == 1:
             by_shape.setdefault(tuple(w.shape), []).append(w.data)
             if getattr(layer, "takes_swiglu_input", False):
                 swiglu_by_shape.setdefault(tuple(w.shape), []).append(w.data)

@@ -14,7 +14,7 @@ from typing import Any, Hashable
 import torch
 from torch import nn
 
-from shardserve.distributed.communicator import Communicator
+from shardserve.distributed.communicator import NORMED, Communicator
 from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.linear_kernels import LinearKernel
 
@@ -195,7 +195,10 @@ class ColumnParallelLinear(KernelLinear):
         `keep_normed`, (forward(norm(s)), norm(s), s), for other layers that take the same input.
 
         With `reduce`, x is the previous row-parallel layer's partial sum (RowParallelLinear.pending): it is
-        all-reduced first, in the same kernel as the add and the norm where the communicator has one."""
+        all-reduced first, in the same kernel as the add and the norm where the communicator has one. With
+        `reduce` NORMED, x is already norm(s) and residual s (RowParallelLinear.forward_add)."""
+        if reduce is NORMED:
+            return (self.forward(x), x, residual) if keep_normed else (self.forward(x), residual)
         if reduce is not None:
             fused = reduce.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
             if fused is not None:
@@ -254,6 +257,20 @@ class RowParallelLinear(KernelLinear):
             self.packed.load(self, loaded, slice(None), None, (start, end), shard_id)
             return
         copy_exact(param.data, loaded[:, start:end])
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor | None, next_norm,
+                    swiglu_input: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+        """(forward(x), residual, pending), except where the layer defers its reduction and its kernel can do
+        the all-reduce, the residual add and `next_norm` (the RMSNorm module the next layer starts with) in the
+        GEMV's own launch (single tokens on GPUs of one host, kernels/triton/gemv_all_reduce.py): then
+        (next_norm(s), s, NORMED) with s = residual + the output summed over the ranks, written over residual."""
+        if self.defer_reduction and residual is not None and next_norm is not None and self.fusable:
+            fused = getattr(self.kernel, "reduce_add_norm", None)
+            out = fused(x, self.weight, residual, next_norm.weight, next_norm.eps, self.comm, swiglu_input) \
+                if fused is not None else None
+            if out is not None:
+                return out[0], out[1], NORMED
+        return self.forward(x, swiglu_input), residual, self.pending
 
     def forward(self, x: torch.Tensor, swiglu_input: bool = False) -> torch.Tensor:
         """With swiglu_input, x is [gate | up] and the layer's input is silu(gate) * up."""

@@ -25,9 +25,10 @@ class SwiGLUMLP(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(h), swiglu_input=True)
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
-                       reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block on norm(x + residual), with the new residual; the norm and SwiGLU are fused into the
-        projections where a kernel can. `reduce`: x is a partial sum still to be all-reduced."""
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, reduce=None,
+                       next_norm: nn.Module | None = None):
+        """The block on norm(x + residual): (output, new residual, the output's pending reduction), as
+        RowParallelLinear.forward_add with `next_norm`; the norm and SwiGLU are fused into the projections where a
+        kernel can. `reduce`: x is a partial sum still to be all-reduced (ColumnParallelLinear.forward_normed)."""
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm, reduce)
-        return self.down_proj(gate_up, swiglu_input=True), residual
+        return self.down_proj.forward_add(gate_up, residual, next_norm, swiglu_input=True)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.distributed.communicator import NORMED
 from shardserve.kernels.availability import use_triton
 
 
@@ -20,8 +21,11 @@ class RMSNorm(nn.Module):
 
         On CUDA one Triton kernel does the add and the norm (x and residual are then updated in place).
         With `reduce` (a Communicator), x is a partial sum still to be all-reduced over the ranks first; where
-        the communicator can, the all-reduce, the add and the norm are one kernel.
+        the communicator can, the all-reduce, the add and the norm are one kernel. With `reduce` NORMED, x is
+        already the norm's output and residual the sum (RowParallelLinear.forward_add): returned as they are.
         """
+        if reduce is NORMED:
+            return x, residual
         if reduce is not None:
             fused = reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:

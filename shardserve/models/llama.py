@@ -49,16 +49,18 @@ class Attention(nn.Module):
         self.head_dim = hd
 
     def forward(self, rotary: RotaryLookup, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                cache: KVCache, meta, reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of norm(x + residual); returns it with the new residual x + residual. With `reduce`, x is
-        a partial sum to all-reduce first. The output is o_proj's partial sum where o_proj.pending is set."""
+                cache: KVCache, meta, reduce=None, next_norm: RMSNorm | None = None):
+        """Attention of norm(x + residual): (output, new residual x + residual, the output's pending reduction).
+        With `reduce`, x is a partial sum to all-reduce first. Where o_proj reduced its output, added it to the
+        residual and applied `next_norm` itself (RowParallelLinear.forward_add), the output is that norm's."""
         tokens = x.shape[0]
         qkv, residual = self.qkv_proj.forward_normed(x, residual, norm, reduce)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(tokens, -1, self.head_dim)  # query heads, then key heads
         # The attention backend normalises (Qwen3) and rotates query and key heads together and stores keys and
         # values in the cache.
-        return self.o_proj(self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)), residual
+        out = self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)
+        return self.o_proj.forward_add(out, residual, next_norm)
 
 
 class MLP(SwiGLUMLP):
@@ -66,11 +68,10 @@ class MLP(SwiGLUMLP):
         rows, sharded = split_rows(cfg.intermediate_size, comm.rank, comm.world_size, "mlp")
         super().__init__(cfg.hidden_size, rows, cfg.mlp_bias, dtype, comm if sharded else None, not sharded)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """MLP of norm(x + residual); returns it with the new residual. `reduce` and the output's pending
-        reduction as in Attention."""
-        return self.forward_normed(x, residual, norm, reduce)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, reduce=None,
+                next_norm: RMSNorm | None = None):
+        """MLP of norm(x + residual): (output, new residual, pending reduction) as in Attention."""
+        return self.forward_normed(x, residual, norm, reduce, next_norm)
 
 
 class DecoderLayer(nn.Module):
@@ -84,16 +85,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, rotary: RotaryLookup, x, residual, cache: KVCache, meta, reduce: Communicator | None = None):
+    def forward(self, rotary: RotaryLookup, x, residual, cache: KVCache, meta, reduce=None,
+                next_norm: RMSNorm | None = None):
         """x: the previous layer's output (the embeddings for the first layer, with residual None), a partial
-        sum still to be all-reduced with `reduce` where the previous layer deferred its reduction. Returns
-        this layer's output, a partial sum where `pending` is set, and the residual."""
-        x, residual = self.self_attn(rotary, x, residual, self.input_layernorm, cache, meta, reduce)
-        return self.mlp(x, residual, self.post_attention_layernorm, self.self_attn.o_proj.pending)
-
-    @property
-    def pending(self) -> Communicator | None:
-        return self.mlp.pending if isinstance(self.mlp, SparseMoE) else self.mlp.down_proj.pending
+        sum still to be all-reduced with `reduce` where the previous layer deferred its reduction, or already
+        this layer's input norm's output where `reduce` is NORMED. Returns (output, residual, the output's pending
+        reduction); `next_norm`: the norm after this layer (the next layer's first, or the model's last), which
+        the layer's last projection may apply itself (RowParallelLinear.forward_add)."""
+        x, residual, pending = self.self_attn(rotary, x, residual, self.input_layernorm, cache, meta, reduce,
+                                              self.post_attention_layernorm)
+        if isinstance(self.mlp, SparseMoE):
+            x, residual = self.mlp(x, residual, self.post_attention_layernorm, pending)
+            return x, residual, self.mlp.pending
+        return self.mlp(x, residual, self.post_attention_layernorm, pending, next_norm)
 
 
 class LlamaModel(nn.Module):
@@ -109,10 +113,11 @@ class LlamaModel(nn.Module):
     def forward(self, token_ids, positions, caches: list[KVCache], meta) -> torch.Tensor:
         x, residual, pending = self.embed_tokens(token_ids), None, None
         rotary = self.rotary.lookup(positions)
-        for layer, cache in zip(self.layers, caches):
-            # Each layer's last all-reduce happens in the next layer's first norm (one kernel with the add).
-            x, residual = layer(rotary, x, residual, cache, meta, pending)
-            pending = layer.pending
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, cache, next_norm in zip(self.layers, caches, next_norms):
+            # A layer's last all-reduce happens in its last projection's GEMV with the residual add and the next
+            # norm (forward_add), or in the next layer's first norm (one kernel with the add).
+            x, residual, pending = layer(rotary, x, residual, cache, meta, pending, next_norm)
         x, _ = self.norm(x, residual, reduce=pending)
         return x
 

@@ -85,6 +85,73 @@ def test_peer_memory_all_reduce_matches_the_rank_ordered_sum_on_two_gpus():
     _on_two_gpus(_check_sums)
 
 
+def _check_gemv_add(rank: int, ctx) -> None:
+    """The row-parallel GEMV with the all-reduce, residual add and norm in its launch: the residual each rank gets
+    equals the plain GEMV then the unfused all-reduce with the add, bit for bit, and the normed output its norm
+    (to the last bit: the sum of squares is reduced in another order); eagerly and replayed from a CUDA graph in
+    which it alternates with unfused calls (sharing their slots and epochs)."""
+    import torch.distributed as dist
+
+    from shardserve.distributed.all_reduce import SYMM_MAX_BYTES, IpcOneShotAllReduce
+    from shardserve.kernels.triton.gemv import gemv, gemv_swiglu
+
+    dtype = torch.bfloat16
+    method = IpcOneShotAllReduce(ctx.control_group, rank, 2, ctx.device, dtype, SYMM_MAX_BYTES)
+    g = torch.Generator(ctx.device).manual_seed(7 + rank)
+    for (n, k), config in (((4096, 2048), (8, 512, 4, 1)), ((4096, 7168), (4, 1024, 8, 4)),
+                           ((1000, 300), (8, 256, 4, 3))):
+        for swiglu in (False, True):
+            w = torch.randn(n, k, generator=g, device=ctx.device).to(dtype) / k ** 0.5
+            x = torch.randn(1, (2 if swiglu else 1) * k, generator=g, device=ctx.device).to(dtype)
+            residual = torch.randn(1, n, generator=g, device=ctx.device).to(dtype)
+            dist.broadcast(residual, 0, group=ctx.comm.group)  # replicated, as in the model
+            norm_weight = (1 + torch.rand(n, generator=g, device=ctx.device)).to(dtype)
+            dist.broadcast(norm_weight, 0, group=ctx.comm.group)
+            part = (gemv_swiglu if swiglu else gemv)(x, w, *config)
+            expected_normed, expected = method.add_rms_norm(part, residual.clone(), norm_weight, 1e-5)
+            assert method.takes_gemv(residual, config[0])
+            normed, summed = method.gemv_add(x, w, residual.clone(), norm_weight, 1e-5, swiglu, config)
+            assert torch.equal(summed, expected), f"{n}x{k} swiglu={swiglu}"
+            torch.testing.assert_close(normed, expected_normed, atol=0, rtol=1e-2)
+    # In a graph: fused and unfused calls alternating over the slots, replayed with new inputs.
+    w = torch.randn(4096, 2048, generator=g, device=ctx.device).to(dtype) / 45
+    x = torch.zeros(1, 2048, dtype=dtype, device=ctx.device)
+    residuals = [torch.zeros(1, 4096, dtype=dtype, device=ctx.device) for _ in range(3)]
+    plains = [torch.zeros(1, 4096, dtype=dtype, device=ctx.device) for _ in residuals]
+    graph = torch.cuda.CUDAGraph()
+    method.begin_capture()
+    with torch.cuda.graph(graph):
+        for r, p in zip(residuals, plains):
+            method.gemv_add(x, w, r, torch.ones(4096, dtype=dtype, device=ctx.device), 1e-5, False, (8, 512, 4, 1))
+            method(p)
+    method.end_capture()
+    for replay in range(4):
+        x.copy_(torch.randn(1, 2048, generator=g, device=ctx.device).to(dtype))
+        starts = [torch.randn(1, 4096, generator=g, device=ctx.device).to(dtype) for _ in residuals]
+        for r, s in zip(residuals, starts):
+            dist.broadcast(s, 0, group=ctx.comm.group)
+            r.copy_(s)
+        for p in plains:
+            p.fill_(float(rank + replay))
+        graph.replay()
+        part = gemv(x, w, 8, 512, 4, 1)
+        parts = [torch.empty_like(part) for _ in range(2)]
+        dist.all_gather(parts, part, group=ctx.comm.group)
+        total = (parts[0].float() + parts[1].float()).to(dtype)
+        for r, s in zip(residuals, starts):
+            assert torch.equal(r, (total.float() + s.float()).to(dtype)), f"replay {replay}"
+        for p in plains:
+            assert torch.equal(p, torch.full_like(p, float(2 * replay + 1))), f"replay {replay}"
+    torch.cuda.synchronize()
+    del graph
+    method.close()
+
+
+@pytest.mark.gpu
+def test_a_gemv_with_the_all_reduce_and_residual_add_inside_matches_the_separate_kernels_on_two_gpus():
+    _on_two_gpus(_check_gemv_add)
+
+
 def _check_broadcast(rank: int, ctx) -> None:
     import torch.distributed as dist
 

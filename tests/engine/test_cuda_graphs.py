@@ -37,12 +37,15 @@ def _one_gpu_reference(model_dir: str) -> list[list[int]]:
     return _ONE_GPU_TOKENS[model_dir]
 
 
-def _greedy(model_dir: str, tp: int = 1, **options) -> list[list[int]]:
+def _greedy(model_dir: str, tp: int = 1, check=None, **options) -> list[list[int]]:
+    """The greedy tokens of _prompts(); `check(llm)` runs on the started engine (rank 0's, in this process)."""
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(model_dir, tensor_parallel_size=tp, device="cuda", dtype="float32", kv_cache_memory_gb=0.05,
              **options) as llm:
         if not options.get("enforce_eager"):
             assert llm.engine.runner.graphs is not None, "CUDA graphs were not captured"
+        if check is not None:
+            check(llm)
         return [out.token_ids for out in llm.generate(_prompts(), params)]
 
 
@@ -67,3 +70,30 @@ def test_every_all_reduce_method_gives_the_same_tokens(tiny_model_dir, monkeypat
     expected = _one_gpu_reference(model_dir)
     monkeypatch.setenv(FORCE_ENV, method)  # inherited by the spawned rank
     assert _greedy(model_dir, tp=2) == expected
+
+
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+def test_the_all_reduce_inside_the_row_parallel_gemvs_keeps_the_tokens(tiny_model_dir, monkeypatch, mode):
+    """At TP=2 the row-parallel batch-1 GEMVs (o_proj, down_proj) sum over the ranks, add the residual and apply
+    the next norm in their own launch in the decode graphs (SHARDSERVE_GEMV_ALL_REDUCE=fused), or leave it to the
+    all-reduce kernel after them (separate, the default): the tokens of one GPU either way, and the fused form is
+    really taken where asked for."""
+    from shardserve.distributed.all_reduce import GEMV_ALL_REDUCE_ENV
+    from shardserve.layers import cuda_gemv
+
+    _needs_gpus(2)
+    monkeypatch.setenv(GEMV_ALL_REDUCE_ENV, mode)  # inherited by the spawned rank
+    # Rank 0's GEMV choice is every rank's: the Triton GEMVs on this tiny float32 model's shapes, whatever
+    # cuBLAS's time.
+    monkeypatch.setattr(cuda_gemv, "GEMV_DTYPES", (torch.float32,))
+    monkeypatch.setattr(cuda_gemv, "TIE", 100.0)
+    model_dir = tiny_model_dir("llama-untied")
+    expected = _one_gpu_reference(model_dir)
+
+    def fused_calls(llm) -> None:
+        methods = llm.engine.runner.ctx.comm.choice.graph.entries
+        calls = sum(getattr(method, "gemv_calls", 0) for _, method in methods)
+        # Two a layer in the batch-1 graph: o_proj and down_proj.
+        assert (calls >= 2 * 2) if mode == "fused" else calls == 0, f"{calls} fused calls captured"
+
+    assert _greedy(model_dir, tp=2, check=fused_calls) == expected

@@ -22,38 +22,13 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from shardserve.kernels.triton import fused_ops, paged_attention as pa, paged_decode as pd  # noqa: E402
-from shardserve.kernels.triton.all_reduce import _ll_payload, _ll_values, with_epoch  # noqa: E402
+from shardserve.kernels.triton.all_reduce import _ll_payload, ll_values, with_epoch  # noqa: E402
 from shardserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 
-
-def _allow_one_element_arrays_as_indices() -> None:
-    """Triton 3.6's interpreter turns scalars (1-element arrays) into loop bounds with int(), which numpy >= 2.4
-    rejects (triton-lang/triton#9171); loops whose bounds are read from memory need it. Interpreter only."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    try:
-        int(np.ones(1))
-        return
-    except TypeError:
-        pass
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None:
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _allow_one_element_arrays_as_indices()
 
 ATTN_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -709,7 +684,7 @@ def _word_round_trip(x_ptr, out_ptr, epochs_ptr, n_cols, BLOCK: tl.constexpr, PA
     words = with_epoch(_ll_payload(x_ptr, 0, n_cols, BLOCK, PACK), tl.load(epochs_ptr) + 0)
     tl.store(epochs_ptr + 1 + tl.arange(0, BLOCK // PACK), (words >> 32).to(tl.int32))
     cols = tl.arange(0, BLOCK)
-    tl.store(out_ptr + cols, _ll_values(words, x_ptr.dtype.element_ty, BLOCK, PACK), mask=cols < n_cols)
+    tl.store(out_ptr + cols, ll_values(words, x_ptr.dtype.element_ty, BLOCK, PACK), mask=cols < n_cols)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

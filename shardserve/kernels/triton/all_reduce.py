@@ -45,7 +45,7 @@ def _take_epoch(counter, old):
 
 
 @triton.jit
-def _addresses(table_ptr, WORLD: tl.constexpr):
+def peer_addresses(table_ptr, WORLD: tl.constexpr):
     """Every rank's area as seen from here: a tuple of WORLD addresses."""
     areas = ()
     for q in tl.static_range(WORLD):
@@ -70,6 +70,19 @@ def _ll_payload(x_ptr, offset, n_cols, BLOCK: tl.constexpr, PACK: tl.constexpr):
 
 
 @triton.jit
+def ll_words(values, BLOCK: tl.constexpr, PACK: tl.constexpr):
+    """As _ll_payload for BLOCK values already in registers (a GEMV's output rows): value 2i in the low two bytes
+    of word i, value 2i + 1 in the high two (PACK 2), or one 32-bit value a word (PACK 1)."""
+    if PACK == 2:
+        lo, hi = tl.split(tl.reshape(values, (BLOCK // 2, 2)))
+        payload = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | \
+            (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+    else:
+        payload = values.to(tl.int32, bitcast=True)
+    return payload.to(tl.uint32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
 def with_epoch(payload, epoch):
     """Low-latency words: each payload (uint32 in int64) under its epoch in the high half."""
     return (epoch.to(tl.int64) << 32) | payload
@@ -85,7 +98,7 @@ def await_epoch(at, ok, epoch):
 
 
 @triton.jit
-def _ll_values(words, dtype: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.constexpr):
+def ll_values(words, dtype: tl.constexpr, BLOCK: tl.constexpr, PACK: tl.constexpr):
     """The values of words made from _ll_payload, in column order."""
     payload = words.to(tl.int32)  # the low half
     if PACK == 2:
@@ -112,10 +125,10 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
     counter = counter_ptr + slot * max_rows + row
     old_epoch = tl.load(counter)
     if LL:
-        areas = _addresses(ll_ptrs, WORLD)
+        areas = peer_addresses(ll_ptrs, WORLD)
     else:
-        areas = _addresses(data_ptrs, WORLD)
-        flags = _addresses(flag_ptrs, WORLD)
+        areas = peer_addresses(data_ptrs, WORLD)
+        flags = peer_addresses(flag_ptrs, WORLD)
     enter(PDL)  # before any read of x and any write to a peer
     x = tl.load(x_ptr + offset, mask=mask, other=0.0)
     dtype = x.dtype
@@ -144,7 +157,7 @@ def _one_shot_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, data_ptrs, flag_p
                 acc += x.to(tl.float32)
             else:
                 got = await_epoch(own + (slot * WORLD + q).to(tl.int64) * ll_slot_words + word_at, word_ok, epoch)
-                acc += tl.where(mask, _ll_values(got, dtype, BLOCK, PACK), 0.0).to(tl.float32)
+                acc += tl.where(mask, ll_values(got, dtype, BLOCK, PACK), 0.0).to(tl.float32)
     else:
         for q in tl.static_range(WORLD):
             if q != RANK:

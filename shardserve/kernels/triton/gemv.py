@@ -129,14 +129,22 @@ def preload_tiles() -> int:
 def _gemv_swiglu_kernel(gate_up_ptr, w_ptr, out_ptr, N, stride_wn,
                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PDL: tl.constexpr):
-    """As _gemv_kernel with x = silu(gate) * up computed on the fly from gate_up = [gate | up] (2K values),
-    rounded as shardserve.kernels.triton.fused_ops.silu_and_mul rounds, so the products equal the two-kernel
-    path's. Every program recomputes the activation of its K columns: cheap next to streaming the weights."""
+    """As _gemv_kernel with x = silu(gate) * up computed on the fly from gate_up = [gate | up] (2K values)
+    (swiglu_dots)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     enter(PDL)
+    y = swiglu_dots(w_rows, gate_up_ptr, cols, row_ok, K, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def swiglu_dots(w_rows, gate_up_ptr, cols, row_ok, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] float32: each row's dot product with x = silu(gate) * up over K, x rounded as
+    shardserve.kernels.triton.fused_ops.silu_and_mul rounds, so the products equal the two-kernel path's. Every
+    program recomputes the activation of its K columns: cheap next to streaming the weights."""
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         col_ok = k + cols < K
@@ -148,8 +156,7 @@ def _gemv_swiglu_kernel(gate_up_ptr, w_ptr, out_ptr, N, stride_wn,
         w = tl.load(w_rows + k + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
                     eviction_policy="evict_first")
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    return tl.sum(acc, axis=1)
 
 
 def gemv_swiglu(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512,
