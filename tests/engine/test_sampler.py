@@ -240,9 +240,9 @@ def argmax_kernel(monkeypatch):
     monkeypatch.setattr(argmax, "greedy_tokens", counted)
     if torch.cuda.is_available():
         return SimpleNamespace(device="cuda", calls=calls)
-    from tests.kernels.test_triton_kernels import _allow_one_element_arrays_as_indices
+    from tests.triton_interpreter import allow_one_element_arrays_as_indices
 
-    _allow_one_element_arrays_as_indices()  # the kernel's programs loop up to their part's end
+    allow_one_element_arrays_as_indices()  # the kernel's programs loop up to their part's end
     monkeypatch.setattr(sampler_module, "use_triton", lambda x: True)
     return SimpleNamespace(device="cpu", calls=calls)
 

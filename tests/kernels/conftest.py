@@ -8,34 +8,13 @@ import os
 import pytest
 import torch
 
-
-def _allow_one_element_arrays_as_indices() -> None:
-    """Triton 3.6's interpreter turns scalars (1-element arrays) into loop bounds with int(), which numpy >= 2.4
-    rejects (triton-lang/triton#9171); loops whose bounds are kernel arguments or read from memory need it.
-    Interpreter only."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    try:
-        int(np.ones(1))
-        return
-    except TypeError:
-        pass
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None:
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
+from tests.triton_interpreter import allow_one_element_arrays_as_indices
 
 
 if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("TRITON_INTERPRET") == "1":
-        _allow_one_element_arrays_as_indices()
+        allow_one_element_arrays_as_indices()
 
 
 @pytest.fixture
