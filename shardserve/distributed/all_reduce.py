@@ -313,13 +313,16 @@ class AllReduceChoice:
     def split_graph(self, nbytes: int) -> bool:
         return nbytes in self.split_sizes
 
+    def methods(self) -> list[AllReduceMethod]:
+        """The chosen methods, each once (one may stand in both tables)."""
+        return list({id(m): m for table in (self.eager, self.graph) for _, m in table.entries}.values())
+
     def describe(self) -> str:
         graph = self.graph.describe()
         if self.split_sizes:
             split = ", ".join(_human(n) for n in sorted(self.split_sizes))
             graph = f"{graph} (split graphs, nccl eager between pieces, at {split})"
-        fused = [m.name for m in {id(m): m for _, m in self.graph.entries + self.eager.entries}.values()
-                 if hasattr(m, "gemv_add")]
+        fused = [m.name for m in self.methods() if hasattr(m, "gemv_add")]
         inside = f"; inside the row-parallel batch-1 GEMVs: {', '.join(fused)}" if fused and gemv_add_on() else ""
         return f"in graphs: {graph}; eager: {self.eager.describe()}{inside}"
 

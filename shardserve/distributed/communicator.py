@@ -67,10 +67,7 @@ class Communicator:
 
     def _methods(self) -> list[AllReduceMethod]:
         """The chosen methods, each once (one may stand in both tables)."""
-        if self.choice is None:
-            return []
-        found = {id(m): m for table in (self.choice.eager, self.choice.graph) for _, m in table.entries}
-        return list(found.values())
+        return [] if self.choice is None else self.choice.methods()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the group. Use the returned tensor (a method may reduce into a new one)."""

@@ -92,12 +92,17 @@ class Batch1GemvKernel(LinearKernel):
         the plain or SwiGLU-fused product; None where there is no such form and the caller reduces after a plain
         product."""
         config = _one_row_config(self.swiglu_configs if swiglu else self.configs, x, weight)
-        if config is None and swiglu:  # SwiGLU first, as the two-launch form the fused one was timed against
+        # Without a SwiGLU-fused form: SwiGLU first, then the plain winner's form (what the fused one was timed
+        # against).
+        activate_first = config is None and swiglu
+        if activate_first:
             config = _one_row_config(self.configs, x, weight)
-            fused = comm.gemv_add(residual, config[0]) if config is not None else None
-            return fused(silu_and_mul(x), weight, residual, norm_weight, eps, False, config) if fused else None
         fused = comm.gemv_add(residual, config[0]) if config is not None else None
-        return fused(x, weight, residual, norm_weight, eps, swiglu, config) if fused is not None else None
+        if fused is None:
+            return None
+        if activate_first:
+            x, swiglu = silu_and_mul(x), False
+        return fused(x, weight, residual, norm_weight, eps, swiglu, config)
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                weight: torch.Tensor, keep_normed: bool = False) -> tuple[torch.Tensor, ...] | None:

@@ -18,10 +18,6 @@ triton = pytest.importorskip("triton")
 
 from shardserve.kernels.triton import argmax  # noqa: E402
 from shardserve.kernels.triton.argmax import greedy_tokens  # noqa: E402
-from tests.triton_interpreter import allow_one_element_arrays_as_indices  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    allow_one_element_arrays_as_indices()  # the programs loop up to their part's end
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -24,10 +24,6 @@ from shardserve.kernels.triton.fused_moe import (align_pairs, fused_moe, fused_m
                                                  route_and_align)
 from shardserve.kernels.triton.moe_router import route_top_k  # noqa: E402
 from shardserve.layers.moe import route_reference  # noqa: E402
-from tests.triton_interpreter import allow_one_element_arrays_as_indices  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    allow_one_element_arrays_as_indices()  # the kernels loop up to their pair and block counts
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -21,10 +21,6 @@ from shardserve.kernels.quant_pack import pack_int4  # noqa: E402
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
 from shardserve.kernels.triton.fused_moe import fused_moe_packed  # noqa: E402
 from tests.kernels.test_fused_moe import DEVICE, make_routes, relative_error  # noqa: E402
-from tests.triton_interpreter import allow_one_element_arrays_as_indices  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    allow_one_element_arrays_as_indices()
 
 CUDA = torch.cuda.is_available()
 SMALL = MoeConfig(16, Tile(16, 32, 4, 1), Tile(16, 32, 4, 1))

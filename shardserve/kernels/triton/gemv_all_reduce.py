@@ -31,7 +31,7 @@ import triton.language as tl
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.all_reduce import await_epoch, ll_values, ll_words, peer_addresses, with_epoch
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
-from shardserve.kernels.triton.gemv import _preload_arg, load_first_tiles, row_dots, swiglu_dots
+from shardserve.kernels.triton.gemv import _preload_arg, load_first_tiles, normed_values, row_dots, swiglu_dots
 from shardserve.kernels.triton.pdl import enter
 
 # The arrival count this kernel uses (any: the kernels that count leave their counts at 0).
@@ -114,14 +114,13 @@ def _sum_into_residual(own, residual_ptr, slot, N, ll_slot_words, epoch, eps, dt
 
 @triton.jit
 def _normalise(residual_ptr, norm_w_ptr, normed_ptr, N, rstd, SUM_BLOCK: tl.constexpr):
-    """normed = RMSNorm(residual) * norm_w with 1 / rms `rstd`, rounded as fused_ops._rms_norm_kernel rounds."""
+    """normed = RMSNorm(residual) * norm_w with 1 / rms `rstd` (gemv.normed_values: the rounding of
+    fused_ops._rms_norm_kernel)."""
     tl.debug_barrier()  # the residual's new values, stored by other threads of this program, are read back
     for start in range(0, N, SUM_BLOCK):
         values = start + tl.arange(0, SUM_BLOCK)
-        s = tl.load(residual_ptr + values, mask=values < N, other=0.0)
-        h = (s.to(tl.float32) * rstd).to(s.dtype)
-        nw = tl.load(norm_w_ptr + values, mask=values < N, other=0.0)
-        tl.store(normed_ptr + values, (nw.to(tl.float32) * h.to(tl.float32)).to(s.dtype), mask=values < N)
+        h = normed_values(residual_ptr, residual_ptr, norm_w_ptr, values, values < N, rstd, False)
+        tl.store(normed_ptr + values, h, mask=values < N)
 
 
 def fits(n: int, dtype: torch.dtype, block_n: int, ll_row_bytes: int) -> bool:
