@@ -61,6 +61,15 @@ def rms_norm(x, weight, eps):
     return rms_norm(x, weight, eps)
 
 
+def _reference64(x, w, swiglu):
+    """x @ w^T in float64 (of silu(gate) * up with `swiglu`), the input rounded as the kernels round it."""
+    if swiglu:
+        from shardserve.kernels.triton.fused_ops import silu_and_mul
+
+        x = silu_and_mul(x)
+    return x.double() @ w.double().T
+
+
 def _partial(x, w, swiglu, config):
     from shardserve.kernels.triton.gemv import gemv, gemv_swiglu
 
@@ -95,6 +104,10 @@ def test_both_ranks_get_the_rank_ordered_sum_plus_the_residual(dtype, swiglu, n,
                                              WORLD)
             assert summed is residual
             assert torch.equal(residual, expected), f"rank {rank}, call {call}"
+            # And against float64: the whole sharded product plus the residual, rounded once per rank's part.
+            reference = start.double() + sum(_reference64(x, w, swiglu) for x, w in zip(inputs, weights))
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(residual.double(), reference, atol=tol * k ** 0.5, rtol=tol)
             # The sum of squares is reduced in another order than the norm kernel's: the last bit may differ.
             torch.testing.assert_close(normed, expected_normed, atol=0, rtol=2e-3 if dtype == torch.float16 else 1e-6)
             assert ranks.counters[rank][slot * MAX_ROWS] == call
