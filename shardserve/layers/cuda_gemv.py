@@ -35,6 +35,9 @@ NORMED_CANDIDATES = ((16, 512, 8, 1), (32, 512, 8, 1))
 # two launches that already use the plain winner, so it must be faster by FUSED_MIN_GAIN.
 TIE = 0.01
 FUSED_MIN_GAIN = 0.03
+# A SwiGLU-out form computes nothing twice (each program's gate and up rows give its features' activations): it
+# is kept wherever it is faster at all than the product followed by the SwiGLU kernel.
+SWIGLU_OUT_MIN_GAIN = 0.0
 # The weights' dtypes whose shapes are timed (16-bit: what models are served in; the kernels take float32 too).
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -45,24 +48,32 @@ Config = tuple[int, int, int, int]
 class Batch1GemvKernel(LinearKernel):
     """F.linear, except one-row inputs on weights whose shape has a chosen Triton configuration. `swiglu` is
     the same for a layer whose input is silu(gate) * up (the MLP's down projection), `normed` for one whose
-    input is RMSNorm(x + residual): each fused into one launch."""
+    input is RMSNorm(x + residual): each fused into one launch. `swiglu_out` and `normed_swiglu_out` are the plain
+    and norm-fused forms for a [gate | up] projection that return silu(gate) * up in place of the product, so
+    no SwiGLU launch follows (the MLP's gate/up projection)."""
 
     name = "cuda-gemv"
 
     def __init__(self, configs: dict[tuple[int, int], Config], swiglu_configs: dict[tuple[int, int], Config],
-                 normed_configs: dict[tuple[int, int], Config]) -> None:
+                 normed_configs: dict[tuple[int, int], Config],
+                 swiglu_out_configs: dict[tuple[int, int], Config] | None = None,
+                 normed_swiglu_out_configs: dict[tuple[int, int], Config] | None = None) -> None:
         self.configs = configs
         self.swiglu_configs = swiglu_configs
         self.normed_configs = normed_configs
+        self.swiglu_out_configs = swiglu_out_configs or {}
+        self.normed_swiglu_out_configs = normed_swiglu_out_configs or {}
 
     def summary(self) -> str:
         """For the kernel plan: how many weight shapes take each Triton form."""
         return (f"triton on {len(self.configs)} shapes, SwiGLU-fused on {len(self.swiglu_configs)}, "
-                f"norm-fused on {len(self.normed_configs)}")
+                f"norm-fused on {len(self.normed_configs)}, SwiGLU-out on {len(self.swiglu_out_configs)} "
+                f"({len(self.normed_swiglu_out_configs)} with the norm)")
 
     def as_lists(self) -> list:
         return [[[list(shape), list(c)] for shape, c in configs.items()]
-                for configs in (self.configs, self.swiglu_configs, self.normed_configs)]
+                for configs in (self.configs, self.swiglu_configs, self.normed_configs, self.swiglu_out_configs,
+                                self.normed_swiglu_out_configs)]
 
     @classmethod
     def from_lists(cls, lists: list) -> "Batch1GemvKernel":
@@ -84,6 +95,15 @@ class Batch1GemvKernel(LinearKernel):
         from shardserve.kernels.triton.gemv import gemv_swiglu
 
         return gemv_swiglu(gate_up, weight, *config)
+
+    def swiglu_out(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of x @ weight^T for a [gate | up] weight, in the GEMV's launch; None where not chosen."""
+        config = _one_row_config(self.swiglu_out_configs, x, weight)
+        if config is None:
+            return None
+        from shardserve.kernels.triton.gemv import gemv
+
+        return gemv(x, weight, *config, swiglu_out=True)
 
     def reduce_add_norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                         eps: float, comm, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -114,6 +134,17 @@ class Batch1GemvKernel(LinearKernel):
         from shardserve.kernels.triton.gemv import gemv_rmsnorm
 
         return gemv_rmsnorm(x, residual, norm_weight, eps, weight, *config, keep_normed=keep_normed)
+
+    def normed_swiglu_out(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                          eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(silu(gate) * up of RMSNorm(x + residual) @ weight^T, x + residual) in one launch for a [gate | up]
+        weight, or None where not chosen."""
+        config = _one_row_config(self.normed_swiglu_out_configs, x, weight)
+        if config is None:
+            return None
+        from shardserve.kernels.triton.gemv import gemv_rmsnorm
+
+        return gemv_rmsnorm(x, residual, norm_weight, eps, weight, *config, swiglu_out=True)
 
 
 def _one_row_config(configs: dict[tuple[int, int], Config], x: torch.Tensor, weight: torch.Tensor) -> Config | None:
@@ -151,13 +182,13 @@ def use_batch1_gemv(model: nn.Module, log: bool = True, agree=None) -> Batch1Gem
     `agree` (several ranks) maps this rank's choice to the one every rank uses (rank 0's timings decide)."""
     if env_choice("SHARDSERVE_GEMV", ("auto", "cublas"), "auto") == "cublas":
         return None
-    from shardserve.kernels.triton.fused_ops import rms_norm
     from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm, gemv_swiglu
 
     layers = [m for m in model.modules() if hasattr(m, "matmul") and getattr(m, "prepared", None) is None]
     by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     swiglu_by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     normed_by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+    swiglu_out_by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     for layer in layers:
         w = layer.weight
         if w.dim() == 2 and w.is_cuda and w.dtype in GEMV_DTYPES and w.stride(1) == 1:
@@ -166,52 +197,108 @@ def use_batch1_gemv(model: nn.Module, log: bool = True, agree=None) -> Batch1Gem
                 swiglu_by_shape.setdefault(tuple(w.shape), []).append(w.data)
             if hasattr(layer, "forward_normed"):
                 normed_by_shape.setdefault(tuple(w.shape), []).append(w.data)
+            if getattr(layer, "makes_swiglu_output", False) and w.shape[0] % 2 == 0 and layer.bias is None \
+                    and swiglu_out_allowed():
+                swiglu_out_by_shape.setdefault(tuple(w.shape), []).append(w.data)
     configs, report = _choose(by_shape, 1, F.linear, gemv, "", CANDIDATES, -TIE,
-                              lambda x, w: F.linear(x.double(), w.double()))
+                              lambda x, w, o: F.linear(x.double(), w[o].double()))
     plain = Batch1GemvKernel(configs, {}, {})  # the winner for each plain product, the baseline of the fused ones
     swiglu_configs, swiglu_report = _choose(swiglu_by_shape, 2, lambda x, w: plain(silu_and_mul(x), w, None),
                                             gemv_swiglu, "SwiGLU+", CANDIDATES, FUSED_MIN_GAIN,
-                                            lambda x, w: F.linear(silu_and_mul(x.double()), w.double()))
+                                            lambda x, w, o: F.linear(silu_and_mul(x.double()), w[o].double()))
     # Fused: the residual add and the norm in the GEMV (every program recomputes the row's statistics, so
     # wider row blocks are tried too). Unfused: the norm kernel, then the plain winner (conservative: the
     # unfused side skips the residual add).
     normed_configs, normed_report = _choose(
-        normed_by_shape, 1, lambda x, w: plain(rms_norm(x, torch.ones_like(x[0]), 1e-5), w, None),
+        normed_by_shape, 1, lambda x, w: plain(_unit_norm(x), w, None),
         lambda x, w, *c: gemv_rmsnorm(x, x, torch.ones_like(x[0]), 1e-5, w, *c)[0], "RMSNorm+",
         CANDIDATES + NORMED_CANDIDATES, FUSED_MIN_GAIN, _normed_reference)
+    # SwiGLU out of a [gate | up] projection, against the product and the SwiGLU kernel; then with the norm inside,
+    # against what the layer would run without that form (ColumnParallelLinear.forward_normed_swiglu).
+    swiglu_out_configs, swiglu_out_report = _choose(
+        swiglu_out_by_shape, 1, lambda x, w: silu_and_mul(plain(x, w, None)),
+        lambda x, w, *c: gemv(x, w, *c, swiglu_out=True), "SwiGLU-out ", CANDIDATES, SWIGLU_OUT_MIN_GAIN,
+        lambda x, w, o: _swiglu_reference(x.double(), w, o), outputs_of=lambda shape: shape[0] // 2)
+    unfused = Batch1GemvKernel(configs, {}, normed_configs, swiglu_out_configs)
+    normed_swiglu_out_configs, normed_swiglu_out_report = _choose(
+        {shape: ws for shape, ws in swiglu_out_by_shape.items() if shape in normed_by_shape}, 1,
+        lambda x, w: _normed_then_swiglu(unfused, x, w),
+        lambda x, w, *c: gemv_rmsnorm(x, x, torch.ones_like(x[0]), 1e-5, w, *c, swiglu_out=True)[0],
+        "RMSNorm+SwiGLU-out ", CANDIDATES + NORMED_CANDIDATES, SWIGLU_OUT_MIN_GAIN,
+        lambda x, w, o: _swiglu_reference(_normed_input(x).double(), w, o), outputs_of=lambda shape: shape[0] // 2)
     if log and report:
-        logger.info("batch-1 linear layers: %s", ", ".join(report + swiglu_report + normed_report))
-    kernel = Batch1GemvKernel(configs, swiglu_configs, normed_configs)
+        logger.info("batch-1 linear layers: %s", ", ".join(report + swiglu_report + normed_report + swiglu_out_report
+                                                           + normed_swiglu_out_report))
+    kernel = Batch1GemvKernel(configs, swiglu_configs, normed_configs, swiglu_out_configs, normed_swiglu_out_configs)
     if agree is not None:
         kernel = agree(kernel)
-    if not kernel.configs and not kernel.swiglu_configs and not kernel.normed_configs:
+    if not any(kernel.as_lists()):
         return None
     for layer in layers:
         layer.kernel = kernel
     return kernel
 
 
-def _normed_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """float64 RMSNorm(x + x) (unit weight, eps 1e-5), rounded to x's dtype as the model does, then @ w^T."""
+SWIGLU_OUT_ENV = "SHARDSERVE_GEMV_SWIGLU_OUT"
+
+
+def swiglu_out_allowed() -> bool:
+    """Whether start-up times the SwiGLU-out forms of gate/up projections (SHARDSERVE_GEMV_SWIGLU_OUT=auto, the
+    default) or leaves SwiGLU to the down projection or its own launch (off)."""
+    return env_choice(SWIGLU_OUT_ENV, ("auto", "off"), "auto") == "auto"
+
+
+def _unit_norm(x: torch.Tensor) -> torch.Tensor:
+    from shardserve.kernels.triton.fused_ops import rms_norm
+
+    return rms_norm(x, torch.ones_like(x[0]), 1e-5)
+
+
+def _normed_then_swiglu(kernel: Batch1GemvKernel, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of RMSNorm(x + x) @ w^T as a layer without the norm-fused SwiGLU-out form runs it: the
+    norm-fused GEMV then SwiGLU where that form was chosen, else the norm, then the SwiGLU-out GEMV (or the
+    plain winner and SwiGLU)."""
+    normed = kernel.normed(x, x, torch.ones_like(x[0]), 1e-5, w)
+    if normed is not None:
+        return silu_and_mul(normed[0])
+    h = _unit_norm(x)
+    out = kernel.swiglu_out(h, w)
+    return out if out is not None else silu_and_mul(kernel(h, w, None))
+
+
+def _swiglu_reference(x: torch.Tensor, w: torch.Tensor, outputs) -> torch.Tensor:
+    """float64 silu(gate) * up of x @ w^T at the features `outputs` of a [gate | up] weight w."""
+    half = w.shape[0] // 2
+    gate, up = F.linear(x, w[:half][outputs].double()), F.linear(x, w[half:][outputs].double())
+    return F.silu(gate) * up
+
+
+def _normed_input(x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm(x + x) (unit weight, eps 1e-5) computed in float64, rounded to x's dtype as the model does."""
     h = 2 * x.double()
-    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
-    return F.linear(h.double(), w.double())
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+
+def _normed_reference(x: torch.Tensor, w: torch.Tensor, outputs) -> torch.Tensor:
+    """float64 RMSNorm(x + x) (unit weight, eps 1e-5), rounded to x's dtype as the model does, then @ w^T at the
+    rows `outputs`."""
+    return F.linear(_normed_input(x).double(), w[outputs].double())
 
 
 def _choose(by_shape, inputs_per_column: int, baseline_fn, triton_fn, label: str, candidates, min_gain: float,
-            reference_fn):
-    """Per weight shape, the fastest Triton candidate that matches `reference_fn` (float64) where it beats
-    `baseline_fn` by `min_gain` (a fraction of the baseline's time; negative: where it is at most that much
-    slower); and a report."""
+            reference_fn, outputs_of=lambda shape: shape[0]):
+    """Per weight shape, the fastest Triton candidate that matches `reference_fn(x, w, outputs)` (float64, at
+    sampled outputs of the outputs_of(shape) a product has) where it beats `baseline_fn` by `min_gain` (a
+    fraction of the baseline's time; negative: where it is at most that much slower); and a report."""
     from shardserve.kernels.self_check import TOLERANCE, relative_error, sampled_outputs
 
     configs, report = {}, []
     for shape, weights in by_shape.items():
         weights = weights[:32]
         x = torch.randn(1, inputs_per_column * shape[1], dtype=weights[0].dtype, device=weights[0].device)
-        outputs = sampled_outputs(shape[0])
+        outputs = sampled_outputs(outputs_of(shape))
         outputs = slice(None) if outputs is None else outputs.to(x.device)
-        reference = reference_fn(x, weights[0][outputs]).cpu()
+        reference = reference_fn(x, weights[0], outputs).cpu()
         correct = []
         for c in candidates:
             error = relative_error(triton_fn(x, weights[0], *c)[:, outputs], reference)

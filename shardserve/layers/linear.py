@@ -185,8 +185,22 @@ class ColumnParallelLinear(KernelLinear):
             return
         copy_exact(param.data[offset:offset + end - start], loaded[start:end])
 
+    # A [gate | up] projection whose consumer takes silu(gate) * up (SwiGLUMLP): start-up times the kernel forms
+    # that return that activation in place of the product (cuda_gemv.use_batch1_gemv).
+    makes_swiglu_output = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+    def forward_swiglu(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(silu(gate) * up of forward(x), True) for a [gate | up] layer where the kernel computes it in the
+        product's own launch (single tokens on GPUs), else (forward(x), False): the caller applies SwiGLU."""
+        swiglu_out = getattr(self.kernel, "swiglu_out", None)
+        if swiglu_out is not None and self.fusable and self.bias is None:
+            y = swiglu_out(x, self.weight)
+            if y is not None:
+                return y, True
+        return self.forward(x), False
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm,
                        reduce: Communicator | None = None, keep_normed: bool = False) -> tuple[torch.Tensor, ...]:
@@ -197,27 +211,47 @@ class ColumnParallelLinear(KernelLinear):
         With `reduce`, x is the previous row-parallel layer's partial sum (RowParallelLinear.pending): it is
         all-reduced first, in the same kernel as the add and the norm where the communicator has one. With
         `reduce` NORMED, x is already norm(s) and residual s (RowParallelLinear.forward_add)."""
-        if reduce is NORMED:
-            return (self.forward(x), x, residual) if keep_normed else (self.forward(x), residual)
-        if reduce is not None:
+        y, h, residual, _ = self._normed(x, residual, norm, reduce, keep_normed, swiglu_out=False)
+        return (y, h, residual) if keep_normed else (y, residual)
+
+    def forward_normed_swiglu(self, x: torch.Tensor, residual: torch.Tensor | None, norm,
+                              reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(y, s, activated): forward_normed of a [gate | up] layer, where y is silu(gate) * up of the product
+        when `activated` (the kernel's SwiGLU-out forms, as forward_swiglu), else the product itself."""
+        y, _, residual, activated = self._normed(x, residual, norm, reduce, False, swiglu_out=True)
+        return y, residual, activated
+
+    def _normed(self, x, residual, norm, reduce, keep_normed: bool, swiglu_out: bool):
+        """(y, norm(s) with keep_normed, s, whether y is activated) for forward_normed and forward_normed_swiglu.
+        The kernel's norm-fused forms come first (with SwiGLU out, then without), then the norm followed by the
+        product (forward_swiglu's where swiglu_out)."""
+        h = x if reduce is NORMED else None
+        if reduce is not None and reduce is not NORMED:
             fused = reduce.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
             if fused is not None:
                 h, residual = fused
-                return (self.forward(h), h, residual) if keep_normed else (self.forward(h), residual)
-            x = reduce.all_reduce(x)
-        out = None
-        if self.packed is not None and not keep_normed:
-            out = self.packed.normed(self, x, residual, norm.weight, norm.eps)
-        elif getattr(self.kernel, "normed", None) is not None and self.fusable:
-            out = self.kernel.normed(x, residual, norm.weight, norm.eps, self.weight, keep_normed=keep_normed)
-        if out is not None:
-            y = out[0] if self.bias is None else out[0] + self.bias
-            return (y, out[2], out[1]) if keep_normed else (y, out[1])
-        if residual is None:
-            h, residual = norm(x), x
-        else:
-            h, residual = norm(x, residual)
-        return (self.forward(h), h, residual) if keep_normed else (self.forward(h), residual)
+            else:
+                x = reduce.all_reduce(x)
+        if h is None:
+            out, activated = None, False
+            if self.packed is not None and not keep_normed:
+                out = self.packed.normed(self, x, residual, norm.weight, norm.eps)
+            elif getattr(self.kernel, "normed", None) is not None and self.fusable:
+                normed_swiglu = getattr(self.kernel, "normed_swiglu_out", None)
+                if swiglu_out and normed_swiglu is not None and self.bias is None:
+                    out = normed_swiglu(x, residual, norm.weight, norm.eps, self.weight)
+                    activated = out is not None
+                if out is None:
+                    out = self.kernel.normed(x, residual, norm.weight, norm.eps, self.weight, keep_normed=keep_normed)
+            if out is not None:
+                y = out[0] if self.bias is None else out[0] + self.bias
+                return y, (out[2] if keep_normed else None), out[1], activated
+            if residual is None:
+                h, residual = norm(x), x
+            else:
+                h, residual = norm(x, residual)
+        y, activated = self.forward_swiglu(h) if swiglu_out else (self.forward(h), False)
+        return y, (h if keep_normed else None), residual, activated
 
 
 class RowParallelLinear(KernelLinear):

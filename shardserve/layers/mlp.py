@@ -19,16 +19,20 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden_size, {0: rows, 1: rows}, bias, dtype)
         self.down_proj = RowParallelLinear(rows, hidden_size, bias, dtype, comm)
         self.gate_up_proj.replicated = self.down_proj.replicated = replicated
+        # SwiGLU runs in whichever launch can take it: the gate/up product's (its SwiGLU-out forms), else the down
+        # projection's (its SwiGLU-input forms), else a kernel of its own between them.
+        self.gate_up_proj.makes_swiglu_output = True
         self.down_proj.takes_swiglu_input = True
         self.down_proj.defer()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(h), swiglu_input=True)
+        y, activated = self.gate_up_proj.forward_swiglu(h)
+        return self.down_proj(y, swiglu_input=not activated)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, reduce=None,
                        next_norm: nn.Module | None = None):
         """The block on norm(x + residual): (output, new residual, the output's pending reduction), as
         RowParallelLinear.forward_add with `next_norm`; the norm and SwiGLU are fused into the projections where a
         kernel can. `reduce`: x is a partial sum still to be all-reduced (ColumnParallelLinear.forward_normed)."""
-        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm, reduce)
-        return self.down_proj.forward_add(gate_up, residual, next_norm, swiglu_input=True)
+        y, residual, activated = self.gate_up_proj.forward_normed_swiglu(x, residual, norm, reduce)
+        return self.down_proj.forward_add(y, residual, next_norm, swiglu_input=not activated)

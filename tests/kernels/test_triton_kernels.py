@@ -753,6 +753,82 @@ def test_gemv_with_the_norm_before_it_matches_norm_then_linear(dtype, with_resid
         assert all(torch.equal(a, b) for a, b in zip(again, (kept_y, kept_sum, normed))), f"{tiles} tiles preloaded"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("features,block_n", [(12, 8), (13, 4), (3, 16)])
+def test_gemv_with_swiglu_output_equals_the_product_then_swiglu(dtype, features, block_n):
+    """A [gate | up] projection whose launch returns silu(gate) * up: the same bits as the product followed by the
+    SwiGLU kernel, plain and with the norm inside (then the new residual too); features not a multiple of a
+    program's share are masked, not dropped."""
+    from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm
+
+    k = 96
+    g = torch.Generator().manual_seed(features * block_n)
+    w = torch.randn(2 * features, k, generator=g).to(DEVICE, dtype)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    residual = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    norm_weight = torch.rand(k, generator=g).add_(0.5).to(DEVICE, dtype)
+    config = (block_n, 64, 4, 1)
+    got = gemv(x, w, *config, swiglu_out=True)
+    assert got.shape == (1, features) and got.dtype == dtype
+    assert torch.equal(got, fused_ops.silu_and_mul(gemv(x, w, *config)))
+    got, summed = gemv_rmsnorm(x, residual, norm_weight, 1e-5, w, *config, swiglu_out=True)
+    product, expected_sum = gemv_rmsnorm(x, residual, norm_weight, 1e-5, w, *config)
+    assert torch.equal(got, fused_ops.silu_and_mul(product)) and torch.equal(summed, expected_sum)
+
+
+def test_a_swiglu_output_gemv_names_what_it_needs():
+    from shardserve.kernels.triton.gemv import gemv
+
+    with pytest.raises(ValueError, match="even number of weight rows and block_n, got 7 rows"):
+        gemv(torch.randn(1, 64, device=DEVICE), torch.randn(7, 64, device=DEVICE), 8, 64, 4, 1, swiglu_out=True)
+    with pytest.raises(ValueError, match="block_n 3"):
+        gemv(torch.randn(1, 64, device=DEVICE), torch.randn(8, 64, device=DEVICE), 3, 64, 4, 1, swiglu_out=True)
+
+
+@pytest.mark.parametrize("form", ["plain", "normed"])
+def test_an_mlp_takes_swiglu_from_its_gate_up_launch_where_chosen(form, monkeypatch):
+    """Where start-up chose a SwiGLU-out form for the gate/up shape, the MLP's single-token step runs the gate/up
+    GEMV with SwiGLU inside and the down projection on its output (no SwiGLU launch between), with the output and
+    the new residual of the path without that form."""
+    from shardserve.kernels.triton import gemv as gemv_module
+    from shardserve.layers import cuda_gemv, linear
+    from shardserve.layers.cuda_gemv import Batch1GemvKernel
+    from shardserve.layers.mlp import SwiGLUMLP
+    from shardserve.layers.norm import RMSNorm
+
+    hidden, features, dtype = 64, 24, torch.float32
+    g = torch.Generator().manual_seed(3)
+    mlp = SwiGLUMLP(hidden, (0, features), False, dtype, None, False).to(DEVICE)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.weight.data = (torch.randn(layer.weight.shape, generator=g) / 8).to(DEVICE, dtype)
+    norm = RMSNorm(hidden, 1e-5, dtype).to(DEVICE)
+    norm.weight.data = (0.5 + torch.rand(hidden, generator=g)).to(DEVICE, dtype)
+    x, residual = (torch.randn(1, hidden, generator=g).to(DEVICE, dtype) for _ in range(2))
+    config = (8, 64, 4, 1)
+    plain = {(2 * features, hidden): config, (hidden, features): config}
+    gate_up_shape = {(2 * features, hidden): config}
+    fused = (Batch1GemvKernel(plain, {}, {}, gate_up_shape) if form == "plain"
+             else Batch1GemvKernel(plain, {}, {}, {}, gate_up_shape))
+
+    def run(kernel):
+        mlp.gate_up_proj.kernel = mlp.down_proj.kernel = kernel
+        return mlp.forward_normed(x, residual.clone(), norm)
+
+    expected = run(Batch1GemvKernel(plain, {}, {}))
+    swiglu_out, swiglu_launches = [], []
+    original_gemv, original_normed = gemv_module.gemv, gemv_module.gemv_rmsnorm
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: swiglu_out.append(kw.get("swiglu_out", False))
+                        or original_gemv(*a, **kw))
+    monkeypatch.setattr(gemv_module, "gemv_rmsnorm", lambda *a, **kw: swiglu_out.append(kw.get("swiglu_out", False))
+                        or original_normed(*a, **kw))
+    for module in (cuda_gemv, linear):  # where the down projection would apply SwiGLU to a [gate | up] input
+        monkeypatch.setattr(module, "silu_and_mul", lambda t, f=module.silu_and_mul: swiglu_launches.append(1) or f(t))
+    got = run(fused)
+    assert swiglu_out[0] and not any(swiglu_out[1:]) and not swiglu_launches  # gate/up with SwiGLU, then down
+    torch.testing.assert_close(got[0], expected[0], atol=1e-6, rtol=1e-5)
+    assert torch.equal(got[1], expected[1]) and got[2] is None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Penalties
 

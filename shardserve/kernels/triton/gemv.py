@@ -21,19 +21,51 @@ from shardserve.kernels.triton.pdl import enter
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr, PRELOAD: tl.constexpr = 0):
+                 PDL: tl.constexpr, PRELOAD: tl.constexpr = 0, SWIGLU_OUT: tl.constexpr = False):
     """K is a compile-time constant (one variant per layer shape): tiles need no column mask when it divides.
     PDL: launched to overlap the kernel before it (pdl.py). PRELOAD (0 to 2, at most 1 where K has fewer than
     two tiles): that many weight tiles are loaded before that wait (no kernel of the chain writes weights), so
-    programs placed early stream weights while the kernel before them (an all-reduce, attention) still runs."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    programs placed early stream weights while the kernel before them (an all-reduce, attention) still runs.
+    SWIGLU_OUT: the weight is [gate | up] (2N rows) and the output silu(gate) * up (N values; program_rows)."""
+    rows, row_ok = program_rows(tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     preloaded = load_first_tiles(w_rows, cols, row_ok, K, BLOCK_K, PRELOAD)
     enter(PDL)
     y = row_dots(preloaded, w_rows, x_ptr, cols, row_ok, K, BLOCK_N, BLOCK_K, PRELOAD)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    store_rows(out_ptr, y, rows, row_ok, tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
+
+
+@triton.jit
+def program_rows(pid, N, BLOCK_N: tl.constexpr, SWIGLU_OUT: tl.constexpr):
+    """(the weight rows program `pid` multiplies, which of them exist): BLOCK_N consecutive rows of N; with
+    SWIGLU_OUT, BLOCK_N / 2 features of N, each as its gate row f and up row N + f side by side (row 2i of the
+    block is feature i's gate, row 2i + 1 its up), so one program has both halves of its outputs."""
+    if SWIGLU_OUT:
+        j = tl.arange(0, BLOCK_N)
+        features = pid * (BLOCK_N // 2) + j // 2
+        rows = features + (j % 2) * N
+        row_ok = features < N
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+    return rows, row_ok
+
+
+@triton.jit
+def store_rows(out_ptr, y, rows, row_ok, pid, N, BLOCK_N: tl.constexpr, SWIGLU_OUT: tl.constexpr):
+    """Store a program's row products y [BLOCK_N] (float32) in out's dtype; with SWIGLU_OUT (program_rows'
+    order) silu(gate) * up of its BLOCK_N / 2 features, rounded as fused_ops._silu_and_mul_kernel rounds the
+    stored gate and up values, so the output equals the GEMV followed by that kernel bit for bit."""
+    if SWIGLU_OUT:
+        gate, up = tl.split(tl.reshape(y.to(out_ptr.dtype.element_ty), (BLOCK_N // 2, 2)))
+        g = gate.to(tl.float32)
+        act = tl.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype)
+        out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+        features = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + features, out, mask=features < N)
+    else:
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -80,10 +112,11 @@ def _x_tile(x_ptr, k, cols, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
-         num_stages: int = 3) -> torch.Tensor:
-    """x [1, K] (or [K]) times weight [N, K]^T -> [1, N] in x's dtype, float32 accumulation."""
+         num_stages: int = 3, swiglu_out: bool = False) -> torch.Tensor:
+    """x [1, K] (or [K]) times weight [N, K]^T -> [1, N] in x's dtype, float32 accumulation. With `swiglu_out`
+    the weight is a [gate | up] projection and the result silu(gate) * up, [1, N / 2], in the same launch."""
     return _launch_per_row(_gemv_kernel, _one_row(x, weight, 1, "gemv needs x with {} elements"), weight,
-                           block_n, block_k, num_warps, num_stages)
+                           block_n, block_k, num_warps, num_stages, swiglu_out)
 
 
 def _one_row(x: torch.Tensor, weight: torch.Tensor, per_column: int, needs: str) -> torch.Tensor:
@@ -96,15 +129,28 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, per_column: int, needs: str)
 
 
 def _launch_per_row(kernel, x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, num_warps: int,
-                    num_stages: int) -> torch.Tensor:
-    """Run a one-row GEMV kernel (signature x, w, out, N, stride_wn, K=..) over block_n rows of weight a program."""
+                    num_stages: int, swiglu_out: bool = False) -> torch.Tensor:
+    """Run a one-row GEMV kernel (signature x, w, out, N, stride_wn, K=..) over block_n rows of weight a program
+    (with `swiglu_out`, _gemv_kernel's SWIGLU_OUT form: block_n / 2 features of silu(gate) * up a program)."""
     n, k = weight.shape
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     extra = _preload_arg(k, block_k) if kernel is _gemv_kernel else {}
-    kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k,
-                                       num_warps=num_warps, num_stages=num_stages,
-                                       **pdl.launch(weight.device), **extra)
+    if swiglu_out:
+        n = swiglu_features(weight, block_n)
+        extra["SWIGLU_OUT"] = True
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    kernel[(triton.cdiv(n, block_n // 2 if swiglu_out else block_n),)](
+        x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages, **pdl.launch(weight.device), **extra)
     return out
+
+
+def swiglu_features(weight: torch.Tensor, block_n: int) -> int:
+    """The features of a [gate | up] weight (half its rows) for a SwiGLU-out launch of block_n rows a program,
+    which must be even: each program takes a feature's gate and up rows together."""
+    if weight.shape[0] % 2 or block_n % 2:
+        raise ValueError(f"a SwiGLU-out GEMV needs an even number of weight rows and block_n, got "
+                         f"{weight.shape[0]} rows and block_n {block_n}")
+    return weight.shape[0] // 2
 
 
 def _preload_arg(k: int, block_k: int) -> dict:
@@ -213,16 +259,15 @@ def _masked_load(pointers, mask):
 def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_ptr, normed_ptr, N, stride_wn, eps,
                          K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, KEEP_NORMED: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr, PRELOAD: tl.constexpr = 0):
+                         PDL: tl.constexpr, PRELOAD: tl.constexpr = 0, SWIGLU_OUT: tl.constexpr = False):
     """As _gemv_kernel on h = RMSNorm(s) with s = x + residual (or x), both computed on the fly (rms_of_sum,
     normed_values). Every program first reduces the row's sum of squares itself (the row is small and
     L2-resident); program 0 also writes s to sum_ptr, the next residual, and with KEEP_NORMED h to normed_ptr
-    (for other layers on the same input: a mixture of experts' router and its experts). PRELOAD: as in
-    _gemv_kernel; the preloaded tiles' loads are in flight while the sum of squares is reduced."""
+    (for other layers on the same input: a mixture of experts' router and its experts). PRELOAD, SWIGLU_OUT: as
+    in _gemv_kernel; the preloaded tiles' loads are in flight while the sum of squares is reduced."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, row_ok = program_rows(pid, N, BLOCK_N, SWIGLU_OUT)
     cols = tl.arange(0, BLOCK_K)
-    row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     preloaded = load_first_tiles(w_rows, cols, row_ok, K, BLOCK_K, PRELOAD)
     enter(PDL)
@@ -235,8 +280,7 @@ def _gemv_rmsnorm_kernel(x_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_pt
         w = _weight_tile(w_rows, k, cols, row_ok, K, BLOCK_K)
         acc = _normed_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, normed_ptr, rstd, pid, cols, K,
                                HAS_RESIDUAL, KEEP_NORMED)
-    y = tl.sum(acc, axis=1)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    store_rows(out_ptr, tl.sum(acc, axis=1), rows, row_ok, pid, N, BLOCK_N, SWIGLU_OUT)
 
 
 @triton.jit
@@ -253,20 +297,25 @@ def _normed_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, normed_ptr, rst
 
 def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                  weight: torch.Tensor, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
-                 num_stages: int = 3, keep_normed: bool = False) -> tuple[torch.Tensor, ...]:
+                 num_stages: int = 3, keep_normed: bool = False, swiglu_out: bool = False) -> tuple[torch.Tensor, ...]:
     """(RMSNorm(s) @ weight^T, s) for one row, s = x + residual (x alone without a residual): the norm of
     the layer before a projection, fused into it. s is a new tensor (x when there is no residual). With
-    `keep_normed`, (RMSNorm(s) @ weight^T, s, RMSNorm(s))."""
+    `keep_normed`, (RMSNorm(s) @ weight^T, s, RMSNorm(s)). With `swiglu_out`, as gemv's: the product's
+    silu(gate) * up in place of the product."""
     n, k = weight.shape
     if weight.stride(1) != 1:
         raise ValueError("gemv_rmsnorm needs a row-major weight")
     x, res, summed = normed_row_args(x, residual, norm_weight, k, "gemv_rmsnorm")
+    extra = _preload_arg(k, block_k)
+    if swiglu_out:
+        n = swiglu_features(weight, block_n)
+        extra["SWIGLU_OUT"] = True
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     normed = torch.empty_like(x) if keep_normed else out
-    _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n // 2 if swiglu_out else block_n),)](
         x, x if res is None else res, norm_weight, weight, out, summed, normed, n, weight.stride(0), eps, K=k,
         HAS_RESIDUAL=res is not None, KEEP_NORMED=keep_normed, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch(weight.device), **_preload_arg(k, block_k))
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(weight.device), **extra)
     return (out, summed, normed) if keep_normed else (out, summed)
 
 
