@@ -225,13 +225,8 @@ class ColumnParallelLinear(KernelLinear):
         """(y, norm(s) with keep_normed, s, whether y is activated) for forward_normed and forward_normed_swiglu.
         The kernel's norm-fused forms come first (with SwiGLU out, then without), then the norm followed by the
         product (forward_swiglu's where swiglu_out)."""
+        x, residual, reduce = reduced_first(x, residual, norm, reduce)
         h = x if reduce is NORMED else None
-        if reduce is not None and reduce is not NORMED:
-            fused = reduce.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
-            if fused is not None:
-                h, residual = fused
-            else:
-                x = reduce.all_reduce(x)
         if h is None:
             out, activated = None, False
             if self.packed is not None and not keep_normed:
@@ -252,6 +247,18 @@ class ColumnParallelLinear(KernelLinear):
                 h, residual = norm(x, residual)
         y, activated = self.forward_swiglu(h) if swiglu_out else (self.forward(h), False)
         return y, (h if keep_normed else None), residual, activated
+
+
+def reduced_first(x: torch.Tensor, residual: torch.Tensor | None, norm, reduce):
+    """(x, residual, reduce) with x's pending reduction done, as a layer on norm(x + residual) starts: where the
+    communicator fuses the all-reduce, the add and the norm, (norm(s), s, NORMED); else the all-reduced x, the
+    residual and None. Without one (None or NORMED) as they are."""
+    if reduce is None or reduce is NORMED:
+        return x, residual, reduce
+    fused = reduce.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
+    if fused is not None:
+        return fused[0], fused[1], NORMED
+    return reduce.all_reduce(x), residual, None
 
 
 class RowParallelLinear(KernelLinear):

@@ -13,7 +13,8 @@ Experts' weights live in two tensors per layer: `w13` [E, 2 * I_rank, H] (gate r
 
 On CUDA the block runs without any host synchronisation, so CUDA graphs capture decode: the norm inside the
 router's GEMV (single tokens), the router's softmax and top k in one kernel (kernels/triton/moe_router.py), or for
-a single token in the same launch as the experts' alignment, the experts in the fused Triton kernel
+a single token in the router's GEMV launch (kernels/triton/router_gemv.py; SHARDSERVE_MOE_ROUTE=separate keeps a
+launch of its own) or in the experts' alignment launch, the experts in the fused Triton kernel
 (kernels/triton/fused_moe.py) for decode and small batches and through torch's grouped GEMM (tokens sorted by
 expert on the device, one group per expert) for large ones. Each is compared once per device and shape with a
 reference before it is used (the experts with float64 at every kernel config a layer can take); a mismatch is
@@ -42,16 +43,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.distributed.communicator import Communicator
+from shardserve.distributed.communicator import NORMED, Communicator
+from shardserve.env_choice import env_choice
 from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
-from shardserve.layers.linear import (ColumnParallelLinear, as_tensor, empty_parameter, materialized, shape_of,
-                                     weights_device)
+from shardserve.layers.linear import (ColumnParallelLinear, as_tensor, empty_parameter, materialized, reduced_first,
+                                     shape_of, weights_device)
 from shardserve.layers.mlp import SwiGLUMLP
 from shardserve.layers.sharding import split_rows
 
 logger = logging.getLogger(__name__)
 
 FUSED_MOE_ENV = "SHARDSERVE_DEVICE_EXPERTS"  # "0": the host-grouped version on GPUs too (no CUDA graphs)
+ROUTE_ENV = "SHARDSERVE_MOE_ROUTE"
+
+
+def route_in_router_gemv() -> bool:
+    """Whether a single token's router choice may run in the router's GEMV launch (SHARDSERVE_MOE_ROUTE=gemv, the
+    default) rather than in a launch of its own (separate)."""
+    return env_choice(ROUTE_ENV, ("gemv", "separate"), "gemv") == "gemv"
 
 
 class SparseMoE(nn.Module):
@@ -144,12 +153,54 @@ class SparseMoE(nn.Module):
                 reduce: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block on norm(x + residual); returns its output (a partial sum where `pending` is set) and the new
         residual. `reduce`: x is a partial sum still to be all-reduced (the previous block deferred it). The
-        norm runs inside the router's GEMV where that kernel was chosen (single tokens on GPUs)."""
-        logits, h, residual = self.gate.forward_normed(x, residual, norm, reduce, keep_normed=True)
-        out = self.routed_experts(h, logits)
+        norm runs inside the router's GEMV where that kernel was chosen (single tokens on GPUs), and so may the
+        router's choice (routes_in_router)."""
+        chosen = None
+        if self.routes_in_router(x):
+            x, residual, reduce = reduced_first(x, residual, norm, reduce)
+            chosen = self._choice_in_router(x, residual, norm, reduce)
+        if chosen is not None:
+            from shardserve.kernels.triton.fused_moe import one_token_experts
+
+            h, residual, weights, ids = chosen
+            out = one_token_experts(h, self.w13, self.w2, weights, ids, self.experts_held[0])
+        else:
+            logits, h, residual = self.gate.forward_normed(x, residual, norm, reduce, keep_normed=True)
+            out = self.routed_experts(h, logits)
         if self.shared_expert is not None and self.adds_shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         return out, residual
+
+    def routes_in_router(self, x: torch.Tensor) -> bool:
+        """Whether a single token's choice may come from the router's GEMV launch: on CUDA, on the path that would
+        otherwise route it in a launch of its own (the one-token experts of fused_moe_from_logits, past their
+        start-up check), with the router's weight plain for the kernel's fused forms, and SHARDSERVE_MOE_ROUTE=gemv.
+        The launch itself still needs a Triton form chosen for the router's shape (_choice_in_router)."""
+        from shardserve.kernels.fused_moe_table import one_token_tiles
+
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.packed is None and self.gate.fusable
+                and self.gate.bias is None and route_in_router_gemv() and one_token_tiles() is not None
+                and device_routed_experts(self.w13, self.w2, self.num_experts, self.top_k, self.renormalize))
+
+    def _choice_in_router(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+                          reduce) -> tuple[torch.Tensor, ...] | None:
+        """(h, new residual, weights [1, k] float32, ids [1, k] int64) from one launch of the router's GEMV that
+        also routes (kernels/triton/router_gemv.py), with the configuration chosen for the router's shape: the
+        norm-fused form on x + residual, or the plain one where x is already normed (`reduce` NORMED). None where
+        the router's kernel has no such form, it failed its start-up check (device_router_gemv), or the device's
+        arrival counts are not to be had; the caller then runs forward_normed and the separate choice, exactly
+        today's launches. `reduce`: None or NORMED (reduced_first)."""
+        from shardserve.kernels.triton.router_gemv import gemv_rmsnorm_route, gemv_route
+
+        weight, normed = self.gate.weight, reduce is NORMED
+        config = router_gemv_config(self.gate.kernel, x, weight, fused_norm=not normed)
+        if config is None or not device_router_gemv(weight, config, not normed, self.top_k, self.renormalize):
+            return None
+        if normed:
+            out = gemv_route(x, weight, self.top_k, self.renormalize, *config)
+            return None if out is None else (x, residual, out[1], out[2])
+        out = gemv_rmsnorm_route(x, residual, norm.weight, norm.eps, weight, self.top_k, self.renormalize, *config)
+        return None if out is None else (out[2], out[1], out[3], out[4])
 
     def routed_experts(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The experts' sum for the router's logits [T, E]: on CUDA for a single token the choice and the experts'
@@ -204,6 +255,76 @@ def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+def router_gemv_config(kernel, x: torch.Tensor, weight: torch.Tensor, fused_norm: bool):
+    """The batch-1 GEMV configuration (block_n, block_k, num_warps, num_stages) that start-up chose for the router's
+    shape, norm-fused or plain (layers/cuda_gemv.Batch1GemvKernel), or None: another kernel, or no Triton form."""
+    configs = getattr(kernel, "normed_configs" if fused_norm else "configs", None)
+    if configs is None:
+        return None
+    from shardserve.layers.cuda_gemv import _one_row_config
+
+    return _one_row_config(configs, x, weight)
+
+
+_router_gemv_checked: dict[tuple, bool] = {}
+
+
+def device_router_gemv(weight: torch.Tensor, config: tuple[int, int, int, int], fused_norm: bool, top_k: int,
+                       renormalize: bool) -> bool:
+    """Whether the router's GEMV that also routes (kernels/triton/router_gemv.py) gave, on random inputs of the
+    router's shape with this configuration, the same bits as the two launches it replaces: the GEMV (norm-fused
+    with the normed row kept, with and without a residual, or plain) and route_top_k on its logits; twice in a row,
+    so that its arrival count went back to 0. Once per device, shape, dtype, configuration and router; a mismatch
+    is logged and the two launches stay. Where the form cannot run yet (no arrival counts: first asked inside a
+    CUDA graph capture) the answer is no, and the check waits for the next call."""
+    key = (weight.device, tuple(weight.shape), weight.dtype, tuple(config), fused_norm, top_k, renormalize)
+    if key not in _router_gemv_checked:
+        matches = _router_gemv_matches(weight, config, fused_norm, top_k, renormalize)
+        if matches is None:
+            return False
+        _router_gemv_checked[key] = matches
+    return _router_gemv_checked[key]
+
+
+def _router_gemv_matches(weight: torch.Tensor, config, fused_norm: bool, top_k: int,
+                         renormalize: bool) -> bool | None:
+    """device_router_gemv's check: None where the form returned no result (no arrival counts)."""
+    from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm
+    from shardserve.kernels.triton.moe_router import route_top_k
+    from shardserve.kernels.triton.router_gemv import gemv_rmsnorm_route, gemv_route
+
+    num_experts, hidden = weight.shape
+    what = (f"the {num_experts}x{hidden} router's GEMV with its choice ({'norm-fused' if fused_norm else 'plain'}, "
+            f"{tuple(config)}, top {top_k}) on {weight.device}")
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    w = torch.randn(weight.shape, generator=g, device=weight.device).mul_(0.05).to(weight.dtype)
+    x = torch.randn(1, hidden, generator=g, device=weight.device).to(weight.dtype)
+    residual = torch.randn(1, hidden, generator=g, device=weight.device).to(weight.dtype)
+    norm_weight = torch.rand(hidden, generator=g, device=weight.device).add_(0.5).to(weight.dtype)
+    if fused_norm:
+        cases = [(lambda r=r: gemv_rmsnorm_route(x, r, norm_weight, 1e-6, w, top_k, renormalize, *config),
+                  lambda r=r: gemv_rmsnorm(x, r, norm_weight, 1e-6, w, *config, keep_normed=True))
+                 for r in (residual, None)]
+    else:
+        cases = [(lambda: gemv_route(x, w, top_k, renormalize, *config), lambda: (gemv(x, w, *config),))]
+    try:
+        for run, separate in cases:
+            want = separate()
+            want = (*want, *route_top_k(want[0], top_k, renormalize))
+            for _ in range(2):
+                got = run()
+                if got is None:
+                    return None
+                if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+                    logger.error("%s differs from its two launches: not used", what)
+                    return False
+    except Exception as exc:  # no Triton, or the kernel does not build here
+        logger.info("%s does not run here: %s: %s", what, type(exc).__name__, exc)
+        return False
+    logger.info("%s: one launch", what)
+    return True
 
 
 _router_checked: dict[tuple, bool] = {}

@@ -103,6 +103,41 @@ def test_moe_greedy_tokens_match_transformers_on_a_gpu(tiny_model_dir, name):
     _check_matches(tiny_model_dir(name), name, 1, device="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe"])
+def test_router_choice_in_the_router_gemv_keeps_the_tokens_on_a_gpu(tiny_model_dir, monkeypatch, name, tp):
+    """Batch-1 decode in bfloat16 (where the router's GEMV can be a Triton one), one prompt at a time, with the
+    router's choice in the router's GEMV launch (SHARDSERVE_MOE_ROUTE=gemv) and in a launch of its own (separate):
+    the same greedy tokens (renormalised top 2, and Qwen2-MoE's over all experts). At TP 1 the one-launch form ran
+    wherever start-up chose the norm-fused GEMV for the router's shape."""
+    import shardserve.kernels.triton.router_gemv as router_gemv
+    from shardserve import LLM, SamplingParams
+    from shardserve.layers import moe
+    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
+
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s), found {torch.cuda.device_count()}")
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    launches = []
+    real = router_gemv._launch
+    monkeypatch.setattr(router_gemv, "_launch", lambda *args: launches.append(real(*args)) or launches[-1])
+    tokens, fused_norm_chosen = {}, False
+    for route in ("separate", "gemv"):
+        monkeypatch.setenv(moe.ROUTE_ENV, route)
+        with LLM(tiny_model_dir(name), tensor_parallel_size=tp, device="cuda", dtype="bfloat16",
+                 kv_cache_memory_gb=0.05) as llm:
+            tokens[route] = [tuple(llm.generate([prompt], greedy)[0].token_ids) for prompt in _prompts()]
+            if route == "separate":
+                assert not launches
+            layer = next(m for m in llm.engine.runner.model.modules() if isinstance(m, moe.SparseMoE))
+            one_row = torch.empty(1, layer.hidden_size, dtype=torch.bfloat16, device="cuda")
+            fused_norm_chosen = moe.router_gemv_config(layer.gate.kernel, one_row, layer.gate.weight, True) is not None
+    assert tokens["gemv"] == tokens["separate"]
+    if tp == 1 and fused_norm_chosen:
+        assert any(out is not None for out in launches)
+
+
 @pytest.mark.parametrize("held", [(0, 4), (2, 4)])
 def test_the_device_only_expert_path_equals_the_grouped_one(held):
     """torch's grouped GEMM path (what CUDA graphs capture) against the host-grouped version, here on the CPU:

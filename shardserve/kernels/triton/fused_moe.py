@@ -24,7 +24,8 @@ y[j] = weight[j] * w2[e] @ act[j] for its columns, and the last of a column tile
 in choice order (as step 4). The w2 programs load their weight rows before waiting for the w13 product (pdl.py:
 the expert ids come from the router, two launches back, and weights are written by no kernel).
 At batch 1 a layer is then three launches (router choice, w13, w2 + sum) after the router's GEMV, each launched
-to overlap the one before it on Hopper (kernels/triton/pdl.py).
+to overlap the one before it on Hopper (kernels/triton/pdl.py); two where the router's GEMV makes the choice itself
+(kernels/triton/router_gemv.py, one_token_experts).
 Shapes are fixed for a given T (the slot list has room for the worst case, T*k + min(E, T*k) * (BLOCK_M - 1)
 slots; blocks past the real groups exit at once), so CUDA graphs capture the whole call. Only experts that
 received tokens are read: decode reads k experts' weights, not E. Block sizes come from a table keyed on the
@@ -41,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.fused_moe_table import (ROUTE_ALIGN_MAX_TOKENS, SUM_IN_DOWN_MAX_TOKENS, MoeConfig,
-                                                OneTokenTiles, one_token_tiles, pick_config)
+from shardserve.kernels.fused_moe_table import (ONE_TOKEN_ENV, ROUTE_ALIGN_MAX_TOKENS, SUM_IN_DOWN_MAX_TOKENS,
+                                                MoeConfig, OneTokenTiles, one_token_tiles, pick_config)
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.quant_pack import fit_block_k
 from shardserve.kernels.triton import pdl
@@ -498,13 +499,24 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tens
     if logits.shape[0] != tokens:
         raise ValueError(f"logits must have one row per token ({tokens}), got {tuple(logits.shape)}")
     if one_token:
-        weights, ids = route_top_k(logits, top_k, renormalize)
-        _check_args(x, w13, w2, weights, ids)
-        return _one_token_experts(x, w13, w2, weights, ids, id_base, config)
+        return one_token_experts(x, w13, w2, *route_top_k(logits, top_k, renormalize), id_base, config)
     weights, ids, sorted_pairs, block_expert = route_and_align(logits, top_k, renormalize, w13.shape[0],
                                                                config.block_m, id_base)
     _check_args(x, w13, w2, weights, ids)
     return _experts(x, w13, w2, weights, ids - id_base if id_base else ids, sorted_pairs, block_expert, config)
+
+
+def one_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, id_base: int = 0, tiles: OneTokenTiles | None = None) -> torch.Tensor:
+    """A single token's experts on a choice already made (weights [1, k] float32, ids [1, k] with every expert's
+    number, this rank's being [id_base, id_base + E)): the one-token path's launches as fused_moe_from_logits runs
+    them after its choice (the router's GEMV may make it: kernels/triton/router_gemv.py). `tiles`: the table's
+    one-token tiles unless given; the path must be on (one_token_tiles)."""
+    tiles = tiles or one_token_tiles()
+    if tiles is None:
+        raise ValueError(f"one_token_experts needs the one-token path, which {ONE_TOKEN_ENV} turns off")
+    _check_args(x, w13, w2, topk_weights, topk_ids)
+    return _one_token_experts(x, w13, w2, topk_weights, topk_ids, id_base, tiles)
 
 
 def _table_config(tokens: int, top_k: int, num_experts: int, element_size: int) -> MoeConfig | OneTokenTiles:

@@ -7,6 +7,11 @@ experts' own GEMMs take to read a quarter of their weights. One program per toke
 
 Ties pick the lower expert index. Choices are made on the logits (the softmax is monotonic), weights are
 exp(l - max) / sum over all experts (or over the chosen k when renormalising), in float32.
+
+The results do not depend on how a launch lays the logits out over its threads (its warps): maxima and minima are
+exact in any order, the chosen k are summed one after another in choice order, and the sum over all experts is
+taken in fixed point, where addition is exact. So the choice is the same bit for bit in this module's launch and
+in the last program of a wider one (the router's GEMV, kernels/triton/router_gemv.py).
 """
 
 from __future__ import annotations
@@ -19,19 +24,32 @@ from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.pdl import enter
 
 
+# Exps in fixed point, as whole multiples of 2^-48: the exps of up to MAX_EXPERTS experts (each at most 1) sum
+# within int64.
+FIXED_POINT_ONE = tl.constexpr(2.0 ** 48)
+MAX_EXPERTS = 1 << 15
+
+
 @triton.jit
 def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_logits,
-                TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr):
+                TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr,
+                LOGITS_FROM_L2: tl.constexpr = False):
     """Token `token`'s k choices: weights to weights_ptr[token * k + j], expert ids to ids_ptr[...]; returns the
-    ids, [TOP_K_P] int32 (0 past k)."""
+    ids, [TOP_K_P] int32 (0 past k). LOGITS_FROM_L2: the logits were stored by other programs of this launch, so
+    their loads skip this SM's L1."""
     experts = tl.arange(0, EXPERTS_P)
     real = experts < num_experts
-    logits = tl.load(logits_ptr + token * stride_logits + experts, mask=real, other=float("-inf")).to(tl.float32)
+    pointers = logits_ptr + token * stride_logits + experts
+    if LOGITS_FROM_L2:
+        logits = tl.load(pointers, mask=real, other=float("-inf"), cache_modifier=".cg")
+    else:
+        logits = tl.load(pointers, mask=real, other=float("-inf"))
+    logits = logits.to(tl.float32)
     top = tl.max(logits, axis=0)
-    exps = tl.where(real, tl.exp(logits - top), 0.0)
     slots = tl.arange(0, TOP_K_P)
     chosen_ids = tl.zeros([TOP_K_P], dtype=tl.int32)
     chosen_exps = tl.zeros([TOP_K_P], dtype=tl.float32)
+    chosen_total = tl.zeros([], dtype=tl.float32)
     remaining = tl.where(real, logits, float("-inf"))
     open_ = real
     for j in tl.static_range(TOP_K):
@@ -40,18 +58,29 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
         # -inf logits the maximum alone would not tell it from the rest).
         index = tl.min(tl.where((remaining == best) & open_, experts, EXPERTS_P), axis=0)
         chosen_ids = tl.where(slots == j, index, chosen_ids)
-        # best is the chosen logit itself, so its exp is the one in `exps` (no third reduction a round).
-        chosen_exps = tl.where(slots == j, tl.exp(best - top), chosen_exps)
+        # best is the chosen logit itself, so its exp takes no third reduction a round.
+        chosen = tl.exp(best - top)
+        chosen_exps = tl.where(slots == j, chosen, chosen_exps)
+        chosen_total += chosen
         remaining = tl.where(experts == index, float("-inf"), remaining)
         open_ = open_ & (experts != index)
     if RENORMALIZE:
-        total = tl.sum(chosen_exps, axis=0)
+        total = chosen_total
     else:
-        total = tl.sum(exps, axis=0)
+        total = _fixed_point_sum(tl.where(real, tl.exp(logits - top), 0.0))
     keep = slots < TOP_K
     tl.store(weights_ptr + token * TOP_K + slots, chosen_exps / total, mask=keep)
     tl.store(ids_ptr + token * TOP_K + slots, chosen_ids.to(ids_ptr.dtype.element_ty), mask=keep)
     return chosen_ids
+
+
+@triton.jit
+def _fixed_point_sum(exps):
+    """The sum of exps [EXPERTS_P] (each in [0, 1], one of them 1, so the sum is at least 1) with the same bits in
+    any order of addition: each exp as a whole number of 2^-48 (rounded down, off by less than 2^-48), added exactly
+    in int64, the total rounded once to float32."""
+    fixed = (exps * FIXED_POINT_ONE).to(tl.int64)
+    return tl.sum(fixed, axis=0).to(tl.float32) * (1.0 / FIXED_POINT_ONE)
 
 
 @triton.jit
@@ -66,10 +95,12 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
 
 def routing_outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits with unit stride over the experts, empty weights [T, k] float32, empty ids [T, k] int64) after
-    checking top_k against the experts."""
+    checking top_k and the number of experts."""
     tokens, num_experts = logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"the router takes at most {MAX_EXPERTS} experts, got {num_experts}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     return (logits, torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device),
