@@ -195,12 +195,12 @@ class ColumnParallelLinear(KernelLinear):
     def forward_swiglu(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(silu(gate) * up of forward(x), True) for a [gate | up] layer where the kernel computes it in the
         product's own launch (single tokens on GPUs), else (forward(x), False): the caller applies SwiGLU."""
-        swiglu_out = getattr(self.kernel, "swiglu_out", None)
-        if swiglu_out is not None and self.fusable and self.bias is None:
-            y = swiglu_out(x, self.weight)
-            if y is not None:
-                return y, True
-        return self.forward(x), False
+        y = None
+        if self.bias is None and self.packed is not None:
+            y = self.packed.swiglu_out(self, x)
+        elif self.bias is None and getattr(self.kernel, "swiglu_out", None) is not None and self.fusable:
+            y = self.kernel.swiglu_out(x, self.weight)
+        return (y, True) if y is not None else (self.forward(x), False)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm,
                        reduce: Communicator | None = None, keep_normed: bool = False) -> tuple[torch.Tensor, ...]:
@@ -230,7 +230,11 @@ class ColumnParallelLinear(KernelLinear):
         if h is None:
             out, activated = None, False
             if self.packed is not None and not keep_normed:
-                out = self.packed.normed(self, x, residual, norm.weight, norm.eps)
+                if swiglu_out and self.bias is None:
+                    out = self.packed.normed(self, x, residual, norm.weight, norm.eps, swiglu_out=True)
+                    activated = out is not None
+                if out is None:
+                    out = self.packed.normed(self, x, residual, norm.weight, norm.eps)
             elif getattr(self.kernel, "normed", None) is not None and self.fusable:
                 normed_swiglu = getattr(self.kernel, "normed_swiglu_out", None)
                 if swiglu_out and normed_swiglu is not None and self.bias is None:

@@ -211,21 +211,44 @@ class PackedWeights:
         return out.reshape(*shape[:-1], self.n)
 
     def normed(self, layer: KernelLinear, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+               eps: float, swiglu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the product of RMSNorm(x + residual), x + residual) for one row in one launch, where start-up timing
-        chose the norm-fused GEMV for this shape (never for act order: its input is gathered first); else None."""
+        chose the norm-fused GEMV for this shape (never for act order: its input is gathered first); else None.
+        With `swiglu_out`, silu(gate) * up of the product where the layer takes that form (swiglu_out), else None."""
         if not self.norm_fused or x.dim() != 2 or x.shape[0] != 1 or getattr(layer, "input_perm", None) is not None:
+            return None
+        if swiglu_out and not self.takes_swiglu_out(layer, x):
             return None
         from shardserve.kernels.triton.quant_gemv import fp8_gemv_rmsnorm, int4_gemv_rmsnorm, int4_gemv_split_rmsnorm
 
         if self.layout.kind == "fp8":
             return fp8_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, self.group,
-                                    *self.gemv_config)
+                                    *self.gemv_config, swiglu_out=swiglu_out)
         if self.gemv_split is not None:
             return int4_gemv_split_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale,
                                            layer.weight_zero, self.group, *self.gemv_split)
         return int4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.weight_zero,
                                  self.group, *self.gemv_config)
+
+    def swiglu_out(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of the one-row product of a [gate | up] layer in the GEMV's own launch (takes_swiglu_out),
+        else None: the caller applies SwiGLU."""
+        if not self.takes_swiglu_out(layer, x):
+            return None
+        from shardserve.kernels.triton.quant_gemv import fp8_gemv
+
+        return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config, swiglu_out=True)
+
+    def takes_swiglu_out(self, layer: KernelLinear, x: torch.Tensor) -> bool:
+        """Whether x's product returns silu(gate) * up in the GEMV's launch: one row on a GPU, FP8 weights of a
+        [gate | up] projection (layer.makes_swiglu_output) whose chosen configuration takes an even number of
+        rows a program. That form reads what the plain one reads, so it runs the plain one's configuration
+        (SHARDSERVE_GEMV_SWIGLU_OUT=off: never)."""
+        from shardserve.layers.cuda_gemv import swiglu_out_allowed
+
+        return (self.layout.kind == "fp8" and getattr(layer, "makes_swiglu_output", False) and x.is_cuda
+                and x.dim() == 2 and x.shape[0] == 1 and self.n % 2 == 0 and self.gemv_config[0] % 2 == 0
+                and swiglu_out_allowed())
 
     def _gemv(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
         from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv, int4_gemv_split
@@ -486,7 +509,42 @@ def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
             error, detail = _normed_error(layer, w64, outputs, generator)
             if not error <= TOLERANCE.get(dtype, 1e-2):
                 failures.append(f"{layout.describe()} {n}x{k} with the norm before it: {detail}")
+        swiglu_layer = next((m for m in layers if getattr(m, "makes_swiglu_output", False)), None)
+        if swiglu_layer is not None:
+            error, detail = _swiglu_out_error(swiglu_layer, generator)
+            if not error <= TOLERANCE.get(dtype, 1e-2):
+                failures.append(f"{layout.describe()} {n}x{k} with SwiGLU out: {detail}")
     return failures
+
+
+def _swiglu_out_error(layer: KernelLinear, generator: torch.Generator) -> tuple[float, str]:
+    """A [gate | up] layer's single-row product with SwiGLU inside (PackedWeights.swiglu_out; with the norm inside
+    too where norm-fused) against float64 silu(gate) * up on the same packed values: (relative error, what to
+    report); (0, ...) where the layer does not take that form."""
+    from shardserve.kernels.self_check import relative_error
+    from shardserve.layers.norm import RMSNorm
+
+    packed, device = layer.packed, layer.weight.device
+    dtype, k, half = packed.compute_dtype, packed.k, packed.n // 2
+    x = torch.randn(1, k, generator=generator).mul_(3).to(dtype).to(device)
+    if not packed.takes_swiglu_out(layer, x):
+        return 0.0, "not taken"
+    w64 = reference_weight(layer)
+    try:
+        error = 0.0
+        for norm_fused in (False, True) if packed.norm_fused else (False,):
+            if norm_fused:
+                norm = RMSNorm(k, 1e-5, dtype).to(device)
+                h = norm(x.clone())
+                out = packed.normed(layer, x, None, norm.weight, norm.eps, swiglu_out=True)[0]
+            else:
+                h, out = x, packed.swiglu_out(layer, x)
+            product = F.linear(h.double(), w64)
+            want = (F.silu(product[:, :half]) * product[:, half:]).cpu()
+            error = max(error, relative_error(out, want))
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot run this shape fails its check
+        return float("inf"), f"{type(e).__name__}: {e}"
+    return error, f"error {error:.2g}"
 
 
 def _normed_error(layer: KernelLinear, w64: torch.Tensor, outputs, generator: torch.Generator) -> tuple[float, str]:

@@ -283,6 +283,31 @@ def test_gpu_norm_fused_packed_gemv(kind, group, n, k):
     check_normed_gemv(kind, n, k, min(group, k), torch.bfloat16, False, configs[0])
 
 
+@needs_triton
+@pytest.mark.parametrize("native", [True, False], ids=["fp8", "fp8-bits"])
+@pytest.mark.parametrize("features,k,group_k,block_n,block_k", [(12, 256, 128, 8, 64), (13, 200, 200, 4, 64),
+                                                                (1024, 4096, 4096, 4, 1024)])
+def test_fp8_gemv_with_swiglu_output_equals_the_product_then_swiglu(features, k, group_k, block_n, block_k, native,
+                                                                     monkeypatch):
+    """A [gate | up] FP8 projection whose launch returns silu(gate) * up: the same bits as the FP8 GEMV followed by
+    the SwiGLU kernel, plain and with the norm inside (and its new residual)."""
+    from shardserve.kernels.triton import fused_ops, quant_gemv
+
+    if not CUDA and features > 64:
+        pytest.skip("a GPU shape")
+    monkeypatch.setattr(quant_gemv, "_native_fp8", lambda device: native)
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    weight, scale = random_fp8(2 * features, k, group_k, seed=features)
+    norm_args, _, summed = normed_input(k, dtype, True)
+    config = (block_n, block_k, 4, 1)
+    got = quant_gemv.fp8_gemv(norm_args[0], weight, scale, group_k, *config, swiglu_out=True)
+    assert got.shape == (1, features)
+    assert torch.equal(got, fused_ops.silu_and_mul(quant_gemv.fp8_gemv(norm_args[0], weight, scale, group_k, *config)))
+    got, got_sum = quant_gemv.fp8_gemv_rmsnorm(*norm_args, weight, scale, group_k, *config, swiglu_out=True)
+    product, _ = quant_gemv.fp8_gemv_rmsnorm(*norm_args, weight, scale, group_k, *config)
+    assert torch.equal(got, fused_ops.silu_and_mul(product)) and torch.equal(got_sum, summed)
+
+
 def split_configs(k: int, group: int) -> list[tuple[int, ...]]:
     """The start-up candidates of the split-K GEMV that take K columns in groups of `group`, and a small one
     (rows past N on the tiny shape, several splits)."""

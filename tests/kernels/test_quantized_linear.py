@@ -146,6 +146,32 @@ def test_the_start_up_check_catches_a_kernel_that_drops_the_scales():
     assert len(failures) == 2 and "48x256 at 1 rows" in failures[0] and "error" in failures[0]
 
 
+@pytest.mark.skipif(not CUDA, reason="single-row products take the packed GEMVs on GPUs only")
+@pytest.mark.parametrize("norm_fused", [False, True])
+def test_an_fp8_gate_up_layer_returns_swiglu_from_its_gemv_and_proves_it_at_start_up(norm_fused):
+    """An FP8 [gate | up] projection's single-row product with SwiGLU inside: the bits of the product followed by
+    the SwiGLU kernel (plain, and with the norm inside where norm-fused); the start-up check covers that form and
+    names it when it is wrong."""
+    from shardserve.kernels.triton.fused_ops import silu_and_mul
+    from shardserve.layers.norm import RMSNorm
+
+    layer = packed_layer(2 * 1024, 512, PackedLayout("fp8", 0), torch.bfloat16)
+    layer.makes_swiglu_output = True
+    layer.packed.norm_fused = norm_fused
+    x = torch.randn(1, 512, device=DEVICE).to(torch.bfloat16)
+    y, activated = layer.forward_swiglu(x)
+    assert activated and torch.equal(y, silu_and_mul(layer(x)))
+    norm = RMSNorm(512, 1e-5, torch.bfloat16).to(DEVICE)
+    y, summed, activated = layer.forward_normed_swiglu(x, x.clone(), norm)
+    product, summed_apart = layer.forward_normed(x, x.clone(), norm)
+    assert activated and torch.equal(y, silu_and_mul(product)) and torch.equal(summed, summed_apart)
+    model = nn.Sequential(layer)
+    assert check_packed(model) == []
+    layer.packed.swiglu_out = lambda layer, x: torch.zeros(1, 1024, dtype=x.dtype, device=x.device)
+    failures = check_packed(model)
+    assert len(failures) == 1 and "with SwiGLU out" in failures[0]
+
+
 def test_an_act_order_layer_gathers_its_input_in_group_order():
     """An act-order layer's columns are sorted by group (input_perm): its product gathers the input the same way,
     and the start-up check passes it."""

@@ -23,7 +23,8 @@ from shardserve.kernels.quant_pack import check_fp8, check_int4, fp8_groups
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import ARRIVAL_SLOTS, arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.pdl import enter
-from shardserve.kernels.triton.gemv import normed_row_args, normed_values, preload_tiles, rms_of_sum
+from shardserve.kernels.triton.gemv import (normed_row_args, normed_values, preload_tiles, program_rows, rms_of_sum,
+                                            store_rows, swiglu_features)
 
 
 @triton.jit
@@ -40,16 +41,17 @@ def _e4m3_bits_to_float(b):
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, norm_w_ptr, sum_ptr, eps,
                      K: tl.constexpr, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, NATIVE_FP8: tl.constexpr,
                      BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, NORM: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = 0):
+                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = 0,
+                     SWIGLU_OUT: tl.constexpr = False):
     """out[n] = sum_k float(w[n, k]) * s[n, k // GROUP_K] * x[k]. SUB divides GROUP_K unless PER_ROW (one scale
     per row, applied after the reduction). w points at the raw bytes (masked loads of uint8 can fill with 0),
     reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it. With NORM, x is RMSNorm(x +
     residual) computed on the fly as gemv.py's norm-fused GEMV computes it (program 0 stores the sum). PDL and
-    PRELOAD (0 or 1 tile of weights loaded before the wait): as in gemv.py."""
+    PRELOAD (0 or 1 tile of weights loaded before the wait), SWIGLU_OUT (out = silu(gate) * up of a [gate | up]
+    weight of 2N rows): as in gemv.py."""
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     NUM_GROUPS: tl.constexpr = (K + GROUP_K - 1) // GROUP_K
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    rows, row_ok = program_rows(tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
     sub = tl.arange(0, TILE_GROUPS)
     cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_wn
@@ -77,7 +79,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
         y *= row_scale
     if not NATIVE_FP8:
         y *= 256.0
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    store_rows(out_ptr, y, rows, row_ok, tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
 
 
 @triton.jit
@@ -304,24 +306,26 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, arrivals_ptr, 
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8,
-             block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+             block_k: int = 512, num_warps: int = 4, num_stages: int = 3, swiglu_out: bool = False) -> torch.Tensor:
     """x [1, K] (or [K]) times the fp8 weight [N, K]^T with scale [N, ceil(K / group_k)] -> [1, N] in x's
     dtype. group_k >= K is one scale per row. block_n and block_k are powers of two; a block_k tile spans
-    block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_k) columns."""
+    block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_k) columns. With
+    `swiglu_out`, silu(gate) * up of a [gate | up] weight, [1, N / 2] (gemv.gemv's)."""
     x = _one_row(x, weight.shape[1], "fp8_gemv")
-    return _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages), None)
+    return _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages), None, swiglu_out)
 
 
 def fp8_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8, block_k: int = 512,
-                     num_warps: int = 4, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_warps: int = 4, num_stages: int = 3,
+                     swiglu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8_gemv of RMSNorm(x + residual), x + residual) in one launch, as gemv.gemv_rmsnorm for 16-bit weights
-    (without a residual, the second is x itself)."""
+    (without a residual, the second is x itself); `swiglu_out` as in fp8_gemv."""
     return _normed_launch("fp8_gemv_rmsnorm", x, residual, norm_weight, eps, weight.shape[1], lambda x, norm: (
-        _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages), norm)))
+        _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages), norm, swiglu_out)))
 
 
-def _fp8_launch(x, weight, scale, group_k: int, config, norm) -> torch.Tensor:
+def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool = False) -> torch.Tensor:
     """norm: None, or (residual or None, norm weight, the sum's tensor, eps) for the norm-fused form."""
     check_fp8(weight, scale, group_k)
     block_n, block_k, num_warps, num_stages = config
@@ -330,14 +334,16 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm) -> torch.Tensor:
     per_row = fp8_groups(k, group_k) == 1
     sub = block_k if per_row else min(block_k, group_k & -group_k)
     native = _native_fp8(x.device)
+    if swiglu_out:
+        n = swiglu_features(weight, block_n)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n // 2 if swiglu_out else block_n),)](
         x, weight.view(torch.uint8), scale, out, n, weight.stride(0), x if residual is None else residual,
         norm_weight, summed, eps, K=k, GROUP_K=k if per_row else group_k, PER_ROW=per_row, NATIVE_FP8=native,
         BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, NORM=norm is not None,
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
-        PRELOAD=min(preload_tiles(), 1), **pdl.launch(x.device))
+        PRELOAD=min(preload_tiles(), 1), SWIGLU_OUT=swiglu_out, **pdl.launch(x.device))
     return out
 
 
