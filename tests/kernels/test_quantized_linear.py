@@ -162,8 +162,8 @@ def test_an_fp8_gate_up_layer_returns_swiglu_from_its_gemv_and_proves_it_at_star
     y, activated = layer.forward_swiglu(x)
     assert activated and torch.equal(y, silu_and_mul(layer(x)))
     norm = RMSNorm(512, 1e-5, torch.bfloat16).to(DEVICE)
-    y, summed, activated = layer.forward_normed_swiglu(x, x.clone(), norm)
-    product, summed_apart = layer.forward_normed(x, x.clone(), norm)
+    y, summed, activated = layer.forward_normed_swiglu(x.clone(), x.clone(), norm)  # the norm module: in place
+    product, summed_apart = layer.forward_normed(x.clone(), x.clone(), norm)
     assert activated and torch.equal(y, silu_and_mul(product)) and torch.equal(summed, summed_apart)
     model = nn.Sequential(layer)
     assert check_packed(model) == []

@@ -193,10 +193,11 @@ def two_launches(layer, x, residual, norm, reduce):
 
 
 def as_on_cuda(monkeypatch):
-    """Without CUDA: the layer's CUDA paths, in the interpreter (the choice in the router's launch where it may,
-    else fused_moe_from_logits)."""
-    from shardserve.layers.moe import SparseMoE
+    """The choice in the router's launch turned on (SHARDSERVE_MOE_ROUTE=gemv); without CUDA, the layer's CUDA paths
+    in the interpreter (the choice in the router's launch where it may, else fused_moe_from_logits)."""
+    from shardserve.layers.moe import ROUTE_ENV, SparseMoE
 
+    monkeypatch.setenv(ROUTE_ENV, "gemv")
     if not CUDA:
         monkeypatch.setattr(SparseMoE, "routes_in_router", lambda self, x: True)
         monkeypatch.setattr(SparseMoE, "routed_experts", from_logits)
