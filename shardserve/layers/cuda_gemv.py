@@ -3,8 +3,9 @@
 A batch-1 decode step is bound by how fast it streams the weights, and at 32 layers every extra kernel
 launch costs a few microseconds more. cuBLAS reaches the bandwidth on large matrices but not on the
 attention projections of 8B-class models (it splits K and adds a second kernel); the Triton kernels of
-shardserve/kernels/triton/gemv.py do each product in one launch, and can fold in what comes before it:
-the residual add and RMSNorm before the QKV and gate/up projections, SwiGLU before the down projection.
+shardserve/kernels/triton/gemv.py do each product in one launch, and can fold in what comes before it
+(the residual add and RMSNorm before the QKV and gate/up projections, SwiGLU before the down projection) or
+after it (SwiGLU on the gate/up projection's own output).
 Which is faster depends on the shape and the GPU, so at start-up every distinct weight shape is timed
 both ways (inside a CUDA graph, over the model's own layers so nothing comes from L2) and the winner is
 kept. Batches of more than one row always take the unfused path with cuBLAS. SHARDSERVE_GEMV=cublas turns
