@@ -30,6 +30,18 @@ class Normed:
 NORMED = Normed()
 
 
+def reduced_first(x: torch.Tensor, residual: torch.Tensor | None, norm, reduce):
+    """(x, residual, reduce) with x's pending reduction done, as a layer on norm(x + residual) starts (`norm`: an
+    RMSNorm module): where the communicator fuses the all-reduce, the add and the norm, (norm(s), s, NORMED); else
+    the all-reduced x, the residual and None. Without one (None or NORMED) as they are."""
+    if reduce is None or reduce is NORMED:
+        return x, residual, reduce
+    fused = reduce.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
+    if fused is not None:
+        return fused[0], fused[1], NORMED
+    return reduce.all_reduce(x), residual, None
+
+
 class Communicator:
     """All-reduce and gathers of activations over one tensor-parallel group.
 

@@ -14,7 +14,7 @@ from typing import Any, Hashable
 import torch
 from torch import nn
 
-from shardserve.distributed.communicator import NORMED, Communicator
+from shardserve.distributed.communicator import NORMED, Communicator, reduced_first
 from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.linear_kernels import LinearKernel
 
@@ -222,47 +222,41 @@ class ColumnParallelLinear(KernelLinear):
         return y, residual, activated
 
     def _normed(self, x, residual, norm, reduce, keep_normed: bool, swiglu_out: bool):
-        """(y, norm(s) with keep_normed, s, whether y is activated) for forward_normed and forward_normed_swiglu.
-        The kernel's norm-fused forms come first (with SwiGLU out, then without), then the norm followed by the
-        product (forward_swiglu's where swiglu_out)."""
+        """(y, norm(s) with keep_normed, s, whether y is activated) for forward_normed and forward_normed_swiglu:
+        the kernel's norm-fused launch where it has one (_norm_fused), else the norm followed by the product
+        (forward_swiglu's where swiglu_out)."""
         x, residual, reduce = reduced_first(x, residual, norm, reduce)
-        h = x if reduce is NORMED else None
-        if h is None:
-            out, activated = None, False
-            if self.packed is not None and not keep_normed:
-                if swiglu_out and self.bias is None:
-                    out = self.packed.normed(self, x, residual, norm.weight, norm.eps, swiglu_out=True)
-                    activated = out is not None
-                if out is None:
-                    out = self.packed.normed(self, x, residual, norm.weight, norm.eps)
-            elif getattr(self.kernel, "normed", None) is not None and self.fusable:
-                normed_swiglu = getattr(self.kernel, "normed_swiglu_out", None)
-                if swiglu_out and normed_swiglu is not None and self.bias is None:
-                    out = normed_swiglu(x, residual, norm.weight, norm.eps, self.weight)
-                    activated = out is not None
-                if out is None:
-                    out = self.kernel.normed(x, residual, norm.weight, norm.eps, self.weight, keep_normed=keep_normed)
+        if reduce is NORMED:
+            h = x
+        else:
+            out, activated = self._norm_fused(x, residual, norm, keep_normed, swiglu_out)
             if out is not None:
                 y = out[0] if self.bias is None else out[0] + self.bias
                 return y, (out[2] if keep_normed else None), out[1], activated
-            if residual is None:
-                h, residual = norm(x), x
-            else:
-                h, residual = norm(x, residual)
+            h, residual = (norm(x), x) if residual is None else norm(x, residual)
         y, activated = self.forward_swiglu(h) if swiglu_out else (self.forward(h), False)
         return y, (h if keep_normed else None), residual, activated
 
-
-def reduced_first(x: torch.Tensor, residual: torch.Tensor | None, norm, reduce):
-    """(x, residual, reduce) with x's pending reduction done, as a layer on norm(x + residual) starts: where the
-    communicator fuses the all-reduce, the add and the norm, (norm(s), s, NORMED); else the all-reduced x, the
-    residual and None. Without one (None or NORMED) as they are."""
-    if reduce is None or reduce is NORMED:
-        return x, residual, reduce
-    fused = reduce.all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
-    if fused is not None:
-        return fused[0], fused[1], NORMED
-    return reduce.all_reduce(x), residual, None
+    def _norm_fused(self, x, residual, norm, keep_normed: bool, swiglu_out: bool) -> tuple[tuple | None, bool]:
+        """(the result of one launch that normalises x + residual and multiplies, whether its product is
+        activated): the packed weights' or the kernel's norm-fused form, with SwiGLU out first where asked and
+        the layer has no bias; (None, False) where the norm must run on its own."""
+        if self.packed is not None and not keep_normed:
+            def fused(activate):
+                return self.packed.normed(self, x, residual, norm.weight, norm.eps, swiglu_out=activate)
+        elif getattr(self.kernel, "normed", None) is not None and self.fusable:
+            def fused(activate):
+                if not activate:
+                    return self.kernel.normed(x, residual, norm.weight, norm.eps, self.weight, keep_normed=keep_normed)
+                form = getattr(self.kernel, "normed_swiglu_out", None)
+                return None if form is None else form(x, residual, norm.weight, norm.eps, self.weight)
+        else:
+            return None, False
+        if swiglu_out and self.bias is None:
+            out = fused(True)
+            if out is not None:
+                return out, True
+        return fused(False), False
 
 
 class RowParallelLinear(KernelLinear):

@@ -43,11 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.distributed.communicator import NORMED, Communicator
+from shardserve.distributed.communicator import NORMED, Communicator, reduced_first
 from shardserve.env_choice import env_choice
 from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
-from shardserve.layers.linear import (ColumnParallelLinear, as_tensor, empty_parameter, materialized, reduced_first,
-                                     shape_of, weights_device)
+from shardserve.layers.linear import (ColumnParallelLinear, as_tensor, empty_parameter, materialized, shape_of,
+                                     weights_device)
 from shardserve.layers.mlp import SwiGLUMLP
 from shardserve.layers.sharding import split_rows
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.distributed.communicator import NORMED
+from shardserve.distributed.communicator import NORMED, reduced_first
 from shardserve.kernels.availability import use_triton
 
 
@@ -24,13 +24,9 @@ class RMSNorm(nn.Module):
         the communicator can, the all-reduce, the add and the norm are one kernel. With `reduce` NORMED, x is
         already the norm's output and residual the sum (RowParallelLinear.forward_add): returned as they are.
         """
+        x, residual, reduce = reduced_first(x, residual, self, reduce)
         if reduce is NORMED:
             return x, residual
-        if reduce is not None:
-            fused = reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
-            if fused is not None:
-                return fused
-            x = reduce.all_reduce(x)
         if use_triton(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
             from shardserve.kernels.triton.fused_ops import fused_add_rms_norm, rms_norm
 
