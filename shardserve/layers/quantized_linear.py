@@ -470,14 +470,15 @@ def distinct_packed(model: nn.Module) -> dict[tuple, list[KernelLinear]]:
     return found
 
 
-def sampled_reference(layer: KernelLinear) -> tuple[torch.Tensor, slice | torch.Tensor]:
+def sampled_reference(layer: KernelLinear, weight64: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, slice | torch.Tensor]:
     """(float64 weight of the outputs a check compares, which outputs): all of them up to the self-check's
-    sample (kernels/self_check.sampled_outputs)."""
+    sample (kernels/self_check.sampled_outputs). `weight64`: the layer's reference_weight where already made."""
     from shardserve.kernels.self_check import sampled_outputs
 
     sampled = sampled_outputs(layer.packed.n)
     outputs = slice(None) if sampled is None else sampled.to(layer.weight.device)
-    return reference_weight(layer)[outputs], outputs
+    return (reference_weight(layer) if weight64 is None else weight64)[outputs], outputs
 
 
 @torch.inference_mode()
@@ -491,7 +492,8 @@ def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
     for (layout, n, k), layers in distinct_packed(model).items():
         layer = layers[0]
         dtype = layer.packed.compute_dtype
-        w64, outputs = sampled_reference(layer)
+        weight64 = reference_weight(layer)  # sampled for the products; whole for SwiGLU out's gate and up rows
+        w64, outputs = sampled_reference(layer, weight64)
         generator = torch.Generator().manual_seed(seed)
         for m in rows:
             x = torch.randn(m, k, generator=generator).to(dtype).to(layer.weight.device)
@@ -511,16 +513,19 @@ def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
                 failures.append(f"{layout.describe()} {n}x{k} with the norm before it: {detail}")
         swiglu_layer = next((m for m in layers if getattr(m, "makes_swiglu_output", False)), None)
         if swiglu_layer is not None:
-            error, detail = _swiglu_out_error(swiglu_layer, generator)
+            error, detail = _swiglu_out_error(swiglu_layer, weight64 if swiglu_layer is layer else None, generator)
             if not error <= TOLERANCE.get(dtype, 1e-2):
                 failures.append(f"{layout.describe()} {n}x{k} with SwiGLU out: {detail}")
+        del weight64
     return failures
 
 
-def _swiglu_out_error(layer: KernelLinear, generator: torch.Generator) -> tuple[float, str]:
+def _swiglu_out_error(layer: KernelLinear, weight64: torch.Tensor | None,
+                      generator: torch.Generator) -> tuple[float, str]:
     """A [gate | up] layer's single-row product with SwiGLU inside (PackedWeights.swiglu_out; with the norm inside
-    too where norm-fused) against float64 silu(gate) * up on the same packed values: (relative error, what to
-    report); (0, ...) where the layer does not take that form."""
+    too where norm-fused) against float64 silu(gate) * up on the same packed values (`weight64`, its
+    reference_weight where already made): (relative error, what to report); (0, ...) where the layer does not take
+    that form."""
     from shardserve.kernels.self_check import relative_error
     from shardserve.layers.norm import RMSNorm
 
@@ -529,7 +534,7 @@ def _swiglu_out_error(layer: KernelLinear, generator: torch.Generator) -> tuple[
     x = torch.randn(1, k, generator=generator).mul_(3).to(dtype).to(device)
     if not packed.takes_swiglu_out(layer, x):
         return 0.0, "not taken"
-    w64 = reference_weight(layer)
+    w64 = reference_weight(layer) if weight64 is None else weight64
     try:
         error = 0.0
         for norm_fused in (False, True) if packed.norm_fused else (False,):
