@@ -132,25 +132,28 @@ def _launch_per_row(kernel, x: torch.Tensor, weight: torch.Tensor, block_n: int,
                     num_stages: int, swiglu_out: bool = False) -> torch.Tensor:
     """Run a one-row GEMV kernel (signature x, w, out, N, stride_wn, K=..) over block_n rows of weight a program
     (with `swiglu_out`, _gemv_kernel's SWIGLU_OUT form: block_n / 2 features of silu(gate) * up a program)."""
-    n, k = weight.shape
+    k = weight.shape[1]
     extra = _preload_arg(k, block_k) if kernel is _gemv_kernel else {}
+    n, programs = output_rows(weight, block_n, swiglu_out)
     if swiglu_out:
-        n = swiglu_features(weight, block_n)
         extra["SWIGLU_OUT"] = True
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    kernel[(triton.cdiv(n, block_n // 2 if swiglu_out else block_n),)](
-        x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages, **pdl.launch(weight.device), **extra)
+    kernel[(programs,)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k,
+                        num_warps=num_warps, num_stages=num_stages, **pdl.launch(weight.device), **extra)
     return out
 
 
-def swiglu_features(weight: torch.Tensor, block_n: int) -> int:
-    """The features of a [gate | up] weight (half its rows) for a SwiGLU-out launch of block_n rows a program,
-    which must be even: each program takes a feature's gate and up rows together."""
-    if weight.shape[0] % 2 or block_n % 2:
-        raise ValueError(f"a SwiGLU-out GEMV needs an even number of weight rows and block_n, got "
-                         f"{weight.shape[0]} rows and block_n {block_n}")
-    return weight.shape[0] // 2
+def output_rows(weight: torch.Tensor, block_n: int, swiglu_out: bool) -> tuple[int, int]:
+    """(N, programs) of a one-row GEMV launch over block_n weight rows a program: N the weight's rows, or with
+    `swiglu_out` the features of a [gate | up] weight (half its rows, block_n / 2 a program: each program takes
+    a feature's gate and up rows together, so both must be even)."""
+    rows = weight.shape[0]
+    if not swiglu_out:
+        return rows, triton.cdiv(rows, block_n)
+    if rows % 2 or block_n % 2:
+        raise ValueError(f"a SwiGLU-out GEMV needs an even number of weight rows and block_n, got {rows} rows and "
+                         f"block_n {block_n}")
+    return rows // 2, triton.cdiv(rows // 2, block_n // 2)
 
 
 def _preload_arg(k: int, block_k: int) -> dict:
@@ -302,17 +305,17 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     the layer before a projection, fused into it. s is a new tensor (x when there is no residual). With
     `keep_normed`, (RMSNorm(s) @ weight^T, s, RMSNorm(s)). With `swiglu_out`, as gemv's: the product's
     silu(gate) * up in place of the product."""
-    n, k = weight.shape
+    k = weight.shape[1]
     if weight.stride(1) != 1:
         raise ValueError("gemv_rmsnorm needs a row-major weight")
     x, res, summed = normed_row_args(x, residual, norm_weight, k, "gemv_rmsnorm")
     extra = _preload_arg(k, block_k)
+    n, programs = output_rows(weight, block_n, swiglu_out)
     if swiglu_out:
-        n = swiglu_features(weight, block_n)
         extra["SWIGLU_OUT"] = True
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     normed = torch.empty_like(x) if keep_normed else out
-    _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n // 2 if swiglu_out else block_n),)](
+    _gemv_rmsnorm_kernel[(programs,)](
         x, x if res is None else res, norm_weight, weight, out, summed, normed, n, weight.stride(0), eps, K=k,
         HAS_RESIDUAL=res is not None, KEEP_NORMED=keep_normed, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch(weight.device), **extra)

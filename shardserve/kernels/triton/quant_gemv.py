@@ -23,8 +23,8 @@ from shardserve.kernels.quant_pack import check_fp8, check_int4, fp8_groups
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import ARRIVAL_SLOTS, arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.pdl import enter
-from shardserve.kernels.triton.gemv import (normed_row_args, normed_values, preload_tiles, program_rows, rms_of_sum,
-                                            store_rows, swiglu_features)
+from shardserve.kernels.triton.gemv import (normed_row_args, normed_values, output_rows, preload_tiles, program_rows,
+                                            rms_of_sum, store_rows)
 
 
 @triton.jit
@@ -330,15 +330,14 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool =
     check_fp8(weight, scale, group_k)
     block_n, block_k, num_warps, num_stages = config
     _check_blocks(block_n, block_k, 1)
-    n, k = weight.shape
+    k = weight.shape[1]
     per_row = fp8_groups(k, group_k) == 1
     sub = block_k if per_row else min(block_k, group_k & -group_k)
     native = _native_fp8(x.device)
-    if swiglu_out:
-        n = swiglu_features(weight, block_n)
+    n, programs = output_rows(weight, block_n, swiglu_out)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n // 2 if swiglu_out else block_n),)](
+    _fp8_gemv_kernel[(programs,)](
         x, weight.view(torch.uint8), scale, out, n, weight.stride(0), x if residual is None else residual,
         norm_weight, summed, eps, K=k, GROUP_K=k if per_row else group_k, PER_ROW=per_row, NATIVE_FP8=native,
         BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, NORM=norm is not None,
