@@ -13,14 +13,9 @@ two-GPU form runs in tests/distributed/test_peer_all_reduce.py.
 from __future__ import annotations
 
 import importlib.util
-import os
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed"),
