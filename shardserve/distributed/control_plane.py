@@ -1,11 +1,13 @@
-"""Control data between ranks, over the gloo control group, in msgpack (never pickle).
+"""Control data between ranks, in msgpack (never pickle).
 
 Step plans go from rank 0 to the other ranks (block tables as their changes: engine/step_plan.py's PlanEncoder
 and PlanDecoder, whose state the lockstep digest of the whole plan checks). Each message is a header [message number, payload bytes]
 followed by the msgpack payload and its MAC under the launch's control key (distributed/control_token.py),
 which covers the message number too. Message numbers run 1, 2, 3... on every rank. A receiver that sees
 another number than the one it expects, a MAC that does not match, or a payload that is not a plan logs
-why and stops, instead of running a step it cannot trust.
+why and stops, instead of running a step it cannot trust. The messages travel over a TCP connection from rank 0
+to each rank where every rank could make one (distributed/plan_stream.py), else as two broadcasts over the gloo
+control group; the checks are the same either way.
 
 `all_gather_msgpack` is the replacement for torch's `all_gather_object` (which unpickles what other
 ranks send) for the few start-up exchanges of plain data.
@@ -15,7 +17,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Any
+import struct
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import torch
@@ -25,12 +28,17 @@ from shardserve.distributed.control_token import MAC_BYTES, mac
 from shardserve.distributed.lockstep import LockstepError
 from shardserve.engine.step_plan import PlanDecoder, PlanEncoder, StepPlan
 
+if TYPE_CHECKING:
+    from shardserve.distributed.plan_stream import PlanStreams
+    from shardserve.distributed.process_group import RankContext
+
 __all__ = ["ControlPlane", "ControlMessageRefused", "LockstepError", "all_gather_msgpack"]
 
 logger = logging.getLogger(__name__)
 
 # A plan holds at most a step's tokens and block tables; a header announcing more is not from rank 0.
 MAX_PLAN_BYTES = 256 * 2**20
+HEADER = struct.Struct("<qq")  # message number, payload bytes (the gloo path sends them as an int64 tensor)
 
 
 class ControlMessageRefused(LockstepError):
@@ -38,17 +46,43 @@ class ControlMessageRefused(LockstepError):
 
 
 class ControlPlane:
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, key: bytes | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world_size: int, key: bytes | None = None,
+                 streams: PlanStreams | None = None) -> None:
+        """`streams`: the TCP connections plans travel on (plan_stream.py); None: gloo broadcasts over `group`."""
         if world_size > 1 and key is None:
             raise ValueError("a control plane between several ranks needs the launch's control key")
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.key = key
+        self.streams = streams
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
         self.message_no = 0
         self._encoder = PlanEncoder()  # rank 0
         self._decoder = PlanDecoder()  # the other ranks
+
+    @classmethod
+    def connect(cls, ctx: RankContext) -> ControlPlane:
+        """The rank's control plane, over TCP connections to rank 0 where every rank makes one. A collective
+        step: every rank of `ctx` calls it at the same point of its start-up."""
+        from shardserve.distributed.plan_stream import open_plan_streams
+        from shardserve.distributed.process_group import COLLECTIVE_TIMEOUT
+        from shardserve.distributed.setup_watchdog import setup_step
+
+        streams = None
+        if ctx.world_size > 1:
+            with setup_step("connect the step-plan streams", ctx.rank):
+                streams = open_plan_streams(ctx.control_group, ctx.rank, ctx.world_size, ctx.control_key,
+                                            ctx.rendezvous_host, COLLECTIVE_TIMEOUT.total_seconds())
+        return cls(ctx.control_group, ctx.rank, ctx.world_size, ctx.control_key, streams)
+
+    @property
+    def transport(self) -> str:
+        return "tcp" if self.streams is not None else "gloo"
+
+    def close(self) -> None:
+        if self.streams is not None:
+            self.streams.close()
 
     def send(self, plan: StepPlan) -> None:
         if self.world_size == 1:
@@ -56,23 +90,22 @@ class ControlPlane:
         payload = self._encoder.encode(plan)
         self.message_no += 1
         signed = payload + mac(self.key, self.message_no, payload)
+        if self.streams is not None:
+            self.streams.send(HEADER.pack(self.message_no, len(payload)) + signed)
+            return
         header = torch.tensor([self.message_no, len(payload)], dtype=torch.int64)
         dist.broadcast(header, src=self.src, group=self.group)
         dist.broadcast(torch.frombuffer(bytearray(signed), dtype=torch.uint8), src=self.src, group=self.group)
 
     def receive(self) -> StepPlan:
-        header = torch.empty(2, dtype=torch.int64)
-        dist.broadcast(header, src=self.src, group=self.group)
-        message_no, size = int(header[0]), int(header[1])
+        message_no, size = self._receive_header()
         self.message_no += 1
         if message_no != self.message_no:
             self._refuse(f"expected step message {self.message_no} from rank 0 but received message {message_no}: "
                          f"the ranks are out of step")
         if not 0 <= size <= MAX_PLAN_BYTES:
             self._refuse(f"step message {message_no} announces {size} bytes, which no plan has")
-        signed = torch.empty(size + MAC_BYTES, dtype=torch.uint8)
-        dist.broadcast(signed, src=self.src, group=self.group)
-        data = signed.numpy().tobytes()
+        data = self._receive_signed(size + MAC_BYTES)
         payload, tag = data[:size], data[size:]
         if not hmac.compare_digest(tag, mac(self.key, message_no, payload)):
             self._refuse(f"step message {message_no} does not carry rank 0's signature (wrong control token, or "
@@ -81,6 +114,20 @@ class ControlPlane:
             return self._decoder.decode(payload)
         except Exception as exc:  # noqa: BLE001 - any decoding failure means the same: not a plan
             self._refuse(f"step message {message_no} is not a step plan ({type(exc).__name__}: {exc})")
+
+    def _receive_header(self) -> tuple[int, int]:
+        if self.streams is not None:
+            return HEADER.unpack(self.streams.receive(HEADER.size))
+        header = torch.empty(2, dtype=torch.int64)
+        dist.broadcast(header, src=self.src, group=self.group)
+        return int(header[0]), int(header[1])
+
+    def _receive_signed(self, size: int) -> bytes:
+        if self.streams is not None:
+            return bytes(self.streams.receive(size))
+        signed = torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(signed, src=self.src, group=self.group)
+        return signed.numpy().tobytes()
 
     def _refuse(self, why: str) -> None:
         message = f"rank {self.rank} refuses a control message: {why}; this rank stops"

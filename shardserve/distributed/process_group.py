@@ -22,6 +22,7 @@ from shardserve.distributed.control_token import (
     resolve_token,
 )
 from shardserve.distributed.handshake import handshake
+from shardserve.distributed.plan_stream import rendezvous_host
 from shardserve.distributed.setup_watchdog import setup_step
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class RankContext:
     comm: Communicator  # data plane: activations
     control_group: dist.ProcessGroup | None  # control plane: step plans, always gloo (CPU tensors)
     control_key: bytes | None = None  # signs the step plans (distributed/control_token.py); None: one rank
+    rendezvous_host: str | None = None  # rank 0's address that every rank reached to join (plan_stream.py)
 
     @property
     def is_driver(self) -> bool:
@@ -94,7 +96,8 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
         torch_device = _join_groups(store, rank, world_size, device, local_rank)
     control_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     comm = Communicator(dist.group.WORLD, rank, world_size)
-    return RankContext(rank, world_size, torch_device, comm, control_group, key)
+    return RankContext(rank, world_size, torch_device, comm, control_group, key,
+                       rendezvous_host(init_method or "env://"))
 
 
 def _rendezvous(init_method: str, rank: int, world_size: int, exited_rank) -> dist.Store:

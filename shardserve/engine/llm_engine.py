@@ -68,7 +68,7 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_model_path(config.model)
         self.tokenizer = tokenizer
-        self.control = ControlPlane(ctx.control_group, ctx.rank, ctx.world_size, ctx.control_key)
+        self.control = ControlPlane.connect(ctx)
         self.runner = ModelRunner(config, self.model_config, ctx)
         self.lockstep = LockstepCheck(ctx.control_group, ctx.rank, ctx.world_size, default_every(ctx.device))
         self.max_model_len = self.runner.max_model_len
@@ -309,6 +309,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self._send_control(PlanKind.SHUTDOWN, 0)
+        self.control.close()
         self.runner.close()
         heap.release_startup_objects()
 
@@ -370,7 +371,7 @@ def _histories(plan: StepPlan, seqs: list[Sequence]) -> list[RowHistory]:
 def run_worker(config: EngineConfig, ctx: RankContext) -> None:
     """The loop of every rank but 0: receive a plan, run it, until told to shut down."""
     model_config = ModelConfig.from_model_path(config.model)
-    control = ControlPlane(ctx.control_group, ctx.rank, ctx.world_size, ctx.control_key)
+    control = ControlPlane.connect(ctx)
     runner = ModelRunner(config, model_config, ctx)
     lockstep = LockstepCheck(ctx.control_group, ctx.rank, ctx.world_size, default_every(ctx.device))
     logger.info("rank %d ready", ctx.rank)
@@ -386,6 +387,7 @@ def _serve_plans(control: ControlPlane, runner: ModelRunner, lockstep: LockstepC
         plan = control.receive()
         if plan.kind is PlanKind.SHUTDOWN:
             logger.info("rank %d shutting down", rank)
+            control.close()
             runner.close()
             return
         if plan.kind is PlanKind.RUN:

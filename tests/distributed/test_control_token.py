@@ -7,6 +7,8 @@ import ast
 import pickle
 from pathlib import Path
 
+import pytest
+
 from tests.distributed.test_handshake import TwoRanks, _serve_args
 from tests.ranks import run_ranks, start_model_runner
 
@@ -51,8 +53,10 @@ def _forbid_unpickling() -> None:
     pickle.loads = pickle.Unpickler = c10d._unpickler = _refuse_pickle
 
 
-def _forged_and_replayed_plans(rank: int, port: int, results) -> None:
+def _forged_and_replayed_plans(rank: int, port: int, transport: str, results) -> None:
     """Rank 0 sends one signed plan, then one signed with another key; rank 1 must run only the first."""
+    import os
+
     import torch
 
     from shardserve.distributed import control_plane
@@ -62,19 +66,23 @@ def _forged_and_replayed_plans(rank: int, port: int, results) -> None:
 
     torch.set_num_threads(1)
     _forbid_unpickling()  # nothing below may unpickle
+    os.environ["SHARDSERVE_PLAN_TRANSPORT"] = transport
     ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}", control_token=TOKEN)
     try:
         gathered = control_plane.all_gather_msgpack({"rank": rank, "host": f"h{rank}"}, ctx.control_group, 2)
         assert gathered == [{"rank": 0, "host": "h0"}, {"rank": 1, "host": "h1"}]
         plan = StepPlan(1, PlanKind.RUN, [SeqChunk(7, 0, [5, 6, 7], [0], True)])
+        plane = control_plane.ControlPlane.connect(ctx)
+        assert plane.transport == transport
         if rank == 0:
-            control_plane.ControlPlane(ctx.control_group, 0, 2, ctx.control_key).send(plan)
-            forger = control_plane.ControlPlane(ctx.control_group, 0, 2, control_key("a guessed token"))
+            plane.send(plan)
+            # On the same connection (TCP) or group (gloo), a plan signed with another key.
+            forger = control_plane.ControlPlane(ctx.control_group, 0, 2, control_key("a guessed token"), plane.streams)
             forger.message_no = 1  # the number rank 1 expects next: only the signature is wrong
             forger.send(StepPlan(2, PlanKind.SHUTDOWN))
             results.put((0, "sent"))
             return
-        receiver = control_plane.ControlPlane(ctx.control_group, 1, 2, ctx.control_key)
+        receiver = plane
         assert receiver.receive() == plan
         try:
             receiver.receive()
@@ -87,8 +95,9 @@ def _forged_and_replayed_plans(rank: int, port: int, results) -> None:
         destroy_rank_context(ctx)
 
 
-def test_workers_refuse_a_plan_not_signed_with_the_launch_key():
-    outcome = run_ranks(_forged_and_replayed_plans, 2)
+@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+def test_workers_refuse_a_plan_not_signed_with_the_launch_key(transport):
+    outcome = run_ranks(_forged_and_replayed_plans, 2, transport)
     assert outcome[0] == "sent"
     assert outcome[1] == ("rank 1 refuses a control message: step message 2 does not carry rank 0's signature "
                           "(wrong control token, or someone else on the control connection); this rank stops")

@@ -121,6 +121,7 @@ def test_one_rank_on_each_of_two_hosts_gives_the_tokens_of_one_rank(tiny_model_d
     assert json.loads(client.stdout) == expected
     assert "forwarded to every rank: NCCL_ALGO=Tree" in logs[0]
     assert "2 ranks run the same code, config and environment" in logs[0]
+    assert f"step plans go to 1 rank(s) over TCP connections to {two_hosts[0][1]}" in logs[0]  # across the hosts
 
 
 def test_a_variable_that_differs_between_the_hosts_refuses_start_up(tiny_model_dir, two_hosts):
