@@ -226,7 +226,7 @@ class PackedWeights:
                                     *self.gemv_config, swiglu_out=swiglu_out)
         if self.gemv_split is not None:
             return int4_gemv_split_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale,
-                                           layer.weight_zero, self.group, *self.gemv_split)
+                                           layer.weight_zero, self.group, *self.gemv_split, swiglu_out=swiglu_out)
         return int4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.weight_zero,
                                  self.group, *self.gemv_config)
 
@@ -235,19 +235,25 @@ class PackedWeights:
         else None: the caller applies SwiGLU."""
         if not self.takes_swiglu_out(layer, x):
             return None
-        from shardserve.kernels.triton.quant_gemv import fp8_gemv
+        from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv_split
 
-        return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config, swiglu_out=True)
+        if self.layout.kind == "fp8":
+            return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config, swiglu_out=True)
+        return int4_gemv_split(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group, *self.gemv_split,
+                               swiglu_out=True)
 
     def takes_swiglu_out(self, layer: KernelLinear, x: torch.Tensor) -> bool:
-        """Whether x's product returns silu(gate) * up in the GEMV's launch: one row on a GPU, FP8 weights of a
-        [gate | up] projection (layer.makes_swiglu_output) whose chosen configuration takes an even number of
-        rows a program. That form reads what the plain one reads, so it runs the plain one's configuration
-        (SHARDSERVE_GEMV_SWIGLU_OUT=off: never)."""
+        """Whether x's product returns silu(gate) * up in the GEMV's launch: one row on a GPU, the weights of a
+        [gate | up] projection (layer.makes_swiglu_output) in FP8 or in 4 bits by the split-K GEMV, whose chosen
+        configuration takes an even number of rows a program, and no act-order permutation of its input. That
+        form reads what the plain one reads, so it runs the plain one's configuration (SHARDSERVE_GEMV_SWIGLU_OUT=off:
+        never)."""
         from shardserve.layers.cuda_gemv import swiglu_out_allowed
 
-        return (self.layout.kind == "fp8" and getattr(layer, "makes_swiglu_output", False) and x.is_cuda
-                and x.dim() == 2 and x.shape[0] == 1 and self.n % 2 == 0 and self.gemv_config[0] % 2 == 0
+        config = self.gemv_config if self.layout.kind == "fp8" else self.gemv_split
+        return (config is not None and getattr(layer, "makes_swiglu_output", False)
+                and getattr(layer, "input_perm", None) is None and x.is_cuda
+                and x.dim() == 2 and x.shape[0] == 1 and self.n % 2 == 0 and config[0] % 2 == 0
                 and swiglu_out_allowed())
 
     def _gemv(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:

@@ -308,6 +308,33 @@ def test_fp8_gemv_with_swiglu_output_equals_the_product_then_swiglu(features, k,
     assert torch.equal(got, fused_ops.silu_and_mul(product)) and torch.equal(got_sum, summed)
 
 
+@needs_triton
+@pytest.mark.parametrize("features,k,group,config", [(12, 256, 32, (8, 128, 4, 2)), (13, 256, 64, (8, 64, 4, 1)),
+                                                     (20, 512, 128, (16, 256, 4, 2)),
+                                                     (14336, 4096, 128, (64, 512, 4, 4))])
+def test_int4_split_gemv_with_swiglu_output_equals_the_product_then_swiglu(features, k, group, config):
+    """A [gate | up] 4-bit projection whose split-K launch returns silu(gate) * up: the same bits as the split-K
+    GEMV followed by the SwiGLU kernel, plain and with the norm inside (and its new residual); odd feature counts
+    and row blocks past the last feature included, every arrival count back to 0."""
+    from shardserve.kernels.triton import fused_ops, quant_gemv
+
+    if not CUDA and features > 64:
+        pytest.skip("a GPU shape")
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    q, scale, zero = random_int4(2 * features, k, group, seed=features)
+    qweight = pack_int4(q)
+    norm_args, _, summed = normed_input(k, dtype, True)
+    got = quant_gemv.int4_gemv_split(norm_args[0], qweight, scale, zero, group, *config, swiglu_out=True)
+    assert got.shape == (1, features)
+    product = quant_gemv.int4_gemv_split(norm_args[0], qweight, scale, zero, group, *config)
+    assert torch.equal(got, fused_ops.silu_and_mul(product))
+    got, got_sum = quant_gemv.int4_gemv_split_rmsnorm(*norm_args, qweight, scale, zero, group, *config,
+                                                      swiglu_out=True)
+    product, _ = quant_gemv.int4_gemv_split_rmsnorm(*norm_args, qweight, scale, zero, group, *config)
+    assert torch.equal(got, fused_ops.silu_and_mul(product)) and torch.equal(got_sum, summed)
+    assert split_counts_are_zero()
+
+
 def split_configs(k: int, group: int) -> list[tuple[int, ...]]:
     """The start-up candidates of the split-K GEMV that take K columns in groups of `group`, and a small one
     (rows past N on the tiny shape, several splits)."""

@@ -148,14 +148,18 @@ def test_the_start_up_check_catches_a_kernel_that_drops_the_scales():
 
 @pytest.mark.skipif(not CUDA, reason="single-row products take the packed GEMVs on GPUs only")
 @pytest.mark.parametrize("norm_fused", [False, True])
-def test_an_fp8_gate_up_layer_returns_swiglu_from_its_gemv_and_proves_it_at_start_up(norm_fused):
-    """An FP8 [gate | up] projection's single-row product with SwiGLU inside: the bits of the product followed by
-    the SwiGLU kernel (plain, and with the norm inside where norm-fused); the start-up check covers that form and
-    names it when it is wrong."""
+@pytest.mark.parametrize("kind", ["fp8", "int4-split"])
+def test_a_packed_gate_up_layer_returns_swiglu_from_its_gemv_and_proves_it_at_start_up(kind, norm_fused):
+    """An FP8 or 4-bit (split-K GEMV) [gate | up] projection's single-row product with SwiGLU inside: the bits of
+    the product followed by the SwiGLU kernel (plain, and with the norm inside where norm-fused); the start-up
+    check covers that form and names it when it is wrong."""
     from shardserve.kernels.triton.fused_ops import silu_and_mul
     from shardserve.layers.norm import RMSNorm
 
-    layer = packed_layer(2 * 1024, 512, PackedLayout("fp8", 0), torch.bfloat16)
+    layout = PackedLayout("fp8", 0) if kind == "fp8" else PackedLayout("int4", 128)
+    layer = packed_layer(2 * 1024, 512, layout, torch.bfloat16)
+    if kind == "int4-split":
+        layer.packed.gemv_split = (64, 512, 4, 2)
     layer.makes_swiglu_output = True
     layer.packed.norm_fused = norm_fused
     x = torch.randn(1, 512, device=DEVICE).to(torch.bfloat16)
@@ -277,7 +281,8 @@ def test_a_chosen_split_k_gemv_runs_the_one_row_products(monkeypatch):
     for name in ("int4_gemv_split", "int4_gemv_split_rmsnorm"):
         kernel = getattr(quant_gemv, name)
         monkeypatch.setattr(quant_gemv, name,
-                            lambda *args, kernel=kernel, name=name: calls.append(name) or kernel(*args))
+                            lambda *args, kernel=kernel, name=name, **kwargs: calls.append(name) or kernel(*args,
+                                                                                                     **kwargs))
 
     use_gemv_configs(model, {key: list(DEFAULT_GEMV), key + SPLIT_SUFFIX: list(split), key + NORM_FUSED_SUFFIX: [1]})
     assert layer.packed.gemv_split == split and layer.packed.norm_fused

@@ -235,9 +235,11 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, arrivals_ptr, 
                             residual_ptr, norm_w_ptr, sum_ptr, eps, K: tl.constexpr, GROUP: tl.constexpr,
                             BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SUB: tl.constexpr,
                             ROW_TILES: tl.constexpr, SCALE_BITS: tl.constexpr, NORM: tl.constexpr,
-                            HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                            HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, SWIGLU_OUT: tl.constexpr = False):
     """Program (k split, row block): part[split, n] = sum over the split's SPLIT_K columns of (q - z) * s * x for
     ROW_TILES tiles of BLOCK_N rows, then the row block's last program to finish sums the splits into out.
+    SWIGLU_OUT: N counts the features of a [gate | up] weight and a tile's rows are BLOCK_N / 2 features' gate and
+    up rows side by side (gemv.program_rows); the last program stores silu(gate) * up (gemv.store_rows).
 
     The tiled kernel above reloads and converts x for every tile, in a layout the weights' does not match, and
     turns every nibble into a float by a conversion instruction (a quarter of the FMA rate). Here a program's x
@@ -273,17 +275,17 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, arrivals_ptr, 
     x_sum, x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, SCALE_BITS,
                                                          NORM, HAS_RESIDUAL)
     group = (k0 + sub * SUB) // GROUP
-    first_row = tl.program_id(1) * (ROW_TILES * BLOCK_N)
-    rows = first_row + tl.arange(0, BLOCK_N)
+    ROWS: tl.constexpr = 2 if SWIGLU_OUT else 1  # weight rows per output
+    first_tile = tl.program_id(1) * ROW_TILES
+    rows, row_ok = program_rows(first_tile, N, BLOCK_N, SWIGLU_OUT)
     w_next = tl.load(q_ptr + rows.to(tl.int64)[None, :, None] * stride_qw + k0 // 8 + word[:, None, :],
-                     mask=(rows < N)[None, :, None], other=0, eviction_policy="evict_first")
+                     mask=row_ok[None, :, None], other=0, eviction_policy="evict_first")
     for t in range(ROW_TILES):
         w = w_next
-        rows = first_row + t * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        next_rows = rows + BLOCK_N
+        rows, row_ok = program_rows(first_tile + t, N, BLOCK_N, SWIGLU_OUT)
+        next_rows, next_ok = program_rows(first_tile + t + 1, N, BLOCK_N, SWIGLU_OUT)
         w_next = tl.load(q_ptr + next_rows.to(tl.int64)[None, :, None] * stride_qw + k0 // 8 + word[:, None, :],
-                         mask=((next_rows < N) & (t + 1 < ROW_TILES))[None, :, None], other=0,
+                         mask=(next_ok & (t + 1 < ROW_TILES))[None, :, None], other=0,
                          eviction_policy="evict_first")
         h = w >> 12  # nibbles 5-7 at bits 8, 12, 16: below the exponent bits, as nibbles 0-4 are in w
         products = (_denormal(w, 0) * x0 + _denormal(w, 4) * x1 + _denormal(w, 8) * x2 + _denormal(w, 12) * x3
@@ -293,15 +295,14 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, arrivals_ptr, 
         at = rows.to(tl.int64)[None, :] * GROUPS + group[:, None]
         s = tl.load(s_ptr + at, mask=row_ok[None, :], other=0.0)
         z = tl.load(z_ptr + at, mask=row_ok[None, :], other=0.0)
-        tl.store(part_ptr + split * N + rows, tl.sum(s * (qx - z * x_sum[:, None]), axis=0), mask=row_ok)
+        tl.store(part_ptr + split * (ROWS * N) + rows, tl.sum(s * (qx - z * x_sum[:, None]), axis=0), mask=row_ok)
     if last_to_arrive(arrivals_ptr, tl.program_id(1), SPLITS):
         for t in range(ROW_TILES):
-            rows = first_row + t * BLOCK_N + tl.arange(0, BLOCK_N)
-            row_ok = rows < N
+            rows, row_ok = program_rows(first_tile + t, N, BLOCK_N, SWIGLU_OUT)
             y = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for p in range(SPLITS):
-                y += tl.load(part_ptr + p * N + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+                y += tl.load(part_ptr + p * (ROWS * N) + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+            store_rows(out_ptr, y, rows, row_ok, first_tile + t, N, BLOCK_N, SWIGLU_OUT)
         leave(arrivals_ptr, tl.program_id(1))
 
 
@@ -394,48 +395,54 @@ def int4_split_sub(k: int, group_size: int, split_k: int) -> int | None:
 
 def int4_gemv_split(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                     group_size: int, block_n: int = 64, split_k: int = 512, num_warps: int = 4,
-                    row_tiles: int = 1) -> torch.Tensor:
+                    row_tiles: int = 1, swiglu_out: bool = False) -> torch.Tensor:
     """int4_gemv by the split-K kernel (_int4_split_gemv_kernel): programs of split_k columns by row_tiles tiles
     of block_n rows. Raises ValueError where the shape does not fit it (int4_split_sub), where the weight's rows
-    are not whole 32-bit words, or where there are more row blocks than arrival counts."""
+    are not whole 32-bit words, or where there are more row blocks than arrival counts. With `swiglu_out`,
+    silu(gate) * up of a [gate | up] weight, [1, N / 2] (gemv.gemv's)."""
     x = _one_row(x, 2 * qweight.shape[1], "int4_gemv_split")
-    return _int4_split_launch(x, qweight, scale, zero, group_size, (block_n, split_k, num_warps, row_tiles), None)
+    return _int4_split_launch(x, qweight, scale, zero, group_size, (block_n, split_k, num_warps, row_tiles), None,
+                              swiglu_out)
 
 
 def int4_gemv_split_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                             eps: float, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                             group_size: int, block_n: int = 64, split_k: int = 512, num_warps: int = 4,
-                            row_tiles: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int4_gemv_split of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm."""
+                            row_tiles: int = 1, swiglu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int4_gemv_split of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm; `swiglu_out`
+    as in int4_gemv_split."""
     return _normed_launch("int4_gemv_split_rmsnorm", x, residual, norm_weight, eps, 2 * qweight.shape[1],
                           lambda x, norm: _int4_split_launch(x, qweight, scale, zero, group_size,
-                                                             (block_n, split_k, num_warps, row_tiles), norm))
+                                                             (block_n, split_k, num_warps, row_tiles), norm,
+                                                             swiglu_out))
 
 
-def _int4_split_launch(x, qweight, scale, zero, group_size: int, config, norm) -> torch.Tensor:
+def _int4_split_launch(x, qweight, scale, zero, group_size: int, config, norm, swiglu_out: bool = False
+                       ) -> torch.Tensor:
     """norm: as in _fp8_launch."""
     check_int4(qweight, scale, zero, group_size)
     block_n, split_k, num_warps, row_tiles = config
     _check_blocks(block_n, 8, 1)
-    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    n, k = output_rows(qweight, block_n, swiglu_out)[0], 2 * qweight.shape[1]
     sub = int4_split_sub(k, group_size, split_k)
     if sub is None:
         raise ValueError(f"int4_gemv_split cannot split K={k} in groups of {group_size} every {split_k} columns")
     if qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
         raise ValueError("int4_gemv_split needs rows of whole 32-bit words (K a multiple of 8, aligned rows)")
-    row_blocks = triton.cdiv(n, block_n * row_tiles)
+    row_blocks = triton.cdiv(n, (block_n // 2 if swiglu_out else block_n) * row_tiles)
     counts = arrival_counts(x.device, row_blocks)
     if counts is None:
         raise ValueError(f"int4_gemv_split: {row_blocks} row blocks, more than the {ARRIVAL_SLOTS} arrival counts "
                          "(or the counts are not made yet inside a CUDA graph capture)")
-    partial = torch.empty(k // split_k, n, dtype=torch.float32, device=x.device)
+    partial = torch.empty(k // split_k, qweight.shape[0], dtype=torch.float32, device=x.device)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
     _int4_split_gemv_kernel[(k // split_k, row_blocks)](
         x, qweight.view(torch.int32), scale, zero, partial, counts, out, n, qweight.stride(0) // 4,
         x if residual is None else residual, norm_weight, summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n,
         SPLIT_K=split_k, SUB=sub, ROW_TILES=row_tiles, SCALE_BITS=SPLIT_SCALE_BITS, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=1, **pdl.launch(x.device))
+        HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=1, SWIGLU_OUT=swiglu_out,
+        **pdl.launch(x.device))
     return out
 
 
