@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardserve.engine.step_plan import SeqChunk
+from shardserve.wire.step_plan import SeqChunk
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Control data between ranks, in msgpack (never pickle).
 
-Step plans go from rank 0 to the other ranks (block tables as their changes: engine/step_plan.py's PlanEncoder
+Step plans go from rank 0 to the other ranks (block tables as their changes: wire/step_plan.py's PlanEncoder
 and PlanDecoder, whose state the lockstep digest of the whole plan checks). Each message is a header [message number, payload bytes]
 followed by the msgpack payload and its MAC under the launch's control key (distributed/control_token.py),
 which covers the message number too. Message numbers run 1, 2, 3... on every rank. A receiver that sees
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from shardserve.distributed.control_token import MAC_BYTES, mac
 from shardserve.distributed.lockstep import LockstepError
-from shardserve.engine.step_plan import PlanDecoder, PlanEncoder, StepPlan
+from shardserve.wire.step_plan import PlanDecoder, PlanEncoder, StepPlan
 
 if TYPE_CHECKING:
     from shardserve.distributed.plan_stream import PlanStreams

@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from shardserve.engine.step_plan import StepPlan
+from shardserve.wire.step_plan import StepPlan
 
 EVERY_ENV = "SHARDSERVE_LOCKSTEP_EVERY"
 FIELDS = ("step", "chunks", "tokens", "digest")

@@ -22,7 +22,7 @@ from shardserve.distributed.control_plane import all_gather_msgpack
 from shardserve.distributed.handshake import StartupMismatch
 from shardserve.distributed.process_group import RankContext
 from shardserve.engine.kv_cache import allocate_kv_cache
-from shardserve.engine.step_plan import SeqChunk
+from shardserve.wire.step_plan import SeqChunk
 from shardserve.kernels.plan import KernelPlan, KernelPlanError
 from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, check_linear,
                                            head_norm_reference, relative_error, rotate_reference)

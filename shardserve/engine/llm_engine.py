@@ -27,7 +27,7 @@ from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
 from shardserve.engine.structured_output import StructuredOutputs
-from shardserve.engine.step_plan import WAKE_KV_CACHE, WAKE_WEIGHTS, PlanKind, StepPlan
+from shardserve.wire.step_plan import WAKE_KV_CACHE, WAKE_WEIGHTS, PlanKind, StepPlan
 from shardserve.transfers import on_device
 
 if TYPE_CHECKING:

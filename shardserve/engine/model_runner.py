@@ -20,7 +20,7 @@ from shardserve.distributed.setup_watchdog import setup_step
 from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block, kv_cache_layers,
                                         kv_cache_budget_bytes)
 from shardserve.engine.cuda_graphs import CudaGraphRunner, all_reduce_token_counts, graph_buckets
-from shardserve.engine.step_plan import FROM_DEVICE, StepPlan
+from shardserve.wire.step_plan import FROM_DEVICE, StepPlan
 from shardserve.engine import kernel_setup
 from shardserve.kernels import cpu_features
 from shardserve.kernels import plan as kernel_plan

@@ -13,7 +13,7 @@ from collections import deque
 
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.sequence import Sequence, SequenceStatus
-from shardserve.engine.step_plan import FROM_DEVICE, PlanKind, SeqChunk, StepPlan
+from shardserve.wire.step_plan import FROM_DEVICE, PlanKind, SeqChunk, StepPlan
 
 
 class Scheduler:

@@ -62,7 +62,7 @@ def _forged_and_replayed_plans(rank: int, port: int, transport: str, results) ->
     from shardserve.distributed import control_plane
     from shardserve.distributed.control_token import control_key
     from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
-    from shardserve.engine.step_plan import PlanKind, SeqChunk, StepPlan
+    from shardserve.wire.step_plan import PlanKind, SeqChunk, StepPlan
 
     torch.set_num_threads(1)
     _forbid_unpickling()  # nothing below may unpickle

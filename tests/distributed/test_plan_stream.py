@@ -19,7 +19,7 @@ TOKEN = "plan-stream-test"
 
 
 def _plans():
-    from shardserve.engine.step_plan import FROM_DEVICE, PlanKind, SeqChunk, StepPlan
+    from shardserve.wire.step_plan import FROM_DEVICE, PlanKind, SeqChunk, StepPlan
 
     plans = [StepPlan(step, PlanKind.RUN, [SeqChunk(s, 40 + step, [FROM_DEVICE], [s, 100 + step], True)
                                            for s in range(1 + step % 5)], tokens_from_device=True)
@@ -79,7 +79,7 @@ def _rank_0_dies(rank: int, port: int, results) -> None:
 
     from shardserve.distributed.control_plane import ControlPlane
     from shardserve.distributed.process_group import init_rank_context
-    from shardserve.engine.step_plan import PlanKind, StepPlan
+    from shardserve.wire.step_plan import PlanKind, StepPlan
 
     torch.set_num_threads(1)
     ctx = init_rank_context(rank, 2, "cpu", f"tcp://127.0.0.1:{port}", control_token=TOKEN)

@@ -7,7 +7,7 @@ import torch
 
 from shardserve.attention.batch import StepBatch
 from shardserve.engine.graph_inputs import RING, GraphInputs
-from shardserve.engine.step_plan import SeqChunk
+from shardserve.wire.step_plan import SeqChunk
 
 MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE = 8, 6, 4
 

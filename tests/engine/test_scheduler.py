@@ -6,7 +6,7 @@ from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
-from shardserve.engine.step_plan import StepPlan
+from shardserve.wire.step_plan import StepPlan
 
 BS = 4
 

@@ -10,7 +10,7 @@ from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence
-from shardserve.engine.step_plan import PlanDecoder, PlanEncoder, PlanKind, SeqChunk, StepPlan
+from shardserve.wire.step_plan import PlanDecoder, PlanEncoder, PlanKind, SeqChunk, StepPlan
 
 
 def _same(a: StepPlan, b: StepPlan) -> bool:
