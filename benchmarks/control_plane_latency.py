@@ -22,7 +22,7 @@ TOKEN = "control-plane-latency"
 
 
 def decode_plan(step: int, seqs: int):
-    from shardserve.engine.step_plan import FROM_DEVICE, PlanKind, SeqChunk, StepPlan
+    from shardserve.wire.step_plan import FROM_DEVICE, PlanKind, SeqChunk, StepPlan
 
     chunks = [SeqChunk(s, 128 + step, [FROM_DEVICE], list(range(16 * s, 16 * s + 16)), True) for s in range(seqs)]
     return StepPlan(step, PlanKind.RUN, chunks, tokens_from_device=True)
