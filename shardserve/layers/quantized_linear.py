@@ -233,14 +233,7 @@ class PackedWeights:
     def swiglu_out(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of the one-row product of a [gate | up] layer in the GEMV's own launch (takes_swiglu_out),
         else None: the caller applies SwiGLU."""
-        if not self.takes_swiglu_out(layer, x):
-            return None
-        from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv_split
-
-        if self.layout.kind == "fp8":
-            return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config, swiglu_out=True)
-        return int4_gemv_split(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group, *self.gemv_split,
-                               swiglu_out=True)
+        return self._gemv(layer, x, swiglu_out=True) if self.takes_swiglu_out(layer, x) else None
 
     def takes_swiglu_out(self, layer: KernelLinear, x: torch.Tensor) -> bool:
         """Whether x's product returns silu(gate) * up in the GEMV's launch: one row on a GPU, the weights of a
@@ -256,14 +249,15 @@ class PackedWeights:
                 and x.dim() == 2 and x.shape[0] == 1 and self.n % 2 == 0 and config[0] % 2 == 0
                 and swiglu_out_allowed())
 
-    def _gemv(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
+    def _gemv(self, layer: KernelLinear, x: torch.Tensor, swiglu_out: bool = False) -> torch.Tensor:
+        """The one-row product by the chosen GEMV; `swiglu_out` only where takes_swiglu_out (FP8 or split-K)."""
         from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv, int4_gemv_split
 
         if self.layout.kind == "fp8":
-            return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config)
+            return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config, swiglu_out=swiglu_out)
         if self.gemv_split is not None:
             return int4_gemv_split(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group,
-                                   *self.gemv_split)
+                                   *self.gemv_split, swiglu_out=swiglu_out)
         return int4_gemv(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group, *self.gemv_config)
 
     def _gemm(self, layer: KernelLinear, x: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:

@@ -423,13 +423,13 @@ def _int4_split_launch(x, qweight, scale, zero, group_size: int, config, norm, s
     check_int4(qweight, scale, zero, group_size)
     block_n, split_k, num_warps, row_tiles = config
     _check_blocks(block_n, 8, 1)
-    n, k = output_rows(qweight, block_n, swiglu_out)[0], 2 * qweight.shape[1]
+    (n, tiles), k = output_rows(qweight, block_n, swiglu_out), 2 * qweight.shape[1]
     sub = int4_split_sub(k, group_size, split_k)
     if sub is None:
         raise ValueError(f"int4_gemv_split cannot split K={k} in groups of {group_size} every {split_k} columns")
     if qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
         raise ValueError("int4_gemv_split needs rows of whole 32-bit words (K a multiple of 8, aligned rows)")
-    row_blocks = triton.cdiv(n, (block_n // 2 if swiglu_out else block_n) * row_tiles)
+    row_blocks = triton.cdiv(tiles, row_tiles)
     counts = arrival_counts(x.device, row_blocks)
     if counts is None:
         raise ValueError(f"int4_gemv_split: {row_blocks} row blocks, more than the {ARRIVAL_SLOTS} arrival counts "
