@@ -66,22 +66,17 @@ class PlanStreams:
     def receive(self, size: int) -> bytearray:
         """Exactly `size` bytes from rank 0."""
         sock = self.peers[0]
-        data = bytearray(size)
-        view, got = memoryview(data), 0
-        while got < size:
-            try:
-                n = sock.recv_into(view[got:])
-            except TimeoutError as e:
-                raise PlanConnectionLost(f"rank {self.rank}: no step message from rank 0 for {sock.gettimeout():.0f} s "
-                                         f"(it sends keep-alive plans when idle): rank 0 is stuck or gone") from e
-            except OSError as e:
-                raise PlanConnectionLost(f"rank {self.rank}: the plan connection to rank 0 failed "
-                                         f"({type(e).__name__}: {e}): rank 0 has stopped") from e
-            if n == 0:
-                raise PlanConnectionLost(f"rank {self.rank}: rank 0 closed the plan connection before the shutdown "
-                                         f"plan: rank 0 has stopped")
-            got += n
-        return data
+        try:
+            return _recv_exactly(sock, size)
+        except EOFError:
+            raise PlanConnectionLost(f"rank {self.rank}: rank 0 closed the plan connection before the shutdown "
+                                     f"plan: rank 0 has stopped") from None
+        except TimeoutError as e:
+            raise PlanConnectionLost(f"rank {self.rank}: no step message from rank 0 for {sock.gettimeout():.0f} s "
+                                     f"(it sends keep-alive plans when idle): rank 0 is stuck or gone") from e
+        except OSError as e:
+            raise PlanConnectionLost(f"rank {self.rank}: the plan connection to rank 0 failed "
+                                     f"({type(e).__name__}: {e}): rank 0 has stopped") from e
 
     def close(self) -> None:
         for sock in self.peers.values():
@@ -168,7 +163,7 @@ def _accept_ranks(listener: socket.socket, world_size: int, key: bytes, nonce: b
                 raise _Refused(f"rank(s) {missing} did not connect within {CONNECT_TIMEOUT_S:.0f} s") from None
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             try:
-                claim = _read_exactly(sock, 8 + MAC_BYTES)
+                claim = _read_greeting(sock, 8 + MAC_BYTES)
                 peer = int.from_bytes(claim[:8], "little")
                 if not 0 < peer < world_size or peer in peers or not hmac.compare_digest(
                         claim[8:], _hello(key, nonce, peer)):
@@ -191,7 +186,7 @@ def _connect_to_rank0(host: str, port: int, rank: int, key: bytes, nonce: bytes)
     sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
     try:
         sock.sendall(rank.to_bytes(8, "little") + _hello(key, nonce, rank))
-        if not hmac.compare_digest(_read_exactly(sock, MAC_BYTES), _welcome(key, nonce, rank)):
+        if not hmac.compare_digest(_read_greeting(sock, MAC_BYTES), _welcome(key, nonce, rank)):
             raise _Refused(f"the listener at {host}:{port} is not rank 0 of this launch")
     except BaseException:
         sock.close()
@@ -200,14 +195,24 @@ def _connect_to_rank0(host: str, port: int, rank: int, key: bytes, nonce: bytes)
     return sock
 
 
-def _read_exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise _Refused("the connection closed during the greeting")
-        data += chunk
+def _recv_exactly(sock: socket.socket, size: int) -> bytearray:
+    """Exactly `size` bytes from `sock`: EOFError where the other end closes first (socket errors and timeouts
+    propagate)."""
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError
+        got += n
     return data
+
+
+def _read_greeting(sock: socket.socket, size: int) -> bytearray:
+    try:
+        return _recv_exactly(sock, size)
+    except EOFError:
+        raise _Refused("the connection closed during the greeting") from None
 
 
 def _no_delay(sock: socket.socket) -> None:
