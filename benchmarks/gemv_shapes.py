@@ -58,9 +58,9 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]], grid: bool = 
     for name, (n, k) in shape_list.items():
         dense = torch.randn(n, k, device="cuda") * k ** -0.5
         if kind == "int4":
-            q, scale, zero = quantize_int4(dense, group)
-            reference_w = dequantize_int4(q, scale, zero, group, torch.float32)
-            parts = (q, scale, zero)
+            q, scale_zero = quantize_int4(dense, group)
+            reference_w = dequantize_int4(q, scale_zero, group, torch.float32)
+            parts = (q, scale_zero)
             launches = {"_".join(map(str, c)): lambda x, packed, c=c: int4_gemv(x, *packed, group, *c)
                         for c in GEMV_CANDIDATES}
             launches.update({"split_" + "_".join(map(str, c)): lambda x, packed, c=c: int4_gemv_split(

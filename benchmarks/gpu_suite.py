@@ -55,9 +55,9 @@ QWEN3_30B_A3B = {
 }
 SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 # --quantization: the tag of its result keys, and bytes a projection weight takes (int4: half a byte plus a
-# float32 scale and zero point per group of 128).
+# 32-bit scale-and-zero word per group of 128).
 QUANTIZATION_TAGS = {"fp8": "fp8", "gptq-int4": "int4"}
-LINEAR_WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "gptq-int4": 0.5 + 8 / 128}
+LINEAR_WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "gptq-int4": 0.5 + 4 / 128}
 GPTQ_INT4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
              "checkpoint_format": "gptq"}
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_OUTPUT = 512, 512, 256

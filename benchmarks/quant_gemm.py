@@ -4,7 +4,7 @@ against a bfloat16 weight with cuBLAS. GPU only.
 
     python benchmarks/quant_gemm.py [--tp 2] [--rows 1,16,64] [--out results.json]
 
-Weights: 4-bit GPTQ-style (groups of 128, scales and zeros) and FP8 scaled per row and 128-column block. Every
+Weights: 4-bit GPTQ-style (groups of 128, scales and zero points) and FP8 scaled per row and 128-column block. Every
 call is timed inside a CUDA graph, each on another copy of the weight (several times L2 in all), after the GEMM
 was checked against dequantize + cuBLAS. For each GEMM every candidate tile of that row count is timed and the
 fastest reported, with the default tile's time beside it. Prints microseconds, TFLOP/s and GB/s of weights
@@ -37,7 +37,7 @@ def shapes(tp: int) -> dict[str, tuple[int, int]]:
 
 def packed_copies(n: int, k: int) -> dict[str, list]:
     """For each format, enough copies of one random weight that together they overflow L2: dense bf16, int4
-    (qweight, scale, zero) and fp8 (weight, scale)."""
+    (qweight, scale-and-zero words) and fp8 (weight, scale)."""
     dense = torch.randn(n, k, device="cuda") * k ** -0.5
     int4 = quantize_int4(dense, GROUP)
     fp8 = quantize_fp8(dense, GROUP)

@@ -338,7 +338,7 @@ def _packed_bytes_per_weight(cfg: dict, online: str | None) -> tuple[float, str]
     if scheme.method == "fp8":
         return (1 + 4 / scheme.weight_block[1] if scheme.weight_block else 1.0), scheme.describe()
     group = scheme.group_size if scheme.group_size > 0 else cfg["hidden_size"]
-    return 0.5 + 8 / group, scheme.describe()
+    return 0.5 + 4 / group, scheme.describe()  # a 32-bit scale-and-zero word a group
 
 
 def _quantization_warning(cfg: dict, req: PlanRequest) -> list[str]:

@@ -196,7 +196,7 @@ def test_a_quantized_checkpoint_is_planned_as_it_is_held_and_an_unsupported_one_
     # Batches dequantize a packed layer into a 16-bit copy the CUDA graphs keep: the gate/up pair at the most.
     assert quantized.overhead_bytes == dense.overhead_bytes + 2 * 14336 * 4096 * 2
     assert plan(gptq, PlanRequest(gpu_memory_gb=80)).weight_bytes == \
-        dense.weight_bytes - int(projections * (2 - 0.5 - 8 / 128))
+        dense.weight_bytes - int(projections * (2 - 0.5 - 4 / 128))
     online = plan(LLAMA3_8B, PlanRequest(gpu_memory_gb=80, quantization="fp8"))
     assert online.weight_bytes == dense.weight_bytes - int(projections * (1 - 4 / 4096))
     on_cpu = plan(fp8, PlanRequest(device="cpu"))
@@ -227,7 +227,7 @@ def test_a_quantized_mixture_of_experts_counts_its_experts_packed_where_the_slic
         assert quantized.weight_bytes == dense - int(projections * (1 - 4 / 128)) - int(experts * (1 - 4 / 128))
         assert any("projections and experts" in w for w in quantized.warnings)
         assert plan(gptq, PlanRequest(tensor_parallel_size=tp)).weight_bytes == \
-            dense - int(projections * (1.5 - 8 / 128)) - int(experts * (1.5 - 8 / 128))
+            dense - int(projections * (1.5 - 4 / 128)) - int(experts * (1.5 - 4 / 128))
     assert projections * 2 == 48 * attn
     dense4 = plan(QWEN3_MOE, PlanRequest(tensor_parallel_size=4)).weight_bytes
     four = plan(fp8, PlanRequest(tensor_parallel_size=4))

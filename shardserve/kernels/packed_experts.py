@@ -3,7 +3,8 @@ kernels/quant_pack.py, stacked over the experts. No Triton here: what the fused 
 (kernels/triton/fused_moe.py), what the host-grouped fallback dequantizes per expert, and the float64 reference.
 
 - fp8: w float8_e4m3fn [E, N, K], scale float32 [E, N, K / group]: W[e, n, k] = w[e, n, k] * scale[e, n, k // group].
-- int4: w uint8 [E, N, K / 2] (column 2j in the low nibble of byte j), scale and zero float32 [E, N, K / group]:
+- int4: w uint8 [E, N, K / 2] (column 2j in the low nibble of byte j), scale int32 [E, N, K / group] holding each
+  group's scale and zero point in one word (quant_pack.pack_scale_zero):
   W[e, n, k] = (q[e, n, k] - zero[e, n, g]) * scale[e, n, g], g = k // group.
 group divides K (K itself: one scale a row). w13's gate rows and up rows each keep their own scales (rows of the
 scale tensors follow the weight's rows).
@@ -15,18 +16,16 @@ from typing import NamedTuple
 
 import torch
 
-from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, unpack_int4_rows
+from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, unpack_int4_rows, unpack_scale_zero
 
 
 class PackedExperts(NamedTuple):
     kind: str  # "fp8" or "int4"
     w13: torch.Tensor
-    scale13: torch.Tensor
-    zero13: torch.Tensor | None  # int4 only
+    scale13: torch.Tensor  # int4: scale-and-zero words
     group13: int
     w2: torch.Tensor
     scale2: torch.Tensor
-    zero2: torch.Tensor | None
     group2: int
 
     @property
@@ -46,24 +45,21 @@ class PackedExperts(NamedTuple):
         if self.kind == "fp8":
             return (dequantize_fp8(self.w13[e], self.scale13[e], self.group13, dtype),
                     dequantize_fp8(self.w2[e], self.scale2[e], self.group2, dtype))
-        return (dequantize_int4(self.w13[e], self.scale13[e], self.zero13[e], self.group13, dtype),
-                dequantize_int4(self.w2[e], self.scale2[e], self.zero2[e], self.group2, dtype))
+        return (dequantize_int4(self.w13[e], self.scale13[e], self.group13, dtype),
+                dequantize_int4(self.w2[e], self.scale2[e], self.group2, dtype))
 
     def reference(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's weights in float64, written from the layouts' definitions (not the dequantizers)."""
-        return (_reference(self.kind, self.w13[e], self.scale13[e], None if self.zero13 is None else self.zero13[e],
-                           self.group13),
-                _reference(self.kind, self.w2[e], self.scale2[e], None if self.zero2 is None else self.zero2[e],
-                           self.group2))
+        return (_reference(self.kind, self.w13[e], self.scale13[e], self.group13),
+                _reference(self.kind, self.w2[e], self.scale2[e], self.group2))
 
     def describe(self) -> str:
         return f"{self.kind} (groups of {self.group13} and {self.group2})"
 
 
-def _reference(kind: str, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-               group: int) -> torch.Tensor:
-    scale = scale.double().repeat_interleave(group, dim=1)
+def _reference(kind: str, w: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     if kind == "fp8":
-        return w.float().double() * scale[:, :w.shape[1]]
+        return w.float().double() * scale.double().repeat_interleave(group, dim=1)[:, :w.shape[1]]
+    scale, zero = unpack_scale_zero(scale)
     q = unpack_int4_rows(w).double()
-    return (q - zero.double().repeat_interleave(group, dim=1)) * scale
+    return (q - zero.double().repeat_interleave(group, dim=1)) * scale.double().repeat_interleave(group, dim=1)

@@ -4,8 +4,11 @@ Two layouts, both row-major over the output features N and the input features K:
 - fp8: weight float8_e4m3fn [N, K], scale float32 [N, ceil(K / group_k)],
   W[n, k] = float(weight[n, k]) * scale[n, k // group_k]. group_k >= K means one scale per row.
 - int4: qweight uint8 [N, K // 2], byte j of a row holding column 2j in its low nibble and 2j + 1 in its high
-  one (values 0..15); scale and zero float32 [N, K // group_size], zero holding whole numbers;
+  one (values 0..15); scale_zero int32 [N, K // group_size], a group's scale and zero point in one word
+  (pack_scale_zero): the float32 scale's bits with its low ZERO_BITS bits replaced by the zero point (0..31);
   W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with g = k // group_size.
+  One word a group is half the bytes of two float32 tensors and one load instead of two in every kernel; the
+  scale keeps 18 of float32's 23 mantissa bits, so checkpoints' float16 and bfloat16 scales are exact.
 The dequantizers compute W in float32 and round once to the requested dtype, so every backend that does the
 same gives the same bits. This module imports no Triton: the CUDA kernel behind dequantize_int4 is loaded
 only when a CUDA tensor asks for it.
@@ -35,6 +38,32 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])
 
 
+# Low bits of a scale-and-zero word holding the zero point: GPTQ's zero points run 0..16 (stored minus one in the
+# `gptq` checkpoint format, so 15 + 1), one more than four bits hold.
+ZERO_BITS = 5
+
+
+def pack_scale_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """float scales and whole-number zero points (same shape) -> the int4 layout's int32 words: the scale rounded to
+    float32 with 18 mantissa bits (to nearest; exact for float16 and bfloat16 scales), its low ZERO_BITS bits then
+    holding the zero point."""
+    if scale.shape != zero.shape:
+        raise ValueError(f"scales {tuple(scale.shape)} and zero points {tuple(zero.shape)} differ in shape")
+    zero = zero.to(torch.int32) if zero.is_floating_point() else zero.int()
+    if zero.numel() and (zero.min() < 0 or zero.max() >= 1 << ZERO_BITS):
+        raise ValueError(f"int4 zero points must lie in 0..{(1 << ZERO_BITS) - 1}, got "
+                         f"{zero.min().item()}..{zero.max().item()}")
+    half = 1 << (ZERO_BITS - 1)
+    bits = (scale.float().contiguous().view(torch.int32) + half) & -(1 << ZERO_BITS)
+    return bits | zero
+
+
+def unpack_scale_zero(scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 scale-and-zero words -> (scales, zero points), both float32."""
+    scale = (scale_zero & -(1 << ZERO_BITS)).view(torch.float32)
+    return scale, (scale_zero & ((1 << ZERO_BITS) - 1)).float()
+
+
 def fp8_groups(k: int, group_k: int) -> int:
     """Scale columns of an fp8 weight with K input features: one per group of group_k (the last may be short)."""
     return -(-k // group_k)
@@ -54,18 +83,19 @@ def check_fp8(weight: torch.Tensor, scale: torch.Tensor, group_k: int) -> None:
                          f"[{n}, {groups}], got {scale.dtype} {tuple(scale.shape)}")
 
 
-def check_int4(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> None:
-    """Raise ValueError unless (qweight, scale, zero, group_size) is the int4 layout described at the top."""
+def check_int4(qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> None:
+    """Raise ValueError unless (qweight, scale_zero, group_size) is the int4 layout described at the top."""
     if qweight.dim() != 2 or qweight.dtype != torch.uint8 or qweight.stride(1) != 1:
         raise ValueError(f"int4 qweight must be a row-major 2-D uint8 tensor [N, K // 2], got {qweight.dtype} "
                          f"{tuple(qweight.shape)} with strides {qweight.stride()}")
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     if group_size < 2 or group_size % 2 or k % group_size:
         raise ValueError(f"int4 group_size must be even and divide K={k}, got {group_size}")
-    for name, t in (("scale", scale), ("zero", zero)):
-        if t.dtype != torch.float32 or tuple(t.shape) != (n, k // group_size) or not t.is_contiguous():
-            raise ValueError(f"int4 {name} for K={k} with group_size {group_size} must be contiguous float32 "
-                             f"[{n}, {k // group_size}], got {t.dtype} {tuple(t.shape)}")
+    if scale_zero.dtype != torch.int32 or tuple(scale_zero.shape) != (n, k // group_size) \
+            or not scale_zero.is_contiguous():
+        raise ValueError(f"int4 scale_zero for K={k} with group_size {group_size} must be contiguous int32 "
+                         f"[{n}, {k // group_size}] (pack_scale_zero), got {scale_zero.dtype} "
+                         f"{tuple(scale_zero.shape)}")
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, group_k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -82,16 +112,17 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, group_k: int, dtyp
     return (w.view(n, groups, group_k) * scale[:, :, None]).view(n, padded)[:, :k].to(dtype)
 
 
-def dequantize_int4(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+def dequantize_int4(qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
                     dtype: torch.dtype) -> torch.Tensor:
-    """int4 qweight [N, K // 2] with its scales and zeros -> dense [N, K] in dtype, (q - zero) * scale in
+    """int4 qweight [N, K // 2] with its scale-and-zero words -> dense [N, K] in dtype, (q - zero) * scale in
     float32 rounded once. One Triton launch on CUDA, torch ops elsewhere; both give the same bits."""
-    check_int4(qweight, scale, zero, group_size)
+    check_int4(qweight, scale_zero, group_size)
     if qweight.is_cuda:
         from shardserve.kernels.triton.quant_gemv import dequantize_int4_cuda
 
-        return dequantize_int4_cuda(qweight, scale, zero, group_size, dtype)
-    n, groups = scale.shape
+        return dequantize_int4_cuda(qweight, scale_zero, group_size, dtype)
+    n, groups = scale_zero.shape
+    scale, zero = unpack_scale_zero(scale_zero)
     q = unpack_int4_rows(qweight).float().view(n, groups, group_size)
     return ((q - zero[:, :, None]) * scale[:, :, None]).view(n, groups * group_size).to(dtype)
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.packed_experts import PackedExperts
-from shardserve.kernels.quant_pack import pack_int4
+from shardserve.kernels.quant_pack import pack_int4, pack_scale_zero
 from shardserve.layers.moe import (FUSED_MOE_ENV, SparseMoE, _check_shape, check_routes, close_to_float64,
                                    grouped_by_expert, reference_experts)
 from shardserve.layers.linear import empty_parameter
@@ -52,10 +52,10 @@ def expert_groups(moe: SparseMoE, layout: PackedLayout) -> tuple[tuple[int, int]
 
 class ExpertPacking:
     """The packed parameters of one SparseMoE (set as moe.packed): w13 / w2 hold the codes, w13_scale / w2_scale
-    (and w13_zero / w2_zero for 4-bit) their scales [E, N, K / group]."""
+    their scales [E, N, K / group] (4-bit: scale-and-zero words, kernels/quant_pack.py)."""
 
     # Parameters filled by the loader of the weight they belong to.
-    parts_with = {"w13": ("w13_scale", "w13_zero"), "w2": ("w2_scale", "w2_zero")}
+    parts_with = {"w13": ("w13_scale",), "w2": ("w2_scale",)}
 
     def __init__(self, moe: SparseMoE, layout: PackedLayout, groups: tuple[int, int], device) -> None:
         experts, two_rows, hidden = moe.w13.shape
@@ -69,17 +69,16 @@ class ExpertPacking:
         moe.w13, moe.w2 = param(experts, two_rows, hidden // per_byte, dtype=dtype), param(
             experts, hidden, rows // per_byte, dtype=dtype)
         moe.w13.weight_loader, moe.w2.weight_loader = moe._load_w13, moe._load_w2
-        moe.w13_scale, moe.w2_scale = param(experts, two_rows, hidden // self.group13), param(
-            experts, hidden, rows // self.group2)
-        if layout.kind == "int4":
-            moe.w13_zero, moe.w2_zero = param(*moe.w13_scale.shape), param(*moe.w2_scale.shape)
+        scale_dtype = torch.int32 if layout.kind == "int4" else torch.float32
+        moe.w13_scale, moe.w2_scale = param(experts, two_rows, hidden // self.group13, dtype=scale_dtype), param(
+            experts, hidden, rows // self.group2, dtype=scale_dtype)
 
     def describe(self) -> str:
         return f"{self.kind} experts (groups of {self.group13} and {self.group2})"
 
     def view(self, moe: SparseMoE) -> PackedExperts:
-        return PackedExperts(self.kind, moe.w13.data, moe.w13_scale.data, getattr(moe, "w13_zero", None),
-                             self.group13, moe.w2.data, moe.w2_scale.data, getattr(moe, "w2_zero", None), self.group2)
+        return PackedExperts(self.kind, moe.w13.data, moe.w13_scale.data, self.group13, moe.w2.data,
+                             moe.w2_scale.data, self.group2)
 
     def load(self, moe: SparseMoE, which: str, loaded: Any, shard_id: Hashable) -> None:
         """One expert's gate, up (which "w13", shard id (expert, 0 or 1)) or down projection ("w2") from a quantized
@@ -110,8 +109,7 @@ class ExpertPacking:
                 raise ValueError(f"expert {expert}'s columns are in act order, which packed experts do not take; "
                                  f"{_DEQUANTIZED_HINT}")
             target.copy_(pack_int4(codes))
-            _copy_scales(scale, scales)
-            _copy_scales(getattr(moe, f"{which}_zero").data[expert - e0, rows], zeros)
+            _copy_scales(scale, pack_scale_zero(scales, zeros))
         else:
             raise ValueError(f"a {type(loaded).__name__} cannot load into packed {self.kind} experts")
 

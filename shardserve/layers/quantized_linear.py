@@ -4,9 +4,9 @@ A packed layer's parameters, on this rank:
 - FP8: `weight` float8_e4m3fn [N, K]; `weight_scale` float32 [N, ceil(K / group)]: W[n, k] = weight[n, k] *
   weight_scale[n, k // group], with group the checkpoint's scale block (128) or K (one scale a row: per-channel
   and per-tensor checkpoints, and bf16 checkpoints quantized at load with --quantization fp8).
-- INT4: `weight` uint8 [N, K / 2], column 2j in the low nibble of byte j, 2j+1 in the high one; `weight_scale`,
-  `weight_zero` float32 [N, K / group]: W[n, k] = (q[n, k] - weight_zero[n, g]) * weight_scale[n, g], g = k //
-  group. An act-order checkpoint's columns are sorted by group at load; `input_perm` [K] then says which input
+- INT4: `weight` uint8 [N, K / 2], column 2j in the low nibble of byte j, 2j+1 in the high one; `weight_scale`
+  int32 [N, K / group], each group's scale and zero point in one word (kernels/quant_pack.py's pack_scale_zero):
+  W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k // group. An act-order checkpoint's columns are sorted by group at load; `input_perm` [K] then says which input
   feature each column holds, and inputs are gathered in that order.
 
 Rows of a fused layer (q/k/v, gate/up) stack their parts' rows, each with its own scales, so sharding packed weights
@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.env_choice import env_choice
-from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, pack_int4, unpack_int4_rows
+from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4, pack_scale_zero, unpack_int4_rows,
+                                           unpack_scale_zero)
 from shardserve.layers.linear import (ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor,
                                      empty_parameter)
 from shardserve.weights.quantized import Fp8Weight, GptqWeight, QuantScheme
@@ -70,7 +71,7 @@ def batch_bucket(rows: int) -> int:
 
 
 # A packed layer's parameters besides `weight`: filled by the weight's loader, along with it.
-PACKED_PARTS = ("weight_scale", "weight_zero", "input_perm")
+PACKED_PARTS = ("weight_scale", "input_perm")
 QUANTIZED_LAYERS_ENV = "SHARDSERVE_QUANTIZED_LAYERS"
 QUANTIZED_LAYERS_MODES = ("auto", "packed", "dequantized")
 
@@ -142,11 +143,10 @@ class PackedWeights:
             layer.weight = param(n, k, dtype=torch.float8_e4m3fn)
         else:
             layer.weight = param(n, k // 2, dtype=torch.uint8)
-            layer.weight_zero = param(n, groups)
             # Identity until an act-order checkpoint's columns arrive sorted; gathering by it is then exact.
             layer.input_perm = nn.Parameter(torch.arange(k, device=device), requires_grad=False) \
                 if layout.act_order else None
-        layer.weight_scale = param(n, groups)
+        layer.weight_scale = param(n, groups, dtype=torch.int32 if layout.kind == "int4" else torch.float32)
         layer.weight.weight_loader = loader
         self.perm_of: dict[Hashable, torch.Tensor | None] = {}
 
@@ -171,15 +171,13 @@ class PackedWeights:
             codes, scale, zero, perm = loaded.read_packed(r0, r1, c0, c1)
             self._check_perm(layer, perm, shard_id)
             layer.weight.data[rows].copy_(pack_int4(codes))
-            _copy_scales(layer.weight_scale.data[rows], scale)
-            _copy_scales(layer.weight_zero.data[rows], zero)
+            _copy_scales(layer.weight_scale.data[rows], pack_scale_zero(scale, zero))
         elif not hasattr(loaded, "read_packed"):
             values = as_tensor(loaded[r0:r1, c0:c1]).float()
             if kind == "fp8":
                 codes, scale = quantize_fp8(values, self.group)
             else:
-                codes, scale, zero = quantize_int4(values, self.group)
-                _copy_scales(layer.weight_zero.data[rows], zero)
+                codes, scale = quantize_int4(values, self.group)
             layer.weight.data[rows].copy_(codes)
             _copy_scales(layer.weight_scale.data[rows], scale)
         else:
@@ -226,9 +224,9 @@ class PackedWeights:
                                     *self.gemv_config, swiglu_out=swiglu_out)
         if self.gemv_split is not None:
             return int4_gemv_split_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale,
-                                           layer.weight_zero, self.group, *self.gemv_split, swiglu_out=swiglu_out)
-        return int4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, layer.weight_zero,
-                                 self.group, *self.gemv_config)
+                                           self.group, *self.gemv_split, swiglu_out=swiglu_out)
+        return int4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, self.group,
+                                 *self.gemv_config)
 
     def swiglu_out(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of the one-row product of a [gate | up] layer in the GEMV's own launch (takes_swiglu_out),
@@ -256,16 +254,16 @@ class PackedWeights:
         if self.layout.kind == "fp8":
             return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config, swiglu_out=swiglu_out)
         if self.gemv_split is not None:
-            return int4_gemv_split(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group,
-                                   *self.gemv_split, swiglu_out=swiglu_out)
-        return int4_gemv(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group, *self.gemv_config)
+            return int4_gemv_split(x, layer.weight, layer.weight_scale, self.group, *self.gemv_split,
+                                   swiglu_out=swiglu_out)
+        return int4_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config)
 
     def _gemm(self, layer: KernelLinear, x: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
         from shardserve.kernels.triton.quant_gemm import fp8_gemm, int4_gemm
 
         if self.layout.kind == "fp8":
             return fp8_gemm(x, layer.weight, layer.weight_scale, self.group, config)
-        return int4_gemm(x, layer.weight, layer.weight_scale, layer.weight_zero, self.group, config)
+        return int4_gemm(x, layer.weight, layer.weight_scale, self.group, config)
 
     def _dequantized_product(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(layer, x.dtype))
@@ -303,7 +301,7 @@ class PackedWeights:
         """The layer's [N, K] weight in `dtype`, columns in the packed order (input_perm's)."""
         if self.layout.kind == "fp8":
             return dequantize_fp8(layer.weight, layer.weight_scale, self.group, dtype)
-        return dequantize_int4(layer.weight, layer.weight_scale, layer.weight_zero, self.group, dtype)
+        return dequantize_int4(layer.weight, layer.weight_scale, self.group, dtype)
 
     def unpack(self, layer: KernelLinear) -> None:
         """Replace the packed parameters by the values they encode in the compute dtype (a dense layer again)."""
@@ -344,16 +342,17 @@ def quantize_fp8(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
     return codes.reshape(n, k), scale
 
 
-def quantize_int4(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (packed uint8 [N, K / 2], scales, zero points [N, K / group]): asymmetric, each row's group
-    spanning its minimum to maximum in 16 levels."""
+def quantize_int4(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (packed uint8 [N, K / 2], scale-and-zero words int32 [N, K / group]): asymmetric, each
+    row's group spanning its minimum to maximum in 16 levels."""
     n, k = values.shape
     blocks = values.float().reshape(n, -1, group)
     low, high = blocks.amin(dim=2).clamp(max=0), blocks.amax(dim=2).clamp(min=0)
     scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-    zero = (-low / scale).round().clamp(0, 15)
+    scale_zero = pack_scale_zero(scale, (-low / scale).round().clamp(0, 15))
+    scale, zero = unpack_scale_zero(scale_zero)  # the scale as the word holds it
     codes = (blocks / scale[:, :, None] + zero[:, :, None]).round().clamp(0, 15).to(torch.uint8)
-    return pack_int4(codes.reshape(n, k)), scale, zero
+    return pack_int4(codes.reshape(n, k)), scale_zero
 
 
 def scaled_mm_rowwise(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -455,11 +454,13 @@ FP8_ACTIVATION_TOLERANCE = 6e-2
 def reference_weight(layer: KernelLinear) -> torch.Tensor:
     """float64 [N, K] from the packed bytes, written from the layouts' definitions (not the dequantizers)."""
     packed = layer.packed
-    scale = layer.weight_scale.double().repeat_interleave(packed.group, dim=1)[:, :packed.k]
     if packed.layout.kind == "fp8":
-        return layer.weight.float().double() * scale
+        return layer.weight.float().double() * layer.weight_scale.double().repeat_interleave(packed.group, dim=1)[
+            :, :packed.k]
+    scale, zero = unpack_scale_zero(layer.weight_scale)
     q = unpack_int4_rows(layer.weight).double()
-    return (q - layer.weight_zero.double().repeat_interleave(packed.group, dim=1)) * scale
+    return (q - zero.double().repeat_interleave(packed.group, dim=1)) * scale.double().repeat_interleave(
+        packed.group, dim=1)
 
 
 def distinct_packed(model: nn.Module) -> dict[tuple, list[KernelLinear]]:

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 from shardserve.kernels.fused_moe_table import MoeConfig, Tile  # noqa: E402
 from shardserve.kernels.packed_experts import PackedExperts  # noqa: E402
-from shardserve.kernels.quant_pack import pack_int4  # noqa: E402
+from shardserve.kernels.quant_pack import pack_int4, pack_scale_zero, unpack_scale_zero  # noqa: E402
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
 from shardserve.kernels.triton.fused_moe import fused_moe_packed  # noqa: E402
 from tests.kernels.test_fused_moe import DEVICE, make_routes, relative_error  # noqa: E402
@@ -40,7 +40,7 @@ def _int4(n: int, k: int, group: int, experts: int, sym: bool, g: torch.Generato
     scale = (torch.rand(experts, n, k // group, generator=g) + 0.5) * 0.02
     zero = torch.full_like(scale, 8.0) if sym else torch.randint(0, 16, scale.shape, generator=g).float()
     packed = torch.stack([pack_int4(q[e]) for e in range(experts)])
-    return packed.to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+    return packed.to(DEVICE), pack_scale_zero(scale, zero).to(DEVICE)
 
 
 def packed_experts(kind: str, experts: int, hidden: int, inter: int, group: int, sym: bool = False,
@@ -50,10 +50,10 @@ def packed_experts(kind: str, experts: int, hidden: int, inter: int, group: int,
     if kind == "fp8":
         w13, s13 = _fp8(2 * inter, hidden, g13, experts, g)
         w2, s2 = _fp8(hidden, inter, g2, experts, g)
-        return PackedExperts("fp8", w13, s13, None, g13, w2, s2, None, g2)
-    w13, s13, z13 = _int4(2 * inter, hidden, g13, experts, sym, g)
-    w2, s2, z2 = _int4(hidden, inter, g2, experts, sym, g)
-    return PackedExperts("int4", w13, s13, z13, g13, w2, s2, z2, g2)
+        return PackedExperts("fp8", w13, s13, g13, w2, s2, g2)
+    w13, s13 = _int4(2 * inter, hidden, g13, experts, sym, g)
+    w2, s2 = _int4(hidden, inter, g2, experts, sym, g)
+    return PackedExperts("int4", w13, s13, g13, w2, s2, g2)
 
 
 def reference(x, experts: PackedExperts, weights, ids) -> torch.Tensor:
@@ -95,11 +95,15 @@ def test_ignoring_scales_or_zeros_fails_the_check(kind):
     """The reference would notice a kernel that dropped the per-group scales (or the zero points): with them made
     uniform, the kernel's output moves far beyond the tolerance."""
     experts, x, weights, ids, want = check(kind, 3, 32, config=SMALL)
-    uniform = experts._replace(scale13=experts.scale13.mean().expand_as(experts.scale13).contiguous())
-    assert relative_error(fused_moe_packed(x, uniform, weights, ids, config=SMALL), want) > 0.05
-    if kind == "int4":
-        no_zero = experts._replace(zero13=torch.zeros_like(experts.zero13), zero2=torch.zeros_like(experts.zero2))
+    if kind == "fp8":
+        uniform = experts._replace(scale13=experts.scale13.mean().expand_as(experts.scale13).contiguous())
+    else:
+        (scale13, zero13), (scale2, zero2) = unpack_scale_zero(experts.scale13), unpack_scale_zero(experts.scale2)
+        uniform = experts._replace(scale13=pack_scale_zero(scale13.mean().expand_as(scale13), zero13))
+        no_zero = experts._replace(scale13=pack_scale_zero(scale13, torch.zeros_like(zero13)),
+                                   scale2=pack_scale_zero(scale2, torch.zeros_like(zero2)))
         assert relative_error(fused_moe_packed(x, no_zero, weights, ids, config=SMALL), want) > 0.05
+    assert relative_error(fused_moe_packed(x, uniform, weights, ids, config=SMALL), want) > 0.05
 
 
 # -- on a GPU: Qwen3-30B-A3B's experts (E=128, k=8, H=2048, I=768), FP8 in blocks of 128 and 4-bit in groups of 128

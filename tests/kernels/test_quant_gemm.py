@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from shardserve.kernels.quant_pack import pack_int4  # noqa: E402
+from shardserve.kernels.quant_pack import pack_int4, pack_scale_zero  # noqa: E402
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
 from tests.kernels.test_quant_gemv import (LLAMA3_8B, fp8_reference, int4_reference, random_fp8,  # noqa: E402
                                            random_int4, relative_error)
@@ -39,9 +39,9 @@ def activations(m: int, k: int, dtype: torch.dtype, device: str = "cpu", seed: i
 
 
 def int4_case(n: int, k: int, group: int, device: str = "cpu", seed: int = 0):
-    """(packed weight, scale, zero, float64 [N, K] it encodes)."""
-    q, scale, zero = random_int4(n, k, group, device=device, seed=seed)
-    return pack_int4(q), scale, zero, int4_reference(q, scale, zero, group)
+    """(packed weight, scale-and-zero words, float64 [N, K] it encodes)."""
+    q, scale_zero = random_int4(n, k, group, device=device, seed=seed)
+    return pack_int4(q), scale_zero, int4_reference(q, scale_zero, group)
 
 
 # -- the interpreter: small shapes ---------------------------------------------------------------------------
@@ -56,9 +56,9 @@ def test_interpreter_int4_gemm(m, group, dtype):
     """K = 256 is 8, 4 or 2 groups, or one group a row (256: the scale applied after the sum)."""
     from shardserve.kernels.triton.quant_gemm import int4_gemm
 
-    qweight, scale, zero, w64 = int4_case(N, 256, group, seed=group)
+    qweight, scale_zero, w64 = int4_case(N, 256, group, seed=group)
     x = activations(m, 256, dtype)
-    got = int4_gemm(x, qweight, scale, zero, group, SMALL)
+    got = int4_gemm(x, qweight, scale_zero, group, SMALL)
     assert got.shape == (m, N) and got.dtype == dtype
     assert relative_error(got, x.double() @ w64.T) < TOLERANCE[dtype]
 
@@ -101,11 +101,11 @@ def test_interpreter_default_tiles_cover_every_output(m):
     band of GROUP_M tile rows), every output written."""
     from shardserve.kernels.triton.quant_gemm import int4_gemm
 
-    qweight, scale, zero, w64 = int4_case(N, 256, 64)
+    qweight, scale_zero, w64 = int4_case(N, 256, 64)
     x = activations(m, 256, torch.float16)
     want = x.double() @ w64.T
     for config in (None, SMALL):
-        got = int4_gemm(x, qweight, scale, zero, 64, config)
+        got = int4_gemm(x, qweight, scale_zero, 64, config)
         assert relative_error(got, want) < TOLERANCE[torch.float16], config
 
 
@@ -118,11 +118,11 @@ def test_interpreter_act_order_columns_gathered_first(dtype):
     from shardserve.kernels.triton.quant_gemm import int4_gemm
 
     perm = torch.randperm(256, generator=torch.Generator().manual_seed(5))
-    qweight, scale, zero, packed64 = int4_case(N, 256, 32, seed=5)
+    qweight, scale_zero, packed64 = int4_case(N, 256, 32, seed=5)
     checkpoint64 = torch.empty_like(packed64)
     checkpoint64[:, perm] = packed64
     x = activations(17, 256, dtype)
-    got = int4_gemm(x.index_select(1, perm), qweight, scale, zero, 32, SMALL)
+    got = int4_gemm(x.index_select(1, perm), qweight, scale_zero, 32, SMALL)
     assert relative_error(got, x.double() @ checkpoint64.T) < TOLERANCE[dtype]
 
 
@@ -133,14 +133,14 @@ def test_interpreter_int4_gemm_applies_each_groups_scale_and_zero():
     used one group's scale for every column, would be off by far more than the tolerance (shown below)."""
     from shardserve.kernels.triton.quant_gemm import int4_gemm
 
-    q, _, _ = random_int4(N, 256, 64, seed=7)
+    q, _ = random_int4(N, 256, 64, seed=7)
     scale = (2.0 ** torch.arange(4).repeat(N, 1) * 1e-2).contiguous()
     zero = torch.full((N, 4), 8.0)
     x = activations(17, 256, torch.float16)
-    got = int4_gemm(x, pack_int4(q), scale, zero, 64, SMALL)
-    right = x.double() @ int4_reference(q, scale, zero, 64).T
-    without_zeros = x.double() @ int4_reference(q, scale, torch.zeros_like(zero), 64).T
-    one_scale = x.double() @ int4_reference(q, scale[:, :1].repeat(1, 4), zero, 64).T
+    got = int4_gemm(x, pack_int4(q), pack_scale_zero(scale, zero), 64, SMALL)
+    right = x.double() @ int4_reference(q, pack_scale_zero(scale, zero), 64).T
+    without_zeros = x.double() @ int4_reference(q, pack_scale_zero(scale, torch.zeros_like(zero)), 64).T
+    one_scale = x.double() @ int4_reference(q, pack_scale_zero(scale[:, :1].repeat(1, 4), zero), 64).T
     assert relative_error(got, right) < TOLERANCE[torch.float16]
     assert relative_error(without_zeros, right) > 0.5 and relative_error(one_scale, right) > 0.5
 
@@ -165,9 +165,9 @@ def test_interpreter_block_k_narrows_to_the_group():
     """A 128-column tile over groups of 32 is narrowed to 32 columns, so each tile still needs one scale a row."""
     from shardserve.kernels.triton.quant_gemm import int4_gemm
 
-    qweight, scale, zero, w64 = int4_case(N, 256, 32)
+    qweight, scale_zero, w64 = int4_case(N, 256, 32)
     x = activations(5, 256, torch.float16)
-    got = int4_gemm(x, qweight, scale, zero, 32, (16, 32, 128, 4, 1))
+    got = int4_gemm(x, qweight, scale_zero, 32, (16, 32, 128, 4, 1))
     assert relative_error(got, x.double() @ w64.T) < TOLERANCE[torch.float16]
 
 
@@ -176,18 +176,18 @@ def test_gemms_reject_what_they_cannot_compute_naming_it():
     from shardserve.kernels.triton.quant_gemm import fp8_gemm, int4_gemm
 
     device = "cuda" if CUDA else "cpu"
-    qweight, scale, zero, _ = int4_case(8, 64, 32, device=device)
+    qweight, scale_zero, _ = int4_case(8, 64, 32, device=device)
     with pytest.raises(ValueError, match=r"int4_gemm needs x of shape \[M, 64\] in bfloat16 or float16"):
-        int4_gemm(torch.randn(2, 64, device=device), qweight, scale, zero, 32)
+        int4_gemm(torch.randn(2, 64, device=device), qweight, scale_zero, 32)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
-        int4_gemm(activations(2, 64, torch.float16, device), qweight, scale, zero, 32, (16, 24, 32, 4, 1))
-    q, scale8, zero8 = random_int4(8, 64, 8, device=device)
+        int4_gemm(activations(2, 64, torch.float16, device), qweight, scale_zero, 32, (16, 24, 32, 4, 1))
+    q, scale_zero8 = random_int4(8, 64, 8, device=device)
     with pytest.raises(ValueError, match="scale groups of a multiple of 16 columns, got 8"):
-        int4_gemm(activations(2, 64, torch.float16, device), pack_int4(q), scale8, zero8, 8)
+        int4_gemm(activations(2, 64, torch.float16, device), pack_int4(q), scale_zero8, 8)
     weight, fp8_scale = random_fp8(8, 64, 32, device=device)
     with pytest.raises(ValueError, match=r"fp8_gemm needs x of shape \[M, 64\]"):
         fp8_gemm(activations(2, 32, torch.float16, device), weight, fp8_scale, 32)
-    assert int4_gemm(activations(0, 64, torch.float16, device), qweight, scale, zero, 32).shape == (0, 8)
+    assert int4_gemm(activations(0, 64, torch.float16, device), qweight, scale_zero, 32).shape == (0, 8)
 
 
 def test_every_batch_size_has_candidate_tiles_default_first():
@@ -242,8 +242,8 @@ def test_gpu_int4_gemm(n, k):
 
     failures = []
     for group in (32, 64, 128, k):
-        qweight, scale, zero, w64 = int4_case(n, k, group, device="cuda", seed=group)
-        run = lambda x, c: int4_gemm(x, qweight, scale, zero, group, c)  # noqa: E731
+        qweight, scale_zero, w64 = int4_case(n, k, group, device="cuda", seed=group)
+        run = lambda x, c: int4_gemm(x, qweight, scale_zero, group, c)  # noqa: E731
         failures += _gpu_failures(run, w64, k, f"int4 {n}x{k} group {group}")
     assert not failures, "\n".join(failures)
 
@@ -272,9 +272,9 @@ def test_gpu_fp8_gemm(n, k, native, monkeypatch):
 def test_gpu_gemms_replay_in_a_cuda_graph_with_a_new_input():
     from shardserve.kernels.triton.quant_gemm import fp8_gemm, int4_gemm
 
-    qweight, scale, zero, _ = int4_case(4096, 4096, 128, device="cuda")
+    qweight, scale_zero, _ = int4_case(4096, 4096, 128, device="cuda")
     weight, fp8_scale = random_fp8(4096, 4096, 128, device="cuda")
-    launches = {"int4": lambda x: int4_gemm(x, qweight, scale, zero, 128),
+    launches = {"int4": lambda x: int4_gemm(x, qweight, scale_zero, 128),
                 "fp8": lambda x: fp8_gemm(x, weight, fp8_scale, 128)}
     for name, launch in launches.items():
         for m in (8, 100):

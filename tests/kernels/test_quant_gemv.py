@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4,  # noqa: E402
-                                           unpack_int4_rows)
+                                           pack_scale_zero, unpack_int4_rows, unpack_scale_zero)
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -38,12 +38,12 @@ CONFIGS = [(8, 512, 4, 1), (4, 1024, 8, 4), (16, 256, 4, 2)]
 
 
 def random_int4(n: int, k: int, group: int, device=DEVICE, seed: int = 0):
-    """(q [N, K] int64 in 0..15, scale, zero [N, K // group] float32) with zeros as whole numbers."""
+    """(q [N, K] int64 in 0..15, scale_zero [N, K // group] int32): random scales, zero points 0..16."""
     g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=g, device=device)
     scale = torch.rand(n, k // group, generator=g, device=device) * 0.02 + 0.002
-    zero = torch.randint(0, 16, (n, k // group), generator=g, device=device).float()
-    return q, scale, zero
+    zero = torch.randint(0, 17, (n, k // group), generator=g, device=device)
+    return q, pack_scale_zero(scale, zero)
 
 
 def random_fp8(n: int, k: int, group_k: int, device=DEVICE, seed: int = 0):
@@ -54,9 +54,15 @@ def random_fp8(n: int, k: int, group_k: int, device=DEVICE, seed: int = 0):
     return weight, scale
 
 
-def int4_reference(q, scale, zero, group) -> torch.Tensor:
+def scale_and_zero(scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (scale, zero) of scale-and-zero words: the float32 scale with its low 5 bits holding the zero."""
+    return (scale_zero & -32).view(torch.float32).double(), (scale_zero & 31).double()
+
+
+def int4_reference(q, scale_zero, group) -> torch.Tensor:
     column_group = torch.arange(q.shape[1], device=q.device) // group
-    return (q.double() - zero.double()[:, column_group]) * scale.double()[:, column_group]
+    scale, zero = scale_and_zero(scale_zero)
+    return (q.double() - zero[:, column_group]) * scale[:, column_group]
 
 
 def fp8_reference(weight, scale, group_k) -> torch.Tensor:
@@ -90,9 +96,9 @@ def test_pack_rejects_what_does_not_fit_four_bits(bad):
 @pytest.mark.parametrize("n,k,group", [(5, 256, 32), (3, 384, 128), (4, 96, 96)])
 def test_dequantize_int4_is_the_formula_rounded_once(dtype, n, k, group):
     """(q - zero) * scale is exact in float64, so rounding it to float32 and then to dtype is the contract."""
-    q, scale, zero = random_int4(n, k, group, device="cpu", seed=k)
-    got = dequantize_int4(pack_int4(q), scale, zero, group, dtype)
-    assert got.dtype == dtype and torch.equal(got, int4_reference(q, scale, zero, group).float().to(dtype))
+    q, scale_zero = random_int4(n, k, group, device="cpu", seed=k)
+    got = dequantize_int4(pack_int4(q), scale_zero, group, dtype)
+    assert got.dtype == dtype and torch.equal(got, int4_reference(q, scale_zero, group).float().to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -104,15 +110,37 @@ def test_dequantize_fp8_is_the_formula_rounded_once(dtype, n, k, group_k):
     assert got.dtype == dtype and torch.equal(got, fp8_reference(weight, scale, group_k).float().to(dtype))
 
 
+def test_scale_and_zero_words_hold_16_bit_scales_exactly_and_round_float32_ones():
+    """A checkpoint's float16 or bfloat16 scale and a zero point 0..16 come back exactly from one word; a float32
+    scale comes back rounded to 18 mantissa bits (2**-19 relative at most); zero points past 31 are refused."""
+    g = torch.Generator().manual_seed(0)
+    zero = torch.randint(0, 17, (64, 8), generator=g)
+    for dtype in (torch.float16, torch.bfloat16):
+        scale = (torch.rand(64, 8, generator=g) * 0.05 + 1e-4).to(dtype)
+        words = pack_scale_zero(scale, zero)
+        assert words.dtype == torch.int32
+        got_scale, got_zero = unpack_scale_zero(words)
+        assert torch.equal(got_scale, scale.float()) and torch.equal(got_zero, zero.float())
+        assert torch.equal(scale_and_zero(words)[0], scale.double())
+    scale = torch.rand(64, 8, generator=g) + 0.5
+    got_scale, got_zero = unpack_scale_zero(pack_scale_zero(scale, zero.float()))
+    assert torch.equal(got_zero, zero.float())
+    assert 0 < (got_scale - scale).abs().div(scale).max() <= 2.0 ** -19
+    with pytest.raises(ValueError, match=r"zero points must lie in 0..31, got 0..32"):
+        pack_scale_zero(scale[:1, :2], torch.tensor([[0, 32]]))
+
+
 def test_layout_errors_name_the_tensor_and_the_shape_expected():
-    q, scale, zero = random_int4(4, 64, 32, device="cpu")
+    q, scale_zero = random_int4(4, 64, 32, device="cpu")
     packed = pack_int4(q)
     with pytest.raises(ValueError, match=r"int4 group_size must be even and divide K=64"):
-        dequantize_int4(packed, scale, zero, 48, torch.float32)
-    with pytest.raises(ValueError, match=r"int4 zero .* \[4, 2\]"):
-        dequantize_int4(packed, scale, zero[:, :1].contiguous(), 32, torch.float32)
+        dequantize_int4(packed, scale_zero, 48, torch.float32)
+    with pytest.raises(ValueError, match=r"int4 scale_zero .* int32 \[4, 2\]"):
+        dequantize_int4(packed, scale_zero[:, :1].contiguous(), 32, torch.float32)
+    with pytest.raises(ValueError, match=r"int4 scale_zero .* int32 \[4, 2\].*torch.float32"):
+        dequantize_int4(packed, scale_zero.float(), 32, torch.float32)
     with pytest.raises(ValueError, match=r"int4 qweight must be a row-major 2-D uint8"):
-        dequantize_int4(packed.to(torch.int32), scale, zero, 32, torch.float32)
+        dequantize_int4(packed.to(torch.int32), scale_zero, 32, torch.float32)
     weight, scale = random_fp8(4, 64, 32, device="cpu")
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         dequantize_fp8(weight.float(), scale, 32, torch.float32)
@@ -135,11 +163,11 @@ INTERPRETER_FP8 = [(24, 256, 128, 8, 64), (19, 200, 64, 8, 128), (13, 200, 200, 
 def test_interpreter_int4_gemv(dtype, n, k, group, block_n, block_k):
     from shardserve.kernels.triton.quant_gemv import int4_gemv
 
-    q, scale, zero = random_int4(n, k, group, seed=n)
+    q, scale_zero = random_int4(n, k, group, seed=n)
     x = torch.randn(k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    got = int4_gemv(x, pack_int4(q), scale, zero, group, block_n, block_k, num_warps=4, num_stages=1)
+    got = int4_gemv(x, pack_int4(q), scale_zero, group, block_n, block_k, num_warps=4, num_stages=1)
     assert got.shape == (1, n) and got.dtype == dtype
-    assert relative_error(got[0], x.double() @ int4_reference(q, scale, zero, group).T) < TOLERANCE[dtype]
+    assert relative_error(got[0], x.double() @ int4_reference(q, scale_zero, group).T) < TOLERANCE[dtype]
 
 
 # (N, K, group, (block_n, split_k, num_warps, row_tiles)): several splits and row tiles with rows past N, a split
@@ -163,13 +191,13 @@ def test_interpreter_int4_split_gemv(dtype, n, k, group, config):
     last program) against float64, the same bits on a second call, every arrival count back to 0."""
     from shardserve.kernels.triton.quant_gemv import int4_gemv_split
 
-    q, scale, zero = random_int4(n, k, group, seed=n)
+    q, scale_zero = random_int4(n, k, group, seed=n)
     x = torch.randn(k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    got = int4_gemv_split(x, pack_int4(q), scale, zero, group, *config)
+    got = int4_gemv_split(x, pack_int4(q), scale_zero, group, *config)
     assert got.shape == (1, n) and got.dtype == dtype
-    assert relative_error(got[0], x.double() @ int4_reference(q, scale, zero, group).T) < TOLERANCE[dtype]
+    assert relative_error(got[0], x.double() @ int4_reference(q, scale_zero, group).T) < TOLERANCE[dtype]
     assert split_counts_are_zero()
-    assert torch.equal(int4_gemv_split(x, pack_int4(q), scale, zero, group, *config), got)
+    assert torch.equal(int4_gemv_split(x, pack_int4(q), scale_zero, group, *config), got)
 
 
 @needs_triton
@@ -186,10 +214,10 @@ def test_interpreter_int4_split_gemv_extreme_nibbles_and_inputs(magnitude):
     q[:, 7::8] = 15 - q[:, 7::8]  # the last nibble of each word, read from the shifted word
     zero = torch.zeros(n, k // group)
     zero[:, 1::2] = 15
-    scale = torch.full((n, k // group), 0.01)
+    scale_zero = pack_scale_zero(torch.full((n, k // group), 0.01), zero)
     x = torch.randn(k, generator=torch.Generator().manual_seed(5)) * magnitude
-    got = int4_gemv_split(x, pack_int4(q), scale, zero, group, 8, 128, 4, 2)
-    want = x.double() @ int4_reference(q, scale, zero, group).T
+    got = int4_gemv_split(x, pack_int4(q), scale_zero, group, 8, 128, 4, 2)
+    want = x.double() @ int4_reference(q, scale_zero, group).T
     assert relative_error(got[0], want) < 1e-6
 
 
@@ -200,9 +228,9 @@ def test_int4_split_gemv_names_what_it_cannot_take():
     assert int4_split_sub(4096, 128, 512) == 128 and int4_split_sub(4096, 4096, 512) == 512
     assert int4_split_sub(4000, 32, 512) is None  # K not a multiple of the split
     assert int4_split_sub(4096, 4, 512) is None  # a group narrower than a 32-bit word of eight nibbles
-    q, scale, zero = random_int4(8, 96, 32, device="cpu")
+    q, scale_zero = random_int4(8, 96, 32, device="cpu")
     with pytest.raises(ValueError, match="cannot split K=96 in groups of 32 every 64 columns"):
-        int4_gemv_split(torch.randn(96), pack_int4(q), scale, zero, 32, 8, 64)
+        int4_gemv_split(torch.randn(96), pack_int4(q), scale_zero, 32, 8, 64)
 
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs Llama-3-8B's below")
@@ -252,10 +280,10 @@ def check_normed_gemv(kind: str, n: int, k: int, group: int, dtype, with_residua
         got, got_sum = quant_gemv.fp8_gemv_rmsnorm(*norm_args, weight, scale, group, *config)
         want = h[0].double() @ fp8_reference(weight, scale, group).T
     else:
-        q, scale, zero = random_int4(n, k, group, seed=n)
+        q, scale_zero = random_int4(n, k, group, seed=n)
         fused = quant_gemv.int4_gemv_split_rmsnorm if kind == "int4-split" else quant_gemv.int4_gemv_rmsnorm
-        got, got_sum = fused(*norm_args, pack_int4(q), scale, zero, group, *config)
-        want = h[0].double() @ int4_reference(q, scale, zero, group).T
+        got, got_sum = fused(*norm_args, pack_int4(q), scale_zero, group, *config)
+        want = h[0].double() @ int4_reference(q, scale_zero, group).T
     assert torch.equal(got_sum, summed)
     assert got.shape == (1, n) and relative_error(got[0], want) < TOLERANCE[dtype]
 
@@ -321,16 +349,16 @@ def test_int4_split_gemv_with_swiglu_output_equals_the_product_then_swiglu(featu
     if not CUDA and features > 64:
         pytest.skip("a GPU shape")
     dtype = torch.bfloat16 if CUDA else torch.float16
-    q, scale, zero = random_int4(2 * features, k, group, seed=features)
+    q, scale_zero = random_int4(2 * features, k, group, seed=features)
     qweight = pack_int4(q)
     norm_args, _, summed = normed_input(k, dtype, True)
-    got = quant_gemv.int4_gemv_split(norm_args[0], qweight, scale, zero, group, *config, swiglu_out=True)
+    got = quant_gemv.int4_gemv_split(norm_args[0], qweight, scale_zero, group, *config, swiglu_out=True)
     assert got.shape == (1, features)
-    product = quant_gemv.int4_gemv_split(norm_args[0], qweight, scale, zero, group, *config)
+    product = quant_gemv.int4_gemv_split(norm_args[0], qweight, scale_zero, group, *config)
     assert torch.equal(got, fused_ops.silu_and_mul(product))
-    got, got_sum = quant_gemv.int4_gemv_split_rmsnorm(*norm_args, qweight, scale, zero, group, *config,
+    got, got_sum = quant_gemv.int4_gemv_split_rmsnorm(*norm_args, qweight, scale_zero, group, *config,
                                                       swiglu_out=True)
-    product, _ = quant_gemv.int4_gemv_split_rmsnorm(*norm_args, qweight, scale, zero, group, *config)
+    product, _ = quant_gemv.int4_gemv_split_rmsnorm(*norm_args, qweight, scale_zero, group, *config)
     assert torch.equal(got, fused_ops.silu_and_mul(product)) and torch.equal(got_sum, summed)
     assert split_counts_are_zero()
 
@@ -350,20 +378,20 @@ def split_configs(k: int, group: int) -> list[tuple[int, ...]]:
 def test_interpreter_dequantize_int4_kernel_equals_torch(dtype):
     from shardserve.kernels.triton.quant_gemv import dequantize_int4_cuda
 
-    q, scale, zero = random_int4(19, 320, 64, seed=3)
-    got = dequantize_int4_cuda(pack_int4(q), scale, zero, 64, dtype, block_r=8, block_c=64)
-    assert torch.equal(got, dequantize_int4(pack_int4(q), scale, zero, 64, dtype))
+    q, scale_zero = random_int4(19, 320, 64, seed=3)
+    got = dequantize_int4_cuda(pack_int4(q), scale_zero, 64, dtype, block_r=8, block_c=64)
+    assert torch.equal(got, dequantize_int4(pack_int4(q), scale_zero, 64, dtype))
 
 
 @needs_triton
 def test_kernels_reject_bad_inputs_with_the_reason():
     from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv
 
-    q, scale, zero = random_int4(8, 64, 32)
+    q, scale_zero = random_int4(8, 64, 32)
     with pytest.raises(ValueError, match="int4_gemv needs x with 64"):
-        int4_gemv(torch.randn(1, 32, device=DEVICE), pack_int4(q), scale, zero, 32)
+        int4_gemv(torch.randn(1, 32, device=DEVICE), pack_int4(q), scale_zero, 32)
     with pytest.raises(ValueError, match="block_k must be a power of two"):
-        int4_gemv(torch.randn(1, 64, device=DEVICE), pack_int4(q), scale, zero, 32, block_k=96)
+        int4_gemv(torch.randn(1, 64, device=DEVICE), pack_int4(q), scale_zero, 32, block_k=96)
     weight, scale = random_fp8(8, 64, 32)
     with pytest.raises(ValueError, match="fp8_gemv needs x with 64 bfloat16, float16 or float32"):
         fp8_gemv(torch.randn(1, 64, device=DEVICE).double(), weight, scale, 32)
@@ -405,10 +433,10 @@ def test_gpu_int4_gemv(n, k, kernel):
     gemv = int4_gemv_split if kernel == "split" else int4_gemv
     failures = []
     for group in (32, 64, 128, k):
-        q, scale, zero = random_int4(n, k, group, seed=group)
-        qweight, w64 = pack_int4(q), int4_reference(q, scale, zero, group)
+        q, scale_zero = random_int4(n, k, group, seed=group)
+        qweight, w64 = pack_int4(q), int4_reference(q, scale_zero, group)
         del q
-        run = lambda x, c: gemv(x, qweight, scale, zero, group, *c)  # noqa: E731
+        run = lambda x, c: gemv(x, qweight, scale_zero, group, *c)  # noqa: E731
         failures += _check_configs(run, _inputs(k), w64, f"int4 {kernel} {n}x{k} group {group}",
                                    split_configs(k, group) if kernel == "split" else CONFIGS)
     assert not failures, "\n".join(failures)
@@ -453,9 +481,9 @@ def test_gpu_fp8_gemv_from_bits(n, k, group_k, monkeypatch):
 @pytest.mark.parametrize("n,k,group", [(4096, 14336, 128), (28672, 4096, 32), (24, 256, 256), (37, 192, 64)])
 def test_gpu_dequantize_int4_equals_torch(dtype, n, k, group):
     """One launch on CUDA, the same bits as the torch formula on CPU."""
-    q, scale, zero = random_int4(n, k, group)
-    got = dequantize_int4(pack_int4(q), scale, zero, group, dtype)
-    assert torch.equal(got.cpu(), dequantize_int4(pack_int4(q).cpu(), scale.cpu(), zero.cpu(), group, dtype))
+    q, scale_zero = random_int4(n, k, group)
+    got = dequantize_int4(pack_int4(q), scale_zero, group, dtype)
+    assert torch.equal(got.cpu(), dequantize_int4(pack_int4(q).cpu(), scale_zero.cpu(), group, dtype))
 
 
 @needs_triton
@@ -464,11 +492,11 @@ def test_replays_in_cuda_graph_with_a_new_input():
     from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv, int4_gemv_split
 
     n, k, group = 4096, 4096, 128
-    q, scale, zero = random_int4(n, k, group)
+    q, scale_zero = random_int4(n, k, group)
     qweight = pack_int4(q)
     weight, fp8_scale = random_fp8(n, k, group)
-    launches = {"int4": lambda x: int4_gemv(x, qweight, scale, zero, group),
-                "int4-split": lambda x: int4_gemv_split(x, qweight, scale, zero, group),
+    launches = {"int4": lambda x: int4_gemv(x, qweight, scale_zero, group),
+                "int4-split": lambda x: int4_gemv_split(x, qweight, scale_zero, group),
                 "fp8": lambda x: fp8_gemv(x, weight, fp8_scale, group)}
     for name, launch in launches.items():
         x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)

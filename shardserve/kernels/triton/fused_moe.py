@@ -52,7 +52,7 @@ from shardserve.kernels.triton.gemv import _weight_tile as _row_tile
 from shardserve.kernels.triton.gemv import _x_tile, load_first_tiles, row_dots
 from shardserve.kernels.triton.moe_router import route_token, route_top_k, routing_outputs
 from shardserve.kernels.triton.pdl import enter
-from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
+from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8, scale_and_zero
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,18 +218,19 @@ DENSE, FP8, INT4 = 0, 1, 2
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, z_ptr, feats, feat_ok, k, stride_wn, stride_sn, K: tl.constexpr, KIND: tl.constexpr,
+def _weight_tile(w_ptr, s_ptr, feats, feat_ok, k, stride_wn, stride_sn, K: tl.constexpr, KIND: tl.constexpr,
                  GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                  DTYPE: tl.constexpr):
     """[BLOCK_K, BLOCK_N]: columns k..k + BLOCK_K of one expert's weight rows `feats`, in DTYPE. Packed tiles lie
-    inside one scale group (BLOCK_K divides GROUP, or GROUP is K), so each row takes one scale (and zero) a tile.
+    inside one scale group (BLOCK_K divides GROUP, or GROUP is K), so each row takes one scale (and zero) a tile:
+    FP8 scales, or int4 scale-and-zero words (quant_gemv.scale_and_zero).
     Columns past K load as 0 (their activations are 0 too)."""
     ks = tl.arange(0, BLOCK_K)
     if KIND == 0:
         mask = feat_ok[None, :] if K % BLOCK_K == 0 else feat_ok[None, :] & (k + ks < K)[:, None]
         w = tl.load(w_ptr + feats[None, :] * stride_wn + (k + ks)[:, None], mask=mask, other=0.0)
     else:
-        s = tl.load(s_ptr + feats * stride_sn + k // GROUP, mask=feat_ok, other=0.0)
+        s = tl.load(s_ptr + feats * stride_sn + k // GROUP, mask=feat_ok, other=0)  # int4: scale-and-zero words
         if KIND == 1:
             mask = feat_ok[:, None] if K % BLOCK_K == 0 else feat_ok[:, None] & (k + ks < K)[None, :]
             bits = tl.load(w_ptr + feats[:, None] * stride_wn + (k + ks)[None, :], mask=mask, other=0)
@@ -243,21 +244,21 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, feats, feat_ok, k, stride_wn, stride_sn, K
             b = tl.load(w_ptr + feats[:, None] * stride_wn + (k // 2 + byte)[None, :], mask=mask, other=0)
             b = b.to(tl.int32)
             q = tl.join(b & 15, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
-            z = tl.load(z_ptr + feats * stride_sn + k // GROUP, mask=feat_ok, other=0.0)
+            s, z = scale_and_zero(s)
             v = (q - z[:, None]) * s[:, None]
         w = tl.trans(v.to(DTYPE))
     return w
 
 
 @triton.jit
-def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
+def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
                       stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_a,
                       HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
                       NATIVE_FP8: tl.constexpr, PDL: tl.constexpr):
     """Program (block, column tile): act[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for
-    the block's slots (padding rows compute zeros from masked loads and are not stored). Packed weights: s and z
-    are the scales and zeros [E, 2I, groups] (the gate's and the up rows' own)."""
+    the block's slots (padding rows compute zeros from masked loads and are not stored). Packed weights: s holds
+    the scales (int4: scale-and-zero words) [E, 2I, groups] (the gate's and the up rows' own)."""
     enter(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
@@ -271,7 +272,6 @@ def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, block_exp
     a_ptrs = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * stride_x + ks[None, :]
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     s_e = s_ptr + expert.to(tl.int64) * stride_se
-    z_e = z_ptr + expert.to(tl.int64) * stride_se
     dtype = x_ptr.dtype.element_ty
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -280,9 +280,9 @@ def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, block_exp
             a = tl.load(a_ptrs + k, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs + k, mask=row_ok[:, None] & (k + ks < HIDDEN)[None, :], other=0.0)
-        g = _weight_tile(w_e, s_e, z_e, cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND, GROUP, NATIVE_FP8,
+        g = _weight_tile(w_e, s_e, cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND, GROUP, NATIVE_FP8,
                          BLOCK_K, BLOCK_N, dtype)
-        u = _weight_tile(w_e, s_e, z_e, INTER + cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND, GROUP,
+        u = _weight_tile(w_e, s_e, INTER + cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND, GROUP,
                          NATIVE_FP8, BLOCK_K, BLOCK_N, dtype)
         gate = tl.dot(a, g, gate, input_precision=PRECISION)
         up = tl.dot(a, u, up, input_precision=PRECISION)
@@ -292,7 +292,7 @@ def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, block_exp
 
 
 @triton.jit
-def _down_block(act_ptr, w_e, s_e, z_e, weights_ptr, y_ptr, sorted_ptr, num_pairs, cols, col_ok,
+def _down_block(act_ptr, w_e, s_e, weights_ptr, y_ptr, sorted_ptr, num_pairs, cols, col_ok,
                 stride_a, stride_wn, stride_sn, stride_y, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                 KIND: tl.constexpr, GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr):
@@ -308,7 +308,7 @@ def _down_block(act_ptr, w_e, s_e, z_e, weights_ptr, y_ptr, sorted_ptr, num_pair
             a = tl.load(a_ptrs + k, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs + k, mask=row_ok[:, None] & (k + ks < INTER)[None, :], other=0.0)
-        b = _weight_tile(w_e, s_e, z_e, cols, col_ok, k, stride_wn, stride_sn, INTER, KIND, GROUP, NATIVE_FP8,
+        b = _weight_tile(w_e, s_e, cols, col_ok, k, stride_wn, stride_sn, INTER, KIND, GROUP, NATIVE_FP8,
                          BLOCK_K, BLOCK_N, act_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     scale = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
@@ -337,7 +337,7 @@ def _sum_choices(y_ptr, ids_ptr, out_ptr, token, cols, col_ok, num_experts, stri
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs,
                  stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                  ids_ptr, out_ptr, arrivals_ptr, num_experts, stride_o,
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -356,9 +356,9 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, y_ptr, sorted_ptr, b
     col_ok = cols < HIDDEN
     if expert >= 0:
         e = expert.to(tl.int64)
-        _down_block(act_ptr, w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se, weights_ptr, y_ptr,
-                    sorted_ptr, num_pairs, cols, col_ok, stride_a, stride_wn, stride_sn, stride_y, HIDDEN, INTER,
-                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, KIND, GROUP, NATIVE_FP8)
+        _down_block(act_ptr, w_ptr + e * stride_we, s_ptr + e * stride_se, weights_ptr, y_ptr, sorted_ptr, num_pairs,
+                    cols, col_ok, stride_a, stride_wn, stride_sn, stride_y, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
+                    PRECISION, KIND, GROUP, NATIVE_FP8)
     if SUM:
         if last_to_arrive(arrivals_ptr, tl.program_id(1), tl.num_programs(0)):
             for token in range(num_pairs // TOP_K):
@@ -547,24 +547,24 @@ def _check_packed(x, experts: PackedExperts, topk_weights, topk_ids) -> None:
     per_byte = 2 if experts.kind == "int4" else 1
     if x.dim() != 2 or x.shape[1] != h:
         raise ValueError(f"x must be [T, {h}] for experts of hidden size {h}, got {tuple(x.shape)}")
-    for name, w, scale, zero, group, n, k in (("w13", experts.w13, experts.scale13, experts.zero13, experts.group13,
-                                               2 * i, h),
-                                              ("w2", experts.w2, experts.scale2, experts.zero2, experts.group2, h, i)):
+    scale_dtype = torch.int32 if experts.kind == "int4" else torch.float32
+    for name, w, scale, group, n, k in (("w13", experts.w13, experts.scale13, experts.group13, 2 * i, h),
+                                        ("w2", experts.w2, experts.scale2, experts.group2, h, i)):
         if tuple(w.shape) != (e, n, k // per_byte) or k % group or not w.is_contiguous():
             raise ValueError(f"packed {name} must be contiguous [{e}, {n}, {k // per_byte}] in groups dividing {k}, "
                              f"got {tuple(w.shape)} in groups of {group}")
-        for part in (scale, zero) if experts.kind == "int4" else (scale,):
-            if part.dtype != torch.float32 or tuple(part.shape) != (e, n, k // group) or not part.is_contiguous():
-                raise ValueError(f"{name}'s scales and zeros must be contiguous float32 [{e}, {n}, {k // group}], "
-                                 f"got {part.dtype} {tuple(part.shape)}")
+        if scale.dtype != scale_dtype or tuple(scale.shape) != (e, n, k // group) or not scale.is_contiguous():
+            raise ValueError(f"{name}'s scales must be contiguous {scale_dtype} [{e}, {n}, {k // group}], got "
+                             f"{scale.dtype} {tuple(scale.shape)}")
     _check_routes(x, topk_weights, topk_ids)
 
 
-def _packed_args(w: torch.Tensor, scale, zero, group: int, kind: str) -> tuple:
-    """(weight as the kernel reads it, scales, zeros, scale strides (expert, row), group, KIND)."""
+def _packed_args(w: torch.Tensor, scale, group: int, kind: str) -> tuple:
+    """(weight as the kernel reads it, scales (int4: scale-and-zero words), scale strides (expert, row), group,
+    KIND)."""
     if kind == "fp8":
-        return w.view(torch.uint8), scale, scale, scale.stride(0), scale.stride(1), group, FP8
-    return w, scale, zero, scale.stride(0), scale.stride(1), group, INT4
+        return w.view(torch.uint8), scale, scale.stride(0), scale.stride(1), group, FP8
+    return w, scale, scale.stride(0), scale.stride(1), group, INT4
 
 
 def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeConfig,
@@ -573,12 +573,12 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
     tokens, top_k = ids.shape
     if packed is None:
         num_experts, hidden, inter = w2.shape
-        up_args = (w13, w13, w13, 0, 0, 1, DENSE)
-        down_args = (w2, w2, w2, 0, 0, 1, DENSE)
+        up_args = (w13, w13, 0, 0, 1, DENSE)
+        down_args = (w2, w2, 0, 0, 1, DENSE)
     else:
         num_experts, hidden, inter = packed.num_experts, packed.hidden, packed.inter
-        up_args = _packed_args(w13, packed.scale13, packed.zero13, packed.group13, packed.kind)
-        down_args = _packed_args(w2, packed.scale2, packed.zero2, packed.group2, packed.kind)
+        up_args = _packed_args(w13, packed.scale13, packed.group13, packed.kind)
+        down_args = _packed_args(w2, packed.scale2, packed.group2, packed.kind)
     blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs ignore it
     native_fp8 = _native_fp8(x.device)
@@ -586,9 +586,9 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
 
     act = torch.empty(blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
     up = config.up
-    w, s, z, stride_se, stride_sn, group, kind = up_args
+    w, s, stride_se, stride_sn, group, kind = up_args
     _up_swiglu_kernel[(blocks, triton.cdiv(inter, up.block_n))](
-        x, w, s, z, act, sorted_pairs, block_expert, tokens * top_k, top_k,
+        x, w, s, act, sorted_pairs, block_expert, tokens * top_k, top_k,
         x.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, act.stride(0),
         HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=up.block_n,
         BLOCK_K=up.block_k if kind == DENSE else fit_block_k(up.block_k, group, hidden),
@@ -600,9 +600,9 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
     down = config.down
     tiles = triton.cdiv(hidden, down.block_n)
     arrivals = arrival_counts(x.device, tiles) if tokens <= SUM_IN_DOWN_MAX_TOKENS else None
-    w, s, z, stride_se, stride_sn, group, kind = down_args
+    w, s, stride_se, stride_sn, group, kind = down_args
     _down_kernel[(blocks, tiles)](
-        act, w, s, z, weights, y, sorted_pairs, block_expert, tokens * top_k,
+        act, w, s, weights, y, sorted_pairs, block_expert, tokens * top_k,
         act.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, y.stride(0),
         ids, out, block_expert if arrivals is None else arrivals, num_experts, out.stride(0),
         HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=down.block_n,

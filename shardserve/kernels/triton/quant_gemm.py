@@ -1,4 +1,4 @@
-"""GEMMs of 16-bit activations with quantized weights, the weights read packed: int4 with scales and zeros
+"""GEMMs of 16-bit activations with quantized weights, the weights read packed: int4 with scales and zero points
 (w4a16) and fp8 with scales per row or per block of columns (w8a16). Layouts: shardserve.kernels.quant_pack.
 
 These are for batches (more than one row); single rows take the GEMVs of quant_gemv.py. Each program owns a
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.quant_pack import check_fp8, check_int4, fit_block_k, fp8_groups
-from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8
+from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8, scale_and_zero
 
 # Output tiles along M visited together, so that their weight tiles are read while still in L2.
 GROUP_M = tl.constexpr(8)
@@ -79,12 +79,13 @@ def _program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stride_qn, stride_om,
+def _int4_gemm_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, stride_xm, stride_qn, stride_om,
                       K: tl.constexpr, GROUP: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g], g = k // GROUP, q packed two columns a byte
-    (column 2j in the low nibble of byte j). The nibbles are interleaved back into column order in registers
-    (join + reshape), so the bytes and x are both read contiguously along K."""
+    (column 2j in the low nibble of byte j), s and z in one word sz[n, g] (quant_gemv.scale_and_zero). The
+    nibbles are interleaved back into column order in registers (join + reshape), so the bytes and x are both read
+    contiguously along K."""
     tile_m, tile_n = _program_tile(M, N, BLOCK_M, BLOCK_N)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     feats = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -93,10 +94,9 @@ def _int4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
     byte = tl.arange(0, BLOCK_K // 2)
     x_tile = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
     q_tile = q_ptr + feats.to(tl.int64)[:, None] * stride_qn + byte[None, :]
-    s_feat = s_ptr + feats.to(tl.int64) * (K // GROUP)
-    z_feat = z_ptr + feats.to(tl.int64) * (K // GROUP)
+    sz_feat = sz_ptr + feats.to(tl.int64) * (K // GROUP)
     if ONE_GROUP:
-        zero = tl.load(z_feat, mask=feat_ok, other=0.0)
+        row_scale, zero = scale_and_zero(tl.load(sz_feat, mask=feat_ok, other=0))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -110,12 +110,11 @@ def _int4_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stri
         if ONE_GROUP:
             w = q - zero[:, None]
         else:
-            s = tl.load(s_feat + k // GROUP, mask=feat_ok, other=0.0)
-            z = tl.load(z_feat + k // GROUP, mask=feat_ok, other=0.0)
+            s, z = scale_and_zero(tl.load(sz_feat + k // GROUP, mask=feat_ok, other=0))
             w = (q - z[:, None]) * s[:, None]
         acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
     if ONE_GROUP:
-        acc *= tl.load(s_feat, mask=feat_ok, other=0.0)[None, :]
+        acc *= row_scale[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + feats[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & feat_ok[None, :])
 
@@ -157,19 +156,19 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, s
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & feat_ok[None, :])
 
 
-def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
               config: GemmConfig | None = None) -> torch.Tensor:
-    """x [M, K] (bfloat16 or float16) times the int4 weight (qweight [N, K // 2], scale and zero
-    [N, K // group_size]) transposed -> [M, N] in x's dtype. config: the tiles (default_config(M) if None);
+    """x [M, K] (bfloat16 or float16) times the int4 weight (qweight [N, K // 2], scale_zero
+    [N, K // group_size]: quant_pack's layout) transposed -> [M, N] in x's dtype. config: the tiles (default_config(M) if None);
     its block_k is narrowed to the largest power of two dividing group_size when the group is narrower."""
-    check_int4(qweight, scale, zero, group_size)
+    check_int4(qweight, scale_zero, group_size)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     x = _activations(x, k, "int4_gemm")
     config = _fitted(config or default_config(x.shape[0]), group_size, k)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         _int4_gemm_kernel[_grid(x.shape[0], n, config)](
-            x, qweight, scale, zero, out, x.shape[0], n, x.stride(0), qweight.stride(0), out.stride(0),
+            x, qweight, scale_zero, out, x.shape[0], n, x.stride(0), qweight.stride(0), out.stride(0),
             K=k, GROUP=group_size, ONE_GROUP=group_size == k, EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
             num_stages=config.num_stages)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.quant_pack import check_fp8, check_int4, fp8_groups
+from shardserve.kernels.quant_pack import ZERO_BITS, check_fp8, check_int4, fp8_groups
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import ARRIVAL_SLOTS, arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.pdl import enter
@@ -35,6 +35,18 @@ def _e4m3_bits_to_float(b):
     b = b.to(tl.int32)
     h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
     return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+# Masks of an int4 scale-and-zero word (kernels/quant_pack.py): the scale's bits, and the zero point's.
+_SCALE_MASK = tl.constexpr(-(1 << ZERO_BITS))
+_ZERO_MASK = tl.constexpr((1 << ZERO_BITS) - 1)
+
+
+@triton.jit
+def scale_and_zero(words):
+    """(scale, zero point) as float32 from int4 scale-and-zero words: the scale is the word with its low ZERO_BITS
+    bits cleared, the zero point those bits."""
+    return (words & _SCALE_MASK).to(tl.float32, bitcast=True), (words & _ZERO_MASK).to(tl.float32)
 
 
 @triton.jit
@@ -120,10 +132,11 @@ def _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows,
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, residual_ptr, norm_w_ptr, sum_ptr, eps,
+def _int4_gemv_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, stride_qn, residual_ptr, norm_w_ptr, sum_ptr, eps,
                       K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
                       SUB: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
-    """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP, q packed two columns a byte.
+    """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP, q packed two columns a byte, s and z
+    in one word sz[n, g] (scale_and_zero).
     The nibbles of a byte are interleaved back into column order in registers (join + reshape), so x is read
     contiguously. Per sub-tile (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum):
     the scale and zero cost one multiply-add per row and sub-tile, not per weight. GROUP == K is one group:
@@ -141,8 +154,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, residua
     byte = sub[:, None] * HALF + tl.arange(0, HALF)[None, :]  # bytes of a tile, holding its columns 2b, 2b + 1
     cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
     q_rows = q_ptr + rows.to(tl.int64)[:, None, None] * stride_qn
-    s_rows = s_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
-    z_rows = z_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
+    sz_rows = sz_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
     if ONE_GROUP:
         acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
         x_acc = tl.zeros((TILE_GROUPS, SUB), dtype=tl.float32)
@@ -173,12 +185,10 @@ def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, stride_qn, residua
         else:
             group = (k + sub * SUB) // GROUP
             group_ok = row_ok[:, None] & (group < K // GROUP)[None, :]
-            s = tl.load(s_rows + group[None, :], mask=group_ok, other=0.0)
-            z = tl.load(z_rows + group[None, :], mask=group_ok, other=0.0)
+            s, z = scale_and_zero(tl.load(sz_rows + group[None, :], mask=group_ok, other=0))
             acc += s * (tl.sum(q * x[None], axis=2) - z * tl.sum(x, axis=1)[None, :])
     if ONE_GROUP:
-        s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
-        z = tl.load(z_ptr + rows, mask=row_ok, other=0.0)
+        s, z = scale_and_zero(tl.load(sz_ptr + rows, mask=row_ok, other=0))
         y = s * (tl.sum(tl.sum(acc, axis=2), axis=1) - z * tl.sum(tl.sum(x_acc, axis=1), axis=0))
     else:
         y = tl.sum(acc, axis=1)
@@ -231,7 +241,7 @@ def _scaled(x, BIT: tl.constexpr, SCALE_BITS: tl.constexpr):
 
 
 @triton.jit
-def _int4_split_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, arrivals_ptr, out_ptr, N, stride_qw,
+def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_ptr, N, stride_qw,
                             residual_ptr, norm_w_ptr, sum_ptr, eps, K: tl.constexpr, GROUP: tl.constexpr,
                             BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SUB: tl.constexpr,
                             ROW_TILES: tl.constexpr, SCALE_BITS: tl.constexpr, NORM: tl.constexpr,
@@ -292,9 +302,8 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, part_ptr, arrivals_ptr, 
                     + _denormal(w, 16) * x4 + _denormal(h, 8) * x5 + _denormal(h, 12) * x6
                     + _denormal(h, 16) * x7)  # [sub-tile, row, word]
         qx = tl.sum(products, axis=2) * (2.0 ** SCALE_BITS)
-        at = rows.to(tl.int64)[None, :] * GROUPS + group[:, None]
-        s = tl.load(s_ptr + at, mask=row_ok[None, :], other=0.0)
-        z = tl.load(z_ptr + at, mask=row_ok[None, :], other=0.0)
+        s, z = scale_and_zero(tl.load(sz_ptr + rows.to(tl.int64)[None, :] * GROUPS + group[:, None],
+                                      mask=row_ok[None, :], other=0))
         tl.store(part_ptr + split * (ROWS * N) + rows, tl.sum(s * (qx - z * x_sum[:, None]), axis=0), mask=row_ok)
     if last_to_arrive(arrivals_ptr, tl.program_id(1), SPLITS):
         for t in range(ROW_TILES):
@@ -347,28 +356,29 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool =
     return out
 
 
-def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
               block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """x [1, K] (or [K]) times the int4 weight (qweight [N, K // 2], scale and zero [N, K // group_size])
+    """x [1, K] (or [K]) times the int4 weight (qweight [N, K // 2], scale_zero [N, K // group_size]:
+    kernels/quant_pack.py)
     transposed -> [1, N] in x's dtype. block_n and block_k (columns, not bytes) are powers of two, block_k >= 2;
     a tile spans block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_size)
     columns, or one of block_k columns when group_size == K."""
     x = _one_row(x, 2 * qweight.shape[1], "int4_gemv")
-    return _int4_launch(x, qweight, scale, zero, group_size, (block_n, block_k, num_warps, num_stages), None)
+    return _int4_launch(x, qweight, scale_zero, group_size, (block_n, block_k, num_warps, num_stages), None)
 
 
 def int4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                      qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                      qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
                       block_n: int = 8, block_k: int = 512, num_warps: int = 4,
                       num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """(int4_gemv of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm."""
     return _normed_launch("int4_gemv_rmsnorm", x, residual, norm_weight, eps, 2 * qweight.shape[1], lambda x, norm: (
-        _int4_launch(x, qweight, scale, zero, group_size, (block_n, block_k, num_warps, num_stages), norm)))
+        _int4_launch(x, qweight, scale_zero, group_size, (block_n, block_k, num_warps, num_stages), norm)))
 
 
-def _int4_launch(x, qweight, scale, zero, group_size: int, config, norm) -> torch.Tensor:
+def _int4_launch(x, qweight, scale_zero, group_size: int, config, norm) -> torch.Tensor:
     """norm: as in _fp8_launch."""
-    check_int4(qweight, scale, zero, group_size)
+    check_int4(qweight, scale_zero, group_size)
     block_n, block_k, num_warps, num_stages = config
     _check_blocks(block_n, block_k, 2)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
@@ -376,7 +386,7 @@ def _int4_launch(x, qweight, scale, zero, group_size: int, config, norm) -> torc
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scale, zero, out, n, qweight.stride(0), x if residual is None else residual, norm_weight,
+        x, qweight, scale_zero, out, n, qweight.stride(0), x if residual is None else residual, norm_weight,
         summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub,
         NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
         **pdl.launch(x.device))
@@ -393,7 +403,7 @@ def int4_split_sub(k: int, group_size: int, split_k: int) -> int | None:
     return sub
 
 
-def int4_gemv_split(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+def int4_gemv_split(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor,
                     group_size: int, block_n: int = 64, split_k: int = 512, num_warps: int = 4,
                     row_tiles: int = 1, swiglu_out: bool = False) -> torch.Tensor:
     """int4_gemv by the split-K kernel (_int4_split_gemv_kernel): programs of split_k columns by row_tiles tiles
@@ -401,26 +411,26 @@ def int4_gemv_split(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     are not whole 32-bit words, or where there are more row blocks than arrival counts. With `swiglu_out`,
     silu(gate) * up of a [gate | up] weight, [1, N / 2] (gemv.gemv's)."""
     x = _one_row(x, 2 * qweight.shape[1], "int4_gemv_split")
-    return _int4_split_launch(x, qweight, scale, zero, group_size, (block_n, split_k, num_warps, row_tiles), None,
+    return _int4_split_launch(x, qweight, scale_zero, group_size, (block_n, split_k, num_warps, row_tiles), None,
                               swiglu_out)
 
 
 def int4_gemv_split_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                            eps: float, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                            eps: float, qweight: torch.Tensor, scale_zero: torch.Tensor,
                             group_size: int, block_n: int = 64, split_k: int = 512, num_warps: int = 4,
                             row_tiles: int = 1, swiglu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(int4_gemv_split of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm; `swiglu_out`
     as in int4_gemv_split."""
     return _normed_launch("int4_gemv_split_rmsnorm", x, residual, norm_weight, eps, 2 * qweight.shape[1],
-                          lambda x, norm: _int4_split_launch(x, qweight, scale, zero, group_size,
+                          lambda x, norm: _int4_split_launch(x, qweight, scale_zero, group_size,
                                                              (block_n, split_k, num_warps, row_tiles), norm,
                                                              swiglu_out))
 
 
-def _int4_split_launch(x, qweight, scale, zero, group_size: int, config, norm, swiglu_out: bool = False
+def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, swiglu_out: bool = False
                        ) -> torch.Tensor:
     """norm: as in _fp8_launch."""
-    check_int4(qweight, scale, zero, group_size)
+    check_int4(qweight, scale_zero, group_size)
     block_n, split_k, num_warps, row_tiles = config
     _check_blocks(block_n, 8, 1)
     (n, tiles), k = output_rows(qweight, block_n, swiglu_out), 2 * qweight.shape[1]
@@ -438,7 +448,7 @@ def _int4_split_launch(x, qweight, scale, zero, group_size: int, config, norm, s
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
     _int4_split_gemv_kernel[(k // split_k, row_blocks)](
-        x, qweight.view(torch.int32), scale, zero, partial, counts, out, n, qweight.stride(0) // 4,
+        x, qweight.view(torch.int32), scale_zero, partial, counts, out, n, qweight.stride(0) // 4,
         x if residual is None else residual, norm_weight, summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n,
         SPLIT_K=split_k, SUB=sub, ROW_TILES=row_tiles, SCALE_BITS=SPLIT_SCALE_BITS, NORM=norm is not None,
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=1, SWIGLU_OUT=swiglu_out,
@@ -472,7 +482,7 @@ def _native_fp8(device: torch.device) -> bool:
 
 
 @triton.jit
-def _dequantize_int4_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_qn, GROUP: tl.constexpr,
+def _dequantize_int4_kernel(q_ptr, sz_ptr, out_ptr, N, K, stride_qn, GROUP: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[n, 2j + h] = (nibble h of q[n, j] - z[n, g]) * s[n, g] in float32, rounded once; both columns of a
     byte share g = 2j // GROUP since GROUP is even. Programs own BLOCK_R rows by BLOCK_C bytes."""
@@ -482,8 +492,7 @@ def _dequantize_int4_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_qn, GROUP
     rows64 = rows.to(tl.int64)[:, None]
     b = tl.load(q_ptr + rows64 * stride_qn + byte[None, :], mask=ok, other=0).to(tl.int32)
     group = rows64 * (K // GROUP) + (2 * byte // GROUP)[None, :]
-    s = tl.load(s_ptr + group, mask=ok, other=0.0)
-    z = tl.load(z_ptr + group, mask=ok, other=0.0)
+    s, z = scale_and_zero(tl.load(sz_ptr + group, mask=ok, other=0))
     low = ((b & 15).to(tl.float32) - z) * s
     high = ((b >> 4).to(tl.float32) - z) * s
     w = tl.join(low, high).reshape(BLOCK_R, 2 * BLOCK_C)
@@ -492,14 +501,14 @@ def _dequantize_int4_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_qn, GROUP
     tl.store(out_ptr + rows64 * K + out_cols[None, :], w.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
-def dequantize_int4_cuda(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+def dequantize_int4_cuda(qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
                          dtype: torch.dtype, block_r: int = 16, block_c: int = 128) -> torch.Tensor:
     """shardserve.kernels.quant_pack.dequantize_int4 in one launch (any device Triton runs on)."""
-    check_int4(qweight, scale, zero, group_size)
+    check_int4(qweight, scale_zero, group_size)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     grid = (triton.cdiv(n, block_r), triton.cdiv(k // 2, block_c))
-    _dequantize_int4_kernel[grid](qweight, scale, zero, out, n, k, qweight.stride(0), GROUP=group_size,
+    _dequantize_int4_kernel[grid](qweight, scale_zero, out, n, k, qweight.stride(0), GROUP=group_size,
                                   BLOCK_R=block_r, BLOCK_C=block_c)
     return out
 
