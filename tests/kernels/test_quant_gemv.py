@@ -339,7 +339,8 @@ def test_fp8_gemv_with_swiglu_output_equals_the_product_then_swiglu(features, k,
 @needs_triton
 @pytest.mark.parametrize("features,k,group,config", [(12, 256, 32, (8, 128, 4, 2)), (13, 256, 64, (8, 64, 4, 1)),
                                                      (20, 512, 128, (16, 256, 4, 2)),
-                                                     (14336, 4096, 128, (64, 512, 4, 4))])
+                                                     (14336, 4096, 128, (64, 512, 4, 4)),
+                                                     (14336, 4096, 128, (16, 4096, 4, 1))])
 def test_int4_split_gemv_with_swiglu_output_equals_the_product_then_swiglu(features, k, group, config):
     """A [gate | up] 4-bit projection whose split-K launch returns silu(gate) * up: the same bits as the split-K
     GEMV followed by the SwiGLU kernel, plain and with the norm inside (and its new residual); odd feature counts
@@ -360,6 +361,34 @@ def test_int4_split_gemv_with_swiglu_output_equals_the_product_then_swiglu(featu
                                                       swiglu_out=True)
     product, _ = quant_gemv.int4_gemv_split_rmsnorm(*norm_args, qweight, scale_zero, group, *config)
     assert torch.equal(got, fused_ops.silu_and_mul(product)) and torch.equal(got_sum, summed)
+    assert split_counts_are_zero()
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs the whole-row candidate on Llama-3-8B's")
+@pytest.mark.parametrize("n,k,group,config,chunk", [(19, 256, 32, (8, 256, 4, 2), 64),
+                                                    (24, 512, 512, (16, 512, 4, 1), 128),
+                                                    (40, 512, 128, (16, 256, 4, 2), 128)])
+def test_interpreter_int4_split_gemv_walks_wide_splits_in_chunks(n, k, group, config, chunk, monkeypatch):
+    """Splits wider than the kernel's chunk of columns: whole rows (one split, each program storing its own rows)
+    and two splits of two chunks each, against float64, plain, with the norm inside and with SwiGLU output (the
+    same bits as the product then the SwiGLU kernel)."""
+    from shardserve.kernels.triton import fused_ops, quant_gemv
+
+    monkeypatch.setattr(quant_gemv, "INT4_SPLIT_CHUNK", chunk)
+    q, scale_zero = random_int4(n, k, group, seed=n)
+    qweight, want = pack_int4(q), int4_reference(q, scale_zero, group)
+    x = torch.randn(k, generator=torch.Generator().manual_seed(1))
+    got = quant_gemv.int4_gemv_split(x, qweight, scale_zero, group, *config)
+    assert relative_error(got[0], x.double() @ want.T) < TOLERANCE[torch.float32]
+    norm_args, h, summed = normed_input(k, torch.float32, True)
+    got, got_sum = quant_gemv.int4_gemv_split_rmsnorm(*norm_args, qweight, scale_zero, group, *config)
+    assert relative_error(got[0], h[0].double() @ want.T) < TOLERANCE[torch.float32]
+    assert torch.equal(got_sum, summed)
+    if n % 2 == 0:
+        swiglu = quant_gemv.int4_gemv_split(x, qweight, scale_zero, group, *config, swiglu_out=True)
+        product = quant_gemv.int4_gemv_split(x, qweight, scale_zero, group, *config)
+        assert torch.equal(swiglu, fused_ops.silu_and_mul(product))
     assert split_counts_are_zero()
 
 

@@ -243,24 +243,30 @@ def _scaled(x, BIT: tl.constexpr, SCALE_BITS: tl.constexpr):
 @triton.jit
 def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_ptr, N, stride_qw,
                             residual_ptr, norm_w_ptr, sum_ptr, eps, K: tl.constexpr, GROUP: tl.constexpr,
-                            BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SUB: tl.constexpr,
+                            BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                             ROW_TILES: tl.constexpr, SCALE_BITS: tl.constexpr, NORM: tl.constexpr,
                             HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, SWIGLU_OUT: tl.constexpr = False):
     """Program (k split, row block): part[split, n] = sum over the split's SPLIT_K columns of (q - z) * s * x for
-    ROW_TILES tiles of BLOCK_N rows, then the row block's last program to finish sums the splits into out.
-    SWIGLU_OUT: N counts the features of a [gate | up] weight and a tile's rows are BLOCK_N / 2 features' gate and
-    up rows side by side (gemv.program_rows); the last program stores silu(gate) * up (gemv.store_rows).
+    ROW_TILES tiles of BLOCK_N rows, then the row block's last program to finish sums the splits into out; with
+    one split (SPLIT_K == K) each program stores its rows' products itself. SWIGLU_OUT: N counts the features of a
+    [gate | up] weight and a tile's rows are BLOCK_N / 2 features' gate and up rows side by side
+    (gemv.program_rows); the program that stores a tile stores silu(gate) * up (gemv.store_rows).
 
     The tiled kernel above reloads and converts x for every tile, in a layout the weights' does not match, and
-    turns every nibble into a float by a conversion instruction (a quarter of the FMA rate). Here a program's x
-    slice is loaded once and held in registers, pre-scaled, and the weights are read as 32-bit words of eight
-    columns: a nibble masked in place is a float32 denormal n * 2**(bit - 149), so one AND and one FMA take a
-    weight into the sum (x pre-scaled by 2**(149 - SCALE_BITS - bit) per nibble position; the products are
-    exact to float32 rounding, 2**-SCALE_BITS times n * x, and the sum is scaled back once per sub-tile). A
-    sub-tile of SUB columns lies inside one group: s * (sum n * x - z * sum x) per row and sub-tile. A tile is
-    [sub-tile, row, word], so a warp's lanes lie along K (each holds x for a few words only) and its rows are
-    repeated in each thread: x's registers do not grow with the rows (on an H100 13-14% faster on gate/up and
-    down than rows across lanes). The next row tile's words are loaded before the current one is reduced.
+    turns every nibble into a float by a conversion instruction (a quarter of the FMA rate). Here the weights are
+    read as 32-bit words of eight columns: a nibble masked in place is a float32 denormal n * 2**(bit - 149), so
+    one AND and one FMA take a weight into the sum (x pre-scaled by 2**(149 - SCALE_BITS - bit) per nibble
+    position; the products are exact to float32 rounding, 2**-SCALE_BITS times n * x, and the sum is scaled back
+    once per sub-tile). A sub-tile of SUB columns lies inside one group: s * (sum n * x - z * sum x) per row and
+    sub-tile. A tile is [sub-tile, row, word], so a warp's lanes lie along K (each holds x for a few words only)
+    and its rows are repeated in each thread: x's registers do not grow with the rows (on an H100 13-14% faster
+    on gate/up and down than rows across lanes).
+
+    A split walks its columns CHUNK at a time. CHUNK == SPLIT_K: the program's x slice is loaded once and held in
+    registers, pre-scaled, and the next row tile's words are loaded before the current one is reduced. Wider
+    splits (whole rows, on an H100 faster for Llama-3-8B's gate/up) load x's chunk again for each chunk of words,
+    from L1 or L2, so that x's registers stay those of one chunk.
+
     Partial sums go to part (float32); each program then counts itself in arrivals[row block]
     (kernels/triton/arrivals.py), and the last one sums the K // SPLIT_K partial sums of the block's rows in split
     order, so results repeat bit for bit. NORM, PDL: as in _fp8_gemv_kernel (every program computes the norm's
@@ -268,51 +274,88 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
 
     Invariant: float32 denormals are kept, not flushed to zero (Triton's default); a flush would zero every
     product, which the start-up check against float64 would catch before the kernel serves."""
-    SUBS: tl.constexpr = SPLIT_K // SUB
+    SUBS: tl.constexpr = CHUNK // SUB
     WORDS: tl.constexpr = SUB // 8
     SPLITS: tl.constexpr = K // SPLIT_K
-    GROUPS: tl.constexpr = K // GROUP
     split = tl.program_id(0)
     k0 = split * SPLIT_K
+    if SPLITS == 1:
+        k0 = 0  # known to the compiler: on sm_90 96 registers a thread instead of 128 (whole rows, 16 a program)
     enter(PDL)
     rstd = 0.0
     if NORM:
-        rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, (split == 0) & (tl.program_id(1) == 0), K, SPLIT_K,
+        rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, (split == 0) & (tl.program_id(1) == 0), K, CHUNK,
                           HAS_RESIDUAL)
     sub = tl.arange(0, SUBS)
     word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
-    cols = k0 + word * 8
-    x_sum, x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, SCALE_BITS,
-                                                         NORM, HAS_RESIDUAL)
-    group = (k0 + sub * SUB) // GROUP
-    ROWS: tl.constexpr = 2 if SWIGLU_OUT else 1  # weight rows per output
     first_tile = tl.program_id(1) * ROW_TILES
-    rows, row_ok = program_rows(first_tile, N, BLOCK_N, SWIGLU_OUT)
-    w_next = tl.load(q_ptr + rows.to(tl.int64)[None, :, None] * stride_qw + k0 // 8 + word[:, None, :],
-                     mask=row_ok[None, :, None], other=0, eviction_policy="evict_first")
-    for t in range(ROW_TILES):
-        w = w_next
-        rows, row_ok = program_rows(first_tile + t, N, BLOCK_N, SWIGLU_OUT)
-        next_rows, next_ok = program_rows(first_tile + t + 1, N, BLOCK_N, SWIGLU_OUT)
-        w_next = tl.load(q_ptr + next_rows.to(tl.int64)[None, :, None] * stride_qw + k0 // 8 + word[:, None, :],
-                         mask=(next_ok & (t + 1 < ROW_TILES))[None, :, None], other=0,
-                         eviction_policy="evict_first")
-        h = w >> 12  # nibbles 5-7 at bits 8, 12, 16: below the exponent bits, as nibbles 0-4 are in w
-        products = (_denormal(w, 0) * x0 + _denormal(w, 4) * x1 + _denormal(w, 8) * x2 + _denormal(w, 12) * x3
-                    + _denormal(w, 16) * x4 + _denormal(h, 8) * x5 + _denormal(h, 12) * x6
-                    + _denormal(h, 16) * x7)  # [sub-tile, row, word]
-        qx = tl.sum(products, axis=2) * (2.0 ** SCALE_BITS)
-        s, z = scale_and_zero(tl.load(sz_ptr + rows.to(tl.int64)[None, :] * GROUPS + group[:, None],
-                                      mask=row_ok[None, :], other=0))
-        tl.store(part_ptr + split * (ROWS * N) + rows, tl.sum(s * (qx - z * x_sum[:, None]), axis=0), mask=row_ok)
-    if last_to_arrive(arrivals_ptr, tl.program_id(1), SPLITS):
+    if CHUNK == SPLIT_K:
+        x_sum, x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, k0 + word * 8, rstd,
+                                                             SCALE_BITS, NORM, HAS_RESIDUAL)
+        rows, row_ok = program_rows(first_tile, N, BLOCK_N, SWIGLU_OUT)
+        w_next = tl.load(q_ptr + rows.to(tl.int64)[None, :, None] * stride_qw + k0 // 8 + word[:, None, :],
+                         mask=row_ok[None, :, None], other=0, eviction_policy="evict_first")
+        for t in range(ROW_TILES):
+            w = w_next
+            rows, row_ok = program_rows(first_tile + t, N, BLOCK_N, SWIGLU_OUT)
+            next_rows, next_ok = program_rows(first_tile + t + 1, N, BLOCK_N, SWIGLU_OUT)
+            w_next = tl.load(q_ptr + next_rows.to(tl.int64)[None, :, None] * stride_qw + k0 // 8 + word[:, None, :],
+                             mask=(next_ok & (t + 1 < ROW_TILES))[None, :, None], other=0,
+                             eviction_policy="evict_first")
+            y = tl.sum(_word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k0, sub, K,
+                                       GROUP, SUB, SCALE_BITS), axis=0)
+            _split_result(y, part_ptr, out_ptr, rows, row_ok, split, first_tile + t, N, BLOCK_N, SPLITS,
+                          SWIGLU_OUT)
+    else:
         for t in range(ROW_TILES):
             rows, row_ok = program_rows(first_tile + t, N, BLOCK_N, SWIGLU_OUT)
-            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for p in range(SPLITS):
-                y += tl.load(part_ptr + p * (ROWS * N) + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-            store_rows(out_ptr, y, rows, row_ok, first_tile + t, N, BLOCK_N, SWIGLU_OUT)
-        leave(arrivals_ptr, tl.program_id(1))
+            acc = tl.zeros((SUBS, BLOCK_N), dtype=tl.float32)
+            for c in range(0, SPLIT_K, CHUNK):
+                w = tl.load(q_ptr + rows.to(tl.int64)[None, :, None] * stride_qw + (k0 + c) // 8 + word[:, None, :],
+                            mask=row_ok[None, :, None], other=0, eviction_policy="evict_first")
+                x_sum, x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr,
+                                                                     k0 + c + word * 8, rstd, SCALE_BITS, NORM,
+                                                                     HAS_RESIDUAL)
+                acc += _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k0 + c, sub,
+                                       K, GROUP, SUB, SCALE_BITS)
+            _split_result(tl.sum(acc, axis=0), part_ptr, out_ptr, rows, row_ok, split, first_tile + t, N, BLOCK_N,
+                          SPLITS, SWIGLU_OUT)
+    if SPLITS > 1:
+        if last_to_arrive(arrivals_ptr, tl.program_id(1), SPLITS):
+            ROWS: tl.constexpr = 2 if SWIGLU_OUT else 1  # weight rows per output
+            for t in range(ROW_TILES):
+                rows, row_ok = program_rows(first_tile + t, N, BLOCK_N, SWIGLU_OUT)
+                y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for p in range(SPLITS):
+                    y += tl.load(part_ptr + p * (ROWS * N) + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+                store_rows(out_ptr, y, rows, row_ok, first_tile + t, N, BLOCK_N, SWIGLU_OUT)
+            leave(arrivals_ptr, tl.program_id(1))
+
+
+@triton.jit
+def _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr,
+                    GROUP: tl.constexpr, SUB: tl.constexpr, SCALE_BITS: tl.constexpr):
+    """[sub-tile, row]: s * (sum n * x - z * sum x) over each sub-tile of the [sub-tile, row, word] tile of words w
+    at column k, x as _split_inputs gives it."""
+    h = w >> 12  # nibbles 5-7 at bits 8, 12, 16: below the exponent bits, as nibbles 0-4 are in w
+    products = (_denormal(w, 0) * x0 + _denormal(w, 4) * x1 + _denormal(w, 8) * x2 + _denormal(w, 12) * x3
+                + _denormal(w, 16) * x4 + _denormal(h, 8) * x5 + _denormal(h, 12) * x6
+                + _denormal(h, 16) * x7)  # [sub-tile, row, word]
+    qx = tl.sum(products, axis=2) * (2.0 ** SCALE_BITS)
+    group = (k + sub * SUB) // GROUP
+    s, z = scale_and_zero(tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
+                                  mask=row_ok[None, :], other=0))
+    return s * (qx - z * x_sum[:, None])
+
+
+@triton.jit
+def _split_result(y, part_ptr, out_ptr, rows, row_ok, split, tile, N, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                  SWIGLU_OUT: tl.constexpr):
+    """A row tile's sums over one split: the output itself where there is one split, else a partial sum."""
+    if SPLITS == 1:
+        store_rows(out_ptr, y, rows, row_ok, tile, N, BLOCK_N, SWIGLU_OUT)
+    else:
+        tl.store(part_ptr + split * ((2 if SWIGLU_OUT else 1) * N) + rows, y, mask=row_ok)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8,
@@ -393,11 +436,15 @@ def _int4_launch(x, qweight, scale_zero, group_size: int, config, norm) -> torch
     return out
 
 
+# The split kernel walks a wider split in chunks of this many columns (x's registers are one chunk's).
+INT4_SPLIT_CHUNK = 1024
+
+
 def int4_split_sub(k: int, group_size: int, split_k: int) -> int | None:
     """The split kernel's sub-tile width for K columns in groups of group_size split every split_k columns, or
     None where it cannot take the shape (split_k a power of two of at least 8 dividing K; sub-tiles of whole
     32-bit words inside one group)."""
-    sub = min(split_k, group_size & -group_size)
+    sub = min(split_k, INT4_SPLIT_CHUNK, group_size & -group_size)
     if split_k < 8 or split_k & (split_k - 1) or k % split_k or sub % 8:
         return None
     return sub
@@ -440,17 +487,20 @@ def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, sw
     if qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
         raise ValueError("int4_gemv_split needs rows of whole 32-bit words (K a multiple of 8, aligned rows)")
     row_blocks = triton.cdiv(tiles, row_tiles)
-    counts = arrival_counts(x.device, row_blocks)
-    if counts is None:
-        raise ValueError(f"int4_gemv_split: {row_blocks} row blocks, more than the {ARRIVAL_SLOTS} arrival counts "
-                         "(or the counts are not made yet inside a CUDA graph capture)")
-    partial = torch.empty(k // split_k, qweight.shape[0], dtype=torch.float32, device=x.device)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    if split_k == k:  # one split: each program stores its own rows
+        counts, partial = out, out
+    else:
+        counts = arrival_counts(x.device, row_blocks)
+        if counts is None:
+            raise ValueError(f"int4_gemv_split: {row_blocks} row blocks, more than the {ARRIVAL_SLOTS} arrival "
+                             "counts (or the counts are not made yet inside a CUDA graph capture)")
+        partial = torch.empty(k // split_k, qweight.shape[0], dtype=torch.float32, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
     _int4_split_gemv_kernel[(k // split_k, row_blocks)](
         x, qweight.view(torch.int32), scale_zero, partial, counts, out, n, qweight.stride(0) // 4,
         x if residual is None else residual, norm_weight, summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n,
-        SPLIT_K=split_k, SUB=sub, ROW_TILES=row_tiles, SCALE_BITS=SPLIT_SCALE_BITS, NORM=norm is not None,
+        SPLIT_K=split_k, CHUNK=min(split_k, INT4_SPLIT_CHUNK), SUB=sub, ROW_TILES=row_tiles, SCALE_BITS=SPLIT_SCALE_BITS, NORM=norm is not None,
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=1, SWIGLU_OUT=swiglu_out,
         **pdl.launch(x.device))
     return out
