@@ -6,8 +6,9 @@ A packed layer's parameters, on this rank:
   and per-tensor checkpoints, and bf16 checkpoints quantized at load with --quantization fp8).
 - INT4: `weight` uint8 [N, K / 2], column 2j in the low nibble of byte j, 2j+1 in the high one; `weight_scale`
   int32 [N, K / group], each group's scale and zero point in one word (kernels/quant_pack.py's pack_scale_zero):
-  W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k // group. An act-order checkpoint's columns are sorted by group at load; `input_perm` [K] then says which input
-  feature each column holds, and inputs are gathered in that order.
+  W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k // group. An act-order checkpoint's columns are sorted by
+  group at load; `input_perm` [K] then says which input feature each column holds, and inputs are gathered in that
+  order.
 
 Rows of a fused layer (q/k/v, gate/up) stack their parts' rows, each with its own scales, so sharding packed weights
 is the dense rule: column-parallel layers own rows, row-parallel layers own columns, and a rank's columns must be
@@ -35,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.env_choice import env_choice
-from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4, pack_scale_zero, unpack_int4_rows,
-                                           unpack_scale_zero)
+from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4, pack_scale_zero,
+                                           unpack_int4_rows, unpack_scale_zero)
 from shardserve.layers.linear import (ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor,
                                      empty_parameter)
 from shardserve.weights.quantized import Fp8Weight, GptqWeight, QuantScheme

@@ -159,8 +159,9 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, s
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
               config: GemmConfig | None = None) -> torch.Tensor:
     """x [M, K] (bfloat16 or float16) times the int4 weight (qweight [N, K // 2], scale_zero
-    [N, K // group_size]: quant_pack's layout) transposed -> [M, N] in x's dtype. config: the tiles (default_config(M) if None);
-    its block_k is narrowed to the largest power of two dividing group_size when the group is narrower."""
+    [N, K // group_size]: quant_pack's layout) transposed -> [M, N] in x's dtype. config: the tiles
+    (default_config(M) if None); its block_k is narrowed to the largest power of two dividing group_size when the
+    group is narrower."""
     check_int4(qweight, scale_zero, group_size)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     x = _activations(x, k, "int4_gemm")

@@ -1,4 +1,4 @@
-"""Single-token GEMVs over quantized weights (fp8 with scales, int4 with scales and zeros), and the int4
+"""Single-token GEMVs over quantized weights (fp8 with scales, int4 with scales and zero points), and the int4
 dequantizer that batches use. Layouts: shardserve.kernels.quant_pack.
 
 As in gemv.py, a decode step reads every weight once, so each launch streams the weights with an evict-first
@@ -9,8 +9,10 @@ per row: a tile may span several groups without per-element scale lookups. With 
 (per-channel), the scale is applied once after the reduction instead.
 
 4-bit weights also have a GEMV split over K (_int4_split_gemv_kernel, int4_gemv_split): x's slice held in
-registers, nibbles read as float32 denormals, partial sums summed by each row block's last program; start-up
-timing (layers/quantized_linear.py) picks it or the tiled one per shape.
+registers (or, for splits wider than INT4_SPLIT_CHUNK columns, walked chunk by chunk), nibbles read as float32
+denormals, partial sums summed by each row block's last program (one split: each program stores its rows);
+start-up timing (layers/quantized_linear.py) picks it or the tiled one per shape. A 4-bit group's scale and zero
+point come from one word (scale_and_zero).
 """
 
 from __future__ import annotations
@@ -500,8 +502,9 @@ def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, sw
     _int4_split_gemv_kernel[(k // split_k, row_blocks)](
         x, qweight.view(torch.int32), scale_zero, partial, counts, out, n, qweight.stride(0) // 4,
         x if residual is None else residual, norm_weight, summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n,
-        SPLIT_K=split_k, CHUNK=min(split_k, INT4_SPLIT_CHUNK), SUB=sub, ROW_TILES=row_tiles, SCALE_BITS=SPLIT_SCALE_BITS, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=1, SWIGLU_OUT=swiglu_out,
+        SPLIT_K=split_k, CHUNK=min(split_k, INT4_SPLIT_CHUNK), SUB=sub, ROW_TILES=row_tiles,
+        SCALE_BITS=SPLIT_SCALE_BITS, NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        num_stages=1, SWIGLU_OUT=swiglu_out,
         **pdl.launch(x.device))
     return out
 
