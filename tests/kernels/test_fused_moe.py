@@ -203,6 +203,7 @@ def expert_groups(sorted_pairs, block_expert, block_m, sentinel) -> dict[int, li
     return groups
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("top_k", [2, 8])
@@ -214,6 +215,7 @@ def test_gpu_matches_reference(tokens, num_experts, top_k, dtype):
         assert len(ids.unique()) < num_experts  # some experts receive no token
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [7, 130])
@@ -222,6 +224,7 @@ def test_gpu_every_token_on_the_same_experts(tokens, dtype):
     check_against_reference(tokens, 128, 8, 256, 128, dtype, same_route=True, ids_dtype=torch.int32)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_gpu_qwen3_30b_shape(tokens):
@@ -229,6 +232,7 @@ def test_gpu_qwen3_30b_shape(tokens):
     check_against_reference(tokens, num_experts, top_k, hidden, inter, torch.bfloat16)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
 @pytest.mark.parametrize("tokens", [1, 2, 3])
 def test_gpu_qwen3_30b_shape_from_logits(tokens):
@@ -284,6 +288,7 @@ def test_table_reads_each_chosen_expert_once_at_decode():
 # CUDA graphs
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_one_token_from_logits_replays_in_cuda_graph():
     """Batch-1 decode's launches (choice + alignment, w13, w2, sum) captured, replayed on new logits."""
@@ -308,6 +313,7 @@ def test_one_token_from_logits_replays_in_cuda_graph():
         assert relative_error(out, reference_moe(x, w13, w2, weights, ids)) < TOLERANCE[dtype]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_replays_in_cuda_graph_with_new_routes():
     num_experts, top_k, hidden, inter, tokens = 128, 8, 256, 128, 16
@@ -330,6 +336,7 @@ def test_replays_in_cuda_graph_with_new_routes():
     assert torch.equal(out, fused_moe(new_x, w13, w2, new_weights, new_ids))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("path", ["gemm", "one_token"])
 def test_sum_in_the_w2_gemm_over_many_replays(monkeypatch, path):

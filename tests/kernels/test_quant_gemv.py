@@ -300,6 +300,7 @@ def test_interpreter_norm_fused_packed_gemv(kind, n, k, group, block_n, block_k,
     check_normed_gemv(kind, n, k, group, dtype, with_residual, (block_n, block_k, 4, 2 if "split" in kind else 1))
 
 
+@pytest.mark.gpu
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
 @pytest.mark.parametrize("kind,group", [("fp8", 4096), ("fp8", 128), ("int4", 128), ("int4-split", 128)])
@@ -314,7 +315,8 @@ def test_gpu_norm_fused_packed_gemv(kind, group, n, k):
 @needs_triton
 @pytest.mark.parametrize("native", [True, False], ids=["fp8", "fp8-bits"])
 @pytest.mark.parametrize("features,k,group_k,block_n,block_k", [(12, 256, 128, 8, 64), (13, 200, 200, 4, 64),
-                                                                (1024, 4096, 4096, 4, 1024)])
+                                                                pytest.param(1024, 4096, 4096, 4, 1024,
+                                                                             marks=pytest.mark.gpu)])
 def test_fp8_gemv_with_swiglu_output_equals_the_product_then_swiglu(features, k, group_k, block_n, block_k, native,
                                                                      monkeypatch):
     """A [gate | up] FP8 projection whose launch returns silu(gate) * up: the same bits as the FP8 GEMV followed by
@@ -339,8 +341,10 @@ def test_fp8_gemv_with_swiglu_output_equals_the_product_then_swiglu(features, k,
 @needs_triton
 @pytest.mark.parametrize("features,k,group,config", [(12, 256, 32, (8, 128, 4, 2)), (13, 256, 64, (8, 64, 4, 1)),
                                                      (20, 512, 128, (16, 256, 4, 2)),
-                                                     (14336, 4096, 128, (64, 512, 4, 4)),
-                                                     (14336, 4096, 128, (16, 4096, 4, 1))])
+                                                     pytest.param(14336, 4096, 128, (64, 512, 4, 4),
+                                                                  marks=pytest.mark.gpu),
+                                                     pytest.param(14336, 4096, 128, (16, 4096, 4, 1),
+                                                                  marks=pytest.mark.gpu)])
 def test_int4_split_gemv_with_swiglu_output_equals_the_product_then_swiglu(features, k, group, config):
     """A [gate | up] 4-bit projection whose split-K launch returns silu(gate) * up: the same bits as the split-K
     GEMV followed by the SwiGLU kernel, plain and with the norm inside (and its new residual); odd feature counts
@@ -450,6 +454,7 @@ def _inputs(k: int) -> dict:
     return {dtype: x.to(dtype) for dtype in (torch.bfloat16, torch.float16)}
 
 
+@pytest.mark.gpu
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
 @pytest.mark.parametrize("kernel", ["tiled", "split"])
@@ -473,6 +478,7 @@ def test_gpu_int4_gemv(n, k, kernel):
     assert split_counts_are_zero()
 
 
+@pytest.mark.gpu
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
 @pytest.mark.parametrize("n,k", LLAMA3_8B + [TINY])
@@ -489,6 +495,7 @@ def test_gpu_fp8_gemv(n, k):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.gpu
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
 @pytest.mark.parametrize("n,k,group_k", [(4096, 14336, 128), (24, 256, 256), (3072, 4000, 128)])
@@ -504,6 +511,7 @@ def test_gpu_fp8_gemv_from_bits(n, k, group_k, monkeypatch):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.gpu
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -515,6 +523,7 @@ def test_gpu_dequantize_int4_equals_torch(dtype, n, k, group):
     assert torch.equal(got.cpu(), dequantize_int4(pack_int4(q).cpu(), scale_zero.cpu(), group, dtype))
 
 
+@pytest.mark.gpu
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_replays_in_cuda_graph_with_a_new_input():

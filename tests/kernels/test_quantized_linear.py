@@ -55,12 +55,14 @@ def test_packed_products_match_float64_from_one_to_512_rows(layout, shape):
     check_rows(packed_layer(*shape, layout, dtype), (1, 2, 7, 64, 512) if CUDA else (1, 3), dtype)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="float16 activations: the GPU kernels")
 @pytest.mark.parametrize("layout", LAYOUTS, ids=PackedLayout.describe)
 def test_float16_activations(layout):
     check_rows(packed_layer(4096, 4096, layout, torch.float16), (1, 16), torch.float16)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
 @pytest.mark.parametrize("layout", LAYOUTS, ids=PackedLayout.describe)
 def test_products_replay_in_a_cuda_graph(layout):
@@ -119,6 +121,7 @@ def test_an_act_order_layer_gathers_its_input_before_the_fused_gemm():
     assert relative_error(layer(x), want.cpu()) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.gpu
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
 @pytest.mark.parametrize("layout", GEMM_LAYOUTS, ids=PackedLayout.describe)
@@ -146,6 +149,7 @@ def test_the_start_up_check_catches_a_kernel_that_drops_the_scales():
     assert len(failures) == 2 and "48x256 at 1 rows" in failures[0] and "error" in failures[0]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="single-row products take the packed GEMVs on GPUs only")
 @pytest.mark.parametrize("norm_fused", [False, True])
 @pytest.mark.parametrize("kind", ["fp8", "int4-split"])

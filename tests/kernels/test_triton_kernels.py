@@ -412,6 +412,7 @@ def test_prefill_and_decode_agree_on_last_token():
     torch.testing.assert_close(decode[0], prefill[-1], atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="model-sized heads are too slow for the interpreter")
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -439,6 +440,7 @@ def test_model_sized_heads(dtype, head_dim):
         start += n
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_decode_replays_in_cuda_graph_with_new_lengths():
     cache, q, context_lens, _ = _decode_case(torch.bfloat16, 16, num_heads=8, num_kv_heads=2)
