@@ -39,8 +39,11 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
 
 
 # Low bits of a scale-and-zero word holding the zero point: GPTQ's zero points run 0..16 (stored minus one in the
-# `gptq` checkpoint format, so 15 + 1), one more than four bits hold.
+# `gptq` checkpoint format, so 15 + 1), one more than four bits hold. The masks of its two parts (the Triton
+# kernels read the words with the same ones: kernels/triton/quant_gemv.scale_and_zero).
 ZERO_BITS = 5
+ZERO_MASK = (1 << ZERO_BITS) - 1
+SCALE_MASK = ~ZERO_MASK
 
 
 def pack_scale_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -50,18 +53,16 @@ def pack_scale_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     if scale.shape != zero.shape:
         raise ValueError(f"scales {tuple(scale.shape)} and zero points {tuple(zero.shape)} differ in shape")
     zero = zero.to(torch.int32) if zero.is_floating_point() else zero.int()
-    if zero.numel() and (zero.min() < 0 or zero.max() >= 1 << ZERO_BITS):
-        raise ValueError(f"int4 zero points must lie in 0..{(1 << ZERO_BITS) - 1}, got "
-                         f"{zero.min().item()}..{zero.max().item()}")
+    if zero.numel() and (zero.min() < 0 or zero.max() > ZERO_MASK):
+        raise ValueError(f"int4 zero points must lie in 0..{ZERO_MASK}, got {zero.min().item()}..{zero.max().item()}")
     half = 1 << (ZERO_BITS - 1)
-    bits = (scale.float().contiguous().view(torch.int32) + half) & -(1 << ZERO_BITS)
+    bits = (scale.float().contiguous().view(torch.int32) + half) & SCALE_MASK
     return bits | zero
 
 
 def unpack_scale_zero(scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4 scale-and-zero words -> (scales, zero points), both float32."""
-    scale = (scale_zero & -(1 << ZERO_BITS)).view(torch.float32)
-    return scale, (scale_zero & ((1 << ZERO_BITS) - 1)).float()
+    return (scale_zero & SCALE_MASK).view(torch.float32), (scale_zero & ZERO_MASK).float()
 
 
 def fp8_groups(k: int, group_k: int) -> int:

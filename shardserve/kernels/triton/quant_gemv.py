@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.quant_pack import ZERO_BITS, check_fp8, check_int4, fp8_groups
+from shardserve.kernels.quant_pack import SCALE_MASK, ZERO_MASK, check_fp8, check_int4, fp8_groups
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import ARRIVAL_SLOTS, arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.pdl import enter
@@ -40,8 +40,8 @@ def _e4m3_bits_to_float(b):
 
 
 # Masks of an int4 scale-and-zero word (kernels/quant_pack.py): the scale's bits, and the zero point's.
-_SCALE_MASK = tl.constexpr(-(1 << ZERO_BITS))
-_ZERO_MASK = tl.constexpr((1 << ZERO_BITS) - 1)
+_SCALE_MASK = tl.constexpr(SCALE_MASK)
+_ZERO_MASK = tl.constexpr(ZERO_MASK)
 
 
 @triton.jit
