@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, unpack_int4_rows, unpack_scale_zero
+from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, reference_weight64
 
 
 class PackedExperts(NamedTuple):
@@ -50,16 +50,8 @@ class PackedExperts(NamedTuple):
 
     def reference(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's weights in float64, written from the layouts' definitions (not the dequantizers)."""
-        return (_reference(self.kind, self.w13[e], self.scale13[e], self.group13),
-                _reference(self.kind, self.w2[e], self.scale2[e], self.group2))
+        return (reference_weight64(self.kind, self.w13[e], self.scale13[e], self.group13),
+                reference_weight64(self.kind, self.w2[e], self.scale2[e], self.group2))
 
     def describe(self) -> str:
         return f"{self.kind} (groups of {self.group13} and {self.group2})"
-
-
-def _reference(kind: str, w: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    if kind == "fp8":
-        return w.float().double() * scale.double().repeat_interleave(group, dim=1)[:, :w.shape[1]]
-    scale, zero = unpack_scale_zero(scale)
-    q = unpack_int4_rows(w).double()
-    return (q - zero.double().repeat_interleave(group, dim=1)) * scale.double().repeat_interleave(group, dim=1)

@@ -128,6 +128,17 @@ def dequantize_int4(qweight: torch.Tensor, scale_zero: torch.Tensor, group_size:
     return ((q - zero[:, :, None]) * scale[:, :, None]).view(n, groups * group_size).to(dtype)
 
 
+def reference_weight64(kind: str, weight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """float64 [N, K] of a packed weight ("fp8": codes and scales; "int4": packed nibbles and scale-and-zero words),
+    written from the layouts' definitions above rather than by the dequantizers: what the start-up checks compare
+    every kernel with. group: columns a scale covers (the last fp8 group may be short)."""
+    if kind == "fp8":
+        return weight.float().double() * scale.double().repeat_interleave(group, dim=1)[:, :weight.shape[1]]
+    scale, zero = unpack_scale_zero(scale)
+    q = unpack_int4_rows(weight).double()
+    return (q - zero.double().repeat_interleave(group, dim=1)) * scale.double().repeat_interleave(group, dim=1)
+
+
 def fit_block_k(block_k: int, group: int, k: int) -> int:
     """A packed GEMM's reduction depth: block_k narrowed to the largest power of two dividing the scale group, so
     that a tile needs one scale a row (any depth where one group spans all k columns). ValueError below 16,

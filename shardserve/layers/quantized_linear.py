@@ -37,7 +37,7 @@ from torch import nn
 
 from shardserve.env_choice import env_choice
 from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4, pack_scale_zero,
-                                           unpack_int4_rows, unpack_scale_zero)
+                                           reference_weight64, unpack_scale_zero)
 from shardserve.layers.linear import (ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor,
                                      empty_parameter)
 from shardserve.weights.quantized import Fp8Weight, GptqWeight, QuantScheme
@@ -456,13 +456,7 @@ FP8_ACTIVATION_TOLERANCE = 6e-2
 def reference_weight(layer: KernelLinear) -> torch.Tensor:
     """float64 [N, K] from the packed bytes, written from the layouts' definitions (not the dequantizers)."""
     packed = layer.packed
-    if packed.layout.kind == "fp8":
-        return layer.weight.float().double() * layer.weight_scale.double().repeat_interleave(packed.group, dim=1)[
-            :, :packed.k]
-    scale, zero = unpack_scale_zero(layer.weight_scale)
-    q = unpack_int4_rows(layer.weight).double()
-    return (q - zero.double().repeat_interleave(packed.group, dim=1)) * scale.double().repeat_interleave(
-        packed.group, dim=1)
+    return reference_weight64(packed.layout.kind, layer.weight, layer.weight_scale, packed.group)
 
 
 def distinct_packed(model: nn.Module) -> dict[tuple, list[KernelLinear]]:
