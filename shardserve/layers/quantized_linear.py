@@ -53,11 +53,11 @@ DEFAULT_GEMV = (8, 512, 4, 3)
 GEMV_CANDIDATES = ((8, 512, 4, 3), (4, 1024, 8, 4), (16, 256, 4, 2), (8, 1024, 8, 3), (8, 1024, 4, 3),
                    (8, 2048, 8, 3), (16, 1024, 8, 3), (4, 2048, 8, 4), (4, 4096, 8, 4), (4, 4096, 8, 2))
 # (block_n, split_k, num_warps, row_tiles) of the 4-bit split-K GEMV (quant_gemv.int4_gemv_split), timed against
-# GEMV_CANDIDATES at start-up: the two fastest of grids (block_n 8-256, split_k 512-2048, 4 or 8 warps, 1-4 row
-# tiles) on each of Llama-3-8B's projections on an H100, and whole rows of K = 4096 (16 a program, in chunks of
-# 1,024 columns: on an H100 the fastest for gate/up); none spills registers.
-INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (128, 1024, 8, 1), (64, 512, 4, 1), (64, 512, 4, 4), (32, 1024, 4, 4),
-                         (32, 512, 4, 1), (16, 4096, 4, 1))
+# GEMV_CANDIDATES at start-up: the fastest of grids (block_n 8-256, split_k 256-4096, 4 or 8 warps, 1-4 row tiles)
+# on each of Llama-3-8B's projections on an H100. Only splits the kernel holds x for (at most INT4_SPLIT_CHUNK
+# columns): wider ones (whole rows of gate/up, 2,048 columns of down) were faster alone, by 0.4-0.9 us, and made
+# the step slower (2.494-2.502 ms against 2.431-2.444, one H100). None spills registers.
+INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (64, 512, 4, 1), (64, 512, 4, 4), (32, 512, 4, 1), (64, 1024, 4, 1))
 
 
 # Batches by row count: at most 16, 64, 256, 512 or 1024 rows, or more (a full decode batch of 512 sequences has

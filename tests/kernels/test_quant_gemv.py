@@ -375,8 +375,10 @@ def test_int4_split_gemv_with_swiglu_output_equals_the_product_then_swiglu(featu
                                                     (40, 512, 128, (16, 256, 4, 2), 128)])
 def test_interpreter_int4_split_gemv_walks_wide_splits_in_chunks(n, k, group, config, chunk, monkeypatch):
     """Splits wider than the kernel's chunk of columns: whole rows (one split, each program storing its own rows)
-    and two splits of two chunks each, against float64, plain, with the norm inside and with SwiGLU output (the
-    same bits as the product then the SwiGLU kernel)."""
+    and two splits of two chunks each (over two row tiles: the first tile's first chunk is summed before the
+    loop), against float64, plain, with the norm inside and with SwiGLU output (the same bits as the
+    product then the SwiGLU kernel). The first chunk loaded before the dependent-launch wait or after it: the
+    same bits."""
     from shardserve.kernels.triton import fused_ops, quant_gemv
 
     monkeypatch.setattr(quant_gemv, "INT4_SPLIT_CHUNK", chunk)
@@ -385,6 +387,9 @@ def test_interpreter_int4_split_gemv_walks_wide_splits_in_chunks(n, k, group, co
     x = torch.randn(k, generator=torch.Generator().manual_seed(1))
     got = quant_gemv.int4_gemv_split(x, qweight, scale_zero, group, *config)
     assert relative_error(got[0], x.double() @ want.T) < TOLERANCE[torch.float32]
+    with monkeypatch.context() as after_the_wait:
+        after_the_wait.setenv("SHARDSERVE_GEMV_PRELOAD", "0")
+        assert torch.equal(quant_gemv.int4_gemv_split(x, qweight, scale_zero, group, *config), got)
     norm_args, h, summed = normed_input(k, torch.float32, True)
     got, got_sum = quant_gemv.int4_gemv_split_rmsnorm(*norm_args, qweight, scale_zero, group, *config)
     assert relative_error(got[0], h[0].double() @ want.T) < TOLERANCE[torch.float32]

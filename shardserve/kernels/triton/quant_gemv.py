@@ -247,7 +247,8 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
                             residual_ptr, norm_w_ptr, sum_ptr, eps, K: tl.constexpr, GROUP: tl.constexpr,
                             BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                             ROW_TILES: tl.constexpr, SCALE_BITS: tl.constexpr, NORM: tl.constexpr,
-                            HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, SWIGLU_OUT: tl.constexpr = False):
+                            HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, SWIGLU_OUT: tl.constexpr = False,
+                            PRELOAD: tl.constexpr = 0):
     """Program (k split, row block): part[split, n] = sum over the split's SPLIT_K columns of (q - z) * s * x for
     ROW_TILES tiles of BLOCK_N rows, then the row block's last program to finish sums the splits into out; with
     one split (SPLIT_K == K) each program stores its rows' products itself. SWIGLU_OUT: N counts the features of a
@@ -264,10 +265,12 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
     and its rows are repeated in each thread: x's registers do not grow with the rows (on an H100 13-14% faster
     on gate/up and down than rows across lanes).
 
-    A split walks its columns CHUNK at a time. CHUNK == SPLIT_K: the program's x slice is loaded once and held in
-    registers, pre-scaled, and the next row tile's words are loaded before the current one is reduced. Wider
-    splits (whole rows, on an H100 faster for Llama-3-8B's gate/up) load x's chunk again for each chunk of words,
-    from L1 or L2, so that x's registers stay those of one chunk.
+    A split walks its columns CHUNK at a time; with PRELOAD its first chunk of words is loaded before the
+    dependent-launch wait (weights: no kernel of the chain writes them), so those loads overlap the end of the
+    kernel before. CHUNK == SPLIT_K: the program's x slice is loaded once and held in registers, pre-scaled, and the
+    next row tile's words are loaded before the current one is reduced. Wider splits load x's chunk again for each
+    chunk of words, from L1 or L2, so that x's registers stay those of one chunk (on an H100 faster alone for
+    Llama-3-8B's gate/up and down, slower inside a decode step: not among the start-up candidates).
 
     Partial sums go to part (float32); each program then counts itself in arrivals[row block]
     (kernels/triton/arrivals.py), and the last one sums the K // SPLIT_K partial sums of the block's rows in split
@@ -283,45 +286,44 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
     k0 = split * SPLIT_K
     if SPLITS == 1:
         k0 = 0  # known to the compiler: on sm_90 96 registers a thread instead of 128 (whole rows, 16 a program)
+    sub = tl.arange(0, SUBS)
+    word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    first_tile = tl.program_id(1) * ROW_TILES
+    rows, row_ok = program_rows(first_tile, N, BLOCK_N, SWIGLU_OUT)
+    if PRELOAD:  # weights: no kernel of the chain writes them (pdl.py)
+        w_first = _chunk_words(q_ptr, rows, row_ok, stride_qw, k0, word)
     enter(PDL)
+    if not PRELOAD:
+        w_first = _chunk_words(q_ptr, rows, row_ok, stride_qw, k0, word)
     rstd = 0.0
     if NORM:
         rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, (split == 0) & (tl.program_id(1) == 0), K, CHUNK,
                           HAS_RESIDUAL)
-    sub = tl.arange(0, SUBS)
-    word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
-    first_tile = tl.program_id(1) * ROW_TILES
     if CHUNK == SPLIT_K:
         x_sum, x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, k0 + word * 8, rstd,
                                                              SCALE_BITS, NORM, HAS_RESIDUAL)
-        rows, row_ok = program_rows(first_tile, N, BLOCK_N, SWIGLU_OUT)
-        w_next = tl.load(q_ptr + rows.to(tl.int64)[None, :, None] * stride_qw + k0 // 8 + word[:, None, :],
-                         mask=row_ok[None, :, None], other=0, eviction_policy="evict_first")
+        w_next = w_first
         for t in range(ROW_TILES):
-            w = w_next
+            w = w_next  # the next row tile's words are loaded before this one is reduced
             rows, row_ok = program_rows(first_tile + t, N, BLOCK_N, SWIGLU_OUT)
             next_rows, next_ok = program_rows(first_tile + t + 1, N, BLOCK_N, SWIGLU_OUT)
-            w_next = tl.load(q_ptr + next_rows.to(tl.int64)[None, :, None] * stride_qw + k0 // 8 + word[:, None, :],
-                             mask=(next_ok & (t + 1 < ROW_TILES))[None, :, None], other=0,
-                             eviction_policy="evict_first")
+            w_next = _chunk_words(q_ptr, next_rows, next_ok & (t + 1 < ROW_TILES), stride_qw, k0, word)
             y = tl.sum(_word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k0, sub, K,
                                        GROUP, SUB, SCALE_BITS), axis=0)
             _split_result(y, part_ptr, out_ptr, rows, row_ok, split, first_tile + t, N, BLOCK_N, SPLITS,
                           SWIGLU_OUT)
     else:
+        acc = _chunk_sums(w_first, x_ptr, residual_ptr, norm_w_ptr, rstd, sz_ptr, rows, row_ok, k0, sub, word, K,
+                          GROUP, SUB, SCALE_BITS, NORM, HAS_RESIDUAL)
         for t in range(ROW_TILES):
             rows, row_ok = program_rows(first_tile + t, N, BLOCK_N, SWIGLU_OUT)
-            acc = tl.zeros((SUBS, BLOCK_N), dtype=tl.float32)
-            for c in range(0, SPLIT_K, CHUNK):
-                w = tl.load(q_ptr + rows.to(tl.int64)[None, :, None] * stride_qw + (k0 + c) // 8 + word[:, None, :],
-                            mask=row_ok[None, :, None], other=0, eviction_policy="evict_first")
-                x_sum, x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr,
-                                                                     k0 + c + word * 8, rstd, SCALE_BITS, NORM,
-                                                                     HAS_RESIDUAL)
-                acc += _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k0 + c, sub,
-                                       K, GROUP, SUB, SCALE_BITS)
+            for c in range(CHUNK * (t == 0), SPLIT_K, CHUNK):  # the first tile's first chunk is summed above
+                w = _chunk_words(q_ptr, rows, row_ok, stride_qw, k0 + c, word)
+                acc += _chunk_sums(w, x_ptr, residual_ptr, norm_w_ptr, rstd, sz_ptr, rows, row_ok, k0 + c, sub, word,
+                                   K, GROUP, SUB, SCALE_BITS, NORM, HAS_RESIDUAL)
             _split_result(tl.sum(acc, axis=0), part_ptr, out_ptr, rows, row_ok, split, first_tile + t, N, BLOCK_N,
                           SPLITS, SWIGLU_OUT)
+            acc = tl.zeros((SUBS, BLOCK_N), dtype=tl.float32)
     if SPLITS > 1:
         if last_to_arrive(arrivals_ptr, tl.program_id(1), SPLITS):
             ROWS: tl.constexpr = 2 if SWIGLU_OUT else 1  # weight rows per output
@@ -332,6 +334,24 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
                     y += tl.load(part_ptr + p * (ROWS * N) + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
                 store_rows(out_ptr, y, rows, row_ok, first_tile + t, N, BLOCK_N, SWIGLU_OUT)
             leave(arrivals_ptr, tl.program_id(1))
+
+
+@triton.jit
+def _chunk_words(q_ptr, rows, row_ok, stride_qw, k, word):
+    """The [sub-tile, row, word] tile of 32-bit words of `rows` from column k on; 0 where not row_ok."""
+    return tl.load(q_ptr + rows.to(tl.int64)[None, :, None] * stride_qw + k // 8 + word[:, None, :],
+                   mask=row_ok[None, :, None], other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _chunk_sums(w, x_ptr, residual_ptr, norm_w_ptr, rstd, sz_ptr, rows, row_ok, k, sub, word, K: tl.constexpr,
+                GROUP: tl.constexpr, SUB: tl.constexpr, SCALE_BITS: tl.constexpr, NORM: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr):
+    """_word_tile_sums of the words w of a chunk at column k, x's chunk loaded for it."""
+    x_sum, x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, k + word * 8, rstd,
+                                                         SCALE_BITS, NORM, HAS_RESIDUAL)
+    return _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k, sub, K, GROUP, SUB,
+                           SCALE_BITS)
 
 
 @triton.jit
@@ -504,8 +524,7 @@ def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, sw
         x if residual is None else residual, norm_weight, summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n,
         SPLIT_K=split_k, CHUNK=min(split_k, INT4_SPLIT_CHUNK), SUB=sub, ROW_TILES=row_tiles,
         SCALE_BITS=SPLIT_SCALE_BITS, NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
-        num_stages=1, SWIGLU_OUT=swiglu_out,
-        **pdl.launch(x.device))
+        num_stages=1, SWIGLU_OUT=swiglu_out, PRELOAD=min(preload_tiles(), 1), **pdl.launch(x.device))
     return out
 
 
