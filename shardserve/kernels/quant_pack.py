@@ -52,7 +52,7 @@ def pack_scale_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     holding the zero point."""
     if scale.shape != zero.shape:
         raise ValueError(f"scales {tuple(scale.shape)} and zero points {tuple(zero.shape)} differ in shape")
-    zero = zero.to(torch.int32) if zero.is_floating_point() else zero.int()
+    zero = zero.to(torch.int32)
     if zero.numel() and (zero.min() < 0 or zero.max() > ZERO_MASK):
         raise ValueError(f"int4 zero points must lie in 0..{ZERO_MASK}, got {zero.min().item()}..{zero.max().item()}")
     half = 1 << (ZERO_BITS - 1)
@@ -63,6 +63,12 @@ def pack_scale_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
 def unpack_scale_zero(scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4 scale-and-zero words -> (scales, zero points), both float32."""
     return (scale_zero & SCALE_MASK).view(torch.float32), (scale_zero & ZERO_MASK).float()
+
+
+def scale_dtype(kind: str) -> torch.dtype:
+    """The dtype of a packed layout's scale tensor: float32 scales for "fp8", int32 scale-and-zero words for
+    "int4"."""
+    return torch.int32 if kind == "int4" else torch.float32
 
 
 def fp8_groups(k: int, group_k: int) -> int:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.packed_experts import PackedExperts
-from shardserve.kernels.quant_pack import pack_int4, pack_scale_zero
+from shardserve.kernels.quant_pack import pack_int4, pack_scale_zero, scale_dtype
 from shardserve.layers.moe import (FUSED_MOE_ENV, SparseMoE, _check_shape, check_routes, close_to_float64,
                                    grouped_by_expert, reference_experts)
 from shardserve.layers.linear import empty_parameter
@@ -69,9 +69,9 @@ class ExpertPacking:
         moe.w13, moe.w2 = param(experts, two_rows, hidden // per_byte, dtype=dtype), param(
             experts, hidden, rows // per_byte, dtype=dtype)
         moe.w13.weight_loader, moe.w2.weight_loader = moe._load_w13, moe._load_w2
-        scale_dtype = torch.int32 if layout.kind == "int4" else torch.float32
-        moe.w13_scale, moe.w2_scale = param(experts, two_rows, hidden // self.group13, dtype=scale_dtype), param(
-            experts, hidden, rows // self.group2, dtype=scale_dtype)
+        scale_type = scale_dtype(layout.kind)
+        moe.w13_scale, moe.w2_scale = param(experts, two_rows, hidden // self.group13, dtype=scale_type), param(
+            experts, hidden, rows // self.group2, dtype=scale_type)
 
     def describe(self) -> str:
         return f"{self.kind} experts (groups of {self.group13} and {self.group2})"

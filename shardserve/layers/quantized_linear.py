@@ -37,7 +37,7 @@ from torch import nn
 
 from shardserve.env_choice import env_choice
 from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4, pack_scale_zero,
-                                           reference_weight64, unpack_scale_zero)
+                                           reference_weight64, scale_dtype, unpack_scale_zero)
 from shardserve.layers.linear import (ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor,
                                      empty_parameter)
 from shardserve.weights.quantized import Fp8Weight, GptqWeight, QuantScheme
@@ -148,7 +148,7 @@ class PackedWeights:
             # Identity until an act-order checkpoint's columns arrive sorted; gathering by it is then exact.
             layer.input_perm = nn.Parameter(torch.arange(k, device=device), requires_grad=False) \
                 if layout.act_order else None
-        layer.weight_scale = param(n, groups, dtype=torch.int32 if layout.kind == "int4" else torch.float32)
+        layer.weight_scale = param(n, groups, dtype=scale_dtype(layout.kind))
         layer.weight.weight_loader = loader
         self.perm_of: dict[Hashable, torch.Tensor | None] = {}
 

@@ -45,7 +45,7 @@ import triton.language as tl
 from shardserve.kernels.fused_moe_table import (ONE_TOKEN_ENV, ROUTE_ALIGN_MAX_TOKENS, SUM_IN_DOWN_MAX_TOKENS,
                                                 MoeConfig, OneTokenTiles, one_token_tiles, pick_config)
 from shardserve.kernels.packed_experts import PackedExperts
-from shardserve.kernels.quant_pack import fit_block_k
+from shardserve.kernels.quant_pack import fit_block_k, scale_dtype
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.gemv import _weight_tile as _row_tile
@@ -547,14 +547,14 @@ def _check_packed(x, experts: PackedExperts, topk_weights, topk_ids) -> None:
     per_byte = 2 if experts.kind == "int4" else 1
     if x.dim() != 2 or x.shape[1] != h:
         raise ValueError(f"x must be [T, {h}] for experts of hidden size {h}, got {tuple(x.shape)}")
-    scale_dtype = torch.int32 if experts.kind == "int4" else torch.float32
+    scale_type = scale_dtype(experts.kind)
     for name, w, scale, group, n, k in (("w13", experts.w13, experts.scale13, experts.group13, 2 * i, h),
                                         ("w2", experts.w2, experts.scale2, experts.group2, h, i)):
         if tuple(w.shape) != (e, n, k // per_byte) or k % group or not w.is_contiguous():
             raise ValueError(f"packed {name} must be contiguous [{e}, {n}, {k // per_byte}] in groups dividing {k}, "
                              f"got {tuple(w.shape)} in groups of {group}")
-        if scale.dtype != scale_dtype or tuple(scale.shape) != (e, n, k // group) or not scale.is_contiguous():
-            raise ValueError(f"{name}'s scales must be contiguous {scale_dtype} [{e}, {n}, {k // group}], got "
+        if scale.dtype != scale_type or tuple(scale.shape) != (e, n, k // group) or not scale.is_contiguous():
+            raise ValueError(f"{name}'s scales must be contiguous {scale_type} [{e}, {n}, {k // group}], got "
                              f"{scale.dtype} {tuple(scale.shape)}")
     _check_routes(x, topk_weights, topk_ids)
 

@@ -282,6 +282,7 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
     SUBS: tl.constexpr = CHUNK // SUB
     WORDS: tl.constexpr = SUB // 8
     SPLITS: tl.constexpr = K // SPLIT_K
+    ROWS: tl.constexpr = 2 if SWIGLU_OUT else 1  # weight rows per output: a split's partial sums are ROWS * N
     split = tl.program_id(0)
     k0 = split * SPLIT_K
     if SPLITS == 1:
@@ -310,8 +311,8 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
             w_next = _chunk_words(q_ptr, next_rows, next_ok & (t + 1 < ROW_TILES), stride_qw, k0, word)
             y = tl.sum(_word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k0, sub, K,
                                        GROUP, SUB, SCALE_BITS), axis=0)
-            _split_result(y, part_ptr, out_ptr, rows, row_ok, split, first_tile + t, N, BLOCK_N, SPLITS,
-                          SWIGLU_OUT)
+            _split_result(y, part_ptr + split * (ROWS * N), out_ptr, rows, row_ok, first_tile + t, N, BLOCK_N,
+                          SPLITS, SWIGLU_OUT)
     else:
         acc = _chunk_sums(w_first, x_ptr, residual_ptr, norm_w_ptr, rstd, sz_ptr, rows, row_ok, k0, sub, word, K,
                           GROUP, SUB, SCALE_BITS, NORM, HAS_RESIDUAL)
@@ -321,12 +322,11 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
                 w = _chunk_words(q_ptr, rows, row_ok, stride_qw, k0 + c, word)
                 acc += _chunk_sums(w, x_ptr, residual_ptr, norm_w_ptr, rstd, sz_ptr, rows, row_ok, k0 + c, sub, word,
                                    K, GROUP, SUB, SCALE_BITS, NORM, HAS_RESIDUAL)
-            _split_result(tl.sum(acc, axis=0), part_ptr, out_ptr, rows, row_ok, split, first_tile + t, N, BLOCK_N,
-                          SPLITS, SWIGLU_OUT)
+            _split_result(tl.sum(acc, axis=0), part_ptr + split * (ROWS * N), out_ptr, rows, row_ok, first_tile + t,
+                          N, BLOCK_N, SPLITS, SWIGLU_OUT)
             acc = tl.zeros((SUBS, BLOCK_N), dtype=tl.float32)
     if SPLITS > 1:
         if last_to_arrive(arrivals_ptr, tl.program_id(1), SPLITS):
-            ROWS: tl.constexpr = 2 if SWIGLU_OUT else 1  # weight rows per output
             for t in range(ROW_TILES):
                 rows, row_ok = program_rows(first_tile + t, N, BLOCK_N, SWIGLU_OUT)
                 y = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -371,13 +371,14 @@ def _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_
 
 
 @triton.jit
-def _split_result(y, part_ptr, out_ptr, rows, row_ok, split, tile, N, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+def _split_result(y, split_part_ptr, out_ptr, rows, row_ok, tile, N, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                   SWIGLU_OUT: tl.constexpr):
-    """A row tile's sums over one split: the output itself where there is one split, else a partial sum."""
+    """A row tile's sums over one split: the output itself where there is one split, else a partial sum in the
+    split's row of part (split_part_ptr)."""
     if SPLITS == 1:
         store_rows(out_ptr, y, rows, row_ok, tile, N, BLOCK_N, SWIGLU_OUT)
     else:
-        tl.store(part_ptr + split * ((2 if SWIGLU_OUT else 1) * N) + rows, y, mask=row_ok)
+        tl.store(split_part_ptr + rows, y, mask=row_ok)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8,
