@@ -29,13 +29,13 @@ def by_expert(weights, ids):
 
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("num_experts,top_k", [(8, 2), (60, 4), (128, 8), (8, 8), (3, 1)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_same_experts_and_weights_as_softmax_topk(num_experts, top_k, renormalize, dtype):
     """Distinct logits per token (bfloat16 ones: sixteenths of a permutation, exact), so the top k is one set;
     the order of the k choices does not matter to the layer."""
     g = torch.Generator(device=DEVICE).manual_seed(num_experts * top_k)
-    if dtype == torch.float32:
-        logits = torch.randn(33, num_experts, generator=g, device=DEVICE) * 3
+    if dtype in (torch.float32, torch.float64):
+        logits = (torch.randn(33, num_experts, generator=g, device=DEVICE) * 3).to(dtype)
     else:
         logits = torch.stack([torch.randperm(num_experts, generator=g, device=DEVICE) for _ in range(33)])
         logits = ((logits - num_experts // 2) / 16).to(dtype)
@@ -54,6 +54,15 @@ def test_ties_pick_the_lower_expert_and_no_expert_twice():
     weights, ids = route_top_k(logits, 4, renormalize=True)
     assert ids.tolist() == [[0, 1, 2, 3], [2, 5, 6, 0]]
     torch.testing.assert_close(weights[0], torch.full((4,), 0.25, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_negative_and_positive_zero_logits_tie_and_negatives_order_by_value(dtype):
+    """The choice compares logits as numbers: -0.0 ties with 0.0 (the lower index first), and among negative
+    logits the one nearer zero ranks higher."""
+    logits = torch.tensor([[-0.0, -2.0, 0.0, -0.5, -1.0, -0.0, -3.0, -0.25]], dtype=dtype, device=DEVICE)
+    _, ids = route_top_k(logits, 8, renormalize=True)
+    assert ids.tolist() == [[0, 2, 5, 7, 3, 4, 1, 6]]
 
 
 def test_a_strided_view_and_a_bad_k():

@@ -41,29 +41,41 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
     real = experts < num_experts
     pointers = logits_ptr + token * stride_logits + experts
     if LOGITS_FROM_L2:
-        logits = tl.load(pointers, mask=real, other=float("-inf"), cache_modifier=".cg")
+        raw = tl.load(pointers, mask=real, other=float("-inf"), cache_modifier=".cg")
     else:
-        logits = tl.load(pointers, mask=real, other=float("-inf"))
-    logits = logits.to(tl.float32)
-    top = tl.max(logits, axis=0)
+        raw = tl.load(pointers, mask=real, other=float("-inf"))
+    logits = raw.to(tl.float32)
+    # 16-bit logits (models served in bf16/fp16) are chosen by int32 keys (_choice_keys): one maximum a round, a
+    # single warp-reduction instruction. Others by the largest float32 value, then the lowest index holding it.
+    KEYED: tl.constexpr = raw.dtype.primitive_bitwidth == 16
+    keys = tl.where(real, _choice_keys(raw, experts, EXPERTS_P), -(2 ** 31))
+    remaining = tl.where(real, logits, float("-inf"))
+    open_ = real
     slots = tl.arange(0, TOP_K_P)
     chosen_ids = tl.zeros([TOP_K_P], dtype=tl.int32)
     chosen_exps = tl.zeros([TOP_K_P], dtype=tl.float32)
     chosen_total = tl.zeros([], dtype=tl.float32)
-    remaining = tl.where(real, logits, float("-inf"))
-    open_ = real
+    top = 0.0
     for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        # The lowest index holding the maximum among the experts not yet chosen (a chosen one leaves `open_`: with
-        # -inf logits the maximum alone would not tell it from the rest).
-        index = tl.min(tl.where((remaining == best) & open_, experts, EXPERTS_P), axis=0)
+        if KEYED:
+            best = tl.max(keys, axis=0)
+            index, value = _from_key(best, raw, EXPERTS_P)
+            # The chosen key drops below every open expert's, -inf logits included.
+            keys = tl.where(keys == best, -(2 ** 31), keys)
+        else:
+            value = tl.max(remaining, axis=0)
+            # A chosen expert leaves `open_`: with -inf logits the maximum alone would not tell it from the rest.
+            index = tl.min(tl.where((remaining == value) & open_, experts, EXPERTS_P), axis=0)
+            remaining = tl.where(experts == index, float("-inf"), remaining)
+            open_ = open_ & (experts != index)
+        index = tl.minimum(index, num_experts - 1)  # in range whatever the logits (NaN)
+        if j == 0:
+            top = value  # the largest logit
         chosen_ids = tl.where(slots == j, index, chosen_ids)
-        # best is the chosen logit itself, so its exp takes no third reduction a round.
-        chosen = tl.exp(best - top)
+        # value is the chosen logit itself, so its exp takes no further reduction.
+        chosen = tl.exp(value - top)
         chosen_exps = tl.where(slots == j, chosen, chosen_exps)
         chosen_total += chosen
-        remaining = tl.where(experts == index, float("-inf"), remaining)
-        open_ = open_ & (experts != index)
     if RENORMALIZE:
         total = chosen_total
     else:
@@ -72,6 +84,29 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
     tl.store(weights_ptr + token * TOP_K + slots, chosen_exps / total, mask=keep)
     tl.store(ids_ptr + token * TOP_K + slots, chosen_ids.to(ids_ptr.dtype.element_ty), mask=keep)
     return chosen_ids
+
+
+@triton.jit
+def _choice_keys(raw, experts, EXPERTS_P: tl.constexpr):
+    """int32 keys ordered as (logit, -index) over 16-bit logits: the logit's bits made monotonic (a negative
+    float's magnitude bits flipped; -0.0 ranks as 0.0) above EXPERTS_P - 1 - index (below 2**15). Zeros for
+    wider logits, which are not chosen by key."""
+    if raw.dtype.primitive_bitwidth == 16:
+        bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
+        bits = tl.where(bits == -(2 ** 15), 0, bits)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFF, bits)
+        keys = (ordered << 16) | (EXPERTS_P - 1 - experts)
+    else:
+        keys = tl.zeros(experts.shape, dtype=tl.int32)
+    return keys
+
+
+@triton.jit
+def _from_key(key, raw, EXPERTS_P: tl.constexpr):
+    """(expert index, logit as float32) of a key of _choice_keys."""
+    ordered = key >> 16
+    bits = tl.where(ordered < 0, ordered ^ 0x7FFF, ordered).to(tl.int16)
+    return EXPERTS_P - 1 - (key & 0xFFFF), bits.to(raw.dtype, bitcast=True).to(tl.float32)
 
 
 @triton.jit
