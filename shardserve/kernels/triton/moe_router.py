@@ -6,7 +6,10 @@ gather and sort, sum, divide); at batch 1 on 48 layers that is most of a millise
 experts' own GEMMs take to read a quarter of their weights. One program per token holds its E logits in registers.
 
 Ties pick the lower expert index. Choices are made on the logits (the softmax is monotonic), weights are
-exp(l - max) / sum over all experts (or over the chosen k when renormalising), in float32.
+exp(l - max) / sum over all experts (or over the chosen k when renormalising), in float32. A round of the choice
+is one integer maximum over keys that order (logit, -index) where the logits are 16-bit (_choice_keys: on an H100
+a single token's choice and alignment took 3.1 us instead of 5.5 with a float maximum and an index minimum a
+round).
 
 The results do not depend on how a launch lays the logits out over its threads (its warps): maxima and minima are
 exact in any order, the chosen k are summed one after another in choice order, and the sum over all experts is
