@@ -31,6 +31,8 @@ from shardserve.kernels.triton.pdl import enter
 # within int64.
 FIXED_POINT_ONE = tl.constexpr(2.0 ** 48)
 MAX_EXPERTS = 1 << 15
+# Below every key _choice_keys makes: what an expert not to be chosen (chosen already, or past E) holds.
+CLOSED_KEY = tl.constexpr(-(2 ** 31))
 
 
 @triton.jit
@@ -51,9 +53,11 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
     # 16-bit logits (models served in bf16/fp16) are chosen by int32 keys (_choice_keys): one maximum a round, a
     # single warp-reduction instruction. Others by the largest float32 value, then the lowest index holding it.
     KEYED: tl.constexpr = raw.dtype.primitive_bitwidth == 16
-    keys = tl.where(real, _choice_keys(raw, experts, EXPERTS_P), -(2 ** 31))
-    remaining = tl.where(real, logits, float("-inf"))
-    open_ = real
+    if KEYED:
+        keys = tl.where(real, _choice_keys(raw, experts, EXPERTS_P), CLOSED_KEY)
+    else:
+        remaining = tl.where(real, logits, float("-inf"))
+        open_ = real
     slots = tl.arange(0, TOP_K_P)
     chosen_ids = tl.zeros([TOP_K_P], dtype=tl.int32)
     chosen_exps = tl.zeros([TOP_K_P], dtype=tl.float32)
@@ -64,7 +68,7 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
             best = tl.max(keys, axis=0)
             index, value = _from_key(best, raw, EXPERTS_P)
             # The chosen key drops below every open expert's, -inf logits included.
-            keys = tl.where(keys == best, -(2 ** 31), keys)
+            keys = tl.where(keys == best, CLOSED_KEY, keys)
         else:
             value = tl.max(remaining, axis=0)
             # A chosen expert leaves `open_`: with -inf logits the maximum alone would not tell it from the rest.
@@ -92,16 +96,11 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
 @triton.jit
 def _choice_keys(raw, experts, EXPERTS_P: tl.constexpr):
     """int32 keys ordered as (logit, -index) over 16-bit logits: the logit's bits made monotonic (a negative
-    float's magnitude bits flipped; -0.0 ranks as 0.0) above EXPERTS_P - 1 - index (below 2**15). Zeros for
-    wider logits, which are not chosen by key."""
-    if raw.dtype.primitive_bitwidth == 16:
-        bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
-        bits = tl.where(bits == -(2 ** 15), 0, bits)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFF, bits)
-        keys = (ordered << 16) | (EXPERTS_P - 1 - experts)
-    else:
-        keys = tl.zeros(experts.shape, dtype=tl.int32)
-    return keys
+    float's magnitude bits flipped; -0.0 ranks as 0.0) above EXPERTS_P - 1 - index (below 2**15)."""
+    bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
+    bits = tl.where(bits == -(2 ** 15), 0, bits)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFF, bits)
+    return (ordered << 16) | (EXPERTS_P - 1 - experts)
 
 
 @triton.jit
