@@ -4,7 +4,9 @@
 
 Prints the engine's step time (overlapped decoding off and on), the GPU time of one step (CUDA events around the
 graph replay alone), and the host functions that take the most time per step (cProfile). --kernels adds the GPU
-kernels of one replayed step by total time (torch.profiler over 20 replays).
+kernels of one replayed step by total time (torch.profiler over 20 replays); --timeline, what each kernel adds to
+the step: its end minus the end of the kernel before it. Kernels launched early by dependent launch overlap the
+one before them, so their own durations add up to more than the step; these exposed times add up to the step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=200)
     p.add_argument("--model", choices=sorted(SHAPES), default="llama3-8b")
     p.add_argument("--kernels", action="store_true", help="the GPU kernels of a step, by total time")
+    p.add_argument("--timeline", action="store_true",
+                   help="what each kernel adds to a step (its end minus the previous kernel's end), by name")
     p.add_argument("--quantization", choices=["fp8", "gptq-int4"], default=None,
                    help="fp8: the projections quantized at load; gptq-int4: a 4-bit GPTQ checkpoint (groups of 128)")
     args = p.parse_args()
@@ -52,6 +56,8 @@ def main() -> None:
     replay_ms = graph_replay_ms(graph)
     if args.kernels:
         print_kernels(graph, replays=20)
+    if args.timeline:
+        print_exposed(graph, replays=20)
 
     step_ms = {}
     for overlap in (False, True):
@@ -93,6 +99,53 @@ def print_kernels(graph, replays: int) -> None:
     print(f"GPU kernels of one step: {step_us:.1f} us in all")
     for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:25]:
         print(f"{us:9.1f} us {us / step_us:6.1%} x{count:5.0f}  {name[:110]}")
+
+
+def print_exposed(graph, replays: int) -> None:
+    """Each kernel's exposed time, averaged over replays: its end minus the end of the kernel that ended before it
+    (the first kernel of a replay counts from its own start). A step is one chain of kernels, so these add up to the
+    replay's GPU time; a kernel whose launch overlaps the one before it is charged only for what it adds."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.end_ns(), e.start_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                      if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0))
+    per_replay = len(kernels) // replays
+    if per_replay == 0 or len(kernels) % replays:
+        print(f"timeline: {len(kernels)} kernels over {replays} replays do not divide; not shown")
+        return
+    exposed: dict[str, list[float]] = {}
+    own: dict[str, float] = {}
+    idle_ns = 0
+    window = range(per_replay // 2, min(per_replay, per_replay // 2 + 12))  # a few launches mid-step, in order
+    at_position = {j: [0.0, 0.0, kernels[j][2]] for j in window}
+    for r in range(replays):
+        step = kernels[r * per_replay:(r + 1) * per_replay]
+        previous_end = step[0][1]
+        for j, (end, start, name) in enumerate(step):
+            exposed.setdefault(name, []).append((end - previous_end) / 1000)
+            own[name] = own.get(name, 0.0) + (end - start) / 1000
+            idle_ns += max(0, start - previous_end)
+            if j in at_position:
+                at_position[j][0] += (end - previous_end) / 1000 / replays
+                at_position[j][1] += (end - start) / 1000 / replays
+            previous_end = end
+    step_us = sum(sum(v) for v in exposed.values()) / replays
+    print(f"exposed time of one step's {per_replay} kernels: {step_us:.1f} us, of which the GPU idle between kernels "
+          f"{idle_ns / 1000 / replays:.1f} us (exposed sum, us a launch, its own duration a launch)")
+    for name, values in sorted(exposed.items(), key=lambda kv: -sum(kv[1]))[:25]:
+        count = len(values) / replays
+        total = sum(values) / replays
+        print(f"{total:9.1f} us {total / step_us:6.1%} x{count:5.0f}  {total / count:6.2f} "
+              f"{own[name] / replays / count:6.2f}  {name[:90]}")
+    print("launches mid-step in order (exposed us, own duration us):")
+    for j, (exposed_us, own_us, name) in at_position.items():
+        print(f"  {j:5d} {exposed_us:6.2f} {own_us:6.2f}  {name[:100]}")
 
 
 if __name__ == "__main__":
