@@ -44,13 +44,15 @@ def _step_inputs() -> dict:
 def _chain(x: torch.Tensor, layers, s: dict, rotary: str) -> torch.Tensor:
     """A decoder-like chain at batch 1: norm-fused QKV GEMV, rotary + cache write (rotary "separate": a kernel of
     its own; "fused": inside the decode launch, which loads its first cached tile before its wait), decode
-    attention over 40 cached tokens (split in 4), o_proj GEMV, norm-fused gate/up GEMV, SwiGLU-fused down GEMV;
-    every kernel reads its predecessor's output."""
-    from shardserve.kernels.triton.fused_ops import apply_rotary_and_store_
+    attention over 40 cached tokens (split in 4), o_proj GEMV, the gate/up GEMV with the norm inside (rotary
+    "fused") or after the norm kernel (rotary "separate"), SwiGLU-fused down GEMV; every kernel reads its
+    predecessor's output."""
+    from shardserve.kernels.triton.fused_ops import apply_rotary_and_store_, fused_add_rms_norm
     from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm, gemv_swiglu
     from shardserve.kernels.triton.paged_decode import NewTokens, paged_decode_attention
 
     heads, head_dim = HEADS, HEAD_DIM
+    x = x.clone()  # the first layer's residual is x itself, which the norm kernel overwrites with its sum
     residual = None
     for qkv_w, o_w, gate_up_w, down_w, norm_w in layers:
         qkv, residual = gemv_rmsnorm(x, residual, norm_w, 1e-6, qkv_w, 16, 512, 8, 1)
@@ -65,7 +67,11 @@ def _chain(x: torch.Tensor, layers, s: dict, rotary: str) -> torch.Tensor:
         attn = paged_decode_attention(qk[:, :heads], s["k_cache"], s["v_cache"], s["tables"], s["context"],
                                       head_dim ** -0.5, BLOCK, num_splits=4, new_tokens=new)
         x = gemv(attn.reshape(1, HIDDEN), o_w, 8, 512, 4, 1)
-        gate_up, residual = gemv_rmsnorm(x, residual, norm_w, 1e-6, gate_up_w, 16, 512, 8, 1)
+        if rotary == "fused":
+            gate_up, residual = gemv_rmsnorm(x, residual, norm_w, 1e-6, gate_up_w, 16, 512, 8, 1)
+        else:
+            normed, residual = fused_add_rms_norm(x, residual, norm_w, 1e-6)
+            gate_up = gemv(normed, gate_up_w, 16, 512, 8, 1)
         x = gemv_swiglu(gate_up, down_w, 4, 1024, 8, 4)
     return x + residual
 

@@ -38,14 +38,17 @@ def _row_warps(block: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, eps,
                      stride_x, stride_r, stride_o, stride_s,
-                     ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per row. With ADD_RESIDUAL, s = round(x + residual) is normalised and stored at sum_ptr.
 
-    out = round(weight * round(s * rsqrt(mean(s^2) + eps))), the statistics in float32.
+    out = round(weight * round(s * rsqrt(mean(s^2) + eps))), the statistics in float32. PDL: launched to overlap
+    the kernel before it (pdl.py); the norm's weight, which no kernel of a step writes, is read before the wait.
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    enter(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if ADD_RESIDUAL:
@@ -55,7 +58,6 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, 
     h = x.to(tl.float32)
     mean_sq = tl.sum(h * h, 0) / n_cols
     h = (h * tl.rsqrt(mean_sq + eps)).to(dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = (w.to(tl.float32) * h.to(tl.float32)).to(dtype)
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
@@ -81,7 +83,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = triton.next_power_of_2(x2.shape[1])
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.shape[1], eps,
                                          x2.stride(0), 0, out.stride(0), 0,
-                                         ADD_RESIDUAL=False, BLOCK=block, num_warps=_row_warps(block))
+                                         ADD_RESIDUAL=False, BLOCK=block, num_warps=_row_warps(block),
+                                         **pdl.launch(x.device))
     return out.view(x.shape)
 
 
@@ -101,7 +104,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         block = triton.next_power_of_2(x2.shape[1])
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, x2, r2, x2.shape[1], eps,
                                          x2.stride(0), r2.stride(0), x2.stride(0), r2.stride(0),
-                                         ADD_RESIDUAL=True, BLOCK=block, num_warps=_row_warps(block))
+                                         ADD_RESIDUAL=True, BLOCK=block, num_warps=_row_warps(block),
+                                         **pdl.launch(x.device))
     return x2.view(x.shape), r2.view(x.shape)
 
 
