@@ -641,9 +641,9 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
     return chosen
 
 
-# A norm-fused single-row GEMV replaces the norm kernel and the plain GEMV: it must be faster by this share of
-# their time (as layers/cuda_gemv.py asks of 16-bit weights).
-NORM_FUSED_MIN_GAIN = 0.03
+# A norm-fused single-row GEMV replaces the norm kernel and the plain GEMV: it is kept unless those two are faster
+# by this share of its time (layers/cuda_gemv.py's rule for 16-bit weights).
+NORM_APART_MIN_GAIN = 0.03
 # The norm inside is timed in the plain GEMV's NORM_FUSED_CANDIDATES fastest forms of each kind: its ranking is
 # not theirs (on an H200 FP8's 6144x4096 q/k/v: plain 8.4 us in (4, 2048, 8, 4) and 8.6 in (8, 1024, 8, 3), with
 # the norm inside 11.1 and 10.0 us).
@@ -655,10 +655,10 @@ SPLIT_SUFFIX = "/split"
 def _choose_normed(layers: list[KernelLinear], timed: list[tuple[float, GemvForm]],
                    weight64: torch.Tensor) -> tuple[GemvForm, bool] | None:
     """For layers of one packed shape that take a normed input (column-parallel, no input permutation): the
-    fastest tiled or split-K form in `timed` (times of their plain GEMVs) after the norm kernel, or, where that
-    checks against float64 (weight64: their reference weight) and is faster by NORM_FUSED_MIN_GAIN, the fastest
-    of each kind's NORM_FUSED_CANDIDATES fastest forms with the norm inside. Returns (form, norm inside), or None
-    for other layers."""
+    fastest of each kind's NORM_FUSED_CANDIDATES fastest forms with the norm inside, where that checks against
+    float64 (weight64: their reference weight) and the fastest tiled or split-K form in `timed` (times of their
+    plain GEMVs) after the norm kernel is not faster by NORM_APART_MIN_GAIN; else that form after the norm kernel.
+    Returns (form, norm inside), or None for other layers."""
     first = layers[0]
     if not hasattr(first, "forward_normed") or getattr(first, "input_perm", None) is not None:
         return None
@@ -701,7 +701,7 @@ def _choose_normed(layers: list[KernelLinear], timed: list[tuple[float, GemvForm
         return None
     best_apart = min(apart, key=lambda t: t[0])
     best_fused = min(fused, key=lambda t: t[0]) if fused else None
-    inside = best_fused is not None and best_fused[0] < best_apart[0] * (1 - NORM_FUSED_MIN_GAIN)
+    inside = best_fused is not None and not best_apart[0] < best_fused[0] * (1 - NORM_APART_MIN_GAIN)
     us, form = best_fused if inside else best_apart
     logger.info("packed %dx%d with the norm before it: %s %s, %.1f us (after the norm kernel at best %.1f us%s)",
                 first.packed.n, k, _describe_form(form), "with the norm inside" if inside else "after the norm kernel",
