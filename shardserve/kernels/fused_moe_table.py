@@ -8,6 +8,7 @@ shape (benchmarks/moe_kernels.py --sweep; BENCHMARKS.md).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from shardserve.env_choice import env_choice
@@ -67,12 +68,32 @@ class OneTokenTiles:
 # 23.7 us a layer's experts, against 26.2 for (4, 512, 4, 3) + (4, 256, 4, 2) and 28.8 for the grouped GEMMs.
 ONE_TOKEN_TILES = OneTokenTiles(Tile(2, 1024, 4, 2), Tile(8, 256, 4, 2))
 ONE_TOKEN_ENV = "SHARDSERVE_MOE_ONE_TOKEN"
+# Other tiles for the one-token path, to tune it on another GPU inside whole decode steps: "up/down", each tile
+# "block_n,block_k,num_warps,num_stages" (powers of two), e.g. "2,1024,4,2/8,256,4,2" (the default).
+ONE_TOKEN_TILES_ENV = "SHARDSERVE_MOE_ONE_TOKEN_TILES"
 
 
 def one_token_tiles() -> OneTokenTiles | None:
-    """The one-token path's tiles, or None where SHARDSERVE_MOE_ONE_TOKEN=gemm keeps a single token on the grouped
-    GEMMs of the table (default gemv)."""
-    return ONE_TOKEN_TILES if env_choice(ONE_TOKEN_ENV, ("gemv", "gemm"), "gemv") == "gemv" else None
+    """The one-token path's tiles (ONE_TOKEN_TILES unless SHARDSERVE_MOE_ONE_TOKEN_TILES says others), or None
+    where SHARDSERVE_MOE_ONE_TOKEN=gemm keeps a single token on the grouped GEMMs of the table (default gemv)."""
+    if env_choice(ONE_TOKEN_ENV, ("gemv", "gemm"), "gemv") != "gemv":
+        return None
+    value = os.environ.get(ONE_TOKEN_TILES_ENV)
+    return ONE_TOKEN_TILES if value is None else parse_one_token_tiles(value)
+
+
+def parse_one_token_tiles(value: str) -> OneTokenTiles:
+    """OneTokenTiles from "up/down" (ONE_TOKEN_TILES_ENV's form); a ValueError naming the variable otherwise."""
+    try:
+        up, down = (Tile(*(int(n) for n in tile.split(","))) for tile in value.split("/"))
+        ok = all(n > 0 and not n & (n - 1) for tile in (up, down)
+                 for n in (tile.block_n, tile.block_k, tile.num_warps)) and min(up.num_stages, down.num_stages) > 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{ONE_TOKEN_TILES_ENV}={value!r}: expected two tiles 'up/down', each "
+                         "'block_n,block_k,num_warps,num_stages' with powers of two, e.g. '2,1024,4,2/8,256,4,2'")
+    return OneTokenTiles(up, down)
 
 
 def pick_config(tokens: int, top_k: int, num_experts: int, element_size: int = 2) -> MoeConfig:

@@ -453,6 +453,15 @@ def test_one_token_path_is_the_default_for_a_single_token(monkeypatch):
     with pytest.raises(ValueError, match="single token"):
         x2, weights2, ids2 = make_routes(2, 8, 2, dtype, 48)
         fused_moe(x2, w13, w2, weights2, ids2, config=tiles)
+    # Other tiles by name (tuning inside whole steps): the path runs them; a malformed value names the variable.
+    monkeypatch.setenv(fused_moe_table.ONE_TOKEN_ENV, "gemv")
+    monkeypatch.setenv(fused_moe_table.ONE_TOKEN_TILES_ENV, "4,16,4,1/16,8,4,1")
+    other = fused_moe_table.OneTokenTiles(fused_moe_table.Tile(4, 16, 4, 1), fused_moe_table.Tile(16, 8, 4, 1))
+    assert fused_moe_table.one_token_tiles() == other
+    assert torch.equal(fused_moe(x, w13, w2, weights, ids), fused_moe(x, w13, w2, weights, ids, config=other))
+    monkeypatch.setenv(fused_moe_table.ONE_TOKEN_TILES_ENV, "4,16,4,1")
+    with pytest.raises(ValueError, match="SHARDSERVE_MOE_ONE_TOKEN_TILES='4,16,4,1': expected two tiles"):
+        fused_moe(x, w13, w2, weights, ids)
 
 
 def test_one_token_sum_in_the_w2_product_equals_the_separate_sum(monkeypatch):
