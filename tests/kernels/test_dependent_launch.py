@@ -48,7 +48,7 @@ def _chain(x: torch.Tensor, layers, s: dict, rotary: str) -> torch.Tensor:
     "fused") or after the norm kernel (rotary "separate"), SwiGLU-fused down GEMV; every kernel reads its
     predecessor's output."""
     from shardserve.kernels.triton.fused_ops import apply_rotary_and_store_, fused_add_rms_norm
-    from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm, gemv_swiglu
+    from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm, gemv_swiglu, row_tiles
     from shardserve.kernels.triton.paged_decode import NewTokens, paged_decode_attention
 
     heads, head_dim = HEADS, HEAD_DIM
@@ -64,9 +64,12 @@ def _chain(x: torch.Tensor, layers, s: dict, rotary: str) -> torch.Tensor:
         else:
             apply_rotary_and_store_(qk, heads, v, s["positions"], s["cos"], s["sin"], s["k_cache"],
                                     s["v_cache"], s["slots"])
+        # With the rotation inside, attention lets the o projection launch at its start (next_early), and the o
+        # projection loads its whole rows before its wait (as layers/attention.overlap_with_o_projection sets up).
         attn = paged_decode_attention(qk[:, :heads], s["k_cache"], s["v_cache"], s["tables"], s["context"],
-                                      head_dim ** -0.5, BLOCK, num_splits=4, new_tokens=new)
-        x = gemv(attn.reshape(1, HIDDEN), o_w, 8, 512, 4, 1)
+                                      head_dim ** -0.5, BLOCK, num_splits=4, new_tokens=new,
+                                      next_early=rotary == "fused")
+        x = gemv(attn.reshape(1, HIDDEN), o_w, 8, 512, 4, 1, row_tiles(HIDDEN, 512) if rotary == "fused" else None)
         if rotary == "fused":
             gate_up, residual = gemv_rmsnorm(x, residual, norm_w, 1e-6, gate_up_w, 16, 512, 8, 1)
         else:
@@ -110,6 +113,9 @@ def test_dependent_launch_keeps_every_bit_of_a_decode_chain(monkeypatch, rotary)
     for tiles in ("0", "2"):
         monkeypatch.setenv("SHARDSERVE_GEMV_PRELOAD", tiles)
         assert torch.equal(_replayed(monkeypatch, "on", layers, x, rotary), serial), f"{tiles} tiles preloaded"
+    # Attention letting the o projection launch at its start, or after its wait: the same bits.
+    monkeypatch.setenv("SHARDSERVE_ATTENTION_OVERLAP", "off")
+    assert torch.equal(_replayed(monkeypatch, "on", layers, x, rotary), serial)
 
 
 def test_a_bad_mode_is_named(monkeypatch):

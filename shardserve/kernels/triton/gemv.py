@@ -23,8 +23,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr, PRELOAD: tl.constexpr = 0, SWIGLU_OUT: tl.constexpr = False):
     """K is a compile-time constant (one variant per layer shape): tiles need no column mask when it divides.
-    PDL: launched to overlap the kernel before it (pdl.py). PRELOAD (0 to 2, at most 1 where K has fewer than
-    two tiles): that many weight tiles are loaded before that wait (no kernel of the chain writes weights), so
+    PDL: launched to overlap the kernel before it (pdl.py). PRELOAD (0 to the row's tiles; SHARDSERVE_GEMV_PRELOAD
+    says 0 to 2, and the o projection may take all: pdl.py): that many weight tiles are loaded before that wait (no kernel of the chain writes weights), so
     programs placed early stream weights while the kernel before them (an all-reduce, attention) still runs.
     SWIGLU_OUT: the weight is [gate | up] (2N rows) and the output silu(gate) * up (N values; program_rows)."""
     rows, row_ok = program_rows(tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
@@ -112,11 +112,13 @@ def _x_tile(x_ptr, k, cols, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
-         num_stages: int = 3, swiglu_out: bool = False) -> torch.Tensor:
+         num_stages: int = 3, preload: int | None = None, swiglu_out: bool = False) -> torch.Tensor:
     """x [1, K] (or [K]) times weight [N, K]^T -> [1, N] in x's dtype, float32 accumulation. With `swiglu_out`
-    the weight is a [gate | up] projection and the result silu(gate) * up, [1, N / 2], in the same launch."""
+    the weight is a [gate | up] projection and the result silu(gate) * up, [1, N / 2], in the same launch.
+    `preload`: weight tiles each program loads before its dependent-launch wait (None: preload_tiles(); at most
+    the row's tiles, row_tiles(K, block_k) for all of them); the same bits whatever it is."""
     return _launch_per_row(_gemv_kernel, _one_row(x, weight, 1, "gemv needs x with {} elements"), weight,
-                           block_n, block_k, num_warps, num_stages, swiglu_out)
+                           block_n, block_k, num_warps, num_stages, swiglu_out, preload)
 
 
 def _one_row(x: torch.Tensor, weight: torch.Tensor, per_column: int, needs: str) -> torch.Tensor:
@@ -129,11 +131,13 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, per_column: int, needs: str)
 
 
 def _launch_per_row(kernel, x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, num_warps: int,
-                    num_stages: int, swiglu_out: bool = False) -> torch.Tensor:
+                    num_stages: int, swiglu_out: bool = False, preload: int | None = None) -> torch.Tensor:
     """Run a one-row GEMV kernel (signature x, w, out, N, stride_wn, K=..) over block_n rows of weight a program
     (with `swiglu_out`, _gemv_kernel's SWIGLU_OUT form: block_n / 2 features of silu(gate) * up a program)."""
     k = weight.shape[1]
-    extra = _preload_arg(k, block_k) if kernel is _gemv_kernel else {}
+    extra = {}
+    if kernel is _gemv_kernel:
+        extra = _preload_arg(k, block_k) if preload is None else {"PRELOAD": min(preload, row_tiles(k, block_k))}
     n, programs = output_rows(weight, block_n, swiglu_out)
     if swiglu_out:
         extra["SWIGLU_OUT"] = True
@@ -154,6 +158,11 @@ def output_rows(weight: torch.Tensor, block_n: int, swiglu_out: bool) -> tuple[i
         raise ValueError(f"a SwiGLU-out GEMV needs an even number of weight rows and block_n, got {rows} rows and "
                          f"block_n {block_n}")
     return rows // 2, triton.cdiv(rows // 2, block_n // 2)
+
+
+def row_tiles(k: int, block_k: int) -> int:
+    """Tiles of block_k columns in a row of k."""
+    return triton.cdiv(k, block_k)
 
 
 def _preload_arg(k: int, block_k: int) -> dict:

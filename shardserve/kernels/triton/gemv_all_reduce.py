@@ -137,7 +137,7 @@ def gemv_all_reduce(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     [gate | up] of 2K values and the input is silu(gate) * up), in place; returns (RMSNorm(residual) *
     norm_weight, residual). Needs the device's arrival counts made (arrivals.py: not first inside a capture) and
     `fits`."""
-    block_n, block_k, num_warps, num_stages = config
+    block_n, block_k, num_warps, num_stages = config[:4]  # a fifth, the plain GEMV's preloaded tiles, is not used
     n, k = weight.shape
     counts = arrival_counts(weight.device, ARRIVAL_SLOT.value + 1)
     if counts is None or not fits(n, residual.dtype, block_n, ll_slot_words * 8):

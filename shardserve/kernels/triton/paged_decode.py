@@ -21,7 +21,7 @@ from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, l
 from shardserve.kernels.triton.fused_ops import check_norm_args, normed_heads, rotate_rows
 from shardserve.kernels.triton.paged_attention import (LOG2E, attend_loaded, attend_tile, check_attention_args,
                                                        dot_precision, load_kv_tile)
-from shardserve.kernels.triton.pdl import enter
+from shardserve.kernels.triton.pdl import enter, launch_next
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -127,7 +127,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, GROUP_C: tl.constexpr,
                    SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
-                   PRELOAD_KV: tl.constexpr, PDL: tl.constexpr):
+                   PRELOAD_KV: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
     """Program (b, kv_head, split): every query head of the KV-head group over one contiguous share of b's context.
 
     The context [0, context_lens[b]) is cut into num_splits ranges of equal length, a multiple of BLOCK_SIZE
@@ -148,10 +148,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     PDL: launched to overlap the kernel before it (kernels/triton/pdl.py); the counts are touched after the
     wait, and only by this kernel's programs. PRELOAD_KV (with ROTATE): what no kernel of the step's chain writes
     is read before the wait: the step's inputs (context lengths, slots, block tables), the rotary tables and the
-    first tile of cached keys and values (the tile a split of a short context is made of).
+    first tile of cached keys and values (the tile a split of a short context is made of). NEXT_EARLY: the next
+    kernel (the combine, the o projection) launches at this one's start (pdl.launch_next).
     """
+    if NEXT_EARLY:
+        launch_next(PDL)
     if not (ROTATE and PRELOAD_KV):
-        enter(PDL)  # without ROTATE the kernel before may have written this step's keys and values to the cache
+        enter(PDL, NEXT_EARLY)  # without ROTATE the kernel before may have written this step's keys and values to the cache
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -184,7 +187,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
             # writes: the first tile is loaded before the wait, while the kernel before (q/k/v's GEMV) runs.
             first_k, first_v, first_pos, first_ok = load_kv_tile(k_base, v_base, table_row, stride_kcs, lo,
                                                                  cached_end, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
-            enter(PDL)
+            enter(PDL, NEXT_EARLY)
         q, q_rolled = normed_heads(q_rows, row_ok, q_norm_ptr, eps, HEAD_DIM, NORM)
         q = rotate_rows(q, q_rolled, cos, sin)
         one = tl.zeros([1], dtype=tl.int64)  # the new key as a one-row block; holds_new | (one < 0): its mask
@@ -231,9 +234,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
 @triton.jit
 def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
                            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                           SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, head): out[b, head] from its splits (_combine_splits)."""
-    enter(PDL)
+                           SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+                           NEXT_EARLY: tl.constexpr = False):
+    """Program (b, head): out[b, head] from its splits (_combine_splits); NEXT_EARLY as in _decode_kernel."""
+    if NEXT_EARLY:
+        launch_next(PDL)
+    enter(PDL, NEXT_EARLY)
     _combine_splits(partial_ptr, lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), 1, num_splits,
                     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, 1, SPLITS_P,
                     HEAD_DIM, "")
@@ -295,7 +301,8 @@ class NewTokens:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
                            num_splits: int, out: torch.Tensor | None = None,
-                           arrivals: torch.Tensor | None = None, new_tokens: NewTokens | None = None) -> torch.Tensor:
+                           arrivals: torch.Tensor | None = None, new_tokens: NewTokens | None = None,
+                           next_early: bool = False) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context (flash-decoding).
 
     q: [B, num_heads, head_dim] (any strides, unit last-dim stride). Sequence b attends to positions
@@ -308,7 +315,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     FUSED_COMBINE_MAX_ROWS query heads of a group x splits), counting in `arrivals` (zeroed int32, at least
     B * num_kv_heads, left at zero; default: the device's shared arrival counts), or by a second kernel over
     (B, num_heads), which also serves larger groups x splits and where the shared counts are too few.
-    Graph-capturable; a graph keeps the address of the counts, so they must outlive it.
+    Graph-capturable; a graph keeps the address of the counts, so they must outlive it. `next_early`: the launch
+    (and the combine's) lets the next kernel launch at its start (pdl.py's exception: it must read nothing of the
+    chain before its wait).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -334,7 +343,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                   # One split per sequence keeps its loop as it was: with the preloaded tile the offline benchmark
                   # (512 sequences) ran 7.6% slower on an H200.
                   PRELOAD_KV=rotate and num_splits > 1,
-                  NORM=rotate and new_tokens.head_norm is not None, **config, **pdl.launch(q.device))
+                  NORM=rotate and new_tokens.head_norm is not None, **config, **_launch(q.device, next_early))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                      block_tables.stride(0))
     rotation = new_tokens.kernel_args() if new_tokens is not None else (q,) * 7 + (0.0,) + (0,) * 6
@@ -359,8 +368,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _combine_splits_kernel[(batch, num_heads)](
             partial, lse, out, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            SPLITS_P=splits_p, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8, **pdl.launch(q.device))
+            SPLITS_P=splits_p, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8,
+            **_launch(q.device, next_early))
     return out
+
+
+def _launch(device: torch.device, next_early: bool) -> dict:
+    """pdl.launch's arguments, with NEXT_EARLY where attention lets the next kernel launch at its start (the
+    caller's `next_early`: the o projection loads its rows meanwhile; layers/attention.overlap_with_o_projection)."""
+    launch = pdl.launch(device)
+    if launch["PDL"] and next_early and pdl.attention_overlap():
+        launch["NEXT_EARLY"] = True
+    return launch
 
 
 def _combine_counts(arrivals: torch.Tensor | None, slots: int, device: torch.device) -> torch.Tensor | None:

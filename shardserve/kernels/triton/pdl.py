@@ -16,6 +16,11 @@ Rules every kernel launched this way follows (`enter` does both):
 So when a kernel's programs start, every kernel two or more launches back has completed: before its wait a
 kernel may read what no kernel of the chain writes (weights, tables of addresses) and what only such earlier
 kernels wrote (the batch-1 GEMV's first weight tiles, the peer all-reduce's counters).
+One exception (SHARDSERVE_ATTENTION_OVERLAP, on by default): where the o projection's GEMV loads all its weight
+rows before its wait and all its programs fit on the GPU at once (layers/attention.overlap_with_o_projection,
+cuda_gemv.holds_rows), decode attention and its split combine let it launch at their start (launch_next, then
+enter with LAUNCHED): it reads nothing of the chain before its wait, and its weights stream while attention, which
+reads little from memory, runs. From the o projection on, the rule above holds again.
 Without the launch attribute (other GPUs, SHARDSERVE_PDL=off) the same kernels run as before: the wait returns
 at once.
 """
@@ -36,11 +41,30 @@ MODES = ("auto", "on", "off")
 
 
 @triton.jit
-def enter(PDL: tl.constexpr):
-    """Wait for the kernels before this one, then let the next one launch (a no-op without PDL)."""
+def enter(PDL: tl.constexpr, LAUNCHED: tl.constexpr = False):
+    """Wait for the kernels before this one, then let the next one launch (a no-op without PDL); with LAUNCHED the
+    kernel let it launch already (launch_next)."""
     if PDL:
         gdc_wait()
+        if not LAUNCHED:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def launch_next(PDL: tl.constexpr):
+    """Let the next kernel launch before this one's wait: only where that kernel reads nothing the chain writes
+    before its own wait (the module docstring's exception); the kernel then enters with LAUNCHED."""
+    if PDL:
         gdc_launch_dependents()
+
+
+ATTENTION_OVERLAP_ENV = "SHARDSERVE_ATTENTION_OVERLAP"
+
+
+def attention_overlap() -> bool:
+    """Whether the o projection may load its rows while decode attention runs (the module docstring's exception;
+    SHARDSERVE_ATTENTION_OVERLAP=on, the default; off: never, and attention lets it launch after its wait)."""
+    return env_choice(ATTENTION_OVERLAP_ENV, ("on", "off"), "on") == "on"
 
 
 def mode() -> str:
