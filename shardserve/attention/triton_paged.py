@@ -101,7 +101,8 @@ class TritonPagedBackend:
             new = NewTokens(qk[:, layer.num_heads:], v, meta.slot_mapping, rotary.cos, rotary.signed_sin, head_norm)
             out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                          layer.scale, self.block_size, meta.num_splits,
-                                         arrivals=meta.decode_arrivals, new_tokens=new)
+                                         arrivals=meta.decode_arrivals, new_tokens=new,
+                                         next_early=layer.launches_next_early)
             return out.view(q.shape[0], -1)
         if rotary.positions is not None:
             apply_rotary_and_store_(qk, layer.num_heads, v, rotary.positions, rotary.cos, rotary.signed_sin,

@@ -24,6 +24,7 @@ from shardserve.wire.step_plan import FROM_DEVICE, StepPlan
 from shardserve.engine import kernel_setup
 from shardserve.kernels import cpu_features
 from shardserve.kernels import plan as kernel_plan
+from shardserve.layers.attention import overlap_with_o_projection
 from shardserve.layers.cuda_gemv import use_batch1_gemv
 from shardserve.layers.linear import deferred_weights, weight_bytes
 from shardserve.layers.moe_packed import pack_experts
@@ -272,8 +273,11 @@ class ModelRunner:
                                        agree=lambda chosen: kernel_setup.agree_on_gemv(chosen, self.ctx))
             from shardserve.kernels.triton import pdl
 
-            self.plan = self.plan.with_results(gemv=gemv.summary() if gemv is not None else "cublas",
-                                               dependent_launch=pdl.describe(self.device))
+            overlapped = overlap_with_o_projection(model)  # after every rank agreed on the GEMVs' forms
+            self.plan = self.plan.with_results(
+                gemv=gemv.summary() if gemv is not None else "cublas",
+                dependent_launch=pdl.describe(self.device) + (
+                    f", the o projection's rows loaded during attention in {overlapped} layers" if overlapped else ""))
         loaded, copies = weight_bytes(model)
         quantization = self.model_config.quantization
         logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s%s%s", self.ctx.rank, self.config.model,

@@ -18,6 +18,9 @@ class PagedAttention(nn.Module):
     # Qwen3's per-head RMSNorms (query norm, key norm), applied to qk before the rotation, or None. Held, not
     # registered: their weights belong to the attention block that loads them.
     head_norm: tuple[nn.Module, nn.Module] | None = None
+    # Decode attention lets the next kernel (the o projection's GEMV) launch at its start: set where that GEMV loads
+    # all its rows before its wait (overlap_with_o_projection).
+    launches_next_early = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_index: tuple[int, ...]) -> None:
         super().__init__()
@@ -51,3 +54,18 @@ class PagedAttention(nn.Module):
 
             return qk_rms_norm_(qk, self.num_heads, q_norm.weight, k_norm.weight, q_norm.eps)  # one launch
         return torch.cat((q_norm(qk[:, :self.num_heads]), k_norm(qk[:, self.num_heads:])), dim=1)
+
+
+def overlap_with_o_projection(model: nn.Module) -> int:
+    """Let decode attention launch the o projection at its start in the attention blocks (modules holding `attn`
+    and `o_proj`) whose o projection's single-row GEMV loads all its rows before its wait
+    (cuda_gemv.rows_preloaded): its weights then stream while attention runs. Returns how many blocks."""
+    from shardserve.layers.cuda_gemv import rows_preloaded
+
+    overlapped = 0
+    for module in model.modules():
+        attn, o_proj = getattr(module, "attn", None), getattr(module, "o_proj", None)
+        if isinstance(attn, PagedAttention) and o_proj is not None:
+            attn.launches_next_early = rows_preloaded(o_proj)
+            overlapped += attn.launches_next_early
+    return overlapped

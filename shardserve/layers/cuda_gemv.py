@@ -30,6 +30,16 @@ logger = logging.getLogger(__name__)
 # of 24 (benchmarks/gemv_shapes.py).
 CANDIDATES = ((8, 512, 4, 1), (4, 1024, 8, 4), (8, 512, 8, 4))
 NORMED_CANDIDATES = ((16, 512, 8, 1), (32, 512, 8, 1))
+# Layers that preload their rows (KernelLinear.preloads_rows: the o projection, placed while decode attention runs)
+# time the candidates, and these, whose whole row block fits in ROW_PRELOAD_MAX_BYTES of registers a thread, with
+# every tile loaded before the wait (a fifth element of the configuration: the tiles preloaded); only where every
+# program of the launch is placed at once, ROW_PRELOAD_THREADS_PER_SM threads an SM (64 registers a thread), so that
+# all of the weight loads while attention runs. On one H100, graph replay of a batch-1 step: Qwen3-30B-A3B's
+# 2048x4096 o projection (512 programs) 2.783 -> 2.704 ms; Llama-3-8B's 4096x4096 (1,024 programs, half of them
+# placed) 5.195 -> 5.225 ms, its FP8 form 3.050 -> 3.094: those keep their timed forms and attention its order.
+ROW_PRELOAD_CANDIDATES = ((2, 1024, 8, 1), (4, 2048, 8, 1))
+ROW_PRELOAD_MAX_BYTES = 128
+ROW_PRELOAD_THREADS_PER_SM = 1024
 # A plain Triton GEMV is kept unless cuBLAS is faster by more than TIE: on ties the Triton kernel wins, since
 # its time is the steadier of the two (cuBLAS's in-graph time for the 28672 x 4096 gate/up GEMV on H200 was
 # 54.5 us in one process and 61.8 us in another, the Triton kernel's 54.0 in both). A fused form replaces
@@ -48,7 +58,7 @@ SWIGLU_OUT_MIN_GAIN = 0.0
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
-Config = tuple[int, int, int, int]
+Config = tuple[int, ...]  # (block_n, block_k, num_warps, num_stages[, tiles preloaded])
 
 
 class Batch1GemvKernel(LinearKernel):
@@ -153,6 +163,39 @@ class Batch1GemvKernel(LinearKernel):
         return gemv_rmsnorm(x, residual, norm_weight, eps, weight, *config, swiglu_out=True)
 
 
+def _row_preload_forms(shape: tuple[int, int], sms: int) -> list[tuple[int, ...]]:
+    """The configurations (with their tiles preloaded: all of them) that preload rows of a 16-bit weight of
+    `shape` on a GPU of `sms` SMs (holds_rows)."""
+    from shardserve.kernels.triton.gemv import row_tiles
+
+    n, k = shape
+    return [(bn, bk, warps, stages, row_tiles(k, bk)) for bn, bk, warps, stages in CANDIDATES + ROW_PRELOAD_CANDIDATES
+            if holds_rows(n, k, 2, bn, row_tiles(k, bk) * bk, warps, sms)]
+
+
+def holds_rows(n: int, k: int, element_size: int, block_n: int, loaded_k: int, num_warps: int, sms: int) -> bool:
+    """Whether a one-row GEMV over an [n, k] weight whose programs each load block_n rows of loaded_k (>= k) columns
+    before their wait holds them in ROW_PRELOAD_MAX_BYTES a thread, and all of its programs are placed at once."""
+    threads = num_warps * 32
+    return (loaded_k >= k and block_n * loaded_k * element_size <= ROW_PRELOAD_MAX_BYTES * threads
+            and -(-n // block_n) <= sms * (ROW_PRELOAD_THREADS_PER_SM // threads))
+
+
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def rows_preloaded(layer: nn.Module) -> bool:
+    """Whether start-up gave `layer` (flagged preloads_rows) a single-row form that loads all its weight rows
+    before the dependent-launch wait: the attention before it then lets it launch at its start (pdl.py)."""
+    if not getattr(layer, "preloads_rows", False):
+        return False
+    if layer.packed is not None:
+        return layer.packed.preloads_rows(layer)
+    configs = getattr(layer.kernel, "configs", None)
+    return configs is not None and len(configs.get(tuple(layer.weight.shape), ())) == 5
+
+
 def _one_row_config(configs: dict[tuple[int, int], Config], x: torch.Tensor, weight: torch.Tensor) -> Config | None:
     """The chosen configuration for a one-row input x on `weight`'s shape, or None (batches, other shapes)."""
     if x.dim() != 2 or x.shape[0] != 1:
@@ -188,6 +231,7 @@ def use_batch1_gemv(model: nn.Module, log: bool = True, agree=None) -> Batch1Gem
     `agree` (several ranks) maps this rank's choice to the one every rank uses (rank 0's timings decide)."""
     if env_choice("SHARDSERVE_GEMV", ("auto", "cublas"), "auto") == "cublas":
         return None
+    from shardserve.kernels.triton import pdl
     from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm, gemv_swiglu
 
     layers = [m for m in model.modules() if hasattr(m, "matmul") and getattr(m, "prepared", None) is None]
@@ -195,10 +239,15 @@ def use_batch1_gemv(model: nn.Module, log: bool = True, agree=None) -> Batch1Gem
     swiglu_by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     normed_by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     swiglu_out_by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+    preloading: dict[tuple[int, int], list[Config]] = {}  # shapes whose rows load during attention, their forms
     for layer in layers:
         w = layer.weight
         if w.dim() == 2 and w.is_cuda and w.dtype in GEMV_DTYPES and w.stride(1) == 1:
             by_shape.setdefault(tuple(w.shape), []).append(w.data)
+            if getattr(layer, "preloads_rows", False) and pdl.attention_overlap():
+                forms = _row_preload_forms(tuple(w.shape), sm_count(w.device))
+                if forms:
+                    preloading[tuple(w.shape)] = forms
             if getattr(layer, "takes_swiglu_input", False):
                 swiglu_by_shape.setdefault(tuple(w.shape), []).append(w.data)
             if hasattr(layer, "forward_normed"):
@@ -206,8 +255,13 @@ def use_batch1_gemv(model: nn.Module, log: bool = True, agree=None) -> Batch1Gem
             if getattr(layer, "makes_swiglu_output", False) and w.shape[0] % 2 == 0 and layer.bias is None \
                     and swiglu_out_allowed():
                 swiglu_out_by_shape.setdefault(tuple(w.shape), []).append(w.data)
-    configs, report = _choose(by_shape, 1, F.linear, gemv, "", CANDIDATES, -TIE,
-                              lambda x, w, o: F.linear(x.double(), w[o].double()))
+    configs, report = _choose({shape: ws for shape, ws in by_shape.items() if shape not in preloading}, 1, F.linear,
+                              gemv, "", CANDIDATES, -TIE, lambda x, w, o: F.linear(x.double(), w[o].double()))
+    for shape, forms in preloading.items():
+        row_configs, row_report = _choose({shape: by_shape[shape]}, 1, F.linear, gemv, "", forms, -TIE,
+                                          lambda x, w, o: F.linear(x.double(), w[o].double()))
+        configs.update(row_configs)
+        report += [f"{line} (rows preloaded)" for line in row_report]
     plain = Batch1GemvKernel(configs, {}, {})  # the winner for each plain product, the baseline of the fused ones
     swiglu_configs, swiglu_report = _choose(swiglu_by_shape, 2, lambda x, w: plain(silu_and_mul(x), w, None),
                                             gemv_swiglu, "SwiGLU+", CANDIDATES, FUSED_MIN_GAIN,

@@ -88,6 +88,9 @@ class KernelLinear(nn.Module):
     loaded_digest: str | None = None
     # Quantized weights kept packed (layers/quantized_linear.PackedWeights): its own matmul replaces the kernel's.
     packed: Any = None
+    # Launched while decode attention runs (the o projection; kernels/triton/pdl.py): the batch-1 GEMV's programs
+    # load all their weight rows before their wait, where start-up found a form that holds them (cuda_gemv.py).
+    preloads_rows = False
 
     def _new_weight(self, rows: int, cols: int, dtype: torch.dtype, loader) -> None:
         self.weight = empty_parameter(rows, cols, dtype=dtype, device=weights_device())

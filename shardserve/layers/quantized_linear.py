@@ -249,6 +249,11 @@ class PackedWeights:
                 and x.dim() == 2 and x.shape[0] == 1 and self.n % 2 == 0 and config[0] % 2 == 0
                 and swiglu_out_allowed())
 
+    def preloads_rows(self, layer: KernelLinear) -> bool:
+        """Whether the layer's single-row GEMV loads all its rows before the dependent-launch wait
+        (cuda_gemv.rows_preloaded): FP8, a tiled form chosen among those that hold them (_candidate_forms)."""
+        return self.gemv_split is None and holds_rows_of(self, self.gemv_config, _preload_sms(layer))
+
     def _gemv(self, layer: KernelLinear, x: torch.Tensor, swiglu_out: bool = False) -> torch.Tensor:
         """The one-row product by the chosen GEMV; `swiglu_out` only where takes_swiglu_out (FP8 or split-K)."""
         from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv, int4_gemv_split
@@ -579,14 +584,40 @@ def _set_form(layers: list[KernelLinear], form: GemvForm, norm_fused: bool = Fal
         (layer.packed.gemv_config, layer.packed.gemv_split), layer.packed.norm_fused = form, norm_fused
 
 
-def _candidate_forms(packed: PackedWeights) -> list[GemvForm]:
+def _candidate_forms(packed: PackedWeights, preload_sms: int = 0) -> list[GemvForm]:
+    """The single-row forms start-up times for a packed shape; with `preload_sms` (_preload_sms: FP8 layers flagged
+    KernelLinear.preloads_rows, the GPU's SMs) only tiled ones whose first tile, loaded before the wait, is the whole
+    row block and that hold it (cuda_gemv.holds_rows), where there are such."""
     from shardserve.kernels.triton.quant_gemv import int4_split_sub
 
+    holding = [(config, None) for config in GEMV_CANDIDATES if holds_rows_of(packed, config, preload_sms)]
+    if holding:
+        return holding
     forms: list[GemvForm] = [(config, None) for config in GEMV_CANDIDATES]
     if packed.layout.kind == "int4":
         forms += [(DEFAULT_GEMV, config) for config in INT4_SPLIT_CANDIDATES
                   if int4_split_sub(packed.k, packed.group, config[1]) is not None]
     return forms
+
+
+def holds_rows_of(packed: PackedWeights, config: tuple[int, ...], sms: int) -> bool:
+    """Whether the FP8 GEMV in tiled `config` (its first tile loaded before the wait) holds all of the packed rows
+    on a GPU of `sms` SMs (cuda_gemv.holds_rows; 0 SMs: never)."""
+    from shardserve.layers.cuda_gemv import holds_rows
+
+    return packed.layout.kind == "fp8" and holds_rows(packed.n, packed.k, 1, config[0], config[1], config[2], sms)
+
+
+def _preload_sms(layer: KernelLinear) -> int:
+    """The SMs of the GPU whose programs may hold the layer's rows before the wait (FP8 weights of a layer flagged
+    preloads_rows, with attention overlap on: kernels/triton/pdl.py), else 0."""
+    from shardserve.kernels.triton import pdl
+    from shardserve.layers.cuda_gemv import sm_count
+
+    if not (layer.preloads_rows and layer.packed.layout.kind == "fp8" and layer.weight.is_cuda
+            and pdl.attention_overlap()):
+        return 0
+    return sm_count(layer.weight.device)
 
 
 def _describe_form(form: GemvForm) -> str:
@@ -614,7 +645,7 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
         weight64 = reference_weight(first)
         reference = F.linear(x.double(), weight64).cpu()
         timed: list[tuple[float, GemvForm]] = []
-        for form in _candidate_forms(first.packed):
+        for form in _candidate_forms(first.packed, _preload_sms(first)):
             _set_form(timed_layers, form)
             try:
                 if relative_error(first.packed._product(first, x), reference) > TOLERANCE.get(dtype, 1e-2):

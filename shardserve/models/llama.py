@@ -41,6 +41,7 @@ class Attention(nn.Module):
                                         comm if shard.sharded else None)
         self.qkv_proj.replicated = self.o_proj.replicated = not shard.sharded
         self.o_proj.defer()
+        self.o_proj.preloads_rows = True  # its GEMV is placed during decode attention (kernels/triton/pdl.py)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = PagedAttention(shard.num_q, shard.num_kv, hd, shard.kv_index)

@@ -304,3 +304,23 @@ def test_a_chosen_split_k_gemv_runs_the_one_row_products(monkeypatch):
 
     use_gemv_configs(model, {})
     assert layer.packed.gemv_split is None and not layer.packed.norm_fused
+
+
+def test_an_fp8_o_projection_times_only_forms_that_hold_its_rows(monkeypatch):
+    """An FP8 layer whose GEMV is to load all its rows while attention runs (preloads_rows, on a GPU of that many
+    SMs) is timed only in tiled forms whose first tile is the whole row block held by programs all placed at once;
+    without such forms (a wider row) or without the flag, every form; a form outside them preloads nothing."""
+    from shardserve.layers.linear import RowParallelLinear
+    from shardserve.layers.quantized_linear import (GEMV_CANDIDATES, PackedLayout, PackedWeights, _candidate_forms,
+                                                    holds_rows_of)
+
+    def packed(n, k):
+        layer = RowParallelLinear((0, k), n, False, torch.bfloat16, None)
+        return PackedWeights(layer, PackedLayout("fp8", 0), "cpu")
+
+    forms = _candidate_forms(packed(2048, 4096), 132)
+    assert forms and all(config[1] >= 4096 and config[0] * config[1] <= 128 * config[2] * 32 for config, _ in forms)
+    assert _candidate_forms(packed(2048, 8192), 132) == [(c, None) for c in GEMV_CANDIDATES]
+    assert _candidate_forms(packed(2048, 4096), 0) == [(c, None) for c in GEMV_CANDIDATES]
+    weights = packed(2048, 4096)
+    assert holds_rows_of(weights, forms[0][0], 132) and not holds_rows_of(weights, (8, 512, 4, 3), 132)

@@ -338,6 +338,10 @@ def test_decode_that_rotates_and_stores_its_new_token_equals_the_rotary_kernel_t
     assert torch.equal(qkv, before)  # the heads are rotated in registers, not in place
     for row in (s for s, n in enumerate(lengths) if n == 0):
         assert torch.equal(got[row], torch.zeros_like(got[row]))  # a padding row: zeros, nothing stored
+    if splits > 1:  # the next kernel launched at attention's start (dependent launch on GPUs): the same bits
+        assert torch.equal(pd.paged_decode_attention(qkv[:, :num_heads], k_cache, v_cache, cache.block_tables,
+                                                     context_lens, scale, block_size, splits, new_tokens=new,
+                                                     next_early=True), got)
     assert _shared_counts_are_zero()
 
 
@@ -631,7 +635,7 @@ def test_head_norm_rotary_and_cache_write_in_one_launch_equal_the_two_kernels(dt
 @pytest.mark.parametrize("n,k,block_k", [(48, 256, 128), (37, 200, 64), (16, 96, 128)])
 def test_gemv_matches_linear(dtype, n, k, block_k, monkeypatch):
     """Rows not a multiple of the row block and K not a multiple of the column block are masked, not dropped."""
-    from shardserve.kernels.triton.gemv import gemv
+    from shardserve.kernels.triton.gemv import gemv, row_tiles
 
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
@@ -646,6 +650,9 @@ def test_gemv_matches_linear(dtype, n, k, block_k, monkeypatch):
     for tiles in ("1", "2"):
         monkeypatch.setenv("SHARDSERVE_GEMV_PRELOAD", tiles)
         assert torch.equal(gemv(x, w, block_n=8, block_k=block_k, num_warps=4, num_stages=1), got), tiles
+    # So do all of the row's tiles (the o projection's form, loaded while attention runs).
+    all_tiles = row_tiles(k, block_k)
+    assert torch.equal(gemv(x, w, 8, block_k, 4, 1, all_tiles), got)
 
 
 def test_batch1_kernel_uses_the_chosen_shape_only(monkeypatch):
@@ -663,6 +670,43 @@ def test_batch1_kernel_uses_the_chosen_shape_only(monkeypatch):
         calls.clear()
         torch.testing.assert_close(kernel(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
         assert bool(calls) == triton_expected, (shape, rows)
+
+
+def test_the_o_projection_loads_its_whole_rows_before_the_wait(monkeypatch):
+    """A configuration with a fifth element (chosen for the o projection among forms that hold its rows) runs the
+    GEMV with that many tiles loaded before its wait, and its attention block then lets it launch at attention's
+    start. A form holds the rows where they fit in ROW_PRELOAD_MAX_BYTES a thread and every program is placed at
+    once: Qwen3-30B-A3B's 2048x4096 o projection on 132 SMs, not Llama-3-8B's 4096x4096."""
+    from torch import nn
+
+    from shardserve.kernels.triton import gemv as gemv_module
+    from shardserve.layers.attention import PagedAttention, overlap_with_o_projection
+    from shardserve.layers.cuda_gemv import ROW_PRELOAD_MAX_BYTES, Batch1GemvKernel, _row_preload_forms
+    from shardserve.layers.linear import RowParallelLinear
+
+    seen = []
+    original = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: seen.append(a[2:]) or original(*a, **kw))
+    kernel = Batch1GemvKernel({(24, 64): (8, 16, 4, 1, 4), (24, 32): (8, 16, 4, 1)}, {}, {})
+    w, x = torch.randn(24, 64, device=DEVICE), torch.randn(1, 64, device=DEVICE)
+    torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    assert seen == [(8, 16, 4, 1, 4)]
+
+    forms = _row_preload_forms((2048, 4096), 132)
+    assert (4, 1024, 8, 4, 4) in forms and (8, 512, 4, 1, 8) not in forms  # 128 and 512 bytes a thread
+    assert all(tiles * bk >= 4096 and bn * bk * tiles * 2 <= ROW_PRELOAD_MAX_BYTES * warps * 32
+               and 2048 // bn <= 132 * 1024 // (warps * 32) for bn, bk, warps, _, tiles in forms)
+    assert _row_preload_forms((4096, 4096), 132) == []  # 1,024 programs: half of them would wait for a place
+
+    blocks = []
+    for k in (64, 32):  # an o projection with the preloading form, one without
+        block = nn.Module()
+        block.attn, block.o_proj = PagedAttention(2, 1, 32, (0, 0)), RowParallelLinear((0, k), 24, False,
+                                                                                      torch.float32, None)
+        block.o_proj.preloads_rows, block.o_proj.kernel = True, kernel
+        blocks.append(block)
+    assert overlap_with_o_projection(nn.ModuleList(blocks)) == 1
+    assert [b.attn.launches_next_early for b in blocks] == [True, False]
 
 
 def test_a_down_projection_without_its_fused_form_runs_the_plain_winner(monkeypatch):
