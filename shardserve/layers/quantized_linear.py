@@ -612,10 +612,12 @@ def _preload_sms(layer: KernelLinear) -> int:
     """The SMs of the GPU whose programs may hold the layer's rows before the wait (FP8 weights of a layer flagged
     preloads_rows, with attention overlap on: kernels/triton/pdl.py), else 0."""
     from shardserve.kernels.triton import pdl
+    from shardserve.kernels.triton.gemv import preload_tiles
     from shardserve.layers.cuda_gemv import sm_count
 
+    # The FP8 GEMV loads its first tile before the wait unless SHARDSERVE_GEMV_PRELOAD=0.
     if not (layer.preloads_rows and layer.packed.layout.kind == "fp8" and layer.weight.is_cuda
-            and pdl.attention_overlap()):
+            and pdl.attention_overlap() and preload_tiles() > 0):
         return 0
     return sm_count(layer.weight.device)
 
