@@ -24,8 +24,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
                  PDL: tl.constexpr, PRELOAD: tl.constexpr = 0, SWIGLU_OUT: tl.constexpr = False):
     """K is a compile-time constant (one variant per layer shape): tiles need no column mask when it divides.
     PDL: launched to overlap the kernel before it (pdl.py). PRELOAD (0 to the row's tiles; SHARDSERVE_GEMV_PRELOAD
-    says 0 to 2, and the o projection may take all: pdl.py): that many weight tiles are loaded before that wait (no kernel of the chain writes weights), so
-    programs placed early stream weights while the kernel before them (an all-reduce, attention) still runs.
+    says 0 to 2, and the o projection may take all: pdl.py): that many weight tiles are loaded before that wait
+    (no kernel of the chain writes weights), so programs placed early stream weights while the kernel before them
+    (an all-reduce, attention) still runs.
     SWIGLU_OUT: the weight is [gate | up] (2N rows) and the output silu(gate) * up (N values; program_rows)."""
     rows, row_ok = program_rows(tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
     cols = tl.arange(0, BLOCK_K)

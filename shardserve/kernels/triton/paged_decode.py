@@ -154,7 +154,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     if NEXT_EARLY:
         launch_next(PDL)
     if not (ROTATE and PRELOAD_KV):
-        enter(PDL, NEXT_EARLY)  # without ROTATE the kernel before may have written this step's keys and values to the cache
+        # Without ROTATE the kernel before may have written this step's keys and values to the cache.
+        enter(PDL, NEXT_EARLY)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
