@@ -80,7 +80,8 @@ def main() -> None:
     llm.shutdown()
 
 
-def print_kernels(graph, replays: int) -> None:
+def profiled_replays(graph, replays: int):
+    """torch.profiler's record of the GPU kernels of `replays` replays of the graph."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -89,6 +90,13 @@ def print_kernels(graph, replays: int) -> None:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
+    return prof
+
+
+def print_kernels(graph, replays: int) -> None:
+    import torch
+
+    prof = profiled_replays(graph, replays)
     totals: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -106,13 +114,8 @@ def print_exposed(graph, replays: int) -> None:
     (the first kernel of a replay counts from its own start). A step is one chain of kernels, so these add up to the
     replay's GPU time; a kernel whose launch overlaps the one before it is charged only for what it adds."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
+    prof = profiled_replays(graph, replays)
     kernels = sorted(((e.end_ns(), e.start_ns(), e.name()) for e in prof.profiler.kineto_results.events()
                       if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0))
     per_replay = len(kernels) // replays
@@ -128,12 +131,13 @@ def print_exposed(graph, replays: int) -> None:
         step = kernels[r * per_replay:(r + 1) * per_replay]
         previous_end = step[0][1]
         for j, (end, start, name) in enumerate(step):
-            exposed.setdefault(name, []).append((end - previous_end) / 1000)
-            own[name] = own.get(name, 0.0) + (end - start) / 1000
+            added_us, own_us = (end - previous_end) / 1000, (end - start) / 1000
+            exposed.setdefault(name, []).append(added_us)
+            own[name] = own.get(name, 0.0) + own_us
             idle_ns += max(0, start - previous_end)
             if j in at_position:
-                at_position[j][0] += (end - previous_end) / 1000 / replays
-                at_position[j][1] += (end - start) / 1000 / replays
+                at_position[j][0] += added_us / replays
+                at_position[j][1] += own_us / replays
             previous_end = end
     step_us = sum(sum(v) for v in exposed.values()) / replays
     print(f"exposed time of one step's {per_replay} kernels: {step_us:.1f} us, of which the GPU idle between kernels "
