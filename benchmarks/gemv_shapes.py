@@ -1,15 +1,19 @@
 """Batch-1 matrix-vector products of a Llama-3-8B layer, timed the way a decode step runs them: inside a
 CUDA graph, each call on a different copy of the weight so nothing is served from L2.
 
-    python benchmarks/gemv_shapes.py [--tp 2] [--packed int4|fp8 [--grid]]
+    python benchmarks/gemv_shapes.py [--tp 2] [--packed int4|fp8 [--grid]] [--sms N]
 
 Methods: cuBLAS through F.linear, cuBLASLt through F.linear, torch.mm on a transposed weight, and the
 Triton kernel of shardserve/kernels/triton/gemv.py over a grid of launch configurations. With --packed, the
 packed GEMVs of shardserve/kernels/triton/quant_gemv.py instead (4-bit in groups of 128 with zero points, or
 FP8 with a scale per row) over the configurations the engine times at start-up (for 4-bit also the split-K
-GEMV's, keys starting with "split"), checked against the dequantized product; with --grid (FP8) also over
-FP8_GRID, to find candidates for another GPU. Prints us per call and GB/s of weights read (packed bytes and
-scales), and a RESULT line with every figure.
+GEMV's, keys starting with "split"; for FP8 also the float16 sums', a fifth element 1), checked against the
+dequantized product; with --grid (FP8) also over FP8_GRID, to find candidates for another GPU. Prints us per call
+and GB/s of weights read (packed bytes and scales), and a RESULT line with every figure.
+
+--sms N times everything on N of the GPU's SMs (a CUDA green context): with fewer SMs each must issue for more
+bytes a second, as on a GPU whose memory outruns its SMs (an H200 reads 4.8 TB/s with the 132 SMs an H100 has
+for 3.35: 92 of an H100's SMs carry an H200's load per SM).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.kernels.triton.gemv import gemv
-from shardserve.layers.cuda_gemv import time_in_graph_us
+from shardserve.layers import cuda_gemv
 
 TRITON_CONFIGS = list(itertools.product((4, 8, 16), (512, 1024), (4, 8), (1, 4)))  # block_n, block_k, warps, stages
 # Wider FP8 tiles than GEMV_CANDIDATES (a byte a weight: more columns for the same bytes in flight), up to 16 KiB
@@ -50,8 +54,8 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]], grid: bool = 
     best per shape."""
     from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4
     from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv, int4_gemv_split, int4_split_sub
-    from shardserve.layers.quantized_linear import (GEMV_CANDIDATES, INT4_SPLIT_CANDIDATES, quantize_fp8,
-                                                    quantize_int4)
+    from shardserve.layers.quantized_linear import (FP8_F16_CANDIDATES, GEMV_CANDIDATES, INT4_SPLIT_CANDIDATES,
+                                                    quantize_fp8, quantize_int4)
 
     group = 128
     results = {}
@@ -69,7 +73,7 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]], grid: bool = 
             q, scale = quantize_fp8(dense, k)
             reference_w = dequantize_fp8(q, scale, k, torch.float32)
             parts = (q, scale)
-            configs = dict.fromkeys([*GEMV_CANDIDATES, *(FP8_GRID if grid else ())])
+            configs = dict.fromkeys([*GEMV_CANDIDATES, *FP8_F16_CANDIDATES, *(FP8_GRID if grid else ())])
             launches = {"_".join(map(str, c)): lambda x, packed, c=c: fp8_gemv(x, *packed, k, *c) for c in configs}
         del dense
         nbytes = sum(t.numel() * t.element_size() for t in parts)
@@ -93,19 +97,43 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]], grid: bool = 
     return results
 
 
+STREAM: torch.cuda.Stream | None = None  # --sms: the green context's stream
+CONTEXT = None  # and the context itself, kept alive while its stream runs
+
+
+def time_in_graph_us(fn, weights, x) -> float:
+    return cuda_gemv.time_in_graph_us(fn, weights, x, stream=STREAM)
+
+
+def use_sms(sms: int) -> None:
+    """Run every following kernel on `sms` of the GPU's SMs: a green context's stream made current."""
+    global CONTEXT, STREAM
+    from torch.cuda.green_contexts import GreenContext
+
+    try:
+        CONTEXT = GreenContext.create(num_sms=sms, device_id=0)
+    except TypeError:  # torch before 2.12 takes them positionally
+        CONTEXT = GreenContext.create(sms, 0)
+    STREAM = CONTEXT.Stream()
+    torch.cuda.set_stream(STREAM)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--packed", choices=("int4", "fp8"), default=None)
     p.add_argument("--grid", action="store_true", help="FP8: also time FP8_GRID's configurations")
     p.add_argument("--only", default=None, help="comma-separated shape names (default: all)")
+    p.add_argument("--sms", type=int, default=None, help="time on this many SMs (a CUDA green context)")
     args = p.parse_args()
     torch.manual_seed(0)
+    if args.sms:
+        use_sms(args.sms)
     chosen = {name: shape for name, shape in shapes(args.tp).items()
               if args.only is None or name in args.only.split(",")}
     if args.packed:
         results = packed_rows(args.packed, chosen, args.grid)
-        print("RESULT " + json.dumps({"tp": args.tp, "device": torch.cuda.get_device_name(0),
+        print("RESULT " + json.dumps({"tp": args.tp, "device": torch.cuda.get_device_name(0), "sms": args.sms,
                                       f"{args.packed}_gemv": results}))
         return
     results = {}
@@ -134,7 +162,8 @@ def main() -> None:
         results[name] = {"shape": [n, k], "bytes": nbytes, "us": {key: round(v, 2) for key, v in row.items()}}
         del weights
         torch.cuda.empty_cache()
-    print("RESULT " + json.dumps({"tp": args.tp, "device": torch.cuda.get_device_name(0), "gemv": results}))
+    print("RESULT " + json.dumps({"tp": args.tp, "device": torch.cuda.get_device_name(0), "sms": args.sms,
+                                  "gemv": results}))
 
 
 if __name__ == "__main__":

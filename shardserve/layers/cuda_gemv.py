@@ -203,13 +203,15 @@ def _one_row_config(configs: dict[tuple[int, int], Config], x: torch.Tensor, wei
     return configs.get(tuple(weight.shape))
 
 
-def time_in_graph_us(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 10) -> float:
-    """Microseconds per call of fn(x, w) over `weights`, replayed from a CUDA graph."""
+def time_in_graph_us(fn, weights: list[torch.Tensor], x: torch.Tensor, replays: int = 10,
+                     stream: torch.cuda.Stream | None = None) -> float:
+    """Microseconds per call of fn(x, w) over `weights`, replayed from a CUDA graph (captured on `stream` where
+    given: a green context's stream runs the graph on that context's SMs)."""
     for w in weights:
         fn(x, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         for w in weights:
             fn(x, w)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -58,6 +58,15 @@ GEMV_CANDIDATES = ((8, 512, 4, 3), (4, 1024, 8, 4), (16, 256, 4, 2), (8, 1024, 8
 # columns): wider ones (whole rows of gate/up, 2,048 columns of down) were faster alone, by 0.4-0.9 us, and made
 # the step slower (2.494-2.502 ms against 2.431-2.444, one H100). None spills registers.
 INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (64, 512, 4, 1), (64, 512, 4, 4), (32, 512, 4, 1), (64, 1024, 4, 1))
+# With SHARDSERVE_FP8_GEMV_SUMS=float16, FP8 GEMVs with one scale a row also take these: GEMV_CANDIDATES' elements
+# and a fifth, partial sums in float16 pairs (quant_gemv's F16_SUMS). On an H100's 132 SMs the two kinds time within
+# 3% of each other alone on Llama-3-8B's shapes; on 92 of them, where each SM must issue for as many bytes a second as
+# an H200's, float16 sums were 6-11% faster on every shape (benchmarks/gemv_shapes.py --packed fp8 --sms 92); these
+# were the fastest there. In whole steps on the H100 the forms start-up chose made the step 6% slower (BENCHMARKS.md),
+# so the default (float32) does not time them.
+FP8_F16_CANDIDATES = ((16, 1024, 4, 2, 1), (16, 512, 8, 2, 1), (16, 512, 4, 3, 1), (32, 256, 4, 3, 1),
+                      (16, 1024, 4, 3, 1), (8, 1024, 4, 3, 1))
+FP8_SUMS_ENV = "SHARDSERVE_FP8_GEMV_SUMS"
 
 
 # Batches by row count: at most 16, 64, 256, 512 or 1024 rows, or more (a full decode batch of 512 sequences has
@@ -590,14 +599,24 @@ def _candidate_forms(packed: PackedWeights, preload_sms: int = 0) -> list[GemvFo
     row block and that hold it (cuda_gemv.holds_rows), where there are such."""
     from shardserve.kernels.triton.quant_gemv import int4_split_sub
 
-    holding = [(config, None) for config in GEMV_CANDIDATES if holds_rows_of(packed, config, preload_sms)]
+    tiled = GEMV_CANDIDATES + (FP8_F16_CANDIDATES if takes_f16_sums(packed) else ())
+    holding = [(config, None) for config in tiled if holds_rows_of(packed, config, preload_sms)]
     if holding:
         return holding
-    forms: list[GemvForm] = [(config, None) for config in GEMV_CANDIDATES]
+    forms: list[GemvForm] = [(config, None) for config in tiled]
     if packed.layout.kind == "int4":
         forms += [(DEFAULT_GEMV, config) for config in INT4_SPLIT_CANDIDATES
                   if int4_split_sub(packed.k, packed.group, config[1]) is not None]
     return forms
+
+
+def takes_f16_sums(packed: PackedWeights) -> bool:
+    """Whether start-up times the packed GEMV summing in float16 pairs (FP8_F16_CANDIDATES): FP8 with one scale a
+    row, where SHARDSERVE_FP8_GEMV_SUMS=float16 (default float32: never)."""
+    from shardserve.kernels.quant_pack import fp8_groups
+
+    return (packed.layout.kind == "fp8" and fp8_groups(packed.k, packed.group) == 1
+            and env_choice(FP8_SUMS_ENV, ("float32", "float16"), "float32") == "float16")
 
 
 def holds_rows_of(packed: PackedWeights, config: tuple[int, ...], sms: int) -> bool:

@@ -253,6 +253,61 @@ def test_interpreter_fp8_gemv(dtype, n, k, group_k, block_n, block_k, native, mo
                        got)
 
 
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs Llama-3-8B's below")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,block_n,block_k", [(24, 256, 8, 64), (13, 200, 8, 64), (9, 256, 16, 512)])
+def test_interpreter_fp8_gemv_float16_sums(dtype, n, k, block_n, block_k):
+    """Partial sums in float16 (a ragged K and a single tile among the shapes): within the dtype's tolerance of
+    float64, like the float32 sums; also with the norm inside and with SwiGLU out. (Not for float32 models, whose
+    tolerance they miss: start-up's check leaves them out there.)"""
+    from shardserve.kernels.triton import fused_ops, quant_gemv
+
+    weight, scale = random_fp8(n, k, k, seed=n)
+    w64 = fp8_reference(weight, scale, k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    config = (block_n, block_k, 4, 1, True)
+    got = quant_gemv.fp8_gemv(x, weight, scale, k, *config)
+    assert got.dtype == dtype and relative_error(got[0], x[0].double() @ w64.T) < TOLERANCE[dtype]
+    norm_args, h, summed = normed_input(k, dtype, with_residual=True)
+    got, got_sum = quant_gemv.fp8_gemv_rmsnorm(*norm_args, weight, scale, k, *config)
+    assert torch.equal(got_sum, summed) and relative_error(got[0], h[0].double() @ w64.T) < TOLERANCE[dtype]
+    if n % 2 == 0:
+        gate_up = quant_gemv.fp8_gemv(x, weight, scale, k, *config)
+        assert torch.equal(quant_gemv.fp8_gemv(x, weight, scale, k, *config, swiglu_out=True),
+                           fused_ops.silu_and_mul(gate_up))
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter; CUDA runs the same check below")
+def test_interpreter_fp8_gemv_float16_sums_overflow_summed_again():
+    check_float16_overflow()
+
+
+def check_float16_overflow() -> None:
+    """An input far beyond what float16 partial sums hold (products of e4m3's 448 with 1e5): the rows it makes
+    overflow are summed again in float32, so the output is finite and right, not inf."""
+    from shardserve.kernels.triton import quant_gemv
+
+    n, k = 16, 256
+    weight, scale = random_fp8(n, k, k, seed=3)
+    weight[:, :4] = torch.tensor(448.0).to(torch.float8_e4m3fn)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    x[0, :4] = 1e5
+    want = x[0].double() @ fp8_reference(weight, scale, k).T
+    assert 1e4 < want.abs().min() and want.abs().max() < 1e6  # finite in float32, beyond float16's sums
+    got = quant_gemv.fp8_gemv(x, weight, scale, k, 8, 64, 4, 1, True)
+    assert torch.isfinite(got).all() and relative_error(got[0], want) < TOLERANCE[torch.float32]
+
+
+def test_fp8_gemv_float16_sums_need_one_scale_a_row():
+    from shardserve.kernels.triton.quant_gemv import fp8_gemv
+
+    weight, scale = random_fp8(8, 256, 128, device="cpu")
+    with pytest.raises(ValueError, match="float16 sums take one scale a row, not groups of 128 of 256 columns"):
+        fp8_gemv(torch.randn(1, 256), weight, scale, 128, 8, 64, 4, 1, True)
+
+
 def normed_input(k: int, dtype, with_residual: bool, seed: int = 2):
     """(x, residual or None, norm weight, eps) of one row, and the norm's output and the sum as the model's
     norm kernel makes them (fused_add_rms_norm, or rms_norm without a residual)."""
@@ -496,8 +551,17 @@ def test_gpu_fp8_gemv(n, k):
         weight, scale = random_fp8(n, k, group_k, seed=group_k)
         w64 = fp8_reference(weight, scale, group_k)
         run = lambda x, c: fp8_gemv(x, weight, scale, group_k, *c)  # noqa: E731
-        failures += _check_configs(run, _inputs(k), w64, f"fp8 {n}x{k} group_k {group_k}")
+        # One scale a row also sums in float16 pairs (the native conversions' inline assembly).
+        configs = CONFIGS + [(16, 512, 4, 2, True), (8, 1024, 4, 3, True), (4, 4096, 8, 2, True)] * (group_k == k)
+        failures += _check_configs(run, _inputs(k), w64, f"fp8 {n}x{k} group_k {group_k}", configs)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="GPU")
+def test_gpu_fp8_gemv_float16_sums_overflow_summed_again():
+    check_float16_overflow()
 
 
 @pytest.mark.gpu

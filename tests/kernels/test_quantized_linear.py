@@ -306,6 +306,29 @@ def test_a_chosen_split_k_gemv_runs_the_one_row_products(monkeypatch):
     assert layer.packed.gemv_split is None and not layer.packed.norm_fused
 
 
+def test_float16_sums_are_timed_for_fp8_with_one_scale_a_row_only(monkeypatch):
+    """With SHARDSERVE_FP8_GEMV_SUMS=float16, FP8_F16_CANDIDATES (a fifth element: partial sums in float16 pairs)
+    join the start-up candidates of FP8 weights scaled per row; block-scaled FP8 and 4-bit weights are timed in
+    GEMV_CANDIDATES' forms as before, and so is everything by default; a bad value is named."""
+    from shardserve.layers.linear import ColumnParallelLinear
+    from shardserve.layers.quantized_linear import (FP8_F16_CANDIDATES, GEMV_CANDIDATES, PackedLayout, PackedWeights,
+                                                    _candidate_forms)
+
+    def tiled(layout):
+        layer = ColumnParallelLinear(512, {None: (0, 256)}, False, torch.bfloat16)
+        return [config for config, split in _candidate_forms(PackedWeights(layer, layout, "cpu")) if split is None]
+
+    assert tiled(PackedLayout("fp8", 0)) == list(GEMV_CANDIDATES)
+    monkeypatch.setenv("SHARDSERVE_FP8_GEMV_SUMS", "float16")
+    assert tiled(PackedLayout("fp8", 0)) == list(GEMV_CANDIDATES + FP8_F16_CANDIDATES)
+    assert all(len(config) == 5 and config[4] for config in FP8_F16_CANDIDATES)
+    assert tiled(PackedLayout("fp8", 128)) == list(GEMV_CANDIDATES)
+    assert tiled(PackedLayout("int4", 128)) == list(GEMV_CANDIDATES)
+    monkeypatch.setenv("SHARDSERVE_FP8_GEMV_SUMS", "half")
+    with pytest.raises(ValueError, match="SHARDSERVE_FP8_GEMV_SUMS"):
+        tiled(PackedLayout("fp8", 0))
+
+
 def test_an_fp8_o_projection_times_only_forms_that_hold_its_rows(monkeypatch):
     """An FP8 layer whose GEMV is to load all its rows while attention runs (preloads_rows, on a GPU of that many
     SMs) is timed only in tiled forms whose first tile is the whole row block held by programs all placed at once;
@@ -320,7 +343,8 @@ def test_an_fp8_o_projection_times_only_forms_that_hold_its_rows(monkeypatch):
 
     forms = _candidate_forms(packed(2048, 4096), 132)
     assert forms and all(config[1] >= 4096 and config[0] * config[1] <= 128 * config[2] * 32 for config, _ in forms)
-    assert _candidate_forms(packed(2048, 8192), 132) == [(c, None) for c in GEMV_CANDIDATES]
-    assert _candidate_forms(packed(2048, 4096), 0) == [(c, None) for c in GEMV_CANDIDATES]
+    every = [(c, None) for c in GEMV_CANDIDATES]
+    assert _candidate_forms(packed(2048, 8192), 132) == every
+    assert _candidate_forms(packed(2048, 4096), 0) == every
     weights = packed(2048, 4096)
     assert holds_rows_of(weights, forms[0][0], 132) and not holds_rows_of(weights, (8, 512, 4, 3), 132)

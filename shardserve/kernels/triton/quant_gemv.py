@@ -51,18 +51,46 @@ def scale_and_zero(words):
     return (words & _SCALE_MASK).to(tl.float32, bitcast=True), (words & _ZERO_MASK).to(tl.float32)
 
 
+# Per-row FP8 GEMVs may keep their partial sums in float16 pairs (F16_SUMS): x enters scaled by this power of two, so
+# a lane's sum of up to 28 tiles of e4m3 products (448 at most) stays finite for |x| up to about 1,300; a row whose
+# sum is not finite anyway is summed again in float32, so an overflow never reaches the output.
+F16_X_SCALE = tl.constexpr(1.0 / 256)
+
+
+@triton.jit
+def _f16_products(acc, w, x):
+    """acc + w * x in float16 pairs, acc and x float16 and w e4m3 bytes (uint8) of one shape: each 32-bit word of
+    four weights is two conversions to float16 pairs and two paired multiply-adds, one instruction each (the float32
+    path takes about three a weight: a conversion, a widening and a multiply-add)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        .reg .b32 a, b;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        fma.rn.f16x2 $0, a, $3, $5;
+        fma.rn.f16x2 $1, b, $4, $6;
+        }""",
+        "=r,=r,r,r,r,r,r", [w, x, acc], dtype=tl.float16, is_pure=True, pack=4)
+
+
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, norm_w_ptr, sum_ptr, eps,
                      K: tl.constexpr, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, NATIVE_FP8: tl.constexpr,
                      BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, NORM: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = 0,
-                     SWIGLU_OUT: tl.constexpr = False):
+                     SWIGLU_OUT: tl.constexpr = False, F16_SUMS: tl.constexpr = False,
+                     F16_ASM: tl.constexpr = False):
     """out[n] = sum_k float(w[n, k]) * s[n, k // GROUP_K] * x[k]. SUB divides GROUP_K unless PER_ROW (one scale
     per row, applied after the reduction). w points at the raw bytes (masked loads of uint8 can fill with 0),
     reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it. With NORM, x is RMSNorm(x +
     residual) computed on the fly as gemv.py's norm-fused GEMV computes it (program 0 stores the sum). PDL and
     PRELOAD (0 or 1 tile of weights loaded before the wait), SWIGLU_OUT (out = silu(gate) * up of a [gate | up]
-    weight of 2N rows): as in gemv.py."""
+    weight of 2N rows): as in gemv.py.
+    F16_SUMS (PER_ROW only): each lane's products summed over the tiles in float16 (F16_X_SCALE), then in float32;
+    with F16_ASM (native FP8 on a GPU) by paired instructions (_f16_products), half the float32 path's instructions
+    a weight, for GPUs whose memory outruns their SMs' issue."""
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     NUM_GROUPS: tl.constexpr = (K + GROUP_K - 1) // GROUP_K
     rows, row_ok = program_rows(tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
@@ -78,22 +106,49 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
     rstd = 0.0
     if NORM:
         rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
-    acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float16 if F16_SUMS else tl.float32)
     if PRELOAD:
         acc = _fp8_tile_products(acc, first, 0, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
-                                 K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL)
+                                 K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL,
+                                 F16_SUMS, F16_ASM)
     for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
         w = _fp8_weight_tile(w_rows, k, cols, row_ok, K, BLOCK_K)
         acc = _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
-                                 K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+                                 K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL,
+                                 F16_SUMS, F16_ASM)
+    y = tl.sum(tl.sum(acc.to(tl.float32), axis=2), axis=1)
+    if F16_SUMS:
+        y *= 256.0  # the float16 products are the weights' values times x / 256, native or decoded
+        if tl.max(tl.where(tl.abs(y) < float("inf"), 0, 1), axis=0) > 0:  # an overflow (or NaN): again in float32
+            y = _fp8_float32_sums(w_rows, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols, K,
+                                  GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB, BLOCK_K, NORM,
+                                  HAS_RESIDUAL)
+    elif not NATIVE_FP8:
+        y *= 256.0
     if PER_ROW:
         if NORM:
             row_scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
         y *= row_scale
+    store_rows(out_ptr, y, rows, row_ok, tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
+
+
+@triton.jit
+def _fp8_float32_sums(w_rows, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols, K: tl.constexpr,
+                      GROUP_K: tl.constexpr, NUM_GROUPS: tl.constexpr, PER_ROW: tl.constexpr,
+                      NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr,
+                      BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The rows' sums (before a per-row scale) in float32, a tile's products reduced as they come, so this rarely
+    taken path adds few registers to the kernel."""
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        w = _fp8_weight_tile(w_rows, k, cols, row_ok, K, BLOCK_K)
+        products = _fp8_tile_products(tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32), w, k, x_ptr,
+                                      residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols, K, GROUP_K,
+                                      NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL)
+        y += tl.sum(tl.sum(products, axis=2), axis=1)
     if not NATIVE_FP8:
         y *= 256.0
-    store_rows(out_ptr, y, rows, row_ok, tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
+    return y
 
 
 @triton.jit
@@ -111,8 +166,10 @@ def _fp8_weight_tile(w_rows, k, cols, row_ok, K: tl.constexpr, BLOCK_K: tl.const
 def _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
                        K: tl.constexpr, GROUP_K: tl.constexpr, NUM_GROUPS: tl.constexpr, PER_ROW: tl.constexpr,
                        NATIVE_FP8: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                       HAS_RESIDUAL: tl.constexpr):
-    """acc plus the tile's products w * x (times its groups' scales unless PER_ROW)."""
+                       HAS_RESIDUAL: tl.constexpr, F16_SUMS: tl.constexpr = False, F16_ASM: tl.constexpr = False):
+    """acc plus the tile's products w * x (times its groups' scales unless PER_ROW); with F16_SUMS (PER_ROW) acc
+    is float16 and gains w * x / 256: in pairs by _f16_products (F16_ASM), in float16 arithmetic otherwise (the
+    interpreter; without native FP8 the decoded weights are already / 256)."""
     col_ok = k + cols < K
     if NORM:
         x = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, col_ok, rstd, HAS_RESIDUAL)
@@ -120,16 +177,23 @@ def _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows,
         x = tl.load(x_ptr + k + cols)
     else:
         x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
-    if NATIVE_FP8:
-        prod = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None]
+    if F16_ASM:
+        acc = _f16_products(acc, w, (x.to(tl.float32) * F16_X_SCALE).to(tl.float16)[None])
+    elif F16_SUMS and NATIVE_FP8:
+        acc += w.to(tl.float8e4nv, bitcast=True).to(tl.float16) * (x.to(tl.float32) * F16_X_SCALE).to(tl.float16)[None]
+    elif F16_SUMS:
+        acc += _e4m3_bits_to_float(w).to(tl.float16) * x.to(tl.float16)[None]
     else:
-        prod = _e4m3_bits_to_float(w) * x.to(tl.float32)[None]
-    if PER_ROW:
-        acc += prod
-    else:
-        group = (k + sub * SUB) // GROUP_K
-        s = tl.load(s_rows + group[None, :], mask=row_ok[:, None] & (group < NUM_GROUPS)[None, :], other=0.0)
-        acc += prod * s[:, :, None]
+        if NATIVE_FP8:
+            prod = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None]
+        else:
+            prod = _e4m3_bits_to_float(w) * x.to(tl.float32)[None]
+        if PER_ROW:
+            acc += prod
+        else:
+            group = (k + sub * SUB) // GROUP_K
+            s = tl.load(s_rows + group[None, :], mask=row_ok[:, None] & (group < NUM_GROUPS)[None, :], other=0.0)
+            acc += prod * s[:, :, None]
     return acc
 
 
@@ -382,32 +446,39 @@ def _split_result(y, split_part_ptr, out_ptr, rows, row_ok, tile, N, BLOCK_N: tl
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8,
-             block_k: int = 512, num_warps: int = 4, num_stages: int = 3, swiglu_out: bool = False) -> torch.Tensor:
+             block_k: int = 512, num_warps: int = 4, num_stages: int = 3, f16_sums: bool = False, *,
+             swiglu_out: bool = False) -> torch.Tensor:
     """x [1, K] (or [K]) times the fp8 weight [N, K]^T with scale [N, ceil(K / group_k)] -> [1, N] in x's
     dtype. group_k >= K is one scale per row. block_n and block_k are powers of two; a block_k tile spans
-    block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_k) columns. With
+    block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_k) columns. `f16_sums`:
+    partial sums in float16 pairs (the kernel's F16_SUMS; one scale a row only, ValueError otherwise). With
     `swiglu_out`, silu(gate) * up of a [gate | up] weight, [1, N / 2] (gemv.gemv's)."""
     x = _one_row(x, weight.shape[1], "fp8_gemv")
-    return _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages), None, swiglu_out)
+    return _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages, f16_sums), None,
+                       swiglu_out)
 
 
 def fp8_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      weight: torch.Tensor, scale: torch.Tensor, group_k: int, block_n: int = 8, block_k: int = 512,
-                     num_warps: int = 4, num_stages: int = 3,
+                     num_warps: int = 4, num_stages: int = 3, f16_sums: bool = False, *,
                      swiglu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8_gemv of RMSNorm(x + residual), x + residual) in one launch, as gemv.gemv_rmsnorm for 16-bit weights
-    (without a residual, the second is x itself); `swiglu_out` as in fp8_gemv."""
+    (without a residual, the second is x itself); `f16_sums` and `swiglu_out` as in fp8_gemv."""
     return _normed_launch("fp8_gemv_rmsnorm", x, residual, norm_weight, eps, weight.shape[1], lambda x, norm: (
-        _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages), norm, swiglu_out)))
+        _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages, f16_sums), norm,
+                    swiglu_out)))
 
 
 def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool = False) -> torch.Tensor:
-    """norm: None, or (residual or None, norm weight, the sum's tensor, eps) for the norm-fused form."""
+    """config: (block_n, block_k, num_warps, num_stages, f16_sums). norm: None, or (residual or None, norm weight,
+    the sum's tensor, eps) for the norm-fused form."""
     check_fp8(weight, scale, group_k)
-    block_n, block_k, num_warps, num_stages = config
+    block_n, block_k, num_warps, num_stages, f16_sums = config
     _check_blocks(block_n, block_k, 1)
     k = weight.shape[1]
     per_row = fp8_groups(k, group_k) == 1
+    if f16_sums and not per_row:
+        raise ValueError(f"float16 sums take one scale a row, not groups of {group_k} of {k} columns")
     sub = block_k if per_row else min(block_k, group_k & -group_k)
     native = _native_fp8(x.device)
     n, programs = output_rows(weight, block_n, swiglu_out)
@@ -418,7 +489,8 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool =
         norm_weight, summed, eps, K=k, GROUP_K=k if per_row else group_k, PER_ROW=per_row, NATIVE_FP8=native,
         BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, NORM=norm is not None,
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
-        PRELOAD=min(preload_tiles(), 1), SWIGLU_OUT=swiglu_out, **pdl.launch(x.device))
+        PRELOAD=min(preload_tiles(), 1), SWIGLU_OUT=swiglu_out, F16_SUMS=bool(f16_sums),
+        F16_ASM=bool(f16_sums) and native and x.is_cuda, **pdl.launch(x.device))
     return out
 
 
