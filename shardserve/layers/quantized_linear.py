@@ -62,8 +62,8 @@ INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (64, 512, 4, 1), (64, 512, 4, 4), (32
 # and a fifth, partial sums in float16 pairs (quant_gemv's F16_SUMS). On an H100's 132 SMs the two kinds time within
 # 3% of each other alone on Llama-3-8B's shapes; on 92 of them, where each SM must issue for as many bytes a second as
 # an H200's, float16 sums were 6-11% faster on every shape (benchmarks/gemv_shapes.py --packed fp8 --sms 92); these
-# were the fastest there. In whole steps on the H100 the forms start-up chose made the step 6% slower (BENCHMARKS.md),
-# so the default (float32) does not time them.
+# were the fastest there. In whole Llama-3-8B FP8 steps on the H100, start-up's choices with them measured 3.062 ms
+# against 3.049-3.052 without (BENCHMARKS.md), so the default (float32) does not time them.
 FP8_F16_CANDIDATES = ((16, 1024, 4, 2, 1), (16, 512, 8, 2, 1), (16, 512, 4, 3, 1), (32, 256, 4, 3, 1),
                       (16, 1024, 4, 3, 1), (8, 1024, 4, 3, 1))
 FP8_SUMS_ENV = "SHARDSERVE_FP8_GEMV_SUMS"
@@ -641,6 +641,14 @@ def _preload_sms(layer: KernelLinear) -> int:
     return sm_count(layer.weight.device)
 
 
+def _product_as_run(x: torch.Tensor, layer: KernelLinear) -> torch.Tensor:
+    """A one-row product in the form a step runs it, for timing: with SwiGLU out where the layer takes it (the form
+    can time several microseconds apart from the plain product on the same tiles; gate/up in FP8 on an H100: 40.3
+    against 41.3 us in one configuration, with the norm inside 41.5 against 46.5 in another)."""
+    packed = layer.packed
+    return packed.swiglu_out(layer, x) if packed.takes_swiglu_out(layer, x) else packed._product(layer, x)
+
+
 def _describe_form(form: GemvForm) -> str:
     config, split = form
     return f"tiled {config}" if split is None else f"split-K {split}"
@@ -671,7 +679,7 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
             try:
                 if relative_error(first.packed._product(first, x), reference) > TOLERANCE.get(dtype, 1e-2):
                     continue
-                us = time_in_graph_us(lambda x, layer: layer.packed._product(layer, x), timed_layers, x)
+                us = time_in_graph_us(_product_as_run, timed_layers, x)
             except Exception as e:  # noqa: BLE001 - a configuration this shape cannot take
                 logger.debug("GEMV %s on %s %dx%d: %s", _describe_form(form), layout.describe(), n, k, e)
                 continue
@@ -735,16 +743,16 @@ def _choose_normed(layers: list[KernelLinear], timed: list[tuple[float, GemvForm
             if form in fastest:
                 _set_form(timed_layers, form)
                 apart.append((time_in_graph_us(
-                    lambda x, layer: layer.packed._product(layer, norm(x, residual)[0]), timed_layers, x), form))
+                    lambda x, layer: _product_as_run(norm(x, residual)[0], layer), timed_layers, x), form))
             _set_form(timed_layers, form, norm_fused=True)
             error, detail = _normed_error(first, weight64, slice(None), torch.Generator().manual_seed(3))
             if not error <= TOLERANCE.get(dtype, 1e-2):
                 logger.warning("packed %dx%d: the norm-fused %s failed its check (%s); not used", first.packed.n, k,
                                _describe_form(form), detail)
                 continue
-            fused.append((time_in_graph_us(
-                lambda x, layer: layer.packed.normed(layer, x, residual, norm.weight, norm.eps), timed_layers, x),
-                form))
+            fused.append((time_in_graph_us(lambda x, layer: layer.packed.normed(
+                layer, x, residual, norm.weight, norm.eps, swiglu_out=layer.packed.takes_swiglu_out(layer, x)),
+                timed_layers, x), form))
     except Exception as e:  # noqa: BLE001 - a form this shape cannot take
         logger.debug("norm-fused GEMV on %dx%d: %s", first.packed.n, k, e)
     finally:
