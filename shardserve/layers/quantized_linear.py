@@ -657,8 +657,9 @@ def _describe_form(form: GemvForm) -> str:
 @torch.inference_mode()
 def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
     """Per distinct packed shape on CUDA, the fastest single-row form that matches float64 (_candidate_forms),
-    timed inside a CUDA graph over the model's own layers of that shape, each running the form; for layers that
-    take a normed input, also the norm inside the GEMV (_choose_normed). Keys (plain data, to agree on):
+    timed inside a CUDA graph over the model's own layers of that shape, each running the form as a step runs it
+    (_product_as_run); for layers that take a normed input, also the norm inside the GEMV (_choose_normed). Keys
+    (plain data, to agree on):
     'kind/group/N/K' the tiled configuration, that + SPLIT_SUFFIX the split-K one where it won, + NORM_FUSED_SUFFIX
     where the norm runs inside."""
     from shardserve.kernels.self_check import TOLERANCE, relative_error
