@@ -3,7 +3,7 @@
 The supervisor is an EngineClient (engine/client.py) like the AsyncEngine it wraps, so the HTTP server stays
 up through a restart and answers /health with 503 and the reason meanwhile.
 Failures: a rank process that exits, an engine error, or an engine loop stuck for STALL_RESTART_S (a
-hung rank). Invariants: requests are only ever given to the current engine; a failure is acted on
+hung rank; SHARDSERVE_STALL_RESTART_S sets other seconds). Invariants: requests are only ever given to the current engine; a failure is acted on
 once (in-flight requests end with an error, the old ranks are torn down, new ones start after a
 back-off of 1, 2, 4 ... up to 30 s); after `max_restarts` restarts it gives up (`gave_up` says why) and
 the server exits non-zero, so that systemd, Kubernetes or Slurm see the failure.
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
 import threading
 from typing import AsyncIterator, Callable
 
@@ -29,12 +31,30 @@ MAX_BACKOFF_S = 30.0
 # A step stuck this long counts as a hung rank (/health already fails after HEALTH_STALL_S). Generous,
 # because one long prefill chunk of a large model on a CPU can take many seconds.
 STALL_RESTART_S = 30.0
+STALL_RESTART_ENV = "SHARDSERVE_STALL_RESTART_S"
+
+
+def stall_restart_seconds() -> float:
+    """How long the engine loop may make no progress before its ranks count as hung and restart:
+    SHARDSERVE_STALL_RESTART_S where set (seconds, a positive number; a ValueError naming it otherwise), else
+    STALL_RESTART_S."""
+    value = os.environ.get(STALL_RESTART_ENV)
+    if value is None:
+        return STALL_RESTART_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{STALL_RESTART_ENV}={value!r}: expected a positive number of seconds")
+    return seconds
 
 
 class Supervisor:
     def __init__(self, start: Callable[[], tuple[AsyncEngine, LocalRanks]], max_restarts: int) -> None:
         self._start = start
         self.max_restarts = max_restarts
+        self.stall_restart_s = stall_restart_seconds()
         self.engine, self.ranks = start()
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
@@ -108,7 +128,7 @@ class Supervisor:
         if error is not None:
             return f"the engine failed: {error}"
         stalled = self.engine.stalled_for()
-        if stalled > STALL_RESTART_S:
+        if stalled > self.stall_restart_s:
             return f"the engine made no progress for {stalled:.0f} s (a rank hung?)"
         return None
 

@@ -44,7 +44,9 @@ def _start_server(model_dir: str, max_restarts: int) -> tuple[subprocess.Popen, 
         [sys.executable, "-m", "shardserve", "serve", model_dir, "-tp", "2", "--device", "cpu",
          "--served-model-name", "tiny", "--kv-cache-memory", "0.05", "--max-restarts", str(max_restarts),
          "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # A hung rank restarts after 12 s of no progress instead of 30: /health fails after 8 (HEALTH_STALL_S) first.
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "SHARDSERVE_STALL_RESTART_S": "12"})
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -146,3 +148,16 @@ def test_with_the_restarts_used_up_the_server_fails_the_stream_and_exits_non_zer
         assert "exiting with status 1" in output and "--max-restarts 0 used up" in output, output
     finally:
         stop_processes([proc], signal.SIGINT, 30)
+
+
+def test_the_stall_before_a_restart_is_set_in_seconds_and_a_bad_value_is_named(monkeypatch):
+    from shardserve.entrypoints.supervisor import STALL_RESTART_S, stall_restart_seconds
+
+    monkeypatch.delenv("SHARDSERVE_STALL_RESTART_S", raising=False)
+    assert stall_restart_seconds() == STALL_RESTART_S
+    monkeypatch.setenv("SHARDSERVE_STALL_RESTART_S", "12.5")
+    assert stall_restart_seconds() == 12.5
+    for bad in ("soon", "0", "-3", "inf", "nan"):
+        monkeypatch.setenv("SHARDSERVE_STALL_RESTART_S", bad)
+        with pytest.raises(ValueError, match="SHARDSERVE_STALL_RESTART_S=.*positive number of seconds"):
+            stall_restart_seconds()
