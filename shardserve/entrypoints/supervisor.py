@@ -3,10 +3,10 @@
 The supervisor is an EngineClient (engine/client.py) like the AsyncEngine it wraps, so the HTTP server stays
 up through a restart and answers /health with 503 and the reason meanwhile.
 Failures: a rank process that exits, an engine error, or an engine loop stuck for STALL_RESTART_S (a
-hung rank; SHARDSERVE_STALL_RESTART_S sets other seconds). Invariants: requests are only ever given to the current engine; a failure is acted on
-once (in-flight requests end with an error, the old ranks are torn down, new ones start after a
-back-off of 1, 2, 4 ... up to 30 s); after `max_restarts` restarts it gives up (`gave_up` says why) and
-the server exits non-zero, so that systemd, Kubernetes or Slurm see the failure.
+hung rank; SHARDSERVE_STALL_RESTART_S sets other seconds). Invariants: requests are only ever given to the
+current engine; a failure is acted on once (in-flight requests end with an error, the old ranks are torn down,
+new ones start after a back-off of 1, 2, 4 ... up to 30 s); after `max_restarts` restarts it gives up
+(`gave_up` says why) and the server exits non-zero, so that systemd, Kubernetes or Slurm see the failure.
 """
 
 from __future__ import annotations

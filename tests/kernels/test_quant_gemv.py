@@ -267,15 +267,14 @@ def test_interpreter_fp8_gemv_float16_sums(dtype, n, k, block_n, block_k):
     w64 = fp8_reference(weight, scale, k)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     config = (block_n, block_k, 4, 1, True)
-    got = quant_gemv.fp8_gemv(x, weight, scale, k, *config)
-    assert got.dtype == dtype and relative_error(got[0], x[0].double() @ w64.T) < TOLERANCE[dtype]
+    plain = quant_gemv.fp8_gemv(x, weight, scale, k, *config)
+    assert plain.dtype == dtype and relative_error(plain[0], x[0].double() @ w64.T) < TOLERANCE[dtype]
     norm_args, h, summed = normed_input(k, dtype, with_residual=True)
     got, got_sum = quant_gemv.fp8_gemv_rmsnorm(*norm_args, weight, scale, k, *config)
     assert torch.equal(got_sum, summed) and relative_error(got[0], h[0].double() @ w64.T) < TOLERANCE[dtype]
     if n % 2 == 0:
-        gate_up = quant_gemv.fp8_gemv(x, weight, scale, k, *config)
         assert torch.equal(quant_gemv.fp8_gemv(x, weight, scale, k, *config, swiglu_out=True),
-                           fused_ops.silu_and_mul(gate_up))
+                           fused_ops.silu_and_mul(plain))
 
 
 @needs_triton
