@@ -255,13 +255,17 @@ def test_interpreter_fp8_gemv(dtype, n, k, group_k, block_n, block_k, native, mo
 
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs Llama-3-8B's below")
+@pytest.mark.parametrize("native", [True, False], ids=["fp8", "fp8-bits"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k,block_n,block_k", [(24, 256, 8, 64), (13, 200, 8, 64), (9, 256, 16, 512)])
-def test_interpreter_fp8_gemv_float16_sums(dtype, n, k, block_n, block_k):
+def test_interpreter_fp8_gemv_float16_sums(dtype, n, k, block_n, block_k, native, monkeypatch):
     """Partial sums in float16 (a ragged K and a single tile among the shapes): within the dtype's tolerance of
-    float64, like the float32 sums; also with the norm inside and with SwiGLU out. (Not for float32 models, whose
+    float64, like the float32 sums; also with the norm inside and with SwiGLU out. native=False sums the decoded
+    e4m3 bits (the values / 256) instead, the path of GPUs older than sm89. (Not for float32 models, whose
     tolerance they miss: start-up's check leaves them out there.)"""
     from shardserve.kernels.triton import fused_ops, quant_gemv
+
+    monkeypatch.setattr(quant_gemv, "_native_fp8", lambda device: native)
 
     weight, scale = random_fp8(n, k, k, seed=n)
     w64 = fp8_reference(weight, scale, k)
@@ -280,7 +284,11 @@ def test_interpreter_fp8_gemv_float16_sums(dtype, n, k, block_n, block_k):
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="the interpreter; CUDA runs the same check below")
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the float16 sums' own, on purpose
-def test_interpreter_fp8_gemv_float16_sums_overflow_summed_again():
+@pytest.mark.parametrize("native", [True, False], ids=["fp8", "fp8-bits"])
+def test_interpreter_fp8_gemv_float16_sums_overflow_summed_again(native, monkeypatch):
+    from shardserve.kernels.triton import quant_gemv
+
+    monkeypatch.setattr(quant_gemv, "_native_fp8", lambda device: native)
     check_float16_overflow()
 
 
