@@ -67,6 +67,12 @@ INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (64, 512, 4, 1), (64, 512, 4, 4), (32
 FP8_F16_CANDIDATES = ((16, 1024, 4, 2, 1), (16, 512, 8, 2, 1), (16, 512, 4, 3, 1), (32, 256, 4, 3, 1),
                       (16, 1024, 4, 3, 1), (8, 1024, 4, 3, 1))
 FP8_SUMS_ENV = "SHARDSERVE_FP8_GEMV_SUMS"
+# Start-up also times each INT4_SPLIT_CANDIDATES form with two words' products summed in float16 pairs (a fifth
+# element 1: quant_gemv's F16_SUMS on the split-K GEMV), about a fifth fewer instructions a weight: on an H100 they
+# won every Llama-3-8B shape but o (a tie) and took the 4-bit step from 2.413 to 2.301 ms (BENCHMARKS.md). The start-
+# up check against float64 keeps them out of float32 models. SHARDSERVE_INT4_GEMV_SUMS=float32 (or float16) times
+# only that kind; auto, the default, both.
+INT4_SUMS_ENV = "SHARDSERVE_INT4_GEMV_SUMS"
 
 
 # Batches by row count: at most 16, 64, 256, 512 or 1024 rows, or more (a full decode batch of 512 sequences has
@@ -597,16 +603,30 @@ def _candidate_forms(packed: PackedWeights, preload_sms: int = 0) -> list[GemvFo
     """The single-row forms start-up times for a packed shape; with `preload_sms` (_preload_sms: FP8 layers flagged
     KernelLinear.preloads_rows, the GPU's SMs) only tiled ones whose first tile, loaded before the wait, is the whole
     row block and that hold it (cuda_gemv.holds_rows), where there are such."""
-    from shardserve.kernels.triton.quant_gemv import int4_split_sub
-
     tiled = GEMV_CANDIDATES + (FP8_F16_CANDIDATES if takes_f16_sums(packed) else ())
     holding = [(config, None) for config in tiled if holds_rows_of(packed, config, preload_sms)]
     if holding:
         return holding
     forms: list[GemvForm] = [(config, None) for config in tiled]
     if packed.layout.kind == "int4":
-        forms += [(DEFAULT_GEMV, config) for config in INT4_SPLIT_CANDIDATES
-                  if int4_split_sub(packed.k, packed.group, config[1]) is not None]
+        forms += [(DEFAULT_GEMV, config) for config in int4_split_forms(packed)]
+    return forms
+
+
+def int4_split_forms(packed: PackedWeights) -> list[tuple[int, ...]]:
+    """The split-K configurations start-up times for a 4-bit shape: each of INT4_SPLIT_CANDIDATES that fits it, with
+    float32 sums, float16 sums (a fifth element 1; sub-tiles of 16 columns or more) or both, as
+    SHARDSERVE_INT4_GEMV_SUMS says (auto: both)."""
+    from shardserve.kernels.triton.quant_gemv import int4_split_sub
+
+    sums = env_choice(INT4_SUMS_ENV, ("auto", "float32", "float16"), "auto")
+    forms: list[tuple[int, ...]] = []
+    for config in INT4_SPLIT_CANDIDATES:
+        sub = int4_split_sub(packed.k, packed.group, config[1])
+        if sub is not None and sums != "float16":
+            forms.append(config)
+        if sub is not None and sub >= 16 and sums != "float32":
+            forms.append((*config, 1))
     return forms
 
 

@@ -222,6 +222,40 @@ def test_interpreter_int4_split_gemv_extreme_nibbles_and_inputs(magnitude):
 
 
 @needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs Llama-3-8B's below")
+@pytest.mark.parametrize("n,k,group,config", INTERPRETER_SPLIT)
+def test_interpreter_int4_split_gemv_float16_sums(n, k, group, config):
+    """Two words' products summed in float16 pairs (the interpreter's float32 model of the paired instructions):
+    within float16's tolerance of float64 for float32 inputs from 1e-6 to 3e4 (each program scales x by its own
+    power of two), for float16 inputs and with the norm inside; the same bits on a second call, SwiGLU out the
+    same bits as the product then the SwiGLU kernel, a zero input giving zeros, every arrival count back to 0."""
+    from shardserve.kernels.triton import fused_ops
+    from shardserve.kernels.triton.quant_gemv import int4_gemv_split, int4_gemv_split_rmsnorm
+
+    q, scale_zero = random_int4(n, k, group, seed=n)
+    qweight, w64 = pack_int4(q), int4_reference(q, scale_zero, group)
+    for magnitude in (1e-6, 1.0, 3e4):
+        x = torch.randn(k, generator=torch.Generator().manual_seed(1)) * magnitude
+        got = int4_gemv_split(x, qweight, scale_zero, group, *config, True)
+        assert relative_error(got[0], x.double() @ w64.T) < TOLERANCE[torch.float16], magnitude
+    x = x.div(3e4).half()
+    got = int4_gemv_split(x, qweight, scale_zero, group, *config, True)
+    assert got.dtype == torch.float16 and relative_error(got[0], x.double() @ w64.T) < TOLERANCE[torch.float16]
+    assert torch.equal(int4_gemv_split(x, qweight, scale_zero, group, *config, True), got)
+    assert torch.equal(int4_gemv_split(torch.zeros(k).half(), qweight, scale_zero, group, *config, True),
+                       torch.zeros(1, n).half())
+    norm_args, h, summed = normed_input(k, torch.float16, True)
+    got, got_sum = int4_gemv_split_rmsnorm(*norm_args, qweight, scale_zero, group, *config, True)
+    assert relative_error(got[0], h[0].double() @ w64.T) < TOLERANCE[torch.float16]
+    assert torch.equal(got_sum, summed)
+    if n % 2 == 0:
+        swiglu = int4_gemv_split(x, qweight, scale_zero, group, *config, True, swiglu_out=True)
+        assert torch.equal(swiglu, fused_ops.silu_and_mul(int4_gemv_split(x, qweight, scale_zero, group, *config,
+                                                                          True)))
+    assert split_counts_are_zero()
+
+
+@needs_triton
 def test_int4_split_gemv_names_what_it_cannot_take():
     from shardserve.kernels.triton.quant_gemv import int4_gemv_split, int4_split_sub
 
@@ -231,6 +265,12 @@ def test_int4_split_gemv_names_what_it_cannot_take():
     q, scale_zero = random_int4(8, 96, 32, device="cpu")
     with pytest.raises(ValueError, match="cannot split K=96 in groups of 32 every 64 columns"):
         int4_gemv_split(torch.randn(96), pack_int4(q), scale_zero, 32, 8, 64)
+    q, scale_zero = random_int4(8, 2048, 128, device="cpu")
+    with pytest.raises(ValueError, match="float16 over splits of at most 1024 columns"):
+        int4_gemv_split(torch.randn(2048), pack_int4(q), scale_zero, 128, 8, 2048, 4, 1, True)
+    q, scale_zero = random_int4(8, 96, 8, device="cpu")
+    with pytest.raises(ValueError, match="sub-tiles of at least 16"):
+        int4_gemv_split(torch.randn(96), pack_int4(q), scale_zero, 8, 8, 32, 4, 1, True)
 
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs Llama-3-8B's below")
@@ -407,6 +447,8 @@ def test_fp8_gemv_with_swiglu_output_equals_the_product_then_swiglu(features, k,
                                                      pytest.param(14336, 4096, 128, (64, 512, 4, 4),
                                                                   marks=pytest.mark.gpu),
                                                      pytest.param(14336, 4096, 128, (16, 4096, 4, 1),
+                                                                  marks=pytest.mark.gpu),
+                                                     pytest.param(14336, 4096, 128, (64, 512, 4, 1, 1),
                                                                   marks=pytest.mark.gpu)])
 def test_int4_split_gemv_with_swiglu_output_equals_the_product_then_swiglu(features, k, group, config):
     """A [gate | up] 4-bit projection whose split-K launch returns silu(gate) * up: the same bits as the split-K
@@ -466,11 +508,12 @@ def test_interpreter_int4_split_gemv_walks_wide_splits_in_chunks(n, k, group, co
 
 def split_configs(k: int, group: int) -> list[tuple[int, ...]]:
     """The start-up candidates of the split-K GEMV that take K columns in groups of `group`, and a small one
-    (rows past N on the tiny shape, several splits)."""
+    (rows past N on the tiny shape, several splits); each also with float16 sums (a fifth element 1)."""
     from shardserve.kernels.triton.quant_gemv import int4_split_sub
     from shardserve.layers.quantized_linear import INT4_SPLIT_CANDIDATES
 
-    return [c for c in INT4_SPLIT_CANDIDATES + ((16, 128, 4, 2),) if int4_split_sub(k, min(group, k), c[1])]
+    configs = [c for c in INT4_SPLIT_CANDIDATES + ((16, 128, 4, 2),) if int4_split_sub(k, min(group, k), c[1])]
+    return configs + [(*c, 1) for c in configs]
 
 
 @needs_triton
@@ -529,7 +572,8 @@ def _inputs(k: int) -> dict:
 @pytest.mark.parametrize("n,k", LLAMA3_8B + [TINY])
 def test_gpu_int4_gemv(n, k, kernel):
     """Group sizes 32, 64, 128 and K; every config for bfloat16 and float16 inputs (the split-K kernel: every
-    start-up candidate that takes the shape, and the arrival counts back to 0 after all of it)."""
+    start-up candidate that takes the shape, with float32 and with float16 sums, and the arrival counts back to 0
+    after all of it)."""
     from shardserve.kernels.triton.quant_gemv import int4_gemv, int4_gemv_split
 
     gemv = int4_gemv_split if kernel == "split" else int4_gemv

@@ -329,6 +329,29 @@ def test_float16_sums_are_timed_for_fp8_with_one_scale_a_row_only(monkeypatch):
         tiled(PackedLayout("fp8", 0))
 
 
+def test_four_bit_split_forms_are_timed_with_float32_and_float16_sums(monkeypatch):
+    """By default start-up times each split-K candidate with float32 sums and with float16 sums (a fifth element 1),
+    the latter only where sub-tiles are 16 columns or more; SHARDSERVE_INT4_GEMV_SUMS=float32 or float16 keeps one
+    kind; a bad value is named."""
+    from shardserve.layers.linear import ColumnParallelLinear
+    from shardserve.layers.quantized_linear import INT4_SPLIT_CANDIDATES, PackedLayout, PackedWeights, int4_split_forms
+
+    def forms(k, group):
+        return int4_split_forms(PackedWeights(ColumnParallelLinear(k, {None: (0, 256)}, False, torch.bfloat16),
+                                              PackedLayout("int4", group), "cpu"))
+
+    fitting = [c for c in INT4_SPLIT_CANDIDATES if c[1] <= 512]  # K = 512 takes splits of 512 columns or fewer
+    assert forms(512, 128) == [f for c in fitting for f in (c, (*c, 1))]
+    assert forms(512, 8) == fitting  # sub-tiles of one word: float32 sums only
+    monkeypatch.setenv("SHARDSERVE_INT4_GEMV_SUMS", "float32")
+    assert forms(512, 128) == fitting
+    monkeypatch.setenv("SHARDSERVE_INT4_GEMV_SUMS", "float16")
+    assert forms(512, 128) == [(*c, 1) for c in fitting]
+    monkeypatch.setenv("SHARDSERVE_INT4_GEMV_SUMS", "half")
+    with pytest.raises(ValueError, match="SHARDSERVE_INT4_GEMV_SUMS"):
+        forms(512, 128)
+
+
 def test_an_fp8_o_projection_times_only_forms_that_hold_its_rows(monkeypatch):
     """An FP8 layer whose GEMV is to load all its rows while attention runs (preloads_rows, on a GPU of that many
     SMs) is timed only in tiled forms whose first tile is the whole row block held by programs all placed at once;

@@ -312,7 +312,7 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
                             BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                             ROW_TILES: tl.constexpr, SCALE_BITS: tl.constexpr, NORM: tl.constexpr,
                             HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, SWIGLU_OUT: tl.constexpr = False,
-                            PRELOAD: tl.constexpr = 0):
+                            PRELOAD: tl.constexpr = 0, F16_SUMS: tl.constexpr = False, F16_ASM: tl.constexpr = False):
     """Program (k split, row block): part[split, n] = sum over the split's SPLIT_K columns of (q - z) * s * x for
     ROW_TILES tiles of BLOCK_N rows, then the row block's last program to finish sums the splits into out; with
     one split (SPLIT_K == K) each program stores its rows' products itself. SWIGLU_OUT: N counts the features of a
@@ -341,8 +341,13 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
     order, so results repeat bit for bit. NORM, PDL: as in _fp8_gemv_kernel (every program computes the norm's
     1 / rms; program (0, 0) stores the sum).
 
+    F16_SUMS (CHUNK == SPLIT_K, SUB >= 16): two words' products summed in a pair of float16 sums (_word_pair_sums),
+    x scaled by a power of two per program so its largest magnitude lands in [2**14, 2**15) (_split_pairs); with
+    F16_ASM (a GPU) by paired instructions, 21 for 16 weights where the float32 products take 34.
+
     Invariant: float32 denormals are kept, not flushed to zero (Triton's default); a flush would zero every
     product, which the start-up check against float64 would catch before the kernel serves."""
+    tl.static_assert(not F16_SUMS or (CHUNK == SPLIT_K and SUB >= 16), "float16 sums: x held, pairs of words")
     SUBS: tl.constexpr = CHUNK // SUB
     WORDS: tl.constexpr = SUB // 8
     SPLITS: tl.constexpr = K // SPLIT_K
@@ -364,17 +369,26 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
     if NORM:
         rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, (split == 0) & (tl.program_id(1) == 0), K, CHUNK,
                           HAS_RESIDUAL)
-    if CHUNK == SPLIT_K:
+    if F16_SUMS:
+        x_sum, x04, x15, x26, x37, unscale = _split_pairs(x_ptr, residual_ptr, norm_w_ptr, k0 + word * 8, rstd, NORM,
+                                                          HAS_RESIDUAL)
+    elif CHUNK == SPLIT_K:
         x_sum, x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, k0 + word * 8, rstd,
                                                              SCALE_BITS, NORM, HAS_RESIDUAL)
+    if CHUNK == SPLIT_K:
         w_next = w_first
         for t in range(ROW_TILES):
             w = w_next  # the next row tile's words are loaded before this one is reduced
             rows, row_ok = program_rows(first_tile + t, N, BLOCK_N, SWIGLU_OUT)
             next_rows, next_ok = program_rows(first_tile + t + 1, N, BLOCK_N, SWIGLU_OUT)
             w_next = _chunk_words(q_ptr, next_rows, next_ok & (t + 1 < ROW_TILES), stride_qw, k0, word)
-            y = tl.sum(_word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k0, sub, K,
-                                       GROUP, SUB, SCALE_BITS), axis=0)
+            if F16_SUMS:
+                sums = _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, sz_ptr, rows, row_ok, k0, sub, K, GROUP,
+                                       SUB, F16_ASM)
+            else:
+                sums = _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k0, sub, K,
+                                       GROUP, SUB, SCALE_BITS)
+            y = tl.sum(sums, axis=0)
             _split_result(y, part_ptr + split * (ROWS * N), out_ptr, rows, row_ok, first_tile + t, N, BLOCK_N,
                           SPLITS, SWIGLU_OUT)
     else:
@@ -428,6 +442,125 @@ def _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_
                 + _denormal(w, 16) * x4 + _denormal(h, 8) * x5 + _denormal(h, 12) * x6
                 + _denormal(h, 16) * x7)  # [sub-tile, row, word]
     qx = tl.sum(products, axis=2) * (2.0 ** SCALE_BITS)
+    group = (k + sub * SUB) // GROUP
+    s, z = scale_and_zero(tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
+                                  mask=row_ok[None, :], other=0))
+    return s * (qx - z * x_sum[:, None])
+
+
+@triton.jit
+def _split_pairs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """For float16 sums: the sum of x over each sub-tile; x at columns 8 * word + j and 8 * word + j + 4 as float16
+    pairs in one 32-bit word (x04, x15, x26, x37: [sub-tile, 1, word]), times 2**e, the power of two that puts the
+    program's largest |x| in [2**14, 2**15), and times 2**-4 more for odd j (_word_pair_sums reads their nibbles 16
+    times too large); and 2**(24 - e), which takes the float16 sums back to x's scale."""
+    offsets = cols[:, :, None] + tl.arange(0, 8)[None, None, :]
+    if NORM:
+        x = normed_values(x_ptr, residual_ptr, norm_w_ptr, offsets, None, rstd, HAS_RESIDUAL)
+    else:
+        x = tl.load(x_ptr + offsets)
+    x = x.to(tl.float32)
+    x_sum = tl.sum(tl.sum(x, axis=2), axis=1)
+    # the largest |x|'s biased exponent, kept where both scales are normal floats (x = 0 takes the smallest)
+    exponent = tl.minimum(tl.maximum((tl.max(tl.abs(x)).to(tl.int32, bitcast=True) >> 23) & 0xFF, 14), 244)
+    scale = ((268 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(141 - exponent)
+    unscale = ((exponent + 10) << 23).to(tl.float32, bitcast=True)  # 2**(exponent - 117) = 2**24 / scale
+    # column 8 * word + j at [sub-tile, word, j // 4, (j // 2) % 2, j % 2]: pairs (j, j + 4) split off the middle axis
+    even, odd = tl.split(x.reshape(cols.shape[0], cols.shape[1], 2, 2, 2))
+    x04, x26 = tl.split(even)
+    x15, x37 = tl.split(odd)
+    return (x_sum, _f16_pair(x04, scale), _f16_pair(x15, scale * 0.0625), _f16_pair(x26, scale),
+            _f16_pair(x37, scale * 0.0625), unscale)
+
+
+@triton.jit
+def _f16_pair(x, scale):
+    """[sub-tile, word, 2] float32 -> [sub-tile, 1, word] int32: x[..., 0] * scale as float16 in the low half,
+    x[..., 1] * scale in the high half."""
+    lo, hi = tl.split((x * scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
+    return (lo | (hi << 16))[:, None, :]
+
+
+@triton.jit
+def _word_pair_sums(w, x04, x15, x26, x37, SUBS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr,
+                    ASM: tl.constexpr):
+    """[sub-tile, row, word pair]: the sum of n * x * 2**-24 over the sixteen nibbles n of two adjacent words of the
+    [sub-tile, row, word] tile w, x as _split_pairs packs it; the nibbles j < 4 of both words summed in one float16,
+    those j >= 4 in the other, then added in float32. A nibble masked in place in a float16 half is the denormal
+    n * 2**-24 (16 n * 2**-24 at odd j), so one AND makes two weights a float16 pair and one paired multiply-add
+    takes both into the sums: with ASM (a GPU) 21 instructions for 16 weights, against 34 for the float32 products.
+    The interpreter computes the same roundings in float32 (_half_sum)."""
+    wa, wb = _adjacent(w, SUBS, ROWS, WORDS)
+    a04, b04 = _adjacent(x04, SUBS, ROWS, WORDS)
+    a15, b15 = _adjacent(x15, SUBS, ROWS, WORDS)
+    a26, b26 = _adjacent(x26, SUBS, ROWS, WORDS)
+    a37, b37 = _adjacent(x37, SUBS, ROWS, WORDS)
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a, b, c, d, h, t;
+            .reg .b16 lo, hi;
+            .reg .f32 fl, fh;
+            and.b32 a, $1, 0x000F000F;
+            and.b32 b, $1, 0x00F000F0;
+            shr.u32 h, $1, 8;
+            and.b32 c, h, 0x000F000F;
+            and.b32 d, h, 0x00F000F0;
+            mul.rn.f16x2 t, a, $3;
+            fma.rn.f16x2 t, b, $4, t;
+            fma.rn.f16x2 t, c, $5, t;
+            fma.rn.f16x2 t, d, $6, t;
+            and.b32 a, $2, 0x000F000F;
+            and.b32 b, $2, 0x00F000F0;
+            shr.u32 h, $2, 8;
+            and.b32 c, h, 0x000F000F;
+            and.b32 d, h, 0x00F000F0;
+            fma.rn.f16x2 t, a, $7, t;
+            fma.rn.f16x2 t, b, $8, t;
+            fma.rn.f16x2 t, c, $9, t;
+            fma.rn.f16x2 t, d, $10, t;
+            mov.b32 {lo, hi}, t;
+            cvt.f32.f16 fl, lo;
+            cvt.f32.f16 fh, hi;
+            add.f32 $0, fl, fh;
+            }""",
+            "=r,r,r,r,r,r,r,r,r,r,r", [wa, wb, a04, a15, a26, a37, b04, b15, b26, b37],
+            dtype=tl.float32, is_pure=True, pack=1)
+    lo = _half_sum(wb, b04, b15, b26, b37, 0, _half_sum(wa, a04, a15, a26, a37, 0, 0.0))
+    hi = _half_sum(wb, b04, b15, b26, b37, 16, _half_sum(wa, a04, a15, a26, a37, 16, 0.0))
+    return lo + hi
+
+
+@triton.jit
+def _adjacent(t, SUBS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """A [sub-tile, row or 1, word] tensor, broadcast over the rows, as its even and its odd words."""
+    return tl.split(tl.broadcast_to(t, (SUBS, ROWS, WORDS)).reshape(SUBS, ROWS, WORDS // 2, 2))
+
+
+@triton.jit
+def _half_sum(w, x04, x15, x26, x37, HALF: tl.constexpr, t):
+    """t plus the products of one word in _word_pair_sums' low (HALF 0) or high (HALF 16) float16 sum, rounded
+    after each as the paired multiply-adds round."""
+    t = (t + _nibble_product(w, x04, HALF, HALF)).to(tl.float16).to(tl.float32)
+    t = (t + _nibble_product(w, x15, HALF + 4, HALF)).to(tl.float16).to(tl.float32)
+    t = (t + _nibble_product(w, x26, HALF + 8, HALF)).to(tl.float16).to(tl.float32)
+    return (t + _nibble_product(w, x37, HALF + 12, HALF)).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _nibble_product(w, pair, BIT: tl.constexpr, HALF: tl.constexpr):
+    """The nibble at bit BIT times the pair's float16 half at bit HALF, as the paired instructions see them (the
+    nibble as 2**-24 n, or 2**-20 n at odd positions), exact in float32."""
+    n = ((w >> BIT) & 15).to(tl.float32) * (2.0 ** -24 if (BIT - HALF) % 8 == 0 else 2.0 ** -20)
+    return n * ((pair >> HALF) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr,
+                    GROUP: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr):
+    """_word_tile_sums with float16 sums (_word_pair_sums)."""
+    sums = _word_pair_sums(w, x04, x15, x26, x37, w.shape[0], w.shape[1], SUB // 8, ASM)
+    qx = tl.sum(sums, axis=2) * unscale
     group = (k + sub * SUB) // GROUP
     s, z = scale_and_zero(tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
                                   mask=row_ok[None, :], other=0))
@@ -547,38 +680,44 @@ def int4_split_sub(k: int, group_size: int, split_k: int) -> int | None:
 
 def int4_gemv_split(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor,
                     group_size: int, block_n: int = 64, split_k: int = 512, num_warps: int = 4,
-                    row_tiles: int = 1, swiglu_out: bool = False) -> torch.Tensor:
+                    row_tiles: int = 1, f16_sums: bool = False, *, swiglu_out: bool = False) -> torch.Tensor:
     """int4_gemv by the split-K kernel (_int4_split_gemv_kernel): programs of split_k columns by row_tiles tiles
     of block_n rows. Raises ValueError where the shape does not fit it (int4_split_sub), where the weight's rows
-    are not whole 32-bit words, or where there are more row blocks than arrival counts. With `swiglu_out`,
-    silu(gate) * up of a [gate | up] weight, [1, N / 2] (gemv.gemv's)."""
+    are not whole 32-bit words, or where there are more row blocks than arrival counts. `f16_sums`: each word's
+    products summed in float16 pairs (the kernel's F16_SUMS; splits of at most INT4_SPLIT_CHUNK columns). With
+    `swiglu_out`, silu(gate) * up of a [gate | up] weight, [1, N / 2] (gemv.gemv's)."""
     x = _one_row(x, 2 * qweight.shape[1], "int4_gemv_split")
-    return _int4_split_launch(x, qweight, scale_zero, group_size, (block_n, split_k, num_warps, row_tiles), None,
-                              swiglu_out)
+    return _int4_split_launch(x, qweight, scale_zero, group_size,
+                              (block_n, split_k, num_warps, row_tiles, f16_sums), None, swiglu_out)
 
 
 def int4_gemv_split_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                             eps: float, qweight: torch.Tensor, scale_zero: torch.Tensor,
                             group_size: int, block_n: int = 64, split_k: int = 512, num_warps: int = 4,
-                            row_tiles: int = 1, swiglu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int4_gemv_split of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm; `swiglu_out`
-    as in int4_gemv_split."""
+                            row_tiles: int = 1, f16_sums: bool = False, *,
+                            swiglu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int4_gemv_split of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm; `f16_sums` and
+    `swiglu_out` as in int4_gemv_split."""
     return _normed_launch("int4_gemv_split_rmsnorm", x, residual, norm_weight, eps, 2 * qweight.shape[1],
                           lambda x, norm: _int4_split_launch(x, qweight, scale_zero, group_size,
-                                                             (block_n, split_k, num_warps, row_tiles), norm,
-                                                             swiglu_out))
+                                                             (block_n, split_k, num_warps, row_tiles, f16_sums),
+                                                             norm, swiglu_out))
 
 
 def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, swiglu_out: bool = False
                        ) -> torch.Tensor:
-    """norm: as in _fp8_launch."""
+    """config: (block_n, split_k, num_warps, row_tiles, f16_sums). norm: as in _fp8_launch."""
     check_int4(qweight, scale_zero, group_size)
-    block_n, split_k, num_warps, row_tiles = config
+    block_n, split_k, num_warps, row_tiles, f16_sums = config
     _check_blocks(block_n, 8, 1)
     (n, tiles), k = output_rows(qweight, block_n, swiglu_out), 2 * qweight.shape[1]
     sub = int4_split_sub(k, group_size, split_k)
     if sub is None:
         raise ValueError(f"int4_gemv_split cannot split K={k} in groups of {group_size} every {split_k} columns")
+    if f16_sums and (split_k > INT4_SPLIT_CHUNK or sub < 16):
+        raise ValueError(f"int4_gemv_split sums in float16 over splits of at most {INT4_SPLIT_CHUNK} columns in "
+                         f"sub-tiles of at least 16 (groups of 16 or more), not {split_k} columns in groups of "
+                         f"{group_size}")
     if qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
         raise ValueError("int4_gemv_split needs rows of whole 32-bit words (K a multiple of 8, aligned rows)")
     row_blocks = triton.cdiv(tiles, row_tiles)
@@ -597,7 +736,8 @@ def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, sw
         x if residual is None else residual, norm_weight, summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n,
         SPLIT_K=split_k, CHUNK=min(split_k, INT4_SPLIT_CHUNK), SUB=sub, ROW_TILES=row_tiles,
         SCALE_BITS=SPLIT_SCALE_BITS, NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
-        num_stages=1, SWIGLU_OUT=swiglu_out, PRELOAD=min(preload_tiles(), 1), **pdl.launch(x.device))
+        num_stages=1, SWIGLU_OUT=swiglu_out, PRELOAD=min(preload_tiles(), 1), F16_SUMS=bool(f16_sums),
+        F16_ASM=bool(f16_sums) and x.is_cuda, **pdl.launch(x.device))
     return out
 
 
