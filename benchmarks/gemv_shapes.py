@@ -7,9 +7,10 @@ Methods: cuBLAS through F.linear, cuBLASLt through F.linear, torch.mm on a trans
 Triton kernel of shardserve/kernels/triton/gemv.py over a grid of launch configurations. With --packed, the
 packed GEMVs of shardserve/kernels/triton/quant_gemv.py instead (4-bit in groups of 128 with zero points, or
 FP8 with a scale per row) over the configurations the engine times at start-up (for 4-bit also the split-K
-GEMV's, keys starting with "split"; for FP8 also the float16 sums', a fifth element 1), checked against the
-dequantized product; with --grid (FP8) also over FP8_GRID, to find candidates for another GPU. Prints us per call
-and GB/s of weights read (packed bytes and scales), and a RESULT line with every figure.
+GEMV's, keys starting with "split", those with float16 sums ending in _1; for FP8 also the float16 sums', a fifth
+element 1), checked against the dequantized product; with --grid (FP8) also over FP8_GRID, to find candidates for
+another GPU. Prints us per call and GB/s of weights read (packed bytes and scales), and a RESULT line with every
+figure.
 
 --sms N times everything on N of the GPU's SMs (a CUDA green context): with fewer SMs each must issue for more
 bytes a second, as on a GPU whose memory outruns its SMs (an H200 reads 4.8 TB/s with the 132 SMs an H100 has
@@ -67,8 +68,9 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]], grid: bool = 
             parts = (q, scale_zero)
             launches = {"_".join(map(str, c)): lambda x, packed, c=c: int4_gemv(x, *packed, group, *c)
                         for c in GEMV_CANDIDATES}
+            splits = [c for c in INT4_SPLIT_CANDIDATES if int4_split_sub(k, group, c[1])]
             launches.update({"split_" + "_".join(map(str, c)): lambda x, packed, c=c: int4_gemv_split(
-                x, *packed, group, *c) for c in INT4_SPLIT_CANDIDATES if int4_split_sub(k, group, c[1])})
+                x, *packed, group, *c) for c in splits + [(*c, 1) for c in splits]})
         else:
             q, scale = quantize_fp8(dense, k)
             reference_w = dequantize_fp8(q, scale, k, torch.float32)
