@@ -277,19 +277,8 @@ def _denormal(w, BIT: tl.constexpr):
 def _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, SCALE_BITS: tl.constexpr, NORM: tl.constexpr,
                   HAS_RESIDUAL: tl.constexpr):
     """The sum of x over each sub-tile, and x at column 8 * word + j for each nibble position j (x0 ... x7, each
-    shaped as `cols`, the first column of each word), scaled for nibble j's bit. One contiguous load of the
-    sub-tiles' columns, then split by position in registers."""
-    offsets = cols[:, :, None] + tl.arange(0, 8)[None, None, :]
-    if NORM:
-        x = normed_values(x_ptr, residual_ptr, norm_w_ptr, offsets, None, rstd, HAS_RESIDUAL)
-    else:
-        x = tl.load(x_ptr + offsets)
-    x = x.to(tl.float32)
-    x_sum = tl.sum(tl.sum(x, axis=2), axis=1)
-    # column 8 * word + j at [sub-tile, word, j // 4, (j // 2) % 2, j % 2]; each split takes the last axis
-    even, odd = tl.split(x.reshape(cols.shape[0], cols.shape[1], 2, 2, 2))
-    x04, x26 = tl.split(even)
-    x15, x37 = tl.split(odd)
+    shaped as `cols`, the first column of each word), scaled for nibble j's bit."""
+    x_sum, _, x04, x15, x26, x37 = _input_pairs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, NORM, HAS_RESIDUAL)
     x0, x4 = tl.split(x04)
     x2, x6 = tl.split(x26)
     x1, x5 = tl.split(x15)
@@ -297,6 +286,24 @@ def _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, SCALE_BITS: tl.co
     return (x_sum, _scaled(x0, 0, SCALE_BITS), _scaled(x1, 4, SCALE_BITS), _scaled(x2, 8, SCALE_BITS),
             _scaled(x3, 12, SCALE_BITS), _scaled(x4, 16, SCALE_BITS), _scaled(x5, 8, SCALE_BITS),
             _scaled(x6, 12, SCALE_BITS), _scaled(x7, 16, SCALE_BITS))
+
+
+@triton.jit
+def _input_pairs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The sub-tiles' inputs (RMSNorm(x + residual) with NORM) in float32: their sum over each sub-tile, the largest
+    |x|, and the columns 8 * word + j and 8 * word + j + 4 of each word side by side ([sub-tile, word, 2] each, for
+    j = 0 ... 3). One contiguous load of the sub-tiles' columns, then split by position in registers."""
+    offsets = cols[:, :, None] + tl.arange(0, 8)[None, None, :]
+    if NORM:
+        x = normed_values(x_ptr, residual_ptr, norm_w_ptr, offsets, None, rstd, HAS_RESIDUAL)
+    else:
+        x = tl.load(x_ptr + offsets)
+    x = x.to(tl.float32)
+    # column 8 * word + j at [sub-tile, word, j // 4, (j // 2) % 2, j % 2]: pairs (j, j + 4) split off the others
+    even, odd = tl.split(x.reshape(cols.shape[0], cols.shape[1], 2, 2, 2))
+    x04, x26 = tl.split(even)
+    x15, x37 = tl.split(odd)
+    return tl.sum(tl.sum(x, axis=2), axis=1), tl.max(tl.abs(x)), x04, x15, x26, x37
 
 
 @triton.jit
@@ -454,21 +461,12 @@ def _split_pairs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, NORM: tl.constexpr
     pairs in one 32-bit word (x04, x15, x26, x37: [sub-tile, 1, word]), times 2**e, the power of two that puts the
     program's largest |x| in [2**14, 2**15), and times 2**-4 more for odd j (_word_pair_sums reads their nibbles 16
     times too large); and 2**(24 - e), which takes the float16 sums back to x's scale."""
-    offsets = cols[:, :, None] + tl.arange(0, 8)[None, None, :]
-    if NORM:
-        x = normed_values(x_ptr, residual_ptr, norm_w_ptr, offsets, None, rstd, HAS_RESIDUAL)
-    else:
-        x = tl.load(x_ptr + offsets)
-    x = x.to(tl.float32)
-    x_sum = tl.sum(tl.sum(x, axis=2), axis=1)
+    x_sum, x_max, x04, x15, x26, x37 = _input_pairs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, NORM,
+                                                    HAS_RESIDUAL)
     # the largest |x|'s biased exponent, kept where both scales are normal floats (x = 0 takes the smallest)
-    exponent = tl.minimum(tl.maximum((tl.max(tl.abs(x)).to(tl.int32, bitcast=True) >> 23) & 0xFF, 14), 244)
+    exponent = tl.minimum(tl.maximum((x_max.to(tl.int32, bitcast=True) >> 23) & 0xFF, 14), 244)
     scale = ((268 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(141 - exponent)
     unscale = ((exponent + 10) << 23).to(tl.float32, bitcast=True)  # 2**(exponent - 117) = 2**24 / scale
-    # column 8 * word + j at [sub-tile, word, j // 4, (j // 2) % 2, j % 2]: pairs (j, j + 4) split off the middle axis
-    even, odd = tl.split(x.reshape(cols.shape[0], cols.shape[1], 2, 2, 2))
-    x04, x26 = tl.split(even)
-    x15, x37 = tl.split(odd)
     return (x_sum, _f16_pair(x04, scale), _f16_pair(x15, scale * 0.0625), _f16_pair(x26, scale),
             _f16_pair(x37, scale * 0.0625), unscale)
 
