@@ -69,7 +69,7 @@ FP8_F16_CANDIDATES = ((16, 1024, 4, 2, 1), (16, 512, 8, 2, 1), (16, 512, 4, 3, 1
 FP8_SUMS_ENV = "SHARDSERVE_FP8_GEMV_SUMS"
 # Start-up also times each INT4_SPLIT_CANDIDATES form with two words' products summed in float16 pairs (a fifth
 # element 1: quant_gemv's F16_SUMS on the split-K GEMV), about a fifth fewer instructions a weight: on an H100 they
-# won every Llama-3-8B shape but o (a tie) and took the 4-bit step from 2.413 to 2.301 ms (BENCHMARKS.md). The start-
+# won every Llama-3-8B shape but o (a tie) and took the 4-bit step from 2.409 to 2.291 ms (BENCHMARKS.md). The start-
 # up check against float64 keeps them out of float32 models. SHARDSERVE_INT4_GEMV_SUMS=float32 (or float16) times
 # only that kind; auto, the default, both.
 INT4_SUMS_ENV = "SHARDSERVE_INT4_GEMV_SUMS"

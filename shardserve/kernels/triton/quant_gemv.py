@@ -681,9 +681,10 @@ def int4_gemv_split(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Te
                     row_tiles: int = 1, f16_sums: bool = False, *, swiglu_out: bool = False) -> torch.Tensor:
     """int4_gemv by the split-K kernel (_int4_split_gemv_kernel): programs of split_k columns by row_tiles tiles
     of block_n rows. Raises ValueError where the shape does not fit it (int4_split_sub), where the weight's rows
-    are not whole 32-bit words, or where there are more row blocks than arrival counts. `f16_sums`: each word's
-    products summed in float16 pairs (the kernel's F16_SUMS; splits of at most INT4_SPLIT_CHUNK columns). With
-    `swiglu_out`, silu(gate) * up of a [gate | up] weight, [1, N / 2] (gemv.gemv's)."""
+    are not whole 32-bit words, or where there are more row blocks than arrival counts. `f16_sums`: two words'
+    products summed in a pair of float16 sums (the kernel's F16_SUMS; splits of at most INT4_SPLIT_CHUNK columns,
+    sub-tiles of 16 columns or more, else ValueError). With `swiglu_out`, silu(gate) * up of a [gate | up] weight,
+    [1, N / 2] (gemv.gemv's)."""
     x = _one_row(x, 2 * qweight.shape[1], "int4_gemv_split")
     return _int4_split_launch(x, qweight, scale_zero, group_size,
                               (block_n, split_k, num_warps, row_tiles, f16_sums), None, swiglu_out)
