@@ -615,9 +615,9 @@ def _candidate_forms(packed: PackedWeights, preload_sms: int = 0) -> list[GemvFo
 
 def int4_split_forms(packed: PackedWeights) -> list[tuple[int, ...]]:
     """The split-K configurations start-up times for a 4-bit shape: each of INT4_SPLIT_CANDIDATES that fits it, with
-    float32 sums, float16 sums (a fifth element 1; sub-tiles of 16 columns or more) or both, as
+    float32 sums, float16 sums (a fifth element 1, where int4_split_takes_f16_sums) or both, as
     SHARDSERVE_INT4_GEMV_SUMS says (auto: both)."""
-    from shardserve.kernels.triton.quant_gemv import int4_split_sub
+    from shardserve.kernels.triton.quant_gemv import int4_split_sub, int4_split_takes_f16_sums
 
     sums = env_choice(INT4_SUMS_ENV, ("auto", "float32", "float16"), "auto")
     forms: list[tuple[int, ...]] = []
@@ -625,7 +625,7 @@ def int4_split_forms(packed: PackedWeights) -> list[tuple[int, ...]]:
         sub = int4_split_sub(packed.k, packed.group, config[1])
         if sub is not None and sums != "float16":
             forms.append(config)
-        if sub is not None and sub >= 16 and sums != "float32":
+        if sub is not None and int4_split_takes_f16_sums(config[1], sub) and sums != "float32":
             forms.append((*config, 1))
     return forms
 

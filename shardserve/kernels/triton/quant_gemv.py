@@ -448,7 +448,14 @@ def _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_
     products = (_denormal(w, 0) * x0 + _denormal(w, 4) * x1 + _denormal(w, 8) * x2 + _denormal(w, 12) * x3
                 + _denormal(w, 16) * x4 + _denormal(h, 8) * x5 + _denormal(h, 12) * x6
                 + _denormal(h, 16) * x7)  # [sub-tile, row, word]
-    qx = tl.sum(products, axis=2) * (2.0 ** SCALE_BITS)
+    return _group_scaled(tl.sum(products, axis=2) * (2.0 ** SCALE_BITS), x_sum, sz_ptr, rows, row_ok, k, sub, K,
+                         GROUP, SUB)
+
+
+@triton.jit
+def _group_scaled(qx, x_sum, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr):
+    """[sub-tile, row]: s * (qx - z * x_sum), qx the sums of n * x over each sub-tile of the rows, with the scale s
+    and zero point z of the group each sub-tile lies in."""
     group = (k + sub * SUB) // GROUP
     s, z = scale_and_zero(tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
                                   mask=row_ok[None, :], other=0))
@@ -558,11 +565,7 @@ def _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, sz_ptr, rows, row_ok,
                     GROUP: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr):
     """_word_tile_sums with float16 sums (_word_pair_sums)."""
     sums = _word_pair_sums(w, x04, x15, x26, x37, w.shape[0], w.shape[1], SUB // 8, ASM)
-    qx = tl.sum(sums, axis=2) * unscale
-    group = (k + sub * SUB) // GROUP
-    s, z = scale_and_zero(tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
-                                  mask=row_ok[None, :], other=0))
-    return s * (qx - z * x_sum[:, None])
+    return _group_scaled(tl.sum(sums, axis=2) * unscale, x_sum, sz_ptr, rows, row_ok, k, sub, K, GROUP, SUB)
 
 
 @triton.jit
@@ -676,6 +679,12 @@ def int4_split_sub(k: int, group_size: int, split_k: int) -> int | None:
     return sub
 
 
+def int4_split_takes_f16_sums(split_k: int, sub: int) -> bool:
+    """Whether the split kernel can sum in float16 pairs (F16_SUMS) with splits of split_k columns in sub-tiles of
+    `sub` (int4_split_sub's): x held for the whole split, and whole pairs of words in each sub-tile."""
+    return split_k <= INT4_SPLIT_CHUNK and sub >= 16
+
+
 def int4_gemv_split(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor,
                     group_size: int, block_n: int = 64, split_k: int = 512, num_warps: int = 4,
                     row_tiles: int = 1, f16_sums: bool = False, *, swiglu_out: bool = False) -> torch.Tensor:
@@ -713,7 +722,7 @@ def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, sw
     sub = int4_split_sub(k, group_size, split_k)
     if sub is None:
         raise ValueError(f"int4_gemv_split cannot split K={k} in groups of {group_size} every {split_k} columns")
-    if f16_sums and (split_k > INT4_SPLIT_CHUNK or sub < 16):
+    if f16_sums and not int4_split_takes_f16_sums(split_k, sub):
         raise ValueError(f"int4_gemv_split sums in float16 over splits of at most {INT4_SPLIT_CHUNK} columns in "
                          f"sub-tiles of at least 16 (groups of 16 or more), not {split_k} columns in groups of "
                          f"{group_size}")
