@@ -9,6 +9,7 @@ Llama-3-8B- or Llama-3-70B-shaped model with random bf16 weights (speed does not
     python benchmarks/gpu_suite.py --phase online           # the online phase alone; prints its RESULT line
     python benchmarks/gpu_suite.py --tp 1 --skip-hf --quantization fp8        # --quantization fp8 at load
     python benchmarks/gpu_suite.py --tp 1 --skip-hf --quantization gptq-int4  # a 4-bit GPTQ config, groups of 128
+    python benchmarks/gpu_suite.py --tp 1 --skip-hf --quantization gptq-int4-head  # the same with lm_head: true
 
 Each phase runs in its own process (a crash or hang in one cannot take the others down); the parent
 prints a table and writes benchmarks/results/<device-kind>[-<model>]-<YYYYMMDD>.json (no model part for
@@ -56,10 +57,12 @@ QWEN3_30B_A3B = {
 SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 # --quantization: the tag of its result keys, and bytes a projection weight takes (int4: half a byte plus a
 # 32-bit scale-and-zero word per group of 128).
-QUANTIZATION_TAGS = {"fp8": "fp8", "gptq-int4": "int4"}
-LINEAR_WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "gptq-int4": 0.5 + 4 / 128}
+# gptq-int4-head: the same checkpoint with `lm_head: true` (GPTQModel's and AutoRound's option), the head in 4 bits.
+QUANTIZATION_TAGS = {"fp8": "fp8", "gptq-int4": "int4", "gptq-int4-head": "int4_head"}
+LINEAR_WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "gptq-int4": 0.5 + 4 / 128, "gptq-int4-head": 0.5 + 4 / 128}
 GPTQ_INT4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
              "checkpoint_format": "gptq"}
+GPTQ_CONFIGS = {"gptq-int4": GPTQ_INT4, "gptq-int4-head": {**GPTQ_INT4, "lm_head": True}}
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_OUTPUT = 512, 512, 256
 HF_BATCH = 64
 AGREE_PROMPTS, AGREE_TOKENS = 32, 16
@@ -105,7 +108,8 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
     else:
         projections += 3 * h * cfg["intermediate_size"]
     linear = LINEAR_WEIGHT_BYTES[quantization] * layers * projections
-    return int(linear + 2 * (layers * per_layer + 2 * v * h + h))
+    head = (LINEAR_WEIGHT_BYTES[quantization] if quantization == "gptq-int4-head" else 2) * v * h
+    return int(linear + head + 2 * (layers * per_layer + v * h + h))
 
 
 def write_model_dir(path: str, shape: dict = LLAMA3_8B) -> str:
@@ -562,8 +566,9 @@ def main() -> int:
                    help="py-spy profiles (raw folded stacks) of the server's processes during the largest online "
                         "level, written to DIR (needs py-spy)")
     p.add_argument("--quantization", choices=sorted(QUANTIZATION_TAGS), default=None,
-                   help="fp8: --quantization fp8 at load; gptq-int4: a 4-bit GPTQ checkpoint (groups of 128). Results "
-                        "go under keys tagged fp8 / int4, added to the day's results file (no HF, no online phase)")
+                   help="fp8: --quantization fp8 at load; gptq-int4: a 4-bit GPTQ checkpoint (groups of 128); "
+                        "gptq-int4-head: the same with its LM head quantized (lm_head: true). Results go under keys "
+                        "tagged fp8 / int4 / int4_head, added to the day's results file (no HF, no online phase)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -578,8 +583,8 @@ def main() -> int:
         sys.stdout.flush()
         os._exit(0)  # symmetric-memory and NCCL teardown can hang at interpreter exit
     shape = SHAPES[args.model]
-    if args.quantization == "gptq-int4":
-        shape = {**shape, "quantization_config": GPTQ_INT4}
+    if args.quantization in GPTQ_CONFIGS:
+        shape = {**shape, "quantization_config": GPTQ_CONFIGS[args.quantization]}
     if args.quantization:
         args.skip_hf, args.online = True, False
     args.model_dir = args.model_dir or write_model_dir(tempfile.mkdtemp(prefix=f"{args.model}-shape-"), shape)

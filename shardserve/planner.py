@@ -304,7 +304,18 @@ def largest_projection_elements_per_rank(cfg: dict, tp: int) -> int:
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
     rows = max(_rows(cfg["intermediate_size"], tp, "mlp", []),
                _rows(_moe(cfg)[2], tp, "shared expert", []) if _moe(cfg)[2] else 0)
-    return max(h * (shard.num_q + 2 * shard.num_kv) * hd, 2 * h * rows)
+    return max(h * (shard.num_q + 2 * shard.num_kv) * hd, 2 * h * rows, packed_head_elements_per_rank(cfg, tp))
+
+
+def packed_head_elements_per_rank(cfg: dict, tp: int) -> int:
+    """The LM head's weights one rank keeps packed: a GPTQ checkpoint's with `lm_head: true` (untied; a tied one is
+    refused at start-up) whose hidden size is whole scale groups; 0 otherwise (the head in the compute dtype)."""
+    from shardserve.weights.quantized import parse_quantization
+
+    scheme = parse_quantization(cfg)
+    if scheme is None or not scheme.lm_head or (scheme.group_size > 0 and cfg["hidden_size"] % scheme.group_size):
+        return 0
+    return -(-cfg["vocab_size"] // tp) * cfg["hidden_size"]
 
 
 def packed_expert_elements_per_rank(cfg: dict, tp: int) -> int:
@@ -348,10 +359,18 @@ def _quantization_warning(cfg: dict, req: PlanRequest) -> list[str]:
     if req.device == "cpu":
         return [f"the checkpoint's layers are quantized ({packed[1]}): on CPUs they are held dequantized, counted "
                 f"here in float32"]
-    experts = "" if req.quantization == "fp8" or not packed_expert_elements_per_rank(cfg, req.tensor_parallel_size) \
-        else " and experts"
-    return [f"quantized projections{experts} ({packed[1]}): counted at {packed[0]:.3g} bytes a weight; "
-            f"{'' if experts else 'experts, '}embeddings and the head at {_dtype_bytes(cfg)}"]
+    tp = req.tensor_parallel_size
+    experts = req.quantization != "fp8" and packed_expert_elements_per_rank(cfg, tp) > 0
+    head = req.quantization != "fp8" and packed_head_elements_per_rank(cfg, tp) > 0
+    quantized = _listed(["quantized projections", *(["experts"] if experts else []),
+                         *(["the LM head"] if head else [])])
+    kept = _listed([*([] if experts else ["experts"]), "embeddings", *([] if head else ["the head"])])
+    return [f"{quantized} ({packed[1]}): counted at {packed[0]:.3g} bytes a weight; {kept} at {_dtype_bytes(cfg)}"]
+
+
+def _listed(parts: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 def plan(cfg: dict, req: PlanRequest) -> Plan:
@@ -368,8 +387,9 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
     packed = _packed_bytes_per_weight(cfg, req.quantization)
     if packed is not None:
         weights -= int(projection_elements_per_rank(cfg, tp) * (dtype - packed[0]))
-        if req.quantization != "fp8":  # --quantization fp8 leaves experts in the compute dtype
-            weights -= int(packed_expert_elements_per_rank(cfg, tp) * (dtype - packed[0]))
+        if req.quantization != "fp8":  # --quantization fp8 leaves experts and the head in the compute dtype
+            weights -= int((packed_expert_elements_per_rank(cfg, tp) + packed_head_elements_per_rank(cfg, tp))
+                           * (dtype - packed[0]))
     per_token, per_seq_state, model_limit, max_len = _context(cfg, req, kv_dtype)
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     graphs = req.max_num_seqs * (8 * h + 3 * inter // tp) * dtype

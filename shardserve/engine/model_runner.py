@@ -250,7 +250,9 @@ class ModelRunner:
                         expert_parallel=self.config.enable_expert_parallel)
         if packing:
             layout, names = packing
-            pack_layers(model, names, layout, self.device, log=self.ctx.is_driver)
+            scheme = self.model_config.quantization
+            pack_layers(model, names, layout, self.device, log=self.ctx.is_driver,
+                        head=scheme is not None and scheme.lm_head)
             pack_experts(model, names, layout, self.device, log=self.ctx.is_driver)
         self._fill_weights(model)
         self._log_planned_weights(model)

@@ -42,19 +42,35 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(KernelLinear):
-    """Logits over the whole vocabulary, gathered to the first rank only (it alone samples)."""
+    """Logits over the whole vocabulary, gathered to the first rank only (it alone samples).
+
+    Untied, it may be kept packed (a GPTQ checkpoint with `lm_head: true`: layers/quantized_linear.py): its rows
+    past the real vocabulary are then zero codes and zero scales, so their logits are zeros, cut off as above."""
 
     def __init__(self, embedding: VocabParallelEmbedding, tied: bool) -> None:
         super().__init__()
         self.comm = embedding.comm
         self.vocab_size = embedding.vocab_size
+        self.tied = tied
+        self.start, self.end = embedding.start, embedding.end
         if tied:
             # The same Parameter as the embedding's, loaded once. A kernel that prepares its own
             # layout gives the head a copy (KernelLinear.use_kernel), the embedding keeps plain rows.
             self.weight = embedding.weight
         else:
             self.weight = nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
-            self.weight.weight_loader = embedding._load_rows
+            self.weight.weight_loader = self._load_rows
+
+    def _load_rows(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
+        rows = max(self.end - self.start, 0)
+        if self.packed is None:
+            if rows:
+                copy_exact(param.data[:rows], loaded[self.start:self.end])
+            return
+        if rows:
+            self.packed.load(self, loaded, slice(0, rows), (self.start, self.end), None, shard_id)
+        for part in (self.weight, self.weight_scale):  # the padding rows: no weights, no scales
+            part.data[rows:].zero_()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         local_logits = self.matmul(hidden)

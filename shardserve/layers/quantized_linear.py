@@ -38,6 +38,7 @@ from torch import nn
 from shardserve.env_choice import env_choice
 from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4, pack_scale_zero,
                                            reference_weight64, scale_dtype, unpack_scale_zero)
+from shardserve.layers.embedding import ParallelLMHead
 from shardserve.layers.linear import (ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor,
                                      empty_parameter)
 from shardserve.weights.quantized import Fp8Weight, GptqWeight, QuantScheme
@@ -403,10 +404,12 @@ def is_router(name: str) -> bool:
     return last in ("gate", "shared_expert_gate")
 
 
-def quantizable_layers(model: nn.Module) -> list[tuple[str, KernelLinear]]:
-    """The column- and row-parallel layers a packed format applies to: every one but the routers."""
+def quantizable_layers(model: nn.Module, head: bool = False) -> list[tuple[str, KernelLinear]]:
+    """The column- and row-parallel layers a packed format applies to: every one but the routers; with `head`, the
+    untied LM head as well (vocabulary-parallel: a column-parallel layer over the vocabulary)."""
     return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not is_router(name)]
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not is_router(name)
+            or head and isinstance(m, ParallelLMHead) and not m.tied]
 
 
 def layout_for(layer: KernelLinear, layout: PackedLayout) -> tuple[PackedLayout | None, str]:
@@ -429,10 +432,12 @@ def layout_for(layer: KernelLinear, layout: PackedLayout) -> tuple[PackedLayout 
 
 
 def pack_layers(model: nn.Module, names: set[str] | None, layout: PackedLayout, device: torch.device | str,
-                log: bool = True) -> int:
-    """Make the quantizable layers (those in `names`, None: all) packed before loading; the others get their
-    dense weights (layers built under deferred_weights()). Returns how many were packed."""
-    chosen = {name for name, _ in quantizable_layers(model) if names is None or name in names}
+                log: bool = True, head: bool = False) -> int:
+    """Make the quantizable layers (those in `names`, the LM head among them where named; None: all, the head only
+    with `head`) packed before loading; the others get their dense weights (layers built under deferred_weights()).
+    Returns how many were packed."""
+    chosen = {name for name, _ in quantizable_layers(model, head=head or names is not None)
+              if names is None or name in names}
     count, unpacked = 0, []
     for name, module in model.named_modules():
         if not isinstance(module, KernelLinear):

@@ -45,11 +45,14 @@ class QuantScheme:
     group_size: int = 0  # GPTQ: input features per group (-1: one group)
     zero_offset: int = 0  # GPTQ: added to the stored zero points (1 in the `gptq` format)
     act_order: bool = False  # GPTQ desc_act: g_idx permutes the input features' groups
+    # GPTQ `lm_head: true` (GPTQModel's and AutoRound's option): the LM head is quantized as well, and kept packed
+    # with the projections; every other scheme leaves the head in the compute dtype.
+    lm_head: bool = False
 
     def describe(self) -> str:
         if self.method == "fp8":
             return f"fp8 (blocks of {self.weight_block[0]}x{self.weight_block[1]})" if self.weight_block else "fp8"
-        return f"gptq 4-bit (groups of {self.group_size})"
+        return f"gptq 4-bit (groups of {self.group_size}{', the LM head too' if self.lm_head else ''})"
 
 
 def _unsupported(what: str) -> UnsupportedQuantization:
@@ -78,8 +81,13 @@ def parse_quantization(cfg: dict[str, Any]) -> QuantScheme | None:
         checkpoint_format = str(qc.get("checkpoint_format", "gptq")).lower()
         if checkpoint_format not in ("gptq", "gptq_v2"):
             raise _unsupported(f"gptq checkpoint_format {checkpoint_format!r}")
+        lm_head = bool(qc.get("lm_head", False))
+        if lm_head and cfg.get("tie_word_embeddings", False):
+            raise _unsupported("gptq lm_head: true with tie_word_embeddings (a quantized LM head that shares the "
+                               "embedding's weights)")
         return QuantScheme("gptq", group_size=int(qc.get("group_size", 128)),
-                           zero_offset=1 if checkpoint_format == "gptq" else 0, act_order=bool(qc.get("desc_act")))
+                           zero_offset=1 if checkpoint_format == "gptq" else 0, act_order=bool(qc.get("desc_act")),
+                           lm_head=lm_head)
     raise _unsupported(f"quantization method {method!r}" if method else "a quantization_config without quant_method")
 
 

@@ -29,6 +29,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 # (N, K) of Llama-3-8B's qkv, o, gate_up and down projections at TP 1, and of the same at TP 2.
 LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
              (3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)]
+LM_HEAD = [(128256 // 2, 4096)]  # a GPTQ head with lm_head: true, one rank's vocabulary rows at TP 2
 TINY = (24, 256)  # below one tile of rows (N % 8 != 0 for block_n 16) and of columns for block_k 512
 # (block_n, block_k, num_warps, num_stages); block_k 1024 spans several groups, 256 is below a group of K.
 CONFIGS = [(8, 512, 4, 1), (4, 1024, 8, 4), (16, 256, 4, 2)]
@@ -569,7 +570,7 @@ def _inputs(k: int) -> dict:
 @needs_triton
 @pytest.mark.skipif(not CUDA, reason="GPU shapes")
 @pytest.mark.parametrize("kernel", ["tiled", "split"])
-@pytest.mark.parametrize("n,k", LLAMA3_8B + [TINY])
+@pytest.mark.parametrize("n,k", LLAMA3_8B + LM_HEAD + [TINY])
 def test_gpu_int4_gemv(n, k, kernel):
     """Group sizes 32, 64, 128 and K; every config for bfloat16 and float16 inputs (the split-K kernel: every
     start-up candidate that takes the shape, with float32 and with float16 sums, and the arrival counts back to 0

@@ -107,15 +107,20 @@ SCHEMES = {
                                  lambda w, seed: gptq(w, 128, sym=False, act_order=True, seed=seed)),
 }
 
+# GPTQModel's and AutoRound's `lm_head: true`: the untied LM head quantized as well (groups of 32 over its 128 inputs).
+HEAD_SCHEMES = {"gptq-sym-g32-head": ({**SCHEMES["gptq-sym-g32"][0], "lm_head": True}, SCHEMES["gptq-sym-g32"][1])}
 
-def _linear_weights(tensors: dict[str, torch.Tensor]) -> list[str]:
-    return [n for n in tensors if n.startswith("model.layers.") and n.endswith("_proj.weight")]
+
+def _linear_weights(tensors: dict[str, torch.Tensor], head: bool = False) -> list[str]:
+    return [n for n in tensors if n.startswith("model.layers.") and n.endswith("_proj.weight")
+            or head and n == "lm_head.weight"]
 
 
 def write_quantized(source: str, scheme: str, root) -> tuple[str, str]:
-    """The checkpoint at `source` with its attention and MLP (expert) projections quantized by `scheme`, each
-    layer's tensors spread over two files; and a float checkpoint of the values they encode."""
-    quant_config, quantize = SCHEMES[scheme]
+    """The checkpoint at `source` with its attention and MLP (expert) projections (and LM head, for HEAD_SCHEMES)
+    quantized by `scheme`, each layer's tensors spread over two files; and a float checkpoint of the values they
+    encode."""
+    quant_config, quantize = {**SCHEMES, **HEAD_SCHEMES}[scheme]
     tensors = {}
     for name in os.listdir(source):
         if name.endswith(".safetensors"):
@@ -126,7 +131,7 @@ def write_quantized(source: str, scheme: str, root) -> tuple[str, str]:
         for name in os.listdir(path):
             if "safetensors" in name:
                 os.remove(path / name)
-    linear = _linear_weights(tensors)
+    linear = _linear_weights(tensors, head=quant_config.get("lm_head", False))
     first, second, values = {}, {}, dict(tensors)
     for i, name in enumerate(linear):
         parts, values[name] = quantize(tensors[name], i)
@@ -151,7 +156,7 @@ def quantized_dirs(tiny_model_dir, tmp_path_factory):
     """scheme -> (quantized checkpoint, float checkpoint of the encoded values), from llama-untied (8 heads of
     16 over 2 KV heads, 256 MLP features: groups of 32 and 128 both divide its input widths)."""
     return {scheme: write_quantized(tiny_model_dir("llama-untied"), scheme, tmp_path_factory.mktemp(scheme))
-            for scheme in SCHEMES}
+            for scheme in (*SCHEMES, *HEAD_SCHEMES)}
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -265,6 +270,72 @@ def test_packed_quantized_layers_give_transformers_tokens(quantized_dirs, scheme
     assert outputs == list(_reference(float_dir))
 
 
+@pytest.mark.parametrize("tp, layers", [(2, "auto"), (3, "packed")])
+def test_a_gptq_checkpoint_with_a_quantized_lm_head(quantized_dirs, monkeypatch, tp, layers):
+    """`lm_head: true`: the head's qweight, scales and zero points load like a projection's, by vocabulary rows (at
+    TP 3 the last rank's 334 rows hold the vocabulary's last 332), read as the values they encode (CPU default) or
+    kept packed. The tokens are transformers' on the encoded values, not those of the head left float."""
+    from shardserve import LLM, SamplingParams
+    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
+
+    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", layers)
+    quant_dir, float_dir = quantized_dirs["gptq-sym-g32-head"]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
+        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+        head = llm.engine.runner.model.lm_head
+        held = (head.packed is not None, head.weight.dtype, tuple(head.weight.shape))
+    assert held == (True, torch.uint8, (334, 64)) if layers == "packed" else not held[0]
+    assert outputs == list(_reference(float_dir))
+    if layers == "packed":
+        assert _reference(float_dir) != _reference(quantized_dirs["gptq-sym-g32"][1])  # the head left float
+
+
+def test_a_packed_lm_head_keeps_zeros_past_the_vocabulary():
+    """The last of 3 ranks holds 334 head rows for the vocabulary's last 332 words: its 2 padding rows get zero codes
+    and zero scales (logits of 0, cut off after the gather), whatever the memory held before loading."""
+    from types import SimpleNamespace
+
+    from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from shardserve.layers.linear import deferred_weights
+    from shardserve.layers.quantized_linear import PackedLayout, PackedWeights
+
+    comm = SimpleNamespace(rank=2, world_size=3)
+    with deferred_weights():
+        head = ParallelLMHead(VocabParallelEmbedding(1000, 64, torch.float32, comm), tied=False)
+    head.packed = PackedWeights(head, PackedLayout("int4", 32), "cpu")
+    head.weight.data.fill_(0x77)
+    head.weight_scale.data.fill_(-1)
+    values = torch.randn(1000, 64)
+    head.weight.weight_loader(head.weight, values)
+    weight = head.packed.dequantized(head, torch.float32)
+    assert weight.shape == (334, 64) and not weight[332:].any()
+    assert torch.allclose(weight[:332], values[668:], atol=0.3)
+
+
+def test_a_quantized_lm_head_tied_to_the_embedding_is_refused():
+    config = {"quantization_config": HEAD_SCHEMES["gptq-sym-g32-head"][0], "tie_word_embeddings": True}
+    with pytest.raises(UnsupportedQuantization, match="lm_head: true with tie_word_embeddings"):
+        parse_quantization(config)
+    scheme = parse_quantization({**config, "tie_word_embeddings": False})
+    assert scheme.lm_head and "the LM head too" in scheme.describe()
+    assert not parse_quantization({"quantization_config": SCHEMES["gptq-sym-g32"][0]}).lm_head
+
+
+def test_plan_counts_a_quantized_lm_head_packed():
+    """A GPTQ Llama-3-8B with `lm_head: true`: the head's 128,256 x 4,096 weights at 0.53 bytes rather than 2."""
+    from shardserve.planner import PlanRequest, plan
+    from tests.test_planner import LLAMA3_8B
+
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+    plans = [plan({**LLAMA3_8B, "quantization_config": {**gptq, "lm_head": head}},
+                  PlanRequest(tensor_parallel_size=2, gpu_memory_gb=80)) for head in (False, True)]
+    head_rows = 128256 // 2 * 4096
+    assert plans[0].weight_bytes - plans[1].weight_bytes == pytest.approx(head_rows * (2 - 0.5 - 4 / 128), rel=1e-6)
+    assert any("and the LM head" in w for w in plans[1].warnings) and not any(
+        "LM head" in w for w in plans[0].warnings)
+
+
 def _fp8_rows(w: torch.Tensor, parts: int) -> torch.Tensor:
     """w's values as FP8 with a scale per row of each of `parts` column slices (a row-parallel layer's ranks)."""
     return torch.cat([fp8_channel(chunk)[1] for chunk in w.chunk(parts, dim=1)], dim=1)
@@ -304,7 +375,7 @@ def test_quantization_fp8_refuses_a_quantized_checkpoint(quantized_dirs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("scheme", sorted(SCHEMES) + sorted(HEAD_SCHEMES))
 def test_packed_quantized_layers_on_a_gpu(quantized_dirs, scheme):
     """On CUDA the layers stay packed by default and run the GPU kernels (float32 activations: the single-row
     GEMVs and dequantize + matmul): transformers' tokens on the encoded values, at one rank and at two."""
@@ -319,6 +390,7 @@ def test_packed_quantized_layers_on_a_gpu(quantized_dirs, scheme):
         with LLM(quant_dir, tensor_parallel_size=tp, device="cuda", dtype="float32", kv_cache_memory_gb=0.05) as llm:
             outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
             assert "packed on" in llm.engine.runner.plan.quantized, llm.engine.runner.plan.quantized
+            assert (llm.engine.runner.model.lm_head.packed is not None) == (scheme in HEAD_SCHEMES)
         assert outputs == list(_reference(float_dir)), f"{scheme} TP={tp}"
 
 
