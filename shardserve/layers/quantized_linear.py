@@ -495,12 +495,17 @@ def distinct_packed(model: nn.Module) -> dict[tuple, list[KernelLinear]]:
 def sampled_reference(layer: KernelLinear, weight64: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, slice | torch.Tensor]:
     """(float64 weight of the outputs a check compares, which outputs): all of them up to the self-check's
-    sample (kernels/self_check.sampled_outputs). `weight64`: the layer's reference_weight where already made."""
+    sample (kernels/self_check.sampled_outputs). `weight64`: the layer's reference_weight where already made; else
+    only the sampled rows are made (a 4-bit LM head's whole reference is 4.2 GB at 128,256 x 4,096)."""
     from shardserve.kernels.self_check import sampled_outputs
 
     sampled = sampled_outputs(layer.packed.n)
     outputs = slice(None) if sampled is None else sampled.to(layer.weight.device)
-    return (reference_weight(layer) if weight64 is None else weight64)[outputs], outputs
+    if weight64 is not None:
+        return weight64[outputs], outputs
+    packed = layer.packed
+    return reference_weight64(packed.layout.kind, layer.weight[outputs], layer.weight_scale[outputs],
+                              packed.group), outputs
 
 
 @torch.inference_mode()
@@ -514,7 +519,9 @@ def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
     for (layout, n, k), layers in distinct_packed(model).items():
         layer = layers[0]
         dtype = layer.packed.compute_dtype
-        weight64 = reference_weight(layer)  # sampled for the products; whole for SwiGLU out's gate and up rows
+        swiglu_layer = next((m for m in layers if getattr(m, "makes_swiglu_output", False)), None)
+        # Whole for SwiGLU out's gate and up rows, else only the sampled rows the products are compared on.
+        weight64 = reference_weight(layer) if swiglu_layer is layer else None
         w64, outputs = sampled_reference(layer, weight64)
         generator = torch.Generator().manual_seed(seed)
         for m in rows:
@@ -533,9 +540,8 @@ def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
             error, detail = _normed_error(layer, w64, outputs, generator)
             if not error <= TOLERANCE.get(dtype, 1e-2):
                 failures.append(f"{layout.describe()} {n}x{k} with the norm before it: {detail}")
-        swiglu_layer = next((m for m in layers if getattr(m, "makes_swiglu_output", False)), None)
         if swiglu_layer is not None:
-            error, detail = _swiglu_out_error(swiglu_layer, weight64 if swiglu_layer is layer else None, generator)
+            error, detail = _swiglu_out_error(swiglu_layer, weight64, generator)
             if not error <= TOLERANCE.get(dtype, 1e-2):
                 failures.append(f"{layout.describe()} {n}x{k} with SwiGLU out: {detail}")
         del weight64
@@ -697,13 +703,14 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
             continue
         dtype = first.packed.compute_dtype
         x = torch.randn(1, k, dtype=dtype, device=first.weight.device)
-        weight64 = reference_weight(first)
-        reference = F.linear(x.double(), weight64).cpu()
+        w64, outputs = sampled_reference(first)
+        reference = F.linear(x.double(), w64).cpu()
         timed: list[tuple[float, GemvForm]] = []
         for form in _candidate_forms(first.packed, _preload_sms(first)):
             _set_form(timed_layers, form)
             try:
-                if relative_error(first.packed._product(first, x), reference) > TOLERANCE.get(dtype, 1e-2):
+                error = relative_error(first.packed._product(first, x)[:, outputs], reference)
+                if not error <= TOLERANCE.get(dtype, 1e-2):
                     continue
                 us = time_in_graph_us(_product_as_run, timed_layers, x)
             except Exception as e:  # noqa: BLE001 - a configuration this shape cannot take
@@ -716,14 +723,14 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
             logger.info("packed %s %dx%d single-row GEMV: %s, %.1f us (%.0f GB/s)", layout.describe(), n, k,
                         _describe_form(best), us,
                         sum(t.numel() * t.element_size() for t in (first.weight, first.weight_scale)) / us / 1e3)
-            form, fused = _choose_normed(layers, timed, weight64) or (best, False)
+            form, fused = _choose_normed(layers, timed, w64, outputs) or (best, False)
             key = first.packed.config_key()
             chosen[key] = list(form[0])
             if form[1] is not None:
                 chosen[key + SPLIT_SUFFIX] = list(form[1])
             if fused:
                 chosen[key + NORM_FUSED_SUFFIX] = [1]
-        del weight64
+        del w64
     return chosen
 
 
@@ -739,11 +746,12 @@ SPLIT_SUFFIX = "/split"
 
 
 def _choose_normed(layers: list[KernelLinear], timed: list[tuple[float, GemvForm]],
-                   weight64: torch.Tensor) -> tuple[GemvForm, bool] | None:
+                   w64: torch.Tensor, outputs: slice | torch.Tensor) -> tuple[GemvForm, bool] | None:
     """For layers of one packed shape that take a normed input (column-parallel, no input permutation): the
     fastest of each kind's NORM_FUSED_CANDIDATES fastest forms with the norm inside, where that checks against
-    float64 (weight64: their reference weight) and the fastest tiled or split-K form in `timed` (times of their
-    plain GEMVs) after the norm kernel is not faster by NORM_APART_MIN_GAIN; else that form after the norm kernel.
+    float64 (w64: their reference weight of the compared `outputs`, sampled_reference) and the fastest tiled or
+    split-K form in `timed` (times of their plain GEMVs) after the norm kernel is not faster by NORM_APART_MIN_GAIN;
+    else that form after the norm kernel.
     Returns (form, norm inside), or None for other layers."""
     first = layers[0]
     if not hasattr(first, "forward_normed") or getattr(first, "input_perm", None) is not None:
@@ -771,7 +779,7 @@ def _choose_normed(layers: list[KernelLinear], timed: list[tuple[float, GemvForm
                 apart.append((time_in_graph_us(
                     lambda x, layer: _product_as_run(norm(x, residual)[0], layer), timed_layers, x), form))
             _set_form(timed_layers, form, norm_fused=True)
-            error, detail = _normed_error(first, weight64, slice(None), torch.Generator().manual_seed(3))
+            error, detail = _normed_error(first, w64, outputs, torch.Generator().manual_seed(3))
             if not error <= TOLERANCE.get(dtype, 1e-2):
                 logger.warning("packed %dx%d: the norm-fused %s failed its check (%s); not used", first.packed.n, k,
                                _describe_form(form), detail)
