@@ -13,7 +13,8 @@ A packed layer's parameters, on this rank:
 Rows of a fused layer (q/k/v, gate/up) stack their parts' rows, each with its own scales, so sharding packed weights
 is the dense rule: column-parallel layers own rows, row-parallel layers own columns, and a rank's columns must be
 whole scale groups. A layer whose slice would split a group is not packed: it keeps the values it encodes in the
-compute dtype (logged by name), exactly as on CPUs.
+compute dtype (logged by name), exactly as on CPUs. A GPTQ checkpoint's quantized LM head (`lm_head: true`) is packed
+too, by vocabulary rows like a column-parallel layer (layers/embedding.py).
 
 Products: a single row runs the Triton GEMVs of kernels/triton/quant_gemv.py; batches run torch._scaled_mm on FP8
 with one scale a row and dynamic per-token activation scales (Hopper and Ada), else, per bucket of row counts
