@@ -107,8 +107,10 @@ SCHEMES = {
                                  lambda w, seed: gptq(w, 128, sym=False, act_order=True, seed=seed)),
 }
 
-# GPTQModel's and AutoRound's `lm_head: true`: the untied LM head quantized as well (groups of 32 over its 128 inputs).
-HEAD_SCHEMES = {"gptq-sym-g32-head": ({**SCHEMES["gptq-sym-g32"][0], "lm_head": True}, SCHEMES["gptq-sym-g32"][1])}
+# The untied LM head quantized as well: GPTQModel's and AutoRound's `lm_head: true` (groups of 32 over its 128
+# inputs), and a compressed-tensors FP8 checkpoint that does not ignore it (a scale per vocabulary row).
+HEAD_SCHEMES = {"gptq-sym-g32-head": ({**SCHEMES["gptq-sym-g32"][0], "lm_head": True}, SCHEMES["gptq-sym-g32"][1]),
+                "fp8-channel-head": ({**SCHEMES["fp8-channel"][0], "ignore": []}, SCHEMES["fp8-channel"][1])}
 
 
 def _linear_weights(tensors: dict[str, torch.Tensor], head: bool = False) -> list[str]:
@@ -131,7 +133,7 @@ def write_quantized(source: str, scheme: str, root) -> tuple[str, str]:
         for name in os.listdir(path):
             if "safetensors" in name:
                 os.remove(path / name)
-    linear = _linear_weights(tensors, head=quant_config.get("lm_head", False))
+    linear = _linear_weights(tensors, head=scheme in HEAD_SCHEMES)
     first, second, values = {}, {}, dict(tensors)
     for i, name in enumerate(linear):
         parts, values[name] = quantize(tensors[name], i)
@@ -270,25 +272,29 @@ def test_packed_quantized_layers_give_transformers_tokens(quantized_dirs, scheme
     assert outputs == list(_reference(float_dir))
 
 
-@pytest.mark.parametrize("tp, layers", [(2, "auto"), (3, "packed")])
-def test_a_gptq_checkpoint_with_a_quantized_lm_head(quantized_dirs, monkeypatch, tp, layers):
-    """`lm_head: true`: the head's qweight, scales and zero points load like a projection's, by vocabulary rows (at
-    TP 3 the last rank's 334 rows hold the vocabulary's last 332), read as the values they encode (CPU default) or
-    kept packed. The tokens are transformers' on the encoded values, not those of the head left float."""
+@pytest.mark.parametrize("scheme, tp, layers", [("gptq-sym-g32-head", 2, "auto"), ("gptq-sym-g32-head", 3, "packed"),
+                                               ("fp8-channel-head", 2, "packed")])
+def test_a_checkpoint_with_a_quantized_lm_head(quantized_dirs, monkeypatch, scheme, tp, layers):
+    """GPTQ's `lm_head: true` (or an FP8 checkpoint whose head is not ignored): the head's packed tensors load like a
+    projection's, by vocabulary rows (at TP 3 the last rank's 334 rows hold the vocabulary's last 332), read as the
+    values they encode (CPU default) or kept packed. The tokens are transformers' on the encoded values, not those
+    of the head left float."""
     from shardserve import LLM, SamplingParams
     from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
     monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", layers)
-    quant_dir, float_dir = quantized_dirs["gptq-sym-g32-head"]
+    quant_dir, float_dir = quantized_dirs[scheme]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
         outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
         head = llm.engine.runner.model.lm_head
         held = (head.packed is not None, head.weight.dtype, tuple(head.weight.shape))
-    assert held == (True, torch.uint8, (334, 64)) if layers == "packed" else not held[0]
+    rows = -(-1000 // tp)
+    packed = (True, torch.uint8, (rows, 64)) if scheme.startswith("gptq") else (True, torch.float8_e4m3fn, (rows, 128))
+    assert held == packed if layers == "packed" else not held[0]
     assert outputs == list(_reference(float_dir))
-    if layers == "packed":
-        assert _reference(float_dir) != _reference(quantized_dirs["gptq-sym-g32"][1])  # the head left float
+    if layers == "packed":  # against the same scheme with the head left float
+        assert _reference(float_dir) != _reference(quantized_dirs[scheme.removesuffix("-head")][1])
 
 
 def test_a_packed_lm_head_keeps_zeros_past_the_vocabulary():
