@@ -60,13 +60,13 @@ class ParallelLMHead(KernelLinear):
         else:
             self.weight = nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
             self.weight.weight_loader = self._load_rows
+            self._load_dense_rows = embedding._load_rows  # the same rows of the vocabulary as the embedding's
 
     def _load_rows(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
-        rows = max(self.end - self.start, 0)
         if self.packed is None:
-            if rows:
-                copy_exact(param.data[:rows], loaded[self.start:self.end])
+            self._load_dense_rows(param, loaded, shard_id)
             return
+        rows = max(self.end - self.start, 0)
         if rows:
             self.packed.load(self, loaded, slice(0, rows), (self.start, self.end), None, shard_id)
         for part in (self.weight, self.weight_scale):  # the padding rows: no weights, no scales

@@ -479,10 +479,11 @@ def unpack_all(model: nn.Module) -> int:
 FP8_ACTIVATION_TOLERANCE = 6e-2
 
 
-def reference_weight(layer: KernelLinear) -> torch.Tensor:
-    """float64 [N, K] from the packed bytes, written from the layouts' definitions (not the dequantizers)."""
+def reference_weight(layer: KernelLinear, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+    """float64 [N, K] (or those `rows`) from the packed bytes, written from the layouts' definitions (not the
+    dequantizers)."""
     packed = layer.packed
-    return reference_weight64(packed.layout.kind, layer.weight, layer.weight_scale, packed.group)
+    return reference_weight64(packed.layout.kind, layer.weight[rows], layer.weight_scale[rows], packed.group)
 
 
 def distinct_packed(model: nn.Module) -> dict[tuple, list[KernelLinear]]:
@@ -502,11 +503,7 @@ def sampled_reference(layer: KernelLinear, weight64: torch.Tensor | None = None
 
     sampled = sampled_outputs(layer.packed.n)
     outputs = slice(None) if sampled is None else sampled.to(layer.weight.device)
-    if weight64 is not None:
-        return weight64[outputs], outputs
-    packed = layer.packed
-    return reference_weight64(packed.layout.kind, layer.weight[outputs], layer.weight_scale[outputs],
-                              packed.group), outputs
+    return (reference_weight(layer, outputs) if weight64 is None else weight64[outputs]), outputs
 
 
 @torch.inference_mode()
@@ -635,9 +632,11 @@ def int4_split_forms(packed: PackedWeights) -> list[tuple[int, ...]]:
     forms: list[tuple[int, ...]] = []
     for config in INT4_SPLIT_CANDIDATES:
         sub = int4_split_sub(packed.k, packed.group, config[1])
-        if sub is not None and sums != "float16":
+        if sub is None:
+            continue
+        if sums != "float16":
             forms.append(config)
-        if sub is not None and int4_split_takes_f16_sums(config[1], sub) and sums != "float32":
+        if int4_split_takes_f16_sums(config[1], sub) and sums != "float32":
             forms.append((*config, 1))
     return forms
 
