@@ -308,12 +308,17 @@ def largest_projection_elements_per_rank(cfg: dict, tp: int) -> int:
 
 
 def packed_head_elements_per_rank(cfg: dict, tp: int) -> int:
-    """The LM head's weights one rank keeps packed: a GPTQ checkpoint's with `lm_head: true` (untied; a tied one is
-    refused at start-up) whose hidden size is whole scale groups; 0 otherwise (the head in the compute dtype)."""
+    """The LM head's weights one rank keeps packed: those of a checkpoint that quantizes its untied head (GPTQ's
+    `lm_head: true`, a compressed-tensors FP8 config that does not ignore it: QuantScheme.lm_head) whose hidden
+    size is whole scale groups; 0 otherwise (the head in the compute dtype)."""
     from shardserve.weights.quantized import parse_quantization
 
     scheme = parse_quantization(cfg)
-    if scheme is None or not scheme.lm_head or (scheme.group_size > 0 and cfg["hidden_size"] % scheme.group_size):
+    if scheme is None or not scheme.lm_head:
+        return 0
+    group = (scheme.weight_block[1] if scheme.weight_block else 0) if scheme.method == "fp8" else max(
+        scheme.group_size, 0)
+    if group and cfg["hidden_size"] % group:
         return 0
     return -(-cfg["vocab_size"] // tp) * cfg["hidden_size"]
 

@@ -20,6 +20,7 @@ size). The weight is W[n, k] = scales[g, n] * (q[k, n] - zero[g, n]) with g = g_
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -45,14 +46,17 @@ class QuantScheme:
     group_size: int = 0  # GPTQ: input features per group (-1: one group)
     zero_offset: int = 0  # GPTQ: added to the stored zero points (1 in the `gptq` format)
     act_order: bool = False  # GPTQ desc_act: g_idx permutes the input features' groups
-    # GPTQ `lm_head: true` (GPTQModel's and AutoRound's option): the LM head is quantized as well, and kept packed
-    # with the projections; every other scheme leaves the head in the compute dtype.
+    # The untied LM head is quantized as well, and kept packed with the projections: GPTQ's `lm_head: true`
+    # (GPTQModel's and AutoRound's option), or a compressed-tensors config whose targets take the head and whose
+    # `ignore` does not. The `fp8` method's checkpoints leave the head in the compute dtype.
     lm_head: bool = False
 
     def describe(self) -> str:
+        head = ", the LM head too" if self.lm_head else ""
         if self.method == "fp8":
-            return f"fp8 (blocks of {self.weight_block[0]}x{self.weight_block[1]})" if self.weight_block else "fp8"
-        return f"gptq 4-bit (groups of {self.group_size}{', the LM head too' if self.lm_head else ''})"
+            return f"fp8 (blocks of {self.weight_block[0]}x{self.weight_block[1]}{head})" if self.weight_block else \
+                f"fp8{f' ({head[2:]})' if head else ''}"
+        return f"gptq 4-bit (groups of {self.group_size}{head})"
 
 
 def _unsupported(what: str) -> UnsupportedQuantization:
@@ -73,7 +77,7 @@ def parse_quantization(cfg: dict[str, Any]) -> QuantScheme | None:
         block = qc.get("weight_block_size")
         return QuantScheme("fp8", weight_block=tuple(block) if block else None)
     if method == "compressed-tensors":
-        return _compressed_tensors(qc)
+        return _compressed_tensors(qc, tied=bool(cfg.get("tie_word_embeddings", False)))
     if method == "gptq":
         bits = qc.get("bits", 4)
         if bits != 4:
@@ -91,7 +95,7 @@ def parse_quantization(cfg: dict[str, Any]) -> QuantScheme | None:
     raise _unsupported(f"quantization method {method!r}" if method else "a quantization_config without quant_method")
 
 
-def _compressed_tensors(qc: dict[str, Any]) -> QuantScheme:
+def _compressed_tensors(qc: dict[str, Any], tied: bool) -> QuantScheme:
     fmt = qc.get("format")
     if fmt != "float-quantized":
         raise _unsupported(f"compressed-tensors format {fmt!r} (float-quantized only)")
@@ -101,10 +105,24 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantScheme:
             raise _unsupported(f"compressed-tensors weights of {weights.get('num_bits')} bits, type "
                                f"{weights.get('type')!r} (8-bit float only)")
         if weights.get("strategy") == "block":
-            return QuantScheme("fp8", weight_block=tuple(weights["block_structure"]))
+            return QuantScheme("fp8", weight_block=tuple(weights["block_structure"]),
+                               lm_head=not tied and _quantizes_lm_head(qc))
         if weights.get("strategy") not in ("channel", "tensor"):
             raise _unsupported(f"compressed-tensors FP8 strategy {weights.get('strategy')!r}")
-    return QuantScheme("fp8")
+    return QuantScheme("fp8", lm_head=not tied and _quantizes_lm_head(qc))
+
+
+def _quantizes_lm_head(qc: dict[str, Any]) -> bool:
+    """Whether a compressed-tensors config quantizes the module `lm_head` (an nn.Linear in transformers): a config
+    group targets it (the class "Linear", its name, or a "re:" pattern matching the name) and `ignore` does not
+    name it. Entries match as compressed-tensors matches them: a name exactly, "re:" patterns from the start."""
+    def names_head(entries) -> bool:
+        return any(e == "lm_head" or (isinstance(e, str) and e.startswith("re:") and re.match(e[3:], "lm_head"))
+                   for e in entries or ())
+
+    targeted = any("Linear" in (group.get("targets") or ()) or names_head(group.get("targets"))
+                   for group in (qc.get("config_groups") or {}).values())
+    return targeted and not names_head(qc.get("ignore"))
 
 
 # -- reading -------------------------------------------------------------------------------------------------

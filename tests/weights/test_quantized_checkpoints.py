@@ -342,6 +342,27 @@ def test_plan_counts_a_quantized_lm_head_packed():
         "LM head" in w for w in plans[0].warnings)
 
 
+@pytest.mark.parametrize("ignore, targets, tied, quantized", [
+    (["lm_head"], ["Linear"], False, False), ([], ["Linear"], False, True), (["re:.*lm_head"], ["Linear"], False, False),
+    ([], ["re:.*_proj$"], False, False), ([], ["re:.*_proj$", "lm_head"], False, True), ([], ["Linear"], True, False)])
+def test_a_compressed_tensors_config_says_whether_its_lm_head_is_quantized(ignore, targets, tied, quantized):
+    """The head is quantized where a config group targets it and `ignore` does not name it (and it is not the tied
+    embedding); the planner then counts it at a byte a weight, as start-up keeps it, and says so."""
+    from shardserve.planner import PlanRequest, plan
+    from tests.test_planner import LLAMA3_8B
+
+    fp8 = {**SCHEMES["fp8-channel"][0], "ignore": ignore}
+    fp8["config_groups"] = {"group_0": {**fp8["config_groups"]["group_0"], "targets": targets}}
+    scheme = parse_quantization({"quantization_config": fp8, "tie_word_embeddings": tied})
+    assert scheme.lm_head is quantized and ("the LM head too" in scheme.describe()) is quantized
+    if tied:
+        return
+    plans = [plan({**LLAMA3_8B, "quantization_config": config}, PlanRequest(tensor_parallel_size=2, gpu_memory_gb=80))
+             for config in (SCHEMES["fp8-channel"][0], fp8)]
+    assert plans[0].weight_bytes - plans[1].weight_bytes == (128256 // 2 * 4096 if quantized else 0)
+    assert any("and the LM head" in w for w in plans[1].warnings) is quantized
+
+
 def _fp8_rows(w: torch.Tensor, parts: int) -> torch.Tensor:
     """w's values as FP8 with a scale per row of each of `parts` column slices (a row-parallel layer's ranks)."""
     return torch.cat([fp8_channel(chunk)[1] for chunk in w.chunk(parts, dim=1)], dim=1)
