@@ -107,8 +107,8 @@ def time_in_graph_us(fn, weights, x) -> float:
     return cuda_gemv.time_in_graph_us(fn, weights, x, stream=STREAM)
 
 
-def use_sms(sms: int) -> None:
-    """Run every following kernel on `sms` of the GPU's SMs: a green context's stream made current."""
+def use_sms(sms: int) -> torch.cuda.Stream:
+    """Run every following kernel on `sms` of the GPU's SMs: a green context's stream made current (returned)."""
     global CONTEXT, STREAM
     from torch.cuda.green_contexts import GreenContext
 
@@ -118,6 +118,7 @@ def use_sms(sms: int) -> None:
         CONTEXT = GreenContext.create(sms, 0)
     STREAM = CONTEXT.Stream()
     torch.cuda.set_stream(STREAM)
+    return STREAM
 
 
 def main() -> None:

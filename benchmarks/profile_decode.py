@@ -1,12 +1,18 @@
 """Where a batch-1 decode step's time goes, on the host and on the GPU, for a model of a real shape (random weights).
 
     python benchmarks/profile_decode.py [--model llama3-8b] [--tokens 200] [--kernels] [--quantization fp8|gptq-int4[-head]]
+                                        [--sms N]
 
 Prints the engine's step time (overlapped decoding off and on), the GPU time of one step (CUDA events around the
 graph replay alone), and the host functions that take the most time per step (cProfile). --kernels adds the GPU
 kernels of one replayed step by total time (torch.profiler over 20 replays); --timeline, what each kernel adds to
 the step: its end minus the end of the kernel before it. Kernels launched early by dependent launch overlap the
 one before them, so their own durations add up to more than the step; these exposed times add up to the step.
+
+--sms N runs the whole engine, its start-up timing and its CUDA graphs included, on N of the GPU's SMs (a CUDA green
+context): 92 of an H100's 132 SMs must each issue for as many bytes a second as an H200's (4.8 TB/s over 132 SMs
+against 3.35), so kernels bound by their instructions slow down there as they would on an H200, and the ones bound by
+memory do not.
 """
 
 from __future__ import annotations
@@ -37,8 +43,11 @@ def main() -> None:
     p.add_argument("--quantization", choices=["fp8", *GPTQ_CONFIGS], default=None,
                    help="fp8: the projections quantized at load; gptq-int4: a 4-bit GPTQ checkpoint (groups of 128); "
                         "gptq-int4-head: the same with its LM head quantized (lm_head: true)")
+    p.add_argument("--sms", type=int, default=None, help="run everything on this many SMs (a CUDA green context)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.sms:
+        run_on_sms(args.sms)
 
     from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
@@ -79,6 +88,18 @@ def main() -> None:
     print(f"graph replay alone {replay_ms:.3f} ms ({1000 / replay_ms:.1f} tok/s)")
     print(text.getvalue())
     llm.shutdown()
+
+
+def run_on_sms(sms: int) -> None:
+    """Make a green context of `sms` SMs hold every kernel from here on: its stream current, and the stream CUDA
+    graphs are captured on (kernels captured there replay on its SMs)."""
+    import torch
+
+    from gemv_shapes import use_sms
+
+    stream = use_sms(sms)
+    torch.cuda.graph.default_capture_stream = stream
+    print(f"running on {sms} of the GPU's {torch.cuda.get_device_properties(0).multi_processor_count} SMs", flush=True)
 
 
 def profiled_replays(graph, replays: int):

@@ -60,12 +60,13 @@ GEMV_CANDIDATES = ((8, 512, 4, 3), (4, 1024, 8, 4), (16, 256, 4, 2), (8, 1024, 8
 # columns): wider ones (whole rows of gate/up, 2,048 columns of down) were faster alone, by 0.4-0.9 us, and made
 # the step slower (2.494-2.502 ms against 2.431-2.444, one H100). None spills registers.
 INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (64, 512, 4, 1), (64, 512, 4, 4), (32, 512, 4, 1), (64, 1024, 4, 1))
-# With SHARDSERVE_FP8_GEMV_SUMS=float16, FP8 GEMVs with one scale a row also take these: GEMV_CANDIDATES' elements
-# and a fifth, partial sums in float16 pairs (quant_gemv's F16_SUMS). On an H100's 132 SMs the two kinds time within
-# 3% of each other alone on Llama-3-8B's shapes; on 92 of them, where each SM must issue for as many bytes a second as
-# an H200's, float16 sums were 6-11% faster on every shape (benchmarks/gemv_shapes.py --packed fp8 --sms 92); these
-# were the fastest there. In whole Llama-3-8B FP8 steps on the H100, start-up's choices with them measured 3.062 ms
-# against 3.049-3.052 without (BENCHMARKS.md), so the default (float32) does not time them.
+# FP8 GEMVs with one scale a row are also timed in these forms: GEMV_CANDIDATES' elements and a fifth, partial sums
+# in float16 pairs (quant_gemv's F16_SUMS), about half the instructions a weight. On an H100's 132 SMs the two kinds
+# time within 3% of each other alone on Llama-3-8B's shapes, and whole FP8 steps with start-up's choices among both
+# took 3.061 ms against 3.055 with float32 sums only. On 92 of its SMs, where each SM must issue for as many bytes a
+# second as an H200's, float16 sums were 6-11% faster on every shape (benchmarks/gemv_shapes.py --packed fp8 --sms
+# 92; these were the fastest there) and the whole step took 3.246 ms against 3.440 (profile_decode.py --sms 92;
+# BENCHMARKS.md). SHARDSERVE_FP8_GEMV_SUMS=auto (default: both kinds), float32 or float16 (one kind).
 FP8_F16_CANDIDATES = ((16, 1024, 4, 2, 1), (16, 512, 8, 2, 1), (16, 512, 4, 3, 1), (32, 256, 4, 3, 1),
                       (16, 1024, 4, 3, 1), (8, 1024, 4, 3, 1))
 FP8_SUMS_ENV = "SHARDSERVE_FP8_GEMV_SUMS"
@@ -612,7 +613,7 @@ def _candidate_forms(packed: PackedWeights, preload_sms: int = 0) -> list[GemvFo
     """The single-row forms start-up times for a packed shape; with `preload_sms` (_preload_sms: FP8 layers flagged
     KernelLinear.preloads_rows, the GPU's SMs) only tiled ones whose first tile, loaded before the wait, is the whole
     row block and that hold it (cuda_gemv.holds_rows), where there are such."""
-    tiled = GEMV_CANDIDATES + (FP8_F16_CANDIDATES if takes_f16_sums(packed) else ())
+    tiled = tiled_candidates(packed)
     holding = [(config, None) for config in tiled if holds_rows_of(packed, config, preload_sms)]
     if holding:
         return holding
@@ -641,13 +642,15 @@ def int4_split_forms(packed: PackedWeights) -> list[tuple[int, ...]]:
     return forms
 
 
-def takes_f16_sums(packed: PackedWeights) -> bool:
-    """Whether start-up times the packed GEMV summing in float16 pairs (FP8_F16_CANDIDATES): FP8 with one scale a
-    row, where SHARDSERVE_FP8_GEMV_SUMS=float16 (default float32: never)."""
+def tiled_candidates(packed: PackedWeights) -> tuple[tuple[int, ...], ...]:
+    """The tiled GEMV configurations start-up times for a packed shape: GEMV_CANDIDATES, and for FP8 with one scale a
+    row FP8_F16_CANDIDATES (float16 sums) too, or only one kind, as SHARDSERVE_FP8_GEMV_SUMS says (auto: both)."""
     from shardserve.kernels.quant_pack import fp8_groups
 
-    return (packed.layout.kind == "fp8" and fp8_groups(packed.k, packed.group) == 1
-            and env_choice(FP8_SUMS_ENV, ("float32", "float16"), "float32") == "float16")
+    if packed.layout.kind != "fp8" or fp8_groups(packed.k, packed.group) != 1:
+        return GEMV_CANDIDATES
+    sums = env_choice(FP8_SUMS_ENV, ("auto", "float32", "float16"), "auto")
+    return (GEMV_CANDIDATES if sums != "float16" else ()) + (FP8_F16_CANDIDATES if sums != "float32" else ())
 
 
 def holds_rows_of(packed: PackedWeights, config: tuple[int, ...], sms: int) -> bool:

@@ -307,9 +307,9 @@ def test_a_chosen_split_k_gemv_runs_the_one_row_products(monkeypatch):
 
 
 def test_float16_sums_are_timed_for_fp8_with_one_scale_a_row_only(monkeypatch):
-    """With SHARDSERVE_FP8_GEMV_SUMS=float16, FP8_F16_CANDIDATES (a fifth element: partial sums in float16 pairs)
-    join the start-up candidates of FP8 weights scaled per row; block-scaled FP8 and 4-bit weights are timed in
-    GEMV_CANDIDATES' forms as before, and so is everything by default; a bad value is named."""
+    """By default FP8_F16_CANDIDATES (a fifth element: partial sums in float16 pairs) join the start-up candidates of
+    FP8 weights scaled per row; SHARDSERVE_FP8_GEMV_SUMS=float32 or float16 keeps one kind; block-scaled FP8 and
+    4-bit weights are timed in GEMV_CANDIDATES' forms whatever it says; a bad value is named."""
     from shardserve.layers.linear import ColumnParallelLinear
     from shardserve.layers.quantized_linear import (FP8_F16_CANDIDATES, GEMV_CANDIDATES, PackedLayout, PackedWeights,
                                                     _candidate_forms)
@@ -318,12 +318,14 @@ def test_float16_sums_are_timed_for_fp8_with_one_scale_a_row_only(monkeypatch):
         layer = ColumnParallelLinear(512, {None: (0, 256)}, False, torch.bfloat16)
         return [config for config, split in _candidate_forms(PackedWeights(layer, layout, "cpu")) if split is None]
 
-    assert tiled(PackedLayout("fp8", 0)) == list(GEMV_CANDIDATES)
-    monkeypatch.setenv("SHARDSERVE_FP8_GEMV_SUMS", "float16")
-    assert tiled(PackedLayout("fp8", 0)) == list(GEMV_CANDIDATES + FP8_F16_CANDIDATES)
     assert all(len(config) == 5 and config[4] for config in FP8_F16_CANDIDATES)
-    assert tiled(PackedLayout("fp8", 128)) == list(GEMV_CANDIDATES)
-    assert tiled(PackedLayout("int4", 128)) == list(GEMV_CANDIDATES)
+    for sums, want in ((None, GEMV_CANDIDATES + FP8_F16_CANDIDATES), ("auto", GEMV_CANDIDATES + FP8_F16_CANDIDATES),
+                       ("float32", GEMV_CANDIDATES), ("float16", FP8_F16_CANDIDATES)):
+        if sums is not None:
+            monkeypatch.setenv("SHARDSERVE_FP8_GEMV_SUMS", sums)
+        assert tiled(PackedLayout("fp8", 0)) == list(want), sums
+        assert tiled(PackedLayout("fp8", 128)) == list(GEMV_CANDIDATES)
+        assert tiled(PackedLayout("int4", 128)) == list(GEMV_CANDIDATES)
     monkeypatch.setenv("SHARDSERVE_FP8_GEMV_SUMS", "half")
     with pytest.raises(ValueError, match="SHARDSERVE_FP8_GEMV_SUMS"):
         tiled(PackedLayout("fp8", 0))
@@ -357,8 +359,8 @@ def test_an_fp8_o_projection_times_only_forms_that_hold_its_rows(monkeypatch):
     SMs) is timed only in tiled forms whose first tile is the whole row block held by programs all placed at once;
     without such forms (a wider row) or without the flag, every form; a form outside them preloads nothing."""
     from shardserve.layers.linear import RowParallelLinear
-    from shardserve.layers.quantized_linear import (GEMV_CANDIDATES, PackedLayout, PackedWeights, _candidate_forms,
-                                                    holds_rows_of)
+    from shardserve.layers.quantized_linear import (FP8_F16_CANDIDATES, GEMV_CANDIDATES, PackedLayout, PackedWeights,
+                                                    _candidate_forms, holds_rows_of)
 
     def packed(n, k):
         layer = RowParallelLinear((0, k), n, False, torch.bfloat16, None)
@@ -366,7 +368,7 @@ def test_an_fp8_o_projection_times_only_forms_that_hold_its_rows(monkeypatch):
 
     forms = _candidate_forms(packed(2048, 4096), 132)
     assert forms and all(config[1] >= 4096 and config[0] * config[1] <= 128 * config[2] * 32 for config, _ in forms)
-    every = [(c, None) for c in GEMV_CANDIDATES]
+    every = [(c, None) for c in GEMV_CANDIDATES + FP8_F16_CANDIDATES]  # float32 and float16 sums (one scale a row)
     assert _candidate_forms(packed(2048, 8192), 132) == every
     assert _candidate_forms(packed(2048, 4096), 0) == every
     weights = packed(2048, 4096)
