@@ -63,9 +63,9 @@ INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (64, 512, 4, 1), (64, 512, 4, 4), (32
 # FP8 GEMVs with one scale a row are also timed in these forms: GEMV_CANDIDATES' elements and a fifth, partial sums
 # in float16 pairs (quant_gemv's F16_SUMS), about half the instructions a weight. On an H100's 132 SMs the two kinds
 # time within 3% of each other alone on Llama-3-8B's shapes, and whole FP8 steps with start-up's choices among both
-# took 3.061 ms against 3.055 with float32 sums only. On 92 of its SMs, where each SM must issue for as many bytes a
+# took 3.059 ms against 3.050 with float32 sums only. On 92 of its SMs, where each SM must issue for as many bytes a
 # second as an H200's, float16 sums were 6-11% faster on every shape (benchmarks/gemv_shapes.py --packed fp8 --sms
-# 92; these were the fastest there) and the whole step took 3.246 ms against 3.440 (profile_decode.py --sms 92;
+# 92; these were the fastest there) and the whole step took 3.240 ms against 3.436 (profile_decode.py --sms 92;
 # BENCHMARKS.md). SHARDSERVE_FP8_GEMV_SUMS=auto (default: both kinds), float32 or float16 (one kind).
 FP8_F16_CANDIDATES = ((16, 1024, 4, 2, 1), (16, 512, 8, 2, 1), (16, 512, 4, 3, 1), (32, 256, 4, 3, 1),
                       (16, 1024, 4, 3, 1), (8, 1024, 4, 3, 1))
