@@ -108,7 +108,8 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
     else:
         projections += 3 * h * cfg["intermediate_size"]
     linear = LINEAR_WEIGHT_BYTES[quantization] * layers * projections
-    head = (LINEAR_WEIGHT_BYTES[quantization] if quantization == "gptq-int4-head" else 2) * v * h
+    head_packed = GPTQ_CONFIGS.get(quantization, {}).get("lm_head", False)
+    head = (LINEAR_WEIGHT_BYTES[quantization] if head_packed else 2) * v * h
     return int(linear + head + 2 * (layers * per_layer + v * h + h))
 
 

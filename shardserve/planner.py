@@ -316,8 +316,7 @@ def packed_head_elements_per_rank(cfg: dict, tp: int) -> int:
     scheme = parse_quantization(cfg)
     if scheme is None or not scheme.lm_head:
         return 0
-    group = (scheme.weight_block[1] if scheme.weight_block else 0) if scheme.method == "fp8" else max(
-        scheme.group_size, 0)
+    group = scheme.group_columns
     if group and cfg["hidden_size"] % group:
         return 0
     return -(-cfg["vocab_size"] // tp) * cfg["hidden_size"]
@@ -333,8 +332,7 @@ def packed_expert_elements_per_rank(cfg: dict, tp: int) -> int:
     experts, inter, _ = _moe(cfg)
     if scheme is None or not experts or scheme.act_order:
         return 0
-    group = (scheme.weight_block[1] if scheme.weight_block else 0) if scheme.method == "fp8" else max(
-        scheme.group_size, 0)
+    group = scheme.group_columns
     h, rows = cfg["hidden_size"], _rows(inter, tp, "experts", [])
     if group and (h % group or rows % group):
         return 0

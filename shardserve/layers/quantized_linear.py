@@ -124,9 +124,7 @@ class PackedLayout:
     @classmethod
     def of_checkpoint(cls, scheme: QuantScheme) -> "PackedLayout":
         """How a quantized checkpoint's layers are kept: FP8 scaled per block's columns or per row, GPTQ per group."""
-        if scheme.method == "fp8":
-            return cls("fp8", scheme.weight_block[1] if scheme.weight_block else 0)
-        return cls("int4", max(scheme.group_size, 0), scheme.act_order)
+        return cls("fp8" if scheme.method == "fp8" else "int4", scheme.group_columns, scheme.act_order)
 
 
 class PackedWeights:

@@ -51,6 +51,13 @@ class QuantScheme:
     # `ignore` does not. The `fp8` method's checkpoints leave the head in the compute dtype.
     lm_head: bool = False
 
+    @property
+    def group_columns(self) -> int:
+        """Input columns a scale covers (FP8 blocks' columns, GPTQ's group size); 0 where one covers a whole row."""
+        if self.method == "fp8":
+            return self.weight_block[1] if self.weight_block else 0
+        return max(self.group_size, 0)
+
     def describe(self) -> str:
         head = ", the LM head too" if self.lm_head else ""
         if self.method == "fp8":
@@ -99,17 +106,17 @@ def _compressed_tensors(qc: dict[str, Any], tied: bool) -> QuantScheme:
     fmt = qc.get("format")
     if fmt != "float-quantized":
         raise _unsupported(f"compressed-tensors format {fmt!r} (float-quantized only)")
+    head = not tied and _quantizes_lm_head(qc)
     for group in (qc.get("config_groups") or {}).values():
         weights = group.get("weights") or {}
         if weights.get("num_bits") != 8 or weights.get("type") != "float":
             raise _unsupported(f"compressed-tensors weights of {weights.get('num_bits')} bits, type "
                                f"{weights.get('type')!r} (8-bit float only)")
         if weights.get("strategy") == "block":
-            return QuantScheme("fp8", weight_block=tuple(weights["block_structure"]),
-                               lm_head=not tied and _quantizes_lm_head(qc))
+            return QuantScheme("fp8", weight_block=tuple(weights["block_structure"]), lm_head=head)
         if weights.get("strategy") not in ("channel", "tensor"):
             raise _unsupported(f"compressed-tensors FP8 strategy {weights.get('strategy')!r}")
-    return QuantScheme("fp8", lm_head=not tied and _quantizes_lm_head(qc))
+    return QuantScheme("fp8", lm_head=head)
 
 
 def _quantizes_lm_head(qc: dict[str, Any]) -> bool:
