@@ -119,6 +119,11 @@ class Tokenizer:
             continue_final_message=continue_final_message, tokenize=True, return_dict=False, **(template_kwargs or {})
         )
 
+    def chat_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """A conversation rendered with the chat template, as text, ready for the assistant's answer."""
+        return self._tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                   tokenize=False)
+
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included.
 

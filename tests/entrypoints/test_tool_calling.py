@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 
@@ -165,15 +166,54 @@ def test_tool_requests_that_cannot_work_are_400s(http, body, param, words):
     assert words in error["message"]
 
 
-def test_auto_on_a_model_without_a_tool_format_names_the_flag(client):
-    # The word-level tiny model's template shows no tool format: 'auto' cannot be read back.
+def test_a_tokenizer_the_grammar_cannot_read_is_named(client):
+    # The word-level tiny model's template shows no tool format, so its calls would be read in the generic
+    # format, which its grammar enforces; its word-level vocabulary cannot spell JSON.
     from openai import BadRequestError
 
-    with pytest.raises(BadRequestError) as refused:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], tools=[WEATHER])
-    assert "--tool-call-parser" in str(refused.value)
-    # A forced call needs no parser, but a grammar, and its word-level vocabulary cannot spell JSON.
-    with pytest.raises(BadRequestError) as refused:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}],
-                                       tools=[WEATHER], tool_choice="required", max_tokens=60)
-    assert "tokenizer" in str(refused.value)
+    for choice in ("auto", "required"):
+        with pytest.raises(BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}],
+                                           tools=[WEATHER], tool_choice=choice, max_tokens=60)
+        assert "tokenizer" in str(refused.value)
+
+
+@pytest.fixture(scope="module")
+def unparsed_http(server):
+    """The word-level server's engine behind an app started with --tool-call-parser none."""
+    from shardserve.entrypoints.openai.chat_output import ChatParsers
+    from shardserve.entrypoints.openai.server import build_app
+    from tests.serving import serve_in_thread
+
+    with serve_in_thread(build_app(server.engine, "tiny", chat_parsers=ChatParsers("none"))) as url:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            yield client
+
+
+def test_auto_with_no_tool_call_parser_names_the_flag(unparsed_http):
+    response = _chat(unparsed_http, messages=[{"role": "user", "content": "w5"}])
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "tool_choice"
+    assert "--tool-call-parser" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", "required"])
+def test_a_tool_schema_the_grammar_cannot_enforce_is_named_whatever_the_tool_choice(http, choice):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
+    response = _chat(http, tools=[WEATHER, bad], tool_choice=choice)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools[1].function.parameters"
+    assert "uniqueItems" in error["message"] and "'f'" in error["message"]
+
+
+def test_history_with_null_or_missing_content_renders(http):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    for assistant in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "assistant", "tool_calls": [call]}):
+        messages = [{"role": "user", "content": "Weather?"}, assistant,
+                    {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+        response = _chat(http, messages=messages, max_tokens=4)
+        assert response.status_code == 200, response.text

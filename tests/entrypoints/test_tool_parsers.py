@@ -1,4 +1,5 @@
-"""Tool calls read from outputs written as Qwen2.5/Qwen3 (hermes) and Llama 3.1 (llama3_json) write them.
+"""Tool calls read from outputs written as Qwen2.5/Qwen3 (hermes) and Llama 3.1 (llama3_json) write them, and
+in shardserve's generic format.
 
 The fact a client relies on: a stream, however the text is split into pieces (inside markers too), ends with
 the same content and calls as the whole output read at once; since a stream cannot take back what it sent,
@@ -133,9 +134,28 @@ LLAMA_OUTPUTS = {
     ),
 }
 
+# Outputs in the generic format, as its grammar lays them out.
+GENERIC_OUTPUTS = {
+    "one call": ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}', None,
+                 [("get_weather", {"city": "Paris"})]),
+    "two calls": ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                  '{"name": "get_time", "arguments": {}}]}', None,
+                  [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    "an answer": ('{"response": "It is sunny in Paris."}', "It is sunny in Paris.", []),
+    "an answer with escapes": ('{"response": "say \\"hi\\"\\n\\u00e9 \\ud83d\\ude00 \\\\ end"}',
+                               'say "hi"\né 😀 \\ end', []),
+    "an answer whose text looks like a call": ('{"response": "{\\"tool_calls\\": []}"}', '{"tool_calls": []}', []),
+    "an answer in a response_format's schema": ('{"response": {"city": "Paris", "n": [1, 2]}}',
+                                                '{"city": "Paris", "n": [1, 2]}', []),
+    "an answer cut short by max_tokens": ('{"response": "It is sun', "It is sun", []),
+    "an answer cut inside an escape": ('{"response": "caf\\u00', "caf", []),
+    "calls cut short by max_tokens": ('{"tool_calls": [{"name": "get_weather", "argu',
+                                      '{"tool_calls": [{"name": "get_weather", "argu', []),
+}
+
 CASES = [("hermes", name, *case) for name, case in HERMES_OUTPUTS.items()] + [
     ("llama3_json", name, *case) for name, case in LLAMA_OUTPUTS.items()
-]
+] + [("generic", name, *case) for name, case in GENERIC_OUTPUTS.items()]
 CASE_IDS = [f"{parser}: {name}" for parser, name, *_ in CASES]
 
 
@@ -268,3 +288,13 @@ CHATML_TEMPLATE = (
 def test_tool_parser_for_template(template, parser):
     assert tool_parser_for_template(template) == parser
     assert parser is None or parser in TOOL_PARSERS
+
+
+def test_a_generic_answer_streams_as_it_is_written():
+    streamer = TOOL_PARSERS["generic"]().streamer()
+    assert streamer.feed('{"resp') == StreamDelta()
+    assert streamer.feed('onse": "It is') == StreamDelta("It is")
+    assert streamer.feed(" sunny") == StreamDelta(" sunny")
+    assert streamer.feed(' \\ud83d') == StreamDelta()  # a surrogate pair's first half waits for the second
+    assert streamer.feed('\\ude00"}') == StreamDelta(" 😀")
+    assert streamer.finish() == StreamDelta()

@@ -16,6 +16,7 @@ from typing import Any
 from shardserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from shardserve.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
+    GenericToolParser,
     ToolCall,
     ToolParser,
     make_tool_call_id,
@@ -46,9 +47,11 @@ class ChatParsers:
                              f"got {self.reasoning_parser!r}")
 
     def resolve(self, chat_template: str | None) -> tuple[ToolParser | None, ReasoningParser | None]:
+        """The tool-call parser ("auto": the template's own format, else the generic one that works with any
+        template) and the reasoning parser."""
         name = self.tool_call_parser
         if name == "auto":
-            name = tool_parser_for_template(chat_template)
+            name = tool_parser_for_template(chat_template) or GenericToolParser.name
         tool_parser = TOOL_PARSERS[name]() if name in TOOL_PARSERS else None
         reasoning = REASONING_PARSERS[self.reasoning_parser]() if self.reasoning_parser else None
         logger.info("chat: tool calls read by %s, reasoning %s",
@@ -69,8 +72,8 @@ class ChatOutput:
 
     def __init__(self, plan: ToolPlan, tool_parser: ToolParser | None = None,
                  reasoning_parser: ReasoningParser | None = None) -> None:
-        if plan.mode == "auto" and tool_parser is None:
-            raise ValueError("tool_choice 'auto' needs a tool-call parser")
+        if (plan.mode == "auto" or plan.generic) and tool_parser is None:
+            raise ValueError("tool calls written as text need a tool-call parser")
         self.plan = plan
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
@@ -88,6 +91,10 @@ class ChatOutput:
         mode = self.plan.mode
         if mode == "none":
             return MessageParts(rest if rest or reasoning is None else None, reasoning)
+        if self.plan.generic:
+            extracted = self.tool_parser.extract(rest)
+            calls = extracted.tool_calls if self.plan.parallel else extracted.tool_calls[:1]
+            return MessageParts(extracted.content, reasoning, calls)
         if mode == "named":
             return MessageParts(None, reasoning, [ToolCall(make_tool_call_id(), self.plan.function, rest)])
         if mode == "required":
@@ -112,7 +119,9 @@ class ChoiceStreamer:
     def __init__(self, output: ChatOutput) -> None:
         self.plan = output.plan
         self.reasoning = output.reasoning_parser.streamer() if output.reasoning_parser is not None else None
-        self.tools = output.tool_parser.streamer() if self.plan.mode == "auto" else None
+        # The calls read out of text as it streams: "auto", and every mode of the generic format.
+        reads_text = self.plan.mode == "auto" or (self.plan.generic and self.plan.mode != "none")
+        self.tools = output.tool_parser.streamer() if reads_text else None
         self.calls_sent = 0
         self.named_id: str | None = None  # "named": the call's id, once its first delta went out
         self.held = ""  # "required": the whole array, read at the end
@@ -144,6 +153,13 @@ class ChoiceStreamer:
         mode = self.plan.mode
         if mode == "none":
             return text, []
+        if self.tools is not None:
+            piece = self.tools.feed(text)
+            content, calls = piece.content, list(piece.tool_calls)
+            if finished:
+                rest = self.tools.finish()
+                content, calls = content + rest.content, calls + list(rest.tool_calls)
+            return content, self._whole(calls)
         if mode == "named":
             if self.named_id is None and (text or finished):
                 self.named_id = make_tool_call_id()
@@ -155,12 +171,7 @@ class ChoiceStreamer:
                 return "", []
             calls = calls_from_required(self.held)
             return (self.held, []) if calls is None else ("", self._whole(calls))
-        piece = self.tools.feed(text)
-        content, calls = piece.content, list(piece.tool_calls)
-        if finished:
-            rest = self.tools.finish()
-            content, calls = content + rest.content, calls + list(rest.tool_calls)
-        return content, self._whole(calls)
+        raise AssertionError(f"tool_choice mode {mode!r} reads no calls from text")
 
     def _whole(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
         """Complete calls as deltas, numbered on from those sent; past the first when calls may not be parallel

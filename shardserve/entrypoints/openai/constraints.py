@@ -106,6 +106,18 @@ def checked(structured: StructuredOutput, param: str, tokenizer) -> StructuredOu
     return structured
 
 
+def checked_tool_schemas(tools) -> None:
+    """Each tool's parameters are a JSON schema the grammar can enforce (whatever tool_choice is: a call the model
+    writes must be checkable too); a 400 naming the tool's parameters otherwise."""
+    for i, tool in enumerate(tools or ()):
+        try:
+            check(StructuredOutput("json", json.dumps(tool.function.arguments_schema)))
+        except (GrammarError, ValueError) as exc:
+            param = f"tools[{i}].function.parameters"
+            raise InvalidRequestError(f"Invalid {param} of function {tool.function.name!r}: {exc}",
+                                      param=param) from None
+
+
 def _structured(kind: str, value: Any) -> StructuredOutput:
     if kind == "json_object":
         return StructuredOutput("json_object")

@@ -434,8 +434,8 @@ class ChatMessage(_RequestModel):
         return self
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it."""
-        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        """The message as chat templates read it: null content as "" (templates concatenate it)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.tool_calls:
             message["tool_calls"] = template_tool_calls(self.tool_calls)
         if self.tool_call_id is not None:
@@ -481,9 +481,9 @@ class ChatCompletionRequest(GenerationRequest):
         raise ValueError(f"tool_choice is 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": "
                          f"{{\"name\": ...}}}}, got {value!r}")
 
-    def tool_plan(self) -> ToolPlan:
-        """What the tools and tool_choice ask for; ValueError when they do not fit together."""
-        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+    def tool_plan(self, generic: bool = False, response_schema: dict[str, Any] | None = None) -> ToolPlan:
+        """What the tools and tool_choice ask for (tools.tool_plan); ValueError when they do not fit together."""
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls, generic, response_schema)
 
     @field_validator("echo")
     @classmethod
@@ -518,9 +518,9 @@ class ChatCompletionRequest(GenerationRequest):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def template_options(self, plan: ToolPlan) -> dict[str, Any]:
+    def template_options(self, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
         return _template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs,
-                                 plan.tools)
+                                 tools)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return _template_messages(self.messages)
@@ -700,8 +700,7 @@ class TokenizeRequest(_RequestModel):
                              "the special tokens")
         return self
 
-    def template_options(self) -> dict[str, Any]:
-        tools = [t.model_dump(mode="json", exclude_none=True) for t in self.tools or ()]
+    def template_options(self, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
         return _template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs,
                                  tools)
 

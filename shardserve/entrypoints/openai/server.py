@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import signal
 import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import uvicorn
 from jinja2 import TemplateError
@@ -35,7 +36,7 @@ from shardserve.entrypoints.openai.errors import (
     model_not_found,
 )
 from shardserve.entrypoints.openai.chat_output import ChatOutput, ChatParsers
-from shardserve.entrypoints.openai.constraints import checked, constraint_of
+from shardserve.entrypoints.openai.constraints import checked, checked_tool_schemas, constraint_of
 from shardserve.entrypoints.openai.generation import Choice, serve_choices
 from shardserve.entrypoints.openai.metrics import ServerMetrics
 from shardserve.entrypoints.openai.middleware import BodySizeLimit, require_api_key
@@ -55,7 +56,9 @@ from shardserve.entrypoints.openai.protocol import (
 )
 from shardserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from shardserve.entrypoints.openai.renderers import ChatRenderer, CompletionRenderer
-from shardserve.entrypoints.openai.tool_parsers import ToolParser
+from shardserve.entrypoints.openai.tool_parsers import GenericToolParser, ToolParser
+from shardserve.entrypoints.openai.tool_prompts import TOOL_FORMATS, ChatPrompter
+from shardserve.entrypoints.openai.tools import tool_plan
 
 if TYPE_CHECKING:
     from shardserve.engine.client import EngineClient
@@ -91,9 +94,12 @@ def build_app(
                 await on_shutdown()
 
     app = FastAPI(title="shardserve", version=__version__, lifespan=lifespan)
-    tool_parser, reasoning_parser = chat_parsers.resolve(engine.tokenizer.chat_template)
+    tokenizer = engine.tokenizer
+    tool_parser, reasoning_parser = chat_parsers.resolve(tokenizer.chat_template)
+    prompter = ChatPrompter.for_template(tokenizer.chat_template, tokenizer.chat_text,
+                                         TOOL_FORMATS[tool_parser.name] if tool_parser is not None else None)
     app.state.serving = _ServingState(engine=engine, model_name=served_model_name, created=int(time.time()),
-                                      tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+                                      prompter=prompter, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
     app.state.metrics = ServerMetrics(served_model_name, engine)
     install_error_handlers(app)
     app.include_router(_router)
@@ -177,8 +183,13 @@ class _ServingState:
     engine: EngineClient
     model_name: str
     created: int
+    prompter: ChatPrompter
     tool_parser: ToolParser | None = None
     reasoning_parser: ReasoningParser | None = None
+
+    @property
+    def reads_generic_calls(self) -> bool:
+        return self.tool_parser is not None and self.tool_parser.name == GenericToolParser.name
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
@@ -280,7 +291,13 @@ async def tokenize(body: TokenizeRequest, raw_request: Request) -> TokenizeRespo
     state.check_model(body.model)
     tokenizer = state.engine.tokenizer
     if body.messages is not None:
-        ids = _render_chat(tokenizer, body.chat_messages(), body.template_options())
+        # The prompt a chat request with these messages and tools (tool_choice left to its default) would get.
+        try:
+            plan = tool_plan(body.tools, None, None, generic=state.reads_generic_calls)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="tools") from None
+        messages, tools = state.prompter.prepare(body.chat_messages(), plan)
+        ids = _render_chat(tokenizer, messages, body.template_options(tools))
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     strs = [tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
@@ -341,7 +358,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     state.check_model(body.model)
     tokenizer = state.engine.tokenizer
     output, structured = _chat_output(body, state)
-    prompt_ids = _render_chat(tokenizer, body.chat_messages(), body.template_options(output.plan))
+    messages, tools = state.prompter.prepare(body.chat_messages(), output.plan)
+    prompt_ids = _render_chat(tokenizer, messages, body.template_options(tools))
     choices = _choices(body, 0, prompt_ids, state.engine.max_model_len, "messages", structured)
     renderer = ChatRenderer(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -355,25 +373,45 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
 
 def _chat_output(body: ChatCompletionRequest, state: _ServingState) -> tuple[ChatOutput, StructuredOutput | None]:
     """How the request's outputs become messages, and the one constraint on them (tools or structured outputs)."""
+    tokenizer = state.engine.tokenizer
+    checked_tool_schemas(body.tools)
+    constraint = constraint_of(body, tokenizer)
+    generic = state.reads_generic_calls
+    response_schema = None
+    if generic and body.tools and body.tool_choice in (None, "auto") and constraint is not None:
+        # The generic format's "response" takes the response_format's schema: the model answers in it or calls
+        # a tool.
+        response_schema = _response_schema(*constraint)
+        constraint = None
     try:
-        plan = body.tool_plan()
+        plan = body.tool_plan(generic, response_schema)
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="tool_choice") from None
     if plan.mode == "auto" and state.tool_parser is None:
         raise InvalidRequestError(
-            "tool_choice 'auto' (the default with tools) needs the model's tool-call format, and this model's chat "
-            "template shows none this server knows: start the server with --tool-call-parser hermes or "
-            "llama3_json, or send tool_choice 'required' or a named function (the grammar then enforces the call)",
-            param="tool_choice")
-    constraint = constraint_of(body, state.engine.tokenizer)
+            "tool_choice 'auto' (the default with tools) reads tool calls out of the model's text, and this server "
+            "was started with --tool-call-parser none: start it with --tool-call-parser auto, or send tool_choice "
+            "'required' or a named function (the grammar then enforces the call)", param="tool_choice")
     if plan.constraint is not None and constraint is not None:
         raise InvalidRequestError(f"tool_choice {body.tool_choice!r} constrains the output to tool calls, which "
                                   f"leaves no room for {constraint[1]}", param=constraint[1])
     if plan.constraint is not None:
-        structured = checked(plan.constraint, "tool_choice", state.engine.tokenizer)
+        structured = checked(plan.constraint, "tools" if plan.generic else "tool_choice", tokenizer)
     else:
         structured = constraint[0] if constraint is not None else None
     return ChatOutput(plan, state.tool_parser, state.reasoning_parser), structured
+
+
+def _response_schema(structured: StructuredOutput, param: str) -> dict[str, Any]:
+    """The JSON schema a response_format asks for, to stand as the generic format's "response"."""
+    if structured.kind == "json_object":
+        return {"type": "object"}
+    if structured.kind == "json":
+        return json.loads(structured.spec)
+    raise InvalidRequestError(
+        f"{param} asks for a {structured.kind}, and on this model tools are called in the generic JSON format, "
+        f"which can hold a JSON schema's answer but not a {structured.kind}: send tool_choice 'none', or a JSON "
+        f"schema", param=param)
 
 
 # --------------------------------------------------------------------------- admission

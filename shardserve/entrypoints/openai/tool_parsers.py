@@ -1,6 +1,6 @@
 """Tool calls read out of generated text, whole or as it streams, for the chat API's `tool_calls`.
 
-Two formats, named as vLLM names them:
+Three formats: two named as vLLM names them, and shardserve's own for models whose template has none:
 
 - `hermes` (Qwen2.5, Qwen3, Hermes 2/3): each call is a JSON object between tags, possibly after some text,
   several in a row:
@@ -14,6 +14,10 @@ Two formats, named as vLLM names them:
 - `llama3_json` (Llama 3.1/3.2/3.3): the whole output is one or more objects
   `{"name": "get_weather", "parameters": {"city": "Paris"}}`, optionally after `<|python_tag|>`, separated by
   `;` or newlines. Only an output that starts with `{` or `<|python_tag|>` holds calls; any other is text.
+
+- `generic` (any model; the tool_prompts module tells the model of it, and the grammar enforces it): the whole
+  output is one JSON object, either `{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}`
+  or `{"response": "the answer"}`, whose string streams out as content while it is written.
 
 Text that does not read as a call stays content, never an error: a `<tool_call>` not followed by a valid call
 (its JSON malformed or cut short) is plain text, and so is a Llama output whose first object is not a call.
@@ -293,8 +297,75 @@ class Llama3JsonToolParser(ToolParser):
         return _Llama3JsonStreamer()
 
 
+# --------------------------------------------------------------------------- generic
+
+RESPONSE_OPENING = '{"response": "'  # the grammar's fixed layout: no whitespace but ", " and ": "
+# The longest start of a JSON string's body that decodes whole: no escape cut in two.
+_STRING_BODY = re.compile(r'(?:[^"\\]|\\u[0-9a-fA-F]{4}|\\[^u])*')
+# A string body ending in the escape of a surrogate pair's first half (\ud800 to \udbff).
+_HIGH_SURROGATE_AT_END = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}$")
+
+
+def _decoded_string(body: str) -> str:
+    return json.loads(f'"{body}"')
+
+
+class _GenericStreamer(ToolCallStreamer):
+    """A `{"response": "..."}` output streams its string as it is written, decoded; any other output (the tool
+    calls, or a response that is not a string) is read whole at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode = "start"  # then "response" (`_held` is the string's body so far), "after" or "whole"
+
+    def _advance(self, at_end: bool) -> None:
+        if self._mode == "start":
+            if self._held.startswith(RESPONSE_OPENING):
+                self._mode, self._held = "response", self._held[len(RESPONSE_OPENING):]
+            elif RESPONSE_OPENING.startswith(self._held) and not at_end:
+                return
+            else:
+                self._mode = "whole"
+        if self._mode == "response":
+            body = _STRING_BODY.match(self._held).group()
+            closed = self._held.startswith('"', len(body))
+            if not closed and _HIGH_SURROGATE_AT_END.search(body):
+                body = body[:-6]  # the first half of a pair: wait for the second
+            self._say(_decoded_string(body))
+            self._held = self._held[len(body):]
+            if closed or at_end:  # at the end without its quote: cut short, and said as far as it went
+                self._mode, self._held = "after", ""
+        elif self._mode == "after":
+            self._held = ""
+        elif self._mode == "whole" and at_end:
+            self._read_whole()
+
+    def _read_whole(self) -> None:
+        text, self._held = self._held, ""
+        try:
+            whole = json.loads(text)
+        except ValueError:
+            whole = None
+        calls = whole.get("tool_calls") if isinstance(whole, dict) else None
+        read = [_call_from_json(json.dumps(c)) for c in calls] if isinstance(calls, list) else []
+        if read and all(read):
+            for call in read:
+                self._call(call)
+        elif isinstance(whole, dict) and "response" in whole and not isinstance(whole["response"], str):
+            self._say(json.dumps(whole["response"], ensure_ascii=False))
+        else:
+            self._say(text)  # not the format (cut short by max_tokens): the text as written
+
+
+class GenericToolParser(ToolParser):
+    name = "generic"
+
+    def streamer(self) -> ToolCallStreamer:
+        return _GenericStreamer()
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, GenericToolParser)
 }
 
 # Llama 3.1's instruction: 'Respond in the format {"name": function name, "parameters": dictionary of ...}'

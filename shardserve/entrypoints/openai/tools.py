@@ -10,6 +10,12 @@ the tool calls read back out of it.
 - a named function: the output is constrained to that function's arguments (its parameters' schema).
 With "auto" and "required", a response with tool calls finishes with "tool_calls"; a named function finishes
 with "stop", as OpenAI's does.
+
+For a model whose chat template has no tool format of its own, the generic format (tool_prompts.py) stands in,
+and the grammar enforces it for every tool_choice but "none": the output is `{"tool_calls": [...]}` (each call
+{"name": one of the tools, "arguments": matching its schema}; one call unless parallel_tool_calls is true) or, with
+"auto", `{"response": "..."}` (or the response_format's schema in place of the string). So "auto" works on any
+model, and every call parses.
 """
 
 from __future__ import annotations
@@ -116,13 +122,17 @@ class ToolPlan:
 
     mode: Literal["none", "auto", "required", "named"]
     tools: list[dict[str, Any]]  # for the chat template (empty: rendered without tools)
-    constraint: StructuredOutput | None = None  # "required" and "named": what the grammar enforces
+    constraint: StructuredOutput | None = None  # what the grammar enforces ("required", "named"; generic: all)
     function: str | None = None  # "named": the function called
     parallel: bool = True
+    generic: bool = False  # the generic format: the output is the JSON envelope, whatever the mode
 
 
-def tool_plan(tools: list[ToolDefinition] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan:
-    """Raises ValueError naming what is wrong (the caller answers 400 with param tool_choice)."""
+def tool_plan(tools: list[ToolDefinition] | None, tool_choice: Any, parallel_tool_calls: bool | None,
+              generic: bool = False, response_schema: dict[str, Any] | None = None) -> ToolPlan:
+    """What the request's tools ask for; `generic`: in the generic format, whose "response" takes
+    `response_schema` when given (a response_format's). Raises ValueError naming what is wrong (the caller
+    answers 400 with param tool_choice)."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise ValueError(f"tool_choice {_describe(tool_choice)} needs tools, and the request sends none")
@@ -134,6 +144,13 @@ def tool_plan(tools: list[ToolDefinition] | None, tool_choice: Any, parallel_too
         raise ValueError("tools must have distinct function names")
     template_tools = [t.model_dump(mode="json", exclude_none=True) for t in tools]
     parallel = parallel_tool_calls is not False
+    if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in by_name:
+        raise ValueError(f"tool_choice names function {tool_choice.function.name!r}, which is not among the tools "
+                         f"({', '.join(map(repr, by_name))})")
+    if generic:
+        # One call unless the request asks for more: models that never learned the format repeat a call while
+        # the array stays open (llama.cpp's server makes the same default).
+        return _generic_plan(by_name, template_tools, tool_choice, parallel_tool_calls is True, response_schema)
     if tool_choice is None or tool_choice == "auto":
         return ToolPlan("auto", template_tools, parallel=parallel)
     if tool_choice == "required":
@@ -145,11 +162,33 @@ def tool_plan(tools: list[ToolDefinition] | None, tool_choice: Any, parallel_too
             schema["maxItems"] = 1
         return ToolPlan("required", template_tools, StructuredOutput("json", json.dumps(schema)), parallel=parallel)
     name = tool_choice.function.name
-    if name not in by_name:
-        raise ValueError(f"tool_choice names function {name!r}, which is not among the tools "
-                         f"({', '.join(map(repr, by_name))})")
     return ToolPlan("named", template_tools, StructuredOutput("json", json.dumps(by_name[name].arguments_schema)),
                     function=name, parallel=parallel)
+
+
+def _generic_plan(by_name: dict[str, FunctionDefinition], template_tools: list[dict[str, Any]], tool_choice: Any,
+                  parallel: bool, response_schema: dict[str, Any] | None) -> ToolPlan:
+    """The generic format's envelope: {"tool_calls": [calls]} or, with "auto", {"response": ...}."""
+    mode, function = "auto", None
+    if tool_choice == "required":
+        mode = "required"
+    elif isinstance(tool_choice, NamedToolChoice):
+        mode, function = "named", tool_choice.function.name
+    callable_ = {function: by_name[function]} if function else by_name
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
+        _object(name={"const": name}, arguments=f.arguments_schema) for name, f in callable_.items()]}}
+    if not parallel or function:
+        calls["maxItems"] = 1
+    envelope = _object(tool_calls=calls)
+    if mode == "auto":
+        envelope = {"anyOf": [envelope, _object(response=response_schema or {"type": "string"})]}
+    return ToolPlan(mode, template_tools, StructuredOutput("json", json.dumps(envelope)), function=function,
+                    parallel=parallel, generic=True)
+
+
+def _object(**properties: Any) -> dict[str, Any]:
+    """An object schema with exactly these properties, all required, in this order."""
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
 
 def _describe(tool_choice: Any) -> str:
