@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shardserve.engine.llm_engine import OVERLAP_ENV
+from shardserve.engine.grammar import closed_objects
 from shardserve.engine.sampling_params import SamplingParams, StructuredOutput
 from shardserve.engine.structured_output import AllowedTokens, apply_allowed
 from shardserve.entrypoints.llm import LLM
@@ -65,3 +66,25 @@ def test_constrained_and_free_sequences_share_a_batch(byte_model, monkeypatch, o
     assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", outputs[2].text)
     assert outputs[3].text in ("yes", "no")  # ignore_eos: a complete grammar still ends the output
     assert all(o.finish_reason == "stop" for o in outputs[1:])
+
+
+def test_objects_that_list_their_properties_are_closed_at_every_depth():
+    item = {"type": "object", "properties": {"x": {}}}
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": item},
+                                               "either": {"anyOf": [item, {"type": "string"}]},
+                                               "open": {**item, "additionalProperties": True},
+                                               "typed": {**item, "additionalProperties": {"type": "integer"}},
+                                               "any": {"type": "object"}},
+              "$defs": {"Item": item},
+              "allOf": [{"properties": {"y": {}}}]}
+    closed = closed_objects(schema)
+    shut = {**item, "additionalProperties": False}
+    assert "additionalProperties" not in closed  # its allOf adds properties its own list lacks
+    assert closed["allOf"] == [{"properties": {"y": {}}}]
+    properties = closed["properties"]
+    assert properties["items"]["items"] == shut and properties["either"]["anyOf"][0] == shut
+    assert properties["open"]["additionalProperties"] is True
+    assert properties["typed"]["additionalProperties"] == {"type": "integer"}
+    assert properties["any"] == {"type": "object"}  # lists nothing: any object, as json_object
+    assert closed["$defs"]["Item"] == shut
+    assert schema["properties"]["items"]["items"] == item  # the request's schema is left as it came

@@ -52,6 +52,31 @@ def test_json_schema_holds_on_a_random_model_for_every_choice(http, byte_server)
     assert byte_server.all_blocks_free()
 
 
+def _no_key_twice(pairs):
+    keys = [key for key, _ in pairs]
+    assert len(keys) == len(set(keys)), f"a key twice: {keys}"
+    return dict(pairs)
+
+
+def test_an_object_that_lists_its_properties_admits_no_other_key(http):
+    # No "additionalProperties": as OpenAI's strict mode, the listed keys are the only keys, each once, at
+    # every depth; "additionalProperties": true says otherwise, and is kept.
+    open_ = {"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": True}
+    schema = {"type": "object", "required": ["name", "address", "extra"], "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}},
+        "extra": open_}}
+    response = _chat(http, n=6, temperature=1.0, seed=5, max_tokens=300, response_format={
+        "type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+    assert response.status_code == 200, response.text
+    finished = [c for c in response.json()["choices"] if c["finish_reason"] == "stop"]
+    assert finished, "every choice ran to the length limit"
+    for choice in finished:
+        place = json.loads(choice["message"]["content"], object_pairs_hook=_no_key_twice)
+        assert list(place) == ["name", "address", "extra"]
+        assert set(place["address"]) <= {"city"}
+
+
 def test_openai_parse_returns_the_pydantic_model(byte_server):
     class Person(pydantic.BaseModel):
         name: str = pydantic.Field(max_length=8)
@@ -128,6 +153,9 @@ def test_completions_take_constraints_too(http):
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "whitespace"),
     ({"guided_regex": "a+", "min_tokens": 2}, None, "min_tokens"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
+     "response_format.json_schema", "'uniqueItems', which structured outputs cannot enforce"),
 ])
 def test_a_constraint_that_cannot_hold_is_a_400_naming_its_field(http, byte_server, body, param, words):
     error = _error(_chat(http, **body))
