@@ -98,10 +98,11 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
                         "on GPUs half the weight bytes of bfloat16). Quantized checkpoints (FP8, GPTQ) need no flag")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
-    p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "none"], default="auto",
-                   help="how tool calls are read from chat outputs under tool_choice 'auto': hermes (Qwen2.5, Qwen3: "
-                        "<tool_call> tags), llama3_json (Llama 3.x); auto: the one the chat template's tool format "
-                        "calls for (default)")
+    p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "generic", "none"], default="auto",
+                   help="how tool calls are read from chat outputs: hermes (Qwen2.5, Qwen3: <tool_call> tags), "
+                        "llama3_json (Llama 3.x), generic (any model: one JSON object the grammar enforces); auto: the "
+                        "one the chat template's tool format calls for, else generic (default); none: tool_choice "
+                        "'auto' refused")
     p.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                    help="split the model's reasoning (<think>...</think>) out of chat content into "
                         "reasoning_content (default: none)")
