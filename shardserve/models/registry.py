@@ -7,7 +7,7 @@ config needs no model code. Architectures whose networks are the same given thei
 
 Every class is built as `cls(model_config, comm, dtype, max_positions, expert_parallel=...)` and offers what the
 engine and the weight loader use: forward, compute_logits, kv_heads_per_rank, `packed_modules` and, where
-checkpoint names need more than that, `checkpoint_name` (models/llama.py describes them).
+checkpoint names need more than that, `checkpoint_name` (LlamaForCausalLM and MixtralForCausalLM show both).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from torch import nn
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
-    "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MixtralForCausalLM": ("llama", "LlamaForCausalLM"),
-    "Qwen2MoeForCausalLM": ("llama", "LlamaForCausalLM"),
-    "Qwen3MoeForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),  # with q/k/v biases (ModelConfig.qkv_bias)
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("mixtral", "MixtralForCausalLM"),  # with q/k/v biases and a shared expert
+    "Qwen3MoeForCausalLM": ("qwen3", "Qwen3MoeForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
