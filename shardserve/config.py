@@ -9,18 +9,13 @@ from typing import Any
 
 import torch
 
+from shardserve.models.registry import resolve_architecture
 from shardserve.weights.quantized import QuantScheme, parse_quantization
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    # Mixtures of experts: the family's attention, sparse expert blocks in place of (some) MLPs.
-    "MixtralForCausalLM": "llama",
-    "Qwen3MoeForCausalLM": "qwen3",
-    "Qwen2MoeForCausalLM": "qwen2",
-}
+# Architectures that differ from Llama's in what their config.json does not say: Qwen2's q/k/v biases (without
+# an o_proj bias), Qwen3's per-head q/k RMSNorms (models/qwen3.py).
+_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": read the checkpoint; "dummy": synthetic weights in the model's shapes (shardserve/weights/synthetic.py).
@@ -33,8 +28,7 @@ ONLINE_QUANTIZATION = (None, "fp8")
 class ModelConfig:
     """The architecture facts the model code needs; parsed from config.json or GGUF metadata."""
 
-    architecture: str
-    family: str  # "llama", "qwen2" or "qwen3": which decoder variant to build
+    architecture: str  # the config.json name that models/registry.py maps to the class that builds it
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -71,14 +65,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported model architecture {archs or cfg.get('model_type')!r}: "
-                f"shardserve serves {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
-        family = SUPPORTED_ARCHITECTURES[arch]
+        arch = resolve_architecture(cfg.get("architectures") or [], cfg.get("model_type"))
         num_heads = cfg["num_attention_heads"]
         rope = _rope_parameters(cfg)
         eos = cfg.get("eos_token_id")
@@ -86,7 +73,6 @@ class ModelConfig:
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
-            family=family,
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
@@ -101,9 +87,9 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 carries q/k/v biases (Qwen2-MoE's config may say otherwise with qkv_bias); Llama-style configs
             # say so with attention_bias.
-            qkv_bias=(family == "qwen2" and bool(cfg.get("qkv_bias", True))) or attention_bias,
-            o_bias=attention_bias and family != "qwen2",
-            qk_norm=family == "qwen3",
+            qkv_bias=(arch in _QKV_BIAS and bool(cfg.get("qkv_bias", True))) or attention_bias,
+            o_bias=attention_bias and arch not in _QKV_BIAS,
+            qk_norm=arch in _QK_NORM,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,

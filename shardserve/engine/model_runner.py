@@ -29,7 +29,7 @@ from shardserve.layers.cuda_gemv import use_batch1_gemv
 from shardserve.layers.linear import deferred_weights, weight_bytes
 from shardserve.layers.moe_packed import pack_experts
 from shardserve.layers.quantized_linear import PackedLayout, pack_layers, quantized_layers_mode
-from shardserve.models import MODEL_CLASSES
+from shardserve.models import model_class
 from shardserve.transfers import on_device
 from shardserve.weights import stable_memory
 from shardserve.weights.consistency import verify_replicated_weights
@@ -242,7 +242,7 @@ class ModelRunner:
 
     def _load_model(self):
         started = time.perf_counter()
-        cls = MODEL_CLASSES[self.model_config.family]
+        cls = model_class(self.model_config.architecture)
         torch.manual_seed(0)
         packing = self._packed_layout()
         with torch.device(self.device), (deferred_weights() if packing else contextlib.nullcontext()):
@@ -308,7 +308,8 @@ class ModelRunner:
         layout = PackedLayout.of_checkpoint(scheme)
         if self.config.load_format == "dummy":
             return layout, None
-        return layout, quantized_module_names(self.config.model, scheme, MODEL_CLASSES[self.model_config.family])
+        names = quantized_module_names(self.config.model, scheme, model_class(self.model_config.architecture))
+        return layout, names
 
     def _fill_weights(self, model) -> None:
         """Copy the checkpoint's values (this rank's shards) into the model's existing parameters."""

@@ -1,5 +1,6 @@
-"""Model registry: every supported family is built by one decoder class."""
+"""Model definitions, a module per family; registry.py says which class builds each architecture."""
 
-from shardserve.models.llama import LlamaForCausalLM
+from shardserve.models.registry import (SUPPORTED_ARCHITECTURES, UnsupportedArchitecture, model_class,
+                                        resolve_architecture)
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
+__all__ = ["SUPPORTED_ARCHITECTURES", "UnsupportedArchitecture", "model_class", "resolve_architecture"]

@@ -1,14 +1,19 @@
-"""The Llama family decoder (Llama 2/3, SmolLM2, Mistral), with the Qwen2 (q/k/v bias) and Qwen3
-(per-head q/k RMSNorm) variants and their mixtures of experts (Mixtral, Qwen3-MoE: a sparse expert block in
-place of the MLP in the layers the config names, layers/moe.py), written for tensor parallelism.
+"""The Llama decoder (Llama 2/3, SmolLM2, Mistral, and Qwen2, whose q/k/v biases ModelConfig.qkv_bias gives),
+written for tensor parallelism, and the pieces the other families build on: the attention and MLP blocks, the
+pre-norm decoder layer, the stack of layers, the causal LM around it.
 
-Attention is split by query heads and the MLP (and every expert) by intermediate features; each block falls
-back to replication when its shapes don't split evenly (see layers/sharding.py).
+Attention is split by query heads and the MLP by intermediate features; each block falls back to replication when
+its shapes don't split evenly (see layers/sharding.py).
+
+A family that differs subclasses LlamaForCausalLM in a module of its own and replaces `attention` (Qwen3's block
+norms its heads, models/qwen3.py) or `make_layer` (sparse expert blocks, models/mixtral.py; a hybrid model's other
+kinds of layer). Any layer LlamaModel chains keeps its call: forward(rotary, x, residual, cache, meta, reduce,
+next_norm) -> (output, residual, pending reduction), with the norm over its input held as `input_layernorm`.
 """
 
 from __future__ import annotations
 
-import re
+from typing import Callable
 
 import torch
 from torch import nn
@@ -19,7 +24,6 @@ from shardserve.layers.attention import PagedAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.layers.mlp import SwiGLUMLP
-from shardserve.layers.moe import SparseMoE
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
 from shardserve.layers.sharding import attention_shard, split_rows
@@ -27,7 +31,7 @@ from shardserve.layers.sharding import attention_shard, split_rows
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-class Attention(nn.Module):
+class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
         super().__init__()
         hd = cfg.head_dim
@@ -42,11 +46,7 @@ class Attention(nn.Module):
         self.qkv_proj.replicated = self.o_proj.replicated = not shard.sharded
         self.o_proj.defer()
         self.o_proj.preloads_rows = True  # its GEMV is placed during decode attention (kernels/triton/pdl.py)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = PagedAttention(shard.num_q, shard.num_kv, hd, shard.kv_index)
-        if cfg.qk_norm:
-            self.attn.head_norm = (self.q_norm, self.k_norm)
         self.head_dim = hd
 
     def forward(self, rotary: RotaryLookup, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
@@ -58,31 +58,30 @@ class Attention(nn.Module):
         qkv, residual = self.qkv_proj.forward_normed(x, residual, norm, reduce)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(tokens, -1, self.head_dim)  # query heads, then key heads
-        # The attention backend normalises (Qwen3) and rotates query and key heads together and stores keys and
-        # values in the cache.
+        # The attention backend normalises the heads where the block has head norms (Qwen3), rotates query and
+        # key heads together and stores keys and values in the cache.
         out = self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)
         return self.o_proj.forward_add(out, residual, next_norm)
 
 
-class MLP(SwiGLUMLP):
+class LlamaMLP(SwiGLUMLP):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
         rows, sharded = split_rows(cfg.intermediate_size, comm.rank, comm.world_size, "mlp")
         super().__init__(cfg.hidden_size, rows, cfg.mlp_bias, dtype, comm if sharded else None, not sharded)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, reduce=None,
                 next_norm: RMSNorm | None = None):
-        """MLP of norm(x + residual): (output, new residual, pending reduction) as in Attention."""
+        """MLP of norm(x + residual): (output, new residual, pending reduction) as in LlamaAttention."""
         return self.forward_normed(x, residual, norm, reduce, next_norm)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, sparse: bool = False,
-                 expert_parallel: bool = False) -> None:
+class LlamaDecoderLayer(nn.Module):
+    """Attention, then the feed-forward block `mlp` (a LlamaMLP here), each on the normed residual stream."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, comm, dtype)
-        self.mlp = (SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                              cfg.renormalize_topk, comm, dtype, expert_parallel, cfg.shared_expert_intermediate_size)
-                    if sparse else MLP(cfg, comm, dtype))
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -95,20 +94,17 @@ class DecoderLayer(nn.Module):
         the layer's last projection may apply itself (RowParallelLinear.forward_add)."""
         x, residual, pending = self.self_attn(rotary, x, residual, self.input_layernorm, cache, meta, reduce,
                                               self.post_attention_layernorm)
-        if isinstance(self.mlp, SparseMoE):
-            x, residual = self.mlp(x, residual, self.post_attention_layernorm, pending)
-            return x, residual, self.mlp.pending
         return self.mlp(x, residual, self.post_attention_layernorm, pending, next_norm)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
-                 expert_parallel: bool = False) -> None:
+                 make_layer: Callable[[int], nn.Module]) -> None:
+        """make_layer(i): decoder layer i."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, comm, dtype, i in cfg.moe_layers, expert_parallel)
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, token_ids, positions, caches: list[KVCache], meta) -> torch.Tensor:
@@ -123,15 +119,6 @@ class LlamaModel(nn.Module):
         return x
 
 
-# Expert blocks' tensors: Qwen3-MoE's mlp.experts.{e}.{gate,up,down}_proj and mlp.gate, Mixtral's
-# block_sparse_moe.experts.{e}.{w1,w3,w2} and block_sparse_moe.gate, and the fused experts.gate_up_proj /
-# experts.down_proj of newer checkpoints.
-_EXPERT_TENSOR = re.compile(
-    r"^(?P<layer>model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\."
-    r"(?:experts\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight"
-    r"|experts\.(?P<fused>gate_up_proj|down_proj)|(?P<router>gate)\.weight)$")
-
-
 class LlamaForCausalLM(nn.Module):
     # Checkpoint tensors that are packed into one fused local parameter: name -> (fused name, shard id).
     packed_modules = {
@@ -141,31 +128,22 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    attention: type[nn.Module] = LlamaAttention  # every layer's attention block
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
                  expert_parallel: bool = False) -> None:
         """expert_parallel: a mixture of experts' experts divided among the ranks (whole experts) rather than
-        each split by features."""
+        each split by features (a dense model has none)."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, comm, dtype, max_positions, expert_parallel)
+        self.expert_parallel = expert_parallel
+        self.model = LlamaModel(cfg, comm, dtype, max_positions, lambda i: self.make_layer(i, comm, dtype))
         self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
 
-    @staticmethod
-    def checkpoint_name(name: str) -> tuple[str, object] | None:
-        """Where an expert block's checkpoint tensor goes: (parameter, shard id), or None for every other
-        tensor (packed_modules then applies)."""
-        found = _EXPERT_TENSOR.match(name)
-        if found is None:
-            return None
-        layer, expert, part, fused = found.group("layer", "expert", "part", "fused")
-        if found.group("router"):
-            return f"{layer}.mlp.gate.weight", None
-        if fused is not None:
-            return f"{layer}.mlp.{'w13' if fused == 'gate_up_proj' else 'w2'}", "all"
-        if part in ("down_proj", "w2"):
-            return f"{layer}.mlp.w2", (int(expert), None)
-        return f"{layer}.mlp.w13", (int(expert), 0 if part in ("gate_proj", "w1") else 1)
+    def make_layer(self, index: int, comm: Communicator, dtype: torch.dtype) -> nn.Module:
+        """Decoder layer `index`: attention and a dense MLP."""
+        cfg = self.config
+        return LlamaDecoderLayer(self.attention(cfg, comm, dtype), LlamaMLP(cfg, comm, dtype), cfg, dtype)
 
     def forward(self, token_ids, positions, caches: list[KVCache], meta) -> torch.Tensor:
         return self.model(token_ids, positions, caches, meta)

@@ -12,7 +12,7 @@ from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.communicator import Communicator
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
-from shardserve.models import MODEL_CLASSES
+from shardserve.models import model_class
 from shardserve.weights.loader import safetensors_files
 from shardserve.weights.synthetic import iter_synthetic_checkpoint, load_synthetic_weights
 from tests.tiny_models import TINY_SPECS
@@ -42,7 +42,7 @@ def test_names_and_shapes_are_those_of_the_real_checkpoint(tiny_model_dir, name)
 
     # Every rank of a sharded model finds a place for each tensor and gets all its parameters.
     for rank, world in ((0, 1), (0, 2), (1, 2), (2, 3)):
-        model = MODEL_CLASSES[cfg.family](cfg, Communicator(None, rank, world), torch.float32, max_positions=64)
+        model = model_class(cfg.architecture)(cfg, Communicator(None, rank, world), torch.float32, max_positions=64)
         load_synthetic_weights(model, cfg, "cpu", torch.float32)
         assert all(torch.isfinite(p).all() for p in model.parameters())
 

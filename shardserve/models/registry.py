@@ -1,0 +1,55 @@
+"""Which class builds each model architecture shardserve serves: the one list to read, and the one to extend.
+
+An architecture is a name from config.json's "architectures" (a GGUF file's is derived by weights/gguf_loader.py).
+Its class lives in a module under shardserve/models/ and is imported only when a model is built, so reading a
+config needs no model code. Architectures whose networks are the same given their configs share a class
+(Mistral is Llama). A new family is one module under shardserve/models/ and one entry in _MODELS.
+
+Every class is built as `cls(model_config, comm, dtype, max_positions, expert_parallel=...)` and offers what the
+engine and the weight loader use: forward, compute_logits, kv_heads_per_rank, `packed_modules` and, where
+checkpoint names need more than that, `checkpoint_name` (LlamaForCausalLM and MixtralForCausalLM show both).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# Architecture -> (module under shardserve.models, class in it).
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),  # with q/k/v biases (ModelConfig.qkv_bias)
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("mixtral", "MixtralForCausalLM"),  # with q/k/v biases and a shared expert
+    "Qwen3MoeForCausalLM": ("qwen3", "Qwen3MoeForCausalLM"),
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
+
+
+class UnsupportedArchitecture(ValueError):
+    """A model whose architecture shardserve has no class for; the message names it and the ones it serves."""
+
+    def __init__(self, architecture: object) -> None:
+        super().__init__(f"unsupported model architecture {architecture!r}: shardserve serves "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def resolve_architecture(architectures: list[str], model_type: str | None = None) -> str:
+    """The first of a config's `architectures` that shardserve serves; UnsupportedArchitecture (naming them, or
+    the model_type where the config lists none) if there is none."""
+    found = next((a for a in architectures if a in _MODELS), None)
+    if found is None:
+        raise UnsupportedArchitecture(list(architectures) or model_type)
+    return found
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The class that builds `architecture` (its module imported now)."""
+    if architecture not in _MODELS:
+        raise UnsupportedArchitecture(architecture)
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"shardserve.models.{module}"), name)
