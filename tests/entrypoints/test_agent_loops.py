@@ -13,6 +13,8 @@ import subprocess
 import sys
 from typing import Iterator
 
+import httpx
+import openai
 import pydantic
 import pytest
 
@@ -108,7 +110,14 @@ def test_pydantic_ai_agent_with_one_tool_answers_in_text(smol):
     from pydantic_ai.providers.openai import OpenAIProvider
     from pydantic_ai.usage import UsageLimits
 
-    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=f"{smol.url}/v1", api_key="unused"))
+    sent = []  # each chat request's body, as the agent sent it
+
+    async def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content))
+
+    client = openai.AsyncOpenAI(base_url=f"{smol.url}/v1", api_key="unused",
+                                http_client=httpx.AsyncClient(event_hooks={"request": [record]}, timeout=300))
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=client))
     calls = []
 
     def weather(city: str) -> str:
@@ -126,6 +135,8 @@ def test_pydantic_ai_agent_with_one_tool_answers_in_text(smol):
     tool_returns = [part for message in result.all_messages() for part in message.parts
                     if part.part_kind == "tool-return"]
     assert tool_returns and tool_returns[0].content == RESULT
+    last = sent[-1]
+    assert RESULT in _prompt_seen(smol, last["messages"], last.get("tools"))[0]
 
 
 class City(pydantic.BaseModel):
