@@ -152,7 +152,7 @@ def test_non_text_content_part(http: httpx.Client) -> None:
         (COMPLETIONS, {"prompt": []}, "prompt"),
         (COMPLETIONS, {"prompt": [10, -5]}, "prompt"),
         # This model's template shows no tool-call format: 'auto' (the default with tools) could not read calls back.
-        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (CHAT, {"tool_choice": "required"}, "tool_choice"),
         (CHAT, {"continue_final_message": True}, "continue_final_message"),
         (CHAT, {"max_completion_tokens": "many"}, "max_completion_tokens"),
