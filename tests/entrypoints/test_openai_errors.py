@@ -151,7 +151,7 @@ def test_non_text_content_part(http: httpx.Client) -> None:
         (COMPLETIONS, {"prompt": ["w10", []]}, "prompt"),
         (COMPLETIONS, {"prompt": []}, "prompt"),
         (COMPLETIONS, {"prompt": [10, -5]}, "prompt"),
-        # This model's template shows no tool-call format: 'auto' (the default with tools) could not read calls back.
+        # This model's template shows no tool-call format: the generic format's grammar cannot spell with its words.
         (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (CHAT, {"tool_choice": "required"}, "tool_choice"),
         (CHAT, {"continue_final_message": True}, "continue_final_message"),
