@@ -48,10 +48,11 @@ def _reference(family: str, key_heads: int = 3, value_heads: int = 6, seed: int 
     return ref, cfg
 
 
-def _ours(ref: nn.Module, cfg, rank: int = 0, tp: int = 1) -> GatedDeltaNet:
-    """Our layer for rank `rank` of `tp`, loaded from ref's tensors under their checkpoint names by the weight
-    loader (each rank takes its slice)."""
-    layer = GatedDeltaNet(DeltaNetDims.from_hf_dict(cfg.to_dict()), PartialSums(rank, tp), torch.float32)
+def _ours(ref: nn.Module, cfg, rank: int = 0, tp: int = 1, comm=None) -> GatedDeltaNet:
+    """Our layer for rank `rank` of `tp` (or of `comm`'s group), loaded from ref's tensors under their checkpoint
+    names by the weight loader (each rank takes its slice)."""
+    comm = PartialSums(rank, tp) if comm is None else comm
+    layer = GatedDeltaNet(DeltaNetDims.from_hf_dict(cfg.to_dict()), comm, torch.float32)
     root = nn.Module()  # named as in a model, so that checkpoint names resolve as they will there
     root.packed_modules = GatedDeltaNet.packed_modules
     root.model = nn.Module()
@@ -156,22 +157,28 @@ def test_sequences_stepped_together_equal_each_alone():
     assert bool((pool.recurrent[[1, 3, 5]] == 7.0).all()) and not pool.conv[[1, 3, 5]].any()
 
 
+def _prompt_then_steps(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, DeltaNetState]:
+    """Outputs of a 70-token prompt, then of single-token steps (the decode kernels) to the end of x; the final
+    state."""
+    with torch.no_grad():
+        out, state = layer.prefill(x[:70])
+        outs = [out]
+        for t in range(70, x.shape[0]):
+            out, state = layer.prefill(x[t:t + 1], state)
+            outs.append(out)
+    return torch.cat(outs), state
+
+
 def _run_ranks(ref, cfg, tp: int, x: torch.Tensor, corrupt=None):
-    """Per rank of `tp`: (outputs of a 70-token prompt then single-token steps to the end of x (the decode
-    kernels), the final state, the layer's shard).
+    """Per rank of `tp`: (_prompt_then_steps' outputs and state, the layer's shard).
     corrupt(rank, layer) may change a rank's weights after loading."""
     results = []
     for rank in range(tp):
         layer = _ours(ref, cfg, rank, tp)
         if corrupt is not None:
             corrupt(rank, layer)
-        with torch.no_grad():
-            out, state = layer.prefill(x[:70])
-            outs = [out]
-            for t in range(70, x.shape[0]):
-                out, state = layer.prefill(x[t:t + 1], state)
-                outs.append(out)
-        results.append((torch.cat(outs), state, layer.shard))
+        out, state = _prompt_then_steps(layer, x)
+        results.append((out, state, layer.shard))
     return results
 
 
@@ -219,3 +226,35 @@ def test_a_wrong_slice_on_one_rank_fails_the_comparison():
 
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         _check_ranks_match_whole(ref, cfg, 3, _tokens(72), corrupt)
+
+
+def test_two_ranks_of_a_real_group_each_give_the_whole_output():
+    """Two processes in a gloo group: out_proj's all-reduce gives each rank one rank's output; each rank keeps
+    the recurrent state of its own value heads only."""
+    from tests.ranks import run_ranks
+
+    outcome = run_ranks(_rank_of_a_group, 2, "qwen3_next", timeout=300)
+    assert outcome == {0: "ok", 1: "ok"}
+
+
+def _rank_of_a_group(rank: int, port: int, family: str, results) -> None:
+    import torch.distributed as dist
+
+    from shardserve.distributed.communicator import Communicator
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        ref, cfg = _reference(family, 4, 8)
+        x = _tokens(72)
+        whole, whole_state = _prompt_then_steps(_ours(ref, cfg), x)
+        layer = _ours(ref, cfg, comm=Communicator(dist.group.WORLD, rank, 2))
+        out, state = _prompt_then_steps(layer, x)
+        assert layer.shard.sharded and layer.shard.value_heads == (4 * rank, 4 * rank + 4)
+        torch.testing.assert_close(out, whole, atol=ATOL, rtol=0)
+        torch.testing.assert_close(state.recurrent, whole_state.recurrent[4 * rank:4 * rank + 4], atol=ATOL, rtol=0)
+        results.put((rank, "ok"))
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        results.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
