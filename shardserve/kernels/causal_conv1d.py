@@ -26,5 +26,6 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor,
     """One token for each of B sequences: x [B, channels], weight [channels, K], state [B, channels, K - 1].
     Returns (y [B, channels], the states after the token); `state` is not written."""
     window = torch.cat((state.to(x.dtype), x.unsqueeze(-1)), dim=-1)  # [B, channels, K]
-    y = (window * weight.to(x.dtype)).sum(-1)
+    # Summed in float32 and rounded once, as conv1d does in the prefill form: a token gets the same value either way.
+    y = (window.float() * weight.float()).sum(-1).to(x.dtype)
     return F.silu(y), window[..., 1:]

@@ -48,11 +48,11 @@ def _reference(family: str, key_heads: int = 3, value_heads: int = 6, seed: int 
     return ref, cfg
 
 
-def _ours(ref: nn.Module, cfg, rank: int = 0, tp: int = 1, comm=None) -> GatedDeltaNet:
+def _ours(ref: nn.Module, cfg, rank: int = 0, tp: int = 1, comm=None, dtype=torch.float32) -> GatedDeltaNet:
     """Our layer for rank `rank` of `tp` (or of `comm`'s group), loaded from ref's tensors under their checkpoint
     names by the weight loader (each rank takes its slice)."""
     comm = PartialSums(rank, tp) if comm is None else comm
-    layer = GatedDeltaNet(DeltaNetDims.from_hf_dict(cfg.to_dict()), comm, torch.float32)
+    layer = GatedDeltaNet(DeltaNetDims.from_hf_dict(cfg.to_dict()), comm, dtype)
     root = nn.Module()  # named as in a model, so that checkpoint names resolve as they will there
     root.packed_modules = GatedDeltaNet.packed_modules
     root.model = nn.Module()
@@ -131,6 +131,21 @@ def test_decode_steps_continue_the_prompt(family):
             out, states = layer.decode(x[70 + step:71 + step], states)
             torch.testing.assert_close(out, expected[1 + step], atol=ATOL, rtol=0, msg=f"decode step {step}")
     _assert_state_matches(DeltaNetState(states.conv[0], states.recurrent[0]), conv_ref, rec_ref)
+
+
+def test_bfloat16_prompt_and_steps_equal_transformers():
+    """In bfloat16 (the recurrent state still float32) the same ops round the same way: transformers' outputs
+    exactly, the conv state in bfloat16, the recurrent state in float32."""
+    ref, cfg = _reference("qwen3_next")
+    ref = ref.to(torch.bfloat16)
+    x = _tokens(72).to(torch.bfloat16)
+    expected, conv_ref, rec_ref = _run_reference(ref, cfg, [x[:70], *x[70:].split(1)])
+    layer = _ours(ref, cfg, dtype=torch.bfloat16)
+    out, state = _prompt_then_steps(layer, x)
+    assert out.dtype == state.conv.dtype == torch.bfloat16 and state.recurrent.dtype == torch.float32
+    assert torch.equal(out, torch.cat(expected))
+    assert torch.equal(state.conv, conv_ref[:, 1:])
+    torch.testing.assert_close(state.recurrent, rec_ref, atol=ATOL, rtol=0)
 
 
 def test_sequences_stepped_together_equal_each_alone():
