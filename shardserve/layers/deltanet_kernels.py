@@ -11,6 +11,7 @@ input. Shapes and dtypes are those of kernels/causal_conv1d.py and kernels/gated
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 
@@ -18,6 +19,23 @@ from shardserve.kernels.causal_conv1d import causal_conv1d, causal_conv1d_step
 from shardserve.kernels.gated_delta_rule import chunked_gated_delta_rule, gated_delta_rule_step
 
 logger = logging.getLogger(__name__)
+
+
+class DeltaNetKernels(Protocol):
+    name: str
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence: causal_conv1d.causal_conv1d."""
+
+    def conv_step(self, x: torch.Tensor, weight: torch.Tensor,
+                  state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token of each of B sequences: causal_conv1d.causal_conv1d_step."""
+
+    def rule(self, q, k, v, g, beta, scale: float, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence: gated_delta_rule.chunked_gated_delta_rule."""
+
+    def rule_step(self, q, k, v, g, beta, scale: float, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token of each of B sequences: gated_delta_rule.gated_delta_rule_step."""
 
 
 class TorchDeltaNetKernels:
@@ -43,10 +61,10 @@ class TorchDeltaNetKernels:
 _logged: set[str] = set()
 
 
-def delta_net_kernels(device: torch.device | str) -> TorchDeltaNetKernels:
+def delta_net_kernels(device: torch.device | str) -> DeltaNetKernels:
     """The kernels Gated DeltaNet layers on `device` use; the choice is logged once per device type."""
     kind = torch.device(device).type
-    kernels = TorchDeltaNetKernels()
+    kernels: DeltaNetKernels = TorchDeltaNetKernels()
     if kind not in _logged:
         _logged.add(kind)
         logger.info("Gated DeltaNet kernels on %s: %s", kind, kernels.name)

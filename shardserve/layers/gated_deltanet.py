@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
-from shardserve.layers.deltanet_kernels import delta_net_kernels
+from shardserve.layers.deltanet_kernels import DeltaNetKernels, delta_net_kernels
 from shardserve.layers.deltanet_projections import ConvWeight, InProjBA, InProjQKVZ, head_vector, qkv_rows
 from shardserve.layers.linear import RowParallelLinear
 from shardserve.layers.norm import GatedRMSNorm
@@ -74,8 +74,9 @@ class GatedDeltaNet(nn.Module):
         "in_proj_a": ("in_proj_ba", "a"),
     }
 
-    def __init__(self, dims: DeltaNetDims, comm: Communicator, dtype: torch.dtype, kernels=None) -> None:
-        """kernels: a DeltaNetKernels (layers/deltanet_kernels.py); default the one for the weights' device."""
+    def __init__(self, dims: DeltaNetDims, comm: Communicator, dtype: torch.dtype,
+                 kernels: DeltaNetKernels | None = None) -> None:
+        """kernels: how the convolution and the delta rule run; by default delta_net_kernels(the input's device)."""
         super().__init__()
         shard = delta_net_shard(dims.key_heads, dims.value_heads, dims.key_dim, dims.value_dim, comm.rank,
                                 comm.world_size)

@@ -95,9 +95,9 @@ def delta_net_shard(key_heads: int, value_heads: int, key_dim: int, value_dim: i
     if value_heads % key_heads:
         raise ValueError(f"{layer_name}: {value_heads} value heads do not group evenly over {key_heads} key heads")
     group = value_heads // key_heads
-    per_rank = key_heads // tp if tp > 0 else 0
-    sharded = tp > 1 and key_heads % tp == 0 and min(per_rank * key_dim, per_rank * group * value_dim) >= \
-        MIN_SHARD_WIDTH
+    per_rank = key_heads // tp
+    narrowest = min(per_rank * key_dim, per_rank * group * value_dim)  # a rank's q (or k) width, or its v width
+    sharded = tp > 1 and key_heads % tp == 0 and narrowest >= MIN_SHARD_WIDTH
     if tp > 1 and not sharded:
         _log_replicated(layer_name, f"{key_heads} key heads of width {key_dim} do not split into {tp} slices "
                                     f"of at least {MIN_SHARD_WIDTH}")
