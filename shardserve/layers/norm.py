@@ -44,3 +44,22 @@ class RMSNorm(nn.Module):
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
             out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last dimension (one head), then times silu(gate): Gated DeltaNet's output norm.
+
+    Normalised in float32 and scaled by the weight in x's dtype, then gated in float32, as the reference
+    (Qwen3-Next's RMSNormGated) does. The weight is the head's width, the same for every head and every rank.
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(gate.float())).to(x.dtype)

@@ -65,6 +65,48 @@ def split_rows(size: int, rank: int, tp: int, layer_name: str) -> tuple[tuple[in
     return (0, size), False
 
 
+@dataclass(frozen=True)
+class DeltaNetShard:
+    """Which key heads and value heads of a Gated DeltaNet layer one rank owns.
+
+    Value head v belongs to key head v // (value_heads // key_heads); a rank owns whole groups: the key heads
+    [k0, k1) and exactly their value heads [v0, v1), so the convolution channels, the recurrent state and the
+    output projection's columns of a local value head are all local too. Replicated (the whole layer on every
+    rank) when the key heads do not split into equal, wide enough parts.
+    """
+
+    key_heads: tuple[int, int]
+    value_heads: tuple[int, int]
+    sharded: bool
+
+    @property
+    def num_key(self) -> int:
+        return self.key_heads[1] - self.key_heads[0]
+
+    @property
+    def num_value(self) -> int:
+        return self.value_heads[1] - self.value_heads[0]
+
+
+def delta_net_shard(key_heads: int, value_heads: int, key_dim: int, value_dim: int, rank: int, tp: int,
+                    layer_name: str = "linear attention") -> DeltaNetShard:
+    """This rank's heads of a Gated DeltaNet layer with `key_heads` heads of width `key_dim` (queries and keys)
+    and `value_heads` of width `value_dim`."""
+    if value_heads % key_heads:
+        raise ValueError(f"{layer_name}: {value_heads} value heads do not group evenly over {key_heads} key heads")
+    group = value_heads // key_heads
+    per_rank = key_heads // tp
+    narrowest = min(per_rank * key_dim, per_rank * group * value_dim)  # a rank's q (or k) width, or its v width
+    sharded = tp > 1 and key_heads % tp == 0 and narrowest >= MIN_SHARD_WIDTH
+    if tp > 1 and not sharded:
+        _log_replicated(layer_name, f"{key_heads} key heads of width {key_dim} do not split into {tp} slices "
+                                    f"of at least {MIN_SHARD_WIDTH}")
+    if not sharded:
+        rank, per_rank = 0, key_heads
+    k0, k1 = rank * per_rank, (rank + 1) * per_rank
+    return DeltaNetShard((k0, k1), (k0 * group, k1 * group), sharded)
+
+
 _logged: set[str] = set()
 
 

@@ -1,0 +1,95 @@
+"""The gated delta rule in plain torch, float32: a chunked form for prompts and a one-token step for decode.
+
+Per value head, the state S is a [k_head_dim, v_head_dim] matrix; each token t (query q, key k, value v, log
+decay g <= 0, write strength beta in (0, 1)) does
+
+    S <- exp(g) * S
+    S <- S + k (beta * (v - S^T k))^T        (the delta rule: write only what S does not already predict)
+    o  = S^T (scale * q)
+
+Query and key heads are shared by groups of consecutive value heads (value head h reads key head
+h // (value_heads // key_heads)). Callers pass q and k already l2-normalised; `scale` multiplies q.
+
+The chunked form gives the same numbers as running the step over every token (to float32 rounding): within a
+chunk of C tokens the writes are found together by one triangular solve (the WY / UT transform), and only the
+state crosses chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # tokens per chunk of the prefill form, as the reference implementations use
+
+
+def _heads_of_values(x: torch.Tensor, value_heads: int, dim: int) -> torch.Tensor:
+    """q or k with each key head repeated for the value heads of its group."""
+    return x if x.shape[dim] == value_heads else x.repeat_interleave(value_heads // x.shape[dim], dim=dim)
+
+
+def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, scale: float, state: torch.Tensor,
+                             chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence of T >= 1 tokens starting from `state`.
+
+    q, k: [T, key_heads, dk]; v: [T, value_heads, dv]; g, beta: [T, value_heads]; state: [value_heads, dk, dv].
+    Returns (o [T, value_heads, dv], the state after the last token), both float32; `state` is not written.
+    """
+    tokens, heads = v.shape[0], v.shape[1]
+    # Heads first, float32: [H, T, d] and [H, T].
+    q, k = (_heads_of_values(x, heads, 1).transpose(0, 1).float() for x in (q, k))
+    v, g, beta = v.transpose(0, 1).float(), g.transpose(0, 1).float(), beta.transpose(0, 1).float()
+    q = q * scale
+    # Padding tokens have beta = 0 and g = 0: they write nothing and do not decay the state, so the final state is
+    # the last real token's.
+    pad = -tokens % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (tokens + pad) // chunk
+    q, k, v = (x.reshape(heads, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(heads, n, chunk), beta.reshape(heads, n, chunk)
+
+    decay = g.cumsum(-1)  # [H, N, C]: log of the decay from the chunk's start to each token, inclusive
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # between[..., i, j] = exp(decay_i - decay_j) for j <= i, else 0: the decay from token j's write to token i.
+    between = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    # Writes u of a chunk solve (I + L) u = beta * (v - exp(decay) S0^T k), with L strictly lower:
+    # L[i, j] = beta_i exp(decay_i - decay_j) k_i . k_j. Split by linearity into a part without S0 and the
+    # matrix that maps S0 to its share.
+    system = (k_beta @ k.transpose(-1, -2)) * between
+    solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # noqa: E731
+    u_free = solve(v * beta.unsqueeze(-1))
+    k_reads = solve(k_beta * decay.exp().unsqueeze(-1))
+    attn = (q @ k.transpose(-1, -2)) * between  # within-chunk reads, the diagonal included
+    q_decayed = q * decay.exp().unsqueeze(-1)
+    k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    chunk_decay = decay[..., -1].exp()[..., None, None]
+
+    s = state.float()
+    out = torch.empty_like(v)
+    for c in range(n):
+        u = u_free[:, c] - k_reads[:, c] @ s
+        out[:, c] = q_decayed[:, c] @ s + attn[:, c] @ u
+        s = s * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ u
+    out = out.reshape(heads, n * chunk, -1)[:, :tokens]
+    return out.transpose(0, 1).contiguous(), s
+
+
+def gated_delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, scale: float,
+                          state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of B sequences at once.
+
+    q, k: [B, key_heads, dk]; v: [B, value_heads, dv]; g, beta: [B, value_heads]; state: [B, value_heads, dk, dv].
+    Returns (o [B, value_heads, dv], the states after the token), both float32; `state` is not written.
+    """
+    heads = v.shape[1]
+    q, k = (_heads_of_values(x, heads, 1).float() for x in (q, k))
+    s = state.float() * g.float().exp()[..., None, None]
+    predicted = torch.einsum("bhkv,bhk->bhv", s, k)
+    write = (v.float() - predicted) * beta.float().unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * write.unsqueeze(-2)
+    out = torch.einsum("bhkv,bhk->bhv", s, q * scale)
+    return out, s
