@@ -106,6 +106,8 @@ REFUSED_FIELDS: dict[str, str] = {
     "truncate_prompt_tokens": _NOT_YET,
     "return_tokens_as_token_ids": _NOT_YET,
     "spaces_between_special_tokens": _NOT_YET,
+    "audio": "audio output is not supported: this server answers in text only",
+    "modalities": "output other than text is not supported: send [\"text\"] or leave it out",
 }
 
 
@@ -117,6 +119,8 @@ def _is_set(name: str, value: Any) -> bool:
         return value != 1
     if name == "spaces_between_special_tokens":
         return value is not True
+    if name == "modalities":  # text is what every answer here is
+        return value not in ([], ["text"])
     return not (isinstance(value, (list, dict, str)) and not value)
 
 
