@@ -116,6 +116,7 @@ def test_unknown_role(http: httpx.Client) -> None:
     error = error_of(http.post(CHAT, json={"messages": messages}), 400)
     assert error["param"] == "messages[1].role"
     assert "wizard" in error["message"] and "'user'" in error["message"]
+    assert "'developer'" in error["message"], "developer is accepted, so the error lists it"
 
 
 def test_non_text_content_part(http: httpx.Client) -> None:

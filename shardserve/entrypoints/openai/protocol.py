@@ -14,6 +14,7 @@ can smuggle in unpaired surrogates, which neither the tokenizer nor UTF-8 accept
 from __future__ import annotations
 
 import logging
+import reprlib
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -385,6 +386,10 @@ class CompletionRequest(GenerationRequest):
         return self.logprobs
 
 
+# The roles a chat message may have; "developer" (newer OpenAI clients' name for system) is read as "system".
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(_RequestModel):
     role: Annotated[Literal["system", "user", "assistant", "tool"], WithJsonSchema(
         {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]})]
@@ -401,7 +406,9 @@ class ChatMessage(_RequestModel):
 
     @field_validator("role", mode="before")
     @classmethod
-    def _developer_is_system(cls, value: Any) -> Any:
+    def _known_role(cls, value: Any) -> Any:
+        if value not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(map(repr, CHAT_ROLES))}, got {reprlib.repr(value)}")
         # Newer OpenAI clients send system instructions under the "developer" role.
         return "system" if value == "developer" else value
 
