@@ -371,6 +371,20 @@ def _quantization_warning(cfg: dict, req: PlanRequest) -> list[str]:
     return [f"{quantized} ({packed[1]}): counted at {packed[0]:.3g} bytes a weight; {kept} at {_dtype_bytes(cfg)}"]
 
 
+def _context_named(req: PlanRequest, max_len: int) -> str:
+    """The context a plan is for, as its reasons name it (the model's whole context when none was asked for)."""
+    if req.max_model_len is None:
+        return f"a sequence of the model's whole context, {max_len:,} tokens (--max-model-len not given),"
+    return f"a sequence of --max-model-len {max_len:,} tokens"
+
+
+def _overhead_named(overhead: int, states: int, req: PlanRequest) -> str:
+    """A GPU rank's overhead, as its reasons name it: what it grows with."""
+    state = f", with the fixed state of {req.max_num_seqs} sequences" if states else ""
+    return (f"overhead ({(overhead + states) / GIB:.2f} GiB at --max-num-seqs {req.max_num_seqs} and "
+            f"--max-num-batched-tokens {req.max_num_batched_tokens}{state})")
+
+
 def _listed(parts: list[str]) -> str:
     """'a', 'a and b', 'a, b and c'."""
     return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
@@ -410,11 +424,15 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
         largest = int(min(cache_tokens, model_limit))
         fits = budget >= 0 and cache_tokens >= max_len
         if budget < 0:
-            reasons.append(f"weights ({weights / GIB:.2f} GiB) and overhead ({(overhead + states) / GIB:.2f} GiB) "
+            reasons.append(f"weights ({weights / GIB:.2f} GiB) and {_overhead_named(overhead, states, req)} "
                            f"exceed the usable {usable / GIB:.2f} GiB per device "
-                           f"({req.gpu_memory_gb:g} GiB x {req.gpu_memory_utilization:g})")
+                           f"({req.gpu_memory_gb:g} GiB x {req.gpu_memory_utilization:g}), leaving nothing for the "
+                           f"KV cache")
         elif not fits:
-            reasons.append(f"the KV cache holds {cache_tokens} tokens per rank, fewer than --max-model-len {max_len}")
+            reasons.append(f"{_context_named(req, max_len)} needs {per_token * max_len / GIB:.2f} GiB of KV cache "
+                           f"per rank, but {budget / GIB:.2f} GiB ({cache_tokens:,} tokens) is left for it: the usable "
+                           f"{usable / GIB:.2f} GiB per device less the weights ({weights / GIB:.2f} GiB) and "
+                           f"{_overhead_named(overhead, states, req)}")
     ranks_here = req.ranks_per_host or tp
     largest_tensor = max(cfg["vocab_size"] * h, 3 * h * inter) * dtype  # read whole before slicing
     host_needed = ranks_here * (largest_tensor + int(1.5 * GIB))  # per rank: one tensor in flight + runtime
@@ -459,14 +477,17 @@ def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
     fits = None
     reasons: list[str] = []
     if cache_tokens < max_len:
-        reasons.append(f"the KV cache of {kv_budget / GIB:.2f} GiB per rank (--kv-cache-memory) holds {cache_tokens} "
-                       f"tokens, fewer than --max-model-len {max_len}")
+        state = f" (less {states / GIB:.2f} GiB for the fixed state of {req.max_num_seqs} sequences)" if states else ""
+        reasons.append(f"{_context_named(req, max_len)} needs {per_token * max_len / GIB:.2f} GiB of KV cache per "
+                       f"rank, but --kv-cache-memory gives {kv_budget / GIB:.2f} GiB{state}: {cache_tokens:,} tokens")
     if req.host_memory_gb is not None:
         host_left = int(req.host_memory_gb * GIB) - host_needed
         if host_left < req.host_floor_gb * GIB:
-            reasons.append(f"{ranks_here} ranks need {host_needed / GIB:.2f} GiB of host memory, which leaves "
-                           f"{host_left / GIB:.1f} GiB of {req.host_memory_gb:.1f}, under the floor of "
-                           f"{req.host_floor_gb:g} GiB")
+            reasons.append(f"{ranks_here} ranks need {host_needed / GIB:.2f} GiB of host memory (each: weights "
+                           f"{weights / GIB:.2f} GiB, overhead {overhead / GIB:.2f} GiB, KV cache {kv_budget / GIB:.2f} "
+                           f"GiB), which leaves {host_left / GIB:.1f} GiB of {req.host_memory_gb:.1f}, under the floor "
+                           f"of {req.host_floor_gb:g} GiB (--host-floor-gb): lower --kv-cache-memory, or start fewer "
+                           f"ranks on this host")
         fits = not reasons
     elif reasons:
         fits = False
@@ -512,5 +533,6 @@ def describe(p: Plan, tp: int) -> str:
         lines.append(f"fits: yes, {p.max_tokens_in_cache // max(p.max_model_len, 1):,} full-length sequences at once")
     else:
         lines += [f"fits: NO: {r}" for r in p.reasons]
-        lines.append(f"the largest --max-model-len that fits: {p.largest_context:,}")
+        if 0 < p.largest_context < p.max_model_len:  # the context is what does not fit, and a shorter one would
+            lines.append(f"the largest --max-model-len that fits: {p.largest_context:,}")
     return "\n".join(lines)

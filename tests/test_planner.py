@@ -122,8 +122,32 @@ def test_plan_refuses_a_context_that_does_not_fit_and_names_the_largest_that_doe
                              "--max-model-len", "8192", "--max-num-seqs", "4", "--host-memory-gb", "64"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
-    assert "fits: NO: the KV cache holds" in result.stdout
+    assert (f"fits: NO: a sequence of --max-model-len 8,192 tokens needs 1.00 GiB of KV cache per rank, but "
+            f"{small.kv_budget_bytes / GIB:.2f} GiB ({expected_tokens:,} tokens) is left for it: the usable 16.65 GiB "
+            f"per device less the weights (14.96 GiB) and overhead") in result.stdout
     assert f"the largest --max-model-len that fits: {expected_tokens:,}" in result.stdout
+
+
+def test_a_plan_that_does_not_fit_says_what_does_not_and_offers_a_shorter_context_only_where_one_would():
+    from shardserve.planner import describe
+
+    host = plan(LLAMA3_8B, PlanRequest(tensor_parallel_size=2, max_model_len=8192, device="cpu", host_memory_gb=55,
+                                       kv_cache_memory_gb=2.0))
+    text = describe(host, 2)
+    assert "fits: NO: 2 ranks need" in text and "GiB of host memory (each: weights 22.44 GiB" in text
+    assert "under the floor of 6 GiB (--host-floor-gb)" in text
+    assert "the largest --max-model-len" not in text, "the context fits: a shorter one would not help"
+
+    small_gpu = plan(LLAMA3_8B, PlanRequest(gpu_memory_gb=12, max_num_seqs=4))
+    no_room = describe(small_gpu, 1)
+    assert (f"fits: NO: weights (14.96 GiB) and overhead ({small_gpu.overhead_bytes / GIB:.2f} GiB at --max-num-seqs 4 "
+            f"and --max-num-batched-tokens 2048) exceed the usable 10.80 GiB per device (12 GiB x 0.9), leaving "
+            f"nothing for the KV cache") in no_room
+    assert "the largest --max-model-len" not in no_room
+
+    whole = describe(plan(LLAMA3_70B, PlanRequest(tensor_parallel_size=8, gpu_memory_gb=24)), 8)
+    assert "fits: NO: a sequence of the model's whole context, 131,072 tokens (--max-model-len not given)," in whole
+    assert "the largest --max-model-len that fits: " in whole
 
 
 def test_json_output_and_the_host_memory_floor(tmp_path):

@@ -31,11 +31,7 @@ def bench(args: argparse.Namespace) -> int:
                          request_rate=args.request_rate, slos=tuple(args.goodput), api_key=args.api_key,
                          num_warmups=args.num_warmups, timeout_s=args.request_timeout)
     console = Console(stderr=True)
-    total = len(args.concurrency) * args.num_prompts
-    print(f"shardserve bench: {len(args.concurrency)} levels x {args.num_prompts} requests, "
-          f"{args.output_len} output tokens each: {total * args.output_len:,} tokens to generate "
-          f"(against a server on a few CPU cores, fewer do: --concurrency 1,4 --num-prompts 16 --output-len 32)",
-          file=sys.stderr, flush=True)
+    print(announcement(args), file=sys.stderr, flush=True)
     levels = run_bench(config, workload, console)
     title = f"{args.model} at {args.base_url}: {_describe(args)}"
     # Off a terminal rich would wrap the table at 80 columns.
@@ -56,6 +52,23 @@ def bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot(levels, title).savefig(args.plot, dpi=120)
     return 1 if mismatch is not None or any(level.failed for level in levels) else 0
+
+
+# A first picture against a server on a few CPU cores: about a minute against SmolLM2 on two (README).
+SMALL_RUN = "--concurrency 1,4 --num-prompts 16 --output-len 32"
+SMALL_RUN_TOKENS = 2 * 16 * 32
+# A run that generates more than this takes minutes there, so the announcement says how to ask for less.
+LONG_RUN_TOKENS = 4 * SMALL_RUN_TOKENS
+
+
+def announcement(args: argparse.Namespace) -> str:
+    """What the run will ask for, said before it starts; for a long run, how to ask a small server for less."""
+    tokens = len(args.concurrency) * args.num_prompts * args.output_len
+    line = (f"shardserve bench: {len(args.concurrency)} levels x {args.num_prompts} requests, {args.output_len} "
+            f"output tokens each: {tokens:,} tokens to generate")
+    if tokens > LONG_RUN_TOKENS:
+        line += f" (against a server on a few CPU cores, fewer do: {SMALL_RUN})"
+    return line
 
 
 def prompt_length_mismatch(args: argparse.Namespace, levels) -> str | None:

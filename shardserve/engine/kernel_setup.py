@@ -23,6 +23,7 @@ from shardserve.distributed.handshake import StartupMismatch
 from shardserve.distributed.process_group import RankContext
 from shardserve.engine.kv_cache import allocate_kv_cache
 from shardserve.wire.step_plan import SeqChunk
+from shardserve.kernels import cpu_extensions
 from shardserve.kernels.plan import KernelPlan, KernelPlanError
 from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, check_linear,
                                            head_norm_reference, relative_error, rotate_reference)
@@ -65,6 +66,15 @@ def linear_layers_by_shape(model: nn.Module) -> dict[tuple, KernelLinear]:
 def _bias(layer: KernelLinear) -> torch.Tensor | None:
     bias = getattr(layer, "bias", None)
     return None if bias is None else bias.data
+
+
+def prepare_checks(plan: KernelPlan, ctx: RankContext) -> None:
+    """Before a launch's first checks: build the CPU extensions the linear candidates need (a first start's build is
+    logged: it takes about a minute; later starts load them from the cache), so the checks' time is their own; then
+    say that the checks begin."""
+    cpu_extensions.build_for(plan.linear_candidates)
+    if ctx.is_driver:
+        logger.info("checking each kernel against float64 on this model's shapes before serving")
 
 
 def choose_linear_kernel(model: nn.Module, plan: KernelPlan, ctx: RankContext):

@@ -256,6 +256,8 @@ class ModelRunner:
             pack_experts(model, names, layout, self.device, log=self.ctx.is_driver)
         self._fill_weights(model)
         self._log_planned_weights(model)
+        if self.linear_kernel is None:  # the first load, whose checks choose the kernels
+            kernel_setup.prepare_checks(self.plan, self.ctx)
         if packing:
             with self.self_check, setup_step("check the quantized layers' kernels", self.ctx.rank):
                 self.plan = self.plan.with_results(

@@ -69,3 +69,15 @@ def test_a_client_busy_all_the_level_says_its_figures_are_its_own():
     warning = client_bound_warning([calm, busy])
     assert "concurrency 512: 9.5 s of CPU in 10.0 s" in warning and "concurrency 4" not in warning
     assert "several bench processes" in warning
+
+
+def test_the_advice_for_small_servers_comes_only_with_a_long_run():
+    from shardserve.bench.main import announcement
+    from shardserve.cli import parse_args
+
+    flags = ["bench", "--base-url", "http://127.0.0.1:1", "--model", "m"]
+    defaults = announcement(parse_args(flags))
+    assert "4 levels x 64 requests, 128 output tokens each: 32,768 tokens to generate" in defaults
+    assert "fewer do: --concurrency 1,4 --num-prompts 16 --output-len 32" in defaults
+    advised = announcement(parse_args(flags + "--concurrency 1,4 --num-prompts 16 --output-len 32".split()))
+    assert advised == "shardserve bench: 2 levels x 16 requests, 32 output tokens each: 1,024 tokens to generate"

@@ -3,11 +3,14 @@ Triton's interpreter): what every row of the graph reads, live rows and padding,
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from shardserve.attention.batch import StepBatch
-from shardserve.engine.graph_inputs import RING, GraphInputs
-from shardserve.wire.step_plan import SeqChunk
+pytest.importorskip("triton", reason="the graph's first kernel is a Triton kernel (kernels/triton/graph_inputs.py)")
+
+from shardserve.attention.batch import StepBatch  # noqa: E402
+from shardserve.engine.graph_inputs import RING, GraphInputs  # noqa: E402
+from shardserve.wire.step_plan import SeqChunk  # noqa: E402
 
 MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE = 8, 6, 4
 

@@ -94,6 +94,23 @@ def test_a_kernel_that_fails_on_this_model_is_dropped_with_a_warning_and_the_nex
     assert "rank 0" in warning and "error" in warning
 
 
+def test_start_up_builds_the_cpu_kernels_then_says_the_checks_begin(tiny_model_dir, monkeypatch, caplog):
+    """A first start's quiet minute is a CPU kernel's build and the checks: the build comes first (announced by
+    cpu_extensions, tests/kernels/test_cpu_extensions.py), then a line says the checks begin, before the plan."""
+    from shardserve.kernels import cpu_extensions
+
+    builds = []  # (the kernels built for, how many records were logged by then)
+    monkeypatch.setattr(cpu_extensions, "build_for", lambda kernels: builds.append((kernels, len(caplog.records))))
+    with caplog.at_level(logging.INFO), LLM(tiny_model_dir("llama-untied"), kv_cache_memory_gb=0.05) as llm:
+        candidates = llm.engine.runner.plan.linear_candidates
+    messages = [r.getMessage() for r in caplog.records]
+    checking = messages.index("checking each kernel against float64 on this model's shapes before serving")
+    plan = next(i for i, m in enumerate(messages) if m.startswith("kernel plan:"))
+    [(built_for, logged_before_build)] = builds
+    assert built_for == candidates
+    assert logged_before_build <= checking < plan
+
+
 def test_start_up_stops_when_no_linear_kernel_passes(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("SHARDSERVE_LINEAR_KERNEL", "torch")
     monkeypatch.setattr(kernel_setup, "build_linear_kernel", lambda name: (TileLimitedKernel(), ""))

@@ -1,5 +1,6 @@
-"""The CPU install has no Triton (PyPI's CPU torch does not bring it, and the README's set-up installs none): an
-engine on CPUs imports and generates without it, and gives the tokens it gives with Triton installed."""
+"""A CPU install may have no Triton (PyPI's CPU torch does not bring it, serving needs none, and the test extra
+brings it on Linux x86-64 only): an engine on CPUs imports and generates without it, and gives the tokens it gives
+with Triton installed."""
 
 from __future__ import annotations
 

@@ -116,6 +116,7 @@ def test_unknown_role(http: httpx.Client) -> None:
     error = error_of(http.post(CHAT, json={"messages": messages}), 400)
     assert error["param"] == "messages[1].role"
     assert "wizard" in error["message"] and "'user'" in error["message"]
+    assert "'developer'" in error["message"], "developer is accepted, so the error lists it"
 
 
 def test_non_text_content_part(http: httpx.Client) -> None:
@@ -329,6 +330,9 @@ def test_server_survives_bad_input(http: httpx.Client) -> None:
     (CHAT, {"reasoning_effort": "low"}, "reasoning_effort"),
     (COMPLETIONS, {"use_beam_search": True}, "use_beam_search"),
     (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    (CHAT, {"modalities": ["audio"]}, "modalities"),
+    (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
+    (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
 ])
 def test_a_known_field_that_would_change_the_output_is_refused_by_name(http: httpx.Client, path: str, extra: dict,
                                                                         param: str) -> None:
@@ -341,7 +345,7 @@ def test_a_known_field_that_would_change_the_output_is_refused_by_name(http: htt
 def test_no_op_and_unknown_fields_are_accepted_and_unknown_ones_warned_once(http: httpx.Client, caplog) -> None:
     body = {"messages": USER_MESSAGES, "max_tokens": 2, "user": "u1", "store": False, "metadata": {"k": "v"},
             "service_tier": "auto", "parallel_tool_calls": True, "tool_choice": "none", "guided_json": None,
-            "frobnicate_level": 3}
+            "modalities": ["text"], "frobnicate_level": 3}
     with caplog.at_level("WARNING", logger="shardserve.entrypoints.openai.protocol"):
         for _ in range(2):
             assert http.post(CHAT, json=body).status_code == 200

@@ -487,10 +487,13 @@ def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(cl
     # The same five candidates a prompt, each with its tokens' logprobs (candidate k samples with seed + k).
     everything = sampled(n=5, logprobs=0)
     best = sampled(n=2, best_of=5)
+    only_best = sampled(best_of=5)  # n defaults to 1: the single best of five
     for p in range(2):
         candidates = everything.choices[5 * p: 5 * p + 5]
         ranked = sorted(candidates, key=lambda c: -sum(c.logprobs.token_logprobs))
         assert [c.text for c in best.choices[2 * p: 2 * p + 2]] == [c.text for c in ranked[:2]]
+        assert only_best.choices[p].text == ranked[0].text
+    assert len(only_best.choices) == 2, "one choice a prompt"
     assert [c.index for c in best.choices] == [0, 1, 2, 3]
     assert all(c.logprobs is None for c in best.choices), "logprobs only when asked for"
     assert best.usage.completion_tokens == 60, "every candidate's tokens count"

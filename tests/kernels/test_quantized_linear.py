@@ -306,6 +306,7 @@ def test_a_chosen_split_k_gemv_runs_the_one_row_products(monkeypatch):
     assert layer.packed.gemv_split is None and not layer.packed.norm_fused
 
 
+@needs_triton  # the 4-bit split-K forms come from kernels/triton/quant_gemv.py
 def test_float16_sums_are_timed_for_fp8_with_one_scale_a_row_only(monkeypatch):
     """By default FP8_F16_CANDIDATES (a fifth element: partial sums in float16 pairs) join the start-up candidates of
     FP8 weights scaled per row; SHARDSERVE_FP8_GEMV_SUMS=float32 or float16 keeps one kind; block-scaled FP8 and
@@ -331,6 +332,7 @@ def test_float16_sums_are_timed_for_fp8_with_one_scale_a_row_only(monkeypatch):
         tiled(PackedLayout("fp8", 0))
 
 
+@needs_triton  # the 4-bit split-K forms come from kernels/triton/quant_gemv.py
 def test_four_bit_split_forms_are_timed_with_float32_and_float16_sums(monkeypatch):
     """By default start-up times each split-K candidate with float32 sums and with float16 sums (a fifth element 1),
     the latter only where sub-tiles are 16 columns or more; SHARDSERVE_INT4_GEMV_SUMS=float32 or float16 keeps one

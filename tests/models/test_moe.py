@@ -111,13 +111,13 @@ def test_router_choice_in_the_router_gemv_keeps_the_tokens_on_a_gpu(tiny_model_d
     router's choice in the router's GEMV launch (SHARDSERVE_MOE_ROUTE=gemv) and in a launch of its own (separate):
     the same greedy tokens (renormalised top 2, and Qwen2-MoE's over all experts). At TP 1 the one-launch form ran
     wherever start-up chose the norm-fused GEMV for the router's shape."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s), found {torch.cuda.device_count()}")
     import shardserve.kernels.triton.router_gemv as router_gemv
     from shardserve import LLM, SamplingParams
     from shardserve.layers import moe
     from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
-    if torch.cuda.device_count() < tp:
-        pytest.skip(f"needs {tp} CUDA GPU(s), found {torch.cuda.device_count()}")
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     launches = []
     real = router_gemv._launch

@@ -36,6 +36,8 @@ def engine_state(url: str, api_key: str | None = None) -> EngineState:
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
+            if sample.labels.get("finished_reason") == "abort":
+                continue  # `finished` counts requests that ran to their end
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return EngineState(
         running=int(values["shardserve:num_requests_running"]),

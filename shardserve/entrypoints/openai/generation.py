@@ -204,6 +204,8 @@ class _Generation:
                 if aclose is not None:
                     await aclose()
                 if not self._done:
+                    if self.timer is not None:
+                        self.timer.aborted()
                     await self.engine.abort(self.request_id)
             except Exception:
                 logger.exception("failed to release request %s", self.request_id)

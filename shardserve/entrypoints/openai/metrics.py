@@ -35,6 +35,8 @@ class ServerMetrics:
                                      registry=registry)
         self.generation_tokens = Counter("shardserve:generation_tokens", "Generated tokens of finished requests.",
                                          label, registry=registry)
+        # finished_reason: stop, length, or abort (ended before finishing: the client went away, or the server
+        # stopped it), as vLLM counts them.
         self.request_success = Counter("shardserve:request_success", "Requests that finished, by finish reason.",
                                        ["model_name", "finished_reason"], registry=registry)
         self.ttft = Histogram("shardserve:time_to_first_token_seconds", "Time to the first generated token.",
@@ -59,14 +61,16 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Observes one request: call `output` for each engine output, in order."""
+    """Observes one request: call `output` for each engine output, in order, and `aborted` if it ends without a
+    finishing output. Each request is counted once, under the reason it ended with."""
 
-    __slots__ = ("metrics", "arrived", "last")
+    __slots__ = ("metrics", "arrived", "last", "counted")
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.arrived = time.monotonic()
         self.last: float | None = None
+        self.counted = False
 
     def output(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -78,9 +82,21 @@ class RequestTimer:
         self.last = now
         if out.finished and out.finish_reason in ("stop", "length"):
             m.e2e_child.observe(now - self.arrived)
-            m.request_success.labels(m.model_name, out.finish_reason).inc()
+            self._count(out.finish_reason)
             m.prompt_tokens_child.inc(out.num_prompt_tokens)
             m.generation_tokens_child.inc(out.num_output_tokens)
+        elif out.finished and out.finish_reason == "abort":
+            self._count("abort")
+
+    def aborted(self) -> None:
+        """The request ended before the engine finished it (client gone, server stopping): counted as abort,
+        unless it was counted already."""
+        self._count("abort")
+
+    def _count(self, reason: str) -> None:
+        if not self.counted:
+            self.counted = True
+            self.metrics.request_success.labels(self.metrics.model_name, reason).inc()
 
 
 class _EngineState:

@@ -14,6 +14,7 @@ can smuggle in unpaired surrogates, which neither the tokenizer nor UTF-8 accept
 from __future__ import annotations
 
 import logging
+import reprlib
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -106,6 +107,8 @@ REFUSED_FIELDS: dict[str, str] = {
     "truncate_prompt_tokens": _NOT_YET,
     "return_tokens_as_token_ids": _NOT_YET,
     "spaces_between_special_tokens": _NOT_YET,
+    "audio": "audio output is not supported: this server answers in text only",
+    "modalities": "output other than text is not supported: send [\"text\"] or leave it out",
 }
 
 
@@ -117,6 +120,8 @@ def _is_set(name: str, value: Any) -> bool:
         return value != 1
     if name == "spaces_between_special_tokens":
         return value is not True
+    if name == "modalities":  # text is what every answer here is
+        return value not in ([], ["text"])
     return not (isinstance(value, (list, dict, str)) and not value)
 
 
@@ -381,6 +386,10 @@ class CompletionRequest(GenerationRequest):
         return self.logprobs
 
 
+# The roles a chat message may have; "developer" (newer OpenAI clients' name for system) is read as "system".
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(_RequestModel):
     role: Annotated[Literal["system", "user", "assistant", "tool"], WithJsonSchema(
         {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]})]
@@ -397,7 +406,9 @@ class ChatMessage(_RequestModel):
 
     @field_validator("role", mode="before")
     @classmethod
-    def _developer_is_system(cls, value: Any) -> Any:
+    def _known_role(cls, value: Any) -> Any:
+        if value not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(map(repr, CHAT_ROLES))}, got {reprlib.repr(value)}")
         # Newer OpenAI clients send system instructions under the "developer" role.
         return "system" if value == "developer" else value
 
