@@ -201,11 +201,16 @@ class ChatPrompter:
         return prompter
 
     def describe(self) -> str:
-        fmt = self.tool_format.name if self.tool_format else "generic"
-        laid_out = "the template lays out" if self.native_tools else f"shardserve writes, in the {fmt} format,"
-        calls = "its own" if self._native_calls else f"written by shardserve in the {fmt} format"
-        results = "the tool role" if self.caps.tool_role else "user messages"
-        return f"{laid_out} the tools; earlier calls {calls}; tool results as {results}"
+        """One line for the start-up log: who writes what into the prompt."""
+        fmt = self._writer.name
+        own = [part for part, native in (("the tools", self.native_tools), ("earlier calls", self._native_calls))
+               if native]
+        written = [part for part in ("the tools", "earlier calls") if part not in own]
+        said = [f"the template lays out {' and '.join(own)}"] if own else []
+        if written:
+            said.append(f"shardserve writes {' and '.join(written)} in the {fmt} format")
+        said.append(f"tool results go as {'tool' if self.caps.tool_role else 'user'} messages")
+        return "; ".join(said)
 
     @property
     def _native_calls(self) -> bool:
