@@ -118,3 +118,20 @@ def test_each_format_writes_calls_its_parser_reads_back():
         assert [(c.name, json.loads(c.arguments)) for c in read.tool_calls] == [
             ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})], name
         assert read.content is None, name
+
+
+@pytest.mark.parametrize("name, marker, call", [
+    ("hermes", "<tool_call>", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    ("llama3_json", '"parameters": {<its arguments>}', '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+])
+def test_a_parser_named_for_a_template_without_tools_still_puts_the_tools_in_the_prompt(smollm2_render, name,
+                                                                                        marker, call):
+    # --tool-call-parser hermes on SmolLM2: its template would drop the tools, so shardserve writes them, with the
+    # instructions of the format the parser reads, and earlier calls in that format.
+    prompter = ChatPrompter.for_template("any", smollm2_render, TOOL_FORMATS[name])
+    plan = tool_plan([ToolDefinition.model_validate(WEATHER)], None, None)
+    messages, tools = prompter.prepare(LOOP, plan)
+    prompt = smollm2_render(messages, tools)
+    system = prompt.split("<|im_start|>user")[0]
+    assert '"name": "get_weather", "description": "Current weather in a city"' in system and marker in system
+    assert f"<|im_start|>assistant\n{call}<|im_end|>" in prompt
