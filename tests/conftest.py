@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,13 @@ if not torch.cuda.is_available():
 from shardserve.example_model import fetch_example
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# torch builds the native CPU kernels (shardserve/kernels/cpu_extensions.py) under one folder per kernel name, and
+# each build names the checkout's own source folder: checkouts sharing ~/.cache/torch_extensions would rebuild them
+# in turn (tens of seconds each). Each checkout builds in its own; the servers and ranks tests start inherit it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    / f"py{sys.version_info.major}{sys.version_info.minor}_cpu-{hashlib.sha256(str(REPO_ROOT).encode()).hexdigest()[:12]}"))
 
 
 @pytest.fixture(scope="session")
