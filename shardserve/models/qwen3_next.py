@@ -58,6 +58,8 @@ class DeltaNetDecoderLayer(nn.Module):
 
 class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     packed_modules = {**Qwen3MoeForCausalLM.packed_modules, **GatedDeltaNet.packed_modules}
+    # The multi-token-prediction layer of released checkpoints (speculative decoding, not served): left unread.
+    unused_checkpoint_prefixes = ("mtp.",)
 
     def make_layer(self, index: int, comm: Communicator, dtype) -> nn.Module:
         """Decoder layer `index`: Gated DeltaNet where layer_types says, else Qwen3-MoE's attention layer; the

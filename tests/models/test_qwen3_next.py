@@ -123,3 +123,26 @@ def test_prefix_caching_is_off_and_a_repeated_prompt_is_recomputed(tiny_model_di
     assert not llm.engine.block_manager.enable_prefix_caching
     assert stats.prefix_hits == 0
     assert [first] + again == [list(_reference(model_dir)[2])] * 4
+
+
+def test_a_checkpoint_with_a_multi_token_prediction_layer_loads(tiny_model_dir):
+    """Released Qwen3-Next checkpoints carry an `mtp.` layer for speculative decoding, which is not served: its
+    tensors are left unread, and every tensor of the model still has to be there."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from shardserve.config import ModelConfig
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.models.qwen3_next import Qwen3NextForCausalLM
+    from shardserve.weights.loader import load_tensors
+
+    model_dir = tiny_model_dir(NAME)
+    cfg = ModelConfig.from_model_path(model_dir)
+    model = Qwen3NextForCausalLM(cfg, Communicator(None, 0, 1), torch.float32, max_positions=64)
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    extra = {"mtp.fc.weight": torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size),
+             "mtp.layers.0.input_layernorm.weight": torch.zeros(cfg.hidden_size)}
+    load_tensors(model, [*tensors.items(), *extra.items()], False, "a checkpoint with an mtp layer")
+    with pytest.raises(ValueError, match="lacks 1 tensors"):
+        load_tensors(model, [(n, t) for n, t in tensors.items() if n != "model.norm.weight"], False, "one short")
