@@ -146,3 +146,18 @@ def test_a_checkpoint_with_a_multi_token_prediction_layer_loads(tiny_model_dir):
     load_tensors(model, [*tensors.items(), *extra.items()], False, "a checkpoint with an mtp layer")
     with pytest.raises(ValueError, match="lacks 1 tensors"):
         load_tensors(model, [(n, t) for n, t in tensors.items() if n != "model.norm.weight"], False, "one short")
+
+
+def test_after_sleep_and_wake_the_states_start_empty(tiny_model_dir):
+    """Sleep frees the state pools with the KV cache and waking allocates them again (the canary runs through
+    them before and after): a prompt then gives transformers' tokens."""
+    model_dir = tiny_model_dir(NAME)
+    with _llm(model_dir) as llm:
+        llm.generate([_prompts()[0]], _params())
+        llm.sleep(1)
+        assert llm.engine.runner.state_pools == {}
+        llm.wake_up()
+        got = llm.generate([_prompts()[1]], _params())[0].token_ids
+        assert llm.engine.canary_reloads == 0
+        _assert_all_returned(llm)
+    assert tuple(got) == _reference(model_dir)[1]
