@@ -161,3 +161,23 @@ def test_after_sleep_and_wake_the_states_start_empty(tiny_model_dir):
         assert llm.engine.canary_reloads == 0
         _assert_all_returned(llm)
     assert tuple(got) == _reference(model_dir)[1]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_planner_counts_the_weights_a_rank_holds(tiny_model_dir, tp):
+    """The memory planner's weights per rank (attention with its output gate, Gated DeltaNet, experts) are what
+    rank 0 of `tp` builds."""
+    import json
+    import os
+
+    from shardserve.config import ModelConfig
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.models.qwen3_next import Qwen3NextForCausalLM
+    from shardserve.planner import weight_elements_per_rank
+
+    model_dir = tiny_model_dir(NAME)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    model = Qwen3NextForCausalLM(ModelConfig.from_hf_dict(hf_config), Communicator(None, 0, tp), torch.float32,
+                                 max_positions=64)
+    assert weight_elements_per_rank(hf_config, tp, []) == sum(p.numel() for p in model.parameters())
