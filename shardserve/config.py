@@ -15,7 +15,10 @@ from shardserve.weights.quantized import QuantScheme, parse_quantization
 # Architectures that differ from Llama's in what their config.json does not say: Qwen2's q/k/v biases (without
 # an o_proj bias), Qwen3's per-head q/k RMSNorms (models/qwen3.py).
 _QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+# Qwen3-Next: a sigmoid gate on the attention output (q_proj gives each head's query and gate), RMSNorm weights
+# stored as offsets from 1 (the norm scales by 1 + w), and Gated DeltaNet layers beside attention (layer_types).
+_HYBRID = ("Qwen3NextForCausalLM",)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": read the checkpoint; "dummy": synthetic weights in the model's shapes (shardserve/weights/synthetic.py).
@@ -62,6 +65,33 @@ class ModelConfig:
     # A safetensors checkpoint's quantized linear layers (FP8, GPTQ): read as the values they encode
     # (weights/quantized.py).
     quantization: QuantScheme | None = None
+    # Hybrid models (Qwen3-Next): each layer's token mixer, "full_attention" or "linear_attention" (Gated
+    # DeltaNet, whose sizes are the linear_* fields); () where every layer is attention.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (the first ones)
+    attn_output_gate: bool = False  # attention output times sigmoid(gate), the gate from q_proj beside the query
+    zero_centred_norm: bool = False  # RMSNorm weights w in the checkpoint scale by 1 + w
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that hold keys and values in the paged cache (every layer unless layer_types says)."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """The layers with a per-sequence recurrent state instead of a KV cache."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -96,6 +126,7 @@ class ModelConfig:
             quantized=bool(cfg.get("gguf_quantized", False)),
             quantization=parse_quantization(cfg),
             **_moe_fields(arch, cfg),
+            **_hybrid_fields(arch, cfg),
         )
 
     @classmethod
@@ -123,18 +154,45 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["intermediate_size"], renormalize_topk=True,
                     moe_layers=tuple(range(layers)))
-    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
         step = cfg.get("decoder_sparse_step", 1) or 1
         dense = set(cfg.get("mlp_only_layers") or ())
         experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))  # newer transformers write the latter
         qwen2 = arch == "Qwen2MoeForCausalLM"
+        shared = arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")  # a gated shared expert
         sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
         return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["moe_intermediate_size"],
                     # transformers' default for Qwen2-MoE: no renormalisation
                     renormalize_topk=bool(cfg.get("norm_topk_prob", not qwen2)), moe_layers=sparse,
-                    shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if qwen2 else 0)
+                    shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if shared else 0)
     return {}
+
+
+def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's fields: which layers are Gated DeltaNet and their sizes, partial RoPE, the output gate, the
+    norms' offsets from 1 (none for other architectures)."""
+    if arch not in _HYBRID:
+        return {}
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if not types:
+        interval = cfg.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
+    if unknown or len(types) != layers:
+        raise ValueError(f"layer_types {types!r}: expected {layers} entries of 'full_attention' or "
+                         f"'linear_attention'")
+    if "full_attention" not in types:
+        raise ValueError(f"layer_types {types!r} has no full_attention layer: shardserve serves hybrids with at "
+                         f"least one attention layer")
+    rope = cfg.get("rope_parameters") or {}
+    return dict(layer_types=tuple(types), linear_num_key_heads=cfg["linear_num_key_heads"],
+                linear_num_value_heads=cfg["linear_num_value_heads"],
+                linear_key_head_dim=cfg["linear_key_head_dim"], linear_value_head_dim=cfg["linear_value_head_dim"],
+                linear_conv_kernel_dim=cfg["linear_conv_kernel_dim"],
+                partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+                attn_output_gate=True, zero_centred_norm=True)
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -179,6 +179,8 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
         attn += (shard.num_q + 2 * shard.num_kv) * hd
     if str(cfg.get("model_type", "")).startswith("qwen3"):
         attn += 2 * hd  # q_norm and k_norm
+    if cfg.get("model_type") == "qwen3_next":
+        attn += h * shard.num_q * hd  # q_proj's output gate beside each query head
     dense_inter = _rows(cfg["intermediate_size"], tp, "mlp", replicated)
     experts, moe_inter, shared_inter = _moe(cfg)
     total = 0
@@ -189,7 +191,8 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
         elif kind == "linear_attention":
             kh, kd, vh, vd, conv = _linear_attention_shapes(cfg)
             k_rows, v_rows = kh * kd // tp, vh * vd // tp
-            total += h * (2 * k_rows + 2 * v_rows + 2 * vh // tp) + (2 * k_rows + v_rows) * conv + v_rows * h
+            total += h * (2 * k_rows + 2 * v_rows + 2 * vh // tp) + (2 * k_rows + v_rows) * conv + v_rows * h \
+                + 2 * vh // tp + vd  # A_log, dt_bias and the output norm
         else:
             inner, d_state, conv, dt_rank = _mamba_shapes(cfg)
             inner //= tp

@@ -89,11 +89,33 @@ MOE_SPECS = {
 }
 
 
+# Hybrids of Gated DeltaNet and attention. "qwen3-next": layers 0 and 2 Gated DeltaNet, 1 and 3 attention (the
+# first layer holds no KV cache), layer 1's MLP dense, the others sparse with a gated shared expert; RoPE over a
+# quarter of each head, a gate on the attention output, zero-centred norms. 2 key heads over 4 value heads.
+HYBRID_SPECS = {
+    "qwen3-next": TinySpec("qwen3-next", "qwen3_next", dict(
+        hidden_size=64, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False)),
+    # Odd counts for two ranks: 3 query heads over 1 KV head, 3 key heads (each with 2 value heads) that do not
+    # split in 2 (Gated DeltaNet replicated), half of each head rotated, sparse blocks every second layer.
+    "qwen3-next-odd": TinySpec("qwen3-next-odd", "qwen3_next", dict(
+        hidden_size=48, num_hidden_layers=3, full_attention_interval=3, num_attention_heads=3, num_key_value_heads=1,
+        head_dim=16, intermediate_size=90, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2, linear_num_key_heads=3,
+        linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=True)),
+}
+
+
 def _hf_config(spec: TinySpec):
-    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                              Qwen3NextConfig)
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
-           "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig}[spec.architecture]
+           "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig, "qwen3_next": Qwen3NextConfig}[spec.architecture]
     common = dict(vocab_size=VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                   initializer_range=0.1, bos_token_id=1, eos_token_id=None, pad_token_id=0,
                   dtype="float32")

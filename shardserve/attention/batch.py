@@ -24,6 +24,7 @@ class StepBatch:
     row_start: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     sample_seq_ids: list[int] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)  # chunk i's slot in the recurrent-state pools (or -1)
 
     @classmethod
     def from_chunks(cls, chunks: list[SeqChunk], block_size: int) -> "StepBatch":
@@ -33,6 +34,7 @@ class StepBatch:
         # Called for every step on every rank (at batch 512, 512 decode chunks): the lists' methods are bound once.
         token_ids, positions, slots = batch.token_ids, batch.positions, batch.slot_mapping
         row_start, sample_rows, sample_seq_ids = batch.row_start, batch.sample_rows, batch.sample_seq_ids
+        batch.state_slots = [c.state_slot for c in ordered]
         for chunk in ordered:
             tokens, start, table = chunk.token_ids, chunk.start_position, chunk.block_table
             n = len(tokens)

@@ -53,6 +53,18 @@ def overlap_steps_enabled(runner: ModelRunner, world_size: int) -> bool:
     return runner.graphs is not None
 
 
+def prefix_caching_allowed(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """Whether KV blocks of a cached prefix may be reused. Never for a model with linear-attention layers: their
+    state after a prefix is not kept with its blocks, and a prefix without it cannot be resumed."""
+    if not config.enable_prefix_caching:
+        return False
+    if model_config.linear_attention_layers:
+        logger.info("prefix caching off: %s has %d linear-attention layers, whose state after a prefix is not "
+                    "cached", model_config.architecture, len(model_config.linear_attention_layers))
+        return False
+    return True
+
+
 @dataclass
 class _InFlight:
     """A queued step: its plan, the sequences that sample, and their samples still on the device."""
@@ -72,8 +84,10 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, ctx)
         self.lockstep = LockstepCheck(ctx.control_group, ctx.rank, ctx.world_size, default_every(ctx.device))
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.prefix_caching = prefix_caching_allowed(config, self.model_config)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   state_slots=bool(self.model_config.linear_attention_layers))
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.grammars = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -207,8 +221,7 @@ class LLMEngine:
         return tokens
 
     def _reset_cache(self) -> None:
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.prefix_caching)
         self.scheduler.blocks = self.block_manager
 
     def _send_control(self, kind: PlanKind, arg: int) -> None:

@@ -69,10 +69,12 @@ class ModelRunner:
                             checked)
         with setup_step("size the KV cache", ctx.rank):
             self.num_blocks = self._size_kv_cache()
+        self.state_pools: dict = {}  # layer -> its recurrent-state pool (linear-attention layers), with the KV cache
         self.kv_caches = self._allocate_kv_cache()
-        attn = self.model.model.layers[0].self_attn.attn
+        attn = self.model.paged_attention()
         self.attention = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
-                                                  attn.kv_index_tuple)
+                                                  attn.kv_index_tuple,
+                                                  model_config.rotary_dim < model_config.head_dim)
         with self.self_check, setup_step("check the attention kernel", ctx.rank):
             self.attention = kernel_setup.checked_attention(self.attention, attn, self.model.model.rotary,
                                                             self.dtype, self.device, self.block_size, ctx)
@@ -94,7 +96,10 @@ class ModelRunner:
             self._log_memory_against_plan()
 
     def _allocate_kv_cache(self):
-        shape = (self.model_config.num_layers, self.num_blocks, self.block_size, self.model.kv_heads_per_rank(),
+        """The KV cache of the attention layers (returned) and, beside it, a zeroed recurrent-state pool of
+        max_num_seqs slots per linear-attention layer (self.state_pools; Scheduler hands out the slots)."""
+        self.state_pools = self.model.state_pools(self.config.max_num_seqs, self.device)
+        shape = (len(self.model_config.kv_layers), self.num_blocks, self.block_size, self.model.kv_heads_per_rank(),
                  self.model_config.head_dim)
         if self.weight_arena is None:
             return allocate_kv_cache(*shape, self.dtype, self.device)
@@ -107,6 +112,10 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager or not hasattr(self.attention,
                                                                                   "static_decode_metadata"):
+            return
+        if self.state_pools:
+            logger.warning("no CUDA graphs: the decode graphs do not take the linear-attention layers' state "
+                           "slots yet; decode runs eagerly")
             return
         unsafe = [name for name, module in self.model.named_modules() if getattr(module, "graph_safe", True) is False]
         if unsafe:
@@ -133,7 +142,7 @@ class ModelRunner:
             host = offload(self.model, keep_host_copy=level == 1)
             self.host_weights = host if level == 1 else None  # None: waking reloads the checkpoint
             self.weights_asleep = True
-        self.kv_caches, self.kv_asleep = None, True
+        self.kv_caches, self.state_pools, self.kv_asleep = None, {}, True
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -151,7 +160,7 @@ class ModelRunner:
             self.weight_arena.release()
             self.weights_asleep = True
         self.kv_arena.release()
-        self.kv_caches, self.kv_asleep = None, True
+        self.kv_caches, self.state_pools, self.kv_asleep = None, {}, True
 
     def _wake_in_place(self, weights: bool, kv_cache: bool) -> None:
         if weights and self.weights_asleep:
@@ -363,12 +372,23 @@ class ModelRunner:
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
-        return bytes_per_block(cfg.num_layers, self.block_size, self.model.kv_heads_per_rank(), cfg.head_dim,
+        return bytes_per_block(len(cfg.kv_layers), self.block_size, self.model.kv_heads_per_rank(), cfg.head_dim,
                                self.dtype)
+
+    def _state_bytes(self) -> int:
+        """Bytes of the recurrent-state pools (max_num_seqs slots per linear-attention layer) on this rank."""
+        pools = self.model.state_pools(self.config.max_num_seqs, torch.device("meta"))
+        return sum(t.numel() * t.element_size() for pool in pools.values() for t in pool)
 
     def _size_kv_cache(self) -> int:
         per_block = self._kv_bytes_per_block()
         budget = kv_cache_budget_bytes(self.device, self.config.kv_cache_memory_gb, self.config.gpu_memory_utilization)
+        state_bytes = self._state_bytes()
+        if state_bytes:
+            # The state pools are allocated with the KV cache, out of the same budget.
+            budget = max(0, budget - state_bytes)
+            logger.info("rank %d recurrent state: %d slots (%.2f GiB), from the KV cache's budget", self.ctx.rank,
+                        self.config.max_num_seqs, state_bytes / 2**30)
         if self.memory_plan is not None and self.memory_plan.kv_budget_bytes is not None \
                 and self.config.kv_cache_memory_gb is None:
             # The planner's budget, never more than is actually free (its overhead is an estimate, and other
@@ -414,11 +434,27 @@ class ModelRunner:
             return batch.sample_seq_ids, logits
         meta = self.attention.build_metadata(batch)
         token_ids = device_tokens if device_tokens is not None else self._long(batch.token_ids)
-        hidden = self.model(token_ids, self._long(batch.positions), self.kv_caches, meta)
+        hidden = self.model(token_ids, self._long(batch.positions), self._layer_caches(batch), meta)
         if not batch.sample_rows:
             return [], None
         logits = self.model.compute_logits(hidden[self._long(batch.sample_rows)])
         return batch.sample_seq_ids, logits
+
+    def _layer_caches(self, batch: StepBatch) -> list:
+        """Every layer's cache for this step, in layer order: the KV cache's layers, and for each linear-attention
+        layer (pool, the chunks' slots, batch.row_start). Slots of chunks that start a sequence are zeroed first."""
+        if not self.state_pools:
+            return self.kv_caches
+        slots = self._long(batch.state_slots)
+        fresh = [c.state_slot for c in batch.chunks if c.start_position == 0]
+        if fresh:
+            fresh_slots = self._long(fresh)
+            for pool in self.state_pools.values():
+                for t in pool:
+                    t.index_fill_(0, fresh_slots, 0)
+        kv = iter(self.kv_caches)
+        return [(self.state_pools[i], slots, batch.row_start) if i in self.state_pools else next(kv)
+                for i in range(self.model_config.num_layers)]
 
     def _shared_tokens(self, plan: StepPlan, device_tokens: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's tokens from the device, on every rank (rank 0 sends them; the others pass None)."""

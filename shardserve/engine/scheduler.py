@@ -5,6 +5,10 @@ needs one token, a partly prefilled one its next chunk); waiting sequences then 
 sequence slots and free blocks last. When a running sequence needs a block and none is free, the
 most recently admitted running sequence is preempted: its blocks are freed and it returns to the
 front of the queue, to be recomputed from its tokens (prompt plus what it already generated).
+
+Models with linear-attention layers keep a fixed-size state per sequence in one of max_num_seqs slots beside
+the blocks. Invariant: a sequence holds a slot exactly while it is running (taken at admission, given back
+when it finishes, is aborted or preempted), so a preempted sequence recomputes from an empty state.
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ from shardserve.wire.step_plan import FROM_DEVICE, PlanKind, SeqChunk, StepPlan
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 state_slots: bool = False) -> None:
+        """state_slots: running sequences each hold a recurrent-state slot (Sequence.state_slot)."""
         self.blocks = block_manager
+        # Slots not held by a running sequence, the lowest handed out first; None where the model keeps no state.
+        self.free_slots: list[int] | None = list(reversed(range(max_num_seqs))) if state_slots else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -69,6 +77,8 @@ class Scheduler:
                     break
             self.waiting.popleft()
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            if self.free_slots is not None:
+                seq.state_slot = self.free_slots.pop()  # one is free: fewer than max_num_seqs are running
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, n))
@@ -109,7 +119,8 @@ class Scheduler:
                 if not blocks.can_allocate(seq, position + 1):
                     return None
                 blocks.allocate(seq, position + 1)
-            chunks.append(SeqChunk(seq.seq_id, position, [FROM_DEVICE], seq.block_table.copy(), True))
+            chunks.append(SeqChunk(seq.seq_id, position, [FROM_DEVICE], seq.block_table.copy(), True,
+                                   seq.state_slot))
             budget -= 1
         num_device_tokens = len(chunks)
         # The running sequences that did not sample (prompts in chunks); none where every one decodes on (`ahead`
@@ -147,13 +158,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free_sequence(seq)
+        self._release_slot(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.state_slot >= 0:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = -1
 
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
         start = seq.num_computed_tokens
         sample = start + n == seq.num_tokens
-        return SeqChunk(seq.seq_id, start, seq.token_ids[start:start + n], list(seq.block_table), sample)
+        return SeqChunk(seq.seq_id, start, seq.token_ids[start:start + n], list(seq.block_table), sample,
+                        seq.state_slot)
 
     def finish_step(self, plan: StepPlan, seqs: dict[int, Sequence]) -> None:
         """Record that the plan's chunks are now in the cache."""
@@ -171,3 +189,4 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free_sequence(seq)
+        self._release_slot(seq)

@@ -30,6 +30,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # the first blocks of block_table whose hashes are registered (BlockManager)
+        self.state_slot = -1  # its slot in the recurrent-state pools while running (Scheduler), else -1
         self.finish_reason: str | None = None
 
     @property

@@ -108,5 +108,9 @@ def head_norm_reference(qk: torch.Tensor, num_q_heads: int, q_weight: torch.Tens
 
 
 def rotate_reference(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [tokens, heads, dim] rotated in float64 with per-token tables [tokens, dim]."""
-    return x * cos.unsqueeze(1) + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin.unsqueeze(1)
+    """x [tokens, heads, dim] rotated in float64 with per-token tables [tokens, rotary_dim]: the first rotary_dim
+    dims of each head rotate, the rest pass through."""
+    r = cos.shape[-1]
+    rot = x[..., :r]
+    rot = rot * cos.unsqueeze(1) + torch.roll(rot, r // 2, dims=-1) * signed_sin.unsqueeze(1)
+    return torch.cat((rot, x[..., r:]), dim=-1)

@@ -11,10 +11,14 @@ from shardserve.kernels.availability import use_triton
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, offset: bool = False) -> None:
+        """offset: the checkpoint stores w where the norm scales by 1 + w (Qwen3-Next); the weight loaded here is
+        then 1 + w, so every kernel that reads `weight` computes the same norm."""
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        if offset:
+            self.weight.weight_loader = _load_plus_one
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce=None):
         """Returns norm(x) or, with a residual, (norm(x + residual), x + residual).
@@ -44,6 +48,14 @@ class RMSNorm(nn.Module):
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
             out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+def _load_plus_one(param: nn.Parameter, loaded, shard_id=None) -> None:
+    """1 + w, added in float32 as the reference does (it scales by 1.0 + w.float())."""
+    w = torch.as_tensor(loaded[:]) if not isinstance(loaded, torch.Tensor) else loaded
+    if tuple(w.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(1.0 + w.float())
 
 
 class GatedRMSNorm(nn.Module):

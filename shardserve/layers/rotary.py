@@ -1,4 +1,7 @@
-"""Rotary position embeddings (rotate-half layout), with Llama-3 and linear frequency scaling."""
+"""Rotary position embeddings (rotate-half layout), with Llama-3 and linear frequency scaling.
+
+Partial rotary (Qwen3-Next): the tables are as wide as the rotated dims, the first of each head; the rest pass
+through unchanged."""
 
 from __future__ import annotations
 
@@ -64,8 +67,16 @@ class RotaryLookup:
         """Rotate x [tokens, heads, head_dim] (query and key heads may be stacked along heads).
 
         Equals x * cos + rotate_half(x) * sin bit for bit: rotate_half(x) * sin is roll(x) * signed_sin.
-        The Triton kernel rotates x in place and returns it.
+        The Triton kernel rotates x in place and returns it. Tables narrower than head_dim rotate its first
+        dims only.
         """
+        rotary_dim = self.cos.shape[-1]
+        if rotary_dim < x.shape[-1]:
+            rotated = self._rotate(x[..., :rotary_dim].contiguous())
+            return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+        return self._rotate(x)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         if self.positions is not None:
             from shardserve.kernels.triton.fused_ops import apply_rotary_
 

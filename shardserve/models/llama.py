@@ -13,7 +13,7 @@ next_norm) -> (output, residual, pending reduction), with the norm over its inpu
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -39,7 +39,10 @@ class LlamaAttention(nn.Module):
         self.shard = shard
         (q0, q1), (kv0, kv1) = shard.q_heads, shard.kv_heads
         self.q_size, self.kv_size = shard.num_q * hd, shard.num_kv * hd
-        parts = {"q": (q0 * hd, q1 * hd), "k": (kv0 * hd, kv1 * hd), "v": (kv0 * hd, kv1 * hd)}
+        # With an output gate (Qwen3-Next) q_proj gives each query head's rows, then its gate's: twice the rows.
+        self.gated = cfg.attn_output_gate
+        q_rows = 2 * hd if self.gated else hd
+        parts = {"q": (q0 * q_rows, q1 * q_rows), "k": (kv0 * hd, kv1 * hd), "v": (kv0 * hd, kv1 * hd)}
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, parts, cfg.qkv_bias, dtype)
         self.o_proj = RowParallelLinear((q0 * hd, q1 * hd), cfg.hidden_size, cfg.o_bias, dtype,
                                         comm if shard.sharded else None)
@@ -56,11 +59,19 @@ class LlamaAttention(nn.Module):
         residual and applied `next_norm` itself (RowParallelLinear.forward_add), the output is that norm's."""
         tokens = x.shape[0]
         qkv, residual = self.qkv_proj.forward_normed(x, residual, norm, reduce)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(tokens, -1, self.head_dim)  # query heads, then key heads
+        gate = None
+        if self.gated:
+            q_gate, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, gate = q_gate.view(tokens, -1, 2, self.head_dim).unbind(2)
+            qk = torch.cat((q, k.view(tokens, -1, self.head_dim)), dim=1)
+        else:
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = qk.view(tokens, -1, self.head_dim)  # query heads, then key heads
         # The attention backend normalises the heads where the block has head norms (Qwen3), rotates query and
         # key heads together and stores keys and values in the cache.
         out = self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(tokens, -1))
         return self.o_proj.forward_add(out, residual, next_norm)
 
 
@@ -82,8 +93,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.zero_centred_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.zero_centred_norm)
 
     def forward(self, rotary: RotaryLookup, x, residual, cache: KVCache, meta, reduce=None,
                 next_norm: RMSNorm | None = None):
@@ -103,11 +114,12 @@ class LlamaModel(nn.Module):
         """make_layer(i): decoder layer i."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.zero_centred_norm)
 
-    def forward(self, token_ids, positions, caches: list[KVCache], meta) -> torch.Tensor:
+    def forward(self, token_ids, positions, caches: list, meta) -> torch.Tensor:
+        """caches: each layer's, in layer order (a KVCache for attention; see the layer for others)."""
         x, residual, pending = self.embed_tokens(token_ids), None, None
         rotary = self.rotary.lookup(positions)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
@@ -145,12 +157,23 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         return LlamaDecoderLayer(self.attention(cfg, comm, dtype), LlamaMLP(cfg, comm, dtype), cfg, dtype)
 
-    def forward(self, token_ids, positions, caches: list[KVCache], meta) -> torch.Tensor:
+    def forward(self, token_ids, positions, caches: list, meta) -> torch.Tensor:
+        """caches: one per layer, in layer order: a KVCache for each of config.kv_layers, and for a hybrid
+        model's other layers what state_pools gave them with the step's slots (models/qwen3_next.py)."""
         return self.model(token_ids, positions, caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on the first rank, None on the others."""
         return self.lm_head(hidden)
 
+    def paged_attention(self) -> PagedAttention:
+        """The first attention layer's PagedAttention: the head layout every KV layer shares."""
+        return self.model.layers[self.config.kv_layers[0]].self_attn.attn
+
     def kv_heads_per_rank(self) -> int:
-        return self.model.layers[0].self_attn.shard.num_kv
+        return self.model.layers[self.config.kv_layers[0]].self_attn.shard.num_kv
+
+    def state_pools(self, num_slots: int, device: torch.device) -> dict[int, Any]:
+        """Per-sequence state pools (layer index -> pool of num_slots states) of the layers without a KV cache;
+        none for a model whose every layer is attention."""
+        return {}

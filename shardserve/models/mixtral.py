@@ -44,11 +44,13 @@ class MixtralForCausalLM(LlamaForCausalLM):
         cfg = self.config
         if index not in cfg.moe_layers:
             return super().make_layer(index, comm, dtype)
-        attention = self.attention(cfg, comm, dtype)
-        experts = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                            cfg.renormalize_topk, comm, dtype, self.expert_parallel,
-                            cfg.shared_expert_intermediate_size)
-        return SparseDecoderLayer(attention, experts, cfg, dtype)
+        return SparseDecoderLayer(self.attention(cfg, comm, dtype), self.experts(comm, dtype), cfg, dtype)
+
+    def experts(self, comm: Communicator, dtype) -> SparseMoE:
+        """A sparse layer's expert block."""
+        cfg = self.config
+        return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                         cfg.renormalize_topk, comm, dtype, self.expert_parallel, cfg.shared_expert_intermediate_size)
 
     @staticmethod
     def checkpoint_name(name: str) -> tuple[str, object] | None:

@@ -15,8 +15,8 @@ from shardserve.models.mixtral import MixtralForCausalLM
 class Qwen3Attention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
         super().__init__(cfg, comm, dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, cfg.zero_centred_norm)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, cfg.zero_centred_norm)
         # Applied by the attention backend, inside its rotary kernel where it can (layers/attention.py).
         self.attn.head_norm = (self.q_norm, self.k_norm)
 

@@ -6,8 +6,10 @@ config needs no model code. Architectures whose networks are the same given thei
 (Mistral is Llama). A new family is one module under shardserve/models/ and one entry in _MODELS.
 
 Every class is built as `cls(model_config, comm, dtype, max_positions, expert_parallel=...)` and offers what the
-engine and the weight loader use: forward, compute_logits, kv_heads_per_rank, `packed_modules` and, where
-checkpoint names need more than that, `checkpoint_name` (LlamaForCausalLM and MixtralForCausalLM show both).
+engine and the weight loader use: forward, compute_logits, paged_attention and kv_heads_per_rank (of the layers
+ModelConfig.kv_layers names: only those get KV-cache blocks), state_pools (the per-sequence states of a hybrid's
+other layers), `packed_modules` and, where checkpoint names need more than that, `checkpoint_name`
+(LlamaForCausalLM and MixtralForCausalLM show both).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("mixtral", "MixtralForCausalLM"),  # with q/k/v biases and a shared expert
     "Qwen3MoeForCausalLM": ("qwen3", "Qwen3MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),  # Gated DeltaNet and attention layers
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))

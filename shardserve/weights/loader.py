@@ -133,9 +133,11 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
     expected = _expected_shapes(model)
     packed = getattr(model, "packed_modules", {})
     own_names = getattr(model, "checkpoint_name", lambda name: None)  # e.g. experts' tensors into their stacks
+    unused = getattr(model, "unused_checkpoint_prefixes", ())  # parts of a checkpoint the model does not serve
     loaded: set[str] = set()
     for name, tensor in tensors:
-        if name.endswith(IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight"):
+        if name.endswith(IGNORED_SUFFIXES) or name.startswith(unused) or \
+                (tied_embeddings and name == "lm_head.weight"):
             continue
         want = expected.get(name)
         if want is not None and shape_of(tensor) != want:

@@ -32,21 +32,15 @@ STD = 0.02
 
 def synthetic_checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(name, full shape) of every tensor of a Hugging Face checkpoint with this config, in order."""
-    h, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    h, inter = cfg.hidden_size, cfg.intermediate_size
     yield "model.embed_tokens.weight", (cfg.vocab_size, h)
+    linear = set(cfg.linear_attention_layers)
     for i in range(cfg.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            yield f"{attn}.{proj}.weight", (rows, h)
-            if cfg.qkv_bias:
-                yield f"{attn}.{proj}.bias", (rows,)
-        yield f"{attn}.o_proj.weight", (h, q)
-        if cfg.o_bias:
-            yield f"{attn}.o_proj.bias", (h,)
-        if cfg.qk_norm:
-            yield f"{attn}.q_norm.weight", (hd,)
-            yield f"{attn}.k_norm.weight", (hd,)
+        if i in linear:
+            yield from _linear_attention_shapes(cfg, f"model.layers.{i}.linear_attn")
+        else:
+            yield from _attention_shapes(cfg, attn)
         if i in cfg.moe_layers:  # the router, then the experts stacked (the fused layout: one tensor each)
             e, moe_inter = cfg.num_experts, cfg.moe_intermediate_size
             yield f"{mlp}.gate.weight", (e, h)
@@ -73,6 +67,37 @@ def synthetic_checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[i
     yield "model.norm.weight", (h,)
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", (cfg.vocab_size, h)
+
+
+def _attention_shapes(cfg: ModelConfig, attn: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """An attention block's tensors; q_proj holds each head's gate after its query where there is an output
+    gate (Qwen3-Next)."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    for proj, rows in (("q_proj", 2 * q if cfg.attn_output_gate else q), ("k_proj", kv), ("v_proj", kv)):
+        yield f"{attn}.{proj}.weight", (rows, h)
+        if cfg.qkv_bias:
+            yield f"{attn}.{proj}.bias", (rows,)
+    yield f"{attn}.o_proj.weight", (h, q)
+    if cfg.o_bias:
+        yield f"{attn}.o_proj.bias", (h,)
+    if cfg.qk_norm:
+        yield f"{attn}.q_norm.weight", (hd,)
+        yield f"{attn}.k_norm.weight", (hd,)
+
+
+def _linear_attention_shapes(cfg: ModelConfig, prefix: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A Qwen3-Next Gated DeltaNet block's tensors (in_proj_qkvz and in_proj_ba interleaved per key-head group)."""
+    h, kh, vh = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    kd, vd = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    channels = 2 * kh * kd + vh * vd
+    yield f"{prefix}.dt_bias", (vh,)
+    yield f"{prefix}.A_log", (vh,)
+    yield f"{prefix}.conv1d.weight", (channels, 1, cfg.linear_conv_kernel_dim)
+    yield f"{prefix}.in_proj_qkvz.weight", (channels + vh * vd, h)
+    yield f"{prefix}.in_proj_ba.weight", (2 * vh, h)
+    yield f"{prefix}.norm.weight", (vd,)
+    yield f"{prefix}.out_proj.weight", (h, vh * vd)
 
 
 def expected_checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -35,6 +35,9 @@ class SeqChunk:
     token_ids: list[int]
     block_table: list[int]
     sample: bool  # whether this chunk ends at the sequence's last token, so logits are needed
+    # The sequence's slot in the recurrent-state pools (models with linear-attention layers), -1 without. A
+    # chunk at start_position 0 starts the sequence: every rank zeroes its slot before the step.
+    state_slot: int = -1
 
 
 @dataclass
@@ -49,7 +52,8 @@ class StepPlan:
     tokens_from_device: bool = False
 
     def encode(self) -> bytes:
-        chunks = [[c.seq_id, c.start_position, c.token_ids, c.block_table, c.sample] for c in self.chunks]
+        chunks = [[c.seq_id, c.start_position, c.token_ids, c.block_table, c.sample, c.state_slot]
+                  for c in self.chunks]
         return msgpack.packb([self.step_id, int(self.kind), chunks, self.freed_seq_ids, self.arg,
                               self.tokens_from_device])
 
@@ -91,7 +95,7 @@ class PlanEncoder:
         for c in plan.chunks:
             table, known = c.block_table, self.known.get(c.seq_id)
             keep = len(known) if known is not None and table[:len(known)] == known else 0
-            chunks.append([c.seq_id, c.start_position, c.token_ids, keep, table[keep:], c.sample])
+            chunks.append([c.seq_id, c.start_position, c.token_ids, keep, table[keep:], c.sample, c.state_slot])
             self.known[c.seq_id] = list(table)
         return msgpack.packb([plan.step_id, int(plan.kind), chunks, plan.freed_seq_ids, plan.arg,
                               plan.tokens_from_device])
@@ -108,11 +112,11 @@ class PlanDecoder:
         for seq_id in freed:
             self.known.pop(seq_id, None)
         chunks = []
-        for seq_id, start, token_ids, keep, added, sample in encoded:
+        for seq_id, start, token_ids, keep, added, sample, state_slot in encoded:
             known = self.known.get(seq_id, [])
             if not 0 <= keep <= len(known):
                 raise ValueError(f"the plan keeps {keep} blocks of sequence {seq_id}, this rank has {len(known)}")
             table = known[:keep] + added
             self.known[seq_id] = table
-            chunks.append(SeqChunk(seq_id, start, token_ids, list(table), sample))
+            chunks.append(SeqChunk(seq_id, start, token_ids, list(table), sample, state_slot))
         return StepPlan(step_id, PlanKind(kind), chunks, freed, arg, from_device)

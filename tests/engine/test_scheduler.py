@@ -15,9 +15,9 @@ class Harness:
     """Drives a scheduler the way LLMEngine.step does, with a fixed "sampled" token."""
 
     def __init__(self, num_blocks: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, state_slots: bool = False) -> None:
         self.bm = BlockManager(num_blocks, BS, enable_prefix_caching)
-        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
+        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, state_slots)
         self.seqs: dict[int, Sequence] = {}
 
     def add(self, name: str, prompt_len: int, max_tokens: int = 4, first_token: int = 100) -> Sequence:
@@ -53,6 +53,9 @@ class Harness:
             assert chunk.token_ids == seq.token_ids[chunk.start_position:end]
             assert len(chunk.block_table) * BS >= end
             assert chunk.sample == (end == seq.num_tokens)
+            assert chunk.state_slot == seq.state_slot
+        slots = [c.state_slot for c in plan.chunks if c.state_slot >= 0]
+        assert len(set(slots)) == len(slots), "two sequences share a state slot in one step"
         # Blocks held by sequences in this plan are never shared unless they are cached prefix blocks.
         owners: dict[int, int] = {}
         for seq in self.sched.running:
@@ -149,6 +152,30 @@ def test_out_of_blocks_preempts_latest_admitted_to_front_of_queue():
     h.run_to_completion()
     assert all(s.is_finished for s in (a, b, c))
     assert h.sched.num_preemptions >= 1
+
+
+def test_state_slots_are_held_while_running_and_given_back_on_preemption_and_finish():
+    h = Harness(num_blocks=4, max_num_seqs=2, enable_prefix_caching=False, state_slots=True)
+    a = h.add("a", prompt_len=8, max_tokens=3, first_token=100)
+    b = h.add("b", prompt_len=8, max_tokens=3, first_token=200)
+    c = h.add("c", prompt_len=2, max_tokens=1, first_token=300)
+    plan = h.step()
+    assert sorted(ch.state_slot for ch in plan.chunks) == [0, 1] and c.state_slot == -1
+    assert h.sched.free_slots == []
+    held_by_b = b.state_slot
+    h.step()  # b preempted: it recomputes from position 0, so from an empty state in whatever slot it gets
+    assert b.status is SequenceStatus.WAITING and b.state_slot == -1
+    assert h.sched.free_slots == [held_by_b]
+    h.run_to_completion()
+    assert sorted(h.sched.free_slots) == [0, 1]
+    assert all(s.state_slot == -1 for s in (a, b, c))
+
+
+def test_without_state_slots_chunks_carry_none():
+    h = Harness(num_blocks=8, state_slots=False)
+    h.add("a", prompt_len=5)
+    assert [ch.state_slot for ch in h.step().chunks] == [-1]
+    assert h.sched.free_slots is None
 
 
 def test_recomputed_sequence_resumes_from_its_generated_tokens():

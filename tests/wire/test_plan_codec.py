@@ -17,12 +17,14 @@ def _same(a: StepPlan, b: StepPlan) -> bool:
     return a.encode() == b.encode()  # the whole form, as the lockstep digest sees it
 
 
-def test_a_scheduled_run_with_preemptions_and_finishes_arrives_intact():
+@pytest.mark.parametrize("state_slots", [False, True])
+def test_a_scheduled_run_with_preemptions_and_finishes_arrives_intact(state_slots):
     """Drive the real scheduler through prefill, decode, preemption (tables that change, not only grow) and
-    finished sequences; every decoded plan equals the plan rank 0 made, and the decoder forgets finished ones."""
+    finished sequences; every decoded plan equals the plan rank 0 made (with each chunk's recurrent-state slot
+    where the model keeps one), and the decoder forgets finished ones."""
     rng = random.Random(3)
-    blocks = BlockManager(num_blocks=24, block_size=4, enable_prefix_caching=True)
-    scheduler = Scheduler(blocks, max_num_seqs=6, max_num_batched_tokens=32)
+    blocks = BlockManager(num_blocks=24, block_size=4, enable_prefix_caching=not state_slots)
+    scheduler = Scheduler(blocks, max_num_seqs=6, max_num_batched_tokens=32, state_slots=state_slots)
     seqs = {}
     for i in range(10):
         seq = Sequence(f"r{i}", [rng.randrange(50) for _ in range(rng.randrange(3, 14))], SamplingParams(max_tokens=12))
@@ -38,6 +40,7 @@ def test_a_scheduled_run_with_preemptions_and_finishes_arrives_intact():
         plan.freed_seq_ids, freed = freed, []
         data = encoder.encode(plan)
         assert _same(decoder.decode(data), plan)
+        assert all((c.state_slot >= 0) == state_slots for c in plan.chunks)
         whole_bytes, sent_bytes = whole_bytes + len(plan.encode()), sent_bytes + len(data)
         scheduler.finish_step(plan, seqs)
         for chunk in plan.chunks:

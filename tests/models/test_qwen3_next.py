@@ -1,0 +1,183 @@
+"""Qwen3-Next through the real engine: greedy tokens equal transformers' float32 generate (its torch fallback of
+the Gated DeltaNet kernels) with prompts in one step or in chunks, alone or together; the recurrent-state slots go
+back on finish, abort and preemption; prefix caching is off for the model."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+
+from shardserve.engine.sampling_params import SamplingParams
+from shardserve.entrypoints.llm import LLM
+
+NAME = "qwen3-next"
+NEW_TOKENS = 10
+PROMPT_LENGTHS = (5, 17, 40, 1)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(5, 1000, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model_dir: str) -> tuple[tuple[int, ...], ...]:
+    """transformers' greedy tokens for each prompt alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in _prompts():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            outputs.append(tuple(out[0, len(prompt):].tolist()))
+    return tuple(outputs)
+
+
+def _llm(model_dir: str, **options) -> LLM:
+    return LLM(model_dir, device="cpu", dtype="float32", **{"kv_cache_memory_gb": 0.01, "max_num_seqs": 4, **options})
+
+
+def _params(max_tokens: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def _assert_all_returned(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "a KV block leaked"
+    assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs)), "a state slot leaked"
+
+
+@pytest.mark.parametrize("name, tp", [(NAME, 1), (NAME, 2), ("qwen3-next-odd", 2)])
+def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp):
+    """All four prompts in one batch, the 17- and 40-token ones prefilled in chunks of at most 16 tokens beside the
+    others' decode steps: each sequence's state is carried across its chunks in its own slot. At two ranks each
+    rank keeps its value heads' states in slots rank 0 chose (or whole states where the heads do not split)."""
+    model_dir = tiny_model_dir(name)
+    expected = _reference(model_dir)
+    with _llm(model_dir, tensor_parallel_size=tp, max_num_batched_tokens=16) as llm:
+        outputs = llm.generate(_prompts(), _params())
+        _assert_all_returned(llm)
+    for prompt, out, ref in zip(_prompts(), outputs, expected):
+        assert tuple(out.token_ids) == ref, f"{name} TP={tp}, prompt of {len(prompt)} tokens"
+
+
+def test_each_prompt_alone_in_one_step_equals_transformers(tiny_model_dir):
+    model_dir = tiny_model_dir(NAME)
+    expected = _reference(model_dir)
+    with _llm(model_dir) as llm:
+        got = [tuple(llm.generate([prompt], _params())[0].token_ids) for prompt in _prompts()]
+        _assert_all_returned(llm)
+    assert tuple(got) == expected
+
+
+def test_preempted_sequences_recompute_from_an_empty_state(tiny_model_dir):
+    """A KV cache of 6 blocks of 16 tokens for four sequences that grow to 50 tokens (4 blocks each): later
+    arrivals are preempted and recomputed, and still give transformers' tokens."""
+    model_dir = tiny_model_dir(NAME)
+    prompts = [p for p in _prompts() if len(p) == 40] + [list(range(100 + i, 140 + i)) for i in range(3)]
+    with _llm(model_dir, kv_cache_memory_gb=0.0001, max_model_len=64) as llm:
+        assert llm.engine.block_manager.num_blocks < 16
+        outputs = llm.generate(prompts, _params())
+        assert llm.engine.scheduler.num_preemptions > 0
+        _assert_all_returned(llm)
+    assert tuple(outputs[0].token_ids) == _reference(model_dir)[PROMPT_LENGTHS.index(40)]
+    with _llm(model_dir, max_model_len=64) as llm:  # room for all: no preemption
+        alone = [tuple(llm.generate([p], _params())[0].token_ids) for p in prompts[1:]]
+    assert [tuple(o.token_ids) for o in outputs[1:]] == alone
+
+
+def test_an_aborted_request_gives_its_slot_back(tiny_model_dir):
+    model_dir = tiny_model_dir(NAME)
+    prompts = _prompts()
+    with _llm(model_dir) as llm:
+        engine = llm.engine
+        engine.add_request("stays", prompts[1], _params())
+        engine.add_request("aborted", prompts[2], _params(max_tokens=100))
+        outputs = engine.step() + engine.step()
+        assert len(engine.scheduler.free_slots) == engine.config.max_num_seqs - 2
+        engine.abort("aborted")
+        assert len(engine.scheduler.free_slots) == engine.config.max_num_seqs - 1
+        while engine.has_work():
+            outputs += engine.step()
+        _assert_all_returned(llm)
+    tokens = [t for out in outputs if out.request_id == "stays" for t in out.new_token_ids]
+    assert tuple(tokens) == _reference(model_dir)[1]
+
+
+def test_prefix_caching_is_off_and_a_repeated_prompt_is_recomputed(tiny_model_dir, caplog):
+    """The same prompt after itself, then twice at once (as n > 1 choices of one prompt are): every copy is
+    recomputed in a slot of its own, none reuses the other's KV blocks."""
+    model_dir = tiny_model_dir(NAME)
+    prompt = _prompts()[2]
+    with caplog.at_level(logging.INFO, logger="shardserve.engine.llm_engine"):
+        with _llm(model_dir, enable_prefix_caching=True) as llm:
+            first = llm.generate([prompt], _params())[0].token_ids
+            again = [out.token_ids for out in llm.generate([prompt, prompt, prompt], _params())]
+            stats = llm.engine.stats()
+            _assert_all_returned(llm)
+    assert any("prefix caching off" in r.getMessage() for r in caplog.records)
+    assert not llm.engine.block_manager.enable_prefix_caching
+    assert stats.prefix_hits == 0
+    assert [first] + again == [list(_reference(model_dir)[2])] * 4
+
+
+def test_a_checkpoint_with_a_multi_token_prediction_layer_loads(tiny_model_dir):
+    """Released Qwen3-Next checkpoints carry an `mtp.` layer for speculative decoding, which is not served: its
+    tensors are left unread, and every tensor of the model still has to be there."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from shardserve.config import ModelConfig
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.models.qwen3_next import Qwen3NextForCausalLM
+    from shardserve.weights.loader import load_tensors
+
+    model_dir = tiny_model_dir(NAME)
+    cfg = ModelConfig.from_model_path(model_dir)
+    model = Qwen3NextForCausalLM(cfg, Communicator(None, 0, 1), torch.float32, max_positions=64)
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    extra = {"mtp.fc.weight": torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size),
+             "mtp.layers.0.input_layernorm.weight": torch.zeros(cfg.hidden_size)}
+    load_tensors(model, [*tensors.items(), *extra.items()], False, "a checkpoint with an mtp layer")
+    with pytest.raises(ValueError, match="lacks 1 tensors"):
+        load_tensors(model, [(n, t) for n, t in tensors.items() if n != "model.norm.weight"], False, "one short")
+
+
+def test_after_sleep_and_wake_the_states_start_empty(tiny_model_dir):
+    """Sleep frees the state pools with the KV cache and waking allocates them again (the canary runs through
+    them before and after): a prompt then gives transformers' tokens."""
+    model_dir = tiny_model_dir(NAME)
+    with _llm(model_dir) as llm:
+        llm.generate([_prompts()[0]], _params())
+        llm.sleep(1)
+        assert llm.engine.runner.state_pools == {}
+        llm.wake_up()
+        got = llm.generate([_prompts()[1]], _params())[0].token_ids
+        assert llm.engine.canary_reloads == 0
+        _assert_all_returned(llm)
+    assert tuple(got) == _reference(model_dir)[1]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_planner_counts_the_weights_a_rank_holds(tiny_model_dir, tp):
+    """The memory planner's weights per rank (attention with its output gate, Gated DeltaNet, experts) are what
+    rank 0 of `tp` builds."""
+    import json
+    import os
+
+    from shardserve.config import ModelConfig
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.models.qwen3_next import Qwen3NextForCausalLM
+    from shardserve.planner import weight_elements_per_rank
+
+    model_dir = tiny_model_dir(NAME)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    model = Qwen3NextForCausalLM(ModelConfig.from_hf_dict(hf_config), Communicator(None, 0, tp), torch.float32,
+                                 max_positions=64)
+    assert weight_elements_per_rank(hf_config, tp, []) == sum(p.numel() for p in model.parameters())
