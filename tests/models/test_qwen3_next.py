@@ -181,3 +181,18 @@ def test_the_planner_counts_the_weights_a_rank_holds(tiny_model_dir, tp):
     model = Qwen3NextForCausalLM(ModelConfig.from_hf_dict(hf_config), Communicator(None, 0, tp), torch.float32,
                                  max_positions=64)
     assert weight_elements_per_rank(hf_config, tp, []) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_in_chunks_equals_transformers(tiny_model_dir):
+    """The CUDA path at float32: the state pools on the device, decode steps eager (no CUDA graphs for models with
+    state pools yet), the partially rotated attention on torch's SDPA."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model_dir = tiny_model_dir(NAME)
+    expected = _reference(model_dir)
+    with LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4,
+             max_num_batched_tokens=16) as llm:
+        outputs = llm.generate(_prompts(), _params())
+        _assert_all_returned(llm)
+    assert tuple(tuple(o.token_ids) for o in outputs) == expected
