@@ -90,6 +90,40 @@ def test_preempted_sequences_recompute_from_an_empty_state(tiny_model_dir):
     assert [tuple(o.token_ids) for o in outputs[1:]] == alone
 
 
+def test_sixteen_requests_at_once_equal_each_alone(tiny_model_dir):
+    """Sixteen prompts of 1 to 31 tokens in one batch, each in a state slot of its own, prefilled in chunks beside
+    the others' decode steps: each sequence's tokens are those it gives alone."""
+    model_dir = tiny_model_dir(NAME)
+    g = torch.Generator().manual_seed(99)
+    prompts = [torch.randint(5, 1000, (1 + (7 * i) % 31,), generator=g).tolist() for i in range(16)]
+    with _llm(model_dir, max_num_seqs=16, max_num_batched_tokens=32) as llm:
+        together = [tuple(o.token_ids) for o in llm.generate(prompts, _params())]
+        alone = [tuple(llm.generate([p], _params())[0].token_ids) for p in prompts]
+        _assert_all_returned(llm)
+    assert together == alone
+
+
+def test_n_choices_over_http_each_run_in_their_own_state(tiny_model_dir):
+    """`n: 2` (one engine request a choice, in slots of their own, prefix caching off): greedy, both are
+    transformers' tokens; the completion's prompt is counted once."""
+    from tests.serving import serve_model
+
+    model_dir = tiny_model_dir(NAME)
+    prompt = _prompts()[2]
+    with serve_model(model_dir, name="next", device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
+                     max_num_seqs=4) as server:
+        with server.http() as http:
+            body = http.post("/v1/completions", json={"model": "next", "prompt": prompt, "n": 2, "temperature": 0,
+                                                       "max_tokens": NEW_TOKENS, "ignore_eos": True}).json()
+        assert server.all_blocks_free()
+    from shardserve.tokenizer import Tokenizer
+
+    expected = Tokenizer.from_model_path(model_dir).decode(list(_reference(model_dir)[2]))
+    assert [c["text"] for c in body["choices"]] == [expected, expected]
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 2 * NEW_TOKENS,
+                             "total_tokens": len(prompt) + 2 * NEW_TOKENS}
+
+
 def test_an_aborted_request_gives_its_slot_back(tiny_model_dir):
     model_dir = tiny_model_dir(NAME)
     prompts = _prompts()
