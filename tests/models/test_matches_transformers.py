@@ -3,13 +3,13 @@ at every tensor-parallel size, including sizes where heads or features don't spl
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
 
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from tests.models.reference import random_prompts, transformers_greedy
 from tests.tiny_models import TINY_SPECS
 
 NEW_TOKENS = 32
@@ -17,21 +17,12 @@ PROMPT_LENGTHS = (5, 17, 40, 1)
 
 
 def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1234)
-    return [torch.randint(5, 1000, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    return random_prompts(PROMPT_LENGTHS)
 
 
-@functools.lru_cache(maxsize=None)
 def _reference(model_dir: str) -> tuple[tuple[int, ...], ...]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in _prompts():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-            outputs.append(tuple(out[0, len(prompt):].tolist()))
-    return tuple(outputs)
+    """transformers' greedy tokens for each prompt alone."""
+    return transformers_greedy(model_dir, tuple(map(tuple, _prompts())), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3])

@@ -4,7 +4,6 @@ back on finish, abort and preemption; prefix caching is off for the model."""
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from tests.models.reference import random_prompts, transformers_greedy
 
 NAME = "qwen3-next"
 NEW_TOKENS = 10
@@ -19,22 +19,12 @@ PROMPT_LENGTHS = (5, 17, 40, 1)
 
 
 def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1234)
-    return [torch.randint(5, 1000, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    return random_prompts(PROMPT_LENGTHS)
 
 
-@functools.lru_cache(maxsize=None)
 def _reference(model_dir: str) -> tuple[tuple[int, ...], ...]:
     """transformers' greedy tokens for each prompt alone."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in _prompts():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-            outputs.append(tuple(out[0, len(prompt):].tolist()))
-    return tuple(outputs)
+    return transformers_greedy(model_dir, tuple(map(tuple, _prompts())), NEW_TOKENS)
 
 
 def _llm(model_dir: str, **options) -> LLM:
