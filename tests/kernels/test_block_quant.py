@@ -92,14 +92,26 @@ def test_symmetric_gptq_groups_recover_as_q4_0_blocks(group):
     assert torch.equal(d.unsqueeze(-1) * codes + m.unsqueeze(-1), w.view(n, k // 32, 32))
 
 
-def test_asymmetric_gptq_groups_recover_exactly_or_not_at_all():
+@pytest.mark.parametrize("every_block_spans_all_codes", [True, False])
+def test_asymmetric_gptq_groups_recover_exactly_or_not_at_all(every_block_spans_all_codes):
+    """w = s * (q - z) with a float16 scale and a zero point per group of 128: a block of 32 whose codes run from
+    0 to 15 has Q4_1's form (d = s, m = -z s) and comes back bit for bit; a block missing code 0 or 15 is not
+    found, and then the whole weight stays unrecovered (None), never partly or approximately recovered."""
     g = torch.Generator().manual_seed(0)
     scales = (torch.rand(48, 2, generator=g) * 0.01 + 1e-3).half().float()
     zeros = torch.randint(3, 13, (48, 2), generator=g)
     q = torch.randint(0, 16, (48, 256), generator=g)
+    if every_block_spans_all_codes:
+        q[:, 0::32], q[:, 1::32] = 0, 15
+    spans = (q.view(48, 8, 32).amin(-1) == 0) & (q.view(48, 8, 32).amax(-1) == 15)
+    assert bool(spans.all()) == every_block_spans_all_codes and bool(spans.any())
     w = (q - zeros.repeat_interleave(128, dim=1)).float() * scales.repeat_interleave(128, dim=1)
     recovered = recover_4bit(w)
-    if recovered is not None:  # Q4_1 may hold some such weights exactly: then every value must come back
+    if every_block_spans_all_codes:
+        assert recovered is not None
         packed, d, m = recovered
         codes = torch.cat([packed.view(48, 8, 16) & 15, packed.view(48, 8, 16) >> 4], dim=-1).float()
         assert torch.equal(d.unsqueeze(-1) * codes + m.unsqueeze(-1), w.view(48, 8, 32))
+    else:
+        assert recovered is None, "blocks without codes 0 and 15 must leave the whole weight unrecovered"
+        assert recover_4bit(w[:, :32][spans[:, 0]].contiguous()) is not None, "the blocks that span do recover"
