@@ -23,6 +23,7 @@ import pytest
 from shardserve.engine.async_engine import AsyncEngine
 from shardserve.engine.outputs import RequestOutput
 from shardserve.engine.sampling_params import SamplingParams
+from shardserve.entrypoints.openai.chat_output import ChatParsers
 from shardserve.entrypoints.openai.server import build_app
 from shardserve.tokenizer import Tokenizer
 from tests.serving import InProcessServer, serve_in_thread, serve_model
@@ -184,3 +185,22 @@ def byte_model_dir(tmp_path_factory) -> str:
 def byte_server(byte_model_dir) -> Iterator[InProcessServer]:
     with serve_model(byte_model_dir, name=MODEL, max_model_len=2048, kv_cache_memory_gb=0.05) as running:
         yield running
+
+
+@pytest.fixture
+def byte_http(byte_server: InProcessServer) -> Iterator[httpx.Client]:
+    with byte_server.http() as http_client:
+        yield http_client
+
+
+@pytest.fixture(scope="module")
+def byte_app_client(byte_server: InProcessServer) -> Iterator[Callable[[ChatParsers], httpx.Client]]:
+    """Factory: byte_app_client(chat_parsers) -> a client of the real app built with those parsers (as the
+    server's --tool-call-parser and --reasoning-parser set them) over `byte_server`'s engine."""
+    with ExitStack() as stack:
+
+        def start(chat_parsers: ChatParsers) -> httpx.Client:
+            url = stack.enter_context(serve_in_thread(build_app(byte_server.engine, MODEL, chat_parsers=chat_parsers)))
+            return stack.enter_context(httpx.Client(base_url=url, timeout=120))
+
+        yield start

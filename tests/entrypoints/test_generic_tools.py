@@ -5,32 +5,23 @@ says what the whole response says."""
 
 from __future__ import annotations
 
+import functools
 import json
 
-import httpx
 import jsonschema
 import pytest
 
-from tests.entrypoints.test_tool_calling import SCHEMAS, TIME, WEATHER, _check_calls, _stream
+from shardserve.entrypoints.openai.chat_output import ChatParsers
+from tests.helpers.chat import SCHEMAS, TIME, WEATHER, chat_ok, check_calls, stream_chat, user
 
 
 @pytest.fixture(scope="module")
-def http(byte_server):
-    from shardserve.entrypoints.openai.chat_output import ChatParsers
-    from shardserve.entrypoints.openai.server import build_app
-    from tests.serving import serve_in_thread
-
-    with serve_in_thread(build_app(byte_server.engine, "tiny", chat_parsers=ChatParsers("generic"))) as url:
-        with httpx.Client(base_url=url, timeout=120) as client:
-            yield client
+def http(byte_app_client):
+    return byte_app_client(ChatParsers("generic"))
 
 
-def _chat(http, **body):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 200,
-            "tools": [WEATHER, TIME], "temperature": 1.0, "seed": 3, **body}
-    response = http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
+_chat = functools.partial(chat_ok, defaults=dict(messages=user("Weather in Paris?"), max_tokens=200,
+                                                tools=[WEATHER, TIME], temperature=1.0, seed=3))
 
 
 def test_auto_either_calls_valid_tools_or_answers_in_text(http):
@@ -40,7 +31,7 @@ def test_auto_either_calls_valid_tools_or_answers_in_text(http):
         if message.get("tool_calls"):
             assert reason == "tool_calls" and message["content"] is None
             assert len(message["tool_calls"]) == 1  # parallel_tool_calls was not asked for
-            _check_calls(message["tool_calls"])
+            check_calls(message["tool_calls"])
             kinds.add("call")
         else:
             assert reason in ("stop", "length") and isinstance(message["content"], str)
@@ -54,20 +45,20 @@ def test_required_and_parallel_calls_match_their_schemas(http):
         if choice["finish_reason"] == "length":
             continue  # a random model may leave its array open until the limit
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"]
-        _check_calls(choice["message"]["tool_calls"])
+        check_calls(choice["message"]["tool_calls"])
 
 
 def test_a_named_function_is_the_one_called_and_finishes_with_stop(http):
     choice = _chat(http, tool_choice={"type": "function", "function": {"name": "get_time"}})["choices"][0]
     [call] = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_time" and choice["finish_reason"] == "stop"
-    _check_calls([call])
+    check_calls([call])
 
 
 @pytest.mark.parametrize("tool_choice", ["auto", "required"])
 def test_a_stream_is_the_response_piece_by_piece(http, tool_choice):
     whole = _chat(http, tool_choice=tool_choice, seed=11)["choices"][0]
-    content, _, calls, reason = _stream(http, tool_choice=tool_choice, seed=11, max_tokens=200,
+    content, _, calls, reason = stream_chat(http, tool_choice=tool_choice, seed=11, max_tokens=200,
                                         messages=[{"role": "user", "content": "Weather in Paris?"}],
                                         temperature=1.0)
     assert reason == whole["finish_reason"]
@@ -82,7 +73,7 @@ def test_auto_with_a_response_format_answers_in_its_schema_or_calls(http):
     body = _chat(http, n=4, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
     for choice in body["choices"]:
         if choice["message"].get("tool_calls"):
-            _check_calls(choice["message"]["tool_calls"])
+            check_calls(choice["message"]["tool_calls"])
         elif choice["finish_reason"] == "stop":
             answer = json.loads(choice["message"]["content"])
             jsonschema.validate(answer, schema)

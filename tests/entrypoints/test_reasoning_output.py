@@ -9,8 +9,7 @@ import json
 import pytest
 
 from shardserve.entrypoints.openai.chat_output import ChatParsers
-from tests.entrypoints.test_tool_calling import WEATHER, _stream
-from tests.serving import serve_model
+from tests.helpers.chat import WEATHER, chat_ok, stream_chat, user
 
 THINKING = r"<think>\nThe user asks about (Paris|Rome)\.\n</think>\n\nIt is sunny\."
 THINKING_THEN_CALL = (r'<think>\nI should call a tool\.\n</think>\n\n<tool_call>\n\{"name": "get_weather", '
@@ -18,18 +17,14 @@ THINKING_THEN_CALL = (r'<think>\nI should call a tool\.\n</think>\n\n<tool_call>
 
 
 @pytest.fixture(scope="module")
-def http(byte_model_dir):
-    with serve_model(byte_model_dir, name="tiny", max_model_len=2048, kv_cache_memory_gb=0.05,
-                     chat_parsers=ChatParsers(reasoning_parser="qwen3")) as running, running.http() as client:
-        yield client
+def http(byte_app_client):
+    """The byte model's engine behind an app started with --reasoning-parser qwen3."""
+    return byte_app_client(ChatParsers(reasoning_parser="qwen3"))
 
 
 def _chat(http, **body):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 200,
-            "temperature": 1.0, "seed": 3, **body}
-    response = http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]
+    """The first choice of a chat request, by default "Weather?" sampled with seed 3."""
+    return chat_ok(http, dict(messages=user("Weather?"), max_tokens=200, temperature=1.0, seed=3), **body)["choices"][0]
 
 
 def test_reasoning_is_split_from_the_answer(http):
@@ -42,7 +37,7 @@ def test_reasoning_is_split_from_the_answer(http):
 
 def test_streamed_reasoning_comes_as_its_own_deltas(http):
     whole = _chat(http, structured_outputs={"regex": THINKING})["message"]
-    content, reasoning, calls, reason = _stream(http, tools=None, temperature=1.0, seed=3, max_tokens=200,
+    content, reasoning, calls, reason = stream_chat(http, tools=None, temperature=1.0, seed=3, max_tokens=200,
                                                 structured_outputs={"regex": THINKING})
     assert (reasoning, content, calls, reason) == (whole["reasoning_content"], whole["content"], [], "stop")
 
@@ -54,7 +49,7 @@ def test_tool_calls_are_read_after_the_reasoning(http):
     assert choice["message"]["content"] is None
     [call] = choice["message"]["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"city": "Rome", "unit": "celsius"}
-    content, reasoning, calls, reason = _stream(http, tools=[WEATHER], temperature=1.0, seed=3, max_tokens=200,
+    content, reasoning, calls, reason = stream_chat(http, tools=[WEATHER], temperature=1.0, seed=3, max_tokens=200,
                                                 structured_outputs={"regex": THINKING_THEN_CALL})
     assert (reasoning, content, reason) == ("I should call a tool.", "", "tool_calls")
     assert [c["function"]["name"] for c in calls] == ["get_weather"]

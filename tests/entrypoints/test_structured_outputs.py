@@ -4,6 +4,7 @@ naming its field."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Literal
@@ -11,6 +12,8 @@ from typing import Literal
 import jsonschema
 import pydantic
 import pytest
+
+from tests.helpers.chat import post_chat, user
 
 PERSON = {
     "type": "object",
@@ -25,10 +28,7 @@ PERSON = {
 }
 
 
-def _chat(http, **body):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about someone."}], "max_tokens": 120,
-            **body}
-    return http.post("/v1/chat/completions", json=body)
+_chat = functools.partial(post_chat, defaults=dict(messages=user("Tell me about someone."), max_tokens=120))
 
 
 def _error(response, status=400):
@@ -36,14 +36,8 @@ def _error(response, status=400):
     return response.json()["error"]
 
 
-@pytest.fixture
-def http(byte_server):
-    with byte_server.http() as client:
-        yield client
-
-
-def test_json_schema_holds_on_a_random_model_for_every_choice(http, byte_server):
-    response = _chat(http, n=6, temperature=1.0, seed=3, response_format={
+def test_json_schema_holds_on_a_random_model_for_every_choice(byte_http, byte_server):
+    response = _chat(byte_http, n=6, temperature=1.0, seed=3, response_format={
         "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
     assert response.status_code == 200, response.text
     for choice in response.json()["choices"]:
@@ -58,7 +52,7 @@ def _no_key_twice(pairs):
     return dict(pairs)
 
 
-def test_an_object_that_lists_its_properties_admits_no_other_key(http):
+def test_an_object_that_lists_its_properties_admits_no_other_key(byte_http):
     # No "additionalProperties": as OpenAI's strict mode, the listed keys are the only keys, each once, at
     # every depth; "additionalProperties": true says otherwise, and is kept.
     open_ = {"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": True}
@@ -66,7 +60,7 @@ def test_an_object_that_lists_its_properties_admits_no_other_key(http):
         "name": {"type": "string", "maxLength": 6},
         "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}},
         "extra": open_}}
-    response = _chat(http, n=6, temperature=1.0, seed=5, max_tokens=300, response_format={
+    response = _chat(byte_http, n=6, temperature=1.0, seed=5, max_tokens=300, response_format={
         "type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
     assert response.status_code == 200, response.text
     finished = [c for c in response.json()["choices"] if c["finish_reason"] == "stop"]
@@ -90,11 +84,11 @@ def test_openai_parse_returns_the_pydantic_model(byte_server):
     assert isinstance(person, Person) and person.colour in ("red", "blue")
 
 
-def test_a_streamed_constrained_output_joins_into_valid_json(http):
+def test_a_streamed_constrained_output_joins_into_valid_json(byte_http):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 120, "stream": True,
             "temperature": 0.9, "seed": 5, "structured_outputs": {"json": PERSON}}
     text, reasons = "", []
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+    with byte_http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -118,8 +112,8 @@ def test_a_streamed_constrained_output_joins_into_valid_json(http):
                      "additionalProperties": False}, lambda text: isinstance(json.loads(text)["ok"], bool)),
     ("response_format", {"type": "json_object"}, None),
 ])
-def test_every_way_to_ask_for_a_constraint(http, field, value, check):
-    response = _chat(http, n=4, temperature=1.0, seed=11, max_tokens=200, **{field: value})
+def test_every_way_to_ask_for_a_constraint(byte_http, field, value, check):
+    response = _chat(byte_http, n=4, temperature=1.0, seed=11, max_tokens=200, **{field: value})
     assert response.status_code == 200, response.text
     for choice in response.json()["choices"]:
         text = choice["message"]["content"]
@@ -133,8 +127,8 @@ def test_every_way_to_ask_for_a_constraint(http, field, value, check):
         assert check(text), text
 
 
-def test_completions_take_constraints_too(http):
-    response = http.post("/v1/completions", json={
+def test_completions_take_constraints_too(byte_http):
+    response = byte_http.post("/v1/completions", json={
         "model": "tiny", "prompt": ["a", "b"], "max_tokens": 20, "temperature": 1.0, "seed": 2,
         "structured_outputs": {"choice": ["alpha", "beta"]}})
     assert response.status_code == 200, response.text
@@ -157,9 +151,9 @@ def test_completions_take_constraints_too(http):
         "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
      "response_format.json_schema", "'uniqueItems', which structured outputs cannot enforce"),
 ])
-def test_a_constraint_that_cannot_hold_is_a_400_naming_its_field(http, byte_server, body, param, words):
-    error = _error(_chat(http, **body))
+def test_a_constraint_that_cannot_hold_is_a_400_naming_its_field(byte_http, byte_server, body, param, words):
+    error = _error(_chat(byte_http, **body))
     assert error["param"] == param
     assert words in error["message"]
-    assert _chat(http, max_tokens=3).status_code == 200  # and the server serves on
+    assert _chat(byte_http, max_tokens=3).status_code == 200  # and the server serves on
     assert byte_server.all_blocks_free()

@@ -4,147 +4,104 @@ format ("auto") are read back by the parser, streamed or not; tool-call history 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
-import jsonschema
 import pytest
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}},
-                                       "required": ["zone"], "additionalProperties": False}}}
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+from tests.helpers.chat import TIME, WEATHER, check_calls, post_chat, stream_chat, user
+
 # What a hermes model writes when it calls a tool; forced here with a regex, since the weights are random.
 HERMES_CALL = r'Let me check\.<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "celsius"\}\}\n</tool_call>'
 
 
-@pytest.fixture
-def http(byte_server):
-    with byte_server.http() as client:
-        yield client
+_chat = functools.partial(post_chat, defaults=dict(messages=user("Weather in Paris?"), max_tokens=150,
+                                                  tools=[WEATHER, TIME]))
 
 
-def _chat(http, **body):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 150,
-            "tools": [WEATHER, TIME], **body}
-    return http.post("/v1/chat/completions", json=body)
-
-
-def _check_calls(calls):
-    for call in calls:
-        assert call["type"] == "function" and call["id"].startswith("call_")
-        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
-
-
-def _stream(http, **body):
-    """The streamed message reassembled as a client does: content joined, tool calls by index."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 150,
-            "tools": [WEATHER, TIME], "stream": True, **body}
-    content, reasoning, calls, reasons = "", "", {}, []
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            delta = choice["delta"]
-            content += delta.get("content") or ""
-            reasoning += delta.get("reasoning_content") or ""
-            for entry in delta.get("tool_calls") or []:
-                call = calls.setdefault(entry["index"], {"id": None, "type": "function",
-                                                         "function": {"name": None, "arguments": ""}})
-                call["id"] = entry.get("id") or call["id"]
-                call["function"]["name"] = entry["function"].get("name") or call["function"]["name"]
-                call["function"]["arguments"] += entry["function"].get("arguments") or ""
-            reasons.append(choice["finish_reason"])
-    return content, reasoning, [calls[i] for i in sorted(calls)], reasons[-1]
-
-
-def test_required_calls_always_parse_and_match_their_schemas(http, byte_server):
+def test_required_calls_always_parse_and_match_their_schemas(byte_http, byte_server):
     # A random model adds calls to the array at a coin's toss: room for a few.
-    response = _chat(http, tool_choice="required", n=5, temperature=1.0, seed=7, max_tokens=800)
+    response = _chat(byte_http, tool_choice="required", n=5, temperature=1.0, seed=7, max_tokens=800)
     assert response.status_code == 200, response.text
     for choice in response.json()["choices"]:
         assert choice["finish_reason"] == "tool_calls"
         assert choice["message"]["content"] is None
         assert choice["message"]["tool_calls"]
-        _check_calls(choice["message"]["tool_calls"])
+        check_calls(choice["message"]["tool_calls"])
     assert byte_server.all_blocks_free()
 
 
-def test_required_without_parallel_calls_makes_exactly_one(http):
-    response = _chat(http, tool_choice="required", parallel_tool_calls=False, n=4, temperature=1.0, seed=2)
+def test_required_without_parallel_calls_makes_exactly_one(byte_http):
+    response = _chat(byte_http, tool_choice="required", parallel_tool_calls=False, n=4, temperature=1.0, seed=2)
     for choice in response.json()["choices"]:
         assert len(choice["message"]["tool_calls"]) == 1
-        _check_calls(choice["message"]["tool_calls"])
+        check_calls(choice["message"]["tool_calls"])
 
 
-def test_a_named_function_is_called_with_valid_arguments(http):
-    response = _chat(http, tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=1.0,
+def test_a_named_function_is_called_with_valid_arguments(byte_http):
+    response = _chat(byte_http, tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=1.0,
                      seed=4)
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop"  # as OpenAI: a forced function is not the model's choice to call
     [call] = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_time"
-    _check_calls([call])
+    check_calls([call])
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_streamed_calls_are_the_same_calls(http, tool_choice):
-    content, _, calls, reason = _stream(http, tool_choice=tool_choice, temperature=1.0, seed=9, max_tokens=800)
+def test_streamed_calls_are_the_same_calls(byte_http, tool_choice):
+    content, _, calls, reason = stream_chat(byte_http, tool_choice=tool_choice, temperature=1.0, seed=9, max_tokens=800)
     assert content == ""
     assert calls
-    _check_calls(calls)
+    check_calls(calls)
     assert reason == ("tool_calls" if tool_choice == "required" else "stop")
 
 
-def test_auto_reads_the_models_own_tool_call_format(http):
-    response = _chat(http, structured_outputs={"regex": HERMES_CALL}, temperature=1.0, seed=1)
+def test_auto_reads_the_models_own_tool_call_format(byte_http):
+    response = _chat(byte_http, structured_outputs={"regex": HERMES_CALL}, temperature=1.0, seed=1)
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Let me check."
     [call] = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
-    _check_calls([call])
-    content, _, calls, reason = _stream(http, structured_outputs={"regex": HERMES_CALL}, temperature=1.0, seed=1)
+    check_calls([call])
+    content, _, calls, reason = stream_chat(byte_http, structured_outputs={"regex": HERMES_CALL}, temperature=1.0,
+                                            seed=1)
     assert (content, reason) == ("Let me check.", "tool_calls")
     assert [c["function"] for c in calls] == [call["function"]]
 
 
-def test_auto_without_a_call_answers_in_text(http):
-    response = _chat(http, structured_outputs={"choice": ["It is sunny."]})
+def test_auto_without_a_call_answers_in_text(byte_http):
+    response = _chat(byte_http, structured_outputs={"choice": ["It is sunny."]})
     choice = response.json()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "It is sunny."}
     assert choice["finish_reason"] == "stop"
 
 
-def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(http):
+def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(byte_http):
     messages = [{"role": "user", "content": "hi"}]
-    with_tools = http.post("/tokenize", json={"model": "tiny", "messages": messages, "tools": [WEATHER]}).json()
-    without = http.post("/tokenize", json={"model": "tiny", "messages": messages}).json()
+    with_tools = byte_http.post("/tokenize", json={"model": "tiny", "messages": messages, "tools": [WEATHER]}).json()
+    without = byte_http.post("/tokenize", json={"model": "tiny", "messages": messages}).json()
     assert with_tools["count"] > without["count"]
-    response = _chat(http, tool_choice="none", max_tokens=3, messages=messages)
+    response = _chat(byte_http, tool_choice="none", max_tokens=3, messages=messages)
     assert response.json()["usage"]["prompt_tokens"] == without["count"]
 
 
-def test_tool_call_history_renders_through_the_template(http, byte_server):
+def test_tool_call_history_renders_through_the_template(byte_http, byte_server):
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
     ]
-    tokens = http.post("/tokenize", json={"model": "tiny", "messages": messages, "return_token_strs": False}).json()
-    prompt = http.post("/detokenize", json={"model": "tiny", "tokens": tokens["tokens"]}).json()["prompt"]
+    tokens = byte_http.post("/tokenize",
+                            json={"model": "tiny", "messages": messages, "return_token_strs": False}).json()
+    prompt = byte_http.post("/detokenize", json={"model": "tiny", "tokens": tokens["tokens"]}).json()["prompt"]
     # The arguments reach the template as an object: written once as JSON, not as a quoted string.
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in prompt
     assert "<|im_start|>tool\n18 degrees" in prompt
-    response = _chat(http, messages=messages, tool_choice="none", max_tokens=4)
+    response = _chat(byte_http, messages=messages, tool_choice="none", max_tokens=4)
     assert response.status_code == 200, response.text
 
 
@@ -158,8 +115,8 @@ def test_tool_call_history_renders_through_the_template(http, byte_server):
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "needs content"),
     ({"functions": [{"name": "f"}]}, "functions", "tools"),
 ])
-def test_tool_requests_that_cannot_work_are_400s(http, body, param, words):
-    response = _chat(http, **body)
+def test_tool_requests_that_cannot_work_are_400s(byte_http, body, param, words):
+    response = _chat(byte_http, **body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param
@@ -198,22 +155,22 @@ def test_auto_with_no_tool_call_parser_names_the_flag(unparsed_http):
 
 
 @pytest.mark.parametrize("choice", ["auto", "none", "required"])
-def test_a_tool_schema_the_grammar_cannot_enforce_is_named_whatever_the_tool_choice(http, choice):
+def test_a_tool_schema_the_grammar_cannot_enforce_is_named_whatever_the_tool_choice(byte_http, choice):
     bad = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
-    response = _chat(http, tools=[WEATHER, bad], tool_choice=choice)
+    response = _chat(byte_http, tools=[WEATHER, bad], tool_choice=choice)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "tools[1].function.parameters"
     assert "uniqueItems" in error["message"] and "'f'" in error["message"]
 
 
-def test_history_with_null_or_missing_content_renders(http):
+def test_history_with_null_or_missing_content_renders(byte_http):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                               "arguments": '{"city": "Paris", "unit": "celsius"}'}}
     for assistant in ({"role": "assistant", "content": None, "tool_calls": [call]},
                       {"role": "assistant", "tool_calls": [call]}):
         messages = [{"role": "user", "content": "Weather?"}, assistant,
                     {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
-        response = _chat(http, messages=messages, max_tokens=4)
+        response = _chat(byte_http, messages=messages, max_tokens=4)
         assert response.status_code == 200, response.text
