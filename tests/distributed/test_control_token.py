@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_handshake import TwoRanks, _serve_args
+from tests.helpers.two_ranks import TwoRanks, serve_args
 from tests.ranks import run_ranks, start_model_runner
 
 TOKEN = "test-token"
@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "shardserve"
 
 
 def test_a_rank_with_another_token_is_refused_and_start_up_stops(tiny_model_dir):
-    ranks = TwoRanks(_serve_args(tiny_model_dir("llama-untied")), env0={},
+    ranks = TwoRanks(serve_args(tiny_model_dir("llama-untied")), env0={},
                      env1={"SHARDSERVE_CONTROL_TOKEN": "not-the-launch-token"})
     try:
         (code0, out0), (code1, out1) = ranks.wait_exit()
@@ -31,7 +31,7 @@ def test_a_rank_with_another_token_is_refused_and_start_up_stops(tiny_model_dir)
 
 
 def test_ranks_started_without_a_token_refuse_to_start(tiny_model_dir):
-    ranks = TwoRanks(_serve_args(tiny_model_dir("llama-untied")), env0={"SHARDSERVE_CONTROL_TOKEN": ""},
+    ranks = TwoRanks(serve_args(tiny_model_dir("llama-untied")), env0={"SHARDSERVE_CONTROL_TOKEN": ""},
                      env1={"SHARDSERVE_CONTROL_TOKEN": ""})
     try:
         outcomes = ranks.wait_exit()

@@ -7,18 +7,12 @@ The two ranks are two `shardserve serve` processes started the way torchrun or t
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import openai
 
 from shardserve.distributed.fingerprint import Fingerprint, differences
-from shardserve.distributed.process_group import find_free_port
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
-from tests.serving import stop_processes, wait_until_healthy
+from tests.helpers.two_ranks import TwoRanks, serve_args
 
 PROMPT = "w11 w22 w33 w44"
 
@@ -32,43 +26,8 @@ def test_differences_name_the_key_the_ranks_their_hosts_and_both_values():
     assert differences([a, Fingerprint(1, "node-b", dict(a.values))]) == []
 
 
-class TwoRanks:
-    """Rank 0 and rank 1 of `shardserve serve MODEL -tp 2`, each its own process and environment."""
-
-    def __init__(self, args: list[str], env0: dict[str, str], env1: dict[str, str], torchrun_env: bool = True) -> None:
-        self.http_port = find_free_port()
-        launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "WORLD_SIZE": "2",
-                  "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-        base = {k: v for k, v in os.environ.items()
-                if not k.startswith(("NCCL_", "SHARDSERVE_", "SLURM_")) and k not in launch and k != "RANK"}
-        base["PYTHONUNBUFFERED"] = "1"
-        base["SHARDSERVE_CONTROL_TOKEN"] = "test-control-token"  # what every rank of a launch shares
-        self.procs = [
-            subprocess.Popen([sys.executable, "-m", "shardserve", "serve", *args, "--port", str(self.http_port)],
-                             env={**base, **(launch | {"RANK": str(rank)} if torchrun_env else {}), **env},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for rank, env in ((0, env0), (1, env1))
-        ]
-        self.url = f"http://127.0.0.1:{self.http_port}"
-
-    def wait_exit(self, timeout: float = 120) -> list[tuple[int, str]]:
-        return [(p.wait(timeout=timeout), p.stdout.read()) for p in self.procs]
-
-    def wait_healthy(self, timeout: float = 120) -> None:
-        exited = lambda: "\n".join(p.stdout.read() for p in self.procs if p.poll() is not None)  # noqa: E731
-        wait_until_healthy(self.url, self.procs, timeout, exited)
-
-    def stop(self) -> None:
-        stop_processes(self.procs, signal.SIGTERM, 30)
-
-
-def _serve_args(model_dir: str, *extra: str) -> list[str]:
-    return [model_dir, "-tp", "2", "--device", "cpu", "--served-model-name", "tiny", "--kv-cache-memory", "0.05",
-            *extra]
-
-
 def test_a_variable_set_on_one_rank_only_stops_start_up_naming_it(tiny_model_dir):
-    ranks = TwoRanks(_serve_args(tiny_model_dir("llama-untied")), env0={}, env1={"NCCL_ALGO": "Ring"})
+    ranks = TwoRanks(serve_args(tiny_model_dir("llama-untied")), env0={}, env1={"NCCL_ALGO": "Ring"})
     try:
         (code0, out0), (code1, out1) = ranks.wait_exit()
     finally:
@@ -87,7 +46,7 @@ def test_forward_env_ships_rank0_values_so_the_ranks_start_and_serve(tiny_model_
     with LLM(model_dir, kv_cache_memory_gb=0.05) as llm:
         expected = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].text
     # Rank 0 (the launching node) has Tree, rank 1 has Ring; SHARDSERVE_PROBE is set on rank 0 only.
-    args = _serve_args(model_dir, "--forward-env", "NCCL_ALGO", "SHARDSERVE_PROBE")
+    args = serve_args(model_dir, "--forward-env", "NCCL_ALGO", "SHARDSERVE_PROBE")
     ranks = TwoRanks(args, env0={"NCCL_ALGO": "Tree", "SHARDSERVE_PROBE": "1"}, env1={"NCCL_ALGO": "Ring"})
     try:
         ranks.wait_healthy()

@@ -16,7 +16,7 @@ from shardserve.distributed.process_group import find_free_port
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
 from shardserve.entrypoints.serve import choose_launch
-from tests.distributed.test_handshake import TwoRanks
+from tests.helpers.two_ranks import TwoRanks
 
 SLURM = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_LOCALID": "1",
          "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456"}

@@ -9,6 +9,7 @@ import torch
 from shardserve.distributed.all_reduce import FORCE_ENV, METHOD_NAMES
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from tests.helpers.reference import random_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -23,8 +24,7 @@ def _needs_gpus(n: int) -> None:
 
 
 def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(77)
-    return [torch.randint(5, 1000, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    return random_prompts(PROMPT_LENGTHS, seed=77)
 
 
 _ONE_GPU_TOKENS: dict[str, list[list[int]]] = {}

@@ -18,6 +18,7 @@ from shardserve.engine.llm_engine import OVERLAP_ENV
 from shardserve.engine.outputs import TokenLogprob
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from tests.helpers.reference import random_prompts
 
 MODEL = "llama-tied"  # 2 layers, 2 KV heads of 16 dims
 ROOMY_KV_GB = 0.01  # about 1300 blocks of 16 tokens
@@ -39,11 +40,6 @@ def llm(model_dir):
     """A roomy float32 engine shared by the tests that need no special configuration."""
     with LLM(model_dir, dtype="float32", kv_cache_memory_gb=ROOMY_KV_GB) as engine:
         yield engine
-
-
-def _prompts(lengths, seed: int = 1234) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 1000, (n,), generator=g).tolist() for n in lengths]
 
 
 def _kv_gb_for_blocks(num_blocks: int, block_size: int) -> float:
@@ -87,7 +83,7 @@ def _stream(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> list[
 @pytest.mark.parametrize("overlap", ["0", "1"], ids=["step-by-step", "steps-queued-ahead"])
 def test_greedy_tokens_independent_of_chunking_and_preemption(model_dir, monkeypatch, overlap):
     monkeypatch.setenv(OVERLAP_ENV, overlap)  # steps queued ahead must not change any of it either
-    prompts = _prompts((30, 9, 21, 14, 3))
+    prompts = random_prompts((30, 9, 21, 14, 3))
     with LLM(model_dir, dtype="float32", kv_cache_memory_gb=ROOMY_KV_GB) as roomy:
         expected = [o.token_ids for o in roomy.generate(prompts, GREEDY)]
         assert roomy.engine.scheduler.num_preemptions == 0
@@ -116,7 +112,7 @@ def test_unwritten_cache_slots_never_reach_attention(model_dir, llm):
     """The KV cache is allocated uninitialised (only block 0 is zeroed), so slots no token has written
     may hold anything, NaN or inf included. A decode step must not read them, not even masked out:
     a masked-out NaN still turns the attention output into NaN."""
-    prompts = _prompts((30, 9, 21, 14, 3))
+    prompts = random_prompts((30, 9, 21, 14, 3))
     expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     for block_size in (16, 4):
         with LLM(model_dir, dtype="float32", block_size=block_size, kv_cache_memory_gb=ROOMY_KV_GB) as poisoned:
@@ -131,7 +127,7 @@ def test_unwritten_cache_slots_never_reach_attention(model_dir, llm):
 
 def test_generation_capped_by_max_model_len(model_dir):
     with LLM(model_dir, dtype="float32", max_model_len=32, kv_cache_memory_gb=ROOMY_KV_GB) as llm:
-        [out] = llm.generate(_prompts((29,)), GREEDY)
+        [out] = llm.generate(random_prompts((29,)), GREEDY)
         assert _all_blocks_free(llm)
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
 
@@ -139,8 +135,8 @@ def test_generation_capped_by_max_model_len(model_dir):
 # -- prefix caching ---------------------------------------------------------------------------------
 
 def test_prefix_caching_reuses_blocks_without_changing_tokens(model_dir):
-    [long_prompt] = _prompts((100,), seed=7)
-    variant = long_prompt[:70] + _prompts((20,), seed=8)[0]  # shares 4 full blocks of 16 tokens
+    [long_prompt] = random_prompts((100,), seed=7)
+    variant = long_prompt[:70] + random_prompts((20,), seed=8)[0]  # shares 4 full blocks of 16 tokens
     with LLM(model_dir, dtype="float32", kv_cache_memory_gb=ROOMY_KV_GB) as cached:
         bm = cached.engine.block_manager
         [first] = cached.generate([long_prompt], GREEDY)
@@ -163,7 +159,7 @@ def test_prefix_caching_reuses_blocks_without_changing_tokens(model_dir):
 # -- seeded sampling --------------------------------------------------------------------------------
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm):
-    target, *others = _prompts((12, 30, 5, 17), seed=99)
+    target, *others = random_prompts((12, 30, 5, 17), seed=99)
     alone = llm.generate([target], SEEDED)[0].token_ids
     again = llm.generate([target], SEEDED)[0].token_ids
     assert again == alone, "the same seed must give the same tokens run to run"
@@ -185,7 +181,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm):
 
 
 def test_top_k_one_is_greedy(llm):
-    prompts = _prompts((11, 4), seed=5)
+    prompts = random_prompts((11, 4), seed=5)
     greedy = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     top1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=1.3, top_k=1,
                                                                       ignore_eos=True))]
@@ -205,7 +201,7 @@ def _tokens_until(llm: LLM, tokens: list[int], text: str) -> int:
 
 
 def test_stop_token_ids_end_generation(llm):
-    [prompt] = _prompts((10,), seed=21)
+    [prompt] = random_prompts((10,), seed=21)
     greedy = llm.generate([prompt], GREEDY)[0].token_ids
     k = _first_repeat_free_index(greedy, 4)
     stop_id = greedy[k]
@@ -218,7 +214,7 @@ def test_stop_token_ids_end_generation(llm):
 
 
 def test_stop_string_cuts_text_before_it(llm):
-    [prompt] = _prompts((10,), seed=21)
+    [prompt] = random_prompts((10,), seed=21)
     greedy = llm.generate([prompt], GREEDY)[0].token_ids
     full_text = llm.tokenizer.decode(greedy)
     k = _first_repeat_free_index(greedy, 4)
@@ -251,7 +247,7 @@ def test_stop_string_cuts_text_before_it(llm):
 
 
 def test_max_tokens_finishes_with_length(llm):
-    [out] = llm.generate(_prompts((6,), seed=3), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    [out] = llm.generate(random_prompts((6,), seed=3), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
@@ -260,7 +256,7 @@ def test_max_tokens_finishes_with_length(llm):
 def test_logprobs_match_transformers(llm, model_dir):
     from transformers import AutoModelForCausalLM
 
-    prompts = _prompts((13, 6), seed=42)
+    prompts = random_prompts((13, 6), seed=42)
     sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=7, logprobs=5, ignore_eos=True)
     greedy = SamplingParams(max_tokens=8, temperature=0, logprobs=5, ignore_eos=True)
     results = _stream(llm, [(prompts[0], sampled), (prompts[1], sampled), (prompts[0], greedy)])
@@ -293,7 +289,7 @@ def test_logprobs_match_transformers(llm, model_dir):
 # -- tensor parallelism -----------------------------------------------------------------------------
 
 def test_seeded_sampling_same_at_tp1_and_tp2(model_dir, llm):
-    prompts = _prompts((12, 25), seed=77)
+    prompts = random_prompts((12, 25), seed=77)
     tp1 = [o.token_ids for o in llm.generate(prompts, SEEDED)]
     with LLM(model_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=ROOMY_KV_GB) as tp2_llm:
         tp2 = [o.token_ids for o in tp2_llm.generate(prompts, SEEDED)]
@@ -317,7 +313,7 @@ def test_invalid_prompts_rejected_with_clear_messages(model_dir):
 
         # A batch with one bad prompt is refused as a whole: nothing of it is left queued, and the
         # engine keeps serving correctly afterwards.
-        good = _prompts((8,), seed=11)[0]
+        good = random_prompts((8,), seed=11)[0]
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.generate([good, [5, 99999]], params)
         assert not llm.engine.has_work(), "a refused batch must not leave requests in the engine"

@@ -5,7 +5,6 @@ format ("auto") are read back by the parser, streamed or not; tool-call history 
 from __future__ import annotations
 
 import functools
-import json
 
 import httpx
 import pytest

@@ -24,6 +24,7 @@ from shardserve.kernels.triton.fused_moe import (align_pairs, fused_moe, fused_m
                                                  route_and_align)
 from shardserve.kernels.triton.moe_router import route_top_k  # noqa: E402
 from shardserve.layers.moe import route_reference  # noqa: E402
+from tests.helpers.kernels import make_routes, relative_error  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -47,24 +48,11 @@ def reference_moe(x, w13, w2, weights, ids) -> torch.Tensor:
     return out
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
-
-
 def make_experts(num_experts, hidden, inter, dtype, seed=0):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device=DEVICE) * hidden ** -0.5).to(dtype)
     w2 = (torch.randn(num_experts, hidden, inter, generator=g, device=DEVICE) * inter ** -0.5).to(dtype)
     return w13, w2
-
-
-def make_routes(tokens, num_experts, top_k, dtype, hidden, seed=1, ids_dtype=torch.int64):
-    """x and the router's choices: the top k of random logits, weights renormalised to sum to 1."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g, device=DEVICE).to(dtype)
-    logits = torch.randn(tokens, num_experts, generator=g, device=DEVICE)
-    weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
-    return x, weights / weights.sum(dim=-1, keepdim=True), ids.to(ids_dtype)
 
 
 def check_against_reference(tokens, num_experts, top_k, hidden, inter, dtype, config=None, same_route=False,

@@ -20,7 +20,7 @@ from shardserve.kernels.packed_experts import PackedExperts  # noqa: E402
 from shardserve.kernels.quant_pack import pack_int4, pack_scale_zero, unpack_scale_zero  # noqa: E402
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
 from shardserve.kernels.triton.fused_moe import fused_moe_packed  # noqa: E402
-from tests.kernels.test_fused_moe import DEVICE, make_routes, relative_error  # noqa: E402
+from tests.helpers.kernels import DEVICE, make_routes, relative_error  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 SMALL = MoeConfig(16, Tile(16, 32, 4, 1), Tile(16, 32, 4, 1))

@@ -19,7 +19,7 @@ from shardserve.engine import kernel_setup
 from shardserve.layers import packed_batches
 from shardserve.layers.quantized_linear import (BATCH_BUCKETS, BATCH_LIMITS, PackedLayout, PackedWeights,
                                                 batch_bucket, check_packed)
-from tests.kernels.test_quantized_linear import packed_layer
+from tests.helpers.kernels import packed_layer
 from tests.ranks import run_ranks
 
 CUDA = torch.cuda.is_available()

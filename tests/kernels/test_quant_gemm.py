@@ -21,8 +21,8 @@ import pytest  # noqa: E402
 
 from shardserve.kernels.quant_pack import pack_int4, pack_scale_zero  # noqa: E402
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
-from tests.kernels.test_quant_gemv import (LLAMA3_8B, fp8_reference, int4_reference, random_fp8,  # noqa: E402
-                                           random_int4, relative_error)
+from tests.helpers.kernels import (LLAMA3_8B, fp8_reference, int4_reference, random_fp8,  # noqa: E402
+                                   random_int4, relative_error)
 
 CUDA = torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")

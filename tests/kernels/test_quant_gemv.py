@@ -22,13 +22,12 @@ import pytest  # noqa: E402
 from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4,  # noqa: E402
                                            pack_scale_zero, unpack_int4_rows, unpack_scale_zero)
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
+from tests.helpers.kernels import (LLAMA3_8B, fp8_reference, int4_reference, random_fp8, random_int4,  # noqa: E402
+                                   relative_error, scale_and_zero)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-# (N, K) of Llama-3-8B's qkv, o, gate_up and down projections at TP 1, and of the same at TP 2.
-LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
-             (3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)]
 LM_HEAD = [(128256 // 2, 4096)]  # a GPTQ head with lm_head: true, one rank's vocabulary rows at TP 2
 TINY = (24, 256)  # below one tile of rows (N % 8 != 0 for block_n 16) and of columns for block_k 512
 # (block_n, block_k, num_warps, num_stages); block_k 1024 spans several groups, 256 is below a group of K.
@@ -36,43 +35,6 @@ CONFIGS = [(8, 512, 4, 1), (4, 1024, 8, 4), (16, 256, 4, 2)]
 
 
 # -- the formulas, in float64, written from the layout's definition -------------------------------------------
-
-
-def random_int4(n: int, k: int, group: int, device=DEVICE, seed: int = 0):
-    """(q [N, K] int64 in 0..15, scale_zero [N, K // group] int32): random scales, zero points 0..16."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), generator=g, device=device)
-    scale = torch.rand(n, k // group, generator=g, device=device) * 0.02 + 0.002
-    zero = torch.randint(0, 17, (n, k // group), generator=g, device=device)
-    return q, pack_scale_zero(scale, zero)
-
-
-def random_fp8(n: int, k: int, group_k: int, device=DEVICE, seed: int = 0):
-    """(weight float8_e4m3fn [N, K], scale float32 [N, ceil(K / group_k)])."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    weight = (torch.randn(n, k, generator=g, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.rand(n, -(-k // group_k), generator=g, device=device) * 1e-3 + 1e-4
-    return weight, scale
-
-
-def scale_and_zero(scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 (scale, zero) of scale-and-zero words: the float32 scale with its low 5 bits holding the zero."""
-    return (scale_zero & -32).view(torch.float32).double(), (scale_zero & 31).double()
-
-
-def int4_reference(q, scale_zero, group) -> torch.Tensor:
-    column_group = torch.arange(q.shape[1], device=q.device) // group
-    scale, zero = scale_and_zero(scale_zero)
-    return (q.double() - zero[:, column_group]) * scale[:, column_group]
-
-
-def fp8_reference(weight, scale, group_k) -> torch.Tensor:
-    column_group = torch.arange(weight.shape[1], device=weight.device) // group_k
-    return weight.double() * scale.double()[:, column_group]
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 # -- packing and dequantizing (plain torch, any device) --------------------------------------------------------

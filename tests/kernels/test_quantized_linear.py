@@ -16,6 +16,7 @@ from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.layers.quantized_linear import (BATCH_LIMITS, FP8_ACTIVATION_TOLERANCE, PackedLayout, PackedWeights,
                                                 check_packed, reference_weight)
 from shardserve.kernels.self_check import TOLERANCE, relative_error
+from tests.helpers.kernels import packed_layer
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -26,15 +27,6 @@ LAYOUTS = [PackedLayout("fp8", 0), PackedLayout("fp8", 128), PackedLayout("int4"
 GPU_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 4096), (4096, 2048), (14336, 4096),
               (4096, 7168), (24, 256)]
 CPU_SHAPES = [(48, 256), (24, 256)]
-
-
-def packed_layer(n: int, k: int, layout: PackedLayout, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """A column-parallel layer of [n, k], packed, loaded from random float weights (quantized at load)."""
-    layer = ColumnParallelLinear(k, {None: (0, n)}, False, dtype).to(DEVICE)
-    layer.packed = PackedWeights(layer, layout, DEVICE)
-    weights = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k ** -0.5
-    layer.weight.weight_loader(layer.weight, weights, None)
-    return layer
 
 
 def check_rows(layer, rows, dtype) -> None:

@@ -1,28 +1,3 @@
-"""transformers as the reference: its float32 greedy tokens for random prompts, computed once per model."""
+"""Moved to tests/helpers/reference.py; this name stays for the modules that still import it from here."""
 
-from __future__ import annotations
-
-import functools
-
-import torch
-
-
-def random_prompts(lengths: tuple[int, ...], seed: int = 1234) -> list[list[int]]:
-    """One prompt of each length, of word ids 5..999 (the tiny models' words), the same on every call."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 1000, (n,), generator=g).tolist() for n in lengths]
-
-
-@functools.lru_cache(maxsize=None)
-def transformers_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int
-                        ) -> tuple[tuple[int, ...], ...]:
-    """transformers' greedy continuation of each prompt alone, at float32."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
-            outputs.append(tuple(out[0, len(prompt):].tolist()))
-    return tuple(outputs)
+from tests.helpers.reference import random_prompts, transformers_greedy  # noqa: F401

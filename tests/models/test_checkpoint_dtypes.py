@@ -11,14 +11,14 @@ import torch
 
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from tests.helpers.reference import random_prompts
 
 NEW_TOKENS = 24
 PROMPT_LENGTHS = (5, 17, 40, 1, 9, 23)
 
 
 def _prompts(vocab: int = 1000) -> list[list[int]]:
-    g = torch.Generator().manual_seed(99)
-    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    return random_prompts(PROMPT_LENGTHS, seed=99, vocab=vocab)
 
 
 @functools.lru_cache(maxsize=None)

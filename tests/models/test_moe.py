@@ -11,13 +11,13 @@ import shutil
 import pytest
 import torch
 
-from tests.models.test_matches_transformers import _check_matches
+from tests.helpers.greedy import NEW_TOKENS, check_matches, prompts, reference
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3])
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
 def test_moe_greedy_tokens_match_transformers(tiny_model_dir, name, tp):
-    _check_matches(tiny_model_dir(name), name, tp, device="cpu")
+    check_matches(tiny_model_dir(name), name, tp, device="cpu")
 
 
 def test_experts_that_do_not_split_are_replicated(tiny_model_dir, caplog, monkeypatch):
@@ -25,7 +25,7 @@ def test_experts_that_do_not_split_are_replicated(tiny_model_dir, caplog, monkey
 
     monkeypatch.setattr(sharding, "_logged", set())  # logged once a process: maybe already, by another test
     with caplog.at_level("INFO"):
-        _check_matches(tiny_model_dir("qwen3-moe-odd"), "qwen3-moe-odd", 3, device="cpu")
+        check_matches(tiny_model_dir("qwen3-moe-odd"), "qwen3-moe-odd", 3, device="cpu")
     assert any("moe experts" in r.getMessage() and "replicat" in r.getMessage() for r in caplog.records)
 
 
@@ -54,9 +54,8 @@ def test_fused_expert_tensors_load_as_per_expert_ones(tiny_model_dir, tmp_path):
         index.unlink()
     assert json.loads((fused_dir / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     # The reference is transformers on the per-expert checkpoint: the same weights.
-    from tests.models.test_matches_transformers import _reference
 
-    _check_matches(str(fused_dir), "qwen3-moe (fused experts)", 2, device="cpu", expected=_reference(source))
+    check_matches(str(fused_dir), "qwen3-moe (fused experts)", 2, device="cpu", expected=reference(source))
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
@@ -80,14 +79,13 @@ def test_expert_parallel_matches_transformers(tiny_model_dir, name, tp, caplog):
     """--enable-expert-parallel: 4 experts, 2 whole experts a rank at TP 2; at TP 3 they do not divide, and each
     expert is split by features instead (logged)."""
     from shardserve import LLM, SamplingParams
-    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts, _reference
 
     model_dir = tiny_model_dir(name)
-    expected = _reference(model_dir)
+    expected = reference(model_dir)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with caplog.at_level("INFO"), LLM(model_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05,
                                       enable_expert_parallel=True) as llm:
-        outputs = llm.generate(_prompts(), greedy)
+        outputs = llm.generate(prompts(), greedy)
         layer = next(m for m in llm.engine.runner.model.modules() if type(m).__name__ == "SparseMoE")
         held = layer.experts_held
     assert [tuple(o.token_ids) for o in outputs] == list(expected)
@@ -100,7 +98,7 @@ def test_moe_greedy_tokens_match_transformers_on_a_gpu(tiny_model_dir, name):
     """The CUDA path (the fused kernel where it passed its start-up check, with CUDA graphs), float32."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    _check_matches(tiny_model_dir(name), name, 1, device="cuda")
+    check_matches(tiny_model_dir(name), name, 1, device="cuda")
 
 
 @pytest.mark.gpu
@@ -116,7 +114,6 @@ def test_router_choice_in_the_router_gemv_keeps_the_tokens_on_a_gpu(tiny_model_d
     import shardserve.kernels.triton.router_gemv as router_gemv
     from shardserve import LLM, SamplingParams
     from shardserve.layers import moe
-    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     launches = []
@@ -127,7 +124,7 @@ def test_router_choice_in_the_router_gemv_keeps_the_tokens_on_a_gpu(tiny_model_d
         monkeypatch.setenv(moe.ROUTE_ENV, route)
         with LLM(tiny_model_dir(name), tensor_parallel_size=tp, device="cuda", dtype="bfloat16",
                  kv_cache_memory_gb=0.05) as llm:
-            tokens[route] = [tuple(llm.generate([prompt], greedy)[0].token_ids) for prompt in _prompts()]
+            tokens[route] = [tuple(llm.generate([prompt], greedy)[0].token_ids) for prompt in prompts()]
             if route == "separate":
                 assert not launches
             layer = next(m for m in llm.engine.runner.model.modules() if isinstance(m, moe.SparseMoE))
@@ -188,16 +185,15 @@ def test_packed_experts_on_a_gpu(tiny_model_dir, tmp_path, scheme):
     aside in float32."""
     from shardserve import LLM, SamplingParams
     from shardserve.layers.moe_packed import packed_compute, packed_fused
-    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts, _reference
-    from tests.weights.test_quantized_checkpoints import _expert_blocks, write_quantized
+    from tests.helpers.quantized import expert_blocks, write_quantized
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe-64"), scheme, tmp_path)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.05) as llm:
-        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
-        blocks = _expert_blocks(llm)
+        outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
+        blocks = expert_blocks(llm)
         assert blocks and all(m.packed is not None for m in blocks)
         assert packed_compute(blocks[0].packed.view(blocks[0]), 2, torch.float32) is packed_fused
-    assert outputs == list(_reference(float_dir))
+    assert outputs == list(reference(float_dir))

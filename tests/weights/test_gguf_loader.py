@@ -355,7 +355,7 @@ def test_a_mixture_of_experts_gguf_is_served_at_two_ranks_with_transformers_toke
     greedy tokens at TP 2 equal transformers float32 on the checkpoint the file was written from."""
     import transformers
 
-    from tests.models.test_matches_transformers import _check_matches, _reference
+    from tests.helpers.greedy import check_matches, reference
 
     reader = gguf.GGUFReader(smollm2_gguf)
     tokenizer = {f.name: f.contents() for f in reader.fields.values() if f.name.startswith("tokenizer.")}
@@ -364,7 +364,7 @@ def test_a_mixture_of_experts_gguf_is_served_at_two_ranks_with_transformers_toke
     original = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     path = tmp_path / f"{name}.gguf"
     _moe_gguf(original, arch, path, tokenizer)
-    _check_matches(str(path), f"{name} GGUF", 2, device="cpu", expected=_reference(model_dir))
+    check_matches(str(path), f"{name} GGUF", 2, device="cpu", expected=reference(model_dir))
 
 
 @pytest.mark.parametrize("name, arch", [("mixtral", "llama"), ("qwen3-moe-odd", "qwen3moe"), ("qwen2-moe", "qwen2moe")])

@@ -13,144 +13,14 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from shardserve.config import ModelConfig
 from shardserve.weights.quantized import UnsupportedQuantization, parse_quantization
-from tests.models.test_matches_transformers import _check_matches, _reference
-
-FP8_MAX = 448.0
-
-
-def _quantize_fp8(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w / scale in float8_e4m3fn, and the value that encodes (scale broadcast against w)."""
-    q = (w / scale).to(torch.float8_e4m3fn)
-    return q, q.float() * scale
-
-
-def fp8_block(w: torch.Tensor, block: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    rows, cols = w.shape
-    nr, nc = -(-rows // block), -(-cols // block)
-    padded = torch.zeros(nr * block, nc * block)
-    padded[:rows, :cols] = w
-    amax = padded.abs().reshape(nr, block, nc, block).amax(dim=(1, 3))
-    scale = (amax / FP8_MAX).clamp_min(1e-12)
-    full = scale[:, None, :, None].expand(nr, block, nc, block).reshape(nr * block, nc * block)[:rows, :cols]
-    q, value = _quantize_fp8(w, full)
-    return {"weight": q, "weight_scale_inv": scale}, value
-
-
-def fp8_channel(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
-    q, value = _quantize_fp8(w, scale)
-    return {"weight": q, "weight_scale": scale}, value
-
-
-def _pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
-    """Eight 0..15 values per int32 along dim, value j in bits 4j..4j+3."""
-    v = values.numpy().astype(np.uint32)
-    v = v.reshape(-1, 8, v.shape[1]) if dim == 0 else v.reshape(v.shape[0], -1, 8)
-    packed = np.zeros(v.shape[:1] + v.shape[2:] if dim == 0 else v.shape[:2], dtype=np.uint32)
-    for j in range(8):
-        packed |= (v[:, j, :] if dim == 0 else v[:, :, j]) << np.uint32(4 * j)
-    return torch.from_numpy(packed.view(np.int32))
-
-
-def gptq(w: torch.Tensor, group: int, sym: bool, act_order: bool, seed: int
-         ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """GPTQ's storage of w [N, K] (round to nearest; the checkpoint format is what matters here)."""
-    n, k = w.shape
-    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else torch.arange(k)
-    g_idx = torch.empty(k, dtype=torch.int32)
-    g_idx[order] = (torch.arange(k) // group).to(torch.int32)
-    groups = -(-k // group)
-    q = torch.empty(k, n, dtype=torch.int64)
-    scales = torch.empty(groups, n, dtype=torch.float16)
-    zeros = torch.empty(groups, n, dtype=torch.int64)
-    value = torch.empty(n, k)
-    for g in range(groups):
-        cols = (g_idx == g).nonzero().flatten()
-        part = w[:, cols]
-        if sym:
-            scale = (part.abs().amax(dim=1) / 7).clamp_min(1e-6).half()
-            zero = torch.full((n,), 8, dtype=torch.int64)
-        else:
-            low, high = part.amin(dim=1).clamp(max=0), part.amax(dim=1).clamp(min=0)
-            scale = ((high - low) / 15).clamp_min(1e-6).half()
-            zero = (-low / scale.float()).round().clamp(0, 15).long()
-        codes = (part / scale.float()[:, None]).round().long().add(zero[:, None]).clamp(0, 15)
-        q[cols] = codes.t()
-        scales[g], zeros[g] = scale, zero
-        value[:, cols] = (codes - zero[:, None]).float() * scale.float()[:, None]
-    tensors = {"qweight": _pack_int4(q, 0), "qzeros": _pack_int4(zeros - 1, 1), "scales": scales, "g_idx": g_idx}
-    return tensors, value
-
-
-SCHEMES = {
-    "fp8-block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [32, 32]},
-                  lambda w, seed: fp8_block(w, 32)),
-    "fp8-channel": ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-                     "config_groups": {"group_0": {
-                         "targets": ["Linear"],
-                         "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
-                         "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                               "dynamic": True}}}},
-                    lambda w, seed: fp8_channel(w)),
-    "gptq-sym-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
-                      "checkpoint_format": "gptq"},
-                     lambda w, seed: gptq(w, 32, sym=True, act_order=False, seed=seed)),
-    "gptq-asym-g128-act-order": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False,
-                                  "desc_act": True, "checkpoint_format": "gptq"},
-                                 lambda w, seed: gptq(w, 128, sym=False, act_order=True, seed=seed)),
-}
-
-# The untied LM head quantized as well: GPTQModel's and AutoRound's `lm_head: true` (groups of 32 over its 128
-# inputs), and a compressed-tensors FP8 checkpoint that does not ignore it (a scale per vocabulary row).
-HEAD_SCHEMES = {"gptq-sym-g32-head": ({**SCHEMES["gptq-sym-g32"][0], "lm_head": True}, SCHEMES["gptq-sym-g32"][1]),
-                "fp8-channel-head": ({**SCHEMES["fp8-channel"][0], "ignore": []}, SCHEMES["fp8-channel"][1])}
-
-
-def _linear_weights(tensors: dict[str, torch.Tensor], head: bool = False) -> list[str]:
-    return [n for n in tensors if n.startswith("model.layers.") and n.endswith("_proj.weight")
-            or head and n == "lm_head.weight"]
-
-
-def write_quantized(source: str, scheme: str, root) -> tuple[str, str]:
-    """The checkpoint at `source` with its attention and MLP (expert) projections (and LM head, for HEAD_SCHEMES)
-    quantized by `scheme`, each layer's tensors spread over two files; and a float checkpoint of the values they
-    encode."""
-    quant_config, quantize = {**SCHEMES, **HEAD_SCHEMES}[scheme]
-    tensors = {}
-    for name in os.listdir(source):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(source, name)))
-    quant_dir, float_dir = root / "quantized", root / "float"
-    for path in (quant_dir, float_dir):
-        shutil.copytree(source, path)
-        for name in os.listdir(path):
-            if "safetensors" in name:
-                os.remove(path / name)
-    linear = _linear_weights(tensors, head=scheme in HEAD_SCHEMES)
-    first, second, values = {}, {}, dict(tensors)
-    for i, name in enumerate(linear):
-        parts, values[name] = quantize(tensors[name], i)
-        module = name.removesuffix(".weight")
-        for j, (part, tensor) in enumerate(sorted(parts.items())):
-            (first if j % 2 == 0 else second)[f"{module}.{part}"] = tensor.contiguous()
-    first.update({n: t for n, t in tensors.items() if n not in linear})
-    save_file(first, quant_dir / "model-00001-of-00002.safetensors")
-    save_file(second, quant_dir / "model-00002-of-00002.safetensors")
-    weight_map = {n: "model-00001-of-00002.safetensors" for n in first}
-    weight_map |= {n: "model-00002-of-00002.safetensors" for n in second}
-    (quant_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((quant_dir / "config.json").read_text())
-    config["quantization_config"] = quant_config
-    (quant_dir / "config.json").write_text(json.dumps(config))
-    save_file(values, float_dir / "model.safetensors")
-    return str(quant_dir), str(float_dir)
+from tests.helpers.greedy import NEW_TOKENS, check_matches, prompts, reference
+from tests.helpers.quantized import HEAD_SCHEMES, SCHEMES, expert_blocks, fp8_channel, linear_weights, write_quantized
 
 
 @pytest.fixture(scope="module")
@@ -165,28 +35,27 @@ def quantized_dirs(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_quantized_checkpoints_give_transformers_tokens_on_the_encoded_values(quantized_dirs, scheme, tp):
     quant_dir, float_dir = quantized_dirs[scheme]
-    _check_matches(quant_dir, f"llama-untied {scheme}", tp, device="cpu", expected=_reference(float_dir))
+    check_matches(quant_dir, f"llama-untied {scheme}", tp, device="cpu", expected=reference(float_dir))
 
 
 @pytest.mark.parametrize("scheme", ["fp8-block", "gptq-sym-g32"])
 def test_a_quantized_mixture_of_experts_at_two_ranks_and_with_expert_parallelism(tiny_model_dir, tmp_path, scheme):
     """Qwen3-MoE with every expert's projections quantized (the router stays float, as in Qwen3-30B-A3B-FP8)."""
     from shardserve import LLM, SamplingParams
-    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
     quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe"), scheme, tmp_path)
-    expected = _reference(float_dir)
-    _check_matches(quant_dir, f"qwen3-moe {scheme}", 2, device="cpu", expected=expected)
+    expected = reference(float_dir)
+    check_matches(quant_dir, f"qwen3-moe {scheme}", 2, device="cpu", expected=expected)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.05,
              enable_expert_parallel=True) as llm:
-        assert [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)] == list(expected)
+        assert [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)] == list(expected)
 
 
 def test_the_encoded_values_differ_from_the_float_weights(quantized_dirs, tiny_model_dir):
     """The reference above is not the unquantized model: a loader that read the float weights would fail."""
     quant_dir, float_dir = quantized_dirs["gptq-asym-g128-act-order"]
-    assert _reference(float_dir) != _reference(tiny_model_dir("llama-untied"))
+    assert reference(float_dir) != reference(tiny_model_dir("llama-untied"))
 
 
 def test_the_config_names_the_scheme():
@@ -234,7 +103,6 @@ def test_a_symmetric_gptq_checkpoint_decodes_from_4_bit_blocks_on_cpu(quantized_
     from shardserve import LLM, SamplingParams
     from shardserve.layers.linear import KernelLinear
     from shardserve.layers.linear_kernels import build_linear_kernel
-    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
     if build_linear_kernel("blockq-decode")[0] is None:
         pytest.skip(build_linear_kernel("blockq-decode")[1])
@@ -242,12 +110,12 @@ def test_a_symmetric_gptq_checkpoint_decodes_from_4_bit_blocks_on_cpu(quantized_
     quant_dir, float_dir = quantized_dirs["gptq-sym-g32"]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
-        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+        outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
         layers = [m for name, m in llm.engine.runner.model.named_modules()
                   if isinstance(m, KernelLinear) and ".layers." in f".{name}"]
         compact = [len(m.prepared) == 4 for m in layers]  # the float32 form, then q, d, m
     assert layers and all(compact), f"{compact.count(False)} of {len(layers)} layers kept no 4-bit copy"
-    assert outputs == list(_reference(float_dir))
+    assert outputs == list(reference(float_dir))
 
 
 @pytest.mark.parametrize("scheme, tp", [(s, 2) for s in sorted(SCHEMES)] + [("fp8-block", 4), ("gptq-sym-g32", 4),
@@ -257,19 +125,18 @@ def test_packed_quantized_layers_give_transformers_tokens(quantized_dirs, scheme
     and act order's column order, sliced per rank), kept packed here on CPU, where each product dequantizes: the
     tokens are transformers' on the encoded values. An act-order layer split by columns (TP > 1) stays unpacked."""
     from shardserve import LLM, SamplingParams
-    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
     monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
     quant_dir, float_dir = quantized_dirs[scheme]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
-        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+        outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
         packed = {name.split(".")[-1]: type(m.packed).__name__ for name, m in llm.engine.runner.model.named_modules()
                   if getattr(m, "packed", None) is not None}
     unsplit = ["qkv_proj", "gate_up_proj"]
     split = [] if scheme.endswith("act-order") and tp > 1 else ["o_proj", "down_proj"]
     assert sorted(packed) == sorted(unsplit + split)
-    assert outputs == list(_reference(float_dir))
+    assert outputs == list(reference(float_dir))
 
 
 @pytest.mark.parametrize("scheme, tp, layers", [("gptq-sym-g32-head", 2, "auto"), ("gptq-sym-g32-head", 3, "packed"),
@@ -280,21 +147,20 @@ def test_a_checkpoint_with_a_quantized_lm_head(quantized_dirs, monkeypatch, sche
     values they encode (CPU default) or kept packed. The tokens are transformers' on the encoded values, not those
     of the head left float."""
     from shardserve import LLM, SamplingParams
-    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
     monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", layers)
     quant_dir, float_dir = quantized_dirs[scheme]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
-        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+        outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
         head = llm.engine.runner.model.lm_head
         held = (head.packed is not None, head.weight.dtype, tuple(head.weight.shape))
     rows = -(-1000 // tp)
     packed = (True, torch.uint8, (rows, 64)) if scheme.startswith("gptq") else (True, torch.float8_e4m3fn, (rows, 128))
     assert held == packed if layers == "packed" else not held[0]
-    assert outputs == list(_reference(float_dir))
+    assert outputs == list(reference(float_dir))
     if layers == "packed":  # against the same scheme with the head left float
-        assert _reference(float_dir) != _reference(quantized_dirs[scheme.removesuffix("-head")][1])
+        assert reference(float_dir) != reference(quantized_dirs[scheme.removesuffix("-head")][1])
 
 
 def test_a_packed_lm_head_keeps_zeros_past_the_vocabulary():
@@ -331,7 +197,7 @@ def test_a_quantized_lm_head_tied_to_the_embedding_is_refused():
 def test_plan_counts_a_quantized_lm_head_packed():
     """A GPTQ Llama-3-8B with `lm_head: true`: the head's 128,256 x 4,096 weights at 0.53 bytes rather than 2."""
     from shardserve.planner import PlanRequest, plan
-    from tests.test_planner import LLAMA3_8B
+    from tests.helpers.configs import LLAMA3_8B
 
     gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
     plans = [plan({**LLAMA3_8B, "quantization_config": {**gptq, "lm_head": head}},
@@ -349,7 +215,7 @@ def test_a_compressed_tensors_config_says_whether_its_lm_head_is_quantized(ignor
     """The head is quantized where a config group targets it and `ignore` does not name it (and it is not the tied
     embedding); the planner then counts it at a byte a weight, as start-up keeps it, and says so."""
     from shardserve.planner import PlanRequest, plan
-    from tests.test_planner import LLAMA3_8B
+    from tests.helpers.configs import LLAMA3_8B
 
     fp8 = {**SCHEMES["fp8-channel"][0], "ignore": ignore}
     fp8["config_groups"] = {"group_0": {**fp8["config_groups"]["group_0"], "targets": targets}}
@@ -380,18 +246,17 @@ def test_quantization_fp8_rounds_a_float_checkpoint_at_load(tiny_model_dir, tmp_
     float_dir = tmp_path / "fp8-values"
     shutil.copytree(source, float_dir, ignore=shutil.ignore_patterns("*.safetensors*"))
     row_parallel = ("o_proj.weight", "down_proj.weight")
-    values = {n: _fp8_rows(t, tp if n.endswith(row_parallel) else 1) if n in _linear_weights(tensors) else t
+    values = {n: _fp8_rows(t, tp if n.endswith(row_parallel) else 1) if n in linear_weights(tensors) else t
               for n, t in tensors.items()}
     save_file(values, float_dir / "model.safetensors")
     from shardserve import LLM, SamplingParams
-    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(source, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05, quantization="fp8") as llm:
-        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+        outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
         assert "fp8" in llm.engine.runner.plan.quantized
-    assert outputs == list(_reference(str(float_dir)))
-    assert _reference(str(float_dir)) != _reference(source)
+    assert outputs == list(reference(str(float_dir)))
+    assert reference(str(float_dir)) != reference(source)
 
 
 def test_quantization_fp8_refuses_a_quantized_checkpoint(quantized_dirs):
@@ -407,7 +272,6 @@ def test_packed_quantized_layers_on_a_gpu(quantized_dirs, scheme):
     """On CUDA the layers stay packed by default and run the GPU kernels (float32 activations: the single-row
     GEMVs and dequantize + matmul): transformers' tokens on the encoded values, at one rank and at two."""
     from shardserve import LLM, SamplingParams
-    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -415,10 +279,10 @@ def test_packed_quantized_layers_on_a_gpu(quantized_dirs, scheme):
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     for tp in [1, 2] if torch.cuda.device_count() >= 2 else [1]:
         with LLM(quant_dir, tensor_parallel_size=tp, device="cuda", dtype="float32", kv_cache_memory_gb=0.05) as llm:
-            outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
+            outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
             assert "packed on" in llm.engine.runner.plan.quantized, llm.engine.runner.plan.quantized
             assert (llm.engine.runner.model.lm_head.packed is not None) == (scheme in HEAD_SCHEMES)
-        assert outputs == list(_reference(float_dir)), f"{scheme} TP={tp}"
+        assert outputs == list(reference(float_dir)), f"{scheme} TP={tp}"
 
 
 def test_an_unknown_online_quantization_is_refused_naming_the_accepted_one():
@@ -433,7 +297,7 @@ def test_an_unknown_online_quantization_is_refused_naming_the_accepted_one():
 
 def test_plan_counts_fp8_at_load(tmp_path):
     """shardserve plan --quantization fp8: the projections at a byte a weight, named in a warning."""
-    from tests.test_planner import LLAMA3_8B
+    from tests.helpers.configs import LLAMA3_8B
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA3_8B))
@@ -444,10 +308,6 @@ def test_plan_counts_fp8_at_load(tmp_path):
     assert any("fp8 at load" in w for w in plans[1]["warnings"])
 
 
-def _expert_blocks(llm) -> list:
-    return [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "SparseMoE"]
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("scheme", ["fp8-block", "gptq-sym-g32"])
 def test_packed_experts_give_transformers_tokens(tiny_model_dir, tmp_path, monkeypatch, scheme, tp):
@@ -455,33 +315,31 @@ def test_packed_experts_give_transformers_tokens(tiny_model_dir, tmp_path, monke
     dequantizes the chosen experts): a byte (FP8) or half a byte (4-bit) a weight on each rank, and transformers'
     tokens on the encoded values."""
     from shardserve import LLM, SamplingParams
-    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
     monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
     quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe-64"), scheme, tmp_path)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
-        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
-        blocks = _expert_blocks(llm)
+        outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
+        blocks = expert_blocks(llm)
         weights_held = 2 * 4 * (64 // tp) * 96  # w13's weights on a rank: 4 experts, gate and up rows, H = 96
         held = [(m.packed is not None, m.w13.dtype, m.w13.element_size() * m.w13.numel() / weights_held)
                 for m in blocks]
     want_dtype, bytes_per_weight = (torch.float8_e4m3fn, 1.0) if scheme.startswith("fp8") else (torch.uint8, 0.5)
     assert blocks and held == [(True, want_dtype, bytes_per_weight)] * len(blocks)
-    assert outputs == list(_reference(float_dir))
+    assert outputs == list(reference(float_dir))
 
 
 def test_experts_whose_slice_splits_a_scale_group_stay_dequantized(tiny_model_dir, tmp_path, monkeypatch):
     """48 expert features in two ranks of 24 split FP8's blocks of 32: the experts are held dequantized (logged) and
     the tokens stay transformers'."""
     from shardserve import LLM, SamplingParams
-    from tests.models.test_matches_transformers import NEW_TOKENS, _prompts
 
     monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
     quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe"), "fp8-block", tmp_path)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.05) as llm:
-        outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy)]
-        blocks = _expert_blocks(llm)
+        outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
+        blocks = expert_blocks(llm)
         assert blocks and all(m.packed is None and m.w13.dtype == torch.float32 for m in blocks)
-    assert outputs == list(_reference(float_dir))
+    assert outputs == list(reference(float_dir))
