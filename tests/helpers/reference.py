@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -14,15 +16,31 @@ def random_prompts(lengths, seed: int = 1234, vocab: int = 1000) -> list[list[in
     return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread inside, and the count it had after. A reference computation's tokens do not depend on
+    it, but its time did: the test process keeps whatever count the last engine it started chose, and two OpenMP
+    threads on a 2-core machine whose cores other processes hold (the ranks of a test, another pytest) made
+    SmolLM2's matmuls 20 times slower than one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @functools.lru_cache(maxsize=None)
-def transformers_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int
-                        ) -> tuple[tuple[int, ...], ...]:
-    """transformers' greedy continuation of each prompt alone, at float32."""
+def transformers_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int,
+                        gguf_file: str | None = None) -> tuple[tuple[int, ...], ...]:
+    """transformers' greedy continuation of each prompt alone, at float32 (of a GGUF file in model_dir:
+    dequantized by transformers' own loader)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
     outputs = []
-    with torch.inference_mode():
+    with one_torch_thread(), torch.inference_mode():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
         for prompt in prompts:
             out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
             outputs.append(tuple(out[0, len(prompt):].tolist()))

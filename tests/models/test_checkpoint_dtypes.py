@@ -4,14 +4,12 @@ linear kernel; and a request gives the same tokens alone as inside a batch."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
-from tests.helpers.reference import random_prompts
+from tests.helpers.reference import random_prompts, transformers_greedy
 
 NEW_TOKENS = 24
 PROMPT_LENGTHS = (5, 17, 40, 1, 9, 23)
@@ -21,20 +19,11 @@ def _prompts(vocab: int = 1000) -> list[list[int]]:
     return random_prompts(PROMPT_LENGTHS, seed=99, vocab=vocab)
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(model_dir: str, gguf_file: str | None = None, new_tokens: int = NEW_TOKENS,
-               vocab: int = 1000) -> tuple[tuple[int, ...], ...]:
-    """transformers in float32 on the checkpoint's values (16-bit weights widen exactly; GGUF is dequantized)."""
-    from transformers import AutoModelForCausalLM
-
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in _prompts(vocab):
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
-            outputs.append(tuple(out[0, len(prompt):].tolist()))
-    return tuple(outputs)
+def _reference(model_dir: str, gguf_file: str | None = None, new_tokens: int = NEW_TOKENS, vocab: int = 1000,
+               count: int = len(PROMPT_LENGTHS)) -> tuple[tuple[int, ...], ...]:
+    """transformers in float32 on the checkpoint's values (16-bit weights widen exactly; GGUF is dequantized), for
+    the first `count` prompts."""
+    return transformers_greedy(model_dir, tuple(map(tuple, _prompts(vocab)[:count])), new_tokens, gguf_file)
 
 
 def _alone_and_batched(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[list, list]:
@@ -91,7 +80,7 @@ def test_a_quantized_gguf_matches_transformers_on_its_dequantized_weights(smollm
     monkeypatch.delenv("SHARDSERVE_LINEAR_KERNEL", raising=False)
     path = Path(smollm2_gguf)
     prompts = _prompts(49152)[:3]
-    expected = _reference(str(path.parent), path.name, 12, 49152)[:3]
+    expected = _reference(str(path.parent), path.name, 12, 49152, count=3)
     linear = _check(smollm2_gguf, tp, expected, prompts, 12, "Q4_1 GGUF")
     from shardserve.layers.linear_kernels import build_linear_kernel
 
