@@ -53,3 +53,17 @@ def tiny_model_dir(tmp_path_factory):
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_ranks_forked():
+    """The ranks that engines started in this process spawn (LLM or serve_model at TP > 1) are forked from a
+    server that has imported torch (tests/ranks.py) rather than started as new interpreters: the same worker
+    code, in a fresh process with this process's environment, seconds sooner each. `shardserve serve` started
+    as a subprocess (tests/serving.py's serve_cli and the launch tests) still spawns its ranks itself."""
+    from shardserve.distributed import launcher
+    from tests.ranks import ForkedRanks
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launcher, "mp", ForkedRanks())
+        yield

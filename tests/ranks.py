@@ -29,6 +29,18 @@ def _run_in(env: dict[str, str], target: Callable, *args) -> None:
     target(*args)
 
 
+class ForkedRanks:
+    """multiprocessing's context as shardserve.distributed.launcher uses it ("spawn"), but forking each rank from
+    the torch-importing server above, with the environment of the moment: during the tests, an engine's ranks
+    run the launcher's own worker code from the start, only without the seconds of importing torch again."""
+
+    def get_context(self, method: str | None = None) -> BaseContext | ForkedRanks:
+        return self if method == "spawn" else mp.get_context(method)
+
+    def Process(self, target: Callable, args: tuple = (), **kwargs):  # noqa: N802 - multiprocessing's name
+        return _context().Process(target=_run_in, args=(dict(os.environ), target, *args), **kwargs)
+
+
 def run_ranks(target: Callable, world_size: int, *args, timeout: float = 120) -> dict[int, str]:
     """Start target(rank, port, *args, results) for every rank; returns {rank: what it put in results}.
 
