@@ -31,16 +31,23 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @functools.lru_cache(maxsize=None)
-def transformers_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int,
-                        gguf_file: str | None = None) -> tuple[tuple[int, ...], ...]:
-    """transformers' greedy continuation of each prompt alone, at float32 (of a GGUF file in model_dir:
-    dequantized by transformers' own loader)."""
+def transformers_model(model_dir: str, gguf_file: str | None = None) -> torch.nn.Module:
+    """transformers' float32 model of model_dir (of a GGUF file in it: dequantized by transformers' own loader,
+    tens of seconds for SmolLM2), loaded once a session; callers only read it."""
     from transformers import AutoModelForCausalLM
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
+    with one_torch_thread():
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int,
+                        gguf_file: str | None = None) -> tuple[tuple[int, ...], ...]:
+    """transformers' greedy continuation of each prompt alone, at float32."""
+    model = transformers_model(model_dir, gguf_file)
     outputs = []
     with one_torch_thread(), torch.inference_mode():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
         for prompt in prompts:
             out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
             outputs.append(tuple(out[0, len(prompt):].tolist()))

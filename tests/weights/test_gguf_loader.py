@@ -206,13 +206,13 @@ def test_header_skips_array_items_but_keeps_their_count(smollm2_gguf: str) -> No
 
 @pytest.fixture(scope="module")
 def reference_model(smollm2_gguf: str) -> torch.nn.Module:
-    """transformers' own load of the GGUF file (tens of seconds: loaded once)."""
+    """transformers' own load of the GGUF file (tens of seconds: loaded once a session, shared with the tests
+    that compare tokens with it)."""
     pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
+    from tests.helpers.reference import transformers_model
 
     path = Path(smollm2_gguf)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+    return transformers_model(str(path.parent), path.name)
 
 
 @pytest.fixture(scope="module")
