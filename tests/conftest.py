@@ -57,10 +57,14 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def _engine_ranks_forked():
-    """The ranks that engines started in this process spawn (LLM or serve_model at TP > 1) are forked from a
-    server that has imported torch (tests/ranks.py) rather than started as new interpreters: the same worker
-    code, in a fresh process with this process's environment, seconds sooner each. `shardserve serve` started
-    as a subprocess (tests/serving.py's serve_cli and the launch tests) still spawns its ranks itself."""
+    """Without CUDA, the ranks that engines started in this process spawn (LLM or serve_model at TP > 1) are
+    forked from a server that has imported torch (tests/ranks.py) rather than started as new interpreters: the
+    same worker code, in a fresh process with this process's environment, seconds sooner each. `shardserve
+    serve` started as a subprocess (tests/serving.py's serve_cli and the launch tests), and every engine on a
+    machine with CUDA, still spawn their ranks."""
+    if torch.cuda.is_available():
+        yield
+        return
     from shardserve.distributed import launcher
     from tests.ranks import ForkedRanks
 

@@ -13,12 +13,18 @@ _CONTEXT: BaseContext | None = None
 
 
 def _context() -> BaseContext:
-    """The forkserver context, with torch imported once in the server: a rank then starts in a fraction of the
-    seconds a fresh interpreter takes to import torch (several on a 2-core machine)."""
+    """On a machine without CUDA, the forkserver context, with torch imported once in the server: a rank then
+    starts in a fraction of the seconds a fresh interpreter takes to import torch (several on a 2-core machine).
+    With CUDA, spawn, as the engine itself starts ranks."""
     global _CONTEXT
     if _CONTEXT is None:
-        _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+        import torch
+
+        if torch.cuda.is_available():
+            _CONTEXT = mp.get_context("spawn")
+        else:
+            _CONTEXT = mp.get_context("forkserver")
+            _CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
     return _CONTEXT
 
 
@@ -45,7 +51,8 @@ def run_ranks(target: Callable, world_size: int, *args, timeout: float = 120) ->
     """Start target(rank, port, *args, results) for every rank; returns {rank: what it put in results}.
 
     `target` must be a module-level function; each rank puts one (rank, outcome) pair into `results`. Each rank
-    is a fresh process (forked from a server that has only imported torch) with this process's environment.
+    is a fresh process (without CUDA, forked from a server that has only imported torch) with this process's
+    environment.
     """
     context = _context()
     results = context.Queue()
