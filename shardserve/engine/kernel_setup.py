@@ -25,8 +25,8 @@ from shardserve.engine.kv_cache import allocate_kv_cache
 from shardserve.wire.step_plan import SeqChunk
 from shardserve.kernels import cpu_extensions
 from shardserve.kernels.plan import KernelPlan, KernelPlanError
-from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, check_linear,
-                                           head_norm_reference, relative_error, rotate_reference)
+from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, check_delta_net,
+                                           check_linear, head_norm_reference, relative_error, rotate_reference)
 from shardserve.layers import packed_batches
 from shardserve.layers import quantized_linear as ql
 from shardserve.layers.linear import KernelLinear
@@ -280,6 +280,37 @@ def checked_attention(backend, attn, rotary, dtype, device, block_size, ctx: Ran
             return fallback
         problems += more
     raise KernelPlanError("no attention backend passed its start-up check against a float64 reference, so "
+                          "start-up stops here:\n  " + "\n  ".join(problems))
+
+
+def checked_delta_net(model: nn.Module, dtype: torch.dtype, device: torch.device, ctx: RankContext) -> str:
+    """The Gated DeltaNet layers' kernels if they pass their check on every rank (on the first layer's head
+    sizes: every layer has the same); otherwise, with a WARNING, the torch ones on every layer if those pass.
+    Start-up stops when neither does. Returns the kernels' name ("" for a model without such layers)."""
+    from shardserve.layers.deltanet_kernels import TorchDeltaNetKernels, delta_net_kernels
+    from shardserve.layers.gated_deltanet import GatedDeltaNet
+
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    if not layers:
+        return ""
+    first = layers[0]
+    sizes = (first.key_heads, first.value_heads, first.dims.key_dim, first.dims.value_dim, first.dims.conv_kernel)
+    kernels = first.kernels or delta_net_kernels(device)
+    problems = _failures(_only_failed(check_delta_net(kernels, *sizes, dtype, device)), ctx)
+    if not problems:
+        return kernels.name
+    if type(kernels) is not TorchDeltaNetKernels:
+        if ctx.is_driver:
+            logger.warning("Gated DeltaNet kernels %s failed their start-up check, using torch instead: %s",
+                           kernels.name, "; ".join(problems))
+        fallback = TorchDeltaNetKernels()
+        more = _failures(_only_failed(check_delta_net(fallback, *sizes, dtype, device)), ctx)
+        if not more:
+            for layer in layers:
+                layer.kernels = fallback
+            return fallback.name
+        problems += more
+    raise KernelPlanError("no Gated DeltaNet kernels passed their start-up check against a float64 reference, so "
                           "start-up stops here:\n  " + "\n  ".join(problems))
 
 

@@ -79,6 +79,9 @@ class ModelRunner:
             self.attention = kernel_setup.checked_attention(self.attention, attn, self.model.model.rotary,
                                                             self.dtype, self.device, self.block_size, ctx)
         self.plan = self.plan.with_results(attention=self.attention.name)
+        with self.self_check, setup_step("check the Gated DeltaNet kernels", ctx.rank):
+            self.plan = self.plan.with_results(delta_net=kernel_setup.checked_delta_net(self.model, self.dtype,
+                                                                                        self.device, ctx))
         self.all_reduce_choice: all_reduce.AllReduceChoice | None = None
         self.graphs: CudaGraphRunner | None = None
         self.host_weights: HostCopy | None = None  # while the weights sleep at level 1
@@ -97,25 +100,30 @@ class ModelRunner:
 
     def _allocate_kv_cache(self):
         """The KV cache of the attention layers (returned) and, beside it, a zeroed recurrent-state pool of
-        max_num_seqs slots per linear-attention layer (self.state_pools; Scheduler hands out the slots)."""
-        self.state_pools = self.model.state_pools(self.config.max_num_seqs, self.device)
+        max_num_seqs slots per linear-attention layer (self.state_pools; Scheduler hands out the slots). In the
+        stable arena both keep their addresses across sleep and wake, so the decode graphs stay valid."""
         shape = (len(self.model_config.kv_layers), self.num_blocks, self.block_size, self.model.kv_heads_per_rank(),
                  self.model_config.head_dim)
         if self.weight_arena is None:
+            self.state_pools = self.model.state_pools(self.config.max_num_seqs, self.device)
             return allocate_kv_cache(*shape, self.dtype, self.device)
         if self.kv_arena is None:
-            self.kv_arena, self._kv_tensor = stable_memory.kv_cache_in_arena(
-                shape[0], shape[1] * shape[2], shape[3], shape[4], self.dtype, self.device)
+            layout = self.model.state_pools(self.config.max_num_seqs, torch.device("meta"))
+            self.kv_arena, self._kv_tensor, views = stable_memory.kv_cache_in_arena(
+                shape[0], shape[1] * shape[2], shape[3], shape[4], self.dtype, self.device,
+                [t for pool in layout.values() for t in pool])
+            views = iter(views)
+            self._arena_pools = {i: type(pool)(*(next(views) for _ in pool)) for i, pool in layout.items()}
         self.kv_arena.map()
+        self.state_pools = self._arena_pools
+        for pool in self.state_pools.values():
+            for t in pool:
+                t.zero_()
         return kv_cache_layers(self._kv_tensor, self.block_size)
 
     def _capture_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager or not hasattr(self.attention,
                                                                                   "static_decode_metadata"):
-            return
-        if self.state_pools:
-            logger.warning("no CUDA graphs: the decode graphs do not take the linear-attention layers' state "
-                           "slots yet; decode runs eagerly")
             return
         unsafe = [name for name, module in self.model.named_modules() if getattr(module, "graph_safe", True) is False]
         if unsafe:
@@ -126,7 +134,7 @@ class ModelRunner:
         split_sizes = self.all_reduce_choice.split_sizes if self.all_reduce_choice else frozenset()
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.attention, self.ctx.comm,
                                       self.config.max_num_seqs, self.max_model_len, split_sizes,
-                                      self._hidden_bytes_per_token())
+                                      self._hidden_bytes_per_token(), self.state_pools)
         self.graphs.capture_all()
 
     # -- sleep / wake -----------------------------------------------------------------------------
@@ -428,6 +436,7 @@ class ModelRunner:
             if device_tokens is not None:  # None: a later rank whose graph receives every token itself
                 device_tokens = self._input_tokens(plan, batch, device_tokens)
         if graphed:
+            self._zero_fresh_slots(batch)
             logits = self.graphs.run(batch, device_tokens)
             if logits is not None and len(batch.sample_rows) < batch.num_tokens:
                 logits = logits[self._long(batch.sample_rows)]
@@ -442,19 +451,25 @@ class ModelRunner:
 
     def _layer_caches(self, batch: StepBatch) -> list:
         """Every layer's cache for this step, in layer order: the KV cache's layers, and for each linear-attention
-        layer (pool, the chunks' slots, batch.row_start). Slots of chunks that start a sequence are zeroed first."""
+        layer (pool, the chunks' slots, batch.row_start, or None where every chunk is one token). Slots of chunks
+        that start a sequence are zeroed first."""
         if not self.state_pools:
             return self.kv_caches
+        self._zero_fresh_slots(batch)
         slots = self._long(batch.state_slots)
-        fresh = [c.state_slot for c in batch.chunks if c.start_position == 0]
+        starts = None if batch.decode_only else batch.row_start
+        kv = iter(self.kv_caches)
+        return [(self.state_pools[i], slots, starts) if i in self.state_pools else next(kv)
+                for i in range(self.model_config.num_layers)]
+
+    def _zero_fresh_slots(self, batch: StepBatch) -> None:
+        """Zero the state slots of the chunks that start a sequence (a one-token prompt is one in a decode step)."""
+        fresh = [c.state_slot for c in batch.chunks if c.start_position == 0 and c.state_slot >= 0]
         if fresh:
             fresh_slots = self._long(fresh)
             for pool in self.state_pools.values():
                 for t in pool:
                     t.index_fill_(0, fresh_slots, 0)
-        kv = iter(self.kv_caches)
-        return [(self.state_pools[i], slots, batch.row_start) if i in self.state_pools else next(kv)
-                for i in range(self.model_config.num_layers)]
 
     def _shared_tokens(self, plan: StepPlan, device_tokens: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's tokens from the device, on every rank (rank 0 sends them; the others pass None)."""
