@@ -271,9 +271,12 @@ def phase_engine(args) -> dict:
     _, agree = run(random_prompts(AGREE_PROMPTS, 64, 9), AGREE_TOKENS)
     out["agreement_tokens"] = [r.token_ids for r in agree]
 
+    if args.long_prompt:  # one long prompt's prefill (and its first token), after one of the same length
+        seconds = [run(random_prompts(1, args.long_prompt, 50 + i), 1)[0] for i in range(2)]
+        out["long_prompt_tokens"], out["long_prompt_prefill_s"] = args.long_prompt, seconds[1]
     run(random_prompts(32, 256, 10), 32)  # warm up prefill shapes
     rates = []
-    for i in range(OFFLINE_REPEATS):
+    for i in range(args.offline_repeats):
         prompts = random_prompts(OFFLINE_REQUESTS, OFFLINE_PROMPT, 11 + i)  # fresh prompts: no prefix-cache hits
         seconds, results = run(prompts, OFFLINE_OUTPUT)
         produced = sum(len(r.token_ids) for r in results)
@@ -282,9 +285,6 @@ def phase_engine(args) -> dict:
     out["offline_output_tok_s"] = statistics.median(rates)
     out["offline_samples"] = rates
     out["preemptions"] = llm.engine.scheduler.num_preemptions
-    if args.long_prompt:  # one long prompt's prefill (and its first token), after one of the same length
-        seconds = [run(random_prompts(1, args.long_prompt, 50 + i), 1)[0] for i in range(2)]
-        out["long_prompt_tokens"], out["long_prompt_prefill_s"] = args.long_prompt, seconds[1]
     # Report before shutting down: a teardown that hangs must not lose the measurements.
     print("RESULT " + json.dumps(out), flush=True)
     llm.shutdown()
@@ -517,7 +517,8 @@ def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
     """Run one phase in a fresh process (and session). On a hang, every process of the phase (its
     spawned ranks too) is sent SIGABRT, which with PYTHONFAULTHANDLER set prints each one's stack."""
     cmd = [sys.executable, __file__, "--phase", name, "--model", args.model, "--model-dir", args.model_dir,
-           "--max-batched-tokens", str(args.max_batched_tokens), "--long-prompt", str(args.long_prompt), *extra]
+           "--max-batched-tokens", str(args.max_batched_tokens), "--long-prompt", str(args.long_prompt),
+           "--offline-repeats", str(args.offline_repeats), *extra]
     if args.quantization:
         cmd += ["--quantization", args.quantization]
     print(f"== {name} {' '.join(extra)}", flush=True)
@@ -617,6 +618,8 @@ def main() -> int:
                         "tagged fp8 / int4 / int4_head, added to the day's results file (no HF, no online phase)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--offline-repeats", type=int, default=OFFLINE_REPEATS,
+                   help=f"offline runs, the median reported (default {OFFLINE_REPEATS})")
     p.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
                    help="also time the prefill of one prompt this long (e.g. 32768; max_model_len grows to fit)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
