@@ -236,7 +236,8 @@ def phase_engine(args) -> dict:
 
     started = time.perf_counter()
     llm = LLM(args.model_dir, tensor_parallel_size=args.tp[0], device="cuda", dtype="bfloat16", load_format="dummy",
-              max_model_len=max(2048, args.long_prompt + 16), max_num_seqs=OFFLINE_REQUESTS, max_num_batched_tokens=args.max_batched_tokens,
+              max_model_len=max(2048, args.long_prompt + 16), max_num_seqs=OFFLINE_REQUESTS,
+              max_num_batched_tokens=args.max_batched_tokens,
               quantization="fp8" if args.quantization == "fp8" else None)
     out = {"startup_s": time.perf_counter() - started, "kv_cache_blocks": llm.engine.runner.num_blocks,
            "kernel_plan": llm.engine.runner.plan.describe()}
