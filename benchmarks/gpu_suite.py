@@ -110,7 +110,7 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
     """bf16 bytes of the weights (embedding and untied head included); `active`: those one decoded token reads,
     for a mixture of experts its router and its num_experts_per_tok chosen experts a layer (and the shared
     expert), not all of them, and for a hybrid the recurrent states its linear-attention layers read and write;
-    `quantization`: the attention and MLP projections in that format (LINEAR_WEIGHT_BYTES).
+    `quantization`: the attention and MLP projections and the experts in that format (LINEAR_WEIGHT_BYTES).
     (The roofline counts one embedding row as the whole embedding, a rounding error beside the head.)"""
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
@@ -126,8 +126,9 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
     if experts:
         used = cfg["num_experts_per_tok"] if active else experts
         shared = cfg.get("shared_expert_intermediate_size", 0)
-        per_layer += len(types) * (experts * h + used * 3 * h * cfg["moe_intermediate_size"] + 3 * h * shared
-                                   + (h if shared else 0))
+        # Routers and the shared expert's gate stay 16-bit; the experts are packed as the projections are.
+        per_layer += len(types) * (experts * h + (h if shared else 0))
+        projections += len(types) * 3 * h * (used * cfg["moe_intermediate_size"] + shared)
     else:
         projections += len(types) * 3 * h * cfg["intermediate_size"]
     linear = LINEAR_WEIGHT_BYTES[quantization] * projections

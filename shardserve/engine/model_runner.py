@@ -73,8 +73,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()
         attn = self.model.paged_attention()
         self.attention = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
-                                                  attn.kv_index_tuple,
-                                                  model_config.rotary_dim < model_config.head_dim)
+                                                  attn.kv_index_tuple)
         with self.self_check, setup_step("check the attention kernel", ctx.rank):
             self.attention = kernel_setup.checked_attention(self.attention, attn, self.model.model.rotary,
                                                             self.dtype, self.device, self.block_size, ctx)
