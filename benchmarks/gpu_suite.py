@@ -73,11 +73,18 @@ SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-30b-a3b": QWE
 # --quantization: the tag of its result keys, and bytes a projection weight takes (int4: half a byte plus a
 # 32-bit scale-and-zero word per group of 128).
 # gptq-int4-head: the same checkpoint with `lm_head: true` (GPTQModel's and AutoRound's option), the head in 4 bits.
-QUANTIZATION_TAGS = {"fp8": "fp8", "gptq-int4": "int4", "gptq-int4-head": "int4_head"}
-LINEAR_WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "gptq-int4": 0.5 + 4 / 128, "gptq-int4-head": 0.5 + 4 / 128}
+# fp8-block: an FP8 checkpoint with 128 x 128 scale blocks (the format of Qwen's and DeepSeek's FP8 releases; a
+# float32 scale per row and 128 columns once loaded).
+QUANTIZATION_TAGS = {"fp8": "fp8", "fp8-block": "fp8_block", "gptq-int4": "int4", "gptq-int4-head": "int4_head"}
+LINEAR_WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "fp8-block": 1 + 4 / 128, "gptq-int4": 0.5 + 4 / 128,
+                       "gptq-int4-head": 0.5 + 4 / 128}
 GPTQ_INT4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
              "checkpoint_format": "gptq"}
 GPTQ_CONFIGS = {"gptq-int4": GPTQ_INT4, "gptq-int4-head": {**GPTQ_INT4, "lm_head": True}}
+# Quantized checkpoints (dummy weights in their config's format): their experts are packed too, where
+# --quantization fp8 (at load) packs the projections only.
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+CHECKPOINT_CONFIGS = {**GPTQ_CONFIGS, "fp8-block": FP8_BLOCK}
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_OUTPUT = 512, 512, 256
 HF_BATCH = 64
 AGREE_PROMPTS, AGREE_TOKENS = 32, 16
@@ -110,7 +117,8 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
     """bf16 bytes of the weights (embedding and untied head included); `active`: those one decoded token reads,
     for a mixture of experts its router and its num_experts_per_tok chosen experts a layer (and the shared
     expert), not all of them, and for a hybrid the recurrent states its linear-attention layers read and write;
-    `quantization`: the attention and MLP projections and the experts in that format (LINEAR_WEIGHT_BYTES).
+    `quantization`: the attention and MLP projections in that format (LINEAR_WEIGHT_BYTES), and the experts too
+    for a quantized checkpoint (CHECKPOINT_CONFIGS).
     (The roofline counts one embedding row as the whole embedding, a rounding error beside the head.)"""
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
@@ -126,9 +134,15 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
     if experts:
         used = cfg["num_experts_per_tok"] if active else experts
         shared = cfg.get("shared_expert_intermediate_size", 0)
-        # Routers and the shared expert's gate stay 16-bit; the experts are packed as the projections are.
+        # Routers and the shared expert's gate stay 16-bit; the shared expert is packed as the projections are,
+        # the routed experts only in a quantized checkpoint.
+        routed = len(types) * used * 3 * h * cfg["moe_intermediate_size"]
         per_layer += len(types) * (experts * h + (h if shared else 0))
-        projections += len(types) * 3 * h * (used * cfg["moe_intermediate_size"] + shared)
+        projections += len(types) * 3 * h * shared
+        if quantization in CHECKPOINT_CONFIGS:
+            projections += routed
+        else:
+            per_layer += routed
     else:
         projections += len(types) * 3 * h * cfg["intermediate_size"]
     linear = LINEAR_WEIGHT_BYTES[quantization] * projections
@@ -636,8 +650,8 @@ def main() -> int:
         sys.stdout.flush()
         os._exit(0)  # symmetric-memory and NCCL teardown can hang at interpreter exit
     shape = SHAPES[args.model]
-    if args.quantization in GPTQ_CONFIGS:
-        shape = {**shape, "quantization_config": GPTQ_CONFIGS[args.quantization]}
+    if args.quantization in CHECKPOINT_CONFIGS:
+        shape = {**shape, "quantization_config": CHECKPOINT_CONFIGS[args.quantization]}
     if args.quantization:
         args.skip_hf, args.online = True, False
     args.model_dir = args.model_dir or write_model_dir(tempfile.mkdtemp(prefix=f"{args.model}-shape-"), shape)

@@ -269,7 +269,9 @@ class ModelRunner:
             scheme = self.model_config.quantization
             pack_layers(model, names, layout, self.device, log=self.ctx.is_driver,
                         head=scheme is not None and scheme.lm_head)
-            pack_experts(model, names, layout, self.device, log=self.ctx.is_driver)
+            # --quantization fp8 quantizes the projections only: experts keep the compute dtype (as planned).
+            experts = set() if self.config.quantization == "fp8" else names
+            pack_experts(model, experts, layout, self.device, log=self.ctx.is_driver)
         self._fill_weights(model)
         self._log_planned_weights(model)
         if self.linear_kernel is None:  # the first load, whose checks choose the kernels
