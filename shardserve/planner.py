@@ -165,6 +165,18 @@ def _linear_attention_shapes(cfg: dict) -> tuple[int, int, int, int, int]:
             cfg.get("linear_conv_kernel_dim", 4))
 
 
+def _shared_expert_rows(cfg: dict, tp: int, replicated: list[str]) -> int:
+    """A shared expert's features one rank holds: split as the routed experts are, whole on every rank where they
+    are not or its own size does not split (layers/moe.py); 0 without one."""
+    _, inter, shared = _moe(cfg)
+    if not shared:
+        return 0
+    if tp > 1 and not split_rows(inter, 0, tp, "experts")[1]:
+        replicated.append("shared expert")
+        return shared
+    return _rows(shared, tp, "shared expert", replicated)
+
+
 def _delta_net_heads(cfg: dict, tp: int, replicated: list[str]) -> tuple[int, int]:
     """(key heads, value heads) of a Gated DeltaNet layer one rank holds: all where they do not split."""
     kh, kd, vh, vd, _ = _linear_attention_shapes(cfg)
@@ -221,7 +233,7 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
             used = cfg.get("num_experts_per_tok", experts) if active else experts
             total += used * per_expert + h * experts  # experts and the router
             if shared_inter:
-                total += 3 * h * _rows(shared_inter, tp, "shared expert", replicated) + h
+                total += 3 * h * _shared_expert_rows(cfg, tp, replicated) + h
         else:
             total += 3 * h * dense_inter
     vocab_rows = -(-vocab // tp)
@@ -309,7 +321,7 @@ def projection_elements_per_rank(cfg: dict, tp: int) -> int:
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
     attn = h * (shard.num_q + 2 * shard.num_kv) * hd + shard.num_q * hd * h
     dense = 3 * h * _rows(cfg.get("intermediate_size") or 0, tp, "mlp", [])
-    shared = 3 * h * _rows(_moe(cfg)[2], tp, "shared expert", []) if _moe(cfg)[2] else 0
+    shared = 3 * h * _shared_expert_rows(cfg, tp, [])
     total = 0
     for i, kind in enumerate(layer_kinds(cfg)):
         if kind == "attention":
@@ -325,7 +337,7 @@ def largest_projection_elements_per_rank(cfg: dict, tp: int) -> int:
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
     rows = max(_rows(cfg.get("intermediate_size") or 0, tp, "mlp", []),
-               _rows(_moe(cfg)[2], tp, "shared expert", []) if _moe(cfg)[2] else 0)
+               _shared_expert_rows(cfg, tp, []))
     return max(h * (shard.num_q + 2 * shard.num_kv) * hd, 2 * h * rows, packed_head_elements_per_rank(cfg, tp))
 
 

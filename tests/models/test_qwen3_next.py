@@ -187,7 +187,7 @@ def test_after_sleep_and_wake_the_states_start_empty(tiny_model_dir):
     assert tuple(got) == _reference(model_dir)[1]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 3])
 def test_the_planner_counts_the_weights_a_rank_holds(tiny_model_dir, tp):
     """The memory planner's weights per rank (attention with its output gate, Gated DeltaNet, experts) are what
     rank 0 of `tp` builds."""
