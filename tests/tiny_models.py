@@ -118,7 +118,8 @@ HYBRID_SPECS = {
 # 3, whole at TP 2), attention over 4 heads and 2 KV heads (split at TP 2, whole at TP 3), half of each head
 # rotated. "qwen3.5": dense MLPs (96 features: split at TP 2 and 3), 5 query heads over 1 KV head (whole at any TP),
 # Gated DeltaNet over 2 key heads of 4 value heads (split at TP 2), the default quarter of each head rotated.
-# "qwen3.5-moe-vl": qwen3.5-moe's text model in an image-text checkpoint with a one-block vision tower.
+# "qwen3.5-moe-vl" and "qwen3.5-vl": those text models in image-text checkpoints with a one-block vision tower (the
+# dense one's LM head tied to the embedding at the top level of config.json).
 _QWEN3_5_MOE_TEXT = dict(
     hidden_size=64, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, moe_intermediate_size=48, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -126,15 +127,22 @@ _QWEN3_5_MOE_TEXT = dict(
     linear_conv_kernel_dim=4, tie_word_embeddings=False,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                      "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+_QWEN3_5_TEXT = dict(
+    hidden_size=48, num_hidden_layers=3, full_attention_interval=3, num_attention_heads=5, num_key_value_heads=1,
+    head_dim=16, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=12, linear_conv_kernel_dim=4, tie_word_embeddings=True)
+
+
+def _vision(out_hidden_size: int) -> dict[str, Any]:
+    return dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=out_hidden_size,
+                patch_size=4, num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2)
+
+
 QWEN3_5_SPECS = {
     "qwen3.5-moe": TinySpec("qwen3.5-moe", "qwen3_5_moe_text", _QWEN3_5_MOE_TEXT),
-    "qwen3.5": TinySpec("qwen3.5", "qwen3_5_text", dict(
-        hidden_size=48, num_hidden_layers=3, full_attention_interval=3, num_attention_heads=5, num_key_value_heads=1,
-        head_dim=16, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=12, linear_conv_kernel_dim=4, tie_word_embeddings=True)),
-    "qwen3.5-moe-vl": TinySpec("qwen3.5-moe-vl", "qwen3_5_moe", _QWEN3_5_MOE_TEXT, vision=dict(
-        depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=4,
-        num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2)),
+    "qwen3.5": TinySpec("qwen3.5", "qwen3_5_text", _QWEN3_5_TEXT),
+    "qwen3.5-moe-vl": TinySpec("qwen3.5-moe-vl", "qwen3_5_moe", _QWEN3_5_MOE_TEXT, vision=_vision(64)),
+    "qwen3.5-vl": TinySpec("qwen3.5-vl", "qwen3_5", _QWEN3_5_TEXT, vision=_vision(48)),
 }
 
 

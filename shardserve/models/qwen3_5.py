@@ -25,24 +25,20 @@ from shardserve.models.qwen3_next import Qwen3NextForCausalLM
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
-    pass
-
-
-class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
-    pass
-
-
-class _TextOfImageTextModel:
-    """Where an image-text checkpoint's tensors go: its text model's into the model's names, its vision tower's
-    nowhere (models/registry.py describes these attributes; weights/loader.py reads them)."""
-
+    # Where an image-text checkpoint's tensors go (models/registry.py describes these attributes; weights/loader.py
+    # reads them): its text model's into the model's names, its vision tower's nowhere. Text checkpoints hold
+    # neither prefix; transformers' Qwen3.5 causal LMs read image-text checkpoints the same way.
     renamed_checkpoint_prefixes = {"model.language_model.": "model."}
     skipped_checkpoint_prefixes = {"model.visual.": "the vision tower"}
 
 
-class Qwen3_5MoeForConditionalGeneration(_TextOfImageTextModel, Qwen3_5MoeForCausalLM):
+class Qwen3_5ForCausalLM(Qwen3_5MoeForCausalLM):
+    """Every layer's feed-forward block dense: the config has no experts, so ModelConfig.moe_layers is empty."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
     pass
 
 
-class Qwen3_5ForConditionalGeneration(_TextOfImageTextModel, Qwen3_5ForCausalLM):
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     pass

@@ -58,13 +58,15 @@ def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp)
         assert out == ref, f"{name} TP={tp}, prompt of {len(prompt)} tokens"
 
 
-def test_an_image_text_checkpoint_serves_its_text_model(tiny_model_dir, caplog):
-    """Qwen3_5MoeForConditionalGeneration: config.json's text_config, the text model's tensors under
+@pytest.mark.parametrize("name, architecture", [("qwen3.5-moe-vl", "Qwen3_5MoeForConditionalGeneration"),
+                                                ("qwen3.5-vl", "Qwen3_5ForConditionalGeneration")])
+def test_an_image_text_checkpoint_serves_its_text_model(tiny_model_dir, caplog, name, architecture):
+    """...ForConditionalGeneration: config.json's text_config, the text model's tensors under
     model.language_model., the vision tower's under model.visual. left unread with one log line. Text-only
     prompts give the tokens of transformers' image-text model."""
-    model_dir = tiny_model_dir("qwen3.5-moe-vl")
+    model_dir = tiny_model_dir(name)
     with open(os.path.join(model_dir, "config.json")) as f:
-        assert json.load(f)["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+        assert json.load(f)["architectures"] == [architecture]
     expected = _reference(model_dir, image_text=True)
     with caplog.at_level(logging.INFO, logger="shardserve.weights.loader"):
         got = _generate_in_chunks(model_dir, 1)
@@ -101,7 +103,7 @@ def test_an_image_text_checkpoint_must_hold_every_text_tensor(tiny_model_dir):
                      "one over")
 
 
-@pytest.mark.parametrize("name", ["qwen3.5-moe", "qwen3.5", "qwen3.5-moe-vl"])
+@pytest.mark.parametrize("name", ["qwen3.5-moe", "qwen3.5", "qwen3.5-moe-vl", "qwen3.5-vl"])
 def test_the_planner_counts_the_weights_a_rank_holds(tiny_model_dir, name):
     """The memory planner's weights per rank (from config.json, an image-text checkpoint's text_config) are what
     rank 0 builds at TP 1, 2 and 3, where some blocks split and others are whole on every rank."""
