@@ -201,13 +201,13 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"layer_types {types!r} has no full_attention layer: shardserve serves hybrids with at "
                          f"least one attention layer")
     rope = cfg.get("rope_parameters") or {}
-    # transformers' default where a config names none: Qwen3.5 rotates a quarter of each head, Qwen3-Next all.
-    rotated = 0.25 if arch.startswith("Qwen3_5") else 1.0
+    # Where a config names none, transformers' default for Qwen3-Next and Qwen3.5: a quarter of each head rotated.
+    rotated = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     return dict(layer_types=tuple(types), linear_num_key_heads=cfg["linear_num_key_heads"],
                 linear_num_value_heads=cfg["linear_num_value_heads"],
                 linear_key_head_dim=cfg["linear_key_head_dim"], linear_value_head_dim=cfg["linear_value_head_dim"],
                 linear_conv_kernel_dim=cfg["linear_conv_kernel_dim"],
-                partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", rotated))),
+                partial_rotary_factor=rotated,
                 attn_output_gate=True, zero_centred_norm=True)
 
 
