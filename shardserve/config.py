@@ -9,16 +9,24 @@ from typing import Any
 
 import torch
 
-from shardserve.models.registry import resolve_architecture
+from shardserve.models.registry import resolve_architecture, text_model_config
 from shardserve.weights.quantized import QuantScheme, parse_quantization
 
 # Architectures that differ from Llama's in what their config.json does not say: Qwen2's q/k/v biases (without
 # an o_proj bias), Qwen3's per-head q/k RMSNorms (models/qwen3.py).
 _QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
-# Qwen3-Next: a sigmoid gate on the attention output (q_proj gives each head's query and gate), RMSNorm weights
-# stored as offsets from 1 (the norm scales by 1 + w), and Gated DeltaNet layers beside attention (layer_types).
-_HYBRID = ("Qwen3NextForCausalLM",)
+# Qwen3-Next and Qwen3.5: a sigmoid gate on the attention output (q_proj gives each head's query and gate),
+# RMSNorm weights stored as offsets from 1 (the norm scales by 1 + w), and Gated DeltaNet layers beside attention
+# (layer_types).
+_HYBRID = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+           "Qwen3_5MoeForConditionalGeneration")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") + _HYBRID
+# Mixtures of experts configured as Qwen-MoE's are (num_experts, decoder_sparse_step, mlp_only_layers); those with
+# a gated shared expert.
+_QWEN_MOE = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
+             "Qwen3_5MoeForConditionalGeneration")
+_SHARED_EXPERT = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
+                  "Qwen3_5MoeForConditionalGeneration")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": read the checkpoint; "dummy": synthetic weights in the model's shapes (shardserve/weights/synthetic.py).
@@ -95,6 +103,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """From a config.json (an image-text checkpoint's: its text model, models/registry.text_model_config)."""
+        cfg = text_model_config(cfg)
         arch = resolve_architecture(cfg.get("architectures") or [], cfg.get("model_type"))
         num_heads = cfg["num_attention_heads"]
         rope = _rope_parameters(cfg)
@@ -104,7 +114,7 @@ class ModelConfig:
         return cls(
             architecture=arch,
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or 0,  # none where every layer is sparse (Qwen3.5-MoE)
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -154,12 +164,12 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["intermediate_size"], renormalize_topk=True,
                     moe_layers=tuple(range(layers)))
-    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
+    if arch in _QWEN_MOE:  # Qwen3.5-MoE's configs name no dense layers: every layer is sparse
         step = cfg.get("decoder_sparse_step", 1) or 1
         dense = set(cfg.get("mlp_only_layers") or ())
         experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))  # newer transformers write the latter
         qwen2 = arch == "Qwen2MoeForCausalLM"
-        shared = arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")  # a gated shared expert
+        shared = arch in _SHARED_EXPERT
         sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
         return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["moe_intermediate_size"],
@@ -170,8 +180,12 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-Next's fields: which layers are Gated DeltaNet and their sizes, partial RoPE, the output gate, the
-    norms' offsets from 1 (none for other architectures)."""
+    """Qwen3-Next's and Qwen3.5's fields: which layers are Gated DeltaNet and their sizes, partial RoPE, the
+    output gate, the norms' offsets from 1 (none for other architectures).
+
+    Qwen3.5's rope_parameters also carry mrope_section (multimodal RoPE: the rotated pairs split among time,
+    height and width positions); a text token's three positions are all its index, so its rotation is the
+    ordinary one over the same pairs, and only text is served."""
     if arch not in _HYBRID:
         return {}
     layers = cfg["num_hidden_layers"]
@@ -187,11 +201,13 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"layer_types {types!r} has no full_attention layer: shardserve serves hybrids with at "
                          f"least one attention layer")
     rope = cfg.get("rope_parameters") or {}
+    # Where a config names none, transformers' default for Qwen3-Next and Qwen3.5: a quarter of each head rotated.
+    rotated = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     return dict(layer_types=tuple(types), linear_num_key_heads=cfg["linear_num_key_heads"],
                 linear_num_value_heads=cfg["linear_num_value_heads"],
                 linear_key_head_dim=cfg["linear_key_head_dim"], linear_value_head_dim=cfg["linear_value_head_dim"],
                 linear_conv_kernel_dim=cfg["linear_conv_kernel_dim"],
-                partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+                partial_rotary_factor=rotated,
                 attn_output_gate=True, zero_centred_norm=True)
 
 

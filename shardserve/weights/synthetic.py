@@ -86,16 +86,27 @@ def _attention_shapes(cfg: ModelConfig, attn: str) -> Iterator[tuple[str, tuple[
         yield f"{attn}.k_norm.weight", (hd,)
 
 
-def _linear_attention_shapes(cfg: ModelConfig, prefix: str) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """A Qwen3-Next Gated DeltaNet block's tensors (in_proj_qkvz and in_proj_ba interleaved per key-head group)."""
+def _linear_attention_shapes(cfg: ModelConfig, prefix: str,
+                             split: bool | None = None) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A Gated DeltaNet block's tensors: Qwen3-Next's in_proj_qkvz and in_proj_ba (interleaved per key-head
+    group), or with `split` Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a (None: as the
+    architecture stores them)."""
     h, kh, vh = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     kd, vd = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     channels = 2 * kh * kd + vh * vd
+    if split is None:
+        split = cfg.architecture.startswith("Qwen3_5")
     yield f"{prefix}.dt_bias", (vh,)
     yield f"{prefix}.A_log", (vh,)
     yield f"{prefix}.conv1d.weight", (channels, 1, cfg.linear_conv_kernel_dim)
-    yield f"{prefix}.in_proj_qkvz.weight", (channels + vh * vd, h)
-    yield f"{prefix}.in_proj_ba.weight", (2 * vh, h)
+    if split:
+        yield f"{prefix}.in_proj_qkv.weight", (channels, h)
+        yield f"{prefix}.in_proj_z.weight", (vh * vd, h)
+        yield f"{prefix}.in_proj_b.weight", (vh, h)
+        yield f"{prefix}.in_proj_a.weight", (vh, h)
+    else:
+        yield f"{prefix}.in_proj_qkvz.weight", (channels + vh * vd, h)
+        yield f"{prefix}.in_proj_ba.weight", (2 * vh, h)
     yield f"{prefix}.norm.weight", (vd,)
     yield f"{prefix}.out_proj.weight", (h, vh * vd)
 
@@ -103,8 +114,12 @@ def _linear_attention_shapes(cfg: ModelConfig, prefix: str) -> Iterator[tuple[st
 def expected_checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The full shape of every tensor a checkpoint of this config may hold: synthetic_checkpoint_shapes' names
     and the per-expert names of a mixture of experts (Qwen-MoE's mlp.experts.{e}.{gate,up,down}_proj,
-    Mixtral's block_sparse_moe.experts.{e}.{w1,w3,w2} and router)."""
+    Mixtral's block_sparse_moe.experts.{e}.{w1,w3,w2} and router), and both layouts of Gated DeltaNet's input
+    projections."""
     shapes = dict(synthetic_checkpoint_shapes(cfg))
+    for i in cfg.linear_attention_layers:
+        for split in (False, True):
+            shapes.update(_linear_attention_shapes(cfg, f"model.layers.{i}.linear_attn", split))
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     for i in cfg.moe_layers:
         for block in ("mlp", "block_sparse_moe"):

@@ -14,12 +14,14 @@ def random_prompts(lengths: tuple[int, ...], seed: int = 1234) -> list[list[int]
 
 
 @functools.lru_cache(maxsize=None)
-def transformers_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int
-                        ) -> tuple[tuple[int, ...], ...]:
-    """transformers' greedy continuation of each prompt alone, at float32."""
-    from transformers import AutoModelForCausalLM
+def transformers_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int,
+                        image_text: bool = False) -> tuple[tuple[int, ...], ...]:
+    """transformers' greedy continuation of each prompt alone, at float32; `image_text`: by the checkpoint's
+    image-text model (AutoModelForImageTextToText) given the prompt's tokens only."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -41,7 +41,7 @@ def _assert_all_returned(llm: LLM) -> None:
     assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs)), "a state slot leaked"
 
 
-@pytest.mark.parametrize("name, tp", [(NAME, 1), (NAME, 2), ("qwen3-next-odd", 2)])
+@pytest.mark.parametrize("name, tp", [(NAME, 1), (NAME, 2), (NAME, 3), ("qwen3-next-odd", 2)])
 def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp):
     """All four prompts in one batch, the 17- and 40-token ones prefilled in chunks of at most 16 tokens beside the
     others' decode steps: each sequence's state is carried across its chunks in its own slot. At two ranks each
@@ -187,7 +187,7 @@ def test_after_sleep_and_wake_the_states_start_empty(tiny_model_dir):
     assert tuple(got) == _reference(model_dir)[1]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 3])
 def test_the_planner_counts_the_weights_a_rank_holds(tiny_model_dir, tp):
     """The memory planner's weights per rank (attention with its output gate, Gated DeltaNet, experts) are what
     rank 0 of `tp` builds."""
