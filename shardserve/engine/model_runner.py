@@ -367,17 +367,19 @@ class ModelRunner:
             return None
 
     def _log_memory_against_plan(self) -> None:
-        """After start-up: the device memory in use against the planner's weights + KV cache + overhead."""
+        """After start-up: the device memory in use against the planner's weights + KV cache + recurrent states
+        (hybrid models) + overhead."""
         if self.memory_plan is None:
             return
         p = self.memory_plan
         free, total = torch.cuda.mem_get_info(self.device)
         measured, kv = total - free, self.num_blocks * self._kv_bytes_per_block()
-        predicted = p.weight_bytes + kv + p.overhead_bytes
-        logger.info("rank %d memory: planner predicted %.2f GiB (weights %.2f, KV cache %.2f, overhead %.2f), "
+        states = p.state_bytes_per_seq * self.config.max_num_seqs
+        predicted = p.weight_bytes + kv + states + p.overhead_bytes
+        logger.info("rank %d memory: planner predicted %.2f GiB (weights %.2f, KV cache %.2f,%s overhead %.2f), "
                     "%.2f GiB in use on the device after start-up (%+.1f%%)", self.ctx.rank, predicted / 2**30,
-                    p.weight_bytes / 2**30, kv / 2**30, p.overhead_bytes / 2**30, measured / 2**30,
-                    100 * (measured - predicted) / predicted)
+                    p.weight_bytes / 2**30, kv / 2**30, f" recurrent states {states / 2**30:.2f}," if states else "",
+                    p.overhead_bytes / 2**30, measured / 2**30, 100 * (measured - predicted) / predicted)
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
