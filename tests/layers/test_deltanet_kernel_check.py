@@ -90,3 +90,22 @@ def test_start_up_stops_when_the_torch_kernels_fail_too(monkeypatch):
 
 def test_a_model_without_such_layers_has_nothing_to_check():
     assert kernel_setup.checked_delta_net(nn.Linear(2, 2), torch.float32, CPU, SINGLE) == ""
+
+
+class BrokenPrefill(TritonDecodeDeltaNetKernels):
+    """Decode steps right, prompts one convolution tap off: as a prefill kernel miscompiled for this GPU."""
+
+    name = "broken-prefill"
+    conv = staticmethod(ShiftedConvolution.conv)
+
+
+def test_failing_prefill_kernels_give_way_to_the_decode_kernels_they_extend(caplog):
+    """Only what failed is dropped: prompts go back to torch, decode steps keep the Triton kernels."""
+    pytest.importorskip("triton")
+    model = _model(BrokenPrefill())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with caplog.at_level(logging.WARNING):
+        name = kernel_setup.checked_delta_net(model.to(device), torch.float32, device, SINGLE)
+    assert name == "triton decode"
+    assert all(type(layer.kernels) is TritonDecodeDeltaNetKernels for layer in model)
+    assert "broken-prefill failed their start-up check, using triton decode instead" in caplog.text
