@@ -9,8 +9,8 @@ layer's pools). A decode step takes only tensors, so it runs inside CUDA graphs.
 - "torch": plain torch ops, the delta rule in float32 chunks of 64 tokens; any device.
 - "triton decode": on CUDA GPUs with Triton, the decode step in two kernels that step the states in place
   (kernels/triton/gated_delta_rule.py); prompt chunks as "torch".
-- "triton decode, fla-core prefill": the same, with prompt chunks through the flash-linear-attention package's
-  Triton chunk_gated_delta_rule where `fla-core` is installed: on an H200 it prefills a 32k-token prompt's layer of
+- "triton decode, fla-core prefill": the same, with 16-bit models' prompt chunks through the flash-linear-attention
+  package's Triton chunk_gated_delta_rule where `fla-core` is installed: on an H200 it prefills a 32k-token prompt's layer of
   Qwen3-Next-80B-A3B (32 value heads of 128 x 128) in 2.1 ms against 75 ms for the torch form
   (benchmarks/delta_rule_prefill.py).
 """
@@ -88,6 +88,8 @@ class FlaPrefillDeltaNetKernels(TritonDecodeDeltaNetKernels):
 
     @staticmethod
     def rule(q, k, v, g, beta, scale: float, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if v.dtype == torch.float32:  # its products of float32 inputs round to TF32: float32 models keep torch's
+            return TorchDeltaNetKernels.rule(q, k, v, g, beta, scale, state)
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         group = v.shape[1] // q.shape[1]
