@@ -183,3 +183,17 @@ def test_a_module_the_config_keeps_16_bit_but_the_checkpoint_packs_is_refused(ti
     open(path, "w").write(json.dumps(saved))
     with pytest.raises(Exception, match=re.escape("model.layers.0.linear_attn.in_proj_ba.qweight")):
         LLM(quant_dir, device="cpu", dtype="float32", kv_cache_memory_gb=0.02)
+
+
+def test_dummy_weights_keep_the_configs_16_bit_modules_float(qwen3_next, monkeypatch):
+    """--load-format dummy reads no tensors: which layers are packed comes from the config alone (in_proj_ba
+    named in extra_config stays float; in_proj_qkvz, the attention and the experts are packed)."""
+    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    with LLM(qwen3_next[0], device="cpu", dtype="float32", kv_cache_memory_gb=0.02, max_num_seqs=4,
+             load_format="dummy") as llm:
+        model = llm.engine.runner.model
+        packed = {name: m.packed is not None for name, m in model.named_modules() if hasattr(m, "packed")}
+        assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids) == 2
+    assert packed["model.layers.0.linear_attn.in_proj_qkvz"] and not packed["model.layers.0.linear_attn.in_proj_ba"]
+    assert packed["model.layers.1.self_attn.qkv_proj"] and packed["model.layers.0.mlp"]
+    assert not packed["lm_head"]
