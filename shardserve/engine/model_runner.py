@@ -33,7 +33,7 @@ from shardserve.models import model_class
 from shardserve.transfers import on_device
 from shardserve.weights import stable_memory
 from shardserve.weights.consistency import verify_replicated_weights
-from shardserve.weights.loader import load_weights, quantized_module_names
+from shardserve.weights.loader import configured_quantized_modules, load_weights, quantized_module_names
 from shardserve.weights.offload import HostCopy, offload, restore
 
 logger = logging.getLogger(__name__)
@@ -267,6 +267,8 @@ class ModelRunner:
         if packing:
             layout, names = packing
             scheme = self.model_config.quantization
+            if names is None and scheme is not None:  # dummy weights: the config's 16-bit modules stay so
+                names = configured_quantized_modules(model, scheme)
             pack_layers(model, names, layout, self.device, log=self.ctx.is_driver,
                         head=scheme is not None and scheme.lm_head)
             # --quantization fp8 quantizes the projections only: experts keep the compute dtype (as planned).

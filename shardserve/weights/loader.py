@@ -24,7 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shardserve.layers.linear import load_whole, shape_of
-from shardserve.layers.quantized_linear import PACKED_PARTS
+from shardserve.layers.quantized_linear import PACKED_PARTS, quantizable_layers
 from shardserve.weights.quantized import (Checkpoint, QuantScheme, count_dequantized, dequantized_checkpoint,
                                           quantized_prefixes)
 
@@ -99,6 +99,39 @@ def quantized_module_names(model_path: str, scheme: QuantScheme, model_class) ->
             continue
         target, _ = own_names(name) or _resolve(name, packed)
         modules.add(target.removesuffix(".weight"))
+    return modules
+
+
+def configured_quantized_modules(model: nn.Module, scheme: QuantScheme) -> set[str] | None:
+    """Without a checkpoint's tensors (dummy weights): the model's modules its quantization_config stores
+    quantized, or None where the config names no 16-bit modules (every quantizable layer then is). A fused module
+    is quantized when the config quantizes it and each checkpoint module that loads into it (q_proj, k_proj and
+    v_proj for qkv_proj; an expert block's first expert's projections for its w13 and w2)."""
+    if not scheme.packing:
+        return None
+    from shardserve.layers.moe import SparseMoE
+
+    packed = getattr(model, "packed_modules", {})
+    renamed = getattr(model, "renamed_checkpoint_prefixes", {})
+
+    def stored(name: str) -> str:  # the checkpoint's name of a model module
+        for prefix, own in renamed.items():
+            if name.startswith(own):
+                return prefix + name[len(own):]
+        return name
+
+    def quantized(names: list[str]) -> bool:
+        return all(scheme.quantizes(stored(n)) for n in names)
+
+    modules = set()
+    for name, _ in quantizable_layers(model, head=scheme.lm_head):
+        parts = [name[:-len(fused)] + part for part, (fused, _) in packed.items() if name.endswith(f".{fused}")]
+        if quantized([name, *parts]):
+            modules.add(name)
+    for name, moe in model.named_modules():
+        if isinstance(moe, SparseMoE) and quantized([f"{name}.experts.0.{p}" for p in
+                                                     ("gate_proj", "up_proj", "down_proj")]):
+            modules |= {f"{name}.w13", f"{name}.w2"}
     return modules
 
 
