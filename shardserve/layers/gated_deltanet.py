@@ -144,8 +144,7 @@ class GatedDeltaNet(nn.Module):
             o = step(qkv, ba, slots=slots)
         else:
             o = self._chunks(kernels, step, qkv, ba, weight, pool, slots, list(query_start))
-        h = self.norm(o.to(x.dtype), z.reshape(-1, hv, d.value_dim))
-        return self.out_proj(h.reshape(x.shape[0], -1))
+        return self.out_proj(self.norm.forward_rows(o, z))
 
     def _chunks(self, kernels: DeltaNetKernels, step, qkv, ba, weight, pool: DeltaNetState, slots: torch.Tensor,
                 starts: list[int]) -> torch.Tensor:
