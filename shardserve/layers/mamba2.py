@@ -20,6 +20,7 @@ from typing import Any, Hashable, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from shardserve.config import _json_float
 from shardserve.distributed.communicator import Communicator
 from shardserve.kernels.causal_conv1d import causal_conv1d, causal_conv1d_step
 from shardserve.kernels.mamba2_ssd import ssd_chunked, ssd_step, step_sizes
@@ -60,7 +61,7 @@ class Mamba2Dims:
         return cls(cfg["hidden_size"], cfg["mamba_num_heads"], cfg["mamba_head_dim"], cfg["ssm_state_size"],
                    cfg.get("n_groups", cfg.get("mamba_n_groups", 8)), cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4)),
                    cfg.get("chunk_size", cfg.get("mamba_chunk_size", 128)), cfg.get("layer_norm_epsilon", 1e-5),
-                   (float(limit[0]), float(limit[1])), bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
+                   (_json_float(limit[0]), _json_float(limit[1])), bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
                    bool(cfg.get("use_bias", False)))
 
 
