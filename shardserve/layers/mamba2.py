@@ -132,6 +132,10 @@ class GroupedGatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
+    # Not captured in CUDA graphs: the torch decode step would step the state of the slot -1 that a graph's padding
+    # rows carry (the last slot), where the Gated DeltaNet Triton kernels skip it. Decode runs eagerly.
+    graph_safe = False
+
     def __init__(self, dims: Mamba2Dims, comm: Communicator, dtype: torch.dtype,
                  ssm_dtype: torch.dtype = torch.float32) -> None:
         """ssm_dtype: how the SSM states are kept between steps (the recurrence itself runs in float32)."""
