@@ -122,3 +122,48 @@ def test_a_multi_token_prediction_layer_is_skipped(tiny_model_dir, caplog):
     assert any("multi-token-prediction" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="lacks 1 tensors"):
         load_tensors(model, [(n, t) for n, t in tensors.items() if n != "backbone.norm_f.weight"], False, "short")
+
+
+def test_preempted_sequences_recompute_from_an_empty_state(tiny_model_dir):
+    """A KV cache too small for four sequences that grow to 52 tokens (4 blocks each): later arrivals are preempted
+    and recomputed, their Mamba-2 states started again from zero, and still give the tokens they give alone."""
+    model_dir = tiny_model_dir("nemotron-h")
+    prompts = [p for p in _prompts() if len(p) == 40] + [list(range(100 + i, 140 + i)) for i in range(3)]
+    with _llm(model_dir, kv_cache_memory_gb=0.00006, max_model_len=64) as llm:
+        assert llm.engine.block_manager.num_blocks < 16
+        outputs = llm.generate(prompts, _params(12))
+        assert llm.engine.scheduler.num_preemptions > 0
+        _assert_all_returned(llm)
+    assert tuple(outputs[0].token_ids[:NEW_TOKENS]) == _reference(model_dir)[PROMPT_LENGTHS.index(40)]
+    with _llm(model_dir, max_model_len=64) as llm:
+        alone = [tuple(llm.generate([p], _params(12))[0].token_ids) for p in prompts[1:]]
+    assert [tuple(o.token_ids) for o in outputs[1:]] == alone
+
+
+def test_an_aborted_request_gives_its_slot_back(tiny_model_dir):
+    model_dir = tiny_model_dir("nemotron-h")
+    prompts = _prompts()
+    with _llm(model_dir) as llm:
+        engine = llm.engine
+        engine.add_request("stays", prompts[1], _params())
+        engine.add_request("aborted", prompts[2], _params(max_tokens=100))
+        outputs = engine.step() + engine.step()
+        engine.abort("aborted")
+        assert len(engine.scheduler.free_slots) == engine.config.max_num_seqs - 1
+        while engine.has_work():
+            outputs += engine.step()
+        _assert_all_returned(llm)
+    tokens = [t for out in outputs if out.request_id == "stays" for t in out.new_token_ids]
+    assert tuple(tokens) == _reference(model_dir)[1]
+
+
+def test_after_sleep_and_wake_the_states_start_empty(tiny_model_dir):
+    model_dir = tiny_model_dir("nemotron-h")
+    with _llm(model_dir) as llm:
+        llm.generate([_prompts()[0]], _params())
+        llm.sleep(1)
+        assert llm.engine.runner.state_pools == {}
+        llm.wake_up()
+        got = llm.generate([_prompts()[1]], _params())[0].token_ids
+        _assert_all_returned(llm)
+    assert tuple(got) == _reference(model_dir)[1]
