@@ -133,6 +133,25 @@ _QWEN3_5_TEXT = dict(
     linear_value_head_dim=12, linear_conv_kernel_dim=4, tie_word_embeddings=True)
 
 
+# NemotronH: one block per layer (Mamba-2, attention without RoPE, squared-ReLU MLP), SSD chunks of 16 or 8 tokens
+# so that prompts span several and chunked prefill cuts inside one. "nemotron-h": 6 Mamba heads in 2 B/C groups
+# (split at TP 2, a group per rank), 4 attention heads over 2 KV heads, the first layer Mamba-2. "nemotron-h-odd":
+# 5 Mamba heads in 1 group (never split: whole on every rank), no conv bias, 3 attention heads over 1 KV head
+# (whole at TP 2), 90 MLP features (45 per rank), the first layer attention, tie_word_embeddings set (which
+# NemotronH ignores: its checkpoint holds an LM head of its own).
+NEMOTRON_H_SPECS = {
+    "nemotron-h": TinySpec("nemotron-h", "nemotron_h", dict(
+        hidden_size=64, layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=6,
+        mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, tie_word_embeddings=False)),
+    "nemotron-h-odd": TinySpec("nemotron-h-odd", "nemotron_h", dict(
+        hidden_size=48, layers_block_type=["full_attention", "linear_attention", "mlp", "linear_attention"],
+        num_attention_heads=3, num_key_value_heads=1, head_dim=16, intermediate_size=90, mamba_num_heads=5,
+        mamba_head_dim=8, ssm_state_size=8, n_groups=1, conv_kernel=3, chunk_size=8, use_conv_bias=False,
+        tie_word_embeddings=True)),
+}
+
+
 def _vision(out_hidden_size: int) -> dict[str, Any]:
     return dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=out_hidden_size,
                 patch_size=4, num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2)
@@ -153,6 +172,11 @@ def _hf_config(spec: TinySpec):
     common = dict(vocab_size=VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                   initializer_range=0.1, bos_token_id=1, eos_token_id=None, pad_token_id=0,
                   dtype="float32")
+    if spec.architecture == "nemotron_h":
+        from transformers import AutoConfig
+
+        own = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
+        return AutoConfig.for_model("nemotron_h", layer_norm_epsilon=1e-6, **{**own, **spec.config})
     if spec.architecture.startswith("qwen3_5"):
         from transformers import AutoConfig
 

@@ -117,6 +117,14 @@ class ReplayTimer:
                     len(between))
 
 
+def layer_caches(cfg, kv_caches: list, state_pools: dict, slots, starts) -> list:
+    """Each layer's cache in layer order: the next KV cache for each of cfg.kv_layers, (its pool, slots, starts)
+    for a layer with a state pool, None for any other layer."""
+    kv, kv_layers = iter(kv_caches), set(cfg.kv_layers)
+    return [(state_pools[i], slots, starts) if i in state_pools else next(kv) if i in kv_layers else None
+            for i in range(cfg.num_layers)]
+
+
 class CudaGraphRunner:
     def __init__(self, model, kv_caches, backend, comm: Communicator, max_batch: int, max_model_len: int,
                  split_sizes: frozenset[int], hidden_bytes_per_token: int, state_pools: dict | None = None) -> None:
@@ -183,12 +191,9 @@ class CudaGraphRunner:
     def _layer_caches(self, size: int) -> list:
         """What each layer reads and writes in a graph of `size` rows: its KV cache, or for a linear-attention
         layer (its state pool, the rows' static slots, None: one token a row)."""
-        if not self.state_pools:
+        if not self.state_pools and len(self.kv_caches) == self.model.config.num_layers:
             return self.kv_caches
-        kv = iter(self.kv_caches)
-        slots = self.state_slots[:size]
-        return [(self.state_pools[i], slots, None) if i in self.state_pools else next(kv)
-                for i in range(len(self.kv_caches) + len(self.state_pools))]
+        return layer_caches(self.model.config, self.kv_caches, self.state_pools, self.state_slots[:size], None)
 
     def _capture_whole(self, forward):
         graph = torch.cuda.CUDAGraph()

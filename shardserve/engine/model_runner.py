@@ -19,7 +19,7 @@ from shardserve.distributed.process_group import RankContext
 from shardserve.distributed.setup_watchdog import setup_step
 from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block, kv_cache_layers,
                                         kv_cache_budget_bytes)
-from shardserve.engine.cuda_graphs import CudaGraphRunner, all_reduce_token_counts, graph_buckets
+from shardserve.engine.cuda_graphs import CudaGraphRunner, all_reduce_token_counts, graph_buckets, layer_caches
 from shardserve.wire.step_plan import FROM_DEVICE, StepPlan
 from shardserve.engine import kernel_setup
 from shardserve.kernels import cpu_features
@@ -455,17 +455,18 @@ class ModelRunner:
         return batch.sample_seq_ids, logits
 
     def _layer_caches(self, batch: StepBatch) -> list:
-        """Every layer's cache for this step, in layer order: the KV cache's layers, and for each linear-attention
-        layer (pool, the chunks' slots, batch.row_start, or None where every chunk is one token). Slots of chunks
-        that start a sequence are zeroed first."""
-        if not self.state_pools:
+        """Every layer's cache for this step, in layer order: the KV cache's layers, for each linear-attention
+        layer (pool, the chunks' slots, batch.row_start, or None where every chunk is one token), and None for a
+        layer with neither (NemotronH's MLP blocks). Slots of chunks that start a sequence are zeroed first."""
+        cfg = self.model_config
+        if not self.state_pools and len(cfg.kv_layers) == cfg.num_layers:
             return self.kv_caches
-        self._zero_fresh_slots(batch)
-        slots = self._long(batch.state_slots)
-        starts = None if batch.decode_only else batch.row_start
-        kv = iter(self.kv_caches)
-        return [(self.state_pools[i], slots, starts) if i in self.state_pools else next(kv)
-                for i in range(self.model_config.num_layers)]
+        slots = starts = None
+        if self.state_pools:
+            self._zero_fresh_slots(batch)
+            slots = self._long(batch.state_slots)
+            starts = None if batch.decode_only else batch.row_start
+        return layer_caches(cfg, self.kv_caches, self.state_pools, slots, starts)
 
     def _zero_fresh_slots(self, batch: StepBatch) -> None:
         """Zero the state slots of the chunks that start a sequence (a one-token prompt is one in a decode step)."""
@@ -496,3 +497,4 @@ class ModelRunner:
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return on_device(values, self.device, torch.long)
+

@@ -32,6 +32,9 @@ STD = 0.02
 
 def synthetic_checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(name, full shape) of every tensor of a Hugging Face checkpoint with this config, in order."""
+    if cfg.architecture == "NemotronHForCausalLM":
+        yield from _nemotron_h_shapes(cfg)
+        return
     h, inter = cfg.hidden_size, cfg.intermediate_size
     yield "model.embed_tokens.weight", (cfg.vocab_size, h)
     linear = set(cfg.linear_attention_layers)
@@ -67,6 +70,44 @@ def synthetic_checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[i
     yield "model.norm.weight", (h,)
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", (cfg.vocab_size, h)
+
+
+def _nemotron_h_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A NemotronH checkpoint's tensors (under the model's names: its checkpoints' `backbone.` read as `model.`):
+    one block per layer, `norm` and a `mixer` of the layer's type."""
+    h = cfg.hidden_size
+    yield "model.embeddings.weight", (cfg.vocab_size, h)
+    heads, hd, n, groups = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size, cfg.mamba_n_groups
+    inner, conv = heads * hd, heads * hd + 2 * groups * n
+    for i, kind in enumerate(cfg.layer_types):
+        mixer = f"model.layers.{i}.mixer"
+        yield f"model.layers.{i}.norm.weight", (h,)
+        if kind == "linear_attention":
+            yield f"{mixer}.in_proj.weight", (inner + conv + heads, h)
+            if cfg.mamba_proj_bias:
+                yield f"{mixer}.in_proj.bias", (inner + conv + heads,)
+            yield f"{mixer}.conv1d.weight", (conv, 1, cfg.mamba_conv_kernel)
+            if cfg.mamba_conv_bias:
+                yield f"{mixer}.conv1d.bias", (conv,)
+            for vector in ("A_log", "D", "dt_bias"):
+                yield f"{mixer}.{vector}", (heads,)
+            yield f"{mixer}.norm.weight", (inner,)
+            yield f"{mixer}.out_proj.weight", (h, inner)
+            if cfg.mamba_proj_bias:
+                yield f"{mixer}.out_proj.bias", (h,)
+        elif kind == "full_attention":
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                yield f"{mixer}.{proj}.weight", (rows, h)
+            yield f"{mixer}.o_proj.weight", (h, q)
+        else:
+            yield f"{mixer}.up_proj.weight", (cfg.intermediate_size, h)
+            yield f"{mixer}.down_proj.weight", (h, cfg.intermediate_size)
+            if cfg.mlp_bias:
+                yield f"{mixer}.up_proj.bias", (cfg.intermediate_size,)
+                yield f"{mixer}.down_proj.bias", (h,)
+    yield "model.norm_f.weight", (h,)
+    yield "lm_head.weight", (cfg.vocab_size, h)
 
 
 def _attention_shapes(cfg: ModelConfig, attn: str) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -117,6 +158,8 @@ def expected_checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     Mixtral's block_sparse_moe.experts.{e}.{w1,w3,w2} and router), and both layouts of Gated DeltaNet's input
     projections."""
     shapes = dict(synthetic_checkpoint_shapes(cfg))
+    if cfg.architecture == "NemotronHForCausalLM":
+        return shapes
     for i in cfg.linear_attention_layers:
         for split in (False, True):
             shapes.update(_linear_attention_shapes(cfg, f"model.layers.{i}.linear_attn", split))
