@@ -10,6 +10,7 @@ Llama-3-8B- or Llama-3-70B-shaped model with random bf16 weights (speed does not
     python benchmarks/gpu_suite.py --tp 1 --skip-hf --quantization fp8        # --quantization fp8 at load
     python benchmarks/gpu_suite.py --tp 1 --skip-hf --quantization gptq-int4  # a 4-bit GPTQ config, groups of 128
     python benchmarks/gpu_suite.py --tp 1 --skip-hf --quantization gptq-int4-head  # the same with lm_head: true
+    python benchmarks/gpu_suite.py --model qwen3-next-80b-a3b --tp 2 --skip-online --long-prompt 32768
 
 Each phase runs in its own process (a crash or hang in one cannot take the others down); the parent
 prints a table and writes benchmarks/results/<device-kind>[-<model>]-<YYYYMMDD>.json (no model part for
@@ -54,15 +55,36 @@ QWEN3_30B_A3B = {
     "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "bos_token_id": 151643, "eos_token_id": 151645,
 }
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+# Qwen3-Next-80B-A3B: 36 Gated DeltaNet layers and 12 gated attention layers (every fourth), 512 experts of which
+# 10 and a shared one a token.
+QWEN3_NEXT_80B_A3B = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+    "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "partial_rotary_factor": 0.25, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(48)],
+    "full_attention_interval": 4, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "vocab_size": 151936, "max_position_embeddings": 262144, "rope_theta": 10000000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+}
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-30b-a3b": QWEN3_30B_A3B,
+          "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B}
 # --quantization: the tag of its result keys, and bytes a projection weight takes (int4: half a byte plus a
 # 32-bit scale-and-zero word per group of 128).
 # gptq-int4-head: the same checkpoint with `lm_head: true` (GPTQModel's and AutoRound's option), the head in 4 bits.
-QUANTIZATION_TAGS = {"fp8": "fp8", "gptq-int4": "int4", "gptq-int4-head": "int4_head"}
-LINEAR_WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "gptq-int4": 0.5 + 4 / 128, "gptq-int4-head": 0.5 + 4 / 128}
+# fp8-block: an FP8 checkpoint with 128 x 128 scale blocks (the format of Qwen's and DeepSeek's FP8 releases; a
+# float32 scale per row and 128 columns once loaded).
+QUANTIZATION_TAGS = {"fp8": "fp8", "fp8-block": "fp8_block", "gptq-int4": "int4", "gptq-int4-head": "int4_head"}
+LINEAR_WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "fp8-block": 1 + 4 / 128, "gptq-int4": 0.5 + 4 / 128,
+                       "gptq-int4-head": 0.5 + 4 / 128}
 GPTQ_INT4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
              "checkpoint_format": "gptq"}
 GPTQ_CONFIGS = {"gptq-int4": GPTQ_INT4, "gptq-int4-head": {**GPTQ_INT4, "lm_head": True}}
+# Quantized checkpoints (dummy weights in their config's format): their experts are packed too, where
+# --quantization fp8 (at load) packs the projections only.
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+CHECKPOINT_CONFIGS = {**GPTQ_CONFIGS, "fp8-block": FP8_BLOCK}
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_OUTPUT = 512, 512, 256
 HF_BATCH = 64
 AGREE_PROMPTS, AGREE_TOKENS = 32, 16
@@ -93,24 +115,59 @@ def graph_replay_ms(graph, replays: int = 50) -> float:
 
 def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = None) -> int:
     """bf16 bytes of the weights (embedding and untied head included); `active`: those one decoded token reads,
-    for a mixture of experts its router and its num_experts_per_tok chosen experts a layer, not all of them;
-    `quantization`: the attention and MLP projections in that format (LINEAR_WEIGHT_BYTES).
+    for a mixture of experts its router and its num_experts_per_tok chosen experts a layer (and the shared
+    expert), not all of them, and for a hybrid the recurrent states its linear-attention layers read and write;
+    `quantization`: the attention and MLP projections in that format (LINEAR_WEIGHT_BYTES), and the experts too
+    for a quantized checkpoint (CHECKPOINT_CONFIGS).
     (The roofline counts one embedding row as the whole embedding, a rounding error beside the head.)"""
-    h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    projections = h * (q + 2 * kv) + q * h
-    per_layer = 2 * h
+    gated = 2 if cfg["model_type"] == "qwen3_next" else 1  # Qwen3-Next's q_proj also holds the output gate
+    attention = h * (gated * q + 2 * kv) + q * h
+    projections = per_layer = 0
+    for kind in types:
+        projections += attention if kind == "full_attention" else _delta_net_projections(cfg)
+        per_layer += 2 * h
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     if experts:
         used = cfg["num_experts_per_tok"] if active else experts
-        per_layer += experts * h + used * 3 * h * cfg["moe_intermediate_size"]
+        shared = cfg.get("shared_expert_intermediate_size", 0)
+        # Routers and the shared expert's gate stay 16-bit; the shared expert is packed as the projections are,
+        # the routed experts only in a quantized checkpoint.
+        routed = len(types) * used * 3 * h * cfg["moe_intermediate_size"]
+        per_layer += len(types) * (experts * h + (h if shared else 0))
+        projections += len(types) * 3 * h * shared
+        if quantization in CHECKPOINT_CONFIGS:
+            projections += routed
+        else:
+            per_layer += routed
     else:
-        projections += 3 * h * cfg["intermediate_size"]
-    linear = LINEAR_WEIGHT_BYTES[quantization] * layers * projections
+        projections += len(types) * 3 * h * cfg["intermediate_size"]
+    linear = LINEAR_WEIGHT_BYTES[quantization] * projections
     head_packed = GPTQ_CONFIGS.get(quantization, {}).get("lm_head", False)
     head = (LINEAR_WEIGHT_BYTES[quantization] if head_packed else 2) * v * h
-    return int(linear + head + 2 * (layers * per_layer + v * h + h))
+    linear_layers = sum(kind == "linear_attention" for kind in types)
+    states = linear_layers * _delta_net_state_bytes(cfg) if active and linear_layers else 0
+    return int(linear + head + 2 * (per_layer + v * h + h) + states)
+
+
+def _delta_net_projections(cfg: dict) -> int:
+    """Weights of a Gated DeltaNet layer's projections: in_proj_qkvz, in_proj_ba, out_proj."""
+    h, keys = cfg["hidden_size"], cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    values, heads = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"], cfg["linear_num_value_heads"]
+    return h * (2 * keys + 2 * values) + h * 2 * heads + values * h
+
+
+def _delta_net_state_bytes(cfg: dict) -> int:
+    """Bytes a decoded token reads and writes of one Gated DeltaNet layer's state: the float32 delta-rule matrices
+    and the bf16 convolution inputs, each read once and written once."""
+    keys = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    values = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    matrices = cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"] * 4
+    conv = (2 * keys + values) * (cfg["linear_conv_kernel_dim"] - 1) * 2
+    return 2 * (matrices + conv)
 
 
 def write_model_dir(path: str, shape: dict = LLAMA3_8B) -> str:
@@ -194,7 +251,8 @@ def phase_engine(args) -> dict:
 
     started = time.perf_counter()
     llm = LLM(args.model_dir, tensor_parallel_size=args.tp[0], device="cuda", dtype="bfloat16", load_format="dummy",
-              max_model_len=2048, max_num_seqs=OFFLINE_REQUESTS, max_num_batched_tokens=args.max_batched_tokens,
+              max_model_len=max(2048, args.long_prompt + 16), max_num_seqs=OFFLINE_REQUESTS,
+              max_num_batched_tokens=args.max_batched_tokens,
               quantization="fp8" if args.quantization == "fp8" else None)
     out = {"startup_s": time.perf_counter() - started, "kv_cache_blocks": llm.engine.runner.num_blocks,
            "kernel_plan": llm.engine.runner.plan.describe()}
@@ -229,9 +287,12 @@ def phase_engine(args) -> dict:
     _, agree = run(random_prompts(AGREE_PROMPTS, 64, 9), AGREE_TOKENS)
     out["agreement_tokens"] = [r.token_ids for r in agree]
 
+    if args.long_prompt:  # one long prompt's prefill (and its first token), after one of the same length
+        seconds = [run(random_prompts(1, args.long_prompt, 50 + i), 1)[0] for i in range(2)]
+        out["long_prompt_tokens"], out["long_prompt_prefill_s"] = args.long_prompt, seconds[1]
     run(random_prompts(32, 256, 10), 32)  # warm up prefill shapes
     rates = []
-    for i in range(OFFLINE_REPEATS):
+    for i in range(args.offline_repeats):
         prompts = random_prompts(OFFLINE_REQUESTS, OFFLINE_PROMPT, 11 + i)  # fresh prompts: no prefix-cache hits
         seconds, results = run(prompts, OFFLINE_OUTPUT)
         produced = sum(len(r.token_ids) for r in results)
@@ -472,7 +533,8 @@ def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
     """Run one phase in a fresh process (and session). On a hang, every process of the phase (its
     spawned ranks too) is sent SIGABRT, which with PYTHONFAULTHANDLER set prints each one's stack."""
     cmd = [sys.executable, __file__, "--phase", name, "--model", args.model, "--model-dir", args.model_dir,
-           "--max-batched-tokens", str(args.max_batched_tokens), *extra]
+           "--max-batched-tokens", str(args.max_batched_tokens), "--long-prompt", str(args.long_prompt),
+           "--offline-repeats", str(args.offline_repeats), *extra]
     if args.quantization:
         cmd += ["--quantization", args.quantization]
     print(f"== {name} {' '.join(extra)}", flush=True)
@@ -572,6 +634,10 @@ def main() -> int:
                         "tagged fp8 / int4 / int4_head, added to the day's results file (no HF, no online phase)")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--offline-repeats", type=int, default=OFFLINE_REPEATS,
+                   help=f"offline runs, the median reported (default {OFFLINE_REPEATS})")
+    p.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
+                   help="also time the prefill of one prompt this long (e.g. 32768; max_model_len grows to fit)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--phase-timeout", type=int, default=900, help="seconds before a phase counts as hung")
     args = p.parse_args()
@@ -584,8 +650,11 @@ def main() -> int:
         sys.stdout.flush()
         os._exit(0)  # symmetric-memory and NCCL teardown can hang at interpreter exit
     shape = SHAPES[args.model]
-    if args.quantization in GPTQ_CONFIGS:
-        shape = {**shape, "quantization_config": GPTQ_CONFIGS[args.quantization]}
+    if args.quantization in CHECKPOINT_CONFIGS:
+        shape = {**shape, "quantization_config": CHECKPOINT_CONFIGS[args.quantization]}
+    if args.long_prompt > shape["max_position_embeddings"]:
+        # A longer context of the same shape (Llama-3.1-8B's is 128k): speed does not depend on the rope tables.
+        shape = {**shape, "max_position_embeddings": args.long_prompt + 16}
     if args.quantization:
         args.skip_hf, args.online = True, False
     args.model_dir = args.model_dir or write_model_dir(tempfile.mkdtemp(prefix=f"{args.model}-shape-"), shape)
@@ -661,6 +730,8 @@ def summarize(report: dict, engines: dict[int, dict], model: str = "llama3-8b", 
         res[f"offline_tp{tp}_output_tok_s"] = e["offline_output_tok_s"]
         res[f"tp{tp}_startup_s"] = e["startup_s"]
         res[f"tp{tp}_preemptions"] = e["preemptions"]
+        if "long_prompt_prefill_s" in e:
+            res[f"tp{tp}_prefill_{e['long_prompt_tokens']}_tokens_s"] = e["long_prompt_prefill_s"]
         # Each rank streams 1/tp of the weights: the ideal batch-1 rate is tp times one GPU's.
         res[f"roofline_tp{tp}_tok_s"] = tp * res["roofline_tok_s"]
         res[f"decode_bs1_tp{tp}_fraction_of_roofline"] = e["decode_bs1_tok_s"] / res[f"roofline_tp{tp}_tok_s"]
@@ -750,6 +821,9 @@ def print_table(r: dict) -> None:
                          fmt(f"tp{base}_tp{tp}_bf16_first16_agree_fraction", "of prompts", digits=2)))
         rows.append((f"{offline}, TP={tp}", fmt(f"offline_tp{tp}_output_tok_s", samples_key=f"offline_tp{tp}_samples")))
         rows.append((f"  all-reduce choice at TP={tp}", r.get(f"tp{tp}_allreduce_choice", "none (one GPU)")))
+        for key in (k for k in r if k.startswith(f"tp{tp}_prefill_") and k.endswith("_tokens_s")):
+            tokens = key[len(f"tp{tp}_prefill_"):-len("_tokens_s")]
+            rows.append((f"  prefill of one {tokens}-token prompt, TP={tp}", fmt(key, "s", digits=2)))
     rows += [
         ("HF transformers decode batch 1", fmt("hf_decode_bs1_tok_s")),
         (f"HF generate, batch {HF_BATCH}", fmt("hf_offline_output_tok_s")),

@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes, on the host and on the GPU, for a model of a real shape (random weights).
 
-    python benchmarks/profile_decode.py [--model llama3-8b] [--tokens 200] [--kernels] [--quantization fp8|gptq-int4[-head]]
+    python benchmarks/profile_decode.py [--model llama3-8b] [--tokens 200] [--kernels] [--quantization fp8|fp8-block|gptq-int4[-head]]
                                         [--sms N]
 
 Prints the engine's step time (overlapped decoding off and on), the GPU time of one step (CUDA events around the
@@ -30,7 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_suite import GPTQ_CONFIGS, SHAPES, graph_replay_ms, write_model_dir  # noqa: E402
+from gpu_suite import CHECKPOINT_CONFIGS, SHAPES, graph_replay_ms, write_model_dir  # noqa: E402
 
 
 def main() -> None:
@@ -40,9 +40,10 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true", help="the GPU kernels of a step, by total time")
     p.add_argument("--timeline", action="store_true",
                    help="what each kernel adds to a step (its end minus the previous kernel's end), by name")
-    p.add_argument("--quantization", choices=["fp8", *GPTQ_CONFIGS], default=None,
+    p.add_argument("--quantization", choices=["fp8", *CHECKPOINT_CONFIGS], default=None,
                    help="fp8: the projections quantized at load; gptq-int4: a 4-bit GPTQ checkpoint (groups of 128); "
-                        "gptq-int4-head: the same with its LM head quantized (lm_head: true)")
+                        "gptq-int4-head: the same with its LM head quantized (lm_head: true); fp8-block: an FP8 "
+                        "checkpoint with 128 x 128 blocks")
     p.add_argument("--sms", type=int, default=None, help="run everything on this many SMs (a CUDA green context)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -53,8 +54,8 @@ def main() -> None:
     from shardserve.entrypoints.llm import LLM
 
     shape = SHAPES[args.model]
-    if args.quantization in GPTQ_CONFIGS:  # the checkpoint's config says so: no --quantization at load
-        shape = {**shape, "quantization_config": GPTQ_CONFIGS[args.quantization]}
+    if args.quantization in CHECKPOINT_CONFIGS:  # the checkpoint's config says so: no --quantization at load
+        shape = {**shape, "quantization_config": CHECKPOINT_CONFIGS[args.quantization]}
     model_dir = write_model_dir(os.path.join(tempfile.mkdtemp(), f"{args.model}-shape"), shape)
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2048, max_num_seqs=64,
               quantization="fp8" if args.quantization == "fp8" else None)

@@ -9,16 +9,24 @@ from typing import Any
 
 import torch
 
-from shardserve.models.registry import resolve_architecture
+from shardserve.models.registry import resolve_architecture, text_model_config
 from shardserve.weights.quantized import QuantScheme, parse_quantization
 
 # Architectures that differ from Llama's in what their config.json does not say: Qwen2's q/k/v biases (without
 # an o_proj bias), Qwen3's per-head q/k RMSNorms (models/qwen3.py).
 _QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
-# Qwen3-Next: a sigmoid gate on the attention output (q_proj gives each head's query and gate), RMSNorm weights
-# stored as offsets from 1 (the norm scales by 1 + w), and Gated DeltaNet layers beside attention (layer_types).
-_HYBRID = ("Qwen3NextForCausalLM",)
+# Qwen3-Next and Qwen3.5: a sigmoid gate on the attention output (q_proj gives each head's query and gate),
+# RMSNorm weights stored as offsets from 1 (the norm scales by 1 + w), and Gated DeltaNet layers beside attention
+# (layer_types).
+_HYBRID = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+           "Qwen3_5MoeForConditionalGeneration")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") + _HYBRID
+# Mixtures of experts configured as Qwen-MoE's are (num_experts, decoder_sparse_step, mlp_only_layers); those with
+# a gated shared expert.
+_QWEN_MOE = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
+             "Qwen3_5MoeForConditionalGeneration")
+_SHARED_EXPERT = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
+                  "Qwen3_5MoeForConditionalGeneration")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto": read the checkpoint; "dummy": synthetic weights in the model's shapes (shardserve/weights/synthetic.py).
@@ -76,6 +84,19 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates (the first ones)
     attn_output_gate: bool = False  # attention output times sigmoid(gate), the gate from q_proj beside the query
     zero_centred_norm: bool = False  # RMSNorm weights w in the checkpoint scale by 1 + w
+    # NemotronH: each layer is one block (layer_types "linear_attention" for Mamba-2, "full_attention", "mlp"),
+    # the Mamba-2 layers' sizes (mamba_*), the MLP's activation, attention without RoPE.
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0
+    mamba_n_groups: int = 0
+    mamba_conv_kernel: int = 0
+    mamba_chunk_size: int = 0
+    mamba_time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    mamba_conv_bias: bool = False
+    mamba_proj_bias: bool = False
+    mlp_activation: str = "silu"
+    rope: bool = True
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -86,7 +107,8 @@ class ModelConfig:
 
     @property
     def linear_attention_layers(self) -> tuple[int, ...]:
-        """The layers with a per-sequence recurrent state instead of a KV cache."""
+        """The layers with a per-sequence recurrent state instead of a KV cache (Gated DeltaNet, or NemotronH's
+        Mamba-2 layers, which its config also calls linear_attention)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     @property
@@ -95,7 +117,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """From a config.json (an image-text checkpoint's: its text model, models/registry.text_model_config)."""
+        cfg = text_model_config(cfg)
         arch = resolve_architecture(cfg.get("architectures") or [], cfg.get("model_type"))
+        nemotron = _nemotron_h_fields(arch, cfg)
         num_heads = cfg["num_attention_heads"]
         rope = _rope_parameters(cfg)
         eos = cfg.get("eos_token_id")
@@ -104,17 +129,18 @@ class ModelConfig:
         return cls(
             architecture=arch,
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            intermediate_size=cfg.get("intermediate_size") or 0,  # none where every layer is sparse (Qwen3.5-MoE)
+            num_layers=len(nemotron["layer_types"]) if nemotron else cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5) if nemotron else cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope["rope_theta"],
             rope_scaling=rope["scaling"],
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # NemotronH keeps its LM head apart whatever the config says (transformers ties none of its weights).
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not nemotron,
             # Qwen2 carries q/k/v biases (Qwen2-MoE's config may say otherwise with qkv_bias); Llama-style configs
             # say so with attention_bias.
             qkv_bias=(arch in _QKV_BIAS and bool(cfg.get("qkv_bias", True))) or attention_bias,
@@ -127,6 +153,7 @@ class ModelConfig:
             quantization=parse_quantization(cfg),
             **_moe_fields(arch, cfg),
             **_hybrid_fields(arch, cfg),
+            **nemotron,
         )
 
     @classmethod
@@ -148,18 +175,21 @@ class ModelConfig:
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of a config.json (none for a dense model)."""
+    """The mixture-of-experts fields of a config.json (none for a dense model, nor for NemotronH, whose mixtures
+    of experts are refused by _nemotron_h_fields)."""
+    if arch == "NemotronHForCausalLM":
+        return {}
     layers = cfg["num_hidden_layers"]
     if arch == "MixtralForCausalLM":
         return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["intermediate_size"], renormalize_topk=True,
                     moe_layers=tuple(range(layers)))
-    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
+    if arch in _QWEN_MOE:  # Qwen3.5-MoE's configs name no dense layers: every layer is sparse
         step = cfg.get("decoder_sparse_step", 1) or 1
         dense = set(cfg.get("mlp_only_layers") or ())
         experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))  # newer transformers write the latter
         qwen2 = arch == "Qwen2MoeForCausalLM"
-        shared = arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")  # a gated shared expert
+        shared = arch in _SHARED_EXPERT
         sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
         return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["moe_intermediate_size"],
@@ -170,8 +200,12 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-Next's fields: which layers are Gated DeltaNet and their sizes, partial RoPE, the output gate, the
-    norms' offsets from 1 (none for other architectures)."""
+    """Qwen3-Next's and Qwen3.5's fields: which layers are Gated DeltaNet and their sizes, partial RoPE, the
+    output gate, the norms' offsets from 1 (none for other architectures).
+
+    Qwen3.5's rope_parameters also carry mrope_section (multimodal RoPE: the rotated pairs split among time,
+    height and width positions); a text token's three positions are all its index, so its rotation is the
+    ordinary one over the same pairs, and only text is served."""
     if arch not in _HYBRID:
         return {}
     layers = cfg["num_hidden_layers"]
@@ -187,12 +221,64 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"layer_types {types!r} has no full_attention layer: shardserve serves hybrids with at "
                          f"least one attention layer")
     rope = cfg.get("rope_parameters") or {}
+    # Where a config names none, transformers' default for Qwen3-Next and Qwen3.5: a quarter of each head rotated.
+    rotated = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     return dict(layer_types=tuple(types), linear_num_key_heads=cfg["linear_num_key_heads"],
                 linear_num_value_heads=cfg["linear_num_value_heads"],
                 linear_key_head_dim=cfg["linear_key_head_dim"], linear_value_head_dim=cfg["linear_value_head_dim"],
                 linear_conv_kernel_dim=cfg["linear_conv_kernel_dim"],
-                partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+                partial_rotary_factor=rotated,
                 attn_output_gate=True, zero_centred_norm=True)
+
+
+_NEMOTRON_H_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+# Older NemotronH configs' names for layer types.
+_NEMOTRON_H_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """NemotronH's fields: each layer's block (layers_block_type, or the older hybrid_override_pattern), the
+    Mamba-2 sizes, the MLP's squared ReLU, no RoPE (none for other architectures). Refuses what shardserve does not
+    serve of the family: the mixture-of-experts layers ("moe" / "E") and activations other than relu2 and silu."""
+    if arch != "NemotronHForCausalLM":
+        return {}
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if not types and cfg.get("hybrid_override_pattern"):
+        types = [_NEMOTRON_H_PATTERN.get(c, c) for c in cfg["hybrid_override_pattern"]]
+    if not types:
+        raise ValueError("NemotronH config names no layers: expected layers_block_type or hybrid_override_pattern")
+    types = [_NEMOTRON_H_TYPES.get(t, t) for t in types]
+    unknown = sorted(set(types) - {"linear_attention", "full_attention", "mlp", "moe"})
+    if unknown:
+        raise ValueError(f"NemotronH layers_block_type {types!r}: unknown layer types {unknown}")
+    if "moe" in types:
+        raise ValueError(f"NemotronH with mixture-of-experts layers ({types.count('moe')} 'moe' layers in "
+                         f"layers_block_type, pattern 'E') is not supported yet: shardserve serves NemotronH's Mamba-2, "
+                         f"attention and dense MLP layers only")
+    if "full_attention" not in types:
+        raise ValueError(f"NemotronH layers_block_type {types!r} has no full_attention layer: shardserve serves "
+                         f"hybrids with at least one attention layer")
+    act = cfg.get("mlp_hidden_act", "relu2")
+    if act not in ("relu2", "silu"):
+        raise ValueError(f"NemotronH with mlp_hidden_act={act!r}: only 'relu2' (and 'silu') are implemented")
+    if cfg.get("mamba_hidden_act", "silu") != "silu":
+        raise ValueError(f"NemotronH with mamba_hidden_act={cfg['mamba_hidden_act']!r}: only 'silu' is implemented")
+    limit = cfg.get("time_step_limit", cfg.get("mamba_dt_limit")) or (0.0, float("inf"))
+    return dict(layer_types=tuple(types), mamba_num_heads=cfg["mamba_num_heads"],
+                mamba_head_dim=cfg["mamba_head_dim"], mamba_state_size=cfg["ssm_state_size"],
+                mamba_n_groups=cfg.get("n_groups", cfg.get("mamba_n_groups", 8)),
+                mamba_conv_kernel=cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4)),
+                mamba_chunk_size=cfg.get("chunk_size", cfg.get("mamba_chunk_size", 128)),
+                mamba_time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
+                mamba_conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
+                mamba_proj_bias=bool(cfg.get("use_bias", False)), mlp_activation=act, rope=False)
+
+
+def _json_float(value: Any) -> float:
+    """A float from config.json, where transformers 5 writes an infinite one as {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from shardserve.layers.sharding import attention_shard, split_rows
+from shardserve.layers.sharding import attention_shard, delta_net_shard, split_rows
+from shardserve.models.registry import text_model_config
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
@@ -98,10 +99,15 @@ def load_hf_config(model: str) -> dict:
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     with open(path) as f:
         cfg = json.load(f)
-    return cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+    return text_model_config(cfg)  # an image-text checkpoint's: its text model's
 
 
 # -- the model's shapes --------------------------------------------------------------------------
+# Model types whose attention has an output gate (q_proj gives each head's query and gate): Qwen3-Next's, and
+# Qwen3.5's text models (an image-text checkpoint's text_config names its own).
+_GATED_ATTENTION = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+
+
 def _head_dim(cfg: dict) -> int:
     return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
@@ -144,6 +150,8 @@ def _is_moe_layer(cfg: dict, i: int) -> bool:
 
 
 def _rows(size: int, tp: int, name: str, replicated: list[str]) -> int:
+    if not size:  # no such block (the dense MLP of a model whose every layer is sparse)
+        return 0
     (start, end), sharded = split_rows(size, 0, tp, name)
     if tp > 1 and not sharded:
         replicated.append(name)
@@ -155,6 +163,27 @@ def _linear_attention_shapes(cfg: dict) -> tuple[int, int, int, int, int]:
     return (cfg.get("linear_num_key_heads", 16), cfg.get("linear_key_head_dim", 128),
             cfg.get("linear_num_value_heads", 32), cfg.get("linear_value_head_dim", 128),
             cfg.get("linear_conv_kernel_dim", 4))
+
+
+def _shared_expert_rows(cfg: dict, tp: int, replicated: list[str]) -> int:
+    """A shared expert's features one rank holds: split as the routed experts are, whole on every rank where they
+    are not or its own size does not split (layers/moe.py); 0 without one."""
+    _, inter, shared = _moe(cfg)
+    if not shared:
+        return 0
+    if tp > 1 and not split_rows(inter, 0, tp, "experts")[1]:
+        replicated.append("shared expert")
+        return shared
+    return _rows(shared, tp, "shared expert", replicated)
+
+
+def _delta_net_heads(cfg: dict, tp: int, replicated: list[str]) -> tuple[int, int]:
+    """(key heads, value heads) of a Gated DeltaNet layer one rank holds: all where they do not split."""
+    kh, kd, vh, vd, _ = _linear_attention_shapes(cfg)
+    shard = delta_net_shard(kh, vh, kd, vd, 0, tp)
+    if tp > 1 and not shard.sharded:
+        replicated.append("linear attention")
+    return shard.num_key, shard.num_value
 
 
 def _mamba_shapes(cfg: dict) -> tuple[int, int, int, int]:
@@ -179,9 +208,9 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
         attn += (shard.num_q + 2 * shard.num_kv) * hd
     if str(cfg.get("model_type", "")).startswith("qwen3"):
         attn += 2 * hd  # q_norm and k_norm
-    if cfg.get("model_type") == "qwen3_next":
+    if cfg.get("model_type") in _GATED_ATTENTION:
         attn += h * shard.num_q * hd  # q_proj's output gate beside each query head
-    dense_inter = _rows(cfg["intermediate_size"], tp, "mlp", replicated)
+    dense_inter = _rows(cfg.get("intermediate_size") or 0, tp, "mlp", replicated)
     experts, moe_inter, shared_inter = _moe(cfg)
     total = 0
     for i, kind in enumerate(layer_kinds(cfg)):
@@ -190,9 +219,10 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
             total += attn
         elif kind == "linear_attention":
             kh, kd, vh, vd, conv = _linear_attention_shapes(cfg)
-            k_rows, v_rows = kh * kd // tp, vh * vd // tp
-            total += h * (2 * k_rows + 2 * v_rows + 2 * vh // tp) + (2 * k_rows + v_rows) * conv + v_rows * h \
-                + 2 * vh // tp + vd  # A_log, dt_bias and the output norm
+            local_k, local_v = _delta_net_heads(cfg, tp, replicated)
+            k_rows, v_rows = local_k * kd, local_v * vd
+            total += h * (2 * k_rows + 2 * v_rows + 2 * local_v) + (2 * k_rows + v_rows) * conv + v_rows * h \
+                + 2 * local_v + vd  # A_log, dt_bias and the output norm
         else:
             inner, d_state, conv, dt_rank = _mamba_shapes(cfg)
             inner //= tp
@@ -203,7 +233,7 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
             used = cfg.get("num_experts_per_tok", experts) if active else experts
             total += used * per_expert + h * experts  # experts and the router
             if shared_inter:
-                total += 3 * h * _rows(shared_inter, tp, "shared expert", replicated) + h
+                total += 3 * h * _shared_expert_rows(cfg, tp, replicated) + h
         else:
             total += 3 * h * dense_inter
     vocab_rows = -(-vocab // tp)
@@ -226,7 +256,8 @@ def state_bytes_per_seq(cfg: dict, tp: int, state_bytes: int) -> int:
     for kind in layer_kinds(cfg):
         if kind == "linear_attention":
             kh, kd, vh, vd, conv = _linear_attention_shapes(cfg)
-            total += (vh // tp) * kd * vd + ((2 * kh * kd + vh * vd) // tp) * (conv - 1)
+            local_k, local_v = _delta_net_heads(cfg, tp, [])
+            total += local_v * kd * vd + (2 * local_k * kd + local_v * vd) * (conv - 1)
         elif kind == "mamba":
             inner, d_state, conv, _ = _mamba_shapes(cfg)
             total += (inner // tp) * (d_state + conv - 1)
@@ -289,8 +320,8 @@ def projection_elements_per_rank(cfg: dict, tp: int) -> int:
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
     attn = h * (shard.num_q + 2 * shard.num_kv) * hd + shard.num_q * hd * h
-    dense = 3 * h * _rows(cfg["intermediate_size"], tp, "mlp", [])
-    shared = 3 * h * _rows(_moe(cfg)[2], tp, "shared expert", []) if _moe(cfg)[2] else 0
+    dense = 3 * h * _rows(cfg.get("intermediate_size") or 0, tp, "mlp", [])
+    shared = 3 * h * _shared_expert_rows(cfg, tp, [])
     total = 0
     for i, kind in enumerate(layer_kinds(cfg)):
         if kind == "attention":
@@ -305,8 +336,8 @@ def largest_projection_elements_per_rank(cfg: dict, tp: int) -> int:
     h, hd = cfg["hidden_size"], _head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
-    rows = max(_rows(cfg["intermediate_size"], tp, "mlp", []),
-               _rows(_moe(cfg)[2], tp, "shared expert", []) if _moe(cfg)[2] else 0)
+    rows = max(_rows(cfg.get("intermediate_size") or 0, tp, "mlp", []),
+               _shared_expert_rows(cfg, tp, []))
     return max(h * (shard.num_q + 2 * shard.num_kv) * hd, 2 * h * rows, packed_head_elements_per_rank(cfg, tp))
 
 
@@ -411,7 +442,7 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
             weights -= int((packed_expert_elements_per_rank(cfg, tp) + packed_head_elements_per_rank(cfg, tp))
                            * (dtype - packed[0]))
     per_token, per_seq_state, model_limit, max_len = _context(cfg, req, kv_dtype)
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    h, inter = cfg["hidden_size"], cfg.get("intermediate_size") or _moe(cfg)[1]
     graphs = req.max_num_seqs * (8 * h + 3 * inter // tp) * dtype
     overhead = _step_bytes(cfg, req, dtype) + graphs + GPU_FIXED_OVERHEAD + _collective_bytes(cfg, req, dtype)
     if packed is not None:

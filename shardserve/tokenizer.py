@@ -73,6 +73,8 @@ class Tokenizer:
             if (directory / filename).is_file():
                 config = json.loads((directory / filename).read_text())
                 eos_ids.update(_ids(config.get("eos_token_id")))
+                # An image-text checkpoint's config.json names them for its text model (Qwen3.5).
+                eos_ids.update(_ids((config.get("text_config") or {}).get("eos_token_id")))
         return cls(hf_tokenizer, eos_ids, str(directory))
 
     @classmethod

@@ -24,6 +24,9 @@ class TinySpec:
     config: dict[str, Any] = field(default_factory=dict)
     max_shard_size: str | None = None
     dtype: str = "float32"  # the dtype the checkpoint is saved in
+    # An image-text checkpoint (Qwen3.5's ...ForConditionalGeneration): `config` is its text_config, this its
+    # vision_config.
+    vision: dict[str, Any] | None = None
 
 
 TINY_SPECS = {
@@ -110,15 +113,80 @@ HYBRID_SPECS = {
 }
 
 
+# Qwen3.5: Qwen3-Next's layers with Gated DeltaNet's projections stored apart and multimodal RoPE (text positions
+# only). "qwen3.5-moe": every layer sparse with a gated shared expert, Gated DeltaNet over 3 key heads (split at TP
+# 3, whole at TP 2), attention over 4 heads and 2 KV heads (split at TP 2, whole at TP 3), half of each head
+# rotated. "qwen3.5": dense MLPs (96 features: split at TP 2 and 3), 5 query heads over 1 KV head (whole at any TP),
+# Gated DeltaNet over 2 key heads of 4 value heads (split at TP 2), the default quarter of each head rotated.
+# "qwen3.5-moe-vl" and "qwen3.5-vl": those text models in image-text checkpoints with a one-block vision tower (the
+# dense one's LM head tied to the embedding at the top level of config.json).
+_QWEN3_5_MOE_TEXT = dict(
+    hidden_size=64, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, moe_intermediate_size=48, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+    linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+_QWEN3_5_TEXT = dict(
+    hidden_size=48, num_hidden_layers=3, full_attention_interval=3, num_attention_heads=5, num_key_value_heads=1,
+    head_dim=16, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=12, linear_conv_kernel_dim=4, tie_word_embeddings=True)
+
+
+# NemotronH: one block per layer (Mamba-2, attention without RoPE, squared-ReLU MLP), SSD chunks of 16 or 8 tokens
+# so that prompts span several and chunked prefill cuts inside one. "nemotron-h": 6 Mamba heads in 2 B/C groups
+# (split at TP 2, a group per rank), 4 attention heads over 2 KV heads, the first layer Mamba-2. "nemotron-h-odd":
+# 5 Mamba heads in 1 group (never split: whole on every rank), no conv bias, 3 attention heads over 1 KV head
+# (whole at TP 2), 90 MLP features (45 per rank), the first layer attention, tie_word_embeddings set (which
+# NemotronH ignores: its checkpoint holds an LM head of its own).
+NEMOTRON_H_SPECS = {
+    "nemotron-h": TinySpec("nemotron-h", "nemotron_h", dict(
+        hidden_size=64, layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=6,
+        mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, tie_word_embeddings=False)),
+    "nemotron-h-odd": TinySpec("nemotron-h-odd", "nemotron_h", dict(
+        hidden_size=48, layers_block_type=["full_attention", "linear_attention", "mlp", "linear_attention"],
+        num_attention_heads=3, num_key_value_heads=1, head_dim=16, intermediate_size=90, mamba_num_heads=5,
+        mamba_head_dim=8, ssm_state_size=8, n_groups=1, conv_kernel=3, chunk_size=8, use_conv_bias=False,
+        tie_word_embeddings=True)),
+}
+
+
+def _vision(out_hidden_size: int) -> dict[str, Any]:
+    return dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=out_hidden_size,
+                patch_size=4, num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2)
+
+
+QWEN3_5_SPECS = {
+    "qwen3.5-moe": TinySpec("qwen3.5-moe", "qwen3_5_moe_text", _QWEN3_5_MOE_TEXT),
+    "qwen3.5": TinySpec("qwen3.5", "qwen3_5_text", _QWEN3_5_TEXT),
+    "qwen3.5-moe-vl": TinySpec("qwen3.5-moe-vl", "qwen3_5_moe", _QWEN3_5_MOE_TEXT, vision=_vision(64)),
+    "qwen3.5-vl": TinySpec("qwen3.5-vl", "qwen3_5", _QWEN3_5_TEXT, vision=_vision(48)),
+}
+
+
 def _hf_config(spec: TinySpec):
     from transformers import (LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                               Qwen3NextConfig)
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
-           "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig, "qwen3_next": Qwen3NextConfig}[spec.architecture]
     common = dict(vocab_size=VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                   initializer_range=0.1, bos_token_id=1, eos_token_id=None, pad_token_id=0,
                   dtype="float32")
+    if spec.architecture == "nemotron_h":
+        from transformers import AutoConfig
+
+        own = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
+        return AutoConfig.for_model("nemotron_h", layer_norm_epsilon=1e-6, **{**own, **spec.config})
+    if spec.architecture.startswith("qwen3_5"):
+        from transformers import AutoConfig
+
+        if spec.vision is None:
+            return AutoConfig.for_model(spec.architecture, **{**common, **spec.config})
+        return AutoConfig.for_model(spec.architecture, text_config={**common, **spec.config},
+                                    vision_config=spec.vision, tie_word_embeddings=spec.config["tie_word_embeddings"],
+                                    dtype="float32")
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
+           "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig, "qwen3_next": Qwen3NextConfig}[spec.architecture]
     return cls(**{**common, **spec.config})
 
 
@@ -184,11 +252,12 @@ def write_byte_tokenizer(path: str) -> None:
 def make_tiny_model(spec: TinySpec, path: str, seed: int = 0, tokenizer: str = "words") -> str:
     """Write config.json, safetensors and tokenizer files for `spec` into `path`; returns path. `tokenizer`:
     "words" (w5 ... w999, a word per token) or "bytes" (write_byte_tokenizer)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     os.makedirs(path, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_hf_config(spec), dtype=torch.float32)
+    auto = AutoModelForCausalLM if spec.vision is None else AutoModelForImageTextToText
+    model = auto.from_config(_hf_config(spec), dtype=torch.float32)
     _perturb(model, torch.Generator().manual_seed(seed + 1))
     if spec.dtype != "float32":
         model = model.to(getattr(torch, spec.dtype))

@@ -95,7 +95,10 @@ class TritonPagedBackend:
         if layer.head_norm is not None:
             q_norm, k_norm = layer.head_norm
             head_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
-        if rotary.positions is not None and meta.prefill_query_start is None and rotary_mode() == "fused":
+        # The fused forms rotate whole heads; a partial rotation (Qwen3-Next: the first quarter of each head)
+        # goes through rotary.apply, which rotates those dims only, and a separate cache store.
+        fused = rotary.positions is not None and rotary.cos.shape[-1] == qk.shape[-1]
+        if fused and meta.prefill_query_start is None and rotary_mode() == "fused":
             # Decode only: the attention launch rotates and stores the new keys itself.
             q = qk[:, :layer.num_heads]
             new = NewTokens(qk[:, layer.num_heads:], v, meta.slot_mapping, rotary.cos, rotary.signed_sin, head_norm)
@@ -104,7 +107,7 @@ class TritonPagedBackend:
                                          arrivals=meta.decode_arrivals, new_tokens=new,
                                          next_early=layer.launches_next_early)
             return out.view(q.shape[0], -1)
-        if rotary.positions is not None:
+        if fused:
             apply_rotary_and_store_(qk, layer.num_heads, v, rotary.positions, rotary.cos, rotary.signed_sin,
                                     k_cache, v_cache, meta.slot_mapping, head_norm)
         else:

@@ -117,11 +117,22 @@ class ReplayTimer:
                     len(between))
 
 
+def layer_caches(cfg, kv_caches: list, state_pools: dict, slots, starts) -> list:
+    """Each layer's cache in layer order: the next KV cache for each of cfg.kv_layers, (its pool, slots, starts)
+    for a layer with a state pool, None for any other layer."""
+    kv, kv_layers = iter(kv_caches), set(cfg.kv_layers)
+    return [(state_pools[i], slots, starts) if i in state_pools else next(kv) if i in kv_layers else None
+            for i in range(cfg.num_layers)]
+
+
 class CudaGraphRunner:
     def __init__(self, model, kv_caches, backend, comm: Communicator, max_batch: int, max_model_len: int,
-                 split_sizes: frozenset[int], hidden_bytes_per_token: int) -> None:
+                 split_sizes: frozenset[int], hidden_bytes_per_token: int, state_pools: dict | None = None) -> None:
+        """state_pools: a hybrid model's recurrent-state pools by layer (engine/model_runner.py); its decode
+        graphs read each row's slot in them from a static buffer, and padding rows' slot -1 steps no state."""
         self.model = model
         self.kv_caches = kv_caches
+        self.state_pools = state_pools or {}
         self.backend = backend
         self.comm = comm
         self.buckets = graph_buckets(max_batch)
@@ -132,11 +143,12 @@ class CudaGraphRunner:
         device = backend.device
         self.token_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        self.state_slots = torch.full((self.max_batch,), -1, dtype=torch.long, device=device)
         max_blocks = -(-max_model_len // backend.block_size)
         self.static_meta = backend.static_decode_metadata(self.max_batch, max_blocks)
         meta = self.static_meta
         self.inputs = GraphInputs(self.token_ids, self.positions, meta.slot_mapping, meta.decode_context_lens,
-                                  meta.decode_block_tables)
+                                  self.state_slots, meta.decode_block_tables)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
         self.logits: dict[int, torch.Tensor | None] = {}
@@ -172,9 +184,16 @@ class CudaGraphRunner:
             self.inputs.unpack(size)
             if self.shares_tokens:
                 self.comm.broadcast_from_first(self.token_ids[:size])
-            hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches, meta)
+            hidden = self.model(self.token_ids[:size], self.positions[:size], self._layer_caches(size), meta)
             return self.model.compute_logits(hidden)
         return forward
+
+    def _layer_caches(self, size: int) -> list:
+        """What each layer reads and writes in a graph of `size` rows: its KV cache, or for a linear-attention
+        layer (its state pool, the rows' static slots, None: one token a row)."""
+        if not self.state_pools and len(self.kv_caches) == self.model.config.num_layers:
+            return self.kv_caches
+        return layer_caches(self.model.config, self.kv_caches, self.state_pools, self.state_slots[:size], None)
 
     def _capture_whole(self, forward):
         graph = torch.cuda.CUDAGraph()

@@ -1,6 +1,7 @@
 """A decode step's inputs for its CUDA graph in one host-to-device copy, unpacked inside the graph.
 
-The host writes positions, cache slots, context lengths, block tables and (where it has them) the token ids of
+The host writes positions, cache slots, context lengths, recurrent-state slots, block tables and (where it has
+them) the token ids of
 a step into one array of int32 words in pinned memory and queues one copy of it; the graph's first kernel
 writes them into the static buffers the graph reads (kernels/triton/graph_inputs.py has the layout), and takes
 the token ids sampled on the device by the previous step from their own tensor, whose address the words carry.
@@ -26,16 +27,17 @@ RING = 4
 
 class GraphInputs:
     def __init__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
-                 tables: torch.Tensor) -> None:
+                 state_slots: torch.Tensor, tables: torch.Tensor) -> None:
         """The static buffers a graph reads: tokens and positions int64 [max_batch], slots int64, lens int32,
-        tables int32 [max_batch, max_blocks]."""
+        state_slots int64, tables int32 [max_batch, max_blocks]."""
         # Imported here: Triton exists where CUDA graphs do, and engines without them (CPUs) must not need it.
         from shardserve.kernels.triton import graph_inputs as kernel
 
         self.kernel = kernel  # the layout of the words, and the kernel that unpacks them
-        self.tokens, self.positions, self.slots, self.lens, self.tables = tokens, positions, slots, lens, tables
+        self.tokens, self.positions, self.slots, self.lens = tokens, positions, slots, lens
+        self.state_slots, self.tables = state_slots, tables
         max_batch, self.max_blocks = tables.shape
-        capacity = kernel.HEADER + 4 * max_batch + max_batch * self.max_blocks
+        capacity = kernel.HEADER + kernel.ROWS * max_batch + max_batch * self.max_blocks
         device = tokens.device
         self.words = torch.zeros(capacity, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
@@ -52,7 +54,7 @@ class GraphInputs:
         k = self.kernel
         n = batch.num_decode
         width = min(max((len(c.block_table) for c in batch.chunks[:n]), default=0), self.max_blocks)
-        length = k.HEADER + 4 * size + n * width
+        length = k.HEADER + k.ROWS * size + n * width
         i, self._next = self._next, (self._next + 1) % RING
         if self._copied[i] is not None:
             self._copied[i].synchronize()
@@ -63,14 +65,17 @@ class GraphInputs:
         words[:4] = (n, width, source, 0)
         words[4:k.HEADER] = np.array([0 if device_tokens is None else device_tokens.data_ptr()], np.int64).view(np.int32)
         self._held[i] = device_tokens
-        body = words[k.HEADER:k.HEADER + 4 * size].reshape(4, size)
-        body[:, n:] = ((0,), (-1,), (0,), (0,))  # padding rows: position 0, no slot, no context, token 0
+        body = words[k.HEADER:k.HEADER + k.ROWS * size].reshape(k.ROWS, size)
+        # Padding rows: position 0, no cache slot, no context, token 0, no state slot.
+        body[:, n:] = ((0,), (-1,), (0,), (0,), (-1,))
         body[0, :n] = batch.positions[:n]
         body[1, :n] = batch.slot_mapping[:n]
         np.add(body[0, :n], 1, out=body[2, :n])  # a one-token row's context ends at its position
         if source == k.TOKENS_IN_WORDS:
             body[3, :n] = batch.token_ids[:n]
-        _fill_tables(words[k.HEADER + 4 * size:length].reshape(n, width), [c.block_table for c in batch.chunks[:n]])
+        if batch.state_slots:
+            body[4, :n] = batch.state_slots[:n]
+        _fill_tables(words[k.HEADER + k.ROWS * size:length].reshape(n, width), [c.block_table for c in batch.chunks[:n]])
         self.words[:length].copy_(host[:length], non_blocking=True)
         if self.words.is_cuda:
             event = self._copied[i] or torch.cuda.Event()
@@ -79,7 +84,8 @@ class GraphInputs:
 
     def unpack(self, size: int) -> None:
         """The graph's first kernel: rows [0, size) of the static buffers from the words last copied."""
-        self.kernel.unpack(self.words, self.tokens, self.positions, self.slots, self.lens, self.tables, size)
+        self.kernel.unpack(self.words, self.tokens, self.positions, self.slots, self.lens, self.state_slots,
+                           self.tables, size)
 
 
 def _fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:

@@ -25,8 +25,8 @@ from shardserve.engine.kv_cache import allocate_kv_cache
 from shardserve.wire.step_plan import SeqChunk
 from shardserve.kernels import cpu_extensions
 from shardserve.kernels.plan import KernelPlan, KernelPlanError
-from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, check_linear,
-                                           head_norm_reference, relative_error, rotate_reference)
+from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, check_delta_net,
+                                           check_linear, head_norm_reference, relative_error, rotate_reference)
 from shardserve.layers import packed_batches
 from shardserve.layers import quantized_linear as ql
 from shardserve.layers.linear import KernelLinear
@@ -280,6 +280,39 @@ def checked_attention(backend, attn, rotary, dtype, device, block_size, ctx: Ran
             return fallback
         problems += more
     raise KernelPlanError("no attention backend passed its start-up check against a float64 reference, so "
+                          "start-up stops here:\n  " + "\n  ".join(problems))
+
+
+def checked_delta_net(model: nn.Module, dtype: torch.dtype, device: torch.device, ctx: RankContext) -> str:
+    """The Gated DeltaNet layers' kernels if they pass their check on every rank (on the first layer's head
+    sizes: every layer has the same); otherwise, with a WARNING, the next simpler ones that pass (their parent
+    classes: fla-core prefill -> Triton decode -> torch), set on every layer. Start-up stops when none does.
+    Returns the kernels' name ("" for a model without such layers)."""
+    from shardserve.layers.deltanet_kernels import TorchDeltaNetKernels, delta_net_kernels
+    from shardserve.layers.gated_deltanet import GatedDeltaNet
+
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    if not layers:
+        return ""
+    first = layers[0]
+    sizes = (first.key_heads, first.value_heads, first.dims.key_dim, first.dims.value_dim, first.dims.conv_kernel)
+    chosen = first.kernels or delta_net_kernels(device)
+    # The chosen kernels, then each simpler form they extend, down to plain torch.
+    candidates = [chosen] + [cls() for cls in type(chosen).__mro__[1:]
+                             if isinstance(cls, type) and issubclass(cls, TorchDeltaNetKernels)]
+    problems: list[str] = []
+    for kernels in candidates:
+        failed = _failures(_only_failed(check_delta_net(kernels, *sizes, dtype, device)), ctx)
+        if not failed:
+            if kernels is not chosen:
+                if ctx.is_driver:
+                    logger.warning("Gated DeltaNet kernels %s failed their start-up check, using %s instead: %s",
+                                   chosen.name, kernels.name, "; ".join(problems))
+                for layer in layers:
+                    layer.kernels = kernels
+            return kernels.name
+        problems += failed
+    raise KernelPlanError("no Gated DeltaNet kernels passed their start-up check against a float64 reference, so "
                           "start-up stops here:\n  " + "\n  ".join(problems))
 
 

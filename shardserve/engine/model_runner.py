@@ -19,7 +19,7 @@ from shardserve.distributed.process_group import RankContext
 from shardserve.distributed.setup_watchdog import setup_step
 from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block, kv_cache_layers,
                                         kv_cache_budget_bytes)
-from shardserve.engine.cuda_graphs import CudaGraphRunner, all_reduce_token_counts, graph_buckets
+from shardserve.engine.cuda_graphs import CudaGraphRunner, all_reduce_token_counts, graph_buckets, layer_caches
 from shardserve.wire.step_plan import FROM_DEVICE, StepPlan
 from shardserve.engine import kernel_setup
 from shardserve.kernels import cpu_features
@@ -33,7 +33,7 @@ from shardserve.models import model_class
 from shardserve.transfers import on_device
 from shardserve.weights import stable_memory
 from shardserve.weights.consistency import verify_replicated_weights
-from shardserve.weights.loader import load_weights, quantized_module_names
+from shardserve.weights.loader import configured_quantized_modules, load_weights, quantized_module_names
 from shardserve.weights.offload import HostCopy, offload, restore
 
 logger = logging.getLogger(__name__)
@@ -73,12 +73,14 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()
         attn = self.model.paged_attention()
         self.attention = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
-                                                  attn.kv_index_tuple,
-                                                  model_config.rotary_dim < model_config.head_dim)
+                                                  attn.kv_index_tuple)
         with self.self_check, setup_step("check the attention kernel", ctx.rank):
             self.attention = kernel_setup.checked_attention(self.attention, attn, self.model.model.rotary,
                                                             self.dtype, self.device, self.block_size, ctx)
         self.plan = self.plan.with_results(attention=self.attention.name)
+        with self.self_check, setup_step("check the Gated DeltaNet kernels", ctx.rank):
+            self.plan = self.plan.with_results(delta_net=kernel_setup.checked_delta_net(self.model, self.dtype,
+                                                                                        self.device, ctx))
         self.all_reduce_choice: all_reduce.AllReduceChoice | None = None
         self.graphs: CudaGraphRunner | None = None
         self.host_weights: HostCopy | None = None  # while the weights sleep at level 1
@@ -97,25 +99,30 @@ class ModelRunner:
 
     def _allocate_kv_cache(self):
         """The KV cache of the attention layers (returned) and, beside it, a zeroed recurrent-state pool of
-        max_num_seqs slots per linear-attention layer (self.state_pools; Scheduler hands out the slots)."""
-        self.state_pools = self.model.state_pools(self.config.max_num_seqs, self.device)
+        max_num_seqs slots per linear-attention layer (self.state_pools; Scheduler hands out the slots). In the
+        stable arena both keep their addresses across sleep and wake, so the decode graphs stay valid."""
         shape = (len(self.model_config.kv_layers), self.num_blocks, self.block_size, self.model.kv_heads_per_rank(),
                  self.model_config.head_dim)
         if self.weight_arena is None:
+            self.state_pools = self.model.state_pools(self.config.max_num_seqs, self.device)
             return allocate_kv_cache(*shape, self.dtype, self.device)
         if self.kv_arena is None:
-            self.kv_arena, self._kv_tensor = stable_memory.kv_cache_in_arena(
-                shape[0], shape[1] * shape[2], shape[3], shape[4], self.dtype, self.device)
+            layout = self.model.state_pools(self.config.max_num_seqs, torch.device("meta"))
+            self.kv_arena, self._kv_tensor, views = stable_memory.kv_cache_in_arena(
+                shape[0], shape[1] * shape[2], shape[3], shape[4], self.dtype, self.device,
+                [t for pool in layout.values() for t in pool])
+            views = iter(views)
+            self._arena_pools = {i: type(pool)(*(next(views) for _ in pool)) for i, pool in layout.items()}
         self.kv_arena.map()
+        self.state_pools = self._arena_pools
+        for pool in self.state_pools.values():
+            for t in pool:
+                t.zero_()
         return kv_cache_layers(self._kv_tensor, self.block_size)
 
     def _capture_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager or not hasattr(self.attention,
                                                                                   "static_decode_metadata"):
-            return
-        if self.state_pools:
-            logger.warning("no CUDA graphs: the decode graphs do not take the linear-attention layers' state "
-                           "slots yet; decode runs eagerly")
             return
         unsafe = [name for name, module in self.model.named_modules() if getattr(module, "graph_safe", True) is False]
         if unsafe:
@@ -126,7 +133,7 @@ class ModelRunner:
         split_sizes = self.all_reduce_choice.split_sizes if self.all_reduce_choice else frozenset()
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.attention, self.ctx.comm,
                                       self.config.max_num_seqs, self.max_model_len, split_sizes,
-                                      self._hidden_bytes_per_token())
+                                      self._hidden_bytes_per_token(), self.state_pools)
         self.graphs.capture_all()
 
     # -- sleep / wake -----------------------------------------------------------------------------
@@ -260,9 +267,13 @@ class ModelRunner:
         if packing:
             layout, names = packing
             scheme = self.model_config.quantization
+            if names is None and scheme is not None:  # dummy weights: the config's 16-bit modules stay so
+                names = configured_quantized_modules(model, scheme)
             pack_layers(model, names, layout, self.device, log=self.ctx.is_driver,
                         head=scheme is not None and scheme.lm_head)
-            pack_experts(model, names, layout, self.device, log=self.ctx.is_driver)
+            # --quantization fp8 quantizes the projections only: experts keep the compute dtype (as planned).
+            experts = set() if self.config.quantization == "fp8" else names
+            pack_experts(model, experts, layout, self.device, log=self.ctx.is_driver)
         self._fill_weights(model)
         self._log_planned_weights(model)
         if self.linear_kernel is None:  # the first load, whose checks choose the kernels
@@ -358,17 +369,19 @@ class ModelRunner:
             return None
 
     def _log_memory_against_plan(self) -> None:
-        """After start-up: the device memory in use against the planner's weights + KV cache + overhead."""
+        """After start-up: the device memory in use against the planner's weights + KV cache + recurrent states
+        (hybrid models) + overhead."""
         if self.memory_plan is None:
             return
         p = self.memory_plan
         free, total = torch.cuda.mem_get_info(self.device)
         measured, kv = total - free, self.num_blocks * self._kv_bytes_per_block()
-        predicted = p.weight_bytes + kv + p.overhead_bytes
-        logger.info("rank %d memory: planner predicted %.2f GiB (weights %.2f, KV cache %.2f, overhead %.2f), "
+        states = p.state_bytes_per_seq * self.config.max_num_seqs
+        predicted = p.weight_bytes + kv + states + p.overhead_bytes
+        logger.info("rank %d memory: planner predicted %.2f GiB (weights %.2f, KV cache %.2f,%s overhead %.2f), "
                     "%.2f GiB in use on the device after start-up (%+.1f%%)", self.ctx.rank, predicted / 2**30,
-                    p.weight_bytes / 2**30, kv / 2**30, p.overhead_bytes / 2**30, measured / 2**30,
-                    100 * (measured - predicted) / predicted)
+                    p.weight_bytes / 2**30, kv / 2**30, f" recurrent states {states / 2**30:.2f}," if states else "",
+                    p.overhead_bytes / 2**30, measured / 2**30, 100 * (measured - predicted) / predicted)
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
@@ -428,6 +441,7 @@ class ModelRunner:
             if device_tokens is not None:  # None: a later rank whose graph receives every token itself
                 device_tokens = self._input_tokens(plan, batch, device_tokens)
         if graphed:
+            self._zero_fresh_slots(batch)
             logits = self.graphs.run(batch, device_tokens)
             if logits is not None and len(batch.sample_rows) < batch.num_tokens:
                 logits = logits[self._long(batch.sample_rows)]
@@ -441,20 +455,27 @@ class ModelRunner:
         return batch.sample_seq_ids, logits
 
     def _layer_caches(self, batch: StepBatch) -> list:
-        """Every layer's cache for this step, in layer order: the KV cache's layers, and for each linear-attention
-        layer (pool, the chunks' slots, batch.row_start). Slots of chunks that start a sequence are zeroed first."""
-        if not self.state_pools:
+        """Every layer's cache for this step, in layer order: the KV cache's layers, for each linear-attention
+        layer (pool, the chunks' slots, batch.row_start, or None where every chunk is one token), and None for a
+        layer with neither (NemotronH's MLP blocks). Slots of chunks that start a sequence are zeroed first."""
+        cfg = self.model_config
+        if not self.state_pools and len(cfg.kv_layers) == cfg.num_layers:
             return self.kv_caches
-        slots = self._long(batch.state_slots)
-        fresh = [c.state_slot for c in batch.chunks if c.start_position == 0]
+        slots = starts = None
+        if self.state_pools:
+            self._zero_fresh_slots(batch)
+            slots = self._long(batch.state_slots)
+            starts = None if batch.decode_only else batch.row_start
+        return layer_caches(cfg, self.kv_caches, self.state_pools, slots, starts)
+
+    def _zero_fresh_slots(self, batch: StepBatch) -> None:
+        """Zero the state slots of the chunks that start a sequence (a one-token prompt is one in a decode step)."""
+        fresh = [c.state_slot for c in batch.chunks if c.start_position == 0 and c.state_slot >= 0]
         if fresh:
             fresh_slots = self._long(fresh)
             for pool in self.state_pools.values():
                 for t in pool:
                     t.index_fill_(0, fresh_slots, 0)
-        kv = iter(self.kv_caches)
-        return [(self.state_pools[i], slots, batch.row_start) if i in self.state_pools else next(kv)
-                for i in range(self.model_config.num_layers)]
 
     def _shared_tokens(self, plan: StepPlan, device_tokens: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's tokens from the device, on every rank (rank 0 sends them; the others pass None)."""
@@ -476,3 +497,4 @@ class ModelRunner:
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return on_device(values, self.device, torch.long)
+

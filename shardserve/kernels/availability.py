@@ -18,3 +18,8 @@ def _triton_importable() -> bool:
 
 def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and _triton_importable()
+
+
+def triton_usable() -> bool:
+    """Whether Triton kernels may run at all (importable, and not disabled by SHARDSERVE_DISABLE_TRITON)."""
+    return _triton_importable()

@@ -28,6 +28,28 @@ def _heads_of_values(x: torch.Tensor, value_heads: int, dim: int) -> torch.Tenso
     return x if x.shape[dim] == value_heads else x.repeat_interleave(value_heads // x.shape[dim], dim=dim)
 
 
+def delta_rule_gates(ba: torch.Tensor, a_log: torch.Tensor,
+                     dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log decay g = -exp(A_log) * softplus(a + dt_bias) and the write strength beta = sigmoid(b), float32
+    [tokens, value_heads] each, from ba [tokens, 2 * value_heads] ([b | a] a token)."""
+    b, a = ba.chunk(2, dim=-1)
+    return -a_log.exp() * F.softplus(a.float() + dt_bias), b.sigmoid().float()
+
+
+def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim, as the reference kernels normalise q and k."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def split_heads(mixed: torch.Tensor, key_heads: int, key_dim: int, value_heads: int,
+                value_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k (l2-normalised, float32) [tokens, key_heads, key_dim] and v [tokens, value_heads, value_dim] of the
+    convolution's output [tokens, channels] ([q | k | v] a token)."""
+    q, k, v = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=-1)
+    q, k = (l2_normalized(t.reshape(t.shape[0], key_heads, key_dim).float()) for t in (q, k))
+    return q, k, v.reshape(v.shape[0], value_heads, value_dim)
+
+
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor, scale: float, state: torch.Tensor,
                              chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:

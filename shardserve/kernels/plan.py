@@ -56,6 +56,7 @@ class KernelPlan:
     all_reduce: str = ""
     gemv: str = ""
     dependent_launch: str = ""  # Triton kernels launched to overlap the one before (kernels/triton/pdl.py)
+    delta_net: str = ""  # Gated DeltaNet kernels (layers/deltanet_kernels.py), on hybrid models
     quantized: str = ""  # packed quantized layers (layers/quantized_linear.py), e.g. "fp8 (...) packed on 96 layers"
 
     def with_results(self, **fields: str) -> "KernelPlan":
@@ -66,7 +67,8 @@ class KernelPlan:
         parts = [f"{self.device} {dtype}", f"linear {self.linear or '/'.join(self.linear_candidates)}"]
         parts += [f"{name} {value}" for name, value in
                   (("attention", self.attention), ("all-reduce", self.all_reduce), ("batch-1 GEMV", self.gemv),
-                   ("dependent launch", self.dependent_launch), ("quantized", self.quantized))
+                   ("dependent launch", self.dependent_launch), ("Gated DeltaNet", self.delta_net),
+                   ("quantized", self.quantized))
                   if value]
         if self.cpu:
             parts.append(f"cpu {self.cpu}")

@@ -114,3 +114,78 @@ def rotate_reference(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
     rot = x[..., :r]
     rot = rot * cos.unsqueeze(1) + torch.roll(rot, r // 2, dims=-1) * signed_sin.unsqueeze(1)
     return torch.cat((rot, x[..., r:]), dim=-1)
+
+
+def delta_net_reference(qkv: torch.Tensor, ba: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,
+                        dt_bias: torch.Tensor, scale: float, key_heads: int, conv: torch.Tensor,
+                        rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's token mixing of one sequence in float64, token by token, from its convolution's
+    input qkv [T, channels] ([q | k | v]) and ba [T, 2 * value_heads] ([b | a]) and its states conv [channels,
+    K - 1] and rec [value_heads, key_dim, value_dim]. Returns (o [T, value_heads, value_dim], conv, rec)."""
+    value_heads, key_dim, value_dim = rec.shape
+    group = value_heads // key_heads
+    weight, conv, rec = conv_weight.double().cpu(), conv.double().cpu(), rec.double().cpu()
+    a_log, dt_bias = a_log.double().cpu(), dt_bias.double().cpu()
+    outputs = []
+    for x, gates in zip(qkv.double().cpu(), ba.double().cpu()):
+        window = torch.cat((conv, x[:, None]), dim=1)
+        y = (window * weight).sum(-1)
+        y, conv = y * torch.sigmoid(y), window[:, 1:]
+        q, k, v = y.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim])
+        q, k = (F.normalize(t.reshape(key_heads, key_dim), dim=-1).repeat_interleave(group, 0) for t in (q, k))
+        b, a = gates.chunk(2)
+        decay = torch.exp(-a_log.exp() * F.softplus(a + dt_bias))
+        rec = rec * decay[:, None, None]
+        write = (v.reshape(value_heads, value_dim) - torch.einsum("hkv,hk->hv", rec, k)) * torch.sigmoid(b)[:, None]
+        rec = rec + k[:, :, None] * write[:, None, :]
+        outputs.append(torch.einsum("hkv,hk->hv", rec, q * scale))
+    return torch.stack(outputs), conv, rec
+
+
+def check_delta_net(kernels, key_heads: int, value_heads: int, key_dim: int, value_dim: int, conv_kernel: int,
+                    dtype: torch.dtype, device: torch.device, seed: int = 0) -> CheckResult:
+    """Gated DeltaNet kernels (layers/deltanet_kernels.py) on one rank's head sizes against float64: a prompt of
+    70 tokens (two chunks of the chunked rule) from empty states, then two decode steps of three sequences in a
+    pool of four slots, that prompt's sequence among them."""
+    from shardserve.kernels.gated_delta_rule import delta_rule_gates, split_heads
+
+    name = (f"{kernels.name} Gated DeltaNet ({key_heads}x{key_dim} key heads, {value_heads}x{value_dim} value "
+            f"heads, conv {conv_kernel})")
+    tolerance = TOLERANCE.get(dtype, 1e-2)
+    try:
+        g = torch.Generator().manual_seed(seed)
+        channels = 2 * key_heads * key_dim + value_heads * value_dim
+
+        def rand(*shape, dt=dtype, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(dt).to(device)
+
+        weight = rand(channels, conv_kernel, scale=0.5)
+        a_log, dt_bias = rand(value_heads, dt=torch.float32, scale=0.5), rand(value_heads, dt=torch.float32)
+        scale = key_dim ** -0.5
+        conv_pool = rand(4, channels, conv_kernel - 1)
+        rec_pool = rand(4, value_heads, key_dim, value_dim, dt=torch.float32, scale=0.1)
+        conv_pool[2], rec_pool[2] = 0, 0
+        expected = {s: (conv_pool[s].clone(), rec_pool[s].clone()) for s in (0, 2, 3)}
+        worst = 0.0
+        # The prompt, through the chunked forms, into slot 2.
+        qkv, ba = rand(70, channels), rand(70, 2 * value_heads)
+        mixed, conv_pool[2] = kernels.conv(qkv, weight, conv_pool[2])
+        q, k, v = split_heads(mixed, key_heads, key_dim, value_heads, value_dim)
+        gate, beta = delta_rule_gates(ba, a_log, dt_bias)
+        o, rec_pool[2] = kernels.rule(q, k, v, gate, beta, scale, rec_pool[2])
+        ref, *expected[2] = delta_net_reference(qkv, ba, weight, a_log, dt_bias, scale, key_heads, *expected[2])
+        worst = max(worst, relative_error(o, ref))
+        slots = [2, 0, 3]
+        for _ in range(2):
+            qkv, ba = rand(3, channels), rand(3, 2 * value_heads)
+            o = kernels.step_in_pool(qkv, ba, weight, a_log, dt_bias, scale, key_heads, conv_pool, rec_pool,
+                                     torch.tensor(slots, device=device))
+            for row, slot in enumerate(slots):
+                ref, *expected[slot] = delta_net_reference(qkv[row:row + 1], ba[row:row + 1], weight, a_log, dt_bias,
+                                                           scale, key_heads, *expected[slot])
+                worst = max(worst, relative_error(o[row:row + 1], ref))
+        for slot, (conv, rec) in expected.items():
+            worst = max(worst, relative_error(rec_pool[slot], rec), relative_error(conv_pool[slot], conv))
+        return CheckResult(name, worst, tolerance)
+    except Exception as e:  # noqa: BLE001 - kernels that cannot run these shapes fail their check
+        return CheckResult(name, math.inf, tolerance, f"{type(e).__name__}: {e}")

@@ -38,18 +38,22 @@ def qkv_rows(key_heads: int, key_dim: int, value_dim: int, shard: DeltaNetShard)
 
 def load_interleaved(layer: ColumnParallelLinear, param: nn.Parameter, loaded: Any, shard: DeltaNetShard,
                      parts: tuple[str, ...], widths: list[int]) -> None:
-    """Read this rank's key-head groups (one range of rows) of a tensor interleaved per group as `parts` of
-    `widths` rows each, and place each part's rows, group after group, at its offset in `layer`."""
-    if layer.packed is not None:
-        raise ValueError("quantized Gated DeltaNet input projections are not supported: load the checkpoint "
-                         "unquantized")
+    """Read this rank's key-head groups of a tensor interleaved per group as `parts` of `widths` rows each, and
+    place each part's rows, group after group, at its offset in `layer`: a range of checkpoint rows per group and
+    part, so a packed layer (FP8, 4-bit) reads each range in its stored form, or quantizes it, as a part of a
+    fused layer (rows stay whole, so per-row scales and groups along the input are untouched)."""
     k0, k1 = shard.key_heads
     per_group = sum(widths)
-    block = as_tensor(loaded[k0 * per_group:k1 * per_group])
-    block = block.reshape(k1 - k0, per_group, *block.shape[1:])
-    for part, rows in zip(parts, block.split(widths, dim=1)):
-        offset, (start, end) = layer.offsets[part]
-        copy_exact(param.data[offset:offset + end - start], rows.reshape(end - start, *rows.shape[2:]))
+    within = 0
+    for part, width in zip(parts, widths):
+        offset, _ = layer.offsets[part]
+        for j, group in enumerate(range(k0, k1)):
+            src, dst = group * per_group + within, offset + j * width
+            if layer.packed is not None:
+                layer.packed.load(layer, loaded, slice(dst, dst + width), (src, src + width), None, part)
+            else:
+                copy_exact(param.data[dst:dst + width], as_tensor(loaded[src:src + width]))
+        within += width
 
 
 class InProjQKVZ(ColumnParallelLinear):

@@ -13,14 +13,15 @@ below (channels, value heads) is this rank's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import Communicator
+from shardserve.kernels.gated_delta_rule import delta_rule_gates, split_heads
 from shardserve.layers.deltanet_kernels import DeltaNetKernels, delta_net_kernels
 from shardserve.layers.deltanet_projections import ConvWeight, InProjBA, InProjQKVZ, head_vector, qkv_rows
 from shardserve.layers.linear import RowParallelLinear
@@ -111,71 +112,57 @@ class GatedDeltaNet(nn.Module):
         """One sequence's next T >= 1 tokens x [T, hidden] from `state` (None: a new sequence).
         Returns (output [T, hidden], the state after them); `state` is not written."""
         state = self.zero_state(device=x.device) if state is None else state
-        out, conv, rec = self.mix(x, [0, x.shape[0]], state.conv.unsqueeze(0), state.recurrent.unsqueeze(0))
-        return out, DeltaNetState(conv[0], rec[0])
+        pool = DeltaNetState(state.conv.unsqueeze(0).clone(), state.recurrent.unsqueeze(0).clone())
+        out = self(x, pool, torch.zeros(1, dtype=torch.long, device=x.device), [0, x.shape[0]])
+        return out, DeltaNetState(pool.conv[0], pool.recurrent[0])
 
     def decode(self, x: torch.Tensor, states: DeltaNetState) -> tuple[torch.Tensor, DeltaNetState]:
         """One token for each of B sequences at once: x [B, hidden], states with leading dim [B].
         Returns (output [B, hidden], their states after the token); `states` is not written."""
-        out, conv, rec = self.mix(x, list(range(x.shape[0] + 1)), states.conv, states.recurrent)
-        return out, DeltaNetState(conv, rec)
+        pool = DeltaNetState(states.conv.clone(), states.recurrent.clone())
+        out = self(x, pool, torch.arange(x.shape[0], device=x.device), None)
+        return out, pool
 
     def forward(self, x: torch.Tensor, pool: DeltaNetState, slots: torch.Tensor,
-                query_start: Sequence[int]) -> torch.Tensor:
-        """A step over several sequences whose states live in `pool` (leading dim: slots).
+                query_start: Sequence[int] | None) -> torch.Tensor:
+        """A step over several sequences whose states live in `pool` (leading dim: slots), stepped in place.
 
         Sequence i has tokens x[query_start[i]:query_start[i + 1]] (any number >= 1: a prompt chunk or one decode
-        token) and its state in pool slot slots[i]. Its slot is read, then overwritten with the state after these
-        tokens. Invariant: slots of one step are distinct; a new sequence's slot is zeroed before its first step.
+        token) and its state in pool slot slots[i]; query_start None: one token each (a decode step, which takes
+        only tensors, so it runs inside CUDA graphs). Invariant: slots of one step are distinct; a new
+        sequence's slot is zeroed before its first step.
         """
-        conv, rec = pool.conv[slots], pool.recurrent[slots]
-        out, conv, rec = self.mix(x, query_start, conv, rec)
-        pool.conv[slots] = conv
-        pool.recurrent[slots] = rec
-        return out
-
-    def mix(self, x: torch.Tensor, query_start: Sequence[int], conv: torch.Tensor,
-            rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer over sequences laid end to end in x [T, hidden] (sequence i: rows query_start[i] to
-        query_start[i + 1]) from their states conv [n, ...] and rec [n, ...]. Returns (output [T, hidden], the
-        new conv states, the new recurrent states). Single-token sequences step together (one batched call);
-        longer ones run one by one through the chunked kernels."""
         kernels = self.kernels or delta_net_kernels(x.device)
         d, hv = self.dims, self.value_heads
-        qkvz = self.in_proj_qkvz(x)
-        qkv, z = qkvz.split([self.channels, hv * d.value_dim], dim=-1)
-        b, a = self.in_proj_ba(x).split([hv, hv], dim=-1)
-        beta = b.sigmoid().float()
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        qkv, z = self.in_proj_qkvz(x).split([self.channels, hv * d.value_dim], dim=-1)
+        ba = self.in_proj_ba(x)
         weight = self.conv1d.weight.squeeze(1)
-        o = torch.empty(x.shape[0], hv, d.value_dim, dtype=torch.float32, device=x.device)
-        new_conv, new_rec = conv.clone(), rec.clone()
-        starts = list(query_start)
+        step = functools.partial(kernels.step_in_pool, conv_weight=weight, a_log=self.A_log, dt_bias=self.dt_bias,
+                                 scale=self.scale, key_heads=self.key_heads, conv_pool=pool.conv,
+                                 rec_pool=pool.recurrent)
+        if query_start is None:
+            o = step(qkv, ba, slots=slots)
+        else:
+            o = self._chunks(kernels, step, qkv, ba, weight, pool, slots, list(query_start))
+        return self.out_proj(self.norm.forward_rows(o, z))
+
+    def _chunks(self, kernels: DeltaNetKernels, step, qkv, ba, weight, pool: DeltaNetState, slots: torch.Tensor,
+                starts: list[int]) -> torch.Tensor:
+        """The delta rule's output for sequences of any lengths: single tokens step together (one batched call),
+        longer chunks run one by one through the chunked kernels; every state stepped in its slot."""
+        o = torch.empty(qkv.shape[0], self.value_heads, self.dims.value_dim, dtype=torch.float32, device=qkv.device)
         singles = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
         if singles:
-            rows = torch.tensor([starts[i] for i in singles], device=x.device)
-            seqs = torch.tensor(singles, device=x.device)
-            mixed, new_conv[seqs] = kernels.conv_step(qkv[rows], weight, conv[seqs])
-            q, k, v = self._heads(mixed)
-            o[rows], new_rec[seqs] = kernels.rule_step(q, k, v, g[rows], beta[rows], self.scale, rec[seqs])
+            rows = torch.tensor([starts[i] for i in singles], device=qkv.device)
+            o[rows] = step(qkv[rows], ba[rows], slots=slots[torch.tensor(singles, device=qkv.device)])
+        g, beta = delta_rule_gates(ba, self.A_log, self.dt_bias)
+        d = self.dims
         for i in range(len(starts) - 1):
             s, e = starts[i], starts[i + 1]
             if e - s > 1:
-                mixed, new_conv[i] = kernels.conv(qkv[s:e], weight, conv[i])
-                q, k, v = self._heads(mixed)
-                o[s:e], new_rec[i] = kernels.rule(q, k, v, g[s:e], beta[s:e], self.scale, rec[i])
-        h = self.norm(o.to(x.dtype), z.reshape(-1, hv, d.value_dim))
-        return self.out_proj(h.reshape(x.shape[0], -1)), new_conv, new_rec
-
-    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k (l2-normalised, float32) [tokens, key_heads, key_dim] and v [tokens, value_heads, value_dim] of
-        the convolution's output [tokens, channels]."""
-        d, hk = self.dims, self.key_heads
-        q, k, v = mixed.split([hk * d.key_dim, hk * d.key_dim, self.value_heads * d.value_dim], dim=-1)
-        q, k = (_l2_normalized(t.reshape(t.shape[0], hk, d.key_dim).float()) for t in (q, k))
-        return q, k, v.reshape(v.shape[0], self.value_heads, d.value_dim)
-
-
-def _l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(|x|^2 + eps) over the last dim, as the reference kernels normalise q and k."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+                slot = slots[i:i + 1]  # a tensor index: no host sync
+                mixed, conv = kernels.conv(qkv[s:e], weight, pool.conv[slot][0])
+                q, k, v = split_heads(mixed, self.key_heads, d.key_dim, self.value_heads, d.value_dim)
+                o[s:e], rec = kernels.rule(q, k, v, g[s:e], beta[s:e], self.scale, pool.recurrent[slot][0])
+                pool.conv[slot], pool.recurrent[slot] = conv.unsqueeze(0), rec.unsqueeze(0)
+        return o

@@ -26,8 +26,9 @@ from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.quant_pack import pack_int4, pack_scale_zero, scale_dtype
 from shardserve.layers.moe import (FUSED_MOE_ENV, SparseMoE, _check_shape, check_routes, close_to_float64,
                                    grouped_by_expert, reference_experts)
-from shardserve.layers.linear import empty_parameter
-from shardserve.layers.quantized_linear import PackedLayout, _copy_scales, log_kept_dequantized
+from shardserve.layers.linear import as_tensor, empty_parameter
+from shardserve.layers.quantized_linear import (PackedLayout, _copy_scales, log_kept_dequantized, quantize_fp8,
+                                                quantize_int4)
 from shardserve.weights.quantized import Fp8Weight, GptqWeight
 
 logger = logging.getLogger(__name__)
@@ -82,10 +83,16 @@ class ExpertPacking:
 
     def load(self, moe: SparseMoE, which: str, loaded: Any, shard_id: Hashable) -> None:
         """One expert's gate, up (which "w13", shard id (expert, 0 or 1)) or down projection ("w2") from a quantized
-        checkpoint: only this rank's rows (w13) or columns (w2) of its packed bytes and scales are read."""
-        if shard_id == "all" or not isinstance(loaded, (Fp8Weight, GptqWeight)):
+        checkpoint: only this rank's rows (w13) or columns (w2) of its packed bytes and scales are read. Float
+        tensors (synthetic weights of a quantized config, per expert or all experts in one) are quantized here."""
+        if not isinstance(loaded, (Fp8Weight, GptqWeight)):
+            if hasattr(loaded, "read_packed"):
+                raise ValueError(f"packed {self.kind} experts cannot load a {type(loaded).__name__}; "
+                                 f"{_DEQUANTIZED_HINT}")
+            return self._quantize_floats(moe, which, loaded, shard_id)
+        if shard_id == "all":
             raise ValueError(f"packed {self.kind} experts load from the checkpoint's quantized per-expert tensors, "
-                             f"not {type(loaded).__name__}; {_DEQUANTIZED_HINT}")
+                             f"not one tensor of all experts; {_DEQUANTIZED_HINT}")
         expert, half = shard_id
         (r0, r1), inter, hidden = moe.rows, moe.intermediate_size, moe.hidden_size
         if which == "w13":
@@ -113,16 +120,42 @@ class ExpertPacking:
         else:
             raise ValueError(f"a {type(loaded).__name__} cannot load into packed {self.kind} experts")
 
+    def _quantize_floats(self, moe: SparseMoE, which: str, loaded: Any, shard_id: Hashable) -> None:
+        """This rank's rows (w13) or columns (w2) of float experts, quantized as a packed dense layer quantizes
+        its rows (quantized_linear.quantize_fp8 / quantize_int4, groups along the input)."""
+        (r0, r1), inter = moe.rows, moe.intermediate_size
+        (e0, e1), rows = moe.experts_held, r1 - r0
+        if shard_id == "all":
+            held = slice(None)
+            parts = ([(slice(0, rows), loaded[e0:e1, r0:r1]),
+                      (slice(rows, 2 * rows), loaded[e0:e1, inter + r0:inter + r1])]
+                     if which == "w13" else [(slice(None), loaded[e0:e1, :, r0:r1])])
+        else:
+            expert, half = shard_id
+            if not e0 <= expert < e1:
+                return
+            held = expert - e0
+            parts = ([(slice(half * rows, (half + 1) * rows), loaded[r0:r1])] if which == "w13"
+                     else [(slice(None), loaded[:, r0:r1])])
+        quantize = quantize_fp8 if self.kind == "fp8" else quantize_int4
+        group = self.group13 if which == "w13" else self.group2
+        for out_rows, values in parts:
+            values = as_tensor(values).float()
+            codes, scale = quantize(values.reshape(-1, values.shape[-1]), group)
+            getattr(moe, which).data[held, out_rows].copy_(codes.reshape(*values.shape[:-1], -1))
+            _copy_scales(getattr(moe, f"{which}_scale").data[held, out_rows], scale.reshape(*values.shape[:-1], -1))
+
 
 def pack_experts(model: nn.Module, names: set[str] | None, layout: PackedLayout, device, log: bool = True) -> int:
-    """Make the expert blocks whose experts the checkpoint quantizes (both w13 and w2 in `names`) packed before
-    loading; every other block gets its dense experts (built under deferred_weights()). Returns how many."""
+    """Make the expert blocks whose experts the checkpoint quantizes (both w13 and w2 in `names`; None: every
+    block, as for synthetic weights of a quantized config) packed before loading; every other block gets its
+    dense experts (built under deferred_weights()). Returns how many."""
     count, unpacked = 0, []
     for name, moe in model.named_modules():
         if not isinstance(moe, SparseMoE):
             continue
         groups = None
-        if names is not None and {f"{name}.w13", f"{name}.w2"} <= names:
+        if names is None or {f"{name}.w13", f"{name}.w2"} <= names:
             groups, why = expert_groups(moe, layout)
             if groups is None:
                 unpacked.append(f"{name} ({why})")

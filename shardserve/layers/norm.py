@@ -70,6 +70,16 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
+    def forward_rows(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The norm of each head of the delta rule's float32 output o [rows, heads, D] gated by z [rows, heads * D]
+        (a view of the input projection's output), as forward(o.to(dtype), z) flattened to [rows, heads * D]:
+        one Triton kernel on CUDA."""
+        if use_triton(o):
+            from shardserve.kernels.triton.gated_rms_norm import gated_rms_norm
+
+            return gated_rms_norm(o, z, self.weight, self.eps)
+        return self(o.to(self.weight.dtype), z.reshape(o.shape)).reshape(z.shape)
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

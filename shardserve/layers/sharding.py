@@ -107,6 +107,45 @@ def delta_net_shard(key_heads: int, value_heads: int, key_dim: int, value_dim: i
     return DeltaNetShard((k0, k1), (k0 * group, k1 * group), sharded)
 
 
+@dataclass(frozen=True)
+class MambaShard:
+    """Which heads of a Mamba-2 layer, and which of its B/C groups, one rank owns.
+
+    Consecutive heads share a group (heads // groups each), and the gated norm normalises over a group's heads
+    together, so a rank owns whole groups: the groups [g0, g1) and exactly their heads [h0, h1). Its convolution
+    channels (its heads' x, its groups' B and C), its SSM state and its out_proj columns follow. Replicated (the
+    whole layer on every rank) unless the groups split evenly: a group is never sliced.
+    """
+
+    heads: tuple[int, int]
+    groups: tuple[int, int]
+    sharded: bool
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads[1] - self.heads[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.groups[1] - self.groups[0]
+
+
+def mamba_shard(heads: int, groups: int, head_dim: int, rank: int, tp: int, layer_name: str = "mamba") -> MambaShard:
+    """This rank's heads and groups of a Mamba-2 layer with `heads` heads of width `head_dim` in `groups` groups."""
+    if heads % groups:
+        raise ValueError(f"{layer_name}: {heads} heads do not group evenly over {groups} groups (n_groups)")
+    per_group = heads // groups
+    sharded = tp > 1 and groups % tp == 0 and (heads // tp) * head_dim >= MIN_SHARD_WIDTH
+    if tp > 1 and not sharded:
+        _log_replicated(layer_name, f"its {groups} B/C groups (n_groups) of {per_group} heads of width {head_dim} "
+                                    f"do not split into {tp} parts of whole groups at least {MIN_SHARD_WIDTH} wide")
+    if not sharded:
+        rank, tp = 0, 1
+    per_rank = groups // tp
+    g0, g1 = rank * per_rank, (rank + 1) * per_rank
+    return MambaShard((g0 * per_group, g1 * per_group), (g0, g1), sharded)
+
+
 _logged: set[str] = set()
 
 

@@ -9,12 +9,16 @@ Every class is built as `cls(model_config, comm, dtype, max_positions, expert_pa
 engine and the weight loader use: forward, compute_logits, paged_attention and kv_heads_per_rank (of the layers
 ModelConfig.kv_layers names: only those get KV-cache blocks), state_pools (the per-sequence states of a hybrid's
 other layers), `packed_modules` and, where checkpoint names need more than that, `checkpoint_name`
-(LlamaForCausalLM and MixtralForCausalLM show both).
+(LlamaForCausalLM and MixtralForCausalLM show both). A class may also name parts of a checkpoint it does not read:
+`unused_checkpoint_prefixes` (left unread silently), `skipped_checkpoint_prefixes` (prefix -> what it is: left
+unread with one log line counting them) and `renamed_checkpoint_prefixes` (checkpoint prefix -> the model's, applied
+before everything else: an image-text checkpoint's text model, models/qwen3_5.py).
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from torch import nn
 
@@ -28,6 +32,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("mixtral", "MixtralForCausalLM"),  # with q/k/v biases and a shared expert
     "Qwen3MoeForCausalLM": ("qwen3", "Qwen3MoeForCausalLM"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),  # Gated DeltaNet and attention layers
+    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),  # Qwen3-Next's layers with dense MLPs
+    "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),  # Mamba-2, attention and MLP blocks
+    # Image-text checkpoints: their text model (config.json's text_config), the vision tower left unread.
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
@@ -39,6 +49,22 @@ class UnsupportedArchitecture(ValueError):
     def __init__(self, architecture: object) -> None:
         super().__init__(f"unsupported model architecture {architecture!r}: shardserve serves "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config of the text model a config.json describes: the config itself, or for an image-text checkpoint
+    (Qwen3.5's ...ForConditionalGeneration) its `text_config` with the top level's architectures, and the keys the
+    top level holds for the whole checkpoint (the LM head's tying, the quantization, the dtype) where it sets them."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or "num_hidden_layers" in cfg:
+        return cfg
+    merged = dict(text)
+    for key in ("architectures", "tie_word_embeddings", "quantization_config", "torch_dtype", "dtype"):
+        if key in cfg:
+            merged[key] = cfg[key]
+    if merged.get("eos_token_id") is None and cfg.get("eos_token_id") is not None:
+        merged["eos_token_id"] = cfg["eos_token_id"]
+    return merged
 
 
 def resolve_architecture(architectures: list[str], model_type: str | None = None) -> str:

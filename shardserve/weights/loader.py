@@ -24,12 +24,14 @@ from safetensors import safe_open
 from torch import nn
 
 from shardserve.layers.linear import load_whole, shape_of
-from shardserve.layers.quantized_linear import PACKED_PARTS
+from shardserve.layers.quantized_linear import PACKED_PARTS, quantizable_layers
 from shardserve.weights.quantized import (Checkpoint, QuantScheme, count_dequantized, dequantized_checkpoint,
                                           quantized_prefixes)
 
 # Tensors some checkpoints carry that the model derives itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+logger = logging.getLogger(__name__)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -88,10 +90,48 @@ def quantized_module_names(model_path: str, scheme: QuantScheme, model_class) ->
             names += f.keys()
     packed = getattr(model_class, "packed_modules", {})
     own_names = getattr(model_class, "checkpoint_name", lambda name: None)
+    renamed = getattr(model_class, "renamed_checkpoint_prefixes", {})
+    skipped = tuple(getattr(model_class, "skipped_checkpoint_prefixes", {}))
     modules = set()
     for prefix in quantized_prefixes(names, scheme):
-        target, _ = own_names(f"{prefix}.weight") or _resolve(f"{prefix}.weight", packed)
+        name = model_tensor_name(f"{prefix}.weight", renamed)
+        if name.startswith(skipped):
+            continue
+        target, _ = own_names(name) or _resolve(name, packed)
         modules.add(target.removesuffix(".weight"))
+    return modules
+
+
+def configured_quantized_modules(model: nn.Module, scheme: QuantScheme) -> set[str] | None:
+    """Without a checkpoint's tensors (dummy weights): the model's modules its quantization_config stores
+    quantized, or None where the config names no 16-bit modules (every quantizable layer then is). A fused module
+    is quantized when the config quantizes it and each checkpoint module that loads into it (q_proj, k_proj and
+    v_proj for qkv_proj; an expert block's first expert's projections for its w13 and w2)."""
+    if not scheme.packing:
+        return None
+    from shardserve.layers.moe import SparseMoE
+
+    packed = getattr(model, "packed_modules", {})
+    renamed = getattr(model, "renamed_checkpoint_prefixes", {})
+
+    def stored(name: str) -> str:  # the checkpoint's name of a model module
+        for prefix, own in renamed.items():
+            if name.startswith(own):
+                return prefix + name[len(own):]
+        return name
+
+    def quantized(names: list[str]) -> bool:
+        return all(scheme.quantizes(stored(n)) for n in names)
+
+    modules = set()
+    for name, _ in quantizable_layers(model, head=scheme.lm_head):
+        parts = [name[:-len(fused)] + part for part, (fused, _) in packed.items() if name.endswith(f".{fused}")]
+        if quantized([name, *parts]):
+            modules.add(name)
+    for name, moe in model.named_modules():
+        if isinstance(moe, SparseMoE) and quantized([f"{name}.experts.0.{p}" for p in
+                                                     ("gate_proj", "up_proj", "down_proj")]):
+            modules |= {f"{name}.w13", f"{name}.w2"}
     return modules
 
 
@@ -134,24 +174,32 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
     packed = getattr(model, "packed_modules", {})
     own_names = getattr(model, "checkpoint_name", lambda name: None)  # e.g. experts' tensors into their stacks
     unused = getattr(model, "unused_checkpoint_prefixes", ())  # parts of a checkpoint the model does not serve
+    renamed = getattr(model, "renamed_checkpoint_prefixes", {})  # e.g. an image-text checkpoint's text model
+    skipped = getattr(model, "skipped_checkpoint_prefixes", {})  # e.g. its vision tower: counted, then logged
+    skipped_counts = dict.fromkeys(skipped, 0)
     loaded: set[str] = set()
-    for name, tensor in tensors:
+    for stored, tensor in tensors:
+        name = model_tensor_name(stored, renamed)  # errors name the tensor as the checkpoint stores it
+        part = next((p for p in skipped if name.startswith(p)), None)
+        if part is not None:
+            skipped_counts[part] += 1
+            continue
         if name.endswith(IGNORED_SUFFIXES) or name.startswith(unused) or \
                 (tied_embeddings and name == "lm_head.weight"):
             continue
         want = expected.get(name)
         if want is not None and shape_of(tensor) != want:
             # A rank's slice of a wrong-sized tensor can still fit its parameter: checked whole, on every rank.
-            raise ValueError(f"{source}: tensor {name!r} has shape {shape_of(tensor)}, but the model's config makes "
+            raise ValueError(f"{source}: tensor {stored!r} has shape {shape_of(tensor)}, but the model's config makes "
                              f"it {want}")
         target, shard_id = own_names(name) or _resolve(name, packed)
         param = params.get(target)
         if param is None:
-            raise ValueError(f"{source} has a tensor {name!r} with no place in the model (looked for {target!r})")
+            raise ValueError(f"{source} has a tensor {stored!r} with no place in the model (looked for {target!r})")
         try:
             getattr(param, "weight_loader", load_whole)(param, tensor, shard_id)
         except ValueError as e:
-            raise ValueError(f"{source}: tensor {name!r} (into {target!r}): {e}") from None
+            raise ValueError(f"{source}: tensor {stored!r} (into {target!r}): {e}") from None
         loaded.add(target)
     # A packed layer's scales come with its weight (layers/quantized_linear.py).
     filled_with_weight = {f"{name}.{part}" for name, m in model.named_modules() if getattr(m, "packed", None) is not None
@@ -164,6 +212,20 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
                and not (tied_embeddings and n == "lm_head.weight")}
     if missing:
         raise ValueError(f"{source} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for part, count in skipped_counts.items():
+            if count:
+                logger.info("%s: left %d tensors of %s (%s*) unread: shardserve serves the text model", source,
+                            count, skipped[part], part)
+
+
+def model_tensor_name(name: str, renamed: dict[str, str]) -> str:
+    """A checkpoint tensor's name as the model knows it: with the first of `renamed`'s checkpoint prefixes it
+    starts with replaced by the model's."""
+    for prefix, own in renamed.items():
+        if name.startswith(prefix):
+            return own + name[len(prefix):]
+    return name
 
 
 def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

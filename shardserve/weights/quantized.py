@@ -16,10 +16,18 @@ int32 holds eight 4-bit values along the input dimension, value j of row i being
 `qzeros` [groups, N / 8] packs the zero points along the output dimension, stored minus one (`gptq_v2`:
 as they are); `scales` [groups, N]; `g_idx` [K] the group of each input feature (absent: feature // group
 size). The weight is W[n, k] = scales[g, n] * (q[k, n] - zero[g, n]) with g = g_idx[k].
+
+AutoRound (`quant_method: auto-round`) exports 4-bit integers in these tensors: packing_format
+`auto_round:auto_gptq` stores the zero points minus one, `auto_round:gptqmodel` (and plain `auto_round`) as they
+are. Which modules stay 16-bit is read from the checkpoint: its config's extra_config (bits >= 16) and
+block_name_to_quantize, and the tensors it has (a module stored as `weight` loads as a float layer); a module the
+config keeps 16-bit but the checkpoint stores packed is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -30,7 +38,13 @@ import torch
 from shardserve.layers.linear import shape_of
 
 SUPPORTED = ("fp8 (block-scaled, per-channel or per-tensor)", "compressed-tensors float-quantized (FP8)",
-             "gptq (4-bit)")
+             "gptq (4-bit)", "auto-round (4-bit int, GPTQ packing)")
+
+# AutoRound's packing formats that store GPTQ's tensors (qweight, qzeros, scales, g_idx), and what is added to the
+# stored zero points: auto_round:auto_gptq (AutoGPTQ's layout) stores them minus one; auto_round:gptqmodel and
+# the plain auto_round layout store them as they are.
+AUTO_ROUND_GPTQ_PACKING = {"auto_round:auto_gptq": 1, "auto_gptq": 1, "gptq": 1, "auto_round:gptqmodel": 0,
+                           "gptqmodel": 0, "auto_round": 0}
 
 
 class UnsupportedQuantization(ValueError):
@@ -50,6 +64,29 @@ class QuantScheme:
     # (GPTQModel's and AutoRound's option), or a compressed-tensors config whose targets take the head and whose
     # `ignore` does not. The `fp8` method's checkpoints leave the head in the compute dtype.
     lm_head: bool = False
+    # AutoRound: the packing format named in the config, the bits its extra_config gives single modules (exact
+    # checkpoint module names, or regular expressions searched in them), and block_name_to_quantize (None: every
+    # module but the LM head is quantized unless extra_config says otherwise).
+    packing: str = ""
+    module_bits: tuple[tuple[str, int], ...] = ()
+    quantized_blocks: tuple[str, ...] | None = None
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the config says the checkpoint module `module` (e.g. model.layers.0.linear_attn.in_proj_ba) is
+        stored quantized: its extra_config entry (an exact name first, then the first pattern found in it) with
+        fewer than 16 bits, else inside block_name_to_quantize (when given) and not the LM head. Checkpoints of
+        other methods name no such modules: every layer that has quantized tensors is."""
+        if not self.packing:
+            return True
+        bits = dict(self.module_bits)
+        if module in bits:
+            return bits[module] < 16
+        for key, value in self.module_bits:
+            if _is_pattern(key) and re.search(key, module):
+                return value < 16
+        if self.quantized_blocks is not None:
+            return any(module == block or module.startswith(block + ".") for block in self.quantized_blocks)
+        return module != "lm_head"
 
     @property
     def group_columns(self) -> int:
@@ -63,6 +100,10 @@ class QuantScheme:
         if self.method == "fp8":
             return f"fp8 (blocks of {self.weight_block[0]}x{self.weight_block[1]}{head})" if self.weight_block else \
                 f"fp8{f' ({head[2:]})' if head else ''}"
+        if self.packing:
+            kept = sum(bits >= 16 for _, bits in self.module_bits)
+            return (f"auto-round 4-bit ({self.packing}, groups of {self.group_size}{head}"
+                    f"{f', {kept} extra_config entries kept 16-bit' if kept else ''})")
         return f"gptq 4-bit (groups of {self.group_size}{head})"
 
 
@@ -99,7 +140,61 @@ def parse_quantization(cfg: dict[str, Any]) -> QuantScheme | None:
         return QuantScheme("gptq", group_size=int(qc.get("group_size", 128)),
                            zero_offset=1 if checkpoint_format == "gptq" else 0, act_order=bool(qc.get("desc_act")),
                            lm_head=lm_head)
+    if method in ("auto-round", "intel/auto-round", "auto_round"):
+        return _auto_round(qc, tied=bool(cfg.get("tie_word_embeddings", False)))
     raise _unsupported(f"quantization method {method!r}" if method else "a quantization_config without quant_method")
+
+
+_REGEX_TOKENS = (".*", "^", "$", "|", "(", ")", "[", "]", "?", "+", "\\")
+
+
+def _is_pattern(key: str) -> bool:
+    """Whether an extra_config key is a regular expression (AutoRound writes its regex_config so) rather than a
+    module's name."""
+    return any(token in key for token in _REGEX_TOKENS)
+
+
+def _auto_round(qc: dict[str, Any], tied: bool) -> QuantScheme:
+    """Intel AutoRound's export: 4-bit integers in one of the GPTQ packings; extra_config names the modules whose
+    bits (or group size) differ from the config's, block_name_to_quantize the blocks that are quantized."""
+    packing = str(qc.get("packing_format") or "auto_round:auto_gptq").lower()
+    if packing not in AUTO_ROUND_GPTQ_PACKING:
+        raise _unsupported(f"auto-round packing_format {packing!r} (GPTQ packings only: "
+                           f"{', '.join(sorted(AUTO_ROUND_GPTQ_PACKING))})")
+    bits, group_size = qc.get("bits", 4), int(qc.get("group_size", 128))
+    if bits != 4:
+        raise _unsupported(f"auto-round with {bits} bits (4 only)")
+    data_type = str(qc.get("data_type", "int")).lower()
+    if data_type != "int":
+        raise _unsupported(f"auto-round data_type {data_type!r} (int only)")
+    if (qc.get("act_bits") or 16) < 16:
+        raise _unsupported(f"auto-round with {qc['act_bits']}-bit activations (weight-only only)")
+    module_bits = []
+    for module, entry in (qc.get("extra_config") or {}).items():
+        entry = entry or {}
+        module_bits.append((module, int(entry.get("bits", bits))))
+        if module_bits[-1][1] >= 16:
+            continue
+        if module_bits[-1][1] != 4:
+            raise _unsupported(f"auto-round extra_config {module!r} with {entry['bits']} bits (4 or 16 only)")
+        if int(entry.get("group_size", group_size)) != group_size:
+            raise _unsupported(f"auto-round extra_config {module!r} with groups of {entry['group_size']} (every "
+                               f"4-bit module in the config's groups of {group_size})")
+        if str(entry.get("data_type", data_type)).lower() != "int":
+            raise _unsupported(f"auto-round extra_config {module!r} of data_type {entry['data_type']!r} (int only)")
+    blocks = qc.get("block_name_to_quantize", qc.get("to_quant_block_names"))
+    if isinstance(blocks, str):
+        blocks = [b.strip() for b in blocks.split(",") if b.strip()]
+    elif blocks is not None:  # a list of names, or of lists of a block's layer names (their common prefix)
+        blocks = [os.path.commonprefix(b).rstrip(".") if isinstance(b, list) else str(b) for b in blocks]
+    scheme = QuantScheme("gptq", group_size=group_size, zero_offset=AUTO_ROUND_GPTQ_PACKING[packing],
+                         packing=packing, module_bits=tuple(module_bits),
+                         quantized_blocks=tuple(blocks) if blocks is not None else None)
+    lm_head = scheme.quantizes("lm_head")
+    if lm_head and tied:
+        raise _unsupported("auto-round with a 4-bit lm_head and tie_word_embeddings (a quantized LM head that shares "
+                           "the embedding's weights)")
+    return dataclasses.replace(scheme, lm_head=lm_head)
 
 
 def _compressed_tensors(qc: dict[str, Any], tied: bool) -> QuantScheme:
@@ -155,7 +250,14 @@ def _quantized_modules(names: list[str], scheme: QuantScheme) -> dict[str, dict[
             parts[prefix][part] = name
     if scheme.method == "fp8":
         return {p: s for p, s in parts.items() if "weight_scale_inv" in s or "weight_scale" in s}
-    return {p: s for p, s in parts.items() if "qweight" in s}
+    modules = {p: s for p, s in parts.items() if "qweight" in s}
+    # An AutoRound config names the modules it keeps 16-bit (extra_config, block_name_to_quantize): a checkpoint
+    # that stores one of them packed disagrees with its own config, and neither is taken over the other.
+    contradicted = sorted(p for p in modules if not scheme.quantizes(p))
+    if contradicted:
+        raise ValueError(f"the checkpoint stores {len(contradicted)} modules 4-bit (e.g. {contradicted[0]}.qweight) "
+                         f"that its quantization_config keeps 16-bit (extra_config or block_name_to_quantize)")
+    return modules
 
 
 def quantized_prefixes(names: list[str], scheme: QuantScheme) -> list[str]:

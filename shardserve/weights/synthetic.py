@@ -32,6 +32,9 @@ STD = 0.02
 
 def synthetic_checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(name, full shape) of every tensor of a Hugging Face checkpoint with this config, in order."""
+    if cfg.architecture == "NemotronHForCausalLM":
+        yield from _nemotron_h_shapes(cfg)
+        return
     h, inter = cfg.hidden_size, cfg.intermediate_size
     yield "model.embed_tokens.weight", (cfg.vocab_size, h)
     linear = set(cfg.linear_attention_layers)
@@ -69,6 +72,44 @@ def synthetic_checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[i
         yield "lm_head.weight", (cfg.vocab_size, h)
 
 
+def _nemotron_h_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A NemotronH checkpoint's tensors (under the model's names: its checkpoints' `backbone.` read as `model.`):
+    one block per layer, `norm` and a `mixer` of the layer's type."""
+    h = cfg.hidden_size
+    yield "model.embeddings.weight", (cfg.vocab_size, h)
+    heads, hd, n, groups = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size, cfg.mamba_n_groups
+    inner, conv = heads * hd, heads * hd + 2 * groups * n
+    for i, kind in enumerate(cfg.layer_types):
+        mixer = f"model.layers.{i}.mixer"
+        yield f"model.layers.{i}.norm.weight", (h,)
+        if kind == "linear_attention":
+            yield f"{mixer}.in_proj.weight", (inner + conv + heads, h)
+            if cfg.mamba_proj_bias:
+                yield f"{mixer}.in_proj.bias", (inner + conv + heads,)
+            yield f"{mixer}.conv1d.weight", (conv, 1, cfg.mamba_conv_kernel)
+            if cfg.mamba_conv_bias:
+                yield f"{mixer}.conv1d.bias", (conv,)
+            for vector in ("A_log", "D", "dt_bias"):
+                yield f"{mixer}.{vector}", (heads,)
+            yield f"{mixer}.norm.weight", (inner,)
+            yield f"{mixer}.out_proj.weight", (h, inner)
+            if cfg.mamba_proj_bias:
+                yield f"{mixer}.out_proj.bias", (h,)
+        elif kind == "full_attention":
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                yield f"{mixer}.{proj}.weight", (rows, h)
+            yield f"{mixer}.o_proj.weight", (h, q)
+        else:
+            yield f"{mixer}.up_proj.weight", (cfg.intermediate_size, h)
+            yield f"{mixer}.down_proj.weight", (h, cfg.intermediate_size)
+            if cfg.mlp_bias:
+                yield f"{mixer}.up_proj.bias", (cfg.intermediate_size,)
+                yield f"{mixer}.down_proj.bias", (h,)
+    yield "model.norm_f.weight", (h,)
+    yield "lm_head.weight", (cfg.vocab_size, h)
+
+
 def _attention_shapes(cfg: ModelConfig, attn: str) -> Iterator[tuple[str, tuple[int, ...]]]:
     """An attention block's tensors; q_proj holds each head's gate after its query where there is an output
     gate (Qwen3-Next)."""
@@ -86,16 +127,27 @@ def _attention_shapes(cfg: ModelConfig, attn: str) -> Iterator[tuple[str, tuple[
         yield f"{attn}.k_norm.weight", (hd,)
 
 
-def _linear_attention_shapes(cfg: ModelConfig, prefix: str) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """A Qwen3-Next Gated DeltaNet block's tensors (in_proj_qkvz and in_proj_ba interleaved per key-head group)."""
+def _linear_attention_shapes(cfg: ModelConfig, prefix: str,
+                             split: bool | None = None) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A Gated DeltaNet block's tensors: Qwen3-Next's in_proj_qkvz and in_proj_ba (interleaved per key-head
+    group), or with `split` Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a (None: as the
+    architecture stores them)."""
     h, kh, vh = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     kd, vd = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     channels = 2 * kh * kd + vh * vd
+    if split is None:
+        split = cfg.architecture.startswith("Qwen3_5")
     yield f"{prefix}.dt_bias", (vh,)
     yield f"{prefix}.A_log", (vh,)
     yield f"{prefix}.conv1d.weight", (channels, 1, cfg.linear_conv_kernel_dim)
-    yield f"{prefix}.in_proj_qkvz.weight", (channels + vh * vd, h)
-    yield f"{prefix}.in_proj_ba.weight", (2 * vh, h)
+    if split:
+        yield f"{prefix}.in_proj_qkv.weight", (channels, h)
+        yield f"{prefix}.in_proj_z.weight", (vh * vd, h)
+        yield f"{prefix}.in_proj_b.weight", (vh, h)
+        yield f"{prefix}.in_proj_a.weight", (vh, h)
+    else:
+        yield f"{prefix}.in_proj_qkvz.weight", (channels + vh * vd, h)
+        yield f"{prefix}.in_proj_ba.weight", (2 * vh, h)
     yield f"{prefix}.norm.weight", (vd,)
     yield f"{prefix}.out_proj.weight", (h, vh * vd)
 
@@ -103,8 +155,14 @@ def _linear_attention_shapes(cfg: ModelConfig, prefix: str) -> Iterator[tuple[st
 def expected_checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The full shape of every tensor a checkpoint of this config may hold: synthetic_checkpoint_shapes' names
     and the per-expert names of a mixture of experts (Qwen-MoE's mlp.experts.{e}.{gate,up,down}_proj,
-    Mixtral's block_sparse_moe.experts.{e}.{w1,w3,w2} and router)."""
+    Mixtral's block_sparse_moe.experts.{e}.{w1,w3,w2} and router), and both layouts of Gated DeltaNet's input
+    projections."""
     shapes = dict(synthetic_checkpoint_shapes(cfg))
+    if cfg.architecture == "NemotronHForCausalLM":
+        return shapes
+    for i in cfg.linear_attention_layers:
+        for split in (False, True):
+            shapes.update(_linear_attention_shapes(cfg, f"model.layers.{i}.linear_attn", split))
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     for i in cfg.moe_layers:
         for block in ("mlp", "block_sparse_moe"):

@@ -49,8 +49,10 @@ def _greedy(model_dir: str, tp: int = 1, check=None, **options) -> list[list[int
         return [out.token_ids for out in llm.generate(_prompts(), params)]
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "qwen3"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen3", "qwen3-next"])
 def test_graph_replay_gives_the_same_tokens_as_eager(tiny_model_dir, name):
+    """qwen3-next: the Gated DeltaNet layers' states stepped in their pool slots inside the graphs, padding rows
+    stepping none."""
     _needs_gpus(1)
     model_dir = tiny_model_dir(name)
     assert _one_gpu_reference(model_dir) == _greedy(model_dir, enforce_eager=True)
@@ -61,6 +63,23 @@ def test_several_ranks_give_the_same_tokens_as_one(tiny_model_dir, tp):
     _needs_gpus(tp)
     model_dir = tiny_model_dir("llama-untied")
     assert _greedy(model_dir, tp=tp) == _one_gpu_reference(model_dir)
+
+
+def test_a_hybrid_model_after_sleep_and_wake_replays_its_graphs_with_fresh_states(tiny_model_dir):
+    """The state pools sit in the KV cache's stable arena: after a sleep and a wake the same graphs replay (no
+    recapture) over the same addresses, and every sequence starts from a zeroed slot."""
+    _needs_gpus(1)
+    model_dir = tiny_model_dir("qwen3-next")
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.05) as llm:
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None, "CUDA graphs were not captured"
+        before = [out.token_ids for out in llm.generate(_prompts(), params)]
+        llm.sleep(1)
+        llm.wake_up()
+        assert llm.engine.runner.graphs is graphs
+        after = [out.token_ids for out in llm.generate(_prompts(), params)]
+    assert after == before == _one_gpu_reference(model_dir)
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)

@@ -19,16 +19,18 @@ def _buffers() -> GraphInputs:
     """Static buffers full of stale values, as after earlier replays."""
     return GraphInputs(torch.full((MAX_BATCH,), 77, dtype=torch.long), torch.full((MAX_BATCH,), 55, dtype=torch.long),
                        torch.full((MAX_BATCH,), 33, dtype=torch.long), torch.full((MAX_BATCH,), 22, dtype=torch.int32),
+                       torch.full((MAX_BATCH,), 44, dtype=torch.long),
                        torch.full((MAX_BATCH, MAX_BLOCKS), 11, dtype=torch.int32))
 
 
-def _batch(*contexts: int) -> StepBatch:
-    """Decode chunks whose sequences hold `contexts` tokens after this step (block tables of distinct ids)."""
+def _batch(*contexts: int, state_slots: bool = True) -> StepBatch:
+    """Decode chunks whose sequences hold `contexts` tokens after this step (block tables of distinct ids), each
+    with a recurrent-state slot (a hybrid model's) or none."""
     chunks = []
     for i, length in enumerate(contexts):
         blocks = -(-length // BLOCK_SIZE)
         table = [100 * (i + 1) + b for b in range(blocks)]
-        chunks.append(SeqChunk(i, length - 1, [1000 + i], table, True))
+        chunks.append(SeqChunk(i, length - 1, [1000 + i], table, True, 7 - i if state_slots else -1))
     return StepBatch.from_chunks(chunks, BLOCK_SIZE)
 
 
@@ -37,6 +39,7 @@ def _check(inputs: GraphInputs, batch: StepBatch, size: int, expected_tokens: li
     assert inputs.positions[:n].tolist() == batch.positions
     assert inputs.slots[:n].tolist() == batch.slot_mapping
     assert inputs.lens[:n].tolist() == [batch.context_len(r) for r in range(n)]
+    assert inputs.state_slots[:n].tolist() == batch.state_slots
     for r, chunk in enumerate(batch.chunks):
         assert inputs.tables[r, :len(chunk.block_table)].tolist() == chunk.block_table
     assert inputs.tokens[:n].tolist() == expected_tokens
@@ -45,6 +48,7 @@ def _check(inputs: GraphInputs, batch: StepBatch, size: int, expected_tokens: li
     assert inputs.slots[n:size].tolist() == [-1] * (size - n)
     assert inputs.lens[n:size].tolist() == [0] * (size - n)
     assert inputs.tokens[n:size].tolist() == [0] * (size - n)
+    assert inputs.state_slots[n:size].tolist() == [-1] * (size - n), "a padding row would step a live state"
 
 
 def test_one_copy_fills_every_row_of_the_graph():
@@ -84,7 +88,7 @@ def test_longer_tables_and_reused_host_arrays():
     inputs = _buffers()
     for step in range(2 * RING + 1):
         contexts = [1 + (step * 5 + 3 * r) % (MAX_BLOCKS * BLOCK_SIZE) for r in range(1 + step % 5)]
-        batch = _batch(*contexts)
+        batch = _batch(*contexts, state_slots=step % 3 != 0)
         size = 1 if len(contexts) == 1 else (4 if len(contexts) <= 4 else 8)
         sampled = torch.arange(len(contexts)) * 3 + step
         inputs.write(batch, size, sampled if step % 2 else None, host_tokens=True)

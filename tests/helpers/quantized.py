@@ -38,7 +38,7 @@ def fp8_channel(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]
     return {"weight": q, "weight_scale": scale}, value
 
 
-def _pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
+def pack_gptq_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
     """Eight 0..15 values per int32 along dim, value j in bits 4j..4j+3."""
     v = values.numpy().astype(np.uint32)
     v = v.reshape(-1, 8, v.shape[1]) if dim == 0 else v.reshape(v.shape[0], -1, 8)
@@ -74,7 +74,8 @@ def gptq(w: torch.Tensor, group: int, sym: bool, act_order: bool, seed: int
         q[cols] = codes.t()
         scales[g], zeros[g] = scale, zero
         value[:, cols] = (codes - zero[:, None]).float() * scale.float()[:, None]
-    tensors = {"qweight": _pack_int4(q, 0), "qzeros": _pack_int4(zeros - 1, 1), "scales": scales, "g_idx": g_idx}
+    tensors = {"qweight": pack_gptq_int4(q, 0), "qzeros": pack_gptq_int4(zeros - 1, 1), "scales": scales,
+               "g_idx": g_idx}
     return tensors, value
 
 

@@ -30,22 +30,48 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-@functools.lru_cache(maxsize=None)
-def transformers_model(model_dir: str, gguf_file: str | None = None) -> torch.nn.Module:
-    """transformers' float32 model of model_dir (of a GGUF file in it: dequantized by transformers' own loader,
-    tens of seconds for SmolLM2), loaded once a session; callers only read it."""
-    from transformers import AutoModelForCausalLM
+# transformers' linear-attention helpers that run a kernel package's code where one is installed (fla-core,
+# causal-conv1d: GPU-only Triton or CUDA kernels, which fail on the CPU tensors of the reference).
+_KERNEL_PACKAGE_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                             "causal_conv1d_update")
 
+
+def _use_transformers_torch_kernels() -> None:
+    """Make the hybrid families' modeling modules call their own torch forms of those helpers: the float32
+    reference, whatever kernel packages this machine has."""
+    import importlib
+    import inspect
+
+    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        for name in _KERNEL_PACKAGE_FUNCTIONS:
+            if callable(getattr(module, name, None)):
+                setattr(module, name, inspect.unwrap(getattr(module, name)))
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_model(model_dir: str, gguf_file: str | None = None, image_text: bool = False) -> torch.nn.Module:
+    """transformers' float32 model of model_dir (of a GGUF file in it: dequantized by transformers' own loader,
+    tens of seconds for SmolLM2; `image_text`: the checkpoint's image-text model, AutoModelForImageTextToText),
+    loaded once a session; callers only read it."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    _use_transformers_torch_kernels()
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     with one_torch_thread():
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
+        return auto.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
 
 
 @functools.lru_cache(maxsize=None)
 def transformers_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int,
-                        gguf_file: str | None = None) -> tuple[tuple[int, ...], ...]:
-    """transformers' greedy continuation of each prompt alone, at float32."""
-    model = transformers_model(model_dir, gguf_file)
+                        image_text: bool = False, gguf_file: str | None = None) -> tuple[tuple[int, ...], ...]:
+    """transformers' greedy continuation of each prompt alone, at float32; `image_text`: by the checkpoint's
+    image-text model given the prompt's tokens only; `gguf_file`: of that GGUF file in model_dir."""
+    model = transformers_model(model_dir, gguf_file, image_text)
     outputs = []
     with one_torch_thread(), torch.inference_mode():
         for prompt in prompts:

@@ -922,3 +922,21 @@ def test_the_start_up_check_passes_the_paged_backend_with_qwen3_head_norms(dtype
     backend = TritonPagedBackend(torch.device(DEVICE), 16, 2)
     result = kernel_setup.check_attention(backend, attn, rotary, dtype, torch.device(DEVICE), 16)
     assert result.passed, result.describe()
+
+
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+def test_the_start_up_check_passes_the_paged_backend_with_a_partial_rotation(mode, monkeypatch):
+    """Qwen3-Next rotates the first quarter of each head: the backend rotates those dims apart from its fused
+    rotation (decode and prefill alike), checked against float64 attention over partially rotated heads."""
+    from shardserve.attention.triton_paged import TritonPagedBackend
+    from shardserve.engine import kernel_setup
+    from shardserve.layers import rotary as rotary_module
+    from shardserve.layers.attention import PagedAttention
+
+    monkeypatch.setenv("SHARDSERVE_DECODE_ROTARY", mode)
+    attn = PagedAttention(4, 2, 32, (0, 0, 1, 1))
+    rotary = RotaryEmbedding(8, 128, 10000.0, None, torch.float32).to(DEVICE)
+    monkeypatch.setattr(rotary_module, "use_triton", lambda t: True)  # CPU tensors too: the kernel path
+    backend = TritonPagedBackend(torch.device(DEVICE), 16, 2)
+    result = kernel_setup.check_attention(backend, attn, rotary, torch.float32, torch.device(DEVICE), 16)
+    assert result.passed, result.describe()

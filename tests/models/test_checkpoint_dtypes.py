@@ -23,7 +23,7 @@ def _reference(model_dir: str, gguf_file: str | None = None, new_tokens: int = N
                count: int = len(PROMPT_LENGTHS)) -> tuple[tuple[int, ...], ...]:
     """transformers in float32 on the checkpoint's values (16-bit weights widen exactly; GGUF is dequantized), for
     the first `count` prompts."""
-    return transformers_greedy(model_dir, tuple(map(tuple, _prompts(vocab)[:count])), new_tokens, gguf_file)
+    return transformers_greedy(model_dir, tuple(map(tuple, _prompts(vocab)[:count])), new_tokens, gguf_file=gguf_file)
 
 
 def _alone_and_batched(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[list, list]:

@@ -41,7 +41,7 @@ def _assert_all_returned(llm: LLM) -> None:
     assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs)), "a state slot leaked"
 
 
-@pytest.mark.parametrize("name, tp", [(NAME, 1), (NAME, 2), ("qwen3-next-odd", 2)])
+@pytest.mark.parametrize("name, tp", [(NAME, 1), (NAME, 2), (NAME, 3), ("qwen3-next-odd", 2)])
 def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp):
     """All four prompts in one batch, the 17- and 40-token ones prefilled in chunks of at most 16 tokens beside the
     others' decode steps: each sequence's state is carried across its chunks in its own slot. At two ranks each
@@ -187,7 +187,7 @@ def test_after_sleep_and_wake_the_states_start_empty(tiny_model_dir):
     assert tuple(got) == _reference(model_dir)[1]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 3])
 def test_the_planner_counts_the_weights_a_rank_holds(tiny_model_dir, tp):
     """The memory planner's weights per rank (attention with its output gate, Gated DeltaNet, experts) are what
     rank 0 of `tp` builds."""
@@ -208,15 +208,18 @@ def test_the_planner_counts_the_weights_a_rank_holds(tiny_model_dir, tp):
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_in_chunks_equals_transformers(tiny_model_dir):
-    """The CUDA path at float32: the state pools on the device, decode steps eager (no CUDA graphs for models with
-    state pools yet), the partially rotated attention on torch's SDPA."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_on_gpus_in_chunks_equals_transformers(tiny_model_dir, tp):
+    """The CUDA path at float32: the state pools on the device, decode steps replayed from CUDA graphs (the
+    Triton kernels stepping the states in their slots), the partially rotated attention on torch's SDPA."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s)")
     model_dir = tiny_model_dir(NAME)
     expected = _reference(model_dir)
     with LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4,
-             max_num_batched_tokens=16) as llm:
+             max_num_batched_tokens=16, tensor_parallel_size=tp) as llm:
+        runner = llm.engine.runner
+        assert runner.graphs is not None and "Gated DeltaNet triton decode" in runner.plan.describe()
         outputs = llm.generate(_prompts(), _params())
         _assert_all_returned(llm)
     assert tuple(tuple(o.token_ids) for o in outputs) == expected

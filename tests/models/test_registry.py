@@ -16,15 +16,19 @@ from shardserve.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitecture, 
 from shardserve.weights import gguf_loader
 from shardserve.weights.synthetic import load_synthetic_weights
 
-SERVED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
-          "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+SERVED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
+          "Qwen2MoeForCausalLM",
+          "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+          "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 
 # A small config every architecture reads (the mixture-of-experts keys are ignored by the dense ones).
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 100, "num_experts": 4, "num_local_experts": 4,
          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
          "full_attention_interval": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
+         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+         "layers_block_type": ["linear_attention", "full_attention"], "mamba_num_heads": 4, "mamba_head_dim": 16,
+         "ssm_state_size": 16, "n_groups": 2}
 
 
 def test_the_supported_architectures_are_those_served_so_far():

@@ -10,7 +10,8 @@ microseconds around it on the stream). Layout, for a graph of `size` rows:
     [HEADER + size + r]      cache slot of row r       (padding rows -1: nothing stored)
     [HEADER + 2 size + r]    context length of row r   (padding rows 0: attention outputs zeros)
     [HEADER + 3 size + r]    token id of row r         (padding rows 0)
-    [HEADER + 4 size + r w]  the first w block-table entries of live row r
+    [HEADER + 4 size + r]    recurrent-state slot of row r (hybrid models' linear-attention layers; padding -1)
+    [HEADER + 5 size + r w]  the first w block-table entries of live row r
 
 Program r writes row r of the static buffers. Live rows' token ids come from the words (the host has them),
 from a device tensor whose address the words carry (the previous step's samples: read in stream order, after
@@ -26,14 +27,15 @@ import triton
 import triton.language as tl
 
 HEADER = 6
+ROWS = 5  # words a row has before the block tables
 TOKENS_KEPT, TOKENS_IN_WORDS, TOKENS_AT_ADDRESS = 0, 1, 2
 TABLE_BLOCK = 256
 
 
 # n, w and size change between replays or graphs: not specialised, so one compiled variant serves every bucket.
 @triton.jit(do_not_specialize=["size"])
-def _unpack_kernel(words_ptr, tokens_ptr, positions_ptr, slots_ptr, lens_ptr, tables_ptr, table_stride, size,
-                   HEADER: tl.constexpr, MAX_WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def _unpack_kernel(words_ptr, tokens_ptr, positions_ptr, slots_ptr, lens_ptr, state_slots_ptr, tables_ptr,
+                   table_stride, size, HEADER: tl.constexpr, MAX_WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     n = tl.load(words_ptr)
     width = tl.load(words_ptr + 1)
@@ -42,13 +44,14 @@ def _unpack_kernel(words_ptr, tokens_ptr, positions_ptr, slots_ptr, lens_ptr, ta
     tl.store(positions_ptr + row, tl.load(rows).to(tl.int64))
     tl.store(slots_ptr + row, tl.load(rows + size).to(tl.int64))
     tl.store(lens_ptr + row, tl.load(rows + 2 * size))
+    tl.store(state_slots_ptr + row, tl.load(rows + 4 * size).to(tl.int64))
     if (source == 1) | (row >= n):  # TOKENS_IN_WORDS, or padding
         tl.store(tokens_ptr + row, tl.load(rows + 3 * size).to(tl.int64))
     elif source == 2:  # TOKENS_AT_ADDRESS
         sampled = tl.load(words_ptr.to(tl.pointer_type(tl.int64)) + 2).to(tl.pointer_type(tl.int64))
         tl.store(tokens_ptr + row, tl.load(sampled + row))
     if row < n:
-        table = words_ptr + HEADER + 4 * size + row.to(tl.int64) * width
+        table = words_ptr + HEADER + 5 * size + row.to(tl.int64) * width
         out = tables_ptr + row.to(tl.int64) * table_stride
         for start in range(0, MAX_WIDTH, BLOCK):  # a static bound; past w every lane is masked
             cols = start + tl.arange(0, BLOCK)
@@ -57,8 +60,8 @@ def _unpack_kernel(words_ptr, tokens_ptr, positions_ptr, slots_ptr, lens_ptr, ta
 
 
 def unpack(words: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-           lens: torch.Tensor, tables: torch.Tensor, size: int) -> None:
-    """Write rows [0, size) of tokens and positions (int64), slots (int64), lens (int32) and tables (int32
-    [rows, max_blocks]) from `words` (int32, the layout above)."""
-    _unpack_kernel[(size,)](words, tokens, positions, slots, lens, tables, tables.stride(0), size,
+           lens: torch.Tensor, state_slots: torch.Tensor, tables: torch.Tensor, size: int) -> None:
+    """Write rows [0, size) of tokens and positions (int64), slots (int64), lens (int32), state_slots (int64)
+    and tables (int32 [rows, max_blocks]) from `words` (int32, the layout above)."""
+    _unpack_kernel[(size,)](words, tokens, positions, slots, lens, state_slots, tables, tables.stride(0), size,
                             HEADER=HEADER, MAX_WIDTH=tables.shape[1], BLOCK=TABLE_BLOCK, num_warps=1)

@@ -1,0 +1,117 @@
+"""A Gated DeltaNet layer's decode step in two kernels that read and write the sequences' states in their pools.
+
+The torch form of a decode step (layers/deltanet_kernels.TorchDeltaNetKernels) gathers each sequence's states
+out of the pools, steps them and scatters them back, and computes the gates, the l2 norms and the convolution in
+a dozen small kernels. Here:
+
+- `conv_step_in_pool`: program (row, block of channels) reads the row's convolution state from its pool slot,
+  writes y = silu(conv(state, x)) and shifts x into the state, in place.
+- `rule_step_in_pool`: program (row, value head, block of value columns) reads q and k of its key head and v of
+  its columns from the convolution's output, l2-normalises q and k, computes beta = sigmoid(b) and the log decay
+  g = -exp(A_log) * softplus(a + dt_bias), and steps the float32 state columns it owns in place (the delta rule
+  of kernels/gated_delta_rule.py) while writing o.
+
+A row whose slot is negative (a CUDA graph's padding row) reads and writes no state; its outputs are
+meaningless and never read. Invariant: the rows of one call have distinct slots (one sequence a row).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_CONV_BLOCK = 256  # channels a program of the convolution covers
+_VALUE_BLOCK = 32  # value columns of one head a program of the delta rule owns (its state: key_dim x 32 float32)
+
+
+@triton.jit
+def _conv_step_kernel(x_ptr, weight_ptr, state_ptr, slots_ptr, y_ptr, channels, stride_x, stride_slot,
+                      KERNEL: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = c < channels
+    slot = tl.load(slots_ptr + row)
+    live = inside & (slot >= 0)
+    taps = tl.arange(0, TAPS)  # tap KERNEL - 1 is this token; taps before it come from the state, oldest first
+    state_at = state_ptr + slot.to(tl.int64) * stride_slot + c[:, None] * (KERNEL - 1) + taps[None, :]
+    from_state = taps[None, :] < KERNEL - 1
+    window = tl.load(state_at, mask=live[:, None] & from_state, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + c, mask=inside, other=0.0)
+    window = tl.where(taps[None, :] == KERNEL - 1, x.to(tl.float32)[:, None], window)
+    w = tl.load(weight_ptr + c[:, None] * KERNEL + taps[None, :], mask=inside[:, None] & (taps[None, :] < KERNEL),
+                other=0.0).to(tl.float32)
+    # Summed in float32 and rounded to x's dtype once, then SiLU: as the torch form does.
+    y = tl.sum(window * w, axis=1).to(x.dtype).to(tl.float32)
+    tl.store(y_ptr + row * channels + c, (y * tl.sigmoid(y)).to(x.dtype), mask=inside)
+    # The state keeps the last KERNEL - 1 inputs: taps 1 .. KERNEL - 1 of the window move to 0 .. KERNEL - 2.
+    shifted = state_at - 1
+    tl.store(shifted, window.to(state_ptr.dtype.element_ty), mask=live[:, None] & (taps[None, :] >= 1)
+             & (taps[None, :] < KERNEL))
+
+
+def conv_step_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token of each of B sequences: x [B, channels] (rows may be strided), weight [channels, K], pool
+    [slots, channels, K - 1] (written in place), slots int64 [B]. Returns y [B, channels] in x's dtype."""
+    rows, channels = x.shape
+    kernel = weight.shape[1]
+    y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    grid = (rows, triton.cdiv(channels, _CONV_BLOCK))
+    _conv_step_kernel[grid](x, weight, pool, slots, y, channels, x.stride(0), pool.stride(0), KERNEL=kernel,
+                            TAPS=triton.next_power_of_2(kernel), BLOCK=_CONV_BLOCK, num_warps=4)
+    return y
+
+
+@triton.jit
+def _rule_step_kernel(mixed_ptr, ba_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, o_ptr, scale,
+                      stride_mixed, stride_ba, stride_slot, key_heads, value_heads,
+                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_POW2: tl.constexpr,
+                      BV: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    slot = tl.load(slots_ptr + row)
+    keys = tl.arange(0, DK_POW2)
+    key_in, col_in = keys < DK, cols < DV
+    cell = key_in[:, None] & col_in[None, :]
+    base = mixed_ptr + row * stride_mixed
+    key_head = head // GROUP
+    q = tl.load(base + key_head * DK + keys, mask=key_in, other=0.0).to(tl.float32)
+    k = tl.load(base + key_heads * DK + key_head * DK + keys, mask=key_in, other=0.0).to(tl.float32)
+    v = tl.load(base + 2 * key_heads * DK + head * DV + cols, mask=col_in, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    b = tl.load(ba_ptr + row * stride_ba + head).to(tl.float32)
+    a = tl.load(ba_ptr + row * stride_ba + value_heads + head).to(tl.float32) + tl.load(dt_bias_ptr + head)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))  # torch's softplus threshold
+    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head)) * softplus)
+    beta = tl.sigmoid(b)
+    at = state_ptr + slot.to(tl.int64) * stride_slot + head * DK * DV + keys[:, None] * DV + cols[None, :]
+    s = tl.load(at, mask=cell & (slot >= 0), other=0.0) * decay  # [DK, BV]
+    write = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * write[None, :]
+    tl.store(at, s, mask=cell & (slot >= 0))
+    tl.store(o_ptr + (row * value_heads + head) * DV + cols, tl.sum(s * q[:, None], axis=0), mask=col_in)
+
+
+def rule_step_in_pool(mixed: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                      scale: float, pool: torch.Tensor, slots: torch.Tensor, key_heads: int) -> torch.Tensor:
+    """One token of each of B sequences through the gated delta rule, from the convolution's output.
+
+    mixed [B, 2 * key_heads * dk + value_heads * dv]: [q | k | v] a row (not yet normalised); ba [B, 2 *
+    value_heads]: [b | a] a row; a_log, dt_bias float32 [value_heads]; pool float32 [slots, value_heads, dk, dv]
+    (written in place); slots int64 [B]. Returns o float32 [B, value_heads, dv].
+    """
+    rows = mixed.shape[0]
+    value_heads, dk, dv = pool.shape[1:]
+    o = torch.empty(rows, value_heads, dv, dtype=torch.float32, device=mixed.device)
+    if rows == 0:
+        return o
+    block = min(_VALUE_BLOCK, triton.next_power_of_2(dv))
+    grid = (rows, value_heads, triton.cdiv(dv, block))
+    _rule_step_kernel[grid](mixed, ba, a_log, dt_bias, pool, slots, o, scale, mixed.stride(0), ba.stride(0),
+                            pool.stride(0), key_heads, value_heads, GROUP=value_heads // key_heads, DK=dk, DV=dv,
+                            DK_POW2=triton.next_power_of_2(dk), BV=block, num_warps=4)
+    return o

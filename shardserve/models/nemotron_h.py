@@ -1,0 +1,167 @@
+"""NemotronH: a hybrid of Mamba-2 layers (a per-sequence state), a few attention layers and dense MLP layers.
+
+Unlike Llama's decoder layers, each NemotronH layer is one block on the residual stream, x + mixer(norm(x)), whose
+mixer is what ModelConfig.layer_types says: "linear_attention" a Mamba-2 mixer (layers/mamba2.py), "full_attention"
+attention without RoPE (no bias, KV heads grouped), "mlp" up_proj -> squared ReLU -> down_proj. Only the attention
+layers hold KV-cache blocks; each Mamba-2 layer keeps one state per sequence in a pool of slots that the engine
+hands out (state_pools). Every block's last projection all-reduces its own output (row-parallel).
+
+Not served (refused by ModelConfig): the mixture-of-experts layers ("moe") of Nemotron-3. The multi-token-prediction
+layers of released checkpoints (`mtp.`) are left unread with one log line; NVIDIA's remote-code checkpoints name the
+model `backbone.`, read as `model.`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from shardserve.config import ModelConfig
+from shardserve.distributed.communicator import Communicator
+from shardserve.layers.attention import PagedAttention
+from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaState
+from shardserve.layers.norm import RMSNorm
+from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
+from shardserve.layers.sharding import attention_shard, split_rows
+
+# The cache a Mamba-2 layer gets in a step: its pool of states, each chunk's slot in it (in the step's batch order)
+# and where each chunk's rows start (None: one token each).
+StateCache = tuple[MambaState, torch.Tensor, Sequence[int] | None]
+
+
+class NoRotation(RotaryEmbedding):
+    """Attention without positions in its queries and keys: the tables of the identity rotation (cos 1, sin 0),
+    so every attention backend, and its start-up check, computes x * 1 + roll(x) * 0 = x exactly."""
+
+    def __init__(self, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.register_buffer("cos", torch.ones(max_positions, head_dim, dtype=dtype), persistent=False)
+        self.register_buffer("signed_sin", torch.zeros(max_positions, head_dim, dtype=dtype), persistent=False)
+
+
+class NemotronHAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        shard = attention_shard(cfg.num_heads, cfg.num_kv_heads, hd, comm.rank, comm.world_size)
+        self.shard, self.head_dim = shard, hd
+        (q0, q1), (kv0, kv1) = shard.q_heads, shard.kv_heads
+        self.q_size, self.kv_size = shard.num_q * hd, shard.num_kv * hd
+        parts = {"q": (q0 * hd, q1 * hd), "k": (kv0 * hd, kv1 * hd), "v": (kv0 * hd, kv1 * hd)}
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, parts, False, dtype)
+        self.o_proj = RowParallelLinear((q0 * hd, q1 * hd), cfg.hidden_size, False, dtype,
+                                        comm if shard.sharded else None)
+        self.qkv_proj.replicated = self.o_proj.replicated = not shard.sharded
+        self.attn = PagedAttention(shard.num_q, shard.num_kv, hd, shard.kv_index)
+
+    def forward(self, h: torch.Tensor, rotary: RotaryLookup, cache, meta) -> torch.Tensor:
+        tokens = h.shape[0]
+        qk, v = self.qkv_proj(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        out = self.attn(qk.view(tokens, -1, self.head_dim), v.view(tokens, -1, self.head_dim), rotary, cache, meta)
+        return self.o_proj(out)
+
+
+class NemotronHMLP(nn.Module):
+    """down_proj(act(up_proj(h))), act the squared ReLU (relu2) or SiLU; split by intermediate features."""
+
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        rows, sharded = split_rows(cfg.intermediate_size, comm.rank, comm.world_size, "mlp")
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, {None: rows}, cfg.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, cfg.mlp_bias, dtype, comm if sharded else None)
+        self.up_proj.replicated = self.down_proj.replicated = not sharded
+        self.squared_relu = cfg.mlp_activation == "relu2"
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        u = self.up_proj(h)
+        u = torch.relu(u).square() if self.squared_relu else nn.functional.silu(u)
+        return self.down_proj(u)
+
+
+class NemotronHBlock(nn.Module):
+    """x + mixer(norm(x)) for one of NemotronH's block types."""
+
+    def __init__(self, kind: str, mixer: nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mixer = mixer
+
+    def forward(self, rotary: RotaryLookup, x: torch.Tensor, residual: torch.Tensor | None, cache, meta):
+        """x: the previous block's output (the embeddings, with residual None, for the first); returns (this
+        block's output, the residual stream before it is added)."""
+        h, residual = (self.norm(x), x) if residual is None else self.norm(x, residual)
+        if self.kind == "linear_attention":
+            pool, slots, query_start = cache
+            return self.mixer(h, pool, slots, query_start), residual
+        if self.kind == "full_attention":
+            return self.mixer(h, rotary, cache, meta), residual
+        return self.mixer(h), residual
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
+        self.rotary = NoRotation(cfg.head_dim, max_positions, dtype)
+        dims = Mamba2Dims(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size,
+                          cfg.mamba_n_groups, cfg.mamba_conv_kernel, cfg.mamba_chunk_size, cfg.rms_norm_eps,
+                          cfg.mamba_time_step_limit, cfg.mamba_conv_bias, cfg.mamba_proj_bias)
+        layers = []
+        for kind in cfg.layer_types:
+            if kind == "linear_attention":
+                mixer = Mamba2Mixer(dims, comm, dtype)
+            elif kind == "full_attention":
+                mixer = NemotronHAttention(cfg, comm, dtype)
+            elif kind == "mlp":
+                mixer = NemotronHMLP(cfg, comm, dtype)
+            else:
+                raise ValueError(f"NemotronH layer type {kind!r} is not supported")
+            layers.append(NemotronHBlock(kind, mixer, cfg, dtype))
+        self.layers = nn.ModuleList(layers)
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, token_ids, positions, caches: list, meta) -> torch.Tensor:
+        x, residual = self.embeddings(token_ids), None
+        rotary = self.rotary.lookup(positions)
+        for layer, cache in zip(self.layers, caches):
+            x, residual = layer(rotary, x, residual, cache, meta)
+        x, _ = self.norm_f(x, residual)
+        return x
+
+
+class NemotronHForCausalLM(nn.Module):
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
+    renamed_checkpoint_prefixes = {"backbone.": "model."}
+    skipped_checkpoint_prefixes = {"mtp.": "the multi-token-prediction layers (speculative decoding, not served)"}
+
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
+                 expert_parallel: bool = False) -> None:
+        super().__init__()
+        self.config = cfg
+        self.expert_parallel = expert_parallel
+        self.model = NemotronHModel(cfg, comm, dtype, max_positions)
+        self.lm_head = ParallelLMHead(self.model.embeddings, cfg.tie_word_embeddings)
+
+    def forward(self, token_ids, positions, caches: list, meta) -> torch.Tensor:
+        """caches: one per layer, in layer order: a KVCache for each attention layer, (pool, slots, query_start)
+        for each Mamba-2 layer, None for an MLP layer."""
+        return self.model(token_ids, positions, caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+    def paged_attention(self) -> PagedAttention:
+        return self.model.layers[self.config.kv_layers[0]].mixer.attn
+
+    def kv_heads_per_rank(self) -> int:
+        return self.model.layers[self.config.kv_layers[0]].mixer.shard.num_kv
+
+    def state_pools(self, num_slots: int, device: torch.device) -> dict[int, Any]:
+        """A pool of num_slots zero states for each Mamba-2 layer (this rank's heads and groups)."""
+        return {i: self.model.layers[i].mixer.zero_state(batch=num_slots, device=device)
+                for i in self.config.linear_attention_layers}
