@@ -14,6 +14,10 @@ from shardserve.entrypoints.llm import LLM
 from tests.models.reference import random_prompts, transformers_greedy
 
 NAME = "qwen3-next"
+# The engine's state-slot behaviours, on Qwen3-Next and on Qwen3.5-MoE (Gated DeltaNet's projections stored apart).
+FAMILIES = (NAME, "qwen3.5-moe")
+# A KV-cache budget that leaves 7 blocks of 16 tokens once the four sequences' state pools are taken from it.
+SEVEN_BLOCKS_GB = {NAME: 0.0001, "qwen3.5-moe": 0.00012}
 NEW_TOKENS = 10
 PROMPT_LENGTHS = (5, 17, 40, 1)
 
@@ -64,12 +68,13 @@ def test_each_prompt_alone_in_one_step_equals_transformers(tiny_model_dir):
     assert tuple(got) == expected
 
 
-def test_preempted_sequences_recompute_from_an_empty_state(tiny_model_dir):
-    """A KV cache of 6 blocks of 16 tokens for four sequences that grow to 50 tokens (4 blocks each): later
+@pytest.mark.parametrize("name", FAMILIES)
+def test_preempted_sequences_recompute_from_an_empty_state(tiny_model_dir, name):
+    """A KV cache of 7 blocks of 16 tokens for four sequences that grow to 50 tokens (4 blocks each): later
     arrivals are preempted and recomputed, and still give transformers' tokens."""
-    model_dir = tiny_model_dir(NAME)
+    model_dir = tiny_model_dir(name)
     prompts = [p for p in _prompts() if len(p) == 40] + [list(range(100 + i, 140 + i)) for i in range(3)]
-    with _llm(model_dir, kv_cache_memory_gb=0.0001, max_model_len=64) as llm:
+    with _llm(model_dir, kv_cache_memory_gb=SEVEN_BLOCKS_GB[name], max_model_len=64) as llm:
         assert llm.engine.block_manager.num_blocks < 16
         outputs = llm.generate(prompts, _params())
         assert llm.engine.scheduler.num_preemptions > 0
@@ -80,10 +85,11 @@ def test_preempted_sequences_recompute_from_an_empty_state(tiny_model_dir):
     assert [tuple(o.token_ids) for o in outputs[1:]] == alone
 
 
-def test_sixteen_requests_at_once_equal_each_alone(tiny_model_dir):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sixteen_requests_at_once_equal_each_alone(tiny_model_dir, name):
     """Sixteen prompts of 1 to 31 tokens in one batch, each in a state slot of its own, prefilled in chunks beside
     the others' decode steps: each sequence's tokens are those it gives alone."""
-    model_dir = tiny_model_dir(NAME)
+    model_dir = tiny_model_dir(name)
     g = torch.Generator().manual_seed(99)
     prompts = [torch.randint(5, 1000, (1 + (7 * i) % 31,), generator=g).tolist() for i in range(16)]
     with _llm(model_dir, max_num_seqs=16, max_num_batched_tokens=32) as llm:
@@ -93,12 +99,13 @@ def test_sixteen_requests_at_once_equal_each_alone(tiny_model_dir):
     assert together == alone
 
 
-def test_n_choices_over_http_each_run_in_their_own_state(tiny_model_dir):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_n_choices_over_http_each_run_in_their_own_state(tiny_model_dir, name):
     """`n: 2` (one engine request a choice, in slots of their own, prefix caching off): greedy, both are
     transformers' tokens; the completion's prompt is counted once."""
     from tests.serving import serve_model
 
-    model_dir = tiny_model_dir(NAME)
+    model_dir = tiny_model_dir(name)
     prompt = _prompts()[2]
     with serve_model(model_dir, name="next", device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
                      max_num_seqs=4) as server:
@@ -114,8 +121,9 @@ def test_n_choices_over_http_each_run_in_their_own_state(tiny_model_dir):
                              "total_tokens": len(prompt) + 2 * NEW_TOKENS}
 
 
-def test_an_aborted_request_gives_its_slot_back(tiny_model_dir):
-    model_dir = tiny_model_dir(NAME)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_an_aborted_request_gives_its_slot_back(tiny_model_dir, name):
+    model_dir = tiny_model_dir(name)
     prompts = _prompts()
     with _llm(model_dir) as llm:
         engine = llm.engine
@@ -172,10 +180,11 @@ def test_a_checkpoint_with_a_multi_token_prediction_layer_loads(tiny_model_dir):
         load_tensors(model, [(n, t) for n, t in tensors.items() if n != "model.norm.weight"], False, "one short")
 
 
-def test_after_sleep_and_wake_the_states_start_empty(tiny_model_dir):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_after_sleep_and_wake_the_states_start_empty(tiny_model_dir, name):
     """Sleep frees the state pools with the KV cache and waking allocates them again (the canary runs through
     them before and after): a prompt then gives transformers' tokens."""
-    model_dir = tiny_model_dir(NAME)
+    model_dir = tiny_model_dir(name)
     with _llm(model_dir) as llm:
         llm.generate([_prompts()[0]], _params())
         llm.sleep(1)
