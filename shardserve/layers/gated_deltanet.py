@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 import torch
-from torch import nn
 
 from shardserve.distributed.communicator import Communicator
 from shardserve.kernels.gated_delta_rule import delta_rule_gates, split_heads
@@ -27,6 +26,7 @@ from shardserve.layers.deltanet_projections import ConvWeight, InProjBA, InProjQ
 from shardserve.layers.linear import RowParallelLinear
 from shardserve.layers.norm import GatedRMSNorm
 from shardserve.layers.sharding import delta_net_shard
+from shardserve.layers.state_mixer import StateMixer
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class DeltaNetState(NamedTuple):
     recurrent: torch.Tensor
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(StateMixer):
     # Checkpoint tensors stored apart (Qwen3.5) that land in one local parameter: name -> (parameter, shard id).
     # Qwen3-Next's in_proj_qkvz and in_proj_ba keep their names (shard id None: interleaved per key-head group).
     packed_modules = {
@@ -107,21 +107,6 @@ class GatedDeltaNet(nn.Module):
         return DeltaNetState(
             torch.zeros(*lead, self.channels, d.conv_kernel - 1, dtype=self.dtype, device=device),
             torch.zeros(*lead, self.value_heads, d.key_dim, d.value_dim, dtype=torch.float32, device=device))
-
-    def prefill(self, x: torch.Tensor, state: DeltaNetState | None = None) -> tuple[torch.Tensor, DeltaNetState]:
-        """One sequence's next T >= 1 tokens x [T, hidden] from `state` (None: a new sequence).
-        Returns (output [T, hidden], the state after them); `state` is not written."""
-        state = self.zero_state(device=x.device) if state is None else state
-        pool = DeltaNetState(state.conv.unsqueeze(0).clone(), state.recurrent.unsqueeze(0).clone())
-        out = self(x, pool, torch.zeros(1, dtype=torch.long, device=x.device), [0, x.shape[0]])
-        return out, DeltaNetState(pool.conv[0], pool.recurrent[0])
-
-    def decode(self, x: torch.Tensor, states: DeltaNetState) -> tuple[torch.Tensor, DeltaNetState]:
-        """One token for each of B sequences at once: x [B, hidden], states with leading dim [B].
-        Returns (output [B, hidden], their states after the token); `states` is not written."""
-        pool = DeltaNetState(states.conv.clone(), states.recurrent.clone())
-        out = self(x, pool, torch.arange(x.shape[0], device=x.device), None)
-        return out, pool
 
     def forward(self, x: torch.Tensor, pool: DeltaNetState, slots: torch.Tensor,
                 query_start: Sequence[int] | None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from shardserve.kernels.mamba2_ssd import ssd_chunked, ssd_step, step_sizes
 from shardserve.layers.deltanet_projections import ConvWeight, head_vector
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_exact, empty_parameter
 from shardserve.layers.sharding import MambaShard, mamba_shard
+from shardserve.layers.state_mixer import StateMixer
 
 Rows = tuple[int, int]
 
@@ -131,7 +132,7 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * g.view(h.shape).to(dtype)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(StateMixer):
     # Not captured in CUDA graphs: the torch decode step would step the state of the slot -1 that a graph's padding
     # rows carry (the last slot), where the Gated DeltaNet Triton kernels skip it. Decode runs eagerly.
     graph_safe = False
@@ -170,21 +171,6 @@ class Mamba2Mixer(nn.Module):
         return MambaState(
             torch.zeros(*lead, self.channels, d.conv_kernel - 1, dtype=self.dtype, device=device),
             torch.zeros(*lead, self.heads, d.head_dim, d.state_size, dtype=self.ssm_dtype, device=device))
-
-    def prefill(self, x: torch.Tensor, state: MambaState | None = None) -> tuple[torch.Tensor, MambaState]:
-        """One sequence's next T >= 1 tokens x [T, hidden] from `state` (None: a new sequence).
-        Returns (output [T, hidden], the state after them); `state` is not written."""
-        state = self.zero_state(device=x.device) if state is None else state
-        pool = MambaState(state.conv.unsqueeze(0).clone(), state.ssm.unsqueeze(0).clone())
-        out = self(x, pool, torch.zeros(1, dtype=torch.long, device=x.device), [0, x.shape[0]])
-        return out, MambaState(pool.conv[0], pool.ssm[0])
-
-    def decode(self, x: torch.Tensor, states: MambaState) -> tuple[torch.Tensor, MambaState]:
-        """One token for each of B sequences at once: x [B, hidden], states with leading dim [B].
-        Returns (output [B, hidden], their states after the token); `states` is not written."""
-        pool = MambaState(states.conv.clone(), states.ssm.clone())
-        out = self(x, pool, torch.arange(x.shape[0], device=x.device), None)
-        return out, pool
 
     def _split(self, mixed: torch.Tensor):
         """Convolved channels [T, channels] -> x [T, heads, head_dim], B and C [T, groups, state_size]."""

@@ -10,19 +10,10 @@ from torch import nn
 
 from shardserve.layers.gated_deltanet import DeltaNetDims, DeltaNetState, GatedDeltaNet
 from shardserve.weights.loader import load_tensors
+from tests.helpers.partial_sums import PartialSums
 
 HIDDEN = 32
 ATOL = 1e-5
-
-
-class PartialSums:
-    """A rank of a simulated group: all_reduce leaves this rank's share as it is; the test sums the shares."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
 
 
 def _reference(family: str, key_heads: int = 3, value_heads: int = 6, seed: int = 0):
