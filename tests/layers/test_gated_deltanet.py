@@ -222,13 +222,17 @@ def test_tensor_parallel_ranks_equal_one_rank(family, key_heads, value_heads, tp
     assert _check_ranks_match_whole(ref, cfg, tp, _tokens(72)) == sharded
 
 
-def test_a_wrong_slice_on_one_rank_fails_the_comparison():
-    """The check above can fail: rank 1 of 3 with its in_proj_ba rows (b and a of its value heads) off by 0.5."""
-    ref, cfg = _reference("qwen3_next", 3, 6)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("parameter", ["in_proj_ba", "in_proj_qkvz", "conv1d", "A_log", "dt_bias", "out_proj"])
+def test_a_wrong_slice_on_one_rank_fails_the_comparison(family, parameter):
+    """The check above can fail: rank 1 of 3 with one of its slices (the b and a rows of its value heads, its
+    q/k/v/z rows, its convolution channels, its decay parameters, its out_proj columns) off by 0.5."""
+    ref, cfg = _reference(family, 3, 6)
 
     def corrupt(rank, layer):
         if rank == 1:
-            layer.in_proj_ba.weight.data += 0.5
+            module = getattr(layer, parameter)
+            (module.weight if hasattr(module, "weight") else module).data += 0.5
 
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         _check_ranks_match_whole(ref, cfg, 3, _tokens(72), corrupt)
