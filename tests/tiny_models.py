@@ -114,7 +114,8 @@ HYBRID_SPECS = {
 
 
 # Qwen3.5: Qwen3-Next's layers with Gated DeltaNet's projections stored apart and multimodal RoPE (text positions
-# only). "qwen3.5-moe": every layer sparse with a gated shared expert, Gated DeltaNet over 3 key heads (split at TP
+# only). "qwen3.5-moe": every layer sparse with a gated shared expert of the experts' size (folded into them, as
+# the released models' are: layers/moe_shared.py), Gated DeltaNet over 3 key heads (split at TP
 # 3, whole at TP 2), attention over 4 heads and 2 KV heads (split at TP 2, whole at TP 3), half of each head
 # rotated. "qwen3.5": dense MLPs (96 features: split at TP 2 and 3), 5 query heads over 1 KV head (whole at any TP),
 # Gated DeltaNet over 2 key heads of 4 value heads (split at TP 2), the default quarter of each head rotated.
@@ -122,7 +123,7 @@ HYBRID_SPECS = {
 # dense one's LM head tied to the embedding at the top level of config.json).
 _QWEN3_5_MOE_TEXT = dict(
     hidden_size=64, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, moe_intermediate_size=48, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+    head_dim=16, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
     linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=16,
     linear_conv_kernel_dim=4, tie_word_embeddings=False,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,

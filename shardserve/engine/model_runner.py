@@ -24,6 +24,7 @@ from shardserve.wire.step_plan import FROM_DEVICE, StepPlan
 from shardserve.engine import kernel_setup
 from shardserve.kernels import cpu_features
 from shardserve.kernels import plan as kernel_plan
+from shardserve.layers.moe_shared import fold_shared_experts
 from shardserve.layers.attention import overlap_with_o_projection
 from shardserve.layers.cuda_gemv import use_batch1_gemv
 from shardserve.layers.linear import deferred_weights, weight_bytes
@@ -275,6 +276,7 @@ class ModelRunner:
             experts = set() if self.config.quantization == "fp8" else names
             pack_experts(model, experts, layout, self.device, log=self.ctx.is_driver)
         self._fill_weights(model)
+        fold_shared_experts(model, log=self.ctx.is_driver)
         self._log_planned_weights(model)
         if self.linear_kernel is None:  # the first load, whose checks choose the kernels
             kernel_setup.prepare_checks(self.plan, self.ctx)

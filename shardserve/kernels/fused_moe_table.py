@@ -82,7 +82,23 @@ def one_token_tiles() -> OneTokenTiles | None:
     return ONE_TOKEN_TILES if value is None else parse_one_token_tiles(value)
 
 
-def parse_one_token_tiles(value: str) -> OneTokenTiles:
+# Packed experts (FP8, 4-bit) at batch 1: the same two products, each weight tile dequantized in registers, in
+# tiles of block_n rows by block_k columns (the columns in sub-tiles inside one scale group). Chosen on an H200 at
+# Qwen3-Next-80B-A3B's shape in FP8 blocks of 128 (benchmarks/moe_kernels.py --one-token-packed-sweep).
+ONE_TOKEN_PACKED_TILES = OneTokenTiles(Tile(2, 1024, 4, 2), Tile(8, 512, 4, 2))
+ONE_TOKEN_PACKED_TILES_ENV = "SHARDSERVE_MOE_ONE_TOKEN_PACKED_TILES"
+
+
+def one_token_packed_tiles() -> OneTokenTiles | None:
+    """The packed experts' one-token tiles (ONE_TOKEN_PACKED_TILES unless SHARDSERVE_MOE_ONE_TOKEN_PACKED_TILES
+    says others), or None where SHARDSERVE_MOE_ONE_TOKEN=gemm keeps a single token on the table's GEMMs."""
+    if one_token_tiles() is None:
+        return None
+    value = os.environ.get(ONE_TOKEN_PACKED_TILES_ENV)
+    return ONE_TOKEN_PACKED_TILES if value is None else parse_one_token_tiles(value, ONE_TOKEN_PACKED_TILES_ENV)
+
+
+def parse_one_token_tiles(value: str, variable: str = ONE_TOKEN_TILES_ENV) -> OneTokenTiles:
     """OneTokenTiles from "up/down" (ONE_TOKEN_TILES_ENV's form); a ValueError naming the variable otherwise."""
     try:
         up, down = (Tile(*(int(n) for n in tile.split(","))) for tile in value.split("/"))
@@ -91,7 +107,7 @@ def parse_one_token_tiles(value: str) -> OneTokenTiles:
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise ValueError(f"{ONE_TOKEN_TILES_ENV}={value!r}: expected two tiles 'up/down', each "
+        raise ValueError(f"{variable}={value!r}: expected two tiles 'up/down', each "
                          "'block_n,block_k,num_warps,num_stages' with powers of two, e.g. '2,1024,4,2/8,256,4,2'")
     return OneTokenTiles(up, down)
 

@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 FUSED_MOE_ENV = "SHARDSERVE_DEVICE_EXPERTS"  # "0": the host-grouped version on GPUs too (no CUDA graphs)
 ROUTE_ENV = "SHARDSERVE_MOE_ROUTE"
+SHARED = "shared"  # the expert number of a shared expert folded into the block's experts (layers/moe_shared.py)
 
 
 def route_in_router_gemv() -> bool:
@@ -99,6 +100,9 @@ class SparseMoE(nn.Module):
         self.replicated = not sharded
         self.pending = comm if sharded else None  # the output is a partial sum to all-reduce (in the next norm)
         self.shared_expert = self.shared_expert_gate = None
+        # The shared expert held as expert E of w13/w2 and its gate as the router's row E (layers/moe_shared.py):
+        # every token then takes k + 1 choices, the last expert E with weight sigmoid(gate).
+        self.shared_folded = False
         if shared_intermediate_size:
             self._add_shared_expert(hidden_size, shared_intermediate_size, comm, dtype)
 
@@ -114,12 +118,28 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = ColumnParallelLinear(hidden_size, {None: (0, 1)}, False, dtype)
         self.shared_expert_gate.replicated = True
         self.adds_shared_expert = split or self.pending is None or comm.rank == 0
+        # Whether every rank adds its share of the same features as its experts' (the shared expert could then be
+        # one more expert of the block: moe_shared.fold_shared_expert).
+        self.shared_like_experts = rows == self.rows and (split or self.pending is None)
+
+    @property
+    def choices(self) -> int:
+        """Experts each token takes: top k, and the shared expert where it is folded into the experts."""
+        return self.top_k + self.shared_folded
 
     def materialize(self, device) -> None:
         """Give experts built under deferred_weights() their real (empty) weights on `device`."""
         self.w13, self.w2 = materialized(self.w13, device), materialized(self.w2, device)
 
-    # -- loading: shard_id is (expert, 0 gate / 1 up) for w13, (expert, None) for w2, or "all" (fused tensors)
+    # -- loading: shard_id is (expert, 0 gate / 1 up) for w13, (expert, None) for w2, or "all" (fused tensors);
+    # expert SHARED is the folded shared expert (layers/moe_shared.py), held in the last slot.
+    def slot(self, expert: int | str) -> int | None:
+        """Where checkpoint expert `expert` (or SHARED) lives in w13/w2, or None where another rank holds it."""
+        e0, e1 = self.experts_held
+        if expert == SHARED:
+            return e1 - e0 if self.shared_folded else None
+        return expert - e0 if e0 <= expert < e1 else None
+
     def _load_w13(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:
         if self.packed is not None:
             return self.packed.load(self, "w13", loaded, shard_id)
@@ -127,13 +147,13 @@ class SparseMoE(nn.Module):
         e0, e1 = self.experts_held
         if shard_id == "all":
             _check_shape(loaded, (self.num_experts, 2 * i, param.shape[2]), "experts.gate_up_proj")
-            param.data[:, :rows].copy_(as_tensor(loaded[e0:e1, r0:r1]))
-            param.data[:, rows:].copy_(as_tensor(loaded[e0:e1, i + r0:i + r1]))
+            param.data[:e1 - e0, :rows].copy_(as_tensor(loaded[e0:e1, r0:r1]))
+            param.data[:e1 - e0, rows:].copy_(as_tensor(loaded[e0:e1, i + r0:i + r1]))
             return
         expert, half = shard_id
         _check_shape(loaded, (i, param.shape[2]), f"expert {expert}'s gate/up projection")
-        if e0 <= expert < e1:  # another rank's expert under expert parallelism: not read
-            param.data[expert - e0, half * rows:(half + 1) * rows].copy_(as_tensor(loaded[r0:r1]))
+        if (slot := self.slot(expert)) is not None:  # another rank's expert under expert parallelism: not read
+            param.data[slot, half * rows:(half + 1) * rows].copy_(as_tensor(loaded[r0:r1]))
 
     def _load_w2(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:
         if self.packed is not None:
@@ -142,12 +162,12 @@ class SparseMoE(nn.Module):
         e0, e1 = self.experts_held
         if shard_id == "all":
             _check_shape(loaded, (self.num_experts, param.shape[1], self.intermediate_size), "experts.down_proj")
-            param.data.copy_(as_tensor(loaded[e0:e1, :, r0:r1]))
+            param.data[:e1 - e0].copy_(as_tensor(loaded[e0:e1, :, r0:r1]))
             return
         expert, _ = shard_id
         _check_shape(loaded, (param.shape[1], self.intermediate_size), f"expert {expert}'s down projection")
-        if e0 <= expert < e1:
-            param.data[expert - e0].copy_(as_tensor(loaded[:, r0:r1]))
+        if (slot := self.slot(expert)) is not None:
+            param.data[slot].copy_(as_tensor(loaded[:, r0:r1]))
 
     # -- computation
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
@@ -179,7 +199,8 @@ class SparseMoE(nn.Module):
         The launch itself still needs a Triton form chosen for the router's shape (_choice_in_router)."""
         from shardserve.kernels.fused_moe_table import one_token_tiles
 
-        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.packed is None and self.gate.fusable
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.packed is None and not self.shared_folded
+                and self.gate.fusable
                 and self.gate.bias is None and route_in_router_gemv() and one_token_tiles() is not None
                 and device_routed_experts(self.w13, self.w2, self.num_experts, self.top_k, self.renormalize))
 
@@ -206,7 +227,8 @@ class SparseMoE(nn.Module):
     def routed_experts(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The experts' sum for the router's logits [T, E]: on CUDA for a single token the choice and the experts'
         alignment in one launch (fused_moe_from_logits) where that matched the reference on this device."""
-        if h.is_cuda and self.packed is None and 0 < h.shape[0] <= ROUTE_ALIGN_MAX_TOKENS and device_routed_experts(
+        if h.is_cuda and self.packed is None and not self.shared_folded and 0 < h.shape[0] <= ROUTE_ALIGN_MAX_TOKENS \
+                and device_routed_experts(
                 self.w13, self.w2, logits.shape[1], self.top_k, self.renormalize):
             from shardserve.kernels.triton.fused_moe import fused_moe_from_logits
 
@@ -218,11 +240,14 @@ class SparseMoE(nn.Module):
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k experts of each token [T, k] and their weights [T, k] (float32): softmax over all experts'
         logits, the k best, renormalized to sum to 1 where the model says so (Mixtral always, Qwen3-MoE with
-        norm_topk_prob). On CUDA in one fused kernel where it matched this version on this device."""
+        norm_topk_prob). On CUDA in one fused kernel where it matched this version on this device. With the shared
+        expert folded, logits [T, E + 1] and a last choice [T, k + 1] of expert E (route_with_shared)."""
         if logits.is_cuda and device_router(logits.device, self.num_experts, self.top_k, self.renormalize):
             from shardserve.kernels.triton.moe_router import route_top_k
 
-            return route_top_k(logits, self.top_k, self.renormalize)
+            return route_top_k(logits, self.top_k, self.renormalize, self.shared_folded)
+        if self.shared_folded:
+            return route_with_shared(logits, self.top_k, self.renormalize)
         return route_reference(logits, self.top_k, self.renormalize)
 
     @property
@@ -232,9 +257,9 @@ class SparseMoE(nn.Module):
         if self.packed is not None:
             from shardserve.layers.moe_packed import packed_compute, packed_fused
 
-            return self.w13.is_cuda and packed_compute(self.packed.view(self), self.top_k,
+            return self.w13.is_cuda and packed_compute(self.packed.view(self), self.choices,
                                                        self.packed.compute_dtype) is packed_fused
-        return self.w13.is_cuda and device_experts(self.w13, self.w2, self.top_k) is not None
+        return self.w13.is_cuda and device_experts(self.w13, self.w2, self.choices) is not None
 
     def experts(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * FFN_{experts[t, j]}(h[t]) over this rank's experts and features (every path
@@ -245,8 +270,8 @@ class SparseMoE(nn.Module):
             from shardserve.layers.moe_packed import packed_compute
 
             packed = self.packed.view(self)
-            return packed_compute(packed, self.top_k, h.dtype)(h, packed, weights, experts)
-        compute = device_experts(self.w13, self.w2, self.top_k) if h.is_cuda else None
+            return packed_compute(packed, self.choices, h.dtype)(h, packed, weights, experts)
+        compute = device_experts(self.w13, self.w2, self.choices) if h.is_cuda else None
         return (compute or grouped_experts)(h, self.w13, self.w2, weights, experts)
 
 
@@ -256,6 +281,15 @@ def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+def route_with_shared(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_reference on the experts' logits [T, :E], then each token's shared expert (E) as its last choice, with
+    weight sigmoid of the last logit (its gate): [T, k + 1]."""
+    weights, experts = route_reference(logits[:, :-1], top_k, renormalize)
+    gate = torch.sigmoid(logits[:, -1:].float())
+    return torch.cat([weights, gate], dim=1), torch.cat([experts, torch.full_like(experts[:, :1],
+                                                                                   logits.shape[1] - 1)], dim=1)
 
 
 def router_gemv_config(kernel, x: torch.Tensor, weight: torch.Tensor, fused_norm: bool):
@@ -355,12 +389,16 @@ def _router_matches(device, num_experts: int, top_k: int, renormalize: bool) -> 
         for tokens in (1, 37, 300):
             # float32 logits: no ties, so one right set of experts (whose order does not matter).
             logits = torch.randn(tokens, num_experts, generator=g, device=device)
-            weights, ids = _by_expert(*route_top_k(logits, top_k, renormalize))
-            want_weights, want_ids = _by_expert(*route_reference(logits, top_k, renormalize))
-            if not (torch.equal(ids, want_ids) and torch.allclose(weights, want_weights, rtol=1e-5, atol=1e-6)):
-                logger.error("the fused router differs from torch's for %d experts, top %d on %s: not used",
-                             num_experts, top_k, device)
-                return False
+            for shared in (False, True):  # the second: with a folded shared expert's gate as logit E
+                wide = torch.cat([logits, torch.randn(tokens, 1, generator=g, device=device)], 1) if shared else logits
+                weights, ids = _by_expert(*route_top_k(wide, top_k, renormalize, shared))
+                want = route_with_shared(wide, top_k, renormalize) if shared else route_reference(wide, top_k,
+                                                                                                  renormalize)
+                want_weights, want_ids = _by_expert(*want)
+                if not (torch.equal(ids, want_ids) and torch.allclose(weights, want_weights, rtol=1e-5, atol=1e-6)):
+                    logger.error("the fused router differs from torch's for %d experts, top %d%s on %s: not used",
+                                 num_experts, top_k, " and a shared expert" if shared else "", device)
+                    return False
     except Exception as exc:  # no Triton, or the kernel does not build here
         logger.info("the fused router does not run here: %s: %s", type(exc).__name__, exc)
         return False

@@ -94,6 +94,7 @@ class ExpertPacking:
             raise ValueError(f"packed {self.kind} experts load from the checkpoint's quantized per-expert tensors, "
                              f"not one tensor of all experts; {_DEQUANTIZED_HINT}")
         expert, half = shard_id
+        slot = moe.slot(expert)
         (r0, r1), inter, hidden = moe.rows, moe.intermediate_size, moe.hidden_size
         if which == "w13":
             _check_shape(loaded, (inter, hidden), f"expert {expert}'s gate/up projection")
@@ -101,11 +102,10 @@ class ExpertPacking:
         else:
             _check_shape(loaded, (hidden, inter), f"expert {expert}'s down projection")
             source, rows = (0, hidden, r0, r1), slice(None)
-        e0, e1 = moe.experts_held
-        if not e0 <= expert < e1:  # another rank's expert under expert parallelism: not read
+        if slot is None:  # another rank's expert under expert parallelism: not read
             return
-        target = getattr(moe, which).data[expert - e0, rows]
-        scale = getattr(moe, f"{which}_scale").data[expert - e0, rows]
+        target = getattr(moe, which).data[slot, rows]
+        scale = getattr(moe, f"{which}_scale").data[slot, rows]
         if self.kind == "fp8" and isinstance(loaded, Fp8Weight):
             values, scales = loaded.read_packed(*source)
             target.copy_(values)
@@ -126,15 +126,15 @@ class ExpertPacking:
         (r0, r1), inter = moe.rows, moe.intermediate_size
         (e0, e1), rows = moe.experts_held, r1 - r0
         if shard_id == "all":
-            held = slice(None)
+            held = slice(0, e1 - e0)
             parts = ([(slice(0, rows), loaded[e0:e1, r0:r1]),
                       (slice(rows, 2 * rows), loaded[e0:e1, inter + r0:inter + r1])]
                      if which == "w13" else [(slice(None), loaded[e0:e1, :, r0:r1])])
         else:
             expert, half = shard_id
-            if not e0 <= expert < e1:
+            held = moe.slot(expert)
+            if held is None:
                 return
-            held = expert - e0
             parts = ([(slice(half * rows, (half + 1) * rows), loaded[r0:r1])] if which == "w13"
                      else [(slice(None), loaded[:, r0:r1])])
         quantize = quantize_fp8 if self.kind == "fp8" else quantize_int4

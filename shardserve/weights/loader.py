@@ -177,6 +177,7 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
     renamed = getattr(model, "renamed_checkpoint_prefixes", {})  # e.g. an image-text checkpoint's text model
     skipped = getattr(model, "skipped_checkpoint_prefixes", {})  # e.g. its vision tower: counted, then logged
     skipped_counts = dict.fromkeys(skipped, 0)
+    folded = getattr(model, "folded_parameters", {})  # parameter -> (where it went, its shard ids there)
     loaded: set[str] = set()
     for stored, tensor in tensors:
         name = model_tensor_name(stored, renamed)  # errors name the tensor as the checkpoint stores it
@@ -193,6 +194,9 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
             raise ValueError(f"{source}: tensor {stored!r} has shape {shape_of(tensor)}, but the model's config makes "
                              f"it {want}")
         target, shard_id = own_names(name) or _resolve(name, packed)
+        if target in folded:  # a module merged into another after the first load (layers/moe_shared.py)
+            target, shard_ids = folded[target]
+            shard_id = shard_ids[shard_id]
         param = params.get(target)
         if param is None:
             raise ValueError(f"{source} has a tensor {stored!r} with no place in the model (looked for {target!r})")

@@ -163,3 +163,24 @@ def test_the_packed_check_runs_every_kernel_config_and_rejects_one_wrong_at_any(
     assert not packed_matches(wrong_past_90_tokens, experts, 2, torch.float32)
     unscaled = experts._replace(scale2=torch.ones_like(experts.scale2))
     assert not packed_matches(lambda x, e, w, i: packed_grouped(x, unscaled, w, i), experts, 2, torch.float32)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+@pytest.mark.parametrize("kind, group, hidden, inter", [("fp8", 32, 64, 32), ("fp8", 128, 256, 128),
+                                                        ("int4", 32, 64, 32), ("int4", 16, 96, 48)])
+def test_interpreter_one_token_packed_experts_match_float64(kind, group, hidden, inter):
+    """A single token takes the matrix-vector products on the packed bytes (one_token_packed_tiles), with tiles
+    that span several scale groups, and one that runs past the columns (96 = 64 + 32); a third choice outside
+    [0, E) (another rank's expert) adds nothing."""
+    from shardserve.kernels.fused_moe_table import OneTokenTiles
+
+    tiles = OneTokenTiles(Tile(2, 64, 4, 1), Tile(8, 64, 4, 1))
+    experts = packed_experts(kind, 4, hidden, inter, group, seed=3)
+    x, weights, ids = make_routes(1, 4, 2, torch.float32, hidden)
+    ids, weights = torch.cat([ids, ids.new_tensor([[9]])], 1), torch.cat([weights, weights.new_tensor([[0.5]])], 1)
+    got = fused_moe_packed(x, experts, weights, ids, config=tiles)
+    error = relative_error(got, reference(x, experts, weights, ids))
+    assert error < TOLERANCE[torch.float32], f"{kind} group {group}: relative error {error:.3g}"
+    if kind == "fp8":
+        uniform = experts._replace(scale2=experts.scale2.mean().expand_as(experts.scale2).contiguous())
+        assert relative_error(fused_moe_packed(x, uniform, weights, ids, config=tiles), got) > 0.05

@@ -87,3 +87,22 @@ def test_every_expert_chosen_once_in_order_even_past_the_finite_logits(num_exper
     for row, chosen in zip(logits.cpu(), ids.cpu()):
         want = sorted(range(num_experts), key=lambda e: (-float(row[e]), e))
         assert chosen.tolist() == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_a_folded_shared_experts_gate_is_every_tokens_last_choice(dtype, renormalize):
+    """With a shared expert folded into the experts (layers/moe_shared.py), the logits' last column is its gate:
+    the top k come from the E others, and choice k is expert E weighted by sigmoid(gate), as route_with_shared."""
+    from shardserve.layers.moe import route_with_shared
+
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    logits = (torch.randn(9, 13, generator=g, device=DEVICE) * 3).to(dtype)
+    logits[0, 12] = logits.max() + 1  # the gate's logit above every expert's: still never a routed choice
+    weights, ids = route_top_k(logits, 3, renormalize, shared=True)
+    want_weights, want_ids = route_with_shared(logits, 3, renormalize)
+    assert ids.shape == (9, 4) and ids[:, 3].tolist() == [12] * 9 and (ids[:, :3] < 12).all()
+    assert torch.equal(by_expert(weights[:, :3], ids[:, :3])[1], by_expert(want_weights[:, :3], want_ids[:, :3])[1])
+    torch.testing.assert_close(by_expert(weights, ids)[0], by_expert(want_weights, want_ids)[0], rtol=1e-5,
+                               atol=1e-6)
+    torch.testing.assert_close(weights[:, 3], torch.sigmoid(logits[:, 12].float()))

@@ -118,3 +118,44 @@ def test_the_planner_counts_the_weights_a_rank_holds(tiny_model_dir, name):
         model = model_class(cfg.architecture)(cfg, Communicator(None, 0, tp), torch.float32, max_positions=64)
         assert weight_elements_per_rank(load_hf_config(model_dir), tp, []) == \
             sum(p.numel() for p in model.parameters()), f"TP={tp}"
+
+
+def test_the_shared_expert_is_one_more_expert_with_the_same_tokens(tiny_model_dir, monkeypatch):
+    """Qwen3.5-MoE's shared expert has its experts' size, so each block computes it as expert E with the router's
+    row E as its gate (layers/moe_shared.py); with SHARDSERVE_FOLD_SHARED_EXPERT=0 the same tokens come from the
+    shared expert apart."""
+    model_dir = tiny_model_dir("qwen3.5-moe")
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    outputs = []
+    for fold in ("1", "0"):
+        monkeypatch.setenv("SHARDSERVE_FOLD_SHARED_EXPERT", fold)
+        with LLM(model_dir, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4) as llm:
+            blocks = [m for m in llm.engine.runner.model.modules() if hasattr(m, "shared_folded")]
+            assert len(blocks) == 4
+            assert all(m.shared_folded == (fold == "1") and (m.shared_expert is None) == (fold == "1") for m in blocks)
+            outputs.append([o.token_ids for o in llm.generate(_prompts(), params)])
+    assert outputs[0] == outputs[1] == [list(t) for t in _reference(model_dir)]
+
+
+def test_a_second_load_into_a_folded_model_refills_the_shared_experts_slot(tiny_model_dir):
+    """A later load into the same model (a wake from sleep level 2 in place) finds the shared expert's and its
+    gate's tensors in expert E's slot and the router's row E."""
+    from shardserve.config import ModelConfig
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.layers.moe_shared import fold_shared_experts
+    from shardserve.models import model_class
+    from shardserve.weights.loader import load_weights
+
+    model_dir = tiny_model_dir("qwen3.5-moe")
+    cfg = ModelConfig.from_model_path(model_dir)
+    model = model_class(cfg.architecture)(cfg, Communicator(None, 0, 1), torch.float32, max_positions=64)
+    load_weights(model, model_dir, tied_embeddings=False)
+    assert fold_shared_experts(model) == 4
+    blocks = [m for m in model.modules() if getattr(m, "shared_folded", False)]
+    folded = [(m.w13.clone(), m.w2.clone(), m.gate.weight.clone()) for m in blocks]
+    assert all(g.shape[0] == 5 and w13.shape[0] == 5 for w13, _, g in folded)
+    for m in blocks:
+        m.w13.data.zero_(), m.w2.data.zero_(), m.gate.weight.data.zero_()
+    load_weights(model, model_dir, tied_embeddings=False)
+    for m, (w13, w2, gate) in zip(blocks, folded):
+        assert torch.equal(m.w13, w13) and torch.equal(m.w2, w2) and torch.equal(m.gate.weight, gate)

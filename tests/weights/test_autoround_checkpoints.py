@@ -197,3 +197,26 @@ def test_dummy_weights_keep_the_configs_16_bit_modules_float(qwen3_next, monkeyp
     assert packed["model.layers.0.linear_attn.in_proj_qkvz"] and not packed["model.layers.0.linear_attn.in_proj_ba"]
     assert packed["model.layers.1.self_attn.qkv_proj"] and packed["model.layers.0.mlp"]
     assert not packed["lm_head"]
+
+
+def test_qwen3_5_moe_packed_at_two_ranks_computes_the_shared_expert_among_the_experts(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    """Qwen3.5-MoE's shared expert has its experts' size: held packed, it becomes the last of each block's packed
+    experts and its gate the router's last row (layers/moe_shared.py), and the tokens stay transformers' on the
+    encoded values."""
+    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    kept = {**{f"model.layers.{i}.mlp.gate": {"bits": 16} for i in range(4)}, r".*shared_expert_gate.*": {"bits": 16},
+            **{f"model.layers.{i}.linear_attn.in_proj_{p}": {"bits": 16} for i in (0, 2) for p in "ab"}}
+    quant_dir, float_dir = write_autoround(tiny_model_dir("qwen3.5-moe"), tmp_path,
+                                           _config("auto_round:auto_gptq", False, kept))
+    expected = transformers_greedy(float_dir, tuple(map(tuple, PROMPTS)), NEW_TOKENS)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(quant_dir, tensor_parallel_size=2, device="cpu", dtype="float32", kv_cache_memory_gb=0.02,
+             max_num_seqs=4) as llm:
+        outputs = [tuple(o.token_ids) for o in llm.generate(PROMPTS, greedy)]
+        blocks = [m for m in llm.engine.runner.model.modules() if hasattr(m, "shared_folded")]
+    assert outputs == list(expected)
+    assert len(blocks) == 4
+    for moe in blocks:
+        assert moe.shared_folded and moe.shared_expert is None and moe.packed is not None
+        assert moe.w13.shape[0] == 5 and moe.gate.output_size == 5  # 4 experts and the shared one

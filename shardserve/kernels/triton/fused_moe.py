@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.fused_moe_table import (ONE_TOKEN_ENV, ROUTE_ALIGN_MAX_TOKENS, SUM_IN_DOWN_MAX_TOKENS,
-                                                MoeConfig, OneTokenTiles, one_token_tiles, pick_config)
+                                                MoeConfig, OneTokenTiles, one_token_packed_tiles, one_token_tiles,
+                                                pick_config)
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.quant_pack import fit_block_k, scale_dtype
 from shardserve.kernels.triton import pdl
@@ -440,6 +441,111 @@ def _one_token_down_kernel(act_ptr, w_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr,
             leave(arrivals_ptr, tile)
 
 
+@triton.jit
+def _packed_row_products(acc, w_rows, s_rows, k, x, sub, cols, row_ok, K: tl.constexpr, KIND: tl.constexpr,
+                         GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                         TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
+    """acc [BLOCK_N, TILE_GROUPS, SUB] plus x [TILE_GROUPS, SUB] (float32, columns k.. of the input) times the
+    packed rows' weights there, each sub-tile of SUB columns inside one scale group (SUB divides GROUP): FP8 bytes
+    (KIND 1) or 4-bit codes two a byte (KIND 2, column 2j in byte j's low nibble) with scale-and-zero words."""
+    BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
+    group = (k + sub * SUB) // GROUP
+    s = tl.load(s_rows + group[None, :], mask=row_ok[:, None] & (group < K // GROUP)[None, :], other=0)
+    if KIND == 1:
+        mask = row_ok[:, None, None] if K % BLOCK_K == 0 else row_ok[:, None, None] & (k + cols < K)[None]
+        bits = tl.load(w_rows + k + cols[None], mask=mask, other=0, eviction_policy="evict_first")
+        if NATIVE_FP8:
+            v = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, :, None]
+        else:
+            v = _e4m3_bits_to_float(bits) * (s * 256.0)[:, :, None]  # decoded to value / 256
+    else:
+        pairs = sub[:, None] * (SUB // 2) + tl.arange(0, SUB // 2)[None, :]
+        mask = row_ok[:, None, None] if K % BLOCK_K == 0 else row_ok[:, None, None] & (k // 2 + pairs < K // 2)[None]
+        b = tl.load(w_rows + k // 2 + pairs[None], mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
+        q = tl.join(b & 15, b >> 4).reshape(BLOCK_N, TILE_GROUPS, SUB).to(tl.float32)
+        scale, zero = scale_and_zero(s)
+        v = (q - zero[:, :, None]) * scale[:, :, None]
+    return acc + v * x[None]
+
+
+@triton.jit
+def _packed_x_tile(x_ptr, k, cols, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[TILE_GROUPS, SUB] float32: x's columns k + cols (0 past K)."""
+    if K % BLOCK_K == 0:
+        return tl.load(x_ptr + k + cols).to(tl.float32)
+    return tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _one_token_packed_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, num_experts, stride_we, stride_wn,
+                                stride_se, stride_sn, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                                BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr,
+                                KIND: tl.constexpr, GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, PDL: tl.constexpr):
+    """_one_token_up_kernel on packed experts: program (choice j, feature tile), act[j, n] = silu(gate) * up of
+    expert ids[j]'s packed gate and up rows (their own scales), dequantized in registers; nothing for a choice
+    outside [0, E)."""
+    enter(PDL)
+    BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
+    choice = tl.program_id(0)
+    expert = tl.load(ids_ptr + choice)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    feat_ok = feats < INTER
+    sub = tl.arange(0, TILE_GROUPS)
+    cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    gate_w = w_ptr + expert.to(tl.int64) * stride_we + feats.to(tl.int64)[:, None, None] * stride_wn
+    gate_s = s_ptr + expert.to(tl.int64) * stride_se + feats.to(tl.int64)[:, None] * stride_sn
+    up_w, up_s = gate_w + INTER * stride_wn, gate_s + INTER * stride_sn
+    gate = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
+    for k in range(0, HIDDEN, BLOCK_K):
+        x = _packed_x_tile(x_ptr, k, cols, HIDDEN, BLOCK_K)
+        gate = _packed_row_products(gate, gate_w, gate_s, k, x, sub, cols, feat_ok, HIDDEN, KIND, GROUP, NATIVE_FP8,
+                                    BLOCK_N, TILE_GROUPS, SUB)
+        up = _packed_row_products(up, up_w, up_s, k, x, sub, cols, feat_ok, HIDDEN, KIND, GROUP, NATIVE_FP8,
+                                  BLOCK_N, TILE_GROUPS, SUB)
+    g = tl.sum(tl.sum(gate, axis=2), axis=1)
+    act = g / (1.0 + tl.exp(-g)) * tl.sum(tl.sum(up, axis=2), axis=1)
+    tl.store(act_ptr + choice * INTER + feats, act.to(act_ptr.dtype.element_ty), mask=feat_ok)
+
+
+@triton.jit
+def _one_token_packed_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr, arrivals_ptr,
+                                  num_experts, stride_we, stride_wn, stride_se, stride_sn, HIDDEN: tl.constexpr,
+                                  INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, KIND: tl.constexpr,
+                                  GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, SUM: tl.constexpr,
+                                  PDL: tl.constexpr):
+    """_one_token_down_kernel on packed experts: program (column tile, choice j), y[j, n] = weight[j] * (w2[e, n] .
+    act[j]) rounded to x's dtype; with SUM the last of the tile's TOP_K programs to arrive sums the choices in
+    order (without it a kernel of its own sums them)."""
+    BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
+    tile = tl.program_id(0)
+    choice = tl.program_id(1)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    enter(PDL)
+    expert = tl.load(ids_ptr + choice)
+    held = (expert >= 0) & (expert < num_experts)
+    row_ok = (rows < HIDDEN) & held
+    sub = tl.arange(0, TILE_GROUPS)
+    cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    e = tl.where(held, expert, 0).to(tl.int64)
+    w_rows = w_ptr + e * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
+    s_rows = s_ptr + e * stride_se + rows.to(tl.int64)[:, None] * stride_sn
+    acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
+    for k in range(0, INTER, BLOCK_K):
+        x = _packed_x_tile(act_ptr + choice * INTER, k, cols, INTER, BLOCK_K)
+        acc = _packed_row_products(acc, w_rows, s_rows, k, x, sub, cols, row_ok, INTER, KIND, GROUP, NATIVE_FP8,
+                                   BLOCK_N, TILE_GROUPS, SUB)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights_ptr + choice).to(tl.float32)
+    tl.store(y_ptr + choice * HIDDEN + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+    if SUM:
+        if last_to_arrive(arrivals_ptr, tile, TOP_K):
+            _sum_choices(y_ptr, ids_ptr, out_ptr, 0, rows, rows < HIDDEN, num_experts, HIDDEN, HIDDEN, TOP_K, True)
+            leave(arrivals_ptr, tile)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Entry point
 
@@ -535,7 +641,9 @@ def fused_moe_packed(x: torch.Tensor, experts: PackedExperts, topk_weights: torc
     tokens, top_k = topk_ids.shape
     if tokens == 0 or top_k == 0:
         return x.new_zeros(x.shape)
-    config = config or pick_config(tokens, top_k, experts.num_experts, x.element_size())
+    config = config or _packed_table_config(tokens, top_k, experts.num_experts, x.element_size())
+    if isinstance(config, OneTokenTiles):
+        return _one_token_packed_experts(x, experts, topk_weights.contiguous(), topk_ids.contiguous(), config)
     ids = topk_ids.contiguous()
     sorted_pairs, block_expert = align_pairs(ids, experts.num_experts, config.block_m)
     return _experts(x, experts.w13, experts.w2, topk_weights.contiguous(), ids, sorted_pairs, block_expert, config,
@@ -656,3 +764,51 @@ def _one_token_experts(x, w13, w2, weights, ids, id_base: int, tiles: OneTokenTi
     if arrivals is not None:
         return out
     return _sum_separately(y, ids, out, num_experts, id_base, launch)
+
+
+def _packed_table_config(tokens: int, top_k: int, num_experts: int, element_size: int) -> MoeConfig | OneTokenTiles:
+    """A single token's packed one-token tiles where that path is on, else the table's config."""
+    if tokens == 1 and (tiles := one_token_packed_tiles()) is not None:
+        return tiles
+    return pick_config(tokens, top_k, num_experts, element_size)
+
+
+def _packed_tile(tile, group: int, k: int) -> tuple[int, int]:
+    """(TILE_GROUPS, SUB) of a one-token packed tile of tile.block_k columns over k, each sub-tile inside one scale
+    group: SUB the largest power of two dividing the group, at most block_k."""
+    block_k = min(tile.block_k, triton.next_power_of_2(k))
+    sub = min(block_k, group & -group)
+    return block_k // sub, sub
+
+
+def _one_token_packed_experts(x, experts: PackedExperts, weights, ids, tiles: OneTokenTiles) -> torch.Tensor:
+    """A single token's packed experts as matrix-vector products (the one-token path, each weight tile
+    dequantized in registers): two launches, the w2 product's last programs summing the choices."""
+    if x.shape[0] != 1:
+        raise ValueError(f"the one-token path takes a single token, got {x.shape[0]}")
+    num_experts, hidden, inter = experts.num_experts, experts.hidden, experts.inter
+    top_k = ids.shape[1]
+    native, launch = _native_fp8(x.device), pdl.launch(x.device)
+    w13, s13, se13, sn13, g13, kind = _packed_args(experts.w13, experts.scale13, experts.group13, experts.kind)
+    w2, s2, se2, sn2, g2, _ = _packed_args(experts.w2, experts.scale2, experts.group2, experts.kind)
+    act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
+    up = tiles.up
+    groups, sub = _packed_tile(up, g13, hidden)
+    _one_token_packed_up_kernel[(top_k, triton.cdiv(inter, up.block_n))](
+        x, w13, s13, act, ids, num_experts, w13.stride(0), w13.stride(1), se13, sn13, HIDDEN=hidden, INTER=inter,
+        BLOCK_N=up.block_n, TILE_GROUPS=groups, SUB=sub, KIND=kind, GROUP=g13, NATIVE_FP8=native,
+        num_warps=up.num_warps, num_stages=up.num_stages, **launch)
+    down = tiles.down
+    col_tiles = triton.cdiv(hidden, down.block_n)
+    groups, sub = _packed_tile(down, g2, inter)
+    y = torch.empty(top_k, hidden, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
+    arrivals = arrival_counts(x.device, col_tiles)
+    _one_token_packed_down_kernel[(col_tiles, top_k)](
+        act, w2, s2, weights, ids, y, out, ids if arrivals is None else arrivals, num_experts, w2.stride(0),
+        w2.stride(1), se2, sn2, HIDDEN=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=down.block_n, TILE_GROUPS=groups,
+        SUB=sub, KIND=kind, GROUP=g2, NATIVE_FP8=native, SUM=arrivals is not None, num_warps=down.num_warps,
+        num_stages=down.num_stages, **launch)
+    if arrivals is not None:
+        return out
+    return _sum_separately(y, ids, out, num_experts, 0, launch)

@@ -38,10 +38,11 @@ CLOSED_KEY = tl.constexpr(-(2 ** 31))
 @triton.jit
 def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_logits,
                 TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr,
-                LOGITS_FROM_L2: tl.constexpr = False):
+                LOGITS_FROM_L2: tl.constexpr = False, SHARED: tl.constexpr = False):
     """Token `token`'s k choices: weights to weights_ptr[token * k + j], expert ids to ids_ptr[...]; returns the
     ids, [TOP_K_P] int32 (0 past k). LOGITS_FROM_L2: the logits were stored by other programs of this launch, so
-    their loads skip this SM's L1."""
+    their loads skip this SM's L1. SHARED: the row holds a shared expert's gate logit after the E experts', and the
+    token gets a (k+1)-th choice, expert E with weight sigmoid(that logit), in rows of k + 1."""
     experts = tl.arange(0, EXPERTS_P)
     real = experts < num_experts
     pointers = logits_ptr + token * stride_logits + experts
@@ -88,8 +89,13 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
     else:
         total = _fixed_point_sum(tl.where(real, tl.exp(logits - top), 0.0))
     keep = slots < TOP_K
-    tl.store(weights_ptr + token * TOP_K + slots, chosen_exps / total, mask=keep)
-    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids.to(ids_ptr.dtype.element_ty), mask=keep)
+    row = token * (TOP_K + SHARED)
+    tl.store(weights_ptr + row + slots, chosen_exps / total, mask=keep)
+    tl.store(ids_ptr + row + slots, chosen_ids.to(ids_ptr.dtype.element_ty), mask=keep)
+    if SHARED:
+        gate = tl.load(logits_ptr + token * stride_logits + num_experts).to(tl.float32)
+        tl.store(weights_ptr + row + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
+        tl.store(ids_ptr + row + TOP_K, tl.zeros([], dtype=ids_ptr.dtype.element_ty) + num_experts)
     return chosen_ids
 
 
@@ -123,37 +129,54 @@ def _fixed_point_sum(exps):
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
                   TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  PDL: tl.constexpr):
+                  SHARED: tl.constexpr, PDL: tl.constexpr):
     """PDL: launched to overlap the kernel before it (kernels/triton/pdl.py)."""
     enter(PDL)
     route_token(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0).to(tl.int64), num_experts, stride_logits,
-                TOP_K, TOP_K_P, EXPERTS_P, RENORMALIZE)
+                TOP_K, TOP_K_P, EXPERTS_P, RENORMALIZE, False, SHARED)
 
 
-def routing_outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def routing_outputs(logits: torch.Tensor, top_k: int, shared: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits with unit stride over the experts, empty weights [T, k] float32, empty ids [T, k] int64) after
-    checking top_k and the number of experts."""
+    checking top_k and the number of experts; with `shared` (the last logit a shared expert's gate) [T, k + 1]."""
     tokens, num_experts = logits.shape
+    num_experts -= shared
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"the router takes at most {MAX_EXPERTS} experts, got {num_experts}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    return (logits, torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device),
-            torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device))
+    choices = top_k + shared
+    return (logits, torch.empty(tokens, choices, dtype=torch.float32, device=logits.device),
+            torch.empty(tokens, choices, dtype=torch.int64, device=logits.device))
 
 
-def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, shared: bool = False,
+                num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (any float dtype) -> (weights [T, k] float32, expert ids [T, k] int64), as
     torch.topk(torch.softmax(logits.float(), -1), k) followed, with `renormalize`, by dividing the weights by
-    their sum."""
+    their sum. `shared`: logits [T, E + 1] whose last column is a shared expert's gate, which every token takes
+    as its last choice, expert E with weight sigmoid(gate): [T, k + 1] (layers/moe.py's folded shared expert).
+    num_warps: the launch's (route_warps unless given; the same results with any)."""
     tokens, num_experts = logits.shape
-    logits, weights, ids = routing_outputs(logits, top_k)
+    num_experts -= shared
+    logits, weights, ids = routing_outputs(logits, top_k, shared)
     if tokens:
         experts_p = triton.next_power_of_2(num_experts)
         _route_kernel[(tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                  TOP_K_P=triton.next_power_of_2(top_k), EXPERTS_P=experts_p,
-                                 RENORMALIZE=renormalize, num_warps=1 if experts_p <= 128 else 4,
+                                 RENORMALIZE=renormalize, SHARED=shared, num_warps=num_warps or route_warps(experts_p),
                                  **pdl.launch(logits.device))
     return weights, ids
+
+
+def route_warps(experts_p: int) -> int:
+    """Warps of a routing program over experts_p (a power of two) logits: one warp's registers hold up to 128
+    logits in four a thread; past that each round's maximum crosses warps through shared memory, and two warps did
+    best at 512 experts on an H200 (3.25 us a choice with the shared gate, against 4.55 with one warp and 5.25 with
+    four: benchmarks/moe_packed_one_token.py)."""
+    if experts_p <= 128:
+        return 1
+    return 2 if experts_p <= 1024 else 4

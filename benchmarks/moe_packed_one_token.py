@@ -1,0 +1,110 @@
+"""One MoE layer's packed experts (FP8 or 4-bit) for a single token on a GPU: the grouped GEMMs of the table against
+the one-token matrix-vector path, and a sweep of the one-token path's tiles.
+
+    python benchmarks/moe_packed_one_token.py [--shape qwen3-next-80b-a3b] [--kind fp8|int4] [--sweep] [--out FILE]
+
+Each call is captured in a CUDA graph and replayed, timed with CUDA events (median of --repeats runs of --iters
+replays). The experts are random codes with random scales; the k + 1 choices are k routed experts and the shared
+expert folded in as expert E (layers/moe_shared.py) where the shape has one. Reported: microseconds a layer, the
+bytes the chosen experts' packed weights and scales take, and the bandwidth that makes. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.moe_kernels import best_of, graph_time_us  # noqa: E402
+from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile  # noqa: E402
+
+# (routed experts, top k, hidden, expert features, shared expert folded) on one rank.
+SHAPES = {"qwen3-next-80b-a3b": (512, 10, 2048, 512, True), "qwen3-30b-a3b": (128, 8, 2048, 768, False),
+          "qwen3.5-397b-a17b-tp4": (512, 10, 4096, 256, True)}
+
+
+def random_packed(kind: str, experts: int, hidden: int, inter: int, group: int, device):
+    from shardserve.kernels.packed_experts import PackedExperts
+    from shardserve.kernels.quant_pack import scale_dtype
+
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def part(n: int, k: int):
+        if kind == "fp8":
+            codes = (torch.randn(experts, n, k, generator=g, device=device) * 100).to(torch.float8_e4m3fn)
+            scale = torch.rand(experts, n, k // group, generator=g, device=device) * 1e-3
+        else:
+            codes = torch.randint(0, 256, (experts, n, k // 2), generator=g, device=device, dtype=torch.uint8)
+            scale = torch.randint(0, 2 ** 20, (experts, n, k // group), generator=g, device=device,
+                                  dtype=torch.int32) | (0x3C << 24)  # small positive scales, some zero point
+        return codes, scale.to(scale_dtype(kind)) if kind == "fp8" else scale
+
+    w13, s13 = part(2 * inter, hidden)
+    w2, s2 = part(hidden, inter)
+    return PackedExperts(kind, w13, s13, group, w2, s2, group)
+
+
+def tile_grid():
+    for n, k, (w, st) in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), ((4, 2), (4, 3), (8, 2))):
+        if n * k <= 16384:
+            yield Tile(n, k, w, st)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-next-80b-a3b", choices=sorted(SHAPES))
+    parser.add_argument("--kind", default="fp8", choices=("fp8", "int4"))
+    parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    from shardserve.kernels.fused_moe_table import ONE_TOKEN_PACKED_TILES, pick_config
+    from shardserve.kernels.triton.fused_moe import fused_moe_packed
+    from shardserve.layers.moe import reference_experts
+
+    routed, top_k, hidden, inter, shared = SHAPES[args.shape]
+    device = torch.device("cuda")
+    experts = random_packed(args.kind, routed + shared, hidden, inter, args.group, device)
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, hidden, generator=g, device=device).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.softmax(torch.randn(1, routed, generator=g, device=device), -1), top_k, dim=-1)
+    if shared:
+        weights = torch.cat([weights, torch.full((1, 1), 0.5, device=device)], 1)
+        ids = torch.cat([ids, torch.full((1, 1), routed, device=device, dtype=ids.dtype)], 1)
+    choices = ids.shape[1]
+    per_byte = 2 if args.kind == "int4" else 1
+    read = choices * (3 * hidden * inter // per_byte + 3 * hidden * inter // args.group * 4)
+    table = pick_config(1, choices, experts.num_experts)
+    row = {"shape": args.shape, "kind": args.kind, "group": args.group, "choices": choices, "bytes_read": read,
+           "device": torch.cuda.get_device_name()}
+    want = reference_experts(x, None, None, weights, ids, packed=experts)
+    for name, config in (("grouped_gemm", table), ("one_token", ONE_TOKEN_PACKED_TILES)):
+        got = fused_moe_packed(x, experts, weights, ids, config=config).double()
+        row[f"{name}_relative_error"] = float((got - want).norm() / want.norm())
+        us = graph_time_us(lambda: fused_moe_packed(x, experts, weights, ids, config=config), args.iters,
+                           args.repeats)
+        row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(read / us / 1e3, 1)
+    if args.sweep:
+        time_tiles = lambda tiles: graph_time_us(  # noqa: E731
+            lambda: fused_moe_packed(x, experts, weights, ids, config=tiles), 30, 3)
+        up = best_of(time_tiles, (OneTokenTiles(t, ONE_TOKEN_PACKED_TILES.down) for t in tile_grid()))
+        best = best_of(time_tiles, (OneTokenTiles(up[1].up, t) for t in tile_grid()))
+        row["sweep_best_us"], row["sweep_best_tiles"] = round(best[0], 2), repr(best[1])
+        row["sweep_best_gb_s"] = round(read / best[0] / 1e3, 1)
+    print(json.dumps(row, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(row, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
