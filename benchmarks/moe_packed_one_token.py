@@ -37,7 +37,8 @@ def random_packed(kind: str, experts: int, hidden: int, inter: int, group: int, 
 
     def part(n: int, k: int):
         if kind == "fp8":
-            codes = (torch.randn(experts, n, k, generator=g, device=device) * 100).to(torch.float8_e4m3fn)
+            codes = (torch.randn(experts, n, k, generator=g, device=device) * 100).clamp(-448, 448).to(
+                torch.float8_e4m3fn)
             scale = torch.rand(experts, n, k // group, generator=g, device=device) * 1e-3
         else:
             codes = torch.randint(0, 256, (experts, n, k // 2), generator=g, device=device, dtype=torch.uint8)
@@ -93,6 +94,13 @@ def main() -> None:
         us = graph_time_us(lambda: fused_moe_packed(x, experts, weights, ids, config=config), args.iters,
                            args.repeats)
         row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(read / us / 1e3, 1)
+    from shardserve.kernels.triton.moe_router import route_top_k
+
+    logits = torch.randn(1, routed + shared, generator=g, device=device).to(torch.bfloat16)
+    for warps in (1, 2, 4, 8):  # the router's choice alone (with the shared expert's gate where folded)
+        us = graph_time_us(lambda: route_top_k(logits, top_k, True, bool(shared), num_warps=warps), args.iters,
+                           args.repeats)
+        row[f"route_{warps}_warps_us"] = round(us, 2)
     if args.sweep:
         time_tiles = lambda tiles: graph_time_us(  # noqa: E731
             lambda: fused_moe_packed(x, experts, weights, ids, config=tiles), 30, 3)

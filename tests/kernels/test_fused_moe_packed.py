@@ -166,15 +166,17 @@ def test_the_packed_check_runs_every_kernel_config_and_rejects_one_wrong_at_any(
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
-@pytest.mark.parametrize("kind, group, hidden, inter", [("fp8", 32, 64, 32), ("fp8", 128, 256, 128),
-                                                        ("int4", 32, 64, 32), ("int4", 16, 96, 48)])
-def test_interpreter_one_token_packed_experts_match_float64(kind, group, hidden, inter):
+@pytest.mark.parametrize("kind, group, hidden, inter, down_k", [
+    ("fp8", 32, 64, 32, 64), ("fp8", 128, 256, 128, 64), ("int4", 32, 64, 32, 64), ("int4", 16, 96, 48, 64),
+    ("fp8", 16, 64, 96, 16)])
+def test_interpreter_one_token_packed_experts_match_float64(kind, group, hidden, inter, down_k):
     """A single token takes the matrix-vector products on the packed bytes (one_token_packed_tiles), with tiles
-    that span several scale groups, and one that runs past the columns (96 = 64 + 32); a third choice outside
-    [0, E) (another rank's expert) adds nothing."""
+    that span several scale groups, one that runs past the columns (96 = 64 + 32), and w2 rows of six tiles, four
+    loaded before the dependent-launch wait and two after; a third choice outside [0, E) (another rank's expert)
+    adds nothing."""
     from shardserve.kernels.fused_moe_table import OneTokenTiles
 
-    tiles = OneTokenTiles(Tile(2, 64, 4, 1), Tile(8, 64, 4, 1))
+    tiles = OneTokenTiles(Tile(2, 64, 4, 1), Tile(8, down_k, 4, 1))
     experts = packed_experts(kind, 4, hidden, inter, group, seed=3)
     x, weights, ids = make_routes(1, 4, 2, torch.float32, hidden)
     ids, weights = torch.cat([ids, ids.new_tensor([[9]])], 1), torch.cat([weights, weights.new_tensor([[0.5]])], 1)

@@ -442,30 +442,50 @@ def _one_token_down_kernel(act_ptr, w_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr,
 
 
 @triton.jit
-def _packed_row_products(acc, w_rows, s_rows, k, x, sub, cols, row_ok, K: tl.constexpr, KIND: tl.constexpr,
-                         GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
-                         TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
-    """acc [BLOCK_N, TILE_GROUPS, SUB] plus x [TILE_GROUPS, SUB] (float32, columns k.. of the input) times the
-    packed rows' weights there, each sub-tile of SUB columns inside one scale group (SUB divides GROUP): FP8 bytes
-    (KIND 1) or 4-bit codes two a byte (KIND 2, column 2j in byte j's low nibble) with scale-and-zero words."""
+def _packed_tile(w_rows, s_rows, k, sub, cols, row_ok, K: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
+                 TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
+    """(bytes, scales) of the packed rows' columns k..k + TILE_GROUPS * SUB, each sub-tile of SUB columns inside
+    one scale group (SUB divides GROUP): FP8 bytes [BLOCK_N, TILE_GROUPS, SUB] (KIND 1) or 4-bit codes two a byte
+    [BLOCK_N, TILE_GROUPS, SUB / 2] (KIND 2, column 2j in byte j's low nibble), and the scales (4-bit: scale-and-zero
+    words) [BLOCK_N, TILE_GROUPS]; zero outside the rows and columns."""
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     group = (k + sub * SUB) // GROUP
     s = tl.load(s_rows + group[None, :], mask=row_ok[:, None] & (group < K // GROUP)[None, :], other=0)
     if KIND == 1:
         mask = row_ok[:, None, None] if K % BLOCK_K == 0 else row_ok[:, None, None] & (k + cols < K)[None]
         bits = tl.load(w_rows + k + cols[None], mask=mask, other=0, eviction_policy="evict_first")
+    else:
+        pairs = sub[:, None] * (SUB // 2) + tl.arange(0, SUB // 2)[None, :]
+        mask = row_ok[:, None, None] if K % BLOCK_K == 0 else row_ok[:, None, None] & (k // 2 + pairs < K // 2)[None]
+        bits = tl.load(w_rows + k // 2 + pairs[None], mask=mask, other=0, eviction_policy="evict_first")
+    return bits, s
+
+
+@triton.jit
+def _packed_products(acc, bits, s, x, KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                     TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
+    """acc [BLOCK_N, TILE_GROUPS, SUB] plus x [TILE_GROUPS, SUB] (float32) times the tile's weights, dequantized
+    from _packed_tile's bytes and scales in float32."""
+    if KIND == 1:
         if NATIVE_FP8:
             v = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, :, None]
         else:
             v = _e4m3_bits_to_float(bits) * (s * 256.0)[:, :, None]  # decoded to value / 256
     else:
-        pairs = sub[:, None] * (SUB // 2) + tl.arange(0, SUB // 2)[None, :]
-        mask = row_ok[:, None, None] if K % BLOCK_K == 0 else row_ok[:, None, None] & (k // 2 + pairs < K // 2)[None]
-        b = tl.load(w_rows + k // 2 + pairs[None], mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
+        b = bits.to(tl.int32)
         q = tl.join(b & 15, b >> 4).reshape(BLOCK_N, TILE_GROUPS, SUB).to(tl.float32)
         scale, zero = scale_and_zero(s)
         v = (q - zero[:, :, None]) * scale[:, :, None]
     return acc + v * x[None]
+
+
+@triton.jit
+def _packed_row_products(acc, w_rows, s_rows, k, x, sub, cols, row_ok, K: tl.constexpr, KIND: tl.constexpr,
+                         GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                         TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
+    """acc plus x times the packed rows' weights at columns k.. (_packed_tile, then _packed_products)."""
+    bits, s = _packed_tile(w_rows, s_rows, k, sub, cols, row_ok, K, KIND, GROUP, TILE_GROUPS, SUB)
+    return _packed_products(acc, bits, s, x, KIND, NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB)
 
 
 @triton.jit
@@ -515,16 +535,17 @@ def _one_token_packed_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, y
                                   num_experts, stride_we, stride_wn, stride_se, stride_sn, HIDDEN: tl.constexpr,
                                   INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                                   TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, KIND: tl.constexpr,
-                                  GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, SUM: tl.constexpr,
-                                  PDL: tl.constexpr):
+                                  GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, PRELOAD: tl.constexpr,
+                                  SUM: tl.constexpr, PDL: tl.constexpr):
     """_one_token_down_kernel on packed experts: program (column tile, choice j), y[j, n] = weight[j] * (w2[e, n] .
     act[j]) rounded to x's dtype; with SUM the last of the tile's TOP_K programs to arrive sums the choices in
-    order (without it a kernel of its own sums them)."""
+    order (without it a kernel of its own sums them). The expert ids were written two launches back and no kernel
+    writes weights, so the first PRELOAD tiles of the rows (bytes and scales) load before the wait (pdl.py), as the
+    dense kernel's."""
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     tile = tl.program_id(0)
     choice = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    enter(PDL)
     expert = tl.load(ids_ptr + choice)
     held = (expert >= 0) & (expert < num_experts)
     row_ok = (rows < HIDDEN) & held
@@ -533,11 +554,20 @@ def _one_token_packed_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, y
     e = tl.where(held, expert, 0).to(tl.int64)
     w_rows = w_ptr + e * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
     s_rows = s_ptr + e * stride_se + rows.to(tl.int64)[:, None] * stride_sn
+    preloaded = ()
+    for t in tl.static_range(PRELOAD):
+        preloaded = preloaded + (_packed_tile(w_rows, s_rows, t * BLOCK_K, sub, cols, row_ok, INTER, KIND, GROUP,
+                                              TILE_GROUPS, SUB),)
+    enter(PDL)
     acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
-    for k in range(0, INTER, BLOCK_K):
-        x = _packed_x_tile(act_ptr + choice * INTER, k, cols, INTER, BLOCK_K)
-        acc = _packed_row_products(acc, w_rows, s_rows, k, x, sub, cols, row_ok, INTER, KIND, GROUP, NATIVE_FP8,
-                                   BLOCK_N, TILE_GROUPS, SUB)
+    act_row = act_ptr + choice * INTER
+    for t in tl.static_range(PRELOAD):
+        bits, s = preloaded[t]
+        acc = _packed_products(acc, bits, s, _packed_x_tile(act_row, t * BLOCK_K, cols, INTER, BLOCK_K), KIND,
+                               NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB)
+    for k in range(PRELOAD * BLOCK_K, INTER, BLOCK_K):
+        acc = _packed_row_products(acc, w_rows, s_rows, k, _packed_x_tile(act_row, k, cols, INTER, BLOCK_K), sub,
+                                   cols, row_ok, INTER, KIND, GROUP, NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights_ptr + choice).to(tl.float32)
     tl.store(y_ptr + choice * HIDDEN + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
     if SUM:
@@ -773,7 +803,7 @@ def _packed_table_config(tokens: int, top_k: int, num_experts: int, element_size
     return pick_config(tokens, top_k, num_experts, element_size)
 
 
-def _packed_tile(tile, group: int, k: int) -> tuple[int, int]:
+def _tile_groups(tile, group: int, k: int) -> tuple[int, int]:
     """(TILE_GROUPS, SUB) of a one-token packed tile of tile.block_k columns over k, each sub-tile inside one scale
     group: SUB the largest power of two dividing the group, at most block_k."""
     block_k = min(tile.block_k, triton.next_power_of_2(k))
@@ -793,21 +823,22 @@ def _one_token_packed_experts(x, experts: PackedExperts, weights, ids, tiles: On
     w2, s2, se2, sn2, g2, _ = _packed_args(experts.w2, experts.scale2, experts.group2, experts.kind)
     act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
     up = tiles.up
-    groups, sub = _packed_tile(up, g13, hidden)
+    groups, sub = _tile_groups(up, g13, hidden)
     _one_token_packed_up_kernel[(top_k, triton.cdiv(inter, up.block_n))](
         x, w13, s13, act, ids, num_experts, w13.stride(0), w13.stride(1), se13, sn13, HIDDEN=hidden, INTER=inter,
         BLOCK_N=up.block_n, TILE_GROUPS=groups, SUB=sub, KIND=kind, GROUP=g13, NATIVE_FP8=native,
         num_warps=up.num_warps, num_stages=up.num_stages, **launch)
     down = tiles.down
     col_tiles = triton.cdiv(hidden, down.block_n)
-    groups, sub = _packed_tile(down, g2, inter)
+    groups, sub = _tile_groups(down, g2, inter)
     y = torch.empty(top_k, hidden, dtype=x.dtype, device=x.device)
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
     arrivals = arrival_counts(x.device, col_tiles)
     _one_token_packed_down_kernel[(col_tiles, top_k)](
         act, w2, s2, weights, ids, y, out, ids if arrivals is None else arrivals, num_experts, w2.stride(0),
         w2.stride(1), se2, sn2, HIDDEN=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=down.block_n, TILE_GROUPS=groups,
-        SUB=sub, KIND=kind, GROUP=g2, NATIVE_FP8=native, SUM=arrivals is not None, num_warps=down.num_warps,
+        SUB=sub, KIND=kind, GROUP=g2, NATIVE_FP8=native, SUM=arrivals is not None,
+        PRELOAD=min(triton.cdiv(inter, groups * sub), ONE_TOKEN_PRELOAD_TILES), num_warps=down.num_warps,
         num_stages=down.num_stages, **launch)
     if arrivals is not None:
         return out
