@@ -68,9 +68,12 @@ class RotaryLookup:
 
         Equals x * cos + rotate_half(x) * sin bit for bit: rotate_half(x) * sin is roll(x) * signed_sin.
         The Triton kernel rotates x in place and returns it. Tables narrower than head_dim rotate its first
-        dims only.
+        dims only (in place too, on a strided view of them, with the Triton kernel).
         """
         rotary_dim = self.cos.shape[-1]
+        if rotary_dim < x.shape[-1] and self.positions is not None:  # in place on a view of the rotated dims
+            self._rotate(x[..., :rotary_dim])
+            return x
         if rotary_dim < x.shape[-1]:
             rotated = self._rotate(x[..., :rotary_dim].contiguous())
             return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)

@@ -20,6 +20,7 @@ from torch import nn
 
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
+from shardserve.kernels.availability import use_triton
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -71,8 +72,17 @@ class LlamaAttention(nn.Module):
         # key heads together and stores keys and values in the cache.
         out = self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)
         if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(tokens, -1))
+            out = sigmoid_gated(out, gate)
         return self.o_proj.forward_add(out, residual, next_norm)
+
+
+def sigmoid_gated(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """out [tokens, heads * D] times sigmoid(gate [tokens, heads, D]): in place in one launch on GPUs."""
+    if use_triton(out) and out.is_contiguous():
+        from shardserve.kernels.triton.fused_ops import sigmoid_gate_
+
+        return sigmoid_gate_(out, gate)
+    return out * torch.sigmoid(gate.reshape(out.shape))
 
 
 class LlamaMLP(SwiGLUMLP):

@@ -940,3 +940,21 @@ def test_the_start_up_check_passes_the_paged_backend_with_a_partial_rotation(mod
     backend = TritonPagedBackend(torch.device(DEVICE), 16, 2)
     result = kernel_setup.check_attention(backend, attn, rotary, torch.float32, torch.device(DEVICE), 16)
     assert result.passed, result.describe()
+
+
+def test_sigmoid_gate_rounds_like_torch_on_a_strided_gate():
+    """Gated attention's output gate in one launch: x * sigmoid(gate) in place, the gate read from every other
+    head-sized block of a wider tensor (as q_proj's rows interleave query and gate), as torch computes it (the
+    sigmoid rounded, then the product; exp may differ by an ulp of float32)."""
+    from shardserve.kernels.triton.fused_ops import sigmoid_gate_
+
+    g = torch.Generator().manual_seed(0)
+    # The interpreter rounds to bfloat16 its own way: bfloat16 on GPUs only.
+    for dtype in (torch.bfloat16, torch.float32) if CUDA else (torch.float32,):
+        x = torch.randn(3, 4 * 24, generator=g).to(dtype).to(DEVICE)
+        q_gate = torch.randn(3, 4, 2, 24, generator=g).to(dtype).to(DEVICE)
+        gate = q_gate[:, :, 1]
+        want = x * torch.sigmoid(gate.reshape(3, -1))
+        got = sigmoid_gate_(x, gate)
+        assert got.data_ptr() == x.data_ptr()  # in place
+        torch.testing.assert_close(got, want)

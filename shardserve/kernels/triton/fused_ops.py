@@ -184,6 +184,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], d)
 
 
+@triton.jit
+def _sigmoid_gate_kernel(x_ptr, gate_ptr, stride_x, stride_gt, stride_gh, HEAD_DIM: tl.constexpr,
+                         DIM_P: tl.constexpr):
+    """Program (token, head): x <- round(x * round(sigmoid(gate))), sigmoid in float32."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, DIM_P)
+    mask = dims < HEAD_DIM
+    x_at = x_ptr + token * stride_x + head * HEAD_DIM + dims
+    x = tl.load(x_at, mask=mask, other=0.0)
+    g = tl.load(gate_ptr + token * stride_gt + head * stride_gh + dims, mask=mask, other=0.0).to(tl.float32)
+    s = tl.div_rn(1.0, 1.0 + tl.exp(-g)).to(x.dtype)
+    tl.store(x_at, (x.to(tl.float32) * s.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def sigmoid_gate_(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads * D] (rows contiguous) times sigmoid(gate), gate [tokens, heads, D] (any token and head
+    strides, unit stride within a head, e.g. the gate rows of a fused projection), in place; rounded like
+    `x * torch.sigmoid(gate)` in x's dtype (the sigmoid rounded, then the product). One launch for what torch does
+    in three (the gate's copy, the sigmoid, the product)."""
+    tokens, heads, dim = gate.shape
+    if x.shape != (tokens, heads * dim) or x.stride(1) != 1 or gate.stride(2) != 1 or x.dtype != gate.dtype:
+        raise ValueError(f"sigmoid_gate_ needs x [{tokens}, {heads * dim}] with unit stride and a gate of its dtype "
+                         f"with unit stride within heads, got {tuple(x.shape)} and {tuple(gate.shape)}")
+    if tokens and heads:
+        _sigmoid_gate_kernel[(tokens, heads)](x, gate, x.stride(0), gate.stride(0), gate.stride(1),
+                                              HEAD_DIM=dim, DIM_P=triton.next_power_of_2(dim),
+                                              num_warps=1 if dim <= 256 else 4, enable_fp_fusion=False)
+    return x
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Rotary embedding
 
