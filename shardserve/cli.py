@@ -96,6 +96,9 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: quantize a float checkpoint's linear layers to FP8 at load (a scale per output row; "
                         "on GPUs half the weight bytes of bfloat16). Quantized checkpoints (FP8, GPTQ) need no flag")
+    p.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="how Mamba-2 layers (NemotronH) keep their SSM states between steps; the recurrence runs in "
+                        "float32 whatever this says (default auto: float32)")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "generic", "none"], default="auto",
