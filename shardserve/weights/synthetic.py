@@ -1,7 +1,7 @@
 """Synthetic weights in a model's real shapes, for benchmarks where only config.json is at hand.
 
 `iter_synthetic_checkpoint` yields every tensor a Hugging Face Llama/Qwen2/Qwen3 (or Mixtral/Qwen3-MoE, with
-their experts in the fused layout) checkpoint of the
+their experts in the fused layout; or NemotronH, its experts stacked as transformers holds them) checkpoint of the
 config would hold, under the same names and with the full (unsharded) shapes, so they go through the
 same per-parameter weight loaders as a real checkpoint and each rank keeps only its own slices.
 
@@ -180,7 +180,8 @@ def _linear_attention_shapes(cfg: ModelConfig, prefix: str,
 
 def expected_checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The full shape of every tensor a checkpoint of this config may hold: synthetic_checkpoint_shapes' names
-    and the per-expert names of a mixture of experts (Qwen-MoE's mlp.experts.{e}.{gate,up,down}_proj,
+    and the per-expert names of a mixture of experts (NemotronH's mixer.experts.{e}.{up,down}_proj,
+    Qwen-MoE's mlp.experts.{e}.{gate,up,down}_proj,
     Mixtral's block_sparse_moe.experts.{e}.{w1,w3,w2} and router), and both layouts of Gated DeltaNet's input
     projections."""
     shapes = dict(synthetic_checkpoint_shapes(cfg))
