@@ -96,6 +96,9 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: quantize a float checkpoint's linear layers to FP8 at load (a scale per output row; "
                         "on GPUs half the weight bytes of bfloat16). Quantized checkpoints (FP8, GPTQ) need no flag")
+    p.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="how Mamba-2 layers (NemotronH) keep their SSM states between steps; the recurrence runs in "
+                        "float32 whatever this says (default auto: float32)")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "generic", "none"], default="auto",
@@ -148,6 +151,8 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=_positive_float("--kv-cache-memory"), default=None,
                    help="GiB of KV cache per rank on CPUs (default: what serve uses)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto")
+    p.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="plan for serve --mamba-ssm-cache-dtype: the Mamba-2 SSM states' dtype (auto: float32)")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="plan for serve --quantization fp8 (projections quantized to FP8 at load)")
     p.add_argument("--host-memory-gb", type=_positive_float("--host-memory-gb"), default=None,
@@ -350,7 +355,7 @@ def _plan(args: argparse.Namespace) -> int:
                           (args.gpu_memory_gb or _first_gpu_gb()) if device == "cuda" else None,
                           args.gpu_memory_utilization, args.kv_cache_dtype, args.host_memory_gb or _host_gb(),
                           args.host_floor_gb, device=device, kv_cache_memory_gb=args.kv_cache_memory,
-                          quantization=args.quantization)
+                          quantization=args.quantization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     try:
         result = plan(cfg, request)
     except ValueError as e:  # a model it cannot serve (an unsupported quantization, say)

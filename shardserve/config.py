@@ -33,6 +33,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LOAD_FORMATS = ("auto", "dummy")
 # --quantization: quantize a float checkpoint at load (None: serve it as stored).
 ONLINE_QUANTIZATION = (None, "fp8")
+# --mamba-ssm-cache-dtype (vLLM's name): how Mamba-2 layers keep their SSM states between steps ("auto": float32).
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,15 @@ class ModelConfig:
     mamba_proj_bias: bool = False
     mlp_activation: str = "silu"
     rope: bool = True
+    # NemotronH's mixture-of-experts layers ("moe", in moe_layers; the num_experts/moe_* fields above): non-gated
+    # experts with mlp_activation, a non-gated shared expert of shared_expert_intermediate_size features, grouped
+    # top-k routing on sigmoid scores (layers/grouped_topk.py: num_expert_groups groups, the topk_expert_groups best
+    # kept, weights times routed_scaling_factor); moe_latent_size > 0: LatentMoE, the routed experts work at that
+    # width between fc1_latent_proj and fc2_latent_proj.
+    moe_latent_size: int = 0
+    num_expert_groups: int = 1
+    topk_expert_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -176,7 +187,7 @@ class ModelConfig:
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields of a config.json (none for a dense model, nor for NemotronH, whose mixtures
-    of experts are refused by _nemotron_h_fields)."""
+    of experts _nemotron_h_moe_fields reads)."""
     if arch == "NemotronHForCausalLM":
         return {}
     layers = cfg["num_hidden_layers"]
@@ -238,8 +249,9 @@ _NEMOTRON_H_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 
 def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """NemotronH's fields: each layer's block (layers_block_type, or the older hybrid_override_pattern), the
-    Mamba-2 sizes, the MLP's squared ReLU, no RoPE (none for other architectures). Refuses what shardserve does not
-    serve of the family: the mixture-of-experts layers ("moe" / "E") and activations other than relu2 and silu."""
+    Mamba-2 sizes, the MLP's squared ReLU, no RoPE, the mixture-of-experts layers' sizes and routing (none for other
+    architectures). Refuses what shardserve does not serve of the family: activations other than relu2 and silu,
+    and what _nemotron_h_moe_fields refuses."""
     if arch != "NemotronHForCausalLM":
         return {}
     types = cfg.get("layers_block_type") or cfg.get("layer_types")
@@ -251,10 +263,6 @@ def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(types) - {"linear_attention", "full_attention", "mlp", "moe"})
     if unknown:
         raise ValueError(f"NemotronH layers_block_type {types!r}: unknown layer types {unknown}")
-    if "moe" in types:
-        raise ValueError(f"NemotronH with mixture-of-experts layers ({types.count('moe')} 'moe' layers in "
-                         f"layers_block_type, pattern 'E') is not supported yet: shardserve serves NemotronH's Mamba-2, "
-                         f"attention and dense MLP layers only")
     if "full_attention" not in types:
         raise ValueError(f"NemotronH layers_block_type {types!r} has no full_attention layer: shardserve serves "
                          f"hybrids with at least one attention layer")
@@ -271,7 +279,37 @@ def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 mamba_chunk_size=cfg.get("chunk_size", cfg.get("mamba_chunk_size", 128)),
                 mamba_time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
                 mamba_conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
-                mamba_proj_bias=bool(cfg.get("use_bias", False)), mlp_activation=act, rope=False)
+                mamba_proj_bias=bool(cfg.get("use_bias", False)), mlp_activation=act, rope=False,
+                **_nemotron_h_moe_fields(cfg, types))
+
+
+def _nemotron_h_moe_fields(cfg: dict[str, Any], types: list[str]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a NemotronH config whose layers_block_type names "moe" layers (none
+    otherwise), as transformers' NemotronHMoE reads them: its one shared expert has moe_shared_expert_intermediate_size
+    features (n_shared_experts must be 1: transformers and vLLM read other values differently). Refuses biases in the
+    expert blocks (mlp_bias) and quantized checkpoints of them, which shardserve does not serve yet."""
+    moe_layers = tuple(i for i, t in enumerate(types) if t == "moe")
+    if not moe_layers:
+        return {}
+    if cfg.get("n_shared_experts", 1) != 1:
+        raise ValueError(f"NemotronH with n_shared_experts={cfg['n_shared_experts']}: only 1 is supported (one shared "
+                         f"expert of moe_shared_expert_intermediate_size features, as transformers builds it)")
+    if cfg.get("mlp_bias"):
+        raise ValueError("NemotronH with mixture-of-experts layers and mlp_bias=true is not supported: the expert "
+                         "blocks are served without biases")
+    if cfg.get("quantization_config") or cfg.get("compression_config"):
+        raise ValueError("NemotronH's mixture-of-experts layers from a quantized checkpoint are not supported yet: "
+                         "serve the 16-bit checkpoint")
+    from shardserve.layers.grouped_topk import GroupedTopK
+
+    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
+    route = GroupedTopK(experts, cfg["num_experts_per_tok"], cfg.get("n_group", 1), cfg.get("topk_group", 1),
+                        bool(cfg.get("norm_topk_prob", True)), float(cfg.get("routed_scaling_factor", 1.0)))
+    return dict(num_experts=experts, num_experts_per_tok=route.top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
+                renormalize_topk=route.renormalize, moe_layers=moe_layers,
+                shared_expert_intermediate_size=cfg["moe_shared_expert_intermediate_size"],
+                moe_latent_size=cfg.get("moe_latent_size") or 0, num_expert_groups=route.num_groups,
+                topk_expert_groups=route.topk_groups, routed_scaling_factor=route.scaling_factor)
 
 
 def _json_float(value: Any) -> float:
@@ -324,6 +362,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False  # a mixture of experts: whole experts per rank, not experts split by features
     # "fp8": a float checkpoint's linear layers quantized at load (FP8 with a scale per output row); None: as stored.
     quantization: str | None = None
+    # One of MAMBA_SSM_CACHE_DTYPES: the dtype of the Mamba-2 layers' SSM state pools (their recurrence always runs in
+    # float32; only what is kept between steps is rounded). Models without Mamba-2 layers take "auto" only.
+    mamba_ssm_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -331,6 +372,14 @@ class EngineConfig:
         if self.quantization not in ONLINE_QUANTIZATION:
             raise ValueError(f"quantization must be one of {', '.join(map(str, ONLINE_QUANTIZATION))}, got "
                              f"{self.quantization!r}")
+        if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+            raise ValueError(f"mamba_ssm_cache_dtype (--mamba-ssm-cache-dtype) must be one of "
+                             f"{', '.join(MAMBA_SSM_CACHE_DTYPES)}, got {self.mamba_ssm_cache_dtype!r}")
+
+    @property
+    def ssm_state_dtype(self) -> torch.dtype:
+        """The Mamba-2 SSM state pools' dtype: mamba_ssm_cache_dtype, float32 for "auto"."""
+        return DTYPES.get(self.mamba_ssm_cache_dtype, torch.float32)
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:
         limit = model_config.max_position_embeddings

@@ -9,7 +9,8 @@ for the KV cache; plus host memory needed while loading.
 Families: dense decoders (Llama, Qwen2/3, Mistral...), mixture-of-experts MLPs (num_experts /
 num_local_experts / n_routed_experts with moe_intermediate_size, shared experts, dense layers via
 mlp_only_layers or first_k_dense_replace; experts are split like dense MLPs, intermediate / tp), and
-hybrids listing `layer_types` ("full_attention" vs "linear_attention" as Gated DeltaNet, or "mamba").
+hybrids listing `layer_types` ("full_attention" vs "linear_attention" as Gated DeltaNet, or "mamba"); NemotronH's
+Mamba-2, attention, MLP and mixture-of-experts blocks in planner_nemotron_h.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from shardserve import planner_nemotron_h as nemotron_h
 from shardserve.layers.sharding import attention_shard, delta_net_shard, split_rows
 from shardserve.models.registry import text_model_config
 
@@ -63,6 +65,7 @@ class PlanRequest:
     device: str = "cuda"  # "cpu": every rank in host memory, float32, no CUDA graphs
     kv_cache_memory_gb: float | None = None  # per rank; on CPUs the engine's default when None
     quantization: str | None = None  # "fp8": --quantization fp8 (a float checkpoint quantized at load)
+    mamba_ssm_cache_dtype: str = "auto"  # --mamba-ssm-cache-dtype: Mamba-2 SSM states' dtype ("auto": float32)
 
 
 @dataclass
@@ -197,6 +200,8 @@ def _mamba_shapes(cfg: dict) -> tuple[int, int, int, int]:
 def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: bool = False) -> int:
     """Parameters one rank holds, sharded the way the engine shards them; `active`: those one token reads (of a
     mixture of experts' layers, the router and the num_experts_per_tok chosen experts)."""
+    if nemotron_h.is_nemotron_h(cfg):
+        return nemotron_h.weight_elements_per_rank(cfg, tp, replicated, active)
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     hd = _head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
@@ -244,6 +249,8 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
 
 
 def kv_bytes_per_token(cfg: dict, tp: int, kv_bytes: int) -> int:
+    if nemotron_h.is_nemotron_h(cfg):
+        return nemotron_h.kv_bytes_per_token(cfg, tp, kv_bytes)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, _head_dim(cfg), 0, tp)
     full = sum(1 for k in layer_kinds(cfg) if k == "attention")
@@ -252,6 +259,8 @@ def kv_bytes_per_token(cfg: dict, tp: int, kv_bytes: int) -> int:
 
 def state_bytes_per_seq(cfg: dict, tp: int, state_bytes: int) -> int:
     """Fixed per-sequence state of linear-attention and SSM layers (recurrent state plus conv window)."""
+    if nemotron_h.is_nemotron_h(cfg):
+        return nemotron_h.state_bytes_per_seq(cfg, tp, state_bytes, state_bytes)
     total = 0
     for kind in layer_kinds(cfg):
         if kind == "linear_attention":
@@ -265,13 +274,23 @@ def state_bytes_per_seq(cfg: dict, tp: int, state_bytes: int) -> int:
 
 
 # -- the plan ------------------------------------------------------------------------------------
-def _context(cfg: dict, req: PlanRequest, kv_dtype: int) -> tuple[int, int, int, int]:
-    """(KV bytes per token, fixed state bytes per sequence, the model's context limit, the planned context)."""
+def _context(cfg: dict, req: PlanRequest, kv_dtype: int, dtype: int) -> tuple[int, int, int, int]:
+    """(KV bytes per token, fixed state bytes per sequence, the model's context limit, the planned context), the
+    model computing in `dtype` (bytes)."""
     tp = req.tensor_parallel_size
     model_limit = cfg.get("max_position_embeddings") or 2**31
-    # Recurrent states are kept in float32.
-    return (kv_bytes_per_token(cfg, tp, kv_dtype), state_bytes_per_seq(cfg, tp, 4), model_limit,
+    return (kv_bytes_per_token(cfg, tp, kv_dtype), _state_bytes(cfg, req, dtype), model_limit,
             req.max_model_len or model_limit)
+
+
+def _state_bytes(cfg: dict, req: PlanRequest, dtype: int) -> int:
+    """A sequence's fixed state: Gated DeltaNet's kept in float32; NemotronH's Mamba-2 convolution inputs in the
+    compute dtype and its SSM states in --mamba-ssm-cache-dtype (float32 for auto)."""
+    tp = req.tensor_parallel_size
+    if nemotron_h.is_nemotron_h(cfg):
+        ssm = 4 if req.mamba_ssm_cache_dtype == "auto" else DTYPE_BYTES[req.mamba_ssm_cache_dtype]
+        return nemotron_h.state_bytes_per_seq(cfg, tp, dtype, ssm)
+    return state_bytes_per_seq(cfg, tp, 4)
 
 
 def _step_bytes(cfg: dict, req: PlanRequest, dtype: int) -> int:
@@ -441,7 +460,7 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
         if req.quantization != "fp8":  # --quantization fp8 leaves experts and the head in the compute dtype
             weights -= int((packed_expert_elements_per_rank(cfg, tp) + packed_head_elements_per_rank(cfg, tp))
                            * (dtype - packed[0]))
-    per_token, per_seq_state, model_limit, max_len = _context(cfg, req, kv_dtype)
+    per_token, per_seq_state, model_limit, max_len = _context(cfg, req, kv_dtype, dtype)
     h, inter = cfg["hidden_size"], cfg.get("intermediate_size") or _moe(cfg)[1]
     graphs = req.max_num_seqs * (8 * h + 3 * inter // tp) * dtype
     overhead = _step_bytes(cfg, req, dtype) + graphs + GPU_FIXED_OVERHEAD + _collective_bytes(cfg, req, dtype)
@@ -499,7 +518,7 @@ def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
     # The compact copy for decode steps: GGUF blocks (about 5 bits a weight for Q4_1) or the 16-bit checkpoint.
     compact = 0.625 if cfg.get("gguf_quantized") else (_dtype_bytes(cfg) if _dtype_bytes(cfg) < 4 else 0)
     weights = int(elements * (4 + compact))
-    per_token, per_seq_state, model_limit, max_len = _context(cfg, req, 4)
+    per_token, per_seq_state, model_limit, max_len = _context(cfg, req, 4, 4)
     overhead = _step_bytes(cfg, req, 4) + CPU_FIXED_OVERHEAD
     states = req.max_num_seqs * per_seq_state
     kv_budget = int((req.kv_cache_memory_gb if req.kv_cache_memory_gb is not None else DEFAULT_CPU_KV_CACHE_GB) * GIB)

@@ -23,6 +23,8 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
     (["-tp", "0"], "--tensor-parallel-size takes a positive integer, got 0"),
     (["--max-model-len", "ten"], "--max-model-len takes a positive integer, got 'ten'"),
     (["--kv-cache-memory", "-1"], "--kv-cache-memory takes a positive number, got -1.0"),
+    (["--mamba-ssm-cache-dtype", "fp8"], "argument --mamba-ssm-cache-dtype: invalid choice: 'fp8' (choose from "
+                                         "'auto', 'float32', 'float16', 'bfloat16')"),
 ])
 def test_bad_flag_is_named_with_accepted_values(tmp_path, args, expected):
     result = _serve(str(tmp_path), *args)

@@ -150,6 +150,25 @@ NEMOTRON_H_SPECS = {
         num_attention_heads=3, num_key_value_heads=1, head_dim=16, intermediate_size=90, mamba_num_heads=5,
         mamba_head_dim=8, ssm_state_size=8, n_groups=1, conv_kernel=3, chunk_size=8, use_conv_bias=False,
         tie_word_embeddings=True)),
+    # Nemotron-3's mixture-of-experts layers. "nemotron-h-moe": 8 non-gated experts of 48 features (split in 2 and
+    # 3; 4 whole experts a rank under expert parallelism at TP 2) in 2 groups of which the best 1 is kept, top 2
+    # renormalised and scaled by 2.5, a shared expert of 32 features (split in 2, whole at TP 3), no latent
+    # projections; the last layer a mixture of experts. "nemotron-h-latent": LatentMoE (experts at width 32 between
+    # the latent projections), 6 experts in 3 groups of which 2 are kept, top 3 not renormalised, a shared expert
+    # of 40 features (split in 2, whole at 3), odd head counts (3 query heads over 1 KV head, 5 Mamba heads in one
+    # group: whole on every rank).
+    "nemotron-h-moe": TinySpec("nemotron-h-moe", "nemotron_h", dict(
+        hidden_size=64, layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "moe"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=6,
+        mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=48, moe_shared_expert_intermediate_size=32, n_group=2,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, tie_word_embeddings=False)),
+    "nemotron-h-latent": TinySpec("nemotron-h-latent", "nemotron_h", dict(
+        hidden_size=48, layers_block_type=["moe", "linear_attention", "full_attention", "mlp", "moe"],
+        num_attention_heads=3, num_key_value_heads=1, head_dim=16, intermediate_size=64, mamba_num_heads=5,
+        mamba_head_dim=8, ssm_state_size=8, n_groups=1, conv_kernel=3, chunk_size=8, n_routed_experts=6,
+        num_experts_per_tok=3, moe_intermediate_size=48, moe_shared_expert_intermediate_size=40, moe_latent_size=32,
+        n_group=3, topk_group=2, norm_topk_prob=False, routed_scaling_factor=1.5, tie_word_embeddings=False)),
 }
 
 
@@ -192,13 +211,17 @@ def _hf_config(spec: TinySpec):
 
 
 def _perturb(model: torch.nn.Module, generator: torch.Generator) -> None:
-    """Default init leaves biases at 0 and norms at 1, which would hide a wrongly loaded one."""
+    """Default init leaves biases at 0 and norms at 1, which would hide a wrongly loaded one; and a mixture of
+    experts' score-correction biases (buffers) at 0, which would hide one that weighs rather than only chooses."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
             elif "norm" in name:
                 p.copy_(1 + torch.randn(p.shape, generator=generator) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.2)
 
 
 def write_tokenizer(path: str) -> None:

@@ -105,10 +105,10 @@ class ModelRunner:
         shape = (len(self.model_config.kv_layers), self.num_blocks, self.block_size, self.model.kv_heads_per_rank(),
                  self.model_config.head_dim)
         if self.weight_arena is None:
-            self.state_pools = self.model.state_pools(self.config.max_num_seqs, self.device)
+            self.state_pools = self._new_state_pools(self.device)
             return allocate_kv_cache(*shape, self.dtype, self.device)
         if self.kv_arena is None:
-            layout = self.model.state_pools(self.config.max_num_seqs, torch.device("meta"))
+            layout = self._new_state_pools(torch.device("meta"))
             self.kv_arena, self._kv_tensor, views = stable_memory.kv_cache_in_arena(
                 shape[0], shape[1] * shape[2], shape[3], shape[4], self.dtype, self.device,
                 [t for pool in layout.values() for t in pool])
@@ -120,6 +120,16 @@ class ModelRunner:
             for t in pool:
                 t.zero_()
         return kv_cache_layers(self._kv_tensor, self.block_size)
+
+    def _new_state_pools(self, device: torch.device) -> dict:
+        """The model's zeroed recurrent-state pools, max_num_seqs slots a layer, on `device`; Mamba-2 layers' SSM
+        states in --mamba-ssm-cache-dtype, which a model without them refuses unless it is "auto"."""
+        if self.config.mamba_ssm_cache_dtype == "auto":
+            return self.model.state_pools(self.config.max_num_seqs, device)
+        if not getattr(self.model, "keeps_ssm_states", False):
+            raise ValueError(f"--mamba-ssm-cache-dtype {self.config.mamba_ssm_cache_dtype}: "
+                             f"{self.model_config.architecture} has no Mamba-2 layers; leave it at auto")
+        return self.model.state_pools(self.config.max_num_seqs, device, ssm_dtype=self.config.ssm_state_dtype)
 
     def _capture_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager or not hasattr(self.attention,
@@ -392,7 +402,7 @@ class ModelRunner:
 
     def _state_bytes(self) -> int:
         """Bytes of the recurrent-state pools (max_num_seqs slots per linear-attention layer) on this rank."""
-        pools = self.model.state_pools(self.config.max_num_seqs, torch.device("meta"))
+        pools = self._new_state_pools(torch.device("meta"))
         return sum(t.numel() * t.element_size() for pool in pools.values() for t in pool)
 
     def _size_kv_cache(self) -> int:

@@ -164,13 +164,15 @@ class Mamba2Mixer(StateMixer):
                                           dims.proj_bias, dtype, comm if shard.sharded else None)
         self.in_proj.replicated = self.out_proj.replicated = not shard.sharded
 
-    def zero_state(self, batch: int | None = None, device: torch.device | str | None = None) -> MambaState:
-        """The state of `batch` sequences (one without a batch dim when None) that have no tokens yet."""
+    def zero_state(self, batch: int | None = None, device: torch.device | str | None = None,
+                   ssm_dtype: torch.dtype | None = None) -> MambaState:
+        """The state of `batch` sequences (one without a batch dim when None) that have no tokens yet, its SSM state
+        in ssm_dtype (None: the layer's). The steps keep whatever dtype the state they are given has."""
         lead = () if batch is None else (batch,)
         d = self.dims
         return MambaState(
             torch.zeros(*lead, self.channels, d.conv_kernel - 1, dtype=self.dtype, device=device),
-            torch.zeros(*lead, self.heads, d.head_dim, d.state_size, dtype=self.ssm_dtype, device=device))
+            torch.zeros(*lead, self.heads, d.head_dim, d.state_size, dtype=ssm_dtype or self.ssm_dtype, device=device))
 
     def _split(self, mixed: torch.Tensor):
         """Convolved channels [T, channels] -> x [T, heads, head_dim], B and C [T, groups, state_size]."""

@@ -49,7 +49,7 @@ from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
 from shardserve.layers.linear import (ColumnParallelLinear, as_tensor, empty_parameter, materialized, shape_of,
                                      weights_device)
 from shardserve.layers.mlp import SwiGLUMLP
-from shardserve.layers.sharding import split_rows
+from shardserve.layers.sharding import expert_shard, split_rows
 
 logger = logging.getLogger(__name__)
 
@@ -70,18 +70,9 @@ class SparseMoE(nn.Module):
                  renormalize: bool, comm: Communicator, dtype: torch.dtype, expert_parallel: bool = False,
                  shared_intermediate_size: int = 0) -> None:
         super().__init__()
-        self.experts_held = (0, num_experts)  # [e0, e1): the experts this rank computes
-        if expert_parallel and comm.world_size > 1 and num_experts % comm.world_size == 0:
-            # Expert parallelism: whole experts, E / ranks each; every rank routes all tokens and computes its
-            # experts' share, and the layer's all-reduce sums the shares (masking, no all-to-all).
-            per_rank = num_experts // comm.world_size
-            self.experts_held = (comm.rank * per_rank, (comm.rank + 1) * per_rank)
-            (r0, r1), sharded = (0, intermediate_size), True
-        else:
-            if expert_parallel and comm.world_size > 1:
-                logger.info("%d experts do not divide among %d ranks: each expert is split by features instead",
-                            num_experts, comm.world_size)
-            (r0, r1), sharded = split_rows(intermediate_size, comm.rank, comm.world_size, "moe experts")
+        shard = expert_shard(num_experts, intermediate_size, comm.rank, comm.world_size, expert_parallel)
+        self.experts_held = shard.experts  # [e0, e1): the experts this rank computes
+        (r0, r1), sharded = shard.rows, shard.sharded
         self.rows = (r0, r1)
         self.intermediate_size = intermediate_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -412,10 +403,17 @@ def grouped_experts(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     return grouped_by_expert(h, w13.shape[0], lambda e: (w13[e], w2[e]), weights, experts)
 
 
+def swiglu_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert on its tokens: w2 (silu(gate) * up) with [gate | up] = w13 x (w13 [2I, H], w2 [H, I])."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
 def grouped_by_expert(h: torch.Tensor, num_experts: int, expert_weights, weights: torch.Tensor,
-                      experts: torch.Tensor) -> torch.Tensor:
-    """grouped_experts with expert e's (w13 [2I, H], w2 [H, I]) from expert_weights(e), asked only for experts
-    that received tokens (packed experts dequantize there)."""
+                      experts: torch.Tensor, ffn=swiglu_ffn) -> torch.Tensor:
+    """grouped_experts with expert e's weights from expert_weights(e) (by default SwiGLU's (w13 [2I, H], w2 [H, I])),
+    asked only for experts that received tokens (packed experts dequantize there), each run on all its tokens at
+    once as ffn(x, *expert_weights(e)). Choices outside [0, num_experts) add nothing."""
     tokens, k = experts.shape
     flat = experts.flatten()
     flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # the others in one last group
@@ -429,9 +427,7 @@ def grouped_by_expert(h: torch.Tensor, num_experts: int, expert_weights, weights
         if count == 0:
             continue
         picked = token_of[start:start + count]
-        a, b = expert_weights(expert)
-        gate, up = F.linear(h.index_select(0, picked), a).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, b) * scale[start:start + count]
+        y = ffn(h.index_select(0, picked), *expert_weights(expert)) * scale[start:start + count]
         out.index_add_(0, picked, y)
         start += count
     return out

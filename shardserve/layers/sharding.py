@@ -66,6 +66,38 @@ def split_rows(size: int, rank: int, tp: int, layer_name: str) -> tuple[tuple[in
 
 
 @dataclass(frozen=True)
+class ExpertShard:
+    """Which experts of a mixture-of-experts block, and which intermediate features of each, one rank holds.
+
+    Either every expert with the features `rows` of each (split by features, as a dense MLP is), or under expert
+    parallelism whole experts [e0, e1) (rows all of them). `sharded`: each rank computes a share of the block's
+    output, which the layer's all-reduce sums; False: every rank holds every expert whole and computes the whole
+    output (the features did not split evenly), no collective.
+    """
+
+    experts: tuple[int, int]
+    rows: tuple[int, int]
+    sharded: bool
+
+
+def expert_shard(num_experts: int, intermediate_size: int, rank: int, tp: int, expert_parallel: bool,
+                 layer_name: str = "moe experts") -> ExpertShard:
+    """This rank's experts and features: whole experts, num_experts / tp of them, with `expert_parallel` where they
+    divide among the ranks (logged where they do not: then split by features); else every expert split by
+    features where split_rows splits them, else every expert whole on every rank (logged)."""
+    if expert_parallel and tp > 1 and num_experts % tp == 0:
+        # Expert parallelism: whole experts, E / ranks each; every rank routes all tokens and computes its experts'
+        # share, and the layer's all-reduce sums the shares (masking, no all-to-all).
+        per_rank = num_experts // tp
+        return ExpertShard((rank * per_rank, (rank + 1) * per_rank), (0, intermediate_size), True)
+    if expert_parallel and tp > 1:
+        logger.info("%d experts do not divide among %d ranks: each expert is split by features instead",
+                    num_experts, tp)
+    rows, sharded = split_rows(intermediate_size, rank, tp, layer_name)
+    return ExpertShard((0, num_experts), rows, sharded)
+
+
+@dataclass(frozen=True)
 class DeltaNetShard:
     """Which key heads and value heads of a Gated DeltaNet layer one rank owns.
 

@@ -2,17 +2,19 @@
 
 Unlike Llama's decoder layers, each NemotronH layer is one block on the residual stream, x + mixer(norm(x)), whose
 mixer is what ModelConfig.layer_types says: "linear_attention" a Mamba-2 mixer (layers/mamba2.py), "full_attention"
-attention without RoPE (no bias, KV heads grouped), "mlp" up_proj -> squared ReLU -> down_proj. Only the attention
-layers hold KV-cache blocks; each Mamba-2 layer keeps one state per sequence in a pool of slots that the engine
-hands out (state_pools). Every block's last projection all-reduces its own output (row-parallel).
+attention without RoPE (no bias, KV heads grouped), "mlp" up_proj -> squared ReLU -> down_proj, "moe" Nemotron-3's
+mixture of experts (NemotronHMoE: grouped top-k routing, non-gated experts, a shared expert, LatentMoE's latent
+projections). Only the attention layers hold KV-cache blocks; each Mamba-2 layer keeps one state per sequence in a
+pool of slots that the engine hands out (state_pools). Every block all-reduces its own output where it is split
+(row-parallel projections; the mixture of experts once at its end).
 
-Not served (refused by ModelConfig): the mixture-of-experts layers ("moe") of Nemotron-3. The multi-token-prediction
-layers of released checkpoints (`mtp.`) are left unread with one log line; NVIDIA's remote-code checkpoints name the
-model `backbone.`, read as `model.`.
+The multi-token-prediction layers of released checkpoints (`mtp.`) are left unread with one log line; NVIDIA's
+remote-code checkpoints name the model `backbone.`, read as `model.`.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 import torch
@@ -21,12 +23,18 @@ from torch import nn
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.attention import PagedAttention
+from shardserve.layers.grouped_topk import GroupedTopK, GroupedTopKRouter
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaState
+from shardserve.layers.nongated_experts import NonGatedExperts
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
-from shardserve.layers.sharding import attention_shard, split_rows
+from shardserve.layers.sharding import attention_shard, expert_shard, split_rows
+
+# A "moe" layer's expert tensors (after `backbone.` is read as `model.`): one expert's, or all experts' stacked.
+_EXPERT_TENSOR = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mixer\.experts\."
+                            r"(?:(?P<expert>\d+)\.(?P<part>up_proj|down_proj)\.weight|(?P<stacked>up_proj|down_proj))$")
 
 # The cache a Mamba-2 layer gets in a step: its pool of states, each chunk's slot in it (in the step's batch order)
 # and where each chunk's rows start (None: one token each).
@@ -66,20 +74,81 @@ class NemotronHAttention(nn.Module):
 
 
 class NemotronHMLP(nn.Module):
-    """down_proj(act(up_proj(h))), act the squared ReLU (relu2) or SiLU; split by intermediate features."""
+    """down_proj(act(up_proj(h))), act the squared ReLU (relu2) or SiLU, over the features `rows` of up_proj (and
+    the same columns of down_proj). With `comm` the layer all-reduces its output; without, the output is this rank's
+    whole result, or its share of an enclosing block's sum (a mixture of experts' shared expert)."""
 
-    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, rows: tuple[int, int], bias: bool, activation: str, dtype: torch.dtype,
+                 comm: Communicator | None, replicated: bool) -> None:
         super().__init__()
+        self.up_proj = ColumnParallelLinear(hidden_size, {None: rows}, bias, dtype)
+        self.down_proj = RowParallelLinear(rows, hidden_size, bias, dtype, comm)
+        self.up_proj.replicated = self.down_proj.replicated = replicated
+        self.squared_relu = activation == "relu2"
+
+    @classmethod
+    def dense(cls, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype) -> "NemotronHMLP":
+        """An "mlp" layer's block: split by intermediate features where they split, else whole on every rank."""
         rows, sharded = split_rows(cfg.intermediate_size, comm.rank, comm.world_size, "mlp")
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, {None: rows}, cfg.mlp_bias, dtype)
-        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, cfg.mlp_bias, dtype, comm if sharded else None)
-        self.up_proj.replicated = self.down_proj.replicated = not sharded
-        self.squared_relu = cfg.mlp_activation == "relu2"
+        return cls(cfg.hidden_size, rows, cfg.mlp_bias, cfg.mlp_activation, dtype, comm if sharded else None,
+                   not sharded)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         u = self.up_proj(h)
         u = torch.relu(u).square() if self.squared_relu else nn.functional.silu(u)
         return self.down_proj(u)
+
+
+class NemotronHMoE(nn.Module):
+    """A "moe" layer's block, as transformers' NemotronHMoE: on the normed hidden states h,
+    fc2_latent_proj(experts(fc1_latent_proj(h))) + shared_experts(h), where the router (layers/grouped_topk.py)
+    chooses each token's experts on h, the routed experts are non-gated (layers/nongated_experts.py) and, under
+    LatentMoE (moe_latent_size), work at the latent width between the two latent projections (without it those are
+    the identity). The shared expert reads h itself, at the hidden width.
+
+    Tensor parallel: the experts split by features, or whole experts per rank under expert parallelism, each rank's
+    expert output a partial sum at the expert width; the shared expert split by features likewise (whole on every
+    rank and added by rank 0 only where its features do not split). The latent projections are replicated: fc1's
+    latent must be whole on every rank, since every expert feature reads all of it (splitting fc1 would cost an
+    all-gather), and fc2 is linear, so fc2 of each rank's partial latent sum is its partial hidden sum; one
+    all-reduce at the end of the block sums everything (fc2 without a bias: config.py refuses mlp_bias here). Where
+    the experts do not split, everything is whole on every rank and nothing is reduced."""
+
+    # The experts read their token counts on the host (layers/nongated_experts.py): decode runs without CUDA graphs.
+    graph_safe = False
+
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, expert_parallel: bool) -> None:
+        super().__init__()
+        h, latent = cfg.hidden_size, cfg.moe_latent_size
+        shard = expert_shard(cfg.num_experts, cfg.moe_intermediate_size, comm.rank, comm.world_size, expert_parallel)
+        route = GroupedTopK(cfg.num_experts, cfg.num_experts_per_tok, cfg.num_expert_groups, cfg.topk_expert_groups,
+                            cfg.renormalize_topk, cfg.routed_scaling_factor)
+        self.gate = GroupedTopKRouter(h, route)
+        self.experts = NonGatedExperts(latent or h, cfg.moe_intermediate_size, cfg.num_experts, shard,
+                                       cfg.mlp_activation, dtype)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if latent:
+            self.fc1_latent_proj = ColumnParallelLinear(h, {None: (0, latent)}, False, dtype)
+            self.fc2_latent_proj = ColumnParallelLinear(latent, {None: (0, h)}, False, dtype)
+            self.fc1_latent_proj.replicated = self.fc2_latent_proj.replicated = True
+        size = cfg.shared_expert_intermediate_size
+        rows, split = split_rows(size, comm.rank, comm.world_size, "shared expert") if shard.sharded else ((0, size),
+                                                                                                          False)
+        self.shared_experts = NemotronHMLP(h, rows, False, cfg.mlp_activation, dtype, None, not split)
+        # Each rank adds its share of the shared expert, or where it is whole while the block sums partial outputs,
+        # rank 0 alone adds it (so it counts once in the sum).
+        self.adds_shared_expert = split or not shard.sharded or comm.rank == 0
+        self.comm = comm if shard.sharded else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(h)
+        x = h if self.fc1_latent_proj is None else self.fc1_latent_proj(h)
+        out = self.experts(x, weights, ids)
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
+        if self.adds_shared_expert:
+            out = out + self.shared_experts(h)
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class NemotronHBlock(nn.Module):
@@ -104,7 +173,8 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
         self.rotary = NoRotation(cfg.head_dim, max_positions, dtype)
@@ -118,7 +188,9 @@ class NemotronHModel(nn.Module):
             elif kind == "full_attention":
                 mixer = NemotronHAttention(cfg, comm, dtype)
             elif kind == "mlp":
-                mixer = NemotronHMLP(cfg, comm, dtype)
+                mixer = NemotronHMLP.dense(cfg, comm, dtype)
+            elif kind == "moe":
+                mixer = NemotronHMoE(cfg, comm, dtype, expert_parallel)
             else:
                 raise ValueError(f"NemotronH layer type {kind!r} is not supported")
             layers.append(NemotronHBlock(kind, mixer, cfg, dtype))
@@ -137,6 +209,7 @@ class NemotronHModel(nn.Module):
 class NemotronHForCausalLM(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
     renamed_checkpoint_prefixes = {"backbone.": "model."}
+    keeps_ssm_states = True  # its Mamba-2 layers' SSM state pools take --mamba-ssm-cache-dtype (state_pools)
     skipped_checkpoint_prefixes = {"mtp.": "the multi-token-prediction layers (speculative decoding, not served)"}
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
@@ -144,12 +217,24 @@ class NemotronHForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.expert_parallel = expert_parallel
-        self.model = NemotronHModel(cfg, comm, dtype, max_positions)
+        self.model = NemotronHModel(cfg, comm, dtype, max_positions, expert_parallel)
         self.lm_head = ParallelLMHead(self.model.embeddings, cfg.tie_word_embeddings)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> tuple[str, object] | None:
+        """Where a "moe" layer's expert tensor goes: (parameter, shard id) for experts.{e}.up_proj.weight and
+        experts.{e}.down_proj.weight (one expert's) or experts.up_proj and experts.down_proj (all stacked); None for
+        every other tensor, whose name is its parameter's."""
+        found = _EXPERT_TENSOR.match(name)
+        if found is None:
+            return None
+        layer, expert, part, stacked = found.group("layer", "expert", "part", "stacked")
+        weight = "w1" if (part or stacked) == "up_proj" else "w2"
+        return f"{layer}.mixer.experts.{weight}", ("all" if stacked else (int(expert), None))
 
     def forward(self, token_ids, positions, caches: list, meta) -> torch.Tensor:
         """caches: one per layer, in layer order: a KVCache for each attention layer, (pool, slots, query_start)
-        for each Mamba-2 layer, None for an MLP layer."""
+        for each Mamba-2 layer, None for an MLP or mixture-of-experts layer."""
         return self.model(token_ids, positions, caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -161,7 +246,8 @@ class NemotronHForCausalLM(nn.Module):
     def kv_heads_per_rank(self) -> int:
         return self.model.layers[self.config.kv_layers[0]].mixer.shard.num_kv
 
-    def state_pools(self, num_slots: int, device: torch.device) -> dict[int, Any]:
-        """A pool of num_slots zero states for each Mamba-2 layer (this rank's heads and groups)."""
-        return {i: self.model.layers[i].mixer.zero_state(batch=num_slots, device=device)
+    def state_pools(self, num_slots: int, device: torch.device, ssm_dtype: torch.dtype | None = None) -> dict[int, Any]:
+        """A pool of num_slots zero states for each Mamba-2 layer (this rank's heads and groups), the SSM states in
+        ssm_dtype (--mamba-ssm-cache-dtype; None: float32)."""
+        return {i: self.model.layers[i].mixer.zero_state(batch=num_slots, device=device, ssm_dtype=ssm_dtype)
                 for i in self.config.linear_attention_layers}

@@ -34,7 +34,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),  # Gated DeltaNet and attention layers
     "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),  # Qwen3-Next's layers with dense MLPs
     "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
-    "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),  # Mamba-2, attention and MLP blocks
+    "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),  # Mamba-2, attention, MLP and MoE blocks
     # Image-text checkpoints: their text model (config.json's text_config), the vision tower left unread.
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "Qwen3_5MoeForConditionalGeneration"),

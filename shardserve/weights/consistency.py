@@ -1,8 +1,8 @@
 """After loading, the ranks compare their replicated weights: a corrupted file or a different
 checkpoint on one node is caught before the first request instead of showing up as garbage output.
 
-Every rank holds the same full copy of each norm weight, whatever the tensor-parallel size, and of each
-linear layer that does not split (replicated blocks), so their digests must be equal on every rank. A
+Every rank holds the same full copy of each norm weight and grouped top-k router, whatever the tensor-parallel
+size, and of each linear layer that does not split (replicated blocks), so their digests must be equal on every rank. A
 linear layer whose kernel re-laid its weight out (a packed copy) is compared by the digest of the weight
 as loaded, taken just before; the packed copy itself is checked against float64 at start-up
 (engine/kernel_setup.py).
@@ -17,6 +17,7 @@ from torch import nn
 
 from shardserve.distributed.control_plane import all_gather_msgpack
 from shardserve.distributed.handshake import StartupMismatch
+from shardserve.layers.grouped_topk import GroupedTopKRouter
 from shardserve.layers.linear import KernelLinear, tensor_digest
 from shardserve.layers.norm import RMSNorm
 
@@ -30,7 +31,7 @@ def replicated_digests(model: nn.Module) -> dict[str, str]:
             digests[f"{module_name}.weight"] = weight
             if module.bias is not None:
                 digests[f"{module_name}.bias"] = tensor_digest(module.bias)
-        if not isinstance(module, RMSNorm):
+        if not isinstance(module, (RMSNorm, GroupedTopKRouter)):
             continue
         for name, param in module.named_parameters(recurse=False):
             digests[f"{module_name}.{name}"] = tensor_digest(param)

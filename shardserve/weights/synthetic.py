@@ -1,7 +1,7 @@
 """Synthetic weights in a model's real shapes, for benchmarks where only config.json is at hand.
 
 `iter_synthetic_checkpoint` yields every tensor a Hugging Face Llama/Qwen2/Qwen3 (or Mixtral/Qwen3-MoE, with
-their experts in the fused layout) checkpoint of the
+their experts in the fused layout; or NemotronH, its experts stacked as transformers holds them) checkpoint of the
 config would hold, under the same names and with the full (unsharded) shapes, so they go through the
 same per-parameter weight loaders as a real checkpoint and each rank keeps only its own slices.
 
@@ -100,6 +100,8 @@ def _nemotron_h_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]
             for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 yield f"{mixer}.{proj}.weight", (rows, h)
             yield f"{mixer}.o_proj.weight", (h, q)
+        elif kind == "moe":
+            yield from _nemotron_h_moe_shapes(cfg, mixer)
         else:
             yield f"{mixer}.up_proj.weight", (cfg.intermediate_size, h)
             yield f"{mixer}.down_proj.weight", (h, cfg.intermediate_size)
@@ -108,6 +110,30 @@ def _nemotron_h_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]
                 yield f"{mixer}.down_proj.bias", (h,)
     yield "model.norm_f.weight", (h,)
     yield "lm_head.weight", (cfg.vocab_size, h)
+
+
+def _nemotron_h_moe_shapes(cfg: ModelConfig, mixer: str, per_expert: bool = False
+                           ) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A NemotronH "moe" block's tensors: the router and its correction bias, the experts (stacked, as transformers
+    holds them, or with `per_expert` one by one, as its checkpoints store them) at the latent width where there is
+    one, the shared expert, and the latent projections."""
+    h, inter, shared, latent = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
+                                cfg.moe_latent_size)
+    width = latent or h
+    yield f"{mixer}.gate.weight", (cfg.num_experts, h)
+    yield f"{mixer}.gate.e_score_correction_bias", (cfg.num_experts,)
+    if per_expert:
+        for e in range(cfg.num_experts):
+            yield f"{mixer}.experts.{e}.up_proj.weight", (inter, width)
+            yield f"{mixer}.experts.{e}.down_proj.weight", (width, inter)
+    else:
+        yield f"{mixer}.experts.up_proj", (cfg.num_experts, inter, width)
+        yield f"{mixer}.experts.down_proj", (cfg.num_experts, width, inter)
+    yield f"{mixer}.shared_experts.up_proj.weight", (shared, h)
+    yield f"{mixer}.shared_experts.down_proj.weight", (h, shared)
+    if latent:
+        yield f"{mixer}.fc1_latent_proj.weight", (latent, h)
+        yield f"{mixer}.fc2_latent_proj.weight", (h, latent)
 
 
 def _attention_shapes(cfg: ModelConfig, attn: str) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -154,11 +180,14 @@ def _linear_attention_shapes(cfg: ModelConfig, prefix: str,
 
 def expected_checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The full shape of every tensor a checkpoint of this config may hold: synthetic_checkpoint_shapes' names
-    and the per-expert names of a mixture of experts (Qwen-MoE's mlp.experts.{e}.{gate,up,down}_proj,
+    and the per-expert names of a mixture of experts (NemotronH's mixer.experts.{e}.{up,down}_proj,
+    Qwen-MoE's mlp.experts.{e}.{gate,up,down}_proj,
     Mixtral's block_sparse_moe.experts.{e}.{w1,w3,w2} and router), and both layouts of Gated DeltaNet's input
     projections."""
     shapes = dict(synthetic_checkpoint_shapes(cfg))
     if cfg.architecture == "NemotronHForCausalLM":
+        for i in cfg.moe_layers:
+            shapes.update(_nemotron_h_moe_shapes(cfg, f"model.layers.{i}.mixer", per_expert=True))
         return shapes
     for i in cfg.linear_attention_layers:
         for split in (False, True):

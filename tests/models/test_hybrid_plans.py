@@ -1,7 +1,8 @@
 """`shardserve plan` for the hybrids at their real sizes, Qwen3-Next-80B-A3B and a Qwen3.5-397B-A17B-shaped image-text
 config, against what a rank builds (on the meta device: no memory): the weights a rank holds, exactly, and the
 recurrent state of a sequence, within 5% (the plan counts the convolution inputs in float32, the model keeps them
-in its dtype), at TP 1, 2, 4 and 8."""
+in its dtype), at TP 1, 2, 4 and 8. NemotronH (Nemotron-3 Nano's sizes, and a LatentMoE config) exactly, against a
+rank built on the meta device and against what the engine allocates on a dummy load at Nano's widths."""
 
 from __future__ import annotations
 
@@ -54,3 +55,78 @@ def test_the_plan_is_what_a_rank_builds(name, tmp_path):
                     for t in pool)
         planned = state_bytes_per_seq(hf, tp, 4)
         assert abs(planned - state) / state < 0.05, f"{name} TP={tp}: state {planned} planned, {state} built"
+
+
+# NVIDIA-Nemotron-3-Nano-30B-A3B's config.json (its sizes): 23 Mamba-2, 23 mixture-of-experts and 6 attention layers,
+# 128 non-gated experts of 1856 features (6 a token) and a shared expert of 3712. And a LatentMoE config of the same
+# family at Nemotron-3-Super-like widths (not a released checkpoint's): experts at a latent width of 1024.
+NEMOTRON_3_NANO = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 2688,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", "num_hidden_layers": 52,
+    "intermediate_size": 1856, "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+    "conv_kernel": 4, "chunk_size": 128, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+    "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "vocab_size": 131072, "max_position_embeddings": 262144,
+    "layer_norm_epsilon": 1e-5, "mlp_hidden_act": "relu2", "mlp_bias": False, "use_bias": False,
+    "use_conv_bias": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+NEMOTRON_LATENT = {**NEMOTRON_3_NANO, "hidden_size": 4096, "moe_latent_size": 1024, "n_routed_experts": 256,
+                   "num_experts_per_tok": 16, "moe_intermediate_size": 2688, "moe_shared_expert_intermediate_size": 5376,
+                   "n_group": 8, "topk_group": 4, "num_attention_heads": 40, "num_key_value_heads": 8,
+                   "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*E"}
+
+
+@pytest.mark.parametrize("config", [NEMOTRON_3_NANO, NEMOTRON_LATENT], ids=["nano", "latent"])
+def test_the_nemotron_h_plan_is_what_a_rank_builds(config, tmp_path):
+    """Weights exactly, KV cache per token and Mamba-2 state per sequence exactly (conv inputs in bfloat16, SSM states
+    in float32 or bfloat16), at TP 1, 2, 4 and 8; the Nano config's 31.6B parameters."""
+    from shardserve.planner import PlanRequest, kv_bytes_per_token, plan
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = load_hf_config(str(tmp_path))
+    cfg = ModelConfig.from_model_path(str(tmp_path))
+    for tp in (1, 2, 4, 8):
+        with torch.device("meta"):
+            model = model_class(cfg.architecture)(cfg, Communicator(None, 0, tp), torch.bfloat16, max_positions=4096)
+        built = sum(p.numel() for p in model.parameters())
+        if tp == 1 and config is NEMOTRON_3_NANO:
+            assert abs(built - 31.58e9) / 31.58e9 < 0.01, f"{built / 1e9:.2f}B parameters"
+        assert weight_elements_per_rank(hf, tp, []) == built, f"TP={tp}"
+        kv = 2 * len(cfg.kv_layers) * model.kv_heads_per_rank() * cfg.head_dim * 2
+        assert kv_bytes_per_token(hf, tp, 2) == kv, f"TP={tp}"
+        for ssm_dtype in ("auto", "bfloat16"):
+            pools = model.state_pools(1, torch.device("meta"),
+                                      ssm_dtype=None if ssm_dtype == "auto" else torch.bfloat16).values()
+            state = sum(t.numel() * t.element_size() for pool in pools for t in pool)
+            planned = plan(hf, PlanRequest(tp, mamba_ssm_cache_dtype=ssm_dtype)).state_bytes_per_seq
+            assert planned == state, f"TP={tp}, {ssm_dtype} SSM states: {planned} planned, {state} built"
+
+
+def test_the_nemotron_h_plan_is_what_a_dummy_load_allocates(tmp_path):
+    """The engine at TP 2 on --load-format dummy, at Nano's widths with three layers (Mamba-2, mixture of experts,
+    attention), 8 of its experts and a vocabulary of 4096 (CPU memory): what rank 0 allocates for its weights, the
+    KV cache per token and the Mamba-2 states per sequence is the CPU plan's within 5%."""
+    from shardserve import LLM
+    from shardserve.layers.linear import weight_bytes
+    from shardserve.planner import PlanRequest, plan
+    from tests.tiny_models import write_tokenizer
+
+    config = {**NEMOTRON_3_NANO, "layers_block_type": ["linear_attention", "moe", "full_attention"],
+              "num_hidden_layers": 3, "n_routed_experts": 8, "vocab_size": 4096, "torch_dtype": "float32"}
+    del config["hybrid_override_pattern"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_tokenizer(str(tmp_path))
+    seqs = 4
+    expected = plan(load_hf_config(str(tmp_path)), PlanRequest(2, max_num_seqs=seqs, device="cpu"))
+    with LLM(str(tmp_path), tensor_parallel_size=2, device="cpu", load_format="dummy", kv_cache_memory_gb=0.05,
+             max_num_seqs=seqs, max_model_len=256) as llm:
+        runner = llm.engine.runner
+        allocated = {"weights": weight_bytes(runner.model)[0],
+                     "KV per token": runner._kv_bytes_per_block() // runner.block_size,
+                     "state per sequence": sum(t.numel() * t.element_size() for pool in runner.state_pools.values()
+                                               for t in pool) // seqs}
+    planned = {"weights": expected.weight_bytes, "KV per token": expected.kv_bytes_per_token,
+               "state per sequence": expected.state_bytes_per_seq}
+    for what, size in allocated.items():
+        assert abs(planned[what] - size) / size < 0.05, f"{what}: {planned[what]} planned, {size} allocated"

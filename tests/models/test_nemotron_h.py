@@ -1,6 +1,6 @@
 """NemotronH through the real engine: greedy tokens equal transformers' float32 generate (its torch fallback of the
 Mamba-2 kernels) with prompts in one step or in chunks that cut inside an SSD chunk, alone or together, at TP 1 and
-2; the state slots go back; configs with mixture-of-experts layers are refused."""
+2; the state slots go back (the mixture-of-experts layers: test_nemotron_h_moe.py)."""
 
 from __future__ import annotations
 
@@ -89,16 +89,6 @@ def test_the_older_pattern_names_the_same_layers(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("nemotron-h")
     path = _config_with(model_dir, tmp_path, layers_block_type=None, hybrid_override_pattern="M-*M-")
     assert ModelConfig.from_model_path(path).layer_types == ModelConfig.from_model_path(model_dir).layer_types
-
-
-def test_a_mixture_of_experts_config_is_refused(tiny_model_dir, tmp_path):
-    from shardserve.config import ModelConfig
-
-    path = _config_with(tiny_model_dir("nemotron-h"), tmp_path,
-                        layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
-                        moe_latent_size=32)
-    with pytest.raises(ValueError, match="mixture-of-experts layers .* not supported"):
-        ModelConfig.from_model_path(path)
 
 
 def test_a_multi_token_prediction_layer_is_skipped(tiny_model_dir, caplog):

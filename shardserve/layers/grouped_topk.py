@@ -1,0 +1,91 @@
+"""Grouped top-k routing with sigmoid scores and a score-correction bias: NemotronH's mixture of experts (transformers'
+NemotronHTopkRouter), and DeepSeek-V3's, which routes the same way.
+
+For each token: scores = sigmoid(router logits), in float32. The experts are chosen on scores + bias (the checkpoint's
+`e_score_correction_bias`, which balances the experts' load): the experts fall into `num_groups` equal groups in order,
+a group's worth is the sum of its two best biased scores, the `topk_groups` best groups stay, and the top_k best
+biased scores among their experts are the choice. The weights are the chosen experts' unbiased scores, divided by
+their sum (+ 1e-20) where `renormalize`, then times `scaling_factor`. The bias only chooses; it never weighs.
+
+The router is replicated: every rank routes every token to the same experts, whatever it holds of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.layers.linear import empty_parameter, load_whole
+
+
+@dataclass(frozen=True)
+class GroupedTopK:
+    """How a grouped top-k router chooses (see the module's docstring). Invariants, checked at construction:
+    num_experts splits into num_groups equal groups of at least 2 experts (a group's worth is its top two) when
+    there is more than one group, 1 <= topk_groups <= num_groups, and the kept groups hold at least top_k experts."""
+
+    num_experts: int
+    top_k: int
+    num_groups: int = 1
+    topk_groups: int = 1
+    renormalize: bool = True
+    scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        per_group = self.num_experts // max(self.num_groups, 1)
+        problems = []
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            problems.append(f"{self.num_experts} experts do not split into n_group={self.num_groups} equal groups")
+        elif self.num_groups > 1 and per_group < 2:
+            problems.append(f"groups of {per_group} expert: a group's worth is the sum of its two best scores")
+        if not 1 <= self.topk_groups <= self.num_groups:
+            problems.append(f"topk_group={self.topk_groups} is not between 1 and n_group={self.num_groups}")
+        elif not 1 <= self.top_k <= self.topk_groups * per_group:
+            problems.append(f"num_experts_per_tok={self.top_k} is more than the {self.topk_groups * per_group} "
+                            f"experts of the kept groups")
+        if problems:
+            raise ValueError(f"grouped top-k routing: {'; '.join(problems)}")
+
+
+def grouped_top_k(logits: torch.Tensor, correction_bias: torch.Tensor | None,
+                  route: GroupedTopK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] float32, expert ids [T, top_k] int64) for router logits [T, num_experts], as the module's
+    docstring says; the ids in no particular order (their weights beside them)."""
+    scores = logits.float().sigmoid()
+    for_choice = scores if correction_bias is None else scores + correction_bias.float()
+    if route.num_groups > 1:
+        tokens = for_choice.shape[0]
+        grouped = for_choice.view(tokens, route.num_groups, -1)
+        worth = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, groups]
+        kept = worth.topk(route.topk_groups, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(worth, dtype=torch.bool).scatter_(1, kept, True)
+        for_choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, -1)
+    ids = for_choice.topk(route.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if route.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * route.scaling_factor, ids
+
+
+class GroupedTopKRouter(nn.Module):
+    """The router of a grouped top-k mixture of experts: `weight` [E, H] and `e_score_correction_bias` [E], both
+    float32 whatever the model's dtype (transformers keeps them so), whole on every rank; the logits are computed in
+    float32. Checkpoint names: `gate.weight`, `gate.e_score_correction_bias`."""
+
+    # Whole on every rank: the ranks compare its parameters after loading (weights/consistency.py).
+    replicated = True
+
+    def __init__(self, hidden_size: int, route: GroupedTopK) -> None:
+        super().__init__()
+        self.route = route
+        self.weight = empty_parameter(route.num_experts, hidden_size, dtype=torch.float32)
+        self.e_score_correction_bias = empty_parameter(route.num_experts, dtype=torch.float32)
+        self.weight.weight_loader = self.e_score_correction_bias.weight_loader = load_whole
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k] float32, expert ids [T, top_k]) for the normed hidden states h [T, H]."""
+        logits = F.linear(h.float(), self.weight)
+        return grouped_top_k(logits, self.e_score_correction_bias, self.route)

@@ -1,0 +1,145 @@
+"""Nemotron-3's mixture-of-experts layers through the real engine: greedy tokens equal transformers' float32 generate
+for four prompts at once, the longer ones prefilled in chunks, at TP 1, 2 and 3 (experts split by features, real
+process groups) and with expert parallelism at TP 2, with and without LatentMoE; a preempted sequence recomputes
+to the same tokens; dummy weights build the same model at every TP; the SSM states kept in bfloat16
+(--mamba-ssm-cache-dtype) serve close to float32. Configs the engine does not serve are refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from shardserve.engine.sampling_params import SamplingParams
+from shardserve.entrypoints.llm import LLM
+from tests.helpers.reference import random_prompts, transformers_greedy
+
+NEW_TOKENS = 8
+PROMPT_LENGTHS = (5, 17, 40, 1)
+NAMES = ("nemotron-h-moe", "nemotron-h-latent")
+
+
+def _prompts() -> list[list[int]]:
+    return random_prompts(PROMPT_LENGTHS)
+
+
+def _reference(model_dir: str, prompts=None, new_tokens: int = NEW_TOKENS) -> tuple[tuple[int, ...], ...]:
+    prompts = _prompts() if prompts is None else prompts
+    return transformers_greedy(model_dir, tuple(map(tuple, prompts)), new_tokens)
+
+
+def _llm(model_dir: str, **options) -> LLM:
+    return LLM(model_dir, device="cpu", dtype="float32", **{"kv_cache_memory_gb": 0.01, "max_num_seqs": 4, **options})
+
+
+def _params(max_tokens: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def _assert_all_returned(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "a KV block leaked"
+    assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs)), "a state slot leaked"
+
+
+def _expert_blocks(llm: LLM) -> list:
+    return [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "NemotronHMoE"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tp, expert_parallel", [(1, False), (2, False), (3, False), (2, True)])
+def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp, expert_parallel):
+    """All four prompts in one batch, the 17- and 40-token ones prefilled in chunks of at most 12 tokens beside the
+    others' steps. Rank 0's experts: features [0, 48 / tp) of every expert, or under expert parallelism the first
+    half of the experts whole."""
+    model_dir = tiny_model_dir(name)
+    expected = _reference(model_dir)
+    with _llm(model_dir, tensor_parallel_size=tp, max_num_batched_tokens=12,
+              enable_expert_parallel=expert_parallel) as llm:
+        outputs = llm.generate(_prompts(), _params())
+        _assert_all_returned(llm)
+        shard = _expert_blocks(llm)[0].experts.shard
+    for prompt, out, ref in zip(_prompts(), outputs, expected):
+        assert tuple(out.token_ids) == ref, f"{name} TP={tp} EP={expert_parallel}, prompt of {len(prompt)} tokens"
+    experts = {"nemotron-h-moe": 8, "nemotron-h-latent": 6}[name]
+    if expert_parallel:
+        assert shard.experts == (0, experts // 2) and shard.rows == (0, 48)
+    else:
+        assert shard.experts == (0, experts) and shard.rows == (0, 48 // tp) and shard.sharded == (tp > 1)
+
+
+def test_preempted_sequences_recompute_to_transformers_tokens(tiny_model_dir):
+    """A KV cache too small for four sequences that grow to 52 tokens: later arrivals are preempted and recomputed
+    from an empty Mamba-2 state, and every sequence still gives transformers' tokens."""
+    model_dir = tiny_model_dir("nemotron-h-moe")
+    prompts = [p for p in _prompts() if len(p) == 40] + [list(range(100 + i, 140 + i)) for i in range(3)]
+    with _llm(model_dir, kv_cache_memory_gb=0.00006, max_model_len=64) as llm:
+        assert llm.engine.block_manager.num_blocks < 16
+        outputs = llm.generate(prompts, _params(12))
+        assert llm.engine.scheduler.num_preemptions > 0
+        _assert_all_returned(llm)
+    assert [tuple(o.token_ids) for o in outputs] == list(_reference(model_dir, prompts, 12))
+
+
+def test_dummy_weights_build_the_same_model_at_every_tp(tiny_model_dir):
+    """--load-format dummy (the experts stacked, one tensor each): the same tokens at TP 1 and at TP 2 with expert
+    parallelism."""
+    prompts = [[5, 6, 7], [40] * 9]
+    outputs = {}
+    for tp in (1, 2):
+        with _llm(tiny_model_dir("nemotron-h-latent"), tensor_parallel_size=tp, load_format="dummy",
+                  enable_expert_parallel=tp > 1) as llm:
+            outputs[tp] = [o.token_ids for o in llm.generate(prompts, _params())]
+    assert outputs[1] == outputs[2]
+
+
+def test_bfloat16_ssm_states_serve_close_to_float32(tiny_model_dir):
+    """--mamba-ssm-cache-dtype bfloat16: the Mamba-2 state pools hold bfloat16 SSM states (the convolution inputs
+    stay in the model's dtype), and greedy decoding from them starts as transformers' float32 one does."""
+    model_dir = tiny_model_dir("nemotron-h-moe")
+    with _llm(model_dir, mamba_ssm_cache_dtype="bfloat16") as llm:
+        pools = llm.engine.runner.state_pools
+        assert pools and all(p.ssm.dtype == torch.bfloat16 and p.conv.dtype == torch.float32 for p in pools.values())
+        outputs = llm.generate(_prompts(), _params())
+    agreeing = [next((i for i, (a, b) in enumerate(zip(o.token_ids, ref)) if a != b), NEW_TOKENS)
+                for o, ref in zip(outputs, _reference(model_dir))]
+    assert min(agreeing) >= 2 and sum(agreeing) >= 3 * NEW_TOKENS, f"tokens agreeing with float32: {agreeing}"
+
+
+def test_the_ssm_state_dtype_is_refused_for_a_model_without_mamba_layers(tiny_model_dir):
+    with pytest.raises(ValueError, match="--mamba-ssm-cache-dtype bfloat16: Qwen3ForCausalLM has no Mamba-2"):
+        _llm(tiny_model_dir("qwen3"), mamba_ssm_cache_dtype="bfloat16")
+
+
+def _config_with(model_dir: str, tmp_path, **changes) -> str:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    return str(tmp_path)
+
+
+def test_the_config_names_the_experts_and_their_routing(tiny_model_dir):
+    from shardserve.config import ModelConfig
+
+    cfg = ModelConfig.from_model_path(tiny_model_dir("nemotron-h-latent"))
+    assert cfg.layer_types == ("moe", "linear_attention", "full_attention", "mlp", "moe") and cfg.moe_layers == (0, 4)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_latent_size) == (6, 3, 48, 32)
+    assert (cfg.num_expert_groups, cfg.topk_expert_groups, cfg.renormalize_topk) == (3, 2, False)
+    assert cfg.shared_expert_intermediate_size == 40 and cfg.routed_scaling_factor == 1.5
+
+
+@pytest.mark.parametrize("changes, refusal", [
+    (dict(n_shared_experts=2), "n_shared_experts=2"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}), "quantized checkpoint"),
+    (dict(n_group=3), "do not split into n_group=3"),
+])
+def test_what_is_not_served_is_refused_by_name(tiny_model_dir, tmp_path, changes, refusal):
+    from shardserve.config import ModelConfig
+
+    with pytest.raises(ValueError, match=refusal):
+        ModelConfig.from_model_path(_config_with(tiny_model_dir("nemotron-h-moe"), tmp_path, **changes))
