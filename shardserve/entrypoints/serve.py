@@ -33,6 +33,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         wake_on_request=args.wake_on_request,
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         quantization=getattr(args, "quantization", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
     )
 
 
