@@ -11,6 +11,7 @@ Llama-3-8B- or Llama-3-70B-shaped model with random bf16 weights (speed does not
     python benchmarks/gpu_suite.py --tp 1 --skip-hf --quantization gptq-int4  # a 4-bit GPTQ config, groups of 128
     python benchmarks/gpu_suite.py --tp 1 --skip-hf --quantization gptq-int4-head  # the same with lm_head: true
     python benchmarks/gpu_suite.py --model qwen3-next-80b-a3b --tp 2 --skip-online --long-prompt 32768
+    python benchmarks/gpu_suite.py --tp 1 --skip-hf --skip-online --kv-cache-dtype fp8 --long-prompt 131072
 
 Each phase runs in its own process (a crash or hang in one cannot take the others down); the parent
 prints a table and writes benchmarks/results/<device-kind>[-<model>]-<YYYYMMDD>.json (no model part for
@@ -253,8 +254,9 @@ def phase_engine(args) -> dict:
     llm = LLM(args.model_dir, tensor_parallel_size=args.tp[0], device="cuda", dtype="bfloat16", load_format="dummy",
               max_model_len=max(2048, args.long_prompt + 16), max_num_seqs=OFFLINE_REQUESTS,
               max_num_batched_tokens=args.max_batched_tokens,
-              quantization="fp8" if args.quantization == "fp8" else None)
+              quantization="fp8" if args.quantization == "fp8" else None, kv_cache_dtype=args.kv_cache_dtype)
     out = {"startup_s": time.perf_counter() - started, "kv_cache_blocks": llm.engine.runner.num_blocks,
+           "kv_cache_dtype": args.kv_cache_dtype,
            "kernel_plan": llm.engine.runner.plan.describe()}
     runner = llm.engine.runner
     if runner.all_reduce_choice is not None:
@@ -534,7 +536,7 @@ def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
     spawned ranks too) is sent SIGABRT, which with PYTHONFAULTHANDLER set prints each one's stack."""
     cmd = [sys.executable, __file__, "--phase", name, "--model", args.model, "--model-dir", args.model_dir,
            "--max-batched-tokens", str(args.max_batched_tokens), "--long-prompt", str(args.long_prompt),
-           "--offline-repeats", str(args.offline_repeats), *extra]
+           "--offline-repeats", str(args.offline_repeats), "--kv-cache-dtype", args.kv_cache_dtype, *extra]
     if args.quantization:
         cmd += ["--quantization", args.quantization]
     print(f"== {name} {' '.join(extra)}", flush=True)
@@ -633,6 +635,8 @@ def main() -> int:
                         "gptq-int4-head: the same with its LM head quantized (lm_head: true). Results go under keys "
                         "tagged fp8 / int4 / int4_head, added to the day's results file (no HF, no online phase)")
     p.add_argument("--model-dir", default=None)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8", "fp8_e4m3"], default="auto",
+                   help="the offline phases' KV cache (serve --kv-cache-dtype); fp8 holds twice the tokens of bf16")
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--offline-repeats", type=int, default=OFFLINE_REPEATS,
                    help=f"offline runs, the median reported (default {OFFLINE_REPEATS})")

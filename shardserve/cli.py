@@ -9,6 +9,7 @@ import re
 import sys
 
 from shardserve import __version__
+from shardserve.kv_cache_dtype import KV_CACHE_DTYPES
 
 
 def _positive(convert, flag: str, allow_zero: bool = False):
@@ -99,6 +100,10 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="how Mamba-2 layers (NemotronH) keep their SSM states between steps; the recurrence runs in "
                         "float32 whatever this says (default auto: float32)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="how the KV cache stores keys and values: auto (the model's dtype), bfloat16, or fp8 / fp8_e4m3 "
+                        "(e4m3 with per-layer k_scale / v_scale from the checkpoint, else 1.0: twice the tokens per "
+                        "GiB of bfloat16; attention still computes in float32)")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "generic", "none"], default="auto",
@@ -150,7 +155,7 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
                    help="plan for GPUs or for CPU ranks in host memory (default: cuda where a GPU is visible)")
     p.add_argument("--kv-cache-memory", type=_positive_float("--kv-cache-memory"), default=None,
                    help="GiB of KV cache per rank on CPUs (default: what serve uses)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     p.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="plan for serve --mamba-ssm-cache-dtype: the Mamba-2 SSM states' dtype (auto: float32)")
     p.add_argument("--quantization", choices=["fp8"], default=None,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from shardserve.kv_cache_dtype import KV_CACHE_DTYPES
 from shardserve.models.registry import resolve_architecture, text_model_config
 from shardserve.weights.quantized import QuantScheme, parse_quantization
 
@@ -133,7 +134,7 @@ class ModelConfig:
         arch = resolve_architecture(cfg.get("architectures") or [], cfg.get("model_type"))
         nemotron = _nemotron_h_fields(arch, cfg)
         num_heads = cfg["num_attention_heads"]
-        rope = _rope_parameters(cfg)
+        rope = _rope_parameters(cfg, cfg.get("max_position_embeddings", 4096))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -180,6 +181,16 @@ class ModelConfig:
             )
         with open(config_file) as f:
             return cls.from_hf_dict(json.load(f))
+
+    @property
+    def position_limit(self) -> int:
+        """The longest context the model's positions allow: max_position_embeddings, or where a RoPE scaling
+        stretches the original context (linear, YaRN, dynamic NTK), that context times its factor (vLLM's rule)."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling["rope_type"] not in _STRETCHING_ROPE_SCALINGS:
+            return self.max_position_embeddings
+        original = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+        return int(original * scaling["factor"])
 
     def checkpoint_dtype(self) -> torch.dtype:
         return DTYPES.get(self.torch_dtype.replace("torch.", ""), torch.float32)
@@ -319,8 +330,16 @@ def _json_float(value: Any) -> float:
     return float(value)
 
 
-def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Read RoPE settings from either the older (rope_theta, rope_scaling) keys or `rope_parameters`."""
+# RoPE scalings served (layers/rotary.py), and those that stretch the original context by their factor (the model's
+# position limit is then original x factor, as vLLM reckons it; Llama-3's config states its stretched length).
+ROPE_SCALINGS = ("llama3", "linear", "yarn", "dynamic")
+_STRETCHING_ROPE_SCALINGS = ("linear", "yarn", "dynamic")
+
+
+def _rope_parameters(cfg: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:
+    """Read RoPE settings from either the older (rope_theta, rope_scaling) keys or `rope_parameters`. YaRN and
+    dynamic NTK get original_max_position_embeddings (default: max_position_embeddings) and YaRN its factor
+    (default: their ratio), as transformers reads them."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or None
     theta = params.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
@@ -331,10 +350,15 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
         kind = scaling.get("rope_type") or scaling.get("type") or "default"
         if kind == "default":
             scaling = None
-        elif kind not in ("llama3", "linear"):
-            raise ValueError(f"unsupported rope scaling type {kind!r}: shardserve supports llama3 and linear")
+        elif kind not in ROPE_SCALINGS:
+            raise ValueError(f"unsupported rope scaling type {kind!r}: shardserve supports {', '.join(ROPE_SCALINGS)}")
         else:
             scaling["rope_type"] = kind
+            if kind in _STRETCHING_ROPE_SCALINGS[1:]:
+                original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+                scaling["original_max_position_embeddings"] = original
+                if scaling.get("factor") is None:
+                    scaling["factor"] = max_position_embeddings / original
     return {"rope_theta": float(theta), "scaling": scaling}
 
 
@@ -365,6 +389,9 @@ class EngineConfig:
     # One of MAMBA_SSM_CACHE_DTYPES: the dtype of the Mamba-2 layers' SSM state pools (their recurrence always runs in
     # float32; only what is kept between steps is rounded). Models without Mamba-2 layers take "auto" only.
     mamba_ssm_cache_dtype: str = "auto"
+    # How the KV cache stores keys and values (attention/kv_quant.py): "auto" (the compute dtype), "bfloat16", or
+    # "fp8" / "fp8_e4m3" (e4m3 with per-layer scales from the checkpoint, else 1.0).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -375,6 +402,8 @@ class EngineConfig:
         if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
             raise ValueError(f"mamba_ssm_cache_dtype (--mamba-ssm-cache-dtype) must be one of "
                              f"{', '.join(MAMBA_SSM_CACHE_DTYPES)}, got {self.mamba_ssm_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     @property
     def ssm_state_dtype(self) -> torch.dtype:
@@ -382,11 +411,16 @@ class EngineConfig:
         return DTYPES.get(self.mamba_ssm_cache_dtype, torch.float32)
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:
-        limit = model_config.max_position_embeddings
+        """--max-model-len, or max_position_embeddings by default; refused above the model's position limit (a RoPE
+        scaling may raise it past max_position_embeddings: ModelConfig.position_limit)."""
         if self.max_model_len is None:
-            return limit
-        if self.max_model_len > limit and model_config.rope_scaling is None:
-            raise ValueError(
-                f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings {limit}"
-            )
+            return model_config.max_position_embeddings
+        limit = model_config.position_limit
+        if self.max_model_len > limit:
+            scaling = model_config.rope_scaling
+            why = (f"max_position_embeddings {model_config.max_position_embeddings}" if limit ==
+                   model_config.max_position_embeddings else f"{scaling['rope_type']} RoPE scaling: "
+                   f"{scaling['original_max_position_embeddings']} x factor {scaling['factor']:g}")
+            raise ValueError(f"--max-model-len {self.max_model_len} is above this model's limit of {limit} tokens "
+                             f"({why}): lower --max-model-len to at most {limit}")
         return self.max_model_len

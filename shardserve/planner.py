@@ -25,7 +25,7 @@ from shardserve.layers.sharding import attention_shard, delta_net_shard, split_r
 from shardserve.models.registry import text_model_config
 
 GIB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1}
 # Fixed per-rank costs on a GPU: CUDA context, cuBLAS/NCCL workspaces and buffers, allocator slack.
 GPU_FIXED_OVERHEAD = int(1.0 * GIB)
 # And per rank of a tensor-parallel group of GPUs: NCCL's communicator buffers, the peer-memory areas of the
@@ -451,7 +451,7 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
         return cpu
     tp = req.tensor_parallel_size
     dtype = _dtype_bytes(cfg)
-    kv_dtype = dtype if req.kv_cache_dtype == "auto" else DTYPE_BYTES[req.kv_cache_dtype]
+    kv_dtype = _kv_dtype_bytes(req, dtype)
     replicated: list[str] = []
     weights = weight_elements_per_rank(cfg, tp, replicated) * dtype
     packed = _packed_bytes_per_weight(cfg, req.quantization)
@@ -503,6 +503,12 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
                 active_weight_bytes=active)
 
 
+def _kv_dtype_bytes(req: PlanRequest, compute_bytes: int) -> int:
+    """Bytes of one cached key or value element: the compute dtype's under --kv-cache-dtype auto (FP8: 1, so
+    twice the tokens per GiB of bfloat16)."""
+    return compute_bytes if req.kv_cache_dtype == "auto" else DTYPE_BYTES[req.kv_cache_dtype]
+
+
 def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
     """CPU ranks: weights in float32 (what the engine computes in on CPUs under --dtype auto), plus a 16-bit
     compact copy for decode steps where the checkpoint is 16-bit; a KV cache of --kv-cache-memory per rank;
@@ -518,7 +524,7 @@ def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
     # The compact copy for decode steps: GGUF blocks (about 5 bits a weight for Q4_1) or the 16-bit checkpoint.
     compact = 0.625 if cfg.get("gguf_quantized") else (_dtype_bytes(cfg) if _dtype_bytes(cfg) < 4 else 0)
     weights = int(elements * (4 + compact))
-    per_token, per_seq_state, model_limit, max_len = _context(cfg, req, 4, 4)
+    per_token, per_seq_state, model_limit, max_len = _context(cfg, req, _kv_dtype_bytes(req, 4), 4)
     overhead = _step_bytes(cfg, req, 4) + CPU_FIXED_OVERHEAD
     states = req.max_num_seqs * per_seq_state
     kv_budget = int((req.kv_cache_memory_gb if req.kv_cache_memory_gb is not None else DEFAULT_CPU_KV_CACHE_GB) * GIB)

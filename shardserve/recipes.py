@@ -53,6 +53,7 @@ class ServeOptions(BaseModel):
     enable_expert_parallel: bool | None = None
     quantization: Literal["fp8"] | None = None
     mamba_ssm_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3"] | None = None
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "generic", "none"] | None = None
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
     api_server_count: int | None = Field(default=None, ge=0)

@@ -51,6 +51,21 @@ TINY_SPECS = {
 }
 
 
+# Long contexts with YaRN: "llama-yarn" stretches an original context of 64 positions 4 times (prompts and answers
+# run past it); "llama-long" serves 32768 positions (4096 x 8) in one layer of 4 heads over 2 KV heads, for a 16k
+# prompt through chunked prefill.
+LONG_CONTEXT_SPECS = {
+    "llama-yarn": TinySpec("llama-yarn", "llama", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+        tie_word_embeddings=True, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                "original_max_position_embeddings": 64})),
+    "llama-long": TinySpec("llama-long", "llama", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=1,
+        max_position_embeddings=32768, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096})),
+}
+
+
 # Odd shapes, saved as 16-bit checkpoints: 5 query heads over 1 KV head (attention replicated at TP 2 and 3,
 # fewer KV heads than ranks), 150 MLP features (75 and 50 per rank: ragged kernel widths) and a vocabulary of
 # 1000 that 3 ranks do not split evenly.

@@ -2,7 +2,9 @@
 
 Single-token chunks are batched against a padded context, computed in float32 as two batched matmuls
 per group of query heads sharing a KV head, with a -inf bias on the padding; each longer chunk runs on
-its own through torch's scaled_dot_product_attention. On CPUs torch's SDPA with a padding mask is several
+its own through torch's scaled_dot_product_attention. Keys and values go into the cache encoded as its dtype says
+(attention/kv_quant.py: FP8 with the layer's scales) and are read back decoded, so attention sees what the cache
+holds. On CPUs torch's SDPA with a padding mask is several
 times slower for a batch of single-token queries (and slower still in bfloat16) than the two matmuls.
 """
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardserve.attention import kv_quant
 from shardserve.attention.batch import StepBatch
 
 
@@ -84,8 +87,8 @@ class SdpaBackend:
         Returns [tokens, heads * dim]."""
         q, k = rotary.apply(qk).split([layer.num_heads, layer.num_kv_heads], dim=1)
         k_cache, v_cache = cache
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        kv_quant.store(k_cache, meta.slot_mapping, k, layer.k_scale)
+        kv_quant.store(v_cache, meta.slot_mapping, v, layer.v_scale)
         n = meta.num_single
         if n and not meta.prefills:  # decode only: no output buffer to assemble
             return self._single(layer, q, k_cache, v_cache, meta).reshape(n, -1)
@@ -94,23 +97,29 @@ class SdpaBackend:
             out[:n] = self._single(layer, q[:n], k_cache, v_cache, meta)
         for chunk in meta.prefills:
             qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, len, dim]
-            kc = _heads_first(layer, k_cache[chunk.context_slots].unsqueeze(0))
-            vc = _heads_first(layer, v_cache[chunk.context_slots].unsqueeze(0))
+            kc = _heads_first(layer, _read(k_cache, chunk.context_slots, layer.k_scale, q.dtype).unsqueeze(0))
+            vc = _heads_first(layer, _read(v_cache, chunk.context_slots, layer.v_scale, q.dtype).unsqueeze(0))
             out[chunk.start:chunk.end] = _causal(layer, qc, kc, vc, chunk.first_position)[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
 
     def _single(self, layer, q, k_cache, v_cache, meta: SdpaMetadata) -> torch.Tensor:
         """One query token per sequence against its padded context: [n, heads, dim] in q's dtype."""
-        ks = _heads_first(layer, k_cache[meta.single_slots])  # [n, kv_heads (or heads), ctx, dim]
-        vs = _heads_first(layer, v_cache[meta.single_slots])
+        # [n, kv_heads (or heads), ctx, dim] in float32
+        ks = _heads_first(layer, _read(k_cache, meta.single_slots, layer.k_scale, torch.float32))
+        vs = _heads_first(layer, _read(v_cache, meta.single_slots, layer.v_scale, torch.float32))
         n, heads, dim = q.shape
         kv_heads = ks.shape[1]
         # Query heads h * group .. (h + 1) * group - 1 read KV head h (after _heads_first, group is 1 where
         # the heads were expanded instead).
         grouped_q = q.float().view(n, kv_heads, heads // kv_heads, dim)
-        scores = torch.matmul(grouped_q, ks.float().transpose(-1, -2)).mul_(layer.scale).add_(meta.single_bias)
-        out = torch.matmul(torch.softmax(scores, dim=-1), vs.float())
+        scores = torch.matmul(grouped_q, ks.transpose(-1, -2)).mul_(layer.scale).add_(meta.single_bias)
+        out = torch.matmul(torch.softmax(scores, dim=-1), vs)
         return out.view(n, heads, dim).to(q.dtype)
+
+
+def _read(cache: torch.Tensor, slots: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's values at `slots` (any shape), decoded to `dtype`."""
+    return kv_quant.decode(cache[slots], scale, dtype)
 
 
 def _heads_first(layer, x: torch.Tensor) -> torch.Tensor:

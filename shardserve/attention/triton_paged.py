@@ -91,6 +91,7 @@ class TritonPagedBackend:
         Returns [tokens, heads * dim]. One kernel normalises (layer.head_norm) and rotates q and k and writes k
         and v to the cache; in a decode-only step that is the decode attention launch itself (rotary_mode)."""
         k_cache, v_cache = cache
+        scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)  # an FP8 cache's (attention/kv_quant.py)
         head_norm = None
         if layer.head_norm is not None:
             q_norm, k_norm = layer.head_norm
@@ -105,27 +106,27 @@ class TritonPagedBackend:
             out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                          layer.scale, self.block_size, meta.num_splits,
                                          arrivals=meta.decode_arrivals, new_tokens=new,
-                                         next_early=layer.launches_next_early)
+                                         next_early=layer.launches_next_early, **scales)
             return out.view(q.shape[0], -1)
         if fused:
             apply_rotary_and_store_(qk, layer.num_heads, v, rotary.positions, rotary.cos, rotary.signed_sin,
-                                    k_cache, v_cache, meta.slot_mapping, head_norm)
+                                    k_cache, v_cache, meta.slot_mapping, head_norm, **scales)
         else:
             if layer.head_norm is not None:
                 qk = layer.normed_heads(qk)
             qk = rotary.apply(qk)
-            store_kv_cache(qk[:, layer.num_heads:], v, k_cache, v_cache, meta.slot_mapping)
+            store_kv_cache(qk[:, layer.num_heads:], v, k_cache, v_cache, meta.slot_mapping, **scales)
         q = qk[:, :layer.num_heads]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decode
         if nd:
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                    layer.scale, self.block_size, meta.num_splits, out=out[:nd],
-                                   arrivals=meta.decode_arrivals)
+                                   arrivals=meta.decode_arrivals, **scales)
         if meta.prefill_query_start is not None:
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
                                     meta.prefill_context_lens, meta.max_query_len, layer.scale, self.block_size,
-                                    out=out[nd:])
+                                    out=out[nd:], **scales)
         return out.view(q.shape[0], -1)
 
     # -- static buffers for CUDA graphs ----------------------------------------------------------

@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from shardserve.attention import StepBatch
+from shardserve.attention import StepBatch, kv_quant
 from shardserve.distributed.all_reduce import message_shape
 from shardserve.distributed.control_plane import all_gather_msgpack
 from shardserve.distributed.handshake import StartupMismatch
@@ -25,8 +25,8 @@ from shardserve.engine.kv_cache import allocate_kv_cache
 from shardserve.wire.step_plan import SeqChunk
 from shardserve.kernels import cpu_extensions
 from shardserve.kernels.plan import KernelPlan, KernelPlanError
-from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, check_delta_net,
-                                           check_linear, head_norm_reference, relative_error, rotate_reference)
+from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, attention_tolerance,
+                                           check_delta_net, check_linear, head_norm_reference, relative_error, rotate_reference)
 from shardserve.layers import packed_batches
 from shardserve.layers import quantized_linear as ql
 from shardserve.layers.linear import KernelLinear
@@ -220,17 +220,22 @@ def _attention_steps(block_size: int) -> tuple[list[list[SeqChunk]], int]:
 
 @torch.inference_mode()
 def check_attention(backend, attn, rotary, dtype: torch.dtype, device: torch.device, block_size: int,
-                    seed: int = 0) -> CheckResult:
+                    seed: int = 0, kv_dtype: torch.dtype | None = None) -> CheckResult:
     """The backend on a small paged batch (prefill, chunked prefill beside decode, decode) against float64
     attention, with the model's own head layout, head norms (attn: a PagedAttention) and rotary tables. The
-    batch goes through attn's own forward, as the model's does, so whatever the backend fuses is checked."""
-    name = f"{backend.name} attention ({attn.num_heads} heads, {attn.num_kv_heads} KV heads, dim {attn.head_dim})"
-    tolerance = TOLERANCE.get(dtype, 1e-2)
+    batch goes through attn's own forward, as the model's does, so whatever the backend fuses is checked.
+
+    kv_dtype: the cache's (default: dtype). The reference reads keys and values as that cache holds them (an FP8
+    cache: rounded to e4m3 with attn's scales, attention/kv_quant.py), under the FP8 cache's own tolerance."""
+    kv_dtype = kv_dtype or dtype
+    name = (f"{backend.name} attention ({attn.num_heads} heads, {attn.num_kv_heads} KV heads, dim {attn.head_dim}"
+            f"{', ' + kv_quant.describe(kv_dtype) + ' cache' if kv_dtype != dtype else ''})")
+    tolerance = attention_tolerance(dtype, kv_dtype)
     try:
         generator = torch.Generator().manual_seed(seed)
         steps, num_blocks = _attention_steps(block_size)
-        (k_cache, v_cache), = allocate_kv_cache(1, num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype,
-                                                device)
+        (k_cache, v_cache), = allocate_kv_cache(1, num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
+                                                kv_dtype, device)
         history: dict[int, tuple[list, list]] = {}  # seq -> rotated keys, values (float64, by position)
         worst = 0.0
         heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -240,18 +245,15 @@ def check_attention(backend, attn, rotary, dtype: torch.dtype, device: torch.dev
             qk = torch.randn(n, heads + kv_heads, dim, generator=generator).to(dtype)
             v = torch.randn(n, kv_heads, dim, generator=generator).to(dtype)
             positions = torch.tensor(batch.positions, dtype=torch.long)
-            cos, sin = rotary.cos[positions].double().cpu(), rotary.signed_sin[positions].double().cpu()
-            unrotated = qk.double()
-            if attn.head_norm is not None:
-                q_norm, k_norm = attn.head_norm
-                unrotated = head_norm_reference(unrotated, heads, q_norm.weight, k_norm.weight, q_norm.eps)
-            rotated = rotate_reference(unrotated, cos, sin)
+            rotated = _rotated_reference(qk, attn, rotary, positions)
+            keys_read = _as_cached(rotated[:, heads:], dtype, attn.k_scale, kv_dtype)
+            values_read = _as_cached(v.double(), dtype, attn.v_scale, kv_dtype)
             expected = torch.empty(n, heads * dim, dtype=torch.float64)
             for i, chunk in enumerate(batch.chunks):
                 rows = slice(batch.row_start[i], batch.row_start[i + 1])
                 keys, values = history.setdefault(chunk.seq_id, ([], []))
-                keys.append(rotated[rows, heads:])
-                values.append(v[rows].double())
+                keys.append(keys_read[rows])
+                values.append(values_read[rows])
                 expected[rows] = attention_reference(rotated[rows, :heads], torch.cat(keys), torch.cat(values),
                                                      list(attn.kv_index_tuple), attn.scale, chunk.start_position)
             meta = backend.build_metadata(batch)
@@ -262,12 +264,35 @@ def check_attention(backend, attn, rotary, dtype: torch.dtype, device: torch.dev
         return CheckResult(name, math.inf, tolerance, f"{type(e).__name__}: {e}")
 
 
-def checked_attention(backend, attn, rotary, dtype, device, block_size, ctx: RankContext):
-    """The backend if it passes its check on every rank; otherwise, with a WARNING, torch SDPA (which runs on
-    any device and layout) if that passes. Start-up stops when neither does."""
+def _rotated_reference(qk: torch.Tensor, attn, rotary, positions: torch.Tensor) -> torch.Tensor:
+    """qk's heads normed (attn.head_norm) and rotated in float64, as attention sees them."""
+    cos, sin = rotary.cos[positions].double().cpu(), rotary.signed_sin[positions].double().cpu()
+    unrotated = qk.double()
+    if attn.head_norm is not None:
+        q_norm, k_norm = attn.head_norm
+        unrotated = head_norm_reference(unrotated, attn.num_heads, q_norm.weight, k_norm.weight, q_norm.eps)
+    return rotate_reference(unrotated, cos, sin)
+
+
+def _as_cached(x: torch.Tensor, dtype: torch.dtype, scale: float, kv_dtype: torch.dtype) -> torch.Tensor:
+    """float64 keys or values as a cache of kv_dtype holds them: computed in `dtype` (the backend's), then stored.
+    Left exact for a cache of the compute dtype: the reference is float64 attention on the inputs."""
+    if kv_dtype == dtype:
+        return x
+    return kv_quant.round_like_cache(x.to(dtype), scale, kv_dtype).double()
+
+
+def checked_attention(backend, attn, rotary, dtype, device, block_size, ctx: RankContext,
+                      kv_dtype: torch.dtype | None = None):
+    """The backend if it passes its check on every rank (with a cache of kv_dtype, default dtype); otherwise, with
+    a WARNING, torch SDPA (which runs on any device and layout) if that passes. Start-up stops when neither does."""
     from shardserve.attention.sdpa import SdpaBackend
 
-    problems = _failures(_only_failed(check_attention(backend, attn, rotary, dtype, device, block_size)), ctx)
+    def check(candidate):
+        return _failures(_only_failed(check_attention(candidate, attn, rotary, dtype, device, block_size,
+                                                      kv_dtype=kv_dtype)), ctx)
+
+    problems = check(backend)
     if not problems:
         return backend
     if not isinstance(backend, SdpaBackend):
@@ -275,7 +300,7 @@ def checked_attention(backend, attn, rotary, dtype, device, block_size, ctx: Ran
             logger.warning("attention backend %s failed its start-up check, using torch-sdpa instead: %s",
                            backend.name, "; ".join(problems))
         fallback = SdpaBackend(device, block_size)
-        more = _failures(_only_failed(check_attention(fallback, attn, rotary, dtype, device, block_size)), ctx)
+        more = check(fallback)
         if not more:
             return fallback
         problems += more

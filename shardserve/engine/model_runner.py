@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from shardserve.attention import StepBatch, create_attention_backend
+from shardserve.attention import StepBatch, create_attention_backend, kv_quant
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed import all_reduce, token_broadcast
 from shardserve.distributed.process_group import RankContext
@@ -25,7 +25,7 @@ from shardserve.engine import kernel_setup
 from shardserve.kernels import cpu_features
 from shardserve.kernels import plan as kernel_plan
 from shardserve.layers.moe_shared import fold_shared_experts
-from shardserve.layers.attention import overlap_with_o_projection
+from shardserve.layers.attention import kv_scales_summary, overlap_with_o_projection
 from shardserve.layers.cuda_gemv import use_batch1_gemv
 from shardserve.layers.linear import deferred_weights, weight_bytes
 from shardserve.layers.moe_packed import pack_experts
@@ -50,12 +50,15 @@ class ModelRunner:
         self.plan = kernel_plan.decide(config, model_config,
                                        cpu_features.detect() if self.device.type == "cpu" else None)
         self.dtype = self.plan.dtype
+        self.kv_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, self.dtype)  # what the cache's slots hold
         self.linear_kernel = None  # chosen at the first load, kept for reloads
         self.self_check = kernel_setup.Stopwatch()
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.block_size = config.block_size
         self.memory_plan = self._plan_memory()  # None where the planner cannot describe the model
         self.model = self._load_model()
+        if kv_quant.is_fp8(self.kv_dtype) and ctx.is_driver:
+            logger.info("FP8 KV cache (e4m3): %s", kv_scales_summary(self.model))
         # On GPUs, weights and KV cache live at fixed addresses whose memory sleep gives back and wake takes
         # again (weights/stable_memory.py), so the CUDA graphs survive a sleep and waking costs one copy.
         self.weight_arena = self.kv_arena = None
@@ -77,7 +80,8 @@ class ModelRunner:
                                                   attn.kv_index_tuple)
         with self.self_check, setup_step("check the attention kernel", ctx.rank):
             self.attention = kernel_setup.checked_attention(self.attention, attn, self.model.model.rotary,
-                                                            self.dtype, self.device, self.block_size, ctx)
+                                                            self.dtype, self.device, self.block_size, ctx,
+                                                            kv_dtype=self.kv_dtype)
         self.plan = self.plan.with_results(attention=self.attention.name)
         with self.self_check, setup_step("check the Gated DeltaNet kernels", ctx.rank):
             self.plan = self.plan.with_results(delta_net=kernel_setup.checked_delta_net(self.model, self.dtype,
@@ -106,11 +110,11 @@ class ModelRunner:
                  self.model_config.head_dim)
         if self.weight_arena is None:
             self.state_pools = self._new_state_pools(self.device)
-            return allocate_kv_cache(*shape, self.dtype, self.device)
+            return allocate_kv_cache(*shape, self.kv_dtype, self.device)
         if self.kv_arena is None:
             layout = self._new_state_pools(torch.device("meta"))
             self.kv_arena, self._kv_tensor, views = stable_memory.kv_cache_in_arena(
-                shape[0], shape[1] * shape[2], shape[3], shape[4], self.dtype, self.device,
+                shape[0], shape[1] * shape[2], shape[3], shape[4], self.kv_dtype, self.device,
                 [t for pool in layout.values() for t in pool])
             views = iter(views)
             self._arena_pools = {i: type(pool)(*(next(views) for _ in pool)) for i, pool in layout.items()}
@@ -375,7 +379,8 @@ class ModelRunner:
             return plan(cfg, PlanRequest(self.ctx.world_size, self.max_model_len, self.config.max_num_seqs,
                                          self.config.max_num_batched_tokens, device_gb,
                                          self.config.gpu_memory_utilization,
-                                         quantization=self.config.quantization))
+                                         quantization=self.config.quantization,
+                                         kv_cache_dtype=self.config.kv_cache_dtype))
         except (OSError, KeyError, ValueError) as e:
             logger.debug("planner: no prediction for %s: %s", self.config.model, e)
             return None
@@ -390,15 +395,15 @@ class ModelRunner:
         measured, kv = total - free, self.num_blocks * self._kv_bytes_per_block()
         states = p.state_bytes_per_seq * self.config.max_num_seqs
         predicted = p.weight_bytes + kv + states + p.overhead_bytes
-        logger.info("rank %d memory: planner predicted %.2f GiB (weights %.2f, KV cache %.2f,%s overhead %.2f), "
+        logger.info("rank %d memory: planner predicted %.2f GiB (weights %.2f, KV cache %.2f in %s,%s overhead %.2f), "
                     "%.2f GiB in use on the device after start-up (%+.1f%%)", self.ctx.rank, predicted / 2**30,
-                    p.weight_bytes / 2**30, kv / 2**30, f" recurrent states {states / 2**30:.2f}," if states else "",
+                    p.weight_bytes / 2**30, kv / 2**30, kv_quant.describe(self.kv_dtype), f" recurrent states {states / 2**30:.2f}," if states else "",
                     p.overhead_bytes / 2**30, measured / 2**30, 100 * (measured - predicted) / predicted)
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         return bytes_per_block(len(cfg.kv_layers), self.block_size, self.model.kv_heads_per_rank(), cfg.head_dim,
-                               self.dtype)
+                               self.kv_dtype)
 
     def _state_bytes(self) -> int:
         """Bytes of the recurrent-state pools (max_num_seqs slots per linear-attention layer) on this rank."""
@@ -431,8 +436,8 @@ class ModelRunner:
                 f"the KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of {self.block_size}) "
                 f"but --max-model-len is {self.max_model_len}: lower --max-model-len or raise --kv-cache-memory"
             )
-        logger.info("rank %d KV cache: %d blocks of %d tokens (%.2f GiB)", self.ctx.rank, num_blocks,
-                    self.block_size, num_blocks * per_block / 2**30)
+        logger.info("rank %d KV cache: %d blocks of %d tokens (%.2f GiB of %s)", self.ctx.rank, num_blocks,
+                    self.block_size, num_blocks * per_block / 2**30, kv_quant.describe(self.kv_dtype))
         return num_blocks
 
     @torch.inference_mode()

@@ -34,6 +34,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         quantization=getattr(args, "quantization", None),
         mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
     )
 
 

@@ -21,6 +21,12 @@ class PagedAttention(nn.Module):
     # Decode attention lets the next kernel (the o projection's GEMV) launch at its start: set where that GEMV loads
     # all its rows before its wait (overlap_with_o_projection).
     launches_next_early = False
+    # The FP8 cache's scales (attention/kv_quant.py): a key or value x is stored as x / scale in e4m3 and read as
+    # stored * scale. Plain floats, the same on every rank, set by the checkpoint's k_scale / v_scale tensors
+    # (kv_scales_loaded) and kept across sleep and wake; unused by 16-bit caches.
+    k_scale = 1.0
+    v_scale = 1.0
+    kv_scales_loaded = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_index: tuple[int, ...]) -> None:
         super().__init__()
@@ -46,6 +52,14 @@ class PagedAttention(nn.Module):
             qk = self.normed_heads(qk)
         return meta.backend.forward(self, qk, v, rotary, cache, meta)
 
+    def set_kv_scale(self, kind: str, value: float) -> None:
+        """kind "k", "v" or "kv" (one scale for both, as older FP8 checkpoints store it)."""
+        if "k" in kind:
+            self.k_scale = value
+        if "v" in kind:
+            self.v_scale = value
+        self.kv_scales_loaded = True
+
     def normed_heads(self, qk: torch.Tensor) -> torch.Tensor:
         """head_norm applied to qk's query heads and key heads (in place where a kernel does it)."""
         q_norm, k_norm = self.head_norm
@@ -54,6 +68,18 @@ class PagedAttention(nn.Module):
 
             return qk_rms_norm_(qk, self.num_heads, q_norm.weight, k_norm.weight, q_norm.eps)  # one launch
         return torch.cat((q_norm(qk[:, :self.num_heads]), k_norm(qk[:, self.num_heads:])), dim=1)
+
+
+def kv_scales_summary(model: nn.Module) -> str:
+    """For the start-up log of an FP8 KV cache: where the attention layers' k/v scales came from and their range."""
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    loaded = sum(m.kv_scales_loaded for m in layers)
+    if not loaded:
+        return f"the checkpoint ships no k_scale / v_scale: 1.0 for all {len(layers)} attention layers"
+    scales = [s for m in layers for s in (m.k_scale, m.v_scale)]
+    rest = f", 1.0 for the other {len(layers) - loaded}" if loaded < len(layers) else ""
+    return (f"k_scale / v_scale from the checkpoint for {loaded} of {len(layers)} attention layers{rest} "
+            f"(from {min(scales):.4g} to {max(scales):.4g})")
 
 
 def overlap_with_o_projection(model: nn.Module) -> int:

@@ -23,6 +23,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from safetensors import safe_open
 from torch import nn
 
+from shardserve.attention import kv_quant
+from shardserve.layers.attention import PagedAttention
 from shardserve.layers.linear import load_whole, shape_of
 from shardserve.layers.quantized_linear import PACKED_PARTS, quantizable_layers
 from shardserve.weights.quantized import (Checkpoint, QuantScheme, count_dequantized, dequantized_checkpoint,
@@ -178,6 +180,7 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
     skipped = getattr(model, "skipped_checkpoint_prefixes", {})  # e.g. its vision tower: counted, then logged
     skipped_counts = dict.fromkeys(skipped, 0)
     folded = getattr(model, "folded_parameters", {})  # parameter -> (where it went, its shard ids there)
+    attention_blocks = {name.rpartition(".")[0]: m for name, m in model.named_modules() if isinstance(m, PagedAttention)}
     loaded: set[str] = set()
     for stored, tensor in tensors:
         name = model_tensor_name(stored, renamed)  # errors name the tensor as the checkpoint stores it
@@ -185,8 +188,10 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
         if part is not None:
             skipped_counts[part] += 1
             continue
-        if name.endswith(IGNORED_SUFFIXES) or name.startswith(unused) or \
+        if name.endswith(IGNORED_SUFFIXES + kv_quant.UNUSED_ATTENTION_SCALES) or name.startswith(unused) or \
                 (tied_embeddings and name == "lm_head.weight"):
+            continue
+        if _load_kv_scale(attention_blocks, name, stored, tensor, source):
             continue
         want = expected.get(name)
         if want is not None and shape_of(tensor) != want:
@@ -221,6 +226,24 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
             if count:
                 logger.info("%s: left %d tensors of %s (%s*) unread: shardserve serves the text model", source,
                             count, skipped[part], part)
+
+
+def _load_kv_scale(attention_blocks: dict[str, PagedAttention], name: str, stored: str, tensor, source: str) -> bool:
+    """Set the KV scale that tensor `name` holds on its attention block's PagedAttention; False where `name` is no
+    KV scale (attention/kv_quant.scale_target)."""
+    target = kv_quant.scale_target(name)
+    if target is None:
+        return False
+    block, kind = target
+    attn = attention_blocks.get(block)
+    if attn is None:
+        raise ValueError(f"{source} has a KV scale {stored!r} outside any attention block of the model (looked for "
+                         f"{block!r})")
+    try:
+        attn.set_kv_scale(kind, kv_quant.scale_value(stored, tensor))
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    return True
 
 
 def model_tensor_name(name: str, renamed: dict[str, str]) -> str:

@@ -37,6 +37,14 @@ def test_tokenizer_makes_prompts_exactly_input_len_tokens(tiny_model_dir):
     assert len({tuple(ids[16:]) for ids in encoded}) == 10
 
 
+def test_a_32k_prompt_is_exactly_its_length_with_a_word_level_tokenizer(tiny_model_dir):
+    """`bench --input-len 32768`: the prompt a whitespace pre-tokenizer counts (as the server's usage will) is
+    32768 tokens, special ids among the random ones refilled."""
+    tokenizer = Tokenizer.from_model_path(tiny_model_dir("llama-tied"))
+    request, = Workload(num_prompts=1, output_len=8, input_len=32768, tokenizer=tokenizer, seed=5).requests(0)
+    assert len(tokenizer.encode(request.prompt, add_special_tokens=False)) == 32768
+
+
 def test_dataset_prompts_get_a_distinct_tag_and_keep_their_text(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join([json.dumps({"prompt": "Say hi.", "output_len": 5}), "",

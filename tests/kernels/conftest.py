@@ -8,13 +8,14 @@ import os
 import pytest
 import torch
 
-from tests.triton_interpreter import allow_one_element_arrays_as_indices
+from tests.triton_interpreter import allow_one_element_arrays_as_indices, convert_float8_to_nearest
 
 
 if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("TRITON_INTERPRET") == "1":
         allow_one_element_arrays_as_indices()
+        convert_float8_to_nearest()
 
 
 @pytest.fixture

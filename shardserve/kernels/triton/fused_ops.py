@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.triton import pdl
+from shardserve.kernels.triton.paged_attention import CACHE_DTYPES, cache_values, is_fp8_cache
 from shardserve.kernels.triton.pdl import enter
 
 
@@ -316,14 +317,15 @@ def apply_rotary_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 @triton.jit
 def _rotary_store_kernel(qk_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
-                         q_weight_ptr, k_weight_ptr, eps,
+                         q_weight_ptr, k_weight_ptr, eps, k_scale, v_scale,
                          num_q_heads, num_kv_heads, stride_t, stride_h, stride_vt, stride_vh, stride_cos, stride_sin,
                          stride_kcs, stride_kch, stride_vcs, stride_vch,
                          HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr, KV_P: tl.constexpr, NORM: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, KV_FP8: tl.constexpr):
     """One program per token: with NORM, first normalises each query and key head (as _qk_norm_kernel: the same
     roundings); rotates them in place (as _rotary_kernel), then writes the rotated keys and the values to the
-    token's cache slot, or nowhere where the slot is negative. PDL: as in kernels/triton/pdl.py."""
+    token's cache slot as the cache holds them (cache_values: an FP8 cache's scales), or nowhere where the slot
+    is negative. PDL: as in kernels/triton/pdl.py."""
     enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_P)
@@ -349,21 +351,24 @@ def _rotary_store_kernel(qk_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_c
     slot = tl.load(slot_ptr + token).to(tl.int64)
     is_key = ((heads >= num_q_heads) & (heads < num_heads))[:, None] & (slot >= 0)
     key_heads = tl.where(heads >= num_q_heads, heads - num_q_heads, 0)
-    tl.store(k_cache_ptr + slot * stride_kcs + key_heads[:, None] * stride_kch + dims[None, :], rotated,
-             mask=is_key)
+    tl.store(k_cache_ptr + slot * stride_kcs + key_heads[:, None] * stride_kch + dims[None, :],
+             cache_values(rotated, k_scale, k_cache_ptr, KV_FP8), mask=is_key)
     kv_heads = tl.arange(0, KV_P)
     v_mask = (kv_heads < num_kv_heads)[:, None] & (slot >= 0)
     v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + dims[None, :], mask=v_mask, other=0.0)
-    tl.store(v_cache_ptr + slot * stride_vcs + kv_heads[:, None] * stride_vch + dims[None, :], v, mask=v_mask)
+    tl.store(v_cache_ptr + slot * stride_vcs + kv_heads[:, None] * stride_vch + dims[None, :],
+             cache_values(v, v_scale, v_cache_ptr, KV_FP8), mask=v_mask)
 
 
 def apply_rotary_and_store_(qk: torch.Tensor, num_q_heads: int, value: torch.Tensor, positions: torch.Tensor,
                             cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            slot_mapping: torch.Tensor, head_norm: tuple | None = None) -> torch.Tensor:
+                            slot_mapping: torch.Tensor, head_norm: tuple | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """apply_rotary_ on qk [tokens, q heads + kv heads, head_dim] (query heads first), then the key heads and
     `value` [tokens, kv heads, head_dim] written to the cache at slot_mapping (negative: not written), in one
     launch. Same numbers as apply_rotary_ followed by store_kv_cache. With head_norm = (query weight, key
-    weight, eps), each head is first normalised as qk_rms_norm_ does. Returns qk, rotated in place."""
+    weight, eps), each head is first normalised as qk_rms_norm_ does; k_scale, v_scale: an FP8 cache's (as
+    store_kv_cache). Returns qk, rotated in place."""
     tokens, num_heads, head_dim = qk.shape
     num_kv_heads = num_heads - num_q_heads
     if qk.stride(-1) != 1 or value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -372,8 +377,10 @@ def apply_rotary_and_store_(qk: torch.Tensor, num_q_heads: int, value: torch.Ten
         raise ValueError("head_dim must be a power of two and match the tables")
     if value.shape != (tokens, num_kv_heads, head_dim) or k_cache.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError("value and cache shapes disagree with the key heads")
-    if cos.dtype != qk.dtype or signed_sin.dtype != qk.dtype or k_cache.dtype != qk.dtype:
-        raise ValueError("the tables and the cache must have qk's dtype")
+    if cos.dtype != qk.dtype or signed_sin.dtype != qk.dtype:
+        raise ValueError("the tables must have qk's dtype")
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in CACHE_DTYPES + (qk.dtype,):
+        raise ValueError(f"the caches must share a dtype, qk's or one of {CACHE_DTYPES}")
     if head_norm is not None:
         for weight in head_norm[:2]:
             check_norm_args(qk, weight)
@@ -382,10 +389,11 @@ def apply_rotary_and_store_(qk: torch.Tensor, num_q_heads: int, value: torch.Ten
     heads_p = triton.next_power_of_2(num_heads)
     q_weight, k_weight, eps = head_norm if head_norm is not None else (qk, qk, 0.0)
     _rotary_store_kernel[(tokens,)](
-        qk, value, positions, slot_mapping, cos, signed_sin, k_cache, v_cache, q_weight, k_weight, eps,
+        qk, value, positions, slot_mapping, cos, signed_sin, k_cache, v_cache, q_weight, k_weight, eps, k_scale, v_scale,
         num_q_heads, num_kv_heads,
         qk.stride(0), qk.stride(1), value.stride(0), value.stride(1), cos.stride(0), signed_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HEAD_DIM=head_dim, HEADS_P=heads_p, KV_P=triton.next_power_of_2(num_kv_heads), NORM=head_norm is not None,
+        KV_FP8=is_fp8_cache(k_cache),
         num_warps=4 if heads_p * head_dim <= 4096 else 8, enable_fp_fusion=False, **pdl.launch(qk.device))
     return qk

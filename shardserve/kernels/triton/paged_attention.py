@@ -8,7 +8,10 @@ the last dim, and `slot = block_id * block_size + offset`. Row s of `block_table
 read. Query head h reads KV head `h // (num_heads // num_kv_heads)`.
 
 Numerics: scores, softmax statistics and accumulators are float32 whatever the input dtype; outputs are in the
-input dtype. For float32 inputs every matrix product runs at full IEEE float32 precision (never TF32), so
+input dtype. The caches may hold another dtype than q (bfloat16, or FP8 e4m3 with a scale for keys and one for
+values: attention/kv_quant.py): a tile is converted to q's dtype in registers (exact for FP8 into 16-bit or float32),
+the key scale multiplies the float32 scores and the value scale the float32 output, so attention reads
+stored * scale; writes go through cache_values. For float32 inputs every matrix product runs at full IEEE float32 precision (never TF32), so
 results agree with torch's float32 attention to rounding; 16-bit inputs use tensor cores, with the softmax
 weights rounded to the input dtype before they multiply V, as in FlashAttention.
 
@@ -24,6 +27,21 @@ import triton.language as tl
 
 
 LOG2E = 1.4426950408889634
+# Cache dtypes other than q's that the kernels read and write.
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
+
+
+@triton.jit
+def cache_values(x, scale, cache_ptr, KV_FP8: tl.constexpr):
+    """x as the cache at cache_ptr holds it: with KV_FP8, x / scale (rounded division) saturated to +-448, in e4m3
+    rounded to nearest even (attention/kv_quant.encode's bits); otherwise x cast to the cache's dtype."""
+    if KV_FP8:
+        x = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -42,8 +60,9 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need unit stride in the last dim")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError("q and the caches must share a dtype")
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in CACHE_DTYPES + (q.dtype,):
+        raise ValueError(f"the caches must share a dtype, q's or one of {CACHE_DTYPES}; got {k_cache.dtype}, "
+                         f"{v_cache.dtype} for q in {q.dtype}")
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -63,11 +82,12 @@ def _prefill_config(head_dim: int, dtype: torch.dtype) -> dict:
 
 
 @triton.jit
-def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
+def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads, k_scale, v_scale,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcs, stride_kch, stride_vcs, stride_vch,
-                     HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One program per token: copies all its KV heads to its slot, or nothing where the slot is negative."""
+                     HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr):
+    """One program per token: writes all its KV heads to its slot (cache_values), or nothing where the slot is
+    negative."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, HEADS_P)
@@ -75,13 +95,16 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num
     mask = (heads < num_kv_heads)[:, None] & (slot >= 0)
     k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)
     v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
-    tl.store(k_cache_ptr + slot * stride_kcs + heads[:, None] * stride_kch + dims[None, :], k, mask=mask)
-    tl.store(v_cache_ptr + slot * stride_vcs + heads[:, None] * stride_vch + dims[None, :], v, mask=mask)
+    tl.store(k_cache_ptr + slot * stride_kcs + heads[:, None] * stride_kch + dims[None, :],
+             cache_values(k, k_scale, k_cache_ptr, KV_FP8), mask=mask)
+    tl.store(v_cache_ptr + slot * stride_vcs + heads[:, None] * stride_vch + dims[None, :],
+             cache_values(v, v_scale, v_cache_ptr, KV_FP8), mask=mask)
 
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Write key/value [num_tokens, num_kv_heads, head_dim] to the cache at `slot_mapping` (int32 or int64).
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] to the cache at `slot_mapping` (int32 or int64),
+    in the cache's dtype (an FP8 cache: divided by k_scale / v_scale, cache_values).
 
     Rows whose slot is negative are skipped (padding rows of a CUDA-graph batch use -1). key and value may be
     strided views as long as the last dim has unit stride. One launch.
@@ -97,10 +120,10 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         raise ValueError("key/value and cache shapes disagree")
     heads_p = triton.next_power_of_2(num_kv_heads)
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, num_kv_heads,
+        key, value, k_cache, v_cache, slot_mapping, num_kv_heads, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HEADS_P=heads_p, HEAD_DIM=head_dim, num_warps=4 if heads_p * head_dim <= 2048 else 8)
+        HEADS_P=heads_p, HEAD_DIM=head_dim, KV_FP8=is_fp8_cache(k_cache), num_warps=4 if heads_p * head_dim <= 2048 else 8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -129,12 +152,15 @@ def attend_loaded(q, acc, l_i, m_i, k, v, pos, in_range, q_pos, qk_scale, MASK: 
                   DOT_PRECISION: tl.constexpr):
     """One online-softmax step of q [M, D] over a tile load_kv_tile loaded.
 
-    Scores are in log2 units (qk_scale includes log2(e)). MASK: 0 = the whole tile is visible to every row
+    Scores are in log2 units (qk_scale includes log2(e), and an FP8 cache's key scale); acc sums the values as
+    stored (the caller multiplies by the value scale). MASK: 0 = the whole tile is visible to every row
     (caller's guarantee), 1 = positions outside the tile's range are hidden, 2 = also hide positions after
     q_pos[r] from row r (causal).
     Invariant: a row that has seen no visible position keeps m_i = -inf, l_i = 0 and acc = 0, with no NaN (so a
     tile whose range is empty leaves the statistics as they were).
     """
+    k = k.to(q.dtype)  # a cache in another dtype (FP8: exact); its scale is in qk_scale
+    v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASK == 1:
         qk = tl.where(in_range[None, :], qk, float("-inf"))
@@ -168,7 +194,7 @@ def attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, en
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr,
-                    context_lens_ptr, qk_scale,
+                    context_lens_ptr, qk_scale, v_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -215,7 +241,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
         acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, causal_end,
                                     q_pos, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 2, DOT_PRECISION)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale  # x 1.0 (16-bit caches) keeps every bit
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -223,7 +249,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor,
                             max_query_len: int, scale: float, block_size: int,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0
+                            ) -> torch.Tensor:
     """Causal attention for sequences that compute several tokens this step, reading keys/values from the cache.
 
     q: [T, num_heads, head_dim] (any strides, unit last-dim stride); rows of sequence i are
@@ -231,7 +258,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     of sequence i including this step's tokens (already stored), so its row j sits at position
     context_lens[i] - q_len_i + j. max_query_len (>= every q_len_i) only sizes the grid
     (cdiv(max_query_len, BLOCK_M), num_seqs, num_heads). Returns [T, num_heads, head_dim] in q's dtype, written
-    into `out` if given; rows not covered by query_start are left untouched.
+    into `out` if given; rows not covered by query_start are left untouched. k_scale, v_scale: an FP8 cache's
+    (stored * scale is read).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -244,7 +272,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     config = _prefill_config(head_dim, q.dtype)
     grid = (triton.cdiv(max_query_len, config["BLOCK_M"]), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start, context_lens, scale * LOG2E,
+        q, k_cache, v_cache, out, block_tables, query_start, context_lens, scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,

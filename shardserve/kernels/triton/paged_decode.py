@@ -19,8 +19,9 @@ from shardserve.env_choice import env_choice
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.fused_ops import check_norm_args, normed_heads, rotate_rows
-from shardserve.kernels.triton.paged_attention import (LOG2E, attend_loaded, attend_tile, check_attention_args,
-                                                       dot_precision, load_kv_tile)
+from shardserve.kernels.triton.paged_attention import (LOG2E, attend_loaded, attend_tile, cache_values,
+                                                       check_attention_args, dot_precision, is_fp8_cache,
+                                                       load_kv_tile)
 from shardserve.kernels.triton.pdl import enter, launch_next
 
 
@@ -118,7 +119,7 @@ def _combine_splits(partial_ptr, lse_ptr, out_ptr, b, first_head, heads, num_spl
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr,
-                   qk_scale, num_splits,
+                   qk_scale, k_scale, v_scale, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                    final_ptr, arrivals_ptr, stride_fb, stride_fh,
@@ -127,7 +128,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, GROUP_C: tl.constexpr,
                    SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
-                   PRELOAD_KV: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
+                   PRELOAD_KV: tl.constexpr, PDL: tl.constexpr, KV_FP8: tl.constexpr = False,
+                   NEXT_EARLY: tl.constexpr = False):
     """Program (b, kv_head, split): every query head of the KV-head group over one contiguous share of b's context.
 
     The context [0, context_lens[b]) is cut into num_splits ranges of equal length, a multiple of BLOCK_SIZE
@@ -194,9 +196,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
         one = tl.zeros([1], dtype=tl.int64)  # the new key as a one-row block; holds_new | (one < 0): its mask
         new_k, new_k_rolled = normed_heads(k_new_ptr + b * stride_knb + kv_head * stride_knh + one,
                                            holds_new | (one < 0), k_norm_ptr, eps, HEAD_DIM, NORM)
-        new_k = rotate_rows(new_k, new_k_rolled, cos, sin)
-        new_v = tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + one[:, None] + dims[None, :],
-                        mask=holds_new, other=0.0)
+        # The new key and value as the cache holds them (an FP8 cache: quantized), stored and attended so.
+        new_k = cache_values(rotate_rows(new_k, new_k_rolled, cos, sin), k_scale, k_cache_ptr, KV_FP8)
+        new_v = cache_values(tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + one[:, None] + dims[None, :],
+                                     mask=holds_new, other=0.0), v_scale, v_cache_ptr, KV_FP8)
         stored = holds_new & (new_slot >= 0)
         tl.store(k_base + new_slot * stride_kcs + one[:, None] + dims[None, :], new_k, mask=stored)
         tl.store(v_base + new_slot * stride_vcs + one[:, None] + dims[None, :], new_v, mask=stored)
@@ -207,14 +210,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
             acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start,
                                         cached_end, rows, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
         if holds_new:
-            acc, l_i, m_i = _attend_one(q, acc, l_i, m_i, new_k, new_v, qk_scale)
+            acc, l_i, m_i = _attend_one(q, acc, l_i, m_i, new_k.to(q.dtype), new_v.to(q.dtype), qk_scale)
     else:
         q = tl.load(q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
         for start in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, hi, rows,
                                         qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # zeros for an empty range
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale  # zeros for an empty range
     if SPLIT:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
         tl.store(o_ptrs, out, mask=row_ok[:, None])
@@ -303,7 +306,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
                            num_splits: int, out: torch.Tensor | None = None,
                            arrivals: torch.Tensor | None = None, new_tokens: NewTokens | None = None,
-                           next_early: bool = False) -> torch.Tensor:
+                           next_early: bool = False, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context (flash-decoding).
 
     q: [B, num_heads, head_dim] (any strides, unit last-dim stride). Sequence b attends to positions
@@ -318,7 +321,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (B, num_heads), which also serves larger groups x splits and where the shared counts are too few.
     Graph-capturable; a graph keeps the address of the counts, so they must outlive it. `next_early`: the launch
     (and the combine's) lets the next kernel launch at its start (pdl.py's exception: it must read nothing of the
-    chain before its wait).
+    chain before its wait). k_scale, v_scale: an FP8 cache's (stored * scale is read; the new token is stored
+    quantized and attended as stored).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -344,13 +348,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                   # One split per sequence keeps its loop as it was: with the preloaded tile the offline benchmark
                   # (512 sequences) ran 7.6% slower on an H200.
                   PRELOAD_KV=rotate and num_splits > 1,
-                  NORM=rotate and new_tokens.head_norm is not None, **config, **_launch(q.device, next_early))
+                  NORM=rotate and new_tokens.head_norm is not None, KV_FP8=is_fp8_cache(k_cache), **config, **_launch(q.device, next_early))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                      block_tables.stride(0))
     rotation = new_tokens.kernel_args() if new_tokens is not None else (q,) * 7 + (0.0,) + (0,) * 6
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:
-        _decode_kernel[grid](q, k_cache, v_cache, out, out, block_tables, context_lens, scale * LOG2E, 1,
+        _decode_kernel[grid](q, k_cache, v_cache, out, out, block_tables, context_lens, scale * LOG2E * k_scale,
+                             k_scale, v_scale, 1,
                              q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *cache_strides,
                              out, out, 0, 0, *rotation, SPLIT=False, COMBINE=False, GROUP_C=1, SPLITS_P=1,
                              **common)
@@ -359,7 +364,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     counts = _combine_counts(arrivals, batch * num_kv_heads, q.device) if fused else None
     splits_p = triton.next_power_of_2(num_splits)
-    _decode_kernel[grid](q, k_cache, v_cache, partial, lse, block_tables, context_lens, scale * LOG2E, num_splits,
+    _decode_kernel[grid](q, k_cache, v_cache, partial, lse, block_tables, context_lens, scale * LOG2E * k_scale,
+                         k_scale, v_scale, num_splits,
                          q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
                          lse.stride(0), lse.stride(1), *cache_strides,
                          out, lse if counts is None else counts, out.stride(0), out.stride(1), *rotation,
