@@ -52,9 +52,9 @@ def random_packed(kind: str, experts: int, hidden: int, inter: int, group: int, 
 
 
 def tile_grid():
-    for n, k, (w, st) in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), ((4, 2), (4, 3), (8, 2))):
-        if n * k <= 16384:
-            yield Tile(n, k, w, st)
+    for n, k, w in itertools.product((1, 2, 4, 8), (128, 512, 2048), (1, 2, 4, 8)):
+        if n * k <= 16384 and n * k >= 32 * w:
+            yield Tile(n, k, w, 2)
 
 
 def main() -> None:
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--prefill-tokens", type=int, default=0, help="also a prefill chunk of this many tokens")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -101,12 +102,40 @@ def main() -> None:
         us = graph_time_us(lambda: route_top_k(logits, top_k, True, bool(shared), num_warps=warps), args.iters,
                            args.repeats)
         row[f"route_{warps}_warps_us"] = round(us, 2)
+    if args.prefill_tokens:  # a prefill chunk: the routed experts alone, with the shared one as expert E, apart
+        t = args.prefill_tokens
+        xs = torch.randn(t, hidden, generator=g, device=device).to(torch.bfloat16)
+        rw, ri = torch.topk(torch.softmax(torch.randn(t, routed, generator=g, device=device), -1), top_k, dim=-1)
+        sw = torch.cat([rw, torch.full((t, 1), 0.5, device=device)], 1)
+        si = torch.cat([ri, torch.full((t, 1), routed, device=device, dtype=ri.dtype)], 1)
+        row[f"prefill_{t}_routed_us"] = round(graph_time_us(lambda: fused_moe_packed(xs, experts, rw, ri), 5, 3), 1)
+        row[f"prefill_{t}_with_shared_us"] = round(graph_time_us(lambda: fused_moe_packed(xs, experts, sw, si), 5,
+                                                                3), 1)
+
+        def shared_apart():
+            w13, w2 = experts.expert(routed, torch.bfloat16)
+            gate, up = torch.nn.functional.linear(xs, w13).chunk(2, dim=-1)
+            return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2)
+
+        row[f"prefill_{t}_shared_apart_us"] = round(graph_time_us(shared_apart, 5, 3), 1)
+        plogits = torch.randn(t, routed + shared, generator=g, device=device).to(torch.bfloat16)
+        for warps in (2, 4):
+            row[f"prefill_{t}_route_{warps}_warps_us"] = round(graph_time_us(
+                lambda: route_top_k(plogits, top_k, True, bool(shared), num_warps=warps), 5, 3), 1)
     if args.sweep:
         time_tiles = lambda tiles: graph_time_us(  # noqa: E731
             lambda: fused_moe_packed(x, experts, weights, ids, config=tiles), 30, 3)
-        up = best_of(time_tiles, (OneTokenTiles(t, ONE_TOKEN_PACKED_TILES.down) for t in tile_grid()))
-        best = best_of(time_tiles, (OneTokenTiles(up[1].up, t) for t in tile_grid()))
+        timed = []
+
+        def timed_tiles(tiles):
+            us = time_tiles(tiles)
+            timed.append((round(us, 2), repr(tiles)))
+            return us
+
+        up = best_of(timed_tiles, (OneTokenTiles(t, ONE_TOKEN_PACKED_TILES.down) for t in tile_grid()))
+        best = best_of(timed_tiles, (OneTokenTiles(up[1].up, t) for t in tile_grid()))
         row["sweep_best_us"], row["sweep_best_tiles"] = round(best[0], 2), repr(best[1])
+        row["sweep"] = sorted(timed)
         row["sweep_best_gb_s"] = round(read / best[0] / 1e3, 1)
     print(json.dumps(row, indent=1))
     if args.out:

@@ -48,10 +48,10 @@ def test_the_cache_write_quantizes_saturates_and_skips_negative_slots():
 
     written = slots >= 0
     for cache, x, scale in ((k_cache, key, K_SCALE), (v_cache, value, V_SCALE)):
-        expected = kv_quant.encode(x[written], scale, kv_quant.FP8)
+        expected = kv_quant.encode(x[written.cpu()], scale, kv_quant.FP8)
         assert torch.equal(cache[slots[written]].view(torch.uint8).cpu(), expected.view(torch.uint8))
         untouched = torch.ones(16, dtype=torch.bool)
-        untouched[slots[written]] = False
+        untouched[slots[written].cpu()] = False
         assert not cache[untouched.to(DEVICE)].view(torch.uint8).any()
     assert k_cache[3, 0, :2].float().tolist() == [448.0, -448.0]  # saturated, not NaN
 

@@ -94,6 +94,34 @@ def test_alignment_groups_every_pair_once_by_expert(tokens, num_experts, top_k, 
     assert all(len(p) > (used == e).sum().item() * block_m - block_m for p, e in zip(groups, used.unique()))
 
 
+@pytest.mark.parametrize("tokens,num_experts,top_k,block_m", [(1, 4, 2, 16), (130, 8, 2, 64), (64, 129, 8, 32),
+                                                              (300, 33, 4, 16)])
+def test_alignment_by_sort_equals_the_one_program_alignment(tokens, num_experts, top_k, block_m):
+    """Many pairs are aligned through torch's device sort (align_pairs_by_sort) instead of one program comparing
+    every pair with every expert: the same groups, slots and block owners, choices of other ranks' experts (ids
+    past E or below 0) left out of every group alike."""
+    from shardserve.kernels.triton.fused_moe import align_pairs_by_sort
+
+    _, _, ids = make_routes(tokens, num_experts + 3, top_k, torch.float32, 8)
+    ids = ids - 1  # experts -1 and E, E + 1 are another rank's
+    want_pairs, want_owner = align_pairs(ids, num_experts, block_m)
+    got_pairs, got_owner = align_pairs_by_sort(ids.reshape(-1), num_experts, block_m)
+    assert torch.equal(got_owner, want_owner)
+    used = int((want_owner >= 0).sum()) * block_m
+    assert torch.equal(got_pairs[:used], want_pairs[:used])
+    assert (got_pairs[used:] == ids.numel()).all()
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+def test_experts_on_the_sorted_alignment_match_the_reference(monkeypatch):
+    """The fused experts on align_pairs_by_sort's groups (every alignment taken that way here) equal the reference."""
+    from shardserve.kernels.triton import fused_moe as module
+
+    monkeypatch.setattr(module, "ALIGN_IN_ONE_PROGRAM_MAX", 0)
+    for tokens in (3, 17):
+        check_against_reference(tokens, 4, 2, 32, 16, torch.float32, config=SMALL)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Against the reference
 

@@ -180,11 +180,45 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     if not ids.is_contiguous():
         ids = ids.contiguous()
     pairs = ids.numel()
+    if pairs * triton.next_power_of_2(num_experts) > ALIGN_IN_ONE_PROGRAM_MAX:
+        return align_pairs_by_sort(ids, num_experts, block_m)
     sorted_pairs, block_expert = _alignment_buffers(pairs, num_experts, block_m, ids.device)
     blocks = block_expert.numel()
     _align_kernel[(1,)](ids, sorted_pairs, block_expert, pairs, num_experts, blocks, BLOCK_M=block_m,
                         **_alignment_meta(pairs, num_experts, blocks), **pdl.launch(ids.device))
     return sorted_pairs, block_expert
+
+
+# Past this many (pair, expert) comparisons the one-program alignment gives way to align_pairs_by_sort: the program
+# compares every pair with every expert on one SM, which took 43 ms a layer for a prefill chunk of 8,192 tokens at
+# Qwen3-Next's 512 (+1) experts and top 10 (+1) on an H200, most of its prompt's prefill.
+ALIGN_IN_ONE_PROGRAM_MAX = 1 << 22
+
+
+def align_pairs_by_sort(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_pairs's result through torch's device sort and scans, for many pairs: every shape fixed by the pair
+    count and no host synchronisation (counts by scatter_add, not bincount), so CUDA graphs capture it. Slots past
+    the last group hold the sentinel."""
+    pairs, device = ids.numel(), ids.device
+    blocks = num_blocks(pairs, num_experts, block_m)
+    key = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(torch.int64)  # others: one last group
+    sorted_key, order = torch.sort(key, stable=True)  # pairs grouped by expert, in pair order within each group
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts, group_first = ends - padded, torch.cumsum(counts, 0) - counts
+    held = sorted_key < num_experts
+    expert = sorted_key.clamp(max=num_experts - 1)
+    position = torch.arange(pairs, device=device)
+    trash = blocks * block_m  # one slot past the buffer's end takes the pairs of no group
+    slot = torch.where(held, starts[expert] + position - group_first[expert], trash)
+    sorted_pairs = torch.full((blocks * block_m + 1,), pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, slot, order.to(torch.int32))
+    first = torch.arange(blocks, device=device) * block_m
+    owner = torch.searchsorted(ends, first, right=True)  # groups that end at or before the block's first slot
+    block_expert = torch.where(first < ends[-1], owner, -1).to(torch.int32)
+    return sorted_pairs[:-1], block_expert
 
 
 def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, num_experts: int, block_m: int,
