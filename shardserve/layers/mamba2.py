@@ -26,7 +26,6 @@ from torch import nn
 
 from shardserve.config import _json_float
 from shardserve.distributed.communicator import Communicator
-from shardserve.kernels.availability import use_triton
 from shardserve.kernels.mamba2_ssd import step_sizes
 from shardserve.layers.deltanet_projections import ConvWeight, head_vector
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_exact, empty_parameter
@@ -122,25 +121,18 @@ def _row_vector(rows: list[Rows], dtype: torch.dtype) -> nn.Parameter:
 
 class GroupedGatedRMSNorm(nn.Module):
     """norm(y * silu(z)) with the RMS taken over each group of `group_size` features apart, in float32, then
-    scaled by the weight in the output dtype (NemotronH's RMSNormGated, norm after the gate). A rank owns whole
-    groups, so its norm needs nothing from the others. One Triton kernel on CUDA
-    (kernels/triton/gated_rms_norm.grouped_gated_rms_norm)."""
+    scaled by the weight in the output dtype (NemotronH's RMSNormGated, norm after the gate), computed by the
+    layer's kernels (Mamba2Kernels.norm). A rank owns whole groups, so its norm needs nothing from the others."""
 
     def __init__(self, rows: Rows, group_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.group_size, self.eps = group_size, eps
         self.weight = _row_vector([rows], dtype)
 
-    def forward(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """y [rows, features] (float32), gate [rows, features] (rows may be strided) -> [rows, features]."""
-        if use_triton(y) and dtype == self.weight.dtype:
-            from shardserve.kernels.triton.gated_rms_norm import grouped_gated_rms_norm
-
-            return grouped_gated_rms_norm(y, gate, self.weight, self.group_size, self.eps)
-        h = y.float() * torch.nn.functional.silu(gate.float())
-        g = h.view(*h.shape[:-1], -1, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view(h.shape).to(dtype)
+    def forward(self, y: torch.Tensor, gate: torch.Tensor, kernels: Mamba2Kernels) -> torch.Tensor:
+        """y [rows, features] (float32), gate [rows, features] (rows may be strided) -> [rows, features] in the
+        weight's dtype."""
+        return kernels.norm(y, gate, self.weight, self.group_size, self.eps)
 
 
 class Mamba2Mixer(StateMixer):
@@ -217,7 +209,7 @@ class Mamba2Mixer(StateMixer):
             y = self._step(kernels, xbc, dt, pool, slots)
         else:
             y = self._chunks(kernels, xbc, dt, pool, slots, list(query_start))
-        h = self.norm(y.reshape(x.shape[0], self.inner), z, x.dtype)
+        h = self.norm(y.reshape(x.shape[0], self.inner), z, kernels)
         return self.out_proj(h)
 
     def _chunks(self, kernels: Mamba2Kernels, xbc, dt, pool: MambaState, slots: torch.Tensor,

@@ -1,16 +1,17 @@
 """How a Mamba-2 layer's convolution and SSM run on this hardware, chosen once per device.
 
-One interface, three operations: a prompt chunk of one sequence (`conv`, `scan`: they take the states as they are
+One interface, four operations: a prompt chunk of one sequence (`conv`, `scan`: they take the states as they are
 and return the new ones, writing no input; shapes and dtypes those of kernels/causal_conv1d.py and
-kernels/mamba2_ssd.py), and a decode step (`step_in_pool`: one token of each of B sequences, from the input
-projection's outputs to the SSM's output, stepping the sequences' states where they live in the layer's pools).
+kernels/mamba2_ssd.py), a decode step (`step_in_pool`: one token of each of B sequences, from the input
+projection's outputs to the SSM's output, stepping the sequences' states where they live in the layer's pools),
+and the gated output norm of any rows (`norm`).
 
 - "torch": plain torch ops, the SSM in float32 chunks (kernels/mamba2_ssd.py); any device. Its decode step
   gathers and scatters states by slot, so a row with slot -1 (a CUDA graph's padding row) would step the pool's
   last slot: graph_safe is False and such layers decode eagerly.
 - "triton decode": on CUDA GPUs with Triton, the decode step in two kernels that step the states in place and
-  skip slot -1 (kernels/triton/causal_conv1d.py, kernels/triton/mamba2_step.py), so it runs inside CUDA graphs;
-  prompt chunks as "torch".
+  skip slot -1 (kernels/triton/causal_conv1d.py, kernels/triton/mamba2_step.py), so it runs inside CUDA graphs,
+  and the norm in one (kernels/triton/gated_rms_norm.py); prompt chunks as "torch".
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class Mamba2Kernels(Protocol):
         [heads]; the pools [slots, ...] as MambaState lays them out; slots int64 [B], distinct. Steps rows' states
         in their slots, in place, and returns the SSM's output y float32 [B, heads, head_dim]."""
 
+    def norm(self, y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+             eps: float) -> torch.Tensor:
+        """weight * norm(y * silu(z)), the RMS over each group of group_size features apart: y [rows, features]
+        float32, z [rows, features] (rows may be strided), weight [features]. Returns [rows, features] in weight's
+        dtype, normalised in float32 and rounded before the weight (NemotronH's RMSNormGated)."""
+
 
 def split_channels(mixed: torch.Tensor, heads: int, head_dim: int, groups: int):
     """Convolved channels [T, channels] -> x [T, heads, head_dim], B and C [T, groups, state_size]."""
@@ -78,6 +85,13 @@ class TorchMamba2Kernels:
         ssm_pool[slots] = ssm.to(ssm_pool.dtype)
         return y
 
+    @staticmethod
+    def norm(y, z, weight, group_size: int, eps: float) -> torch.Tensor:
+        h = y.float() * torch.nn.functional.silu(z.float())
+        g = h.view(*h.shape[:-1], -1, group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * g.view(h.shape).to(weight.dtype)
+
 
 class TritonDecodeMamba2Kernels(TorchMamba2Kernels):
     name = "triton decode"
@@ -91,6 +105,12 @@ class TritonDecodeMamba2Kernels(TorchMamba2Kernels):
 
         mixed = conv_step_in_pool(xbc, conv_weight, conv_pool, slots, conv_bias)
         return ssm_step_in_pool(mixed, dt, a_log, d, dt_bias, time_step_limit, groups, ssm_pool, slots)
+
+    @staticmethod
+    def norm(y, z, weight, group_size: int, eps: float) -> torch.Tensor:
+        from shardserve.kernels.triton.gated_rms_norm import grouped_gated_rms_norm
+
+        return grouped_gated_rms_norm(y, z, weight, group_size, eps)
 
 
 _chosen: dict[str, Mamba2Kernels] = {}

@@ -18,7 +18,6 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from shardserve.layers.mamba2 import GroupedGatedRMSNorm  # noqa: E402
 from shardserve.layers.mamba2_kernels import TorchMamba2Kernels, TritonDecodeMamba2Kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,19 +69,16 @@ def test_triton_decode_step_equals_torch_and_skips_padding_rows(groups, ssm_dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_grouped_gated_norm_equals_the_torch_form(dtype):
-    from shardserve.kernels.triton.gated_rms_norm import grouped_gated_rms_norm
-
     g = torch.Generator().manual_seed(5)
     rows, groups, group_size = 3, 2, 24  # a group of three heads of 8: not a power of two
-    norm = GroupedGatedRMSNorm((0, groups * group_size), group_size, 1e-5, dtype)
-    norm.weight.data = (0.5 + torch.rand(groups * group_size, generator=g)).to(dtype)
-    y = torch.randn(rows, groups * group_size, generator=g) * 3
-    projected = torch.randn(rows, 5 + groups * group_size, generator=g).to(dtype)
+    weight = (0.5 + torch.rand(groups * group_size, generator=g)).to(dtype).to(DEVICE)
+    y = (torch.randn(rows, groups * group_size, generator=g) * 3).to(DEVICE)
+    projected = torch.randn(rows, 5 + groups * group_size, generator=g).to(dtype).to(DEVICE)
     z = projected[:, 5:]  # a view with the projection's row stride, as forward splits it
-    expected = norm(y, z, dtype)  # the torch form on CPU tensors
-    out = grouped_gated_rms_norm(y.to(DEVICE), z.to(DEVICE), norm.weight.to(DEVICE), group_size, norm.eps)
+    expected = TorchMamba2Kernels.norm(y, z, weight, group_size, 1e-5)
+    out = TritonDecodeMamba2Kernels.norm(y, z, weight, group_size, 1e-5)
     assert out.dtype == dtype and out.shape == (rows, groups * group_size)
     # bfloat16: both round the normalised values, then the product; a last-bit difference in the norm can round a
     # value to its neighbour, which the weight then scales.
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out.cpu(), expected, **tol)
+    torch.testing.assert_close(out, expected, **tol)
