@@ -26,7 +26,8 @@ from shardserve.wire.step_plan import SeqChunk
 from shardserve.kernels import cpu_extensions
 from shardserve.kernels.plan import KernelPlan, KernelPlanError
 from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, attention_tolerance,
-                                           check_delta_net, check_linear, check_mamba2, head_norm_reference, relative_error, rotate_reference)
+                                           check_delta_net, check_linear, check_mamba2, head_norm_reference,
+                                           relative_error, rotate_reference)
 from shardserve.layers import packed_batches
 from shardserve.layers import quantized_linear as ql
 from shardserve.layers.linear import KernelLinear
