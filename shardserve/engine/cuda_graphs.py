@@ -125,6 +125,11 @@ def layer_caches(cfg, kv_caches: list, state_pools: dict, slots, starts) -> list
             for i in range(cfg.num_layers)]
 
 
+def graph_unsafe_reason(module) -> str:
+    """Why a module whose graph_safe is False cannot be captured, as its `graph_unsafe_reason` says."""
+    return getattr(module, "graph_unsafe_reason", f"{type(module).__name__} synchronises with the host")
+
+
 class CudaGraphRunner:
     def __init__(self, model, kv_caches, backend, comm: Communicator, max_batch: int, max_model_len: int,
                  split_sizes: frozenset[int], hidden_bytes_per_token: int, state_pools: dict | None = None) -> None:

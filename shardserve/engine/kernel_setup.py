@@ -26,7 +26,8 @@ from shardserve.wire.step_plan import SeqChunk
 from shardserve.kernels import cpu_extensions
 from shardserve.kernels.plan import KernelPlan, KernelPlanError
 from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, attention_tolerance,
-                                           check_delta_net, check_linear, head_norm_reference, relative_error, rotate_reference)
+                                           check_delta_net, check_linear, check_mamba2, head_norm_reference,
+                                           relative_error, rotate_reference)
 from shardserve.layers import packed_batches
 from shardserve.layers import quantized_linear as ql
 from shardserve.layers.linear import KernelLinear
@@ -321,23 +322,50 @@ def checked_delta_net(model: nn.Module, dtype: torch.dtype, device: torch.device
         return ""
     first = layers[0]
     sizes = (first.key_heads, first.value_heads, first.dims.key_dim, first.dims.value_dim, first.dims.conv_kernel)
-    chosen = first.kernels or delta_net_kernels(device)
-    # The chosen kernels, then each simpler form they extend, down to plain torch.
+    return _checked_layer_kernels("Gated DeltaNet", layers, first.kernels or delta_net_kernels(device),
+                                  TorchDeltaNetKernels,
+                                  lambda kernels: check_delta_net(kernels, *sizes, dtype, device), ctx)
+
+
+def checked_mamba2(model: nn.Module, dtype: torch.dtype, ssm_dtype: torch.dtype, device: torch.device,
+                   ctx: RankContext) -> str:
+    """The Mamba-2 layers' kernels if they pass their check on every rank (on the first layer's sizes, with SSM
+    states kept in ssm_dtype as the pools keep them); otherwise, with a WARNING, the next simpler ones that pass
+    (Triton decode -> torch), set on every layer. Start-up stops when none does. Returns the kernels' name (""
+    for a model without such layers)."""
+    from shardserve.layers.mamba2 import Mamba2Mixer
+    from shardserve.layers.mamba2_kernels import TorchMamba2Kernels, mamba2_kernels
+
+    layers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
+    if not layers:
+        return ""
+    first, d = layers[0], layers[0].dims
+    sizes = (first.heads, first.groups, d.head_dim, d.state_size, d.conv_kernel, d.chunk_size, d.time_step_limit,
+             d.conv_bias)
+    return _checked_layer_kernels("Mamba-2", layers, first.kernels or mamba2_kernels(device), TorchMamba2Kernels,
+                                  lambda kernels: check_mamba2(kernels, *sizes, dtype, ssm_dtype, device), ctx)
+
+
+def _checked_layer_kernels(kind: str, layers: list[nn.Module], chosen, simplest: type, check,
+                           ctx: RankContext) -> str:
+    """The chosen kernels of `layers` if check(kernels) passes on every rank; otherwise, with a WARNING, the first
+    simpler form they extend (a parent class, down to `simplest`) that passes, set as every layer's `kernels`.
+    Start-up stops when none does. Returns the name of the kernels that serve."""
     candidates = [chosen] + [cls() for cls in type(chosen).__mro__[1:]
-                             if isinstance(cls, type) and issubclass(cls, TorchDeltaNetKernels)]
+                             if isinstance(cls, type) and issubclass(cls, simplest)]
     problems: list[str] = []
     for kernels in candidates:
-        failed = _failures(_only_failed(check_delta_net(kernels, *sizes, dtype, device)), ctx)
+        failed = _failures(_only_failed(check(kernels)), ctx)
         if not failed:
             if kernels is not chosen:
                 if ctx.is_driver:
-                    logger.warning("Gated DeltaNet kernels %s failed their start-up check, using %s instead: %s",
+                    logger.warning("%s kernels %s failed their start-up check, using %s instead: %s", kind,
                                    chosen.name, kernels.name, "; ".join(problems))
                 for layer in layers:
                     layer.kernels = kernels
             return kernels.name
         problems += failed
-    raise KernelPlanError("no Gated DeltaNet kernels passed their start-up check against a float64 reference, so "
+    raise KernelPlanError(f"no {kind} kernels passed their start-up check against a float64 reference, so "
                           "start-up stops here:\n  " + "\n  ".join(problems))
 
 

@@ -19,7 +19,8 @@ from shardserve.distributed.process_group import RankContext
 from shardserve.distributed.setup_watchdog import setup_step
 from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block, kv_cache_layers,
                                         kv_cache_budget_bytes)
-from shardserve.engine.cuda_graphs import CudaGraphRunner, all_reduce_token_counts, graph_buckets, layer_caches
+from shardserve.engine.cuda_graphs import (CudaGraphRunner, all_reduce_token_counts, graph_buckets, graph_unsafe_reason,
+                                          layer_caches)
 from shardserve.wire.step_plan import FROM_DEVICE, StepPlan
 from shardserve.engine import kernel_setup
 from shardserve.kernels import cpu_features
@@ -86,6 +87,9 @@ class ModelRunner:
         with self.self_check, setup_step("check the Gated DeltaNet kernels", ctx.rank):
             self.plan = self.plan.with_results(delta_net=kernel_setup.checked_delta_net(self.model, self.dtype,
                                                                                         self.device, ctx))
+        with self.self_check, setup_step("check the Mamba-2 kernels", ctx.rank):
+            self.plan = self.plan.with_results(mamba2=kernel_setup.checked_mamba2(
+                self.model, self.dtype, self.config.ssm_state_dtype, self.device, ctx))
         self.all_reduce_choice: all_reduce.AllReduceChoice | None = None
         self.graphs: CudaGraphRunner | None = None
         self.host_weights: HostCopy | None = None  # while the weights sleep at level 1
@@ -139,11 +143,12 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager or not hasattr(self.attention,
                                                                                   "static_decode_metadata"):
             return
-        unsafe = [name for name, module in self.model.named_modules() if getattr(module, "graph_safe", True) is False]
+        unsafe = [(name, module) for name, module in self.model.named_modules()
+                  if getattr(module, "graph_safe", True) is False]
         if unsafe:
-            logger.warning("no CUDA graphs: %s (and %d more) cannot be captured (a mixture of experts without its "
-                           "fused kernel reads expert counts on the host); decode runs eagerly", unsafe[0],
-                           len(unsafe) - 1)
+            name, module = unsafe[0]
+            logger.warning("no CUDA graphs: %s (and %d more) cannot be captured: %s; decode runs eagerly", name,
+                           len(unsafe) - 1, graph_unsafe_reason(module))
             return
         split_sizes = self.all_reduce_choice.split_sizes if self.all_reduce_choice else frozenset()
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.attention, self.ctx.comm,

@@ -58,6 +58,7 @@ class KernelPlan:
     gemv: str = ""
     dependent_launch: str = ""  # Triton kernels launched to overlap the one before (kernels/triton/pdl.py)
     delta_net: str = ""  # Gated DeltaNet kernels (layers/deltanet_kernels.py), on hybrid models
+    mamba2: str = ""  # Mamba-2 kernels (layers/mamba2_kernels.py), on NemotronH
     quantized: str = ""  # packed quantized layers (layers/quantized_linear.py), e.g. "fp8 (...) packed on 96 layers"
 
     def with_results(self, **fields: str) -> "KernelPlan":
@@ -69,6 +70,7 @@ class KernelPlan:
         parts += [f"{name} {value}" for name, value in
                   (("attention", self.attention), ("all-reduce", self.all_reduce), ("batch-1 GEMV", self.gemv),
                    ("dependent launch", self.dependent_launch), ("Gated DeltaNet", self.delta_net),
+                   ("Mamba-2", self.mamba2),
                    ("quantized", self.quantized))
                   if value]
         if self.cpu:

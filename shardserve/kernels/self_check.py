@@ -12,6 +12,7 @@ few short dot products). A wrong layout, a missing tile or weights silently roun
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -197,6 +198,103 @@ def check_delta_net(kernels, key_heads: int, value_heads: int, key_dim: int, val
                 worst = max(worst, relative_error(o[row:row + 1], ref))
         for slot, (conv, rec) in expected.items():
             worst = max(worst, relative_error(rec_pool[slot], rec), relative_error(conv_pool[slot], conv))
+        return CheckResult(name, worst, tolerance)
+    except Exception as e:  # noqa: BLE001 - kernels that cannot run these shapes fail their check
+        return CheckResult(name, math.inf, tolerance, f"{type(e).__name__}: {e}")
+
+
+def mamba2_reference(xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, params: dict, groups: int,
+                     conv: torch.Tensor, ssm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Mamba-2 layer's token mixing of one sequence in float64, token by token, from its input projection's
+    outputs xbc [T, channels] ([x | B | C]), dt [T, heads] (before softplus) and z [T, heads * head_dim], and its
+    states conv [channels, K - 1] and ssm [heads, head_dim, state_size]; params as check_mamba2 makes them.
+    The convolution's output is rounded to xbc's dtype, where the layer keeps it (a 16-bit rounding of x, B and C
+    that the dot products S C and x B^T can amplify past the dtype's tolerance otherwise); everything else is
+    exact. Returns (the gated norm's output [T, heads * head_dim], conv, ssm)."""
+    heads, head_dim, state_size = ssm.shape
+    p = {k: v.double().cpu() if isinstance(v, torch.Tensor) else v for k, v in params.items()}
+    conv, ssm = conv.double().cpu(), ssm.double().cpu()
+    low, high = p["time_step_limit"]
+    outputs = []
+    for x, step, gate in zip(xbc.double().cpu(), dt.double().cpu(), z.double().cpu()):
+        window = torch.cat((conv, x[:, None]), dim=1)
+        y = (window * p["conv_weight"]).sum(-1) + (0 if p["conv_bias"] is None else p["conv_bias"])
+        y = y.to(xbc.dtype).double()
+        y, conv = (y * torch.sigmoid(y)).to(xbc.dtype).double(), window[:, 1:]
+        xs, b, c = y.split([heads * head_dim, groups * state_size, groups * state_size])
+        b, c = (t.reshape(groups, state_size).repeat_interleave(heads // groups, 0) for t in (b, c))
+        xs = xs.reshape(heads, head_dim)
+        step = F.softplus(step + p["dt_bias"]).clamp(low, high)
+        ssm = ssm * torch.exp(-p["a_log"].exp() * step)[:, None, None] + (step[:, None] * xs)[..., None] * b[:, None]
+        y = (torch.einsum("hpn,hn->hp", ssm, c) + p["d"][:, None] * xs).reshape(-1)
+        h = (y * F.silu(gate)).reshape(groups, -1)
+        outputs.append((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + p["eps"])).reshape(-1) * p["norm_weight"])
+    return torch.stack(outputs), conv, ssm
+
+
+def _mamba2_parameters(rand, heads: int, channels: int, conv_kernel: int, conv_bias: bool,
+                       time_step_limit: tuple[float, float], dtype: torch.dtype, head_dim: int) -> dict:
+    """Random parameters of one rank's Mamba-2 layer (rand(*shape, dt, scale) draws them on the device)."""
+    f32 = torch.float32
+    return dict(conv_weight=rand(channels, conv_kernel, scale=0.5), conv_bias=rand(channels) if conv_bias else None,
+                a_log=rand(heads, dt=f32, scale=0.5), d=rand(heads, dt=f32), dt_bias=rand(heads, dt=f32, scale=0.5),
+                time_step_limit=time_step_limit, norm_weight=1 + rand(heads * head_dim, scale=0.2), eps=1e-5)
+
+
+def check_mamba2(kernels, heads: int, groups: int, head_dim: int, state_size: int, conv_kernel: int,
+                 chunk_size: int, time_step_limit: tuple[float, float], conv_bias: bool, dtype: torch.dtype,
+                 ssm_dtype: torch.dtype, device: torch.device, seed: int = 0) -> CheckResult:
+    """Mamba-2 kernels (layers/mamba2_kernels.py) on one rank's sizes against float64, the outputs through the
+    gated norm: a prompt of chunk_size + 5 tokens (two chunks of the scan) from empty states, then two decode
+    steps of three sequences in a pool of four slots whose SSM states are kept in ssm_dtype, that prompt's sequence
+    among them; kernels that say they are graph-safe get a padding row (slot -1) too, which must leave every slot
+    alone."""
+    from shardserve.kernels.mamba2_ssd import step_sizes
+    from shardserve.layers.mamba2_kernels import split_channels
+
+    name = (f"{kernels.name} Mamba-2 ({heads}x{head_dim} heads in {groups} groups, state {state_size}, conv "
+            f"{conv_kernel}, {str(ssm_dtype).removeprefix('torch.')} states)")
+    tolerance = max(TOLERANCE.get(dtype, 1e-2), TOLERANCE.get(ssm_dtype, 1e-2))
+    try:
+        g = torch.Generator().manual_seed(seed)
+
+        def rand(*shape, dt=dtype, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(dt).to(device)
+
+        channels, inner = heads * head_dim + 2 * groups * state_size, heads * head_dim
+        p = _mamba2_parameters(rand, heads, channels, conv_kernel, conv_bias, time_step_limit, dtype, head_dim)
+        norm = functools.partial(kernels.norm, weight=p["norm_weight"], group_size=inner // groups, eps=p["eps"])
+        # Each pool a view past a guard slot: a padding row that wrote "slot -1" as an address would land there.
+        conv_buffer = rand(5, channels, conv_kernel - 1)
+        ssm_buffer = rand(5, heads, head_dim, state_size, dt=ssm_dtype, scale=0.1)
+        conv_pool, ssm_pool = conv_buffer[1:], ssm_buffer[1:]
+        conv_pool[2], ssm_pool[2] = 0, 0
+        untouched = [t[[0, 2]] for t in (conv_buffer, ssm_buffer)]  # copies of the guard and slot 1, no sequence's
+        expected = {s: (conv_pool[s].clone(), ssm_pool[s].clone()) for s in (0, 2, 3)}
+        # The prompt, through the chunked forms, into slot 2.
+        xbc, dt, z = rand(chunk_size + 5, channels), rand(chunk_size + 5, heads), rand(chunk_size + 5, inner)
+        mixed, conv_pool[2] = kernels.conv(xbc, p["conv_weight"], conv_pool[2], p["conv_bias"])
+        xs, b, c = split_channels(mixed, heads, head_dim, groups)
+        y, ssm = kernels.scan(xs, step_sizes(dt, p["dt_bias"], time_step_limit), -torch.exp(p["a_log"]), b, c, p["d"],
+                              ssm_pool[2], chunk_size)
+        ssm_pool[2] = ssm.to(ssm_dtype)
+        ref, *expected[2] = mamba2_reference(xbc, dt, z, p, groups, *expected[2])
+        worst = relative_error(norm(y.reshape(-1, inner), z), ref)
+        slots = [2, 0, 3] + ([-1] if kernels.graph_safe else [])
+        step_params = [p[k] for k in ("conv_weight", "conv_bias", "a_log", "d", "dt_bias", "time_step_limit")]
+        for _ in range(2):
+            xbc, dt, z = rand(len(slots), channels), rand(len(slots), heads), rand(len(slots), inner)
+            y = kernels.step_in_pool(xbc, dt, *step_params, groups, conv_pool, ssm_pool,
+                                     torch.tensor(slots, device=device))
+            out = norm(y.reshape(len(slots), inner), z)
+            for row, slot in enumerate(slots[:3]):
+                ref, *expected[slot] = mamba2_reference(xbc[row:row + 1], dt[row:row + 1], z[row:row + 1], p, groups,
+                                                        *expected[slot])
+                worst = max(worst, relative_error(out[row:row + 1], ref))
+        for slot, (conv, ssm) in expected.items():
+            worst = max(worst, relative_error(ssm_pool[slot], ssm), relative_error(conv_pool[slot], conv))
+        if not all(torch.equal(t[[0, 2]], kept) for t, kept in zip((conv_buffer, ssm_buffer), untouched)):
+            return CheckResult(name, math.inf, tolerance, "a slot no sequence owns was written (or before the pool)")
         return CheckResult(name, worst, tolerance)
     except Exception as e:  # noqa: BLE001 - kernels that cannot run these shapes fail their check
         return CheckResult(name, math.inf, tolerance, f"{type(e).__name__}: {e}")

@@ -8,7 +8,7 @@ layer's pools). A decode step takes only tensors, so it runs inside CUDA graphs.
 
 - "torch": plain torch ops, the delta rule in float32 chunks of 64 tokens; any device.
 - "triton decode": on CUDA GPUs with Triton, the decode step in two kernels that step the states in place
-  (kernels/triton/gated_delta_rule.py); prompt chunks as "torch".
+  (kernels/triton/causal_conv1d.py, kernels/triton/gated_delta_rule.py); prompt chunks as "torch".
 - "triton decode, fla-core prefill": the same, with 16-bit models' prompt chunks through the flash-linear-attention
   package's Triton chunk_gated_delta_rule where `fla-core` is installed: on an H200 it prefills a 32k-token prompt's layer of
   Qwen3-Next-80B-A3B (32 value heads of 128 x 128) in 2.1 ms against 75 ms for the torch form
@@ -77,7 +77,8 @@ class TritonDecodeDeltaNetKernels(TorchDeltaNetKernels):
     @staticmethod
     def step_in_pool(qkv, ba, conv_weight, a_log, dt_bias, scale: float, key_heads: int, conv_pool, rec_pool,
                      slots) -> torch.Tensor:
-        from shardserve.kernels.triton.gated_delta_rule import conv_step_in_pool, rule_step_in_pool
+        from shardserve.kernels.triton.causal_conv1d import conv_step_in_pool
+        from shardserve.kernels.triton.gated_delta_rule import rule_step_in_pool
 
         mixed = conv_step_in_pool(qkv, conv_weight, conv_pool, slots)
         return rule_step_in_pool(mixed, ba, a_log, dt_bias, scale, rec_pool, slots, key_heads)

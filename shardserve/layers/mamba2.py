@@ -6,6 +6,10 @@ time_step_limit; the SSD recurrence (kernels/mamba2_ssd.py) with A = -exp(A_log)
 dt into y per head; the output is out_proj(norm(y * silu(z))), the RMS norm taken over each of the n_groups
 groups of heads apart.
 
+The convolution and the SSM run through the device's Mamba2Kernels (layers/mamba2_kernels.py): on CUDA GPUs with
+Triton a decode step steps the states in their pool slots in two kernels and takes only tensors, so decode runs
+inside CUDA graphs; prompt chunks run the torch forms.
+
 A sequence's state is a MambaState: the convolution's last inputs and the SSM state of each head. Tensor
 parallel: each rank owns whole B/C groups and their heads (layers/sharding.MambaShard); everything up to out_proj
 is local, and out_proj sums the ranks' shares (row-parallel, one all-reduce). Every per-head size below (channels,
@@ -22,10 +26,10 @@ from torch import nn
 
 from shardserve.config import _json_float
 from shardserve.distributed.communicator import Communicator
-from shardserve.kernels.causal_conv1d import causal_conv1d, causal_conv1d_step
-from shardserve.kernels.mamba2_ssd import ssd_chunked, ssd_step, step_sizes
+from shardserve.kernels.mamba2_ssd import step_sizes
 from shardserve.layers.deltanet_projections import ConvWeight, head_vector
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_exact, empty_parameter
+from shardserve.layers.mamba2_kernels import Mamba2Kernels, mamba2_kernels, split_channels
 from shardserve.layers.sharding import MambaShard, mamba_shard
 from shardserve.layers.state_mixer import StateMixer
 
@@ -117,29 +121,25 @@ def _row_vector(rows: list[Rows], dtype: torch.dtype) -> nn.Parameter:
 
 class GroupedGatedRMSNorm(nn.Module):
     """norm(y * silu(z)) with the RMS taken over each group of `group_size` features apart, in float32, then
-    scaled by the weight in the output dtype (NemotronH's RMSNormGated, norm after the gate). A rank owns whole
-    groups, so its norm needs nothing from the others."""
+    scaled by the weight in the output dtype (NemotronH's RMSNormGated, norm after the gate), computed by the
+    layer's kernels (Mamba2Kernels.norm). A rank owns whole groups, so its norm needs nothing from the others."""
 
     def __init__(self, rows: Rows, group_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.group_size, self.eps = group_size, eps
         self.weight = _row_vector([rows], dtype)
 
-    def forward(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        h = y.float() * torch.nn.functional.silu(gate.float())
-        g = h.view(*h.shape[:-1], -1, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view(h.shape).to(dtype)
+    def forward(self, y: torch.Tensor, gate: torch.Tensor, kernels: Mamba2Kernels) -> torch.Tensor:
+        """y [rows, features] (float32), gate [rows, features] (rows may be strided) -> [rows, features] in the
+        weight's dtype."""
+        return kernels.norm(y, gate, self.weight, self.group_size, self.eps)
 
 
 class Mamba2Mixer(StateMixer):
-    # Not captured in CUDA graphs: the torch decode step would step the state of the slot -1 that a graph's padding
-    # rows carry (the last slot), where the Gated DeltaNet Triton kernels skip it. Decode runs eagerly.
-    graph_safe = False
-
     def __init__(self, dims: Mamba2Dims, comm: Communicator, dtype: torch.dtype,
-                 ssm_dtype: torch.dtype = torch.float32) -> None:
-        """ssm_dtype: how the SSM states are kept between steps (the recurrence itself runs in float32)."""
+                 ssm_dtype: torch.dtype = torch.float32, kernels: Mamba2Kernels | None = None) -> None:
+        """ssm_dtype: how the SSM states are kept between steps (the recurrence itself runs in float32); kernels:
+        how the convolution and the SSM run, by default mamba2_kernels(the input's device)."""
         super().__init__()
         shard = mamba_shard(dims.heads, dims.groups, dims.head_dim, comm.rank, comm.world_size)
         self.dims, self.shard, self.dtype, self.ssm_dtype = dims, shard, dtype, ssm_dtype
@@ -163,6 +163,20 @@ class Mamba2Mixer(StateMixer):
         self.out_proj = RowParallelLinear((h0 * dims.head_dim, h1 * dims.head_dim), dims.hidden_size,
                                           dims.proj_bias, dtype, comm if shard.sharded else None)
         self.in_proj.replicated = self.out_proj.replicated = not shard.sharded
+        self.kernels = kernels
+
+    def _kernels(self, device: torch.device) -> Mamba2Kernels:
+        return self.kernels or mamba2_kernels(device)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether CUDA graphs can capture its decode step: its kernels skip a padding row's slot -1."""
+        return self._kernels(self.D.device).graph_safe
+
+    @property
+    def graph_unsafe_reason(self) -> str:
+        return (f"the Mamba-2 decode step of the {self._kernels(self.D.device).name} kernels would step the last "
+                f"state slot for a graph's padding rows")
 
     def zero_state(self, batch: int | None = None, device: torch.device | str | None = None,
                    ssm_dtype: torch.dtype | None = None) -> MambaState:
@@ -174,24 +188,12 @@ class Mamba2Mixer(StateMixer):
             torch.zeros(*lead, self.channels, d.conv_kernel - 1, dtype=self.dtype, device=device),
             torch.zeros(*lead, self.heads, d.head_dim, d.state_size, dtype=ssm_dtype or self.ssm_dtype, device=device))
 
-    def _split(self, mixed: torch.Tensor):
-        """Convolved channels [T, channels] -> x [T, heads, head_dim], B and C [T, groups, state_size]."""
-        d, t = self.dims, mixed.shape[0]
-        xs, b, c = mixed.split([self.inner, self.groups * d.state_size, self.groups * d.state_size], dim=-1)
-        return (xs.reshape(t, self.heads, d.head_dim), b.reshape(t, self.groups, d.state_size),
-                c.reshape(t, self.groups, d.state_size))
-
-    def _a(self) -> torch.Tensor:
-        return -torch.exp(self.A_log.float())
-
-    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, weight: torch.Tensor, pool: MambaState,
+    def _step(self, kernels: Mamba2Kernels, xbc: torch.Tensor, dt: torch.Tensor, pool: MambaState,
               slots: torch.Tensor) -> torch.Tensor:
-        """One token of each of B sequences, their states stepped in their slots; y [B, heads, head_dim] float32."""
-        mixed, pool.conv[slots] = causal_conv1d_step(xbc, weight, pool.conv[slots], self.conv1d.bias)
-        xs, b, c = self._split(mixed)
-        y, ssm = ssd_step(xs, dt, self._a(), b, c, self.D, pool.ssm[slots])
-        pool.ssm[slots] = ssm.to(pool.ssm.dtype)
-        return y
+        """One token of each of B sequences (dt before softplus), their states stepped in their slots; y [B, heads,
+        head_dim] float32. Takes only tensors: with graph-safe kernels it runs inside CUDA graphs."""
+        return kernels.step_in_pool(xbc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.D,
+                                    self.dt_bias, self.dims.time_step_limit, self.groups, pool.conv, pool.ssm, slots)
 
     def forward(self, x: torch.Tensor, pool: MambaState, slots: torch.Tensor,
                 query_start: Sequence[int] | None) -> torch.Tensor:
@@ -201,33 +203,32 @@ class Mamba2Mixer(StateMixer):
         token) and its state in pool slot slots[i]; query_start None: one token each (a decode step). Invariant:
         slots of one step are distinct; a new sequence's slot is zeroed before its first step.
         """
-        d = self.dims
+        kernels = self._kernels(x.device)
         z, xbc, dt = self.in_proj(x).split([self.inner, self.channels, self.heads], dim=-1)
-        dt = step_sizes(dt, self.dt_bias, d.time_step_limit)
-        weight = self.conv1d.weight.squeeze(1)
         if query_start is None:
-            y = self._step(xbc, dt, weight, pool, slots)
+            y = self._step(kernels, xbc, dt, pool, slots)
         else:
-            y = self._chunks(xbc, dt, weight, pool, slots, list(query_start))
-        h = self.norm(y.reshape(x.shape[0], self.inner), z, x.dtype)
+            y = self._chunks(kernels, xbc, dt, pool, slots, list(query_start))
+        h = self.norm(y.reshape(x.shape[0], self.inner), z, kernels)
         return self.out_proj(h)
 
-    def _chunks(self, xbc, dt, weight, pool: MambaState, slots: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    def _chunks(self, kernels: Mamba2Kernels, xbc, dt, pool: MambaState, slots: torch.Tensor,
+                starts: list[int]) -> torch.Tensor:
         """y for sequences of any lengths: single tokens step together (one batched call), longer chunks run one
         by one through the chunked scan; every state stepped in its slot."""
         y = torch.empty(xbc.shape[0], self.heads, self.dims.head_dim, dtype=torch.float32, device=xbc.device)
         singles = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
         if singles:
             rows = torch.tensor([starts[i] for i in singles], device=xbc.device)
-            y[rows] = self._step(xbc[rows], dt[rows], weight, pool,
-                                 slots[torch.tensor(singles, device=xbc.device)])
+            y[rows] = self._step(kernels, xbc[rows], dt[rows], pool, slots[torch.tensor(singles, device=xbc.device)])
+        steps = step_sizes(dt, self.dt_bias, self.dims.time_step_limit)
+        weight, a = self.conv1d.weight.squeeze(1), -torch.exp(self.A_log.float())
         for i in range(len(starts) - 1):
             s, e = starts[i], starts[i + 1]
             if e - s > 1:
                 slot = slots[i:i + 1]  # a tensor index: no host sync
-                mixed, conv = causal_conv1d(xbc[s:e], weight, pool.conv[slot][0], self.conv1d.bias)
-                xs, b, c = self._split(mixed)
-                y[s:e], ssm = ssd_chunked(xs, dt[s:e], self._a(), b, c, self.D, pool.ssm[slot][0],
-                                          self.dims.chunk_size)
+                mixed, conv = kernels.conv(xbc[s:e], weight, pool.conv[slot][0], self.conv1d.bias)
+                xs, b, c = split_channels(mixed, self.heads, self.dims.head_dim, self.groups)
+                y[s:e], ssm = kernels.scan(xs, steps[s:e], a, b, c, self.D, pool.ssm[slot][0], self.dims.chunk_size)
                 pool.conv[slot], pool.ssm[slot] = conv.unsqueeze(0), ssm.to(pool.ssm.dtype).unsqueeze(0)
         return y

@@ -241,6 +241,8 @@ class SparseMoE(nn.Module):
             return route_with_shared(logits, self.top_k, self.renormalize)
         return route_reference(logits, self.top_k, self.renormalize)
 
+    graph_unsafe_reason = "a mixture of experts without its fused kernel reads expert counts on the host"
+
     @property
     def graph_safe(self) -> bool:
         """Whether a CUDA graph can capture this block: a device-only expert computation runs here (no host

@@ -43,6 +43,7 @@ def silu_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
 class NonGatedExperts(nn.Module):
     # The expert counts are read on the host (grouped_by_expert): a CUDA graph cannot capture the layer.
     graph_safe = False
+    graph_unsafe_reason = "Nemotron's non-gated experts read their token counts on the host"
 
     def __init__(self, width: int, intermediate_size: int, num_experts: int, shard: ExpertShard, activation: str,
                  dtype: torch.dtype) -> None:

@@ -116,6 +116,8 @@ class NemotronHMoE(nn.Module):
 
     # The experts read their token counts on the host (layers/nongated_experts.py): decode runs without CUDA graphs.
     graph_safe = False
+    graph_unsafe_reason = ("its mixture of experts reads the experts' token counts on the host "
+                           "(layers/nongated_experts.py)")
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, expert_parallel: bool) -> None:
         super().__init__()

@@ -4,8 +4,8 @@ The torch form of a decode step (layers/deltanet_kernels.TorchDeltaNetKernels) g
 out of the pools, steps them and scatters them back, and computes the gates, the l2 norms and the convolution in
 a dozen small kernels. Here:
 
-- `conv_step_in_pool`: program (row, block of channels) reads the row's convolution state from its pool slot,
-  writes y = silu(conv(state, x)) and shifts x into the state, in place.
+- the convolution: kernels/triton/causal_conv1d.conv_step_in_pool (shared with Mamba-2), stepping each row's
+  convolution state in its pool slot.
 - `rule_step_in_pool`: program (row, value head, block of value columns) reads q and k of its key head and v of
   its columns from the convolution's output, l2-normalises q and k, computes beta = sigmoid(b) and the log decay
   g = -exp(A_log) * softplus(a + dt_bias), and steps the float32 state columns it owns in place (the delta rule
@@ -21,47 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-_CONV_BLOCK = 256  # channels a program of the convolution covers
+from shardserve.kernels.triton.activations import softplus
+
 _VALUE_BLOCK = 32  # value columns of one head a program of the delta rule owns (its state: key_dim x 32 float32)
-
-
-@triton.jit
-def _conv_step_kernel(x_ptr, weight_ptr, state_ptr, slots_ptr, y_ptr, channels, stride_x, stride_slot,
-                      KERNEL: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = c < channels
-    slot = tl.load(slots_ptr + row)
-    live = inside & (slot >= 0)
-    taps = tl.arange(0, TAPS)  # tap KERNEL - 1 is this token; taps before it come from the state, oldest first
-    state_at = state_ptr + slot.to(tl.int64) * stride_slot + c[:, None] * (KERNEL - 1) + taps[None, :]
-    from_state = taps[None, :] < KERNEL - 1
-    window = tl.load(state_at, mask=live[:, None] & from_state, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + row * stride_x + c, mask=inside, other=0.0)
-    window = tl.where(taps[None, :] == KERNEL - 1, x.to(tl.float32)[:, None], window)
-    w = tl.load(weight_ptr + c[:, None] * KERNEL + taps[None, :], mask=inside[:, None] & (taps[None, :] < KERNEL),
-                other=0.0).to(tl.float32)
-    # Summed in float32 and rounded to x's dtype once, then SiLU: as the torch form does.
-    y = tl.sum(window * w, axis=1).to(x.dtype).to(tl.float32)
-    tl.store(y_ptr + row * channels + c, (y * tl.sigmoid(y)).to(x.dtype), mask=inside)
-    # The state keeps the last KERNEL - 1 inputs: taps 1 .. KERNEL - 1 of the window move to 0 .. KERNEL - 2.
-    shifted = state_at - 1
-    tl.store(shifted, window.to(state_ptr.dtype.element_ty), mask=live[:, None] & (taps[None, :] >= 1)
-             & (taps[None, :] < KERNEL))
-
-
-def conv_step_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """One token of each of B sequences: x [B, channels] (rows may be strided), weight [channels, K], pool
-    [slots, channels, K - 1] (written in place), slots int64 [B]. Returns y [B, channels] in x's dtype."""
-    rows, channels = x.shape
-    kernel = weight.shape[1]
-    y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return y
-    grid = (rows, triton.cdiv(channels, _CONV_BLOCK))
-    _conv_step_kernel[grid](x, weight, pool, slots, y, channels, x.stride(0), pool.stride(0), KERNEL=kernel,
-                            TAPS=triton.next_power_of_2(kernel), BLOCK=_CONV_BLOCK, num_warps=4)
-    return y
 
 
 @triton.jit
@@ -85,8 +47,7 @@ def _rule_step_kernel(mixed_ptr, ba_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     b = tl.load(ba_ptr + row * stride_ba + head).to(tl.float32)
     a = tl.load(ba_ptr + row * stride_ba + value_heads + head).to(tl.float32) + tl.load(dt_bias_ptr + head)
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))  # torch's softplus threshold
-    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head)) * softplus)
+    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head)) * softplus(a))
     beta = tl.sigmoid(b)
     at = state_ptr + slot.to(tl.int64) * stride_slot + head * DK * DV + keys[:, None] * DV + cols[None, :]
     s = tl.load(at, mask=cell & (slot >= 0), other=0.0) * decay  # [DK, BV]

@@ -1,0 +1,128 @@
+"""How a Mamba-2 layer's convolution and SSM run on this hardware, chosen once per device.
+
+One interface, four operations: a prompt chunk of one sequence (`conv`, `scan`: they take the states as they are
+and return the new ones, writing no input; shapes and dtypes those of kernels/causal_conv1d.py and
+kernels/mamba2_ssd.py), a decode step (`step_in_pool`: one token of each of B sequences, from the input
+projection's outputs to the SSM's output, stepping the sequences' states where they live in the layer's pools),
+and the gated output norm of any rows (`norm`).
+
+- "torch": plain torch ops, the SSM in float32 chunks (kernels/mamba2_ssd.py); any device. Its decode step
+  gathers and scatters states by slot, so a row with slot -1 (a CUDA graph's padding row) would step the pool's
+  last slot: graph_safe is False and such layers decode eagerly.
+- "triton decode": on CUDA GPUs with Triton, the decode step in two kernels that step the states in place and
+  skip slot -1 (kernels/triton/causal_conv1d.py, kernels/triton/mamba2_step.py), so it runs inside CUDA graphs,
+  and the norm in one (kernels/triton/gated_rms_norm.py); prompt chunks as "torch".
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+from shardserve.kernels import availability
+from shardserve.kernels.causal_conv1d import causal_conv1d, causal_conv1d_step
+from shardserve.kernels.mamba2_ssd import ssd_chunked, ssd_step, step_sizes
+
+logger = logging.getLogger(__name__)
+
+
+class Mamba2Kernels(Protocol):
+    name: str
+    graph_safe: bool  # whether step_in_pool takes only tensors and leaves every slot alone for a row of slot -1
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+             bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence: causal_conv1d.causal_conv1d."""
+
+    def scan(self, x, dt, a, b, c, d, state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence: mamba2_ssd.ssd_chunked."""
+
+    def step_in_pool(self, xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor,
+                     conv_bias: torch.Tensor | None, a_log: torch.Tensor, d: torch.Tensor, dt_bias: torch.Tensor,
+                     time_step_limit: tuple[float, float], groups: int, conv_pool: torch.Tensor,
+                     ssm_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token of each of B sequences: xbc [B, channels] ([x | B | C] before the convolution), dt [B, heads]
+        (before softplus); conv_weight [channels, K], conv_bias [channels] or None; a_log, d, dt_bias float32
+        [heads]; the pools [slots, ...] as MambaState lays them out; slots int64 [B], distinct. Steps rows' states
+        in their slots, in place, and returns the SSM's output y float32 [B, heads, head_dim]."""
+
+    def norm(self, y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+             eps: float) -> torch.Tensor:
+        """weight * norm(y * silu(z)), the RMS over each group of group_size features apart: y [rows, features]
+        float32, z [rows, features] (rows may be strided), weight [features]. Returns [rows, features] in weight's
+        dtype, normalised in float32 and rounded before the weight (NemotronH's RMSNormGated)."""
+
+
+def split_channels(mixed: torch.Tensor, heads: int, head_dim: int, groups: int):
+    """Convolved channels [T, channels] -> x [T, heads, head_dim], B and C [T, groups, state_size]."""
+    t = mixed.shape[0]
+    xs, b, c = mixed.split([heads * head_dim, *(2 * [(mixed.shape[1] - heads * head_dim) // 2])], dim=-1)
+    return xs.reshape(t, heads, head_dim), b.reshape(t, groups, -1), c.reshape(t, groups, -1)
+
+
+class TorchMamba2Kernels:
+    name = "torch"
+    graph_safe = False
+
+    @staticmethod
+    def conv(x, weight, state, bias) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_conv1d(x, weight, state, bias)
+
+    @staticmethod
+    def scan(x, dt, a, b, c, d, state, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return ssd_chunked(x, dt, a, b, c, d, state, chunk_size)
+
+    @staticmethod
+    def step_in_pool(xbc, dt, conv_weight, conv_bias, a_log, d, dt_bias, time_step_limit, groups: int, conv_pool,
+                     ssm_pool, slots) -> torch.Tensor:
+        heads, head_dim = ssm_pool.shape[1:3]
+        mixed, conv_pool[slots] = causal_conv1d_step(xbc, conv_weight, conv_pool[slots], conv_bias)
+        xs, b, c = split_channels(mixed, heads, head_dim, groups)
+        y, ssm = ssd_step(xs, step_sizes(dt, dt_bias, time_step_limit), -torch.exp(a_log.float()), b, c, d,
+                          ssm_pool[slots])
+        ssm_pool[slots] = ssm.to(ssm_pool.dtype)
+        return y
+
+    @staticmethod
+    def norm(y, z, weight, group_size: int, eps: float) -> torch.Tensor:
+        h = y.float() * torch.nn.functional.silu(z.float())
+        g = h.view(*h.shape[:-1], -1, group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * g.view(h.shape).to(weight.dtype)
+
+
+class TritonDecodeMamba2Kernels(TorchMamba2Kernels):
+    name = "triton decode"
+    graph_safe = True
+
+    @staticmethod
+    def step_in_pool(xbc, dt, conv_weight, conv_bias, a_log, d, dt_bias, time_step_limit, groups: int, conv_pool,
+                     ssm_pool, slots) -> torch.Tensor:
+        from shardserve.kernels.triton.causal_conv1d import conv_step_in_pool
+        from shardserve.kernels.triton.mamba2_step import ssm_step_in_pool
+
+        mixed = conv_step_in_pool(xbc, conv_weight, conv_pool, slots, conv_bias)
+        return ssm_step_in_pool(mixed, dt, a_log, d, dt_bias, time_step_limit, groups, ssm_pool, slots)
+
+    @staticmethod
+    def norm(y, z, weight, group_size: int, eps: float) -> torch.Tensor:
+        from shardserve.kernels.triton.gated_rms_norm import grouped_gated_rms_norm
+
+        return grouped_gated_rms_norm(y, z, weight, group_size, eps)
+
+
+_chosen: dict[str, Mamba2Kernels] = {}
+
+
+def mamba2_kernels(device: torch.device | str) -> Mamba2Kernels:
+    """The kernels Mamba-2 layers on `device` use, chosen (and logged) once per device type."""
+    kind = torch.device(device).type
+    if kind not in _chosen:
+        kernels: Mamba2Kernels = TorchMamba2Kernels()
+        if kind == "cuda" and availability.triton_usable():
+            kernels = TritonDecodeMamba2Kernels()
+        _chosen[kind] = kernels
+        logger.info("Mamba-2 kernels on %s: %s", kind, kernels.name)
+    return _chosen[kind]
