@@ -6,7 +6,8 @@ kernels/gated_delta_rule.py), and a decode step (`step_in_pool`: one token of ea
 input projections' outputs to the delta rule's output, stepping the sequences' states where they live in the
 layer's pools). A decode step takes only tensors, so it runs inside CUDA graphs.
 
-- "torch": plain torch ops, the delta rule in float32 chunks of 64 tokens; any device.
+- "torch": plain torch ops, the delta rule in float32 chunks of 64 tokens; any device. Its decode step indexes the
+  pools by slot, so a CUDA graph's padding row (slot -1) would step the last slot: not graph-safe, decode eager.
 - "triton decode": on CUDA GPUs with Triton, the decode step in two kernels that step the states in place
   (kernels/triton/causal_conv1d.py, kernels/triton/gated_delta_rule.py); prompt chunks as "torch".
 - "triton decode, fla-core prefill": the same, with 16-bit models' prompt chunks through the flash-linear-attention
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 class DeltaNetKernels(Protocol):
     name: str
+    graph_safe: bool  # whether step_in_pool leaves every slot alone for a row of slot -1 (a graph's padding row)
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence: causal_conv1d.causal_conv1d."""
@@ -51,6 +53,7 @@ class DeltaNetKernels(Protocol):
 
 class TorchDeltaNetKernels:
     name = "torch"
+    graph_safe = False  # pool[slots] with slot -1 would step the last slot, which a live sequence may hold
 
     @staticmethod
     def conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +76,7 @@ class TorchDeltaNetKernels:
 
 class TritonDecodeDeltaNetKernels(TorchDeltaNetKernels):
     name = "triton decode"
+    graph_safe = True
 
     @staticmethod
     def step_in_pool(qkv, ba, conv_weight, a_log, dt_bias, scale: float, key_heads: int, conv_pool, rec_pool,

@@ -100,6 +100,19 @@ class GatedDeltaNet(StateMixer):
             linear.replicated = not shard.sharded
         self.kernels = kernels
 
+    def _kernels(self, device: torch.device) -> DeltaNetKernels:
+        return self.kernels or delta_net_kernels(device)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether CUDA graphs can capture its decode step: its kernels skip a padding row's slot -1."""
+        return self._kernels(self.A_log.device).graph_safe
+
+    @property
+    def graph_unsafe_reason(self) -> str:
+        return (f"the Gated DeltaNet decode step of the {self._kernels(self.A_log.device).name} kernels would step "
+                f"the last state slot for a graph's padding rows")
+
     def zero_state(self, batch: int | None = None, device: torch.device | str | None = None) -> DeltaNetState:
         """The state of `batch` sequences (one without a batch dim when None) that have no tokens yet."""
         lead = () if batch is None else (batch,)
@@ -117,7 +130,7 @@ class GatedDeltaNet(StateMixer):
         only tensors, so it runs inside CUDA graphs). Invariant: slots of one step are distinct; a new
         sequence's slot is zeroed before its first step.
         """
-        kernels = self.kernels or delta_net_kernels(x.device)
+        kernels = self._kernels(x.device)
         d, hv = self.dims, self.value_heads
         qkv, z = self.in_proj_qkvz(x).split([self.channels, hv * d.value_dim], dim=-1)
         ba = self.in_proj_ba(x)

@@ -109,3 +109,16 @@ def test_failing_prefill_kernels_give_way_to_the_decode_kernels_they_extend(capl
     assert name == "triton decode"
     assert all(type(layer.kernels) is TritonDecodeDeltaNetKernels for layer in model)
     assert "broken-prefill failed their start-up check, using triton decode instead" in caplog.text
+
+
+def test_only_kernels_that_skip_padding_rows_let_cuda_graphs_capture_the_layer():
+    """A CUDA graph's padding rows carry slot -1: the torch decode step would index the pools with it and step the
+    last slot, which a live sequence may hold, so a layer on the torch kernels (a failed check's fallback, or
+    Triton disabled) is not graph-safe and the engine decodes eagerly, naming why; the Triton step skips the row."""
+    from shardserve.distributed.communicator import Communicator
+
+    dims = DeltaNetDims(32, 2, 4, 8, 8, 4, 1e-6)
+    layer = GatedDeltaNet(dims, Communicator(None, 0, 1), torch.float32, kernels=TorchDeltaNetKernels())
+    assert layer.graph_safe is False and "torch" in layer.graph_unsafe_reason
+    layer.kernels = TritonDecodeDeltaNetKernels()
+    assert layer.graph_safe is True
