@@ -78,3 +78,22 @@ def test_other_modelopt_schemes_are_refused_naming_them(change, named):
     with pytest.raises(UnsupportedQuantization) as e:
         parse_quantization({"quantization_config": {**NVFP4_CONFIG, **change}})
     assert named in str(e.value) and "modelopt NVFP4 (weights only)" in str(e.value)
+
+
+@pytest.mark.parametrize("scheme", sorted(FP4_SCHEMES))
+def test_packed_fp4_layers_at_two_ranks_give_transformers_tokens(fp4_dirs, scheme, monkeypatch):
+    """The packed "fp4" layout GPUs compute with (e2m1 codes, float32 group scales with NVFP4's global folded in),
+    kept packed on CPU where each product dequantizes: every projection is packed (o_proj and down_proj by whole
+    groups of each rank's columns) and the tokens are transformers' on the encoded values."""
+    from shardserve import LLM, SamplingParams
+    from tests.helpers.greedy import NEW_TOKENS, prompts
+
+    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    quant_dir, float_dir = fp4_dirs[scheme]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(quant_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.05) as llm:
+        outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
+        layouts = {name.split(".")[-1]: m.packed.layout.kind for name, m in llm.engine.runner.model.named_modules()
+                   if getattr(m, "packed", None) is not None}
+    assert layouts == dict.fromkeys(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], "fp4")
+    assert outputs == list(reference(float_dir))
