@@ -14,8 +14,8 @@ Two layouts, both row-major over the output features N and the input features K:
   is all 32 bits of the group's float32 scale (no zero point): W[n, k] = e2m1(q[n, k]) * scale[n, g].
   The scale folds NVFP4's global scale into each e4m3 group scale (float32, rounded once as the checkpoint reader
   rounds it), so fused q/k/v and gate/up rows each keep their own part's global scale, the kernels load one word a
-  group as for int4, and an e2m1 value (two significant bits) times it is exact in float32: every path gives the
-  bits the checkpoint reader gives.
+  group as for int4, and e2m1(q) * scale rounds once in float32 as the checkpoint reader's product does: the
+  dequantizers give the reader's bits.
 The dequantizers compute W in float32 and round once to the requested dtype, so every backend that does the
 same gives the same bits. This module imports no Triton: the CUDA kernel behind dequantize_int4 is loaded
 only when a CUDA tensor asks for it.

@@ -8,8 +8,8 @@ NVFP4 (NVIDIA ModelOpt, `quant_method: modelopt`, `quant_algo: NVFP4`): a linear
 - `input_scale` float32: the activation scale of NVFP4's 4-bit activations. Ignored: shardserve keeps activations
   in the compute dtype (weight-only 4-bit; logged once at start-up).
 W[n, k] = e2m1(code[n, k]) * group_scale[n, k // 16], group_scale = float32(float(weight_scale) * weight_scale_2).
-The group scale is rounded to float32 once, before the product: an e2m1 value has two significant bits, so the
-product itself is exact, and every reader (this module, the packed layout "fp4", its kernels) gets the same bits.
+The group scale is rounded to float32 once, before the product, and the product once more: the packed layout
+"fp4" keeps that float32 group scale, so its dequantizers give this module's bits.
 
 MXFP4 (OCP microscaling, gpt-oss's `quant_method: mxfp4`): `{name}_blocks` uint8 [N, K / 32, 16] (the e2m1 codes of
 32 columns in 16 bytes, low nibble first) and `{name}_scales` uint8 [N, K / 32], an e8m0 exponent: a group's scale
