@@ -80,20 +80,38 @@ def test_other_modelopt_schemes_are_refused_naming_them(change, named):
     assert named in str(e.value) and "modelopt NVFP4 (weights only)" in str(e.value)
 
 
-@pytest.mark.parametrize("scheme", sorted(FP4_SCHEMES))
-def test_packed_fp4_layers_at_two_ranks_give_transformers_tokens(fp4_dirs, scheme, monkeypatch):
-    """The packed "fp4" layout GPUs compute with (e2m1 codes, float32 group scales with NVFP4's global folded in),
-    kept packed on CPU where each product dequantizes: every projection is packed (o_proj and down_proj by whole
-    groups of each rank's columns) and the tokens are transformers' on the encoded values."""
+
+def _packed_generate(quant_dir: str) -> tuple[list[tuple[int, ...]], dict[str, str]]:
+    """Greedy tokens at TP 2 with the quantized layers kept packed on CPU, and rank 0's packed layouts by module."""
     from shardserve import LLM, SamplingParams
     from tests.helpers.greedy import NEW_TOKENS, prompts
 
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
-    quant_dir, float_dir = fp4_dirs[scheme]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.05) as llm:
         outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
-        layouts = {name.split(".")[-1]: m.packed.layout.kind for name, m in llm.engine.runner.model.named_modules()
-                   if getattr(m, "packed", None) is not None}
-    assert layouts == dict.fromkeys(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], "fp4")
+        layouts = {name: getattr(m.packed, "layout", m.packed).kind for name, m in
+                   llm.engine.runner.model.named_modules() if getattr(m, "packed", None) is not None}
+    return outputs, layouts
+
+
+def test_packed_mxfp4_layers_at_two_ranks_give_transformers_tokens(fp4_dirs, monkeypatch):
+    """The packed "fp4" layout GPUs compute with (e2m1 codes, float32 group scales), kept packed on CPU where each
+    product dequantizes: every projection is packed (o_proj and down_proj by whole groups of each rank's columns)
+    and the tokens are transformers' on the encoded values."""
+    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    quant_dir, float_dir = fp4_dirs["mxfp4"]
+    outputs, layouts = _packed_generate(quant_dir)
+    assert {name.split(".")[-1] for name in layouts} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert set(layouts.values()) == {"fp4"}
+    assert outputs == list(reference(float_dir))
+
+
+def test_packed_nvfp4_experts_at_two_ranks_give_transformers_tokens(tiny_model_dir, tmp_path, monkeypatch):
+    """Qwen3-MoE with its attention and every expert in NVFP4 (the router float): the experts load their rank's rows
+    (w13) and columns (w2) into packed fp4 experts, each part with its own global scale folded into its rows'
+    scales, and the tokens are transformers' on the encoded values."""
+    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe-64"), "nvfp4", tmp_path)
+    outputs, layouts = _packed_generate(quant_dir)
+    assert layouts["model.layers.0.mlp"] == "fp4" and layouts["model.layers.0.self_attn.qkv_proj"] == "fp4"
     assert outputs == list(reference(float_dir))
