@@ -180,7 +180,7 @@ class ModelConfig:
                 f"{path!r} is neither a .gguf file nor a model directory with a config.json"
             )
         with open(config_file) as f:
-            return cls.from_hf_dict(json.load(f))
+            return cls.from_hf_dict(with_modelopt_config(path, json.load(f)))
 
     @property
     def position_limit(self) -> int:
@@ -292,6 +292,17 @@ def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 mamba_conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
                 mamba_proj_bias=bool(cfg.get("use_bias", False)), mlp_activation=act, rope=False,
                 **_nemotron_h_moe_fields(cfg, types))
+
+
+def with_modelopt_config(path: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json's fields, with ModelOpt's hf_quant_config.json (its `quantization` section) as the
+    quantization_config where config.json has none: older ModelOpt exports write their NVFP4 settings only there."""
+    hf_quant = os.path.join(path, "hf_quant_config.json")
+    if cfg.get("quantization_config") or not os.path.isfile(hf_quant):
+        return cfg
+    with open(hf_quant) as f:
+        quantization = json.load(f).get("quantization") or {}
+    return {**cfg, "quantization_config": {"quant_method": "modelopt", **quantization}}
 
 
 def _nemotron_h_moe_fields(cfg: dict[str, Any], types: list[str]) -> dict[str, Any]:

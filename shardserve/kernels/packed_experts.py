@@ -6,6 +6,7 @@ kernels/quant_pack.py, stacked over the experts. No Triton here: what the fused 
 - int4: w uint8 [E, N, K / 2] (column 2j in the low nibble of byte j), scale int32 [E, N, K / group] holding each
   group's scale and zero point in one word (quant_pack.pack_scale_zero):
   W[e, n, k] = (q[e, n, k] - zero[e, n, g]) * scale[e, n, g], g = k // group.
+- fp4: int4's tensors holding e2m1 codes, each word a float32 scale: W[e, n, k] = e2m1(q[e, n, k]) * scale[e, n, g].
 group divides K (K itself: one scale a row). w13's gate rows and up rows each keep their own scales (rows of the
 scale tensors follow the weight's rows).
 """
@@ -20,7 +21,7 @@ from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4, refer
 
 
 class PackedExperts(NamedTuple):
-    kind: str  # "fp8" or "int4"
+    kind: str  # "fp8", "int4" or "fp4"
     w13: torch.Tensor
     scale13: torch.Tensor  # int4: scale-and-zero words
     group13: int
@@ -45,8 +46,8 @@ class PackedExperts(NamedTuple):
         if self.kind == "fp8":
             return (dequantize_fp8(self.w13[e], self.scale13[e], self.group13, dtype),
                     dequantize_fp8(self.w2[e], self.scale2[e], self.group2, dtype))
-        return (dequantize_int4(self.w13[e], self.scale13[e], self.group13, dtype),
-                dequantize_int4(self.w2[e], self.scale2[e], self.group2, dtype))
+        return (dequantize_int4(self.w13[e], self.scale13[e], self.group13, dtype, codes=self.kind),
+                dequantize_int4(self.w2[e], self.scale2[e], self.group2, dtype, codes=self.kind))
 
     def reference(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's weights in float64, written from the layouts' definitions (not the dequantizers)."""

@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from shardserve.kernels.packed_experts import PackedExperts
-from shardserve.kernels.quant_pack import pack_int4, pack_scale_zero, scale_dtype
+from shardserve.kernels.quant_pack import FOUR_BIT_KINDS, pack_fp4_scales, pack_int4, pack_scale_zero, scale_dtype
 from shardserve.layers.moe import (FUSED_MOE_ENV, SparseMoE, _check_shape, check_routes, close_to_float64,
                                    grouped_by_expert, reference_experts)
 from shardserve.layers.linear import as_tensor, empty_parameter
-from shardserve.layers.quantized_linear import (PackedLayout, _copy_scales, log_kept_dequantized, quantize_fp8,
-                                                quantize_int4)
+from shardserve.layers.quantized_linear import QUANTIZERS, PackedLayout, _copy_scales, log_kept_dequantized
+from shardserve.weights.fp4 import Fp4Weight
 from shardserve.weights.quantized import Fp8Weight, GptqWeight
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def expert_groups(moe: SparseMoE, layout: PackedLayout) -> tuple[tuple[int, int]
         return None, f"its hidden size {hidden} is not whole groups of {g13}"
     if r0 % g2 or (r1 - r0) % g2:
         return None, f"its expert features [{r0}, {r1}) split groups of {g2}"
-    if layout.kind == "int4" and (hidden % 2 or (r1 - r0) % 2 or g13 % 2 or g2 % 2):
+    if layout.kind in FOUR_BIT_KINDS and (hidden % 2 or (r1 - r0) % 2 or g13 % 2 or g2 % 2):
         return None, "its columns do not pack in pairs"
     return (g13, g2), ""
 
@@ -63,7 +63,7 @@ class ExpertPacking:
         rows = two_rows // 2
         self.kind, (self.group13, self.group2) = layout.kind, groups
         self.compute_dtype = moe.w13.dtype
-        per_byte, dtype = (2, torch.uint8) if layout.kind == "int4" else (1, torch.float8_e4m3fn)
+        per_byte, dtype = (2, torch.uint8) if layout.kind in FOUR_BIT_KINDS else (1, torch.float8_e4m3fn)
 
         param = functools.partial(empty_parameter, device=device)
 
@@ -85,7 +85,7 @@ class ExpertPacking:
         """One expert's gate, up (which "w13", shard id (expert, 0 or 1)) or down projection ("w2") from a quantized
         checkpoint: only this rank's rows (w13) or columns (w2) of its packed bytes and scales are read. Float
         tensors (synthetic weights of a quantized config, per expert or all experts in one) are quantized here."""
-        if not isinstance(loaded, (Fp8Weight, GptqWeight)):
+        if not isinstance(loaded, (Fp8Weight, GptqWeight, Fp4Weight)):
             if hasattr(loaded, "read_packed"):
                 raise ValueError(f"packed {self.kind} experts cannot load a {type(loaded).__name__}; "
                                  f"{_DEQUANTIZED_HINT}")
@@ -117,12 +117,16 @@ class ExpertPacking:
                                  f"{_DEQUANTIZED_HINT}")
             target.copy_(pack_int4(codes))
             _copy_scales(scale, pack_scale_zero(scales, zeros))
+        elif self.kind == "fp4" and isinstance(loaded, Fp4Weight):
+            codes, scales = loaded.read_packed(*source)
+            target.copy_(pack_int4(codes))
+            _copy_scales(scale, pack_fp4_scales(scales))
         else:
             raise ValueError(f"a {type(loaded).__name__} cannot load into packed {self.kind} experts")
 
     def _quantize_floats(self, moe: SparseMoE, which: str, loaded: Any, shard_id: Hashable) -> None:
         """This rank's rows (w13) or columns (w2) of float experts, quantized as a packed dense layer quantizes
-        its rows (quantized_linear.quantize_fp8 / quantize_int4, groups along the input)."""
+        its rows (quantized_linear.QUANTIZERS, groups along the input)."""
         (r0, r1), inter = moe.rows, moe.intermediate_size
         (e0, e1), rows = moe.experts_held, r1 - r0
         if shard_id == "all":
@@ -137,7 +141,7 @@ class ExpertPacking:
                 return
             parts = ([(slice(half * rows, (half + 1) * rows), loaded[r0:r1])] if which == "w13"
                      else [(slice(None), loaded[:, r0:r1])])
-        quantize = quantize_fp8 if self.kind == "fp8" else quantize_int4
+        quantize = QUANTIZERS[self.kind]
         group = self.group13 if which == "w13" else self.group2
         for out_rows, values in parts:
             values = as_tensor(values).float()

@@ -9,6 +9,9 @@ A packed layer's parameters, on this rank:
   W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k // group. An act-order checkpoint's columns are sorted by
   group at load; `input_perm` [K] then says which input feature each column holds, and inputs are gathered in that
   order.
+- FP4 (NVFP4, MXFP4 checkpoints): INT4's tensors holding e2m1 codes, each word the group's float32 scale (NVFP4's
+  global scale folded in): W[n, k] = e2m1(q[n, k]) * scale[n, g]. The 4-bit kernels read it with their e2m1 decode
+  table (codes="fp4"); the split-K GEMV, which decodes nibbles as integers bit by bit, is not offered for it.
 
 Rows of a fused layer (q/k/v, gate/up) stack their parts' rows, each with its own scales, so sharding packed weights
 is the dense rule: column-parallel layers own rows, row-parallel layers own columns, and a rank's columns must be
@@ -37,11 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.env_choice import env_choice
-from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4, pack_scale_zero,
+from shardserve.kernels.quant_pack import (E2M1_VALUES, FOUR_BIT_KINDS, dequantize_fp8, dequantize_int4,
+                                           pack_fp4_scales, pack_int4, pack_scale_zero,
                                            reference_weight64, scale_dtype, unpack_scale_zero)
 from shardserve.layers.embedding import ParallelLMHead
 from shardserve.layers.linear import (ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor,
                                      empty_parameter)
+from shardserve.weights.fp4 import Fp4Weight
 from shardserve.weights.quantized import Fp8Weight, GptqWeight, QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -114,7 +119,7 @@ def fp8_matmul_kernel() -> str:
 
 @dataclass(frozen=True)
 class PackedLayout:
-    kind: str  # "fp8" or "int4"
+    kind: str  # "fp8", "int4" or "fp4" (e2m1 codes in int4's nibbles: kernels/quant_pack.py)
     group: int  # input columns one scale covers on this rank; 0: all of them
     act_order: bool = False  # int4: columns may come sorted by group (input_perm)
 
@@ -123,8 +128,10 @@ class PackedLayout:
 
     @classmethod
     def of_checkpoint(cls, scheme: QuantScheme) -> "PackedLayout":
-        """How a quantized checkpoint's layers are kept: FP8 scaled per block's columns or per row, GPTQ per group."""
-        return cls("fp8" if scheme.method == "fp8" else "int4", scheme.group_columns, scheme.act_order)
+        """How a quantized checkpoint's layers are kept: FP8 scaled per block's columns or per row, GPTQ per group,
+        NVFP4 and MXFP4 per group as e2m1 codes."""
+        kind = "fp8" if scheme.method == "fp8" else "fp4" if scheme.e2m1 else "int4"
+        return cls(kind, scheme.group_columns, scheme.act_order)
 
 
 class PackedWeights:
@@ -133,7 +140,7 @@ class PackedWeights:
     def __init__(self, layer: KernelLinear, layout: PackedLayout, device: torch.device | str) -> None:
         n, k = layer.weight.shape
         group = layout.group or k
-        if k % group or (layout.kind == "int4" and (k % 2 or group % 2)):
+        if k % group or (layout.kind in FOUR_BIT_KINDS and (k % 2 or group % 2)):
             raise ValueError(f"{layout.describe()} does not fit {k} input features")
         self.layout, self.n, self.k, self.group = layout, n, k, group
         self.compute_dtype = layer.weight.dtype
@@ -190,12 +197,13 @@ class PackedWeights:
             self._check_perm(layer, perm, shard_id)
             layer.weight.data[rows].copy_(pack_int4(codes))
             _copy_scales(layer.weight_scale.data[rows], pack_scale_zero(scale, zero))
+        elif isinstance(loaded, Fp4Weight) and kind == "fp4":
+            codes, scale = loaded.read_packed(r0, r1, c0, c1)
+            layer.weight.data[rows].copy_(pack_int4(codes))
+            _copy_scales(layer.weight_scale.data[rows], pack_fp4_scales(scale))
         elif not hasattr(loaded, "read_packed"):
             values = as_tensor(loaded[r0:r1, c0:c1]).float()
-            if kind == "fp8":
-                codes, scale = quantize_fp8(values, self.group)
-            else:
-                codes, scale = quantize_int4(values, self.group)
+            codes, scale = QUANTIZERS[kind](values, self.group)
             layer.weight.data[rows].copy_(codes)
             _copy_scales(layer.weight_scale.data[rows], scale)
         else:
@@ -244,7 +252,7 @@ class PackedWeights:
             return int4_gemv_split_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale,
                                            self.group, *self.gemv_split, swiglu_out=swiglu_out)
         return int4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, self.group,
-                                 *self.gemv_config)
+                                 *self.gemv_config, codes=self.layout.kind)
 
     def swiglu_out(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of the one-row product of a [gate | up] layer in the GEMV's own launch (takes_swiglu_out),
@@ -279,14 +287,14 @@ class PackedWeights:
         if self.gemv_split is not None:
             return int4_gemv_split(x, layer.weight, layer.weight_scale, self.group, *self.gemv_split,
                                    swiglu_out=swiglu_out)
-        return int4_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config)
+        return int4_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config, codes=self.layout.kind)
 
     def _gemm(self, layer: KernelLinear, x: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
         from shardserve.kernels.triton.quant_gemm import fp8_gemm, int4_gemm
 
         if self.layout.kind == "fp8":
             return fp8_gemm(x, layer.weight, layer.weight_scale, self.group, config)
-        return int4_gemm(x, layer.weight, layer.weight_scale, self.group, config)
+        return int4_gemm(x, layer.weight, layer.weight_scale, self.group, config, codes=self.layout.kind)
 
     def _dequantized_product(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(layer, x.dtype))
@@ -324,7 +332,7 @@ class PackedWeights:
         """The layer's [N, K] weight in `dtype`, columns in the packed order (input_perm's)."""
         if self.layout.kind == "fp8":
             return dequantize_fp8(layer.weight, layer.weight_scale, self.group, dtype)
-        return dequantize_int4(layer.weight, layer.weight_scale, self.group, dtype)
+        return dequantize_int4(layer.weight, layer.weight_scale, self.group, dtype, codes=self.layout.kind)
 
     def unpack(self, layer: KernelLinear) -> None:
         """Replace the packed parameters by the values they encode in the compute dtype (a dense layer again)."""
@@ -378,6 +386,21 @@ def quantize_int4(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     return pack_int4(codes.reshape(n, k)), scale_zero
 
 
+def quantize_fp4(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (packed e2m1 codes uint8 [N, K / 2], float32 scale words int32 [N, K / group]): each row's
+    group scaled so its largest magnitude is e2m1's largest value (6), each value rounded to the nearest code."""
+    n, k = values.shape
+    blocks = values.float().reshape(n, -1, group)
+    scale = (blocks.abs().amax(dim=2) / max(E2M1_VALUES)).clamp(min=torch.finfo(torch.float32).tiny)
+    table = torch.tensor(E2M1_VALUES, device=values.device)
+    codes = (blocks / scale[:, :, None]).unsqueeze(-1).sub(table).abs().argmin(dim=-1)
+    return pack_int4(codes.reshape(n, k)), pack_fp4_scales(scale)
+
+
+# How a float tensor loading into a packed layer of each kind is quantized.
+QUANTIZERS = {"fp8": quantize_fp8, "int4": quantize_int4, "fp4": quantize_fp4}
+
+
 def scaled_mm_rowwise(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (weight * weight_scale)^T with x quantized to FP8 per row (its absolute maximum to FP8's
     largest value) and FP8 tensor cores; float32 accumulation, output in x's dtype."""
@@ -419,7 +442,7 @@ def layout_for(layer: KernelLinear, layout: PackedLayout) -> tuple[PackedLayout 
     k = layer.weight.shape[1]
     if layout.group and k % layout.group:
         return None, f"its {k} input columns are not whole groups of {layout.group}"
-    if layout.kind == "int4" and k % 2:
+    if layout.kind in FOUR_BIT_KINDS and k % 2:
         return None, f"its {k} input columns do not pack in pairs"
     if not isinstance(layer, RowParallelLinear) or layer.comm is None:
         return layout, ""

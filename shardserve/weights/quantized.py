@@ -1,4 +1,4 @@
-"""Quantized checkpoints (FP8 and 4-bit GPTQ), read as the float matrices they encode.
+"""Quantized checkpoints (FP8, 4-bit GPTQ, and 4-bit float NVFP4 / MXFP4 in weights/fp4.py), read as the float matrices they encode.
 
 A quantized linear layer's tensors (FP8: `weight` in float8_e4m3fn with `weight_scale_inv` per block or
 `weight_scale` per output channel or per tensor; GPTQ: `qweight`, `qzeros`, `scales`, `g_idx`) come out of
@@ -38,7 +38,8 @@ import torch
 from shardserve.layers.linear import shape_of
 
 SUPPORTED = ("fp8 (block-scaled, per-channel or per-tensor)", "compressed-tensors float-quantized (FP8)",
-             "gptq (4-bit)", "auto-round (4-bit int, GPTQ packing)")
+             "gptq (4-bit)", "auto-round (4-bit int, GPTQ packing)", "modelopt NVFP4 (weights only)",
+             "mxfp4 (dense layers)")
 
 # AutoRound's packing formats that store GPTQ's tensors (qweight, qzeros, scales, g_idx), and what is added to the
 # stored zero points: auto_round:auto_gptq (AutoGPTQ's layout) stores them minus one; auto_round:gptqmodel and
@@ -55,9 +56,9 @@ class UnsupportedQuantization(ValueError):
 class QuantScheme:
     """How a checkpoint's linear layers are quantized (config.json's quantization_config)."""
 
-    method: str  # "fp8" or "gptq"
+    method: str  # "fp8", "gptq", or 4-bit floats (weights/fp4.py): "nvfp4" or "mxfp4"
     weight_block: tuple[int, int] | None = None  # FP8 scaled per [rows, cols] block
-    group_size: int = 0  # GPTQ: input features per group (-1: one group)
+    group_size: int = 0  # GPTQ, NVFP4, MXFP4: input features per group (-1: one group)
     zero_offset: int = 0  # GPTQ: added to the stored zero points (1 in the `gptq` format)
     act_order: bool = False  # GPTQ desc_act: g_idx permutes the input features' groups
     # The untied LM head is quantized as well, and kept packed with the projections: GPTQ's `lm_head: true`
@@ -89,6 +90,11 @@ class QuantScheme:
         return module != "lm_head"
 
     @property
+    def e2m1(self) -> bool:
+        """Whether the weights are 4-bit floats (NVFP4, MXFP4: weights/fp4.py)."""
+        return self.method in ("nvfp4", "mxfp4")
+
+    @property
     def group_columns(self) -> int:
         """Input columns a scale covers (FP8 blocks' columns, GPTQ's group size); 0 where one covers a whole row."""
         if self.method == "fp8":
@@ -100,6 +106,8 @@ class QuantScheme:
         if self.method == "fp8":
             return f"fp8 (blocks of {self.weight_block[0]}x{self.weight_block[1]}{head})" if self.weight_block else \
                 f"fp8{f' ({head[2:]})' if head else ''}"
+        if self.e2m1:
+            return f"{self.method} (e2m1 in groups of {self.group_size}, weights only)"
         if self.packing:
             kept = sum(bits >= 16 for _, bits in self.module_bits)
             return (f"auto-round 4-bit ({self.packing}, groups of {self.group_size}{head}"
@@ -142,6 +150,10 @@ def parse_quantization(cfg: dict[str, Any]) -> QuantScheme | None:
                            lm_head=lm_head)
     if method in ("auto-round", "intel/auto-round", "auto_round"):
         return _auto_round(qc, tied=bool(cfg.get("tie_word_embeddings", False)))
+    if method in ("modelopt", "mxfp4"):
+        from shardserve.weights.fp4 import parse_modelopt, parse_mxfp4
+
+        return parse_modelopt(qc) if method == "modelopt" else parse_mxfp4(qc)
     raise _unsupported(f"quantization method {method!r}" if method else "a quantization_config without quant_method")
 
 
@@ -242,6 +254,10 @@ _GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 def _quantized_modules(names: list[str], scheme: QuantScheme) -> dict[str, dict[str, str]]:
     """module prefix -> {part: tensor name} for every quantized linear layer of the checkpoint."""
+    if scheme.e2m1:
+        from shardserve.weights.fp4 import fp4_modules
+
+        return fp4_modules(names, scheme)
     parts: dict[str, dict[str, str]] = defaultdict(dict)
     known = _FP8_PARTS if scheme.method == "fp8" else _GPTQ_PARTS
     for name in names:
@@ -284,7 +300,16 @@ def dequantized_checkpoint(names: list[str], checkpoint: Checkpoint, scheme: Qua
         if parts is None or parts.get(part) != name:
             yield name, checkpoint.slice(name)
         elif name in first_part:
-            yield f"{prefix}.weight", (_fp8 if scheme.method == "fp8" else _gptq)(prefix, parts, checkpoint, scheme)
+            yield f"{prefix}.weight", _reader(scheme)(prefix, parts, checkpoint, scheme)
+
+
+def _reader(scheme: QuantScheme) -> Callable[..., "DequantizedWeight"]:
+    """The function that makes one quantized layer's DequantizedWeight from its tensors."""
+    if scheme.e2m1:
+        from shardserve.weights.fp4 import fp4_weight
+
+        return fp4_weight
+    return _fp8 if scheme.method == "fp8" else _gptq
 
 
 class DequantizedWeight:

@@ -1,5 +1,5 @@
 """Quantized checkpoints written from a tiny model's float weights (FP8 with block or per-channel scales, 4-bit
-GPTQ), with a float checkpoint of the values they encode, for transformers to run as the reference."""
+GPTQ, NVFP4 and MXFP4), with a float checkpoint of the values they encode, for transformers to run as the reference."""
 
 from __future__ import annotations
 
@@ -79,6 +79,51 @@ def gptq(w: torch.Tensor, group: int, sym: bool, act_order: bool, seed: int
     return tensors, value
 
 
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def nearest_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """The e2m1 code (0..15) of the value nearest each element of x."""
+    return (x.unsqueeze(-1) - E2M1).abs().argmin(dim=-1).to(torch.uint8)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., C] -> [..., C / 2], column 2j in byte j's low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def nvfp4(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """ModelOpt's NVFP4 storage of w [N, K]: a global scale that puts the largest group scale at e4m3's largest
+    value, each group of 16's scale (its absolute maximum over 6) rounded to e4m3, each weight to the nearest e2m1
+    of it; and the values those encode (e2m1 times float32(e4m3 scale times global))."""
+    n, k = w.shape
+    groups = w.reshape(n, k // 16, 16)
+    global_scale = (w.abs().max() / (6 * FP8_MAX)).clamp_min(1e-12).reshape(1)
+    scale8 = (groups.abs().amax(dim=2) / 6 / global_scale).to(torch.float8_e4m3fn)
+    scale = scale8.float() * global_scale
+    codes = nearest_e2m1(groups / scale.clamp_min(1e-30)[:, :, None]).reshape(n, k)
+    value = E2M1[codes.long()].reshape(n, k // 16, 16) * scale[:, :, None]
+    tensors = {"weight": pack_nibbles(codes), "weight_scale": scale8, "weight_scale_2": global_scale,
+               "input_scale": torch.ones(1)}
+    return tensors, value.reshape(n, k)
+
+
+def mxfp4(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """MXFP4 storage of w [N, K] (a dense layer's `weight_blocks` [N, K / 32, 16] and e8m0 `weight_scales`): each
+    group of 32's scale the power of two that puts its absolute maximum at or under 6; and the values encoded."""
+    n, k = w.shape
+    groups = w.reshape(n, k // 32, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(dim=2).clamp_min(1e-30) / 6)).clamp(-127, 127)
+    scale = torch.ldexp(torch.ones(exponent.shape), exponent.int())
+    codes = nearest_e2m1(groups / scale[:, :, None])
+    value = E2M1[codes.long()] * scale[:, :, None]
+    tensors = {"weight_blocks": pack_nibbles(codes), "weight_scales": (exponent + 127).to(torch.uint8)}
+    return tensors, value.reshape(n, k)
+
+
+NVFP4_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+                "exclude_modules": ["lm_head"]}
+
 SCHEMES = {
     "fp8-block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [32, 32]},
                   lambda w, seed: fp8_block(w, 32)),
@@ -103,6 +148,11 @@ HEAD_SCHEMES = {"gptq-sym-g32-head": ({**SCHEMES["gptq-sym-g32"][0], "lm_head": 
                 "fp8-channel-head": ({**SCHEMES["fp8-channel"][0], "ignore": []}, SCHEMES["fp8-channel"][1])}
 
 
+# 4-bit floats (e2m1): NVFP4 as ModelOpt writes it, MXFP4 in a dense layer's weight_blocks / weight_scales.
+FP4_SCHEMES = {"nvfp4": (NVFP4_CONFIG, lambda w, seed: nvfp4(w)),
+               "mxfp4": ({"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}, lambda w, seed: mxfp4(w))}
+
+
 def linear_weights(tensors: dict[str, torch.Tensor], head: bool = False) -> list[str]:
     return [n for n in tensors if n.startswith("model.layers.") and n.endswith("_proj.weight")
             or head and n == "lm_head.weight"]
@@ -112,7 +162,7 @@ def write_quantized(source: str, scheme: str, root) -> tuple[str, str]:
     """The checkpoint at `source` with its attention and MLP (expert) projections (and LM head, for HEAD_SCHEMES)
     quantized by `scheme`, each layer's tensors spread over two files; and a float checkpoint of the values they
     encode."""
-    quant_config, quantize = {**SCHEMES, **HEAD_SCHEMES}[scheme]
+    quant_config, quantize = {**SCHEMES, **HEAD_SCHEMES, **FP4_SCHEMES}[scheme]
     tensors = {}
     for name in os.listdir(source):
         if name.endswith(".safetensors"):

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 from shardserve.kernels.fused_moe_table import MoeConfig, Tile  # noqa: E402
 from shardserve.kernels.packed_experts import PackedExperts  # noqa: E402
-from shardserve.kernels.quant_pack import pack_int4, pack_scale_zero, unpack_scale_zero  # noqa: E402
+from shardserve.kernels.quant_pack import pack_fp4_scales, pack_int4, pack_scale_zero, unpack_scale_zero  # noqa: E402
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
 from shardserve.kernels.triton.fused_moe import fused_moe_packed  # noqa: E402
 from tests.helpers.kernels import DEVICE, make_routes, relative_error  # noqa: E402
@@ -43,6 +43,13 @@ def _int4(n: int, k: int, group: int, experts: int, sym: bool, g: torch.Generato
     return packed.to(DEVICE), pack_scale_zero(scale, zero).to(DEVICE)
 
 
+def _fp4(n: int, k: int, group: int, experts: int, g: torch.Generator):
+    """Every e2m1 code, and float32 scale words that differ between groups and rows."""
+    q = torch.randint(0, 16, (experts, n, k), generator=g)
+    scale = (torch.rand(experts, n, k // group, generator=g) + 0.5) * 0.02
+    return torch.stack([pack_int4(q[e]) for e in range(experts)]).to(DEVICE), pack_fp4_scales(scale).to(DEVICE)
+
+
 def packed_experts(kind: str, experts: int, hidden: int, inter: int, group: int, sym: bool = False,
                    seed: int = 0) -> PackedExperts:
     g = torch.Generator().manual_seed(seed)
@@ -51,6 +58,9 @@ def packed_experts(kind: str, experts: int, hidden: int, inter: int, group: int,
         w13, s13 = _fp8(2 * inter, hidden, g13, experts, g)
         w2, s2 = _fp8(hidden, inter, g2, experts, g)
         return PackedExperts("fp8", w13, s13, g13, w2, s2, g2)
+    if kind == "fp4":
+        (w13, s13), (w2, s2) = _fp4(2 * inter, hidden, g13, experts, g), _fp4(hidden, inter, g2, experts, g)
+        return PackedExperts("fp4", w13, s13, g13, w2, s2, g2)
     w13, s13 = _int4(2 * inter, hidden, g13, experts, sym, g)
     w2, s2 = _int4(hidden, inter, g2, experts, sym, g)
     return PackedExperts("int4", w13, s13, g13, w2, s2, g2)
@@ -77,7 +87,7 @@ def check(kind, tokens, group, sym=False, config=None, dtype=torch.float32, hidd
 @pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 @pytest.mark.parametrize("kind, group, sym", [("fp8", 32, False), ("int4", 32, True), ("int4", 32, False),
-                                              ("int4", 128, False)])
+                                              ("int4", 128, False), ("fp4", 16, False)])
 def test_interpreter_packed_experts_match_float64(kind, group, sym, tokens):
     """Groups of 32 (two per expert row at H=64, one at I=32) and 128 (one group a row: wider than H and I)."""
     check(kind, tokens, group, sym, config=SMALL)
@@ -168,7 +178,7 @@ def test_the_packed_check_runs_every_kernel_config_and_rejects_one_wrong_at_any(
 @pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
 @pytest.mark.parametrize("kind, group, hidden, inter, down_k", [
     ("fp8", 32, 64, 32, 64), ("fp8", 128, 256, 128, 64), ("int4", 32, 64, 32, 64), ("int4", 16, 96, 48, 64),
-    ("fp8", 16, 64, 96, 16)])
+    ("fp8", 16, 64, 96, 16), ("fp4", 16, 96, 48, 64)])
 def test_interpreter_one_token_packed_experts_match_float64(kind, group, hidden, inter, down_k):
     """A single token takes the matrix-vector products on the packed bytes (one_token_packed_tiles), with tiles
     that span several scale groups, one that runs past the columns (96 = 64 + 32), and w2 rows of six tiles, four

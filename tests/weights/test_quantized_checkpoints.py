@@ -69,7 +69,7 @@ def test_the_config_names_the_scheme():
 @pytest.mark.parametrize("quant_config, named", [
     ({"quant_method": "awq", "bits": 4}, "'awq'"),
     ({"quant_method": "gptq", "bits": 8}, "gptq with 8 bits"),
-    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "'modelopt'"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "modelopt quant_algo 'FP8'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "'pack-quantized'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
 ])

@@ -46,14 +46,15 @@ from shardserve.kernels.fused_moe_table import (ONE_TOKEN_ENV, ROUTE_ALIGN_MAX_T
                                                 MoeConfig, OneTokenTiles, one_token_packed_tiles, one_token_tiles,
                                                 pick_config)
 from shardserve.kernels.packed_experts import PackedExperts
-from shardserve.kernels.quant_pack import fit_block_k, scale_dtype
+from shardserve.kernels.quant_pack import FOUR_BIT_KINDS, fit_block_k, scale_dtype
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.gemv import _weight_tile as _row_tile
 from shardserve.kernels.triton.gemv import _x_tile, load_first_tiles, row_dots
 from shardserve.kernels.triton.moe_router import route_token, route_top_k, routing_outputs
 from shardserve.kernels.triton.pdl import enter
-from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8, scale_and_zero
+from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _native_fp8, four_bit_scale_and_zero,
+                                                  nibble_values)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,7 +250,8 @@ def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, num_exp
 
 # Weight kinds (the KIND constexpr): the compute dtype as it is, or packed (kernels/packed_experts.py) and
 # dequantized tile by tile in registers, each weight in float32 then rounded once to the activations' dtype.
-DENSE, FP8, INT4 = 0, 1, 2
+# FP4 reads INT4's tiles with the e2m1 decode table (quant_gemv.nibble_values, four_bit_scale_and_zero).
+DENSE, FP8, INT4, FP4 = 0, 1, 2, 3
 
 
 @triton.jit
@@ -258,7 +260,7 @@ def _weight_tile(w_ptr, s_ptr, feats, feat_ok, k, stride_wn, stride_sn, K: tl.co
                  DTYPE: tl.constexpr):
     """[BLOCK_K, BLOCK_N]: columns k..k + BLOCK_K of one expert's weight rows `feats`, in DTYPE. Packed tiles lie
     inside one scale group (BLOCK_K divides GROUP, or GROUP is K), so each row takes one scale (and zero) a tile:
-    FP8 scales, or int4 scale-and-zero words (quant_gemv.scale_and_zero).
+    FP8 scales, int4 scale-and-zero words (quant_gemv.scale_and_zero), or fp4's float32 scale words.
     Columns past K load as 0 (their activations are 0 too)."""
     ks = tl.arange(0, BLOCK_K)
     if KIND == 0:
@@ -278,8 +280,8 @@ def _weight_tile(w_ptr, s_ptr, feats, feat_ok, k, stride_wn, stride_sn, K: tl.co
             mask = feat_ok[:, None] if K % BLOCK_K == 0 else feat_ok[:, None] & (k // 2 + byte < K // 2)[None, :]
             b = tl.load(w_ptr + feats[:, None] * stride_wn + (k // 2 + byte)[None, :], mask=mask, other=0)
             b = b.to(tl.int32)
-            q = tl.join(b & 15, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
-            s, z = scale_and_zero(s)
+            q = tl.join(nibble_values(b & 15, KIND == 3), nibble_values(b >> 4, KIND == 3)).reshape(BLOCK_N, BLOCK_K)
+            s, z = four_bit_scale_and_zero(s, KIND == 3)
             v = (q - z[:, None]) * s[:, None]
         w = tl.trans(v.to(DTYPE))
     return w
@@ -480,7 +482,7 @@ def _packed_tile(w_rows, s_rows, k, sub, cols, row_ok, K: tl.constexpr, KIND: tl
                  TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
     """(bytes, scales) of the packed rows' columns k..k + TILE_GROUPS * SUB, each sub-tile of SUB columns inside
     one scale group (SUB divides GROUP): FP8 bytes [BLOCK_N, TILE_GROUPS, SUB] (KIND 1) or 4-bit codes two a byte
-    [BLOCK_N, TILE_GROUPS, SUB / 2] (KIND 2, column 2j in byte j's low nibble), and the scales (4-bit: scale-and-zero
+    [BLOCK_N, TILE_GROUPS, SUB / 2] (KIND 2 and 3, column 2j in byte j's low nibble), and the scales (4-bit: scale
     words) [BLOCK_N, TILE_GROUPS]; zero outside the rows and columns."""
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     group = (k + sub * SUB) // GROUP
@@ -507,8 +509,9 @@ def _packed_products(acc, bits, s, x, KIND: tl.constexpr, NATIVE_FP8: tl.constex
             v = _e4m3_bits_to_float(bits) * (s * 256.0)[:, :, None]  # decoded to value / 256
     else:
         b = bits.to(tl.int32)
-        q = tl.join(b & 15, b >> 4).reshape(BLOCK_N, TILE_GROUPS, SUB).to(tl.float32)
-        scale, zero = scale_and_zero(s)
+        q = tl.join(nibble_values(b & 15, KIND == 3), nibble_values(b >> 4, KIND == 3)).reshape(
+            BLOCK_N, TILE_GROUPS, SUB)
+        scale, zero = four_bit_scale_and_zero(s, KIND == 3)
         v = (q - zero[:, :, None]) * scale[:, :, None]
     return acc + v * x[None]
 
@@ -716,7 +719,7 @@ def fused_moe_packed(x: torch.Tensor, experts: PackedExperts, topk_weights: torc
 
 def _check_packed(x, experts: PackedExperts, topk_weights, topk_ids) -> None:
     e, h, i = experts.num_experts, experts.hidden, experts.inter
-    per_byte = 2 if experts.kind == "int4" else 1
+    per_byte = 2 if experts.kind in FOUR_BIT_KINDS else 1
     if x.dim() != 2 or x.shape[1] != h:
         raise ValueError(f"x must be [T, {h}] for experts of hidden size {h}, got {tuple(x.shape)}")
     scale_type = scale_dtype(experts.kind)
@@ -736,7 +739,7 @@ def _packed_args(w: torch.Tensor, scale, group: int, kind: str) -> tuple:
     KIND)."""
     if kind == "fp8":
         return w.view(torch.uint8), scale, scale.stride(0), scale.stride(1), group, FP8
-    return w, scale, scale.stride(0), scale.stride(1), group, INT4
+    return w, scale, scale.stride(0), scale.stride(1), group, FP4 if kind == "fp4" else INT4
 
 
 def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeConfig,

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.quant_pack import check_fp8, check_int4, fit_block_k, fp8_groups
-from shardserve.kernels.triton.quant_gemv import _e4m3_bits_to_float, _native_fp8, scale_and_zero
+from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _fp4_codes, _native_fp8,
+                                                  four_bit_scale_and_zero, nibble_values)
 
 # Output tiles along M visited together, so that their weight tiles are read while still in L2.
 GROUP_M = tl.constexpr(8)
@@ -81,9 +82,10 @@ def _program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemm_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, stride_xm, stride_qn, stride_om,
                       K: tl.constexpr, GROUP: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr = False):
     """out[m, n] = sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g], g = k // GROUP, q packed two columns a byte
-    (column 2j in the low nibble of byte j), s and z in one word sz[n, g] (quant_gemv.scale_and_zero). The
+    (column 2j in the low nibble of byte j), s and z in one word sz[n, g] (quant_gemv.scale_and_zero); FP4: q the
+    e2m1 value of each code, the word the scale alone (quant_gemv.nibble_values, four_bit_scale_and_zero). The
     nibbles are interleaved back into column order in registers (join + reshape), so the bytes and x are both read
     contiguously along K."""
     tile_m, tile_n = _program_tile(M, N, BLOCK_M, BLOCK_N)
@@ -96,7 +98,7 @@ def _int4_gemm_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, stride_xm, stride_qn,
     q_tile = q_ptr + feats.to(tl.int64)[:, None] * stride_qn + byte[None, :]
     sz_feat = sz_ptr + feats.to(tl.int64) * (K // GROUP)
     if ONE_GROUP:
-        row_scale, zero = scale_and_zero(tl.load(sz_feat, mask=feat_ok, other=0))
+        row_scale, zero = four_bit_scale_and_zero(tl.load(sz_feat, mask=feat_ok, other=0), FP4)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -106,11 +108,11 @@ def _int4_gemm_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, stride_xm, stride_qn,
             x = tl.load(x_tile + k, mask=row_ok[:, None] & (k + cols < K)[None, :], other=0.0)
             b = tl.load(q_tile + k // 2, mask=feat_ok[:, None] & (k // 2 + byte < K // 2)[None, :], other=0)
         b = b.to(tl.int32)
-        q = tl.join(b & 15, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
+        q = tl.join(nibble_values(b & 15, FP4), nibble_values(b >> 4, FP4)).reshape(BLOCK_N, BLOCK_K)
         if ONE_GROUP:
             w = q - zero[:, None]
         else:
-            s, z = scale_and_zero(tl.load(sz_feat + k // GROUP, mask=feat_ok, other=0))
+            s, z = four_bit_scale_and_zero(tl.load(sz_feat + k // GROUP, mask=feat_ok, other=0), FP4)
             w = (q - z[:, None]) * s[:, None]
         acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
     if ONE_GROUP:
@@ -157,9 +159,10 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, s
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
-              config: GemmConfig | None = None) -> torch.Tensor:
-    """x [M, K] (bfloat16 or float16) times the int4 weight (qweight [N, K // 2], scale_zero
-    [N, K // group_size]: quant_pack's layout) transposed -> [M, N] in x's dtype. config: the tiles
+              config: GemmConfig | None = None, codes: str = "int4") -> torch.Tensor:
+    """x [M, K] (bfloat16 or float16) times the 4-bit weight (qweight [N, K // 2], scale_zero
+    [N, K // group_size]: quant_pack's "int4" layout, or "fp4" with codes="fp4") transposed -> [M, N] in x's
+    dtype. config: the tiles
     (default_config(M) if None); its block_k is narrowed to the largest power of two dividing group_size when the
     group is narrower."""
     check_int4(qweight, scale_zero, group_size)
@@ -172,7 +175,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, 
             x, qweight, scale_zero, out, x.shape[0], n, x.stride(0), qweight.stride(0), out.stride(0),
             K=k, GROUP=group_size, ONE_GROUP=group_size == k, EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-            num_stages=config.num_stages)
+            num_stages=config.num_stages, FP4=_fp4_codes(codes))
     return out
 
 

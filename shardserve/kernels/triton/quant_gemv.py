@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.quant_pack import SCALE_MASK, ZERO_MASK, check_fp8, check_int4, fp8_groups
+from shardserve.kernels.quant_pack import FOUR_BIT_KINDS, SCALE_MASK, ZERO_MASK, check_fp8, check_int4, fp8_groups
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import ARRIVAL_SLOTS, arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.pdl import enter
@@ -49,6 +49,29 @@ def scale_and_zero(words):
     """(scale, zero point) as float32 from int4 scale-and-zero words: the scale is the word with its low ZERO_BITS
     bits cleared, the zero point those bits."""
     return (words & _SCALE_MASK).to(tl.float32, bitcast=True), (words & _ZERO_MASK).to(tl.float32)
+
+
+@triton.jit
+def four_bit_scale_and_zero(words, FP4: tl.constexpr):
+    """(scale, zero point) of 4-bit words: scale_and_zero's for int4; for fp4 the whole word is the float32 scale
+    and the zero point is 0 (quant_pack's fp4 layout)."""
+    if FP4:
+        scale = words.to(tl.float32, bitcast=True)
+        return scale, tl.zeros_like(scale)
+    return scale_and_zero(words)
+
+
+@triton.jit
+def nibble_values(nibbles, FP4: tl.constexpr):
+    """float32 values of 4-bit codes (int32 in 0..15): the integer (int4), or its e2m1 value (fp4): exponent bits
+    e = (code >> 1) & 3 and mantissa bit m = code & 1 give m / 2 where e = 0, else (2 + m) * 2 ** (e - 2); bit 3 is
+    the sign."""
+    if FP4:
+        exponent = (nibbles >> 1) & 3
+        mantissa = (nibbles & 1).to(tl.float32)
+        magnitude = tl.where(exponent == 0, mantissa * 0.5, (2.0 + mantissa) * (1 << exponent).to(tl.float32) * 0.25)
+        return tl.where((nibbles & 8) != 0, -magnitude, magnitude)
+    return nibbles.to(tl.float32)
 
 
 # Per-row FP8 GEMVs may keep their partial sums in float16 pairs (F16_SUMS): x enters scaled by this power of two, so
@@ -200,9 +223,11 @@ def _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows,
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, stride_qn, residual_ptr, norm_w_ptr, sum_ptr, eps,
                       K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
-                      SUB: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                      SUB: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                      FP4: tl.constexpr = False):
     """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP, q packed two columns a byte, s and z
-    in one word sz[n, g] (scale_and_zero).
+    in one word sz[n, g] (scale_and_zero); with FP4, q is the e2m1 value of each code and the word the scale alone
+    (nibble_values, four_bit_scale_and_zero).
     The nibbles of a byte are interleaved back into column order in registers (join + reshape), so x is read
     contiguously. Per sub-tile (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum):
     the scale and zero cost one multiply-add per row and sub-tile, not per weight. GROUP == K is one group:
@@ -244,17 +269,17 @@ def _int4_gemv_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, stride_qn, residual_ptr,
             else:
                 x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0).to(tl.float32)
         b = b.to(tl.int32)
-        q = tl.join((b & 15).to(tl.float32), (b >> 4).to(tl.float32)).reshape(BLOCK_N, TILE_GROUPS, SUB)
+        q = tl.join(nibble_values(b & 15, FP4), nibble_values(b >> 4, FP4)).reshape(BLOCK_N, TILE_GROUPS, SUB)
         if ONE_GROUP:
             acc += q * x[None]
             x_acc += x
         else:
             group = (k + sub * SUB) // GROUP
             group_ok = row_ok[:, None] & (group < K // GROUP)[None, :]
-            s, z = scale_and_zero(tl.load(sz_rows + group[None, :], mask=group_ok, other=0))
+            s, z = four_bit_scale_and_zero(tl.load(sz_rows + group[None, :], mask=group_ok, other=0), FP4)
             acc += s * (tl.sum(q * x[None], axis=2) - z * tl.sum(x, axis=1)[None, :])
     if ONE_GROUP:
-        s, z = scale_and_zero(tl.load(sz_ptr + rows, mask=row_ok, other=0))
+        s, z = four_bit_scale_and_zero(tl.load(sz_ptr + rows, mask=row_ok, other=0), FP4)
         y = s * (tl.sum(tl.sum(acc, axis=2), axis=1) - z * tl.sum(tl.sum(x_acc, axis=1), axis=0))
     else:
         y = tl.sum(acc, axis=1)
@@ -629,27 +654,28 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool =
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
-              block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """x [1, K] (or [K]) times the int4 weight (qweight [N, K // 2], scale_zero [N, K // group_size]:
-    kernels/quant_pack.py)
+              block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3,
+              codes: str = "int4") -> torch.Tensor:
+    """x [1, K] (or [K]) times the 4-bit weight (qweight [N, K // 2], scale_zero [N, K // group_size]:
+    kernels/quant_pack.py's "int4" layout, or "fp4" with codes="fp4")
     transposed -> [1, N] in x's dtype. block_n and block_k (columns, not bytes) are powers of two, block_k >= 2;
     a tile spans block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_size)
     columns, or one of block_k columns when group_size == K."""
     x = _one_row(x, 2 * qweight.shape[1], "int4_gemv")
-    return _int4_launch(x, qweight, scale_zero, group_size, (block_n, block_k, num_warps, num_stages), None)
+    return _int4_launch(x, qweight, scale_zero, group_size, (block_n, block_k, num_warps, num_stages), None, codes)
 
 
 def int4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                       qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
                       block_n: int = 8, block_k: int = 512, num_warps: int = 4,
-                      num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_stages: int = 3, codes: str = "int4") -> tuple[torch.Tensor, torch.Tensor]:
     """(int4_gemv of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm."""
     return _normed_launch("int4_gemv_rmsnorm", x, residual, norm_weight, eps, 2 * qweight.shape[1], lambda x, norm: (
-        _int4_launch(x, qweight, scale_zero, group_size, (block_n, block_k, num_warps, num_stages), norm)))
+        _int4_launch(x, qweight, scale_zero, group_size, (block_n, block_k, num_warps, num_stages), norm, codes)))
 
 
-def _int4_launch(x, qweight, scale_zero, group_size: int, config, norm) -> torch.Tensor:
-    """norm: as in _fp8_launch."""
+def _int4_launch(x, qweight, scale_zero, group_size: int, config, norm, codes: str = "int4") -> torch.Tensor:
+    """norm: as in _fp8_launch; codes: "int4" or "fp4" (the decode table)."""
     check_int4(qweight, scale_zero, group_size)
     block_n, block_k, num_warps, num_stages = config
     _check_blocks(block_n, block_k, 2)
@@ -661,8 +687,15 @@ def _int4_launch(x, qweight, scale_zero, group_size: int, config, norm) -> torch
         x, qweight, scale_zero, out, n, qweight.stride(0), x if residual is None else residual, norm_weight,
         summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub,
         NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
-        **pdl.launch(x.device))
+        FP4=_fp4_codes(codes), **pdl.launch(x.device))
     return out
+
+
+def _fp4_codes(codes: str) -> bool:
+    """Whether 4-bit codes are e2m1 ("fp4") rather than integers ("int4")."""
+    if codes not in FOUR_BIT_KINDS:
+        raise ValueError(f"4-bit codes are one of {', '.join(FOUR_BIT_KINDS)}, got {codes!r}")
+    return codes == "fp4"
 
 
 # The split kernel walks a wider split in chunks of this many columns (x's registers are one chunk's).
@@ -776,18 +809,19 @@ def _native_fp8(device: torch.device) -> bool:
 
 @triton.jit
 def _dequantize_int4_kernel(q_ptr, sz_ptr, out_ptr, N, K, stride_qn, GROUP: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out[n, 2j + h] = (nibble h of q[n, j] - z[n, g]) * s[n, g] in float32, rounded once; both columns of a
-    byte share g = 2j // GROUP since GROUP is even. Programs own BLOCK_R rows by BLOCK_C bytes."""
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP4: tl.constexpr = False):
+    """out[n, 2j + h] = (nibble h of q[n, j] - z[n, g]) * s[n, g] in float32, rounded once (FP4: e2m1(nibble) *
+    s[n, g]); both columns of a byte share g = 2j // GROUP since GROUP is even. Programs own BLOCK_R rows by
+    BLOCK_C bytes."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     byte = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (rows < N)[:, None] & (byte < K // 2)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     b = tl.load(q_ptr + rows64 * stride_qn + byte[None, :], mask=ok, other=0).to(tl.int32)
     group = rows64 * (K // GROUP) + (2 * byte // GROUP)[None, :]
-    s, z = scale_and_zero(tl.load(sz_ptr + group, mask=ok, other=0))
-    low = ((b & 15).to(tl.float32) - z) * s
-    high = ((b >> 4).to(tl.float32) - z) * s
+    s, z = four_bit_scale_and_zero(tl.load(sz_ptr + group, mask=ok, other=0), FP4)
+    low = (nibble_values(b & 15, FP4) - z) * s
+    high = (nibble_values(b >> 4, FP4) - z) * s
     w = tl.join(low, high).reshape(BLOCK_R, 2 * BLOCK_C)
     out_cols = tl.program_id(1) * 2 * BLOCK_C + tl.arange(0, 2 * BLOCK_C)
     out_ok = (rows < N)[:, None] & (out_cols < K)[None, :]
@@ -795,14 +829,15 @@ def _dequantize_int4_kernel(q_ptr, sz_ptr, out_ptr, N, K, stride_qn, GROUP: tl.c
 
 
 def dequantize_int4_cuda(qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
-                         dtype: torch.dtype, block_r: int = 16, block_c: int = 128) -> torch.Tensor:
+                         dtype: torch.dtype, block_r: int = 16, block_c: int = 128, codes: str = "int4"
+                         ) -> torch.Tensor:
     """shardserve.kernels.quant_pack.dequantize_int4 in one launch (any device Triton runs on)."""
     check_int4(qweight, scale_zero, group_size)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     grid = (triton.cdiv(n, block_r), triton.cdiv(k // 2, block_c))
     _dequantize_int4_kernel[grid](qweight, scale_zero, out, n, k, qweight.stride(0), GROUP=group_size,
-                                  BLOCK_R=block_r, BLOCK_C=block_c)
+                                  BLOCK_R=block_r, BLOCK_C=block_c, FP4=_fp4_codes(codes))
     return out
 
 
