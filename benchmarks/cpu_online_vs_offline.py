@@ -3,8 +3,8 @@
 
     python benchmarks/cpu_online_vs_offline.py models/SmolLM2-135M-Instruct.Q4_1.gguf --api-server-counts 0,1
 
-Also runs the BENCHMARKS.md CPU levels (32 requests of 128 + 64 tokens at concurrency 1, 4 and 16) against each
-server. Prints one JSON object (and writes it with --out).
+Also runs the notebook's CPU levels (docs/benchmarks-notebook.md: 32 requests of 128 + 64 tokens at concurrency 1,
+4 and 16) against each server. Prints one JSON object (and writes it with --out).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The first of the timed steps of a mode meets its sequences for the first time (p
 median is a step of a running batch, where each row adds the one token it generated since.
 
 Prints one JSON object (milliseconds per sampling step, median of --repeats). On GPUs compare it with the
-decode step of the same batch (BENCHMARKS.md).
+decode step of the same batch (docs/benchmarks-notebook.md).
 """
 
 from __future__ import annotations

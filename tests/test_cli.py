@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SERVING_DOC = Path(__file__).resolve().parent.parent / "docs" / "serving.md"
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
@@ -70,13 +70,13 @@ def test_abbreviated_flags_are_refused_not_guessed():
     assert parse_args(["serve", "m.gguf", "--tensor-parallel-size", "2"]).tensor_parallel_size == 2
 
 
-def test_the_readme_serving_synopsis_shows_every_serve_flag_with_its_choices():
-    """README.md's "Serving options" synopsis names each flag `shardserve serve` takes (one of its spellings), and
-    a flag's accepted values as `--flag a|b|c`, in the parser's order: a flag added to the CLI fails here until
-    the README shows it."""
+def test_the_serving_synopsis_shows_every_serve_flag_with_its_choices():
+    """docs/serving.md's "Serving options" synopsis names each flag `shardserve serve` takes (one of its
+    spellings), and a flag's accepted values as `--flag a|b|c`, in the parser's order: a flag added to the CLI
+    fails here until the documentation shows it."""
     from shardserve.cli import build_parser
 
-    section = README.read_text().split("## Serving options", 1)[1]
+    section = SERVING_DOC.read_text().split("## Serving options", 1)[1]
     synopsis = section.split("```", 2)[1]
     serve = build_parser().get_default("subparsers")["serve"]
     missing = []
@@ -88,4 +88,4 @@ def test_the_readme_serving_synopsis_shows_every_serve_flag_with_its_choices():
             missing.append("/".join(action.option_strings))
         elif action.choices and not any(f"{flag} {'|'.join(action.choices)}" in synopsis for flag in shown):
             missing.append(f"{shown[0]} {'|'.join(action.choices)}")
-    assert not missing, f"README.md's serving options synopsis lacks {', '.join(missing)}"
+    assert not missing, f"docs/serving.md's serving options synopsis lacks {', '.join(missing)}"

@@ -6,7 +6,7 @@ request generates its full `max_tokens`. A request fails on a non-200 answer, an
 stream, or a transport error; its message is kept and the run goes on.
 
 The client runs on aiohttp, whose C parser reads a stream chunk in about half the CPU time of httpx's pure
-Python one (38 against 76 us, BENCHMARKS.md): at 512 streams one process must read a
+Python one (38 against 76 us, docs/benchmarks-notebook.md): at 512 streams one process must read a
 chunk for every stream within each engine step, or the figures measure the client.
 """
 

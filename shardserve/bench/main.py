@@ -54,7 +54,7 @@ def bench(args: argparse.Namespace) -> int:
     return 1 if mismatch is not None or any(level.failed for level in levels) else 0
 
 
-# A first picture against a server on a few CPU cores: about a minute against SmolLM2 on two (README).
+# A first picture against a server on a few CPU cores: about a minute against SmolLM2 on two (docs/measuring.md).
 SMALL_RUN = "--concurrency 1,4 --num-prompts 16 --output-len 32"
 SMALL_RUN_TOKENS = 2 * 16 * 32
 # A run that generates more than this takes minutes there, so the announcement says how to ask for less.

@@ -42,7 +42,7 @@ IPC_MAX_SLOT_BYTES = 8 * 2**20
 # Whether a row-parallel batch-1 GEMV sums its output over the ranks, adds the residual and applies the next norm in
 # its own launch (kernels/triton/gemv_all_reduce.py: "fused"), or leaves that to the all-reduce kernel after it
 # ("separate", the default: on two H100s the Llama-3-8B-shaped TP=2 batch-1 graph took 2.968 ms with it and
-# 3.015 ms fused; BENCHMARKS.md).
+# 3.015 ms fused; docs/benchmarks-notebook.md).
 GEMV_ALL_REDUCE_ENV = "SHARDSERVE_GEMV_ALL_REDUCE"
 # torch's symmetric memory numbers its rendezvous with a counter per process that no API exposes or resets:
 # ranks whose processes made different numbers of them (rank 0 in a process that already ran an engine, the

@@ -2,8 +2,8 @@
 
 A gloo broadcast hands its tensor to the process group's worker thread and waits for it, and a plan took two
 (its size, then its bytes): 0.4-0.7 ms of rank 0's host time every step on the machines measured
-(BENCHMARKS.md), on the thread that schedules the next step. Written to a socket, a plan costs rank 0 tens of
-microseconds, and the other ranks block in `recv` until it arrives.
+(docs/benchmarks-notebook.md), on the thread that schedules the next step. Written to a socket, a plan costs
+rank 0 tens of microseconds, and the other ranks block in `recv` until it arrives.
 
 Set-up is a collective over the gloo control group, taken at the same point on every rank (the control plane's
 construction): rank 0 listens on the host the ranks met at (the rendezvous address, which every rank already

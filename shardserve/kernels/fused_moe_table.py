@@ -3,7 +3,7 @@ what a layer will run can be known without Triton.
 
 Block sizes come from this table keyed on the expected rows per expert (T*k/E), never from an autotuner, which
 would time kernels inside a CUDA graph capture. The entries were chosen from a sweep on an H200 at Qwen3-30B-A3B's
-shape (benchmarks/moe_kernels.py --sweep; BENCHMARKS.md).
+shape (benchmarks/moe_kernels.py --sweep; docs/benchmarks-notebook.md).
 """
 
 from __future__ import annotations

@@ -490,7 +490,7 @@ def device_experts(w13: torch.Tensor, w2: torch.Tensor, top_k: int):
 
 def fused_then_grouped_mm(h, w13, w2, weights, experts):
     """The fused kernel while it reads each chosen expert's weights about once (decode, small batches), torch's
-    grouped GEMM past that (prefill), where it computes faster (BENCHMARKS.md, "MoE kernels")."""
+    grouped GEMM past that (prefill), where it computes faster (docs/benchmarks-notebook.md, "MoE kernels")."""
     from shardserve.kernels.fused_moe_table import FUSED_MAX_ROWS_PER_EXPERT
 
     if experts.numel() > FUSED_MAX_ROWS_PER_EXPERT * w13.shape[0]:

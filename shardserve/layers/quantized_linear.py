@@ -71,14 +71,14 @@ INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (64, 512, 4, 1), (64, 512, 4, 4), (32
 # took 3.059 ms against 3.050 with float32 sums only. On 92 of its SMs, where each SM must issue for as many bytes a
 # second as an H200's, float16 sums were 6-11% faster on every shape (benchmarks/gemv_shapes.py --packed fp8 --sms
 # 92; these were the fastest there) and the whole step took 3.240 ms against 3.436 (profile_decode.py --sms 92;
-# BENCHMARKS.md). SHARDSERVE_FP8_GEMV_SUMS=auto (default: both kinds), float32 or float16 (one kind).
+# docs/benchmarks-notebook.md). SHARDSERVE_FP8_GEMV_SUMS=auto (default: both kinds), float32 or float16 (one kind).
 FP8_F16_CANDIDATES = ((16, 1024, 4, 2, 1), (16, 512, 8, 2, 1), (16, 512, 4, 3, 1), (32, 256, 4, 3, 1),
                       (16, 1024, 4, 3, 1), (8, 1024, 4, 3, 1))
 FP8_SUMS_ENV = "SHARDSERVE_FP8_GEMV_SUMS"
 # Start-up also times each INT4_SPLIT_CANDIDATES form with two words' products summed in float16 pairs (a fifth
 # element 1: quant_gemv's F16_SUMS on the split-K GEMV), about a fifth fewer instructions a weight: on an H100 they
-# won every Llama-3-8B shape but o (a tie) and took the 4-bit step from 2.409 to 2.291 ms (BENCHMARKS.md). The start-
-# up check against float64 keeps them out of float32 models. SHARDSERVE_INT4_GEMV_SUMS=float32 (or float16) times
+# won every Llama-3-8B shape but o (a tie) and took the 4-bit step from 2.409 to 2.291 ms
+# (docs/benchmarks-notebook.md). The start-up check against float64 keeps them out of float32 models. SHARDSERVE_INT4_GEMV_SUMS=float32 (or float16) times
 # only that kind; auto, the default, both.
 INT4_SUMS_ENV = "SHARDSERVE_INT4_GEMV_SUMS"
 

@@ -4,7 +4,7 @@ A batch-1 decode step is a chain of about nine kernels a layer, each waiting for
 before its programs are even scheduled. With programmatic dependent launch the next kernel's programs are
 placed on the GPU as soon as every program of the current one has passed `enter`, and wait there for the
 current kernel's memory: the launch and the scheduling of programs leave the critical path. On two H100s
-this took a Llama-3-8B-shaped TP=2 batch-1 step from 3.34 to 3.23 ms (BENCHMARKS.md); prefetching the
+this took a Llama-3-8B-shaped TP=2 batch-1 step from 3.34 to 3.23 ms (docs/benchmarks-notebook.md); prefetching the
 GEMVs' first weight lines into L2 during the wait made it slower, loading their first tile into registers
 faster at TP=2 (gemv.preload_tiles).
 
