@@ -15,8 +15,8 @@ import json
 
 import torch
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> list[tuple[list[int], list]]:

@@ -49,8 +49,8 @@ def main() -> None:
     args = p.parse_args()
 
     from shardserve import LLM, SamplingParams
-    from shardserve.engine.sampling_params import StructuredOutput
     from shardserve.engine.structured_output import StructuredOutputs
+    from shardserve.requests.sampling_params import StructuredOutput
 
     model_dir = tempfile.mkdtemp(prefix="constrained-")
     shape = LLAMA3_8B

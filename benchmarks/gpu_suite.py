@@ -247,8 +247,8 @@ def phase_hf(args) -> dict:
 def phase_engine(args) -> dict:
     import torch
 
-    from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
+    from shardserve.requests.sampling_params import SamplingParams
 
     started = time.perf_counter()
     llm = LLM(args.model_dir, tensor_parallel_size=args.tp[0], device="cuda", dtype="bfloat16", load_format="dummy",

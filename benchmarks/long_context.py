@@ -57,8 +57,8 @@ def prefill_flops(length: int, shape: dict) -> float:
 
 
 def measure(model_dir: str, kv_dtype: str, args) -> dict:
-    from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
+    from shardserve.requests.sampling_params import SamplingParams
 
     longest = max(args.prefill_lengths, default=args.decode_context)
     with LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", kv_cache_dtype=kv_dtype,

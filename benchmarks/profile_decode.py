@@ -50,8 +50,8 @@ def main() -> None:
     if args.sms:
         run_on_sms(args.sms)
 
-    from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
+    from shardserve.requests.sampling_params import SamplingParams
 
     shape = SHAPES[args.model]
     if args.quantization in CHECKPOINT_CONFIGS:  # the checkpoint's config says so: no --quantization at load

@@ -33,8 +33,8 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
+    from shardserve.requests.sampling_params import SamplingParams
 
     model_dir = write_model_dir(os.path.join(tempfile.mkdtemp(), "llama3-8b-shape"))
     llm = LLM(model_dir, tensor_parallel_size=args.tp, device="cuda", dtype="bfloat16", load_format="dummy",

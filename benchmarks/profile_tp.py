@@ -100,8 +100,8 @@ def device_share(model_dir: str, tp: int) -> None:
 
 
 def engine_share(model_dir: str, tp: int, tokens: int, timeline: bool = True, overlap=(False, True)) -> None:
-    from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
+    from shardserve.requests.sampling_params import SamplingParams
 
     llm = LLM(model_dir, tensor_parallel_size=tp, **{k: v for k, v in vars(_engine_config(model_dir, tp)).items()
                                                      if k not in ("model", "tensor_parallel_size")})
@@ -140,7 +140,7 @@ def gpu_timeline(llm, prompt, tokens: int) -> None:
     gaps with the kernels on either side (what the device waits for between steps)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from shardserve.engine.sampling_params import SamplingParams
+    from shardserve.requests.sampling_params import SamplingParams
 
     llm.engine.overlap_steps = True
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, detokenize=False)

@@ -35,7 +35,7 @@ def main() -> None:
     import torch
 
     from shardserve.engine.sampler import RowHistory, Sampler
-    from shardserve.engine.sampling_params import SamplingParams
+    from shardserve.requests.sampling_params import SamplingParams
 
     rng = random.Random(0)
     device = torch.device(args.device)

@@ -22,7 +22,7 @@ def peak_bytes_per_logit(rows: int, vocab: int, top_p: float, logprobs: int | No
     import torch
 
     from shardserve.engine.sampler import RowHistory, Sampler
-    from shardserve.engine.sampling_params import SamplingParams
+    from shardserve.requests.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     logits = torch.randn(rows, vocab)

@@ -53,8 +53,8 @@ PROMPT = [[(7 * i) % 128000 for i in range(1, 65)]]
 
 def serve_model(conn, model_dir: str, seed: int, options: dict) -> None:
     """One model in its own process (a process holds one torch.distributed group), driven over a pipe."""
-    from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
+    from shardserve.requests.sampling_params import SamplingParams
 
     llm = LLM(model_dir, seed=seed, **options)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, detokenize=False)

@@ -19,7 +19,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from shardserve.engine.sampling_params import SamplingParams
+        from shardserve.requests.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'shardserve' has no attribute {name!r}")

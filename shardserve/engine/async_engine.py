@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
-from shardserve.engine.client import EngineDeadError, EngineStats, ServerShuttingDown
 from shardserve.engine.llm_engine import LLMEngine
-from shardserve.engine.output_collector import OutputCollector
-from shardserve.engine.outputs import RequestOutput
-from shardserve.engine.sampling_params import SamplingParams
+from shardserve.requests.client import EngineDeadError, EngineStats, ServerShuttingDown
+from shardserve.requests.output_collector import OutputCollector
+from shardserve.requests.outputs import RequestOutput
+from shardserve.requests.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

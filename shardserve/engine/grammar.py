@@ -25,7 +25,7 @@ import re
 
 import llguidance
 
-from shardserve.engine.sampling_params import StructuredOutput
+from shardserve.requests.sampling_params import StructuredOutput
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT = {"type": "object"}

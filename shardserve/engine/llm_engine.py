@@ -18,17 +18,17 @@ from shardserve.distributed.control_plane import ControlPlane
 from shardserve.distributed.lockstep import LockstepCheck, default_every
 from shardserve.distributed.process_group import RankContext
 from shardserve.engine.block_manager import BlockManager
-from shardserve.engine.client import EngineStats
-from shardserve.engine.detokenizer import IncrementalDetokenizer, detokenizer_for, text_update
 from shardserve.engine.model_runner import ModelRunner
-from shardserve.engine.outputs import RequestOutput, TokenLogprob
 from shardserve.engine.sampler import PendingSample, RowHistory, Sampler
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
 from shardserve.engine.structured_output import StructuredOutputs
-from shardserve.wire.step_plan import WAKE_KV_CACHE, WAKE_WEIGHTS, PlanKind, StepPlan
+from shardserve.requests.client import EngineStats
+from shardserve.requests.detokenizer import IncrementalDetokenizer, detokenizer_for, text_update
+from shardserve.requests.outputs import RequestOutput, TokenLogprob
+from shardserve.requests.sampling_params import SamplingParams
 from shardserve.transfers import on_device
+from shardserve.wire.step_plan import WAKE_KV_CACHE, WAKE_WEIGHTS, PlanKind, StepPlan
 
 if TYPE_CHECKING:
     from shardserve.tokenizer import Tokenizer

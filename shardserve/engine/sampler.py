@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.engine.outputs import TokenLogprob
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.structured_output import AllowedTokens, apply_allowed
 from shardserve.kernels.availability import use_triton
+from shardserve.requests.outputs import TokenLogprob
+from shardserve.requests.sampling_params import SamplingParams
 from shardserve.transfers import on_device
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-from shardserve.engine.sampling_params import SamplingParams
+from shardserve.requests.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
 

@@ -22,7 +22,7 @@ import llguidance.hf
 import torch
 
 from shardserve.engine.grammar import check
-from shardserve.engine.sampling_params import StructuredOutput
+from shardserve.requests.sampling_params import StructuredOutput
 from shardserve.transfers import on_device
 
 if TYPE_CHECKING:

@@ -7,9 +7,9 @@ import itertools
 from shardserve.config import EngineConfig
 from shardserve.distributed.launcher import LocalRanks
 from shardserve.engine.llm_engine import LLMEngine
-from shardserve.engine.outputs import RequestOutput
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.model_files import check_model_path
+from shardserve.requests.outputs import RequestOutput
+from shardserve.requests.sampling_params import SamplingParams
 from shardserve.tokenizer import Tokenizer
 
 

@@ -1,6 +1,6 @@
 """Keeps the ranks serving: watches them, fails in-flight requests the moment one dies, restarts them all.
 
-The supervisor is an EngineClient (engine/client.py) like the AsyncEngine it wraps, so the HTTP server stays
+The supervisor is an EngineClient (requests/client.py) like the AsyncEngine it wraps, so the HTTP server stays
 up through a restart and answers /health with 503 and the reason meanwhile.
 Failures: a rank process that exits, an engine error, or an engine loop stuck for STALL_RESTART_S (a
 hung rank; SHARDSERVE_STALL_RESTART_S sets other seconds). Invariants: requests are only ever given to the
@@ -20,9 +20,9 @@ from typing import AsyncIterator, Callable
 
 from shardserve.distributed.launcher import LocalRanks
 from shardserve.engine.async_engine import AsyncEngine
-from shardserve.engine.client import EngineStats
-from shardserve.engine.outputs import RequestOutput
-from shardserve.engine.sampling_params import SamplingParams
+from shardserve.requests.client import EngineStats
+from shardserve.requests.outputs import RequestOutput
+from shardserve.requests.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

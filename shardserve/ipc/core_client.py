@@ -1,9 +1,9 @@
-"""The front end's engine client (engine/client.py) for an engine core in another process.
+"""The front end's engine client (requests/client.py) for an engine core in another process.
 
 It sends token ids and sampling parameters to the core and turns the token outputs that come back into
 RequestOutputs with their text: detokenization and stop strings happen here, in the front end (a request
 that meets a stop string is finished here and aborted in the core). One task reads the core's channel and
-hands each output to its request's collector (engine/output_collector.py); health, sleep state and statistics are the core's latest Status.
+hands each output to its request's collector (requests/output_collector.py); health, sleep state and statistics are the core's latest Status.
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shardserve.engine.client import EngineDeadError, EngineStats, ServerShuttingDown
-from shardserve.engine.detokenizer import detokenizer_for, text_update
-from shardserve.engine.output_collector import OutputCollector
-from shardserve.engine.outputs import RequestOutput
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.ipc.core_server import input_address, output_address
 from shardserve.ipc.messages import (
     Abort,
@@ -36,6 +31,11 @@ from shardserve.ipc.messages import (
     ToFrontend,
     TokenOutput,
 )
+from shardserve.requests.client import EngineDeadError, EngineStats, ServerShuttingDown
+from shardserve.requests.detokenizer import detokenizer_for, text_update
+from shardserve.requests.output_collector import OutputCollector
+from shardserve.requests.outputs import RequestOutput
+from shardserve.requests.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from shardserve.tokenizer import Tokenizer

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from shardserve.engine.client import EngineDeadError, ServerShuttingDown
 from shardserve.ipc.messages import (
     STATUS_INTERVAL_S,
     Abort,
@@ -34,9 +33,10 @@ from shardserve.ipc.messages import (
     ToCore,
     TokenOutput,
 )
+from shardserve.requests.client import EngineDeadError, ServerShuttingDown
 
 if TYPE_CHECKING:
-    from shardserve.engine.outputs import RequestOutput
+    from shardserve.requests.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import msgspec
 
-from shardserve.engine.client import EngineStats
-from shardserve.engine.outputs import TokenLogprob
-from shardserve.engine.sampling_params import SamplingParams
+from shardserve.requests.client import EngineStats
+from shardserve.requests.outputs import TokenLogprob
+from shardserve.requests.sampling_params import SamplingParams
 
 STATUS_INTERVAL_S = 0.25
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import openai
 
 from shardserve.distributed.fingerprint import Fingerprint, differences
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 from tests.helpers.two_ranks import TwoRanks, serve_args
 
 PROMPT = "w11 w22 w33 w44"

@@ -13,9 +13,9 @@ import pytest
 
 from shardserve.distributed.launcher import LaunchInfo, NodeLaunch, expand_hostlist, slurm_launch
 from shardserve.distributed.process_group import find_free_port
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
 from shardserve.entrypoints.serve import choose_launch
+from shardserve.requests.sampling_params import SamplingParams
 from tests.helpers.two_ranks import TwoRanks
 
 SLURM = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_LOCALID": "1",

@@ -31,7 +31,7 @@ def _rank(rank: int, port: int, model_dir: str, diverge: bool, results) -> None:
     try:
         if rank == 0:
             from shardserve.engine.llm_engine import LLMEngine
-            from shardserve.engine.sampling_params import SamplingParams
+            from shardserve.requests.sampling_params import SamplingParams
             from shardserve.tokenizer import Tokenizer
 
             engine = LLMEngine(config, ctx, Tokenizer.from_model_path(model_dir))

@@ -81,8 +81,8 @@ def test_start_up_picks_shared_memory_on_one_host(tiny_model_dir, caplog):
     """Two CPU ranks of one engine: the choice is logged with both timings, and shm serves decode steps."""
     import logging
 
-    from shardserve.engine.sampling_params import SamplingParams
     from shardserve.entrypoints.llm import LLM
+    from shardserve.requests.sampling_params import SamplingParams
 
     with caplog.at_level(logging.INFO, logger="shardserve.engine.model_runner"):
         with LLM(tiny_model_dir("llama-untied"), tensor_parallel_size=2, dtype="float32",

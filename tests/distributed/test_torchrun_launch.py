@@ -6,8 +6,8 @@ import sys
 
 import openai
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 from tests.serving import serve_cli
 
 PROMPT = "w11 w22 w33 w44 w55"

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 
 from shardserve.distributed.process_group import find_free_port
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 
 PROMPT = "w5 w17 w99 w3"
 SUBNET = "10.231.{}.{}"

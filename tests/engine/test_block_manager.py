@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardserve.engine.block_manager import BlockManager, chain_hash
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.sequence import Sequence
+from shardserve.requests.sampling_params import SamplingParams
 
 BS = 4  # block size
 

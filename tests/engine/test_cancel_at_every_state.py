@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from shardserve.engine.async_engine import AsyncEngine
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.sequence import SequenceStatus
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 
 MODEL = "llama-untied"
 OTHER = [7, 8, 9, 10, 11]

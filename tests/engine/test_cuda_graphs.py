@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from shardserve.distributed.all_reduce import FORCE_ENV, METHOD_NAMES
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 from tests.helpers.reference import random_prompts
 
 pytestmark = pytest.mark.gpu

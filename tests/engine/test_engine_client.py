@@ -1,4 +1,4 @@
-"""The interface the HTTP front end uses, declared once (engine/client.py): both engines behind it provide
+"""The interface the HTTP front end uses, declared once (requests/client.py): both engines behind it provide
 every member, and the stats they report are the engine's own counts."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 from shardserve.engine.async_engine import AsyncEngine
-from shardserve.engine.client import EngineClient, EngineStats
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
 from shardserve.entrypoints.supervisor import Supervisor
+from shardserve.requests.client import EngineClient, EngineStats
+from shardserve.requests.sampling_params import SamplingParams
 
 
 def _members() -> set[str]:

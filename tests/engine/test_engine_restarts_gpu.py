@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shardserve.distributed.all_reduce import IPC_ONE_SHOT
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 
 
 @pytest.mark.gpu

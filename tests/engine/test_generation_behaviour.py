@@ -15,9 +15,9 @@ import torch
 
 from shardserve.engine.kv_cache import bytes_per_block
 from shardserve.engine.llm_engine import OVERLAP_ENV
-from shardserve.engine.outputs import TokenLogprob
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.outputs import TokenLogprob
+from shardserve.requests.sampling_params import SamplingParams
 from tests.helpers.reference import random_prompts
 
 MODEL = "llama-tied"  # 2 layers, 2 KV heads of 16 dims

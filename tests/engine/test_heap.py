@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import gc
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 
 
 def _tracked(obj) -> bool:

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from shardserve.attention.sdpa import SdpaBackend
 from shardserve.distributed.handshake import StartupMismatch
 from shardserve.engine import kernel_setup
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
 from shardserve.kernels.plan import KernelPlanError
 from shardserve.kernels.self_check import check_linear
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.linear_kernels import LinearKernel, OneDNNPackedKernel, build_linear_kernel
 from shardserve.layers.rotary import RotaryEmbedding
+from shardserve.requests.sampling_params import SamplingParams
 from tests.ranks import run_ranks
 
 

@@ -18,8 +18,8 @@ import torch
 
 from shardserve.engine.llm_engine import OVERLAP_ENV
 from shardserve.engine.sampler import RowHistory, Sampler
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 from tests.tiny_models import VOCAB_SIZE
 
 VOCAB = 512

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from shardserve.engine.llm_engine import OVERLAP_ENV
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 
 PROMPTS = [[5, 9, 13], [40, 41], [7, 8, 9, 10, 11, 12], [100], [3, 3, 3, 3]]
 

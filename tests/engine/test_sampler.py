@@ -16,8 +16,8 @@ import torch
 
 from shardserve.engine import sampler as sampler_module
 from shardserve.engine.sampler import RowHistory, Sampler
-from shardserve.engine.sampling_params import SamplingParams, StructuredOutput
 from shardserve.engine.structured_output import AllowedTokens
+from shardserve.requests.sampling_params import SamplingParams, StructuredOutput
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from shardserve.engine.block_manager import BlockManager
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
+from shardserve.requests.sampling_params import SamplingParams
 from shardserve.wire.step_plan import StepPlan
 
 BS = 4

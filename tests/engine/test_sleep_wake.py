@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 
 PROMPTS = ["w1 w2 w3", "w40 w41"]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 from shardserve.weights import stable_memory
 
 pytestmark = pytest.mark.gpu

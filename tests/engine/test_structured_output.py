@@ -10,11 +10,11 @@ import re
 import pytest
 import torch
 
-from shardserve.engine.llm_engine import OVERLAP_ENV
 from shardserve.engine.grammar import closed_objects
-from shardserve.engine.sampling_params import SamplingParams, StructuredOutput
+from shardserve.engine.llm_engine import OVERLAP_ENV
 from shardserve.engine.structured_output import AllowedTokens, apply_allowed
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams, StructuredOutput
 
 
 def test_a_mask_refuses_exactly_the_tokens_it_leaves_out():

@@ -8,8 +8,8 @@ import json
 import subprocess
 import sys
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 
 MODEL = "llama-untied"
 PROMPT = [5, 17, 300, 42, 8]
@@ -25,8 +25,8 @@ class NoTriton(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, NoTriton())
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 
 with LLM(sys.argv[1], device="cpu", kv_cache_memory_gb=0.05) as llm:
     out = llm.generate([json.loads(sys.argv[2])], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))

@@ -21,10 +21,10 @@ import openai
 import pytest
 
 from shardserve.engine.async_engine import AsyncEngine
-from shardserve.engine.outputs import RequestOutput
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.openai.chat_output import ChatParsers
 from shardserve.entrypoints.openai.server import build_app
+from shardserve.requests.outputs import RequestOutput
+from shardserve.requests.sampling_params import SamplingParams
 from shardserve.tokenizer import Tokenizer
 from tests.serving import InProcessServer, serve_in_thread, serve_model
 

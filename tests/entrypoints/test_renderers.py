@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from shardserve.engine.outputs import RequestOutput, TokenLogprob
 from shardserve.entrypoints.openai.renderers import ChatRenderer, CompletionRenderer
+from shardserve.requests.outputs import RequestOutput, TokenLogprob
 
 
 def _token_text(token_id: int) -> str:

@@ -3,8 +3,8 @@ that the dense-model, mixture-of-experts and quantized-checkpoint tests share.""
 
 from __future__ import annotations
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 from tests.helpers.reference import random_prompts, transformers_greedy
 
 NEW_TOKENS = 32

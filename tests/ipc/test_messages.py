@@ -5,9 +5,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shardserve.engine.client import EngineStats
-from shardserve.engine.outputs import TokenLogprob
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.ipc.messages import (
     Abort,
     AddRequest,
@@ -20,6 +17,9 @@ from shardserve.ipc.messages import (
     ToFrontend,
     TokenOutput,
 )
+from shardserve.requests.client import EngineStats
+from shardserve.requests.outputs import TokenLogprob
+from shardserve.requests.sampling_params import SamplingParams
 
 
 def _roundtrip(message, kind):

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
 from shardserve.layers.linear_kernels import build_linear_kernel
+from shardserve.requests.sampling_params import SamplingParams
 
 
 def _needs_packed_bf16() -> None:

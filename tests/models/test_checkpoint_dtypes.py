@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 from tests.helpers.reference import random_prompts, transformers_greedy
 
 NEW_TOKENS = 24

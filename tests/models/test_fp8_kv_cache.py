@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 from tests.helpers.fp8_kv import fp8_kv_greedy, write_kv_scales
 from tests.helpers.greedy import NEW_TOKENS, prompts
 

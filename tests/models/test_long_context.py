@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from shardserve.config import EngineConfig, ModelConfig
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 from tests.helpers.greedy import check_matches
 from tests.helpers.reference import random_prompts, transformers_greedy
 

@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 from tests.models.reference import random_prompts, transformers_greedy
 
 NEW_TOKENS = 8

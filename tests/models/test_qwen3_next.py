@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
 from tests.models.reference import random_prompts, transformers_greedy
 
 NAME = "qwen3-next"

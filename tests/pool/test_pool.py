@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
 from shardserve.pool.config import PoolConfigError, check_model_paths, load_pool_config
+from shardserve.requests.sampling_params import SamplingParams
 from tests.pool.running import running_pool, write_config
 
 PROMPTS = ["w1 w2 w3", "w9 w8", "w30 w31 w32 w33"]

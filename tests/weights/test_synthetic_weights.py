@@ -10,9 +10,9 @@ from safetensors import safe_open
 from shardserve.cli import build_parser
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.communicator import Communicator
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.entrypoints.llm import LLM
 from shardserve.models import model_class
+from shardserve.requests.sampling_params import SamplingParams
 from shardserve.weights.loader import safetensors_files
 from shardserve.weights.synthetic import iter_synthetic_checkpoint, load_synthetic_weights
 from tests.tiny_models import TINY_SPECS

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from shardserve.engine.block_manager import BlockManager
-from shardserve.engine.sampling_params import SamplingParams
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence
+from shardserve.requests.sampling_params import SamplingParams
 from shardserve.wire.step_plan import PlanDecoder, PlanEncoder, PlanKind, SeqChunk, StepPlan
 
 

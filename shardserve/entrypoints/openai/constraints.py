@@ -13,9 +13,9 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from shardserve.engine.grammar import GrammarError, check, choice_spec, tokenizer_problem
-from shardserve.engine.sampling_params import StructuredOutput
 from shardserve.entrypoints.openai.errors import InvalidRequestError
 from shardserve.entrypoints.openai.fields import ClosedRequestModel, RequestModel, Text
+from shardserve.requests.sampling_params import StructuredOutput
 
 # vLLM's older names for the members of structured_outputs.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

@@ -25,17 +25,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from shardserve.engine.outputs import RequestOutput, TokenLogprob
-from shardserve.engine.sampling_params import SamplingParams
-from shardserve.engine.client import ServerShuttingDown
 from shardserve.entrypoints.openai.errors import APIError, InvalidRequestError, ServerError, ServiceUnavailableError
 from shardserve.entrypoints.openai.protocol import GenerationRequest
 from shardserve.entrypoints.openai.protocol import UsageInfo
 from shardserve.entrypoints.openai.renderers import Renderer
+from shardserve.requests.client import ServerShuttingDown
+from shardserve.requests.outputs import RequestOutput, TokenLogprob
+from shardserve.requests.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from shardserve.engine.client import EngineClient
     from shardserve.entrypoints.openai.metrics import RequestTimer
+    from shardserve.requests.client import EngineClient
 
 logger = logging.getLogger(__name__)
 

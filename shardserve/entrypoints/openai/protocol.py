@@ -30,9 +30,8 @@ from pydantic import (
     model_validator,
 )
 
-from shardserve.engine.outputs import TokenLogprob
-from shardserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_RANGE, SamplingParams, StructuredOutput
 from shardserve.entrypoints.openai.constraints import ResponseFormat, StructuredOutputsParams
+from shardserve.entrypoints.openai.fields import RequestModel, Text, valid_unicode
 from shardserve.entrypoints.openai.tools import (
     ToolCallInMessage,
     ToolCallOut,
@@ -42,7 +41,8 @@ from shardserve.entrypoints.openai.tools import (
     template_tool_calls,
     tool_plan,
 )
-from shardserve.entrypoints.openai.fields import RequestModel, Text, valid_unicode
+from shardserve.requests.outputs import TokenLogprob
+from shardserve.requests.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_RANGE, SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
 

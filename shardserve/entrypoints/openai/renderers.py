@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import msgspec
 from pydantic import BaseModel
 
-from shardserve.engine.outputs import RequestOutput, TokenLogprob
 from shardserve.entrypoints.openai.chat_output import ChatOutput, ChoiceStreamer
 from shardserve.entrypoints.openai.protocol import (
     ChatCompletionChoice,
@@ -36,6 +35,7 @@ from shardserve.entrypoints.openai.protocol import (
     chat_logprobs,
 )
 from shardserve.entrypoints.openai.tools import ToolCallOut
+from shardserve.requests.outputs import RequestOutput, TokenLogprob
 
 
 class Renderer(Protocol):

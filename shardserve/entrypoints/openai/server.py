@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server in front of an engine client (engine/client.py): the app, its routes, request admission.
+"""The OpenAI-compatible HTTP server in front of an engine client (requests/client.py): the app, its routes, request admission.
 
 `build_app` wires the routes, the error handlers (errors.py) and the ASGI middlewares
 (middleware.py: API-key check, request-body size limit); `serve_http` runs the app under uvicorn.
@@ -28,15 +28,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from shardserve import __version__, heap
-from shardserve.engine.sampling_params import SEED_RANGE, SamplingParams, StructuredOutput
+from shardserve.entrypoints.openai.chat_output import ChatOutput, ChatParsers
+from shardserve.entrypoints.openai.constraints import checked, checked_tool_schemas, constraint_of
 from shardserve.entrypoints.openai.errors import (
     InvalidRequestError,
     ServiceUnavailableError,
     install_error_handlers,
     model_not_found,
 )
-from shardserve.entrypoints.openai.chat_output import ChatOutput, ChatParsers
-from shardserve.entrypoints.openai.constraints import checked, checked_tool_schemas, constraint_of
 from shardserve.entrypoints.openai.generation import Choice, serve_choices
 from shardserve.entrypoints.openai.metrics import ServerMetrics
 from shardserve.entrypoints.openai.middleware import BodySizeLimit, require_api_key
@@ -59,9 +58,10 @@ from shardserve.entrypoints.openai.renderers import ChatRenderer, CompletionRend
 from shardserve.entrypoints.openai.tool_parsers import GenericToolParser, ToolParser
 from shardserve.entrypoints.openai.tool_prompts import TOOL_FORMATS, ChatPrompter
 from shardserve.entrypoints.openai.tools import tool_plan
+from shardserve.requests.sampling_params import SEED_RANGE, SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
-    from shardserve.engine.client import EngineClient
+    from shardserve.requests.client import EngineClient
 
 
 def build_app(

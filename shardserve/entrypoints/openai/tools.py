@@ -27,9 +27,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
-from shardserve.engine.sampling_params import StructuredOutput
 from shardserve.entrypoints.openai.fields import ClosedRequestModel, RequestModel, Text
 from shardserve.entrypoints.openai.tool_parsers import ToolCall, make_tool_call_id
+from shardserve.requests.sampling_params import StructuredOutput
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardserve.engine.detokenizer import IncrementalDetokenizer
+from shardserve.requests.detokenizer import IncrementalDetokenizer
 from shardserve.tokenizer import Tokenizer
 
 MULTIBYTE = "Café au lait 🎉 naïve 日本語, 🤖🎉 ok"

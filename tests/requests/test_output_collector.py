@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from shardserve.engine.output_collector import OutputCollector
-from shardserve.engine.outputs import RequestOutput, TokenLogprob
+from shardserve.requests.output_collector import OutputCollector
+from shardserve.requests.outputs import RequestOutput, TokenLogprob
 
 
 def _out(i: int, finished: bool = False, logprobs: bool = False) -> RequestOutput:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shardserve.engine.sampling_params import SamplingParams
+    from shardserve.requests.sampling_params import SamplingParams
     from shardserve.tokenizer import Tokenizer
 
 

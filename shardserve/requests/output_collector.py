@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shardserve.engine.outputs import RequestOutput
+from shardserve.requests.outputs import RequestOutput
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

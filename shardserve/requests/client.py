@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from shardserve.engine.outputs import RequestOutput
-    from shardserve.engine.sampling_params import SamplingParams
+    from shardserve.requests.outputs import RequestOutput
+    from shardserve.requests.sampling_params import SamplingParams
     from shardserve.tokenizer import Tokenizer
 
 
