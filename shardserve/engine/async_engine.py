@@ -1,9 +1,10 @@
 """The engine loop: one thread steps the engine; callers hand it requests and get their outputs back.
 
-Only the engine thread touches the engine (and so issues collectives); callers talk to it through a
-command queue, and it answers each request through that request's stream: an OutputCollector for callers in
-this process (`generate`), or any object with `put` (`submit`: the engine core server batches a step's
-outputs per front end and sends them once the step is done, from the `after_iteration` hook).
+Only the engine thread touches the engine (and so issues collectives); callers talk to it through a queue
+of typed commands (requests/commands.py, which the engine core's channel carries too), and it answers each
+request through that request's stream: an OutputCollector for callers in this process (`generate`), or any
+object with `put` (`submit`: the engine core server batches a step's outputs per front end and sends them
+once the step is done, from the `after_iteration` hook).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 from shardserve.engine.llm_engine import LLMEngine
 from shardserve.requests.client import EngineDeadError, EngineStats, ServerShuttingDown
+from shardserve.requests.commands import Abort, Add, EngineCall, Sleep, WakeUp
 from shardserve.requests.output_collector import OutputCollector
 from shardserve.requests.outputs import RequestOutput
 from shardserve.requests.sampling_params import SamplingParams
@@ -33,6 +35,18 @@ class OutputStream(Protocol):
     """Where one request's outputs go, on the engine thread (errors may come from other threads)."""
 
     def put(self, item: RequestOutput | BaseException) -> None: ...
+
+
+@dataclass
+class _PendingCall:
+    """A sleep or wake on its way to the engine thread; `done` settles when it has happened."""
+
+    command: EngineCall
+    done: concurrent.futures.Future
+
+
+# What the command queue holds: None only wakes the loop (to see that it should stop).
+_Command = Add | Abort | _PendingCall | None
 
 
 @dataclass
@@ -54,15 +68,15 @@ class AsyncEngine:
 
     def __init__(self, build_engine: Callable[[], LLMEngine],
                  after_iteration: Callable[[], None] | None = None) -> None:
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, OutputStream] = {}
         self._after_iteration = after_iteration  # on the engine thread, after each round of commands and step
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._last_beat = time.monotonic()
         self._built = threading.Event()
-        self._pending_sleeps: list[tuple[int, concurrent.futures.Future]] = []
-        self._deferred_adds: list[tuple] = []
+        self._pending_sleeps: list[_PendingCall] = []
+        self._deferred_adds: list[Add] = []
         self._closing: str | None = None  # why new and running requests are refused (the server stops)
         self._thread = threading.Thread(target=self._run, args=(build_engine,), name="shardserve-engine",
                                         daemon=True)
@@ -96,7 +110,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._commands.put(Abort([request_id]))
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                stream: OutputStream) -> None:
@@ -108,11 +122,11 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine has stopped: {self._error!r}")
         self.engine.validate_prompt(prompt_token_ids, params)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params))
+        self._commands.put(Add(request_id, prompt_token_ids, params))
 
     def abort_soon(self, request_id: str) -> None:
         """Abort a request (a no-op for one that already ended); its stream gets nothing more."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(Abort([request_id]))
 
     async def abort(self, request_id: str) -> None:
         self.abort_soon(request_id)
@@ -129,21 +143,20 @@ class AsyncEngine:
         return self.engine.is_sleeping
 
     async def sleep(self, level: int) -> None:
-        await self._call("sleep", level)
+        await asyncio.wrap_future(self.call(Sleep(level)))
 
     async def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
-        await self._call("wake_up", weights, kv_cache)
+        await asyncio.wrap_future(self.call(WakeUp(weights, kv_cache)))
 
-    async def _call(self, *command) -> None:
-        await asyncio.wrap_future(self.call(*command))
-
-    def call(self, *command) -> concurrent.futures.Future:
-        """Run ("sleep", level) or ("wake_up", weights, kv_cache) on the engine thread; the future settles
-        when it is done (a sleep waits for the requests in flight)."""
+    def call(self, command: EngineCall) -> concurrent.futures.Future:
+        """Run a Sleep or a WakeUp on the engine thread; the future settles when it is done (a sleep waits for
+        the requests in flight)."""
+        if not isinstance(command, (Sleep, WakeUp)):
+            raise ValueError(f"unknown call {command!r}")
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine has stopped: {self._error!r}")
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((*command, done))
+        self._commands.put(_PendingCall(command, done))
         return done
 
     def stalled_for(self) -> float:
@@ -174,7 +187,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._stop.set()
-        self._commands.put(("wake",))
+        self._commands.put(None)
         self._thread.join(timeout=timeout)
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -231,36 +244,36 @@ class AsyncEngine:
         if not self._pending_sleeps or self.engine.busy:
             return
         pending, self._pending_sleeps = self._pending_sleeps, []
-        for level, done in pending:
-            _settle(done, lambda level=level: self.engine.sleep(level))
+        for call in pending:
+            _settle(call.done, lambda level=call.command.level: self.engine.sleep(level))
         deferred, self._deferred_adds = self._deferred_adds, []
         for command in deferred:
             self._apply(command)
 
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "sleep":
-            self._pending_sleeps.append((command[1], command[2]))
-            return
-        if command[0] == "wake_up":
-            _settle(command[3], lambda: self.engine.wake_up(command[1], command[2]))
-            return
-        if command[0] == "add" and self._pending_sleeps:
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _PendingCall):
+            call = command.command
+            if isinstance(call, Sleep):
+                self._pending_sleeps.append(command)
+            else:
+                _settle(command.done, lambda: self.engine.wake_up(call.weights, call.kv_cache))
+        elif isinstance(command, Add) and self._pending_sleeps:
             self._deferred_adds.append(command)
-            return
-        if command[0] == "add":
-            _, request_id, prompt, params = command
+        elif isinstance(command, Add):
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
             except ValueError as e:
-                stream = self._streams.pop(request_id, None)
+                stream = self._streams.pop(command.request_id, None)
                 if stream is not None:
                     stream.put(e)
-        elif command[0] == "abort":
+        elif isinstance(command, Abort):
             # A request added while a sleep was pending is still deferred here: drop it, or it would run
             # (and hold KV blocks) after its caller has gone.
-            self._deferred_adds = [c for c in self._deferred_adds if c[1] != command[1]]
-            self._streams.pop(command[1], None)
-            self.engine.abort(command[1])
+            aborted = set(command.request_ids)
+            self._deferred_adds = [add for add in self._deferred_adds if add.request_id not in aborted]
+            for request_id in command.request_ids:
+                self._streams.pop(request_id, None)
+                self.engine.abort(request_id)
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)

@@ -11,6 +11,7 @@ new ones start after a back-off of 1, 2, 4 ... up to 30 s); after `max_restarts`
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -21,6 +22,7 @@ from typing import AsyncIterator, Callable
 from shardserve.distributed.launcher import LocalRanks
 from shardserve.engine.async_engine import AsyncEngine
 from shardserve.requests.client import EngineStats
+from shardserve.requests.commands import EngineCall
 from shardserve.requests.outputs import RequestOutput
 from shardserve.requests.sampling_params import SamplingParams
 
@@ -92,8 +94,8 @@ class Supervisor:
     def abort_soon(self, request_id: str) -> None:
         self.engine.abort_soon(request_id)
 
-    def call(self, *command):
-        return self.engine.call(*command)
+    def call(self, command: EngineCall) -> concurrent.futures.Future:
+        return self.engine.call(command)
 
     @property
     def is_sleeping(self) -> bool:

@@ -32,6 +32,7 @@ from shardserve.ipc.messages import (
     TokenOutput,
 )
 from shardserve.requests.client import EngineDeadError, EngineStats, ServerShuttingDown
+from shardserve.requests.commands import EngineCall, Sleep, WakeUp
 from shardserve.requests.detokenizer import detokenizer_for, text_update
 from shardserve.requests.output_collector import OutputCollector
 from shardserve.requests.outputs import RequestOutput
@@ -173,10 +174,10 @@ class CoreClient:
         return self._status is not None and self._status.sleeping
 
     async def sleep(self, level: int) -> None:
-        await self._call("sleep", [level])
+        await self._call(Sleep(level))
 
     async def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
-        await self._call("wake_up", [weights, kv_cache])
+        await self._call(WakeUp(weights, kv_cache))
 
     def stats(self) -> EngineStats:
         if self._status is None or self._status.stats is None:
@@ -205,12 +206,12 @@ class CoreClient:
     async def _send(self, message) -> None:
         await self._send_socket.send(self._encoder.encode(message), copy=False)
 
-    async def _call(self, method: str, args: list) -> None:
+    async def _call(self, command: EngineCall) -> None:
         call_id = next(self._call_ids)
         done = asyncio.get_running_loop().create_future()
         self._calls[call_id] = done
         try:
-            await self._send(Call(self.frontend, call_id, method, args))
+            await self._send(Call(self.frontend, call_id, command))
             await done
         finally:
             self._calls.pop(call_id, None)

@@ -199,9 +199,7 @@ class EngineCoreServer:
                                                    "" if error is None else str(error)))
 
         try:
-            if message.method not in ("sleep", "wake_up"):
-                raise ValueError(f"unknown call {message.method!r}")
-            self.engine.call(message.method, *message.args).add_done_callback(reply)
+            self.engine.call(message.command).add_done_callback(reply)
         except Exception as e:  # noqa: BLE001 - the caller hears why
             self._send(message.frontend, CallReply(message.call_id, failure_kind(e), str(e)))
 

@@ -1,9 +1,10 @@
 """What crosses between the front ends and the engine core, as typed msgpack messages (msgspec; never pickle).
 
-Front end -> core: `AddRequest`, `Abort`, `Call` (sleep, wake_up), on one PUSH/PULL channel shared by all
-front ends. Core -> front end i: `Outputs` (every output of one engine step that belongs to front end i, in one
-message), `Failure` (one request ended with an error), `CallReply`, and `Status` (health, sleep state and
-engine statistics, sent every STATUS_INTERVAL_S and after every sleep or wake), on front end i's own channel.
+Front end -> core: `AddRequest`, `Abort`, `Call` (a `Sleep` or a `WakeUp`), on one PUSH/PULL channel shared by
+all front ends; `Abort`, `Sleep` and `WakeUp` are the engine loop's own commands (requests/commands.py).
+Core -> front end i: `Outputs` (every output of one engine step that belongs to front end i, in one message),
+`Failure` (one request ended with an error), `CallReply`, and `Status` (health, sleep state and engine
+statistics, sent every STATUS_INTERVAL_S and after every sleep or wake), on front end i's own channel.
 
 Only token ids cross: the front end tokenizes, detokenizes and matches stop strings itself.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import msgspec
 
 from shardserve.requests.client import EngineStats
+from shardserve.requests.commands import Abort, EngineCall, Sleep, WakeUp
 from shardserve.requests.outputs import TokenLogprob
 from shardserve.requests.sampling_params import SamplingParams
 
@@ -26,15 +28,10 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     params: SamplingParams
 
 
-class Abort(msgspec.Struct, tag=True, array_like=True):
-    request_ids: list[str]
-
-
 class Call(msgspec.Struct, tag=True, array_like=True):
     frontend: int
     call_id: int
-    method: str  # "sleep" (args: [level]) or "wake_up" (args: [weights, kv_cache])
-    args: list
+    command: EngineCall
 
 
 class TokenOutput(msgspec.Struct, array_like=True):
@@ -74,3 +71,6 @@ FAILURE_KINDS = ("invalid", "dead", "shutting_down", "error")
 
 ToCore = AddRequest | Abort | Call
 ToFrontend = Outputs | Failure | CallReply | Status
+
+__all__ = ["STATUS_INTERVAL_S", "FAILURE_KINDS", "AddRequest", "Abort", "Call", "Sleep", "WakeUp", "TokenOutput",
+           "Outputs", "Failure", "CallReply", "Status", "ToCore", "ToFrontend"]

@@ -12,10 +12,12 @@ from shardserve.ipc.messages import (
     CallReply,
     Failure,
     Outputs,
+    Sleep,
     Status,
     ToCore,
     ToFrontend,
     TokenOutput,
+    WakeUp,
 )
 from shardserve.requests.client import EngineStats
 from shardserve.requests.outputs import TokenLogprob
@@ -29,7 +31,8 @@ def _roundtrip(message, kind):
 def test_requests_and_calls_reach_the_core_unchanged():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=2**63 + 5,
                             stop_token_ids=(1, 2), ignore_eos=True, logprobs=2, detokenize=False)
-    for message in (AddRequest(1, "cmpl-1", [5, 6, 7], params), Abort(["a", "b"]), Call(0, 3, "wake_up", [True, False])):
+    for message in (AddRequest(1, "cmpl-1", [5, 6, 7], params), Abort(["a", "b"]), Call(0, 3, WakeUp(True, False)),
+                    Call(1, 4, Sleep(2))):
         assert _roundtrip(message, ToCore) == message
 
 
@@ -55,3 +58,9 @@ def test_sampling_params_are_validated_when_they_arrive():
 def test_a_message_of_another_kind_is_refused():
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.Decoder(ToCore).decode(msgspec.msgpack.encode(CallReply(1, None)))
+
+
+def test_a_call_carries_only_a_command_the_engine_knows():
+    data = msgspec.msgpack.encode(Call(0, 1, Sleep(1))).replace(b"Sleep", b"Sleeq")
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.Decoder(ToCore).decode(data)
