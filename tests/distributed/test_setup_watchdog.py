@@ -40,5 +40,5 @@ def test_a_bad_timeout_setting_names_the_variable(monkeypatch):
     from shardserve.distributed.setup_watchdog import TIMEOUT_ENV, timeout_s
 
     monkeypatch.setenv(TIMEOUT_ENV, "soon")
-    with pytest.raises(ValueError, match="SHARDSERVE_SETUP_TIMEOUT_S='soon' is not a number of seconds"):
+    with pytest.raises(ValueError, match="SHARDSERVE_SETUP_TIMEOUT_S='soon': expected a positive number of seconds"):
         timeout_s()
