@@ -218,7 +218,7 @@ def _put(name: str, value: str | None) -> None:
 def markdown_table() -> str:
     rows = ["| Variable | Values | Default | Shown in the kernel plan | What it does |", "|---|---|---|---|---|"]
     for var in REGISTRY.values():
-        default = "(decided at run time)" if var.default is None else _text(var.default)
+        default = "unset" if var.default is None else _text(var.default)
         rows.append(f"| `{var.name}` | {var.values_text()} | {default} | {'yes' if var.plan else ''} | "
                     f"{var.help.replace('|', '/')} |")
     return "\n".join(rows) + "\n"
