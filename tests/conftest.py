@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -15,6 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from shardserve import envs
 from shardserve.example_model import fetch_example
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -25,6 +27,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
     Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
     / f"py{sys.version_info.major}{sys.version_info.minor}_cpu-{hashlib.sha256(str(REPO_ROOT).encode()).hexdigest()[:12]}"))
+
+
+@pytest.fixture
+def set_env():
+    """set_env(SHARDSERVE_PDL="off") or set_env({NAME: value}): declared variables (shardserve/envs.py) set in the
+    process environment from then until the test ends, so ranks it starts inherit them; None unsets one."""
+    with contextlib.ExitStack() as stack:
+        yield lambda values=None, /, **more: stack.enter_context(envs.override(values, **more))
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ each method is timed on the actual group at start-up, per message size, and the 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -17,12 +16,12 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from shardserve.env_choice import env_choice
+from shardserve import envs
 
 logger = logging.getLogger(__name__)
 
 # Forces one method for every message size (tests, diagnosis): a name from METHOD_NAMES.
-FORCE_ENV = "SHARDSERVE_ALL_REDUCE"
+FORCE_ENV = envs.ALL_REDUCE.name
 NCCL = "nccl"  # NCCL captured inside the CUDA graph (or called eagerly outside graphs)
 NCCL_EAGER_PIECES = "nccl-eager"  # NCCL run eagerly between graph pieces: graphs are split at each call
 SYMM_ONE_SHOT = "symm-one-shot"
@@ -43,7 +42,7 @@ IPC_MAX_SLOT_BYTES = 8 * 2**20
 # its own launch (kernels/triton/gemv_all_reduce.py: "fused"), or leaves that to the all-reduce kernel after it
 # ("separate", the default: on two H100s the Llama-3-8B-shaped TP=2 batch-1 graph took 2.968 ms with it and
 # 3.015 ms fused; docs/benchmarks-notebook.md).
-GEMV_ALL_REDUCE_ENV = "SHARDSERVE_GEMV_ALL_REDUCE"
+GEMV_ALL_REDUCE_ENV = envs.GEMV_ALL_REDUCE.name
 # torch's symmetric memory numbers its rendezvous with a counter per process that no API exposes or resets:
 # ranks whose processes made different numbers of them (rank 0 in a process that already ran an engine, the
 # others fresh) wait for each other's keys forever. Counted here, so such ranks skip it instead.
@@ -54,7 +53,7 @@ SPLIT_MARGIN_US = 5.0
 
 def gemv_add_on() -> bool:
     """Whether row-parallel batch-1 GEMVs all-reduce in their own launch where the method has that form."""
-    return env_choice(GEMV_ALL_REDUCE_ENV, ("separate", "fused"), "separate") == "fused"
+    return envs.GEMV_ALL_REDUCE.get() == "fused"
 
 
 class AllReduceMethod:
@@ -427,7 +426,7 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     """
     methods = build_methods(group, device, dtype, graph_slots, control_group,
                             peer_slot_bytes(message_sizes, row_bytes))
-    forced = os.environ.get(FORCE_ENV)
+    forced = envs.ALL_REDUCE.get()
     if forced and forced not in METHOD_NAMES:
         raise ValueError(f"{FORCE_ENV}={forced!r} is not an all-reduce method: use one of {', '.join(METHOD_NAMES)}")
     timings: dict[str, dict[int, float]] = {}
@@ -533,7 +532,7 @@ def calibrate_cpu(group: dist.ProcessGroup, rank: int, world_size: int, dtype: t
             logger.info("all-reduce: %s unavailable (%s)", SHM, e)
         if every_rank(shm is not None, group, cpu) and shm is not None:
             methods.append(shm)
-    forced = os.environ.get(FORCE_ENV)
+    forced = envs.ALL_REDUCE.get()
     if forced and forced not in CPU_METHOD_NAMES:
         raise ValueError(f"{FORCE_ENV}={forced!r} is not an all-reduce method for CPU ranks: use one of "
                          f"{', '.join(CPU_METHOD_NAMES)}")

@@ -66,14 +66,14 @@ class ControlPlane:
         """The rank's control plane, over TCP connections to rank 0 where every rank makes one. A collective
         step: every rank of `ctx` calls it at the same point of its start-up."""
         from shardserve.distributed.plan_stream import open_plan_streams
-        from shardserve.distributed.process_group import COLLECTIVE_TIMEOUT
+        from shardserve.distributed.process_group import collective_timeout
         from shardserve.distributed.setup_watchdog import setup_step
 
         streams = None
         if ctx.world_size > 1:
             with setup_step("connect the step-plan streams", ctx.rank):
                 streams = open_plan_streams(ctx.control_group, ctx.rank, ctx.world_size, ctx.control_key,
-                                            ctx.rendezvous_host, COLLECTIVE_TIMEOUT.total_seconds())
+                                            ctx.rendezvous_host, collective_timeout().total_seconds())
         return cls(ctx.control_group, ctx.rank, ctx.world_size, ctx.control_key, streams)
 
     @property

@@ -20,17 +20,17 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
 
 import torch.distributed as dist
 
+from shardserve import envs
 from shardserve.distributed.handshake import StartupMismatch
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENV = "SHARDSERVE_CONTROL_TOKEN"
+TOKEN_ENV = envs.CONTROL_TOKEN.name
 PREFIX = "shardserve/control-token/"
 REFUSED = "refused"
 MAC_BYTES = 16
@@ -46,7 +46,7 @@ def new_token() -> str:
 
 def resolve_token(explicit: str | None) -> str:
     """The token this rank uses: the one it was handed, else $SHARDSERVE_CONTROL_TOKEN."""
-    token = explicit or os.environ.get(TOKEN_ENV)
+    token = explicit or envs.CONTROL_TOKEN.get()
     if not token:
         raise ControlTokenError(
             f"ranks started by torchrun, srun or --nnodes authenticate each other with a shared secret, and "

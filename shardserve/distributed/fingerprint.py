@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import shardserve
+from shardserve import envs
 from shardserve.config import EngineConfig
 from shardserve.kernels import cpu_features
 
@@ -33,7 +34,7 @@ SET = "<set>"
 # Secrets: never published in a fingerprint (they would cross the network in the clear) nor compared
 # here; the control token is checked by proof instead (distributed/control_token.py), and the API key
 # matters only to rank 0's HTTP server.
-SECRET_ENV = frozenset({"SHARDSERVE_CONTROL_TOKEN", "SHARDSERVE_API_KEY"})
+SECRET_ENV = frozenset({envs.CONTROL_TOKEN.name, envs.API_KEY.name})
 # Config fields that may differ between ranks without changing what they compute.
 LOCAL_CONFIG_FIELDS = frozenset({"forward_env"})
 UNSET = "<unset>"

@@ -15,8 +15,9 @@ from typing import Callable
 
 import torch
 
+from shardserve import envs
 from shardserve.config import EngineConfig
-from shardserve.distributed.control_token import TOKEN_ENV, new_token, resolve_token
+from shardserve.distributed.control_token import new_token, resolve_token
 from shardserve.distributed.process_group import RankContext, RankExitedError, find_free_port, init_rank_context
 from shardserve.process_name import name_this_process
 
@@ -173,7 +174,7 @@ class LocalRanks:
             raise ValueError(f"the launch has {node.world_size} ranks but --tensor-parallel-size is "
                              f"{config.tensor_parallel_size}")
         self.node = node
-        token = os.environ.get(TOKEN_ENV) or (new_token() if node.nnodes == 1 else resolve_token(None))
+        token = envs.CONTROL_TOKEN.get() or (new_token() if node.nnodes == 1 else resolve_token(None))
         spawn = mp.get_context("spawn")
         self.processes = []
         for local in range(1, node.per_node):

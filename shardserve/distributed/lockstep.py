@@ -12,14 +12,14 @@ steps are slow; every 32 on GPUs, where a step can take less time than the colle
 from __future__ import annotations
 
 import hashlib
-import os
 
 import torch
 import torch.distributed as dist
 
+from shardserve import envs
 from shardserve.wire.step_plan import StepPlan
 
-EVERY_ENV = "SHARDSERVE_LOCKSTEP_EVERY"
+EVERY_ENV = envs.LOCKSTEP_EVERY.name
 FIELDS = ("step", "chunks", "tokens", "digest")
 
 
@@ -33,8 +33,9 @@ def plan_summary(plan: StepPlan) -> list[int]:
 
 
 def default_every(device: torch.device) -> int:
-    if os.environ.get(EVERY_ENV):
-        return max(1, int(os.environ[EVERY_ENV]))
+    every = envs.LOCKSTEP_EVERY.get()
+    if every is not None:
+        return max(1, every)
     return 32 if device.type == "cuda" else 1
 
 

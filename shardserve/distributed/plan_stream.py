@@ -32,13 +32,13 @@ import torch.distributed as dist
 from shardserve.distributed.control_plane import all_gather_msgpack
 from shardserve.distributed.control_token import MAC_BYTES, mac
 from shardserve.distributed.lockstep import LockstepError
-from shardserve.env_choice import env_choice
+from shardserve import envs
 
 __all__ = ["PlanStreams", "PlanConnectionLost", "TRANSPORT_ENV", "open_plan_streams"]
 
 logger = logging.getLogger(__name__)
 
-TRANSPORT_ENV = "SHARDSERVE_PLAN_TRANSPORT"  # tcp (default): this module where every rank connects; gloo: never
+TRANSPORT_ENV = envs.PLAN_TRANSPORT.name  # tcp (default): this module where every rank connects; gloo: never
 CONNECT_TIMEOUT_S = 10.0  # set-up: one rank connecting, or rank 0 waiting for all of them
 
 
@@ -88,7 +88,7 @@ def open_plan_streams(group: dist.ProcessGroup, rank: int, world_size: int, key:
                       timeout_s: float) -> PlanStreams | None:
     """Connect rank 0 to every other rank at `host` (rank 0's rendezvous address), or None on every rank where
     any rank could not (or $SHARDSERVE_PLAN_TRANSPORT=gloo). A collective over `group`: every rank calls it."""
-    if env_choice(TRANSPORT_ENV, ("tcp", "gloo"), "tcp") == "gloo" or host is None:
+    if envs.PLAN_TRANSPORT.get() == "gloo" or host is None:
         return None
     listener, offer = None, {}
     if rank == 0:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardserve import envs
 from shardserve.config import EngineConfig
 from shardserve.distributed.communicator import SINGLE, Communicator
 from shardserve.distributed.control_token import (
@@ -29,7 +29,10 @@ logger = logging.getLogger(__name__)
 
 # Collectives fail after this long instead of hanging forever. Idle ranks are kept alive by
 # keep-alive plans from rank 0, so only a dead or stuck rank ever reaches it.
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SHARDSERVE_COLLECTIVE_TIMEOUT_S", "120")))
+def collective_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=envs.COLLECTIVE_TIMEOUT_S.get())
+
+
 TEARDOWN_TIMEOUT_S = 30.0
 
 
@@ -94,7 +97,7 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
     store = dist.PrefixStore("default_pg", store)
     with setup_step("join the process groups", rank):
         torch_device = _join_groups(store, rank, world_size, device, local_rank)
-    control_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    control_group = dist.new_group(backend="gloo", timeout=collective_timeout())
     comm = Communicator(dist.group.WORLD, rank, world_size)
     return RankContext(rank, world_size, torch_device, comm, control_group, key,
                        rendezvous_host(init_method or "env://"))
@@ -102,11 +105,11 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
 
 def _rendezvous(init_method: str, rank: int, world_size: int, exited_rank) -> dist.Store:
     """The rendezvous store once every rank has connected. Rank 0 hosts it, and torch waits for the others
-    inside native code for up to COLLECTIVE_TIMEOUT; with `exited_rank` that wait runs in a thread while this one
+    inside native code for up to collective_timeout(); with `exited_rank` that wait runs in a thread while this one
     checks the spawned ranks, so one that died first (a script without a main guard, an import error) stops
     start-up at once, naming it, instead of at the timeout."""
     def join() -> dist.Store:
-        return next(dist.rendezvous(init_method, rank, world_size, timeout=COLLECTIVE_TIMEOUT))[0]
+        return next(dist.rendezvous(init_method, rank, world_size, timeout=collective_timeout()))[0]
 
     if exited_rank is None:
         return join()
@@ -141,11 +144,11 @@ def _join_groups(store, rank: int, world_size: int, device: str, local_rank: int
         torch.cuda.set_device(torch_device)
         # device_id binds NCCL to this GPU eagerly; without it barriers have been seen to hang.
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
-                                timeout=COLLECTIVE_TIMEOUT, device_id=torch_device)
+                                timeout=collective_timeout(), device_id=torch_device)
     else:
         torch_device = torch.device("cpu")
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
+                                timeout=collective_timeout())
     return torch_device
 
 

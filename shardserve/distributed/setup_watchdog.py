@@ -17,22 +17,16 @@ import sys
 import threading
 from typing import Iterator
 
+from shardserve import envs
+
 logger = logging.getLogger(__name__)
 
-TIMEOUT_ENV = "SHARDSERVE_SETUP_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = envs.SETUP_TIMEOUT_S.name
 EXIT_CODE = 75
 
 
 def timeout_s() -> float:
-    value = os.environ.get(TIMEOUT_ENV, "")
-    try:
-        seconds = float(value) if value else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be positive, got {value}")
-    return seconds
+    return envs.SETUP_TIMEOUT_S.get()
 
 
 @contextlib.contextmanager

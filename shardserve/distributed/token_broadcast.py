@@ -15,18 +15,18 @@ import torch
 import torch.distributed as dist
 
 from shardserve.distributed.all_reduce import every_rank, first_line
-from shardserve.env_choice import env_choice
+from shardserve import envs
 
 logger = logging.getLogger(__name__)
 
 # "nccl" keeps the sampled tokens on NCCL (eager, between graph replays), for comparison and diagnosis.
-MODE_ENV = "SHARDSERVE_TOKEN_BROADCAST"
-MODES = ("peer", "nccl")
+MODE_ENV = envs.TOKEN_BROADCAST.name
+MODES = envs.TOKEN_BROADCAST.choices
 
 
 def wanted() -> bool:
     """Whether to set up the peer-memory broadcast (SHARDSERVE_TOKEN_BROADCAST, default "peer")."""
-    return env_choice(MODE_ENV, MODES, "peer") == "peer"
+    return envs.TOKEN_BROADCAST.get() == "peer"
 
 
 class PeerTokenBroadcast:

@@ -22,12 +22,12 @@ from __future__ import annotations
 import collections
 import gc
 import logging
-import os
 import time
 from typing import Callable
 
 import torch
 
+from shardserve import envs
 from shardserve.attention.batch import StepBatch
 from shardserve.distributed.communicator import Communicator
 from shardserve.engine.graph_inputs import GraphInputs
@@ -95,7 +95,7 @@ class ReplayTimer:
 
     @staticmethod
     def wanted() -> bool:
-        return os.environ.get("SHARDSERVE_GRAPH_TIMING") == "1"
+        return envs.GRAPH_TIMING.get()
 
     def around(self, replay: Callable[[], None]) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
+from shardserve import envs
 from shardserve import heap
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.control_plane import ControlPlane
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 CANARY_ID = "shardserve-canary"
 
 
-OVERLAP_ENV = "SHARDSERVE_OVERLAP_STEPS"
+OVERLAP_ENV = envs.OVERLAP_STEPS.name
 
 
 def overlap_steps_enabled(runner: ModelRunner, world_size: int) -> bool:
@@ -47,8 +47,8 @@ def overlap_steps_enabled(runner: ModelRunner, world_size: int) -> bool:
     TP=2 on two H200s, batch-1 decode took 2.96 ms a token with it and 4.18 without).
     SHARDSERVE_OVERLAP_STEPS=1 also forces it on CPUs, where it is correct but gains nothing;
     SHARDSERVE_OVERLAP_STEPS=0 turns it off."""
-    forced = os.environ.get(OVERLAP_ENV)
-    if forced in ("0", "1"):
+    forced = envs.OVERLAP_STEPS.get()
+    if forced is not None:
         return forced == "1"
     return runner.graphs is not None
 

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from shardserve import envs
 from shardserve.engine.structured_output import AllowedTokens, apply_allowed
 from shardserve.kernels.availability import use_triton
 from shardserve.requests.outputs import TokenLogprob
@@ -46,7 +46,7 @@ from shardserve.transfers import on_device
 
 logger = logging.getLogger(__name__)
 
-FUSED_PENALTIES_ENV = "SHARDSERVE_FUSED_PENALTIES"  # "0": the dense penalties on GPUs too
+FUSED_PENALTIES_ENV = envs.FUSED_PENALTIES.name  # "0": the dense penalties on GPUs too
 
 # Rows drawn (and penalized, without the fused kernel) at once. A draw's temporaries (scaled logits, a top-p row's
 # sorted values and int64 order, probabilities, running mass, noise) take about 36 bytes a logit, the dense
@@ -346,7 +346,7 @@ _fused_checked: dict[torch.device, bool] = {}
 def fused_penalties_work(device: torch.device) -> bool:
     """Whether the fused penalties kernel runs here: CUDA with Triton, and its output on random inputs equal to
     the dense version's (checked once per device; a mismatch is logged and the dense version used)."""
-    if device.type != "cuda" or os.environ.get(FUSED_PENALTIES_ENV) == "0":
+    if device.type != "cuda" or not envs.FUSED_PENALTIES.get():
         return False
     if device not in _fused_checked:
         _fused_checked[device] = _check_fused_penalties(device)

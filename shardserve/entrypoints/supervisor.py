@@ -14,11 +14,10 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import math
-import os
 import threading
 from typing import AsyncIterator, Callable
 
+from shardserve import envs
 from shardserve.distributed.launcher import LocalRanks
 from shardserve.engine.async_engine import AsyncEngine
 from shardserve.requests.client import EngineStats
@@ -32,24 +31,15 @@ POLL_S = 0.5
 MAX_BACKOFF_S = 30.0
 # A step stuck this long counts as a hung rank (/health already fails after HEALTH_STALL_S). Generous,
 # because one long prefill chunk of a large model on a CPU can take many seconds.
-STALL_RESTART_S = 30.0
-STALL_RESTART_ENV = "SHARDSERVE_STALL_RESTART_S"
+STALL_RESTART_S = envs.STALL_RESTART_S.default
+STALL_RESTART_ENV = envs.STALL_RESTART_S.name
 
 
 def stall_restart_seconds() -> float:
     """How long the engine loop may make no progress before its ranks count as hung and restart:
     SHARDSERVE_STALL_RESTART_S where set (seconds, a positive number; a ValueError naming it otherwise), else
     STALL_RESTART_S."""
-    value = os.environ.get(STALL_RESTART_ENV)
-    if value is None:
-        return STALL_RESTART_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{STALL_RESTART_ENV}={value!r}: expected a positive number of seconds")
-    return seconds
+    return envs.STALL_RESTART_S.get()
 
 
 class Supervisor:

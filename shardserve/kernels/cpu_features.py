@@ -10,13 +10,14 @@ absence, exactly as oneDNN will behave.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardserve import envs
+
 # The flags read from /proc/cpuinfo (Linux names), in the order they are described.
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
-ISA_CAP_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+ISA_CAP_ENV = (envs.ONEDNN_MAX_CPU_ISA.name, envs.DNNL_MAX_CPU_ISA.name)
 
 
 @dataclass(frozen=True)
@@ -89,5 +90,5 @@ def _detect_cached(cap: str | None) -> CpuFeatures:
 
 def detect() -> CpuFeatures:
     """This CPU's features, with the oneDNN ISA cap currently in the environment."""
-    cap = next((os.environ[n].strip().upper() for n in ISA_CAP_ENV if os.environ.get(n)), None)
+    cap = next((v.strip().upper() for v in (envs.ONEDNN_MAX_CPU_ISA.get(), envs.DNNL_MAX_CPU_ISA.get()) if v), None)
     return _detect_cached(cap)

@@ -8,10 +8,9 @@ shape (benchmarks/moe_kernels.py --sweep; docs/benchmarks-notebook.md).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
-from shardserve.env_choice import env_choice
+from shardserve import envs
 
 
 @dataclass(frozen=True)
@@ -67,18 +66,18 @@ class OneTokenTiles:
 # (benchmarks/moe_kernels.py --one-token-sweep: block_n 2-16, block_k 128-1024, 4 or 8 warps, 2 or 3 stages):
 # 23.7 us a layer's experts, against 26.2 for (4, 512, 4, 3) + (4, 256, 4, 2) and 28.8 for the grouped GEMMs.
 ONE_TOKEN_TILES = OneTokenTiles(Tile(2, 1024, 4, 2), Tile(8, 256, 4, 2))
-ONE_TOKEN_ENV = "SHARDSERVE_MOE_ONE_TOKEN"
+ONE_TOKEN_ENV = envs.MOE_ONE_TOKEN.name
 # Other tiles for the one-token path, to tune it on another GPU inside whole decode steps: "up/down", each tile
 # "block_n,block_k,num_warps,num_stages" (powers of two), e.g. "2,1024,4,2/8,256,4,2" (the default).
-ONE_TOKEN_TILES_ENV = "SHARDSERVE_MOE_ONE_TOKEN_TILES"
+ONE_TOKEN_TILES_ENV = envs.MOE_ONE_TOKEN_TILES.name
 
 
 def one_token_tiles() -> OneTokenTiles | None:
     """The one-token path's tiles (ONE_TOKEN_TILES unless SHARDSERVE_MOE_ONE_TOKEN_TILES says others), or None
     where SHARDSERVE_MOE_ONE_TOKEN=gemm keeps a single token on the grouped GEMMs of the table (default gemv)."""
-    if env_choice(ONE_TOKEN_ENV, ("gemv", "gemm"), "gemv") != "gemv":
+    if envs.MOE_ONE_TOKEN.get() != "gemv":
         return None
-    value = os.environ.get(ONE_TOKEN_TILES_ENV)
+    value = envs.MOE_ONE_TOKEN_TILES.get()
     return ONE_TOKEN_TILES if value is None else parse_one_token_tiles(value)
 
 
@@ -86,7 +85,7 @@ def one_token_tiles() -> OneTokenTiles | None:
 # tiles of block_n rows by block_k columns (the columns in sub-tiles inside one scale group). Chosen on an H200 at
 # Qwen3-Next-80B-A3B's shape in FP8 blocks of 128 (benchmarks/moe_kernels.py --one-token-packed-sweep).
 ONE_TOKEN_PACKED_TILES = OneTokenTiles(Tile(2, 1024, 4, 2), Tile(8, 512, 4, 2))
-ONE_TOKEN_PACKED_TILES_ENV = "SHARDSERVE_MOE_ONE_TOKEN_PACKED_TILES"
+ONE_TOKEN_PACKED_TILES_ENV = envs.MOE_ONE_TOKEN_PACKED_TILES.name
 
 
 def one_token_packed_tiles() -> OneTokenTiles | None:
@@ -94,7 +93,7 @@ def one_token_packed_tiles() -> OneTokenTiles | None:
     says others), or None where SHARDSERVE_MOE_ONE_TOKEN=gemm keeps a single token on the table's GEMMs."""
     if one_token_tiles() is None:
         return None
-    value = os.environ.get(ONE_TOKEN_PACKED_TILES_ENV)
+    value = envs.MOE_ONE_TOKEN_PACKED_TILES.get()
     return ONE_TOKEN_PACKED_TILES if value is None else parse_one_token_tiles(value, ONE_TOKEN_PACKED_TILES_ENV)
 
 

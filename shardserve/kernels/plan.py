@@ -18,26 +18,18 @@ copy for batches holds the same values).
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 
+from shardserve import envs
 from shardserve.config import DTYPES, EngineConfig, ModelConfig
-from shardserve.kernels.availability import DISABLE_ENV as DISABLE_TRITON_ENV
-from shardserve.kernels.cpu_features import ISA_CAP_ENV, CpuFeatures
+from shardserve.kernels.cpu_features import CpuFeatures
 
-LINEAR_KERNEL_ENV = "SHARDSERVE_LINEAR_KERNEL"
-LINEAR_KERNELS = ("bf16-decode", "blockq-decode", "onednn-packed", "torch")
+LINEAR_KERNEL_ENV = envs.LINEAR_KERNEL.name
+LINEAR_KERNELS = envs.LINEAR_KERNEL.choices
 # Variables that force a choice the plan would otherwise make itself; each one in effect is shown in the plan.
-OVERRIDE_ENV = (LINEAR_KERNEL_ENV, "SHARDSERVE_ALL_REDUCE", "SHARDSERVE_GEMV", DISABLE_TRITON_ENV,
-                "SHARDSERVE_MIN_SHARD_WIDTH", *ISA_CAP_ENV, "ATEN_CPU_CAPABILITY", "SHARDSERVE_QUANTIZED_LAYERS",
-                "SHARDSERVE_FP8_MATMUL", "SHARDSERVE_PDL", "SHARDSERVE_GEMV_PRELOAD", "SHARDSERVE_TOKEN_BROADCAST",
-                "SHARDSERVE_DECODE_COMBINE", "SHARDSERVE_DECODE_ROTARY", "SHARDSERVE_MOE_ONE_TOKEN",
-                "SHARDSERVE_MOE_ONE_TOKEN_TILES", "SHARDSERVE_MOE_ONE_TOKEN_PACKED_TILES", "SHARDSERVE_MOE_ROUTE",
-                "SHARDSERVE_FOLD_SHARED_EXPERT", "SHARDSERVE_GEMV_SWIGLU_OUT",
-                "SHARDSERVE_ATTENTION_OVERLAP", "SHARDSERVE_FP8_GEMV_SUMS",
-                "SHARDSERVE_INT4_GEMV_SUMS")
+OVERRIDE_ENV = envs.plan_override_names()
 
 
 class KernelPlanError(ValueError):
@@ -81,7 +73,7 @@ class KernelPlan:
 
 
 def overrides_in_effect() -> tuple[str, ...]:
-    return tuple(f"{name}={os.environ[name]}" for name in OVERRIDE_ENV if os.environ.get(name))
+    return tuple(f"{name}={envs.REGISTRY[name].raw()}" for name in OVERRIDE_ENV if envs.REGISTRY[name].is_set())
 
 
 def compute_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
@@ -94,11 +86,11 @@ def compute_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtyp
 
 def linear_candidates(device: str, dtype: torch.dtype, model_config: ModelConfig,
                       features: CpuFeatures | None) -> tuple[str, ...]:
-    forced = os.environ.get(LINEAR_KERNEL_ENV)
+    try:
+        forced = envs.LINEAR_KERNEL.get()
+    except ValueError as e:
+        raise KernelPlanError(str(e)) from None
     if forced:
-        if forced not in LINEAR_KERNELS:
-            raise KernelPlanError(f"{LINEAR_KERNEL_ENV}={forced!r} is not a linear kernel: use one of "
-                                  f"{', '.join(LINEAR_KERNELS)}")
         if device != "cpu" and forced != "torch":
             raise KernelPlanError(f"{LINEAR_KERNEL_ENV}={forced} runs on CPUs only; on {device} use torch")
         return (forced,)

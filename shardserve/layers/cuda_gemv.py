@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.env_choice import env_choice
+from shardserve import envs
 from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.linear_kernels import LinearKernel
 
@@ -231,7 +231,7 @@ def use_batch1_gemv(model: nn.Module, log: bool = True, agree=None) -> Batch1Gem
 
     A candidate is timed only once it matched a float64 reference on that shape (kernels/self_check.py).
     `agree` (several ranks) maps this rank's choice to the one every rank uses (rank 0's timings decide)."""
-    if env_choice("SHARDSERVE_GEMV", ("auto", "cublas"), "auto") == "cublas":
+    if envs.GEMV.get() == "cublas":
         return None
     from shardserve.kernels.triton import pdl
     from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm, gemv_swiglu
@@ -306,13 +306,13 @@ def use_batch1_gemv(model: nn.Module, log: bool = True, agree=None) -> Batch1Gem
     return kernel
 
 
-SWIGLU_OUT_ENV = "SHARDSERVE_GEMV_SWIGLU_OUT"
+SWIGLU_OUT_ENV = envs.GEMV_SWIGLU_OUT.name
 
 
 def swiglu_out_allowed() -> bool:
     """Whether start-up times the SwiGLU-out forms of gate/up projections (SHARDSERVE_GEMV_SWIGLU_OUT=auto, the
     default) or leaves SwiGLU to the down projection or its own launch (off)."""
-    return env_choice(SWIGLU_OUT_ENV, ("auto", "off"), "auto") == "auto"
+    return envs.GEMV_SWIGLU_OUT.get() == "auto"
 
 
 def _unit_norm(x: torch.Tensor) -> torch.Tensor:

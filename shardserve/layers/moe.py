@@ -36,7 +36,6 @@ top-k routing would be a new `route`.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Hashable
 
 import torch
@@ -44,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.distributed.communicator import NORMED, Communicator, reduced_first
-from shardserve.env_choice import env_choice
+from shardserve import envs
 from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
 from shardserve.layers.linear import (ColumnParallelLinear, as_tensor, empty_parameter, materialized, shape_of,
                                      weights_device)
@@ -53,8 +52,8 @@ from shardserve.layers.sharding import expert_shard, split_rows
 
 logger = logging.getLogger(__name__)
 
-FUSED_MOE_ENV = "SHARDSERVE_DEVICE_EXPERTS"  # "0": the host-grouped version on GPUs too (no CUDA graphs)
-ROUTE_ENV = "SHARDSERVE_MOE_ROUTE"
+FUSED_MOE_ENV = envs.DEVICE_EXPERTS.name  # "0": the host-grouped version on GPUs too (no CUDA graphs)
+ROUTE_ENV = envs.MOE_ROUTE.name
 SHARED = "shared"  # the expert number of a shared expert folded into the block's experts (layers/moe_shared.py)
 
 
@@ -62,7 +61,7 @@ def route_in_router_gemv() -> bool:
     """Whether a single token's router choice runs in the router's GEMV launch (SHARDSERVE_MOE_ROUTE=gemv) rather
     than in a launch of its own (separate, the default: on two H100s the Qwen3-30B-A3B-shaped batch-1 step took
     2.915 ms with the choice in the GEMV's last program, whose reductions cross its 8 warps, against 2.819)."""
-    return env_choice(ROUTE_ENV, ("gemv", "separate"), "separate") == "gemv"
+    return envs.MOE_ROUTE.get() == "gemv"
 
 
 class SparseMoE(nn.Module):
@@ -365,7 +364,7 @@ def device_router(device: torch.device, num_experts: int, top_k: int, renormaliz
     within 1e-5, on random logits of 1, 37 and 300 tokens on this device (once per device and router shape)."""
     key = (device, num_experts, top_k, renormalize)
     if key not in _router_checked:
-        _router_checked[key] = os.environ.get(FUSED_MOE_ENV) != "0" and _router_matches(*key)
+        _router_checked[key] = envs.DEVICE_EXPERTS.get() and _router_matches(*key)
     return _router_checked[key]
 
 
@@ -471,7 +470,7 @@ def device_experts(w13: torch.Tensor, w2: torch.Tensor, top_k: int):
     without CUDA graphs): the fused Triton kernel, else torch's grouped GEMM, whichever first matches the
     float64 reference on random inputs at every token count that picks another kernel config, with the layer's
     top k (checked once per device, shapes, top k and dtype; a mismatch is logged)."""
-    if not w13.is_cuda or os.environ.get(FUSED_MOE_ENV) == "0":
+    if not w13.is_cuda or not envs.DEVICE_EXPERTS.get():
         return None
     key = (w13.device, tuple(w13.shape), tuple(w2.shape), w13.dtype, top_k)
     if key not in _device_checked:

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any, Hashable
 
 import torch
 from torch import nn
 
+from shardserve import envs
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.quant_pack import FOUR_BIT_KINDS, pack_fp4_scales, pack_int4, pack_scale_zero, scale_dtype
-from shardserve.layers.moe import (FUSED_MOE_ENV, SparseMoE, _check_shape, check_routes, close_to_float64,
+from shardserve.layers.moe import (SparseMoE, _check_shape, check_routes, close_to_float64,
                                    grouped_by_expert, reference_experts)
 from shardserve.layers.linear import as_tensor, empty_parameter
 from shardserve.layers.quantized_linear import QUANTIZERS, PackedLayout, _copy_scales, log_kept_dequantized
@@ -195,7 +195,7 @@ _checked: dict[tuple, bool] = {}
 def packed_compute(experts: PackedExperts, top_k: int, dtype: torch.dtype):
     """packed_fused where it matched float64 here (CUDA: checked once per device, layout, shapes, dtype and top k
     on these experts' packed values), else packed_grouped (host-synchronised: no CUDA graphs)."""
-    if not experts.w13.is_cuda or os.environ.get(FUSED_MOE_ENV) == "0":
+    if not experts.w13.is_cuda or not envs.DEVICE_EXPERTS.get():
         return packed_grouped
     key = (experts.w13.device, experts.kind, experts.group13, experts.group2, tuple(experts.w13.shape),
            tuple(experts.w2.shape), dtype, top_k)

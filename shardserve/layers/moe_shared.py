@@ -17,22 +17,22 @@ packed experts, another packing or group, act order), or SHARDSERVE_FOLD_SHARED_
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from shardserve import envs
 from shardserve.layers.moe import SHARED, SparseMoE
 
 logger = logging.getLogger(__name__)
 
-FOLD_ENV = "SHARDSERVE_FOLD_SHARED_EXPERT"  # "0": shared experts computed apart
+FOLD_ENV = envs.FOLD_SHARED_EXPERT.name  # "0": shared experts computed apart
 SHARED_GATE = "shared expert gate"  # the router's shard id of the folded gate's row
 
 
 def fold_shared_experts(model: nn.Module, log: bool = True) -> int:
     """Fold every foldable shared expert of the model into its block (fold_shared_expert); returns how many."""
-    if os.environ.get(FOLD_ENV, "1") == "0":
+    if not envs.FOLD_SHARED_EXPERT.get():
         return 0
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoE)
               and m.shared_expert is not None]

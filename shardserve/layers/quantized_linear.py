@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.env_choice import env_choice
+from shardserve import envs
 from shardserve.kernels.quant_pack import (E2M1_VALUES, FOUR_BIT_KINDS, dequantize_fp8, dequantize_int4,
                                            pack_fp4_scales, pack_int4, pack_scale_zero,
                                            reference_weight64, scale_dtype, unpack_scale_zero)
@@ -74,13 +74,13 @@ INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (64, 512, 4, 1), (64, 512, 4, 4), (32
 # docs/benchmarks-notebook.md). SHARDSERVE_FP8_GEMV_SUMS=auto (default: both kinds), float32 or float16 (one kind).
 FP8_F16_CANDIDATES = ((16, 1024, 4, 2, 1), (16, 512, 8, 2, 1), (16, 512, 4, 3, 1), (32, 256, 4, 3, 1),
                       (16, 1024, 4, 3, 1), (8, 1024, 4, 3, 1))
-FP8_SUMS_ENV = "SHARDSERVE_FP8_GEMV_SUMS"
+FP8_SUMS_ENV = envs.FP8_GEMV_SUMS.name
 # Start-up also times each INT4_SPLIT_CANDIDATES form with two words' products summed in float16 pairs (a fifth
 # element 1: quant_gemv's F16_SUMS on the split-K GEMV), about a fifth fewer instructions a weight: on an H100 they
 # won every Llama-3-8B shape but o (a tie) and took the 4-bit step from 2.409 to 2.291 ms
 # (docs/benchmarks-notebook.md). The start-up check against float64 keeps them out of float32 models. SHARDSERVE_INT4_GEMV_SUMS=float32 (or float16) times
 # only that kind; auto, the default, both.
-INT4_SUMS_ENV = "SHARDSERVE_INT4_GEMV_SUMS"
+INT4_SUMS_ENV = envs.INT4_GEMV_SUMS.name
 
 
 # Batches by row count: at most 16, 64, 256, 512 or 1024 rows, or more (a full decode batch of 512 sequences has
@@ -97,24 +97,24 @@ def batch_bucket(rows: int) -> int:
 
 # A packed layer's parameters besides `weight`: filled by the weight's loader, along with it.
 PACKED_PARTS = ("weight_scale", "input_perm")
-QUANTIZED_LAYERS_ENV = "SHARDSERVE_QUANTIZED_LAYERS"
-QUANTIZED_LAYERS_MODES = ("auto", "packed", "dequantized")
+QUANTIZED_LAYERS_ENV = envs.QUANTIZED_LAYERS.name
+QUANTIZED_LAYERS_MODES = envs.QUANTIZED_LAYERS.choices
 
 
 def quantized_layers_mode() -> str:
     """SHARDSERVE_QUANTIZED_LAYERS: auto (a checkpoint's quantized layers packed on GPUs, dequantized on CPUs),
     packed (on CPUs too: each product dequantizes) or dequantized (everywhere)."""
-    return env_choice(QUANTIZED_LAYERS_ENV, QUANTIZED_LAYERS_MODES, "auto")
+    return envs.QUANTIZED_LAYERS.get()
 
 
-FP8_MATMUL_ENV = "SHARDSERVE_FP8_MATMUL"
-FP8_MATMUL_KERNELS = ("scaled_mm", "triton")
+FP8_MATMUL_ENV = envs.FP8_MATMUL.name
+FP8_MATMUL_KERNELS = envs.FP8_MATMUL.choices
 
 
 def fp8_matmul_kernel() -> str:
     """SHARDSERVE_FP8_MATMUL: how batches multiply FP8 weights with one scale a row on GPUs with FP8 tensor cores:
     "scaled_mm" (torch._scaled_mm, the default) or "triton" (the fused GEMM that the other layouts use)."""
-    return env_choice(FP8_MATMUL_ENV, FP8_MATMUL_KERNELS, "scaled_mm")
+    return envs.FP8_MATMUL.get()
 
 
 @dataclass(frozen=True)
@@ -650,7 +650,7 @@ def int4_split_forms(packed: PackedWeights) -> list[tuple[int, ...]]:
     SHARDSERVE_INT4_GEMV_SUMS says (auto: both)."""
     from shardserve.kernels.triton.quant_gemv import int4_split_sub, int4_split_takes_f16_sums
 
-    sums = env_choice(INT4_SUMS_ENV, ("auto", "float32", "float16"), "auto")
+    sums = envs.INT4_GEMV_SUMS.get()
     forms: list[tuple[int, ...]] = []
     for config in INT4_SPLIT_CANDIDATES:
         sub = int4_split_sub(packed.k, packed.group, config[1])
@@ -670,7 +670,7 @@ def tiled_candidates(packed: PackedWeights) -> tuple[tuple[int, ...], ...]:
 
     if packed.layout.kind != "fp8" or fp8_groups(packed.k, packed.group) != 1:
         return GEMV_CANDIDATES
-    sums = env_choice(FP8_SUMS_ENV, ("auto", "float32", "float16"), "auto")
+    sums = envs.FP8_GEMV_SUMS.get()
     return (GEMV_CANDIDATES if sums != "float16" else ()) + (FP8_F16_CANDIDATES if sums != "float32" else ())
 
 

@@ -7,13 +7,16 @@ replicated (each rank computes it whole, no collective), which costs memory but 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
+
+from shardserve import envs
 
 logger = logging.getLogger(__name__)
 
-# Narrowest per-rank output width the matmul kernels take; a narrower shard is replicated instead.
-MIN_SHARD_WIDTH = int(os.environ.get("SHARDSERVE_MIN_SHARD_WIDTH", "16"))
+
+def min_shard_width() -> int:
+    """Narrowest per-rank output width the matmul kernels take; a narrower shard is replicated instead."""
+    return envs.MIN_SHARD_WIDTH.get()
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,10 @@ class AttentionShard:
 def attention_shard(num_heads: int, num_kv_heads: int, head_dim: int, rank: int, tp: int,
                     layer_name: str = "attention") -> AttentionShard:
     group = num_heads // num_kv_heads
-    sharded = tp > 1 and num_heads % tp == 0 and (num_heads // tp) * head_dim >= MIN_SHARD_WIDTH
+    sharded = tp > 1 and num_heads % tp == 0 and (num_heads // tp) * head_dim >= min_shard_width()
     if tp > 1 and not sharded:
         _log_replicated(layer_name, f"{num_heads} query heads of width {head_dim} do not split into {tp} "
-                                    f"slices of at least {MIN_SHARD_WIDTH}")
+                                    f"slices of at least {min_shard_width()}")
     if not sharded:
         rank, tp = 0, 1
     per_rank = num_heads // tp
@@ -57,11 +60,11 @@ def attention_shard(num_heads: int, num_kv_heads: int, head_dim: int, rank: int,
 
 def split_rows(size: int, rank: int, tp: int, layer_name: str) -> tuple[tuple[int, int], bool]:
     """Rows [start, end) of a dimension of `size` owned by `rank`, or the whole range if not splittable."""
-    if tp > 1 and size % tp == 0 and size // tp >= MIN_SHARD_WIDTH:
+    if tp > 1 and size % tp == 0 and size // tp >= min_shard_width():
         per_rank = size // tp
         return (rank * per_rank, (rank + 1) * per_rank), True
     if tp > 1:
-        _log_replicated(layer_name, f"width {size} does not split into {tp} slices of at least {MIN_SHARD_WIDTH}")
+        _log_replicated(layer_name, f"width {size} does not split into {tp} slices of at least {min_shard_width()}")
     return (0, size), False
 
 
@@ -129,10 +132,10 @@ def delta_net_shard(key_heads: int, value_heads: int, key_dim: int, value_dim: i
     group = value_heads // key_heads
     per_rank = key_heads // tp
     narrowest = min(per_rank * key_dim, per_rank * group * value_dim)  # a rank's q (or k) width, or its v width
-    sharded = tp > 1 and key_heads % tp == 0 and narrowest >= MIN_SHARD_WIDTH
+    sharded = tp > 1 and key_heads % tp == 0 and narrowest >= min_shard_width()
     if tp > 1 and not sharded:
         _log_replicated(layer_name, f"{key_heads} key heads of width {key_dim} do not split into {tp} slices "
-                                    f"of at least {MIN_SHARD_WIDTH}")
+                                    f"of at least {min_shard_width()}")
     if not sharded:
         rank, per_rank = 0, key_heads
     k0, k1 = rank * per_rank, (rank + 1) * per_rank
@@ -167,10 +170,10 @@ def mamba_shard(heads: int, groups: int, head_dim: int, rank: int, tp: int, laye
     if heads % groups:
         raise ValueError(f"{layer_name}: {heads} heads do not group evenly over {groups} groups (n_groups)")
     per_group = heads // groups
-    sharded = tp > 1 and groups % tp == 0 and (heads // tp) * head_dim >= MIN_SHARD_WIDTH
+    sharded = tp > 1 and groups % tp == 0 and (heads // tp) * head_dim >= min_shard_width()
     if tp > 1 and not sharded:
         _log_replicated(layer_name, f"its {groups} B/C groups (n_groups) of {per_group} heads of width {head_dim} "
-                                    f"do not split into {tp} parts of whole groups at least {MIN_SHARD_WIDTH} wide")
+                                    f"do not split into {tp} parts of whole groups at least {min_shard_width()} wide")
     if not sharded:
         rank, tp = 0, 1
     per_rank = groups // tp

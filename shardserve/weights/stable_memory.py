@@ -18,10 +18,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 from torch import nn
+
+from shardserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def _driver():
 def enabled(device: torch.device) -> bool:
     """Arenas are used where available unless SHARDSERVE_STABLE_MEMORY=0 (then sleep frees tensors and wake
     captures the CUDA graphs again)."""
-    return os.environ.get("SHARDSERVE_STABLE_MEMORY", "1") != "0" and available(device)
+    return envs.STABLE_MEMORY.get() and available(device)
 
 
 def available(device: torch.device) -> bool:

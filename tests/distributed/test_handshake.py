@@ -86,14 +86,14 @@ def test_host_specific_variables_compare_only_whether_they_are_set(monkeypatch):
         f"GLOO_SOCKET_IFNAME differs: rank 0 ({on_a.host}) has <set>; rank 1 ({on_a.host}) has <unset>"]
 
 
-def test_secrets_never_enter_a_fingerprint(monkeypatch):
+def test_secrets_never_enter_a_fingerprint(set_env):
     """Fingerprints cross the network in the clear: the control token and the API key stay out of them."""
     from shardserve.config import EngineConfig
     from shardserve.distributed.fingerprint import collect
 
-    monkeypatch.setenv("SHARDSERVE_CONTROL_TOKEN", "token-secret-value")
-    monkeypatch.setenv("SHARDSERVE_API_KEY", "key-secret-value")
-    monkeypatch.setenv("SHARDSERVE_OVERLAP_STEPS", "1")  # an ordinary variable of the prefix: compared
+    set_env(SHARDSERVE_CONTROL_TOKEN="token-secret-value")
+    set_env(SHARDSERVE_API_KEY="key-secret-value")
+    set_env(SHARDSERVE_OVERLAP_STEPS="1")  # an ordinary variable of the prefix: compared
     published = str(collect(0, EngineConfig(model="m")).to_json())
     assert "SHARDSERVE_OVERLAP_STEPS" in published
     assert "secret-value" not in published and "SHARDSERVE_API_KEY" not in published

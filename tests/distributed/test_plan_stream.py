@@ -179,7 +179,7 @@ def test_rank_0_listens_where_the_ranks_met(monkeypatch, init_method, env, host)
     assert plan_stream.rendezvous_host(init_method) == host
 
 
-def test_an_unknown_transport_is_named_with_the_accepted_values(monkeypatch):
-    monkeypatch.setenv(plan_stream.TRANSPORT_ENV, "udp")
+def test_an_unknown_transport_is_named_with_the_accepted_values(set_env):
+    set_env({plan_stream.TRANSPORT_ENV: "udp"})
     with pytest.raises(ValueError, match="SHARDSERVE_PLAN_TRANSPORT='udp': expected one of tcp, gloo"):
         plan_stream.open_plan_streams(None, 0, 2, b"k", "127.0.0.1", 5.0)

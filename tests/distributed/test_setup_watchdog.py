@@ -34,11 +34,11 @@ def test_a_step_that_finishes_leaves_the_process_alone():
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
 
 
-def test_a_bad_timeout_setting_names_the_variable(monkeypatch):
+def test_a_bad_timeout_setting_names_the_variable(set_env):
     import pytest
 
     from shardserve.distributed.setup_watchdog import TIMEOUT_ENV, timeout_s
 
-    monkeypatch.setenv(TIMEOUT_ENV, "soon")
-    with pytest.raises(ValueError, match="SHARDSERVE_SETUP_TIMEOUT_S='soon' is not a number of seconds"):
+    set_env({TIMEOUT_ENV: "soon"})
+    with pytest.raises(ValueError, match="SHARDSERVE_SETUP_TIMEOUT_S='soon': expected a positive number of seconds"):
         timeout_s()

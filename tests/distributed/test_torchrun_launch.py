@@ -13,8 +13,8 @@ from tests.serving import serve_cli
 PROMPT = "w11 w22 w33 w44 w55"
 
 
-def test_serve_under_torchrun_matches_single_rank(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("SHARDSERVE_CONTROL_TOKEN", "test-control-token")  # torchrun hands it to both ranks
+def test_serve_under_torchrun_matches_single_rank(tiny_model_dir, set_env):
+    set_env(SHARDSERVE_CONTROL_TOKEN="test-control-token")  # torchrun hands it to both ranks
     model_dir = tiny_model_dir("qwen3")
     with LLM(model_dir, kv_cache_memory_gb=0.05) as llm:
         expected = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].text

@@ -101,16 +101,16 @@ def test_nemotron_h_with_experts_decodes_eagerly_saying_why(tiny_model_dir, capl
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)
-def test_every_all_reduce_method_gives_the_same_tokens(tiny_model_dir, monkeypatch, method):
+def test_every_all_reduce_method_gives_the_same_tokens(tiny_model_dir, set_env, method):
     _needs_gpus(2)
     model_dir = tiny_model_dir("llama-tied")
     expected = _one_gpu_reference(model_dir)
-    monkeypatch.setenv(FORCE_ENV, method)  # inherited by the spawned rank
+    set_env({FORCE_ENV: method})  # inherited by the spawned rank
     assert _greedy(model_dir, tp=2) == expected
 
 
 @pytest.mark.parametrize("mode", ["fused", "separate"])
-def test_the_all_reduce_inside_the_row_parallel_gemvs_keeps_the_tokens(tiny_model_dir, monkeypatch, mode):
+def test_the_all_reduce_inside_the_row_parallel_gemvs_keeps_the_tokens(tiny_model_dir, monkeypatch, set_env, mode):
     """At TP=2 the row-parallel batch-1 GEMVs (o_proj, down_proj) sum over the ranks, add the residual and apply
     the next norm in their own launch in the decode graphs (SHARDSERVE_GEMV_ALL_REDUCE=fused), or leave it to the
     all-reduce kernel after them (separate, the default): the tokens of one GPU either way, and the fused form is
@@ -119,7 +119,7 @@ def test_the_all_reduce_inside_the_row_parallel_gemvs_keeps_the_tokens(tiny_mode
     from shardserve.layers import cuda_gemv
 
     _needs_gpus(2)
-    monkeypatch.setenv(GEMV_ALL_REDUCE_ENV, mode)  # inherited by the spawned rank
+    set_env({GEMV_ALL_REDUCE_ENV: mode})  # inherited by the spawned rank
     # Rank 0's GEMV choice is every rank's: the Triton GEMVs on this tiny float32 model's shapes, whatever
     # cuBLAS's time.
     monkeypatch.setattr(cuda_gemv, "GEMV_DTYPES", (torch.float32,))

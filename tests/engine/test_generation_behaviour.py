@@ -81,8 +81,8 @@ def _stream(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> list[
 # -- the same greedy tokens however the engine schedules the work ------------------------------------
 
 @pytest.mark.parametrize("overlap", ["0", "1"], ids=["step-by-step", "steps-queued-ahead"])
-def test_greedy_tokens_independent_of_chunking_and_preemption(model_dir, monkeypatch, overlap):
-    monkeypatch.setenv(OVERLAP_ENV, overlap)  # steps queued ahead must not change any of it either
+def test_greedy_tokens_independent_of_chunking_and_preemption(model_dir, set_env, overlap):
+    set_env({OVERLAP_ENV: overlap})  # steps queued ahead must not change any of it either
     prompts = random_prompts((30, 9, 21, 14, 3))
     with LLM(model_dir, dtype="float32", kv_cache_memory_gb=ROOMY_KV_GB) as roomy:
         expected = [o.token_ids for o in roomy.generate(prompts, GREEDY)]

@@ -67,16 +67,16 @@ def test_a_tile_limit_and_silently_narrowed_weights_fail_the_check():
 
 
 def test_a_kernel_that_fails_on_this_model_is_dropped_with_a_warning_and_the_next_one_serves(
-        tiny_model_dir, monkeypatch, caplog):
+        tiny_model_dir, monkeypatch, set_env, caplog):
     """onednn-packed made to break on this model's widest layers: the engine falls back to torch and the
     tokens are those of a clean run."""
     model = tiny_model_dir("llama-untied")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 13, 21], [40, 41, 42]]
-    monkeypatch.setenv("SHARDSERVE_LINEAR_KERNEL", "torch")
+    set_env(SHARDSERVE_LINEAR_KERNEL="torch")
     with LLM(model, kv_cache_memory_gb=0.05) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, params)]
-    monkeypatch.delenv("SHARDSERVE_LINEAR_KERNEL")
+    set_env(SHARDSERVE_LINEAR_KERNEL=None)
 
     def broken(self, x, weight, bias):
         out = original(self, x, weight, bias)
@@ -111,8 +111,8 @@ def test_start_up_builds_the_cpu_kernels_then_says_the_checks_begin(tiny_model_d
     assert logged_before_build <= checking < plan
 
 
-def test_start_up_stops_when_no_linear_kernel_passes(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("SHARDSERVE_LINEAR_KERNEL", "torch")
+def test_start_up_stops_when_no_linear_kernel_passes(tiny_model_dir, monkeypatch, set_env):
+    set_env(SHARDSERVE_LINEAR_KERNEL="torch")
     monkeypatch.setattr(kernel_setup, "build_linear_kernel", lambda name: (TileLimitedKernel(), ""))
     with pytest.raises(KernelPlanError) as e:
         LLM(tiny_model_dir("llama-untied"), kv_cache_memory_gb=0.05)

@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
+from shardserve import envs
 from shardserve.engine.llm_engine import OVERLAP_ENV
 from shardserve.engine.sampler import RowHistory, Sampler
 from shardserve.entrypoints.llm import LLM
@@ -235,9 +236,8 @@ def model_dir(tiny_model_dir) -> str:
 def engines(model_dir):
     """{overlap: LLM}: one engine with overlapped decoding forced on, one with it off."""
     llms = {}
-    with pytest.MonkeyPatch.context() as env:
-        for overlap in (False, True):
-            env.setenv(OVERLAP_ENV, "1" if overlap else "0")
+    for overlap in (False, True):
+        with envs.override({OVERLAP_ENV: "1" if overlap else "0"}):
             llms[overlap] = LLM(model_dir, dtype="float32", kv_cache_memory_gb=0.02, max_num_seqs=8)
     yield llms
     for llm in llms.values():

@@ -14,8 +14,8 @@ from shardserve.requests.sampling_params import SamplingParams
 PROMPTS = [[5, 9, 13], [40, 41], [7, 8, 9, 10, 11, 12], [100], [3, 3, 3, 3]]
 
 
-def _engine(model_dir: str, overlap: bool, monkeypatch, max_num_seqs: int = 8) -> LLM:
-    monkeypatch.setenv(OVERLAP_ENV, "1" if overlap else "0")
+def _engine(model_dir: str, overlap: bool, set_env, max_num_seqs: int = 8) -> LLM:
+    set_env({OVERLAP_ENV: "1" if overlap else "0"})
     return LLM(model_dir, kv_cache_memory_gb=0.05, max_num_seqs=max_num_seqs)
 
 
@@ -48,16 +48,16 @@ def _params(stop_token: int) -> list[SamplingParams]:
     ]
 
 
-def test_overlapped_decoding_gives_the_same_outputs(tiny_model_dir, monkeypatch):
+def test_overlapped_decoding_gives_the_same_outputs(tiny_model_dir, set_env):
     model_dir = tiny_model_dir("llama-untied")
-    with _engine(model_dir, False, monkeypatch) as llm:
+    with _engine(model_dir, False, set_env) as llm:
         free_run, _, _ = _run(llm, _params(stop_token=-1))
         # A token prompt 1 really generates at its 6th step: stopping on it ends that sequence mid-batch.
         stop_token = free_run["r1"][0][5]
         expected, (free, total), overlapped = _run(llm, _params(stop_token))
     assert overlapped == 0 and free == total
     assert expected["r1"][1] == "stop" and len(expected["r1"][0]) <= 6
-    with _engine(model_dir, True, monkeypatch) as llm:
+    with _engine(model_dir, True, set_env) as llm:
         got, (free, total), overlapped = _run(llm, _params(stop_token))
     assert overlapped > 10, "the steps were not overlapped"
     assert got == expected
@@ -65,12 +65,12 @@ def test_overlapped_decoding_gives_the_same_outputs(tiny_model_dir, monkeypatch)
 
 
 @pytest.mark.parametrize("abort_step", [1, 3])
-def test_an_abort_while_a_step_is_in_flight_loses_nothing_else(tiny_model_dir, monkeypatch, abort_step):
+def test_an_abort_while_a_step_is_in_flight_loses_nothing_else(tiny_model_dir, set_env, abort_step):
     model_dir = tiny_model_dir("llama-untied")
     params = _params(stop_token=-1)
-    with _engine(model_dir, False, monkeypatch) as llm:
+    with _engine(model_dir, False, set_env) as llm:
         expected, _, _ = _run(llm, params, abort_after={0: abort_step})
-    with _engine(model_dir, True, monkeypatch) as llm:
+    with _engine(model_dir, True, set_env) as llm:
         got, (free, total), overlapped = _run(llm, params, abort_after={0: abort_step})
     assert overlapped > 0 and free == total
     assert got["r0"][1] == "abort"
@@ -84,13 +84,13 @@ def test_an_abort_while_a_step_is_in_flight_loses_nothing_else(tiny_model_dir, m
             assert [lp for _, lp in a.top] == pytest.approx([lp for _, lp in b.top], abs=1e-4)
 
 
-def test_two_ranks_overlapped_equal_step_by_step(tiny_model_dir, monkeypatch):
+def test_two_ranks_overlapped_equal_step_by_step(tiny_model_dir, set_env):
     """At TP=2 rank 0 broadcasts the sampled tokens before each step computed ahead; rank 1 uses them."""
     model_dir = tiny_model_dir("llama-untied")
     params = _params(stop_token=-1)
     results = {}
     for overlap in (False, True):
-        monkeypatch.setenv(OVERLAP_ENV, "1" if overlap else "0")
+        set_env({OVERLAP_ENV: "1" if overlap else "0"})
         with LLM(model_dir, tensor_parallel_size=2, kv_cache_memory_gb=0.05, max_num_seqs=8) as llm:
             results[overlap] = _run(llm, params)
     (expected, _, _), (got, (free, total), overlapped) = results[False], results[True]
@@ -98,20 +98,20 @@ def test_two_ranks_overlapped_equal_step_by_step(tiny_model_dir, monkeypatch):
     assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in expected.items()}
 
 
-def test_requests_queued_behind_full_slots_are_served_the_same(tiny_model_dir, monkeypatch):
+def test_requests_queued_behind_full_slots_are_served_the_same(tiny_model_dir, set_env):
     """With two sequence slots for five requests, the steps computed ahead go on while requests wait for a
     slot; each waiting request joins when one frees and gets the same tokens."""
     model_dir = tiny_model_dir("llama-untied")
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 4, 7, 3, 6)]
-    with _engine(model_dir, False, monkeypatch, max_num_seqs=2) as llm:
+    with _engine(model_dir, False, set_env, max_num_seqs=2) as llm:
         expected, _, _ = _run(llm, params)
-    with _engine(model_dir, True, monkeypatch, max_num_seqs=2) as llm:
+    with _engine(model_dir, True, set_env, max_num_seqs=2) as llm:
         got, (free, total), overlapped = _run(llm, params)
     assert overlapped > 5 and free == total
     assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in expected.items()}
 
 
-def test_prompts_in_chunks_and_late_arrivals_are_queued_ahead_too(tiny_model_dir, monkeypatch):
+def test_prompts_in_chunks_and_late_arrivals_are_queued_ahead_too(tiny_model_dir, set_env):
     """With an 8-token step budget, prompts are computed in chunks beside decoding sequences and requests
     arrive while others run: nearly every step is queued before the host has the tokens of the one
     before, and the tokens are those of step-by-step scheduling."""
@@ -120,7 +120,7 @@ def test_prompts_in_chunks_and_late_arrivals_are_queued_ahead_too(tiny_model_dir
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 11, 4, 9, 7, 5)]
 
     def run(overlap: bool):
-        monkeypatch.setenv(OVERLAP_ENV, "1" if overlap else "0")
+        set_env({OVERLAP_ENV: "1" if overlap else "0"})
         with LLM(model_dir, kv_cache_memory_gb=0.05, max_num_seqs=4, max_num_batched_tokens=8) as llm:
             engine, outputs, steps = llm.engine, {}, 0
             for i in range(3):

@@ -44,8 +44,8 @@ def byte_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_constrained_and_free_sequences_share_a_batch(byte_model, monkeypatch, overlap):
-    monkeypatch.setenv(OVERLAP_ENV, "1" if overlap else "0")
+def test_constrained_and_free_sequences_share_a_batch(byte_model, set_env, overlap):
+    set_env({OVERLAP_ENV: "1" if overlap else "0"})
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["n"], "additionalProperties": False}
     free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

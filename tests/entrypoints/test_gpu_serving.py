@@ -53,13 +53,13 @@ async def _cut_a_stream(server) -> None:
                     break  # the client goes away mid-stream
 
 
-def test_overlapped_serving_answers_like_step_by_step(tiny_model_dir, monkeypatch):
+def test_overlapped_serving_answers_like_step_by_step(tiny_model_dir, set_env):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     model_dir = tiny_model_dir("llama-untied")
     answers = {}
     for overlap in (False, True):
-        monkeypatch.setenv(OVERLAP_ENV, "1" if overlap else "0")
+        set_env({OVERLAP_ENV: "1" if overlap else "0"})
         with serve_model(model_dir, device="cuda", dtype="float32", max_num_seqs=8) as server:
             assert server.engine.engine.overlap_steps == overlap
             assert server.engine.engine.runner.graphs is not None

@@ -153,14 +153,14 @@ def test_with_the_restarts_used_up_the_server_fails_the_stream_and_exits_non_zer
         stop_processes([proc], signal.SIGINT, 30)
 
 
-def test_the_stall_before_a_restart_is_set_in_seconds_and_a_bad_value_is_named(monkeypatch):
+def test_the_stall_before_a_restart_is_set_in_seconds_and_a_bad_value_is_named(set_env):
     from shardserve.entrypoints.supervisor import STALL_RESTART_S, stall_restart_seconds
 
-    monkeypatch.delenv("SHARDSERVE_STALL_RESTART_S", raising=False)
+    set_env(SHARDSERVE_STALL_RESTART_S=None)
     assert stall_restart_seconds() == STALL_RESTART_S
-    monkeypatch.setenv("SHARDSERVE_STALL_RESTART_S", "12.5")
+    set_env(SHARDSERVE_STALL_RESTART_S="12.5")
     assert stall_restart_seconds() == 12.5
     for bad in ("soon", "0", "-3", "inf", "nan"):
-        monkeypatch.setenv("SHARDSERVE_STALL_RESTART_S", bad)
+        set_env(SHARDSERVE_STALL_RESTART_S=bad)
         with pytest.raises(ValueError, match="SHARDSERVE_STALL_RESTART_S=.*positive number of seconds"):
             stall_restart_seconds()

@@ -79,8 +79,8 @@ def _chain(x: torch.Tensor, layers, s: dict, rotary: str) -> torch.Tensor:
     return x + residual
 
 
-def _replayed(monkeypatch, pdl: str, layers, x, rotary: str) -> torch.Tensor:
-    monkeypatch.setenv("SHARDSERVE_PDL", pdl)
+def _replayed(set_env, pdl: str, layers, x, rotary: str) -> torch.Tensor:
+    set_env(SHARDSERVE_PDL=pdl)
     static_x, inputs = x.clone(), _step_inputs()
     _chain(static_x, layers, _step_inputs(), rotary)  # compiles every variant before capture
     torch.cuda.synchronize()
@@ -98,30 +98,30 @@ def _replayed(monkeypatch, pdl: str, layers, x, rotary: str) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rotary", ["separate", "fused"])
-def test_dependent_launch_keeps_every_bit_of_a_decode_chain(monkeypatch, rotary):
+def test_dependent_launch_keeps_every_bit_of_a_decode_chain(monkeypatch, set_env, rotary):
     _needs_hopper()
     from shardserve.kernels.triton import pdl
 
     layers = _weights(3)
     x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
-    serial = _replayed(monkeypatch, "off", layers, x, rotary)
-    overlapped = _replayed(monkeypatch, "on", layers, x, rotary)
+    serial = _replayed(set_env, "off", layers, x, rotary)
+    overlapped = _replayed(set_env, "on", layers, x, rotary)
     assert pdl.active(x.device)
     assert torch.isfinite(serial).all()
     assert torch.equal(overlapped, serial)
     # GEMVs that load their first weight tiles before the wait (none, one: the default, two): the same bits.
     for tiles in ("0", "2"):
-        monkeypatch.setenv("SHARDSERVE_GEMV_PRELOAD", tiles)
-        assert torch.equal(_replayed(monkeypatch, "on", layers, x, rotary), serial), f"{tiles} tiles preloaded"
+        set_env(SHARDSERVE_GEMV_PRELOAD=tiles)
+        assert torch.equal(_replayed(set_env, "on", layers, x, rotary), serial), f"{tiles} tiles preloaded"
     # Attention letting the o projection launch at its start, or after its wait: the same bits.
-    monkeypatch.setenv("SHARDSERVE_ATTENTION_OVERLAP", "off")
-    assert torch.equal(_replayed(monkeypatch, "on", layers, x, rotary), serial)
+    set_env(SHARDSERVE_ATTENTION_OVERLAP="off")
+    assert torch.equal(_replayed(set_env, "on", layers, x, rotary), serial)
 
 
-def test_a_bad_mode_is_named(monkeypatch):
+def test_a_bad_mode_is_named(set_env):
     pytest.importorskip("triton")
     from shardserve.kernels.triton import pdl
 
-    monkeypatch.setenv("SHARDSERVE_PDL", "yes")
+    set_env(SHARDSERVE_PDL="yes")
     with pytest.raises(ValueError, match="SHARDSERVE_PDL='yes'.*auto, on, off"):
         pdl.mode()

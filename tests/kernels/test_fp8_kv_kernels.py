@@ -82,7 +82,7 @@ def test_prefill_and_split_decode_read_stored_values_times_the_scales():
 
 
 @pytest.mark.parametrize("mode", ["fused", "separate"])
-def test_the_start_up_check_passes_the_paged_backend_over_an_fp8_cache(mode, monkeypatch):
+def test_the_start_up_check_passes_the_paged_backend_over_an_fp8_cache(mode, monkeypatch, set_env):
     """Every path of the backend (the rotary kernel's cache write, decode storing its own new token, prefill)
     through the start-up check: float64 attention over keys and values rounded to e4m3 with the layer's scales."""
     from shardserve.attention.triton_paged import TritonPagedBackend
@@ -91,7 +91,7 @@ def test_the_start_up_check_passes_the_paged_backend_over_an_fp8_cache(mode, mon
     from shardserve.layers.attention import PagedAttention
     from shardserve.layers.rotary import RotaryEmbedding
 
-    monkeypatch.setenv("SHARDSERVE_DECODE_ROTARY", mode)
+    set_env(SHARDSERVE_DECODE_ROTARY=mode)
     monkeypatch.setattr(rotary_module, "use_triton", lambda t: True)  # CPU tensors too: the kernel path
     attn = PagedAttention(4, 2, 32, (0, 0, 1, 1))
     attn.k_scale, attn.v_scale = K_SCALE, V_SCALE

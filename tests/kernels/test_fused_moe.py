@@ -450,7 +450,7 @@ def arrivals_left_at_zero(device) -> bool:
     return arrivals._counts[device].count_nonzero().item() == 0
 
 
-def test_one_token_path_is_the_default_for_a_single_token(monkeypatch):
+def test_one_token_path_is_the_default_for_a_single_token(set_env):
     """Without a config a single token takes the one-token path (the same bits as asking for it);
     SHARDSERVE_MOE_ONE_TOKEN=gemm keeps the grouped GEMMs, and a bad value names the variable."""
     from shardserve.kernels import fused_moe_table
@@ -460,22 +460,22 @@ def test_one_token_path_is_the_default_for_a_single_token(monkeypatch):
     x, weights, ids = make_routes(1, 8, 2, dtype, 48)
     tiles = fused_moe_table.ONE_TOKEN_TILES
     assert torch.equal(fused_moe(x, w13, w2, weights, ids), fused_moe(x, w13, w2, weights, ids, config=tiles))
-    monkeypatch.setenv(fused_moe_table.ONE_TOKEN_ENV, "gemm")
+    set_env({fused_moe_table.ONE_TOKEN_ENV: "gemm"})
     assert torch.equal(fused_moe(x, w13, w2, weights, ids),
                        fused_moe(x, w13, w2, weights, ids, config=pick_config(1, 2, 8, 4)))
-    monkeypatch.setenv(fused_moe_table.ONE_TOKEN_ENV, "matvec")
+    set_env({fused_moe_table.ONE_TOKEN_ENV: "matvec"})
     with pytest.raises(ValueError, match="SHARDSERVE_MOE_ONE_TOKEN='matvec': expected one of gemv, gemm"):
         fused_moe(x, w13, w2, weights, ids)
     with pytest.raises(ValueError, match="single token"):
         x2, weights2, ids2 = make_routes(2, 8, 2, dtype, 48)
         fused_moe(x2, w13, w2, weights2, ids2, config=tiles)
     # Other tiles by name (tuning inside whole steps): the path runs them; a malformed value names the variable.
-    monkeypatch.setenv(fused_moe_table.ONE_TOKEN_ENV, "gemv")
-    monkeypatch.setenv(fused_moe_table.ONE_TOKEN_TILES_ENV, "4,16,4,1/16,8,4,1")
+    set_env({fused_moe_table.ONE_TOKEN_ENV: "gemv"})
+    set_env({fused_moe_table.ONE_TOKEN_TILES_ENV: "4,16,4,1/16,8,4,1"})
     other = fused_moe_table.OneTokenTiles(fused_moe_table.Tile(4, 16, 4, 1), fused_moe_table.Tile(16, 8, 4, 1))
     assert fused_moe_table.one_token_tiles() == other
     assert torch.equal(fused_moe(x, w13, w2, weights, ids), fused_moe(x, w13, w2, weights, ids, config=other))
-    monkeypatch.setenv(fused_moe_table.ONE_TOKEN_TILES_ENV, "4,16,4,1")
+    set_env({fused_moe_table.ONE_TOKEN_TILES_ENV: "4,16,4,1"})
     with pytest.raises(ValueError, match="SHARDSERVE_MOE_ONE_TOKEN_TILES='4,16,4,1': expected two tiles"):
         fused_moe(x, w13, w2, weights, ids)
 

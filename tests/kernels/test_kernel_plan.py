@@ -38,16 +38,16 @@ def test_native_bfloat16_comes_from_the_isa_flags_and_the_onednn_cap(cpuinfo, ca
     assert ("not native" not in features.describe()) is native
 
 
-def test_detect_reads_proc_cpuinfo_and_the_cap_variable(monkeypatch):
+def test_detect_reads_proc_cpuinfo_and_the_cap_variable(monkeypatch, set_env):
     monkeypatch.setattr(cpu_features, "read_flags", lambda: parse_cpuinfo_flags(XEON_WITHOUT_BF16))
     cpu_features._detect_cached.cache_clear()
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    set_env(ONEDNN_MAX_CPU_ISA=None)
+    set_env(DNNL_MAX_CPU_ISA=None)
     try:
         assert cpu_features.detect().describe() == "avx2 fma avx512f avx512bw (bfloat16 not native)"
         monkeypatch.setattr(cpu_features, "read_flags", lambda: parse_cpuinfo_flags(EPYC_WITH_BF16))
         cpu_features._detect_cached.cache_clear()
-        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core")
+        set_env(ONEDNN_MAX_CPU_ISA="avx512_core")
         detected = cpu_features.detect()
         assert detected.isa_cap == "AVX512_CORE" and not detected.fast_bfloat16
         assert "oneDNN capped at AVX512_CORE" in detected.describe()
@@ -69,8 +69,8 @@ def test_cpus_compute_in_float32_under_auto_whatever_the_cpu(cpuinfo, checkpoint
     assert plan.dtype == torch.float32
 
 
-def test_only_exact_bfloat16_weights_get_the_bfloat16_decode_kernel(monkeypatch):
-    monkeypatch.delenv(kernel_plan.LINEAR_KERNEL_ENV, raising=False)
+def test_only_exact_bfloat16_weights_get_the_bfloat16_decode_kernel(set_env):
+    set_env({kernel_plan.LINEAR_KERNEL_ENV: None})
     config, avx2 = EngineConfig(model="m", device="cpu"), _features(AVX2_ONLY)
     assert kernel_plan.decide(config, _model_config("bfloat16"), avx2).linear_candidates == (
         "bf16-decode", "onednn-packed", "torch")
@@ -92,16 +92,16 @@ def test_gpus_keep_the_checkpoint_dtype_under_auto():
     assert plan.dtype == torch.bfloat16 and plan.linear_candidates == ("torch",) and plan.cpu == ""
 
 
-def test_a_forced_linear_kernel_is_the_only_candidate_and_shows_in_the_plan(monkeypatch):
-    monkeypatch.setenv(kernel_plan.LINEAR_KERNEL_ENV, "torch")
+def test_a_forced_linear_kernel_is_the_only_candidate_and_shows_in_the_plan(set_env):
+    set_env({kernel_plan.LINEAR_KERNEL_ENV: "torch"})
     plan = kernel_plan.decide(EngineConfig(model="m", device="cpu"), _model_config("bfloat16"),
                               _features(EPYC_WITH_BF16))
     assert plan.linear_candidates == ("torch",)
     assert "overrides SHARDSERVE_LINEAR_KERNEL=torch" in plan.describe()
 
 
-def test_an_unknown_forced_kernel_is_refused_naming_the_variable_and_the_choices(monkeypatch):
-    monkeypatch.setenv(kernel_plan.LINEAR_KERNEL_ENV, "mkl")
+def test_an_unknown_forced_kernel_is_refused_naming_the_variable_and_the_choices(set_env):
+    set_env({kernel_plan.LINEAR_KERNEL_ENV: "mkl"})
     with pytest.raises(kernel_plan.KernelPlanError) as e:
         kernel_plan.decide(EngineConfig(model="m", device="cpu"), _model_config("float32"), _features(AVX2_ONLY))
     assert "SHARDSERVE_LINEAR_KERNEL='mkl'" in str(e.value)

@@ -46,12 +46,12 @@ def test_a_bfloat16_engine_packs_its_weights_and_keeps_them_through_sleep_and_re
             assert [o.token_ids for o in llm.generate(prompts, params)] == expected, f"after sleep level {level}"
 
 
-def test_an_unknown_gemv_setting_names_the_accepted_values(monkeypatch):
+def test_an_unknown_gemv_setting_names_the_accepted_values(set_env):
     """A typo in SHARDSERVE_GEMV stops start-up instead of silently keeping the timed GEMVs."""
     from shardserve.layers.cuda_gemv import use_batch1_gemv
 
-    monkeypatch.setenv("SHARDSERVE_GEMV", "cublass")
+    set_env(SHARDSERVE_GEMV="cublass")
     with pytest.raises(ValueError, match="SHARDSERVE_GEMV='cublass': expected one of auto, cublas"):
         use_batch1_gemv(torch.nn.Linear(4, 4), log=False)
-    monkeypatch.setenv("SHARDSERVE_GEMV", "cublas")
+    set_env(SHARDSERVE_GEMV="cublas")
     assert use_batch1_gemv(torch.nn.Linear(4, 4), log=False) is None  # turned off: no GEMV kernel

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from shardserve import envs  # noqa: E402
 from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4,  # noqa: E402
                                            pack_scale_zero, unpack_int4_rows, unpack_scale_zero)
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
@@ -240,7 +241,7 @@ def test_int4_split_gemv_names_what_it_cannot_take():
 @pytest.mark.parametrize("native", [True, False], ids=["fp8", "fp8-bits"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k,group_k,block_n,block_k", INTERPRETER_FP8)
-def test_interpreter_fp8_gemv(dtype, n, k, group_k, block_n, block_k, native, monkeypatch):
+def test_interpreter_fp8_gemv(dtype, n, k, group_k, block_n, block_k, native, monkeypatch, set_env):
     """native=False decodes the e4m3 bits itself, the path of GPUs older than sm89."""
     from shardserve.kernels.triton import quant_gemv
 
@@ -251,7 +252,7 @@ def test_interpreter_fp8_gemv(dtype, n, k, group_k, block_n, block_k, native, mo
     assert got.shape == (1, n) and got.dtype == dtype
     assert relative_error(got[0], x[0].double() @ fp8_reference(weight, scale, group_k).T) < TOLERANCE[dtype]
     # The first weight tile loaded before the wait for the kernel before (the default) or after it: the same bits.
-    monkeypatch.setenv("SHARDSERVE_GEMV_PRELOAD", "0")
+    set_env(SHARDSERVE_GEMV_PRELOAD="0")
     assert torch.equal(quant_gemv.fp8_gemv(x, weight, scale, group_k, block_n, block_k, num_warps=4, num_stages=1),
                        got)
 
@@ -456,8 +457,7 @@ def test_interpreter_int4_split_gemv_walks_wide_splits_in_chunks(n, k, group, co
     x = torch.randn(k, generator=torch.Generator().manual_seed(1))
     got = quant_gemv.int4_gemv_split(x, qweight, scale_zero, group, *config)
     assert relative_error(got[0], x.double() @ want.T) < TOLERANCE[torch.float32]
-    with monkeypatch.context() as after_the_wait:
-        after_the_wait.setenv("SHARDSERVE_GEMV_PRELOAD", "0")
+    with envs.override(SHARDSERVE_GEMV_PRELOAD="0"):  # the first tile loaded after the wait
         assert torch.equal(quant_gemv.int4_gemv_split(x, qweight, scale_zero, group, *config), got)
     norm_args, h, summed = normed_input(k, torch.float32, True)
     got, got_sum = quant_gemv.int4_gemv_split_rmsnorm(*norm_args, qweight, scale_zero, group, *config)

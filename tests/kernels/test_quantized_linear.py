@@ -202,22 +202,22 @@ def test_fused_parts_in_different_act_orders_are_refused_naming_the_way_out():
         layer.weight.weight_loader(layer.weight, gptq_part(2), "k")
 
 
-def test_an_unknown_quantized_layers_mode_names_the_accepted_ones(monkeypatch):
+def test_an_unknown_quantized_layers_mode_names_the_accepted_ones(set_env):
     from shardserve.layers.quantized_linear import quantized_layers_mode
 
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packd")
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packd")
     with pytest.raises(ValueError, match="SHARDSERVE_QUANTIZED_LAYERS='packd': expected one of auto, packed, "
                                          "dequantized"):
         quantized_layers_mode()
 
 
-def test_an_unknown_fp8_matmul_kernel_names_the_accepted_ones(monkeypatch):
+def test_an_unknown_fp8_matmul_kernel_names_the_accepted_ones(set_env):
     from shardserve.layers.quantized_linear import fp8_matmul_kernel
 
-    monkeypatch.setenv("SHARDSERVE_FP8_MATMUL", "scaledmm")
+    set_env(SHARDSERVE_FP8_MATMUL="scaledmm")
     with pytest.raises(ValueError, match="SHARDSERVE_FP8_MATMUL='scaledmm': expected one of scaled_mm, triton"):
         fp8_matmul_kernel()
-    monkeypatch.setenv("SHARDSERVE_FP8_MATMUL", "triton")
+    set_env(SHARDSERVE_FP8_MATMUL="triton")
     assert fp8_matmul_kernel() == "triton"
 
 
@@ -299,7 +299,7 @@ def test_a_chosen_split_k_gemv_runs_the_one_row_products(monkeypatch):
 
 
 @needs_triton  # the 4-bit split-K forms come from kernels/triton/quant_gemv.py
-def test_float16_sums_are_timed_for_fp8_with_one_scale_a_row_only(monkeypatch):
+def test_float16_sums_are_timed_for_fp8_with_one_scale_a_row_only(set_env):
     """By default FP8_F16_CANDIDATES (a fifth element: partial sums in float16 pairs) join the start-up candidates of
     FP8 weights scaled per row; SHARDSERVE_FP8_GEMV_SUMS=float32 or float16 keeps one kind; block-scaled FP8 and
     4-bit weights are timed in GEMV_CANDIDATES' forms whatever it says; a bad value is named."""
@@ -315,17 +315,17 @@ def test_float16_sums_are_timed_for_fp8_with_one_scale_a_row_only(monkeypatch):
     for sums, want in ((None, GEMV_CANDIDATES + FP8_F16_CANDIDATES), ("auto", GEMV_CANDIDATES + FP8_F16_CANDIDATES),
                        ("float32", GEMV_CANDIDATES), ("float16", FP8_F16_CANDIDATES)):
         if sums is not None:
-            monkeypatch.setenv("SHARDSERVE_FP8_GEMV_SUMS", sums)
+            set_env(SHARDSERVE_FP8_GEMV_SUMS=sums)
         assert tiled(PackedLayout("fp8", 0)) == list(want), sums
         assert tiled(PackedLayout("fp8", 128)) == list(GEMV_CANDIDATES)
         assert tiled(PackedLayout("int4", 128)) == list(GEMV_CANDIDATES)
-    monkeypatch.setenv("SHARDSERVE_FP8_GEMV_SUMS", "half")
+    set_env(SHARDSERVE_FP8_GEMV_SUMS="half")
     with pytest.raises(ValueError, match="SHARDSERVE_FP8_GEMV_SUMS"):
         tiled(PackedLayout("fp8", 0))
 
 
 @needs_triton  # the 4-bit split-K forms come from kernels/triton/quant_gemv.py
-def test_four_bit_split_forms_are_timed_with_float32_and_float16_sums(monkeypatch):
+def test_four_bit_split_forms_are_timed_with_float32_and_float16_sums(set_env):
     """By default start-up times each split-K candidate with float32 sums and with float16 sums (a fifth element 1),
     the latter only where sub-tiles are 16 columns or more; SHARDSERVE_INT4_GEMV_SUMS=float32 or float16 keeps one
     kind; a bad value is named."""
@@ -339,11 +339,11 @@ def test_four_bit_split_forms_are_timed_with_float32_and_float16_sums(monkeypatc
     fitting = [c for c in INT4_SPLIT_CANDIDATES if c[1] <= 512]  # K = 512 takes splits of 512 columns or fewer
     assert forms(512, 128) == [f for c in fitting for f in (c, (*c, 1))]
     assert forms(512, 8) == fitting  # sub-tiles of one word: float32 sums only
-    monkeypatch.setenv("SHARDSERVE_INT4_GEMV_SUMS", "float32")
+    set_env(SHARDSERVE_INT4_GEMV_SUMS="float32")
     assert forms(512, 128) == fitting
-    monkeypatch.setenv("SHARDSERVE_INT4_GEMV_SUMS", "float16")
+    set_env(SHARDSERVE_INT4_GEMV_SUMS="float16")
     assert forms(512, 128) == [(*c, 1) for c in fitting]
-    monkeypatch.setenv("SHARDSERVE_INT4_GEMV_SUMS", "half")
+    set_env(SHARDSERVE_INT4_GEMV_SUMS="half")
     with pytest.raises(ValueError, match="SHARDSERVE_INT4_GEMV_SUMS"):
         forms(512, 128)
 

@@ -192,12 +192,12 @@ def two_launches(layer, x, residual, norm, reduce):
     return from_logits(layer, h, logits), residual
 
 
-def as_on_cuda(monkeypatch):
+def as_on_cuda(monkeypatch, set_env):
     """The choice in the router's launch turned on (SHARDSERVE_MOE_ROUTE=gemv); without CUDA, the layer's CUDA paths
     in the interpreter (the choice in the router's launch where it may, else fused_moe_from_logits)."""
     from shardserve.layers.moe import ROUTE_ENV, SparseMoE
 
-    monkeypatch.setenv(ROUTE_ENV, "gemv")
+    set_env({ROUTE_ENV: "gemv"})
     if not CUDA:
         monkeypatch.setattr(SparseMoE, "routes_in_router", lambda self, x: True)
         monkeypatch.setattr(SparseMoE, "routed_experts", from_logits)
@@ -205,7 +205,7 @@ def as_on_cuda(monkeypatch):
 
 @pytest.mark.parametrize("case", ["whole", "second half of the experts", "not renormalised", "normed input",
                                   "all-reduced first", "all-reduced and normed first", "no arrival counts"])
-def test_layer_routing_in_the_router_gemv_equals_the_two_launches(monkeypatch, case):
+def test_layer_routing_in_the_router_gemv_equals_the_two_launches(monkeypatch, set_env, case):
     """A single token through the block with the choice in the router's launch: the same output and residual, bit
     for bit, as the router's GEMV followed by fused_moe_from_logits; for all experts and for a rank holding experts
     4 to 7 (expert parallelism), on an input already normed (reduce NORMED: the plain form), on a partial sum
@@ -224,7 +224,7 @@ def test_layer_routing_in_the_router_gemv_equals_the_two_launches(monkeypatch, c
         monkeypatch.setattr(router_gemv, "arrival_counts", lambda device, slots: None)
     x, residual, _, _ = router_inputs(8, seed=4)
     want = two_launches(layer, x.clone(), residual.clone(), norm, reduce)
-    as_on_cuda(monkeypatch)
+    as_on_cuda(monkeypatch, set_env)
     launches = []
     real = router_gemv._launch
     monkeypatch.setattr(router_gemv, "_launch", lambda *args: launches.append(real(*args)) or launches[-1])
@@ -234,7 +234,7 @@ def test_layer_routing_in_the_router_gemv_equals_the_two_launches(monkeypatch, c
     assert len(launches) == 1 and (launches[0] is None) == (case == "no arrival counts")
 
 
-def test_layer_keeps_the_two_launches_without_a_triton_form_or_when_told(monkeypatch):
+def test_layer_keeps_the_two_launches_without_a_triton_form_or_when_told(monkeypatch, set_env):
     """No norm-fused Triton form for the router's shape: no launch of the one-launch form; SHARDSERVE_MOE_ROUTE
     takes gemv (the default) or separate, and names itself on a bad value."""
     import shardserve.kernels.triton.router_gemv as router_gemv
@@ -245,13 +245,13 @@ def test_layer_keeps_the_two_launches_without_a_triton_form_or_when_told(monkeyp
     layer.gate.kernel = Batch1GemvKernel({}, {}, {})
     x, residual, _, _ = router_inputs(8, seed=5)
     want = two_launches(layer, x.clone(), residual.clone(), norm, None)
-    as_on_cuda(monkeypatch)
+    as_on_cuda(monkeypatch, set_env)
     monkeypatch.setattr(router_gemv, "_launch", None)  # never called
     assert_same_bits(layer(x.clone(), residual.clone(), norm), want)
-    monkeypatch.delenv(moe.ROUTE_ENV, raising=False)
+    set_env({moe.ROUTE_ENV: None})
     assert not moe.route_in_router_gemv()  # measured slower: not the default
-    monkeypatch.setenv(moe.ROUTE_ENV, "gemv")
+    set_env({moe.ROUTE_ENV: "gemv"})
     assert moe.route_in_router_gemv()
-    monkeypatch.setenv(moe.ROUTE_ENV, "fused")
+    set_env({moe.ROUTE_ENV: "fused"})
     with pytest.raises(ValueError, match="SHARDSERVE_MOE_ROUTE='fused': expected one of gemv, separate"):
         moe.route_in_router_gemv()

@@ -163,13 +163,13 @@ class _NoSecondKernel:
         raise AssertionError("the split decode launched a second kernel to combine its splits")
 
 
-def _decode_both_ways(monkeypatch, cache, q, context_lens, block_size, splits, arrivals=None):
+def _decode_both_ways(monkeypatch, set_env, cache, q, context_lens, block_size, splits, arrivals=None):
     """(fused, separate) outputs of one split decode; the fused one in a single launch."""
     scale = q.shape[-1] ** -0.5
-    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "separate")
+    set_env(SHARDSERVE_DECODE_COMBINE="separate")
     separate = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale, block_size,
                                          splits)
-    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fused")
+    set_env(SHARDSERVE_DECODE_COMBINE="fused")
     with monkeypatch.context() as one_launch:
         one_launch.setattr(pd, "_combine_splits_kernel", _NoSecondKernel())
         fused = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, context_lens, scale,
@@ -195,14 +195,14 @@ FUSED_COMBINE_CASES = [
 
 
 @pytest.mark.parametrize("lengths,num_heads,num_kv_heads,splits,dtype", FUSED_COMBINE_CASES)
-def test_fused_split_combine_gives_the_bits_of_the_separate_kernel(monkeypatch, lengths, num_heads, num_kv_heads,
-                                                                   splits, dtype):
+def test_fused_split_combine_gives_the_bits_of_the_separate_kernel(monkeypatch, set_env, lengths, num_heads,
+                                                                   num_kv_heads, splits, dtype):
     block_size, head_dim = 8, 16
     cache = PagedCache(lengths, num_kv_heads, head_dim, block_size, dtype, seed=len(lengths) + splits)
     q = torch.randn(len(lengths), num_heads, head_dim, generator=cache.generator).to(dtype).to(DEVICE)
     context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
 
-    fused, separate = _decode_both_ways(monkeypatch, cache, q, context_lens, block_size, splits)
+    fused, separate = _decode_both_ways(monkeypatch, set_env, cache, q, context_lens, block_size, splits)
 
     assert torch.equal(fused, separate)
     for s, n in enumerate(lengths):
@@ -212,7 +212,7 @@ def test_fused_split_combine_gives_the_bits_of_the_separate_kernel(monkeypatch, 
     assert _shared_counts_are_zero()
 
 
-def test_fused_split_combine_resets_its_counts_for_the_next_call(monkeypatch):
+def test_fused_split_combine_resets_its_counts_for_the_next_call(monkeypatch, set_env):
     """A second launch over the same counts (as a CUDA graph replays) finds them at zero: every output is
     written again, with new lengths too."""
     num_kv_heads, block_size = 2, 8
@@ -221,25 +221,26 @@ def test_fused_split_combine_resets_its_counts_for_the_next_call(monkeypatch):
     counts = torch.zeros(3 * num_kv_heads, dtype=torch.int32, device=DEVICE)  # as the static metadata holds them
     for lengths in ([40, 0, 23], [40, 0, 23], [17, 9, 0]):
         context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-        fused, separate = _decode_both_ways(monkeypatch, cache, q, context_lens, block_size, 3, arrivals=counts)
+        fused, separate = _decode_both_ways(monkeypatch, set_env, cache, q, context_lens, block_size, 3,
+                                            arrivals=counts)
         assert torch.equal(fused, separate), lengths
         assert counts.count_nonzero().item() == 0
 
 
-def test_decode_combine_setting_rejects_unknown_values(monkeypatch):
+def test_decode_combine_setting_rejects_unknown_values(set_env):
     cache = PagedCache([20], 1, 16, 8, torch.float32, seed=10)
     q = torch.randn(1, 2, 16, generator=cache.generator).to(DEVICE)
     lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
-    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fast")
+    set_env(SHARDSERVE_DECODE_COMBINE="fast")
     with pytest.raises(ValueError, match=r"SHARDSERVE_DECODE_COMBINE='fast': expected one of fused, separate"):
         pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 2)
-    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fused")
+    set_env(SHARDSERVE_DECODE_COMBINE="fused")
     int64_counts = torch.zeros(4, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="needs at least 1 zeroed int32 counts"):
         pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 2, arrivals=int64_counts)
 
 
-def test_many_splits_are_combined_by_the_second_kernel(monkeypatch):
+def test_many_splits_are_combined_by_the_second_kernel(monkeypatch, set_env):
     """Past FUSED_COMBINE_MAX_ROWS (query heads of a group x splits) the combine by one program costs more than
     the launch it saves: the second kernel runs, and the result is the same."""
     group = 2
@@ -247,9 +248,9 @@ def test_many_splits_are_combined_by_the_second_kernel(monkeypatch):
     cache = PagedCache([8 * splits + 3], 1, 16, 8, torch.float32, seed=11)
     q = torch.randn(1, group, 16, generator=cache.generator).to(DEVICE)
     lens = torch.tensor([8 * splits + 3], dtype=torch.int32, device=DEVICE)
-    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "separate")
+    set_env(SHARDSERVE_DECODE_COMBINE="separate")
     separate = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, splits)
-    monkeypatch.setenv("SHARDSERVE_DECODE_COMBINE", "fused")
+    set_env(SHARDSERVE_DECODE_COMBINE="fused")
     launches = []
     monkeypatch.setattr(pd, "_combine_splits_kernel", _Counted(pd._combine_splits_kernel, launches))
     fused = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, splits)
@@ -633,7 +634,7 @@ def test_head_norm_rotary_and_cache_write_in_one_launch_equal_the_two_kernels(dt
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,block_k", [(48, 256, 128), (37, 200, 64), (16, 96, 128)])
-def test_gemv_matches_linear(dtype, n, k, block_k, monkeypatch):
+def test_gemv_matches_linear(dtype, n, k, block_k, set_env):
     """Rows not a multiple of the row block and K not a multiple of the column block are masked, not dropped."""
     from shardserve.kernels.triton.gemv import gemv, row_tiles
 
@@ -648,7 +649,7 @@ def test_gemv_matches_linear(dtype, n, k, block_k, monkeypatch):
     # The first weight tiles loaded before the wait for the kernel before (dependent launch on GPUs) add the same
     # products in the same order: the same bits.
     for tiles in ("1", "2"):
-        monkeypatch.setenv("SHARDSERVE_GEMV_PRELOAD", tiles)
+        set_env(SHARDSERVE_GEMV_PRELOAD=tiles)
         assert torch.equal(gemv(x, w, block_n=8, block_k=block_k, num_warps=4, num_stages=1), got), tiles
     # So do all of the row's tiles (the o projection's form, loaded while attention runs).
     all_tiles = row_tiles(k, block_k)
@@ -767,7 +768,7 @@ def test_gemv_with_swiglu_input_matches_the_two_kernels(dtype, n, k, block_k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_gemv_with_the_norm_before_it_matches_norm_then_linear(dtype, with_residual, monkeypatch):
+def test_gemv_with_the_norm_before_it_matches_norm_then_linear(dtype, with_residual, set_env):
     """RMSNorm(x + residual) @ W^T in one launch, and the new residual x + residual exactly; the same bits
     whatever number of weight tiles is loaded before the norm."""
     from shardserve.kernels.triton.gemv import gemv_rmsnorm
@@ -793,7 +794,7 @@ def test_gemv_with_the_norm_before_it_matches_norm_then_linear(dtype, with_resid
     # The norm's own output, to its rounding (the two kernels sum the squares in different orders).
     torch.testing.assert_close(normed.float(), h.float(), atol=0, rtol=1e-6 if dtype == torch.float32 else 8e-3)
     for tiles in ("0", "2"):  # the default is one
-        monkeypatch.setenv("SHARDSERVE_GEMV_PRELOAD", tiles)
+        set_env(SHARDSERVE_GEMV_PRELOAD=tiles)
         again = gemv_rmsnorm(x, residual, norm_weight, 1e-5, w, block_n=8, block_k=64, num_warps=4, num_stages=1,
                              keep_normed=True)
         assert all(torch.equal(a, b) for a, b in zip(again, (kept_y, kept_sum, normed))), f"{tiles} tiles preloaded"
@@ -925,7 +926,7 @@ def test_the_start_up_check_passes_the_paged_backend_with_qwen3_head_norms(dtype
 
 
 @pytest.mark.parametrize("mode", ["fused", "separate"])
-def test_the_start_up_check_passes_the_paged_backend_with_a_partial_rotation(mode, monkeypatch):
+def test_the_start_up_check_passes_the_paged_backend_with_a_partial_rotation(mode, monkeypatch, set_env):
     """Qwen3-Next rotates the first quarter of each head: the backend rotates those dims apart from its fused
     rotation (decode and prefill alike), checked against float64 attention over partially rotated heads."""
     from shardserve.attention.triton_paged import TritonPagedBackend
@@ -933,7 +934,7 @@ def test_the_start_up_check_passes_the_paged_backend_with_a_partial_rotation(mod
     from shardserve.layers import rotary as rotary_module
     from shardserve.layers.attention import PagedAttention
 
-    monkeypatch.setenv("SHARDSERVE_DECODE_ROTARY", mode)
+    set_env(SHARDSERVE_DECODE_ROTARY=mode)
     attn = PagedAttention(4, 2, 32, (0, 0, 1, 1))
     rotary = RotaryEmbedding(8, 128, 10000.0, None, torch.float32).to(DEVICE)
     monkeypatch.setattr(rotary_module, "use_triton", lambda t: True)  # CPU tensors too: the kernel path

@@ -48,8 +48,8 @@ def _check(model: str, tp: int, expected, prompts, new_tokens: int, what: str) -
 
 @pytest.mark.parametrize("tp", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_sixteen_bit_checkpoints_match_transformers_alone_and_batched(tiny_model_dir, monkeypatch, dtype, tp):
-    monkeypatch.delenv("SHARDSERVE_LINEAR_KERNEL", raising=False)
+def test_sixteen_bit_checkpoints_match_transformers_alone_and_batched(tiny_model_dir, set_env, dtype, tp):
+    set_env(SHARDSERVE_LINEAR_KERNEL=None)
     model = tiny_model_dir(f"llama-odd-{dtype}")
     linear = _check(model, tp, _reference(model), _prompts(), NEW_TOKENS, f"{dtype} checkpoint")
     # A float16 checkpoint's values are not bfloat16 values: its weights must not take the bfloat16 kernel.
@@ -57,7 +57,7 @@ def test_sixteen_bit_checkpoints_match_transformers_alone_and_batched(tiny_model
 
 
 @pytest.mark.parametrize("kernel", ["torch", "onednn-packed", "bf16-decode", "blockq-decode"])
-def test_every_cpu_linear_kernel_forced_in_turn(tiny_model_dir, monkeypatch, kernel):
+def test_every_cpu_linear_kernel_forced_in_turn(tiny_model_dir, set_env, kernel):
     """Each kernel the plan can pick on some CPU, forced here whatever this CPU is, at TP=2 (ragged 75-wide
     MLP shards, replicated attention). (blockq-decode finds no GGUF blocks in these weights, so it runs its
     float32 form; its blocks are served in the GGUF test below.)"""
@@ -65,19 +65,19 @@ def test_every_cpu_linear_kernel_forced_in_turn(tiny_model_dir, monkeypatch, ker
 
     if build_linear_kernel(kernel)[0] is None:
         pytest.skip(build_linear_kernel(kernel)[1])
-    monkeypatch.setenv("SHARDSERVE_LINEAR_KERNEL", kernel)
+    set_env(SHARDSERVE_LINEAR_KERNEL=kernel)
     model = tiny_model_dir("llama-odd-bfloat16")
     assert _check(model, 2, _reference(model), _prompts(), NEW_TOKENS, f"forced {kernel}") == kernel
 
 
 @pytest.mark.parametrize("tp", [1, 3])
-def test_a_quantized_gguf_matches_transformers_on_its_dequantized_weights(smollm2_gguf, monkeypatch, tp):
+def test_a_quantized_gguf_matches_transformers_on_its_dequantized_weights(smollm2_gguf, set_env, tp):
     """SmolLM2's Q4_1 file: at TP=3 each rank holds 3 query heads and 1 KV head. (TP=2 is served over HTTP in
     tests/entrypoints/test_real_engine_serving.py.)"""
     pytest.importorskip("accelerate")
     from pathlib import Path
 
-    monkeypatch.delenv("SHARDSERVE_LINEAR_KERNEL", raising=False)
+    set_env(SHARDSERVE_LINEAR_KERNEL=None)
     path = Path(smollm2_gguf)
     prompts = _prompts(49152)[:3]
     expected = _reference(str(path.parent), path.name, 12, 49152, count=3)

@@ -104,7 +104,7 @@ def test_moe_greedy_tokens_match_transformers_on_a_gpu(tiny_model_dir, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe"])
-def test_router_choice_in_the_router_gemv_keeps_the_tokens_on_a_gpu(tiny_model_dir, monkeypatch, name, tp):
+def test_router_choice_in_the_router_gemv_keeps_the_tokens_on_a_gpu(tiny_model_dir, monkeypatch, set_env, name, tp):
     """Batch-1 decode in bfloat16 (where the router's GEMV can be a Triton one), one prompt at a time, with the
     router's choice in the router's GEMV launch (SHARDSERVE_MOE_ROUTE=gemv) and in a launch of its own (separate):
     the same greedy tokens (renormalised top 2, and Qwen2-MoE's over all experts). At TP 1 the one-launch form ran
@@ -121,7 +121,7 @@ def test_router_choice_in_the_router_gemv_keeps_the_tokens_on_a_gpu(tiny_model_d
     monkeypatch.setattr(router_gemv, "_launch", lambda *args: launches.append(real(*args)) or launches[-1])
     tokens, fused_norm_chosen = {}, False
     for route in ("separate", "gemv"):
-        monkeypatch.setenv(moe.ROUTE_ENV, route)
+        set_env({moe.ROUTE_ENV: route})
         with LLM(tiny_model_dir(name), tensor_parallel_size=tp, device="cuda", dtype="bfloat16",
                  kv_cache_memory_gb=0.05) as llm:
             tokens[route] = [tuple(llm.generate([prompt], greedy)[0].token_ids) for prompt in prompts()]

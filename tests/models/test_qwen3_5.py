@@ -120,7 +120,7 @@ def test_the_planner_counts_the_weights_a_rank_holds(tiny_model_dir, name):
             sum(p.numel() for p in model.parameters()), f"TP={tp}"
 
 
-def test_the_shared_expert_is_one_more_expert_with_the_same_tokens(tiny_model_dir, monkeypatch):
+def test_the_shared_expert_is_one_more_expert_with_the_same_tokens(tiny_model_dir, set_env):
     """Qwen3.5-MoE's shared expert has its experts' size, so each block computes it as expert E with the router's
     row E as its gate (layers/moe_shared.py); with SHARDSERVE_FOLD_SHARED_EXPERT=0 the same tokens come from the
     shared expert apart."""
@@ -128,7 +128,7 @@ def test_the_shared_expert_is_one_more_expert_with_the_same_tokens(tiny_model_di
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outputs = []
     for fold in ("1", "0"):
-        monkeypatch.setenv("SHARDSERVE_FOLD_SHARED_EXPERT", fold)
+        set_env(SHARDSERVE_FOLD_SHARED_EXPERT=fold)
         with LLM(model_dir, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4) as llm:
             blocks = [m for m in llm.engine.runner.model.modules() if hasattr(m, "shared_folded")]
             assert len(blocks) == 4

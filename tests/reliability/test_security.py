@@ -69,12 +69,12 @@ def test_the_server_binds_loopback_unless_told_otherwise(edge_server: str) -> No
     assert _listening_addresses(urlsplit(edge_server).port) == {"0100007F"}
 
 
-def test_the_key_comes_from_the_flag_then_the_environment_then_the_pool_config(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv(middleware.API_KEY_ENV, raising=False)
+def test_the_key_comes_from_the_flag_then_the_environment_then_the_pool_config(set_env):
+    set_env({middleware.API_KEY_ENV: None})
     assert middleware.api_key_in_force(None) is None
     assert middleware.api_key_in_force(None, "from-config") == "from-config"
-    monkeypatch.setenv(middleware.API_KEY_ENV, "from-env")
+    set_env({middleware.API_KEY_ENV: "from-env"})
     assert middleware.api_key_in_force(None, "from-config") == "from-env"
     assert middleware.api_key_in_force("from-flag", "from-config") == "from-flag"
-    monkeypatch.setenv(middleware.API_KEY_ENV, "")  # set but empty: as if unset
+    set_env({middleware.API_KEY_ENV: ""})  # set but empty: as if unset
     assert middleware.api_key_in_force(None) is None

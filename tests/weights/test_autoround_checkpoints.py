@@ -112,11 +112,11 @@ def test_qwen3_next_at_two_ranks_gives_transformers_tokens_on_the_encoded_values
     assert outputs == list(expected)
 
 
-def test_qwen3_next_packed_on_cpu_at_two_ranks(qwen3_next, monkeypatch):
+def test_qwen3_next_packed_on_cpu_at_two_ranks(qwen3_next, set_env):
     """SHARDSERVE_QUANTIZED_LAYERS=packed: the interleaved in_proj_qkvz is read in its packed form a row range per
     key-head group (layers/deltanet_projections.load_interleaved), the 16-bit in_proj_ba, routers and shared-expert
     gates load as float layers, and the tokens stay transformers'."""
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
     quant_dir, float_dir = qwen3_next
     expected = transformers_greedy(float_dir, tuple(map(tuple, PROMPTS)), NEW_TOKENS)
     outputs, packed = _generate(quant_dir, 2)
@@ -185,10 +185,10 @@ def test_a_module_the_config_keeps_16_bit_but_the_checkpoint_packs_is_refused(ti
         LLM(quant_dir, device="cpu", dtype="float32", kv_cache_memory_gb=0.02)
 
 
-def test_dummy_weights_keep_the_configs_16_bit_modules_float(qwen3_next, monkeypatch):
+def test_dummy_weights_keep_the_configs_16_bit_modules_float(qwen3_next, set_env):
     """--load-format dummy reads no tensors: which layers are packed comes from the config alone (in_proj_ba
     named in extra_config stays float; in_proj_qkvz, the attention and the experts are packed)."""
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
     with LLM(qwen3_next[0], device="cpu", dtype="float32", kv_cache_memory_gb=0.02, max_num_seqs=4,
              load_format="dummy") as llm:
         model = llm.engine.runner.model
@@ -200,11 +200,11 @@ def test_dummy_weights_keep_the_configs_16_bit_modules_float(qwen3_next, monkeyp
 
 
 def test_qwen3_5_moe_packed_at_two_ranks_computes_the_shared_expert_among_the_experts(tiny_model_dir, tmp_path,
-                                                                                     monkeypatch):
+                                                                                     set_env):
     """Qwen3.5-MoE's shared expert has its experts' size: held packed, it becomes the last of each block's packed
     experts and its gate the router's last row (layers/moe_shared.py), and the tokens stay transformers' on the
     encoded values."""
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
     kept = {**{f"model.layers.{i}.mlp.gate": {"bits": 16} for i in range(4)}, r".*shared_expert_gate.*": {"bits": 16},
             **{f"model.layers.{i}.linear_attn.in_proj_{p}": {"bits": 16} for i in (0, 2) for p in "ab"}}
     quant_dir, float_dir = write_autoround(tiny_model_dir("qwen3.5-moe"), tmp_path,

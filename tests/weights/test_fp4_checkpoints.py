@@ -94,11 +94,11 @@ def _packed_generate(quant_dir: str) -> tuple[list[tuple[int, ...]], dict[str, s
     return outputs, layouts
 
 
-def test_packed_mxfp4_layers_at_two_ranks_give_transformers_tokens(fp4_dirs, monkeypatch):
+def test_packed_mxfp4_layers_at_two_ranks_give_transformers_tokens(fp4_dirs, set_env):
     """The packed "fp4" layout GPUs compute with (e2m1 codes, float32 group scales), kept packed on CPU where each
     product dequantizes: every projection is packed (o_proj and down_proj by whole groups of each rank's columns)
     and the tokens are transformers' on the encoded values."""
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
     quant_dir, float_dir = fp4_dirs["mxfp4"]
     outputs, layouts = _packed_generate(quant_dir)
     assert {name.split(".")[-1] for name in layouts} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
@@ -106,11 +106,11 @@ def test_packed_mxfp4_layers_at_two_ranks_give_transformers_tokens(fp4_dirs, mon
     assert outputs == list(reference(float_dir))
 
 
-def test_packed_nvfp4_experts_at_two_ranks_give_transformers_tokens(tiny_model_dir, tmp_path, monkeypatch):
+def test_packed_nvfp4_experts_at_two_ranks_give_transformers_tokens(tiny_model_dir, tmp_path, set_env):
     """Qwen3-MoE with its attention and every expert in NVFP4 (the router float): the experts load their rank's rows
     (w13) and columns (w2) into packed fp4 experts, each part with its own global scale folded into its rows'
     scales, and the tokens are transformers' on the encoded values."""
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
     quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe-64"), "nvfp4", tmp_path)
     outputs, layouts = _packed_generate(quant_dir)
     assert layouts["model.layers.0.mlp"] == "fp4" and layouts["model.layers.0.self_attn.qkv_proj"] == "fp4"

@@ -97,7 +97,7 @@ def test_serve_stops_with_one_line_for_an_unsupported_method(tiny_model_dir, tmp
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_a_symmetric_gptq_checkpoint_decodes_from_4_bit_blocks_on_cpu(quantized_dirs, tp, monkeypatch):
+def test_a_symmetric_gptq_checkpoint_decodes_from_4_bit_blocks_on_cpu(quantized_dirs, tp, set_env):
     """blockq-decode (forced, whatever this CPU would pick) finds each rank's GPTQ groups again as Q4_0 blocks:
     every quantized layer keeps a 4-bit copy for decode steps, and the tokens stay transformers'."""
     from shardserve import LLM, SamplingParams
@@ -106,7 +106,7 @@ def test_a_symmetric_gptq_checkpoint_decodes_from_4_bit_blocks_on_cpu(quantized_
 
     if build_linear_kernel("blockq-decode")[0] is None:
         pytest.skip(build_linear_kernel("blockq-decode")[1])
-    monkeypatch.setenv("SHARDSERVE_LINEAR_KERNEL", "blockq-decode")
+    set_env(SHARDSERVE_LINEAR_KERNEL="blockq-decode")
     quant_dir, float_dir = quantized_dirs["gptq-sym-g32"]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
@@ -120,13 +120,13 @@ def test_a_symmetric_gptq_checkpoint_decodes_from_4_bit_blocks_on_cpu(quantized_
 
 @pytest.mark.parametrize("scheme, tp", [(s, 2) for s in sorted(SCHEMES)] + [("fp8-block", 4), ("gptq-sym-g32", 4),
                                                                           ("gptq-asym-g128-act-order", 1)])
-def test_packed_quantized_layers_give_transformers_tokens(quantized_dirs, scheme, tp, monkeypatch):
+def test_packed_quantized_layers_give_transformers_tokens(quantized_dirs, scheme, tp, set_env):
     """The packed form GPUs compute with (layers/quantized_linear.py: FP8 bytes and scales, 4-bit codes, zero points
     and act order's column order, sliced per rank), kept packed here on CPU, where each product dequantizes: the
     tokens are transformers' on the encoded values. An act-order layer split by columns (TP > 1) stays unpacked."""
     from shardserve import LLM, SamplingParams
 
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
     quant_dir, float_dir = quantized_dirs[scheme]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
@@ -141,14 +141,14 @@ def test_packed_quantized_layers_give_transformers_tokens(quantized_dirs, scheme
 
 @pytest.mark.parametrize("scheme, tp, layers", [("gptq-sym-g32-head", 2, "auto"), ("gptq-sym-g32-head", 3, "packed"),
                                                ("fp8-channel-head", 2, "packed")])
-def test_a_checkpoint_with_a_quantized_lm_head(quantized_dirs, monkeypatch, scheme, tp, layers):
+def test_a_checkpoint_with_a_quantized_lm_head(quantized_dirs, set_env, scheme, tp, layers):
     """GPTQ's `lm_head: true` (or an FP8 checkpoint whose head is not ignored): the head's packed tensors load like a
     projection's, by vocabulary rows (at TP 3 the last rank's 334 rows hold the vocabulary's last 332), read as the
     values they encode (CPU default) or kept packed. The tokens are transformers' on the encoded values, not those
     of the head left float."""
     from shardserve import LLM, SamplingParams
 
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", layers)
+    set_env(SHARDSERVE_QUANTIZED_LAYERS=layers)
     quant_dir, float_dir = quantized_dirs[scheme]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
@@ -310,13 +310,13 @@ def test_plan_counts_fp8_at_load(tmp_path):
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("scheme", ["fp8-block", "gptq-sym-g32"])
-def test_packed_experts_give_transformers_tokens(tiny_model_dir, tmp_path, monkeypatch, scheme, tp):
+def test_packed_experts_give_transformers_tokens(tiny_model_dir, tmp_path, set_env, scheme, tp):
     """A quantized Qwen3-MoE whose experts stay packed (SHARDSERVE_QUANTIZED_LAYERS=packed on CPU: each call
     dequantizes the chosen experts): a byte (FP8) or half a byte (4-bit) a weight on each rank, and transformers'
     tokens on the encoded values."""
     from shardserve import LLM, SamplingParams
 
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
     quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe-64"), scheme, tmp_path)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
@@ -330,12 +330,12 @@ def test_packed_experts_give_transformers_tokens(tiny_model_dir, tmp_path, monke
     assert outputs == list(reference(float_dir))
 
 
-def test_experts_whose_slice_splits_a_scale_group_stay_dequantized(tiny_model_dir, tmp_path, monkeypatch):
+def test_experts_whose_slice_splits_a_scale_group_stay_dequantized(tiny_model_dir, tmp_path, set_env):
     """48 expert features in two ranks of 24 split FP8's blocks of 32: the experts are held dequantized (logged) and
     the tokens stay transformers'."""
     from shardserve import LLM, SamplingParams
 
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
     quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe"), "fp8-block", tmp_path)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.05) as llm:

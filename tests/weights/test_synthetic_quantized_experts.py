@@ -40,10 +40,10 @@ def _dequantized(kind: str, codes: torch.Tensor, scale: torch.Tensor) -> torch.T
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
-def test_dummy_weights_of_a_quantized_moe_keep_the_experts_packed(tiny_model_dir, tmp_path, monkeypatch, scheme):
+def test_dummy_weights_of_a_quantized_moe_keep_the_experts_packed(tiny_model_dir, tmp_path, set_env, scheme):
     from shardserve import LLM, SamplingParams
 
-    monkeypatch.setenv("SHARDSERVE_QUANTIZED_LAYERS", "packed")  # on CPUs too
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")  # on CPUs too
     model_dir = _quantized_config(tiny_model_dir("qwen3-moe-64"), tmp_path / scheme, scheme)
     kind = "fp8" if scheme == "fp8-block" else "int4"
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -8,7 +8,6 @@ an app; `shardserve serve` and the pool's router (pool/router.py) both use it.
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import Collection
 
 from fastapi import FastAPI
@@ -16,11 +15,12 @@ from fastapi.responses import Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shardserve import envs
 from shardserve.entrypoints.openai.errors import AuthenticationError, RequestTooLargeError
 
 # `serve --api-key` and `pool --api-key` default to this variable, which keeps the key off the command line
 # (that `ps` shows every user); ranks never publish it in their start-up fingerprints.
-API_KEY_ENV = "SHARDSERVE_API_KEY"
+API_KEY_ENV = envs.API_KEY.name
 
 # Paths a load balancer may probe without the API key. Everything else needs it, /metrics included
 # (Prometheus sends the key with `authorization: {credentials: KEY}`), and so do /docs and /openapi.json.
@@ -32,7 +32,7 @@ def api_key_in_force(flag: str | None, fallback: str | None = None) -> str | Non
     unset), else `fallback` (the pool config's api_key)."""
     if flag is not None:
         return flag
-    return os.environ.get(API_KEY_ENV) or fallback
+    return envs.API_KEY.get() or fallback
 
 
 def require_api_key(app: FastAPI, api_key: str | None) -> None:

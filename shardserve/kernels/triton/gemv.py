@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.env_choice import env_choice
+from shardserve import envs
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.pdl import enter
 
@@ -173,7 +173,7 @@ def _preload_arg(k: int, block_k: int) -> dict:
     return {"PRELOAD": tiles if k >= tiles * block_k else 1} if tiles else {}
 
 
-PRELOAD_ENV = "SHARDSERVE_GEMV_PRELOAD"
+PRELOAD_ENV = envs.GEMV_PRELOAD.name
 
 
 def preload_tiles() -> int:
@@ -181,7 +181,7 @@ def preload_tiles() -> int:
     (SHARDSERVE_GEMV_PRELOAD, 0 to 2, default 1; it matters only with dependent launch). On two H100s one tile
     took the Llama-3-8B-shaped TP=2 batch-1 graph from 3.096 to 3.049 ms, two 3.060; TP=1 5.322 -> 5.329 ms
     with two."""
-    return int(env_choice(PRELOAD_ENV, ("0", "1", "2"), "1"))
+    return int(envs.GEMV_PRELOAD.get())
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.env_choice import env_choice
+from shardserve import envs
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.fused_ops import check_norm_args, normed_heads, rotate_rows
@@ -47,7 +47,7 @@ def _attend_one(q, acc, l_i, m_i, k, v, qk_scale):
     return acc, l_i, m_new
 
 
-COMBINE_MODES = ("fused", "separate")
+COMBINE_MODES = envs.DECODE_COMBINE.choices
 # The last program of a fused combine joins every split of its KV head's whole group of query heads alone: past
 # this many (query head, split) rows that costs more than the launch it saves. On an H100, batch 1, a layer
 # (groups of 4): 7.75 -> 7.54 us fused at 2 splits, 8.32 -> 7.72 at 4, 8.93 -> 9.53 at 16, 28.4 -> 29.0 at 32; whole
@@ -60,7 +60,7 @@ def combine_mode() -> str:
     """How decode with several splits joins them: "fused", the last split program of each (sequence, KV head) to
     finish combines them in the same launch (up to FUSED_COMBINE_MAX_ROWS query heads x splits), or "separate", a
     second kernel does (the same bits, one more launch). SHARDSERVE_DECODE_COMBINE, default "fused"."""
-    return env_choice("SHARDSERVE_DECODE_COMBINE", COMBINE_MODES, "fused")
+    return envs.DECODE_COMBINE.get()
 
 
 # Warps of a decode launch that rotates and stores its new token: four spill registers once the rotation is in
@@ -69,14 +69,14 @@ def combine_mode() -> str:
 # 300 / 1,800 / 6,000: Llama-3-8B's heads 37.02 / 42.69 / 46.18 -> 36.75 / 43.10 / 45.79 (four warps: 38.51 /
 # 45.24 / 45.88); Qwen3-30B-A3B's 23.00 / 28.22 / 29.51 -> 22.47 / 28.20 / 28.38 (24.49 / 30.98 / 29.84).
 DECODE_NEW_TOKEN_WARPS = 8
-ROTARY_MODES = ("fused", "separate")
+ROTARY_MODES = envs.DECODE_ROTARY.choices
 
 
 def rotary_mode() -> str:
     """Where a decode-only step normalises and rotates its heads and writes its keys and values: "fused", inside
     the decode launch (NewTokens), or "separate", in the rotary kernel launched before it (the same numbers, one
     launch more a layer). SHARDSERVE_DECODE_ROTARY, default "fused"."""
-    return env_choice("SHARDSERVE_DECODE_ROTARY", ROTARY_MODES, "fused")
+    return envs.DECODE_ROTARY.get()
 
 
 @triton.jit

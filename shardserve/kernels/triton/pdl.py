@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from shardserve.env_choice import env_choice
+from shardserve import envs
 
-MODES = ("auto", "on", "off")
+MODES = envs.PDL.choices
 
 
 @triton.jit
@@ -58,17 +58,17 @@ def launch_next(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-ATTENTION_OVERLAP_ENV = "SHARDSERVE_ATTENTION_OVERLAP"
+ATTENTION_OVERLAP_ENV = envs.ATTENTION_OVERLAP.name
 
 
 def attention_overlap() -> bool:
     """Whether the o projection may load its rows while decode attention runs (the module docstring's exception;
     SHARDSERVE_ATTENTION_OVERLAP=on, the default; off: never, and attention lets it launch after its wait)."""
-    return env_choice(ATTENTION_OVERLAP_ENV, ("on", "off"), "on") == "on"
+    return envs.ATTENTION_OVERLAP.get() == "on"
 
 
 def mode() -> str:
-    return env_choice("SHARDSERVE_PDL", MODES, "auto")
+    return envs.PDL.get()
 
 
 @functools.cache
