@@ -10,8 +10,7 @@ import os
 import pytest
 import torch
 
-from shardserve.entrypoints.llm import LLM
-from shardserve.requests.sampling_params import SamplingParams
+from tests.helpers.state_models import assert_all_returned, cpu_llm, greedy
 from tests.models.reference import random_prompts, transformers_greedy
 
 NEW_TOKENS = 8
@@ -26,20 +25,6 @@ def _reference(model_dir: str) -> tuple[tuple[int, ...], ...]:
     return transformers_greedy(model_dir, tuple(map(tuple, _prompts())), NEW_TOKENS)
 
 
-def _llm(model_dir: str, **options) -> LLM:
-    return LLM(model_dir, device="cpu", dtype="float32", **{"kv_cache_memory_gb": 0.01, "max_num_seqs": 4, **options})
-
-
-def _params(max_tokens: int = NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-def _assert_all_returned(llm: LLM) -> None:
-    engine = llm.engine
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "a KV block leaked"
-    assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs)), "a state slot leaked"
-
-
 @pytest.mark.parametrize("name, tp", [("nemotron-h", 1), ("nemotron-h", 2), ("nemotron-h-odd", 1),
                                       ("nemotron-h-odd", 2)])
 def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp):
@@ -48,9 +33,9 @@ def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp)
     layers a B/C group per rank; "nemotron-h-odd" (one group, 5 heads) keeps them whole on both ranks."""
     model_dir = tiny_model_dir(name)
     expected = _reference(model_dir)
-    with _llm(model_dir, tensor_parallel_size=tp, max_num_batched_tokens=12) as llm:
-        outputs = llm.generate(_prompts(), _params())
-        _assert_all_returned(llm)
+    with cpu_llm(model_dir, tensor_parallel_size=tp, max_num_batched_tokens=12) as llm:
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
     for prompt, out, ref in zip(_prompts(), outputs, expected):
         assert tuple(out.token_ids) == ref, f"{name} TP={tp}, prompt of {len(prompt)} tokens"
 
@@ -58,9 +43,9 @@ def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp)
 def test_each_prompt_alone_in_one_step_equals_transformers(tiny_model_dir):
     model_dir = tiny_model_dir("nemotron-h")
     expected = _reference(model_dir)
-    with _llm(model_dir) as llm:
-        got = [tuple(llm.generate([prompt], _params())[0].token_ids) for prompt in _prompts()]
-        _assert_all_returned(llm)
+    with cpu_llm(model_dir) as llm:
+        got = [tuple(llm.generate([prompt], greedy(NEW_TOKENS))[0].token_ids) for prompt in _prompts()]
+        assert_all_returned(llm)
     assert tuple(got) == expected
 
 
@@ -119,41 +104,41 @@ def test_preempted_sequences_recompute_from_an_empty_state(tiny_model_dir):
     and recomputed, their Mamba-2 states started again from zero, and still give the tokens they give alone."""
     model_dir = tiny_model_dir("nemotron-h")
     prompts = [p for p in _prompts() if len(p) == 40] + [list(range(100 + i, 140 + i)) for i in range(3)]
-    with _llm(model_dir, kv_cache_memory_gb=0.00006, max_model_len=64) as llm:
+    with cpu_llm(model_dir, kv_cache_memory_gb=0.00006, max_model_len=64) as llm:
         assert llm.engine.block_manager.num_blocks < 16
-        outputs = llm.generate(prompts, _params(12))
+        outputs = llm.generate(prompts, greedy(12))
         assert llm.engine.scheduler.num_preemptions > 0
-        _assert_all_returned(llm)
+        assert_all_returned(llm)
     assert tuple(outputs[0].token_ids[:NEW_TOKENS]) == _reference(model_dir)[PROMPT_LENGTHS.index(40)]
-    with _llm(model_dir, max_model_len=64) as llm:
-        alone = [tuple(llm.generate([p], _params(12))[0].token_ids) for p in prompts[1:]]
+    with cpu_llm(model_dir, max_model_len=64) as llm:
+        alone = [tuple(llm.generate([p], greedy(12))[0].token_ids) for p in prompts[1:]]
     assert [tuple(o.token_ids) for o in outputs[1:]] == alone
 
 
 def test_an_aborted_request_gives_its_slot_back(tiny_model_dir):
     model_dir = tiny_model_dir("nemotron-h")
     prompts = _prompts()
-    with _llm(model_dir) as llm:
+    with cpu_llm(model_dir) as llm:
         engine = llm.engine
-        engine.add_request("stays", prompts[1], _params())
-        engine.add_request("aborted", prompts[2], _params(max_tokens=100))
+        engine.add_request("stays", prompts[1], greedy(NEW_TOKENS))
+        engine.add_request("aborted", prompts[2], greedy(max_tokens=100))
         outputs = engine.step() + engine.step()
         engine.abort("aborted")
         assert len(engine.scheduler.free_slots) == engine.config.max_num_seqs - 1
         while engine.has_work():
             outputs += engine.step()
-        _assert_all_returned(llm)
+        assert_all_returned(llm)
     tokens = [t for out in outputs if out.request_id == "stays" for t in out.new_token_ids]
     assert tuple(tokens) == _reference(model_dir)[1]
 
 
 def test_after_sleep_and_wake_the_states_start_empty(tiny_model_dir):
     model_dir = tiny_model_dir("nemotron-h")
-    with _llm(model_dir) as llm:
-        llm.generate([_prompts()[0]], _params())
+    with cpu_llm(model_dir) as llm:
+        llm.generate([_prompts()[0]], greedy(NEW_TOKENS))
         llm.sleep(1)
         assert llm.engine.runner.state_pools == {}
         llm.wake_up()
-        got = llm.generate([_prompts()[1]], _params())[0].token_ids
-        _assert_all_returned(llm)
+        got = llm.generate([_prompts()[1]], greedy(NEW_TOKENS))[0].token_ids
+        assert_all_returned(llm)
     assert tuple(got) == _reference(model_dir)[1]

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from shardserve.entrypoints.llm import LLM
-from shardserve.requests.sampling_params import SamplingParams
 from tests.helpers.reference import random_prompts, transformers_greedy
+from tests.helpers.state_models import assert_all_returned, cpu_llm, greedy
 
 NEW_TOKENS = 8
 PROMPT_LENGTHS = (5, 17, 40, 1)
@@ -30,20 +30,6 @@ def _reference(model_dir: str, prompts=None, new_tokens: int = NEW_TOKENS) -> tu
     return transformers_greedy(model_dir, tuple(map(tuple, prompts)), new_tokens)
 
 
-def _llm(model_dir: str, **options) -> LLM:
-    return LLM(model_dir, device="cpu", dtype="float32", **{"kv_cache_memory_gb": 0.01, "max_num_seqs": 4, **options})
-
-
-def _params(max_tokens: int = NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-def _assert_all_returned(llm: LLM) -> None:
-    engine = llm.engine
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "a KV block leaked"
-    assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs)), "a state slot leaked"
-
-
 def _expert_blocks(llm: LLM) -> list:
     return [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "NemotronHMoE"]
 
@@ -56,10 +42,10 @@ def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp,
     half of the experts whole."""
     model_dir = tiny_model_dir(name)
     expected = _reference(model_dir)
-    with _llm(model_dir, tensor_parallel_size=tp, max_num_batched_tokens=12,
+    with cpu_llm(model_dir, tensor_parallel_size=tp, max_num_batched_tokens=12,
               enable_expert_parallel=expert_parallel) as llm:
-        outputs = llm.generate(_prompts(), _params())
-        _assert_all_returned(llm)
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
         shard = _expert_blocks(llm)[0].experts.shard
     for prompt, out, ref in zip(_prompts(), outputs, expected):
         assert tuple(out.token_ids) == ref, f"{name} TP={tp} EP={expert_parallel}, prompt of {len(prompt)} tokens"
@@ -75,11 +61,11 @@ def test_preempted_sequences_recompute_to_transformers_tokens(tiny_model_dir):
     from an empty Mamba-2 state, and every sequence still gives transformers' tokens."""
     model_dir = tiny_model_dir("nemotron-h-moe")
     prompts = [p for p in _prompts() if len(p) == 40] + [list(range(100 + i, 140 + i)) for i in range(3)]
-    with _llm(model_dir, kv_cache_memory_gb=0.00006, max_model_len=64) as llm:
+    with cpu_llm(model_dir, kv_cache_memory_gb=0.00006, max_model_len=64) as llm:
         assert llm.engine.block_manager.num_blocks < 16
-        outputs = llm.generate(prompts, _params(12))
+        outputs = llm.generate(prompts, greedy(12))
         assert llm.engine.scheduler.num_preemptions > 0
-        _assert_all_returned(llm)
+        assert_all_returned(llm)
     assert [tuple(o.token_ids) for o in outputs] == list(_reference(model_dir, prompts, 12))
 
 
@@ -89,9 +75,9 @@ def test_dummy_weights_build_the_same_model_at_every_tp(tiny_model_dir):
     prompts = [[5, 6, 7], [40] * 9]
     outputs = {}
     for tp in (1, 2):
-        with _llm(tiny_model_dir("nemotron-h-latent"), tensor_parallel_size=tp, load_format="dummy",
+        with cpu_llm(tiny_model_dir("nemotron-h-latent"), tensor_parallel_size=tp, load_format="dummy",
                   enable_expert_parallel=tp > 1) as llm:
-            outputs[tp] = [o.token_ids for o in llm.generate(prompts, _params())]
+            outputs[tp] = [o.token_ids for o in llm.generate(prompts, greedy(NEW_TOKENS))]
     assert outputs[1] == outputs[2]
 
 
@@ -99,10 +85,10 @@ def test_bfloat16_ssm_states_serve_close_to_float32(tiny_model_dir):
     """--mamba-ssm-cache-dtype bfloat16: the Mamba-2 state pools hold bfloat16 SSM states (the convolution inputs
     stay in the model's dtype), and greedy decoding from them starts as transformers' float32 one does."""
     model_dir = tiny_model_dir("nemotron-h-moe")
-    with _llm(model_dir, mamba_ssm_cache_dtype="bfloat16") as llm:
+    with cpu_llm(model_dir, mamba_ssm_cache_dtype="bfloat16") as llm:
         pools = llm.engine.runner.state_pools
         assert pools and all(p.ssm.dtype == torch.bfloat16 and p.conv.dtype == torch.float32 for p in pools.values())
-        outputs = llm.generate(_prompts(), _params())
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
     agreeing = [next((i for i, (a, b) in enumerate(zip(o.token_ids, ref)) if a != b), NEW_TOKENS)
                 for o, ref in zip(outputs, _reference(model_dir))]
     assert min(agreeing) >= 2 and sum(agreeing) >= 3 * NEW_TOKENS, f"tokens agreeing with float32: {agreeing}"
@@ -110,7 +96,7 @@ def test_bfloat16_ssm_states_serve_close_to_float32(tiny_model_dir):
 
 def test_the_ssm_state_dtype_is_refused_for_a_model_without_mamba_layers(tiny_model_dir):
     with pytest.raises(ValueError, match="--mamba-ssm-cache-dtype bfloat16: Qwen3ForCausalLM has no Mamba-2"):
-        _llm(tiny_model_dir("qwen3"), mamba_ssm_cache_dtype="bfloat16")
+        cpu_llm(tiny_model_dir("qwen3"), mamba_ssm_cache_dtype="bfloat16")
 
 
 def _config_with(model_dir: str, tmp_path, **changes) -> str:

@@ -17,8 +17,7 @@ import os
 import pytest
 import torch
 
-from shardserve.entrypoints.llm import LLM
-from shardserve.requests.sampling_params import SamplingParams
+from tests.helpers.state_models import assert_all_returned, cpu_llm, greedy
 from tests.models.reference import random_prompts, transformers_greedy
 
 NEW_TOKENS = 8
@@ -38,13 +37,9 @@ def _reference(model_dir: str, image_text: bool = False) -> tuple[tuple[int, ...
 def _generate_in_chunks(model_dir: str, tp: int) -> list[tuple[int, ...]]:
     """The four prompts in one batch, prefilled in chunks of at most CHUNK tokens beside the others' decode
     steps; every KV block and state slot is back at the end."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    with LLM(model_dir, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4,
-             tensor_parallel_size=tp, max_num_batched_tokens=CHUNK) as llm:
-        outputs = llm.generate(_prompts(), params)
-        engine = llm.engine
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "a KV block leaked"
-        assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs)), "a state slot leaked"
+    with cpu_llm(model_dir, tensor_parallel_size=tp, max_num_batched_tokens=CHUNK) as llm:
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
     return [tuple(o.token_ids) for o in outputs]
 
 
@@ -125,15 +120,14 @@ def test_the_shared_expert_is_one_more_expert_with_the_same_tokens(tiny_model_di
     row E as its gate (layers/moe_shared.py); with SHARDSERVE_FOLD_SHARED_EXPERT=0 the same tokens come from the
     shared expert apart."""
     model_dir = tiny_model_dir("qwen3.5-moe")
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outputs = []
     for fold in ("1", "0"):
         set_env(SHARDSERVE_FOLD_SHARED_EXPERT=fold)
-        with LLM(model_dir, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4) as llm:
+        with cpu_llm(model_dir) as llm:
             blocks = [m for m in llm.engine.runner.model.modules() if hasattr(m, "shared_folded")]
             assert len(blocks) == 4
             assert all(m.shared_folded == (fold == "1") and (m.shared_expert is None) == (fold == "1") for m in blocks)
-            outputs.append([o.token_ids for o in llm.generate(_prompts(), params)])
+            outputs.append([o.token_ids for o in llm.generate(_prompts(), greedy(NEW_TOKENS))])
     assert outputs[0] == outputs[1] == [list(t) for t in _reference(model_dir)]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardserve.entrypoints.llm import LLM
-from shardserve.requests.sampling_params import SamplingParams
+from tests.helpers.state_models import assert_all_returned, cpu_llm, greedy
 from tests.models.reference import random_prompts, transformers_greedy
 
 NAME = "qwen3-next"
@@ -31,20 +31,6 @@ def _reference(model_dir: str) -> tuple[tuple[int, ...], ...]:
     return transformers_greedy(model_dir, tuple(map(tuple, _prompts())), NEW_TOKENS)
 
 
-def _llm(model_dir: str, **options) -> LLM:
-    return LLM(model_dir, device="cpu", dtype="float32", **{"kv_cache_memory_gb": 0.01, "max_num_seqs": 4, **options})
-
-
-def _params(max_tokens: int = NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-def _assert_all_returned(llm: LLM) -> None:
-    engine = llm.engine
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "a KV block leaked"
-    assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs)), "a state slot leaked"
-
-
 @pytest.mark.parametrize("name, tp", [(NAME, 1), (NAME, 2), (NAME, 3), ("qwen3-next-odd", 2)])
 def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp):
     """All four prompts in one batch, the 17- and 40-token ones prefilled in chunks of at most 16 tokens beside the
@@ -52,9 +38,9 @@ def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp)
     rank keeps its value heads' states in slots rank 0 chose (or whole states where the heads do not split)."""
     model_dir = tiny_model_dir(name)
     expected = _reference(model_dir)
-    with _llm(model_dir, tensor_parallel_size=tp, max_num_batched_tokens=16) as llm:
-        outputs = llm.generate(_prompts(), _params())
-        _assert_all_returned(llm)
+    with cpu_llm(model_dir, tensor_parallel_size=tp, max_num_batched_tokens=16) as llm:
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
     for prompt, out, ref in zip(_prompts(), outputs, expected):
         assert tuple(out.token_ids) == ref, f"{name} TP={tp}, prompt of {len(prompt)} tokens"
 
@@ -62,9 +48,9 @@ def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp)
 def test_each_prompt_alone_in_one_step_equals_transformers(tiny_model_dir):
     model_dir = tiny_model_dir(NAME)
     expected = _reference(model_dir)
-    with _llm(model_dir) as llm:
-        got = [tuple(llm.generate([prompt], _params())[0].token_ids) for prompt in _prompts()]
-        _assert_all_returned(llm)
+    with cpu_llm(model_dir) as llm:
+        got = [tuple(llm.generate([prompt], greedy(NEW_TOKENS))[0].token_ids) for prompt in _prompts()]
+        assert_all_returned(llm)
     assert tuple(got) == expected
 
 
@@ -74,14 +60,14 @@ def test_preempted_sequences_recompute_from_an_empty_state(tiny_model_dir, name)
     arrivals are preempted and recomputed, and still give transformers' tokens."""
     model_dir = tiny_model_dir(name)
     prompts = [p for p in _prompts() if len(p) == 40] + [list(range(100 + i, 140 + i)) for i in range(3)]
-    with _llm(model_dir, kv_cache_memory_gb=SEVEN_BLOCKS_GB[name], max_model_len=64) as llm:
+    with cpu_llm(model_dir, kv_cache_memory_gb=SEVEN_BLOCKS_GB[name], max_model_len=64) as llm:
         assert llm.engine.block_manager.num_blocks < 16
-        outputs = llm.generate(prompts, _params())
+        outputs = llm.generate(prompts, greedy(NEW_TOKENS))
         assert llm.engine.scheduler.num_preemptions > 0
-        _assert_all_returned(llm)
+        assert_all_returned(llm)
     assert tuple(outputs[0].token_ids) == _reference(model_dir)[PROMPT_LENGTHS.index(40)]
-    with _llm(model_dir, max_model_len=64) as llm:  # room for all: no preemption
-        alone = [tuple(llm.generate([p], _params())[0].token_ids) for p in prompts[1:]]
+    with cpu_llm(model_dir, max_model_len=64) as llm:  # room for all: no preemption
+        alone = [tuple(llm.generate([p], greedy(NEW_TOKENS))[0].token_ids) for p in prompts[1:]]
     assert [tuple(o.token_ids) for o in outputs[1:]] == alone
 
 
@@ -92,10 +78,10 @@ def test_sixteen_requests_at_once_equal_each_alone(tiny_model_dir, name):
     model_dir = tiny_model_dir(name)
     g = torch.Generator().manual_seed(99)
     prompts = [torch.randint(5, 1000, (1 + (7 * i) % 31,), generator=g).tolist() for i in range(16)]
-    with _llm(model_dir, max_num_seqs=16, max_num_batched_tokens=32) as llm:
-        together = [tuple(o.token_ids) for o in llm.generate(prompts, _params())]
-        alone = [tuple(llm.generate([p], _params())[0].token_ids) for p in prompts]
-        _assert_all_returned(llm)
+    with cpu_llm(model_dir, max_num_seqs=16, max_num_batched_tokens=32) as llm:
+        together = [tuple(o.token_ids) for o in llm.generate(prompts, greedy(NEW_TOKENS))]
+        alone = [tuple(llm.generate([p], greedy(NEW_TOKENS))[0].token_ids) for p in prompts]
+        assert_all_returned(llm)
     assert together == alone
 
 
@@ -125,17 +111,17 @@ def test_n_choices_over_http_each_run_in_their_own_state(tiny_model_dir, name):
 def test_an_aborted_request_gives_its_slot_back(tiny_model_dir, name):
     model_dir = tiny_model_dir(name)
     prompts = _prompts()
-    with _llm(model_dir) as llm:
+    with cpu_llm(model_dir) as llm:
         engine = llm.engine
-        engine.add_request("stays", prompts[1], _params())
-        engine.add_request("aborted", prompts[2], _params(max_tokens=100))
+        engine.add_request("stays", prompts[1], greedy(NEW_TOKENS))
+        engine.add_request("aborted", prompts[2], greedy(max_tokens=100))
         outputs = engine.step() + engine.step()
         assert len(engine.scheduler.free_slots) == engine.config.max_num_seqs - 2
         engine.abort("aborted")
         assert len(engine.scheduler.free_slots) == engine.config.max_num_seqs - 1
         while engine.has_work():
             outputs += engine.step()
-        _assert_all_returned(llm)
+        assert_all_returned(llm)
     tokens = [t for out in outputs if out.request_id == "stays" for t in out.new_token_ids]
     assert tuple(tokens) == _reference(model_dir)[1]
 
@@ -146,11 +132,11 @@ def test_prefix_caching_is_off_and_a_repeated_prompt_is_recomputed(tiny_model_di
     model_dir = tiny_model_dir(NAME)
     prompt = _prompts()[2]
     with caplog.at_level(logging.INFO, logger="shardserve.engine.llm_engine"):
-        with _llm(model_dir, enable_prefix_caching=True) as llm:
-            first = llm.generate([prompt], _params())[0].token_ids
-            again = [out.token_ids for out in llm.generate([prompt, prompt, prompt], _params())]
+        with cpu_llm(model_dir, enable_prefix_caching=True) as llm:
+            first = llm.generate([prompt], greedy(NEW_TOKENS))[0].token_ids
+            again = [out.token_ids for out in llm.generate([prompt, prompt, prompt], greedy(NEW_TOKENS))]
             stats = llm.engine.stats()
-            _assert_all_returned(llm)
+            assert_all_returned(llm)
     assert any("prefix caching off" in r.getMessage() for r in caplog.records)
     assert not llm.engine.block_manager.enable_prefix_caching
     assert stats.prefix_hits == 0
@@ -185,14 +171,14 @@ def test_after_sleep_and_wake_the_states_start_empty(tiny_model_dir, name):
     """Sleep frees the state pools with the KV cache and waking allocates them again (the canary runs through
     them before and after): a prompt then gives transformers' tokens."""
     model_dir = tiny_model_dir(name)
-    with _llm(model_dir) as llm:
-        llm.generate([_prompts()[0]], _params())
+    with cpu_llm(model_dir) as llm:
+        llm.generate([_prompts()[0]], greedy(NEW_TOKENS))
         llm.sleep(1)
         assert llm.engine.runner.state_pools == {}
         llm.wake_up()
-        got = llm.generate([_prompts()[1]], _params())[0].token_ids
+        got = llm.generate([_prompts()[1]], greedy(NEW_TOKENS))[0].token_ids
         assert llm.engine.canary_reloads == 0
-        _assert_all_returned(llm)
+        assert_all_returned(llm)
     assert tuple(got) == _reference(model_dir)[1]
 
 
@@ -229,6 +215,6 @@ def test_on_gpus_in_chunks_equals_transformers(tiny_model_dir, tp):
              max_num_batched_tokens=16, tensor_parallel_size=tp) as llm:
         runner = llm.engine.runner
         assert runner.graphs is not None and "Gated DeltaNet triton decode" in runner.plan.describe()
-        outputs = llm.generate(_prompts(), _params())
-        _assert_all_returned(llm)
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
     assert tuple(tuple(o.token_ids) for o in outputs) == expected
