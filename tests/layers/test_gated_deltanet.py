@@ -11,6 +11,8 @@ from torch import nn
 from shardserve.layers.gated_deltanet import DeltaNetDims, DeltaNetState, GatedDeltaNet
 from shardserve.weights.loader import load_tensors
 from tests.helpers.partial_sums import PartialSums
+from tests.helpers.state_mixers import (check_decode_continues_prompt, check_sequences_stepped_together,
+                                         prefill_in_chunks, run_transformers)
 
 HIDDEN = 32
 ATOL = 1e-5
@@ -54,17 +56,6 @@ def _ours(ref: nn.Module, cfg, rank: int = 0, tp: int = 1, comm=None, dtype=torc
     return layer
 
 
-def _run_reference(ref: nn.Module, cfg, chunks: list[torch.Tensor]):
-    """transformers' outputs for consecutive chunks of one sequence (each [T, hidden]) through its cache, and its
-    final (conv state, recurrent state)."""
-    from transformers.cache_utils import DynamicCache
-
-    cache = DynamicCache(config=cfg)
-    with torch.no_grad():
-        outs = [ref(c.unsqueeze(0), cache=cache)[0] for c in chunks]
-    return outs, cache.get_conv_state(0)[0], cache.get_recurrent_state(0)[0]
-
-
 def _assert_state_matches(state: DeltaNetState, conv_ref: torch.Tensor, rec_ref: torch.Tensor) -> None:
     # transformers keeps the last K inputs, we the last K - 1: the oldest one no output needs again.
     torch.testing.assert_close(state.conv, conv_ref[:, 1:], atol=ATOL, rtol=0)
@@ -83,7 +74,7 @@ def test_prefill_matches_transformers(family):
     """A prompt of 150 tokens (two full chunks of 64 and a part): the output and the state after it."""
     ref, cfg = _reference(family)
     x = _tokens(150)
-    (expected,), conv_ref, rec_ref = _run_reference(ref, cfg, [x])
+    (expected,), conv_ref, rec_ref = run_transformers(ref, cfg, [x])
     with torch.no_grad():
         out, state = _ours(ref, cfg).prefill(x)
     assert expected.abs().max() > 1 and expected.abs().mean() > 0.1  # a real signal to compare
@@ -97,13 +88,9 @@ def test_prefill_in_chunks_equals_whole_prompt(family):
     outputs (transformers') and the same final state."""
     ref, cfg = _reference(family)
     x = _tokens(150)
-    (expected,), conv_ref, rec_ref = _run_reference(ref, cfg, [x])
-    layer, state, outs = _ours(ref, cfg), None, []
-    with torch.no_grad():
-        for chunk in x.split([37, 64, 49]):
-            out, state = layer.prefill(chunk, state)
-            outs.append(out)
-    torch.testing.assert_close(torch.cat(outs), expected, atol=ATOL, rtol=0)
+    (expected,), conv_ref, rec_ref = run_transformers(ref, cfg, [x])
+    out, state = prefill_in_chunks(_ours(ref, cfg), x, [37, 64, 49])
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
     _assert_state_matches(state, conv_ref, rec_ref)
 
 
@@ -112,16 +99,9 @@ def test_decode_steps_continue_the_prompt(family):
     """A prompt of 70 tokens, then 5 single-token decode steps from its state: transformers' outputs for each."""
     ref, cfg = _reference(family)
     x = _tokens(75)
-    expected, conv_ref, rec_ref = _run_reference(ref, cfg, [x[:70], *x[70:].split(1)])
-    layer = _ours(ref, cfg)
-    with torch.no_grad():
-        out, state = layer.prefill(x[:70])
-        torch.testing.assert_close(out, expected[0], atol=ATOL, rtol=0)
-        states = DeltaNetState(state.conv.unsqueeze(0), state.recurrent.unsqueeze(0))
-        for step in range(5):
-            out, states = layer.decode(x[70 + step:71 + step], states)
-            torch.testing.assert_close(out, expected[1 + step], atol=ATOL, rtol=0, msg=f"decode step {step}")
-    _assert_state_matches(DeltaNetState(states.conv[0], states.recurrent[0]), conv_ref, rec_ref)
+    expected, conv_ref, rec_ref = run_transformers(ref, cfg, [x[:70], *x[70:].split(1)])
+    state = check_decode_continues_prompt(_ours(ref, cfg), x, 70, expected, ATOL)
+    _assert_state_matches(state, conv_ref, rec_ref)
 
 
 def test_bfloat16_prompt_and_steps_equal_transformers():
@@ -130,7 +110,7 @@ def test_bfloat16_prompt_and_steps_equal_transformers():
     ref, cfg = _reference("qwen3_next")
     ref = ref.to(torch.bfloat16)
     x = _tokens(72).to(torch.bfloat16)
-    expected, conv_ref, rec_ref = _run_reference(ref, cfg, [x[:70], *x[70:].split(1)])
+    expected, conv_ref, rec_ref = run_transformers(ref, cfg, [x[:70], *x[70:].split(1)])
     layer = _ours(ref, cfg, dtype=torch.bfloat16)
     out, state = _prompt_then_steps(layer, x)
     assert out.dtype == state.conv.dtype == torch.bfloat16 and state.recurrent.dtype == torch.float32
@@ -143,24 +123,7 @@ def test_sequences_stepped_together_equal_each_alone():
     """Prompts of 70, 5 and 1 tokens in one step over a pool of states, then 4 decode steps of all three
     together: each sequence's outputs are transformers' for it alone; the pool's other slots are untouched."""
     ref, cfg = _reference("qwen3_next")
-    lengths, slots, steps = [70, 5, 1], torch.tensor([4, 0, 2]), 4
-    seqs = [_tokens(n + steps, seed=10 + i) for i, n in enumerate(lengths)]
-    expected = [_run_reference(ref, cfg, [s[:n], *s[n:].split(1)])[0] for s, n in zip(seqs, lengths)]
-    layer = _ours(ref, cfg)
-    pool = layer.zero_state(batch=6)
-    pool.recurrent[[1, 3, 5]] = 7.0  # other sequences' states
-    starts = [0, 70, 75, 76]
-    with torch.no_grad():
-        out = layer(torch.cat([s[:n] for s, n in zip(seqs, lengths)]), pool, slots, starts)
-        for i in range(3):
-            torch.testing.assert_close(out[starts[i]:starts[i + 1]], expected[i][0], atol=ATOL, rtol=0)
-        for step in range(steps):
-            x = torch.stack([s[n + step] for s, n in zip(seqs, lengths)])
-            out = layer(x, pool, slots, [0, 1, 2, 3])
-            for i in range(3):
-                torch.testing.assert_close(out[i:i + 1], expected[i][1 + step], atol=ATOL, rtol=0,
-                                           msg=f"sequence {i}, decode step {step}")
-    assert bool((pool.recurrent[[1, 3, 5]] == 7.0).all()) and not pool.conv[[1, 3, 5]].any()
+    check_sequences_stepped_together(_ours(ref, cfg), ref, cfg, [70, 5, 1], 4, _tokens, ATOL)
 
 
 def _prompt_then_steps(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, DeltaNetState]:

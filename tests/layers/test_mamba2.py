@@ -11,6 +11,8 @@ from torch import nn
 from shardserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaState
 from shardserve.weights.loader import load_tensors
 from tests.helpers.partial_sums import PartialSums
+from tests.helpers.state_mixers import (check_decode_continues_prompt, check_sequences_stepped_together,
+                                         prefill_in_chunks, run_transformers)
 
 HIDDEN = 32
 ATOL = 1e-5
@@ -52,17 +54,6 @@ def _ours(ref: nn.Module, cfg, rank: int = 0, tp: int = 1, comm=None) -> Mamba2M
     return layer
 
 
-def _run_reference(ref: nn.Module, cfg, chunks: list[torch.Tensor]):
-    """transformers' outputs for consecutive chunks of one sequence through its cache, and its final
-    (conv state, SSM state)."""
-    from transformers.cache_utils import DynamicCache
-
-    cache = DynamicCache(config=cfg)
-    with torch.no_grad():
-        outs = [ref(c.unsqueeze(0), cache=cache)[0] for c in chunks]
-    return outs, cache.get_conv_state(0)[0], cache.get_recurrent_state(0)[0]
-
-
 def _assert_state_matches(state: MambaState, conv_ref: torch.Tensor, ssm_ref: torch.Tensor) -> None:
     # transformers keeps the last K inputs, we the last K - 1.
     torch.testing.assert_close(state.conv, conv_ref[:, 1:], atol=ATOL, rtol=0)
@@ -78,7 +69,7 @@ def test_prefill_matches_transformers(groups):
     """A prompt of 40 tokens (two full SSD chunks of 16 and a part): the output and the state after it."""
     ref, cfg = _reference(groups=groups)
     x = _tokens(40)
-    (expected,), conv_ref, ssm_ref = _run_reference(ref, cfg, [x])
+    (expected,), conv_ref, ssm_ref = run_transformers(ref, cfg, [x])
     with torch.no_grad():
         out, state = _ours(ref, cfg).prefill(x)
     assert expected.abs().max() > 0.5 and expected.abs().mean() > 0.05  # a real signal to compare
@@ -91,13 +82,9 @@ def test_prefill_in_chunks_equals_whole_prompt():
     last left: the whole prompt's outputs and the same final state."""
     ref, cfg = _reference()
     x = _tokens(40)
-    (expected,), conv_ref, ssm_ref = _run_reference(ref, cfg, [x])
-    layer, state, outs = _ours(ref, cfg), None, []
-    with torch.no_grad():
-        for chunk in x.split([7, 20, 13]):
-            out, state = layer.prefill(chunk, state)
-            outs.append(out)
-    torch.testing.assert_close(torch.cat(outs), expected, atol=ATOL, rtol=0)
+    (expected,), conv_ref, ssm_ref = run_transformers(ref, cfg, [x])
+    out, state = prefill_in_chunks(_ours(ref, cfg), x, [7, 20, 13])
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
     _assert_state_matches(state, conv_ref, ssm_ref)
 
 
@@ -106,40 +93,16 @@ def test_decode_steps_continue_the_prompt(groups):
     """A prompt of 20 tokens, then 5 single-token decode steps from its state: transformers' outputs for each."""
     ref, cfg = _reference(groups=groups)
     x = _tokens(25)
-    expected, conv_ref, ssm_ref = _run_reference(ref, cfg, [x[:20], *x[20:].split(1)])
-    layer = _ours(ref, cfg)
-    with torch.no_grad():
-        out, state = layer.prefill(x[:20])
-        torch.testing.assert_close(out, expected[0], atol=ATOL, rtol=0)
-        states = MambaState(state.conv.unsqueeze(0), state.ssm.unsqueeze(0))
-        for step in range(5):
-            out, states = layer.decode(x[20 + step:21 + step], states)
-            torch.testing.assert_close(out, expected[1 + step], atol=ATOL, rtol=0, msg=f"decode step {step}")
-    _assert_state_matches(MambaState(states.conv[0], states.ssm[0]), conv_ref, ssm_ref)
+    expected, conv_ref, ssm_ref = run_transformers(ref, cfg, [x[:20], *x[20:].split(1)])
+    state = check_decode_continues_prompt(_ours(ref, cfg), x, 20, expected, ATOL)
+    _assert_state_matches(state, conv_ref, ssm_ref)
 
 
 def test_sequences_stepped_together_equal_each_alone():
     """Prompts of 30, 5 and 1 tokens in one step over a pool of states, then 3 decode steps of all three
     together: each sequence's outputs are transformers' for it alone; the pool's other slots are untouched."""
     ref, cfg = _reference()
-    lengths, slots, steps = [30, 5, 1], torch.tensor([4, 0, 2]), 3
-    seqs = [_tokens(n + steps, seed=10 + i) for i, n in enumerate(lengths)]
-    expected = [_run_reference(ref, cfg, [s[:n], *s[n:].split(1)])[0] for s, n in zip(seqs, lengths)]
-    layer = _ours(ref, cfg)
-    pool = layer.zero_state(batch=6)
-    pool.ssm[[1, 3, 5]] = 7.0
-    starts = [0, 30, 35, 36]
-    with torch.no_grad():
-        out = layer(torch.cat([s[:n] for s, n in zip(seqs, lengths)]), pool, slots, starts)
-        for i in range(3):
-            torch.testing.assert_close(out[starts[i]:starts[i + 1]], expected[i][0], atol=ATOL, rtol=0)
-        for step in range(steps):
-            x = torch.stack([s[n + step] for s, n in zip(seqs, lengths)])
-            out = layer(x, pool, slots, None if step % 2 else [0, 1, 2, 3])
-            for i in range(3):
-                torch.testing.assert_close(out[i:i + 1], expected[i][1 + step], atol=ATOL, rtol=0,
-                                           msg=f"sequence {i}, decode step {step}")
-    assert bool((pool.ssm[[1, 3, 5]] == 7.0).all()) and not pool.conv[[1, 3, 5]].any()
+    check_sequences_stepped_together(_ours(ref, cfg), ref, cfg, [30, 5, 1], 3, _tokens, ATOL)
 
 
 def _prompt_then_steps(layer: Mamba2Mixer, x: torch.Tensor) -> tuple[torch.Tensor, MambaState]:
