@@ -36,6 +36,8 @@ def fold_shared_experts(model: nn.Module, log: bool = True) -> int:
         return 0
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoE)
               and m.shared_expert is not None]
+    # Later loads into the same model (a wake from level 2, a reload) find the shared experts' tensors here.
+    redirects = getattr(model, "folded_parameters", {})
     folded, why_not = 0, set()
     for name, moe in blocks:
         why = unfoldable(moe)
@@ -43,15 +45,15 @@ def fold_shared_experts(model: nn.Module, log: bool = True) -> int:
             why_not.add(why)
             continue
         fold_shared_expert(moe)
-        # Later loads into the same model (a wake from level 2, a reload) find the shared expert's tensors here.
-        model.folded_parameters = {
-            **getattr(model, "folded_parameters", {}),
+        redirects.update({
             f"{name}.shared_expert.gate_up_proj.weight": (f"{name}.w13", {0: (SHARED, 0), 1: (SHARED, 1)}),
             f"{name}.shared_expert.down_proj.weight": (f"{name}.w2", {None: (SHARED, None)}),
-            f"{name}.shared_expert_gate.weight": (f"{name}.gate.weight", {None: SHARED_GATE})}
+            f"{name}.shared_expert_gate.weight": (f"{name}.gate.weight", {None: SHARED_GATE})})
         folded += 1
         if moe.w13.is_cuda:  # the experts' old tensors, one block at a time, not cached a block each
             torch.cuda.empty_cache()
+    if folded:
+        model.folded_parameters = redirects
     if log and folded:
         logger.info("%d of %d shared experts are computed as one more expert of their block (%s=0: apart)", folded,
                     len(blocks), FOLD_ENV)
