@@ -692,9 +692,11 @@ def one_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     return _one_token_experts(x, w13, w2, topk_weights, topk_ids, id_base, tiles)
 
 
-def _table_config(tokens: int, top_k: int, num_experts: int, element_size: int) -> MoeConfig | OneTokenTiles:
-    """A single token's one-token tiles where that path is on, else the table's config."""
-    if tokens == 1 and (tiles := one_token_tiles()) is not None:
+def _table_config(tokens: int, top_k: int, num_experts: int, element_size: int,
+                  single_token_tiles=one_token_tiles) -> MoeConfig | OneTokenTiles:
+    """A single token's one-token tiles where that path is on (single_token_tiles(): the 16-bit experts' or the
+    packed experts'), else the table's config."""
+    if tokens == 1 and (tiles := single_token_tiles()) is not None:
         return tiles
     return pick_config(tokens, top_k, num_experts, element_size)
 
@@ -708,7 +710,7 @@ def fused_moe_packed(x: torch.Tensor, experts: PackedExperts, topk_weights: torc
     tokens, top_k = topk_ids.shape
     if tokens == 0 or top_k == 0:
         return x.new_zeros(x.shape)
-    config = config or _packed_table_config(tokens, top_k, experts.num_experts, x.element_size())
+    config = config or _table_config(tokens, top_k, experts.num_experts, x.element_size(), one_token_packed_tiles)
     if isinstance(config, OneTokenTiles):
         return _one_token_packed_experts(x, experts, topk_weights.contiguous(), topk_ids.contiguous(), config)
     ids = topk_ids.contiguous()
@@ -831,13 +833,6 @@ def _one_token_experts(x, w13, w2, weights, ids, id_base: int, tiles: OneTokenTi
     if arrivals is not None:
         return out
     return _sum_separately(y, ids, out, num_experts, id_base, launch)
-
-
-def _packed_table_config(tokens: int, top_k: int, num_experts: int, element_size: int) -> MoeConfig | OneTokenTiles:
-    """A single token's packed one-token tiles where that path is on, else the table's config."""
-    if tokens == 1 and (tiles := one_token_packed_tiles()) is not None:
-        return tiles
-    return pick_config(tokens, top_k, num_experts, element_size)
 
 
 def _tile_groups(tile, group: int, k: int) -> tuple[int, int]:
