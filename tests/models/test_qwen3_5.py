@@ -153,3 +153,36 @@ def test_a_second_load_into_a_folded_model_refills_the_shared_experts_slot(tiny_
     load_weights(model, model_dir, tied_embeddings=False)
     for m, (w13, w2, gate) in zip(blocks, folded):
         assert torch.equal(m.w13, w13) and torch.equal(m.w2, w2) and torch.equal(m.gate.weight, gate)
+
+
+def _folded_block_output(model_dir: str, rank: int, tp: int, x: torch.Tensor, corrupt: bool = False):
+    """Rank `rank` of `tp`'s share of layer 0's sparse block (shared expert folded) on x: a partial sum where the
+    block is split. `corrupt`: this rank's rows of the folded shared expert (slot E) are perturbed after loading."""
+    from shardserve.config import ModelConfig
+    from shardserve.layers.moe_shared import fold_shared_experts
+    from shardserve.models import model_class
+    from shardserve.weights.loader import load_weights
+    from tests.helpers.partial_sums import PartialSums
+
+    cfg = ModelConfig.from_model_path(model_dir)
+    model = model_class(cfg.architecture)(cfg, PartialSums(rank, tp), torch.float32, max_positions=64)
+    load_weights(model, model_dir, tied_embeddings=False)
+    assert fold_shared_experts(model, log=False) == 4
+    layer = model.model.layers[0]
+    if corrupt:
+        layer.mlp.w13.data[-1].mul_(1.5)
+    with torch.no_grad():
+        out, _ = layer.mlp(x, None, layer.post_attention_layernorm)
+    return out
+
+
+def test_a_wrong_slice_of_the_folded_shared_expert_on_one_rank_fails_the_comparison(tiny_model_dir):
+    """The folded shared expert holds each rank's rows of the shared expert in the experts' last slot: the two
+    ranks' shares sum to the whole block's output, and a perturbed slot on rank 1 makes them differ."""
+    model_dir = tiny_model_dir("qwen3.5-moe")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    whole = _folded_block_output(model_dir, 0, 1, x)
+    shares = [_folded_block_output(model_dir, rank, 2, x) for rank in (0, 1)]
+    torch.testing.assert_close(shares[0] + shares[1], whole, atol=1e-5, rtol=1e-5)
+    wrong = _folded_block_output(model_dir, 1, 2, x, corrupt=True)
+    assert (shares[0] + wrong - whole).abs().max() > 1e-3
