@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from shardserve.distributed.process_group import find_free_port
+
 SERVING_DOC = Path(__file__).resolve().parent.parent / "docs" / "serving.md"
 
 
@@ -33,7 +35,7 @@ def test_bad_flag_is_named_with_accepted_values(tmp_path, args, expected):
 
 
 def test_missing_model_is_named(tmp_path):
-    result = _serve(str(tmp_path / "nowhere.gguf"))
+    result = _serve(str(tmp_path / "nowhere.gguf"), "--port", str(find_free_port()))
     assert result.returncode != 0
     assert "nowhere.gguf" in result.stderr and "does not exist" in result.stderr
 

@@ -91,7 +91,8 @@ def test_serve_under_srun_with_a_task_per_rank_matches_one_rank(tiny_model_dir):
 def test_control_interface_sets_gloo_socket_ifname_for_every_rank(tiny_model_dir):
     result = subprocess.run(
         [sys.executable, "-m", "shardserve", "serve", tiny_model_dir("qwen2"), "-tp", "2", "--device", "cpu",
-         "--control-interface", "no-such-iface0", "--kv-cache-memory", "0.05"],
+         "--control-interface", "no-such-iface0", "--kv-cache-memory", "0.05", "--port",
+         str(find_free_port())],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert result.returncode != 0
     assert "no-such-iface0" in result.stdout + result.stderr, "gloo was told to use the named interface"

@@ -6,6 +6,7 @@ import sys
 
 import openai
 
+from shardserve.distributed.process_group import find_free_port
 from shardserve.entrypoints.llm import LLM
 from shardserve.requests.sampling_params import SamplingParams
 from tests.serving import serve_cli
@@ -32,7 +33,7 @@ def test_torchrun_world_size_must_match_tp(tiny_model_dir, tmp_path):
 
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "shardserve", "serve", tiny_model_dir("qwen3"), "-tp", "3"],
+         "-m", "shardserve", "serve", tiny_model_dir("qwen3"), "-tp", "3", "--port", str(find_free_port())],
         capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "torchrun started 2 ranks but --tensor-parallel-size is 3" in result.stdout + result.stderr
