@@ -1,5 +1,5 @@
 """The shared-memory all-reduce of CPU ranks on one host: the same sums as gloo, the same bits on every
-rank, call after call; a rank that dies fails its peers at once; start-up picks it where it is faster."""
+rank, call after call; a rank that dies fails its peers at once; start-up times it against gloo and takes the faster at each size."""
 
 from __future__ import annotations
 
@@ -77,24 +77,43 @@ def test_a_rank_that_exits_fails_its_peer_at_once_naming_it():
     assert outcome[0].endswith("has exited")
 
 
-def test_start_up_picks_shared_memory_on_one_host(tiny_model_dir, caplog):
-    """Two CPU ranks of one engine: the choice is logged with both timings, and shm serves decode steps."""
-    import logging
-
+def _generate_at_tp2(model_dir: str, prompt: list[int]):
     from shardserve.entrypoints.llm import LLM
     from shardserve.requests.sampling_params import SamplingParams
 
+    with LLM(model_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.05) as llm:
+        choice = llm.engine.runner.all_reduce_choice
+        out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    return choice, out[0].token_ids
+
+
+def test_start_up_times_both_and_takes_the_faster_at_each_size(tiny_model_dir, caplog):
+    """Two CPU ranks of one engine: gloo and shm are timed at every message size, the size table holds the
+    faster of the two at each (whichever that is on a loaded machine), and the log gives the timings."""
+    import logging
+
+    import torch
+
     with caplog.at_level(logging.INFO, logger="shardserve.engine.model_runner"):
-        with LLM(tiny_model_dir("llama-untied"), tensor_parallel_size=2, dtype="float32",
-                 kv_cache_memory_gb=0.05) as llm:
-            choice = llm.engine.runner.all_reduce_choice
-            out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    assert len(out[0].token_ids) == 4
-    smallest = min(choice.timings_us["gloo/eager"])
-    assert choice.timings_us["shm/eager"][smallest] < choice.timings_us["gloo/eager"][smallest]
-    assert choice.eager.entries[0][1].name == "shm"
+        choice, tokens = _generate_at_tp2(tiny_model_dir("llama-untied"), [5, 6, 7])
+    assert len(tokens) == 6
+    gloo_us, shm_us = choice.timings_us["gloo/eager"], choice.timings_us["shm/eager"]
+    assert gloo_us and set(gloo_us) == set(shm_us)
+    for nbytes in gloo_us:
+        faster = "shm" if shm_us[nbytes] < gloo_us[nbytes] else "gloo"
+        assert choice.eager.pick(torch.empty(nbytes // 4)).name == faster, (nbytes, gloo_us, shm_us)
     logged = [r.getMessage() for r in caplog.records if "all-reduce over 2 ranks" in r.getMessage()]
-    assert logged and "shm <=" in logged[0] and "gloo/eager" in logged[0], logged
+    assert logged and "gloo/eager" in logged[0] and "shm/eager" in logged[0], logged
+
+
+def test_decode_through_shared_memory_gives_gloos_tokens(tiny_model_dir, set_env):
+    """SHARDSERVE_ALL_REDUCE forces one method at every size: shm's decode steps give gloo's tokens."""
+    tokens = {}
+    for method in ("gloo", "shm"):
+        set_env(SHARDSERVE_ALL_REDUCE=method)
+        choice, tokens[method] = _generate_at_tp2(tiny_model_dir("llama-untied"), [5, 6, 7, 8])
+        assert [m.name for _, m in choice.eager.entries][0] == method
+    assert tokens["shm"] == tokens["gloo"]
 
 
 def _one_rank_elsewhere(rank: int, port: int, results) -> None:
