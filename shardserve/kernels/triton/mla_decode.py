@@ -1,0 +1,174 @@
+"""Decode attention of multi-head latent attention (MLA, DeepSeek-V2/V3) over its paged latent cache, in the
+absorbed form: one query token per sequence, every query head against the one cached row per token.
+
+A cache row is [latent (L) | rotated rope key (R)] (L = kv_lora_rank, 512 in DeepSeek-V3; R = qk_rope_head_dim,
+64), one per (block, offset) slot, shared by all heads. The absorbed query of a head is [q_nope @ W_UK | q_rope]
+([L + R]); its score against a position is that row's dot product with the cached row, and its value is the
+latent part of the cached row, so the output is in latent space ([L]; W_UV and o_proj follow outside).
+
+A program takes one sequence, a block of BLOCK_H heads (tensor-core dots need 16 rows: fewer heads are padded)
+and one split of the context (flash-decoding): every cached row is read once per program, so all of a rank's
+heads share each load when they fit one block. With several splits, each writes its normalised partial output
+and log2-sum-exp to a float32 workspace and a second launch joins them. Launches depend only on shapes and
+Python ints, never on tensor contents: decode can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_decode_kernel(q_ptr, cache_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr,
+                       qk_scale, num_splits, num_heads,
+                       stride_qb, stride_qh, stride_cs, stride_bt,
+                       stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                       LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (b, head block, split). The context [0, context_lens[b]) is cut into num_splits ranges of equal
+    length, a multiple of BLOCK_N (the last ones shorter or empty). With SPLIT, writes the normalised partial
+    output (float32) at out[b, head, split] and its log2-sum-exp at lse[b, head, split] (-inf where the range is
+    empty); otherwise the final output at out[b, head]."""
+    b = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    head_ok = heads < num_heads
+    context = tl.load(context_lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(context, BLOCK_N), num_splits) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, context)
+
+    latent_dims = tl.arange(0, LATENT)
+    rope_dims = tl.arange(0, ROPE)
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_latent = tl.load(q_rows + latent_dims[None, :], mask=head_ok[:, None], other=0.0)
+    q_rope = tl.load(q_rows + LATENT + rope_dims[None, :], mask=head_ok[:, None], other=0.0)
+    table_row = block_tables_ptr + b * stride_bt
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, LATENT], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < hi
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        rows = cache_ptr + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_cs
+        latent = tl.load(rows + latent_dims[None, :], mask=ok[:, None], other=0.0)  # [N, L]: keys and values
+        rope = tl.load(rows + LATENT + rope_dims[None, :], mask=ok[:, None], other=0.0)
+        s = tl.dot(q_latent, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one position below hi
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLIT:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + latent_dims[None, :],
+                 out, mask=head_ok[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
+    else:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + latent_dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                    SPLITS_P: tl.constexpr, LATENT: tl.constexpr):
+    """Program (b, head): out[b, head] = sum_s w_s partial_s / sum_s w_s, w_s = 2^(lse_s - max lse), summed in
+    split order; 0 where every split is empty."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    splits = tl.arange(0, SPLITS_P)
+    lse_row = lse_ptr + b * stride_lb + head * stride_lh
+    lse = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    dims = tl.arange(0, LATENT)
+    part_row = partial_ptr + b * stride_pb + head * stride_ph + dims
+    total = 0.0
+    acc = tl.zeros([LATENT], dtype=tl.float32)
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(lse_row + s) - m)
+        total += w
+        acc += tl.load(part_row + s * stride_ps) * w
+    out = acc / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(batch_size: int, head_blocks: int, max_context: int, num_sms: int = 132) -> int:
+    """Context splits: about two programs per SM when batch x head blocks is small, one when large; a split
+    covers at least ~256 tokens; at most 32."""
+    wanted = triton.cdiv(2 * num_sms, max(1, batch_size * head_blocks))
+    return int(max(1, min(wanted, max(1, max_context // 256), 32)))
+
+
+def head_block(num_heads: int) -> int:
+    """Heads a program takes: all of them up to 64 (each cached row is then read once a sequence and split),
+    at least 16 (the rows of a tensor-core dot)."""
+    return max(16, min(64, triton.next_power_of_2(num_heads)))
+
+
+def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+               block_size: int, scale: float, latent_dim: int, num_splits: int = 1,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Absorbed-form MLA decode. q: [B, H, L + R] (unit last stride); cache: [num_slots, L + R] or
+    [num_slots, 1, L + R] (slot = block * block_size + offset); block_tables: int32 [B, max_blocks];
+    context_lens: int32 [B] (0: a padding row, output 0); scale: the softmax scale. Returns [B, H, L] in q's
+    dtype: softmax(q . cache rows * scale) @ cache rows' latent parts."""
+    cache = cache.reshape(cache.shape[0], cache.shape[-1])
+    batch, num_heads, width = q.shape
+    rope_dim = width - latent_dim
+    if cache.shape[1] != width or q.stride(2) != 1 or cache.stride(1) != 1:
+        raise ValueError(f"MLA decode: the query rows [{width}] and cache rows [{cache.shape[1]}] differ, or a row "
+                         "is not contiguous")
+    if latent_dim & (latent_dim - 1) or rope_dim & (rope_dim - 1):
+        raise ValueError(f"MLA decode needs power-of-two latent and rope widths, got {latent_dim} and {rope_dim}")
+    if out is None:
+        out = torch.empty(batch, num_heads, latent_dim, dtype=q.dtype, device=q.device)
+    block_h = head_block(num_heads)
+    # Tiles of 32 rows of 576 bf16 (36 KiB) leave room for two in flight; 16 for 64 heads (their accumulator).
+    block_n = 32 if block_h <= 32 else 16
+    grid = (batch, triton.cdiv(num_heads, block_h), max(1, int(num_splits)))
+    qk_scale = scale * LOG2E
+    common = dict(LATENT=latent_dim, ROPE=rope_dim, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n,
+                  num_warps=4, num_stages=2)
+    if grid[2] == 1:
+        _mla_decode_kernel[grid](q, cache, out, out, block_tables, context_lens, qk_scale, 1, num_heads,
+                                 q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
+                                 out.stride(0), out.stride(1), 0, 0, 0, SPLIT=False, **common)
+        return out
+    partial = torch.empty(batch, num_heads, grid[2], latent_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, num_heads, grid[2], dtype=torch.float32, device=q.device)
+    _mla_decode_kernel[grid](q, cache, partial, lse, block_tables, context_lens, qk_scale, grid[2], num_heads,
+                             q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
+                             partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+                             SPLIT=True, **common)
+    _combine_kernel[(batch, num_heads)](partial, lse, out, grid[2], partial.stride(0), partial.stride(1),
+                                        partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
+                                        out.stride(1), SPLITS_P=triton.next_power_of_2(grid[2]),
+                                        LATENT=latent_dim)
+    return out
+
+
+def mla_decode_reference(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, block_size: int, scale: float, latent_dim: int) -> torch.Tensor:
+    """mla_decode in float64 torch, a sequence at a time (tests, the start-up check)."""
+    cache = cache.reshape(cache.shape[0], cache.shape[-1]).double()
+    out = torch.zeros(q.shape[0], q.shape[1], latent_dim, dtype=torch.float64, device=q.device)
+    for b in range(q.shape[0]):
+        n = int(context_lens[b])
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        rows = cache[block_tables[b, pos // block_size].long() * block_size + pos % block_size]
+        weights = torch.softmax(q[b].double() @ rows.T * scale, dim=-1)
+        out[b] = weights @ rows[:, :latent_dim]
+    return out
+

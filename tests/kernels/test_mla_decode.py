@@ -1,0 +1,60 @@
+"""The Triton decode kernel of multi-head latent attention equals float64 attention over the same paged latent rows:
+heads fewer than a tensor-core block (padded) and more than one block, contexts that end mid-block, blocks out of
+order, a padding row (context 0, output 0), one split and several joined by the second launch, and a cache with
+or without its singleton head axis.
+
+On a machine without CUDA the kernels run in Triton's interpreter on CPU tensors (small widths, float32)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from shardserve.kernels.triton.mla_decode import mla_decode, mla_decode_reference  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+# DeepSeek-V3's widths on a GPU; narrower ones in the interpreter, which is slow.
+LATENT, ROPE = (512, 64) if ON_GPU else (32, 16)
+BLOCK_SIZE = 16
+
+
+def _paged(context_lens: list[int], heads: int, dtype: torch.dtype, seed: int, head_axis: bool):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(1, max(triton.cdiv(n, BLOCK_SIZE) for n in context_lens))
+    num_blocks = len(context_lens) * max_blocks + 3
+    # Each sequence's blocks drawn from a shuffled pool: tables point anywhere, never to the same block twice.
+    order = torch.randperm(num_blocks, generator=g)[:len(context_lens) * max_blocks]
+    tables = order.view(len(context_lens), max_blocks).to(torch.int32)
+    cache = torch.randn(num_blocks * BLOCK_SIZE, *([1] if head_axis else []), LATENT + ROPE, generator=g)
+    q = torch.randn(len(context_lens), heads, LATENT + ROPE, generator=g)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    return [t.to(DEVICE) for t in (q.to(dtype), cache.to(dtype), tables, lens)]
+
+
+@pytest.mark.parametrize("heads", [5, 20])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_equals_float64_attention_over_the_latent_rows(heads, num_splits):
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    q, cache, tables, lens = _paged([37, 1, 0, 70], heads, dtype, seed=heads + num_splits, head_axis=num_splits == 3)
+    scale = (LATENT // 4 + ROPE) ** -0.5
+    got = mla_decode(q, cache, tables, lens, BLOCK_SIZE, scale, LATENT, num_splits=num_splits)
+    want = mla_decode_reference(q, cache, tables, lens, BLOCK_SIZE, scale, LATENT)
+    assert got.shape == (4, heads, LATENT) and got.dtype == dtype
+    assert torch.count_nonzero(got[2]) == 0  # the padding row
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_rows_that_do_not_match_the_cache_are_refused():
+    q, cache, tables, lens = _paged([4], 4, torch.float32, seed=0, head_axis=False)
+    with pytest.raises(ValueError, match="query rows"):
+        mla_decode(q[..., :-1], cache, tables, lens, BLOCK_SIZE, 1.0, LATENT)
