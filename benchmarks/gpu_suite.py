@@ -69,8 +69,24 @@ QWEN3_NEXT_80B_A3B = {
     "vocab_size": 151936, "max_position_embeddings": 262144, "rope_theta": 10000000.0, "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
 }
+# NVIDIA-Nemotron-3-Nano-30B-A3B: 23 Mamba-2, 23 mixture-of-experts and 6 attention layers; 128 non-gated experts of
+# 1856 features, 6 a token, and a shared expert of 3712.
+NEMOTRON_3_NANO_30B_A3B = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 2688,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", "num_hidden_layers": 52,
+    "intermediate_size": 1856, "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+    "conv_kernel": 4, "chunk_size": 128, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+    "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "vocab_size": 131072, "max_position_embeddings": 262144,
+    "layer_norm_epsilon": 1e-5, "mlp_hidden_act": "relu2", "mlp_bias": False, "use_bias": False,
+    "use_conv_bias": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-30b-a3b": QWEN3_30B_A3B,
-          "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B}
+          "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B, "nemotron3-nano-30b-a3b": NEMOTRON_3_NANO_30B_A3B}
+# Families whose bytes are counted on the model shardserve builds (on the meta device), not by formula.
+BUILT_MODEL_BYTES = ("nemotron_h",)
 # --quantization: the tag of its result keys, and bytes a projection weight takes (int4: half a byte plus a
 # 32-bit scale-and-zero word per group of 128).
 # gptq-int4-head: the same checkpoint with `lm_head: true` (GPTQModel's and AutoRound's option), the head in 4 bits.
@@ -121,6 +137,10 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
     `quantization`: the attention and MLP projections in that format (LINEAR_WEIGHT_BYTES), and the experts too
     for a quantized checkpoint (CHECKPOINT_CONFIGS).
     (The roofline counts one embedding row as the whole embedding, a rounding error beside the head.)"""
+    if cfg["model_type"] in BUILT_MODEL_BYTES:
+        if quantization:
+            raise SystemExit(f"{cfg['model_type']}: the roofline counts bf16 weights only, not {quantization}")
+        return built_model_bytes(cfg, active)
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
@@ -152,6 +172,36 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
     linear_layers = sum(kind == "linear_attention" for kind in types)
     states = linear_layers * _delta_net_state_bytes(cfg) if active and linear_layers else 0
     return int(linear + head + 2 * (per_layer + v * h + h) + states)
+
+
+def built_model_bytes(cfg: dict, active: bool) -> int:
+    """bf16 bytes of the model shardserve builds from `cfg` at TP 1 (on the meta device); `active`: of stacked
+    experts (a parameter under `experts.` whose first axis is the expert count) only num_experts_per_tok, plus the
+    per-sequence states (pools of one slot) a decoded token reads and writes once each."""
+    import torch
+
+    from shardserve.config import ModelConfig
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.models.registry import model_class
+
+    with tempfile.TemporaryDirectory() as path:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        model_config = ModelConfig.from_model_path(path)
+    with torch.device("meta"):
+        model = model_class(model_config.architecture)(model_config, Communicator(None, 0, 1), torch.bfloat16,
+                                                       max_positions=4096)
+    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
+    total = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * 2
+        if active and experts and ".experts." in f".{name}" and p.shape[0] == experts:
+            n = n * cfg["num_experts_per_tok"] // experts
+        total += n
+    if active:
+        pools = model.state_pools(1, torch.device("meta")).values()
+        total += 2 * sum(t.numel() * t.element_size() for pool in pools for t in pool)
+    return total
 
 
 def _delta_net_projections(cfg: dict) -> int:

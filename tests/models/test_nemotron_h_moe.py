@@ -129,3 +129,21 @@ def test_what_is_not_served_is_refused_by_name(tiny_model_dir, tmp_path, changes
 
     with pytest.raises(ValueError, match=refusal):
         ModelConfig.from_model_path(_config_with(tiny_model_dir("nemotron-h-moe"), tmp_path, **changes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ("nemotron-h", "nemotron-h-moe", "nemotron-h-latent"))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_on_gpus_in_chunks_equals_transformers(tiny_model_dir, name, tp):
+    """The CUDA path at float32: the Mamba-2 state pools on the device, the Triton decode kernels stepping them in
+    their slots, the mixtures of experts on the GPU, prompts prefilled in chunks beside others' decode steps."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s)")
+    model_dir = tiny_model_dir(name)
+    expected = _reference(model_dir)
+    with LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4,
+             max_num_batched_tokens=12, tensor_parallel_size=tp) as llm:
+        assert "Mamba-2 triton decode" in llm.engine.runner.plan.describe()
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
+    assert tuple(tuple(o.token_ids) for o in outputs) == expected, f"{name} TP={tp}"
