@@ -35,50 +35,83 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0
 
 
-class Backend:
-    def __init__(self, spec: PoolModel, device: str | None, member_key: str) -> None:
-        self.spec = spec
+class ServerProcess:
+    """A `shardserve serve` child process on a free loopback port that takes only the member key (read from its
+    environment): started, watched, waited for, stopped. Subclasses say its command line."""
+
+    def __init__(self, name: str, member_key: str) -> None:
+        self.name = name
         self.port = find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.device = device
         self.member_key = member_key
         self.process: subprocess.Popen | None = None
-        self.awake = False
-        self.in_flight = 0
-        self.last_used = time.monotonic()
-        self.swaps = 0
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
+    def command(self) -> list[str]:
+        raise NotImplementedError
 
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "shardserve", "serve", self.spec.model, "-tp", str(self.spec.tensor_parallel_size),
-               "--port", str(self.port), "--served-model-name", self.spec.name, *self.spec.args]
-        if self.device:
-            cmd += ["--device", self.device]
+    def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env[API_KEY_ENV] = self.member_key  # in the environment, not on the command line that `ps` shows
-        if self.spec.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.spec.gpus))
-        self.process = subprocess.Popen(cmd, env=env)
+        return env
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.command(), env=self.environment())
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
     async def wait_ready(self, client: httpx.AsyncClient) -> None:
+        """Until its /health answers 200; RuntimeError if it exits first or takes over READY_TIMEOUT_S."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(f"model {self.name} exited with {self.process.returncode} while starting")
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode} while starting")
             try:
                 if (await client.get(f"{self.url}/health", timeout=2)).status_code == 200:
-                    self.awake = True
                     return
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(0.2)
-        raise RuntimeError(f"model {self.name} did not start within {READY_TIMEOUT_S:.0f} s")
+        raise RuntimeError(f"{self.name} did not start within {READY_TIMEOUT_S:.0f} s")
+
+    def stop(self) -> None:
+        if self.alive():
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+class Backend(ServerProcess):
+    """A model of the pool: its server, and whether it is awake."""
+
+    def __init__(self, spec: PoolModel, device: str | None, member_key: str) -> None:
+        super().__init__(spec.name, member_key)
+        self.spec = spec
+        self.device = device
+        self.awake = False
+        self.in_flight = 0
+        self.last_used = time.monotonic()
+        self.swaps = 0
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "shardserve", "serve", self.spec.model, "-tp", str(self.spec.tensor_parallel_size),
+               "--port", str(self.port), "--served-model-name", self.spec.name, *self.spec.args]
+        return cmd + (["--device", self.device] if self.device else [])
+
+    def environment(self) -> dict[str, str]:
+        env = super().environment()
+        if self.spec.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.spec.gpus))
+        return env
+
+    async def wait_ready(self, client: httpx.AsyncClient) -> None:
+        try:
+            await super().wait_ready(client)
+        except RuntimeError as e:
+            raise RuntimeError(f"model {e}") from None
+        self.awake = True
 
     async def sleep(self, client: httpx.AsyncClient) -> None:
         started = time.monotonic()
@@ -92,14 +125,6 @@ class Backend:
         self.awake = True
         self.swaps += 1
         logger.info("model %s awake in %.2f s", self.name, time.monotonic() - started)
-
-    def stop(self) -> None:
-        if self.alive():
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
 
 
 class Pool:
