@@ -10,6 +10,7 @@ import sys
 
 from shardserve import __version__
 from shardserve.kv_cache_dtype import KV_CACHE_DTYPES
+from shardserve.pool.replica_routing import POLICIES as ROUTING_POLICIES
 
 
 def _positive(convert, flag: str, allow_zero: bool = False):
@@ -67,6 +68,12 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="model, parallelism, serve options and environment from a recipe; flags override it")
     p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1,
                    help="number of ranks the model is sharded over (default 1)")
+    p.add_argument("-dp", "--data-parallel-size", type=_positive_int("--data-parallel-size"), default=1,
+                   help="replicas of the model (each -tp ranks, on its own GPUs) behind this endpoint, requests "
+                        "balanced between them (default 1)")
+    p.add_argument("--data-parallel-routing", choices=list(ROUTING_POLICIES), default="affinity",
+                   help="how replicas are chosen: affinity (default: the replica that saw the prompt's prefix, "
+                        "unless much busier), least-loaded (fewest outstanding tokens) or round-robin")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_positive_int("--port"), default=8000)
@@ -308,6 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dests = {a.dest for a in command._actions}
         command.set_defaults(**{k: v for k, v in recipe_defaults(recipe).items() if k in dests})
         args = parser.parse_args(argv)
+    if args.command == "serve":
+        args.argv = argv[argv.index("serve") + 1:]  # what replicas (--data-parallel-size) are started with
     if args.command in ("serve", "plan") and args.model is None:
         command.error("give MODEL or --recipe FILE.yaml")
     if args.command == "bench":

@@ -78,6 +78,10 @@ def serve(args: argparse.Namespace) -> int:
         check_model_path(args.model, args.load_format)  # files, architecture, quantization: one line if not
     except ModelPathError as e:
         raise SystemExit(f"shardserve serve: {e}") from None
+    if getattr(args, "data_parallel_size", 1) > 1:
+        from shardserve.pool.replicas import serve_replicas
+
+        return serve_replicas(args, args.argv)
     if args.control_interface:
         os.environ["GLOO_SOCKET_IFNAME"] = args.control_interface  # before any gloo group exists
     config = engine_config_from_args(args)
