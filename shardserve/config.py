@@ -11,7 +11,7 @@ import torch
 
 from shardserve.kv_cache_dtype import KV_CACHE_DTYPES
 from shardserve.models.registry import resolve_architecture, text_model_config
-from shardserve.weights.quantized import QuantScheme, parse_quantization
+from shardserve.weight_format import QuantScheme, parse_quantization
 
 # Architectures that differ from Llama's in what their config.json does not say: Qwen2's q/k/v biases (without
 # an o_proj bias), Qwen3's per-head q/k RMSNorms (models/qwen3.py).

@@ -45,10 +45,11 @@ from torch import nn
 from shardserve.distributed.communicator import NORMED, Communicator, reduced_first
 from shardserve import envs
 from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
-from shardserve.layers.linear import (ColumnParallelLinear, as_tensor, empty_parameter, materialized, shape_of,
+from shardserve.layers.linear import (ColumnParallelLinear, as_tensor, empty_parameter, materialized,
                                      weights_device)
 from shardserve.layers.mlp import SwiGLUMLP
 from shardserve.layers.sharding import expert_shard, split_rows
+from shardserve.weight_format import shape_of
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ from torch import nn
 
 from shardserve.attention import kv_quant
 from shardserve.layers.attention import PagedAttention
-from shardserve.layers.linear import load_whole, shape_of
+from shardserve.layers.linear import load_whole
 from shardserve.layers.quantized_linear import PACKED_PARTS, quantizable_layers
+from shardserve.weight_format import shape_of
 from shardserve.weights.quantized import (Checkpoint, QuantScheme, count_dequantized, dequantized_checkpoint,
                                           quantized_prefixes)
 
