@@ -248,10 +248,7 @@ class SparseMoE(nn.Module):
         """Whether a CUDA graph can capture this block: a device-only expert computation runs here (no host
         synchronisation)."""
         if self.packed is not None:
-            from shardserve.layers.moe_packed import packed_compute, packed_fused
-
-            return self.w13.is_cuda and packed_compute(self.packed.view(self), self.choices,
-                                                       self.packed.compute_dtype) is packed_fused
+            return self.packed.graph_safe(self)
         return self.w13.is_cuda and device_experts(self.w13, self.w2, self.choices) is not None
 
     def experts(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -260,10 +257,7 @@ class SparseMoE(nn.Module):
         if self.experts_held[0]:
             experts = experts - self.experts_held[0]
         if self.packed is not None:
-            from shardserve.layers.moe_packed import packed_compute
-
-            packed = self.packed.view(self)
-            return packed_compute(packed, self.choices, h.dtype)(h, packed, weights, experts)
+            return self.packed.experts(self, h, weights, experts)
         compute = device_experts(self.w13, self.w2, self.choices) if h.is_cuda else None
         return (compute or grouped_experts)(h, self.w13, self.w2, weights, experts)
 
