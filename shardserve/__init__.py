@@ -7,7 +7,7 @@ Offline use:
     print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))[0].text)
 """
 
-__version__ = "0.1.0"
+from shardserve.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

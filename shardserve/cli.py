@@ -8,7 +8,7 @@ import os
 import re
 import sys
 
-from shardserve import __version__
+from shardserve.version import __version__
 from shardserve.kv_cache_dtype import KV_CACHE_DTYPES
 from shardserve.pool.replica_routing import POLICIES as ROUTING_POLICIES
 

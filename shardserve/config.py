@@ -11,7 +11,7 @@ import torch
 
 from shardserve.kv_cache_dtype import KV_CACHE_DTYPES
 from shardserve.models.registry import resolve_architecture, text_model_config
-from shardserve.weights.quantized import QuantScheme, parse_quantization
+from shardserve.weight_format import QuantScheme, parse_quantization
 
 # Architectures that differ from Llama's in what their config.json does not say: Qwen2's q/k/v biases (without
 # an o_proj bias), Qwen3's per-head q/k RMSNorms (models/qwen3.py).
@@ -305,6 +305,35 @@ def with_modelopt_config(path: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, "quantization_config": {"quant_method": "modelopt", **quantization}}
 
 
+@dataclass(frozen=True)
+class GroupedTopK:
+    """How a grouped top-k router chooses (layers/grouped_topk.py's docstring). Invariants, checked at construction:
+    num_experts splits into num_groups equal groups of at least 2 experts (a group's worth is its top two) when
+    there is more than one group, 1 <= topk_groups <= num_groups, and the kept groups hold at least top_k experts."""
+
+    num_experts: int
+    top_k: int
+    num_groups: int = 1
+    topk_groups: int = 1
+    renormalize: bool = True
+    scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        per_group = self.num_experts // max(self.num_groups, 1)
+        problems = []
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            problems.append(f"{self.num_experts} experts do not split into n_group={self.num_groups} equal groups")
+        elif self.num_groups > 1 and per_group < 2:
+            problems.append(f"groups of {per_group} expert: a group's worth is the sum of its two best scores")
+        if not 1 <= self.topk_groups <= self.num_groups:
+            problems.append(f"topk_group={self.topk_groups} is not between 1 and n_group={self.num_groups}")
+        elif not 1 <= self.top_k <= self.topk_groups * per_group:
+            problems.append(f"num_experts_per_tok={self.top_k} is more than the {self.topk_groups * per_group} "
+                            f"experts of the kept groups")
+        if problems:
+            raise ValueError(f"grouped top-k routing: {'; '.join(problems)}")
+
+
 def _nemotron_h_moe_fields(cfg: dict[str, Any], types: list[str]) -> dict[str, Any]:
     """The mixture-of-experts fields of a NemotronH config whose layers_block_type names "moe" layers (none
     otherwise), as transformers' NemotronHMoE reads them: its one shared expert has moe_shared_expert_intermediate_size
@@ -322,8 +351,6 @@ def _nemotron_h_moe_fields(cfg: dict[str, Any], types: list[str]) -> dict[str, A
     if cfg.get("quantization_config") or cfg.get("compression_config"):
         raise ValueError("NemotronH's mixture-of-experts layers from a quantized checkpoint are not supported yet: "
                          "serve the 16-bit checkpoint")
-    from shardserve.layers.grouped_topk import GroupedTopK
-
     experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
     route = GroupedTopK(experts, cfg["num_experts_per_tok"], cfg.get("n_group", 1), cfg.get("topk_group", 1),
                         bool(cfg.get("norm_topk_prob", True)), float(cfg.get("routed_scaling_factor", 1.0)))

@@ -364,7 +364,7 @@ def packed_head_elements_per_rank(cfg: dict, tp: int) -> int:
     """The LM head's weights one rank keeps packed: those of a checkpoint that quantizes its untied head (GPTQ's
     `lm_head: true`, a compressed-tensors FP8 config that does not ignore it: QuantScheme.lm_head) whose hidden
     size is whole scale groups; 0 otherwise (the head in the compute dtype)."""
-    from shardserve.weights.quantized import parse_quantization
+    from shardserve.weight_format import parse_quantization
 
     scheme = parse_quantization(cfg)
     if scheme is None or not scheme.lm_head:
@@ -379,7 +379,7 @@ def packed_expert_elements_per_rank(cfg: dict, tp: int) -> int:
     """Expert weights one rank keeps packed (layers/moe_packed.py): those of a quantized checkpoint whose rank slice
     holds whole scale groups (w13's hidden size, w2's share of the expert features), not in act order; 0 for float
     checkpoints. Experts split by features (expert parallelism holds whole experts: at least as packable)."""
-    from shardserve.weights.quantized import parse_quantization
+    from shardserve.weight_format import parse_quantization
 
     scheme = parse_quantization(cfg)
     experts, inter, _ = _moe(cfg)
@@ -395,7 +395,7 @@ def packed_expert_elements_per_rank(cfg: dict, tp: int) -> int:
 def _packed_bytes_per_weight(cfg: dict, online: str | None) -> tuple[float, str] | None:
     """Bytes a packed projection weight takes on GPUs (scales included), and the format's name; None for float
     weights. An unsupported quantization raises, as start-up would."""
-    from shardserve.weights.quantized import parse_quantization
+    from shardserve.weight_format import parse_quantization
 
     scheme = parse_quantization(cfg)
     if online == "fp8" and scheme is None:

@@ -98,13 +98,13 @@ def serve_model(model_dir: str, tp: int = 1, name: str = "tiny", api_key: str | 
     from shardserve.config import EngineConfig
     from shardserve.distributed.launcher import LocalRanks
     from shardserve.engine.async_engine import AsyncEngine
-    from shardserve.engine.llm_engine import LLMEngine
+    from shardserve.engine.llm_engine import LLMEngine, run_worker
     from shardserve.entrypoints.openai.server import build_app
     from shardserve.tokenizer import Tokenizer
 
     engine_options.setdefault("kv_cache_memory_gb", 0.05)
     config = EngineConfig(model=model_dir, tensor_parallel_size=tp, **engine_options)
-    ranks = LocalRanks(config)
+    ranks = LocalRanks(config, worker=run_worker)
     try:
         tokenizer = Tokenizer.from_model_path(model_dir)
         engine = AsyncEngine(lambda: LLMEngine(config, ranks.ctx, tokenizer))

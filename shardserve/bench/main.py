@@ -13,7 +13,7 @@ import sys
 
 from rich.console import Console
 
-from shardserve import __version__
+from shardserve.version import __version__
 from shardserve.bench.metrics import client_bound_warning
 from shardserve.bench.report import plot, print_table, write_csv, write_json
 from shardserve.bench.runner import BenchConfig, run_bench

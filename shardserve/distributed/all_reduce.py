@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardserve import envs
+from shardserve.distributed.all_reduce_method import AllReduceMethod
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +55,6 @@ SPLIT_MARGIN_US = 5.0
 def gemv_add_on() -> bool:
     """Whether row-parallel batch-1 GEMVs all-reduce in their own launch where the method has that form."""
     return envs.GEMV_ALL_REDUCE.get() == "fused"
-
-
-class AllReduceMethod:
-    name: str = ""
-
-    def supports(self, x: torch.Tensor) -> bool:
-        return True
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the group; returns the result (x itself, reduced in place, or a new tensor)."""
-        raise NotImplementedError
 
 
 class NcclAllReduce(AllReduceMethod):

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-import shardserve
 from shardserve import envs
 from shardserve.config import EngineConfig
 from shardserve.kernels import cpu_features
+from shardserve.version import __version__
 
 # Variables that change what NCCL, gloo, CUDA, torch, oneDNN or shardserve do.
 BEHAVIOUR_ENV_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "SHARDSERVE_", "ONEDNN_", "DNNL_")
@@ -57,7 +57,7 @@ class Fingerprint:
 @functools.cache
 def source_digest() -> str:
     """sha256 over the package's source files (relative path and bytes), in path order."""
-    root = Path(shardserve.__file__).parent
+    root = Path(__file__).parent.parent  # the package
     digest = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h") and p.is_file()):
         digest.update(str(path.relative_to(root)).encode())
@@ -97,7 +97,7 @@ def _cpu_model() -> str:
 
 def collect(rank: int, config: EngineConfig) -> Fingerprint:
     values = {
-        "shardserve.version": shardserve.__version__,
+        "shardserve.version": __version__,
         "shardserve.source_sha256": source_digest(),
         "python.version": platform.python_version(),
         "torch.version": torch.__version__,

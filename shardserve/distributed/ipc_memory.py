@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from shardserve.weights import stable_memory
+from shardserve.kernels import cuda_driver
 
 logger = logging.getLogger(__name__)
 
@@ -33,21 +33,21 @@ class PeerMemory:
     def __init__(self, nbytes: int, device: torch.device, group, rank: int, world_size: int) -> None:
         from shardserve.distributed.control_plane import all_gather_msgpack
 
-        drv = stable_memory._driver()
+        drv = cuda_driver.driver()
         self.ordinal = device.index if device.index is not None else torch.cuda.current_device()
         self.nbytes = nbytes
         self._opened: list[int] = []
         self.local = None
-        stable_memory._make_context_current(self.ordinal)
+        cuda_driver.make_context_current(self.ordinal)
         error = None
         handle = _IpcHandle()
         try:
             local = ctypes.c_uint64()
-            stable_memory._check(drv.cuMemAlloc_v2(ctypes.byref(local), ctypes.c_size_t(nbytes)), "cuMemAlloc")
+            cuda_driver.check(drv.cuMemAlloc_v2(ctypes.byref(local), ctypes.c_size_t(nbytes)), "cuMemAlloc")
             self.local = local.value
-            stable_memory.device_bytes(self.local, nbytes, device).zero_()
+            cuda_driver.device_bytes(self.local, nbytes, device).zero_()
             torch.cuda.synchronize(device)
-            stable_memory._check(drv.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(self.local)),
+            cuda_driver.check(drv.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(self.local)),
                                  "cuIpcGetMemHandle")
         except RuntimeError as e:
             error = str(e)
@@ -65,7 +65,7 @@ class PeerMemory:
                     continue
                 peer = _IpcHandle.from_buffer_copy(bytes(raw))
                 mapped = ctypes.c_uint64()
-                stable_memory._check(drv.cuIpcOpenMemHandle_v2(ctypes.byref(mapped), peer,
+                cuda_driver.check(drv.cuIpcOpenMemHandle_v2(ctypes.byref(mapped), peer,
                                                                ctypes.c_uint(_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)),
                                      f"cuIpcOpenMemHandle (rank {r}'s memory)")
                 self._opened.append(mapped.value)
@@ -76,11 +76,11 @@ class PeerMemory:
 
     def close(self) -> None:
         """Unmap the peers' memory and free this rank's. The caller makes sure no kernel still uses it."""
-        drv = stable_memory._driver()
+        drv = cuda_driver.driver()
         if drv is None:
             return
         try:
-            stable_memory._make_context_current(self.ordinal)
+            cuda_driver.make_context_current(self.ordinal)
             for address in self._opened:
                 drv.cuIpcCloseMemHandle(ctypes.c_uint64(address))
             if self.local is not None:

@@ -127,12 +127,6 @@ def set_cpu_threads(local_world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
-def engine_worker(config: EngineConfig, ctx: RankContext) -> None:
-    from shardserve.engine.llm_engine import run_worker
-
-    run_worker(config, ctx)
-
-
 def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
                  worker: Callable[[EngineConfig, RankContext], None], control_token: str) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{info.rank} %(levelname)s %(name)s: %(message)s")
@@ -160,14 +154,15 @@ class LocalRanks:
 
     On a single machine (the default) that is rank 0 plus world_size - 1 workers; with a NodeLaunch,
     node R runs ranks R * per_node ... R * per_node + per_node - 1, and only node 0's first rank drives.
-    Spawned ranks run `worker` (a module-level function) once they have joined the group.
+    Spawned ranks run `worker` (a module-level function: the engine's `run_worker`, or a check's) once they have
+    joined the group.
 
     The control token: $SHARDSERVE_CONTROL_TOKEN when set (and it must be, across several nodes), else a
     fresh random one, handed to the spawned ranks as an argument.
     """
 
     def __init__(self, config: EngineConfig, node: NodeLaunch | None = None,
-                 worker: Callable[[EngineConfig, RankContext], None] = engine_worker) -> None:
+                 *, worker: Callable[[EngineConfig, RankContext], None]) -> None:
         self.config = config
         node = node or single_node(config.tensor_parallel_size)
         if node.world_size != config.tensor_parallel_size:

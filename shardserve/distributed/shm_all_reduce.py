@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardserve.distributed.all_reduce import AllReduceMethod
+from shardserve.distributed.all_reduce_method import AllReduceMethod
 
 SHM = "shm"
 # Larger messages (prefill) are few per step and gloo's ring moves them well enough.

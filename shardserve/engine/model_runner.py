@@ -35,7 +35,8 @@ from shardserve.models import model_class
 from shardserve.transfers import on_device
 from shardserve.weights import stable_memory
 from shardserve.weights.consistency import verify_replicated_weights
-from shardserve.weights.loader import configured_quantized_modules, load_weights, quantized_module_names
+from shardserve.weights.loader import (configured_quantized_modules, load_synthetic_weights, load_weights,
+                                       quantized_module_names)
 from shardserve.weights.offload import HostCopy, offload, restore
 
 logger = logging.getLogger(__name__)
@@ -357,7 +358,6 @@ class ModelRunner:
     def _fill_weights(self, model) -> None:
         """Copy the checkpoint's values (this rank's shards) into the model's existing parameters."""
         if self.config.load_format == "dummy":
-            from shardserve.weights.synthetic import load_synthetic_weights
             load_synthetic_weights(model, self.model_config, self.device, self.dtype, seed=self.config.seed)
         else:
             load_weights(model, self.config.model, self.model_config.tie_word_embeddings,

@@ -6,7 +6,7 @@ import itertools
 
 from shardserve.config import EngineConfig
 from shardserve.distributed.launcher import LocalRanks
-from shardserve.engine.llm_engine import LLMEngine
+from shardserve.engine.llm_engine import LLMEngine, run_worker
 from shardserve.model_files import check_model_path
 from shardserve.requests.outputs import RequestOutput
 from shardserve.requests.sampling_params import SamplingParams
@@ -18,7 +18,7 @@ class LLM:
         self.config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **engine_options)
         check_model_path(model, self.config.load_format)
         self.tokenizer = Tokenizer.from_model_path(model)
-        self.ranks = LocalRanks(self.config)
+        self.ranks = LocalRanks(self.config, worker=run_worker)
         try:
             self.engine = LLMEngine(self.config, self.ranks.ctx, self.tokenizer)
         except BaseException:

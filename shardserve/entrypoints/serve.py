@@ -101,7 +101,7 @@ def serve(args: argparse.Namespace) -> int:
         ctx = init_rank_context(launch.rank, launch.world_size, config.device, launch.init_method,
                                 launch.local_rank, config)
     else:
-        ranks = LocalRanks(config, launch)
+        ranks = LocalRanks(config, launch, worker=run_worker)
         ctx = ranks.ctx
     code = 0
     try:
@@ -130,7 +130,7 @@ def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
     """All ranks on this machine, under a supervisor that restarts them when one dies."""
     from shardserve.distributed.launcher import LocalRanks
     from shardserve.engine.async_engine import AsyncEngine
-    from shardserve.engine.llm_engine import LLMEngine
+    from shardserve.engine.llm_engine import LLMEngine, run_worker
     from shardserve.entrypoints.supervisor import Supervisor
     from shardserve.tokenizer import Tokenizer
 
@@ -138,7 +138,7 @@ def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
 
     def start_engine(after_iteration):
         def start():
-            ranks = LocalRanks(config)  # a fresh rendezvous port each time
+            ranks = LocalRanks(config, worker=run_worker)  # a fresh rendezvous port each time
             try:
                 return AsyncEngine(lambda: LLMEngine(config, ranks.ctx, tokenizer), after_iteration), ranks
             except BaseException:

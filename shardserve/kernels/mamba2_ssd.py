@@ -70,3 +70,10 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     state = state.float() * decay + (dt[..., None] * x)[..., None] * b[:, :, None, :]
     y = torch.einsum("bhpn,bhn->bhp", state, c) + d.float()[:, None] * x
     return y, state
+
+
+def split_channels(mixed: torch.Tensor, heads: int, head_dim: int, groups: int):
+    """Convolved channels [T, channels] -> x [T, heads, head_dim], B and C [T, groups, state_size]."""
+    t = mixed.shape[0]
+    xs, b, c = mixed.split([heads * head_dim, *(2 * [(mixed.shape[1] - heads * head_dim) // 2])], dim=-1)
+    return xs.reshape(t, heads, head_dim), b.reshape(t, groups, -1), c.reshape(t, groups, -1)

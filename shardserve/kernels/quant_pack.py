@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import torch
 
+from shardserve.kernels.quant_layout import FOUR_BIT_KINDS, SCALE_MASK, ZERO_BITS, ZERO_MASK, check_fp8, check_int4
+
 # e2m1 values of the codes 0..15 (fp4 layout): the code's magnitude in bits 0-2, its sign in bit 3.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-FOUR_BIT_KINDS = ("int4", "fp4")
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -47,14 +48,6 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
     if packed.dim() != 2 or packed.dtype != torch.uint8:
         raise ValueError(f"unpack_int4_rows needs a 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])
-
-
-# Low bits of a scale-and-zero word holding the zero point: GPTQ's zero points run 0..16 (stored minus one in the
-# `gptq` checkpoint format, so 15 + 1), one more than four bits hold. The masks of its two parts (the Triton
-# kernels read the words with the same ones: kernels/triton/quant_gemv.scale_and_zero).
-ZERO_BITS = 5
-ZERO_MASK = (1 << ZERO_BITS) - 1
-SCALE_MASK = ~ZERO_MASK
 
 
 def pack_scale_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -95,40 +88,6 @@ def fp4_scales(words: torch.Tensor) -> torch.Tensor:
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """float32 e2m1 values of 4-bit codes (integers 0..15)."""
     return torch.tensor(E2M1_VALUES, device=codes.device)[codes.long()]
-
-
-def fp8_groups(k: int, group_k: int) -> int:
-    """Scale columns of an fp8 weight with K input features: one per group of group_k (the last may be short)."""
-    return -(-k // group_k)
-
-
-def check_fp8(weight: torch.Tensor, scale: torch.Tensor, group_k: int) -> None:
-    """Raise ValueError unless (weight, scale, group_k) is the fp8 layout described at the top."""
-    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1:
-        raise ValueError(f"fp8 weight must be a row-major 2-D torch.float8_e4m3fn tensor, got {weight.dtype} "
-                         f"{tuple(weight.shape)} with strides {weight.stride()}")
-    n, k = weight.shape
-    if group_k < 1:
-        raise ValueError(f"fp8 group_k must be positive, got {group_k}")
-    groups = fp8_groups(k, group_k)
-    if scale.dtype != torch.float32 or tuple(scale.shape) != (n, groups) or not scale.is_contiguous():
-        raise ValueError(f"fp8 scale for weight {n}x{k} with group_k {group_k} must be contiguous float32 "
-                         f"[{n}, {groups}], got {scale.dtype} {tuple(scale.shape)}")
-
-
-def check_int4(qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> None:
-    """Raise ValueError unless (qweight, scale_zero, group_size) is the int4 layout described at the top."""
-    if qweight.dim() != 2 or qweight.dtype != torch.uint8 or qweight.stride(1) != 1:
-        raise ValueError(f"int4 qweight must be a row-major 2-D uint8 tensor [N, K // 2], got {qweight.dtype} "
-                         f"{tuple(qweight.shape)} with strides {qweight.stride()}")
-    n, k = qweight.shape[0], 2 * qweight.shape[1]
-    if group_size < 2 or group_size % 2 or k % group_size:
-        raise ValueError(f"int4 group_size must be even and divide K={k}, got {group_size}")
-    if scale_zero.dtype != torch.int32 or tuple(scale_zero.shape) != (n, k // group_size) \
-            or not scale_zero.is_contiguous():
-        raise ValueError(f"int4 scale_zero for K={k} with group_size {group_size} must be contiguous int32 "
-                         f"[{n}, {k // group_size}] (pack_scale_zero), got {scale_zero.dtype} "
-                         f"{tuple(scale_zero.shape)}")
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, group_k: int, dtype: torch.dtype) -> torch.Tensor:

@@ -249,8 +249,7 @@ def check_mamba2(kernels, heads: int, groups: int, head_dim: int, state_size: in
     steps of three sequences in a pool of four slots whose SSM states are kept in ssm_dtype, that prompt's sequence
     among them; kernels that say they are graph-safe get a padding row (slot -1) too, which must leave every slot
     alone."""
-    from shardserve.kernels.mamba2_ssd import step_sizes
-    from shardserve.layers.mamba2_kernels import split_channels
+    from shardserve.kernels.mamba2_ssd import split_channels, step_sizes
 
     name = (f"{kernels.name} Mamba-2 ({heads}x{head_dim} heads in {groups} groups, state {state_size}, conv "
             f"{conv_kernel}, {str(ssm_dtype).removeprefix('torch.')} states)")

@@ -12,42 +12,12 @@ The router is replicated: every rank routes every token to the same experts, wha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.config import GroupedTopK
 from shardserve.layers.linear import empty_parameter, load_whole
-
-
-@dataclass(frozen=True)
-class GroupedTopK:
-    """How a grouped top-k router chooses (see the module's docstring). Invariants, checked at construction:
-    num_experts splits into num_groups equal groups of at least 2 experts (a group's worth is its top two) when
-    there is more than one group, 1 <= topk_groups <= num_groups, and the kept groups hold at least top_k experts."""
-
-    num_experts: int
-    top_k: int
-    num_groups: int = 1
-    topk_groups: int = 1
-    renormalize: bool = True
-    scaling_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        per_group = self.num_experts // max(self.num_groups, 1)
-        problems = []
-        if self.num_groups < 1 or self.num_experts % self.num_groups:
-            problems.append(f"{self.num_experts} experts do not split into n_group={self.num_groups} equal groups")
-        elif self.num_groups > 1 and per_group < 2:
-            problems.append(f"groups of {per_group} expert: a group's worth is the sum of its two best scores")
-        if not 1 <= self.topk_groups <= self.num_groups:
-            problems.append(f"topk_group={self.topk_groups} is not between 1 and n_group={self.num_groups}")
-        elif not 1 <= self.top_k <= self.topk_groups * per_group:
-            problems.append(f"num_experts_per_tok={self.top_k} is more than the {self.topk_groups * per_group} "
-                            f"experts of the kept groups")
-        if problems:
-            raise ValueError(f"grouped top-k routing: {'; '.join(problems)}")
 
 
 def grouped_top_k(logits: torch.Tensor, correction_bias: torch.Tensor | None,

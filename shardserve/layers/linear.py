@@ -17,6 +17,7 @@ from torch import nn
 from shardserve.distributed.communicator import NORMED, Communicator, reduced_first
 from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.linear_kernels import LinearKernel
+from shardserve.weight_format import as_tensor
 
 _DEFAULT_KERNEL = LinearKernel()
 _deferred = False  # inside deferred_weights(): layers' weights (linear layers, experts) are built on the meta device
@@ -34,16 +35,6 @@ def deferred_weights():
         _deferred = before
 
 Rows = tuple[int, int]  # [start, end) of the checkpoint tensor's first dimension
-
-
-def as_tensor(loaded: Any) -> torch.Tensor:
-    return loaded if isinstance(loaded, torch.Tensor) else torch.as_tensor(loaded)
-
-
-def shape_of(loaded: Any) -> tuple[int, ...]:
-    """The whole shape of a checkpoint tensor as weight loaders get it: a tensor, or a slice read on indexing
-    (safetensors, quantized weights) that tells its shape with get_shape()."""
-    return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
 
 
 def copy_exact(target: torch.Tensor, loaded: Any) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from shardserve.kernels import availability
 from shardserve.kernels.causal_conv1d import causal_conv1d, causal_conv1d_step
-from shardserve.kernels.mamba2_ssd import ssd_chunked, ssd_step, step_sizes
+from shardserve.kernels.mamba2_ssd import split_channels, ssd_chunked, ssd_step, step_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +53,6 @@ class Mamba2Kernels(Protocol):
         """weight * norm(y * silu(z)), the RMS over each group of group_size features apart: y [rows, features]
         float32, z [rows, features] (rows may be strided), weight [features]. Returns [rows, features] in weight's
         dtype, normalised in float32 and rounded before the weight (NemotronH's RMSNormGated)."""
-
-
-def split_channels(mixed: torch.Tensor, heads: int, head_dim: int, groups: int):
-    """Convolved channels [T, channels] -> x [T, heads, head_dim], B and C [T, groups, state_size]."""
-    t = mixed.shape[0]
-    xs, b, c = mixed.split([heads * head_dim, *(2 * [(mixed.shape[1] - heads * head_dim) // 2])], dim=-1)
-    return xs.reshape(t, heads, head_dim), b.reshape(t, groups, -1), c.reshape(t, groups, -1)
 
 
 class TorchMamba2Kernels:

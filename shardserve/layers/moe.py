@@ -45,10 +45,11 @@ from torch import nn
 from shardserve.distributed.communicator import NORMED, Communicator, reduced_first
 from shardserve import envs
 from shardserve.kernels.fused_moe_table import ROUTE_ALIGN_MAX_TOKENS
-from shardserve.layers.linear import (ColumnParallelLinear, as_tensor, empty_parameter, materialized, shape_of,
+from shardserve.layers.linear import (ColumnParallelLinear, as_tensor, empty_parameter, materialized,
                                      weights_device)
 from shardserve.layers.mlp import SwiGLUMLP
 from shardserve.layers.sharding import expert_shard, split_rows
+from shardserve.weight_format import shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -247,10 +248,7 @@ class SparseMoE(nn.Module):
         """Whether a CUDA graph can capture this block: a device-only expert computation runs here (no host
         synchronisation)."""
         if self.packed is not None:
-            from shardserve.layers.moe_packed import packed_compute, packed_fused
-
-            return self.w13.is_cuda and packed_compute(self.packed.view(self), self.choices,
-                                                       self.packed.compute_dtype) is packed_fused
+            return self.packed.graph_safe(self)
         return self.w13.is_cuda and device_experts(self.w13, self.w2, self.choices) is not None
 
     def experts(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -259,10 +257,7 @@ class SparseMoE(nn.Module):
         if self.experts_held[0]:
             experts = experts - self.experts_held[0]
         if self.packed is not None:
-            from shardserve.layers.moe_packed import packed_compute
-
-            packed = self.packed.view(self)
-            return packed_compute(packed, self.choices, h.dtype)(h, packed, weights, experts)
+            return self.packed.experts(self, h, weights, experts)
         compute = device_experts(self.w13, self.w2, self.choices) if h.is_cuda else None
         return (compute or grouped_experts)(h, self.w13, self.w2, weights, experts)
 

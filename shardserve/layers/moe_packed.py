@@ -81,6 +81,15 @@ class ExpertPacking:
         return PackedExperts(self.kind, moe.w13.data, moe.w13_scale.data, self.group13, moe.w2.data,
                              moe.w2_scale.data, self.group2)
 
+    def graph_safe(self, moe: SparseMoE) -> bool:
+        """SparseMoE.graph_safe for these experts: the fused kernel runs on them (packed_compute)."""
+        return moe.w13.is_cuda and packed_compute(self.view(moe), moe.choices, self.compute_dtype) is packed_fused
+
+    def experts(self, moe: SparseMoE, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """SparseMoE.experts for these experts (ids already local to this rank), by packed_compute's choice."""
+        packed = self.view(moe)
+        return packed_compute(packed, moe.choices, h.dtype)(h, packed, weights, ids)
+
     def load(self, moe: SparseMoE, which: str, loaded: Any, shard_id: Hashable) -> None:
         """One expert's gate, up (which "w13", shard id (expert, 0 or 1)) or down projection ("w2") from a quantized
         checkpoint: only this rank's rows (w13) or columns (w2) of its packed bytes and scales are read. Float

@@ -666,7 +666,7 @@ def int4_split_forms(packed: PackedWeights) -> list[tuple[int, ...]]:
 def tiled_candidates(packed: PackedWeights) -> tuple[tuple[int, ...], ...]:
     """The tiled GEMV configurations start-up times for a packed shape: GEMV_CANDIDATES, and for FP8 with one scale a
     row FP8_F16_CANDIDATES (float16 sums) too, or only one kind, as SHARDSERVE_FP8_GEMV_SUMS says (auto: both)."""
-    from shardserve.kernels.quant_pack import fp8_groups
+    from shardserve.kernels.quant_layout import fp8_groups
 
     if packed.layout.kind != "fp8" or fp8_groups(packed.k, packed.group) != 1:
         return GEMV_CANDIDATES

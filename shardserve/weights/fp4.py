@@ -22,17 +22,14 @@ the sign (codes 8..15 their negatives).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
-from shardserve.weights.quantized import Checkpoint, DequantizedWeight, QuantScheme, _expand, _unsupported
+from shardserve.weight_format import MXFP4_GROUP, NVFP4_GROUP, Checkpoint, DequantizedWeight, QuantScheme, _expand
 
 logger = logging.getLogger(__name__)
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-NVFP4_GROUP = 16
-MXFP4_GROUP = 32
 E8M0_BIAS = 127
 
 NVFP4_PARTS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
@@ -47,23 +44,6 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
 def unpack_fp4_rows(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., C / 2] two codes a byte, low nibble first -> uint8 [..., C] codes 0..15."""
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
-
-
-def parse_modelopt(qc: dict[str, Any]) -> QuantScheme:
-    """ModelOpt's quantization_config (or hf_quant_config.json's `quantization`, the same keys): NVFP4 weights in
-    groups of 16 only; its 4-bit activations are computed in the compute dtype instead."""
-    algo = str(qc.get("quant_algo", "")).upper()
-    if algo != "NVFP4":
-        raise _unsupported(f"modelopt quant_algo {qc.get('quant_algo')!r} (NVFP4 only)")
-    group = int(qc.get("group_size", NVFP4_GROUP))
-    if group != NVFP4_GROUP:
-        raise _unsupported(f"modelopt NVFP4 with groups of {group} (groups of 16 only)")
-    return QuantScheme("nvfp4", group_size=NVFP4_GROUP)
-
-
-def parse_mxfp4(qc: dict[str, Any]) -> QuantScheme:
-    """gpt-oss's `quant_method: mxfp4`: e2m1 codes in groups of 32 with a power-of-two (e8m0) scale each."""
-    return QuantScheme("mxfp4", group_size=MXFP4_GROUP)
 
 
 def fp4_modules(names: list[str], scheme: QuantScheme) -> dict[str, dict[str, str]]:

@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Any, Iterable, Iterator
 
+import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -24,9 +25,12 @@ from safetensors import safe_open
 from torch import nn
 
 from shardserve.attention import kv_quant
+from shardserve.config import ModelConfig
 from shardserve.layers.attention import PagedAttention
-from shardserve.layers.linear import load_whole, shape_of
+from shardserve.layers.linear import load_whole
 from shardserve.layers.quantized_linear import PACKED_PARTS, quantizable_layers
+from shardserve.weight_format import shape_of
+from shardserve.weights.synthetic import expected_checkpoint_shapes, iter_synthetic_checkpoint
 from shardserve.weights.quantized import (Checkpoint, QuantScheme, count_dequantized, dequantized_checkpoint,
                                           quantized_prefixes)
 
@@ -255,12 +259,17 @@ def model_tensor_name(name: str, renamed: dict[str, str]) -> str:
     return name
 
 
+def load_synthetic_weights(model: nn.Module, model_config: ModelConfig, device: torch.device | str,
+                           dtype: torch.dtype, seed: int = 0) -> None:
+    """Fill `model` (this rank's shards) with synthetic weights, as `load_weights` does from a checkpoint."""
+    load_tensors(model, iter_synthetic_checkpoint(model_config, device, dtype, seed),
+                 model_config.tie_word_embeddings, f"synthetic weights for {model_config.architecture}")
+
+
 def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     config = getattr(model, "config", None)
     if config is None:
         return {}
-    from shardserve.weights.synthetic import expected_checkpoint_shapes
-
     return expected_checkpoint_shapes(config)
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardserve import envs
+from shardserve.kernels.cuda_driver import check, device_bytes, driver, make_context_current
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +53,6 @@ class _AccessDesc(ctypes.Structure):
     _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
 
 
-@functools.cache
-def _driver():
-    """libcuda through ctypes, or None where there is no NVIDIA driver."""
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-
-
 def enabled(device: torch.device) -> bool:
     """Arenas are used where available unless SHARDSERVE_STABLE_MEMORY=0 (then sleep frees tensors and wake
     captures the CUDA graphs again)."""
@@ -69,7 +61,7 @@ def enabled(device: torch.device) -> bool:
 
 def available(device: torch.device) -> bool:
     """Whether arenas can be made on `device` (a CUDA device with the driver's virtual memory API)."""
-    if device.type != "cuda" or _driver() is None:
+    if device.type != "cuda" or driver() is None:
         return False
     try:
         _granularity(device.index if device.index is not None else torch.cuda.current_device())
@@ -77,23 +69,6 @@ def available(device: torch.device) -> bool:
         logger.info("address-stable device memory unavailable: %s", e)
         return False
     return True
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorString(result, ctypes.byref(name))
-        raise RuntimeError(f"{what} failed: CUDA driver error {result} ({(name.value or b'?').decode()})")
-
-
-def _make_context_current(ordinal: int) -> None:
-    """The driver API acts on the calling thread's current context; use the device's primary one (torch's)."""
-    drv = _driver()
-    device, ctx = ctypes.c_int(), ctypes.c_void_p()
-    _check(drv.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
-    _check(drv.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
-    _check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    _check(drv.cuDevicePrimaryCtxRelease(device), "cuDevicePrimaryCtxRelease")  # torch holds its own reference
 
 
 def _prop(ordinal: int) -> _AllocationProp:
@@ -105,26 +80,13 @@ def _prop(ordinal: int) -> _AllocationProp:
 
 @functools.cache
 def _granularity(ordinal: int) -> int:
-    _make_context_current(ordinal)
+    make_context_current(ordinal)
     size = ctypes.c_size_t()
     prop = _prop(ordinal)
-    _check(_driver().cuMemGetAllocationGranularity(ctypes.byref(size), ctypes.byref(prop),
+    check(driver().cuMemGetAllocationGranularity(ctypes.byref(size), ctypes.byref(prop),
                                                    _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
            "cuMemGetAllocationGranularity")
     return size.value
-
-
-class _CudaArrayView:
-    """A raw device range in the form torch.as_tensor accepts without copying."""
-
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
-                                         "version": 3, "strides": None}
-
-
-def device_bytes(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor viewing `nbytes` of device memory at `address` (no copy; the caller keeps it alive)."""
-    return torch.as_tensor(_CudaArrayView(address, nbytes), device=device)
 
 
 class StableArena:
@@ -143,9 +105,9 @@ class StableArena:
         self.nbytes = max(gran, -(-nbytes // gran) * gran)
         chunk = max(gran, self.CHUNK_BYTES // gran * gran)
         self.chunks = [(start, min(chunk, self.nbytes - start)) for start in range(0, self.nbytes, chunk)]
-        _make_context_current(self.ordinal)
+        make_context_current(self.ordinal)
         address = ctypes.c_uint64()
-        _check(_driver().cuMemAddressReserve(ctypes.byref(address), ctypes.c_size_t(self.nbytes),
+        check(driver().cuMemAddressReserve(ctypes.byref(address), ctypes.c_size_t(self.nbytes),
                                              ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_uint64(0)),
                "cuMemAddressReserve")
         self.address = address.value
@@ -169,7 +131,7 @@ class StableArena:
         chunk while the previous one copies. The copies are asynchronous on the current stream."""
         if self.mapped:
             return
-        _make_context_current(self.ordinal)
+        make_context_current(self.ordinal)
         try:
             for index, (start, size) in enumerate(self.chunks):
                 if index == len(self._handles):  # chunks already mapped (map_through) keep their contents
@@ -184,7 +146,7 @@ class StableArena:
     def map_through(self, end: int) -> None:
         """Back the range from its start through byte `end`: an arena filled front to back needs physical
         memory only as far as it has been filled."""
-        _make_context_current(self.ordinal)
+        make_context_current(self.ordinal)
         try:
             while not self.mapped and self.chunks[len(self._handles)][0] < end:
                 self._map_chunk(*self.chunks[len(self._handles)])
@@ -193,20 +155,20 @@ class StableArena:
             raise
 
     def _map_chunk(self, start: int, size: int) -> None:
-        drv = _driver()
+        drv = driver()
         handle = ctypes.c_uint64()
         prop = _prop(self.ordinal)
-        _check(drv.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop),
+        check(drv.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop),
                                ctypes.c_uint64(0)), "cuMemCreate")
         address = ctypes.c_uint64(self.address + start)
         result = drv.cuMemMap(address, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_uint64(0))
         if result != 0:
             drv.cuMemRelease(handle)
-            _check(result, "cuMemMap")
+            check(result, "cuMemMap")
         self._handles.append(handle.value)  # mapped: release() now undoes it
         access = _AccessDesc(_Location(_CU_MEM_LOCATION_TYPE_DEVICE, self.ordinal),
                              _CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-        _check(drv.cuMemSetAccess(address, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)),
+        check(drv.cuMemSetAccess(address, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)),
                "cuMemSetAccess")
 
     def release(self) -> None:
@@ -214,19 +176,19 @@ class StableArena:
         if not self._handles:
             return
         torch.cuda.synchronize(self.device)  # no kernel or copy may still be using the memory
-        drv = _driver()
-        _make_context_current(self.ordinal)
+        drv = driver()
+        make_context_current(self.ordinal)
         for (start, size), handle in zip(self.chunks, self._handles):
-            _check(drv.cuMemUnmap(ctypes.c_uint64(self.address + start), ctypes.c_size_t(size)), "cuMemUnmap")
-            _check(drv.cuMemRelease(ctypes.c_uint64(handle)), "cuMemRelease")
+            check(drv.cuMemUnmap(ctypes.c_uint64(self.address + start), ctypes.c_size_t(size)), "cuMemUnmap")
+            check(drv.cuMemRelease(ctypes.c_uint64(handle)), "cuMemRelease")
         self._handles = []
 
     def close(self) -> None:
-        if self.address is None or _driver() is None:
+        if self.address is None or driver() is None:
             return
         try:
             self.release()
-            _check(_driver().cuMemAddressFree(ctypes.c_uint64(self.address), ctypes.c_size_t(self.nbytes)),
+            check(driver().cuMemAddressFree(ctypes.c_uint64(self.address), ctypes.c_size_t(self.nbytes)),
                    "cuMemAddressFree")
         except RuntimeError as e:  # at interpreter exit the context may already be gone
             logger.debug("arena close: %s", e)

@@ -22,10 +22,8 @@ import hashlib
 from typing import Iterator
 
 import torch
-from torch import nn
 
 from shardserve.config import ModelConfig
-from shardserve.weights.loader import load_tensors
 
 STD = 0.02
 
@@ -222,13 +220,6 @@ def iter_synthetic_checkpoint(model_config: ModelConfig, device: torch.device | 
     time on `device` in `dtype`."""
     for name, shape in synthetic_checkpoint_shapes(model_config):
         yield name, synthetic_tensor(name, shape, device, dtype, seed)
-
-
-def load_synthetic_weights(model: nn.Module, model_config: ModelConfig, device: torch.device | str,
-                           dtype: torch.dtype, seed: int = 0) -> None:
-    """Fill `model` (this rank's shards) with synthetic weights, as `load_weights` does from a checkpoint."""
-    load_tensors(model, iter_synthetic_checkpoint(model_config, device, dtype, seed),
-                 model_config.tie_word_embeddings, f"synthetic weights for {model_config.architecture}")
 
 
 def _name_seed(seed: int, name: str) -> int:

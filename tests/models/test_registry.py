@@ -14,7 +14,7 @@ from shardserve.distributed.communicator import Communicator
 from shardserve.model_files import ModelPathError, check_model_path
 from shardserve.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitecture, model_class
 from shardserve.weights import gguf_loader
-from shardserve.weights.synthetic import load_synthetic_weights
+from shardserve.weights.loader import load_synthetic_weights
 
 SERVED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
           "Qwen2MoeForCausalLM",

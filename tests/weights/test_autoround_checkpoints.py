@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardserve import LLM, SamplingParams
-from shardserve.weights.quantized import UnsupportedQuantization, parse_quantization, unpack_int4
+from shardserve.weight_format import UnsupportedQuantization, parse_quantization
+from shardserve.weights.quantized import unpack_int4
 from tests.models.reference import random_prompts, transformers_greedy
 from tests.helpers.quantized import gptq, pack_gptq_int4
 

@@ -12,7 +12,7 @@ import torch
 
 from shardserve.config import ModelConfig
 from shardserve.weights.fp4 import Fp4Weight, mxfp4_group_scales, nvfp4_group_scales
-from shardserve.weights.quantized import UnsupportedQuantization, parse_quantization
+from shardserve.weight_format import UnsupportedQuantization, parse_quantization
 from tests.helpers.greedy import check_matches, reference
 from tests.helpers.quantized import FP4_SCHEMES, NVFP4_CONFIG, mxfp4, nvfp4, write_quantized
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardserve.config import ModelConfig
-from shardserve.weights.quantized import UnsupportedQuantization, parse_quantization
+from shardserve.weight_format import UnsupportedQuantization, parse_quantization
 from tests.helpers.greedy import NEW_TOKENS, check_matches, prompts, reference
 from tests.helpers.quantized import HEAD_SCHEMES, SCHEMES, expert_blocks, fp8_channel, linear_weights, write_quantized
 

@@ -14,7 +14,8 @@ from shardserve.entrypoints.llm import LLM
 from shardserve.models import model_class
 from shardserve.requests.sampling_params import SamplingParams
 from shardserve.weights.loader import safetensors_files
-from shardserve.weights.synthetic import iter_synthetic_checkpoint, load_synthetic_weights
+from shardserve.weights.loader import load_synthetic_weights
+from shardserve.weights.synthetic import iter_synthetic_checkpoint
 from tests.tiny_models import TINY_SPECS
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

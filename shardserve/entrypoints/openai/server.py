@@ -27,7 +27,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from shardserve import __version__, heap
+from shardserve import heap
 from shardserve.entrypoints.openai.chat_output import ChatOutput, ChatParsers
 from shardserve.entrypoints.openai.constraints import checked, checked_tool_schemas, constraint_of
 from shardserve.entrypoints.openai.errors import (
@@ -59,6 +59,7 @@ from shardserve.entrypoints.openai.tool_parsers import GenericToolParser, ToolPa
 from shardserve.entrypoints.openai.tool_prompts import TOOL_FORMATS, ChatPrompter
 from shardserve.entrypoints.openai.tools import tool_plan
 from shardserve.requests.sampling_params import SEED_RANGE, SamplingParams, StructuredOutput
+from shardserve.version import __version__
 
 if TYPE_CHECKING:
     from shardserve.requests.client import EngineClient

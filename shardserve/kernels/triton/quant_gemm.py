@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.quant_pack import check_fp8, check_int4, fit_block_k, fp8_groups
+from shardserve.kernels.quant_layout import check_fp8, check_int4, fp8_groups
+from shardserve.kernels.quant_pack import fit_block_k
 from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _fp4_codes, _native_fp8,
                                                   four_bit_scale_and_zero, nibble_values)
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.quant_pack import FOUR_BIT_KINDS, SCALE_MASK, ZERO_MASK, check_fp8, check_int4, fp8_groups
+from shardserve.kernels.quant_layout import FOUR_BIT_KINDS, SCALE_MASK, ZERO_MASK, check_fp8, check_int4, fp8_groups
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import ARRIVAL_SLOTS, arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.pdl import enter
