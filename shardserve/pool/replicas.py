@@ -33,7 +33,7 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from shardserve import __version__
+from shardserve.version import __version__
 from shardserve.entrypoints.openai.errors import InvalidRequestError, ServiceUnavailableError, install_error_handlers
 from shardserve.entrypoints.openai.middleware import require_api_key
 from shardserve.pool.manager import ServerProcess
