@@ -11,24 +11,30 @@ Checkpoints hold the experts one by one (`experts.{e}.up_proj.weight` [I, D], `e
 [D, I]) or stacked as transformers keeps them in memory (`experts.up_proj` [E, I, D], `experts.down_proj` [E, D, I]);
 the loaders take either (shard ids (expert, None), or "all").
 
-The computation groups the (token, expert) pairs by expert and runs each expert that received tokens on its tokens
-at once (layers/moe.grouped_by_expert), reading the counts on the host: not captured by CUDA graphs, on any device
-(no fused GPU kernel for this layout yet).
+On GPUs the fused Triton kernel (kernels/triton/fused_moe.py with the layer's activation: no host synchronisation,
+so CUDA graphs capture the layer) computes it, once it has matched a float64 reference on random inputs at every
+token count that picks another kernel config (checked once per device, shapes, top k, activation and dtype).
+Elsewhere, or where it does not match (logged), the (token, expert) pairs are grouped by expert and each expert
+that received tokens runs on its tokens at once (layers/moe.grouped_by_expert), reading the counts on the host: not
+captured by CUDA graphs.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Hashable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve import envs
 from shardserve.layers.linear import as_tensor, empty_parameter
-from shardserve.layers.moe import _check_shape, grouped_by_expert
+from shardserve.layers.moe import _check_shape, check_routes, close_to_float64, grouped_by_expert
 from shardserve.layers.sharding import ExpertShard
 
 ACTIVATIONS = ("relu2", "silu")
+logger = logging.getLogger(__name__)
 
 
 def relu2_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -40,18 +46,46 @@ def silu_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
     return F.linear(F.silu(F.linear(x, w1)), w2)
 
 
-class NonGatedExperts(nn.Module):
-    # The expert counts are read on the host (grouped_by_expert): a CUDA graph cannot capture the layer.
-    graph_safe = False
-    graph_unsafe_reason = "Nemotron's non-gated experts read their token counts on the host"
+_fused_checked: dict[tuple, bool] = {}
 
-    def __init__(self, width: int, intermediate_size: int, num_experts: int, shard: ExpertShard, activation: str,
-                 dtype: torch.dtype) -> None:
-        """width: D, what each expert reads and writes; shard: this rank's experts and features of each."""
+
+def fused_matches(w1: torch.Tensor, w2: torch.Tensor, top_k: int, activation: str) -> bool:
+    """Whether the fused kernel computes these experts' shapes on this GPU within tolerance of float64 (random
+    weights of the layer's shapes; the real ones may not be loaded yet), checked once per key."""
+    if not w1.is_cuda or not envs.DEVICE_EXPERTS.get():
+        return False
+    key = (w1.device, tuple(w1.shape), tuple(w2.shape), w1.dtype, top_k, activation)
+    if key not in _fused_checked:
+        from shardserve.kernels.triton.fused_moe import fused_moe
+
+        g = torch.Generator(device=w1.device).manual_seed(0)
+        a = torch.randn(w1.shape, generator=g, device=w1.device).mul_(0.05).to(w1.dtype)
+        b = torch.randn(w2.shape, generator=g, device=w1.device).mul_(0.05).to(w1.dtype)
+        ffn = relu2_ffn if activation == "relu2" else silu_ffn
+        what = f"non-gated {activation} experts of shape {tuple(w1.shape)} on {w1.device}"
+        _fused_checked[key] = all(
+            close_to_float64("fused_moe", what, tokens, w1.dtype,
+                             lambda: fused_moe(x, a, b, weights, ids, activation=activation),
+                             lambda: grouped_by_expert(x.double(), a.shape[0], lambda e: (a[e].double(), b[e].double()),
+                                                       weights.double(), ids, ffn))
+            for tokens, x, weights, ids in check_routes(w1.shape[0], w1.shape[2], top_k, w1.dtype, w1.device, g))
+        if not _fused_checked[key]:
+            logger.warning("%s run grouped by expert with the counts read on the host: no CUDA graphs", what)
+    return _fused_checked[key]
+
+
+class NonGatedExperts(nn.Module):
+    graph_unsafe_reason = "Nemotron's non-gated experts without their fused kernel read their token counts on the host"
+
+    def __init__(self, width: int, intermediate_size: int, num_experts: int, top_k: int, shard: ExpertShard,
+                 activation: str, dtype: torch.dtype) -> None:
+        """width: D, what each expert reads and writes; top_k: the experts a token chooses; shard: this rank's
+        experts and features of each."""
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"non-gated experts with activation {activation!r}: only {ACTIVATIONS} are implemented")
         self.shard, self.width, self.intermediate_size, self.num_experts = shard, width, intermediate_size, num_experts
+        self.activation, self.top_k = activation, top_k
         self.ffn = relu2_ffn if activation == "relu2" else silu_ffn
         (e0, e1), (r0, r1) = shard.experts, shard.rows
         self.w1 = empty_parameter(e1 - e0, r1 - r0, width, dtype=dtype)
@@ -83,9 +117,18 @@ class NonGatedExperts(nn.Module):
             param.data[expert - e0].copy_(as_tensor(loaded[:, r0:r1]))
 
     # -- computation
+    @property
+    def graph_safe(self) -> bool:
+        """Whether the fused kernel computes the layer (no host synchronisation: CUDA graphs capture it)."""
+        return fused_matches(self.w1, self.w2, self.top_k, self.activation)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) over this rank's experts and features: x [T, D], weights and
         ids [T, k] (global expert ids; other ranks' experts add nothing). A partial sum where shard.sharded."""
         e0 = self.shard.experts[0]
         local = ids - e0 if e0 else ids
+        if fused_matches(self.w1, self.w2, ids.shape[1], self.activation):
+            from shardserve.kernels.triton.fused_moe import fused_moe
+
+            return fused_moe(x, self.w1, self.w2, weights, local, activation=self.activation)
         return grouped_by_expert(x, self.w1.shape[0], lambda e: (self.w1[e], self.w2[e]), weights, local, self.ffn)

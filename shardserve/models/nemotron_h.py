@@ -126,8 +126,8 @@ class NemotronHMoE(nn.Module):
         route = GroupedTopK(cfg.num_experts, cfg.num_experts_per_tok, cfg.num_expert_groups, cfg.topk_expert_groups,
                             cfg.renormalize_topk, cfg.routed_scaling_factor)
         self.gate = GroupedTopKRouter(h, route)
-        self.experts = NonGatedExperts(latent or h, cfg.moe_intermediate_size, cfg.num_experts, shard,
-                                       cfg.mlp_activation, dtype)
+        self.experts = NonGatedExperts(latent or h, cfg.moe_intermediate_size, cfg.num_experts,
+                                       cfg.num_experts_per_tok, shard, cfg.mlp_activation, dtype)
         self.fc1_latent_proj = self.fc2_latent_proj = None
         if latent:
             self.fc1_latent_proj = ColumnParallelLinear(h, {None: (0, latent)}, False, dtype)

@@ -507,3 +507,45 @@ def test_one_token_from_logits_with_this_ranks_experts(held):
         first = check_from_logits(1, 8, 2, 48, 24, torch.float32, held=(0, 4), config=ONE_TOKEN_SMALL)
         whole = check_from_logits(1, 8, 2, 48, 24, torch.float32, config=ONE_TOKEN_SMALL)
         assert torch.equal(first + got, whole)  # two choices: one float32 addition either way
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Non-gated experts (NemotronH's): w13 holds only the up rows, the activation applies to them alone
+
+
+def reference_non_gated(x, w1, w2, weights, ids, activation: str) -> torch.Tensor:
+    act = (lambda u: torch.relu(u).square()) if activation == "relu2" else F.silu
+    x, w1, w2, weights = x.double(), w1.double(), w2.double(), weights.double()
+    out = torch.zeros_like(x)
+    for expert in range(w1.shape[0]):
+        token, choice = (ids == expert).nonzero(as_tuple=True)
+        if token.numel():
+            out.index_add_(0, token, act(x[token] @ w1[expert].T) @ w2[expert].T * weights[token, choice, None])
+    return out
+
+
+@pytest.mark.parametrize("activation", ["relu2", "silu"])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_non_gated_experts_equal_float64(activation, tokens):
+    """The grouped GEMMs and, for one token, the matrix-vector path; choices of another rank's experts (ids past E,
+    as expert parallelism leaves them) add nothing; an inter size off the tiles' multiple."""
+    num_experts, top_k, hidden, inter = 6, 3, 48, 40
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    w1 = (torch.randn(num_experts, inter, hidden, generator=g, device=DEVICE) * hidden ** -0.5).float()
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g, device=DEVICE) * inter ** -0.5).float()
+    x, weights, ids = make_routes(tokens, num_experts + 2, top_k, torch.float32, hidden)
+    config = ONE_TOKEN_SMALL if tokens == 1 else SMALL
+    got = fused_moe(x, w1, w2, weights, ids, config=config, activation=activation)
+    want = reference_non_gated(x, w1, w2, weights, ids, activation)
+    assert (ids >= num_experts).any() or tokens == 1
+    error = relative_error(got, want)
+    assert error < TOLERANCE[torch.float32], f"{activation}: relative error {error:.3g} at T={tokens}"
+
+
+def test_non_gated_shapes_are_checked_by_activation():
+    w1, w2 = torch.zeros(2, 8, 16, device=DEVICE), torch.zeros(2, 16, 8, device=DEVICE)
+    x, weights, ids = make_routes(2, 2, 1, torch.float32, 16)
+    with pytest.raises(ValueError, match=r"w2 must be \[2, 16, 4\] for swiglu experts"):
+        fused_moe(x, w1, w2, weights, ids)
+    with pytest.raises(ValueError, match="activation 'gelu': use one of swiglu, relu2, silu"):
+        fused_moe(x, w1, w2, weights, ids, activation="gelu")

@@ -136,7 +136,8 @@ def test_what_is_not_served_is_refused_by_name(tiny_model_dir, tmp_path, changes
 @pytest.mark.parametrize("tp", [1, 2])
 def test_on_gpus_in_chunks_equals_transformers(tiny_model_dir, name, tp):
     """The CUDA path at float32: the Mamba-2 state pools on the device, the Triton decode kernels stepping them in
-    their slots, the mixtures of experts on the GPU, prompts prefilled in chunks beside others' decode steps."""
+    their slots, the non-gated experts on the fused kernel, decode replayed from CUDA graphs, prompts prefilled in
+    chunks beside others' decode steps."""
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} CUDA GPU(s)")
     model_dir = tiny_model_dir(name)
@@ -144,6 +145,7 @@ def test_on_gpus_in_chunks_equals_transformers(tiny_model_dir, name, tp):
     with LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4,
              max_num_batched_tokens=12, tensor_parallel_size=tp) as llm:
         assert "Mamba-2 triton decode" in llm.engine.runner.plan.describe()
+        assert llm.engine.runner.graphs is not None  # the experts on the fused kernel: decode in CUDA graphs
         outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
         assert_all_returned(llm)
     assert tuple(tuple(o.token_ids) for o in outputs) == expected, f"{name} TP={tp}"

@@ -31,6 +31,8 @@ slots; blocks past the real groups exit at once), so CUDA graphs capture the who
 received tokens are read: decode reads k experts' weights, not E. Block sizes come from a table keyed on the
 expected rows per expert (T*k/E): kernels/fused_moe_table.py.
 Accumulation is float32 for every input dtype; float32 inputs multiply in full float32 (no TF32).
+Non-gated experts (NemotronH's: `activation` "relu2" or "silu", w13 holding only up rows) run the same launches
+with the gate's product left out.
 Packed experts (FP8 or 4-bit with scales, kernels/packed_experts.py: fused_moe_packed) run the same GEMMs, each
 weight tile dequantized in registers before its product, so only the packed bytes are read (a single token too:
 the one-token path is for weights in the activations' dtype).
@@ -287,15 +289,33 @@ def _weight_tile(w_ptr, s_ptr, feats, feat_ok, k, stride_wn, stride_sn, K: tl.co
     return w
 
 
+# Activations (the ACT constexpr): SwiGLU experts hold gate and up rows in w13 [E, 2I, H]; non-gated experts
+# (NemotronH's) hold only up rows, w1 [E, I, H], and apply the squared ReLU or SiLU to them.
+ACTIVATIONS = {"swiglu": 0, "relu2": 1, "silu": 2}
+
+
+@triton.jit
+def _activate(gate, up, ACT: tl.constexpr):
+    """The expert's activation in float32: silu(gate) * up (SwiGLU), relu(up)^2, or silu(up) (gate unused)."""
+    if ACT == 0:
+        return gate / (1.0 + tl.exp(-gate)) * up
+    elif ACT == 1:
+        r = tl.maximum(up, 0.0)
+        return r * r
+    else:
+        return up / (1.0 + tl.exp(-up))
+
+
 @triton.jit
 def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
                       stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_a,
                       HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                      NATIVE_FP8: tl.constexpr, PDL: tl.constexpr):
+                      NATIVE_FP8: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr = 0):
     """Program (block, column tile): act[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for
-    the block's slots (padding rows compute zeros from masked loads and are not stored). Packed weights: s holds
-    the scales (int4: scale-and-zero words) [E, 2I, groups] (the gate's and the up rows' own)."""
+    the block's slots (padding rows compute zeros from masked loads and are not stored); non-gated (ACT 1, 2):
+    act(x[token] . w1[e, n]). Packed weights: s holds the scales (int4: scale-and-zero words) [E, 2I, groups] (the
+    gate's and the up rows' own)."""
     enter(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
@@ -317,13 +337,14 @@ def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr
             a = tl.load(a_ptrs + k, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs + k, mask=row_ok[:, None] & (k + ks < HIDDEN)[None, :], other=0.0)
-        g = _weight_tile(w_e, s_e, cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND, GROUP, NATIVE_FP8,
-                         BLOCK_K, BLOCK_N, dtype)
-        u = _weight_tile(w_e, s_e, INTER + cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND, GROUP,
-                         NATIVE_FP8, BLOCK_K, BLOCK_N, dtype)
-        gate = tl.dot(a, g, gate, input_precision=PRECISION)
+        if ACT == 0:
+            g = _weight_tile(w_e, s_e, cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND, GROUP, NATIVE_FP8,
+                             BLOCK_K, BLOCK_N, dtype)
+            gate = tl.dot(a, g, gate, input_precision=PRECISION)
+        u = _weight_tile(w_e, s_e, (INTER if ACT == 0 else 0) + cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND,
+                         GROUP, NATIVE_FP8, BLOCK_K, BLOCK_N, dtype)
         up = tl.dot(a, u, up, input_precision=PRECISION)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = _activate(gate, up, ACT)
     tl.store(act_ptr + slots.to(tl.int64)[:, None] * stride_a + cols[None, :], act.to(act_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -421,10 +442,11 @@ def _sum_choices_kernel(y_ptr, ids_ptr, out_ptr, num_experts, stride_y, stride_o
 @triton.jit
 def _one_token_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, id_base, num_experts, stride_we, stride_wn,
                          HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, ACT: tl.constexpr = 0):
     """Program (choice j, feature tile): act[j, n] = silu(w13[e, n] . x) * (w13[e, I + n] . x) for its BLOCK_N
-    features, e = ids[j] - id_base, rounded to x's dtype as the grouped GEMM rounds it; nothing for a choice
-    outside [0, E) (another rank's expert). The expert comes from the kernel just before: no load before the wait."""
+    features (non-gated, ACT 1 and 2: act(w1[e, n] . x)), e = ids[j] - id_base, rounded to x's dtype as the grouped
+    GEMM rounds it; nothing for a choice outside [0, E) (another rank's expert). The expert comes from the kernel
+    just before: no load before the wait."""
     enter(PDL)
     choice = tl.program_id(0)
     expert = tl.load(ids_ptr + choice) - id_base
@@ -434,15 +456,15 @@ def _one_token_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, id_base, num_experts, s
     feat_ok = feats < INTER
     cols = tl.arange(0, BLOCK_K)
     gate_rows = w_ptr + expert.to(tl.int64) * stride_we + feats.to(tl.int64)[:, None] * stride_wn
-    up_rows = gate_rows + INTER * stride_wn
+    up_rows = gate_rows + (INTER if ACT == 0 else 0) * stride_wn
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, HIDDEN, BLOCK_K):
         x = _x_tile(x_ptr, k, cols, HIDDEN, BLOCK_K).to(tl.float32)[None, :]
-        gate += _row_tile(gate_rows, k, cols, feat_ok, HIDDEN, BLOCK_K).to(tl.float32) * x
+        if ACT == 0:
+            gate += _row_tile(gate_rows, k, cols, feat_ok, HIDDEN, BLOCK_K).to(tl.float32) * x
         up += _row_tile(up_rows, k, cols, feat_ok, HIDDEN, BLOCK_K).to(tl.float32) * x
-    g = tl.sum(gate, axis=1)
-    act = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=1)
+    act = _activate(tl.sum(gate, axis=1), tl.sum(up, axis=1), ACT)
     tl.store(act_ptr + choice * INTER + feats, act.to(act_ptr.dtype.element_ty), mask=feat_ok)
 
 
@@ -623,13 +645,16 @@ def _check_routes(x, topk_weights, topk_ids) -> None:
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
 
 
-def _check_args(x, w13, w2, topk_weights, topk_ids) -> None:
-    num_experts, two_inter, hidden = w13.shape
+def _check_args(x, w13, w2, topk_weights, topk_ids, activation: str = "swiglu") -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}: use one of {', '.join(ACTIVATIONS)}")
+    num_experts, rows, hidden = w13.shape
+    inter = rows // 2 if activation == "swiglu" else rows
     if x.dim() != 2 or x.shape[1] != hidden:
         raise ValueError(f"x must be [T, {hidden}] for w13 {tuple(w13.shape)}, got {tuple(x.shape)}")
-    if two_inter % 2 or tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
-        raise ValueError(f"w2 must be [{num_experts}, {hidden}, {two_inter // 2}] for w13 {tuple(w13.shape)}, "
-                         f"got {tuple(w2.shape)}")
+    if (activation == "swiglu" and rows % 2) or tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"w2 must be [{num_experts}, {hidden}, {inter}] for {activation} experts w13 "
+                         f"{tuple(w13.shape)}, got {tuple(w2.shape)}")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"x, w13 and w2 must share one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
@@ -638,22 +663,25 @@ def _check_args(x, w13, w2, topk_weights, topk_ids) -> None:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoeConfig | OneTokenTiles | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoeConfig | OneTokenTiles | None = None,
+              activation: str = "swiglu") -> torch.Tensor:
     """x [T, H] (bf16, fp16 or fp32); w13 [E, 2*I, H]: per expert the gate rows [0, I) then the up rows [I, 2I);
     w2 [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int64 or int32 (values in [0, E); others add
     nothing). Returns [T, H] in x.dtype: out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) *
     (w13[e, I:] @ x[t])), e = topk_ids[t, j]. `config`: block sizes instead of the table's (pick_config), or for
-    a single token the one-token path's tiles (a MoeConfig keeps it on the grouped GEMMs)."""
-    _check_args(x, w13, w2, topk_weights, topk_ids)
+    a single token the one-token path's tiles (a MoeConfig keeps it on the grouped GEMMs). `activation` "relu2" or
+    "silu": non-gated experts, w13 [E, I, H] their up rows, each expert w2[e] @ act(w13[e] @ x[t])."""
+    _check_args(x, w13, w2, topk_weights, topk_ids, activation)
     tokens, top_k = topk_ids.shape
     if tokens == 0 or top_k == 0:
         return x.new_zeros(x.shape)
     config = config or _table_config(tokens, top_k, w13.shape[0], x.element_size())
     ids = topk_ids.contiguous()
     if isinstance(config, OneTokenTiles):
-        return _one_token_experts(x, w13, w2, topk_weights.contiguous(), ids, 0, config)
+        return _one_token_experts(x, w13, w2, topk_weights.contiguous(), ids, 0, config, activation)
     sorted_pairs, block_expert = align_pairs(ids, w13.shape[0], config.block_m)
-    return _experts(x, w13, w2, topk_weights.contiguous(), ids, sorted_pairs, block_expert, config)
+    return _experts(x, w13, w2, topk_weights.contiguous(), ids, sorted_pairs, block_expert, config,
+                    activation=activation)
 
 
 def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
@@ -745,7 +773,7 @@ def _packed_args(w: torch.Tensor, scale, group: int, kind: str) -> tuple:
 
 
 def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeConfig,
-             packed: PackedExperts | None = None) -> torch.Tensor:
+             packed: PackedExperts | None = None, activation: str = "swiglu") -> torch.Tensor:
     """Steps 2 to 4 on aligned pairs (ids: this rank's expert numbers, for the sum)."""
     tokens, top_k = ids.shape
     if packed is None:
@@ -769,8 +797,8 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
         x.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, act.stride(0),
         HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=up.block_n,
         BLOCK_K=up.block_k if kind == DENSE else fit_block_k(up.block_k, group, hidden),
-        PRECISION=precision, KIND=kind, GROUP=group, NATIVE_FP8=native_fp8, num_warps=up.num_warps,
-        num_stages=up.num_stages, **launch)
+        PRECISION=precision, KIND=kind, GROUP=group, NATIVE_FP8=native_fp8, ACT=ACTIVATIONS[activation],
+        num_warps=up.num_warps, num_stages=up.num_stages, **launch)
 
     y = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
@@ -807,7 +835,8 @@ def _sum_separately(y, ids, out, num_experts: int, id_base: int, launch: dict) -
 ONE_TOKEN_PRELOAD_TILES = 4
 
 
-def _one_token_experts(x, w13, w2, weights, ids, id_base: int, tiles: OneTokenTiles) -> torch.Tensor:
+def _one_token_experts(x, w13, w2, weights, ids, id_base: int, tiles: OneTokenTiles,
+                       activation: str = "swiglu") -> torch.Tensor:
     """The experts of a single token x [1, H] as matrix-vector products (the module docstring's one-token path);
     ids [1, k] are all experts' numbers, this rank's being [id_base, id_base + E)."""
     if x.shape[0] != 1:
@@ -819,7 +848,8 @@ def _one_token_experts(x, w13, w2, weights, ids, id_base: int, tiles: OneTokenTi
     up = tiles.up
     _one_token_up_kernel[(top_k, triton.cdiv(inter, up.block_n))](
         x, w13, act, ids, id_base, num_experts, w13.stride(0), w13.stride(1), HIDDEN=hidden, INTER=inter,
-        BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=up.num_warps, num_stages=up.num_stages, **launch)
+        BLOCK_N=up.block_n, BLOCK_K=up.block_k, ACT=ACTIVATIONS[activation], num_warps=up.num_warps,
+        num_stages=up.num_stages, **launch)
     down = tiles.down
     col_tiles = triton.cdiv(hidden, down.block_n)
     arrivals = arrival_counts(x.device, col_tiles)
