@@ -151,8 +151,12 @@ class ModelRunner:
         return self.model.state_pools(self.config.max_num_seqs, device, ssm_dtype=self.config.ssm_state_dtype)
 
     def _capture_graphs(self) -> None:
-        if self.device.type != "cuda" or self.config.enforce_eager or not hasattr(self.attention,
-                                                                                  "static_decode_metadata"):
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        if not hasattr(self.attention, "static_decode_metadata"):
+            if getattr(self.model, "attention_backend", None) is not None and self.ctx.is_driver:
+                logger.warning("no CUDA graphs: %s's attention backend %s keeps no static decode metadata; decode "
+                               "runs eagerly", self.model_config.architecture, self.attention.name)
             return
         unsafe = [(name, module) for name, module in self.model.named_modules()
                   if getattr(module, "graph_safe", True) is False]
