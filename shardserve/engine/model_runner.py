@@ -57,10 +57,10 @@ class ModelRunner:
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.block_size = config.block_size
         self.memory_plan = self._plan_memory()  # None where the planner cannot describe the model
-        self.model = self._load_model()
-        if kv_quant.is_fp8(self.kv_dtype) and getattr(self.model, "cache_layout", None) is not None:
+        if kv_quant.is_fp8(self.kv_dtype) and model_config.latent_attention:
             raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: {model_config.architecture}'s latent cache "
                              f"is kept in 16 or 32 bits; use --kv-cache-dtype auto or bfloat16")
+        self.model = self._load_model()
         if kv_quant.is_fp8(self.kv_dtype) and ctx.is_driver:
             logger.info("FP8 KV cache (e4m3): %s", kv_scales_summary(self.model))
         # On GPUs, weights and KV cache live at fixed addresses whose memory sleep gives back and wake takes

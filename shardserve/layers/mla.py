@@ -34,7 +34,7 @@ from shardserve.attention import kv_quant
 from shardserve.distributed.communicator import NORMED, Communicator, reduced_first
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.layers.norm import RMSNorm
-from shardserve.layers.rotary import RotaryLookup, _yarn_mscale
+from shardserve.layers.rotary import RotaryLookup, yarn_mscale
 from shardserve.layers.sharding import attention_shard
 
 
@@ -77,7 +77,7 @@ def softmax_scale(qk_head_dim: int, scaling: dict[str, Any] | None) -> float:
     as DeepSeek's attention scales its scores (beside YaRN's factor on the rotary tables)."""
     scale = qk_head_dim ** -0.5
     if scaling is not None and scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
-        mscale = _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
         scale *= mscale * mscale
     return scale
 

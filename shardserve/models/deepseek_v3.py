@@ -67,10 +67,12 @@ class DeepseekMoE(SparseMoE):
 class DeepseekV3ForCausalLM(MixtralForCausalLM):
     # Only the MLPs' gate and up projections are fused; the attention's projections keep their checkpoint names.
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
                  expert_parallel: bool = False) -> None:
         super().__init__(cfg, comm, dtype, max_positions, expert_parallel)
-        # Released V3 checkpoints carry the multi-token-prediction layer(s) after the last decoder layer.
+        # Released V3 checkpoints carry the multi-token-prediction layer(s) after the last decoder layer (one in
+        # DeepSeek-V3 and R1; up to four are recognised), each counted apart in the load's log.
         self.skipped_checkpoint_prefixes = {f"model.layers.{i}.": "the multi-token-prediction layers"
                                             for i in range(cfg.num_layers, cfg.num_layers + 4)}
 
