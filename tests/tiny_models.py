@@ -193,7 +193,8 @@ NEMOTRON_H_SPECS = {
 # shared expert of 32 features (split in 2, whole at 3), interleaved rope. "deepseek-v3-noq": q_proj straight from the
 # hidden states, 6 heads (split in 2 and 3), 6 experts (expert parallelism at 2: 3 a rank; at 3: 2), one group, 2
 # shared experts (64 features), rope in halves (rope_interleave false). "deepseek-v3-odd": 5 experts, which 2 ranks
-# do not divide (expert parallelism falls back to features), 3 heads. "deepseek-v2": softmax routing
+# do not divide (expert parallelism falls back to features), 3 heads, biases on q_a_proj, kv_a_proj_with_mqa and o_proj
+# (attention_bias). "deepseek-v2": softmax routing
 # (group_limited_greedy over 4 groups, 2 kept, not renormalised), q_lora_rank null, YaRN with mscale_all_dim
 # (the softmax scale times mscale^2).
 _DEEPSEEK = dict(hidden_size=64, num_hidden_layers=3, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
@@ -211,7 +212,7 @@ DEEPSEEK_SPECS = {
     "deepseek-v3-odd": TinySpec("deepseek-v3-odd", "deepseek_v3", dict(
         _DEEPSEEK, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=24, n_routed_experts=5,
         num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, norm_topk_prob=False,
-        routed_scaling_factor=1.5)),
+        routed_scaling_factor=1.5, attention_bias=True)),
     "deepseek-v2": TinySpec("deepseek-v2", "deepseek_v2", dict(
         _DEEPSEEK, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, n_routed_experts=8,
         num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy", n_shared_experts=1,
