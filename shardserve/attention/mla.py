@@ -31,6 +31,19 @@ class MlaMetadata:
     prefills: list[PrefillChunk]
 
 
+def device_decode(device: torch.device):
+    """("mla-triton", the Triton decode kernel) on CUDA where shardserve has it, else None (torch's)."""
+    from shardserve.kernels.availability import use_triton
+
+    if not use_triton(torch.empty(0, device=device)):
+        return None
+    try:
+        from shardserve.kernels.triton.mla_decode import mla_decode as triton_decode
+    except ImportError:
+        return None
+    return "mla-triton", triton_decode
+
+
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                block_size: int, scale: float, latent_dim: int) -> torch.Tensor:
     """Absorbed decode attention, one query token per sequence: for q [B, H, L + R] (the latent query beside the
@@ -50,15 +63,23 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
 
 
 class MlaBackend:
-    """The latent cache's metadata and its decode product (`decode`: mla_decode's signature)."""
+    """The latent cache's metadata and its decode product (`decode`: mla_decode's signature): the Triton kernel
+    (kernels/triton/mla_decode.py) on CUDA where it is there, else torch's mla_decode. Start-up checks the product
+    against float64 and falls back to torch's (engine/kernel_setup.checked_latent_attention)."""
 
-    name = "mla-torch"
     fuses_head_norm = False
 
-    def __init__(self, device: torch.device, block_size: int) -> None:
+    def __init__(self, device: torch.device, block_size: int, decode=None) -> None:
         self.device = device
         self.block_size = block_size
-        self.decode = mla_decode
+        self.name, self.decode = ("mla-torch", mla_decode) if decode is None else decode
+
+    @classmethod
+    def for_device(cls, device: torch.device, block_size: int) -> "MlaBackend":
+        return cls(device, block_size, device_decode(device))
+
+    def with_torch_decode(self) -> "MlaBackend":
+        return MlaBackend(self.device, self.block_size)
 
     def build_metadata(self, batch: StepBatch) -> MlaMetadata:
         bs, nd = self.block_size, batch.num_decode

@@ -89,7 +89,7 @@ class DeepseekV3ForCausalLM(MixtralForCausalLM):
         return CacheLayout(1, 1, self.config.kv_lora_rank + self.config.qk_rope_head_dim)
 
     def attention_backend(self, device: torch.device, block_size: int) -> MlaBackend:
-        return MlaBackend(device, block_size)
+        return MlaBackend.for_device(device, block_size)
 
     def latent_attention_layers(self) -> list[MultiHeadLatentAttention]:
         return [layer.self_attn for layer in self.model.layers]

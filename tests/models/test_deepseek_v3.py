@@ -229,3 +229,21 @@ def test_an_fp8_block_checkpoint_gives_transformers_tokens_on_its_values(tiny_mo
         # q_a_proj's 64 input columns are whole groups of 32 (o_proj's 48 are not: read as values)
         assert (attn.q_a_proj.packed is not None) == (layers == "packed")
     assert outputs == list(_reference(float_dir))
+
+
+def test_a_device_decode_that_fails_its_check_gives_way_to_torch(tiny_model_dir, monkeypatch, caplog):
+    """Where a decode kernel of mla_decode's signature is chosen (the Triton one on CUDA) and disagrees with the
+    expanded form, start-up warns and decodes with torch's, and the tokens stay transformers'."""
+    from shardserve.attention import mla
+
+    def wrong_scale(q, cache, tables, lens, block_size, scale, latent):
+        return mla.mla_decode(q, cache, tables, lens, block_size, 2 * scale, latent)
+
+    monkeypatch.setattr(mla, "device_decode", lambda device: ("mla-triton", wrong_scale))
+    model_dir = tiny_model_dir("deepseek-v3")
+    with caplog.at_level(logging.WARNING, logger="shardserve.engine.kernel_setup"):
+        with cpu_llm(model_dir) as llm:
+            assert llm.engine.runner.attention.name == "mla-torch"
+            got = llm.generate([_prompts()[1]], greedy(NEW_TOKENS))[0].token_ids
+    assert any("mla-triton failed its start-up check" in r.getMessage() for r in caplog.records)
+    assert tuple(got) == _reference(model_dir)[1]
