@@ -109,6 +109,25 @@ class ModelConfig:
     num_expert_groups: int = 1
     topk_expert_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # DeepSeek-V2/V3's multi-head latent attention (models/deepseek_v3.py; kv_lora_rank 0: none). Each head's query
+    # and key are [qk_nope_head_dim | qk_rope_head_dim] wide, its value v_head_dim; keys and values come from one
+    # latent of kv_lora_rank features per token (kv_b_proj expands it), the rotated part of the key from a single
+    # head shared by all. q_lora_rank 0: the query straight from the hidden states (q_proj), else through a
+    # low-rank bottleneck (q_a_proj, q_a_layernorm, q_b_proj). head_dim is qk_rope_head_dim (the rotary tables').
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rotated dims pair up as (0, 1), (2, 3)... rather than (i, i + half)
+    # DeepSeek's routing (layers/grouped_topk.py): "sigmoid" scores with a score-correction bias (V3's noaux_tc),
+    # or "softmax" (V2's greedy and group_limited_greedy) without one.
+    scoring_func: str = "sigmoid"
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether attention is DeepSeek's multi-head latent attention (one latent per token in the cache)."""
+        return self.kv_lora_rank > 0
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -133,6 +152,7 @@ class ModelConfig:
         cfg = text_model_config(cfg)
         arch = resolve_architecture(cfg.get("architectures") or [], cfg.get("model_type"))
         nemotron = _nemotron_h_fields(arch, cfg)
+        deepseek = _deepseek_fields(arch, cfg)
         num_heads = cfg["num_attention_heads"]
         rope = _rope_parameters(cfg, cfg.get("max_position_embeddings", 4096))
         eos = cfg.get("eos_token_id")
@@ -145,7 +165,7 @@ class ModelConfig:
             num_layers=len(nemotron["layer_types"]) if nemotron else cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=deepseek.get("qk_rope_head_dim") or cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5) if nemotron else cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope["rope_theta"],
@@ -166,6 +186,7 @@ class ModelConfig:
             **_moe_fields(arch, cfg),
             **_hybrid_fields(arch, cfg),
             **nemotron,
+            **deepseek,
         )
 
     @classmethod
@@ -199,7 +220,7 @@ class ModelConfig:
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields of a config.json (none for a dense model, nor for NemotronH, whose mixtures
     of experts _nemotron_h_moe_fields reads)."""
-    if arch == "NemotronHForCausalLM":
+    if arch in ("NemotronHForCausalLM",) + _DEEPSEEK:
         return {}
     layers = cfg["num_hidden_layers"]
     if arch == "MixtralForCausalLM":
@@ -317,13 +338,16 @@ class GroupedTopK:
     topk_groups: int = 1
     renormalize: bool = True
     scaling_factor: float = 1.0
+    scoring: str = "sigmoid"  # or "softmax"
 
     def __post_init__(self) -> None:
         per_group = self.num_experts // max(self.num_groups, 1)
         problems = []
+        if self.scoring not in ("sigmoid", "softmax"):
+            problems.append(f"scoring {self.scoring!r} is neither sigmoid nor softmax")
         if self.num_groups < 1 or self.num_experts % self.num_groups:
             problems.append(f"{self.num_experts} experts do not split into n_group={self.num_groups} equal groups")
-        elif self.num_groups > 1 and per_group < 2:
+        elif self.num_groups > 1 and per_group < 2 and self.scoring == "sigmoid":
             problems.append(f"groups of {per_group} expert: a group's worth is the sum of its two best scores")
         if not 1 <= self.topk_groups <= self.num_groups:
             problems.append(f"topk_group={self.topk_groups} is not between 1 and n_group={self.num_groups}")
@@ -359,6 +383,46 @@ def _nemotron_h_moe_fields(cfg: dict[str, Any], types: list[str]) -> dict[str, A
                 shared_expert_intermediate_size=cfg["moe_shared_expert_intermediate_size"],
                 moe_latent_size=cfg.get("moe_latent_size") or 0, num_expert_groups=route.num_groups,
                 topk_expert_groups=route.topk_groups, routed_scaling_factor=route.scaling_factor)
+
+
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# DeepSeek's routing methods: V3's noaux_tc (sigmoid scores, a score-correction bias, groups worth their two best),
+# V2's greedy (softmax over all experts) and group_limited_greedy (softmax, groups worth their best).
+_TOPK_METHODS = {"noaux_tc": "sigmoid", "greedy": "softmax", "group_limited_greedy": "softmax"}
+
+
+def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2's and V3's fields (none for other architectures): the latent attention's sizes, the rotation's
+    pairing, and the mixture of experts: layers from first_k_dense_replace on (every moe_layer_freq-th) sparse, with
+    n_shared_experts * moe_intermediate_size shared features and grouped routing (layers/grouped_topk.py).
+
+    V3 always routes with noaux_tc (transformers reads no topk_method for it); V2 with its topk_method, groups only
+    for group_limited_greedy. The rotation pairs neighbouring dims in V2 (its complex product) and in V3 where
+    rope_interleave says (transformers' default: true)."""
+    if arch not in _DEEPSEEK:
+        return {}
+    v3 = arch == "DeepseekV3ForCausalLM"
+    method = "noaux_tc" if v3 else (cfg.get("topk_method") or "greedy")
+    if method not in _TOPK_METHODS:
+        raise ValueError(f"{arch} with topk_method={method!r}: shardserve routes with "
+                         f"{', '.join(_TOPK_METHODS)}")
+    from shardserve.layers.grouped_topk import GroupedTopK
+
+    grouped = method != "greedy"
+    experts = cfg.get("n_routed_experts") or 0
+    route = GroupedTopK(experts, cfg["num_experts_per_tok"], (cfg.get("n_group") or 1) if grouped else 1,
+                        (cfg.get("topk_group") or 1) if grouped else 1, bool(cfg.get("norm_topk_prob", v3)),
+                        float(cfg.get("routed_scaling_factor") or 1.0), _TOPK_METHODS[method])
+    first_sparse, every = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+    sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i >= first_sparse and i % every == 0)
+    return dict(num_experts=experts, num_experts_per_tok=route.top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
+                renormalize_topk=route.renormalize, moe_layers=sparse if experts else (),
+                shared_expert_intermediate_size=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"],
+                num_expert_groups=route.num_groups, topk_expert_groups=route.topk_groups,
+                routed_scaling_factor=route.scaling_factor, scoring_func=route.scoring,
+                q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],
+                qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                v_head_dim=cfg["v_head_dim"], rope_interleave=not v3 or bool(cfg.get("rope_interleave", True)))
 
 
 def _json_float(value: Any) -> float:

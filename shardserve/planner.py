@@ -10,7 +10,8 @@ Families: dense decoders (Llama, Qwen2/3, Mistral...), mixture-of-experts MLPs (
 num_local_experts / n_routed_experts with moe_intermediate_size, shared experts, dense layers via
 mlp_only_layers or first_k_dense_replace; experts are split like dense MLPs, intermediate / tp), and
 hybrids listing `layer_types` ("full_attention" vs "linear_attention" as Gated DeltaNet, or "mamba"); NemotronH's
-Mamba-2, attention, MLP and mixture-of-experts blocks in planner_nemotron_h.py.
+Mamba-2, attention, MLP and mixture-of-experts blocks in planner_nemotron_h.py; DeepSeek's latent attention and
+its latent cache (replicated on every rank) in planner_mla.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from shardserve import planner_mla as mla
 from shardserve import planner_nemotron_h as nemotron_h
 from shardserve.layers.sharding import attention_shard, delta_net_shard, split_rows
 from shardserve.models.registry import text_model_config
@@ -88,6 +90,7 @@ class Plan:
     replicated: list[str] = field(default_factory=list)
     device: str = "cuda"
     active_weight_bytes: int = 0  # per rank, what one token reads (a mixture of experts: its chosen experts); 0: dense
+    latent_cache: bool = False  # the KV cache is DeepSeek's latent cache, whole on every rank
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -146,6 +149,8 @@ def _moe(cfg: dict) -> tuple[int, int, int]:
 def _is_moe_layer(cfg: dict, i: int) -> bool:
     if not _moe(cfg)[0]:
         return False
+    if mla.is_latent_attention(cfg):
+        return mla.sparse_layer(cfg, i)
     if i in (cfg.get("mlp_only_layers") or []) or i < (cfg.get("first_k_dense_replace") or 0):
         return False
     step = cfg.get("decoder_sparse_step") or 1
@@ -215,6 +220,8 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
         attn += 2 * hd  # q_norm and k_norm
     if cfg.get("model_type") in _GATED_ATTENTION:
         attn += h * shard.num_q * hd  # q_proj's output gate beside each query head
+    if mla.is_latent_attention(cfg):
+        attn = mla.attention_elements_per_rank(cfg, tp, replicated)
     dense_inter = _rows(cfg.get("intermediate_size") or 0, tp, "mlp", replicated)
     experts, moe_inter, shared_inter = _moe(cfg)
     total = 0
@@ -237,8 +244,11 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
             per_expert = 3 * h * _rows(moe_inter, tp, "experts", replicated)
             used = cfg.get("num_experts_per_tok", experts) if active else experts
             total += used * per_expert + h * experts  # experts and the router
+            if mla.is_latent_attention(cfg):
+                total += mla.router_elements(cfg)
             if shared_inter:
-                total += 3 * h * _shared_expert_rows(cfg, tp, replicated) + h
+                gate = 0 if mla.is_latent_attention(cfg) else h  # DeepSeek's shared experts have no gate
+                total += 3 * h * _shared_expert_rows(cfg, tp, replicated) + gate
         else:
             total += 3 * h * dense_inter
     vocab_rows = -(-vocab // tp)
@@ -251,6 +261,8 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
 def kv_bytes_per_token(cfg: dict, tp: int, kv_bytes: int) -> int:
     if nemotron_h.is_nemotron_h(cfg):
         return nemotron_h.kv_bytes_per_token(cfg, tp, kv_bytes)
+    if mla.is_latent_attention(cfg):
+        return mla.kv_bytes_per_token(cfg, kv_bytes)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, _head_dim(cfg), 0, tp)
     full = sum(1 for k in layer_kinds(cfg) if k == "attention")
@@ -329,6 +341,12 @@ def _replicated_warning(replicated: list[str], tp: int) -> list[str]:
     if not replicated:
         return []
     return [f"replicated on every rank (they do not split {tp} ways): {', '.join(sorted(set(replicated)))}"]
+
+
+def _latent_cache_note(cfg: dict, tp: int) -> list[str]:
+    """The plan's note that a latent cache does not shrink with tensor parallelism (none for other caches)."""
+    return [f"{mla.REPLICATED_NOTE}: its {cfg['kv_lora_rank'] + cfg['qk_rope_head_dim']} elements a token a layer "
+            f"count whole on each of the {tp} ranks"] if mla.is_latent_attention(cfg) else []
 
 
 def projection_elements_per_rank(cfg: dict, tp: int) -> int:
@@ -496,11 +514,11 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
         if host_left < req.host_floor_gb * GIB:
             warnings.append(f"host memory left while loading would be {host_left / GIB:.1f} GiB, under the floor of "
                             f"{req.host_floor_gb:g} GiB: the host may swap or stall; start fewer ranks per host")
-    warnings += quantization + _replicated_warning(replicated, tp)
+    warnings += quantization + _replicated_warning(replicated, tp) + _latent_cache_note(cfg, tp)
     active = weight_elements_per_rank(cfg, tp, [], active=True) * dtype if _moe(cfg)[0] else 0
     return Plan(weights, per_token, per_seq_state, overhead, max_len, per_token * max_len, usable, budget,
                 cache_tokens, largest, fits, host_needed, host_left, warnings, reasons, sorted(set(replicated)),
-                active_weight_bytes=active)
+                active_weight_bytes=active, latent_cache=mla.is_latent_attention(cfg))
 
 
 def _kv_dtype_bytes(req: PlanRequest, compute_bytes: int) -> int:
@@ -551,9 +569,10 @@ def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
     elif reasons:
         fits = False
     return Plan(weights, per_token, per_seq_state, overhead, max_len, per_token * max_len, None, kv_budget,
-                cache_tokens, largest, fits, host_needed, host_left, _replicated_warning(replicated, tp), reasons,
+                cache_tokens, largest, fits, host_needed, host_left,
+                _replicated_warning(replicated, tp) + _latent_cache_note(cfg, tp), reasons,
                 sorted(set(replicated)),
-                device="cpu")
+                device="cpu", latent_cache=mla.is_latent_attention(cfg))
 
 
 def describe(p: Plan, tp: int) -> str:
@@ -563,7 +582,8 @@ def describe(p: Plan, tp: int) -> str:
         f"  weights                {gib(p.weight_bytes)}",
         *([f"  read per token         {gib(p.active_weight_bytes)} (the router and the chosen experts of "
            f"each expert layer)"] if p.active_weight_bytes else []),
-        f"  KV cache per token     {p.kv_bytes_per_token / 1024:,.1f} KiB (full-attention layers)",
+        f"  KV cache per token     {p.kv_bytes_per_token / 1024:,.1f} KiB (full-attention layers"
+        f"{'; the latent cache, replicated on every rank' if p.latent_cache else ''})",
         f"  KV for one context     {gib(p.kv_bytes_for_context)} at {p.max_model_len:,} tokens",
     ]
     if p.state_bytes_per_seq:

@@ -51,8 +51,8 @@ def smollm2_gguf() -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A function: tiny_model_dir(name) -> path of that tiny random model, written once per session."""
-    from tests.tiny_models import (CHECKPOINT_DTYPE_SPECS, HYBRID_SPECS, LONG_CONTEXT_SPECS, MOE_SPECS,
-                                   NEMOTRON_H_SPECS, QWEN3_5_SPECS, TINY_SPECS, make_tiny_model)
+    from tests.tiny_models import (CHECKPOINT_DTYPE_SPECS, DEEPSEEK_SPECS, HYBRID_SPECS, LONG_CONTEXT_SPECS,
+                                   MOE_SPECS, NEMOTRON_H_SPECS, QWEN3_5_SPECS, TINY_SPECS, make_tiny_model)
 
     root = tmp_path_factory.mktemp("tiny-models")
     made: dict[str, str] = {}
@@ -60,7 +60,7 @@ def tiny_model_dir(tmp_path_factory):
     def get(name: str) -> str:
         if name not in made:
             specs = {**TINY_SPECS, **CHECKPOINT_DTYPE_SPECS, **MOE_SPECS, **HYBRID_SPECS, **QWEN3_5_SPECS,
-                     **NEMOTRON_H_SPECS, **LONG_CONTEXT_SPECS}
+                     **NEMOTRON_H_SPECS, **LONG_CONTEXT_SPECS, **DEEPSEEK_SPECS}
             made[name] = make_tiny_model(specs[name], str(root / name))
         return made[name]
 

@@ -268,3 +268,52 @@ def test_the_planner_covers_a_sampling_step_at_its_peak(args):
     out = json.loads(subprocess.run([sys.executable, script, "--top-p", "0.9", *args], capture_output=True, text=True,
                                     timeout=120, check=True).stdout)
     assert 8 < out["peak_bytes_per_logit"] <= out["planned_bytes_per_logit"], out
+
+
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+               "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+               "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+               "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 256,
+               "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+               "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "vocab_size": 129280, "rms_norm_eps": 1e-6,
+               "max_position_embeddings": 163840, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+               "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                                     "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                     "original_max_position_embeddings": 4096}}
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_deepseek_v3_plans_a_latent_cache_replicated_on_every_rank(tp):
+    """671B: one [latent 512 | rope key 64] entry a token a layer in bfloat16 at any TP, about 671e9 parameters at
+    TP 1 (the multi-token-prediction layer not served), the note that the latent cache is on every rank."""
+    p = plan(DEEPSEEK_V3, PlanRequest(tensor_parallel_size=tp, max_model_len=4096, gpu_memory_gb=141))
+    assert p.kv_bytes_per_token // 61 == (512 + 64) * 2 and p.latent_cache
+    assert any("latent cache is replicated on every rank" in w for w in p.warnings)
+    from shardserve.planner import describe
+
+    assert "the latent cache, replicated on every rank" in describe(p, tp)
+    if tp == 1:
+        assert 660e9 < p.weight_bytes / 2 < 680e9
+    cpu = plan(DEEPSEEK_V3, PlanRequest(tensor_parallel_size=tp, device="cpu"))
+    assert cpu.kv_bytes_per_token == 61 * 576 * 4
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_deepseek_v3_weights_are_what_a_dummy_build_holds(tp):
+    """A 5-layer copy of the 671B config (3 dense layers, 2 of experts) built on the meta device as the engine
+    builds it on rank 0 (routers in float32): the planned bytes within 5%, and its elements exactly."""
+    import torch
+
+    from shardserve.config import ModelConfig
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from shardserve.planner import weight_elements_per_rank
+
+    cfg = {**DEEPSEEK_V3, "num_hidden_layers": 5}
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(ModelConfig.from_hf_dict(cfg), Communicator(None, 0, tp), torch.bfloat16, 64)
+    built = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_elements_per_rank(cfg, tp, []) == sum(p.numel() for p in model.parameters())
+    planned = plan(cfg, PlanRequest(tensor_parallel_size=tp)).weight_bytes
+    assert abs(planned - built) / built < 0.05

@@ -187,6 +187,42 @@ NEMOTRON_H_SPECS = {
 }
 
 
+# DeepSeek-V3 and V2: latent attention (kv_lora_rank 32, rope keys of 8, nope 16, values 12), a dense first layer, then
+# mixtures of experts with shared experts. "deepseek-v3": q through a bottleneck (q_lora_rank 24), 4 heads (split in
+# 2, whole at 3), 8 experts of 32 features in 4 groups of which 2 are kept, top 2 renormalised and scaled by 2.5, a
+# shared expert of 32 features (split in 2, whole at 3), interleaved rope. "deepseek-v3-noq": q_proj straight from the
+# hidden states, 6 heads (split in 2 and 3), 6 experts (expert parallelism at 2: 3 a rank; at 3: 2), one group, 2
+# shared experts (64 features), rope in halves (rope_interleave false). "deepseek-v3-odd": 5 experts, which 2 ranks
+# do not divide (expert parallelism falls back to features), 3 heads, biases on q_a_proj, kv_a_proj_with_mqa and o_proj
+# (attention_bias). "deepseek-v2": softmax routing
+# (group_limited_greedy over 4 groups, 2 kept, not renormalised), q_lora_rank null, YaRN with mscale_all_dim
+# (the softmax scale times mscale^2).
+_DEEPSEEK = dict(hidden_size=64, num_hidden_layers=3, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                 v_head_dim=12, intermediate_size=96, moe_intermediate_size=32, first_k_dense_replace=1,
+                 tie_word_embeddings=False)
+DEEPSEEK_SPECS = {
+    "deepseek-v3": TinySpec("deepseek-v3", "deepseek_v3", dict(
+        _DEEPSEEK, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, rope_interleave=True)),
+    "deepseek-v3-noq": TinySpec("deepseek-v3-noq", "deepseek_v3", dict(
+        _DEEPSEEK, num_attention_heads=6, num_key_value_heads=6, q_lora_rank=None, n_routed_experts=6,
+        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=2, norm_topk_prob=True,
+        routed_scaling_factor=1.0, rope_interleave=False)),
+    "deepseek-v3-odd": TinySpec("deepseek-v3-odd", "deepseek_v3", dict(
+        _DEEPSEEK, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=24, n_routed_experts=5,
+        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, norm_topk_prob=False,
+        routed_scaling_factor=1.5, attention_bias=True)),
+    "deepseek-v2": TinySpec("deepseek-v2", "deepseek_v2", dict(
+        _DEEPSEEK, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy", n_shared_experts=1,
+        norm_topk_prob=False, routed_scaling_factor=1.0, max_position_embeddings=512,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "beta_fast": 32, "beta_slow": 1})),
+}
+
+
 def _vision(out_hidden_size: int) -> dict[str, Any]:
     return dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=out_hidden_size,
                 patch_size=4, num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2)
@@ -212,6 +248,10 @@ def _hf_config(spec: TinySpec):
 
         own = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
         return AutoConfig.for_model("nemotron_h", layer_norm_epsilon=1e-6, **{**own, **spec.config})
+    if spec.architecture.startswith("deepseek"):
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(spec.architecture, **{**common, **spec.config})
     if spec.architecture.startswith("qwen3_5"):
         from transformers import AutoConfig
 

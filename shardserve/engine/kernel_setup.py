@@ -126,7 +126,10 @@ def attach_linear_kernel(model: nn.Module, kernel) -> tuple[int, int]:
         return 0, 0
     count = compact = 0
     for module in model.modules():
-        if isinstance(module, KernelLinear) and module.packed is None:  # packed layers run their own kernels
+        # Packed layers run their own kernels; layers that keep a dense weight (DeepSeek's kv_b_proj, whose weight
+        # the absorbed decode reads) stay plain F.linear.
+        if isinstance(module, KernelLinear) and module.packed is None and not getattr(module, "keeps_dense_weight",
+                                                                                      False):
             module.use_kernel(kernel)
             count += 1
             compact += isinstance(module.prepared, tuple) and len(module.prepared) > 1
@@ -307,6 +310,45 @@ def checked_attention(backend, attn, rotary, dtype, device, block_size, ctx: Ran
         problems += more
     raise KernelPlanError("no attention backend passed its start-up check against a float64 reference, so "
                           "start-up stops here:\n  " + "\n  ".join(problems))
+
+
+def checked_latent_attention(backend, model: nn.Module, dtype: torch.dtype, device: torch.device, block_size: int,
+                             ctx: RankContext):
+    """The latent-attention backend (attention/mla.py) if, on every rank, its absorbed decode agrees with the
+    expanded form in float64 on the model's first layer's sizes and this rank's heads, at a context of one token,
+    of a block and a bit, and of several blocks; otherwise, with a WARNING, the backend with torch's decode if that
+    agrees. Start-up stops when neither does."""
+    problems = _latent_attention_failures(backend, model, dtype, device, block_size, ctx)
+    if problems and backend.name != "mla-torch":
+        if ctx.is_driver:
+            logger.warning("latent attention %s failed its start-up check, using mla-torch instead: %s", backend.name,
+                           "; ".join(problems))
+        backend = backend.with_torch_decode()
+        problems = _latent_attention_failures(backend, model, dtype, device, block_size, ctx)
+    if problems:
+        raise KernelPlanError("latent attention failed its start-up check against a float64 reference, so "
+                              "start-up stops here:\n  " + "\n  ".join(problems))
+    return backend
+
+
+def _latent_attention_failures(backend, model: nn.Module, dtype: torch.dtype, device: torch.device, block_size: int,
+                               ctx: RankContext) -> list[str]:
+    """Every rank's failures of the latent attention's check (checked_latent_attention), agreed on all ranks."""
+    from shardserve.layers.mla import check_reference
+
+    layer = model.latent_attention_layers()[0]
+    tolerance = TOLERANCE.get(dtype, 1e-2)
+    problems = []
+    for context in (1, block_size + 3, 4 * block_size - 1):
+        try:
+            error = check_reference(layer.dims, layer.num_heads, context, dtype, device, block_size, backend.decode)
+        except Exception as exc:  # a kernel that cannot run here
+            problems.append(f"{backend.name} does not run over {context} tokens: {type(exc).__name__}: {exc}")
+            break
+        if not error < tolerance:
+            problems.append(f"{backend.name}: the absorbed decode is off the expanded form by {error:.3g} "
+                            f"(tolerance {tolerance:g}) over {context} tokens of {layer.num_heads} heads")
+    return [f"{who}: {failure}" for who, failure in _by_rank("; ".join(problems) or None, ctx) if failure is not None]
 
 
 def checked_delta_net(model: nn.Module, dtype: torch.dtype, device: torch.device, ctx: RankContext) -> str:

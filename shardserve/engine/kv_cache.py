@@ -1,8 +1,15 @@
-"""Sizing and allocating the paged KV cache on one rank."""
+"""Sizing and allocating the paged KV cache on one rank.
+
+A model's cache is one tensor [layers, planes, slots, heads, dim] (slot = block * block_size + offset): by default
+two planes, keys and values, of the rank's KV heads (CacheLayout.keys_and_values); a model with another cache
+declares its layout (`cache_layout()`): DeepSeek's latent attention keeps one plane of one "head", the token's
+latent and rotated key together (models/deepseek_v3.py).
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,8 +19,23 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GB = 2.0
 
 
-def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
+@dataclass(frozen=True)
+class CacheLayout:
+    """One layer's cache on one rank: `planes` tensors [slots, heads, dim] (each layer's entry of
+    kv_cache_layers is a tuple of them)."""
+
+    planes: int
+    heads: int
+    dim: int
+
+    @classmethod
+    def keys_and_values(cls, kv_heads: int, head_dim: int) -> "CacheLayout":
+        return cls(2, kv_heads, head_dim)
+
+
+def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    planes: int = 2) -> int:
+    return planes * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
 
 def kv_cache_budget_bytes(device: torch.device, kv_cache_memory_gb: float | None, gpu_memory_utilization: float) -> int:
@@ -36,17 +58,19 @@ def agree_on_num_blocks(local_blocks: int, group: dist.ProcessGroup | None, worl
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (keys, values) pair per layer, each [num_blocks * block_size, kv_heads, head_dim].
+                      dtype: torch.dtype, device: torch.device, planes: int = 2) -> list[tuple[torch.Tensor, ...]]:
+    """One (keys, values) pair per layer (`planes` tensors: 2 by default), each [num_blocks * block_size, kv_heads,
+    head_dim].
 
     Left uninitialised (zero-filling gigabytes takes seconds) except block 0: padded attention reads
     point there, and although they are masked out, a NaN in their values would still poison the sum.
     """
-    cache = torch.empty(num_layers, 2, num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.empty(num_layers, planes, num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=device)
     return kv_cache_layers(cache, block_size)
 
 
-def kv_cache_layers(cache: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer (keys, values) views of a whole cache [layers, 2, slots, kv_heads, head_dim], block 0 zeroed."""
+def kv_cache_layers(cache: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, ...]]:
+    """Per-layer views of a whole cache [layers, planes, slots, heads, dim], a tuple of its planes each ((keys,
+    values) for two), block 0 zeroed."""
     cache[:, :, :block_size].zero_()
-    return [(cache[i, 0], cache[i, 1]) for i in range(cache.shape[0])]
+    return [tuple(cache[i, p] for p in range(cache.shape[1])) for i in range(cache.shape[0])]

@@ -17,8 +17,8 @@ from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed import all_reduce, token_broadcast
 from shardserve.distributed.process_group import RankContext
 from shardserve.distributed.setup_watchdog import setup_step
-from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block, kv_cache_layers,
-                                        kv_cache_budget_bytes)
+from shardserve.engine.kv_cache import (CacheLayout, agree_on_num_blocks, allocate_kv_cache, bytes_per_block,
+                                        kv_cache_layers, kv_cache_budget_bytes)
 from shardserve.engine.cuda_graphs import (CudaGraphRunner, all_reduce_token_counts, graph_buckets, graph_unsafe_reason,
                                           layer_caches)
 from shardserve.wire.step_plan import FROM_DEVICE, StepPlan
@@ -58,6 +58,9 @@ class ModelRunner:
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.block_size = config.block_size
         self.memory_plan = self._plan_memory()  # None where the planner cannot describe the model
+        if kv_quant.is_fp8(self.kv_dtype) and model_config.latent_attention:
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: {model_config.architecture}'s latent cache "
+                             f"is kept in 16 or 32 bits; use --kv-cache-dtype auto or bfloat16")
         self.model = self._load_model()
         if kv_quant.is_fp8(self.kv_dtype) and ctx.is_driver:
             logger.info("FP8 KV cache (e4m3): %s", kv_scales_summary(self.model))
@@ -77,13 +80,8 @@ class ModelRunner:
             self.num_blocks = self._size_kv_cache()
         self.state_pools: dict = {}  # layer -> its recurrent-state pool (linear-attention layers), with the KV cache
         self.kv_caches = self._allocate_kv_cache()
-        attn = self.model.paged_attention()
-        self.attention = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
-                                                  attn.kv_index_tuple)
         with self.self_check, setup_step("check the attention kernel", ctx.rank):
-            self.attention = kernel_setup.checked_attention(self.attention, attn, self.model.model.rotary,
-                                                            self.dtype, self.device, self.block_size, ctx,
-                                                            kv_dtype=self.kv_dtype)
+            self.attention = self._checked_attention()
         self.plan = self.plan.with_results(attention=self.attention.name)
         with self.self_check, setup_step("check the Gated DeltaNet kernels", ctx.rank):
             self.plan = self.plan.with_results(delta_net=kernel_setup.checked_delta_net(self.model, self.dtype,
@@ -107,20 +105,33 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._log_memory_against_plan()
 
+    def _checked_attention(self):
+        """The attention backend for this device and model, past its start-up check: the model's own where it
+        declares one (attention_backend: DeepSeek's latent attention), else the paged one for its head layout."""
+        own = getattr(self.model, "attention_backend", None)
+        if own is not None:
+            return kernel_setup.checked_latent_attention(own(self.device, self.block_size), self.model, self.dtype,
+                                                         self.device, self.block_size, self.ctx)
+        attn = self.model.paged_attention()
+        backend = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
+                                           attn.kv_index_tuple)
+        return kernel_setup.checked_attention(backend, attn, self.model.model.rotary, self.dtype, self.device,
+                                              self.block_size, self.ctx, kv_dtype=self.kv_dtype)
+
     def _allocate_kv_cache(self):
         """The KV cache of the attention layers (returned) and, beside it, a zeroed recurrent-state pool of
         max_num_seqs slots per linear-attention layer (self.state_pools; Scheduler hands out the slots). In the
         stable arena both keep their addresses across sleep and wake, so the decode graphs stay valid."""
-        shape = (len(self.model_config.kv_layers), self.num_blocks, self.block_size, self.model.kv_heads_per_rank(),
-                 self.model_config.head_dim)
+        cache = self._cache_layout()
+        shape = (len(self.model_config.kv_layers), self.num_blocks, self.block_size, cache.heads, cache.dim)
         if self.weight_arena is None:
             self.state_pools = self._new_state_pools(self.device)
-            return allocate_kv_cache(*shape, self.kv_dtype, self.device)
+            return allocate_kv_cache(*shape, self.kv_dtype, self.device, planes=cache.planes)
         if self.kv_arena is None:
             layout = self._new_state_pools(torch.device("meta"))
             self.kv_arena, self._kv_tensor, views = stable_memory.kv_cache_in_arena(
                 shape[0], shape[1] * shape[2], shape[3], shape[4], self.kv_dtype, self.device,
-                [t for pool in layout.values() for t in pool])
+                [t for pool in layout.values() for t in pool], planes=cache.planes)
             views = iter(views)
             self._arena_pools = {i: type(pool)(*(next(views) for _ in pool)) for i, pool in layout.items()}
         self.kv_arena.map()
@@ -141,8 +152,12 @@ class ModelRunner:
         return self.model.state_pools(self.config.max_num_seqs, device, ssm_dtype=self.config.ssm_state_dtype)
 
     def _capture_graphs(self) -> None:
-        if self.device.type != "cuda" or self.config.enforce_eager or not hasattr(self.attention,
-                                                                                  "static_decode_metadata"):
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        if not hasattr(self.attention, "static_decode_metadata"):
+            if getattr(self.model, "attention_backend", None) is not None and self.ctx.is_driver:
+                logger.warning("no CUDA graphs: %s's attention backend %s keeps no static decode metadata; decode "
+                               "runs eagerly", self.model_config.architecture, self.attention.name)
             return
         unsafe = [(name, module) for name, module in self.model.named_modules()
                   if getattr(module, "graph_safe", True) is False]
@@ -405,10 +420,18 @@ class ModelRunner:
                     p.weight_bytes / 2**30, kv / 2**30, kv_quant.describe(self.kv_dtype), f" recurrent states {states / 2**30:.2f}," if states else "",
                     p.overhead_bytes / 2**30, measured / 2**30, 100 * (measured - predicted) / predicted)
 
+    def _cache_layout(self) -> CacheLayout:
+        """One KV layer's cache on this rank: the model's own layout where it declares one (cache_layout: DeepSeek's
+        latent cache), else keys and values of its KV heads."""
+        declared = getattr(self.model, "cache_layout", None)
+        if declared is not None:
+            return declared()
+        return CacheLayout.keys_and_values(self.model.kv_heads_per_rank(), self.model_config.head_dim)
+
     def _kv_bytes_per_block(self) -> int:
-        cfg = self.model_config
-        return bytes_per_block(len(cfg.kv_layers), self.block_size, self.model.kv_heads_per_rank(), cfg.head_dim,
-                               self.kv_dtype)
+        cache = self._cache_layout()
+        return bytes_per_block(len(self.model_config.kv_layers), self.block_size, cache.heads, cache.dim,
+                               self.kv_dtype, planes=cache.planes)
 
     def _state_bytes(self) -> int:
         """Bytes of the recurrent-state pools (max_num_seqs slots per linear-attention layer) on this rank."""

@@ -428,10 +428,12 @@ def is_router(name: str) -> bool:
 
 
 def quantizable_layers(model: nn.Module, head: bool = False) -> list[tuple[str, KernelLinear]]:
-    """The column- and row-parallel layers a packed format applies to: every one but the routers; with `head`, the
-    untied LM head as well (vocabulary-parallel: a column-parallel layer over the vocabulary)."""
+    """The column- and row-parallel layers a packed format applies to: every one but the routers and those that keep a
+    dense weight (`keeps_dense_weight`: DeepSeek's kv_b_proj, read as W_UK and W_UV); with `head`, the untied LM head
+    as well (vocabulary-parallel: a column-parallel layer over the vocabulary)."""
     return [(name, m) for name, m in model.named_modules()
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not is_router(name)
+            and not getattr(m, "keeps_dense_weight", False)
             or head and isinstance(m, ParallelLMHead) and not m.tied]
 
 

@@ -7,7 +7,8 @@ config needs no model code. Architectures whose networks are the same given thei
 
 Every class is built as `cls(model_config, comm, dtype, max_positions, expert_parallel=...)` and offers what the
 engine and the weight loader use: forward, compute_logits, paged_attention and kv_heads_per_rank (of the layers
-ModelConfig.kv_layers names: only those get KV-cache blocks), state_pools (the per-sequence states of a hybrid's
+ModelConfig.kv_layers names: only those get KV-cache blocks; or, for a cache of another layout, cache_layout and
+attention_backend: DeepSeek's latent cache, models/deepseek_v3.py), state_pools (the per-sequence states of a hybrid's
 other layers), `packed_modules` and, where checkpoint names need more than that, `checkpoint_name`
 (LlamaForCausalLM and MixtralForCausalLM show both). A class may also name parts of a checkpoint it does not read:
 `unused_checkpoint_prefixes` (left unread silently), `skipped_checkpoint_prefixes` (prefix -> what it is: left
@@ -35,6 +36,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),  # Qwen3-Next's layers with dense MLPs
     "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),  # Mamba-2, attention, MLP and MoE blocks
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),  # latent attention, grouped-routing experts
+    "DeepseekV2ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),  # the same given its config (softmax routing)
     # Image-text checkpoints: their text model (config.json's text_config), the vision tower left unread.
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "Qwen3_5MoeForConditionalGeneration"),

@@ -245,11 +245,12 @@ def move_model_into_arena(model: nn.Module, device: torch.device) -> StableArena
 
 
 def kv_cache_in_arena(num_layers: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      device: torch.device, beside: list[torch.Tensor] = ()
+                      device: torch.device, beside: list[torch.Tensor] = (), planes: int = 2
                       ) -> tuple[StableArena, torch.Tensor, list[torch.Tensor]]:
     """An arena holding the whole KV cache and, after it, tensors shaped like `beside` (meta tensors: a hybrid
-    model's recurrent-state pools); returns it, the [layers, 2, slots, kv_heads, head_dim] view and those views."""
-    shape = (num_layers, 2, slots, kv_heads, head_dim)
+    model's recurrent-state pools); returns it, the [layers, planes, slots, kv_heads, head_dim] view (planes 2: keys
+    and values; engine/kv_cache.CacheLayout) and those views."""
+    shape = (num_layers, planes, slots, kv_heads, head_dim)
     tensors = [torch.empty(shape, dtype=dtype, device="meta"), *beside]
     arena = StableArena(arena_bytes(tensors), device)
     kv, *others = arena.carve(tensors)

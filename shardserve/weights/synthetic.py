@@ -40,14 +40,23 @@ def synthetic_checkpoint_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[i
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         if i in linear:
             yield from _linear_attention_shapes(cfg, f"model.layers.{i}.linear_attn")
+        elif cfg.latent_attention:
+            yield from _latent_attention_shapes(cfg, attn)
         else:
             yield from _attention_shapes(cfg, attn)
         if i in cfg.moe_layers:  # the router, then the experts stacked (the fused layout: one tensor each)
             e, moe_inter = cfg.num_experts, cfg.moe_intermediate_size
             yield f"{mlp}.gate.weight", (e, h)
+            if cfg.latent_attention and cfg.scoring_func == "sigmoid":  # DeepSeek-V3's router
+                yield f"{mlp}.gate.e_score_correction_bias", (e,)
             yield f"{mlp}.experts.gate_up_proj", (e, 2 * moe_inter, h)
             yield f"{mlp}.experts.down_proj", (e, h, moe_inter)
-            if cfg.shared_expert_intermediate_size:
+            if cfg.shared_expert_intermediate_size and cfg.latent_attention:  # DeepSeek's: ungated
+                shared = cfg.shared_expert_intermediate_size
+                yield f"{mlp}.shared_experts.gate_proj.weight", (shared, h)
+                yield f"{mlp}.shared_experts.up_proj.weight", (shared, h)
+                yield f"{mlp}.shared_experts.down_proj.weight", (h, shared)
+            elif cfg.shared_expert_intermediate_size:
                 shared = cfg.shared_expert_intermediate_size
                 yield f"{mlp}.shared_expert.gate_proj.weight", (shared, h)
                 yield f"{mlp}.shared_expert.up_proj.weight", (shared, h)
@@ -149,6 +158,29 @@ def _attention_shapes(cfg: ModelConfig, attn: str) -> Iterator[tuple[str, tuple[
     if cfg.qk_norm:
         yield f"{attn}.q_norm.weight", (hd,)
         yield f"{attn}.k_norm.weight", (hd,)
+
+
+def _latent_attention_shapes(cfg: ModelConfig, attn: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """DeepSeek's latent attention block's tensors (layers/mla.py): q_proj, or q_a_proj, q_a_layernorm and q_b_proj;
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (biases on q_a, kv_a and o with attention_bias)."""
+    h, heads, latent, rope = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    qk = cfg.qk_nope_head_dim + rope
+    if cfg.q_lora_rank:
+        yield f"{attn}.q_a_proj.weight", (cfg.q_lora_rank, h)
+        if cfg.qkv_bias:
+            yield f"{attn}.q_a_proj.bias", (cfg.q_lora_rank,)
+        yield f"{attn}.q_a_layernorm.weight", (cfg.q_lora_rank,)
+        yield f"{attn}.q_b_proj.weight", (heads * qk, cfg.q_lora_rank)
+    else:
+        yield f"{attn}.q_proj.weight", (heads * qk, h)
+    yield f"{attn}.kv_a_proj_with_mqa.weight", (latent + rope, h)
+    if cfg.qkv_bias:
+        yield f"{attn}.kv_a_proj_with_mqa.bias", (latent + rope,)
+    yield f"{attn}.kv_a_layernorm.weight", (latent,)
+    yield f"{attn}.kv_b_proj.weight", (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), latent)
+    yield f"{attn}.o_proj.weight", (h, heads * cfg.v_head_dim)
+    if cfg.o_bias:
+        yield f"{attn}.o_proj.bias", (h,)
 
 
 def _linear_attention_shapes(cfg: ModelConfig, prefix: str,

@@ -11,12 +11,13 @@ import torch
 
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
+from shardserve.engine.kv_cache import CacheLayout
 from shardserve.model_files import ModelPathError, check_model_path
 from shardserve.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitecture, model_class
 from shardserve.weights import gguf_loader
 from shardserve.weights.loader import load_synthetic_weights
 
-SERVED = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
+SERVED = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "NemotronHForCausalLM", "Qwen2ForCausalLM",
           "Qwen2MoeForCausalLM",
           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
           "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -28,7 +29,8 @@ SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "nu
          "full_attention_interval": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
          "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
          "layers_block_type": ["linear_attention", "full_attention"], "mamba_num_heads": 4, "mamba_head_dim": 16,
-         "ssm_state_size": 16, "n_groups": 2}
+         "ssm_state_size": 16, "n_groups": 2, "n_routed_experts": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+         "qk_nope_head_dim": 8, "v_head_dim": 16, "n_shared_experts": 1, "first_k_dense_replace": 1}
 
 
 def test_the_supported_architectures_are_those_served_so_far():
@@ -42,7 +44,10 @@ def test_every_supported_architecture_builds_a_model_that_takes_its_checkpoint(a
     assert cfg.architecture == architecture
     model = model_class(architecture)(cfg, Communicator(None, rank, world), torch.float32, max_positions=32)
     load_synthetic_weights(model, cfg, "cpu", torch.float32)  # every tensor has a place, every parameter a tensor
-    assert model.kv_heads_per_rank() == 2 // world
+    if cfg.latent_attention:  # DeepSeek: one [latent | rope key] entry a token, whole on every rank
+        assert model.cache_layout() == CacheLayout(1, 1, 16 + 8)
+    else:
+        assert model.kv_heads_per_rank() == 2 // world
 
 
 def test_every_architecture_a_gguf_file_can_name_is_supported():
@@ -56,9 +61,9 @@ def test_an_unknown_architecture_is_named_with_the_supported_list():
     assert str(raised.value) == ("unsupported model architecture ['GPTNeoXForCausalLM']: shardserve serves "
                                  + ", ".join(SERVED))
     with pytest.raises(UnsupportedArchitecture, match="unsupported model architecture 'gpt_neox': shardserve serves "
-                                                      "LlamaForCausalLM, "):
+                                                      "DeepseekV2ForCausalLM, "):
         ModelConfig.from_hf_dict({**SMALL, "model_type": "gpt_neox"})  # no architectures listed
-    with pytest.raises(UnsupportedArchitecture, match="'GPTNeoXForCausalLM': shardserve serves LlamaForCausalLM, "):
+    with pytest.raises(UnsupportedArchitecture, match="'GPTNeoXForCausalLM': shardserve serves DeepseekV2ForCausalLM, "):
         model_class("GPTNeoXForCausalLM")
 
 
@@ -71,7 +76,7 @@ def test_an_unknown_architecture_is_refused_before_any_weights_are_read(tiny_mod
     (path / "config.json").write_text(json.dumps({**config, "architectures": ["GPTNeoXForCausalLM"]}))
     for weights in path.glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")  # reading them would fail with another error
-    expected = "unsupported model architecture \\['GPTNeoXForCausalLM'\\]: shardserve serves LlamaForCausalLM, "
+    expected = "unsupported model architecture \\['GPTNeoXForCausalLM'\\]: shardserve serves DeepseekV2ForCausalLM, "
     with pytest.raises(ModelPathError, match=expected):
         check_model_path(str(path))
     with pytest.raises(ModelPathError, match=expected):
