@@ -327,6 +327,20 @@ def with_modelopt_config(path: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class CacheLayout:
+    """One layer's cache on one rank: `planes` tensors [slots, heads, dim] (each layer's entry of
+    kv_cache_layers is a tuple of them)."""
+
+    planes: int
+    heads: int
+    dim: int
+
+    @classmethod
+    def keys_and_values(cls, kv_heads: int, head_dim: int) -> "CacheLayout":
+        return cls(2, kv_heads, head_dim)
+
+
+@dataclass(frozen=True)
 class GroupedTopK:
     """How a grouped top-k router chooses (layers/grouped_topk.py's docstring). Invariants, checked at construction:
     num_experts splits into num_groups equal groups of at least 2 experts (a group's worth is its top two) when
@@ -406,8 +420,6 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if method not in _TOPK_METHODS:
         raise ValueError(f"{arch} with topk_method={method!r}: shardserve routes with "
                          f"{', '.join(_TOPK_METHODS)}")
-    from shardserve.layers.grouped_topk import GroupedTopK
-
     grouped = method != "greedy"
     experts = cfg.get("n_routed_experts") or 0
     route = GroupedTopK(experts, cfg["num_experts_per_tok"], (cfg.get("n_group") or 1) if grouped else 1,

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("models",)),
     # The planner's arithmetic mirrors the engine's allocations (it reads the sampler's and graphs' sizes) and the
     # engine budgets its KV cache with it.
-    ("engine", ("engine", "planner", "planner_nemotron_h")),
+    ("engine", ("engine", "planner", "planner_nemotron_h", "planner_mla")),
     ("ipc", ("ipc",)),
     ("front ends", ("entrypoints", "pool", "bench", "recipes", "example_model")),
     ("command line", ("cli", "__main__", "")),

@@ -1,7 +1,7 @@
 """Sizing and allocating the paged KV cache on one rank.
 
 A model's cache is one tensor [layers, planes, slots, heads, dim] (slot = block * block_size + offset): by default
-two planes, keys and values, of the rank's KV heads (CacheLayout.keys_and_values); a model with another cache
+two planes, keys and values, of the rank's KV heads (config.CacheLayout.keys_and_values); a model with another cache
 declares its layout (`cache_layout()`): DeepSeek's latent attention keeps one plane of one "head", the token's
 latent and rotated key together (models/deepseek_v3.py).
 """
@@ -17,20 +17,6 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_GB = 2.0
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """One layer's cache on one rank: `planes` tensors [slots, heads, dim] (each layer's entry of
-    kv_cache_layers is a tuple of them)."""
-
-    planes: int
-    heads: int
-    dim: int
-
-    @classmethod
-    def keys_and_values(cls, kv_heads: int, head_dim: int) -> "CacheLayout":
-        return cls(2, kv_heads, head_dim)
 
 
 def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,

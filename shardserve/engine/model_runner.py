@@ -13,11 +13,11 @@ import time
 import torch
 
 from shardserve.attention import StepBatch, create_attention_backend, kv_quant
-from shardserve.config import EngineConfig, ModelConfig
+from shardserve.config import CacheLayout, EngineConfig, ModelConfig
 from shardserve.distributed import all_reduce, token_broadcast
 from shardserve.distributed.process_group import RankContext
 from shardserve.distributed.setup_watchdog import setup_step
-from shardserve.engine.kv_cache import (CacheLayout, agree_on_num_blocks, allocate_kv_cache, bytes_per_block,
+from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block,
                                         kv_cache_layers, kv_cache_budget_bytes)
 from shardserve.engine.cuda_graphs import (CudaGraphRunner, all_reduce_token_counts, graph_buckets, graph_unsafe_reason,
                                           layer_caches)

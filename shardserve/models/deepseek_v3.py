@@ -18,7 +18,7 @@ from torch import nn
 from shardserve.attention.mla import MlaBackend
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import NORMED, Communicator, reduced_first
-from shardserve.engine.kv_cache import CacheLayout
+from shardserve.config import CacheLayout
 from shardserve.layers.grouped_topk import GroupedTopK, GroupedTopKRouter
 from shardserve.layers.mla import MlaDims, MultiHeadLatentAttention
 from shardserve.layers.mlp import SwiGLUMLP

@@ -249,7 +249,7 @@ def kv_cache_in_arena(num_layers: int, slots: int, kv_heads: int, head_dim: int,
                       ) -> tuple[StableArena, torch.Tensor, list[torch.Tensor]]:
     """An arena holding the whole KV cache and, after it, tensors shaped like `beside` (meta tensors: a hybrid
     model's recurrent-state pools); returns it, the [layers, planes, slots, kv_heads, head_dim] view (planes 2: keys
-    and values; engine/kv_cache.CacheLayout) and those views."""
+    and values; config.CacheLayout) and those views."""
     shape = (num_layers, planes, slots, kv_heads, head_dim)
     tensors = [torch.empty(shape, dtype=dtype, device="meta"), *beside]
     arena = StableArena(arena_bytes(tensors), device)

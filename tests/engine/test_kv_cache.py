@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from shardserve.engine.kv_cache import CacheLayout, allocate_kv_cache, bytes_per_block
+from shardserve.config import CacheLayout
+from shardserve.engine.kv_cache import allocate_kv_cache, bytes_per_block
 
 
 def test_keys_and_values_are_two_planes_of_the_kv_heads():

@@ -11,7 +11,7 @@ import torch
 
 from shardserve.config import ModelConfig
 from shardserve.distributed.communicator import Communicator
-from shardserve.engine.kv_cache import CacheLayout
+from shardserve.config import CacheLayout
 from shardserve.model_files import ModelPathError, check_model_path
 from shardserve.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitecture, model_class
 from shardserve.weights import gguf_loader
