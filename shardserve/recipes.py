@@ -57,6 +57,8 @@ class ServeOptions(BaseModel):
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "generic", "none"] | None = None
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
     api_server_count: int | None = Field(default=None, ge=0)
+    data_parallel_size: int | None = Field(default=None, gt=0)
+    data_parallel_routing: Literal["affinity", "least-loaded", "round-robin"] | None = None
     log_level: Literal["debug", "info", "warning", "error"] | None = None
 
 

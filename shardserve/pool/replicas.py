@@ -31,13 +31,14 @@ from collections import defaultdict
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from shardserve.version import __version__
 from shardserve.entrypoints.openai.errors import InvalidRequestError, ServiceUnavailableError, install_error_handlers
 from shardserve.entrypoints.openai.middleware import require_api_key
 from shardserve.pool.manager import ServerProcess
 from shardserve.pool.replica_routing import ReplicaRouter, prefix_hashes, prompt_text, request_cost
+from shardserve.pool.router import relayed
 
 logger = logging.getLogger(__name__)
 
@@ -319,16 +320,7 @@ def build_replicas_app(replicas: ReplicaSet, api_key: str | None) -> FastAPI:
                 continue
             break
 
-        async def relay():
-            try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
-            finally:
-                await response.aclose()
-                router.finished(i, cost)
-
-        headers = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "cache-control")}
-        return StreamingResponse(relay(), status_code=response.status_code, headers=headers)
+        return relayed(response, lambda: router.finished(i, cost))
 
     for path in ROUTED_PATHS:
         app.add_api_route(path, route, methods=["POST"])

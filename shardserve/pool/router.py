@@ -13,7 +13,9 @@ import contextlib
 import json
 import logging
 import time
+from typing import Awaitable, Callable
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -83,21 +85,30 @@ def build_pool_app(pool: Pool) -> FastAPI:
             await pool.release(backend)
             raise
 
-        async def relay():
-            try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
-            finally:
-                await response.aclose()
-                await pool.release(backend)
-
-        headers = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "cache-control")}
-        return StreamingResponse(relay(), status_code=response.status_code, headers=headers)
+        return relayed(response, lambda: pool.release(backend))
 
     for path in ROUTED_PATHS:
         app.add_api_route(path, route, methods=["POST"])
     require_api_key(app, pool.config.api_key)
     return app
+
+
+def relayed(upstream: httpx.Response, on_end: Callable[[], Awaitable[None] | None]) -> StreamingResponse:
+    """A member server's streamed response passed on as it comes (its status, content type and cache control),
+    `on_end()` called (and awaited where it is a coroutine) once it has ended, however it ends."""
+
+    async def relay():
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+            ended = on_end()
+            if ended is not None:
+                await ended
+
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")}
+    return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers)
 
 
 async def _expire_forever(pool: Pool) -> None:
