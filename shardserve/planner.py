@@ -207,7 +207,21 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
     mixture of experts' layers, the router and the num_experts_per_tok chosen experts)."""
     if nemotron_h.is_nemotron_h(cfg):
         return nemotron_h.weight_elements_per_rank(cfg, tp, replicated, active)
-    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    first, last = end_elements_per_rank(cfg, tp)
+    return sum(layer_elements_per_rank(cfg, tp, replicated, active)) + first + last
+
+
+def end_elements_per_rank(cfg: dict, tp: int) -> tuple[int, int]:
+    """(The embedding's, the final norm's and LM head's) parameters on one rank: the first and the last pipeline
+    stage's beside their layers (an LM head tied to the embedding counted once, with the embedding)."""
+    h = cfg["hidden_size"]
+    vocab_rows = -(-cfg["vocab_size"] // tp)  # vocabulary-parallel
+    return vocab_rows * h, h + (0 if cfg.get("tie_word_embeddings", False) else vocab_rows * h)
+
+
+def layer_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: bool = False) -> list[int]:
+    """Each decoder layer's parameters on one rank, as weight_elements_per_rank counts them (not NemotronH)."""
+    h = cfg["hidden_size"]
     hd = _head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
@@ -224,9 +238,9 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
         attn = mla.attention_elements_per_rank(cfg, tp, replicated)
     dense_inter = _rows(cfg.get("intermediate_size") or 0, tp, "mlp", replicated)
     experts, moe_inter, shared_inter = _moe(cfg)
-    total = 0
+    per_layer = []
     for i, kind in enumerate(layer_kinds(cfg)):
-        total += 2 * h  # the two norms
+        total = 2 * h  # the two norms
         if kind == "attention":
             total += attn
         elif kind == "linear_attention":
@@ -251,11 +265,8 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
                 total += 3 * h * _shared_expert_rows(cfg, tp, replicated) + gate
         else:
             total += 3 * h * dense_inter
-    vocab_rows = -(-vocab // tp)
-    total += vocab_rows * h + h  # embedding (vocabulary-parallel) and the final norm
-    if not cfg.get("tie_word_embeddings", False):
-        total += vocab_rows * h
-    return total
+        per_layer.append(total)
+    return per_layer
 
 
 def kv_bytes_per_token(cfg: dict, tp: int, kv_bytes: int) -> int:
