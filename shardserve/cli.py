@@ -374,7 +374,8 @@ def _plan(args: argparse.Namespace) -> int:
                           (args.gpu_memory_gb or _first_gpu_gb()) if device == "cuda" else None,
                           args.gpu_memory_utilization, args.kv_cache_dtype, args.host_memory_gb or _host_gb(),
                           args.host_floor_gb, device=device, kv_cache_memory_gb=args.kv_cache_memory,
-                          quantization=args.quantization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
+                          quantization=args.quantization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                          pipeline_parallel_size=args.pipeline_parallel_size)
     try:
         result = plan(cfg, request)
     except ValueError as e:  # a model it cannot serve (an unsupported quantization, say)

@@ -416,7 +416,9 @@ class ModelRunner:
                                          self.config.max_num_batched_tokens, device_gb,
                                          self.config.gpu_memory_utilization,
                                          quantization=self.config.quantization,
-                                         kv_cache_dtype=self.config.kv_cache_dtype))
+                                         kv_cache_dtype=self.config.kv_cache_dtype,
+                                         pipeline_parallel_size=self.ctx.pp_size,
+                                         pipeline_stage=self.ctx.stage if self.stage is not None else None))
         except (OSError, KeyError, ValueError) as e:
             logger.debug("planner: no prediction for %s: %s", self.config.model, e)
             return None
