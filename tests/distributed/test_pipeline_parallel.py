@@ -198,3 +198,15 @@ def test_two_stages_on_gpus_give_transformers_tokens(tiny_model_dir):
              gpu_memory_utilization=0.3) as llm:
         outputs = llm.generate(PROMPTS, _greedy())
     assert [tuple(o.token_ids) for o in outputs] == list(_reference(model_dir))
+
+
+def test_the_planner_gives_each_stage_its_layers_weights_and_kv_cache(tiny_model_dir):
+    from shardserve.planner import PlanRequest, describe, load_hf_config, plan
+
+    cfg = load_hf_config(tiny_model_dir("qwen3-moe"))  # 3 layers: 2 + 1
+    request = PlanRequest(1, 4096, device="cpu", kv_cache_memory_gb=0.001, host_memory_gb=64)
+    whole, staged = plan(cfg, request), plan(cfg, PlanRequest(**{**vars(request), "pipeline_parallel_size": 2}))
+    assert [s["layers"] for s in staged.stages] == [[0, 1], [2, 2]]
+    assert staged.kv_bytes_per_token == whole.kv_bytes_per_token * 2 // 3  # the first stage limits the others
+    assert staged.max_tokens_in_cache > whole.max_tokens_in_cache
+    assert "pipeline stage 1: layers 2-2" in describe(staged, 1)
