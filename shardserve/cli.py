@@ -68,6 +68,9 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="model, parallelism, serve options and environment from a recipe; flags override it")
     p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1,
                    help="number of ranks the model is sharded over (default 1)")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=_positive_int("--pipeline-parallel-size"), default=1,
+                   help="stages the decoder layers are divided into, each on -tp ranks of its own: tp x pp ranks "
+                        "in all (default 1; Llama-family models)")
     p.add_argument("-dp", "--data-parallel-size", type=_positive_int("--data-parallel-size"), default=1,
                    help="replicas of the model (each -tp ranks, on its own GPUs) behind this endpoint, requests "
                         "balanced between them (default 1)")
@@ -152,6 +155,8 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
                                             "a .gguf file (or in --recipe)")
     p.add_argument("--recipe", default=None, metavar="FILE.yaml", help="read the model and options from a recipe")
     p.add_argument("-tp", "--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1)
+    p.add_argument("-pp", "--pipeline-parallel-size", type=_positive_int("--pipeline-parallel-size"), default=1,
+                   help="pipeline stages: per-stage weights and KV cache")
     p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None)
     p.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=64)
     p.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=2048)
@@ -369,7 +374,8 @@ def _plan(args: argparse.Namespace) -> int:
                           (args.gpu_memory_gb or _first_gpu_gb()) if device == "cuda" else None,
                           args.gpu_memory_utilization, args.kv_cache_dtype, args.host_memory_gb or _host_gb(),
                           args.host_floor_gb, device=device, kv_cache_memory_gb=args.kv_cache_memory,
-                          quantization=args.quantization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
+                          quantization=args.quantization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                          pipeline_parallel_size=args.pipeline_parallel_size)
     try:
         result = plan(cfg, request)
     except ValueError as e:  # a model it cannot serve (an unsupported quantization, say)

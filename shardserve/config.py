@@ -341,6 +341,73 @@ class CacheLayout:
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    """Which decoder layers one pipeline stage holds: [first_layer, end_layer) of num_layers, stage `index` of
+    `count`. The first stage also holds the token embedding; the last the final norm and the LM head (and the
+    embedding too where the head is tied to it). A model built whole is the one stage of one."""
+
+    index: int
+    count: int
+    first_layer: int
+    end_layer: int
+
+    @classmethod
+    def whole(cls, num_layers: int) -> "PipelineStage":
+        return cls(0, 1, 0, num_layers)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.end_layer)
+
+    def holds(self, layer: int) -> bool:
+        return self.first_layer <= layer < self.end_layer
+
+    def describe(self) -> str:
+        return f"stage {self.index} of {self.count} (layers {self.first_layer}-{self.end_layer - 1})"
+
+
+def split_layers(layer_bytes: list[int], stages: int) -> list[range]:
+    """Consecutive blocks of layers, one per stage, at least one layer each, whose largest block of bytes is as
+    small as it can be (evenly by count where the layers are alike)."""
+    n = len(layer_bytes)
+    if not 1 <= stages <= n:
+        raise ValueError(f"--pipeline-parallel-size {stages} needs at least one decoder layer per stage, but the "
+                         f"model has {n}: use at most {n} stages")
+
+    def blocks_within(limit: int) -> list[int] | None:
+        """Ends of the blocks made by filling each up to `limit`, or None if that takes more than `stages`."""
+        ends, total = [], 0
+        for i, b in enumerate(layer_bytes):
+            if total and total + b > limit:
+                ends.append(i)
+                total = 0
+            total += b
+        ends.append(n)
+        return ends if len(ends) <= stages else None
+
+    lo, hi = max(layer_bytes), sum(layer_bytes)
+    while lo < hi:  # the smallest limit that `stages` blocks can keep
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if blocks_within(mid) is not None else (mid + 1, hi)
+    ends = blocks_within(lo)
+    while len(ends) < stages:  # fewer blocks than stages: split the largest block that has two layers
+        starts = [0] + ends[:-1]
+        widest = max((i for i in range(len(ends)) if ends[i] - starts[i] > 1),
+                     key=lambda i: sum(layer_bytes[starts[i]:ends[i]]))
+        ends.insert(widest, starts[widest] + (ends[widest] - starts[widest]) // 2)
+    starts = [0] + ends[:-1]
+    return [range(a, b) for a, b in zip(starts, ends)]
+
+
+@dataclass(frozen=True)
 class GroupedTopK:
     """How a grouped top-k router chooses (layers/grouped_topk.py's docstring). Invariants, checked at construction:
     num_experts splits into num_groups equal groups of at least 2 experts (a group's worth is its top two) when
@@ -482,6 +549,8 @@ class EngineConfig:
 
     model: str
     tensor_parallel_size: int = 1
+    # Stages, each a block of consecutive decoder layers on tensor_parallel_size ranks of its own (PipelineStage).
+    pipeline_parallel_size: int = 1
     device: str = "cpu"
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -508,6 +577,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        for name, flag in (("tensor_parallel_size", "-tp"), ("pipeline_parallel_size", "-pp")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} ({flag}) must be a whole number of at least 1, got {value!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.quantization not in ONLINE_QUANTIZATION:
@@ -518,6 +591,11 @@ class EngineConfig:
                              f"{', '.join(MAMBA_SSM_CACHE_DTYPES)}, got {self.mamba_ssm_cache_dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the launch: tensor_parallel_size in each of pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def ssm_state_dtype(self) -> torch.dtype:

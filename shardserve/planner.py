@@ -68,6 +68,8 @@ class PlanRequest:
     kv_cache_memory_gb: float | None = None  # per rank; on CPUs the engine's default when None
     quantization: str | None = None  # "fp8": --quantization fp8 (a float checkpoint quantized at load)
     mamba_ssm_cache_dtype: str = "auto"  # --mamba-ssm-cache-dtype: Mamba-2 SSM states' dtype ("auto": float32)
+    pipeline_parallel_size: int = 1  # stages of consecutive layers, each on tensor_parallel_size ranks
+    pipeline_stage: int | None = None  # with stages: plan this stage's ranks (default: the stage that limits the others)
 
 
 @dataclass
@@ -91,6 +93,9 @@ class Plan:
     device: str = "cuda"
     active_weight_bytes: int = 0  # per rank, what one token reads (a mixture of experts: its chosen experts); 0: dense
     latent_cache: bool = False  # the KV cache is DeepSeek's latent cache, whole on every rank
+    # With pipeline stages, one entry a stage: its layers, weights and KV cache per rank (PipelineStage's split);
+    # the figures above are then of one stage (pipeline_stage, else the one whose KV cache holds the fewest tokens).
+    stages: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -207,7 +212,21 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
     mixture of experts' layers, the router and the num_experts_per_tok chosen experts)."""
     if nemotron_h.is_nemotron_h(cfg):
         return nemotron_h.weight_elements_per_rank(cfg, tp, replicated, active)
-    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    first, last = end_elements_per_rank(cfg, tp)
+    return sum(layer_elements_per_rank(cfg, tp, replicated, active)) + first + last
+
+
+def end_elements_per_rank(cfg: dict, tp: int) -> tuple[int, int]:
+    """(The embedding's, the final norm's and LM head's) parameters on one rank: the first and the last pipeline
+    stage's beside their layers (an LM head tied to the embedding counted once, with the embedding)."""
+    h = cfg["hidden_size"]
+    vocab_rows = -(-cfg["vocab_size"] // tp)  # vocabulary-parallel
+    return vocab_rows * h, h + (0 if cfg.get("tie_word_embeddings", False) else vocab_rows * h)
+
+
+def layer_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: bool = False) -> list[int]:
+    """Each decoder layer's parameters on one rank, as weight_elements_per_rank counts them (not NemotronH)."""
+    h = cfg["hidden_size"]
     hd = _head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
@@ -224,9 +243,9 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
         attn = mla.attention_elements_per_rank(cfg, tp, replicated)
     dense_inter = _rows(cfg.get("intermediate_size") or 0, tp, "mlp", replicated)
     experts, moe_inter, shared_inter = _moe(cfg)
-    total = 0
+    per_layer = []
     for i, kind in enumerate(layer_kinds(cfg)):
-        total += 2 * h  # the two norms
+        total = 2 * h  # the two norms
         if kind == "attention":
             total += attn
         elif kind == "linear_attention":
@@ -251,11 +270,8 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
                 total += 3 * h * _shared_expert_rows(cfg, tp, replicated) + gate
         else:
             total += 3 * h * dense_inter
-    vocab_rows = -(-vocab // tp)
-    total += vocab_rows * h + h  # embedding (vocabulary-parallel) and the final norm
-    if not cfg.get("tie_word_embeddings", False):
-        total += vocab_rows * h
-    return total
+        per_layer.append(total)
+    return per_layer
 
 
 def kv_bytes_per_token(cfg: dict, tp: int, kv_bytes: int) -> int:
@@ -462,6 +478,8 @@ def _listed(parts: list[str]) -> str:
 
 
 def plan(cfg: dict, req: PlanRequest) -> Plan:
+    if req.pipeline_parallel_size > 1:
+        return _plan_stages(cfg, req)
     quantization = _quantization_warning(cfg, req)
     if req.device == "cpu":
         cpu = _plan_cpu(cfg, req)
@@ -504,7 +522,7 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
                            f"per rank, but {budget / GIB:.2f} GiB ({cache_tokens:,} tokens) is left for it: the usable "
                            f"{usable / GIB:.2f} GiB per device less the weights ({weights / GIB:.2f} GiB) and "
                            f"{_overhead_named(overhead, states, req)}")
-    ranks_here = req.ranks_per_host or tp
+    ranks_here = req.ranks_per_host or tp * req.pipeline_parallel_size
     largest_tensor = max(cfg["vocab_size"] * h, 3 * h * inter) * dtype  # read whole before slicing
     host_needed = ranks_here * (largest_tensor + int(1.5 * GIB))  # per rank: one tensor in flight + runtime
     host_left = None
@@ -519,6 +537,75 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
     return Plan(weights, per_token, per_seq_state, overhead, max_len, per_token * max_len, usable, budget,
                 cache_tokens, largest, fits, host_needed, host_left, warnings, reasons, sorted(set(replicated)),
                 active_weight_bytes=active, latent_cache=mla.is_latent_attention(cfg))
+
+
+# A stage holding this many times another's weights is flagged: the pipeline runs at its slowest stage's pace.
+STAGE_IMBALANCE = 1.5
+
+
+def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
+    """Pipeline stages: the whole model's plan at this tensor-parallel size, each stage's weights and KV cache per
+    token scaled to the layers it holds (split by bytes as the engine splits them), its context re-derived."""
+    from shardserve.config import split_layers
+
+    if nemotron_h.is_nemotron_h(cfg) or mla.is_latent_attention(cfg) or set(layer_kinds(cfg)) != {"attention"}:
+        raise ValueError("pipeline stages serve models whose every layer is attention (Llama, Qwen2/3, Mistral and "
+                         "their mixtures of experts); plan this model with -tp alone")
+    pp, tp = req.pipeline_parallel_size, req.tensor_parallel_size
+    # Every rank of every stage on one host unless ranks_per_host says otherwise (host memory counts them all).
+    whole = plan(cfg, dataclasses.replace(req, pipeline_parallel_size=1, pipeline_stage=None,
+                                          ranks_per_host=req.ranks_per_host or tp * pp))
+    per_layer = layer_elements_per_rank(cfg, tp, [])
+    first, last = end_elements_per_rank(cfg, tp)
+    total = sum(per_layer) + first + last
+    blocks = split_layers(per_layer, pp)
+    plans = []
+    for s, block in enumerate(blocks):
+        elements = sum(per_layer[i] for i in block) + (first if s == 0 else 0) + (last if s == pp - 1 else 0)
+        plans.append(_restaged(whole, whole.weight_bytes * elements // total,
+                               whole.kv_bytes_per_token * len(block) // len(per_layer), req,
+                               cfg.get("max_position_embeddings") or 2**31))
+    stages = [dict(stage=s, layers=[b.start, b.stop - 1], weight_bytes=p.weight_bytes,
+                   kv_bytes_per_token=p.kv_bytes_per_token, max_tokens_in_cache=p.max_tokens_in_cache, fits=p.fits)
+              for s, (b, p) in enumerate(zip(blocks, plans))]
+    if req.pipeline_stage is not None:
+        chosen = plans[req.pipeline_stage]
+    else:
+        chosen = min(plans, key=lambda p: (p.max_tokens_in_cache if p.max_tokens_in_cache is not None else 0,
+                                           -p.weight_bytes))
+    weights = [p.weight_bytes for p in plans]
+    warnings = list(chosen.warnings)
+    if min(weights) and max(weights) > STAGE_IMBALANCE * min(weights):
+        warnings.append(f"stage {weights.index(max(weights))} holds {max(weights) / min(weights):.1f}x the weights "
+                        f"of stage {weights.index(min(weights))}: the pipeline runs at its slowest stage's pace")
+    fits = None if any(p.fits is None for p in plans) else all(p.fits for p in plans)
+    reasons = [f"stage {s}: {r}" for s, p in enumerate(plans) for r in p.reasons]
+    return dataclasses.replace(chosen, stages=stages, warnings=warnings, fits=fits, reasons=reasons)
+
+
+def _restaged(whole: Plan, weights: int, per_token: int, req: PlanRequest, model_limit: int) -> Plan:
+    """`whole` (one stage) for a stage of `weights` bytes and `per_token` KV bytes a token per rank: its KV budget
+    (on GPUs, what its weights leave), tokens in cache, largest context and fit, derived as plan() derives them."""
+    max_len, states = whole.max_model_len, req.max_num_seqs * whole.state_bytes_per_seq
+    if whole.usable_bytes is not None:
+        budget = whole.usable_bytes - weights - whole.overhead_bytes - states
+        cache_tokens = max(0, budget // per_token)
+    elif whole.kv_budget_bytes is not None:  # CPUs: --kv-cache-memory a rank, whatever the weights
+        budget = whole.kv_budget_bytes
+        cache_tokens = max(0, (budget - states) // per_token)
+    else:  # GPUs of unknown memory
+        return dataclasses.replace(whole, weight_bytes=weights, kv_bytes_per_token=per_token,
+                                   kv_bytes_for_context=per_token * max_len)
+    reasons = []
+    if budget < 0 or cache_tokens < max_len:
+        reasons.append(f"{max_len:,} tokens need {per_token * max_len / GIB:.2f} GiB of KV cache per rank, but "
+                       f"{max(budget, 0) / GIB:.2f} GiB ({cache_tokens:,} tokens) is left for it")
+    host = [r for r in whole.reasons if "host memory" in r]
+    fits = False if reasons or host else (None if whole.fits is None and whole.usable_bytes is None else True)
+    return dataclasses.replace(whole, weight_bytes=weights, kv_bytes_per_token=per_token,
+                               kv_bytes_for_context=per_token * max_len, kv_budget_bytes=budget,
+                               max_tokens_in_cache=cache_tokens, largest_context=int(min(cache_tokens, model_limit)),
+                               fits=fits, reasons=reasons + host)
 
 
 def _kv_dtype_bytes(req: PlanRequest, compute_bytes: int) -> int:
@@ -548,7 +635,7 @@ def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
     kv_budget = int((req.kv_cache_memory_gb if req.kv_cache_memory_gb is not None else DEFAULT_CPU_KV_CACHE_GB) * GIB)
     cache_tokens = max(0, (kv_budget - states) // per_token) if per_token else 2**62
     largest = int(min(cache_tokens, model_limit))
-    ranks_here = req.ranks_per_host or tp
+    ranks_here = req.ranks_per_host or tp * req.pipeline_parallel_size
     host_needed = ranks_here * (weights + overhead + kv_budget)
     host_left = None
     fits = None
@@ -577,6 +664,12 @@ def _plan_cpu(cfg: dict, req: PlanRequest) -> Plan:
 
 def describe(p: Plan, tp: int) -> str:
     gib = lambda b: f"{b / GIB:,.2f} GiB"  # noqa: E731
+    stages = [f"pipeline stage {s['stage']}: layers {s['layers'][0]}-{s['layers'][1]}, weights "
+              f"{gib(s['weight_bytes'])} a rank, KV cache {s['kv_bytes_per_token'] / 1024:,.1f} KiB a token"
+              + (f" = {s['max_tokens_in_cache']:,} tokens" if s['max_tokens_in_cache'] is not None else "")
+              for s in p.stages]
+    if stages:
+        stages.append("the stage whose KV cache holds the fewest tokens:")
     lines = [
         f"per rank (tensor parallel {tp}):",
         f"  weights                {gib(p.weight_bytes)}",
@@ -604,6 +697,7 @@ def describe(p: Plan, tp: int) -> str:
     if p.device != "cpu":
         lines.append(f"host memory while loading: {gib(p.host_needed_bytes)}"
                      + ("" if p.host_left_bytes is None else f", {gib(p.host_left_bytes)} left"))
+    lines[:0] = stages
     lines += [f"warning: {w}" for w in p.warnings]
     if p.fits is None:
         lines.append("fits: unknown (give --host-memory-gb)" if p.device == "cpu" else

@@ -47,8 +47,8 @@ class NodeLaunch:
 
     def __post_init__(self) -> None:
         if self.world_size % self.nnodes:
-            raise ValueError(f"--tensor-parallel-size {self.world_size} is not a multiple of --nnodes "
-                             f"{self.nnodes}: every node runs the same number of ranks")
+            raise ValueError(f"{self.world_size} ranks (--tensor-parallel-size x --pipeline-parallel-size) are not a "
+                             f"multiple of --nnodes {self.nnodes}: every node runs the same number of ranks")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes}) for --nnodes {self.nnodes}")
 
@@ -94,7 +94,7 @@ def slurm_launch(world_size: int, master_addr: str | None, master_port: int | No
                  env: dict[str, str] | None = None) -> LaunchInfo | NodeLaunch | None:
     """The launch srun describes (SLURM_PROCID, SLURM_NTASKS...), or None outside srun.
 
-    A task per rank (SLURM_NTASKS == tensor-parallel size) gives a LaunchInfo; a task per node
+    A task per rank (SLURM_NTASKS == world size: tensor- x pipeline-parallel size) gives a LaunchInfo; a task per node
     (SLURM_NTASKS == SLURM_NNODES) a NodeLaunch that spawns the node's ranks. Rank 0 is task 0, on the
     first node of SLURM_JOB_NODELIST, which is where the other ranks meet unless --master-addr says
     otherwise; the port defaults to 29500 plus the job id modulo 1000, so jobs sharing nodes differ.
@@ -117,7 +117,7 @@ def slurm_launch(world_size: int, master_addr: str | None, master_port: int | No
                           max(1, world_size // nnodes))
     if ntasks == nnodes:
         return NodeLaunch(world_size, nnodes, task, init_method)
-    raise ValueError(f"srun started {ntasks} tasks on {nnodes} nodes for --tensor-parallel-size {world_size}: "
+    raise ValueError(f"srun started {ntasks} tasks on {nnodes} nodes for {world_size} ranks: "
                      f"use one task per rank (--ntasks {world_size}) or one per node (--ntasks-per-node 1)")
 
 
@@ -164,10 +164,10 @@ class LocalRanks:
     def __init__(self, config: EngineConfig, node: NodeLaunch | None = None,
                  *, worker: Callable[[EngineConfig, RankContext], None]) -> None:
         self.config = config
-        node = node or single_node(config.tensor_parallel_size)
-        if node.world_size != config.tensor_parallel_size:
-            raise ValueError(f"the launch has {node.world_size} ranks but --tensor-parallel-size is "
-                             f"{config.tensor_parallel_size}")
+        node = node or single_node(config.world_size)
+        if node.world_size != config.world_size:
+            raise ValueError(f"the launch has {node.world_size} ranks but --tensor-parallel-size x "
+                             f"--pipeline-parallel-size is {config.world_size}")
         self.node = node
         token = envs.CONTROL_TOKEN.get() or (new_token() if node.nnodes == 1 else resolve_token(None))
         spawn = mp.get_context("spawn")
@@ -199,9 +199,14 @@ class LocalRanks:
 
     def dead_rank(self) -> str | None:
         """A description of the first spawned rank that has exited, or None while all run."""
+        pp = self.config.pipeline_parallel_size
         for p in self.processes:
             if not p.is_alive():
-                return f"{p.name.removeprefix('shardserve-')} (pid {p.pid}) exited with code {p.exitcode}"
+                name = p.name.removeprefix('shardserve-')
+                if pp > 1:
+                    stage = int(name.removeprefix("rank")) // self.config.tensor_parallel_size
+                    name += f" (pipeline stage {stage} of {pp})"
+                return f"{name} (pid {p.pid}) exited with code {p.exitcode}"
         return None
 
     def stop_workers(self) -> None:

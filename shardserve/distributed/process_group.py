@@ -38,17 +38,47 @@ TEARDOWN_TIMEOUT_S = 30.0
 
 @dataclass
 class RankContext:
+    """One rank's place. Ranks are tensor-parallel inner: rank = stage * tp_size + tp_rank, so a stage's ranks are
+    consecutive (on one node where each node holds whole stages). `comm` spans this rank's stage only; the control
+    plane (step plans, lockstep) and the pipeline's sends between stages span the world."""
+
     rank: int
     world_size: int
     device: torch.device
-    comm: Communicator  # data plane: activations
-    control_group: dist.ProcessGroup | None  # control plane: step plans, always gloo (CPU tensors)
+    comm: Communicator  # data plane: activations, over this stage's tensor-parallel group
+    control_group: dist.ProcessGroup | None  # control plane: step plans, always gloo (CPU tensors), every rank
     control_key: bytes | None = None  # signs the step plans (distributed/control_token.py); None: one rank
     rendezvous_host: str | None = None  # rank 0's address that every rank reached to join (plan_stream.py)
+    pp_size: int = 1  # pipeline stages; world_size = pp_size * tp_size
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size // self.pp_size
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    def rank_of(self, stage: int, tp_rank: int) -> int:
+        return stage * self.tp_size + tp_rank
+
+    def describe_rank(self, rank: int) -> str:
+        """'rank R' and, with several stages, its stage: what errors about a rank say."""
+        return describe_rank(rank, self.tp_size, self.pp_size)
+
+
+def describe_rank(rank: int, tp_size: int, pp_size: int) -> str:
+    if pp_size == 1:
+        return f"rank {rank}"
+    return f"rank {rank} (pipeline stage {rank // tp_size} of {pp_size}, tensor-parallel rank {rank % tp_size})"
 
 
 def find_free_port() -> int:
@@ -72,7 +102,8 @@ MAIN_GUARD_HINT = ("a script that starts several ranks must create the engine un
 
 def init_rank_context(rank: int, world_size: int, device: str, init_method: str | None = None,
                       local_rank: int | None = None, config: EngineConfig | None = None,
-                      control_token: str | None = None, exited_rank=None) -> RankContext:
+                      control_token: str | None = None, exited_rank=None, pp_size: int | None = None
+                      ) -> RankContext:
     """Join the process group (from env:// under torchrun, else init_method) and build both planes.
 
     First, on the rendezvous store, the ranks prove to each other that they hold the launch's control
@@ -81,7 +112,13 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
     the ranks' fingerprints compared before NCCL or gloo read any variable and before any weights load.
     `exited_rank` (rank 0 of a launch that spawned its node's other ranks): a function naming a spawned rank
     that has exited, or None; the wait for the ranks to connect stops with RankExitedError when it names one.
+    `pp_size` (default: the config's pipeline_parallel_size, else 1): the world is that many stages of ranks, each
+    stage with a data-plane group of its own.
     """
+    if pp_size is None:
+        pp_size = config.pipeline_parallel_size if config is not None else 1
+    if world_size % pp_size:
+        raise ValueError(f"{world_size} ranks do not split into {pp_size} pipeline stages of equal size")
     if world_size == 1:  # no process group: nothing to communicate with
         if device == "cuda":
             torch.cuda.set_device(0)
@@ -98,9 +135,22 @@ def init_rank_context(rank: int, world_size: int, device: str, init_method: str 
     with setup_step("join the process groups", rank):
         torch_device = _join_groups(store, rank, world_size, device, local_rank)
     control_group = dist.new_group(backend="gloo", timeout=collective_timeout())
-    comm = Communicator(dist.group.WORLD, rank, world_size)
+    comm = _stage_communicator(rank, world_size, pp_size)
     return RankContext(rank, world_size, torch_device, comm, control_group, key,
-                       rendezvous_host(init_method or "env://"))
+                       rendezvous_host(init_method or "env://"), pp_size)
+
+
+def _stage_communicator(rank: int, world_size: int, pp_size: int) -> Communicator:
+    """The data plane of this rank's stage: the world itself with one stage; else a group of the stage's ranks
+    (every rank creates every stage's group, in stage order, as torch requires)."""
+    if pp_size == 1:
+        return Communicator(dist.group.WORLD, rank, world_size)
+    tp = world_size // pp_size
+    if tp == 1:
+        return Communicator(None, 0, 1)
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=collective_timeout())
+              for s in range(pp_size)]
+    return Communicator(groups[rank // tp], rank % tp, tp)
 
 
 def _rendezvous(init_method: str, rank: int, world_size: int, exited_rank) -> dist.Store:

@@ -42,6 +42,12 @@ def _gather(value, ctx: RankContext) -> list:
     return all_gather_msgpack(value, ctx.control_group, ctx.world_size)
 
 
+def _from_stage_leader(value, ctx: RankContext):
+    """The value of the first rank of this rank's pipeline stage (rank 0 with one stage), on each rank: choices
+    timed on a stage's own layers (which differ between stages) are agreed within the stage."""
+    return _gather(value, ctx)[ctx.rank_of(ctx.stage, 0)]
+
+
 def _by_rank(value, ctx: RankContext) -> list[tuple[str, object]]:
     """Every rank's `value` (plain data), as ('rank R (host)', value) in rank order, on every rank."""
     gathered = _gather([ctx.rank, socket.gethostname(), value], ctx)
@@ -175,7 +181,7 @@ def choose_gemv_configs(model: nn.Module, ctx: RankContext) -> str:
     checked there against float64; a failure on any rank puts every rank back on the default configuration
     without the norm inside (checked already). Returns what the kernel plan records ("" without norm-fused or
     split-K GEMVs)."""
-    ql.use_gemv_configs(model, _gather(ql.time_gemv_configs(model), ctx)[0])
+    ql.use_gemv_configs(model, _from_stage_leader(ql.time_gemv_configs(model), ctx))
     problems = _packed_failures_by_rank(model, (1,), ctx)
     if problems:
         if ctx.is_driver:
@@ -193,7 +199,7 @@ def choose_batch_kernels(model: nn.Module, ctx: RankContext) -> str:
     on every rank and checked against float64 there in every bucket that runs the GEMM; a failure on any rank
     puts every batch back on dequantize + cuBLAS (checked already). Returns what the kernel plan records ("" where
     no layer can take the GEMM)."""
-    packed_batches.use_batch_kernels(model, _gather(packed_batches.time_batch_kernels(model), ctx)[0])
+    packed_batches.use_batch_kernels(model, _from_stage_leader(packed_batches.time_batch_kernels(model), ctx))
     problems = _packed_failures_by_rank(model, packed_batches.gemm_check_rows(model), ctx)
     if problems:
         if ctx.is_driver:
@@ -497,17 +503,27 @@ def agree_on_gemv(kernel, ctx: RankContext):
     picked different kernels for one shape would round their shards differently."""
     if ctx.world_size == 1:
         return kernel
-    chosen = _gather(kernel.as_lists(), ctx)[0]
+    chosen = _from_stage_leader(kernel.as_lists(), ctx)
     return type(kernel).from_lists(chosen)
 
 
 def agree_on_plan(plan: KernelPlan, ctx: RankContext) -> None:
-    """Every rank must have arrived at the same plan; otherwise stop, naming the ranks and their plans."""
-    plans = _by_rank(plan.describe(), ctx)
-    (first, reference), differing = plans[0], [f"{who}: {p}" for who, p in plans[1:] if p != plans[0][1]]
+    """Every rank must have arrived at the same plan; otherwise stop, naming the ranks and their plans. With
+    pipeline stages, what is timed or chosen on a stage's own group and layers (all-reduce, GEMVs) is compared
+    within the stage; the rest across every rank."""
+    per_stage = dict(all_reduce="", gemv="", dependent_launch="")
+    shared = plan.with_results(**per_stage).describe() if ctx.pp_size > 1 else plan.describe()
+    plans = _by_rank([ctx.stage, shared, plan.describe()], ctx)
+    (first, (_, reference, _)), differing = plans[0], []
+    leaders: dict[int, str] = {}
+    for who, (stage, common, whole) in plans:
+        if common != reference:
+            differing.append(f"{who}: {whole}")
+        elif whole != leaders.setdefault(stage, whole):
+            differing.append(f"{who} (pipeline stage {stage}): {whole}")
     if differing:
         raise StartupMismatch(f"the ranks did not arrive at the same kernel plan, so start-up stops here:\n  "
-                              f"{first}: {reference}\n  " + "\n  ".join(differing))
+                              f"{first}: {plans[0][1][2]}\n  " + "\n  ".join(differing))
 
 
 class Stopwatch:

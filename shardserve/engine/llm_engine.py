@@ -47,6 +47,10 @@ def overlap_steps_enabled(runner: ModelRunner, world_size: int) -> bool:
     TP=2 on two H200s, batch-1 decode took 2.96 ms a token with it and 4.18 without).
     SHARDSERVE_OVERLAP_STEPS=1 also forces it on CPUs, where it is correct but gains nothing;
     SHARDSERVE_OVERLAP_STEPS=0 turns it off."""
+    if runner.stage is not None:
+        logger.info("overlapped steps off: under pipeline stages each step's logits come back from the last stage "
+                    "before the next step is planned")
+        return False
     forced = envs.OVERLAP_STEPS.get()
     if forced is not None:
         return forced == "1"

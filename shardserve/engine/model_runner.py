@@ -13,8 +13,9 @@ import time
 import torch
 
 from shardserve.attention import StepBatch, create_attention_backend, kv_quant
-from shardserve.config import CacheLayout, EngineConfig, ModelConfig
+from shardserve.config import CacheLayout, EngineConfig, ModelConfig, PipelineStage
 from shardserve.distributed import all_reduce, token_broadcast
+from shardserve.distributed.pipeline import PipelineLinks
 from shardserve.distributed.process_group import RankContext
 from shardserve.distributed.setup_watchdog import setup_step
 from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block,
@@ -22,7 +23,7 @@ from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, 
 from shardserve.engine.cuda_graphs import (CudaGraphRunner, all_reduce_token_counts, graph_buckets, graph_unsafe_reason,
                                           layer_caches)
 from shardserve.wire.step_plan import FROM_DEVICE, StepPlan
-from shardserve.engine import kernel_setup
+from shardserve.engine import kernel_setup, pipeline_split
 from shardserve.kernels import cpu_features
 from shardserve.kernels import plan as kernel_plan
 from shardserve.layers.moe_shared import fold_shared_experts
@@ -57,6 +58,10 @@ class ModelRunner:
         self.self_check = kernel_setup.Stopwatch()
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.block_size = config.block_size
+        # This rank's pipeline stage (None: the whole model), and its links to the stages before and after.
+        self.stage: PipelineStage | None = pipeline_split.stage_of(config, model_config, ctx,
+                                                                                     self.dtype.itemsize)
+        self.pipe = PipelineLinks(ctx) if self.stage is not None else None
         self.memory_plan = self._plan_memory()  # None where the planner cannot describe the model
         if kv_quant.is_fp8(self.kv_dtype) and model_config.latent_attention:
             raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: {model_config.architecture}'s latent cache "
@@ -72,10 +77,12 @@ class ModelRunner:
             self.weight_arena = stable_memory.move_model_into_arena(self.model, self.device)
         if ctx.world_size > 1:
             with setup_step("compare replicated weights", ctx.rank):
-                checked = verify_replicated_weights(self.model, ctx.control_group, ctx.rank, ctx.world_size)
+                checked = verify_replicated_weights(self.model, ctx.control_group, ctx.rank, ctx.world_size,
+                                                    ctx.tp_size)
             if ctx.is_driver:
-                logger.info("replicated weights identical on all %d ranks (%d tensors compared)", ctx.world_size,
-                            checked)
+                logger.info("replicated weights identical on all %d ranks (%d tensors compared)%s", ctx.world_size,
+                            checked, "; compared within each pipeline stage"
+                            if ctx.pp_size > 1 else "")
         with setup_step("size the KV cache", ctx.rank):
             self.num_blocks = self._size_kv_cache()
         self.state_pools: dict = {}  # layer -> its recurrent-state pool (linear-attention layers), with the KV cache
@@ -123,7 +130,7 @@ class ModelRunner:
         max_num_seqs slots per linear-attention layer (self.state_pools; Scheduler hands out the slots). In the
         stable arena both keep their addresses across sleep and wake, so the decode graphs stay valid."""
         cache = self._cache_layout()
-        shape = (len(self.model_config.kv_layers), self.num_blocks, self.block_size, cache.heads, cache.dim)
+        shape = (self._kv_layer_count(), self.num_blocks, self.block_size, cache.heads, cache.dim)
         if self.weight_arena is None:
             self.state_pools = self._new_state_pools(self.device)
             return allocate_kv_cache(*shape, self.kv_dtype, self.device, planes=cache.planes)
@@ -153,6 +160,11 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        if self.stage is not None:
+            if self.ctx.is_driver:
+                logger.info("no CUDA graphs: pipeline stages run each step eagerly (the activations' sends between "
+                            "stages are not captured)")
             return
         if not hasattr(self.attention, "static_decode_metadata"):
             if getattr(self.model, "attention_backend", None) is not None and self.ctx.is_driver:
@@ -268,9 +280,12 @@ class ModelRunner:
         sizes = [t * per_token for t in tokens]
         started = time.perf_counter()
         if self.device.type == "cuda":
+            # Peer-memory methods exchange their handles over the control plane, which spans every stage: under
+            # pipeline stages a stage's group has NCCL and torch's symmetric memory only.
             choice = all_reduce.calibrate(comm.group, self.device, self.dtype, sizes,
                                           graph_slots=2 * self.model_config.num_layers + 4,
-                                          control_group=self.ctx.control_group, row_bytes=per_token)
+                                          control_group=self.ctx.control_group if self.stage is None else None,
+                                          row_bytes=per_token)
         else:
             choice = all_reduce.calibrate_cpu(comm.group, comm.rank, comm.world_size, self.dtype, sizes)
         comm.use(choice)
@@ -279,7 +294,7 @@ class ModelRunner:
             if kernel_setup.verify_all_reduce(comm, self.dtype, self.device, sizes, self.ctx, per_token):
                 self.all_reduce_choice = None
         described = choice.describe() if self.device.type == "cuda" else choice.eager.describe()
-        if self.device.type == "cuda" and token_broadcast.wanted():
+        if self.device.type == "cuda" and token_broadcast.wanted() and self.stage is None:
             comm.tokens = token_broadcast.build(comm.group, self.ctx.control_group, comm.rank, comm.world_size,
                                                 self.device, max(graph_buckets(self.config.max_num_seqs)))
             if comm.tokens is not None:
@@ -297,9 +312,10 @@ class ModelRunner:
         cls = model_class(self.model_config.architecture)
         torch.manual_seed(0)
         packing = self._packed_layout()
+        staged = {} if self.stage is None else {"stage": self.stage}
         with torch.device(self.device), (deferred_weights() if packing else contextlib.nullcontext()):
             model = cls(self.model_config, self.ctx.comm, self.dtype, self.max_model_len,
-                        expert_parallel=self.config.enable_expert_parallel)
+                        expert_parallel=self.config.enable_expert_parallel, **staged)
         if packing:
             layout, names = packing
             scheme = self.model_config.quantization
@@ -396,11 +412,13 @@ class ModelRunner:
         try:
             cfg = dict(load_hf_config(self.config.model), torch_dtype=str(self.dtype).removeprefix("torch."))
             device_gb = torch.cuda.mem_get_info(self.device)[1] / 2**30 if self.device.type == "cuda" else None
-            return plan(cfg, PlanRequest(self.ctx.world_size, self.max_model_len, self.config.max_num_seqs,
+            return plan(cfg, PlanRequest(self.ctx.tp_size, self.max_model_len, self.config.max_num_seqs,
                                          self.config.max_num_batched_tokens, device_gb,
                                          self.config.gpu_memory_utilization,
                                          quantization=self.config.quantization,
-                                         kv_cache_dtype=self.config.kv_cache_dtype))
+                                         kv_cache_dtype=self.config.kv_cache_dtype,
+                                         pipeline_parallel_size=self.ctx.pp_size,
+                                         pipeline_stage=self.ctx.stage if self.stage is not None else None))
         except (OSError, KeyError, ValueError) as e:
             logger.debug("planner: no prediction for %s: %s", self.config.model, e)
             return None
@@ -428,9 +446,15 @@ class ModelRunner:
             return declared()
         return CacheLayout.keys_and_values(self.model.kv_heads_per_rank(), self.model_config.head_dim)
 
+    def _kv_layer_count(self) -> int:
+        """The KV cache's layers on this rank: the model's KV layers, or those of this rank's pipeline stage."""
+        if self.stage is None:
+            return len(self.model_config.kv_layers)
+        return sum(self.stage.holds(i) for i in self.model_config.kv_layers)
+
     def _kv_bytes_per_block(self) -> int:
         cache = self._cache_layout()
-        return bytes_per_block(len(self.model_config.kv_layers), self.block_size, cache.heads, cache.dim,
+        return bytes_per_block(self._kv_layer_count(), self.block_size, cache.heads, cache.dim,
                                self.kv_dtype, planes=cache.planes)
 
     def _state_bytes(self) -> int:
@@ -493,11 +517,35 @@ class ModelRunner:
             return batch.sample_seq_ids, logits
         meta = self.attention.build_metadata(batch)
         token_ids = device_tokens if device_tokens is not None else self._long(batch.token_ids)
+        if self.stage is not None:
+            return self._execute_stage(batch, token_ids, meta)
         hidden = self.model(token_ids, self._long(batch.positions), self._layer_caches(batch), meta)
         if not batch.sample_rows:
             return [], None
         logits = self.model.compute_logits(hidden[self._long(batch.sample_rows)])
         return batch.sample_seq_ids, logits
+
+    def _execute_stage(self, batch: StepBatch, token_ids: torch.Tensor, meta
+                       ) -> tuple[list[int], torch.Tensor | None]:
+        """One pipeline stage's part of a step: the residual stream from the stage before (none on the first), this
+        stage's layers, then the stream on to the next stage, or on the last the logits to rank 0, which returns
+        them as execute does (the other ranks return none)."""
+        stage, pipe = self.stage, self.pipe
+        hidden = None
+        if not stage.is_first:
+            hidden = pipe.receive_hidden(batch.num_tokens, self.model_config.hidden_size, self.dtype)
+        out = self.model(token_ids, self._long(batch.positions), self._layer_caches(batch), meta, hidden)
+        if not stage.is_last:
+            pipe.send_hidden(out)
+        elif batch.sample_rows:
+            logits = self.model.compute_logits(out[self._long(batch.sample_rows)])
+            if pipe.sends_logits:
+                pipe.send_logits(logits)
+        if not batch.sample_rows:
+            return [], None
+        if self.ctx.is_driver:
+            return batch.sample_seq_ids, pipe.receive_logits(len(batch.sample_rows), self.model_config.vocab_size)
+        return batch.sample_seq_ids, None
 
     def _layer_caches(self, batch: StepBatch) -> list:
         """Every layer's cache for this step, in layer order: the KV cache's layers, for each linear-attention

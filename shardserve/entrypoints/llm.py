@@ -1,4 +1,5 @@
-"""Offline use without HTTP: `LLM(model, tensor_parallel_size=N).generate(prompts, params)`."""
+"""Offline use without HTTP: `LLM(model, tensor_parallel_size=N, pipeline_parallel_size=P).generate(prompts,
+params)`."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from shardserve.tokenizer import Tokenizer
 
 
 class LLM:
-    def __init__(self, model: str, tensor_parallel_size: int = 1, **engine_options) -> None:
-        self.config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **engine_options)
+    def __init__(self, model: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 **engine_options) -> None:
+        self.config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size,
+                                   pipeline_parallel_size=pipeline_parallel_size, **engine_options)
         check_model_path(model, self.config.load_format)
         self.tokenizer = Tokenizer.from_model_path(model)
         self.ranks = LocalRanks(self.config, worker=run_worker)

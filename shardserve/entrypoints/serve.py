@@ -24,7 +24,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda was given but no CUDA GPU is visible: use --device cpu")
     return EngineConfig(
-        model=args.model, tensor_parallel_size=args.tensor_parallel_size, device=device, dtype=args.dtype,
+        model=args.model, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1), device=device, dtype=args.dtype,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_gb=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -46,8 +47,8 @@ def choose_launch(args: argparse.Namespace, world_size: int):
     torchrun = torchrun_launch_info()
     if torchrun is not None:
         if torchrun.world_size != world_size:
-            raise SystemExit(f"torchrun started {torchrun.world_size} ranks but --tensor-parallel-size is "
-                             f"{world_size}: make them equal")
+            raise SystemExit(f"torchrun started {torchrun.world_size} ranks but --tensor-parallel-size x "
+                             f"--pipeline-parallel-size is {world_size}: make them equal")
         return torchrun
     try:
         if args.nnodes > 1:
@@ -85,7 +86,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.control_interface:
         os.environ["GLOO_SOCKET_IFNAME"] = args.control_interface  # before any gloo group exists
     config = engine_config_from_args(args)
-    launch = choose_launch(args, config.tensor_parallel_size)
+    launch = choose_launch(args, config.world_size)
     if _serves_http(launch):
         from shardserve.entrypoints.openai.server import bind_http_port
 

@@ -60,7 +60,11 @@ class ParallelLMHead(KernelLinear):
         else:
             self.weight = nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
             self.weight.weight_loader = self._load_rows
-            self._load_dense_rows = embedding._load_rows  # the same rows of the vocabulary as the embedding's
+
+    def _load_dense_rows(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
+        """The same rows of the vocabulary as the embedding's."""
+        if self.end > self.start:
+            copy_exact(param.data[: self.end - self.start], loaded[self.start:self.end])
 
     def _load_rows(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
         if self.packed is None:

@@ -9,6 +9,10 @@ A family that differs subclasses LlamaForCausalLM in a module of its own and rep
 norms its heads, models/qwen3.py) or `make_layer` (sparse expert blocks, models/mixtral.py; a hybrid model's other
 kinds of layer). Any layer LlamaModel chains keeps its call: forward(rotary, x, residual, cache, meta, reduce,
 next_norm) -> (output, residual, pending reduction), with the norm over its input held as `input_layernorm`.
+
+Under pipeline parallelism (a PipelineStage) a model holds its stage's layers only: the others are parameterless
+placeholders, the embedding sits on the first stage and the final norm and head on the last, and a stage hands the
+next one the residual stream (every pending reduction done) in place of the embeddings.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from shardserve.config import ModelConfig
+from shardserve.config import ModelConfig, PipelineStage
+from shardserve.distributed.communicator import NORMED
 from shardserve.distributed.communicator import Communicator
 from shardserve.kernels.availability import use_triton
 from shardserve.layers.attention import PagedAttention
@@ -118,27 +123,51 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x, residual, self.post_attention_layernorm, pending, next_norm)
 
 
+class NotOnThisStage(nn.Module):
+    """The place of a decoder layer another pipeline stage holds: no parameters, never called."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
-                 make_layer: Callable[[int], nn.Module]) -> None:
-        """make_layer(i): decoder layer i."""
+                 make_layer: Callable[[int], nn.Module], stage: PipelineStage | None = None) -> None:
+        """make_layer(i): decoder layer i. `stage`: the layers this rank holds (default: all of them)."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
+        self.stage = stage = stage or PipelineStage.whole(cfg.num_layers)
+        # The last stage keeps the embedding where the head is tied to it.
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm) \
+            if stage.is_first or (stage.is_last and cfg.tie_word_embeddings) else None
         self.rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.zero_centred_norm)
+        self.layers = nn.ModuleList(make_layer(i) if stage.holds(i) else NotOnThisStage()
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.zero_centred_norm) if stage.is_last else None
 
-    def forward(self, token_ids, positions, caches: list, meta) -> torch.Tensor:
-        """caches: each layer's, in layer order (a KVCache for attention; see the layer for others)."""
-        x, residual, pending = self.embed_tokens(token_ids), None, None
+    def forward(self, token_ids, positions, caches: list, meta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """caches: each held layer's, in layer order (a KVCache for attention; see the layer for others).
+        `hidden`: on a stage after the first, the residual stream the previous stage returned (token_ids unused).
+        Returns the final norm's output on the last stage, else the residual stream for the next stage."""
+        x = self.embed_tokens(token_ids) if self.stage.is_first else hidden
+        residual, pending = None, None
         rotary = self.rotary.lookup(positions)
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, cache, next_norm in zip(self.layers, caches, next_norms):
+        held = self.layers[self.stage.first_layer:self.stage.end_layer]
+        next_norms = [layer.input_layernorm for layer in held[1:]] + [self.norm]
+        for layer, cache, next_norm in zip(held, caches, next_norms):
             # A layer's last all-reduce happens in its last projection's GEMV with the residual add and the next
             # norm (forward_add), or in the next layer's first norm (one kernel with the add).
             x, residual, pending = layer(rotary, x, residual, cache, meta, pending, next_norm)
+        if not self.stage.is_last:
+            return residual_stream(x, residual, pending)
         x, _ = self.norm(x, residual, reduce=pending)
         return x
+
+
+def residual_stream(x: torch.Tensor, residual: torch.Tensor | None, pending) -> torch.Tensor:
+    """x + residual after a layer, its pending reduction done: what the next stage's first layer takes as its input
+    (as the first layer takes the embeddings)."""
+    if pending is NORMED:
+        return residual  # x is already the next norm's output of the sum, which residual holds
+    if pending is not None:
+        x = pending.all_reduce(x)
+    return x if residual is None else x + residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,35 +182,53 @@ class LlamaForCausalLM(nn.Module):
     attention: type[nn.Module] = LlamaAttention  # every layer's attention block
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, stage: PipelineStage | None = None) -> None:
         """expert_parallel: a mixture of experts' experts divided among the ranks (whole experts) rather than
-        each split by features (a dense model has none)."""
+        each split by features (a dense model has none). `stage`: the pipeline stage this rank builds (default:
+        the whole model)."""
         super().__init__()
         self.config = cfg
         self.expert_parallel = expert_parallel
-        self.model = LlamaModel(cfg, comm, dtype, max_positions, lambda i: self.make_layer(i, comm, dtype))
-        self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
+        self.model = LlamaModel(cfg, comm, dtype, max_positions, lambda i: self.make_layer(i, comm, dtype), stage)
+        stage = self.model.stage
+        self.lm_head = None
+        if stage.is_last:  # an untied head takes its vocabulary rows from an embedding this stage may not keep
+            embedding = self.model.embed_tokens if self.model.embed_tokens is not None else \
+                VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
+            self.lm_head = ParallelLMHead(embedding, cfg.tie_word_embeddings)
+        if stage.count > 1:  # the checkpoint's tensors of what other stages hold are passed over when loading
+            self.unused_checkpoint_prefixes = tuple(getattr(self, "unused_checkpoint_prefixes", ())) + tuple(
+                f"model.layers.{i}." for i in range(cfg.num_layers) if not stage.holds(i)) + (
+                () if self.model.embed_tokens is not None else ("model.embed_tokens.",)) + (
+                () if stage.is_last else ("model.norm.", "lm_head."))
 
     def make_layer(self, index: int, comm: Communicator, dtype: torch.dtype) -> nn.Module:
         """Decoder layer `index`: attention and a dense MLP."""
         cfg = self.config
         return LlamaDecoderLayer(self.attention(cfg, comm, dtype), LlamaMLP(cfg, comm, dtype), cfg, dtype)
 
-    def forward(self, token_ids, positions, caches: list, meta) -> torch.Tensor:
-        """caches: one per layer, in layer order: a KVCache for each of config.kv_layers, and for a hybrid
-        model's other layers what state_pools gave them with the step's slots (models/qwen3_next.py)."""
-        return self.model(token_ids, positions, caches, meta)
+    def forward(self, token_ids, positions, caches: list, meta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """caches: one per layer this rank holds, in layer order: a KVCache for each of config.kv_layers, and for a
+        hybrid model's other layers what state_pools gave them with the step's slots (models/qwen3_next.py).
+        `hidden`: a later pipeline stage's input, the residual stream from the stage before (LlamaModel.forward)."""
+        if hidden is None:
+            return self.model(token_ids, positions, caches, meta)
+        return self.model(token_ids, positions, caches, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on the first rank, None on the others."""
         return self.lm_head(hidden)
 
+    def held_kv_layers(self) -> list[int]:
+        """The KV layers (of config.kv_layers) this rank's pipeline stage holds: its KV cache's layers."""
+        return [i for i in self.config.kv_layers if self.model.stage.holds(i)]
+
     def paged_attention(self) -> PagedAttention:
-        """The first attention layer's PagedAttention: the head layout every KV layer shares."""
-        return self.model.layers[self.config.kv_layers[0]].self_attn.attn
+        """The first held attention layer's PagedAttention: the head layout every KV layer shares."""
+        return self.model.layers[self.held_kv_layers()[0]].self_attn.attn
 
     def kv_heads_per_rank(self) -> int:
-        return self.model.layers[self.config.kv_layers[0]].self_attn.shard.num_kv
+        return self.model.layers[self.held_kv_layers()[0]].self_attn.shard.num_kv
 
     def state_pools(self, num_slots: int, device: torch.device) -> dict[int, Any]:
         """Per-sequence state pools (layer index -> pool of num_slots states) of the layers without a KV cache;

@@ -38,20 +38,25 @@ def replicated_digests(model: nn.Module) -> dict[str, str]:
     return digests
 
 
-def verify_replicated_weights(model: nn.Module, group: dist.ProcessGroup, rank: int, world_size: int) -> int:
-    """Compare the replicated weights' digests across the group (a collective: every rank calls it).
-    Returns how many tensors were compared; raises StartupMismatch on every rank if any differ."""
+def verify_replicated_weights(model: nn.Module, group: dist.ProcessGroup, rank: int, world_size: int,
+                              stage_size: int | None = None) -> int:
+    """Compare the replicated weights' digests across the group (a collective: every rank calls it). With
+    `stage_size` (ranks per pipeline stage, which hold different layers), each rank is compared with the first
+    rank of its stage only; every rank still takes part, so every rank sees every stage's verdict. Returns how many
+    tensors this rank's stage compared; raises StartupMismatch on every rank if any differ."""
+    stage_size = stage_size or world_size
     mine = [rank, socket.gethostname(), replicated_digests(model)]
     gathered = all_gather_msgpack(mine, group, world_size)
-    reference_rank, reference_host, reference = gathered[0]
     problems = []
-    for other_rank, host, digests in gathered[1:]:
-        differing = sorted(n for n in reference.keys() | digests.keys() if reference.get(n) != digests.get(n))
-        if differing:
-            shown = ", ".join(differing[:3]) + (f" and {len(differing) - 3} more" if len(differing) > 3 else "")
-            problems.append(f"rank {other_rank} ({host}) differs from rank {reference_rank} ({reference_host}) "
-                            f"in {len(differing)} of {len(reference)} tensors: {shown}")
+    for first in range(0, world_size, stage_size):
+        reference_rank, reference_host, reference = gathered[first]
+        for other_rank, host, digests in gathered[first + 1:first + stage_size]:
+            differing = sorted(n for n in reference.keys() | digests.keys() if reference.get(n) != digests.get(n))
+            if differing:
+                shown = ", ".join(differing[:3]) + (f" and {len(differing) - 3} more" if len(differing) > 3 else "")
+                problems.append(f"rank {other_rank} ({host}) differs from rank {reference_rank} ({reference_host}) "
+                                f"in {len(differing)} of {len(reference)} tensors: {shown}")
     if problems:
         raise StartupMismatch("the replicated weights are not the same on every rank after loading (a corrupted "
                               "or different checkpoint?):\n  " + "\n  ".join(problems))
-    return len(reference)
+    return len(gathered[rank - rank % stage_size][2])

@@ -43,7 +43,7 @@ def test_srun_with_a_task_per_node_starts_the_nodes_ranks():
 
 
 def test_srun_with_another_task_count_is_refused_with_both_ways_out():
-    with pytest.raises(ValueError, match=r"srun started 3 tasks on 2 nodes for --tensor-parallel-size 4: "
+    with pytest.raises(ValueError, match=r"srun started 3 tasks on 2 nodes for 4 ranks: "
                                          r"use one task per rank \(--ntasks 4\) or one per node"):
         slurm_launch(4, None, None, env={**SLURM, "SLURM_NTASKS": "3"})
     assert slurm_launch(4, None, None, env={}) is None
@@ -60,7 +60,8 @@ def test_nnodes_flags(monkeypatch):
     assert launch == NodeLaunch(4, 2, 1, "tcp://node0:29500") and launch.first_rank == 2
     with pytest.raises(SystemExit, match="--nnodes > 1 needs --node-rank and --master-addr"):
         choose_launch(_args(nnodes=2), 4)
-    with pytest.raises(SystemExit, match="--tensor-parallel-size 3 is not a multiple of --nnodes 2"):
+    with pytest.raises(SystemExit, match=r"3 ranks \(--tensor-parallel-size x --pipeline-parallel-size\) are not a "
+                                         r"multiple of --nnodes 2"):
         choose_launch(_args(nnodes=2, node_rank=0, master_addr="node0"), 3)
     with pytest.raises(SystemExit, match=r"--node-rank 2 must be in \[0, 2\)"):
         choose_launch(_args(nnodes=2, node_rank=2, master_addr="node0"), 4)

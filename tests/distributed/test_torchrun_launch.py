@@ -36,4 +36,5 @@ def test_torchrun_world_size_must_match_tp(tiny_model_dir, tmp_path):
          "-m", "shardserve", "serve", tiny_model_dir("qwen3"), "-tp", "3", "--port", str(find_free_port())],
         capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert "torchrun started 2 ranks but --tensor-parallel-size is 3" in result.stdout + result.stderr
+    assert ("torchrun started 2 ranks but --tensor-parallel-size x --pipeline-parallel-size is 3"
+            in result.stdout + result.stderr)

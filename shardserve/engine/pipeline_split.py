@@ -1,0 +1,81 @@
+"""Which decoder layers each pipeline stage holds: split evenly by the bytes the planner counts per layer (by count
+where it cannot describe the model), the embedding on the first stage, the final norm and LM head on the last.
+Every rank computes the same split from the same config, so no rank needs to be told it."""
+
+from __future__ import annotations
+
+import logging
+
+from shardserve.config import EngineConfig, ModelConfig, PipelineStage, split_layers
+from shardserve.distributed.process_group import RankContext
+from shardserve.models import model_class
+from shardserve.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# A stage holding this many times the bytes of the lightest is worth a warning: the pipeline runs at the pace of
+# its slowest stage, and the heaviest stage's memory bounds every stage's KV cache.
+IMBALANCE_WARNING = 1.5
+
+
+def refuse_unsupported(model_config: ModelConfig, stages: int) -> None:
+    """Pipeline stages serve models whose every layer is Llama-family attention (dense or mixture-of-experts MLPs);
+    others are refused by name rather than half-served."""
+    arch = model_config.architecture
+    why = None
+    if not issubclass(model_class(arch), LlamaForCausalLM):
+        why = "its layers are not built in stages"
+    elif model_config.latent_attention:
+        why = "its multi-head latent attention (a latent KV cache) is not split into stages"
+    elif model_config.linear_attention_layers or len(model_config.kv_layers) != model_config.num_layers:
+        why = "it is a hybrid whose recurrent-state pools are not split into stages"
+    if why is not None:
+        raise ValueError(f"--pipeline-parallel-size {stages}: {arch} cannot be served in pipeline stages ({why}); "
+                         f"serve it with --tensor-parallel-size alone")
+
+
+def layer_bytes(config: EngineConfig, model_config: ModelConfig, tp: int) -> tuple[list[int], tuple[int, int]]:
+    """(Each decoder layer's bytes on a rank, (the first stage's extra bytes, the last's)) in elements as the
+    planner counts them (a GGUF file or a config it cannot read: 1 per layer and no ends)."""
+    from shardserve.planner import end_elements_per_rank, layer_elements_per_rank, load_hf_config
+
+    try:
+        cfg = load_hf_config(config.model)
+        per_layer = layer_elements_per_rank(cfg, tp, [])
+        if len(per_layer) == model_config.num_layers:
+            return per_layer, end_elements_per_rank(cfg, tp)
+    except (OSError, KeyError, ValueError) as e:
+        logger.debug("pipeline split: no per-layer sizes for %s (%s): splitting by count", config.model, e)
+    return [1] * model_config.num_layers, (0, 0)
+
+
+def stage_of(config: EngineConfig, model_config: ModelConfig, ctx: RankContext, itemsize: int) -> PipelineStage | None:
+    """This rank's stage, None without pipeline stages. Rank 0 logs every stage's layers and bytes (`itemsize`:
+    bytes of a weight)."""
+    stages = config.pipeline_parallel_size
+    if stages == 1:
+        return None
+    refuse_unsupported(model_config, stages)
+    per_layer, (first, last) = layer_bytes(config, model_config, ctx.tp_size)
+    blocks = split_layers(per_layer, stages)
+    if ctx.is_driver:
+        log_split(blocks, per_layer, first, last, ctx.tp_size, itemsize)
+    mine = blocks[ctx.stage]
+    return PipelineStage(ctx.stage, stages, mine.start, mine.stop)
+
+
+def log_split(blocks: list[range], per_layer: list[int], first: int, last: int, tp: int, itemsize: int) -> None:
+    """One line per stage (its layers and weight bytes per rank), and a warning where stages differ much."""
+    totals = []
+    for s, block in enumerate(blocks):
+        elements = sum(per_layer[i] for i in block) + (first if s == 0 else 0) + (last if s == len(blocks) - 1
+                                                                                   else 0)
+        totals.append(elements)
+        ends = " + embedding" * (s == 0) + " + final norm and LM head" * (s == len(blocks) - 1)
+        logger.info("pipeline stage %d (ranks %d-%d): layers %d-%d%s, %.3f GiB of weights a rank", s, s * tp,
+                    s * tp + tp - 1, block.start, block.stop - 1, ends, elements * itemsize / 2**30)
+    if min(totals) and max(totals) > IMBALANCE_WARNING * min(totals):
+        heavy, light = totals.index(max(totals)), totals.index(min(totals))
+        logger.warning("pipeline stage %d holds %.1fx the weights of stage %d: the pipeline runs at its slowest "
+                       "stage's pace, and the heaviest stage's memory limits every stage's KV cache", heavy,
+                       max(totals) / min(totals), light)

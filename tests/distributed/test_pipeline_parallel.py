@@ -1,0 +1,212 @@
+"""Pipeline parallelism: a tiny dense (Llama) and mixture-of-experts (Qwen3-MoE) model split into 2 stages, alone
+(2 ranks) and with tensor parallelism inside each stage (2 x 2 ranks), give transformers' float32 greedy tokens,
+each prompt alone and 16 at once, through chunked prefill, preemption and abort; the stages' layers and KV
+caches are their own; killing a stage's rank fails the server within 10 s naming the rank and its stage.
+
+One engine per model and layout, shared by the module's tests (a small KV cache and a small token budget, so the
+16 prompts are prefilled in chunks and preempt each other)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from shardserve.config import EngineConfig, ModelConfig, PipelineStage, split_layers
+from shardserve.distributed.process_group import find_free_port
+from shardserve.entrypoints.llm import LLM
+from shardserve.layers.sharding import attention_shard
+from shardserve.requests.sampling_params import SamplingParams
+from tests.helpers.reference import random_prompts, transformers_greedy
+from tests.serving import stop_processes, wait_until_healthy
+
+NEW_TOKENS = 24
+MAX_MODEL_LEN = 96
+BLOCKS = 20  # KV blocks of 16 tokens: 16 prompts of up to 40 tokens plus 24 new ones need more, so some wait
+PROMPTS = random_prompts([1 + (13 * i) % 40 for i in range(16)], seed=77)
+
+# (model, tensor-parallel size): an untied head on the last stage alone, a tied one (the last stage keeps the
+# embedding too) at 2 x 2.
+LAYOUTS = [("llama-untied", 1), ("llama-tied", 2), ("qwen3-moe", 1), ("qwen3-moe", 2)]
+
+
+def _kv_cache_gb(model_dir: str, tp: int) -> float:
+    """--kv-cache-memory for BLOCKS blocks on the stage with the most layers (every rank agrees on the fewest)."""
+    cfg = ModelConfig.from_model_path(model_dir)
+    most = max(len(r) for r in split_layers([1] * cfg.num_layers, 2))
+    kv_heads = attention_shard(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 0, tp).num_kv
+    return BLOCKS * most * 2 * 16 * kv_heads * cfg.head_dim * 4 / 2**30
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}-tp{p[1]}-pp2")
+def engine(request, tiny_model_dir):
+    name, tp = request.param
+    model_dir = tiny_model_dir(name)
+    with LLM(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=2, device="cpu", dtype="float32",
+             kv_cache_memory_gb=_kv_cache_gb(model_dir, tp), max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
+             max_num_batched_tokens=16) as llm:
+        yield llm, model_dir, tp
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+
+def _reference(model_dir: str) -> tuple[tuple[int, ...], ...]:
+    return transformers_greedy(model_dir, tuple(map(tuple, PROMPTS)), NEW_TOKENS)
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    blocks = llm.engine.block_manager
+    return blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_each_stage_holds_its_layers_and_a_kv_cache_for_them_only(engine):
+    llm, model_dir, tp = engine
+    runner = llm.engine.runner
+    cfg = ModelConfig.from_model_path(model_dir)
+    assert runner.stage == PipelineStage(0, 2, 0, split_layers([1] * cfg.num_layers, 2)[0].stop)
+    held = [i for i, layer in enumerate(runner.model.model.layers) if any(True for _ in layer.parameters())]
+    assert held == list(runner.stage.layers)
+    assert runner.model.lm_head is None and runner.model.model.norm is None  # on the last stage only
+    assert len(runner.kv_caches) == len(held)
+    assert llm.engine.block_manager.num_blocks == BLOCKS
+
+
+def test_each_prompt_alone_gives_transformers_tokens(engine):
+    llm, model_dir, _ = engine
+    expected = _reference(model_dir)
+    for i in (0, 3, 15):  # 1, 40 (prefilled in 3 chunks of 16) and 36 tokens
+        out = llm.generate([PROMPTS[i]], _greedy())[0]
+        assert tuple(out.token_ids) == expected[i], f"prompt of {len(PROMPTS[i])} tokens"
+    assert _all_blocks_free(llm)
+
+
+def test_sixteen_at_once_with_chunked_prefill_and_preemption_give_transformers_tokens(engine):
+    llm, model_dir, _ = engine
+    preempted = llm.engine.scheduler.num_preemptions
+    outputs = llm.generate(PROMPTS, _greedy())
+    assert [tuple(o.token_ids) for o in outputs] == list(_reference(model_dir))
+    assert llm.engine.scheduler.num_preemptions > preempted, "the small KV cache must have preempted some"
+    assert _all_blocks_free(llm)
+
+
+def test_an_aborted_request_gives_its_blocks_back_and_the_others_are_unchanged(engine):
+    llm, model_dir, _ = engine
+    core = llm.engine
+    core.add_request("doomed", PROMPTS[3], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    core.add_request("kept", PROMPTS[5], _greedy())
+    for _ in range(6):
+        core.step()
+    core.abort("doomed")
+    tokens = []
+    while core.has_work():
+        tokens += [o for o in core.step() if o.request_id == "kept"]
+    assert tuple(tokens[-1].token_ids) == _reference(model_dir)[5]
+    assert _all_blocks_free(llm)
+
+
+def test_pipeline_sizes_are_checked_and_other_architectures_refused_by_name(tiny_model_dir):
+    from shardserve.engine.pipeline_split import refuse_unsupported
+
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match=r"pipeline_parallel_size \(-pp\) must be a whole number"):
+            EngineConfig(model="m", pipeline_parallel_size=bad)
+    assert EngineConfig(model="m", tensor_parallel_size=2, pipeline_parallel_size=3).world_size == 6
+    with pytest.raises(ValueError, match="at least one decoder layer per stage, but the model has 2"):
+        split_layers([1, 1], 3)
+    assert split_layers([4, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 5)]  # by bytes, not by count
+    for name, why in (("qwen3-next", "hybrid"), ("deepseek-v3", "latent attention"), ("nemotron-h", "not built")):
+        with pytest.raises(ValueError, match=f"cannot be served in pipeline stages.*{why}"):
+            refuse_unsupported(ModelConfig.from_model_path(tiny_model_dir(name)), 2)
+
+
+def test_killing_a_stage_rank_fails_the_server_naming_rank_and_stage(tiny_model_dir):
+    """`serve -pp 2 --max-restarts 0`: the second stage's rank killed in the middle of a stream; within 10 s the
+    server stops answering /health with 200 and it exits with status 1, its log naming the rank and its stage."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("needs /proc to find the rank process")
+    port = find_free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardserve", "serve", tiny_model_dir("llama-untied"), "-pp", "2", "--device", "cpu",
+         "--served-model-name", "tiny", "--kv-cache-memory", "0.05", "--max-restarts", "0", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    output: deque[str] = deque(maxlen=4000)
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, [proc], 180, lambda: "".join(output))
+        stream = threading.Thread(target=_long_stream, args=(url,), daemon=True)
+        stream.start()
+        time.sleep(1.0)
+        os.kill(_rank_process(proc.pid, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        while _healthy(url) and proc.poll() is None:
+            assert time.monotonic() - killed < 10, "the server still answers 200 10 s after a stage's rank died"
+            time.sleep(0.1)
+        assert proc.wait(timeout=60) == 1
+        reader.join(timeout=10)
+        log = "".join(output)
+        assert "rank1 (pipeline stage 1 of 2)" in log and "--max-restarts 0 used up" in log, log[-3000:]
+    finally:
+        stop_processes([proc], signal.SIGINT, 30)
+
+
+def _long_stream(url: str) -> None:
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "w3 w1 w4", "max_tokens": 400, "temperature": 0, "stream": True,
+                "ignore_eos": True}) as response:
+            for _ in response.iter_lines():
+                pass
+    except httpx.HTTPError:
+        pass
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _rank_process(server_pid: int, rank: int) -> int:
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if Path(f"/proc/{child}/comm").read_text().strip() == f"shardserve-r{rank}":
+                return int(child)
+    raise AssertionError(f"no process of rank {rank} found")
+
+
+@pytest.mark.gpu
+def test_two_stages_on_gpus_give_transformers_tokens(tiny_model_dir):
+    """The NCCL path: sends between GPUs, each stage eager (no CUDA graphs)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+    model_dir = tiny_model_dir("qwen3-moe")
+    with LLM(model_dir, pipeline_parallel_size=2, device="cuda", dtype="float32", max_model_len=MAX_MODEL_LEN,
+             gpu_memory_utilization=0.3) as llm:
+        outputs = llm.generate(PROMPTS, _greedy())
+    assert [tuple(o.token_ids) for o in outputs] == list(_reference(model_dir))
+
+
+def test_the_planner_gives_each_stage_its_layers_weights_and_kv_cache(tiny_model_dir):
+    from shardserve.planner import PlanRequest, describe, load_hf_config, plan
+
+    cfg = load_hf_config(tiny_model_dir("qwen3-moe"))  # 3 layers: 2 + 1
+    request = PlanRequest(1, 4096, device="cpu", kv_cache_memory_gb=0.001, host_memory_gb=64)
+    whole, staged = plan(cfg, request), plan(cfg, PlanRequest(**{**vars(request), "pipeline_parallel_size": 2}))
+    assert [s["layers"] for s in staged.stages] == [[0, 1], [2, 2]]
+    assert staged.kv_bytes_per_token == whole.kv_bytes_per_token * 2 // 3  # the first stage limits the others
+    assert staged.max_tokens_in_cache > whole.max_tokens_in_cache
+    assert "pipeline stage 1: layers 2-2" in describe(staged, 1)
