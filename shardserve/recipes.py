@@ -67,6 +67,7 @@ class Recipe(BaseModel):
 
     model: str = Field(min_length=1)
     tensor_parallel_size: int = Field(default=1, gt=0)
+    pipeline_parallel_size: int = Field(default=1, gt=0)
     serve: ServeOptions = Field(default_factory=ServeOptions)
     env: dict[str, str] = Field(default_factory=dict)
     forward_env: list[str] = Field(default_factory=list)
@@ -88,7 +89,8 @@ def load_recipe(path: str) -> Recipe:
 
 def recipe_defaults(recipe: Recipe) -> dict[str, Any]:
     """The recipe as argparse defaults (dest -> value); command-line flags still override them."""
-    values: dict[str, Any] = {"model": recipe.model, "tensor_parallel_size": recipe.tensor_parallel_size}
+    values: dict[str, Any] = {"model": recipe.model, "tensor_parallel_size": recipe.tensor_parallel_size,
+                              "pipeline_parallel_size": recipe.pipeline_parallel_size}
     values.update({k: v for k, v in recipe.serve.model_dump().items() if v is not None})
     forwarded = list(dict.fromkeys([*recipe.env, *recipe.forward_env]))
     if forwarded:
