@@ -11,7 +11,7 @@ import re
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -147,6 +147,19 @@ def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
         worker(config, ctx)
     finally:
         destroy_rank_context(ctx)
+
+
+class Ranks(Protocol):
+    """An engine's ranks as the supervisor sees them: rank 0's context in this process, the others elsewhere
+    (LocalRanks: processes on this machine; ray_ranks.RayRanks: Ray actors)."""
+
+    ctx: RankContext
+
+    def dead_rank(self) -> str | None: ...  # names the first other rank that has ended, None while all run
+
+    def stop_workers(self) -> None: ...  # kill the other ranks now
+
+    def close(self, timeout: float = 30.0) -> None: ...  # leave the group together, then wait for the others
 
 
 class LocalRanks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import signal
@@ -79,12 +80,17 @@ def serve(args: argparse.Namespace) -> int:
     except ModelPathError as e:
         raise SystemExit(f"shardserve serve: {e}") from None
     if getattr(args, "data_parallel_size", 1) > 1:
+        if getattr(args, "distributed_executor_backend", "mp") == "ray":
+            raise SystemExit("shardserve serve: --data-parallel-size with --distributed-executor-backend ray is not "
+                             "supported: start one server per replica on the cluster")
         from shardserve.pool.replicas import serve_replicas
 
         return serve_replicas(args, args.argv)
     if args.control_interface:
         os.environ["GLOO_SOCKET_IFNAME"] = args.control_interface  # before any gloo group exists
     config = engine_config_from_args(args)
+    if getattr(args, "distributed_executor_backend", "mp") == "ray":
+        return _serve_on_ray(args, config)
     launch = choose_launch(args, config.tensor_parallel_size)
     if _serves_http(launch):
         from shardserve.entrypoints.openai.server import bind_http_port
@@ -117,6 +123,36 @@ def serve(args: argparse.Namespace) -> int:
     return code
 
 
+def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Rank 0 here, the other ranks as actors on a Ray cluster (distributed/ray_ranks.py), under the supervisor."""
+    from shardserve.distributed.launcher import torchrun_launch_info
+    from shardserve.entrypoints.openai.server import bind_http_port
+
+    if importlib.util.find_spec("ray") is None:
+        raise SystemExit("shardserve serve: --distributed-executor-backend ray needs Ray: pip install 'shardserve[ray]'")
+    if args.nnodes > 1 or torchrun_launch_info() is not None or "SLURM_PROCID" in os.environ:
+        raise SystemExit("--distributed-executor-backend ray starts every rank itself: run one `shardserve serve` "
+                         "on a node of the Ray cluster, without --nnodes, torchrun or srun")
+    from shardserve.distributed.ray_ranks import RayClusterError
+
+    args.http_socket = bind_http_port(args.host, args.port)
+    try:
+        return _serve_supervised(args, config)
+    except RayClusterError as e:
+        raise SystemExit(f"shardserve serve: Ray: {e}") from None
+
+
+def _start_ranks(args: argparse.Namespace, config: EngineConfig, worker):
+    """A fresh set of ranks (a fresh rendezvous port each time): processes on this machine, or Ray actors."""
+    from shardserve.distributed.launcher import LocalRanks
+
+    if getattr(args, "distributed_executor_backend", "mp") == "ray":
+        from shardserve.distributed.ray_ranks import RayRanks
+
+        return RayRanks(config, worker=worker, name=f"shardserve-{args.port}")
+    return LocalRanks(config, worker=worker)
+
+
 def _serves_http(launch) -> bool:
     """Whether this process becomes rank 0, the one that serves the API."""
     from shardserve.distributed.launcher import LaunchInfo, NodeLaunch
@@ -127,8 +163,7 @@ def _serves_http(launch) -> bool:
 
 
 def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
-    """All ranks on this machine, under a supervisor that restarts them when one dies."""
-    from shardserve.distributed.launcher import LocalRanks
+    """All ranks on this machine (or on Ray), under a supervisor that restarts them when one dies."""
     from shardserve.engine.async_engine import AsyncEngine
     from shardserve.engine.llm_engine import LLMEngine, run_worker
     from shardserve.entrypoints.supervisor import Supervisor
@@ -138,7 +173,7 @@ def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
 
     def start_engine(after_iteration):
         def start():
-            ranks = LocalRanks(config, worker=run_worker)  # a fresh rendezvous port each time
+            ranks = _start_ranks(args, config, run_worker)
             try:
                 return AsyncEngine(lambda: LLMEngine(config, ranks.ctx, tokenizer), after_iteration), ranks
             except BaseException:
