@@ -54,14 +54,16 @@ class RankActor:
         return os.getpid(), socket.gethostname(), [int(i) for i in ray.get_gpu_ids()]
 
     def run(self, config: EngineConfig, info: LaunchInfo, log_level: int,
-            worker: Callable[[EngineConfig, RankContext], None], control_token: str, cpus: int) -> None:
+            worker: Callable[[EngineConfig, RankContext], None], control_token: str, cpus: int, cwd: str) -> None:
+        os.chdir(cwd)  # rank 0's working directory, on the same node: a relative model path means the same file
         if config.device == "cuda":
             import ray
 
             info = dataclasses.replace(info, local_rank=int(ray.get_gpu_ids()[0]))
         if "OMP_NUM_THREADS" not in config.forward_env:
-            os.environ["OMP_NUM_THREADS"] = str(cpus)  # the cores of its bundle
-            torch.set_num_threads(cpus)
+            threads = rank_threads(cpus, info.local_world_size)
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            torch.set_num_threads(threads)
         _worker_main(config, info, log_level, worker, control_token)
 
 
@@ -89,6 +91,12 @@ def cpus_per_rank(config: EngineConfig, node_cpus: float) -> int:
     if config.device == "cuda":
         return 1
     return max(1, int(node_cpus) // config.tensor_parallel_size)
+
+
+def rank_threads(cpus: int, ranks_on_node: int) -> int:
+    """A rank's torch threads: its bundle's CPUs, but no more than its share of the node's cores, which a Ray node
+    may count fewer of than it advertises (`ray start --num-cpus`); oversubscribed ranks slow every step down."""
+    return max(1, min(cpus, (os.cpu_count() or 1) // ranks_on_node))
 
 
 def shortfall(need: dict[str, float], cluster: dict[str, float], node: dict[str, float], node_ip: str) -> list[str]:
@@ -169,9 +177,9 @@ class RayRanks:
             level = logging.getLogger().level
             for actor, rank in zip(self.actors[1 - first:], range(1, self.world_size)):
                 info = LaunchInfo(rank, self.world_size, init_method, 0, self.world_size)
-                self._runs[actor.run.remote(config, info, level, worker, token, cpus)] = rank
+                self._runs[actor.run.remote(config, info, level, worker, token, cpus, os.getcwd())] = rank
             if "OMP_NUM_THREADS" not in os.environ:
-                torch.set_num_threads(cpus)
+                torch.set_num_threads(rank_threads(cpus, self.world_size))
             self.ctx: RankContext = init_rank_context(0, self.world_size, config.device, init_method, local_rank0,
                                                       config, token, exited_rank=self.dead_rank)
         except BaseException:
@@ -253,18 +261,6 @@ class RayRanks:
         self._dead = f"{self._where.get(rank, f'rank{rank}')} {how}"
         return self._dead
 
-    def stop_workers(self) -> None:
-        """Kill the rank actors now (they are being replaced, or start-up failed)."""
-        import ray
-
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        if self._runs:
-            ray.wait(list(self._runs), num_returns=len(self._runs), timeout=STOP_TIMEOUT_S)
-
     def close(self, timeout: float = 30.0) -> None:
         """Leave the process group with the other ranks (NCCL's teardown is collective), wait for them to end,
         then free their actors and bundles."""
@@ -279,6 +275,35 @@ class RayRanks:
                 logger.warning("Ray: %d rank actor(s) did not end within %.0f s; killing them", len(running), timeout)
         self.stop_workers()
         self._release()
+
+    def stop_workers(self) -> None:
+        """Kill the rank actors now (they are being replaced, or start-up failed); a rank that ended with an
+        error has it logged first, since its output is in Ray's logs, not here."""
+        import ray
+
+        self._log_errors()
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self._runs:
+            ray.wait(list(self._runs), num_returns=len(self._runs), timeout=STOP_TIMEOUT_S)
+
+    def _log_errors(self) -> None:
+        import ray
+
+        if not self._runs:
+            return
+        done, _ = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=0)
+        for ref in done:
+            rank = self._runs.pop(ref)
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                pass  # killed or lost: dead_rank() said so
+            except Exception as e:  # noqa: BLE001 - the rank's own error, with its traceback
+                logger.error("Ray: rank %d failed: %s", rank, e)
 
     def _release(self) -> None:
         from ray.util.placement_group import remove_placement_group
