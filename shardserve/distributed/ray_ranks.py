@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import os
 import socket
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -131,6 +131,48 @@ def shardserve_actors() -> list[str]:
                   if a.get("namespace") == NAMESPACE)
 
 
+class Placement(NamedTuple):
+    node_ip: str  # rank 0's node, where every rank runs
+    cpus: int  # per rank
+    bundle: dict[str, float]  # what each rank reserves
+
+
+def plan_placement(config: EngineConfig, name: str) -> Placement:
+    """Connect to the cluster and size the ranks' bundles; refuse at once (RayClusterError) an earlier server's
+    live actors under `name` and a cluster, or a node, without the resources. Also run before the API servers
+    start, so that a refusal comes in seconds."""
+    connect()
+    _refuse_stale(name)
+    node_ip, node_resources = this_node()
+    cpus = cpus_per_rank(config, node_resources.get("CPU", 1))
+    bundle = {"CPU": float(cpus), **({"GPU": 1.0} if config.device == "cuda" else {})}
+    import ray
+
+    need = _need(bundle, config.tensor_parallel_size)
+    missing = shortfall(need, ray.cluster_resources(), node_resources, node_ip)
+    if missing:
+        raise RayClusterError(
+            f"the Ray cluster is too small for {config.tensor_parallel_size} ranks of {_describe(bundle)} each: "
+            f"{'; '.join(missing)}. Add nodes or resources, or lower --tensor-parallel-size")
+    return Placement(node_ip, cpus, bundle)
+
+
+def _refuse_stale(name: str) -> None:
+    live = shardserve_actors()
+    mine = [n for n in live if n.startswith(f"{name}-r")]
+    if mine:
+        raise RayClusterError(
+            f"Ray actors of an earlier server under this server's names are still alive: {', '.join(mine)} "
+            f"(namespace {NAMESPACE}); stop that server, or remove them: python -c \"import ray; "
+            f"ray.init(namespace='{NAMESPACE}'); [ray.kill(ray.get_actor(n)) for n in {mine!r}]\"")
+    if live:
+        logger.info("Ray: other shardserve actors on this cluster: %s", ", ".join(live))
+
+
+def _need(bundle: dict[str, float], world_size: int) -> dict[str, float]:
+    return {k: v * world_size for k, v in bundle.items()}
+
+
 class RayRanks:
     """The ranks of one engine on a Ray cluster: `.ctx` is rank 0's context in this process, `dead_rank()` names
     an actor that has died, `stop_workers()` kills the actors, `close()` leaves the group and frees the bundles.
@@ -142,18 +184,13 @@ class RayRanks:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        connect()
         self.config, self.name = config, name
         self.world_size = config.tensor_parallel_size
         self.actors: list = []
         self._runs: dict = {}  # run ObjectRef -> rank
         self._where: dict[int, str] = {}
         self._dead: str | None = None
-        self._refuse_stale()
-        node_ip, node_resources = this_node()
-        cpus = cpus_per_rank(config, node_resources.get("CPU", 1))
-        bundle = {"CPU": float(cpus), **({"GPU": 1.0} if config.device == "cuda" else {})}
-        self._check_capacity(bundle, node_ip, node_resources)
+        node_ip, cpus, bundle = plan_placement(config, name)
         bundles = [dict(bundle) for _ in range(self.world_size)]
         bundles[0][f"node:{node_ip}"] = 0.001  # rank 0 is this process
         self.pg = placement_group(bundles, strategy="STRICT_PACK", name=f"{name}-ranks")
@@ -188,30 +225,6 @@ class RayRanks:
             raise
 
     # -- start-up ------------------------------------------------------------------------------
-    def _refuse_stale(self) -> None:
-        live = shardserve_actors()
-        mine = [n for n in live if n.startswith(f"{self.name}-r")]
-        if mine:
-            raise RayClusterError(
-                f"Ray actors of an earlier server under this server's names are still alive: {', '.join(mine)} "
-                f"(namespace {NAMESPACE}); stop that server, or remove them: python -c \"import ray; "
-                f"ray.init(namespace='{NAMESPACE}'); [ray.kill(ray.get_actor(n)) for n in {mine!r}]\"")
-        if live:
-            logger.info("Ray: other shardserve actors on this cluster: %s", ", ".join(live))
-
-    def _need(self, bundle: dict[str, float]) -> dict[str, float]:
-        return {k: v * self.world_size for k, v in bundle.items()}
-
-    def _check_capacity(self, bundle: dict[str, float], node_ip: str, node_resources: dict[str, float]) -> None:
-        import ray
-
-        need = self._need(bundle)
-        missing = shortfall(need, ray.cluster_resources(), node_resources, node_ip)
-        if missing:
-            raise RayClusterError(
-                f"the Ray cluster is too small for {self.world_size} ranks of {_describe(bundle)} each: "
-                f"{'; '.join(missing)}. Add nodes or resources, or lower --tensor-parallel-size")
-
     def _wait_reserved(self, bundle: dict[str, float], node_ip: str) -> None:
         import ray
 
@@ -219,7 +232,7 @@ class RayRanks:
         if ready:
             return
         free = ray.available_resources()
-        need = self._need(bundle)
+        need = _need(bundle, self.world_size)
         short = [f"{need[k]:g} {k} needed, {free.get(k, 0):g} free in the cluster" for k in need
                  if free.get(k, 0) < need[k]]
         others = shardserve_actors()

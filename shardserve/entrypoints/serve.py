@@ -133,10 +133,11 @@ def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.nnodes > 1 or torchrun_launch_info() is not None or "SLURM_PROCID" in os.environ:
         raise SystemExit("--distributed-executor-backend ray starts every rank itself: run one `shardserve serve` "
                          "on a node of the Ray cluster, without --nnodes, torchrun or srun")
-    from shardserve.distributed.ray_ranks import RayClusterError
+    from shardserve.distributed.ray_ranks import RayClusterError, plan_placement
 
     args.http_socket = bind_http_port(args.host, args.port)
     try:
+        plan_placement(config, _ray_name(args))  # refusals before the API servers start
         return _serve_supervised(args, config)
     except RayClusterError as e:
         raise SystemExit(f"shardserve serve: Ray: {e}") from None
@@ -149,8 +150,13 @@ def _start_ranks(args: argparse.Namespace, config: EngineConfig, worker):
     if getattr(args, "distributed_executor_backend", "mp") == "ray":
         from shardserve.distributed.ray_ranks import RayRanks
 
-        return RayRanks(config, worker=worker, name=f"shardserve-{args.port}")
+        return RayRanks(config, worker=worker, name=_ray_name(args))
     return LocalRanks(config, worker=worker)
+
+
+def _ray_name(args: argparse.Namespace) -> str:
+    """The prefix of the rank actors' names: one server per HTTP port, so a live actor under it is an earlier one."""
+    return f"shardserve-{args.port}"
 
 
 def _serves_http(launch) -> bool:

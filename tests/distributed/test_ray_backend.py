@@ -195,3 +195,19 @@ def test_without_ray_the_flag_names_the_extra_to_install(monkeypatch, tiny_model
     args = parse_args(["serve", tiny_model_dir("llama-untied"), "-tp", "2", *_ray_args()])
     with pytest.raises(SystemExit, match=r"needs Ray: pip install 'shardserve\[ray\]'"):
         serve.serve(args)
+
+
+@needs_ray
+def test_a_rank_actor_whose_environment_differs_from_rank_0s_stops_start_up_naming_it(tiny_model_dir, ray_address):
+    """The Ray node's workers have the environment the node was started with, not the server's: the handshake
+    names a behaviour-changing variable that differs, and --forward-env then makes them agree."""
+    model = tiny_model_dir("llama-untied")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "shardserve", "serve", model, "--port", str(find_free_port()), "-tp", "2", *_ray_args(),
+         "--api-server-count", "0"],  # a front end still starting would take 30 s to stop
+        capture_output=True, text=True, timeout=90,
+        env={**os.environ, "RAY_ADDRESS": ray_address, "NCCL_DEBUG": "WARN"})
+    output = done.stdout + done.stderr
+    assert done.returncode == 1 and time.monotonic() - started < 60, output
+    assert "start-up stopped" in output and "NCCL_DEBUG differs" in output and "--forward-env" in output, output
