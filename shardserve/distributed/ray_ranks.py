@@ -59,12 +59,19 @@ class RankActor:
         if config.device == "cuda":
             import ray
 
-            info = dataclasses.replace(info, local_rank=int(ray.get_gpu_ids()[0]))
+            info = dataclasses.replace(info, local_rank=cuda_index(ray.get_gpu_ids()[0]))
         if "OMP_NUM_THREADS" not in config.forward_env:
             threads = rank_threads(cpus, info.local_world_size)
             os.environ["OMP_NUM_THREADS"] = str(threads)
             torch.set_num_threads(threads)
         _worker_main(config, info, log_level, worker, control_token)
+
+
+def cuda_index(ray_gpu_id) -> int:
+    """torch's index of the GPU Ray calls `ray_gpu_id`: Ray numbers the GPUs its node was started with, which are
+    CUDA_VISIBLE_DEVICES's list where that is set (the ranks see the same list: the fingerprint compares it)."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible.index(str(ray_gpu_id)) if str(ray_gpu_id) in visible else int(ray_gpu_id)
 
 
 def connect() -> None:
@@ -253,7 +260,7 @@ class RayRanks:
         for rank, (pid, host, gpus) in enumerate(places, start=first):
             self._where[rank] = f"rank{rank} (Ray actor {self.name}-r{rank}, pid {pid} on {host})"
             logger.info("Ray: %s%s", self._where[rank], f", GPU {gpus}" if gpus else "")
-        return places[0][2][0] if first == 0 else None
+        return cuda_index(places[0][2][0]) if first == 0 else None
 
     # -- the LocalRanks interface -----------------------------------------------------------------
     def dead_rank(self) -> str | None:

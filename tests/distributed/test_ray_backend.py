@@ -211,3 +211,31 @@ def test_a_rank_actor_whose_environment_differs_from_rank_0s_stops_start_up_nami
     output = done.stdout + done.stderr
     assert done.returncode == 1 and time.monotonic() - started < 60, output
     assert "start-up stopped" in output and "NCCL_DEBUG differs" in output and "--forward-env" in output, output
+
+
+def test_the_shortfall_names_each_missing_resource_and_where():
+    from shardserve.distributed.ray_ranks import shortfall
+
+    need = {"CPU": 8.0, "GPU": 8.0}
+    assert shortfall(need, {"CPU": 16.0, "GPU": 8.0}, {"CPU": 16.0, "GPU": 8.0}, "10.0.0.1") == []
+    assert shortfall(need, {"CPU": 4.0, "GPU": 16.0}, {"CPU": 4.0, "GPU": 4.0}, "10.0.0.1") == [
+        "8 CPU needed, the cluster has 4 in all",
+        "8 GPU needed on node 10.0.0.1 (rank 0 runs there and the ranks are packed on one node), it has 4"]
+
+
+def test_a_rank_runs_its_bundles_cpus_in_threads_but_no_more_than_its_share_of_the_real_cores(monkeypatch):
+    from shardserve.distributed import ray_ranks
+
+    monkeypatch.setattr(ray_ranks.os, "cpu_count", lambda: 2)
+    assert ray_ranks.rank_threads(2, 2) == 1  # a head started with --num-cpus 4 on 2 cores
+    monkeypatch.setattr(ray_ranks.os, "cpu_count", lambda: 64)
+    assert ray_ranks.rank_threads(16, 4) == 16
+
+
+def test_rays_gpu_ids_become_torch_indexes_within_cuda_visible_devices(monkeypatch):
+    from shardserve.distributed.ray_ranks import cuda_index
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert cuda_index(3) == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert cuda_index("6") == 2
