@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 from typing import Callable, NamedTuple
 
 import torch
@@ -144,12 +145,12 @@ class Placement(NamedTuple):
     bundle: dict[str, float]  # what each rank reserves
 
 
-def plan_placement(config: EngineConfig, name: str) -> Placement:
+def plan_placement(config: EngineConfig, name: str, stale_wait_s: float = 0.0) -> Placement:
     """Connect to the cluster and size the ranks' bundles; refuse at once (RayClusterError) an earlier server's
-    live actors under `name` and a cluster, or a node, without the resources. Also run before the API servers
-    start, so that a refusal comes in seconds."""
+    live actors under `name` (still there after `stale_wait_s`) and a cluster, or a node, without the resources.
+    Also run before the API servers start, so that a refusal comes in seconds."""
     connect()
-    _refuse_stale(name)
+    _refuse_stale(name, stale_wait_s)
     node_ip, node_resources = this_node()
     cpus = cpus_per_rank(config, node_resources.get("CPU", 1))
     bundle = {"CPU": float(cpus), **({"GPU": 1.0} if config.device == "cuda" else {})}
@@ -164,9 +165,14 @@ def plan_placement(config: EngineConfig, name: str) -> Placement:
     return Placement(node_ip, cpus, bundle)
 
 
-def _refuse_stale(name: str) -> None:
-    live = shardserve_actors()
-    mine = [n for n in live if n.startswith(f"{name}-r")]
+def _refuse_stale(name: str, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:  # a restart's killed actors leave the list a moment after their deaths are known
+        live = shardserve_actors()
+        mine = [n for n in live if n.startswith(f"{name}-r")]
+        if not mine or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
     if mine:
         raise RayClusterError(
             f"Ray actors of an earlier server under this server's names are still alive: {', '.join(mine)} "
@@ -197,7 +203,7 @@ class RayRanks:
         self._runs: dict = {}  # run ObjectRef -> rank
         self._where: dict[int, str] = {}
         self._dead: str | None = None
-        node_ip, cpus, bundle = plan_placement(config, name)
+        node_ip, cpus, bundle = plan_placement(config, name, stale_wait_s=STOP_TIMEOUT_S)
         bundles = [dict(bundle) for _ in range(self.world_size)]
         bundles[0][f"node:{node_ip}"] = 0.001  # rank 0 is this process
         self.pg = placement_group(bundles, strategy="STRICT_PACK", name=f"{name}-ranks")
