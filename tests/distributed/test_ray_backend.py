@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from shardserve.distributed.process_group import find_free_port
-from tests.entrypoints.test_rank_failure import _client, _greedy, _stream_in_background, _wait_for_health
+from tests.helpers.rank_faults import greedy, openai_client, stream_in_background, wait_for_health
 from tests.serving import serve_cli, stop_processes
 
 # Only where Ray is missing (the test extra installs it): skipped, saying so, never silently.
@@ -122,26 +122,26 @@ def test_a_killed_rank_actor_fails_the_stream_turns_health_503_restarts_then_exi
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": ray_address})
     try:
-        _wait_for_health(proc, url, 200, timeout=120)
-        client = _client(url)
-        before = _greedy(client)
+        wait_for_health(proc, url, 200, timeout=120)
+        client = openai_client(url)
+        before = greedy(client)
 
         def kill_rank1_at_third_chunk(chunks: int) -> None:
             if chunks == 3:
                 ray_client.kill(ray_client.get_actor(f"shardserve-{port}-r1", namespace=NAMESPACE))
 
-        stream = _stream_in_background(client, kill_rank1_at_third_chunk)
-        assert _wait_for_health(proc, url, 503, timeout=10) < 10
+        stream = stream_in_background(client, kill_rank1_at_third_chunk)
+        assert wait_for_health(proc, url, 503, timeout=10) < 10
         assert "rank1" in httpx.get(f"{url}/health", timeout=2).json()["error"]["message"]
         stream["thread"].join(timeout=60)
         assert "error" in stream and stream["chunks"] < 480, "the stream must end with an error"
 
-        _wait_for_health(proc, url, 200, timeout=90)
+        wait_for_health(proc, url, 200, timeout=90)
         health = httpx.get(f"{url}/health", timeout=2).json()
         assert health["restarts"] == 1 and f"shardserve-{port}-r1" in health["last_failure"], health
-        assert _greedy(client) == before, "after the restart the server gives the same tokens"
+        assert greedy(client) == before, "after the restart the server gives the same tokens"
 
-        stream = _stream_in_background(client, kill_rank1_at_third_chunk)  # --max-restarts 1 is used up
+        stream = stream_in_background(client, kill_rank1_at_third_chunk)  # --max-restarts 1 is used up
         stream["thread"].join(timeout=60)
         assert "error" in stream
         code = proc.wait(timeout=60)
