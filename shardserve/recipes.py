@@ -57,6 +57,7 @@ class ServeOptions(BaseModel):
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "generic", "none"] | None = None
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
     api_server_count: int | None = Field(default=None, ge=0)
+    distributed_executor_backend: Literal["mp", "ray"] | None = None
     log_level: Literal["debug", "info", "warning", "error"] | None = None
 
 
