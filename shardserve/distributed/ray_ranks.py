@@ -87,9 +87,12 @@ def connect() -> None:
             ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
         else:
             ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError) as e:
-        raise RayClusterError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {e}; start it with "
-                              f"`ray start --head` or correct RAY_ADDRESS") from None
+    except Exception as e:  # noqa: BLE001 - Ray's errors here have no common base
+        hint = ("a cluster with token authentication needs RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN "
+                "or ~/.ray/auth_token" if "auth" in str(e).lower() else
+                "start it with `ray start --head`, or correct RAY_ADDRESS")
+        raise RayClusterError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {_first_line(e)}; {hint}") \
+            from None
     logger.info("Ray: %s %s (Ray %s)", "joined the cluster at" if address else "started a local cluster",
                 address or ray.get_runtime_context().gcs_address, ray.__version__)
 
@@ -165,6 +168,34 @@ def plan_placement(config: EngineConfig, name: str, stale_wait_s: float = 0.0) -
     return Placement(node_ip, cpus, bundle)
 
 
+def preflight(config: EngineConfig, name: str) -> None:
+    """Before the API servers start, so that a refusal comes in seconds: plan_placement's checks, then up to
+    RESERVE_TIMEOUT_S for the cluster to have the ranks' resources free, else a RayClusterError naming what is
+    short and the shardserve actors that hold resources."""
+    import ray
+
+    placement = plan_placement(config, name)
+    need = _need(placement.bundle, config.tensor_parallel_size)
+    deadline = time.monotonic() + RESERVE_TIMEOUT_S
+    while short := _short_of(need, ray.available_resources()):
+        if time.monotonic() >= deadline:
+            raise RayClusterError(_not_free(config.tensor_parallel_size, placement, short))
+        time.sleep(0.5)
+
+
+def _short_of(need: dict[str, float], free: dict[str, float]) -> list[str]:
+    return [f"{need[k]:g} {k} needed, {free.get(k, 0):g} free in the cluster" for k in need
+            if not k.startswith("node:") and free.get(k, 0) < need[k]]
+
+
+def _not_free(world_size: int, placement: Placement, short: list[str]) -> str:
+    others = shardserve_actors()
+    return (f"Ray did not have {world_size} bundles of {_describe(placement.bundle)} free on node {placement.node_ip} "
+            f"within {RESERVE_TIMEOUT_S:.0f} s: {'; '.join(short) or 'other work holds them'}"
+            + (f"; shardserve actors holding resources: {', '.join(others)}" if others else "")
+            + ". Stop what holds them (`ray list actors`), or lower --tensor-parallel-size")
+
+
 def _refuse_stale(name: str, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     while True:  # a restart's killed actors leave the list a moment after their deaths are known
@@ -193,9 +224,7 @@ class RayRanks:
 
     def __init__(self, config: EngineConfig, *, worker: Callable[[EngineConfig, RankContext], None],
                  name: str) -> None:
-        import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.config, self.name = config, name
         self.world_size = config.tensor_parallel_size
@@ -209,23 +238,12 @@ class RayRanks:
         self.pg = placement_group(bundles, strategy="STRICT_PACK", name=f"{name}-ranks")
         try:
             self._wait_reserved(bundle, node_ip)
-            actor_class = ray.remote(RankActor)
-            env = {k: os.environ[k] for k in config.forward_env if k in os.environ}
-            if config.device == "cuda":
-                env[NOSET_CUDA_ENV] = "1"
-            first = 0 if config.device == "cuda" else 1  # on GPUs an actor in bundle 0 tells rank 0 its GPU
-            for rank in range(first, self.world_size):
-                self.actors.append(actor_class.options(
-                    name=f"{name}-r{rank}", namespace=NAMESPACE, num_cpus=cpus if rank else 0,
-                    num_gpus=1 if config.device == "cuda" else 0, max_restarts=0,
-                    runtime_env={"env_vars": env} if env else None,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-                ).remote())
-            local_rank0 = self._started(first)
+            local_rank0 = self._start_actors(cpus)
             init_method = f"tcp://{node_ip}:{find_free_port()}"
             token = envs.CONTROL_TOKEN.get() or new_token()
             level = logging.getLogger().level
-            for actor, rank in zip(self.actors[1 - first:], range(1, self.world_size)):
+            others = self.actors[len(self.actors) - (self.world_size - 1):]  # ranks 1 to N-1, after any in bundle 0
+            for actor, rank in zip(others, range(1, self.world_size)):
                 info = LaunchInfo(rank, self.world_size, init_method, 0, self.world_size)
                 self._runs[actor.run.remote(config, info, level, worker, token, cpus, os.getcwd())] = rank
             if "OMP_NUM_THREADS" not in os.environ:
@@ -238,22 +256,33 @@ class RayRanks:
             raise
 
     # -- start-up ------------------------------------------------------------------------------
+    def _start_actors(self, cpus: int) -> int | None:
+        """An actor per rank but rank 0 (on GPUs one in bundle 0 too, that tells rank 0 its GPU), each in its
+        bundle with the forwarded variables in its environment; returns rank 0's GPU on GPUs, else None."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor_class = ray.remote(RankActor)
+        env = {k: os.environ[k] for k in self.config.forward_env if k in os.environ}
+        gpus = 1 if self.config.device == "cuda" else 0
+        if gpus:
+            env[NOSET_CUDA_ENV] = "1"
+        first = 0 if gpus else 1
+        for rank in range(first, self.world_size):
+            self.actors.append(actor_class.options(
+                name=f"{self.name}-r{rank}", namespace=NAMESPACE, num_cpus=cpus if rank else 0, num_gpus=gpus,
+                max_restarts=0, runtime_env={"env_vars": env} if env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+            ).remote())
+        return self._started(first)
+
     def _wait_reserved(self, bundle: dict[str, float], node_ip: str) -> None:
         import ray
 
         ready, _ = ray.wait([self.pg.ready()], timeout=RESERVE_TIMEOUT_S)
-        if ready:
-            return
-        free = ray.available_resources()
-        need = _need(bundle, self.world_size)
-        short = [f"{need[k]:g} {k} needed, {free.get(k, 0):g} free in the cluster" for k in need
-                 if free.get(k, 0) < need[k]]
-        others = shardserve_actors()
-        raise RayClusterError(
-            f"Ray did not reserve {self.world_size} bundles of {_describe(bundle)} on node {node_ip} within "
-            f"{RESERVE_TIMEOUT_S:.0f} s: {'; '.join(short) or 'other work holds them'}"
-            + (f"; shardserve actors holding resources: {', '.join(others)}" if others else "")
-            + ". Stop what holds them (`ray list actors`), or lower --tensor-parallel-size")
+        if not ready:
+            short = _short_of(_need(bundle, self.world_size), ray.available_resources())
+            raise RayClusterError(_not_free(self.world_size, Placement(node_ip, 0, bundle), short))
 
     def _started(self, first: int) -> int | None:
         """Wait for the actors to start; log where each runs. Returns rank 0's GPU on GPUs, else None."""

@@ -133,11 +133,11 @@ def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.nnodes > 1 or torchrun_launch_info() is not None or "SLURM_PROCID" in os.environ:
         raise SystemExit("--distributed-executor-backend ray starts every rank itself: run one `shardserve serve` "
                          "on a node of the Ray cluster, without --nnodes, torchrun or srun")
-    from shardserve.distributed.ray_ranks import RayClusterError, plan_placement
+    from shardserve.distributed.ray_ranks import RayClusterError, preflight
 
     args.http_socket = bind_http_port(args.host, args.port)
     try:
-        plan_placement(config, _ray_name(args))  # refusals before the API servers start
+        preflight(config, _ray_name(args))  # refusals before the API servers start
         return _serve_supervised(args, config)
     except RayClusterError as e:
         raise SystemExit(f"shardserve serve: Ray: {e}") from None

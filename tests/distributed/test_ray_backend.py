@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -36,26 +38,38 @@ NAMESPACE = "shardserve"
 
 @pytest.fixture(scope="module")
 def ray_address():
-    """A Ray head on this machine, its address; stopped with the module."""
+    """A Ray head on this machine, its address; stopped with the module. It takes a token of its own (Ray's token
+    authentication), which this process, and so the servers it starts, hold for the module: a token another Ray
+    left in ~/.ray/auth_token changes nothing."""
     port = find_free_port()
     temp_dir = tempfile.mkdtemp(prefix="ssray-", dir="/tmp")  # Ray's socket paths must stay short
     script = Path(sys.executable).with_name("ray")
-    head = subprocess.Popen(
-        [str(script) if script.exists() else "ray", "start", "--head", "--block", "--port", str(port),
-         "--num-cpus", str(HEAD_CPUS), "--include-dashboard=false", "--disable-usage-stats",
-         "--object-store-memory", "200000000", "--temp-dir", temp_dir],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "RAY_ADDRESS": ""})
-    try:
-        started = time.monotonic()
-        for line in head.stdout:
-            if "block forever" in line:
-                break
-            assert time.monotonic() - started < 120, "the Ray head did not start within 120 s"
-        else:
-            pytest.fail(f"`ray start --head` exited with {head.wait()}")
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop_processes([head], signal.SIGTERM, 30)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_AUTH_MODE", "token")
+        patch.setenv("RAY_AUTH_TOKEN", uuid.uuid4().hex)
+        patch.delenv("RAY_ADDRESS", raising=False)
+        head = subprocess.Popen(
+            [str(script) if script.exists() else "ray", "start", "--head", "--block", "--port", str(port),
+             "--num-cpus", str(HEAD_CPUS), "--include-dashboard=false", "--disable-usage-stats",
+             "--object-store-memory", "200000000", "--temp-dir", temp_dir],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            _wait_started(head)
+            yield f"127.0.0.1:{port}"
+        finally:
+            stop_processes([head], signal.SIGTERM, 30)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _wait_started(head: subprocess.Popen) -> None:
+    started = time.monotonic()
+    for line in head.stdout:
+        if "block forever" in line:
+            break
+        assert time.monotonic() - started < 120, "the Ray head did not start within 120 s"
+    else:
+        pytest.fail(f"`ray start --head` exited with {head.wait()}")
+    threading.Thread(target=head.stdout.read, daemon=True).start()  # its pipe must never fill up
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +253,22 @@ def test_rays_gpu_ids_become_torch_indexes_within_cuda_visible_devices(monkeypat
     assert cuda_index(3) == 3
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     assert cuda_index("6") == 2
+
+
+@needs_ray
+def test_resources_that_other_work_holds_are_waited_for_then_refused_naming_the_holders(tiny_model_dir, ray_address,
+                                                                                          ray_client):
+    @ray_client.remote(num_cpus=HEAD_CPUS // 2)
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.options(name="shardserve-elsewhere-r1", namespace=NAMESPACE).remote()
+    try:
+        ray_client.get(holder.ready.remote(), timeout=60)
+        output, seconds = _refused(tiny_model_dir("llama-untied"), ray_address, "-tp", "2", *_ray_args())
+        assert seconds < 45, output
+        assert (f"{HEAD_CPUS} CPU needed, {HEAD_CPUS // 2} free in the cluster" in output
+                and "shardserve actors holding resources: shardserve-elsewhere-r1" in output), output
+    finally:
+        ray_client.kill(holder)
