@@ -127,7 +127,7 @@ def set_cpu_threads(local_world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
-def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
+def worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
                  worker: Callable[[EngineConfig, RankContext], None], control_token: str) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{info.rank} %(levelname)s %(name)s: %(message)s")
     # Ctrl-C in a terminal reaches every process of the foreground group; a spawned rank leaves it to rank 0,
@@ -187,7 +187,7 @@ class LocalRanks:
         self.processes = []
         for local in range(1, node.per_node):
             info = LaunchInfo(node.first_rank + local, node.world_size, node.init_method, local, node.per_node)
-            p = spawn.Process(target=_worker_main, args=(config, info, logging.getLogger().level, worker, token),
+            p = spawn.Process(target=worker_main, args=(config, info, logging.getLogger().level, worker, token),
                               name=f"shardserve-rank{info.rank}", daemon=True)
             p.start()
             self.processes.append(p)

@@ -1,5 +1,5 @@
 """Ranks on a Ray cluster (`serve --distributed-executor-backend ray`): rank 0 in this process, ranks 1 to N-1 as Ray
-actors that run the same rank code as every other launch (launcher._worker_main), in resources that a placement
+actors that run the same rank code as every other launch (launcher.worker_main), in resources that a placement
 group reserves.
 
 Invariants:
@@ -28,7 +28,7 @@ import torch
 from shardserve import envs
 from shardserve.config import EngineConfig
 from shardserve.distributed.control_token import new_token
-from shardserve.distributed.launcher import LaunchInfo, _worker_main
+from shardserve.distributed.launcher import LaunchInfo, worker_main
 from shardserve.distributed.process_group import RankContext, find_free_port, init_rank_context
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class RankActor:
             threads = rank_threads(cpus, info.local_world_size)
             os.environ["OMP_NUM_THREADS"] = str(threads)
             torch.set_num_threads(threads)
-        _worker_main(config, info, log_level, worker, control_token)
+        worker_main(config, info, log_level, worker, control_token)
 
 
 def cuda_index(ray_gpu_id) -> int:
