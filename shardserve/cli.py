@@ -130,6 +130,9 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=_positive(int, "--max-restarts", allow_zero=True), default=3,
                    help="restart all ranks up to this many times when one dies (ranks started on this machine; "
                         "default 3, 0 never)")
+    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                   help="how the ranks start: mp (default: processes on this machine, or the launch below) or ray "
+                        "(actors on the Ray cluster at $RAY_ADDRESS, or on one started here; docs/serving.md)")
     _add_launch_arguments(p)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=_serve)

@@ -59,6 +59,7 @@ class ServeOptions(BaseModel):
     api_server_count: int | None = Field(default=None, ge=0)
     data_parallel_size: int | None = Field(default=None, gt=0)
     data_parallel_routing: Literal["affinity", "least-loaded", "round-robin"] | None = None
+    distributed_executor_backend: Literal["mp", "ray"] | None = None
     log_level: Literal["debug", "info", "warning", "error"] | None = None
 
 

@@ -11,7 +11,7 @@ import re
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -127,7 +127,7 @@ def set_cpu_threads(local_world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
-def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
+def worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
                  worker: Callable[[EngineConfig, RankContext], None], control_token: str) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{info.rank} %(levelname)s %(name)s: %(message)s")
     # Ctrl-C in a terminal reaches every process of the foreground group; a spawned rank leaves it to rank 0,
@@ -147,6 +147,19 @@ def _worker_main(config: EngineConfig, info: LaunchInfo, log_level: int,
         worker(config, ctx)
     finally:
         destroy_rank_context(ctx)
+
+
+class Ranks(Protocol):
+    """An engine's ranks as the supervisor sees them: rank 0's context in this process, the others elsewhere
+    (LocalRanks: processes on this machine; ray_ranks.RayRanks: Ray actors)."""
+
+    ctx: RankContext
+
+    def dead_rank(self) -> str | None: ...  # names the first other rank that has ended, None while all run
+
+    def stop_workers(self) -> None: ...  # kill the other ranks now
+
+    def close(self, timeout: float = 30.0) -> None: ...  # leave the group together, then wait for the others
 
 
 class LocalRanks:
@@ -174,7 +187,7 @@ class LocalRanks:
         self.processes = []
         for local in range(1, node.per_node):
             info = LaunchInfo(node.first_rank + local, node.world_size, node.init_method, local, node.per_node)
-            p = spawn.Process(target=_worker_main, args=(config, info, logging.getLogger().level, worker, token),
+            p = spawn.Process(target=worker_main, args=(config, info, logging.getLogger().level, worker, token),
                               name=f"shardserve-rank{info.rank}", daemon=True)
             p.start()
             self.processes.append(p)

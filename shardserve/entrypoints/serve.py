@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import signal
@@ -80,12 +81,20 @@ def serve(args: argparse.Namespace) -> int:
     except ModelPathError as e:
         raise SystemExit(f"shardserve serve: {e}") from None
     if getattr(args, "data_parallel_size", 1) > 1:
+        if getattr(args, "distributed_executor_backend", "mp") == "ray":
+            raise SystemExit("shardserve serve: --data-parallel-size with --distributed-executor-backend ray is not "
+                             "supported: start one server per replica on the cluster")
         from shardserve.pool.replicas import serve_replicas
 
         return serve_replicas(args, args.argv)
     if args.control_interface:
         os.environ["GLOO_SOCKET_IFNAME"] = args.control_interface  # before any gloo group exists
     config = engine_config_from_args(args)
+    if getattr(args, "distributed_executor_backend", "mp") == "ray":
+        if config.pipeline_parallel_size > 1:
+            raise SystemExit("shardserve serve: --pipeline-parallel-size with --distributed-executor-backend ray is "
+                             "not supported yet: use the mp backend (local ranks, torchrun, srun or --nnodes)")
+        return _serve_on_ray(args, config)
     launch = choose_launch(args, config.world_size)
     if _serves_http(launch):
         from shardserve.entrypoints.openai.server import bind_http_port
@@ -118,6 +127,42 @@ def serve(args: argparse.Namespace) -> int:
     return code
 
 
+def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Rank 0 here, the other ranks as actors on a Ray cluster (distributed/ray_ranks.py), under the supervisor."""
+    from shardserve.distributed.launcher import torchrun_launch_info
+    from shardserve.entrypoints.openai.server import bind_http_port
+
+    if importlib.util.find_spec("ray") is None:
+        raise SystemExit("shardserve serve: --distributed-executor-backend ray needs Ray: pip install 'shardserve[ray]'")
+    if args.nnodes > 1 or torchrun_launch_info() is not None or "SLURM_PROCID" in os.environ:
+        raise SystemExit("--distributed-executor-backend ray starts every rank itself: run one `shardserve serve` "
+                         "on a node of the Ray cluster, without --nnodes, torchrun or srun")
+    from shardserve.distributed.ray_ranks import RayClusterError, preflight
+
+    args.http_socket = bind_http_port(args.host, args.port)
+    try:
+        preflight(config, _ray_name(args))  # refusals before the API servers start
+        return _serve_supervised(args, config)
+    except RayClusterError as e:
+        raise SystemExit(f"shardserve serve: Ray: {e}") from None
+
+
+def _start_ranks(args: argparse.Namespace, config: EngineConfig, worker):
+    """A fresh set of ranks (a fresh rendezvous port each time): processes on this machine, or Ray actors."""
+    from shardserve.distributed.launcher import LocalRanks
+
+    if getattr(args, "distributed_executor_backend", "mp") == "ray":
+        from shardserve.distributed.ray_ranks import RayRanks
+
+        return RayRanks(config, worker=worker, name=_ray_name(args))
+    return LocalRanks(config, worker=worker)
+
+
+def _ray_name(args: argparse.Namespace) -> str:
+    """The prefix of the rank actors' names: one server per HTTP port, so a live actor under it is an earlier one."""
+    return f"shardserve-{args.port}"
+
+
 def _serves_http(launch) -> bool:
     """Whether this process becomes rank 0, the one that serves the API."""
     from shardserve.distributed.launcher import LaunchInfo, NodeLaunch
@@ -128,8 +173,7 @@ def _serves_http(launch) -> bool:
 
 
 def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
-    """All ranks on this machine, under a supervisor that restarts them when one dies."""
-    from shardserve.distributed.launcher import LocalRanks
+    """All ranks on this machine (or on Ray), under a supervisor that restarts them when one dies."""
     from shardserve.engine.async_engine import AsyncEngine
     from shardserve.engine.llm_engine import LLMEngine, run_worker
     from shardserve.entrypoints.supervisor import Supervisor
@@ -139,7 +183,7 @@ def _serve_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
 
     def start_engine(after_iteration):
         def start():
-            ranks = LocalRanks(config, worker=run_worker)  # a fresh rendezvous port each time
+            ranks = _start_ranks(args, config, run_worker)
             try:
                 return AsyncEngine(lambda: LLMEngine(config, ranks.ctx, tokenizer), after_iteration), ranks
             except BaseException:

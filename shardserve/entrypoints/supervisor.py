@@ -18,7 +18,7 @@ import threading
 from typing import AsyncIterator, Callable
 
 from shardserve import envs
-from shardserve.distributed.launcher import LocalRanks
+from shardserve.distributed.launcher import Ranks
 from shardserve.engine.async_engine import AsyncEngine
 from shardserve.requests.client import EngineStats
 from shardserve.requests.commands import EngineCall
@@ -43,7 +43,7 @@ def stall_restart_seconds() -> float:
 
 
 class Supervisor:
-    def __init__(self, start: Callable[[], tuple[AsyncEngine, LocalRanks]], max_restarts: int) -> None:
+    def __init__(self, start: Callable[[], tuple[AsyncEngine, Ranks]], max_restarts: int) -> None:
         self._start = start
         self.max_restarts = max_restarts
         self.stall_restart_s = stall_restart_seconds()
@@ -151,7 +151,7 @@ class Supervisor:
                 logger.exception("restart %d failed", self.restarts)
                 continue
             self._restarting = False
-            logger.info("all %d ranks restarted (restart %d of %d); serving again", self.ranks.node.world_size,
+            logger.info("all %d ranks restarted (restart %d of %d); serving again", self.ranks.ctx.world_size,
                         self.restarts, self.max_restarts)
 
     def _teardown(self) -> None:

@@ -7,19 +7,15 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from shardserve.distributed.process_group import find_free_port
+from tests.helpers.rank_faults import greedy, openai_client, stream_in_background, wait_for_health
 from tests.serving import stop_processes
-
-PROMPT = "w3 w1 w4 w1 w5"
-
 
 def _spawned_rank(server_pid: int) -> int:
     """The pid of the rank process the server spawned (not an API server, nor multiprocessing's resource
@@ -30,10 +26,6 @@ def _spawned_rank(server_pid: int) -> int:
                 return int(child)
     raise AssertionError("no spawned rank process found")
 
-
-def _greedy(client: openai.OpenAI, max_tokens: int = 12) -> str:
-    return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
 
 
 def _start_server(model_dir: str, max_restarts: int) -> tuple[subprocess.Popen, str]:
@@ -57,54 +49,20 @@ def server(tiny_model_dir):
     come one after the other to the same server, each using one of its restarts."""
     proc, url = _start_server(tiny_model_dir("llama-untied"), max_restarts=2)
     try:
-        _wait_for_health(proc, url, 200, timeout=120)
+        wait_for_health(proc, url, 200, timeout=120)
         yield proc, url
     finally:
         stop_processes([proc], signal.SIGINT, 30)
 
 
-def _wait_for_health(proc: subprocess.Popen, url: str, status: int, timeout: float) -> float:
-    """Seconds until /health answers `status`; fails after `timeout`."""
-    started = time.monotonic()
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == status:
-                return time.monotonic() - started
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() - started < timeout, f"/health did not answer {status} within {timeout} s"
-        time.sleep(0.1)
 
-
-def _stream_in_background(client: openai.OpenAI, on_chunk) -> dict:
-    """Consume a long greedy stream on a thread; the dict gets 'chunks', then 'error' and 'ended_at'."""
-    state: dict = {"chunks": 0}
-
-    def consume():
-        try:
-            for _ in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=480, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True}):
-                state["chunks"] += 1
-                on_chunk(state["chunks"])
-        except openai.APIError as e:
-            state["error"] = e
-        state["ended_at"] = time.monotonic()
-
-    state["thread"] = threading.Thread(target=consume, daemon=True)
-    state["thread"].start()
-    return state
-
-
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=90)
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_a_failed_rank_fails_the_stream_turns_health_503_then_the_server_comes_back(server, fault):
     proc, url = server
-    client = _client(url)
-    before = _greedy(client)
+    client = openai_client(url)
+    before = greedy(client)
     restarts = httpx.get(f"{url}/health", timeout=2).json()["restarts"]
     faulted: dict = {}
 
@@ -113,20 +71,20 @@ def test_a_failed_rank_fails_the_stream_turns_health_503_then_the_server_comes_b
             os.kill(_spawned_rank(proc.pid), signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
             faulted["at"] = time.monotonic()
 
-    stream = _stream_in_background(client, inject)
+    stream = stream_in_background(client, inject)
     while "at" not in faulted:
         assert stream["thread"].is_alive(), "the stream ended before the fault"
         time.sleep(0.01)
-    assert _wait_for_health(proc, url, 503, timeout=10) < 10
+    assert wait_for_health(proc, url, 503, timeout=10) < 10
     stream["thread"].join(timeout=60)
     assert "error" in stream, "the stream must end with an error, not hang or complete"
     assert stream["chunks"] < 480
 
-    _wait_for_health(proc, url, 200, timeout=90)
+    wait_for_health(proc, url, 200, timeout=90)
     health = httpx.get(f"{url}/health", timeout=2).json()
     expected = "rank1" if fault == "killed" else "made no progress"
     assert health["restarts"] == restarts + 1 and expected in health["last_failure"], health
-    assert _greedy(client) == before, "after the restart the server gives the same tokens"
+    assert greedy(client) == before, "after the restart the server gives the same tokens"
 
 
 def test_with_the_restarts_used_up_the_server_fails_the_stream_and_exits_non_zero(tiny_model_dir):
@@ -134,7 +92,7 @@ def test_with_the_restarts_used_up_the_server_fails_the_stream_and_exits_non_zer
     with status 1 (as vLLM does), so that systemd, Kubernetes or Slurm see it, instead of answering 503."""
     proc, url = _start_server(tiny_model_dir("llama-untied"), max_restarts=0)
     try:
-        _wait_for_health(proc, url, 200, timeout=120)
+        wait_for_health(proc, url, 200, timeout=120)
         killed: dict = {}
 
         def inject(chunks: int) -> None:
@@ -142,7 +100,7 @@ def test_with_the_restarts_used_up_the_server_fails_the_stream_and_exits_non_zer
                 os.kill(_spawned_rank(proc.pid), signal.SIGKILL)
                 killed["at"] = time.monotonic()
 
-        stream = _stream_in_background(_client(url), inject)
+        stream = stream_in_background(openai_client(url), inject)
         stream["thread"].join(timeout=60)
         assert "error" in stream, "the stream in flight must end with an error"
         code = proc.wait(timeout=60)
