@@ -173,6 +173,9 @@ COLLECTIVE_TIMEOUT_S = _declare("SHARDSERVE_COLLECTIVE_TIMEOUT_S", FLOAT, 120.0,
                                 "timeout of the process groups' collectives")
 SETUP_TIMEOUT_S = _declare("SHARDSERVE_SETUP_TIMEOUT_S", FLOAT, 300.0,
                            "a start-up step that takes longer stops its rank")
+RAY_RESERVE_TIMEOUT_S = _declare("SHARDSERVE_RAY_RESERVE_TIMEOUT_S", FLOAT, 20.0,
+                                 "a Ray backend waits this long for the cluster to free and grant the ranks' resources "
+                                 "before it refuses start-up naming what is short")
 STALL_RESTART_S = _declare("SHARDSERVE_STALL_RESTART_S", FLOAT, 30.0,
                            "an engine loop without progress this long counts as hung and its ranks restart")
 CONTROL_TOKEN = _declare("SHARDSERVE_CONTROL_TOKEN", STR, None,

@@ -6,8 +6,8 @@ Invariants:
 - One bundle per rank, all on the node of this process (STRICT_PACK, bundle 0 pinned there, since rank 0 runs here):
   tensor-parallel ranks exchange activations at every layer.
 - Missing resources stop start-up at once: what the ranks need is compared with what the cluster and this node have
-  before anything is reserved, and a reservation not granted within RESERVE_TIMEOUT_S is given back and reported,
-  naming the shardserve actors that hold resources.
+  before anything is reserved, and a reservation not granted within SHARDSERVE_RAY_RESERVE_TIMEOUT_S (default 20 s)
+  is given back and reported, naming the shardserve actors that hold resources.
 - Rank actors are named `<name>-r<rank>` in the NAMESPACE namespace; live actors under this server's names (an
   earlier server that did not stop) refuse start-up, naming them.
 - The `--forward-env` variables are in an actor's environment from its first instruction (Ray's runtime_env); the
@@ -34,7 +34,6 @@ from shardserve.distributed.process_group import RankContext, find_free_port, in
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "shardserve"
-RESERVE_TIMEOUT_S = 20.0
 ACTOR_START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 5.0
 # With it Ray leaves CUDA_VISIBLE_DEVICES alone: every rank sees the node's GPUs (as rank 0 here does, and as the
@@ -170,13 +169,13 @@ def plan_placement(config: EngineConfig, name: str, stale_wait_s: float = 0.0) -
 
 def preflight(config: EngineConfig, name: str) -> None:
     """Before the API servers start, so that a refusal comes in seconds: plan_placement's checks, then up to
-    RESERVE_TIMEOUT_S for the cluster to have the ranks' resources free, else a RayClusterError naming what is
-    short and the shardserve actors that hold resources."""
+    SHARDSERVE_RAY_RESERVE_TIMEOUT_S for the cluster to have the ranks' resources free, else a RayClusterError naming
+    what is short and the shardserve actors that hold resources."""
     import ray
 
     placement = plan_placement(config, name)
     need = _need(placement.bundle, config.tensor_parallel_size)
-    deadline = time.monotonic() + RESERVE_TIMEOUT_S
+    deadline = time.monotonic() + envs.RAY_RESERVE_TIMEOUT_S.get()
     while short := _short_of(need, ray.available_resources()):
         if time.monotonic() >= deadline:
             raise RayClusterError(_not_free(config.tensor_parallel_size, placement, short))
@@ -191,7 +190,7 @@ def _short_of(need: dict[str, float], free: dict[str, float]) -> list[str]:
 def _not_free(world_size: int, placement: Placement, short: list[str]) -> str:
     others = shardserve_actors()
     return (f"Ray did not have {world_size} bundles of {_describe(placement.bundle)} free on node {placement.node_ip} "
-            f"within {RESERVE_TIMEOUT_S:.0f} s: {'; '.join(short) or 'other work holds them'}"
+            f"within {envs.RAY_RESERVE_TIMEOUT_S.get():g} s: {'; '.join(short) or 'other work holds them'}"
             + (f"; shardserve actors holding resources: {', '.join(others)}" if others else "")
             + ". Stop what holds them (`ray list actors`), or lower --tensor-parallel-size")
 
@@ -279,7 +278,7 @@ class RayRanks:
     def _wait_reserved(self, bundle: dict[str, float], node_ip: str) -> None:
         import ray
 
-        ready, _ = ray.wait([self.pg.ready()], timeout=RESERVE_TIMEOUT_S)
+        ready, _ = ray.wait([self.pg.ready()], timeout=envs.RAY_RESERVE_TIMEOUT_S.get())
         if not ready:
             short = _short_of(_need(bundle, self.world_size), ray.available_resources())
             raise RayClusterError(_not_free(self.world_size, Placement(node_ip, 0, bundle), short))

@@ -165,12 +165,13 @@ def test_a_killed_rank_actor_fails_the_stream_turns_health_503_restarts_then_exi
         stop_processes([proc], signal.SIGINT, 30)
 
 
-def _refused(model: str, ray_address: str, *args: str, port: int | None = None) -> tuple[str, float]:
+def _refused(model: str, ray_address: str, *args: str, port: int | None = None,
+             env: dict[str, str] | None = None) -> tuple[str, float]:
     """The output of a server that must refuse to start, and the seconds it took."""
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "shardserve", "serve", model, "--port", str(port or find_free_port()), *args],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "RAY_ADDRESS": ray_address})
+        capture_output=True, text=True, timeout=60, env={**os.environ, "RAY_ADDRESS": ray_address, **(env or {})})
     assert done.returncode != 0, done.stdout + done.stderr
     return done.stdout + done.stderr, time.monotonic() - started
 
@@ -266,8 +267,10 @@ def test_resources_that_other_work_holds_are_waited_for_then_refused_naming_the_
     holder = Holder.options(name="shardserve-elsewhere-r1", namespace=NAMESPACE).remote()
     try:
         ray_client.get(holder.ready.remote(), timeout=60)
-        output, seconds = _refused(tiny_model_dir("llama-untied"), ray_address, "-tp", "2", *_ray_args())
-        assert seconds < 45, output
+        output, seconds = _refused(tiny_model_dir("llama-untied"), ray_address, "-tp", "2", *_ray_args(),
+                                   env={"SHARDSERVE_RAY_RESERVE_TIMEOUT_S": "3"})
+        assert seconds < 30, output
+        assert "within 3 s" in output, output
         assert (f"{HEAD_CPUS} CPU needed, {HEAD_CPUS // 2} free in the cluster" in output
                 and "shardserve actors holding resources: shardserve-elsewhere-r1" in output), output
     finally:
