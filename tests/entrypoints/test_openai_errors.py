@@ -301,7 +301,7 @@ def test_engine_failure_mid_stream(serve_failing: Callable[[int], InProcessServe
     request = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     healthy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
                                         extra_body={"ignore_eos": True})
-    expected = [chunk.choices[0].text for chunk in healthy][:2]
+    expected = "".join(chunk.choices[0].text for chunk in healthy)
     failing = serve_failing(2)
     with failing.http() as http:
         response = http.post(COMPLETIONS, json=request | {"stream": True})
@@ -310,8 +310,10 @@ def test_engine_failure_mid_stream(serve_failing: Callable[[int], InProcessServe
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert SIMULATED_FAILURE in error["message"] and error["type"] == "server_error"
-    # The chunks generated before the failure reached the client, then the error.
-    assert [json.loads(e)["choices"][0]["text"] for e in events[:-2]] == expected
+    # The text generated before the failure reached the client (in as many chunks as the client's reads made of it:
+    # outputs waiting for a slow reader go out merged), then the error.
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+    assert streamed and expected.startswith(streamed), (streamed, expected)
     assert failing.all_blocks_free(), "the failed stream kept its KV blocks"
 
 
