@@ -63,12 +63,10 @@ class ModelRunner:
                                                                                      self.dtype.itemsize)
         self.pipe = PipelineLinks(ctx) if self.stage is not None else None
         self.memory_plan = self._plan_memory()  # None where the planner cannot describe the model
-        if kv_quant.is_fp8(self.kv_dtype) and model_config.latent_attention:
-            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: {model_config.architecture}'s latent cache "
-                             f"is kept in 16 or 32 bits; use --kv-cache-dtype auto or bfloat16")
         self.model = self._load_model()
         if kv_quant.is_fp8(self.kv_dtype) and ctx.is_driver:
-            logger.info("FP8 KV cache (e4m3): %s", kv_scales_summary(self.model))
+            logger.info("FP8 KV cache (e4m3): %s", "the latent cache's entries stored with scale 1.0"
+                        if model_config.latent_attention else kv_scales_summary(self.model))
         # On GPUs, weights and KV cache live at fixed addresses whose memory sleep gives back and wake takes
         # again (weights/stable_memory.py), so the CUDA graphs survive a sleep and waking costs one copy.
         self.weight_arena = self.kv_arena = None

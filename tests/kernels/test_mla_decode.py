@@ -1,7 +1,7 @@
 """The Triton decode kernel of multi-head latent attention equals float64 attention over the same paged latent rows:
 heads fewer than a tensor-core block (padded) and more than one block, contexts that end mid-block, blocks out of
 order, a padding row (context 0, output 0), one split and several joined by the second launch, and a cache with
-or without its singleton head axis.
+or without its singleton head axis; an FP8 (e4m3) cache read as the values it holds.
 
 On a machine without CUDA the kernels run in Triton's interpreter on CPU tensors (small widths, float32)."""
 
@@ -52,6 +52,20 @@ def test_decode_equals_float64_attention_over_the_latent_rows(heads, num_splits)
     assert torch.count_nonzero(got[2]) == 0  # the padding row
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_an_fp8_cache_is_read_as_the_values_it_holds(num_splits):
+    """An e4m3 latent cache: the kernel's output is float64 attention over exactly the stored (rounded) entries."""
+    q, cache, tables, lens = _paged([20, 45], 6, torch.float32, seed=7, head_axis=True)
+    q = q.to(torch.bfloat16 if ON_GPU else torch.float32)
+    stored = cache.to(torch.float8_e4m3fn)
+    scale = (LATENT // 4 + ROPE) ** -0.5
+    got = mla_decode(q, stored, tables, lens, BLOCK_SIZE, scale, LATENT, num_splits=num_splits)
+    want = mla_decode_reference(q, stored.float(), tables, lens, BLOCK_SIZE, scale, LATENT)
+    tolerance = 2e-2 if ON_GPU else 1e-4
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+    assert not torch.allclose(want, mla_decode_reference(q, cache, tables, lens, BLOCK_SIZE, scale, LATENT))
 
 
 def test_rows_that_do_not_match_the_cache_are_refused():

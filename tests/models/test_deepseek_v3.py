@@ -176,9 +176,34 @@ def test_v2_greedy_routing_ignores_the_groups(tiny_model_dir, tmp_path):
         ModelConfig.from_model_path(_config_with(tiny_model_dir("deepseek-v2"), tmp_path, topk_method="sparse"))
 
 
-def test_an_fp8_latent_cache_is_refused(tiny_model_dir):
-    with pytest.raises(ValueError, match="latent cache is kept in 16 or 32 bits"):
-        cpu_llm(tiny_model_dir("deepseek-v3"), kv_cache_dtype="fp8")
+def test_an_fp8_latent_cache_holds_four_times_the_tokens_and_reads_what_it_stored(tiny_model_dir, monkeypatch):
+    """--kv-cache-dtype fp8: each latent-cache entry stored in e4m3 (scale 1.0), so the same memory holds four times
+    a float32 cache's tokens; greedy tokens equal transformers' float32 ones whose attention reads the normed latents
+    and rotated rope keys rounded to e4m3, as the cache holds them (its cache keeps the compressed entries too)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    from shardserve.attention import kv_quant
+    from tests.helpers.reference import transformers_model
+
+    model_dir = tiny_model_dir("deepseek-v3")
+    expand = hf.DeepseekV3Attention.expand_kv
+
+    def rounded(self, kv_nope, k_rot):
+        return expand(self, kv_quant.round_like_cache(kv_nope, 1.0, kv_quant.FP8),
+                      kv_quant.round_like_cache(k_rot, 1.0, kv_quant.FP8))
+
+    monkeypatch.setattr(hf.DeepseekV3Attention, "expand_kv", rounded)
+    model = transformers_model(model_dir, None, False)
+    with torch.inference_mode():
+        expected = [tuple(model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):]
+                          .tolist()) for p in _prompts()]
+    with cpu_llm(model_dir, kv_cache_dtype="fp8", max_num_batched_tokens=12) as llm:
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
+        fp8_blocks = llm.engine.block_manager.num_blocks
+    assert [tuple(o.token_ids) for o in outputs] == expected
+    with cpu_llm(model_dir) as llm:
+        assert fp8_blocks == 4 * llm.engine.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -28,11 +28,13 @@ def _mla_decode_kernel(q_ptr, cache_ptr, out_ptr, lse_ptr, block_tables_ptr, con
                        stride_qb, stride_qh, stride_cs, stride_bt,
                        stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                        LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                       KV_FP8: tl.constexpr = False):
     """Program (b, head block, split). The context [0, context_lens[b]) is cut into num_splits ranges of equal
     length, a multiple of BLOCK_N (the last ones shorter or empty). With SPLIT, writes the normalised partial
     output (float32) at out[b, head, split] and its log2-sum-exp at lse[b, head, split] (-inf where the range is
-    empty); otherwise the final output at out[b, head]."""
+    empty); otherwise the final output at out[b, head]. KV_FP8: the cache holds e4m3 entries (scale 1.0), widened to
+    the query's dtype as they are loaded."""
     b = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -58,6 +60,9 @@ def _mla_decode_kernel(q_ptr, cache_ptr, out_ptr, lse_ptr, block_tables_ptr, con
         rows = cache_ptr + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_cs
         latent = tl.load(rows + latent_dims[None, :], mask=ok[:, None], other=0.0)  # [N, L]: keys and values
         rope = tl.load(rows + LATENT + rope_dims[None, :], mask=ok[:, None], other=0.0)
+        if KV_FP8:
+            latent = latent.to(q_latent.dtype)
+            rope = rope.to(q_rope.dtype)
         s = tl.dot(q_latent, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one position below hi
@@ -119,7 +124,8 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                block_size: int, scale: float, latent_dim: int, num_splits: int = 1,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed-form MLA decode. q: [B, H, L + R] (unit last stride); cache: [num_slots, L + R] or
-    [num_slots, 1, L + R] (slot = block * block_size + offset); block_tables: int32 [B, max_blocks];
+    [num_slots, 1, L + R] (slot = block * block_size + offset) in q's dtype or e4m3 (an FP8 latent cache, scale
+    1.0); block_tables: int32 [B, max_blocks];
     context_lens: int32 [B] (0: a padding row, output 0); scale: the softmax scale. Returns [B, H, L] in q's
     dtype: softmax(q . cache rows * scale) @ cache rows' latent parts."""
     cache = cache.reshape(cache.shape[0], cache.shape[-1])
@@ -138,7 +144,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     grid = (batch, triton.cdiv(num_heads, block_h), max(1, int(num_splits)))
     qk_scale = scale * LOG2E
     common = dict(LATENT=latent_dim, ROPE=rope_dim, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n,
-                  num_warps=4, num_stages=2)
+                  KV_FP8=cache.dtype == torch.float8_e4m3fn, num_warps=4, num_stages=2)
     if grid[2] == 1:
         _mla_decode_kernel[grid](q, cache, out, out, block_tables, context_lens, qk_scale, 1, num_heads,
                                  q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
