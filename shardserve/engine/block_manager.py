@@ -41,7 +41,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
-        self.prefix_queries = 0  # blocks looked up in the prefix cache
+        self.prefix_queries = 0  # whole prompt blocks looked up in the prefix cache
         self.prefix_hits = 0
 
     @property
@@ -70,8 +70,10 @@ class BlockManager:
             return
         parent = None
         usable = (seq.num_tokens - 1) // self.block_size
+        # Every whole block of the prompt counts as looked up, found or not (the lookup stops at the first miss), so
+        # prefix_hits / prefix_queries is the share of prompt blocks found.
+        self.prefix_queries += usable
         for i in range(usable):
-            self.prefix_queries += 1
             parent = chain_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self.cached.get(parent)
             if block_id is None:

@@ -230,3 +230,19 @@ def test_blocks_needed_rounds_up(num_tokens):
     bm.allocate(s, num_tokens)
     assert len(s.block_table) == -(-num_tokens // BS)
     assert len(s.block_table) * BS >= num_tokens > (len(s.block_table) - 1) * BS
+
+
+def test_every_whole_prompt_block_counts_as_a_query_found_or_not():
+    """hits / queries is the share of prompt blocks found: a prompt whose first block alone is cached counts all
+    its whole blocks as looked up (the last token never: it is always computed)."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    first = Sequence(0, list(range(9)), SamplingParams())
+    bm.match_prefix(first)
+    bm.allocate(first, 9)
+    first.num_computed_tokens = 9
+    bm.register_computed(first)
+    bm.free_sequence(first)
+    second = Sequence(1, list(range(4)) + [50] * 9, SamplingParams())  # 13 tokens: 3 whole blocks to look up
+    queries, hits = bm.prefix_queries, bm.prefix_hits
+    bm.match_prefix(second)
+    assert (bm.prefix_queries - queries, bm.prefix_hits - hits) == (3, 1)

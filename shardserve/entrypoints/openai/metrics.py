@@ -132,7 +132,8 @@ class _EngineState:
         yield gauge("kv_cache_blocks_free", "KV cache blocks free or held only by the prefix cache.", s.kv_blocks_free)
         yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later) for lack of "
                                          "KV cache blocks.", s.preemptions)
-        yield counter("prefix_cache_queries", "Blocks looked up in the prefix cache.", s.prefix_queries)
+        yield counter("prefix_cache_queries", "Whole prompt blocks looked up in the prefix cache, found or not.",
+                      s.prefix_queries)
         yield counter("prefix_cache_hits", "Blocks found in the prefix cache.", s.prefix_hits)
         yield gauge("is_sleeping", "1 while the model sleeps.", float(s.sleeping))
         yield counter("sleeps", "Times the model was put to sleep.", s.sleeps)
