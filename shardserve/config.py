@@ -228,18 +228,30 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     moe_intermediate_size=cfg["intermediate_size"], renormalize_topk=True,
                     moe_layers=tuple(range(layers)))
     if arch in _QWEN_MOE:  # Qwen3.5-MoE's configs name no dense layers: every layer is sparse
-        step = cfg.get("decoder_sparse_step", 1) or 1
-        dense = set(cfg.get("mlp_only_layers") or ())
         experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))  # newer transformers write the latter
         qwen2 = arch == "Qwen2MoeForCausalLM"
         shared = arch in _SHARED_EXPERT
-        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        sparse = sparse_layers(cfg) if experts > 0 else ()
         return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["moe_intermediate_size"],
                     # transformers' default for Qwen2-MoE: no renormalisation
                     renormalize_topk=bool(cfg.get("norm_topk_prob", not qwen2)), moe_layers=sparse,
                     shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if shared else 0)
     return {}
+
+
+def sparse_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """The decoder layers of a mixture of experts that are sparse, by its config.json: DeepSeek's (a kv_lora_rank)
+    from first_k_dense_replace on, every moe_layer_freq-th; the others' every decoder_sparse_step-th not in
+    mlp_only_layers (Mixtral's, naming neither: every layer). NemotronH's are those its layers_block_type calls
+    "moe" (_nemotron_h_moe_fields)."""
+    layers = range(cfg["num_hidden_layers"])
+    if cfg.get("kv_lora_rank"):
+        first_sparse, every = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+        return tuple(i for i in layers if i >= first_sparse and i % every == 0)
+    step = cfg.get("decoder_sparse_step") or 1
+    dense = set(cfg.get("mlp_only_layers") or ())
+    return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
 
 
 def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -492,10 +504,8 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     route = GroupedTopK(experts, cfg["num_experts_per_tok"], (cfg.get("n_group") or 1) if grouped else 1,
                         (cfg.get("topk_group") or 1) if grouped else 1, bool(cfg.get("norm_topk_prob", v3)),
                         float(cfg.get("routed_scaling_factor") or 1.0), _TOPK_METHODS[method])
-    first_sparse, every = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
-    sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i >= first_sparse and i % every == 0)
     return dict(num_experts=experts, num_experts_per_tok=route.top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
-                renormalize_topk=route.renormalize, moe_layers=sparse if experts else (),
+                renormalize_topk=route.renormalize, moe_layers=sparse_layers(cfg) if experts else (),
                 shared_expert_intermediate_size=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"],
                 num_expert_groups=route.num_groups, topk_expert_groups=route.topk_groups,
                 routed_scaling_factor=route.scaling_factor, scoring_func=route.scoring,

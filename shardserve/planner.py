@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from shardserve import planner_mla as mla
 from shardserve import planner_nemotron_h as nemotron_h
+from shardserve.config import sparse_layers
 from shardserve.layers.sharding import attention_shard, delta_net_shard, split_rows
 from shardserve.models.registry import text_model_config
 
@@ -151,15 +152,9 @@ def _moe(cfg: dict) -> tuple[int, int, int]:
     return experts, inter, shared
 
 
-def _is_moe_layer(cfg: dict, i: int) -> bool:
-    if not _moe(cfg)[0]:
-        return False
-    if mla.is_latent_attention(cfg):
-        return mla.sparse_layer(cfg, i)
-    if i in (cfg.get("mlp_only_layers") or []) or i < (cfg.get("first_k_dense_replace") or 0):
-        return False
-    step = cfg.get("decoder_sparse_step") or 1
-    return (i + 1) % step == 0
+def _moe_layers(cfg: dict) -> tuple[int, ...]:
+    """The sparse layers (none for a dense model), by ModelConfig's rule."""
+    return sparse_layers(cfg) if _moe(cfg)[0] else ()
 
 
 def _rows(size: int, tp: int, name: str, replicated: list[str]) -> int:
@@ -243,6 +238,7 @@ def layer_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: b
         attn = mla.attention_elements_per_rank(cfg, tp, replicated)
     dense_inter = _rows(cfg.get("intermediate_size") or 0, tp, "mlp", replicated)
     experts, moe_inter, shared_inter = _moe(cfg)
+    sparse = _moe_layers(cfg)
     per_layer = []
     for i, kind in enumerate(layer_kinds(cfg)):
         total = 2 * h  # the two norms
@@ -259,7 +255,7 @@ def layer_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: b
             inner //= tp
             total += h * 2 * inner + inner * conv + inner * (dt_rank + 2 * d_state) + dt_rank * inner \
                 + inner * d_state + inner + inner * h
-        if _is_moe_layer(cfg, i):
+        if i in sparse:
             per_expert = 3 * h * _rows(moe_inter, tp, "experts", replicated)
             used = cfg.get("num_experts_per_tok", experts) if active else experts
             total += used * per_expert + h * experts  # experts and the router
@@ -375,11 +371,12 @@ def projection_elements_per_rank(cfg: dict, tp: int) -> int:
     attn = h * (shard.num_q + 2 * shard.num_kv) * hd + shard.num_q * hd * h
     dense = 3 * h * _rows(cfg.get("intermediate_size") or 0, tp, "mlp", [])
     shared = 3 * h * _shared_expert_rows(cfg, tp, [])
+    sparse = _moe_layers(cfg)
     total = 0
     for i, kind in enumerate(layer_kinds(cfg)):
         if kind == "attention":
             total += attn
-        total += shared if _is_moe_layer(cfg, i) else dense
+        total += shared if i in sparse else dense
     return total
 
 
@@ -423,7 +420,7 @@ def packed_expert_elements_per_rank(cfg: dict, tp: int) -> int:
     h, rows = cfg["hidden_size"], _rows(inter, tp, "experts", [])
     if group and (h % group or rows % group):
         return 0
-    return sum(experts * 3 * h * rows for i in range(len(layer_kinds(cfg))) if _is_moe_layer(cfg, i))
+    return experts * 3 * h * rows * len(_moe_layers(cfg))
 
 
 def _packed_bytes_per_weight(cfg: dict, online: str | None) -> tuple[float, str] | None:

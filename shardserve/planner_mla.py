@@ -42,7 +42,3 @@ def router_elements(cfg: dict) -> int:
     """A DeepSeek router's parameters beyond its weight: V3's score-correction bias (V2 has none)."""
     return cfg.get("n_routed_experts", 0) if cfg.get("model_type") != "deepseek_v2" else 0
 
-
-def sparse_layer(cfg: dict, i: int) -> bool:
-    """Whether layer i is a mixture of experts: from first_k_dense_replace on, every moe_layer_freq-th."""
-    return i >= (cfg.get("first_k_dense_replace") or 0) and i % (cfg.get("moe_layer_freq") or 1) == 0
