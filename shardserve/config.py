@@ -224,11 +224,11 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {}
     layers = cfg["num_hidden_layers"]
     if arch == "MixtralForCausalLM":
-        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
-                    moe_intermediate_size=cfg["intermediate_size"], renormalize_topk=True,
+        return dict(num_experts=routed_experts(cfg), num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=expert_intermediate_size(cfg), renormalize_topk=True,
                     moe_layers=tuple(range(layers)))
     if arch in _QWEN_MOE:  # Qwen3.5-MoE's configs name no dense layers: every layer is sparse
-        experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))  # newer transformers write the latter
+        experts = routed_experts(cfg)
         qwen2 = arch == "Qwen2MoeForCausalLM"
         shared = arch in _SHARED_EXPERT
         sparse = sparse_layers(cfg) if experts > 0 else ()
@@ -236,8 +236,26 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     moe_intermediate_size=cfg["moe_intermediate_size"],
                     # transformers' default for Qwen2-MoE: no renormalisation
                     renormalize_topk=bool(cfg.get("norm_topk_prob", not qwen2)), moe_layers=sparse,
-                    shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if shared else 0)
+                    shared_expert_intermediate_size=shared_expert_size(cfg) if shared else 0)
     return {}
+
+
+def routed_experts(cfg: dict[str, Any]) -> int:
+    """A mixture of experts' routed experts a sparse layer, under each family's name for them: num_experts (Qwen-MoE),
+    num_local_experts (Mixtral, and newer transformers' Qwen-MoE), n_routed_experts (DeepSeek, NemotronH); 0: dense."""
+    return cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+
+
+def expert_intermediate_size(cfg: dict[str, Any]) -> int:
+    """Features of one routed expert: moe_intermediate_size, or Mixtral's intermediate_size where it names none."""
+    return cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+
+
+def shared_expert_size(cfg: dict[str, Any]) -> int:
+    """Features of the shared expert every token takes: shared_expert_intermediate_size (Qwen-MoE's), or DeepSeek's
+    n_shared_experts experts of expert_intermediate_size each; 0 without one."""
+    shared = cfg.get("shared_expert_intermediate_size")
+    return shared or (cfg.get("n_shared_experts") or 0) * expert_intermediate_size(cfg)
 
 
 def sparse_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
@@ -468,7 +486,7 @@ def _nemotron_h_moe_fields(cfg: dict[str, Any], types: list[str]) -> dict[str, A
     if cfg.get("quantization_config") or cfg.get("compression_config"):
         raise ValueError("NemotronH's mixture-of-experts layers from a quantized checkpoint are not supported yet: "
                          "serve the 16-bit checkpoint")
-    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
+    experts = routed_experts(cfg)
     route = GroupedTopK(experts, cfg["num_experts_per_tok"], cfg.get("n_group", 1), cfg.get("topk_group", 1),
                         bool(cfg.get("norm_topk_prob", True)), float(cfg.get("routed_scaling_factor", 1.0)))
     return dict(num_experts=experts, num_experts_per_tok=route.top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
@@ -500,13 +518,13 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{arch} with topk_method={method!r}: shardserve routes with "
                          f"{', '.join(_TOPK_METHODS)}")
     grouped = method != "greedy"
-    experts = cfg.get("n_routed_experts") or 0
+    experts = routed_experts(cfg)
     route = GroupedTopK(experts, cfg["num_experts_per_tok"], (cfg.get("n_group") or 1) if grouped else 1,
                         (cfg.get("topk_group") or 1) if grouped else 1, bool(cfg.get("norm_topk_prob", v3)),
                         float(cfg.get("routed_scaling_factor") or 1.0), _TOPK_METHODS[method])
     return dict(num_experts=experts, num_experts_per_tok=route.top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
                 renormalize_topk=route.renormalize, moe_layers=sparse_layers(cfg) if experts else (),
-                shared_expert_intermediate_size=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"],
+                shared_expert_intermediate_size=shared_expert_size(cfg),
                 num_expert_groups=route.num_groups, topk_expert_groups=route.topk_groups,
                 routed_scaling_factor=route.scaling_factor, scoring_func=route.scoring,
                 q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from shardserve import planner_mla as mla
 from shardserve import planner_nemotron_h as nemotron_h
-from shardserve.config import sparse_layers
+from shardserve.config import expert_intermediate_size, routed_experts, shared_expert_size, sparse_layers
 from shardserve.layers.sharding import attention_shard, delta_net_shard, split_rows
 from shardserve.models.registry import text_model_config
 
@@ -144,12 +144,10 @@ def layer_kinds(cfg: dict) -> list[str]:
 
 def _moe(cfg: dict) -> tuple[int, int, int]:
     """(experts, expert intermediate size, shared-expert intermediate size); experts 0 for dense."""
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    experts = routed_experts(cfg)
     if not experts:
         return 0, 0, 0
-    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * inter
-    return experts, inter, shared
+    return experts, expert_intermediate_size(cfg), shared_expert_size(cfg)
 
 
 def _moe_layers(cfg: dict) -> tuple[int, ...]:
