@@ -16,6 +16,7 @@ from shardserve.weight_format import QuantScheme, parse_quantization
 # Architectures that differ from Llama's in what their config.json does not say: Qwen2's q/k/v biases (without
 # an o_proj bias), Qwen3's per-head q/k RMSNorms (models/qwen3.py).
 _QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+_QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 # Qwen3-Next and Qwen3.5: a sigmoid gate on the attention output (q_proj gives each head's query and gate),
 # RMSNorm weights stored as offsets from 1 (the norm scales by 1 + w), and Gated DeltaNet layers beside attention
 # (layer_types).
@@ -165,7 +166,7 @@ class ModelConfig:
             num_layers=len(nemotron["layer_types"]) if nemotron else cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=deepseek.get("qk_rope_head_dim") or cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=deepseek.get("qk_rope_head_dim") or attention_head_dim(cfg),
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5) if nemotron else cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope["rope_theta"],
@@ -173,9 +174,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             # NemotronH keeps its LM head apart whatever the config says (transformers ties none of its weights).
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not nemotron,
-            # Qwen2 carries q/k/v biases (Qwen2-MoE's config may say otherwise with qkv_bias); Llama-style configs
-            # say so with attention_bias.
-            qkv_bias=(arch in _QKV_BIAS and bool(cfg.get("qkv_bias", True))) or attention_bias,
+            qkv_bias=has_qkv_bias(cfg),
             o_bias=attention_bias and arch not in _QKV_BIAS,
             qk_norm=arch in _QK_NORM,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -238,6 +237,21 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     renormalize_topk=bool(cfg.get("norm_topk_prob", not qwen2)), moe_layers=sparse,
                     shared_expert_intermediate_size=shared_expert_size(cfg) if shared else 0)
     return {}
+
+
+def attention_head_dim(cfg: dict[str, Any]) -> int:
+    """Features of one attention head: head_dim, or hidden_size split among the heads where a config names none
+    (DeepSeek's rotary head_dim is its qk_rope_head_dim instead: _deepseek_fields)."""
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def has_qkv_bias(cfg: dict[str, Any]) -> bool:
+    """Whether q_proj, k_proj and v_proj carry biases: Qwen2's and Qwen2-MoE's do (a Qwen2-MoE config may say
+    otherwise with qkv_bias), known by their architectures or, for a config that lists none, their model_type;
+    Llama-style configs say so with attention_bias."""
+    qwen2 = (any(a in _QKV_BIAS for a in cfg.get("architectures") or ())
+             or (not cfg.get("architectures") and cfg.get("model_type") in _QKV_BIAS_MODEL_TYPES))
+    return (qwen2 and bool(cfg.get("qkv_bias", True))) or bool(cfg.get("attention_bias", False))
 
 
 def routed_experts(cfg: dict[str, Any]) -> int:

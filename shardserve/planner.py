@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from shardserve import planner_mla as mla
 from shardserve import planner_nemotron_h as nemotron_h
-from shardserve.config import expert_intermediate_size, routed_experts, shared_expert_size, sparse_layers
+from shardserve.config import (attention_head_dim, expert_intermediate_size, has_qkv_bias, routed_experts,
+                               shared_expert_size, sparse_layers)
 from shardserve.layers.sharding import attention_shard, delta_net_shard, split_rows
 from shardserve.models.registry import text_model_config
 
@@ -118,10 +119,6 @@ def load_hf_config(model: str) -> dict:
 # Model types whose attention has an output gate (q_proj gives each head's query and gate): Qwen3-Next's, and
 # Qwen3.5's text models (an image-text checkpoint's text_config names its own).
 _GATED_ATTENTION = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
-
-
-def _head_dim(cfg: dict) -> int:
-    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
 def _dtype_bytes(cfg: dict) -> int:
@@ -220,13 +217,13 @@ def end_elements_per_rank(cfg: dict, tp: int) -> tuple[int, int]:
 def layer_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: bool = False) -> list[int]:
     """Each decoder layer's parameters on one rank, as weight_elements_per_rank counts them (not NemotronH)."""
     h = cfg["hidden_size"]
-    hd = _head_dim(cfg)
+    hd = attention_head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
     if tp > 1 and not shard.sharded:
         replicated.append("attention")
     attn = h * (shard.num_q + 2 * shard.num_kv) * hd + shard.num_q * hd * h
-    if cfg.get("attention_bias") or cfg.get("qkv_bias") or cfg.get("model_type") == "qwen2":
+    if has_qkv_bias(cfg):
         attn += (shard.num_q + 2 * shard.num_kv) * hd
     if str(cfg.get("model_type", "")).startswith("qwen3"):
         attn += 2 * hd  # q_norm and k_norm
@@ -274,9 +271,9 @@ def kv_bytes_per_token(cfg: dict, tp: int, kv_bytes: int) -> int:
     if mla.is_latent_attention(cfg):
         return mla.kv_bytes_per_token(cfg, kv_bytes)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    shard = attention_shard(heads, kv_heads, _head_dim(cfg), 0, tp)
+    shard = attention_shard(heads, kv_heads, attention_head_dim(cfg), 0, tp)
     full = sum(1 for k in layer_kinds(cfg) if k == "attention")
-    return 2 * full * shard.num_kv * _head_dim(cfg) * kv_bytes
+    return 2 * full * shard.num_kv * attention_head_dim(cfg) * kv_bytes
 
 
 def state_bytes_per_seq(cfg: dict, tp: int, state_bytes: int) -> int:
@@ -363,7 +360,7 @@ def projection_elements_per_rank(cfg: dict, tp: int) -> int:
     """Weights of the attention and dense MLP projections one rank holds: what a quantized checkpoint (or
     --quantization fp8) keeps packed on GPUs. Experts, routers, norms, embeddings and the head stay in the compute
     dtype."""
-    h, hd = cfg["hidden_size"], _head_dim(cfg)
+    h, hd = cfg["hidden_size"], attention_head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
     attn = h * (shard.num_q + 2 * shard.num_kv) * hd + shard.num_q * hd * h
@@ -381,7 +378,7 @@ def projection_elements_per_rank(cfg: dict, tp: int) -> int:
 def largest_projection_elements_per_rank(cfg: dict, tp: int) -> int:
     """The largest attention or dense MLP projection one rank holds (gate and up together): the size of the
     dequantized copy a packed layer makes for a batch, which the CUDA graphs' memory pool keeps."""
-    h, hd = cfg["hidden_size"], _head_dim(cfg)
+    h, hd = cfg["hidden_size"], attention_head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
     rows = max(_rows(cfg.get("intermediate_size") or 0, tp, "mlp", []),
