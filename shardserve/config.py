@@ -10,13 +10,12 @@ from typing import Any
 import torch
 
 from shardserve.kv_cache_dtype import KV_CACHE_DTYPES
-from shardserve.models.registry import resolve_architecture, text_model_config
+from shardserve.models.registry import SUPPORTED_ARCHITECTURES, resolve_architecture, text_model_config
 from shardserve.weight_format import QuantScheme, parse_quantization
 
 # Architectures that differ from Llama's in what their config.json does not say: Qwen2's q/k/v biases (without
 # an o_proj bias), Qwen3's per-head q/k RMSNorms (models/qwen3.py).
 _QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-_QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 # Qwen3-Next and Qwen3.5: a sigmoid gate on the attention output (q_proj gives each head's query and gate),
 # RMSNorm weights stored as offsets from 1 (the norm scales by 1 + w), and Gated DeltaNet layers beside attention
 # (layer_types).
@@ -176,7 +175,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not nemotron,
             qkv_bias=has_qkv_bias(cfg),
             o_bias=attention_bias and arch not in _QKV_BIAS,
-            qk_norm=arch in _QK_NORM,
+            qk_norm=has_qk_norm(cfg),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
@@ -239,6 +238,26 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+# For a config.json that lists no architectures: the one its model_type names (as transformers' Auto classes read it).
+_MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "nemotron_h": "NemotronHForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+
+
+def architecture_of(cfg: dict[str, Any]) -> str | None:
+    """The architecture shardserve serves that a config.json describes: the first of its architectures that it serves,
+    or for a config listing none, its model_type's; None otherwise (the planner still sizes such a model)."""
+    listed = cfg.get("architectures") or []
+    if listed:
+        return next((a for a in listed if a in SUPPORTED_ARCHITECTURES), None)
+    return _MODEL_TYPE_ARCHITECTURES.get(cfg.get("model_type"))
+
+
 def attention_head_dim(cfg: dict[str, Any]) -> int:
     """Features of one attention head: head_dim, or hidden_size split among the heads where a config names none
     (DeepSeek's rotary head_dim is its qk_rope_head_dim instead: _deepseek_fields)."""
@@ -249,9 +268,19 @@ def has_qkv_bias(cfg: dict[str, Any]) -> bool:
     """Whether q_proj, k_proj and v_proj carry biases: Qwen2's and Qwen2-MoE's do (a Qwen2-MoE config may say
     otherwise with qkv_bias), known by their architectures or, for a config that lists none, their model_type;
     Llama-style configs say so with attention_bias."""
-    qwen2 = (any(a in _QKV_BIAS for a in cfg.get("architectures") or ())
-             or (not cfg.get("architectures") and cfg.get("model_type") in _QKV_BIAS_MODEL_TYPES))
+    qwen2 = architecture_of(cfg) in _QKV_BIAS
     return (qwen2 and bool(cfg.get("qkv_bias", True))) or bool(cfg.get("attention_bias", False))
+
+
+def has_qk_norm(cfg: dict[str, Any]) -> bool:
+    """Whether each head's query and key pass an RMSNorm before RoPE (Qwen3's families)."""
+    return architecture_of(cfg) in _QK_NORM
+
+
+def has_attention_output_gate(cfg: dict[str, Any]) -> bool:
+    """Whether attention's output is gated by a sigmoid of a gate q_proj gives beside each head's query (Qwen3-Next's
+    and Qwen3.5's)."""
+    return architecture_of(cfg) in _HYBRID
 
 
 def routed_experts(cfg: dict[str, Any]) -> int:

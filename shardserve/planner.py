@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from shardserve import planner_mla as mla
 from shardserve import planner_nemotron_h as nemotron_h
-from shardserve.config import (attention_head_dim, expert_intermediate_size, has_qkv_bias, routed_experts,
-                               shared_expert_size, sparse_layers)
+from shardserve.config import (attention_head_dim, expert_intermediate_size, has_attention_output_gate, has_qk_norm,
+                               has_qkv_bias, routed_experts, shared_expert_size, sparse_layers)
 from shardserve.layers.sharding import attention_shard, delta_net_shard, split_rows
 from shardserve.models.registry import text_model_config
 
@@ -116,11 +116,6 @@ def load_hf_config(model: str) -> dict:
 
 
 # -- the model's shapes --------------------------------------------------------------------------
-# Model types whose attention has an output gate (q_proj gives each head's query and gate): Qwen3-Next's, and
-# Qwen3.5's text models (an image-text checkpoint's text_config names its own).
-_GATED_ATTENTION = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
-
-
 def _dtype_bytes(cfg: dict) -> int:
     return DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
 
@@ -225,9 +220,9 @@ def layer_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: b
     attn = h * (shard.num_q + 2 * shard.num_kv) * hd + shard.num_q * hd * h
     if has_qkv_bias(cfg):
         attn += (shard.num_q + 2 * shard.num_kv) * hd
-    if str(cfg.get("model_type", "")).startswith("qwen3"):
+    if has_qk_norm(cfg):
         attn += 2 * hd  # q_norm and k_norm
-    if cfg.get("model_type") in _GATED_ATTENTION:
+    if has_attention_output_gate(cfg):
         attn += h * shard.num_q * hd  # q_proj's output gate beside each query head
     if mla.is_latent_attention(cfg):
         attn = mla.attention_elements_per_rank(cfg, tp, replicated)
