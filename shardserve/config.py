@@ -315,6 +315,21 @@ def sparse_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
 
 
+def is_gated_deltanet_hybrid(cfg: dict[str, Any]) -> bool:
+    """Whether a config.json is Qwen3-Next's or Qwen3.5's: Gated DeltaNet layers beside attention."""
+    return architecture_of(cfg) in _HYBRID
+
+
+def hybrid_layer_types(cfg: dict[str, Any]) -> list[str]:
+    """A Gated DeltaNet hybrid's token mixer for each layer: its layer_types, or where it names none (transformers'
+    default) every full_attention_interval-th layer (4th) "full_attention", the others "linear_attention"."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    interval = cfg.get("full_attention_interval", 4)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(cfg["num_hidden_layers"])]
+
+
 def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-Next's and Qwen3.5's fields: which layers are Gated DeltaNet and their sizes, partial RoPE, the
     output gate, the norms' offsets from 1 (none for other architectures).
@@ -325,10 +340,7 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch not in _HYBRID:
         return {}
     layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if not types:
-        interval = cfg.get("full_attention_interval", 4)
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    types = hybrid_layer_types(cfg)
     unknown = sorted(set(types) - {"full_attention", "linear_attention"})
     if unknown or len(types) != layers:
         raise ValueError(f"layer_types {types!r}: expected {layers} entries of 'full_attention' or "

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from shardserve import planner_mla as mla
 from shardserve import planner_nemotron_h as nemotron_h
 from shardserve.config import (attention_head_dim, expert_intermediate_size, has_attention_output_gate, has_qk_norm,
-                               has_qkv_bias, routed_experts, shared_expert_size, sparse_layers)
+                               has_qkv_bias, hybrid_layer_types, is_gated_deltanet_hybrid, routed_experts,
+                               shared_expert_size, sparse_layers)
 from shardserve.layers.sharding import attention_shard, delta_net_shard, split_rows
 from shardserve.models.registry import text_model_config
 
@@ -123,7 +124,8 @@ def _dtype_bytes(cfg: dict) -> int:
 def layer_kinds(cfg: dict) -> list[str]:
     """'attention', 'linear_attention' or 'mamba' for each layer."""
     n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    hybrid = is_gated_deltanet_hybrid(cfg)
+    types = hybrid_layer_types(cfg) if hybrid else cfg.get("layer_types") or cfg.get("layers_block_type")
     if not types:
         return ["attention"] * n
     kinds = []
