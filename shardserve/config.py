@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from shardserve.kv_cache_dtype import KV_CACHE_DTYPES
-from shardserve.models.registry import resolve_architecture, text_model_config
+from shardserve.models.registry import SUPPORTED_ARCHITECTURES, resolve_architecture, text_model_config
 from shardserve.weight_format import QuantScheme, parse_quantization
 
 # Architectures that differ from Llama's in what their config.json does not say: Qwen2's q/k/v biases (without
@@ -165,7 +165,7 @@ class ModelConfig:
             num_layers=len(nemotron["layer_types"]) if nemotron else cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=deepseek.get("qk_rope_head_dim") or cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=deepseek.get("qk_rope_head_dim") or attention_head_dim(cfg),
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5) if nemotron else cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope["rope_theta"],
@@ -173,11 +173,9 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             # NemotronH keeps its LM head apart whatever the config says (transformers ties none of its weights).
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not nemotron,
-            # Qwen2 carries q/k/v biases (Qwen2-MoE's config may say otherwise with qkv_bias); Llama-style configs
-            # say so with attention_bias.
-            qkv_bias=(arch in _QKV_BIAS and bool(cfg.get("qkv_bias", True))) or attention_bias,
+            qkv_bias=has_qkv_bias(cfg),
             o_bias=attention_bias and arch not in _QKV_BIAS,
-            qk_norm=arch in _QK_NORM,
+            qk_norm=has_qk_norm(cfg),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
@@ -224,22 +222,112 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {}
     layers = cfg["num_hidden_layers"]
     if arch == "MixtralForCausalLM":
-        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
-                    moe_intermediate_size=cfg["intermediate_size"], renormalize_topk=True,
+        return dict(num_experts=routed_experts(cfg), num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=expert_intermediate_size(cfg), renormalize_topk=True,
                     moe_layers=tuple(range(layers)))
     if arch in _QWEN_MOE:  # Qwen3.5-MoE's configs name no dense layers: every layer is sparse
-        step = cfg.get("decoder_sparse_step", 1) or 1
-        dense = set(cfg.get("mlp_only_layers") or ())
-        experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))  # newer transformers write the latter
+        experts = routed_experts(cfg)
         qwen2 = arch == "Qwen2MoeForCausalLM"
         shared = arch in _SHARED_EXPERT
-        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        sparse = sparse_layers(cfg) if experts > 0 else ()
         return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["moe_intermediate_size"],
                     # transformers' default for Qwen2-MoE: no renormalisation
                     renormalize_topk=bool(cfg.get("norm_topk_prob", not qwen2)), moe_layers=sparse,
-                    shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if shared else 0)
+                    shared_expert_intermediate_size=shared_expert_size(cfg) if shared else 0)
     return {}
+
+
+# For a config.json that lists no architectures: the one its model_type names (as transformers' Auto classes read it).
+_MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "nemotron_h": "NemotronHForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+
+
+def architecture_of(cfg: dict[str, Any]) -> str | None:
+    """The architecture shardserve serves that a config.json describes: the first of its architectures that it serves,
+    or for a config listing none, its model_type's; None otherwise (the planner still sizes such a model)."""
+    listed = cfg.get("architectures") or []
+    if listed:
+        return next((a for a in listed if a in SUPPORTED_ARCHITECTURES), None)
+    return _MODEL_TYPE_ARCHITECTURES.get(cfg.get("model_type"))
+
+
+def attention_head_dim(cfg: dict[str, Any]) -> int:
+    """Features of one attention head: head_dim, or hidden_size split among the heads where a config names none
+    (DeepSeek's rotary head_dim is its qk_rope_head_dim instead: _deepseek_fields)."""
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def has_qkv_bias(cfg: dict[str, Any]) -> bool:
+    """Whether q_proj, k_proj and v_proj carry biases: Qwen2's and Qwen2-MoE's do (a Qwen2-MoE config may say
+    otherwise with qkv_bias), known by their architectures or, for a config that lists none, their model_type;
+    Llama-style configs say so with attention_bias."""
+    qwen2 = architecture_of(cfg) in _QKV_BIAS
+    return (qwen2 and bool(cfg.get("qkv_bias", True))) or bool(cfg.get("attention_bias", False))
+
+
+def has_qk_norm(cfg: dict[str, Any]) -> bool:
+    """Whether each head's query and key pass an RMSNorm before RoPE (Qwen3's families)."""
+    return architecture_of(cfg) in _QK_NORM
+
+
+def has_attention_output_gate(cfg: dict[str, Any]) -> bool:
+    """Whether attention's output is gated by a sigmoid of a gate q_proj gives beside each head's query (Qwen3-Next's
+    and Qwen3.5's)."""
+    return architecture_of(cfg) in _HYBRID
+
+
+def routed_experts(cfg: dict[str, Any]) -> int:
+    """A mixture of experts' routed experts a sparse layer, under each family's name for them: num_experts (Qwen-MoE),
+    num_local_experts (Mixtral, and newer transformers' Qwen-MoE), n_routed_experts (DeepSeek, NemotronH); 0: dense."""
+    return cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+
+
+def expert_intermediate_size(cfg: dict[str, Any]) -> int:
+    """Features of one routed expert: moe_intermediate_size, or Mixtral's intermediate_size where it names none."""
+    return cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+
+
+def shared_expert_size(cfg: dict[str, Any]) -> int:
+    """Features of the shared expert every token takes: shared_expert_intermediate_size (Qwen-MoE's), or DeepSeek's
+    n_shared_experts experts of expert_intermediate_size each; 0 without one."""
+    shared = cfg.get("shared_expert_intermediate_size")
+    return shared or (cfg.get("n_shared_experts") or 0) * expert_intermediate_size(cfg)
+
+
+def sparse_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """The decoder layers of a mixture of experts that are sparse, by its config.json: DeepSeek's (a kv_lora_rank)
+    from first_k_dense_replace on, every moe_layer_freq-th; the others' every decoder_sparse_step-th not in
+    mlp_only_layers (Mixtral's, naming neither: every layer). NemotronH's are those its layers_block_type calls
+    "moe" (_nemotron_h_moe_fields)."""
+    layers = range(cfg["num_hidden_layers"])
+    if cfg.get("kv_lora_rank"):
+        first_sparse, every = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+        return tuple(i for i in layers if i >= first_sparse and i % every == 0)
+    step = cfg.get("decoder_sparse_step") or 1
+    dense = set(cfg.get("mlp_only_layers") or ())
+    return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+
+
+def is_gated_deltanet_hybrid(cfg: dict[str, Any]) -> bool:
+    """Whether a config.json is Qwen3-Next's or Qwen3.5's: Gated DeltaNet layers beside attention."""
+    return architecture_of(cfg) in _HYBRID
+
+
+def hybrid_layer_types(cfg: dict[str, Any]) -> list[str]:
+    """A Gated DeltaNet hybrid's token mixer for each layer: its layer_types, or where it names none (transformers'
+    default) every full_attention_interval-th layer (4th) "full_attention", the others "linear_attention"."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    interval = cfg.get("full_attention_interval", 4)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(cfg["num_hidden_layers"])]
 
 
 def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -252,10 +340,7 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch not in _HYBRID:
         return {}
     layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if not types:
-        interval = cfg.get("full_attention_interval", 4)
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    types = hybrid_layer_types(cfg)
     unknown = sorted(set(types) - {"full_attention", "linear_attention"})
     if unknown or len(types) != layers:
         raise ValueError(f"layer_types {types!r}: expected {layers} entries of 'full_attention' or "
@@ -456,7 +541,7 @@ def _nemotron_h_moe_fields(cfg: dict[str, Any], types: list[str]) -> dict[str, A
     if cfg.get("quantization_config") or cfg.get("compression_config"):
         raise ValueError("NemotronH's mixture-of-experts layers from a quantized checkpoint are not supported yet: "
                          "serve the 16-bit checkpoint")
-    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
+    experts = routed_experts(cfg)
     route = GroupedTopK(experts, cfg["num_experts_per_tok"], cfg.get("n_group", 1), cfg.get("topk_group", 1),
                         bool(cfg.get("norm_topk_prob", True)), float(cfg.get("routed_scaling_factor", 1.0)))
     return dict(num_experts=experts, num_experts_per_tok=route.top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
@@ -488,15 +573,13 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{arch} with topk_method={method!r}: shardserve routes with "
                          f"{', '.join(_TOPK_METHODS)}")
     grouped = method != "greedy"
-    experts = cfg.get("n_routed_experts") or 0
+    experts = routed_experts(cfg)
     route = GroupedTopK(experts, cfg["num_experts_per_tok"], (cfg.get("n_group") or 1) if grouped else 1,
                         (cfg.get("topk_group") or 1) if grouped else 1, bool(cfg.get("norm_topk_prob", v3)),
                         float(cfg.get("routed_scaling_factor") or 1.0), _TOPK_METHODS[method])
-    first_sparse, every = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
-    sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i >= first_sparse and i % every == 0)
     return dict(num_experts=experts, num_experts_per_tok=route.top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
-                renormalize_topk=route.renormalize, moe_layers=sparse if experts else (),
-                shared_expert_intermediate_size=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"],
+                renormalize_topk=route.renormalize, moe_layers=sparse_layers(cfg) if experts else (),
+                shared_expert_intermediate_size=shared_expert_size(cfg),
                 num_expert_groups=route.num_groups, topk_expert_groups=route.topk_groups,
                 routed_scaling_factor=route.scaling_factor, scoring_func=route.scoring,
                 q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],

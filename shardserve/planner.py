@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 from shardserve import planner_mla as mla
 from shardserve import planner_nemotron_h as nemotron_h
+from shardserve.config import (attention_head_dim, expert_intermediate_size, has_attention_output_gate, has_qk_norm,
+                               has_qkv_bias, hybrid_layer_types, is_gated_deltanet_hybrid, routed_experts,
+                               shared_expert_size, sparse_layers)
 from shardserve.layers.sharding import attention_shard, delta_net_shard, split_rows
 from shardserve.models.registry import text_model_config
 
@@ -114,15 +117,6 @@ def load_hf_config(model: str) -> dict:
 
 
 # -- the model's shapes --------------------------------------------------------------------------
-# Model types whose attention has an output gate (q_proj gives each head's query and gate): Qwen3-Next's, and
-# Qwen3.5's text models (an image-text checkpoint's text_config names its own).
-_GATED_ATTENTION = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
-
-
-def _head_dim(cfg: dict) -> int:
-    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-
-
 def _dtype_bytes(cfg: dict) -> int:
     return DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
 
@@ -130,7 +124,8 @@ def _dtype_bytes(cfg: dict) -> int:
 def layer_kinds(cfg: dict) -> list[str]:
     """'attention', 'linear_attention' or 'mamba' for each layer."""
     n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    hybrid = is_gated_deltanet_hybrid(cfg)
+    types = hybrid_layer_types(cfg) if hybrid else cfg.get("layer_types") or cfg.get("layers_block_type")
     if not types:
         return ["attention"] * n
     kinds = []
@@ -143,23 +138,15 @@ def layer_kinds(cfg: dict) -> list[str]:
 
 def _moe(cfg: dict) -> tuple[int, int, int]:
     """(experts, expert intermediate size, shared-expert intermediate size); experts 0 for dense."""
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    experts = routed_experts(cfg)
     if not experts:
         return 0, 0, 0
-    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * inter
-    return experts, inter, shared
+    return experts, expert_intermediate_size(cfg), shared_expert_size(cfg)
 
 
-def _is_moe_layer(cfg: dict, i: int) -> bool:
-    if not _moe(cfg)[0]:
-        return False
-    if mla.is_latent_attention(cfg):
-        return mla.sparse_layer(cfg, i)
-    if i in (cfg.get("mlp_only_layers") or []) or i < (cfg.get("first_k_dense_replace") or 0):
-        return False
-    step = cfg.get("decoder_sparse_step") or 1
-    return (i + 1) % step == 0
+def _moe_layers(cfg: dict) -> tuple[int, ...]:
+    """The sparse layers (none for a dense model), by ModelConfig's rule."""
+    return sparse_layers(cfg) if _moe(cfg)[0] else ()
 
 
 def _rows(size: int, tp: int, name: str, replicated: list[str]) -> int:
@@ -227,22 +214,23 @@ def end_elements_per_rank(cfg: dict, tp: int) -> tuple[int, int]:
 def layer_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: bool = False) -> list[int]:
     """Each decoder layer's parameters on one rank, as weight_elements_per_rank counts them (not NemotronH)."""
     h = cfg["hidden_size"]
-    hd = _head_dim(cfg)
+    hd = attention_head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
     if tp > 1 and not shard.sharded:
         replicated.append("attention")
     attn = h * (shard.num_q + 2 * shard.num_kv) * hd + shard.num_q * hd * h
-    if cfg.get("attention_bias") or cfg.get("qkv_bias") or cfg.get("model_type") == "qwen2":
+    if has_qkv_bias(cfg):
         attn += (shard.num_q + 2 * shard.num_kv) * hd
-    if str(cfg.get("model_type", "")).startswith("qwen3"):
+    if has_qk_norm(cfg):
         attn += 2 * hd  # q_norm and k_norm
-    if cfg.get("model_type") in _GATED_ATTENTION:
+    if has_attention_output_gate(cfg):
         attn += h * shard.num_q * hd  # q_proj's output gate beside each query head
     if mla.is_latent_attention(cfg):
         attn = mla.attention_elements_per_rank(cfg, tp, replicated)
     dense_inter = _rows(cfg.get("intermediate_size") or 0, tp, "mlp", replicated)
     experts, moe_inter, shared_inter = _moe(cfg)
+    sparse = _moe_layers(cfg)
     per_layer = []
     for i, kind in enumerate(layer_kinds(cfg)):
         total = 2 * h  # the two norms
@@ -259,7 +247,7 @@ def layer_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: b
             inner //= tp
             total += h * 2 * inner + inner * conv + inner * (dt_rank + 2 * d_state) + dt_rank * inner \
                 + inner * d_state + inner + inner * h
-        if _is_moe_layer(cfg, i):
+        if i in sparse:
             per_expert = 3 * h * _rows(moe_inter, tp, "experts", replicated)
             used = cfg.get("num_experts_per_tok", experts) if active else experts
             total += used * per_expert + h * experts  # experts and the router
@@ -280,9 +268,9 @@ def kv_bytes_per_token(cfg: dict, tp: int, kv_bytes: int) -> int:
     if mla.is_latent_attention(cfg):
         return mla.kv_bytes_per_token(cfg, kv_bytes)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    shard = attention_shard(heads, kv_heads, _head_dim(cfg), 0, tp)
+    shard = attention_shard(heads, kv_heads, attention_head_dim(cfg), 0, tp)
     full = sum(1 for k in layer_kinds(cfg) if k == "attention")
-    return 2 * full * shard.num_kv * _head_dim(cfg) * kv_bytes
+    return 2 * full * shard.num_kv * attention_head_dim(cfg) * kv_bytes
 
 
 def state_bytes_per_seq(cfg: dict, tp: int, state_bytes: int) -> int:
@@ -369,24 +357,25 @@ def projection_elements_per_rank(cfg: dict, tp: int) -> int:
     """Weights of the attention and dense MLP projections one rank holds: what a quantized checkpoint (or
     --quantization fp8) keeps packed on GPUs. Experts, routers, norms, embeddings and the head stay in the compute
     dtype."""
-    h, hd = cfg["hidden_size"], _head_dim(cfg)
+    h, hd = cfg["hidden_size"], attention_head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
     attn = h * (shard.num_q + 2 * shard.num_kv) * hd + shard.num_q * hd * h
     dense = 3 * h * _rows(cfg.get("intermediate_size") or 0, tp, "mlp", [])
     shared = 3 * h * _shared_expert_rows(cfg, tp, [])
+    sparse = _moe_layers(cfg)
     total = 0
     for i, kind in enumerate(layer_kinds(cfg)):
         if kind == "attention":
             total += attn
-        total += shared if _is_moe_layer(cfg, i) else dense
+        total += shared if i in sparse else dense
     return total
 
 
 def largest_projection_elements_per_rank(cfg: dict, tp: int) -> int:
     """The largest attention or dense MLP projection one rank holds (gate and up together): the size of the
     dequantized copy a packed layer makes for a batch, which the CUDA graphs' memory pool keeps."""
-    h, hd = cfg["hidden_size"], _head_dim(cfg)
+    h, hd = cfg["hidden_size"], attention_head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
     rows = max(_rows(cfg.get("intermediate_size") or 0, tp, "mlp", []),
@@ -423,7 +412,7 @@ def packed_expert_elements_per_rank(cfg: dict, tp: int) -> int:
     h, rows = cfg["hidden_size"], _rows(inter, tp, "experts", [])
     if group and (h % group or rows % group):
         return 0
-    return sum(experts * 3 * h * rows for i in range(len(layer_kinds(cfg))) if _is_moe_layer(cfg, i))
+    return experts * 3 * h * rows * len(_moe_layers(cfg))
 
 
 def _packed_bytes_per_weight(cfg: dict, online: str | None) -> tuple[float, str] | None:

@@ -9,6 +9,7 @@ qk_rope_head_dim elements a token a layer, replicated on every rank: tensor para
 
 from __future__ import annotations
 
+from shardserve.config import routed_experts
 from shardserve.layers.sharding import attention_shard
 
 REPLICATED_NOTE = "the latent cache is replicated on every rank (each holds every token's latent)"
@@ -40,9 +41,5 @@ def kv_bytes_per_token(cfg: dict, kv_bytes: int) -> int:
 
 def router_elements(cfg: dict) -> int:
     """A DeepSeek router's parameters beyond its weight: V3's score-correction bias (V2 has none)."""
-    return cfg.get("n_routed_experts", 0) if cfg.get("model_type") != "deepseek_v2" else 0
+    return routed_experts(cfg) if cfg.get("model_type") != "deepseek_v2" else 0
 
-
-def sparse_layer(cfg: dict, i: int) -> bool:
-    """Whether layer i is a mixture of experts: from first_k_dense_replace on, every moe_layer_freq-th."""
-    return i >= (cfg.get("first_k_dense_replace") or 0) and i % (cfg.get("moe_layer_freq") or 1) == 0

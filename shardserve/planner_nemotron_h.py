@@ -13,12 +13,12 @@ in the model's dtype, and each local head's head_dim x state_size SSM state, in 
 
 from __future__ import annotations
 
-from shardserve.config import ModelConfig
+from shardserve.config import ModelConfig, architecture_of
 from shardserve.layers.sharding import attention_shard, expert_shard, mamba_shard, split_rows
 
 
 def is_nemotron_h(cfg: dict) -> bool:
-    return cfg.get("model_type") == "nemotron_h" or "NemotronHForCausalLM" in (cfg.get("architectures") or [])
+    return architecture_of(cfg) == "NemotronHForCausalLM"
 
 
 def _model_config(cfg: dict) -> ModelConfig:
