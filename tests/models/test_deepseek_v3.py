@@ -7,13 +7,13 @@ at once, 16 prompts at once and a sleep/wake cycle give the tokens each prompt g
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
 import pytest
 import torch
 
+from tests.helpers.configs import config_with
 from tests.helpers.reference import random_prompts, transformers_greedy
 from tests.helpers.state_models import assert_all_returned, cpu_llm, greedy
 
@@ -141,15 +141,6 @@ def test_a_multi_token_prediction_layer_is_skipped(tiny_model_dir, caplog):
         load_tensors(model, [(n, t) for n, t in tensors.items() if n != "model.norm.weight"], False, "short")
 
 
-def _config_with(model_dir: str, tmp_path, **changes) -> str:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    cfg.update(changes)
-    with open(tmp_path / "config.json", "w") as f:
-        json.dump(cfg, f)
-    return str(tmp_path)
-
-
 def test_the_config_names_the_latent_attention_and_the_routing(tiny_model_dir):
     from shardserve.config import ModelConfig
 
@@ -170,10 +161,10 @@ def test_the_config_names_the_latent_attention_and_the_routing(tiny_model_dir):
 def test_v2_greedy_routing_ignores_the_groups(tiny_model_dir, tmp_path):
     from shardserve.config import ModelConfig
 
-    cfg = ModelConfig.from_model_path(_config_with(tiny_model_dir("deepseek-v2"), tmp_path, topk_method="greedy"))
+    cfg = ModelConfig.from_model_path(config_with(tiny_model_dir("deepseek-v2"), tmp_path, topk_method="greedy"))
     assert (cfg.num_expert_groups, cfg.topk_expert_groups) == (1, 1)
     with pytest.raises(ValueError, match="topk_method='sparse'"):
-        ModelConfig.from_model_path(_config_with(tiny_model_dir("deepseek-v2"), tmp_path, topk_method="sparse"))
+        ModelConfig.from_model_path(config_with(tiny_model_dir("deepseek-v2"), tmp_path, topk_method="sparse"))
 
 
 def test_an_fp8_latent_cache_holds_four_times_the_tokens_and_reads_what_it_stored(tiny_model_dir, monkeypatch):

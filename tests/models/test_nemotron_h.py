@@ -4,12 +4,12 @@ Mamba-2 kernels) with prompts in one step or in chunks that cut inside an SSD ch
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
+from tests.helpers.configs import config_with
 from tests.helpers.state_models import assert_all_returned, cpu_llm, greedy
 from tests.models.reference import random_prompts, transformers_greedy
 
@@ -59,20 +59,11 @@ def test_the_layers_are_what_the_config_says(tiny_model_dir):
     assert cfg.mlp_activation == "relu2" and not cfg.rope and cfg.mamba_n_groups == 2
 
 
-def _config_with(model_dir: str, tmp_path, **changes) -> str:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    cfg.update(changes)
-    with open(tmp_path / "config.json", "w") as f:
-        json.dump(cfg, f)
-    return str(tmp_path)
-
-
 def test_the_older_pattern_names_the_same_layers(tiny_model_dir, tmp_path):
     from shardserve.config import ModelConfig
 
     model_dir = tiny_model_dir("nemotron-h")
-    path = _config_with(model_dir, tmp_path, layers_block_type=None, hybrid_override_pattern="M-*M-")
+    path = config_with(model_dir, tmp_path, layers_block_type=None, hybrid_override_pattern="M-*M-")
     assert ModelConfig.from_model_path(path).layer_types == ModelConfig.from_model_path(model_dir).layer_types
 
 

@@ -6,13 +6,12 @@ to the same tokens; dummy weights build the same model at every TP; the SSM stat
 
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 import torch
 
 from shardserve.entrypoints.llm import LLM
+from tests.helpers.configs import config_with
 from tests.helpers.reference import random_prompts, transformers_greedy
 from tests.helpers.state_models import assert_all_returned, cpu_llm, greedy
 
@@ -99,15 +98,6 @@ def test_the_ssm_state_dtype_is_refused_for_a_model_without_mamba_layers(tiny_mo
         cpu_llm(tiny_model_dir("qwen3"), mamba_ssm_cache_dtype="bfloat16")
 
 
-def _config_with(model_dir: str, tmp_path, **changes) -> str:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    cfg.update(changes)
-    with open(tmp_path / "config.json", "w") as f:
-        json.dump(cfg, f)
-    return str(tmp_path)
-
-
 def test_the_config_names_the_experts_and_their_routing(tiny_model_dir):
     from shardserve.config import ModelConfig
 
@@ -128,7 +118,7 @@ def test_what_is_not_served_is_refused_by_name(tiny_model_dir, tmp_path, changes
     from shardserve.config import ModelConfig
 
     with pytest.raises(ValueError, match=refusal):
-        ModelConfig.from_model_path(_config_with(tiny_model_dir("nemotron-h-moe"), tmp_path, **changes))
+        ModelConfig.from_model_path(config_with(tiny_model_dir("nemotron-h-moe"), tmp_path, **changes))
 
 
 @pytest.mark.gpu
