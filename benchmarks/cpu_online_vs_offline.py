@@ -25,19 +25,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def offline(model: str, requests: int, input_len: int, output_len: int) -> dict:
-    from shardserve import LLM, SamplingParams
+def timed_generate(llm, requests: int, input_len: int, output_len: int) -> tuple[int, float]:
+    """(output tokens, seconds) of `requests` random prompts of input_len tokens, output_len new tokens each (greedy,
+    no detokenizing), generated at once by `llm` after a two-prompt warm-up."""
+    from shardserve import SamplingParams
 
     rng = random.Random(0)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(input_len)] for _ in range(requests)]
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, detokenize=False)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    return sum(len(o.token_ids) for o in outputs), time.perf_counter() - started
+
+
+def offline(model: str, requests: int, input_len: int, output_len: int) -> dict:
+    from shardserve import LLM
+
     with LLM(model, device="cpu", max_model_len=2048, max_num_seqs=requests) as llm:
-        vocab = llm.engine.model_config.vocab_size
-        prompts = [[rng.randrange(100, vocab - 100) for _ in range(input_len)] for _ in range(requests)]
-        params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, detokenize=False)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - started
-    tokens = sum(len(o.token_ids) for o in outputs)
+        tokens, seconds = timed_generate(llm, requests, input_len, output_len)
     return {"output_tokens": tokens, "seconds": round(seconds, 2), "output_tok_s": round(tokens / seconds, 1)}
 
 

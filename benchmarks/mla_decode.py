@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.moe_kernels import graph_time_us  # noqa: E402
-from shardserve.kernels.triton.mla_decode import choose_num_splits, head_block, mla_decode  # noqa: E402
+from shardserve.kernels.triton.mla_decode import head_block, mla_decode  # noqa: E402
+from shardserve.kernels.triton.paged_decode import choose_num_splits  # noqa: E402
 
 LATENT, ROPE, BLOCK_SIZE = 512, 64, 16
 

@@ -12,17 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.cpu_online_vs_offline import timed_generate  # noqa: E402
+
 
 def run(model: str, tp: int, pp: int, kv_gb: float, max_model_len: int, requests: int, input_len: int,
         output_len: int) -> dict:
-    from shardserve import LLM, SamplingParams
+    from shardserve import LLM
 
     layout = {"tp": tp, "pp": pp}
     try:
@@ -32,15 +32,7 @@ def run(model: str, tp: int, pp: int, kv_gb: float, max_model_len: int, requests
         return {**layout, "fits": False, "error": str(e).splitlines()[0]}
     with llm:
         blocks = llm.engine.block_manager.num_blocks
-        rng = random.Random(0)
-        vocab = llm.engine.model_config.vocab_size
-        prompts = [[rng.randrange(100, vocab - 100) for _ in range(input_len)] for _ in range(requests)]
-        params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, detokenize=False)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - started
-    tokens = sum(len(o.token_ids) for o in outputs)
+        tokens, seconds = timed_generate(llm, requests, input_len, output_len)
     return {**layout, "fits": True, "kv_blocks": blocks, "kv_tokens": blocks * 16, "seconds": round(seconds, 2),
             "output_tokens_per_s": round(tokens / seconds, 1),
             "total_tokens_per_s": round((tokens + requests * input_len) / seconds, 1)}

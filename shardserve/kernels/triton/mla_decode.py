@@ -9,7 +9,8 @@ latent part of the cached row, so the output is in latent space ([L]; W_UV and o
 A program takes one sequence, a block of BLOCK_H heads (tensor-core dots need 16 rows: fewer heads are padded)
 and one split of the context (flash-decoding): every cached row is read once per program, so all of a rank's
 heads share each load when they fit one block. With several splits, each writes its normalised partial output
-and log2-sum-exp to a float32 workspace and a second launch joins them. Launches depend only on shapes and
+and log2-sum-exp to a float32 workspace and paged decode's combine kernel (kernels/triton/paged_decode.py) joins
+them. Launches depend only on shapes and
 Python ints, never on tensor contents: decode can be captured in a CUDA graph.
 """
 
@@ -19,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from shardserve.kernels.triton.paged_attention import LOG2E
+from shardserve.kernels.triton.paged_decode import _combine_splits_kernel, choose_num_splits
 
 
 @triton.jit
@@ -82,38 +84,6 @@ def _mla_decode_kernel(q_ptr, cache_ptr, out_ptr, lse_ptr, block_tables_ptr, con
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-@triton.jit
-def _combine_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
-                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                    SPLITS_P: tl.constexpr, LATENT: tl.constexpr):
-    """Program (b, head): out[b, head] = sum_s w_s partial_s / sum_s w_s, w_s = 2^(lse_s - max lse), summed in
-    split order; 0 where every split is empty."""
-    b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    splits = tl.arange(0, SPLITS_P)
-    lse_row = lse_ptr + b * stride_lb + head * stride_lh
-    lse = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    dims = tl.arange(0, LATENT)
-    part_row = partial_ptr + b * stride_pb + head * stride_ph + dims
-    total = 0.0
-    acc = tl.zeros([LATENT], dtype=tl.float32)
-    for s in range(num_splits):
-        w = tl.exp2(tl.load(lse_row + s) - m)
-        total += w
-        acc += tl.load(part_row + s * stride_ps) * w
-    out = acc / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
-
-
-def choose_num_splits(batch_size: int, head_blocks: int, max_context: int, num_sms: int = 132) -> int:
-    """Context splits: about two programs per SM when batch x head blocks is small, one when large; a split
-    covers at least ~256 tokens; at most 32."""
-    wanted = triton.cdiv(2 * num_sms, max(1, batch_size * head_blocks))
-    return int(max(1, min(wanted, max(1, max_context // 256), 32)))
-
-
 def head_block(num_heads: int) -> int:
     """Heads a program takes: all of them up to 64 (each cached row is then read once a sequence and split),
     at least 16 (the rows of a tensor-core dot)."""
@@ -121,13 +91,15 @@ def head_block(num_heads: int) -> int:
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-               block_size: int, scale: float, latent_dim: int, num_splits: int = 1,
+               block_size: int, scale: float, latent_dim: int, num_splits: int | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed-form MLA decode. q: [B, H, L + R] (unit last stride); cache: [num_slots, L + R] or
     [num_slots, 1, L + R] (slot = block * block_size + offset) in q's dtype or e4m3 (an FP8 latent cache, scale
     1.0); block_tables: int32 [B, max_blocks];
-    context_lens: int32 [B] (0: a padding row, output 0); scale: the softmax scale. Returns [B, H, L] in q's
-    dtype: softmax(q . cache rows * scale) @ cache rows' latent parts."""
+    context_lens: int32 [B] (0: a padding row, output 0); scale: the softmax scale; num_splits: of the context,
+    by default paged_decode.choose_num_splits' for the batch, its head blocks and the tables' width (known on the
+    host: no synchronisation). Returns [B, H, L] in q's dtype: softmax(q . cache rows * scale) @ cache rows' latent
+    parts."""
     cache = cache.reshape(cache.shape[0], cache.shape[-1])
     batch, num_heads, width = q.shape
     rope_dim = width - latent_dim
@@ -141,7 +113,11 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     block_h = head_block(num_heads)
     # Tiles of 32 rows of 576 bf16 (36 KiB) leave room for two in flight; 16 for 64 heads (their accumulator).
     block_n = 32 if block_h <= 32 else 16
-    grid = (batch, triton.cdiv(num_heads, block_h), max(1, int(num_splits)))
+    head_blocks = triton.cdiv(num_heads, block_h)
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        num_splits = choose_num_splits(batch, head_blocks, block_tables.shape[1] * block_size, sms, block_size)
+    grid = (batch, head_blocks, max(1, int(num_splits)))
     qk_scale = scale * LOG2E
     common = dict(LATENT=latent_dim, ROPE=rope_dim, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n,
                   KV_FP8=cache.dtype == torch.float8_e4m3fn, num_warps=4, num_stages=2)
@@ -156,10 +132,10 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                              q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
                              partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
                              SPLIT=True, **common)
-    _combine_kernel[(batch, num_heads)](partial, lse, out, grid[2], partial.stride(0), partial.stride(1),
-                                        partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
-                                        out.stride(1), SPLITS_P=triton.next_power_of_2(grid[2]),
-                                        LATENT=latent_dim)
+    _combine_splits_kernel[(batch, num_heads)](partial, lse, out, grid[2], partial.stride(0), partial.stride(1),
+                                               partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
+                                               out.stride(1), SPLITS_P=triton.next_power_of_2(grid[2]),
+                                               HEAD_DIM=latent_dim, PDL=False)
     return out
 
 
