@@ -83,10 +83,24 @@ NEMOTRON_3_NANO_30B_A3B = {
     "use_conv_bias": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# Moonlight-16B-A3B: the DeepSeek-V3 architecture at 16B parameters, 3B active: latent attention (no q_lora_rank),
+# a dense first layer, then 64 routed experts of which 6 a token and two shared ones.
+MOONLIGHT_16B_A3B = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 2048,
+    "intermediate_size": 11264, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 2.446, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "vocab_size": 163840, "max_position_embeddings": 8192, "rope_theta": 50000.0, "rms_norm_eps": 1e-5,
+    "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 163584, "eos_token_id": 163585,
+}
 SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "qwen3-30b-a3b": QWEN3_30B_A3B,
-          "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B, "nemotron3-nano-30b-a3b": NEMOTRON_3_NANO_30B_A3B}
+          "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B, "nemotron3-nano-30b-a3b": NEMOTRON_3_NANO_30B_A3B,
+          "moonlight-16b-a3b": MOONLIGHT_16B_A3B}
 # Families whose bytes are counted on the model shardserve builds (on the meta device), not by formula.
-BUILT_MODEL_BYTES = ("nemotron_h",)
+BUILT_MODEL_BYTES = ("nemotron_h", "deepseek_v3")
 # --quantization: the tag of its result keys, and bytes a projection weight takes (int4: half a byte plus a
 # 32-bit scale-and-zero word per group of 128).
 # gptq-int4-head: the same checkpoint with `lm_head: true` (GPTQModel's and AutoRound's option), the head in 4 bits.
@@ -175,9 +189,10 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
 
 
 def built_model_bytes(cfg: dict, active: bool) -> int:
-    """bf16 bytes of the model shardserve builds from `cfg` at TP 1 (on the meta device); `active`: of stacked
-    experts (a parameter under `experts.` whose first axis is the expert count) only num_experts_per_tok, plus the
-    per-sequence states (pools of one slot) a decoded token reads and writes once each."""
+    """Bytes of the model shardserve builds from `cfg` at TP 1 (on the meta device; bf16, routers float32);
+    `active`: of stacked experts (a 3-dimensional parameter whose first axis is the expert count) only
+    num_experts_per_tok, plus the per-sequence states (pools of one slot) a decoded token reads and writes once
+    each."""
     import torch
 
     from shardserve.config import ModelConfig
@@ -193,9 +208,9 @@ def built_model_bytes(cfg: dict, active: bool) -> int:
                                                        max_positions=4096)
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
     total = 0
-    for name, p in model.named_parameters():
-        n = p.numel() * 2
-        if active and experts and ".experts." in f".{name}" and p.shape[0] == experts:
+    for p in model.parameters():
+        n = p.numel() * p.element_size()
+        if active and experts and p.dim() == 3 and p.shape[0] == experts:
             n = n * cfg["num_experts_per_tok"] // experts
         total += n
     if active:

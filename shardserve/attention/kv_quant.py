@@ -64,14 +64,18 @@ def round_like_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch
     return decode(encode(x, scale, dtype), scale, x.dtype)
 
 
-def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
-    """cache[slots] = x, encoded (torch ops: the SDPA path). FP8 rows are copied as their bytes: CPUs have no
-    float8 index_copy_."""
+def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float, padded: bool = False) -> None:
+    """cache[slots] = x, encoded (torch ops: the SDPA path, the latent cache). FP8 rows are copied as their bytes:
+    CPUs have no float8 index_copy_. padded: rows of slot -1 (a CUDA graph's padding rows) store nothing, without
+    reading the slots on the host (each such row writes slot 0's own contents back: block 0 is never a sequence's)."""
     values = encode(x, scale, cache.dtype)
     if is_fp8(cache.dtype):
-        cache.view(torch.uint8).index_copy_(0, slots, values.view(torch.uint8))
-    else:
-        cache.index_copy_(0, slots, values)
+        cache, values = cache.view(torch.uint8), values.view(torch.uint8)
+    if padded:
+        pad = (slots < 0).view(-1, *([1] * (values.dim() - 1)))
+        slots = slots.clamp(min=0)
+        values = torch.where(pad, cache[slots], values)
+    cache.index_copy_(0, slots, values)
 
 
 def scale_target(name: str) -> tuple[str, str] | None:

@@ -8,7 +8,8 @@ only by sequences with the same prefix).
 Metadata: where each new token's entry goes (slot_mapping), the single-token rows' block tables and context lengths
 (int32, the decode kernel's interface: `mla_decode` below, or a device kernel of the same signature), and for each
 longer chunk the slots of its whole context (the expanded form reads them). Built from the step's StepBatch on
-the backend's device, CPU or CUDA alike.
+the backend's device, CPU or CUDA alike, or for CUDA graphs held in static buffers (static_decode_metadata): a
+decode step reads nothing on the host, so graphs capture it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class MlaMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int32, padded with block 0
     decode_context_lens: torch.Tensor | None  # [num_decode] int32, including this step's token
     prefills: list[PrefillChunk]
+    # A CUDA graph's rows: those past the live batch have slot -1 (store nothing) and context length 0 (output 0).
+    padded: bool = False
 
 
 def device_decode(device: torch.device):
@@ -59,7 +62,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     entries = cache[torch.where(valid, slots, 0)].float()  # [B, P, L + R]
     scores = torch.matmul(q.float(), entries.transpose(1, 2)).mul_(scale)  # [B, H, P]
     scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), entries[..., :latent_dim]).to(q.dtype)
+    # A row of context 0 (a graph's padding row) has no valid position: its weights are all zeroed, not NaN.
+    weights = torch.softmax(scores, dim=-1).masked_fill_(~valid.unsqueeze(1), 0.0)
+    return torch.matmul(weights, entries[..., :latent_dim]).to(q.dtype)
 
 
 class MlaBackend:
@@ -101,3 +106,17 @@ class MlaBackend:
             lens = torch.tensor(lens_list, dtype=torch.int32, device=self.device)
         return MlaMetadata(self, torch.tensor(batch.slot_mapping, dtype=torch.long, device=self.device), nd, tables,
                            lens, prefills)
+
+    # -- static buffers for CUDA graphs (engine/cuda_graphs.py writes them before each replay) ------------------
+    def static_decode_metadata(self, max_batch: int, max_blocks: int) -> MlaMetadata:
+        """Decode metadata in fixed buffers sized for the largest graph batch, kept as long as the graphs."""
+        return MlaMetadata(self, torch.full((max_batch,), -1, dtype=torch.long, device=self.device), max_batch,
+                           torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=self.device),
+                           torch.zeros(max_batch, dtype=torch.int32, device=self.device), [], padded=True)
+
+    def graph_view(self, static: MlaMetadata, batch_size: int, max_context: int) -> MlaMetadata:
+        """The first batch_size rows of the static buffers. The decode's launch (its splits of the context) depends
+        on the tables' full width only, so the graph's kernels serve any context up to max_model_len."""
+        return MlaMetadata(self, static.slot_mapping[:batch_size], batch_size,
+                           static.decode_block_tables[:batch_size], static.decode_context_lens[:batch_size], [],
+                           padded=True)

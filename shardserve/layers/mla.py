@@ -92,11 +92,6 @@ def deinterleaved(x: torch.Tensor) -> torch.Tensor:
 class MultiHeadLatentAttention(nn.Module):
     """One MLA block on norm(x + residual), called as LlamaAttention is; see the module's docstring."""
 
-    # Decode reads the longest context's width from the host when the metadata is built, and the expanded prefill
-    # loops over chunks: decode runs without CUDA graphs.
-    graph_safe = False
-    graph_unsafe_reason = "multi-head latent attention runs its torch form (attention/mla.py) outside graphs"
-
     def __init__(self, dims: MlaDims, comm: Communicator, dtype: torch.dtype) -> None:
         super().__init__()
         self.dims = d = dims
@@ -148,7 +143,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_rope, k_rope = self._rotated(rotary, q_rope, k_rope)
         entries = cache.view(-1, d.entry_width)
         kv_quant.store(entries, meta.slot_mapping, torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope), -1),
-                       1.0)
+                       1.0, padded=meta.padded)
         out = torch.empty(tokens, self.num_heads, d.v_head_dim, dtype=h.dtype, device=h.device)
         nd = meta.num_decode
         if nd:

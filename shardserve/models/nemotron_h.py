@@ -114,10 +114,13 @@ class NemotronHMoE(nn.Module):
     all-reduce at the end of the block sums everything (fc2 without a bias: config.py refuses mlp_bias here). Where
     the experts do not split, everything is whole on every rank and nothing is reduced."""
 
-    # The experts read their token counts on the host (layers/nongated_experts.py): decode runs without CUDA graphs.
-    graph_safe = False
-    graph_unsafe_reason = ("its mixture of experts reads the experts' token counts on the host "
-                           "(layers/nongated_experts.py)")
+    graph_unsafe_reason = NonGatedExperts.graph_unsafe_reason
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether CUDA graphs capture the block: its experts run the fused kernel (no host synchronisation); the
+        router, latent projections and shared expert never read the device."""
+        return self.experts.graph_safe
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, expert_parallel: bool) -> None:
         super().__init__()

@@ -49,10 +49,11 @@ def _greedy(model_dir: str, tp: int = 1, check=None, **options) -> list[list[int
         return [out.token_ids for out in llm.generate(_prompts(), params)]
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "qwen3", "qwen3-next", "nemotron-h"])
+@pytest.mark.parametrize("name", ["llama-untied", "qwen3", "qwen3-next", "nemotron-h", "nemotron-h-moe", "deepseek-v3"])
 def test_graph_replay_gives_the_same_tokens_as_eager(tiny_model_dir, name):
     """qwen3-next, nemotron-h: the Gated DeltaNet or Mamba-2 layers' states stepped in their pool slots inside the
-    graphs, padding rows stepping none."""
+    graphs, padding rows stepping none; nemotron-h-moe: its non-gated experts on the fused kernel; deepseek-v3: the
+    latent cache's entries stored and read from static metadata, padding rows storing none."""
     _needs_gpus(1)
     model_dir = tiny_model_dir(name)
     assert _one_gpu_reference(model_dir) == _greedy(model_dir, enforce_eager=True)
@@ -89,15 +90,17 @@ def test_nemotron_h_with_bfloat16_ssm_states_captures_graphs_and_equals_eager(ti
     assert _greedy(model_dir, **options) == _greedy(model_dir, enforce_eager=True, **options)
 
 
-def test_nemotron_h_with_experts_decodes_eagerly_saying_why(tiny_model_dir, caplog):
-    """The non-gated experts read their token counts on the host: no graphs, and the log line says so."""
+def test_nemotron_h_with_host_grouped_experts_decodes_eagerly_saying_why(tiny_model_dir, caplog, set_env):
+    """Without the fused kernel (SHARDSERVE_DEVICE_EXPERTS=0) the non-gated experts read their token counts on the
+    host: no graphs, and the log line says so."""
     _needs_gpus(1)
+    set_env(SHARDSERVE_DEVICE_EXPERTS="0")
     model_dir = tiny_model_dir("nemotron-h-moe")
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     with caplog.at_level("WARNING"), LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.05) as llm:
         assert llm.engine.runner.graphs is None
         llm.generate(_prompts()[:2], params)
-    assert "reads the experts' token counts on the host" in caplog.text
+    assert "non-gated experts without their fused kernel read their token counts on the host" in caplog.text
 
 
 @pytest.mark.parametrize("method", METHOD_NAMES)

@@ -7,8 +7,7 @@ A cache row is [latent (L) | rotated rope key (R)] (L = kv_lora_rank, 512 in Dee
 latent part of the cached row, so the output is in latent space ([L]; W_UV and o_proj follow outside).
 
 A program takes one sequence, a block of BLOCK_H heads (tensor-core dots need 16 rows: fewer heads are padded)
-and one split of the context (flash-decoding): every cached row is read once per program, so all of a rank's
-heads share each load when they fit one block. With several splits, each writes its normalised partial output
+and one split of the context (flash-decoding): every cached row is read once per program, by each head block. With several splits, each writes its normalised partial output
 and log2-sum-exp to a float32 workspace and paged decode's combine kernel (kernels/triton/paged_decode.py) joins
 them. Launches depend only on shapes and
 Python ints, never on tensor contents: decode can be captured in a CUDA graph.
@@ -21,7 +20,7 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.triton.paged_attention import LOG2E
-from shardserve.kernels.triton.paged_decode import _combine_splits_kernel, choose_num_splits
+from shardserve.kernels.triton.paged_decode import _combine_splits_kernel
 
 
 @triton.jit
@@ -84,10 +83,21 @@ def _mla_decode_kernel(q_ptr, cache_ptr, out_ptr, lse_ptr, block_tables_ptr, con
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-def head_block(num_heads: int) -> int:
-    """Heads a program takes: all of them up to 64 (each cached row is then read once a sequence and split),
-    at least 16 (the rows of a tensor-core dot)."""
-    return max(16, min(64, triton.next_power_of_2(num_heads)))
+def launch_config(num_heads: int) -> dict:
+    """BLOCK_H heads a program (16, the rows of a tensor-core dot: a wider block's float32 accumulator of 512 latent
+    features spills), BLOCK_N cached rows a tile (32 rows of 576 bf16 are 36 KiB: two in flight), num_warps and
+    num_stages. On an H200 (benchmarks/mla_decode.py, us): 128 heads at batch 1 over 1,024 positions 10.9 with
+    BLOCK_H 16, 14.0 with 32 (8 warps), 15.5 with 64 (8 warps), 105 with 64 (4 warps); at batch 64 over 8,192,
+    1,305 / 1,717 / 1,392 / 3,237; 16 heads, BLOCK_N 64 or 8 warps: 5-55% slower everywhere."""
+    return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def latent_num_splits(batch: int, head_blocks: int, max_context: int, num_sms: int, block_n: int) -> int:
+    """Splits of the context: about two programs per SM where batch x head blocks is small, and at least two tiles
+    a split of max_context (a program's tiles run one after another, about 2 us each at batch 1 on an H200:
+    benchmarks/mla_decode.py), at most 32 (what the combine kernel joins)."""
+    wanted = triton.cdiv(2 * num_sms, max(1, batch * head_blocks))
+    return int(max(1, min(wanted, max_context // (2 * block_n), 32)))
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -97,8 +107,8 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     [num_slots, 1, L + R] (slot = block * block_size + offset) in q's dtype or e4m3 (an FP8 latent cache, scale
     1.0); block_tables: int32 [B, max_blocks];
     context_lens: int32 [B] (0: a padding row, output 0); scale: the softmax scale; num_splits: of the context,
-    by default paged_decode.choose_num_splits' for the batch, its head blocks and the tables' width (known on the
-    host: no synchronisation). Returns [B, H, L] in q's dtype: softmax(q . cache rows * scale) @ cache rows' latent
+    by default latent_num_splits' for the batch, its head blocks and the tables' width (known on the host: no
+    synchronisation). Returns [B, H, L] in q's dtype: softmax(q . cache rows * scale) @ cache rows' latent
     parts."""
     cache = cache.reshape(cache.shape[0], cache.shape[-1])
     batch, num_heads, width = q.shape
@@ -110,17 +120,16 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
         raise ValueError(f"MLA decode needs power-of-two latent and rope widths, got {latent_dim} and {rope_dim}")
     if out is None:
         out = torch.empty(batch, num_heads, latent_dim, dtype=q.dtype, device=q.device)
-    block_h = head_block(num_heads)
-    # Tiles of 32 rows of 576 bf16 (36 KiB) leave room for two in flight; 16 for 64 heads (their accumulator).
-    block_n = 32 if block_h <= 32 else 16
-    head_blocks = triton.cdiv(num_heads, block_h)
+    config = launch_config(num_heads)
+    head_blocks = triton.cdiv(num_heads, config["BLOCK_H"])
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-        num_splits = choose_num_splits(batch, head_blocks, block_tables.shape[1] * block_size, sms, block_size)
+        num_splits = latent_num_splits(batch, head_blocks, block_tables.shape[1] * block_size, sms,
+                                       config["BLOCK_N"])
     grid = (batch, head_blocks, max(1, int(num_splits)))
     qk_scale = scale * LOG2E
-    common = dict(LATENT=latent_dim, ROPE=rope_dim, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n,
-                  KV_FP8=cache.dtype == torch.float8_e4m3fn, num_warps=4, num_stages=2)
+    common = dict(LATENT=latent_dim, ROPE=rope_dim, BLOCK_SIZE=block_size, KV_FP8=cache.dtype == torch.float8_e4m3fn,
+                  **config)
     if grid[2] == 1:
         _mla_decode_kernel[grid](q, cache, out, out, block_tables, context_lens, qk_scale, 1, num_heads,
                                  q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
