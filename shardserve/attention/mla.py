@@ -78,6 +78,8 @@ class MlaBackend:
         self.device = device
         self.block_size = block_size
         self.name, self.decode = ("mla-torch", mla_decode) if decode is None else decode
+        # Decode-only steps on the Triton kernels' fused form (layers/mla.MultiHeadLatentAttention.fused_decode).
+        self.fuses_decode = self.name == "mla-triton"
 
     @classmethod
     def for_device(cls, device: torch.device, block_size: int) -> "MlaBackend":

@@ -139,9 +139,13 @@ class MultiHeadLatentAttention(nn.Module):
         q = self.q_proj(h) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
         q_nope, q_rope = q.view(tokens, self.num_heads, d.qk_head_dim).split([d.qk_nope_head_dim, d.qk_rope_head_dim],
                                                                               dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(h).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
-        q_rope, k_rope = self._rotated(rotary, q_rope, k_rope)
+        kv = self.kv_a_proj_with_mqa(h)
         entries = cache.view(-1, d.entry_width)
+        if (meta.backend.fuses_decode and not meta.prefills and rotary.positions is not None
+                and rotary.cos.shape[-1] == d.qk_rope_head_dim):
+            return self.fused_decode(q.view(tokens, self.num_heads, d.qk_head_dim), kv, rotary, entries, meta)
+        latent, k_rope = kv.split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
+        q_rope, k_rope = self._rotated(rotary, q_rope, k_rope)
         kv_quant.store(entries, meta.slot_mapping, torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope), -1),
                        1.0, padded=meta.padded)
         out = torch.empty(tokens, self.num_heads, d.v_head_dim, dtype=h.dtype, device=h.device)
@@ -177,6 +181,28 @@ class MultiHeadLatentAttention(nn.Module):
         latent_out = meta.backend.decode(q, entries, meta.decode_block_tables, meta.decode_context_lens,
                                          meta.backend.block_size, self.dims.scale, self.dims.kv_lora_rank)
         return latent_values(latent_out, w_uv)
+
+    def fused_decode(self, q: torch.Tensor, kv: torch.Tensor, rotary: RotaryLookup, entries: torch.Tensor,
+                     meta) -> torch.Tensor:
+        """A decode-only step on the Triton kernels (kernels/triton/mla_decode.py), the same numbers as the torch
+        path above in five launches besides the projections: one stores the entries and rotates the queries, a
+        batched product absorbs W_UK, the decode (and its split combine) attends, a batched product applies W_UV.
+        q: [T, heads, N + R]; kv: kv_a_proj_with_mqa's output [T, L + R]. Returns the heads' values [T, heads * V].
+        The latent queries and the decode's output stay head-major ([heads, T, L]), as the batched products take
+        and give them."""
+        from shardserve.kernels.triton.mla_decode import mla_decode, store_entries_rotate_queries
+
+        d, tokens = self.dims, q.shape[0]
+        q_rope = store_entries_rotate_queries(kv, q[..., d.qk_nope_head_dim:], self.kv_a_layernorm.weight,
+                                              self.kv_a_layernorm.eps, rotary.positions, rotary.cos,
+                                              rotary.signed_sin, entries, meta.slot_mapping, d.interleaved)
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.bmm(q[..., :d.qk_nope_head_dim].transpose(0, 1), w_uk)  # [heads, T, L]
+        latent_out = torch.empty_like(q_latent)
+        mla_decode(q_latent.transpose(0, 1), entries, meta.decode_block_tables, meta.decode_context_lens,
+                   meta.backend.block_size, d.scale, d.kv_lora_rank, out=latent_out.transpose(0, 1), q_rope=q_rope)
+        values = torch.bmm(latent_out, w_uv.transpose(1, 2))  # [heads, T, V]
+        return values.transpose(0, 1).reshape(tokens, -1)
 
     def expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, context: torch.Tensor,
                  first_position: int) -> torch.Tensor:

@@ -72,3 +72,56 @@ def test_rows_that_do_not_match_the_cache_are_refused():
     q, cache, tables, lens = _paged([4], 4, torch.float32, seed=0, head_axis=False)
     with pytest.raises(ValueError, match="query rows"):
         mla_decode(q[..., :-1], cache, tables, lens, BLOCK_SIZE, 1.0, LATENT)
+
+
+def _latent_layer(interleaved: bool):
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.layers.mla import MlaDims, MultiHeadLatentAttention
+
+    dims = MlaDims(hidden_size=48, num_heads=3, q_lora_rank=0, kv_lora_rank=LATENT, qk_nope_head_dim=16,
+                   qk_rope_head_dim=ROPE, v_head_dim=12, eps=1e-6, scale=0.2, interleaved=interleaved)
+    layer = MultiHeadLatentAttention(dims, Communicator(None, 0, 1), torch.float32).to(DEVICE)
+    g = torch.Generator().manual_seed(3)
+    for p in layer.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    return layer
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_the_fused_decode_step_equals_the_torch_ops_it_replaces(interleaved, cache_dtype):
+    """MultiHeadLatentAttention.fused_decode (one launch stores the normed latent and rotated key and rotates the
+    queries, then the absorbed products around the decode kernel) against the layer's torch path over the same
+    kernel: the same heads' values and the same cache entries, for two live rows and a CUDA graph's padding row
+    (slot -1, context 0: zeros, nothing stored)."""
+    from shardserve.attention.mla import MlaBackend, MlaMetadata
+    from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
+
+    layer = _latent_layer(interleaved)
+    rotary = RotaryEmbedding(ROPE, 64, 10000.0, None, torch.float32).to(DEVICE)
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(6 * BLOCK_SIZE, 1, LATENT + ROPE, generator=g)
+    cache[:BLOCK_SIZE] = 0  # block 0, as the engine keeps it
+    cache = cache.to(cache_dtype).to(DEVICE)
+    tables = torch.tensor([[1, 4], [3, 0], [0, 0]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([21, 8, 0], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([4 * BLOCK_SIZE + 4, 3 * BLOCK_SIZE + 7, -1], device=DEVICE)
+    positions = (lens - 1).clamp(min=0).long()
+    h = torch.randn(3, 48, generator=g).to(DEVICE)
+
+    def step(fused: bool):
+        backend = MlaBackend(torch.device(DEVICE), BLOCK_SIZE, ("mla-triton", mla_decode))
+        backend.fuses_decode = fused
+        meta = MlaMetadata(backend, slots, 3, tables, lens, [], padded=True)
+        own = cache.clone()
+        lookup = RotaryLookup(rotary.cos, rotary.signed_sin, positions)
+        return layer.attention(h, lookup, own, meta), own
+
+    fused, fused_cache = step(True)
+    torch_path, torch_cache = step(False)
+    torch.testing.assert_close(fused, torch_path, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused[2], torch.zeros_like(fused[2]))
+    torch.testing.assert_close(fused_cache.float(), torch_cache.float(), rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(len(cache), dtype=torch.bool)
+    untouched[slots[:2].cpu()] = False
+    assert torch.equal(fused_cache[untouched.to(DEVICE)].float(), cache[untouched.to(DEVICE)].float())

@@ -62,6 +62,27 @@ def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp,
         assert moe.experts_held == (0, experts) and moe.rows == ((0, 32 // tp) if 32 % tp == 0 else (0, 32))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v3-noq", "deepseek-v2"])
+def test_on_a_gpu_in_chunks_equals_transformers(tiny_model_dir, name):
+    """The CUDA path at float32: decode steps in CUDA graphs on the Triton kernels (one launch storing the entries
+    and rotating the queries, interleaved or not, under YaRN for V2; the latent decode), prompts prefilled in chunks
+    beside others' decode steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from shardserve.entrypoints.llm import LLM
+
+    model_dir = tiny_model_dir(name)
+    expected = _reference(model_dir)
+    with LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4,
+             max_num_batched_tokens=12) as llm:
+        assert "attention mla-triton" in llm.engine.runner.plan.describe()
+        assert llm.engine.runner.graphs is not None
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
+    assert tuple(tuple(o.token_ids) for o in outputs) == expected, name
+
+
 def test_the_latent_cache_holds_one_entry_a_token(tiny_model_dir):
     """One plane of kv_lora_rank + qk_rope_head_dim (32 + 8) features a token a layer, whatever the heads."""
     with cpu_llm(tiny_model_dir("deepseek-v3")) as llm:

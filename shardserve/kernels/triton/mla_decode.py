@@ -19,14 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.triton.paged_attention import LOG2E
+from shardserve.kernels.triton.fused_ops import rotate_rows
+from shardserve.kernels.triton.paged_attention import LOG2E, cache_values
 from shardserve.kernels.triton.paged_decode import _combine_splits_kernel
 
 
 @triton.jit
-def _mla_decode_kernel(q_ptr, cache_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr,
+def _mla_decode_kernel(q_ptr, q_rope_ptr, cache_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr,
                        qk_scale, num_splits, num_heads,
-                       stride_qb, stride_qh, stride_cs, stride_bt,
+                       stride_qb, stride_qh, stride_rb, stride_rh, stride_cs, stride_bt,
                        stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                        LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
@@ -47,9 +48,10 @@ def _mla_decode_kernel(q_ptr, cache_ptr, out_ptr, lse_ptr, block_tables_ptr, con
 
     latent_dims = tl.arange(0, LATENT)
     rope_dims = tl.arange(0, ROPE)
-    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    q_latent = tl.load(q_rows + latent_dims[None, :], mask=head_ok[:, None], other=0.0)
-    q_rope = tl.load(q_rows + LATENT + rope_dims[None, :], mask=head_ok[:, None], other=0.0)
+    q_latent = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + latent_dims[None, :],
+                       mask=head_ok[:, None], other=0.0)
+    q_rope = tl.load(q_rope_ptr + b * stride_rb + heads[:, None] * stride_rh + rope_dims[None, :],
+                     mask=head_ok[:, None], other=0.0)
     table_row = block_tables_ptr + b * stride_bt
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -102,18 +104,24 @@ def latent_num_splits(batch: int, head_blocks: int, max_context: int, num_sms: i
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                block_size: int, scale: float, latent_dim: int, num_splits: int | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, q_rope: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed-form MLA decode. q: [B, H, L + R] (unit last stride); cache: [num_slots, L + R] or
     [num_slots, 1, L + R] (slot = block * block_size + offset) in q's dtype or e4m3 (an FP8 latent cache, scale
     1.0); block_tables: int32 [B, max_blocks];
-    context_lens: int32 [B] (0: a padding row, output 0); scale: the softmax scale; num_splits: of the context,
+    context_lens: int32 [B] (0: a padding row, output 0); q_rope: the rotated query [B, H, R] apart, q then being
+    the latent query [B, H, L] alone (either may be a strided view, unit last stride; out too); scale: the softmax
+    scale; num_splits: of the context,
     by default latent_num_splits' for the batch, its head blocks and the tables' width (known on the host: no
     synchronisation). Returns [B, H, L] in q's dtype: softmax(q . cache rows * scale) @ cache rows' latent
     parts."""
     cache = cache.reshape(cache.shape[0], cache.shape[-1])
-    batch, num_heads, width = q.shape
-    rope_dim = width - latent_dim
-    if cache.shape[1] != width or q.stride(2) != 1 or cache.stride(1) != 1:
+    if q_rope is None:
+        q, q_rope = q[..., :latent_dim], q[..., latent_dim:]
+    batch, num_heads, _ = q.shape
+    rope_dim = q_rope.shape[-1]
+    width = latent_dim + rope_dim
+    if (cache.shape[1] != width or q.shape[-1] != latent_dim or q.stride(2) != 1 or q_rope.stride(2) != 1
+            or cache.stride(1) != 1):
         raise ValueError(f"MLA decode: the query rows [{width}] and cache rows [{cache.shape[1]}] differ, or a row "
                          "is not contiguous")
     if latent_dim & (latent_dim - 1) or rope_dim & (rope_dim - 1):
@@ -131,20 +139,104 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     common = dict(LATENT=latent_dim, ROPE=rope_dim, BLOCK_SIZE=block_size, KV_FP8=cache.dtype == torch.float8_e4m3fn,
                   **config)
     if grid[2] == 1:
-        _mla_decode_kernel[grid](q, cache, out, out, block_tables, context_lens, qk_scale, 1, num_heads,
-                                 q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
+        _mla_decode_kernel[grid](q, q_rope, cache, out, out, block_tables, context_lens, qk_scale, 1, num_heads,
+                                 q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
+                                 block_tables.stride(0),
                                  out.stride(0), out.stride(1), 0, 0, 0, SPLIT=False, **common)
         return out
     partial = torch.empty(batch, num_heads, grid[2], latent_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_heads, grid[2], dtype=torch.float32, device=q.device)
-    _mla_decode_kernel[grid](q, cache, partial, lse, block_tables, context_lens, qk_scale, grid[2], num_heads,
-                             q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
+    _mla_decode_kernel[grid](q, q_rope, cache, partial, lse, block_tables, context_lens, qk_scale, grid[2],
+                             num_heads, q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
+                             block_tables.stride(0),
                              partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
                              SPLIT=True, **common)
     _combine_splits_kernel[(batch, num_heads)](partial, lse, out, grid[2], partial.stride(0), partial.stride(1),
                                                partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
                                                out.stride(1), SPLITS_P=triton.next_power_of_2(grid[2]),
                                                HEAD_DIM=latent_dim, PDL=False)
+    return out
+
+
+@triton.jit
+def _rope_sources(ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """For each rotated dim d of a rope vector, where its value and its rotate-half partner come from: the dims
+    themselves, or with INTERLEAVED the deinterleaved order [even dims | odd dims] (layers/mla.deinterleaved)."""
+    dims = tl.arange(0, ROPE)
+    half: tl.constexpr = ROPE // 2
+    rolled = (dims + half) % ROPE
+    if INTERLEAVED:
+        return tl.where(dims < half, 2 * dims, 2 * (dims - half) + 1), tl.where(rolled < half, 2 * rolled,
+                                                                               2 * (rolled - half) + 1)
+    return dims, rolled
+
+
+@triton.jit
+def _store_entry_rotate_query_kernel(kv_ptr, q_ptr, q_out_ptr, norm_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr,
+                                     slot_ptr, eps, entry_scale, num_heads, stride_kv, stride_qt, stride_qh,
+                                     stride_ot, stride_oh,
+                                     stride_cos, stride_sin, stride_cs,
+                                     LATENT: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
+                                     BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr):
+    """Program t: token t's rotated query heads into q_out, and (unless its slot is negative) its cache entry
+    [kv_a_layernorm(latent) | rotated rope key] into the cache, with the roundings of the torch ops it replaces
+    (rms_norm's and apply_rotary_'s: bit-exact where the launch disables multiply-add contraction)."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dims = tl.arange(0, ROPE)
+    src, src_rolled = _rope_sources(ROPE, INTERLEAVED)
+    cos = tl.load(cos_ptr + pos * stride_cos + dims).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + dims).to(tl.float32)
+    heads = tl.arange(0, BLOCK_H)
+    for first in range(0, num_heads, BLOCK_H):
+        ok = (first + heads < num_heads)[:, None]
+        rows = q_ptr + t * stride_qt + (first + heads)[:, None] * stride_qh
+        x = tl.load(rows + src[None, :], mask=ok, other=0.0)
+        x_rolled = tl.load(rows + src_rolled[None, :], mask=ok, other=0.0)
+        tl.store(q_out_ptr + t * stride_ot + (first + heads)[:, None] * stride_oh + dims[None, :],
+                 rotate_rows(x, x_rolled, cos, sin), mask=ok)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        row = kv_ptr + t * stride_kv
+        latent_dims = tl.arange(0, LATENT)
+        latent = tl.load(row + latent_dims)
+        dtype = latent.dtype
+        h = latent.to(tl.float32)
+        h = (h * tl.rsqrt(tl.sum(h * h, 0) / LATENT + eps)).to(dtype)
+        normed = (tl.load(norm_ptr + latent_dims).to(tl.float32) * h.to(tl.float32)).to(dtype)
+        k = tl.load(row + LATENT + src)[None, :]
+        k_rolled = tl.load(row + LATENT + src_rolled)[None, :]
+        entry = cache_ptr + slot * stride_cs
+        tl.store(entry + latent_dims, cache_values(normed, entry_scale, cache_ptr, KV_FP8))
+        tl.store(entry + LATENT + dims[None, :], cache_values(rotate_rows(k, k_rolled, cos, sin), entry_scale,
+                                                              cache_ptr, KV_FP8))
+
+
+def store_entries_rotate_queries(kv: torch.Tensor, q_rope: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                 positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                                 cache: torch.Tensor, slots: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """A decode step's latent-attention preparation in one launch. kv: kv_a_proj_with_mqa's output [T, L + R]
+    (latent, then the unrotated rope key); q_rope: the queries' unrotated rope parts [T, H, R] (a strided view of
+    the projection is fine); positions [T]; cos, signed_sin: the rotary tables [max_pos, R] (layers/rotary.py);
+    cache: the latent cache [num_slots, (1,) L + R] (the model's dtype or e4m3 with scale 1.0); slots [T] (-1:
+    store nothing). Stores each token's entry [kv_a_layernorm(latent) | rotated key] and returns the rotated query
+    rope parts [T, H, R], contiguous. Rotation, norm and rounding are those of the torch ops (attention/mla.py's
+    torch path: deinterleaved for `interleaved`, rotary.apply, RMSNorm, kv_quant.store)."""
+    tokens, heads, rope = q_rope.shape
+    latent = kv.shape[1] - rope
+    cache = cache.reshape(cache.shape[0], cache.shape[-1])
+    if (kv.stride(1) != 1 or q_rope.stride(2) != 1 or cos.shape[-1] != rope or cache.shape[1] != kv.shape[1]
+            or latent & (latent - 1) or rope & (rope - 1)):
+        raise ValueError("MLA decode preparation: rows must be contiguous, the tables as wide as the rope dims, the "
+                         "cache rows as wide as kv_a_proj's, and the latent and rope widths powers of two")
+    out = torch.empty(tokens, heads, rope, dtype=q_rope.dtype, device=q_rope.device)
+    if tokens:
+        _store_entry_rotate_query_kernel[(tokens,)](
+            kv, q_rope, out, norm_weight, positions, cos, signed_sin, cache, slots, eps, 1.0, heads, kv.stride(0),
+            q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1), cos.stride(0), signed_sin.stride(0),
+            cache.stride(0), LATENT=latent, ROPE=rope, INTERLEAVED=interleaved,
+            BLOCK_H=min(16, triton.next_power_of_2(heads)), KV_FP8=cache.dtype == torch.float8_e4m3fn, num_warps=4,
+            enable_fp_fusion=False)
     return out
 
 
