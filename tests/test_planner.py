@@ -299,10 +299,21 @@ def test_deepseek_v3_plans_a_latent_cache_replicated_on_every_rank(tp):
     assert cpu.kv_bytes_per_token == 61 * 576 * 4
 
 
+# Kimi-K2 (1T parameters, 32B active): the DeepSeek-V3 architecture with 384 experts in one group, 64 heads and one
+# dense layer.
+KIMI_K2 = {**DEEPSEEK_V3, "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384,
+           "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827,
+           "vocab_size": 163840, "rope_theta": 50000.0, "max_position_embeddings": 131072,
+           "rope_scaling": {"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}}
+
+
 @pytest.mark.parametrize("tp", [1, 8])
-def test_deepseek_v3_weights_are_what_a_dummy_build_holds(tp):
-    """A 5-layer copy of the 671B config (3 dense layers, 2 of experts) built on the meta device as the engine
-    builds it on rank 0 (routers in float32): the planned bytes within 5%, and its elements exactly."""
+@pytest.mark.parametrize("config", [DEEPSEEK_V3, KIMI_K2], ids=["deepseek-v3", "kimi-k2"])
+def test_deepseek_v3_weights_are_what_a_dummy_build_holds(tp, config):
+    """A 5-layer copy of the 671B config (3 dense layers, 2 of experts), and of Kimi-K2's (1 dense, 4 of experts),
+    built on the meta device as the engine builds it on rank 0 (routers in float32): the planned bytes within 5%,
+    and its elements exactly; the latent cache one entry of 576 a token a layer."""
     import torch
 
     from shardserve.config import ModelConfig
@@ -310,10 +321,11 @@ def test_deepseek_v3_weights_are_what_a_dummy_build_holds(tp):
     from shardserve.models.deepseek_v3 import DeepseekV3ForCausalLM
     from shardserve.planner import weight_elements_per_rank
 
-    cfg = {**DEEPSEEK_V3, "num_hidden_layers": 5}
+    cfg = {**config, "num_hidden_layers": 5}
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(ModelConfig.from_hf_dict(cfg), Communicator(None, 0, tp), torch.bfloat16, 64)
     built = sum(p.numel() * p.element_size() for p in model.parameters())
     assert weight_elements_per_rank(cfg, tp, []) == sum(p.numel() for p in model.parameters())
-    planned = plan(cfg, PlanRequest(tensor_parallel_size=tp)).weight_bytes
-    assert abs(planned - built) / built < 0.05
+    planned = plan(cfg, PlanRequest(tensor_parallel_size=tp))
+    assert abs(planned.weight_bytes - built) / built < 0.05
+    assert planned.kv_bytes_per_token == 5 * (512 + 64) * 2
