@@ -171,6 +171,7 @@ def test_the_router_routes_with_the_kernel_on_cuda(monkeypatch):
     router.weight.data = torch.randn(64, 32, generator=g, device="cuda")
     router.e_score_correction_bias.data = torch.randn(64, generator=g, device="cuda") * 0.1
     h = torch.randn(17, 32, generator=g, device="cuda").to(torch.bfloat16)
+    assert grouped_topk.device_grouped_router(h.device, route, True)  # the check, before counting the calls
     calls = []
     monkeypatch.setattr(grouped_router, "grouped_route",
                         lambda *args, _route=grouped_route: calls.append(1) or _route(*args))
