@@ -4,9 +4,13 @@ is the reference this kernel is checked against).
 
 The torch version takes about ten launches a layer (sigmoid, bias add, the groups' top two and their top, the mask,
 top-k, gather, sum, divide, scale): at batch 1 on an H200 about 0.4 ms of a 3.35 ms decode step of a DeepSeek-V3
--shaped model with 26 sparse layers. One program per token holds the token's E logits in registers, laid out as
-[groups, experts of a group] (each padded to a power of two), and writes weights [T, k] float32 and expert ids
-[T, k] int64, as moe_router.route_top_k does. It reads nothing back on the host, so CUDA graphs capture it.
+-shaped model with 26 sparse layers (Moonlight-16B-A3B). One program per token holds the token's E logits in
+registers, laid out as [groups, experts of a group] (each padded to a power of two), and writes weights [T, k]
+float32 and expert ids [T, k] int64, as moe_router.route_top_k does. It reads nothing back on the host, so CUDA
+graphs capture it. Replayed from a CUDA graph on an H200, one token's choice took 1.6 us instead of 13.1 at 64
+experts, top 6 (the router's GEMV and the choice: 5.2 us instead of 16.6), and 2.7 us instead of 39.2 at
+DeepSeek-V3's 256 experts, top 8 of 4 in 8 groups (benchmarks/grouped_router.py,
+benchmarks/results/grouped-router-nvidia-h200-20261129.json).
 
 The choice: every expert's score for the choice (sigmoid(logit) + bias; with softmax scoring and no bias the logit
 itself, since softmax is monotonic) becomes an int64 key ordering (value, -index): the float32's bits made
