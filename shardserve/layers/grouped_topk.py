@@ -11,16 +11,26 @@ Softmax scoring (DeepSeek-V2's greedy and group_limited_greedy): scores = softma
 bias, a group's worth is its best score, and the chosen scores are the weights (renormalised only where `renormalize`).
 
 The router is replicated: every rank routes every token to the same experts, whatever it holds of them.
+
+On CUDA the choice runs in one Triton launch (kernels/triton/grouped_router.py; about ten torch launches
+otherwise) where, once per device and route, it chose the same experts as grouped_top_k with weights within 1e-5
+on random logits (device_grouped_router); a mismatch is logged and torch keeps routing. SHARDSERVE_DEVICE_EXPERTS=0
+keeps torch too.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve import envs
 from shardserve.config import GroupedTopK
 from shardserve.layers.linear import empty_parameter, load_whole
+
+logger = logging.getLogger(__name__)
 
 
 def grouped_top_k(logits: torch.Tensor, correction_bias: torch.Tensor | None,
@@ -64,6 +74,59 @@ class GroupedTopKRouter(nn.Module):
             self.e_score_correction_bias.weight_loader = load_whole
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, top_k] float32, expert ids [T, top_k]) for the normed hidden states h [T, H]."""
+        """(weights [T, top_k] float32, expert ids [T, top_k] int64) for the normed hidden states h [T, H]: on CUDA
+        in one launch where device_grouped_router says so."""
         logits = F.linear(h.float(), self.weight)
-        return grouped_top_k(logits, self.e_score_correction_bias, self.route)
+        bias = self.e_score_correction_bias
+        if logits.is_cuda and device_grouped_router(logits.device, self.route, bias is not None):
+            from shardserve.kernels.triton.grouped_router import grouped_route
+
+            return grouped_route(logits, bias, self.route)
+        return grouped_top_k(logits, bias, self.route)
+
+
+_kernel_checked: dict[tuple, bool] = {}
+
+
+def device_grouped_router(device: torch.device, route: GroupedTopK, has_bias: bool) -> bool:
+    """Whether the grouped router's kernel (kernels/triton/grouped_router.py) chose the same experts as grouped_top_k
+    (in any order), with weights within rtol 1e-5, on random float32 logits of 1, 37 and 300 tokens (and a random
+    bias where the router has one) on this device: once per device, route and bias, never with
+    SHARDSERVE_DEVICE_EXPERTS=0. First asked inside a CUDA graph capture (where the check cannot run), the answer
+    is no and the check waits for the next call."""
+    key = (device, route, has_bias)
+    if key not in _kernel_checked:
+        if not envs.DEVICE_EXPERTS.get():
+            return False
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # that graph keeps torch's launches
+        _kernel_checked[key] = _kernel_matches(*key)
+    return _kernel_checked[key]
+
+
+def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(-1, order), ids
+
+
+def _kernel_matches(device: torch.device, route: GroupedTopK, has_bias: bool) -> bool:
+    what = (f"the grouped router's kernel for {route.num_experts} experts ({route.scoring}, top {route.top_k}, "
+            f"{route.topk_groups} of {route.num_groups} groups{', a bias' if has_bias else ''}) on {device}")
+    try:
+        from shardserve.kernels.triton.grouped_router import grouped_route
+
+        g = torch.Generator(device=device).manual_seed(0)
+        # float32 logits and bias: no ties, so one right set of experts (whose order does not matter).
+        bias = torch.randn(route.num_experts, generator=g, device=device).mul_(0.1) if has_bias else None
+        for tokens in (1, 37, 300):
+            logits = torch.randn(tokens, route.num_experts, generator=g, device=device)
+            weights, ids = _by_expert(*grouped_route(logits, bias, route))
+            want_weights, want_ids = _by_expert(*grouped_top_k(logits, bias, route))
+            if not (torch.equal(ids, want_ids) and torch.allclose(weights, want_weights, rtol=1e-5, atol=1e-6)):
+                logger.error("%s differs from torch's grouped_top_k: not used", what)
+                return False
+    except Exception as exc:  # no Triton, or the kernel does not build here
+        logger.info("%s does not run here: %s: %s", what, type(exc).__name__, exc)
+        return False
+    logger.info("%s: one launch", what)
+    return True

@@ -1,0 +1,172 @@
+"""Grouped top-k routing in one launch: NemotronH's and DeepSeek-V3's sigmoid scores with a score-correction bias,
+DeepSeek-V2's softmax, with or without expert groups (layers/grouped_topk.py states the routing; its grouped_top_k
+is the reference this kernel is checked against).
+
+The torch version takes about ten launches a layer (sigmoid, bias add, the groups' top two and their top, the mask,
+top-k, gather, sum, divide, scale): at batch 1 on an H200 about 0.4 ms of a 3.35 ms decode step of a DeepSeek-V3
+-shaped model with 26 sparse layers (Moonlight-16B-A3B). One program per token holds the token's E logits in
+registers, laid out as [groups, experts of a group] (each padded to a power of two), and writes weights [T, k]
+float32 and expert ids [T, k] int64, as moe_router.route_top_k does. It reads nothing back on the host, so CUDA
+graphs capture it. Replayed from a CUDA graph on an H200, one token's choice took 1.6 us instead of 13.1 at 64
+experts, top 6 (the router's GEMV and the choice: 5.2 us instead of 16.6), and 2.7 us instead of 39.2 at
+DeepSeek-V3's 256 experts, top 8 of 4 in 8 groups (benchmarks/grouped_router.py,
+benchmarks/results/grouped-router-nvidia-h200-20261129.json).
+
+The choice: every expert's score for the choice (sigmoid(logit) + bias; with softmax scoring and no bias the logit
+itself, since softmax is monotonic) becomes an int64 key ordering (value, -index): the float32's bits made
+monotonic above the expert's place from the end. So each round of the top k is one integer maximum, the expert
+with the larger value winning and ties going to the LOWER expert index (groups likewise: ties to the lower group);
+a chosen key is closed (below every key) and never chosen again. With groups, a group's worth is the sum of its two
+best keys' values (sigmoid: the two largest scores, a tie counted twice as torch.topk does) or its best value
+(softmax), and the topk_groups groups that fewer than topk_groups groups beat stay open. NaN scores rank above
++inf, as in torch.topk.
+
+The weights are the chosen experts' unbiased scores, recomputed from their logits with the same formula as the
+choice's (sigmoid, or exp(l - max) / sum over all experts, the sum taken in fixed point: moe_router's
+_fixed_point_sum), renormalised (divided by their sum + 1e-20) where the route says so, then times the route's
+scaling factor. The ids come in choice order (best first); the layers do not depend on it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from shardserve.kernels.triton import pdl
+from shardserve.kernels.triton.moe_router import _fixed_point_sum, route_warps, routing_outputs
+from shardserve.kernels.triton.pdl import enter
+
+if TYPE_CHECKING:
+    from shardserve.config import GroupedTopK
+
+# The most experts the kernel routes: the padded [groups, experts] tile lives in one program's registers (int64
+# keys and float32 logits: at 512 experts over two warps, 8 of each a thread).
+MAX_GROUPED_EXPERTS = 512
+# Below every key _score_keys makes: what an expert that cannot be chosen (chosen already, in a dropped group, past
+# E) holds.
+CLOSED = tl.constexpr(-(2 ** 63))
+
+
+@triton.jit
+def _score_keys(values, places, LAST: tl.constexpr):
+    """int64 keys ordered as (value, -place) over float32 values: the value's bits made monotonic (a negative
+    float's magnitude bits flipped; -0.0 ranks as 0.0) in the high 32 bits, LAST - place (>= 0) in the low."""
+    bits = values.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -(2 ** 31), 0, bits)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) | (LAST - places).to(tl.int64)
+
+
+@triton.jit
+def _key_value(keys):
+    """The float32 value of keys of _score_keys."""
+    ordered = (keys >> 32).to(tl.int32)
+    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_place(keys, LAST: tl.constexpr):
+    """The place (expert or group index) of keys of _score_keys."""
+    return LAST - (keys & 0x7FFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, stride_logits,
+                          scaling_factor, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                          GROUPS_P: tl.constexpr, GROUP_P: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                          SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                          PDL: tl.constexpr):
+    """One token per program: the module docstring's choice and weights, to weights_ptr[token * k + j] and
+    ids_ptr[...]. Expert e is at [e // group_size, e % group_size] of the [GROUPS_P, GROUP_P] tile.
+    PDL: launched to overlap the kernel before it (kernels/triton/pdl.py)."""
+    enter(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    LAST: tl.constexpr = GROUPS_P * GROUP_P - 1
+    group_of = tl.arange(0, GROUPS_P)
+    groups = group_of[:, None]
+    within = tl.arange(0, GROUP_P)[None, :]
+    experts = groups * group_size + within
+    real = (groups < NUM_GROUPS) & (within < group_size)
+    row = logits_ptr + token * stride_logits
+    logits = tl.load(row + experts, mask=real, other=float("-inf")).to(tl.float32)
+
+    if SOFTMAX:
+        top = tl.max(tl.max(logits, axis=1), axis=0)
+        # The sum over all experts, exact in fixed point whatever the order (each exp in [0, 1], the top one 1).
+        exps = tl.reshape(tl.where(real, tl.exp(logits - top), 0.0), [GROUPS_P * GROUP_P], can_reorder=True)
+        total = _fixed_point_sum(exps)
+        if HAS_BIAS:
+            for_choice = tl.exp(logits - top) / total
+        else:
+            for_choice = logits  # softmax is monotonic: the logits order the experts as their scores do
+    else:
+        for_choice = 1.0 / (1.0 + tl.exp(-logits))
+    if HAS_BIAS:
+        for_choice += tl.load(bias_ptr + experts, mask=real, other=0.0).to(tl.float32)
+    keys = tl.where(real, _score_keys(for_choice, experts, LAST), CLOSED)
+
+    if NUM_GROUPS > 1:
+        best = tl.max(keys, axis=1)  # [GROUPS_P]: each group's best expert
+        worth = _key_value(best)
+        if not SOFTMAX:  # plus its second best: the best key closed, the next maximum
+            worth += _key_value(tl.max(tl.where(keys == best[:, None], CLOSED, keys), axis=1))
+        GROUPS_LAST: tl.constexpr = GROUPS_P - 1
+        group_keys = tl.where(group_of < NUM_GROUPS, _score_keys(worth, group_of, GROUPS_LAST), CLOSED)
+        # A group stays where fewer than TOPK_GROUPS groups beat it (keys are distinct: exactly TOPK_GROUPS stay).
+        beaten_by = tl.sum((group_keys[None, :] > group_keys[:, None]).to(tl.int32), axis=1)
+        keys = tl.where((beaten_by < TOPK_GROUPS)[:, None], keys, CLOSED)
+
+    # The top k: the tile's keys in any order (each carries its expert), one maximum a round.
+    keys = tl.reshape(keys, [GROUPS_P * GROUP_P], can_reorder=True)
+    slots = tl.arange(0, TOP_K_P)
+    ids = tl.zeros([TOP_K_P], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        chosen = tl.max(keys, axis=0)
+        keys = tl.where(keys == chosen, CLOSED, keys)
+        ids = tl.where(slots == j, _key_place(chosen, LAST), ids)
+    ids = tl.minimum(tl.maximum(ids, 0), num_experts - 1)  # in range whatever the scores (NaN, -inf bias)
+
+    # The weights: the chosen experts' unbiased scores, from their logits again (one gather, no reduction a round).
+    keep = slots < TOP_K
+    chosen_logits = tl.load(row + ids, mask=keep, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        weights = tl.exp(chosen_logits - top) / total
+    else:
+        weights = 1.0 / (1.0 + tl.exp(-chosen_logits))
+    weights = tl.where(keep, weights, 0.0)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    weights = weights * scaling_factor
+    out = token * TOP_K + slots
+    tl.store(weights_ptr + out, weights, mask=keep)
+    tl.store(ids_ptr + out, ids.to(ids_ptr.dtype.element_ty), mask=keep)
+
+
+def grouped_route(logits: torch.Tensor, correction_bias: torch.Tensor | None, route: GroupedTopK,
+                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (any float dtype; float32 from GroupedTopKRouter) and the score-correction bias [E] or None ->
+    (weights [T, k] float32, expert ids [T, k] int64): layers/grouped_topk.grouped_top_k's choice (the same experts
+    where no two scores tie; ties to the lower expert index) with its weights up to rounding. num_warps: the
+    launch's (route_warps of the padded tile unless given)."""
+    tokens, num_experts = logits.shape
+    if num_experts != route.num_experts:
+        raise ValueError(f"logits for {num_experts} experts, the route has {route.num_experts}")
+    if num_experts > MAX_GROUPED_EXPERTS:
+        raise ValueError(f"the grouped router takes at most {MAX_GROUPED_EXPERTS} experts, got {num_experts}")
+    logits, weights, ids = routing_outputs(logits, route.top_k)
+    if correction_bias is not None:
+        correction_bias = correction_bias.to(torch.float32).contiguous()
+    if tokens:
+        group_size = num_experts // route.num_groups
+        groups_p, group_p = triton.next_power_of_2(route.num_groups), triton.next_power_of_2(group_size)
+        _grouped_route_kernel[(tokens,)](
+            logits, logits if correction_bias is None else correction_bias, weights, ids, num_experts, group_size,
+            logits.stride(0), float(route.scaling_factor), TOP_K=route.top_k,
+            TOP_K_P=triton.next_power_of_2(route.top_k), NUM_GROUPS=route.num_groups, GROUPS_P=groups_p,
+            GROUP_P=group_p, TOPK_GROUPS=route.topk_groups, SOFTMAX=route.scoring == "softmax",
+            HAS_BIAS=correction_bias is not None, RENORMALIZE=route.renormalize,
+            num_warps=num_warps or route_warps(groups_p * group_p), **pdl.launch(logits.device))
+    return weights, ids
