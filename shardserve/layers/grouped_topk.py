@@ -76,13 +76,63 @@ class GroupedTopKRouter(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, top_k] float32, expert ids [T, top_k] int64) for the normed hidden states h [T, H]: on CUDA
         in one launch where device_grouped_router says so."""
-        logits = F.linear(h.float(), self.weight)
+        logits = router_logits(h, self.weight)
         bias = self.e_score_correction_bias
         if logits.is_cuda and device_grouped_router(logits.device, self.route, bias is not None):
             from shardserve.kernels.triton.grouped_router import grouped_route
 
             return grouped_route(logits, bias, self.route)
         return grouped_top_k(logits, bias, self.route)
+
+
+def router_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h [T, H] (the model's dtype) times the float32 router weight [E, H]^T in float32: [T, E]. A single CUDA token
+    takes the batch-1 GEMV kernel (kernels/triton/gemv.py: products and sums in float32, as F.linear's of h.float()
+    up to their order) in one launch where it matched float64 on this shape; otherwise the cast and torch's float32
+    product (three launches at batch 1 on an H200: the cast, cuBLAS's dot and its reduction, about 6 us)."""
+    if h.is_cuda and h.shape[0] == 1 and device_router_gemv(weight):
+        from shardserve.kernels.triton.gemv import gemv_float32_out
+
+        return gemv_float32_out(h, weight, ROUTER_GEMV_BLOCK_N)
+    return F.linear(h.float(), weight)
+
+
+# Rows of the router's weight a GEMV program takes: its E rows of float32 are few (64 to 512), so one a program
+# spreads them over as many SMs.
+ROUTER_GEMV_BLOCK_N = 1
+_gemv_checked: dict[tuple, bool] = {}
+
+
+def device_router_gemv(weight: torch.Tensor) -> bool:
+    """Whether the batch-1 GEMV computes this router's logits within rtol 1e-5 of float64 on random bf16 and float32
+    inputs (the weights too: the real ones may not be loaded yet), once per device and shape; not inside a CUDA
+    graph capture (the answer is no until the check has run) nor with SHARDSERVE_DEVICE_EXPERTS=0."""
+    key = (weight.device, tuple(weight.shape))
+    if key not in _gemv_checked:
+        if not envs.DEVICE_EXPERTS.get() or torch.cuda.is_current_stream_capturing():
+            return False
+        _gemv_checked[key] = _router_gemv_matches(weight)
+    return _gemv_checked[key]
+
+
+def _router_gemv_matches(weight: torch.Tensor) -> bool:
+    what = f"the batch-1 GEMV for a router of shape {tuple(weight.shape)} on {weight.device}"
+    try:
+        from shardserve.kernels.triton.gemv import gemv_float32_out
+
+        g = torch.Generator(device=weight.device).manual_seed(0)
+        w = torch.randn(weight.shape, generator=g, device=weight.device)
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(1, weight.shape[1], generator=g, device=weight.device).to(dtype)
+            got = gemv_float32_out(x, w, ROUTER_GEMV_BLOCK_N)
+            want = x.double() @ w.double().T
+            if got.dtype != torch.float32 or not torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4):
+                logger.error("%s differs from float64: torch's float32 product kept", what)
+                return False
+    except Exception as exc:
+        logger.info("%s does not run here: %s: %s", what, type(exc).__name__, exc)
+        return False
+    return True
 
 
 _kernel_checked: dict[tuple, bool] = {}

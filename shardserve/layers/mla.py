@@ -186,22 +186,23 @@ class MultiHeadLatentAttention(nn.Module):
                      meta) -> torch.Tensor:
         """A decode-only step on the Triton kernels (kernels/triton/mla_decode.py), the same numbers as the torch
         path above in five launches besides the projections: one stores the entries and rotates the queries, a
-        batched product absorbs W_UK, the decode (and its split combine) attends, a batched product applies W_UV.
+        batched product absorbs W_UK (few_rows_bmm: its own kernel for a few tokens, cuBLAS's beyond), the decode
+        (and its split combine) attends, a batched product applies W_UV.
         q: [T, heads, N + R]; kv: kv_a_proj_with_mqa's output [T, L + R]. Returns the heads' values [T, heads * V].
         The latent queries and the decode's output stay head-major ([heads, T, L]), as the batched products take
         and give them."""
-        from shardserve.kernels.triton.mla_decode import mla_decode, store_entries_rotate_queries
+        from shardserve.kernels.triton.mla_decode import few_rows_bmm, mla_decode, store_entries_rotate_queries
 
         d, tokens = self.dims, q.shape[0]
         q_rope = store_entries_rotate_queries(kv, q[..., d.qk_nope_head_dim:], self.kv_a_layernorm.weight,
                                               self.kv_a_layernorm.eps, rotary.positions, rotary.cos,
                                               rotary.signed_sin, entries, meta.slot_mapping, d.interleaved)
         w_uk, w_uv = self.absorbed_weights()
-        q_latent = torch.bmm(q[..., :d.qk_nope_head_dim].transpose(0, 1), w_uk)  # [heads, T, L]
+        q_latent = few_rows_bmm(q[..., :d.qk_nope_head_dim].transpose(0, 1), w_uk)  # [heads, T, L]
         latent_out = torch.empty_like(q_latent)
         mla_decode(q_latent.transpose(0, 1), entries, meta.decode_block_tables, meta.decode_context_lens,
                    meta.backend.block_size, d.scale, d.kv_lora_rank, out=latent_out.transpose(0, 1), q_rope=q_rope)
-        values = torch.bmm(latent_out, w_uv.transpose(1, 2))  # [heads, T, V]
+        values = few_rows_bmm(latent_out, w_uv.transpose(1, 2))  # [heads, T, V]
         return values.transpose(0, 1).reshape(tokens, -1)
 
     def expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, context: torch.Tensor,

@@ -27,15 +27,15 @@ LATENT, ROPE = (512, 64) if ON_GPU else (32, 16)
 BLOCK_SIZE = 16
 
 
-def _paged(context_lens: list[int], heads: int, dtype: torch.dtype, seed: int, head_axis: bool):
+def _paged(context_lens: list[int], heads: int, dtype: torch.dtype, seed: int, head_axis: bool, rope: int = ROPE):
     g = torch.Generator().manual_seed(seed)
     max_blocks = max(1, max(triton.cdiv(n, BLOCK_SIZE) for n in context_lens))
     num_blocks = len(context_lens) * max_blocks + 3
     # Each sequence's blocks drawn from a shuffled pool: tables point anywhere, never to the same block twice.
     order = torch.randperm(num_blocks, generator=g)[:len(context_lens) * max_blocks]
     tables = order.view(len(context_lens), max_blocks).to(torch.int32)
-    cache = torch.randn(num_blocks * BLOCK_SIZE, *([1] if head_axis else []), LATENT + ROPE, generator=g)
-    q = torch.randn(len(context_lens), heads, LATENT + ROPE, generator=g)
+    cache = torch.randn(num_blocks * BLOCK_SIZE, *([1] if head_axis else []), LATENT + rope, generator=g)
+    q = torch.randn(len(context_lens), heads, LATENT + rope, generator=g)
     lens = torch.tensor(context_lens, dtype=torch.int32)
     return [t.to(DEVICE) for t in (q.to(dtype), cache.to(dtype), tables, lens)]
 
@@ -52,6 +52,17 @@ def test_decode_equals_float64_attention_over_the_latent_rows(heads, num_splits)
     assert torch.count_nonzero(got[2]) == 0  # the padding row
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_float32_products_are_full_precision_and_a_narrow_rope_part_is_summed_apart():
+    """Float32 (the tests' dtype on GPUs too) multiplies in full precision, not TF32 (whose 10-bit mantissas would
+    miss this tolerance on a GPU), and a rope part narrower than a tensor-core product (8 dims: tiny models) is
+    scored without one."""
+    q, cache, tables, lens = _paged([37, 5], 4, torch.float32, seed=11, head_axis=False, rope=8)
+    scale = (LATENT // 4 + 8) ** -0.5
+    got = mla_decode(q, cache, tables, lens, BLOCK_SIZE, scale, LATENT, num_splits=2)
+    want = mla_decode_reference(q, cache, tables, lens, BLOCK_SIZE, scale, LATENT)
+    torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -125,3 +136,21 @@ def test_the_fused_decode_step_equals_the_torch_ops_it_replaces(interleaved, cac
     untouched = torch.ones(len(cache), dtype=torch.bool)
     untouched[slots[:2].cpu()] = False
     assert torch.equal(fused_cache[untouched.to(DEVICE)].float(), cache[untouched.to(DEVICE)].float())
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_few_rows_product_equals_torch_bmm_on_strided_views(rows):
+    """few_rows_bmm's kernel on the absorbed products' layouts: the queries' nope parts as a head-major view of the
+    projection's rows times W_UK, and head-major latents times W_UV's transpose (a strided view)."""
+    from shardserve.kernels.triton.mla_decode import few_rows_products
+
+    g = torch.Generator().manual_seed(6)
+    heads, nope, values = 3, 16, 12
+    q = torch.randn(rows, heads, nope + ROPE, generator=g).to(DEVICE)
+    w = torch.randn(heads, nope + values, LATENT, generator=g).to(DEVICE)
+    w_uk, w_uv = w.split([nope, values], dim=1)
+    a = q[..., :nope].transpose(0, 1)
+    torch.testing.assert_close(few_rows_products(a, w_uk), torch.bmm(a, w_uk), rtol=1e-5, atol=1e-5)
+    latents = torch.randn(heads, rows, LATENT, generator=g).to(DEVICE)
+    w_uv_t = w_uv.transpose(1, 2)
+    torch.testing.assert_close(few_rows_products(latents, w_uv_t), torch.bmm(latents, w_uv_t), rtol=1e-5, atol=1e-5)

@@ -122,6 +122,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int =
                            block_n, block_k, num_warps, num_stages, swiglu_out, preload)
 
 
+def gemv_float32_out(x: torch.Tensor, weight: torch.Tensor, block_n: int = 1, block_k: int = 512) -> torch.Tensor:
+    """gemv's products into float32 logits [1, N] whatever x's dtype (a router: a float32 weight, x 16-bit)."""
+    return _launch_per_row(_gemv_kernel, _one_row(x, weight, 1, "gemv needs x with {} elements"), weight, block_n,
+                           block_k, 4, 3, out_dtype=torch.float32)
+
+
 def _one_row(x: torch.Tensor, weight: torch.Tensor, per_column: int, needs: str) -> torch.Tensor:
     """x flattened to per_column * K contiguous values for weight [N, K], which must be row-major; `needs`
     words the error, with {} for the number of values."""
@@ -132,7 +138,8 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, per_column: int, needs: str)
 
 
 def _launch_per_row(kernel, x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, num_warps: int,
-                    num_stages: int, swiglu_out: bool = False, preload: int | None = None) -> torch.Tensor:
+                    num_stages: int, swiglu_out: bool = False, preload: int | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Run a one-row GEMV kernel (signature x, w, out, N, stride_wn, K=..) over block_n rows of weight a program
     (with `swiglu_out`, _gemv_kernel's SWIGLU_OUT form: block_n / 2 features of silu(gate) * up a program)."""
     k = weight.shape[1]
@@ -142,7 +149,7 @@ def _launch_per_row(kernel, x: torch.Tensor, weight: torch.Tensor, block_n: int,
     n, programs = output_rows(weight, block_n, swiglu_out)
     if swiglu_out:
         extra["SWIGLU_OUT"] = True
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     kernel[(programs,)](x, weight, out, n, weight.stride(0), K=k, BLOCK_N=block_n, BLOCK_K=block_k,
                         num_warps=num_warps, num_stages=num_stages, **pdl.launch(weight.device), **extra)
     return out

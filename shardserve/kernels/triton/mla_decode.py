@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.triton.fused_ops import rotate_rows
-from shardserve.kernels.triton.paged_attention import LOG2E, cache_values
+from shardserve.kernels.triton.paged_attention import LOG2E, cache_values, dot_precision
 from shardserve.kernels.triton.paged_decode import _combine_splits_kernel
 
 
@@ -31,7 +31,7 @@ def _mla_decode_kernel(q_ptr, q_rope_ptr, cache_ptr, out_ptr, lse_ptr, block_tab
                        stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                        LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       KV_FP8: tl.constexpr = False):
+                       DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False):
     """Program (b, head block, split). The context [0, context_lens[b]) is cut into num_splits ranges of equal
     length, a multiple of BLOCK_N (the last ones shorter or empty). With SPLIT, writes the normalised partial
     output (float32) at out[b, head, split] and its log2-sum-exp at lse[b, head, split] (-inf where the range is
@@ -66,13 +66,17 @@ def _mla_decode_kernel(q_ptr, q_rope_ptr, cache_ptr, out_ptr, lse_ptr, block_tab
         if KV_FP8:
             latent = latent.to(q_latent.dtype)
             rope = rope.to(q_rope.dtype)
-        s = tl.dot(q_latent, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))
+        s = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
+        if ROPE >= 16:
+            s += tl.dot(q_rope, tl.trans(rope), input_precision=DOT_PRECISION)
+        else:  # narrower than a tensor-core product takes (tiny test models)
+            s += tl.sum(q_rope[:, None, :].to(tl.float32) * rope[None, :, :].to(tl.float32), 2)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one position below hi
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
+        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if SPLIT:
@@ -137,7 +141,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     grid = (batch, head_blocks, max(1, int(num_splits)))
     qk_scale = scale * LOG2E
     common = dict(LATENT=latent_dim, ROPE=rope_dim, BLOCK_SIZE=block_size, KV_FP8=cache.dtype == torch.float8_e4m3fn,
-                  **config)
+                  DOT_PRECISION=dot_precision(q.dtype), **config)
     if grid[2] == 1:
         _mla_decode_kernel[grid](q, q_rope, cache, out, out, block_tables, context_lens, qk_scale, 1, num_heads,
                                  q.stride(0), q.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
@@ -237,6 +241,51 @@ def store_entries_rotate_queries(kv: torch.Tensor, q_rope: torch.Tensor, norm_we
             cache.stride(0), LATENT=latent, ROPE=rope, INTERLEAVED=interleaved,
             BLOCK_H=min(16, triton.next_power_of_2(heads)), KV_FP8=cache.dtype == torch.float8_e4m3fn, num_warps=4,
             enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _few_rows_bmm_kernel(a_ptr, b_ptr, out_ptr, rows, stride_ab, stride_am, stride_ak, stride_bb, stride_bk,
+                         stride_bn, stride_ob, stride_om, K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (batch b, column block): out[b, m, cols] = sum_k a[b, m, k] * b[b, k, cols] for each of the few
+    rows m, the [K, BLOCK_N] tile of b loaded once; products and sums in float32, rounded to out's dtype."""
+    batch = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, K)
+    col_ok = cols < N
+    w = tl.load(b_ptr + batch * stride_bb + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                mask=col_ok[None, :], other=0.0).to(tl.float32)
+    for m in range(rows):
+        x = tl.load(a_ptr + batch * stride_ab + m * stride_am + ks * stride_ak).to(tl.float32)
+        y = tl.sum(w * x[:, None], 0)
+        tl.store(out_ptr + batch * stride_ob + m * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+# Rows (decode tokens) up to which few_rows_bmm runs its own kernel: at batch 1 on an H200 cuBLAS's batched product
+# of latent attention's absorption (16 heads, [1 x 128] @ [128 x 512], 2 MB of weights) took 3.4 us, its W_UV
+# product 3.3 us.
+FEW_ROWS = 4
+
+
+def few_rows_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(a, b) for a [B, M, K], b [B, K, N] (strided views allowed) into a new [B, M, N] in a's dtype: on CUDA
+    with M <= FEW_ROWS and K a power of two, one launch that streams b's tiles once (each a [K, 64] block of
+    columns, every row's product from it); otherwise torch.bmm."""
+    rows, k = a.shape[1:]
+    if not (a.is_cuda and rows <= FEW_ROWS and k & (k - 1) == 0 and k <= 512):
+        return torch.bmm(a, b)
+    return few_rows_products(a, b)
+
+
+def few_rows_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """few_rows_bmm's kernel on any device (CPU tensors: Triton's interpreter)."""
+    batch, rows, k = a.shape
+    n = b.shape[2]
+    out = torch.empty(batch, rows, n, dtype=a.dtype, device=a.device)
+    block_n = max(16, min(64, 8192 // k))
+    _few_rows_bmm_kernel[(batch, triton.cdiv(n, block_n))](
+        a, b, out, rows, a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+        out.stride(1), K=k, N=n, BLOCK_N=block_n, num_warps=4)
     return out
 
 
