@@ -284,3 +284,22 @@ def test_a_device_decode_that_fails_its_check_gives_way_to_torch(tiny_model_dir,
             got = llm.generate([_prompts()[1]], greedy(NEW_TOKENS))[0].token_ids
     assert any("mla-triton failed its start-up check" in r.getMessage() for r in caplog.records)
     assert tuple(got) == _reference(model_dir)[1]
+
+
+def test_n_choices_over_http_each_equal_transformers(tiny_model_dir):
+    """`n: 2` over HTTP: both greedy choices are transformers' tokens, read from one prompt's latent entries, and
+    every block is back in the pool afterwards."""
+    from shardserve.tokenizer import Tokenizer
+    from tests.serving import serve_model
+
+    model_dir = tiny_model_dir("deepseek-v3")
+    prompt = _prompts()[2]
+    with serve_model(model_dir, name="ds", device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
+                     max_num_seqs=4) as server:
+        with server.http() as http:
+            body = http.post("/v1/completions", json={"model": "ds", "prompt": prompt, "n": 2, "temperature": 0,
+                                                       "max_tokens": NEW_TOKENS, "ignore_eos": True}).json()
+        assert server.all_blocks_free()
+    expected = Tokenizer.from_model_path(model_dir).decode(list(_reference(model_dir)[2]))
+    assert [c["text"] for c in body["choices"]] == [expected, expected]
+    assert body["usage"]["prompt_tokens"] == len(prompt)
