@@ -2,14 +2,16 @@
 long prompt (TTFT), and decode at a large batch over long contexts, where reading the KV cache dominates a step.
 
     python benchmarks/long_context.py [--kv-cache-dtypes auto,fp8] [--prefill-lengths 32768,131008]
-                                      [--decode-batch 64] [--decode-context 8192] [--decode-tokens 128] [--out FILE]
+                                      [--decode-batch 64] [--decode-context 8192] [--decode-tokens 128]
+                                      [--only decode] [--out FILE]
 
 Llama-3.1-8B's shape (llama3 RoPE scaling to 131,072 positions) with random weights (--load-format dummy): speed
 does not depend on the values. For each cache dtype one engine: its KV capacity in tokens; each prefill length's
 prompt timed alone with one output token (after a 16k-token prompt, so compilation is not counted); then --decode-batch prompts of --decode-context tokens prefilled with one output token, and the same
 prompts again with --decode-tokens + 1 (their prefixes now cached: what remains is --decode-tokens decode steps at
 that batch). Beside it the card's bfloat16 matrix rate (an 8192^3 matmul), against which prefill's model FLOPs
-(2 x parameters a token, plus causal attention) are a fraction. Prints one JSON object.
+(2 x parameters a token, plus causal attention) are a fraction. --only decode: the decode measurement alone (no
+matrix rate, no prefill lengths nor their warm-up prompt). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ def measure(model_dir: str, kv_dtype: str, args) -> dict:
     from shardserve.entrypoints.llm import LLM
     from shardserve.requests.sampling_params import SamplingParams
 
-    longest = max(args.prefill_lengths, default=args.decode_context)
+    # The decode sequences fit whole (prompt + decode tokens): a sequence stops at max_model_len, which sized by the
+    # decode prompts alone (8,192 + 64) would leave them 64 of their 129 tokens.
+    longest = max(args.prefill_lengths + [args.decode_context + args.decode_tokens + 1])
     with LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", kv_cache_dtype=kv_dtype,
              max_model_len=longest + 64, max_num_seqs=args.decode_batch, max_num_batched_tokens=8192,
              gpu_memory_utilization=0.9) as llm:
@@ -74,7 +78,8 @@ def measure(model_dir: str, kv_dtype: str, args) -> dict:
             llm.generate(prompts, params)
             return time.perf_counter() - start
 
-        timed(random_prompts(1, 16384, 3), 1)  # compiles the prefill kernels of every chunk shape
+        if args.prefill_lengths:
+            timed(random_prompts(1, 16384, 3), 1)  # compiles the prefill kernels of every chunk shape
         for length in args.prefill_lengths:
             seconds = timed(random_prompts(1, length, 20 + length), 1)
             out[f"ttft_{length}_s"] = round(seconds, 3)
@@ -100,15 +105,17 @@ def main() -> None:
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--decode-context", type=int, default=8192)
     p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--only", choices=["decode"])
     p.add_argument("--out")
     args = p.parse_args()
-    args.prefill_lengths = [int(n) for n in args.prefill_lengths.split(",") if n]
+    args.prefill_lengths = [int(n) for n in args.prefill_lengths.split(",") if n and args.only != "decode"]
 
     import torch
 
     model_dir = write_model_dir(os.path.join(tempfile.mkdtemp(), "llama3.1-8b-shape"), LLAMA31_8B)
-    result = {"device": torch.cuda.get_device_name(), "model": "llama3.1-8b (dummy weights)",
-              "bf16_matmul_tflops": round(matmul_tflops(), 1), "runs": []}
+    result = {"device": torch.cuda.get_device_name(), "model": "llama3.1-8b (dummy weights)", "runs": []}
+    if args.prefill_lengths:
+        result["bf16_matmul_tflops"] = round(matmul_tflops(), 1)
     for kv_dtype in args.kv_cache_dtypes.split(","):
         run = measure(model_dir, kv_dtype, args)
         for length in args.prefill_lengths:

@@ -11,9 +11,11 @@ Numerics: scores, softmax statistics and accumulators are float32 whatever the i
 input dtype. The caches may hold another dtype than q (bfloat16, or FP8 e4m3 with a scale for keys and one for
 values: attention/kv_quant.py): a tile is converted to q's dtype in registers (exact for FP8 into 16-bit or float32),
 the key scale multiplies the float32 scores and the value scale the float32 output, so attention reads
-stored * scale; writes go through cache_values. For float32 inputs every matrix product runs at full IEEE float32 precision (never TF32), so
-results agree with torch's float32 attention to rounding; 16-bit inputs use tensor cores, with the softmax
-weights rounded to the input dtype before they multiply V, as in FlashAttention.
+stored * scale; writes go through cache_values. Decode over an FP8 cache with bfloat16 q converts its tiles to
+float16 instead, q's rows scaled by powers of two (tile_operand: the same scores). For float32 inputs every matrix
+product runs at full IEEE float32 precision (never TF32), so results agree with torch's float32 attention to
+rounding; 16-bit inputs use tensor cores, with the softmax weights rounded to the tiles' dtype before they
+multiply V, as in FlashAttention.
 
 Every launch depends only on tensor shapes and Python ints, never on tensor contents, so the decode path can be
 captured in a CUDA graph: sequence lengths are read inside the kernels.
@@ -131,6 +133,32 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 @triton.jit
+def tile_operand(q, qk_scale, KV_FP8: tl.constexpr):
+    """q as the tile steps multiply it, and the factor that turns their products into log2-unit scores.
+
+    Where the cache is FP8 and q bfloat16, the tiles are converted to float16 (e4m3 -> float16 is one
+    instruction for two values on sm_89+, bfloat16 three: float16 first, then per value), so q must be too:
+    each row r is multiplied by the power of two 2^u_r that puts its largest magnitude in [2^14, 2^15), where
+    float16's 11 significant bits hold bfloat16's 8 (exact down to 2^-31 of a row's largest magnitude, smaller
+    values rounded by at most 2^-39 of it), and the factor is qk_scale * 2^-u_r per row. The products and their
+    float32 sums only move by powers of two, so the scores keep the bits bfloat16 operands give them. Otherwise
+    q and qk_scale as given."""
+    if KV_FP8 and q.dtype == tl.bfloat16:
+        largest = tl.max(tl.abs(q.to(tl.float32)), 1)
+        # float32 exponent field of the largest magnitude, clipped so that both powers below are normal (rows
+        # under 2^-112, zero rows among them, get 2^126 and stay below 2^14)
+        exponent = tl.minimum(tl.maximum((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)
+        up = ((268 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^(141 - exponent)
+        down = ((exponent - 14) << 23).to(tl.float32, bitcast=True)  # its inverse
+        operand = (q.to(tl.float32) * up[:, None]).to(tl.float16)
+        factor = (qk_scale * down)[:, None]
+    else:
+        operand = q
+        factor = qk_scale
+    return operand, factor
+
+
+@triton.jit
 def load_kv_tile(k_base, v_base, table_row, stride_s, start, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  HEAD_DIM: tl.constexpr):
     """The keys and values [BLOCK_N, D] of positions [start, start + BLOCK_N) clipped to `end`, gathered slot by
@@ -148,8 +176,24 @@ def load_kv_tile(k_base, v_base, table_row, stride_s, start, end, BLOCK_N: tl.co
 
 
 @triton.jit
+def _fp8_to_f16(x):
+    """e4m3 bytes to float16 (exact), two to an instruction, as an asm block the compiler keeps where it stands:
+    a conversion it may move is moved past the tile's change of layout to the matrix operand's, where an 8-bit
+    value tile, transposed, is gathered from shared memory a byte at a time (on an H200, 64 one-byte loads and
+    32 packing multiply-adds a thread for a 128 x 128 tile, where float16 moves as ldmatrix's 16-bit rows)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def attend_loaded(q, acc, l_i, m_i, k, v, pos, in_range, q_pos, qk_scale, MASK: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, ASM: tl.constexpr = False):
     """One online-softmax step of q [M, D] over a tile load_kv_tile loaded.
 
     Scores are in log2 units (qk_scale includes log2(e), and an FP8 cache's key scale); acc sums the values as
@@ -158,9 +202,13 @@ def attend_loaded(q, acc, l_i, m_i, k, v, pos, in_range, q_pos, qk_scale, MASK: 
     q_pos[r] from row r (causal).
     Invariant: a row that has seen no visible position keeps m_i = -inf, l_i = 0 and acc = 0, with no NaN (so a
     tile whose range is empty leaves the statistics as they were).
+    ASM (a GPU): an FP8 tile's values convert to float16 q by _fp8_to_f16 (the same numbers).
     """
     k = k.to(q.dtype)  # a cache in another dtype (FP8: exact); its scale is in qk_scale
-    v = v.to(q.dtype)
+    if ASM and v.dtype == tl.float8e4nv and q.dtype == tl.float16:
+        v = _fp8_to_f16(v)
+    else:
+        v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASK == 1:
         qk = tl.where(in_range[None, :], qk, float("-inf"))
@@ -180,12 +228,12 @@ def attend_loaded(q, acc, l_i, m_i, k, v, pos, in_range, q_pos, qk_scale, MASK: 
 @triton.jit
 def attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_s, start, end, q_pos, qk_scale,
                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, ASM: tl.constexpr = False):
     """One online-softmax step of q [M, D] over positions [start, start + BLOCK_N) clipped to `end`: the tile
     loaded (load_kv_tile) and attended (attend_loaded)."""
     k, v, pos, in_range = load_kv_tile(k_base, v_base, table_row, stride_s, start, end, BLOCK_N, BLOCK_SIZE,
                                        HEAD_DIM)
-    return attend_loaded(q, acc, l_i, m_i, k, v, pos, in_range, q_pos, qk_scale, MASK, DOT_PRECISION)
+    return attend_loaded(q, acc, l_i, m_i, k, v, pos, in_range, q_pos, qk_scale, MASK, DOT_PRECISION, ASM)
 
 
 # ---------------------------------------------------------------------------------------------------------------

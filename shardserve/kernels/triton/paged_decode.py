@@ -21,13 +21,26 @@ from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, l
 from shardserve.kernels.triton.fused_ops import check_norm_args, normed_heads, rotate_rows
 from shardserve.kernels.triton.paged_attention import (LOG2E, attend_loaded, attend_tile, cache_values,
                                                        check_attention_args, dot_precision, is_fp8_cache,
-                                                       load_kv_tile)
+                                                       load_kv_tile, tile_operand)
 from shardserve.kernels.triton.pdl import enter, launch_next
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Launch parameters of the decode kernel: KV tiles of 64 tokens (32 where a row is over 512 bytes), three
-    tiles in flight where rows are small enough for that to fit in shared memory."""
+# FP8 caches' decode tiles, measured on an H200 (benchmarks/paged_decode.py: batch 64 over 8,192-token contexts,
+# Llama-3-8B's heads, us a layer without / with the new token's rotation at eight warps; the bfloat16 cache:
+# 477 / 570): 128-token tiles 370 / 422, 64-token 605 / 570; two stages instead of three 413 / 435 (four: as
+# three); eight warps without the rotation 408; the values converted where the compiler moves the conversion (no
+# asm) 463 / 648. The FP8 kernel before (bfloat16 conversions, 64-token tiles): 610 / 662.
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> dict:
+    """Launch parameters of the decode kernel over a cache of `cache_dtype` (default: q's `dtype`).
+
+    16-bit and float32 caches: KV tiles of 64 tokens (32 where a row of q's dtype is over 512 bytes), three tiles
+    in flight where rows are small enough for that to fit in shared memory. FP8 caches: tiles of 128 tokens where
+    a row is 128 bytes or less (64 over), the bytes a 16-bit tile of 64 moves: a program waits for one tile an
+    iteration, so tiles of the 16-bit cache's tokens bring half its bytes a wait (measured: the comment above)."""
+    if cache_dtype is not None and cache_dtype == torch.float8_e4m3fn:
+        return dict(BLOCK_N=128 if head_dim <= 128 else 64, num_warps=4, num_stages=3)
     row_bytes = head_dim * torch.finfo(dtype).bits // 8
     return dict(BLOCK_N=64 if row_bytes <= 512 else 32, num_warps=4, num_stages=3 if row_bytes <= 256 else 2)
 
@@ -69,6 +82,9 @@ def combine_mode() -> str:
 # 300 / 1,800 / 6,000: Llama-3-8B's heads 37.02 / 42.69 / 46.18 -> 36.75 / 43.10 / 45.79 (four warps: 38.51 /
 # 45.24 / 45.88); Qwen3-30B-A3B's 23.00 / 28.22 / 29.51 -> 22.47 / 28.20 / 28.38 (24.49 / 30.98 / 29.84).
 DECODE_NEW_TOKEN_WARPS = 8
+# FP8 caches at one split per sequence (large batches) keep _decode_config's four: the 128-token tiles need no
+# stack there (sm_90: about 200 registers). On an H200, batch 64 over 8,192-token contexts, Llama-3-8B's heads:
+# 390 against 422 us a layer.
 ROTARY_MODES = envs.DECODE_ROTARY.choices
 
 
@@ -129,7 +145,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, GROUP_C: tl.constexpr,
                    SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
                    PRELOAD_KV: tl.constexpr, PDL: tl.constexpr, KV_FP8: tl.constexpr = False,
-                   NEXT_EARLY: tl.constexpr = False):
+                   NEXT_EARLY: tl.constexpr = False, ASM: tl.constexpr = False):
     """Program (b, kv_head, split): every query head of the KV-head group over one contiguous share of b's context.
 
     The context [0, context_lens[b]) is cut into num_splits ranges of equal length, a multiple of BLOCK_SIZE
@@ -152,6 +168,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     is read before the wait: the step's inputs (context lengths, slots, block tables), the rotary tables and the
     first tile of cached keys and values (the tile a split of a short context is made of). NEXT_EARLY: the next
     kernel (the combine, the o projection) launches at this one's start (pdl.launch_next).
+    KV_FP8: the caches hold e4m3 (k_scale is in qk_scale; the output is multiplied by v_scale); with 16-bit q the
+    tiles are multiplied in float16 (paged_attention.tile_operand), with ASM (a GPU) converted by
+    paged_attention._fp8_to_f16.
     """
     if NEXT_EARLY:
         launch_next(PDL)
@@ -193,6 +212,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
             enter(PDL, NEXT_EARLY)
         q, q_rolled = normed_heads(q_rows, row_ok, q_norm_ptr, eps, HEAD_DIM, NORM)
         q = rotate_rows(q, q_rolled, cos, sin)
+        q_tile, qk_tile = tile_operand(q, qk_scale, KV_FP8)
         one = tl.zeros([1], dtype=tl.int64)  # the new key as a one-row block; holds_new | (one < 0): its mask
         new_k, new_k_rolled = normed_heads(k_new_ptr + b * stride_knb + kv_head * stride_knh + one,
                                            holds_new | (one < 0), k_norm_ptr, eps, HEAD_DIM, NORM)
@@ -204,18 +224,22 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
         tl.store(k_base + new_slot * stride_kcs + one[:, None] + dims[None, :], new_k, mask=stored)
         tl.store(v_base + new_slot * stride_vcs + one[:, None] + dims[None, :], new_v, mask=stored)
         if PRELOAD_KV:
-            acc, l_i, m_i = attend_loaded(q, acc, l_i, m_i, first_k, first_v, first_pos, first_ok, rows, qk_scale,
-                                          1, DOT_PRECISION)  # an empty range leaves the statistics as they were
+            # an empty range leaves the statistics as they were
+            acc, l_i, m_i = attend_loaded(q_tile, acc, l_i, m_i, first_k, first_v, first_pos, first_ok, rows,
+                                          qk_tile, 1, DOT_PRECISION, ASM)
         for start in range(lo + BLOCK_N if PRELOAD_KV else lo, cached_end, BLOCK_N):
-            acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start,
-                                        cached_end, rows, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
+            acc, l_i, m_i = attend_tile(q_tile, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start,
+                                        cached_end, rows, qk_tile, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION,
+                                        ASM)
         if holds_new:
-            acc, l_i, m_i = _attend_one(q, acc, l_i, m_i, new_k.to(q.dtype), new_v.to(q.dtype), qk_scale)
+            # The weight rounded as the tiles round theirs (to q_tile's dtype: float16 over an FP8 cache).
+            acc, l_i, m_i = _attend_one(q, acc, l_i, m_i, new_k.to(q.dtype), new_v.to(q_tile.dtype), qk_scale)
     else:
         q = tl.load(q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+        q_tile, qk_tile = tile_operand(q, qk_scale, KV_FP8)
         for start in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, hi, rows,
-                                        qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION)
+            acc, l_i, m_i = attend_tile(q_tile, acc, l_i, m_i, k_base, v_base, table_row, stride_kcs, start, hi,
+                                        rows, qk_tile, BLOCK_N, BLOCK_SIZE, HEAD_DIM, 1, DOT_PRECISION, ASM)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale  # zeros for an empty range
     if SPLIT:
@@ -338,17 +362,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     fused = mode == "fused" and group * num_splits <= FUSED_COMBINE_MAX_ROWS
     rotate = new_tokens is not None
-    config = _decode_config(head_dim, q.dtype)
+    kv_fp8 = is_fp8_cache(k_cache)
+    config = _decode_config(head_dim, q.dtype, k_cache.dtype)
     if rotate:
         # Without multiply-add contraction the rotation rounds as the rotary kernel does (the cache gets its bits).
-        config.update(num_warps=DECODE_NEW_TOKEN_WARPS, enable_fp_fusion=False)
+        config["enable_fp_fusion"] = False
+        if not (kv_fp8 and num_splits == 1):
+            config["num_warps"] = DECODE_NEW_TOKEN_WARPS
     common = dict(GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
                   HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), ROTATE=rotate,
                   # Small batches (several splits): a split is a tile or two, and the wait is on the critical path.
                   # One split per sequence keeps its loop as it was: with the preloaded tile the offline benchmark
                   # (512 sequences) ran 7.6% slower on an H200.
                   PRELOAD_KV=rotate and num_splits > 1,
-                  NORM=rotate and new_tokens.head_norm is not None, KV_FP8=is_fp8_cache(k_cache), **config, **_launch(q.device, next_early))
+                  NORM=rotate and new_tokens.head_norm is not None, KV_FP8=kv_fp8, ASM=kv_fp8 and q.is_cuda,
+                  **config, **_launch(q.device, next_early))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                      block_tables.stride(0))
     rotation = new_tokens.kernel_args() if new_tokens is not None else (q,) * 7 + (0.0,) + (0,) * 6
