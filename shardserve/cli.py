@@ -13,6 +13,17 @@ from shardserve.kv_cache_dtype import KV_CACHE_DTYPES
 from shardserve.pool.replica_routing import POLICIES as ROUTING_POLICIES
 
 
+
+def _speculative_config(text: str):
+    """--speculative-config's JSON, checked (config.SpeculativeConfig): argparse names the flag in any error."""
+    from shardserve.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--speculative-config: ")) from None
+
+
 def _positive(convert, flag: str, allow_zero: bool = False):
     """An argparse type accepting only positive (or, with allow_zero, non-negative) values of `convert`
     (int or float), naming the flag."""
@@ -114,6 +125,10 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="how the KV cache stores keys and values: auto (the model's dtype), bfloat16, or fp8 / fp8_e4m3 "
                         "(e4m3 with per-layer k_scale / v_scale from the checkpoint, else 1.0: twice the tokens per "
                         "GiB of bfloat16; attention still computes in float32)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                        "(prompt lookup; optional prompt_lookup_max, default 4, and prompt_lookup_min, default 1): "
+                        "greedy requests verify up to that many proposed tokens a step")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "generic", "none"], default="auto",

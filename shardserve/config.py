@@ -626,6 +626,61 @@ def _rope_parameters(cfg: dict[str, Any], max_position_embeddings: int) -> dict[
     return {"rope_theta": float(theta), "scaling": scaling}
 
 
+SPECULATIVE_METHODS = ("ngram",)
+_LATER_METHODS = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "deepseek_mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's JSON): up to num_speculative_tokens proposed tokens a decoding sequence, verified
+    in one target step (engine/speculative.py). "ngram": prompt lookup, the tokens that followed the latest earlier
+    occurrence of the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
+        """Refuses, naming the key, what it does not take: an unknown key, a method not built, bad counts."""
+        if not isinstance(values, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {values!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; accepted: "
+                             f"{', '.join(sorted(known))}")
+        method = values.get("method")
+        if method in _LATER_METHODS:
+            raise ValueError(f"--speculative-config: method {method!r} is not supported yet; accepted: "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                             f"{method!r}")
+        config = cls(method, *(values.get(k, d) for k, d in (("num_speculative_tokens", None),
+                                                              ("prompt_lookup_max", 4), ("prompt_lookup_min", 1))))
+        for name, low, high in (("num_speculative_tokens", 1, 16), ("prompt_lookup_max", 1, 64),
+                                ("prompt_lookup_min", 1, 64)):
+            value = getattr(config, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"--speculative-config: {name} must be a whole number from {low} to {high}, got "
+                                 f"{value!r}")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"--speculative-config: prompt_lookup_min ({config.prompt_lookup_min}) is above "
+                             f"prompt_lookup_max ({config.prompt_lookup_max})")
+        return config
+
+    @classmethod
+    def parse(cls, text: str) -> "SpeculativeConfig":
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not valid JSON ({exc}): give e.g. "
+                             '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from None
+        return cls.from_dict(values)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Serve options that shape the engine; every rank derives the same values from them."""
@@ -658,8 +713,12 @@ class EngineConfig:
     # How the KV cache stores keys and values (attention/kv_quant.py): "auto" (the compute dtype), "bfloat16", or
     # "fp8" / "fp8_e4m3" (e4m3 with per-layer scales from the checkpoint, else 1.0).
     kv_cache_dtype: str = "auto"
+    # Proposed tokens verified in one step (engine/speculative.py); a dict is read as --speculative-config's JSON.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         for name, flag in (("tensor_parallel_size", "-tp"), ("pipeline_parallel_size", "-pp")):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

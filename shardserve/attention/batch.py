@@ -48,7 +48,10 @@ class StepBatch:
             else:
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if chunk.sample:
+            if chunk.draft:  # a verified chunk: the rows of its last token and of each proposal (speculative.py)
+                sample_rows.extend(range(row + n - 1 - chunk.draft, row + n))
+                sample_seq_ids.extend([chunk.seq_id] * (chunk.draft + 1))
+            elif chunk.sample:
                 sample_rows.append(row + n - 1)
                 sample_seq_ids.append(chunk.seq_id)
         row_start.append(len(token_ids))

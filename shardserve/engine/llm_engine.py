@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardserve import envs
 from shardserve import heap
@@ -22,6 +23,7 @@ from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.sampler import PendingSample, RowHistory, Sampler
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
+from shardserve.engine.speculative import NgramProposer, accepted_tokens, drafts_allowed
 from shardserve.engine.structured_output import StructuredOutputs
 from shardserve.requests.client import EngineStats
 from shardserve.requests.detokenizer import IncrementalDetokenizer, detokenizer_for, text_update
@@ -69,6 +71,20 @@ def prefix_caching_allowed(config: EngineConfig, model_config: ModelConfig) -> b
     return True
 
 
+def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
+    """Refuse --speculative-config where verification would go wrong: a model with recurrent state (a rejected
+    proposal would have stepped it), and pipeline stages (not built for it)."""
+    if config.speculative_config is None:
+        return
+    if model_config.linear_attention_layers:
+        raise ValueError(f"--speculative-config: {model_config.architecture} has "
+                         f"{len(model_config.linear_attention_layers)} linear-attention layers, whose per-sequence "
+                         "state a rejected proposal would have stepped; speculative decoding serves models without "
+                         "recurrent state only")
+    if config.pipeline_parallel_size > 1:
+        raise ValueError("--speculative-config with --pipeline-parallel-size > 1 is not supported yet: use -tp")
+
+
 @dataclass
 class _InFlight:
     """A queued step: its plan, the sequences that sample, and their samples still on the device."""
@@ -76,6 +92,10 @@ class _InFlight:
     plan: StepPlan
     seqs: list[Sequence]
     pending: PendingSample | None
+    # Verified chunks (speculative decoding): each sequence and its proposals, in row order, and the argmaxes of
+    # their rows (draft + 1 a sequence) on the device.
+    verify: list = field(default_factory=list)
+    targets: object = None
 
 
 class LLMEngine:
@@ -83,6 +103,7 @@ class LLMEngine:
         assert ctx.is_driver, "only rank 0 drives the engine"
         self.config = config
         self.model_config = ModelConfig.from_model_path(config.model)
+        check_speculative(config, self.model_config)
         self.tokenizer = tokenizer
         self.control = ControlPlane.connect(ctx)
         self.runner = ModelRunner(config, self.model_config, ctx)
@@ -90,8 +111,11 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.prefix_caching = prefix_caching_allowed(config, self.model_config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.prefix_caching)
+        self.proposer = NgramProposer(config.speculative_config) if config.speculative_config else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   state_slots=bool(self.model_config.linear_attention_layers))
+                                   state_slots=bool(self.model_config.linear_attention_layers),
+                                   proposer=self._proposals if self.proposer is not None else None)
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.grammars = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -110,8 +134,18 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None
         self._freed: list[int] = []  # sequences finished since the last plan went out (the ranks drop their tables)
         self.steps_overlapped = 0  # steps queued before the previous step's tokens reached the host
-        self.overlap_steps = overlap_steps_enabled(self.runner, ctx.world_size)
+        self.overlap_steps = overlap_steps_enabled(self.runner, ctx.world_size) and self.proposer is None
         heap.freeze_startup_objects()
+
+    def _proposals(self, seq: Sequence, limit: int) -> list[int]:
+        """Tokens proposed after a decoding sequence's last one (Scheduler's proposer): none for a request whose
+        tokens are not the argmax of the logits alone (speculative.drafts_allowed), and never more than its
+        max_tokens and the context length leave room for after the token the step adds anyway."""
+        p = seq.params
+        if not drafts_allowed(p):
+            return []
+        room = min(limit, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        return self.proposer.propose(seq.token_ids, room)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -291,21 +325,80 @@ class LLMEngine:
             self.scheduler.finish_step(plan, self.seqs)
         if not seq_ids:
             return _InFlight(plan, [], None)
+        verify, targets = [], None
+        if any(c.draft for c in plan.chunks):
+            seq_ids, logits, verify, targets = self._split_verified(plan, seq_ids, logits)
+            if not seq_ids:
+                return _InFlight(plan, [], None, verify, targets)
         seqs = [self.seqs[i] for i in seq_ids]
         params = [s.params for s in seqs]
         histories = _histories(plan, seqs) if any(p.processes_logits for p in params) else None
         # The device computes the logits meanwhile: the grammar masks cost no device time where it runs ahead.
         allowed = self.grammars.allowed(seq_ids) if self.grammars.matchers else None
-        return _InFlight(plan, seqs, self.sampler.enqueue(logits, seq_ids, params, histories, allowed, device_tokens))
+        return _InFlight(plan, seqs, self.sampler.enqueue(logits, seq_ids, params, histories, allowed, device_tokens),
+                         verify, targets)
+
+    def _split_verified(self, plan: StepPlan, seq_ids: list[int], logits):
+        """The rows of verified chunks (draft + 1 consecutive rows of one sequence) apart from the others: (the
+        others' seq ids and logits, [(sequence, its proposals)] in row order, the verified rows' argmaxes on the
+        device)."""
+        drafted = {c.seq_id: c for c in plan.chunks if c.draft}
+        rows, verified_rows, verify = [], [], []
+        i = 0
+        while i < len(seq_ids):
+            chunk = drafted.get(seq_ids[i])
+            if chunk is None:
+                rows.append(i)
+                i += 1
+                continue
+            verify.append((self.seqs[chunk.seq_id], chunk.token_ids[-chunk.draft:]))
+            verified_rows.extend(range(i, i + chunk.draft + 1))
+            i += chunk.draft + 1
+        targets = logits[on_device(verified_rows, logits.device)].argmax(dim=-1)
+        others = logits[on_device(rows, logits.device)] if rows else None
+        return [seq_ids[r] for r in rows], others, verify, targets
 
     def _resolve(self, step: "_InFlight") -> list[RequestOutput]:
         """Wait for a step's tokens and append them; a sequence that finished or was aborted while the step
         was in flight drops its token (it was computed ahead, after the sequence's real last token)."""
-        if step.pending is None:
-            return []
-        tokens, logprobs = self.sampler.resolve(step.pending)
-        return [self._append(seq, token, lp) for seq, token, lp in zip(step.seqs, tokens, logprobs)
-                if not seq.is_finished]
+        outputs = []
+        if step.pending is not None:
+            tokens, logprobs = self.sampler.resolve(step.pending)
+            outputs = [self._append(seq, token, lp) for seq, token, lp in zip(step.seqs, tokens, logprobs)
+                       if not seq.is_finished]
+        if step.verify:
+            outputs += self._resolve_verified(step)
+        return outputs
+
+    def _resolve_verified(self, step: "_InFlight") -> list[RequestOutput]:
+        """Each verified sequence takes its accepted proposals and the target's next token (speculative.py); the
+        accepted proposals' cache entries count as computed."""
+        targets = step.targets.tolist()
+        outputs, row = [], 0
+        for seq, drafts in step.verify:
+            chosen = targets[row:row + len(drafts) + 1]
+            row += len(drafts) + 1
+            if seq.is_finished:
+                continue
+            tokens = accepted_tokens(drafts, chosen)
+            self.spec_drafts += 1
+            self.spec_draft_tokens += len(drafts)
+            self.spec_accepted_tokens += len(tokens) - 1
+            self.scheduler.accept_drafts(seq, len(tokens) - 1)
+            outputs.append(self._append_all(seq, tokens))
+        return outputs
+
+    def _append_all(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """_append for several tokens of one step, as one output; tokens after one that finishes the sequence are
+        dropped."""
+        out, new, delta = None, [], ""
+        for token in tokens:
+            out = self._append(seq, token, None)
+            new.append(token)
+            delta += out.delta_text
+            if seq.is_finished:
+                break
+        return dataclasses.replace(out, new_token_ids=new, delta_text=delta)
 
     def stats(self) -> EngineStats:
         blocks = self.block_manager
@@ -314,7 +407,8 @@ class LLMEngine:
             kv_blocks_total=blocks.num_blocks, kv_blocks_free=blocks.num_free_blocks,
             preemptions=self.scheduler.num_preemptions, prefix_queries=blocks.prefix_queries,
             prefix_hits=blocks.prefix_hits, sleeping=self.is_sleeping, sleeps=self.sleeps, wakes=self.wakes,
-            last_wake_seconds=self.last_wake_seconds)
+            last_wake_seconds=self.last_wake_seconds, spec_drafts=self.spec_drafts,
+            spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens)
 
     @property
     def busy(self) -> bool:

@@ -14,6 +14,7 @@ when it finishes, is aborted or preempted), so a preempted sequence recomputes f
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.sequence import Sequence, SequenceStatus
@@ -22,9 +23,12 @@ from shardserve.wire.step_plan import FROM_DEVICE, PlanKind, SeqChunk, StepPlan
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 state_slots: bool = False) -> None:
-        """state_slots: running sequences each hold a recurrent-state slot (Sequence.state_slot)."""
+                 state_slots: bool = False, proposer: Callable[[Sequence, int], list[int]] | None = None) -> None:
+        """state_slots: running sequences each hold a recurrent-state slot (Sequence.state_slot). proposer: for a
+        decoding sequence and the most tokens it may add, the tokens proposed after its last one, verified in its
+        chunk (engine/speculative.py); None: one token a step."""
         self.blocks = block_manager
+        self.proposer = proposer
         # Slots not held by a running sequence, the lowest handed out first; None where the model keeps no state.
         self.free_slots: list[int] | None = list(reversed(range(max_num_seqs))) if state_slots else None
         self.max_num_seqs = max_num_seqs
@@ -50,11 +54,13 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, n, scheduled):
+            drafts = self.proposer(seq, budget - 1) if self.proposer is not None and seq.num_uncomputed_tokens == 1 \
+                else []
+            if not self._reserve(seq, n + len(drafts), scheduled):
                 continue
-            chunks.append(self._chunk(seq, n))
+            chunks.append(self._chunk(seq, n, drafts))
             scheduled.add(seq.seq_id)
-            budget -= n
+            budget -= n + len(drafts)
         self._admit_waiting(budget, chunks)
         self._step_id += 1
         return StepPlan(self._step_id, PlanKind.RUN, chunks)
@@ -167,20 +173,27 @@ class Scheduler:
             self.free_slots.append(seq.state_slot)
             seq.state_slot = -1
 
-    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+    def _chunk(self, seq: Sequence, n: int, drafts: list[int] = ()) -> SeqChunk:
         start = seq.num_computed_tokens
         sample = start + n == seq.num_tokens
-        return SeqChunk(seq.seq_id, start, seq.token_ids[start:start + n], list(seq.block_table), sample,
-                        seq.state_slot)
+        return SeqChunk(seq.seq_id, start, seq.token_ids[start:start + n] + list(drafts), list(seq.block_table),
+                        sample, seq.state_slot, len(drafts))
 
     def finish_step(self, plan: StepPlan, seqs: dict[int, Sequence]) -> None:
-        """Record that the plan's chunks are now in the cache."""
+        """Record that the plan's chunks are now in the cache (a verified chunk's proposals once accepted:
+        accept_drafts)."""
         for chunk in plan.chunks:
             seq = seqs.get(chunk.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
+            seq.num_computed_tokens = chunk.start_position + len(chunk.token_ids) - chunk.draft
             self.blocks.register_computed(seq)
+
+    def accept_drafts(self, seq: Sequence, accepted: int) -> None:
+        """`accepted` proposals of the sequence's verified chunk were appended to it: their entries, computed in
+        that chunk, count as in the cache."""
+        seq.num_computed_tokens += accepted
+        self.blocks.register_computed(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and return its blocks."""

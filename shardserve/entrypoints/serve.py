@@ -37,6 +37,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=getattr(args, "quantization", None),
         mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 

@@ -40,6 +40,10 @@ class EngineStats:
     wakes: int
     last_wake_seconds: float
     restarts: int | None = None  # None: nothing restarts this engine
+    # Speculative decoding: verified chunks, the tokens they proposed, and of those the ones accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @runtime_checkable

@@ -38,6 +38,9 @@ class SeqChunk:
     # The sequence's slot in the recurrent-state pools (models with linear-attention layers), -1 without. A
     # chunk at start_position 0 starts the sequence: every rank zeroes its slot before the step.
     state_slot: int = -1
+    # Proposed tokens at the chunk's end (speculative decoding): logits are kept for its last draft + 1 rows, whose
+    # argmaxes verify them (engine/speculative.py). 0: only the last row's, where `sample`.
+    draft: int = 0
 
 
 @dataclass
@@ -52,7 +55,7 @@ class StepPlan:
     tokens_from_device: bool = False
 
     def encode(self) -> bytes:
-        chunks = [[c.seq_id, c.start_position, c.token_ids, c.block_table, c.sample, c.state_slot]
+        chunks = [[c.seq_id, c.start_position, c.token_ids, c.block_table, c.sample, c.state_slot, c.draft]
                   for c in self.chunks]
         return msgpack.packb([self.step_id, int(self.kind), chunks, self.freed_seq_ids, self.arg,
                               self.tokens_from_device])
@@ -95,7 +98,8 @@ class PlanEncoder:
         for c in plan.chunks:
             table, known = c.block_table, self.known.get(c.seq_id)
             keep = len(known) if known is not None and table[:len(known)] == known else 0
-            chunks.append([c.seq_id, c.start_position, c.token_ids, keep, table[keep:], c.sample, c.state_slot])
+            chunks.append([c.seq_id, c.start_position, c.token_ids, keep, table[keep:], c.sample, c.state_slot,
+                           c.draft])
             self.known[c.seq_id] = list(table)
         return msgpack.packb([plan.step_id, int(plan.kind), chunks, plan.freed_seq_ids, plan.arg,
                               plan.tokens_from_device])
@@ -112,11 +116,11 @@ class PlanDecoder:
         for seq_id in freed:
             self.known.pop(seq_id, None)
         chunks = []
-        for seq_id, start, token_ids, keep, added, sample, state_slot in encoded:
+        for seq_id, start, token_ids, keep, added, sample, state_slot, draft in encoded:
             known = self.known.get(seq_id, [])
             if not 0 <= keep <= len(known):
                 raise ValueError(f"the plan keeps {keep} blocks of sequence {seq_id}, this rank has {len(known)}")
             table = known[:keep] + added
             self.known[seq_id] = table
-            chunks.append(SeqChunk(seq_id, start, token_ids, list(table), sample, state_slot))
+            chunks.append(SeqChunk(seq_id, start, token_ids, list(table), sample, state_slot, draft))
         return StepPlan(step_id, PlanKind(kind), chunks, freed, arg, from_device)

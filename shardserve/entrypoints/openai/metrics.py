@@ -139,5 +139,10 @@ class _EngineState:
         yield counter("sleeps", "Times the model was put to sleep.", s.sleeps)
         yield counter("wakes", "Times the model woke.", s.wakes)
         yield gauge("last_wake_seconds", "Duration of the last wake (0 before the first).", s.last_wake_seconds)
+        yield counter("spec_decode_num_drafts", "Sequence steps that verified proposed tokens "
+                                                "(--speculative-config).", s.spec_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Tokens proposed for verification.", s.spec_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.",
+                      s.spec_accepted_tokens)
         if s.restarts is not None:
             yield counter("restarts", "Times all ranks were restarted after a failure.", s.restarts)

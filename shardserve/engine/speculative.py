@@ -1,0 +1,65 @@
+"""Speculative decoding: tokens proposed for a decoding sequence, verified by the target model in one step.
+
+A sequence whose last token is not yet computed decodes one token a step. With proposals d_1..d_k its chunk is
+[last, d_1, ..., d_k] at positions n-1 .. n-1+k, and the step keeps logits for all k + 1 rows (SeqChunk.draft = k).
+Greedy verification: the target's choices t_0..t_k are the rows' argmaxes; d_i is accepted while d_i == t_{i-1},
+and the first target choice after the accepted proposals is appended too (a correction, or a bonus token when all
+k are accepted). So a step appends 1 to k + 1 tokens, the same tokens the target alone would have given one a
+step.
+
+Invariant: after the step the sequence's first num_computed_tokens tokens are in the cache: the last token and
+the accepted proposals were computed with their true context; the rejected proposals' entries sit past
+num_computed_tokens in blocks the sequence holds, never read (attention reads a sequence's first context_len
+positions), and overwritten when those positions are computed. Blocks are never rolled back: they serve the
+sequence's next tokens, and go back to the pool with it.
+
+Which requests speculate (drafts_allowed): greedy ones whose sampling reads nothing but the logits (no logprobs,
+penalties, logit bias, min_tokens, grammar): their tokens are the argmax of the target's logits alone. The others
+decode one token a step in the same batches. Not for models with recurrent state (linear attention): a rejected
+proposal would have stepped the state.
+"""
+
+from __future__ import annotations
+
+from shardserve.config import SpeculativeConfig
+from shardserve.requests.sampling_params import SamplingParams
+
+
+def drafts_allowed(params: SamplingParams) -> bool:
+    """Whether a request's tokens are the argmax of the target's logits alone (so proposals can be checked against
+    it); see the module docstring."""
+    return params.temperature == 0 and not params.processes_logits and params.logprobs is None
+
+
+def ngram_proposals(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Prompt lookup: for n from max_n down to min_n, the latest earlier occurrence of the last n tokens, and up to k
+    tokens that followed it (fewer where the sequence ends first); [] where none occurs."""
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = token_ids[length - n:]
+        # The latest occurrence ending before the tail itself starts (so at least one token follows it).
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start:start + n] == tail:
+                return token_ids[start + n:start + n + k]
+    return []
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        """Up to min(num_speculative_tokens, limit) proposals following token_ids."""
+        k = min(self.config.num_speculative_tokens, limit)
+        if k <= 0:
+            return []
+        return ngram_proposals(token_ids, k, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
+
+
+def accepted_tokens(drafts: list[int], targets: list[int]) -> list[int]:
+    """Greedy verification: targets[i] is the target's choice after the chunk's row i (row 0: the last token).
+    The accepted proposals, then the target's next choice."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return drafts[:accepted] + [targets[accepted]]

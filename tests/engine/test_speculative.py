@@ -1,0 +1,115 @@
+"""Speculative decoding with n-gram proposals (--speculative-config): greedy tokens equal those of the same engine
+without it, at TP 1 and 2, alone and 16 at once, through preemption and an abort; proposals are made and accepted
+(the metrics count them); requests that cannot be verified by argmax decode one token a step beside them; models
+with recurrent state and bad configurations are refused with a message naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardserve.engine.speculative import accepted_tokens, ngram_proposals
+from shardserve.entrypoints.llm import LLM
+from shardserve.requests.sampling_params import SamplingParams
+from tests.helpers.reference import random_prompts
+from tests.helpers.state_models import assert_all_returned, greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+NEW_TOKENS = 24
+
+
+def test_prompt_lookup_takes_what_followed_the_latest_longest_match():
+    #            0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7, 1, 5, 6, 7]
+    assert ngram_proposals(tokens, 3, 3, 1) == [1, 5, 6]  # "5 6 7" last seen at 5, followed by 1 5 6
+    assert ngram_proposals(tokens, 5, 3, 1) == [1, 5, 6, 7]  # fewer where the sequence ends
+    assert ngram_proposals([1, 2, 3, 4], 3, 3, 1) == []  # no earlier occurrence
+    assert ngram_proposals([4, 2, 9, 2], 2, 3, 1) == [9, 2]  # down to one token
+    assert ngram_proposals([4, 2, 9, 2], 2, 3, 2) == []  # not below prompt_lookup_min
+
+
+def test_greedy_verification_keeps_the_agreeing_prefix_and_the_targets_next_token():
+    assert accepted_tokens([7, 8, 9], [7, 8, 9, 4]) == [7, 8, 9, 4]  # all accepted, plus the bonus token
+    assert accepted_tokens([7, 8, 9], [7, 3, 9, 4]) == [7, 3]  # the target's correction ends it
+    assert accepted_tokens([7, 8], [1, 8, 9]) == [1]
+
+
+def _prompts() -> list[list[int]]:
+    """Random prompts, and prompts that repeat themselves (whose continuations prompt lookup can guess)."""
+    loops = [(p * 4)[:30] for p in random_prompts([5, 7], seed=3)]
+    return random_prompts([3, 11, 25], seed=9) + loops
+
+
+def _generate(model_dir: str, prompts, params, **options) -> tuple[list[list[int]], LLM]:
+    options = {"device": "cpu", "dtype": "float32", "kv_cache_memory_gb": 0.01, "max_num_seqs": 8, **options}
+    with LLM(model_dir, **options) as llm:
+        outputs = llm.generate(prompts, params)
+        assert_all_returned(llm)
+        return [list(o.token_ids) for o in outputs], llm
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_tokens_with_ngram_proposals_equal_those_without(tiny_model_dir, tp):
+    model_dir = tiny_model_dir("llama-untied")
+    plain, _ = _generate(model_dir, _prompts(), greedy(NEW_TOKENS), tensor_parallel_size=tp)
+    spec, llm = _generate(model_dir, _prompts(), greedy(NEW_TOKENS), tensor_parallel_size=tp,
+                          speculative_config=NGRAM)
+    assert spec == plain
+    stats = llm.engine.stats()
+    assert stats.spec_drafts > 0 and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+
+
+def test_sixteen_at_once_equal_each_alone_and_a_sampled_request_keeps_its_tokens(tiny_model_dir):
+    """16 greedy prompts at once (several proposals in one step) equal each alone; a seeded sampled request in the
+    same batches decodes one token a step, with the tokens it gets without speculation."""
+    model_dir = tiny_model_dir("llama-untied")
+    prompts = random_prompts([3 + 2 * i for i in range(15)], seed=7) + [(random_prompts([4], seed=5)[0] * 5)]
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=11, ignore_eos=True)
+    params = [greedy(NEW_TOKENS)] * 16 + [sampled]
+    with LLM(model_dir, device="cpu", dtype="float32", kv_cache_memory_gb=0.02, max_num_seqs=17,
+             max_num_batched_tokens=256, speculative_config=NGRAM) as llm:
+        together = [list(o.token_ids) for o in llm.generate(prompts + [prompts[0]], params)]
+        alone = [list(llm.generate([p], greedy(NEW_TOKENS))[0].token_ids) for p in prompts]
+        assert llm.engine.stats().spec_accepted_tokens > 0
+        assert_all_returned(llm)
+    assert together[:16] == alone
+    without, _ = _generate(model_dir, [prompts[0]], sampled)
+    assert together[16] == without[0]
+
+
+def test_preempted_and_aborted_sequences_lose_no_tokens_and_no_blocks(tiny_model_dir):
+    """A KV cache too small for every sequence at once: some are preempted mid-speculation and recomputed, with
+    the tokens of an engine without speculation; a request aborted between steps gives every block back."""
+    model_dir = tiny_model_dir("llama-untied")
+    prompts = [(p * 6)[:40] for p in random_prompts([4, 6, 5, 7, 3, 8], seed=21)]
+    small = dict(kv_cache_memory_gb=0.00009, max_model_len=96, max_num_batched_tokens=64)  # 11 blocks of 16 tokens
+    plain, _ = _generate(model_dir, prompts, greedy(40), **small)
+    with LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=8, speculative_config=NGRAM, **small) as llm:
+        spec = [list(o.token_ids) for o in llm.generate(prompts, greedy(40))]
+        assert llm.engine.scheduler.num_preemptions > 0
+        engine = llm.engine
+        engine.add_request("gone", prompts[0], greedy(40))
+        for _ in range(3):
+            engine.step()
+        engine.abort("gone")
+        while engine.has_work():
+            engine.step()
+        assert_all_returned(llm)
+    assert spec == plain
+
+
+def test_a_model_with_recurrent_state_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="linear-attention layers"):
+        LLM(tiny_model_dir("qwen3-next"), device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
+            speculative_config=NGRAM)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' is not supported yet"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a whole number from 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key"),
+])
+def test_a_bad_configuration_names_what_is_wrong(config, message):
+    from shardserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", speculative_config=config)
