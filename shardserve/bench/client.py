@@ -68,6 +68,24 @@ class OpenAIClient:
                                                   connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
+    async def spec_counters(self) -> dict[str, float] | None:
+        """The server's speculative-decoding counters from /metrics (shardserve:spec_decode_num_{drafts,draft_tokens,
+        accepted_tokens}), summed over models; None where /metrics does not answer or has none."""
+        try:
+            async with self._http().get("/metrics") as response:
+                if response.status != 200:
+                    return None
+                text = await response.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+        counters: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("shardserve:spec_decode_num_"):
+                name, _, value = line.rpartition(" ")
+                key = name.split("{")[0].removeprefix("shardserve:spec_decode_num_").removesuffix("_total")
+                counters[key] = counters.get(key, 0.0) + float(value)
+        return counters or None
+
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -88,6 +88,9 @@ class LevelSummary:
     requests_without_usage: int = 0  # counted from chunks: the server did not report usage
     client_cpu_s: float | None = None  # CPU seconds the bench process itself used during the level
     errors: dict[str, int] = field(default_factory=dict)  # message -> how many requests failed with it
+    # The server's speculative decoding over the level (its /metrics counters' change): acceptance_rate (accepted /
+    # proposed tokens), mean_accepted_length (tokens a verified step added), drafts; None where it does not speculate.
+    speculative: dict[str, float] | None = None
 
 
 def summarize(results: list[RequestResult], duration_s: float, concurrency: int, request_rate: float | None,
@@ -128,3 +131,14 @@ def client_bound_warning(levels: list[LevelSummary]) -> str | None:
     return ("the bench client was busy almost all the time (" + "; ".join(busy) + "), so it may have read the "
             "streams late and these levels measure it rather than the server: run several bench processes with "
             "a share of the concurrency each, or the client on another machine")
+
+
+def speculative_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """LevelSummary.speculative from the server's counters before and after a level."""
+    if not after:
+        return None
+    delta = {k: after.get(k, 0.0) - (before or {}).get(k, 0.0) for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    if delta["drafts"] <= 0:
+        return None
+    return {"acceptance_rate": delta["accepted_tokens"] / max(delta["draft_tokens"], 1.0),
+            "mean_accepted_length": 1.0 + delta["accepted_tokens"] / delta["drafts"], "drafts": delta["drafts"]}

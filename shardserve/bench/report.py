@@ -32,6 +32,10 @@ def print_table(levels: list[LevelSummary], console: Console, title: str) -> Non
     for s in levels:
         for error, count in s.errors.items():
             console.print(f"concurrency {s.concurrency}: {count} failed: {error}", style="red")
+        if s.speculative:
+            console.print(f"concurrency {s.concurrency}: speculative decoding accepted "
+                          f"{s.speculative['acceptance_rate']:.1%} of proposed tokens, "
+                          f"{s.speculative['mean_accepted_length']:.2f} tokens a verified step")
         if s.requests_without_usage:
             console.print(f"concurrency {s.concurrency}: {s.requests_without_usage} responses had no usage; "
                           "their output tokens were counted from the chunks", style="yellow")
@@ -57,7 +61,9 @@ def csv_row(s: LevelSummary) -> dict[str, object]:
         "output_throughput": s.output_throughput, "total_token_throughput": s.total_token_throughput,
         "total_input_tokens": s.total_input_tokens, "total_output_tokens": s.total_output_tokens,
         "goodput": "" if s.goodput is None else s.goodput,
-        "client_cpu_s": "" if s.client_cpu_s is None else s.client_cpu_s}
+        "client_cpu_s": "" if s.client_cpu_s is None else s.client_cpu_s,
+        "spec_acceptance_rate": "" if not s.speculative else s.speculative["acceptance_rate"],
+        "spec_mean_accepted_length": "" if not s.speculative else s.speculative["mean_accepted_length"]}
     for name in LATENCIES:
         d = getattr(s, name)
         for stat in _STATS:

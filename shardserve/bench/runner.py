@@ -4,6 +4,7 @@ at once or as a Poisson process, with at most `concurrency` in flight, under a p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import time
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shardserve.bench.client import OpenAIClient, RequestResult
-from shardserve.bench.metrics import LevelSummary, Slo, summarize
+from shardserve.bench.metrics import LevelSummary, Slo, speculative_summary, summarize
 from shardserve.bench.workload import BenchRequest, Workload
 
 
@@ -46,11 +47,14 @@ async def _run(config: BenchConfig, workload: Workload, console: Console) -> lis
             for level, concurrency in enumerate(config.concurrency):
                 requests = workload.requests(level)
                 task = progress.add_task(f"concurrency {concurrency}", total=len(requests))
+                counters = await client.spec_counters()
                 cpu = time.process_time()
                 results, duration = await _run_level(client, requests, concurrency, rate, workload.seed + level,
                                                      lambda: progress.advance(task))
-                summaries.append(summarize(results, duration, concurrency, rate, config.slos,
-                                           client_cpu_s=time.process_time() - cpu))
+                summary = summarize(results, duration, concurrency, rate, config.slos,
+                                    client_cpu_s=time.process_time() - cpu)
+                speculative = speculative_summary(counters, await client.spec_counters())
+                summaries.append(dataclasses.replace(summary, speculative=speculative))
     finally:
         await client.aclose()
     return summaries

@@ -14,7 +14,7 @@ from tests.helpers.reference import random_prompts
 from tests.helpers.state_models import assert_all_returned, greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 
 
 def test_prompt_lookup_takes_what_followed_the_latest_longest_match():
@@ -113,3 +113,45 @@ def test_a_bad_configuration_names_what_is_wrong(config, message):
 
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m", speculative_config=config)
+
+
+def test_smollm2_quoting_its_prompt_gives_the_same_tokens_with_fewer_steps(smollm2_gguf):
+    """The real SmolLM2 GGUF asked to repeat a sentence: prompt lookup proposes the sentence's next words, the
+    greedy answer is the one without speculation, and most proposals are accepted."""
+    text = "The quick brown fox jumps over the lazy dog near the old river bank."
+    prompt = [{"role": "user", "content": f"Repeat exactly: {text}"}]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    answers = []
+    for options in ({}, {"speculative_config": NGRAM}):
+        with LLM(smollm2_gguf, device="cpu", kv_cache_memory_gb=0.05, max_model_len=256, **options) as llm:
+            answers.append(list(llm.generate([llm.tokenizer.apply_chat_template(prompt)], params)[0].token_ids))
+            stats = llm.engine.stats()
+    assert answers[1] == answers[0]
+    assert stats.spec_accepted_tokens >= stats.spec_draft_tokens // 2 > 0
+
+
+def test_bench_reports_the_servers_acceptance_over_http(tiny_model_dir):
+    """`shardserve bench` (greedy, as it always sends) against a speculating server: each level's acceptance rate
+    and tokens a verified step, as the server's /metrics counters give them."""
+    from rich.console import Console
+
+    from shardserve.bench.runner import BenchConfig, run_bench
+    from shardserve.bench.workload import Workload
+    from shardserve.tokenizer import Tokenizer
+    from tests.serving import serve_model
+
+    model_dir = tiny_model_dir("llama-untied")
+    with serve_model(model_dir, name="spec", kv_cache_memory_gb=0.02, speculative_config=NGRAM) as server:
+        workload = Workload(4, output_len=24, input_len=16, tokenizer=Tokenizer.from_model_path(model_dir), seed=4)
+        [level] = run_bench(BenchConfig(server.url, "spec", concurrency=(2,), num_warmups=0), workload,
+                            Console(quiet=True))
+        metrics = server.http().get("/metrics").text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {sample.name: sample.value for family in text_string_to_metric_families(metrics)
+              for sample in family.samples if sample.name.startswith("shardserve:spec_decode")}
+    drafts, proposed, accepted = (totals[f"shardserve:spec_decode_num_{name}_total"]
+                                  for name in ("drafts", "draft_tokens", "accepted_tokens"))
+    assert level.completed == 4 and drafts > 0  # the server's counters from zero: this level's
+    assert level.speculative == {"acceptance_rate": accepted / proposed, "mean_accepted_length": 1 + accepted / drafts,
+                                 "drafts": drafts}
