@@ -128,7 +128,8 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         "(prompt lookup; optional prompt_lookup_max, default 4, and prompt_lookup_min, default 1): "
-                        "greedy requests verify up to that many proposed tokens a step")
+                        "requests verify up to that many proposed tokens a step (greedy ones give the tokens they give without it, "
+                        "sampled ones keep the model's distribution)")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "generic", "none"], default="auto",

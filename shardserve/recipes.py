@@ -20,7 +20,7 @@ import re
 import socket
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shardserve.model_files import relative_to_file
 from shardserve.yaml_config import load_yaml_model
@@ -54,6 +54,8 @@ class ServeOptions(BaseModel):
     quantization: Literal["fp8"] | None = None
     mamba_ssm_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3"] | None = None
+    # --speculative-config's JSON as a mapping, checked by config.SpeculativeConfig.
+    speculative_config: dict[str, Any] | None = None
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "generic", "none"] | None = None
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
     api_server_count: int | None = Field(default=None, ge=0)
@@ -61,6 +63,14 @@ class ServeOptions(BaseModel):
     data_parallel_routing: Literal["affinity", "least-loaded", "round-robin"] | None = None
     distributed_executor_backend: Literal["mp", "ray"] | None = None
     log_level: Literal["debug", "info", "warning", "error"] | None = None
+
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _checked_speculative_config(cls, value: dict[str, Any] | None):
+        from shardserve.config import SpeculativeConfig
+
+        return None if value is None else SpeculativeConfig.from_dict(value)
 
 
 class Recipe(BaseModel):

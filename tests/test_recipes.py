@@ -127,3 +127,16 @@ def test_a_missing_unparsable_or_empty_file_is_one_line_naming_it(tmp_path, load
             path.write_text(text)
         with pytest.raises(error, match=message.format(what=what, path=re.escape(str(path)))):
             load(str(path))
+
+
+def test_a_recipe_sets_speculative_decoding_and_names_a_bad_setting(tmp_path):
+    path = _recipe(tmp_path, {"model": "/m", "serve": {"speculative_config": {"method": "ngram",
+                                                                             "num_speculative_tokens": 2}}})
+    args = parse_args(["serve", "--recipe", path])
+    from shardserve.config import EngineConfig, SpeculativeConfig
+
+    assert EngineConfig(model="/m", speculative_config=args.speculative_config).speculative_config == \
+        SpeculativeConfig("ngram", 2)
+    with pytest.raises(RecipeError, match="serve.speculative_config.*method 'mtp' is not supported yet"):
+        load_recipe(_recipe(tmp_path, {"model": "/m", "serve": {"speculative_config": {
+            "method": "mtp", "num_speculative_tokens": 1}}}))

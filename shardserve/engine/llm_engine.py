@@ -23,7 +23,7 @@ from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.sampler import PendingSample, RowHistory, Sampler
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
-from shardserve.engine.speculative import NgramProposer, accepted_tokens, drafts_allowed
+from shardserve.engine.speculative import NgramProposer, drafts_allowed
 from shardserve.engine.structured_output import StructuredOutputs
 from shardserve.requests.client import EngineStats
 from shardserve.requests.detokenizer import IncrementalDetokenizer, detokenizer_for, text_update
@@ -92,8 +92,8 @@ class _InFlight:
     plan: StepPlan
     seqs: list[Sequence]
     pending: PendingSample | None
-    # Verified chunks (speculative decoding): each sequence and its proposals, in row order, and the argmaxes of
-    # their rows (draft + 1 a sequence) on the device.
+    # Verified chunks (speculative decoding): each sequence and its proposals, in row order, and the logits of
+    # their rows (draft + 1 a sequence), which Sampler.verify reads.
     verify: list = field(default_factory=list)
     targets: object = None
 
@@ -340,8 +340,7 @@ class LLMEngine:
 
     def _split_verified(self, plan: StepPlan, seq_ids: list[int], logits):
         """The rows of verified chunks (draft + 1 consecutive rows of one sequence) apart from the others: (the
-        others' seq ids and logits, [(sequence, its proposals)] in row order, the verified rows' argmaxes on the
-        device)."""
+        others' seq ids and logits, [(sequence, its proposals)] in row order, the verified rows' logits)."""
         drafted = {c.seq_id: c for c in plan.chunks if c.draft}
         rows, verified_rows, verify = [], [], []
         i = 0
@@ -354,9 +353,9 @@ class LLMEngine:
             verify.append((self.seqs[chunk.seq_id], chunk.token_ids[-chunk.draft:]))
             verified_rows.extend(range(i, i + chunk.draft + 1))
             i += chunk.draft + 1
-        targets = logits[on_device(verified_rows, logits.device)].argmax(dim=-1)
+        verified = logits[on_device(verified_rows, logits.device)]
         others = logits[on_device(rows, logits.device)] if rows else None
-        return [seq_ids[r] for r in rows], others, verify, targets
+        return [seq_ids[r] for r in rows], others, verify, verified
 
     def _resolve(self, step: "_InFlight") -> list[RequestOutput]:
         """Wait for a step's tokens and append them; a sequence that finished or was aborted while the step
@@ -373,14 +372,11 @@ class LLMEngine:
     def _resolve_verified(self, step: "_InFlight") -> list[RequestOutput]:
         """Each verified sequence takes its accepted proposals and the target's next token (speculative.py); the
         accepted proposals' cache entries count as computed."""
-        targets = step.targets.tolist()
-        outputs, row = [], 0
-        for seq, drafts in step.verify:
-            chosen = targets[row:row + len(drafts) + 1]
-            row += len(drafts) + 1
+        chosen = self.sampler.verify(step.targets, [(seq.seq_id, seq.params, drafts) for seq, drafts in step.verify])
+        outputs = []
+        for (seq, drafts), tokens in zip(step.verify, chosen):
             if seq.is_finished:
                 continue
-            tokens = accepted_tokens(drafts, chosen)
             self.spec_drafts += 1
             self.spec_draft_tokens += len(drafts)
             self.spec_accepted_tokens += len(tokens) - 1

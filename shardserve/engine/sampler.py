@@ -204,39 +204,98 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> torch.Tensor:
         """One token per row of float32 `logits` [m, vocab] (all rows non-greedy), on their device."""
-        vocab = logits.shape[-1]
-        device = logits.device
-        temperature = on_device([p.temperature for p in params], device)
-        # Shifting by the row maximum changes no probability and keeps a tiny temperature from overflowing.
-        scaled = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))
-        if any(p.min_p > 0 for p in params):
-            _drop_below_min_p(scaled, params)
+        return self._race(target_probs(logits, params), seq_ids, params)
 
-        # Rows with a top-p cut need a sort; rows with only a top-k cut need just their k-th largest
-        # logit. Both keep exactly the tokens the semantics above keep, so which path a row takes
-        # never changes its result.
-        top_k_only = [r for r, p in enumerate(params) if 0 < p.top_k < vocab and p.top_p >= 1.0]
-        if top_k_only:
-            rows = on_device(top_k_only, device)
-            scaled.index_copy_(0, rows, _top_k(scaled.index_select(0, rows), [params[r].top_k for r in top_k_only]))
-        top_p = [r for r, p in enumerate(params) if p.top_p < 1.0]
-        if top_p:
-            rows = on_device(top_p, device)
-            scaled.index_copy_(0, rows, _top_k_top_p(scaled.index_select(0, rows), [params[r] for r in top_p]))
+    def _noise(self, shape: tuple[int, ...], seq_ids: list[int], params: list[SamplingParams], device,
+               kind: str = "exponential") -> torch.Tensor:
+        """Per row, `kind` noise (Exp(1) or U(0, 1)) over the last dim, a seeded row's from its own generator in
+        order (so its draws ignore the other rows), the others from the sampler's default one."""
+        noise = torch.empty(shape, device=device)
+        draw = (lambda t, g: t.exponential_(generator=g)) if kind == "exponential" else \
+            (lambda t, g: t.uniform_(generator=g))
+        if any(p.seed is None for p in params):
+            draw(noise, self._default_generator(device))
+        for r, (seq_id, p) in enumerate(zip(seq_ids, params)):
+            if p.seed is not None:
+                draw(noise[r], self._seeded_generator(seq_id, p.seed, device))
+        return noise
 
-        probs = torch.softmax(scaled, dim=-1)
+    def _race(self, probs: torch.Tensor, seq_ids: list[int], params: list[SamplingParams]) -> torch.Tensor:
+        """One token per row of `probs` [m, vocab] (changed in place)."""
         # Exponential race (what torch.multinomial does for one sample, without its host syncs):
         # argmax(p / q) with q ~ Exp(1) picks token t with probability p_t. Each seeded row draws
         # its noise from its own generator, in token order, so its draw ignores the other rows.
-        noise = torch.empty_like(probs)
-        if any(p.seed is None for p in params):
-            noise.exponential_(generator=self._default_generator(device))
-        for r, (seq_id, p) in enumerate(zip(seq_ids, params)):
-            if p.seed is not None:
-                noise[r].exponential_(generator=self._seeded_generator(seq_id, p.seed, device))
+        noise = self._noise(tuple(probs.shape), seq_ids, params, probs.device)
         # A zero draw would turn 0/0 into NaN, which argmax would pick.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return probs.div_(noise).argmax(dim=-1)
+
+    def verify(self, logits: torch.Tensor, seqs: list[tuple[int, SamplingParams, list[int]]]) -> list[list[int]]:
+        """Speculative verification (engine/speculative.py): `logits` holds, for each (seq id, params, proposals)
+        in order, len(proposals) + 1 consecutive rows (after its last token, then after each proposal). Returns
+        each sequence's tokens to append: the accepted proposals, then one token of the target's.
+
+        Greedy rows (drafts_allowed: no other processing) take argmaxes (speculative.accepted_tokens). A sampled
+        sequence keeps the target distribution exactly (rejection sampling with proposals of probability 1):
+        proposal d_i is accepted with probability p_i(d_i); the first rejected one is replaced by a draw from p_i
+        without d_i, renormalised; when all are accepted, a last token is drawn from the final row's p. p: the
+        row's temperature, top-k and top-p distribution (target_probs), as `enqueue` draws from."""
+        from shardserve.engine.speculative import accepted_tokens
+
+        rows, row_params, row_seqs, draft_rows, draft_tokens = [], [], [], [], []
+        for seq_id, p, drafts in seqs:
+            first = len(rows)
+            rows.extend(range(first, first + len(drafts) + 1))
+            row_params.extend([p] * (len(drafts) + 1))
+            row_seqs.extend([seq_id] * (len(drafts) + 1))
+            draft_rows.extend(range(first, first + len(drafts)))
+            draft_tokens.extend(drafts)
+        greedy = logits.argmax(dim=-1)
+        sampled_rows = [r for r, p in enumerate(row_params) if not p.greedy]
+        if not sampled_rows:
+            targets = greedy.tolist()
+            out, row = [], 0
+            for _, _, drafts in seqs:
+                out.append(accepted_tokens(drafts, targets[row:row + len(drafts) + 1]))
+                row += len(drafts) + 1
+            return out
+        device = logits.device
+        index = on_device(sampled_rows, device)
+        probs = target_probs(logits.float().index_select(0, index), [row_params[r] for r in sampled_rows])
+        sampled_at = {r: i for i, r in enumerate(sampled_rows)}
+        # Each sampled row: p(its proposal), a uniform draw, and a token drawn from p without its proposal (the
+        # replacement, used where the proposal is rejected; for a sequence's last row, from p itself).
+        proposal = torch.full((len(sampled_rows),), -1, dtype=torch.long, device=device)
+        for r, token in zip(draft_rows, draft_tokens):
+            if r in sampled_at:
+                proposal[sampled_at[r]] = token
+        has = proposal >= 0
+        p_proposal = torch.where(has, probs.gather(1, proposal.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+        seq_of = [row_seqs[r] for r in sampled_rows]
+        params_of = [row_params[r] for r in sampled_rows]
+        uniform = self._noise((len(sampled_rows),), seq_of, params_of, device, "uniform")
+        residual = probs.clone()
+        residual[has] = residual[has].scatter(1, proposal[has].unsqueeze(1), 0.0)
+        replacement = self._race(residual, seq_of, params_of)
+        accept = (uniform < p_proposal) & has
+        host = torch.stack([accept.long(), replacement]).tolist()
+        targets = greedy.tolist()
+        out, row = [], 0
+        for _, p, drafts in seqs:
+            if p.greedy:
+                out.append(accepted_tokens(drafts, targets[row:row + len(drafts) + 1]))
+            else:
+                tokens = []
+                for i in range(len(drafts) + 1):
+                    at = sampled_at[row + i]
+                    if i < len(drafts) and host[0][at]:
+                        tokens.append(drafts[i])
+                        continue
+                    tokens.append(host[1][at])
+                    break
+                out.append(tokens)
+            row += len(drafts) + 1
+        return out
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._default_generators:
@@ -491,6 +550,30 @@ def _drop_below_min_p(scaled: torch.Tensor, params: list[SamplingParams]) -> Non
     log_min_p = on_device([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params], scaled.device,
                           torch.float32)
     scaled.masked_fill_(scaled < log_min_p.unsqueeze(1), float("-inf"))
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of float32 `logits` [m, vocab] draws from: softmax(logits / temperature) over the
+    tokens min-p, top-k and top-p keep (all rows non-greedy)."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    temperature = on_device([p.temperature for p in params], device)
+    # Shifting by the row maximum changes no probability and keeps a tiny temperature from overflowing.
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))
+    if any(p.min_p > 0 for p in params):
+        _drop_below_min_p(scaled, params)
+    # Rows with a top-p cut need a sort; rows with only a top-k cut need just their k-th largest
+    # logit. Both keep exactly the tokens the semantics above keep, so which path a row takes
+    # never changes its result.
+    top_k_only = [r for r, p in enumerate(params) if 0 < p.top_k < vocab and p.top_p >= 1.0]
+    if top_k_only:
+        rows = on_device(top_k_only, device)
+        scaled.index_copy_(0, rows, _top_k(scaled.index_select(0, rows), [params[r].top_k for r in top_k_only]))
+    top_p = [r for r, p in enumerate(params) if p.top_p < 1.0]
+    if top_p:
+        rows = on_device(top_p, device)
+        scaled.index_copy_(0, rows, _top_k_top_p(scaled.index_select(0, rows), [params[r] for r in top_p]))
+    return torch.softmax(scaled, dim=-1)
 
 
 def _top_k(scaled: torch.Tensor, ks: list[int]) -> torch.Tensor:

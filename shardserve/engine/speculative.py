@@ -5,7 +5,8 @@ A sequence whose last token is not yet computed decodes one token a step. With p
 Greedy verification: the target's choices t_0..t_k are the rows' argmaxes; d_i is accepted while d_i == t_{i-1},
 and the first target choice after the accepted proposals is appended too (a correction, or a bonus token when all
 k are accepted). So a step appends 1 to k + 1 tokens, the same tokens the target alone would have given one a
-step.
+step. Sampled requests: rejection sampling (Sampler.verify), which keeps the target's distribution exactly: d_i is
+accepted with probability p_i(d_i), a rejected one replaced by a draw from p_i without it.
 
 Invariant: after the step the sequence's first num_computed_tokens tokens are in the cache: the last token and
 the accepted proposals were computed with their true context; the rejected proposals' entries sit past
@@ -13,9 +14,9 @@ num_computed_tokens in blocks the sequence holds, never read (attention reads a 
 positions), and overwritten when those positions are computed. Blocks are never rolled back: they serve the
 sequence's next tokens, and go back to the pool with it.
 
-Which requests speculate (drafts_allowed): greedy ones whose sampling reads nothing but the logits (no logprobs,
-penalties, logit bias, min_tokens, grammar): their tokens are the argmax of the target's logits alone. The others
-decode one token a step in the same batches. Not for models with recurrent state (linear attention): a rejected
+Which requests speculate (drafts_allowed): those whose sampling reads nothing but the logits, through temperature,
+top-k and top-p (no logprobs, penalties, logit bias, min_tokens, min_p, grammar). The others decode one token a step
+in the same batches. Not for models with recurrent state (linear attention): a rejected
 proposal would have stepped the state.
 """
 
@@ -26,9 +27,9 @@ from shardserve.requests.sampling_params import SamplingParams
 
 
 def drafts_allowed(params: SamplingParams) -> bool:
-    """Whether a request's tokens are the argmax of the target's logits alone (so proposals can be checked against
-    it); see the module docstring."""
-    return params.temperature == 0 and not params.processes_logits and params.logprobs is None
+    """Whether a request's tokens depend on the target's logits alone, through temperature, top-k and top-p (so
+    its proposals can be verified row by row: Sampler.verify); see the module docstring."""
+    return not params.processes_logits and params.logprobs is None
 
 
 def ngram_proposals(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:

@@ -6,6 +6,7 @@ with recurrent state and bad configurations are refused with a message naming th
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shardserve.engine.speculative import accepted_tokens, ngram_proposals
 from shardserve.entrypoints.llm import LLM
@@ -31,6 +32,41 @@ def test_greedy_verification_keeps_the_agreeing_prefix_and_the_targets_next_toke
     assert accepted_tokens([7, 8, 9], [7, 8, 9, 4]) == [7, 8, 9, 4]  # all accepted, plus the bonus token
     assert accepted_tokens([7, 8, 9], [7, 3, 9, 4]) == [7, 3]  # the target's correction ends it
     assert accepted_tokens([7, 8], [1, 8, 9]) == [1]
+
+
+# Chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails a check this strict once in
+# a thousand seeds; the draws here are seeded, so each check passes or fails the same way every run.
+CHI2_999 = {2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, "a token of probability 0 was drawn"
+    return float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_rejection_sampling_keeps_the_targets_distribution_at_every_position(top_k):
+    """Sampler.verify on the same three rows (after the last token, after proposal 0, after proposal 1) 20,000
+    times: the first token follows row 0's distribution, the second (where proposal 0 was accepted) row 1's, the
+    third (both accepted) row 2's; with top_k 4 no token outside a row's best four appears. A verifier that drew
+    the replacement from the whole row instead of the row without the proposal would over-draw the proposal."""
+    from shardserve.engine.sampler import Sampler, target_probs
+
+    vocab, trials = 6, 20000
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, vocab, generator=g) * 1.5
+    params = SamplingParams(temperature=0.9, top_k=top_k, max_tokens=8)
+    drafts = [int(logits[0].argsort()[-2]), int(logits[1].argsort()[-1])]  # a likely and a most likely proposal
+    probs = target_probs(logits.clone(), [params] * 3)
+    out = Sampler(seed=5).verify(logits.repeat(trials, 1), [(i, params, drafts) for i in range(trials)])
+    assert all(1 <= len(t) <= 3 for t in out)
+    for position in range(3):
+        reached = [t for t in out if len(t) > position and t[:position] == drafts[:position]]
+        counts = torch.bincount(torch.tensor([t[position] for t in reached]), minlength=vocab).double()
+        support = int((probs[position] > 0).sum())
+        assert _chi_square(counts, probs[position].double()) < CHI2_999[support - 1], (position, counts.tolist())
 
 
 def _prompts() -> list[list[int]]:
@@ -59,11 +95,12 @@ def test_greedy_tokens_with_ngram_proposals_equal_those_without(tiny_model_dir, 
 
 
 def test_sixteen_at_once_equal_each_alone_and_a_sampled_request_keeps_its_tokens(tiny_model_dir):
-    """16 greedy prompts at once (several proposals in one step) equal each alone; a seeded sampled request in the
-    same batches decodes one token a step, with the tokens it gets without speculation."""
+    """16 greedy prompts at once (several proposals in one step) equal each alone; a seeded sampled request that
+    asks for logprobs (which verification does not give) decodes one token a step in the same batches, with the
+    tokens it gets without speculation."""
     model_dir = tiny_model_dir("llama-untied")
     prompts = random_prompts([3 + 2 * i for i in range(15)], seed=7) + [(random_prompts([4], seed=5)[0] * 5)]
-    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=11, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=11, ignore_eos=True, logprobs=1)
     params = [greedy(NEW_TOKENS)] * 16 + [sampled]
     with LLM(model_dir, device="cpu", dtype="float32", kv_cache_memory_gb=0.02, max_num_seqs=17,
              max_num_batched_tokens=256, speculative_config=NGRAM) as llm:
@@ -155,3 +192,19 @@ def test_bench_reports_the_servers_acceptance_over_http(tiny_model_dir):
     assert level.completed == 4 and drafts > 0  # the server's counters from zero: this level's
     assert level.speculative == {"acceptance_rate": accepted / proposed, "mean_accepted_length": 1 + accepted / drafts,
                                  "drafts": drafts}
+
+
+def test_sampled_requests_speculate_reproducibly_and_return_every_block(tiny_model_dir):
+    """Seeded sampled requests (temperature, top-p) take proposals too: the same request twice gives the same
+    tokens, proposals are verified and some accepted, and every block comes back."""
+    model_dir = tiny_model_dir("llama-untied")
+    prompts = [(p * 4)[:24] for p in random_prompts([5, 6, 4], seed=13)]
+    # A low temperature: the random model's answers then loop, as greedy ones do, so prompt lookup finds them.
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.1, top_p=0.95, seed=3, ignore_eos=True)
+    with LLM(model_dir, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, speculative_config=NGRAM) as llm:
+        first = [list(o.token_ids) for o in llm.generate(prompts, params)]
+        again = [list(o.token_ids) for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+        assert_all_returned(llm)
+    assert first == again and all(len(t) == NEW_TOKENS for t in first)
+    assert stats.spec_drafts > 0 and stats.spec_accepted_tokens > 0
