@@ -23,7 +23,8 @@ from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.sampler import PendingSample, RowHistory, Sampler
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
-from shardserve.engine.speculative import NgramProposer, drafts_allowed
+from shardserve.engine.speculative import (MIN_PROPOSED, NgramProposer, break_even_for, drafts_allowed,
+                                           stops_paying)
 from shardserve.engine.structured_output import StructuredOutputs
 from shardserve.requests.client import EngineStats
 from shardserve.requests.detokenizer import IncrementalDetokenizer, detokenizer_for, text_update
@@ -116,6 +117,12 @@ class LLMEngine:
                                    state_slots=bool(self.model_config.linear_attention_layers),
                                    proposer=self._proposals if self.proposer is not None else None)
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        if self.proposer is not None:
+            self.spec_break_even = break_even_for(config.speculative_config, self.runner.device)
+            logger.info("speculative decoding: %s, up to %d proposed tokens a step; a request that proposed %d tokens "
+                        "stops proposing while under %.2f of them are accepted (the break-even on %s)",
+                        config.speculative_config.method, config.speculative_config.num_speculative_tokens,
+                        MIN_PROPOSED, self.spec_break_even, self.runner.device.type)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.grammars = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -142,7 +149,7 @@ class LLMEngine:
         tokens are not the argmax of the logits alone (speculative.drafts_allowed), and never more than its
         max_tokens and the context length leave room for after the token the step adds anyway."""
         p = seq.params
-        if not drafts_allowed(p):
+        if not drafts_allowed(p) or stops_paying(seq.spec_proposed, seq.spec_accepted, self.spec_break_even):
             return []
         room = min(limit, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
         return self.proposer.propose(seq.token_ids, room)
@@ -380,6 +387,8 @@ class LLMEngine:
             self.spec_drafts += 1
             self.spec_draft_tokens += len(drafts)
             self.spec_accepted_tokens += len(tokens) - 1
+            seq.spec_proposed += len(drafts)
+            seq.spec_accepted += len(tokens) - 1
             self.scheduler.accept_drafts(seq, len(tokens) - 1)
             outputs.append(self._append_all(seq, tokens))
         return outputs

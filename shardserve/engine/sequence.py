@@ -32,6 +32,8 @@ class Sequence:
         self.num_hashed_blocks = 0  # the first blocks of block_table whose hashes are registered (BlockManager)
         self.state_slot = -1  # its slot in the recurrent-state pools while running (Scheduler), else -1
         self.finish_reason: str | None = None
+        # Speculative decoding: tokens proposed for it and accepted (engine/speculative.py stops_paying).
+        self.spec_proposed = self.spec_accepted = 0
 
     @property
     def num_tokens(self) -> int:

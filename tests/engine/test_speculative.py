@@ -208,3 +208,30 @@ def test_sampled_requests_speculate_reproducibly_and_return_every_block(tiny_mod
         assert_all_returned(llm)
     assert first == again and all(len(t) == NEW_TOKENS for t in first)
     assert stats.spec_drafts > 0 and stats.spec_accepted_tokens > 0
+
+
+def test_break_even_acceptance_solves_tokens_a_step_against_its_cost():
+    from shardserve.engine.speculative import break_even_acceptance, stops_paying
+
+    for k, c in ((1, 0.17), (3, 0.16), (4, 0.05)):
+        a = break_even_acceptance(k, c)
+        assert abs(sum(a ** i for i in range(k + 1)) - (1 + c * k)) < 1e-6
+    assert not stops_paying(7, 0, 0.3)  # too few proposals to judge
+    assert stops_paying(9, 2, 0.3) and not stops_paying(9, 3, 0.3)
+
+
+def test_a_request_whose_proposals_keep_failing_stops_proposing(tiny_model_dir, monkeypatch):
+    """Proposals that are never right (a proposer of a token the model never picks): after MIN_PROPOSED proposed
+    tokens the request decodes one token a step, with the tokens it gives without speculation."""
+    from shardserve.engine import speculative
+
+    model_dir = tiny_model_dir("llama-untied")
+    prompt = random_prompts([9], seed=17)
+    plain, _ = _generate(model_dir, prompt, greedy(NEW_TOKENS))
+    never = next(t for t in range(5, 1000) if t not in plain[0])
+    monkeypatch.setattr(speculative.NgramProposer, "propose", lambda self, ids, limit: [never] * min(3, limit))
+    spec, llm = _generate(model_dir, prompt, greedy(NEW_TOKENS), speculative_config=NGRAM)
+    stats = llm.engine.stats()
+    assert spec == plain
+    assert stats.spec_accepted_tokens == 0 and speculative.MIN_PROPOSED <= stats.spec_draft_tokens < \
+        speculative.MIN_PROPOSED + 3
