@@ -74,7 +74,7 @@ def prefix_caching_allowed(config: EngineConfig, model_config: ModelConfig) -> b
 
 def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
     """Refuse --speculative-config where verification would go wrong: a model with recurrent state (a rejected
-    proposal would have stepped it), and pipeline stages (not built for it)."""
+    proposal would have stepped it)."""
     if config.speculative_config is None:
         return
     if model_config.linear_attention_layers:
@@ -82,8 +82,6 @@ def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
                          f"{len(model_config.linear_attention_layers)} linear-attention layers, whose per-sequence "
                          "state a rejected proposal would have stepped; speculative decoding serves models without "
                          "recurrent state only")
-    if config.pipeline_parallel_size > 1:
-        raise ValueError("--speculative-config with --pipeline-parallel-size > 1 is not supported yet: use -tp")
 
 
 @dataclass

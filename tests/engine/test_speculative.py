@@ -83,12 +83,13 @@ def _generate(model_dir: str, prompts, params, **options) -> tuple[list[list[int
         return [list(o.token_ids) for o in outputs], llm
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_greedy_tokens_with_ngram_proposals_equal_those_without(tiny_model_dir, tp):
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+def test_greedy_tokens_with_ngram_proposals_equal_those_without(tiny_model_dir, tp, pp):
+    """At TP 1 and 2, and over two pipeline stages (the last stage sends every verified row's logits back)."""
     model_dir = tiny_model_dir("llama-untied")
-    plain, _ = _generate(model_dir, _prompts(), greedy(NEW_TOKENS), tensor_parallel_size=tp)
-    spec, llm = _generate(model_dir, _prompts(), greedy(NEW_TOKENS), tensor_parallel_size=tp,
-                          speculative_config=NGRAM)
+    layout = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    plain, _ = _generate(model_dir, _prompts(), greedy(NEW_TOKENS), **layout)
+    spec, llm = _generate(model_dir, _prompts(), greedy(NEW_TOKENS), speculative_config=NGRAM, **layout)
     assert spec == plain
     stats = llm.engine.stats()
     assert stats.spec_drafts > 0 and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
