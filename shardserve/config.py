@@ -528,7 +528,7 @@ def _nemotron_h_moe_fields(cfg: dict[str, Any], types: list[str]) -> dict[str, A
     """The mixture-of-experts fields of a NemotronH config whose layers_block_type names "moe" layers (none
     otherwise), as transformers' NemotronHMoE reads them: its one shared expert has moe_shared_expert_intermediate_size
     features (n_shared_experts must be 1: transformers and vLLM read other values differently). Refuses biases in the
-    expert blocks (mlp_bias) and quantized checkpoints of them, which shardserve does not serve yet."""
+    expert blocks (mlp_bias), which shardserve does not serve. (Quantized experts load as the values they encode.)"""
     moe_layers = tuple(i for i, t in enumerate(types) if t == "moe")
     if not moe_layers:
         return {}
@@ -538,9 +538,6 @@ def _nemotron_h_moe_fields(cfg: dict[str, Any], types: list[str]) -> dict[str, A
     if cfg.get("mlp_bias"):
         raise ValueError("NemotronH with mixture-of-experts layers and mlp_bias=true is not supported: the expert "
                          "blocks are served without biases")
-    if cfg.get("quantization_config") or cfg.get("compression_config"):
-        raise ValueError("NemotronH's mixture-of-experts layers from a quantized checkpoint are not supported yet: "
-                         "serve the 16-bit checkpoint")
     experts = routed_experts(cfg)
     route = GroupedTopK(experts, cfg["num_experts_per_tok"], cfg.get("n_group", 1), cfg.get("topk_group", 1),
                         bool(cfg.get("norm_topk_prob", True)), float(cfg.get("routed_scaling_factor", 1.0)))

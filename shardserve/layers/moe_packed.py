@@ -24,6 +24,7 @@ from torch import nn
 from shardserve import envs
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.quant_pack import FOUR_BIT_KINDS, pack_fp4_scales, pack_int4, pack_scale_zero, scale_dtype
+from shardserve.layers.nongated_experts import NonGatedExperts
 from shardserve.layers.moe import (SparseMoE, _check_shape, check_routes, close_to_float64,
                                    grouped_by_expert, reference_experts)
 from shardserve.layers.linear import as_tensor, empty_parameter
@@ -165,6 +166,8 @@ def pack_experts(model: nn.Module, names: set[str] | None, layout: PackedLayout,
     dense experts (built under deferred_weights()). Returns how many."""
     count, unpacked = 0, []
     for name, moe in model.named_modules():
+        if isinstance(moe, NonGatedExperts) and (names is None or f"{name}.w1" in names):
+            unpacked.append(f"{name} (non-gated experts have no packed kernel yet: 16-bit on the fused kernel)")
         if not isinstance(moe, SparseMoE):
             continue
         groups = None

@@ -154,7 +154,7 @@ FP4_SCHEMES = {"nvfp4": (NVFP4_CONFIG, lambda w, seed: nvfp4(w)),
 
 
 def linear_weights(tensors: dict[str, torch.Tensor], head: bool = False) -> list[str]:
-    return [n for n in tensors if n.startswith("model.layers.") and n.endswith("_proj.weight")
+    return [n for n in tensors if n.startswith(("model.layers.", "backbone.layers.")) and n.endswith("_proj.weight")
             or head and n == "lm_head.weight"]
 
 
