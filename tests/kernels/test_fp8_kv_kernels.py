@@ -19,8 +19,8 @@ from shardserve.attention import kv_quant  # noqa: E402
 from shardserve.kernels.triton import paged_attention as pa, paged_decode as pd  # noqa: E402
 from shardserve.kernels.triton import fused_ops  # noqa: E402
 from shardserve.layers.rotary import RotaryEmbedding  # noqa: E402
-from tests.kernels.test_triton_kernels import (ATTN_TOL, DEVICE, PagedCache, _slots_of_last_positions,  # noqa: E402
-                                               reference_attention)
+from tests.helpers.paged_cache import (ATTN_TOL, DEVICE, PagedCache, reference_attention,  # noqa: E402
+                                       slots_of_last_positions)
 
 K_SCALE, V_SCALE = 0.37, 1.9  # not powers of two: the rounding grid moves with them
 
@@ -183,7 +183,7 @@ def test_decode_that_stores_its_new_token_in_fp8_equals_the_rotary_kernel_then_d
     cos, sin = rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE)
     qkv = (2 * torch.randn(len(lengths), num_heads + 2 * num_kv_heads, head_dim, generator=g)).to(dtype).to(DEVICE)
     positions = torch.tensor([max(n - 1, 0) for n in lengths], device=DEVICE)
-    slots = _slots_of_last_positions(cache, lengths)
+    slots = slots_of_last_positions(cache, lengths)
     context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
     scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)

@@ -24,61 +24,11 @@ import triton.language as tl  # noqa: E402
 from shardserve.kernels.triton import fused_ops, paged_attention as pa, paged_decode as pd  # noqa: E402
 from shardserve.kernels.triton.all_reduce import _ll_payload, ll_values, with_epoch  # noqa: E402
 from shardserve.layers.rotary import RotaryEmbedding  # noqa: E402
+from tests.helpers.paged_cache import ATTN_TOL, PagedCache, reference_attention, slots_of_last_positions  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
-
-
-ATTN_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Paged cache fixtures and the reference
-
-
-class PagedCache:
-    """A random cache with shuffled, non-contiguous block tables; block 0 is never handed out."""
-
-    def __init__(self, lengths: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        blocks_needed = [triton.cdiv(n, block_size) for n in lengths]
-        num_blocks = 1 + sum(blocks_needed) + 3
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
-        self.v = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
-        ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-        max_blocks = max(blocks_needed + [1]) + 2
-        table = torch.zeros(len(lengths), max_blocks, dtype=torch.int32)
-        for s, n in enumerate(blocks_needed):
-            table[s, :n] = torch.tensor(ids[:n], dtype=torch.int32)
-            table[s, n:] = torch.randint(0, num_blocks, (max_blocks - n,), generator=g)  # junk past the end
-            ids = ids[n:]
-        self.block_tables = table.to(DEVICE)
-        self.block_size = block_size
-        self.generator = g
-
-    def context(self, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions [0, length) of seq: [length, kv_heads, dim] each."""
-        pos = torch.arange(length, device=DEVICE)
-        table = self.block_tables[seq].long()
-        slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
-        return self.k[slots], self.v[slots]
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-    """q [M, H, D] at positions q_pos attends to k, v [L, KVH, D] at positions <= its own; float64."""
-    if k.shape[0] == 0:
-        return torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("mhd,lhd->hml", q.double(), k) * scale
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return torch.einsum("hml,lhd->mhd", probs, v)
 
 
 def assert_attention_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -269,15 +219,6 @@ class _Counted:
         return self.kernel[grid]
 
 
-def _slots_of_last_positions(cache: PagedCache, lengths: list[int]) -> torch.Tensor:
-    """The cache slot of each sequence's position length - 1 (-1 for an empty sequence: a padding row)."""
-    slots = []
-    for s, n in enumerate(lengths):
-        block = int(cache.block_tables[s, (n - 1) // cache.block_size]) if n else -1
-        slots.append(block * cache.block_size + (n - 1) % cache.block_size if n else -1)
-    return torch.tensor(slots, device=DEVICE)
-
-
 # (context lengths, query heads, KV heads, splits, head norms, dtype): padding rows, the new token alone in its
 # range or at a range's end, one split and several (joined in the launch or by the second kernel).
 ROTATED_DECODE_CASES = [
@@ -306,7 +247,7 @@ def test_decode_that_rotates_and_stores_its_new_token_equals_the_rotary_kernel_t
         head_norm = tuple((1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2))
         head_norm += (eps,)
     positions = torch.tensor([max(n - 1, 0) for n in lengths], device=DEVICE)
-    slots = _slots_of_last_positions(cache, lengths)
+    slots = slots_of_last_positions(cache, lengths)
     context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
     k_cache, v_cache = cache.k.clone(), cache.v.clone()
