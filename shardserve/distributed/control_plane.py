@@ -73,7 +73,8 @@ class ControlPlane:
         if ctx.world_size > 1:
             with setup_step("connect the step-plan streams", ctx.rank):
                 streams = open_plan_streams(ctx.control_group, ctx.rank, ctx.world_size, ctx.control_key,
-                                            ctx.rendezvous_host, collective_timeout().total_seconds())
+                                            ctx.rendezvous_host, collective_timeout().total_seconds(),
+                                            ctx.describe_rank)
         return cls(ctx.control_group, ctx.rank, ctx.world_size, ctx.control_key, streams)
 
     @property

@@ -26,6 +26,7 @@ import os
 import secrets
 import socket
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -49,9 +50,12 @@ class PlanConnectionLost(LockstepError):
 class PlanStreams:
     """Rank 0: a connected socket to every other rank, in rank order. Any other rank: its socket to rank 0."""
 
-    def __init__(self, rank: int, peers: dict[int, socket.socket], timeout_s: float) -> None:
+    def __init__(self, rank: int, peers: dict[int, socket.socket], timeout_s: float,
+                 describe: Callable[[int], str] = "rank {}".format) -> None:
+        """describe: how errors name a peer rank (RankContext.describe_rank: with pipeline stages, its stage)."""
         self.rank = rank
         self.peers = peers
+        self.describe = describe
         for sock in peers.values():
             sock.settimeout(timeout_s)
 
@@ -60,7 +64,7 @@ class PlanStreams:
             try:
                 sock.sendall(message)
             except OSError as e:  # a reset, a broken pipe, or the peer not reading for the whole timeout
-                raise PlanConnectionLost(f"rank {self.rank}: the plan connection to rank {peer} failed "
+                raise PlanConnectionLost(f"rank {self.rank}: the plan connection to {self.describe(peer)} failed "
                                          f"({type(e).__name__}: {e}): that rank has stopped") from e
 
     def receive(self, size: int) -> bytearray:
@@ -85,7 +89,7 @@ class PlanStreams:
 
 
 def open_plan_streams(group: dist.ProcessGroup, rank: int, world_size: int, key: bytes, host: str | None,
-                      timeout_s: float) -> PlanStreams | None:
+                      timeout_s: float, describe: Callable[[int], str] = "rank {}".format) -> PlanStreams | None:
     """Connect rank 0 to every other rank at `host` (rank 0's rendezvous address), or None on every rank where
     any rank could not (or $SHARDSERVE_PLAN_TRANSPORT=gloo). A collective over `group`: every rank calls it."""
     if envs.PLAN_TRANSPORT.get() == "gloo" or host is None:
@@ -121,7 +125,7 @@ def open_plan_streams(group: dist.ProcessGroup, rank: int, world_size: int, key:
         return None
     if rank == 0:
         logger.info("step plans go to %d rank(s) over TCP connections to %s", world_size - 1, host)
-    return PlanStreams(rank, peers, timeout_s)
+    return PlanStreams(rank, peers, timeout_s, describe)
 
 
 class _Refused(Exception):

@@ -1,5 +1,6 @@
 """Two hosts on one machine: two network namespaces joined by a veth pair, one rank in each, serving a
-model at TP=2 with `--nnodes 2`; the greedy tokens equal TP=1's. Needs root and `ip` (iproute2)."""
+model at TP=2, or in two pipeline stages, one a host, with `--nnodes 2`; the greedy tokens equal TP=1's, and a
+stage's rank killed on its host fails the server within 10 s naming it. Needs root and `ip` (iproute2)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-def _start_nodes(model_dir: str, hosts, extra_args: list[str], node_env: list[dict[str, str]]):
+def _start_nodes(model_dir: str, hosts, extra_args: list[str], node_env: list[dict[str, str]],
+                 layout: tuple[str, ...] = ("-tp", "2")):
     (ns_a, addr_a, _), _ = hosts
     master_port, http_port = find_free_port(), find_free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "GLOO_", "SHARDSERVE_"))}
@@ -82,7 +84,7 @@ def _start_nodes(model_dir: str, hosts, extra_args: list[str], node_env: list[di
     env["SHARDSERVE_CONTROL_TOKEN"] = "test-control-token"  # the launch's shared secret, set on both hosts
     nodes = []
     for node_rank, (ns, _, dev) in enumerate(hosts):
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "shardserve", "serve", model_dir, "-tp", "2",
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "shardserve", "serve", model_dir, *layout,
                "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", addr_a,
                "--master-port", str(master_port), "--control-interface", dev, "--device", "cpu",
                "--host", addr_a, "--port", str(http_port), "--served-model-name", "tiny", "--kv-cache-memory", "0.05",
@@ -133,3 +135,53 @@ def test_a_variable_that_differs_between_the_hosts_refuses_start_up(tiny_model_d
     assert codes[0] != 0 and codes[1] != 0
     for log in logs:
         assert "NCCL_ALGO differs: rank 0 (" in log and "has <unset>; rank 1 (" in log and "has 'Ring'" in log
+
+
+def test_a_pipeline_stage_on_each_host_gives_one_ranks_tokens_and_its_death_is_named(tiny_model_dir, two_hosts):
+    """`-pp 2 --nnodes 2 --max-restarts 0`: stage 0 on host a, stage 1 on host b (the residual stream crosses the
+    veth link); the greedy tokens are TP=1's. Then host b's node (stage 1's rank) is killed: within 10 s host a's
+    server stops answering /health with 200 and exits with status 1, its log naming the rank and its stage."""
+    import time
+
+    import httpx
+
+    model_dir = tiny_model_dir("llama-untied")
+    with LLM(model_dir, kv_cache_memory_gb=0.05) as llm:
+        expected = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].text
+    nodes, url, env = _start_nodes(model_dir, two_hosts, ["--max-restarts", "0"], [{}, {}], layout=("-pp", "2"))
+    ns_a = two_hosts[0][0]
+    try:
+        client = subprocess.run(["ip", "netns", "exec", ns_a, sys.executable, "-c", CLIENT, url, PROMPT], env=env,
+                                capture_output=True, text=True, timeout=240)
+        assert client.returncode == 0, f"client: {client.stderr}"
+        assert json.loads(client.stdout) == expected
+        _kill_tree(nodes[1].pid)  # the node of host b: stage 1's rank
+        killed = time.monotonic()
+        health = [sys.executable, "-c", f"import httpx; print(httpx.get('{url}/health', timeout=2).status_code)"]
+        while nodes[0].poll() is None:
+            probe = subprocess.run(["ip", "netns", "exec", ns_a, *health], capture_output=True, text=True)
+            if probe.stdout.strip() != "200":
+                break
+            assert time.monotonic() - killed < 10, "host a still answers 200 10 s after stage 1's rank died"
+            time.sleep(0.2)
+        assert nodes[0].wait(timeout=60) == 1
+    except (AssertionError, subprocess.TimeoutExpired, httpx.HTTPError) as failure:
+        logs = _stop(nodes)
+        raise AssertionError(f"{failure}\nnode 0:\n{logs[0][-3000:]}\nnode 1:\n{logs[1][-3000:]}") from None
+    logs = _stop(nodes)
+    assert "the plan connection to rank 1 (pipeline stage 1 of 2, tensor-parallel rank 0) failed" in logs[0], \
+        logs[0][-3000:]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process under it (host b's node: its rank and anything it started)."""
+    from pathlib import Path
+
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").iterdir():
+            todo += [int(child) for child in (task / "children").read_text().split()]
+    for victim in found:
+        os.kill(victim, 9)
