@@ -22,7 +22,6 @@ latent). Heads that do not split evenly are kept whole on every rank (layers/sha
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
