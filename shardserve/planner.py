@@ -537,9 +537,9 @@ def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
     token scaled to the layers it holds (split by bytes as the engine splits them), its context re-derived."""
     from shardserve.config import split_layers
 
-    if nemotron_h.is_nemotron_h(cfg) or mla.is_latent_attention(cfg) or set(layer_kinds(cfg)) != {"attention"}:
-        raise ValueError("pipeline stages serve models whose every layer is attention (Llama, Qwen2/3, Mistral and "
-                         "their mixtures of experts); plan this model with -tp alone")
+    if nemotron_h.is_nemotron_h(cfg) or set(layer_kinds(cfg)) != {"attention"}:
+        raise ValueError("pipeline stages serve models whose every layer is attention (Llama, Qwen2/3, Mistral, "
+                         "DeepSeek-V3/V2 and their mixtures of experts); plan this model with -tp alone")
     pp, tp = req.pipeline_parallel_size, req.tensor_parallel_size
     # Every rank of every stage on one host unless ranks_per_host says otherwise (host memory counts them all).
     whole = plan(cfg, dataclasses.replace(req, pipeline_parallel_size=1, pipeline_stage=None,

@@ -329,3 +329,17 @@ def test_deepseek_v3_weights_are_what_a_dummy_build_holds(tp, config):
     planned = plan(cfg, PlanRequest(tensor_parallel_size=tp))
     assert abs(planned.weight_bytes - built) / built < 0.05
     assert planned.kv_bytes_per_token == 5 * (512 + 64) * 2
+
+
+def test_deepseek_v3_in_two_pipeline_stages_plans_each_stages_layers_and_latent_cache():
+    """-tp 8 -pp 2 (two 8-GPU nodes): each stage's weights about half the model's, and its latent cache one entry
+    of 576 bf16 features a token for each of its own layers."""
+    whole = plan(DEEPSEEK_V3, PlanRequest(tensor_parallel_size=8, max_model_len=4096, gpu_memory_gb=141))
+    staged = plan(DEEPSEEK_V3, PlanRequest(tensor_parallel_size=8, pipeline_parallel_size=2, max_model_len=4096,
+                                           gpu_memory_gb=141))
+    (first, last), (second_first, second_last) = [s["layers"] for s in staged.stages]
+    assert (first, second_last) == (0, 60) and second_first == last + 1
+    for s in staged.stages:
+        layers = s["layers"][1] - s["layers"][0] + 1
+        assert s["kv_bytes_per_token"] == layers * 576 * 2
+    assert abs(sum(s["weight_bytes"] for s in staged.stages) - whole.weight_bytes) / whole.weight_bytes < 0.01

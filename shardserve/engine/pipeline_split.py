@@ -25,8 +25,6 @@ def refuse_unsupported(model_config: ModelConfig, stages: int) -> None:
     why = None
     if not issubclass(model_class(arch), LlamaForCausalLM):
         why = "its layers are not built in stages"
-    elif model_config.latent_attention:
-        why = "its multi-head latent attention (a latent KV cache) is not split into stages"
     elif model_config.linear_attention_layers or len(model_config.kv_layers) != model_config.num_layers:
         why = "it is a hybrid whose recurrent-state pools are not split into stages"
     if why is not None:

@@ -69,8 +69,10 @@ class DeepseekV3ForCausalLM(MixtralForCausalLM):
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
-                 expert_parallel: bool = False) -> None:
-        super().__init__(cfg, comm, dtype, max_positions, expert_parallel)
+                 expert_parallel: bool = False, stage=None) -> None:
+        """stage: the pipeline stage this rank builds (LlamaForCausalLM's; default the whole model). Each stage
+        keeps the latent cache of its own layers."""
+        super().__init__(cfg, comm, dtype, max_positions, expert_parallel, stage)
         # Released V3 checkpoints carry the multi-token-prediction layer(s) after the last decoder layer (one in
         # DeepSeek-V3 and R1; up to four are recognised), each counted apart in the load's log.
         self.skipped_checkpoint_prefixes = {f"model.layers.{i}.": "the multi-token-prediction layers"
@@ -92,7 +94,8 @@ class DeepseekV3ForCausalLM(MixtralForCausalLM):
         return MlaBackend.for_device(device, block_size)
 
     def latent_attention_layers(self) -> list[MultiHeadLatentAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        """The latent attention of every layer this rank's pipeline stage holds."""
+        return [self.model.layers[i].self_attn for i in self.held_kv_layers()]
 
     def paged_attention(self):
         raise NotImplementedError("DeepSeek's latent attention has no PagedAttention: see attention_backend")

@@ -83,6 +83,18 @@ def test_on_a_gpu_in_chunks_equals_transformers(tiny_model_dir, name):
     assert tuple(tuple(o.token_ids) for o in outputs) == expected, name
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_pipeline_stages_give_transformers_tokens(tiny_model_dir, tp):
+    """-pp 2 (at TP 1 and 2): each stage holds its layers' latent cache and runs their latent attention; the four
+    prompts, chunked beside each other's decode steps, give transformers' tokens."""
+    model_dir = tiny_model_dir("deepseek-v3")
+    with cpu_llm(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=2, max_num_batched_tokens=12) as llm:
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
+        assert len(llm.engine.runner.kv_caches) == 2  # layers 0-1 of 3 on stage 0 (rank 0's): its own caches
+    assert tuple(tuple(o.token_ids) for o in outputs) == _reference(model_dir)
+
+
 def test_the_latent_cache_holds_one_entry_a_token(tiny_model_dir):
     """One plane of kv_lora_rank + qk_rope_head_dim (32 + 8) features a token a layer, whatever the heads."""
     with cpu_llm(tiny_model_dir("deepseek-v3")) as llm:
