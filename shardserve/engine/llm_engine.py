@@ -94,7 +94,7 @@ class _InFlight:
     # Verified chunks (speculative decoding): each sequence and its proposals, in row order, and the logits of
     # their rows (draft + 1 a sequence), which Sampler.verify reads.
     verify: list = field(default_factory=list)
-    targets: object = None
+    verified_logits: object = None
 
 
 class LLMEngine:
@@ -144,8 +144,9 @@ class LLMEngine:
 
     def _proposals(self, seq: Sequence, limit: int) -> list[int]:
         """Tokens proposed after a decoding sequence's last one (Scheduler's proposer): none for a request whose
-        tokens are not the argmax of the logits alone (speculative.drafts_allowed), and never more than its
-        max_tokens and the context length leave room for after the token the step adds anyway."""
+        sampling reads more than the logits (speculative.drafts_allowed) or whose proposals stopped paying, and
+        never more than its max_tokens and the context length leave room for after the token the step adds
+        anyway."""
         p = seq.params
         if not drafts_allowed(p) or stops_paying(seq.spec_proposed, seq.spec_accepted, self.spec_break_even):
             return []
@@ -330,18 +331,18 @@ class LLMEngine:
             self.scheduler.finish_step(plan, self.seqs)
         if not seq_ids:
             return _InFlight(plan, [], None)
-        verify, targets = [], None
+        verify, verified_logits = [], None
         if any(c.draft for c in plan.chunks):
-            seq_ids, logits, verify, targets = self._split_verified(plan, seq_ids, logits)
+            seq_ids, logits, verify, verified_logits = self._split_verified(plan, seq_ids, logits)
             if not seq_ids:
-                return _InFlight(plan, [], None, verify, targets)
+                return _InFlight(plan, [], None, verify, verified_logits)
         seqs = [self.seqs[i] for i in seq_ids]
         params = [s.params for s in seqs]
         histories = _histories(plan, seqs) if any(p.processes_logits for p in params) else None
         # The device computes the logits meanwhile: the grammar masks cost no device time where it runs ahead.
         allowed = self.grammars.allowed(seq_ids) if self.grammars.matchers else None
         return _InFlight(plan, seqs, self.sampler.enqueue(logits, seq_ids, params, histories, allowed, device_tokens),
-                         verify, targets)
+                         verify, verified_logits)
 
     def _split_verified(self, plan: StepPlan, seq_ids: list[int], logits):
         """The rows of verified chunks (draft + 1 consecutive rows of one sequence) apart from the others: (the
@@ -377,7 +378,7 @@ class LLMEngine:
     def _resolve_verified(self, step: "_InFlight") -> list[RequestOutput]:
         """Each verified sequence takes its accepted proposals and the target's next token (speculative.py); the
         accepted proposals' cache entries count as computed."""
-        chosen = self.sampler.verify(step.targets, [(seq.seq_id, seq.params, drafts) for seq, drafts in step.verify])
+        chosen = self.sampler.verify(step.verified_logits, [(seq.seq_id, seq.params, drafts) for seq, drafts in step.verify])
         outputs = []
         for (seq, drafts), tokens in zip(step.verify, chosen):
             if seq.is_finished:

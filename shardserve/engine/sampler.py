@@ -242,60 +242,49 @@ class Sampler:
         row's temperature, top-k and top-p distribution (target_probs), as `enqueue` draws from."""
         from shardserve.engine.speculative import accepted_tokens
 
-        rows, row_params, row_seqs, draft_rows, draft_tokens = [], [], [], [], []
+        # Per row: its sequence, its params, and the proposal it verifies (-1 on a sequence's last row: none).
+        row_seqs, row_params, row_proposals = [], [], []
         for seq_id, p, drafts in seqs:
-            first = len(rows)
-            rows.extend(range(first, first + len(drafts) + 1))
-            row_params.extend([p] * (len(drafts) + 1))
-            row_seqs.extend([seq_id] * (len(drafts) + 1))
-            draft_rows.extend(range(first, first + len(drafts)))
-            draft_tokens.extend(drafts)
-        greedy = logits.argmax(dim=-1)
-        sampled_rows = [r for r, p in enumerate(row_params) if not p.greedy]
-        if not sampled_rows:
-            targets = greedy.tolist()
-            out, row = [], 0
-            for _, _, drafts in seqs:
-                out.append(accepted_tokens(drafts, targets[row:row + len(drafts) + 1]))
-                row += len(drafts) + 1
-            return out
-        device = logits.device
-        index = on_device(sampled_rows, device)
-        probs = target_probs(logits.float().index_select(0, index), [row_params[r] for r in sampled_rows])
-        sampled_at = {r: i for i, r in enumerate(sampled_rows)}
-        # Each sampled row: p(its proposal), a uniform draw, and a token drawn from p without its proposal (the
-        # replacement, used where the proposal is rejected; for a sequence's last row, from p itself).
-        proposal = torch.full((len(sampled_rows),), -1, dtype=torch.long, device=device)
-        for r, token in zip(draft_rows, draft_tokens):
-            if r in sampled_at:
-                proposal[sampled_at[r]] = token
-        has = proposal >= 0
-        p_proposal = torch.where(has, probs.gather(1, proposal.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-        seq_of = [row_seqs[r] for r in sampled_rows]
-        params_of = [row_params[r] for r in sampled_rows]
-        uniform = self._noise((len(sampled_rows),), seq_of, params_of, device, "uniform")
-        residual = probs.clone()
-        residual[has] = residual[has].scatter(1, proposal[has].unsqueeze(1), 0.0)
-        replacement = self._race(residual, seq_of, params_of)
-        accept = (uniform < p_proposal) & has
-        host = torch.stack([accept.long(), replacement]).tolist()
-        targets = greedy.tolist()
+            row_seqs += [seq_id] * (len(drafts) + 1)
+            row_params += [p] * (len(drafts) + 1)
+            row_proposals += [*drafts, -1]
+        targets = logits.argmax(dim=-1).tolist()
+        sampled = [r for r, p in enumerate(row_params) if not p.greedy]
+        accepted, replacements = {}, {}
+        if sampled:
+            accepted, replacements = self._rejection_draws(logits, sampled, [row_seqs[r] for r in sampled],
+                                                           [row_params[r] for r in sampled],
+                                                           [row_proposals[r] for r in sampled])
         out, row = [], 0
         for _, p, drafts in seqs:
             if p.greedy:
                 out.append(accepted_tokens(drafts, targets[row:row + len(drafts) + 1]))
             else:
                 tokens = []
-                for i in range(len(drafts) + 1):
-                    at = sampled_at[row + i]
-                    if i < len(drafts) and host[0][at]:
-                        tokens.append(drafts[i])
-                        continue
-                    tokens.append(host[1][at])
-                    break
-                out.append(tokens)
+                for i, proposal in enumerate(drafts):
+                    if not accepted[row + i]:
+                        break
+                    tokens.append(proposal)
+                out.append(tokens + [replacements[row + len(tokens)]])
             row += len(drafts) + 1
         return out
+
+    def _rejection_draws(self, logits: torch.Tensor, rows: list[int], seq_ids: list[int],
+                         params: list[SamplingParams], proposals: list[int]) -> tuple[dict[int, bool], dict[int, int]]:
+        """For these rows of `logits` (non-greedy), by row: whether the row's proposal is accepted (a U(0, 1) draw
+        under p(proposal); never where the row has none, -1), and a replacement drawn from p without the proposal
+        (from p itself where there is none). p: target_probs of the row."""
+        device = logits.device
+        probs = target_probs(logits.float().index_select(0, on_device(rows, device)), params)
+        proposal = on_device(proposals, device, torch.long)
+        has = proposal >= 0
+        p_proposal = torch.where(has, probs.gather(1, proposal.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+        uniform = self._noise((len(rows),), seq_ids, params, device, "uniform")
+        residual = probs.clone()
+        residual[has] = residual[has].scatter(1, proposal[has].unsqueeze(1), 0.0)
+        replacement = self._race(residual, seq_ids, params)
+        accept, chosen = torch.stack([((uniform < p_proposal) & has).long(), replacement]).tolist()
+        return dict(zip(rows, map(bool, accept))), dict(zip(rows, chosen))
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._default_generators:
