@@ -29,6 +29,7 @@ from torch import nn
 from shardserve import envs
 from shardserve.config import GroupedTopK
 from shardserve.layers.linear import empty_parameter, load_whole
+from shardserve.layers.moe import by_expert
 
 logger = logging.getLogger(__name__)
 
@@ -154,11 +155,6 @@ def device_grouped_router(device: torch.device, route: GroupedTopK, has_bias: bo
     return _kernel_checked[key]
 
 
-def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    ids, order = ids.sort(dim=-1)
-    return weights.gather(-1, order), ids
-
-
 def _kernel_matches(device: torch.device, route: GroupedTopK, has_bias: bool) -> bool:
     what = (f"the grouped router's kernel for {route.num_experts} experts ({route.scoring}, top {route.top_k}, "
             f"{route.topk_groups} of {route.num_groups} groups{', a bias' if has_bias else ''}) on {device}")
@@ -170,8 +166,8 @@ def _kernel_matches(device: torch.device, route: GroupedTopK, has_bias: bool) ->
         bias = torch.randn(route.num_experts, generator=g, device=device).mul_(0.1) if has_bias else None
         for tokens in (1, 37, 300):
             logits = torch.randn(tokens, route.num_experts, generator=g, device=device)
-            weights, ids = _by_expert(*grouped_route(logits, bias, route))
-            want_weights, want_ids = _by_expert(*grouped_top_k(logits, bias, route))
+            weights, ids = by_expert(*grouped_route(logits, bias, route))
+            want_weights, want_ids = by_expert(*grouped_top_k(logits, bias, route))
             if not (torch.equal(ids, want_ids) and torch.allclose(weights, want_weights, rtol=1e-5, atol=1e-6)):
                 logger.error("%s differs from torch's grouped_top_k: not used", what)
                 return False

@@ -363,7 +363,8 @@ def device_router(device: torch.device, num_experts: int, top_k: int, renormaliz
     return _router_checked[key]
 
 
-def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routing's (weights, ids) [T, k] with each row's choices in expert order: how two routings' choices compare."""
     ids, order = ids.sort(dim=-1)
     return weights.gather(-1, order), ids
 
@@ -378,10 +379,10 @@ def _router_matches(device, num_experts: int, top_k: int, renormalize: bool) -> 
             logits = torch.randn(tokens, num_experts, generator=g, device=device)
             for shared in (False, True):  # the second: with a folded shared expert's gate as logit E
                 wide = torch.cat([logits, torch.randn(tokens, 1, generator=g, device=device)], 1) if shared else logits
-                weights, ids = _by_expert(*route_top_k(wide, top_k, renormalize, shared))
+                weights, ids = by_expert(*route_top_k(wide, top_k, renormalize, shared))
                 want = route_with_shared(wide, top_k, renormalize) if shared else route_reference(wide, top_k,
                                                                                                   renormalize)
-                want_weights, want_ids = _by_expert(*want)
+                want_weights, want_ids = by_expert(*want)
                 if not (torch.equal(ids, want_ids) and torch.allclose(weights, want_weights, rtol=1e-5, atol=1e-6)):
                     logger.error("the fused router differs from torch's for %d experts, top %d%s on %s: not used",
                                  num_experts, top_k, " and a shared expert" if shared else "", device)

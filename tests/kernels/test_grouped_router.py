@@ -25,13 +25,9 @@ from shardserve.kernels.triton import grouped_router  # noqa: E402
 from shardserve.kernels.triton.grouped_router import grouped_route  # noqa: E402
 from shardserve.layers import grouped_topk  # noqa: E402
 from shardserve.layers.grouped_topk import GroupedTopKRouter, grouped_top_k  # noqa: E402
+from shardserve.layers.moe import by_expert  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def by_expert(weights, ids):
-    ids, order = ids.sort(dim=-1)
-    return weights.gather(-1, order), ids
 
 
 def random_inputs(route: GroupedTopK, tokens: int, bias: bool, seed: int = 0):

@@ -17,14 +17,9 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from shardserve.kernels.triton.moe_router import route_top_k  # noqa: E402
-from shardserve.layers.moe import route_reference  # noqa: E402
+from shardserve.layers.moe import by_expert, route_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def by_expert(weights, ids):
-    ids, order = ids.sort(dim=-1)
-    return weights.gather(-1, order), ids
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
