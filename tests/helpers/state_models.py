@@ -24,3 +24,18 @@ def assert_all_returned(llm: LLM) -> None:
     if engine.scheduler.free_slots is None:
         return
     assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_num_seqs)), "a state slot leaked"
+
+
+def greedy_choices_over_http(model_dir: str, prompt: list[int], n: int, max_tokens: int) -> dict:
+    """The response body of a greedy completion of `prompt` with `n` choices from a real server of the model (a
+    float32 CPU engine of 4 sequences, as cpu_llm's), which must have every KV block free afterwards."""
+    from tests.serving import serve_model
+
+    with serve_model(model_dir, name="tiny", device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
+                     max_num_seqs=4) as server:
+        with server.http() as http:
+            body = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "n": n, "temperature": 0,
+                                                       "max_tokens": max_tokens, "ignore_eos": True}).json()
+        assert server.all_blocks_free(), "a KV block leaked"
+    return body
+

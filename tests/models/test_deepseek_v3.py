@@ -15,7 +15,7 @@ import torch
 
 from tests.helpers.configs import config_with
 from tests.helpers.reference import random_prompts, transformers_greedy
-from tests.helpers.state_models import assert_all_returned, cpu_llm, greedy
+from tests.helpers.state_models import assert_all_returned, cpu_llm, greedy, greedy_choices_over_http
 
 NEW_TOKENS = 8
 PROMPT_LENGTHS = (5, 17, 40, 1)
@@ -302,16 +302,10 @@ def test_n_choices_over_http_each_equal_transformers(tiny_model_dir):
     """`n: 2` over HTTP: both greedy choices are transformers' tokens, read from one prompt's latent entries, and
     every block is back in the pool afterwards."""
     from shardserve.tokenizer import Tokenizer
-    from tests.serving import serve_model
 
     model_dir = tiny_model_dir("deepseek-v3")
     prompt = _prompts()[2]
-    with serve_model(model_dir, name="ds", device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
-                     max_num_seqs=4) as server:
-        with server.http() as http:
-            body = http.post("/v1/completions", json={"model": "ds", "prompt": prompt, "n": 2, "temperature": 0,
-                                                       "max_tokens": NEW_TOKENS, "ignore_eos": True}).json()
-        assert server.all_blocks_free()
+    body = greedy_choices_over_http(model_dir, prompt, 2, NEW_TOKENS)
     expected = Tokenizer.from_model_path(model_dir).decode(list(_reference(model_dir)[2]))
     assert [c["text"] for c in body["choices"]] == [expected, expected]
     assert body["usage"]["prompt_tokens"] == len(prompt)

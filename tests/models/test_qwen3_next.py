@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardserve.entrypoints.llm import LLM
-from tests.helpers.state_models import assert_all_returned, cpu_llm, greedy
+from tests.helpers.state_models import assert_all_returned, cpu_llm, greedy, greedy_choices_over_http
 from tests.models.reference import random_prompts, transformers_greedy
 
 NAME = "qwen3-next"
@@ -89,17 +89,11 @@ def test_sixteen_requests_at_once_equal_each_alone(tiny_model_dir, name):
 def test_n_choices_over_http_each_run_in_their_own_state(tiny_model_dir, name):
     """`n: 2` (one engine request a choice, in slots of their own, prefix caching off): greedy, both are
     transformers' tokens; the completion's prompt is counted once."""
-    from tests.serving import serve_model
+    from shardserve.tokenizer import Tokenizer
 
     model_dir = tiny_model_dir(name)
     prompt = _prompts()[2]
-    with serve_model(model_dir, name="next", device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
-                     max_num_seqs=4) as server:
-        with server.http() as http:
-            body = http.post("/v1/completions", json={"model": "next", "prompt": prompt, "n": 2, "temperature": 0,
-                                                       "max_tokens": NEW_TOKENS, "ignore_eos": True}).json()
-        assert server.all_blocks_free()
-    from shardserve.tokenizer import Tokenizer
+    body = greedy_choices_over_http(model_dir, prompt, 2, NEW_TOKENS)
 
     expected = Tokenizer.from_model_path(model_dir).decode(list(_reference(model_dir)[2]))
     assert [c["text"] for c in body["choices"]] == [expected, expected]
