@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from shardserve.bench.workload import BenchRequest
 
@@ -79,11 +80,10 @@ class OpenAIClient:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
         counters: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("shardserve:spec_decode_num_"):
-                name, _, value = line.rpartition(" ")
-                key = name.split("{")[0].removeprefix("shardserve:spec_decode_num_").removesuffix("_total")
-                counters[key] = counters.get(key, 0.0) + float(value)
+        for family in text_string_to_metric_families(text):
+            key = family.name.removeprefix("shardserve:spec_decode_num_")
+            if key != family.name:
+                counters[key] = sum(s.value for s in family.samples if s.name.endswith("_total"))
         return counters or None
 
     async def aclose(self) -> None:
