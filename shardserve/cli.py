@@ -13,7 +13,6 @@ from shardserve.kv_cache_dtype import KV_CACHE_DTYPES
 from shardserve.pool.replica_routing import POLICIES as ROUTING_POLICIES
 
 
-
 def _speculative_config(text: str):
     """--speculative-config's JSON, checked (config.SpeculativeConfig): argparse names the flag in any error."""
     from shardserve.config import SpeculativeConfig
@@ -128,8 +127,8 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         "(prompt lookup; optional prompt_lookup_max, default 4, and prompt_lookup_min, default 1): "
-                        "requests verify up to that many proposed tokens a step (greedy ones give the tokens they give without it, "
-                        "sampled ones keep the model's distribution)")
+                        "requests verify up to that many proposed tokens a step (greedy ones give the tokens they "
+                        "give without it, sampled ones keep the model's distribution)")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "generic", "none"], default="auto",
