@@ -56,11 +56,17 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, 
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
         tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, rms_norm_row(x, w, eps, n_cols), mask=mask)
+
+
+@triton.jit
+def rms_norm_row(x, w, eps, n_cols):
+    """round(w * round(x * rsqrt(mean(x^2) + eps))) of one row x (zeros past n_cols) in x's dtype, the statistics in
+    float32: shardserve.layers.norm.RMSNorm's roundings."""
     h = x.to(tl.float32)
     mean_sq = tl.sum(h * h, 0) / n_cols
-    h = (h * tl.rsqrt(mean_sq + eps)).to(dtype)
-    out = (w.to(tl.float32) * h.to(tl.float32)).to(dtype)
-    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+    h = (h * tl.rsqrt(mean_sq + eps)).to(x.dtype)
+    return (w.to(tl.float32) * h.to(tl.float32)).to(x.dtype)
 
 
 def check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -7,10 +7,14 @@ A cache row is [latent (L) | rotated rope key (R)] (L = kv_lora_rank, 512 in Dee
 latent part of the cached row, so the output is in latent space ([L]; W_UV and o_proj follow outside).
 
 A program takes one sequence, a block of BLOCK_H heads (tensor-core dots need 16 rows: fewer heads are padded)
-and one split of the context (flash-decoding): every cached row is read once per program, by each head block. With several splits, each writes its normalised partial output
-and log2-sum-exp to a float32 workspace and paged decode's combine kernel (kernels/triton/paged_decode.py) joins
-them. Launches depend only on shapes and
-Python ints, never on tensor contents: decode can be captured in a CUDA graph.
+and one split of the context (flash-decoding): every cached row is read once per program, by each head block. With
+several splits, each writes its normalised partial output and log2-sum-exp to a float32 workspace and paged
+decode's combine kernel (kernels/triton/paged_decode.py) joins them. Launches depend only on shapes and Python ints,
+never on tensor contents: decode can be captured in a CUDA graph.
+
+Around it, a decode step's other launches (layers/mla.MultiHeadLatentAttention.fused_decode): one that stores each
+token's cache entry and rotates the queries (store_entries_rotate_queries), and the absorbed products of a few
+tokens (few_rows_bmm).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.triton.fused_ops import rotate_rows
+from shardserve.kernels.triton.fused_ops import rms_norm_row, rotate_rows
 from shardserve.kernels.triton.paged_attention import LOG2E, cache_values, dot_precision
 from shardserve.kernels.triton.paged_decode import _combine_splits_kernel
 
@@ -203,11 +207,7 @@ def _store_entry_rotate_query_kernel(kv_ptr, q_ptr, q_out_ptr, norm_ptr, pos_ptr
     if slot >= 0:
         row = kv_ptr + t * stride_kv
         latent_dims = tl.arange(0, LATENT)
-        latent = tl.load(row + latent_dims)
-        dtype = latent.dtype
-        h = latent.to(tl.float32)
-        h = (h * tl.rsqrt(tl.sum(h * h, 0) / LATENT + eps)).to(dtype)
-        normed = (tl.load(norm_ptr + latent_dims).to(tl.float32) * h.to(tl.float32)).to(dtype)
+        normed = rms_norm_row(tl.load(row + latent_dims), tl.load(norm_ptr + latent_dims), eps, LATENT)
         k = tl.load(row + LATENT + src)[None, :]
         k_rolled = tl.load(row + LATENT + src_rolled)[None, :]
         entry = cache_ptr + slot * stride_cs
