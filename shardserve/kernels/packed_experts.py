@@ -8,7 +8,8 @@ kernels/quant_pack.py, stacked over the experts. No Triton here: what the fused 
   W[e, n, k] = (q[e, n, k] - zero[e, n, g]) * scale[e, n, g], g = k // group.
 - fp4: int4's tensors holding e2m1 codes, each word a float32 scale: W[e, n, k] = e2m1(q[e, n, k]) * scale[e, n, g].
 group divides K (K itself: one scale a row). w13's gate rows and up rows each keep their own scales (rows of the
-scale tensors follow the weight's rows).
+scale tensors follow the weight's rows). Non-gated experts (activation "relu2" or "silu", NemotronH's) hold only
+their up rows in w13 [E, I, H]: each expert is w2 act(w13 x).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class PackedExperts(NamedTuple):
     w2: torch.Tensor
     scale2: torch.Tensor
     group2: int
+    activation: str = "swiglu"  # or "relu2" / "silu": non-gated experts (w13 holds the up rows only)
 
     @property
     def num_experts(self) -> int:
@@ -38,11 +40,15 @@ class PackedExperts(NamedTuple):
         return self.w2.shape[1]
 
     @property
+    def gated(self) -> bool:
+        return self.activation == "swiglu"
+
+    @property
     def inter(self) -> int:
-        return self.w13.shape[1] // 2
+        return self.w13.shape[1] // 2 if self.gated else self.w13.shape[1]
 
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (w13 [2I, H], w2 [H, I]) dequantized to dtype (float32 products, rounded once)."""
+        """Expert e's (w13 [2I, H] or non-gated [I, H], w2 [H, I]) dequantized to dtype (float32 products, rounded once)."""
         if self.kind == "fp8":
             return (dequantize_fp8(self.w13[e], self.scale13[e], self.group13, dtype),
                     dequantize_fp8(self.w2[e], self.scale2[e], self.group2, dtype))
@@ -55,4 +61,5 @@ class PackedExperts(NamedTuple):
                 reference_weight64(self.kind, self.w2[e], self.scale2[e], self.group2))
 
     def describe(self) -> str:
-        return f"{self.kind} (groups of {self.group13} and {self.group2})"
+        gate = "" if self.gated else f", non-gated {self.activation}"
+        return f"{self.kind} (groups of {self.group13} and {self.group2}{gate})"

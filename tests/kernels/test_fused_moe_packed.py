@@ -51,19 +51,18 @@ def _fp4(n: int, k: int, group: int, experts: int, g: torch.Generator):
 
 
 def packed_experts(kind: str, experts: int, hidden: int, inter: int, group: int, sym: bool = False,
-                   seed: int = 0) -> PackedExperts:
+                   seed: int = 0, activation: str = "swiglu") -> PackedExperts:
+    """SwiGLU experts (w13: gate and up rows), or non-gated ones (w13: up rows only) with another activation."""
     g = torch.Generator().manual_seed(seed)
     g13, g2 = min(group, hidden), min(group, inter)
+    up_rows = 2 * inter if activation == "swiglu" else inter
     if kind == "fp8":
-        w13, s13 = _fp8(2 * inter, hidden, g13, experts, g)
-        w2, s2 = _fp8(hidden, inter, g2, experts, g)
-        return PackedExperts("fp8", w13, s13, g13, w2, s2, g2)
-    if kind == "fp4":
-        (w13, s13), (w2, s2) = _fp4(2 * inter, hidden, g13, experts, g), _fp4(hidden, inter, g2, experts, g)
-        return PackedExperts("fp4", w13, s13, g13, w2, s2, g2)
-    w13, s13 = _int4(2 * inter, hidden, g13, experts, sym, g)
-    w2, s2 = _int4(hidden, inter, g2, experts, sym, g)
-    return PackedExperts("int4", w13, s13, g13, w2, s2, g2)
+        (w13, s13), (w2, s2) = _fp8(up_rows, hidden, g13, experts, g), _fp8(hidden, inter, g2, experts, g)
+    elif kind == "fp4":
+        (w13, s13), (w2, s2) = _fp4(up_rows, hidden, g13, experts, g), _fp4(hidden, inter, g2, experts, g)
+    else:
+        (w13, s13), (w2, s2) = _int4(up_rows, hidden, g13, experts, sym, g), _int4(hidden, inter, g2, experts, sym, g)
+    return PackedExperts(kind, w13, s13, g13, w2, s2, g2, activation)
 
 
 def reference(x, experts: PackedExperts, weights, ids) -> torch.Tensor:
@@ -74,8 +73,8 @@ def reference(x, experts: PackedExperts, weights, ids) -> torch.Tensor:
 
 
 def check(kind, tokens, group, sym=False, config=None, dtype=torch.float32, hidden=64, inter=32, top_k=2,
-          experts_count=4):
-    experts = packed_experts(kind, experts_count, hidden, inter, group, sym)
+          experts_count=4, activation="swiglu"):
+    experts = packed_experts(kind, experts_count, hidden, inter, group, sym, activation=activation)
     x, weights, ids = make_routes(tokens, experts_count, top_k, dtype, hidden)
     got = fused_moe_packed(x, experts, weights, ids, config=config)
     want = reference(x, experts, weights, ids)
@@ -91,6 +90,18 @@ def check(kind, tokens, group, sym=False, config=None, dtype=torch.float32, hidd
 def test_interpreter_packed_experts_match_float64(kind, group, sym, tokens):
     """Groups of 32 (two per expert row at H=64, one at I=32) and 128 (one group a row: wider than H and I)."""
     check(kind, tokens, group, sym, config=SMALL)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+@pytest.mark.parametrize("tokens, config", [(1, None), (17, SMALL)])
+@pytest.mark.parametrize("kind, group", [("fp4", 16), ("fp8", 32)])
+def test_interpreter_packed_non_gated_experts_match_float64(kind, group, tokens, config):
+    """NemotronH's non-gated squared-ReLU experts packed (w13 holds only their up rows): one token on the one-token
+    path (the table's tiles), 17 on the grouped GEMMs; the reference applies relu(up)^2, so a kernel that read a
+    gate, or SwiGLU, would fail."""
+    experts, x, weights, ids, want = check(kind, tokens, group, config=config, activation="relu2")
+    swiglu_read = experts._replace(activation="silu")
+    assert relative_error(fused_moe_packed(x, swiglu_read, weights, ids, config=config), want) > 0.05
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
@@ -128,6 +139,16 @@ QWEN3_30B = (128, 8, 2048, 768)
 def test_gpu_qwen3_30b_packed_experts(kind, tokens):
     e, k, h, i = QWEN3_30B
     check(kind, tokens, 128, dtype=torch.bfloat16, hidden=h, inter=i, top_k=k, experts_count=e)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, 7, 129])
+@pytest.mark.parametrize("kind, group", [("fp4", 16), ("fp8", 64)])
+def test_gpu_nemotron_nano_packed_non_gated_experts(kind, group, tokens):
+    """Nemotron-3-Nano's squared-ReLU experts (E=128, k=6, H=2688, I=1856) packed as NVFP4, or FP8 in groups of 64."""
+    check(kind, tokens, group, dtype=torch.bfloat16, hidden=2688, inter=1856, top_k=6, experts_count=128,
+          activation="relu2")
 
 
 @pytest.mark.gpu

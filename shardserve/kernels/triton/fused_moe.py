@@ -33,9 +33,9 @@ expected rows per expert (T*k/E): kernels/fused_moe_table.py.
 Accumulation is float32 for every input dtype; float32 inputs multiply in full float32 (no TF32).
 Non-gated experts (NemotronH's: `activation` "relu2" or "silu", w13 holding only up rows) run the same launches
 with the gate's product left out.
-Packed experts (FP8 or 4-bit with scales, kernels/packed_experts.py: fused_moe_packed) run the same GEMMs, each
-weight tile dequantized in registers before its product, so only the packed bytes are read (a single token too:
-the one-token path is for weights in the activations' dtype).
+Packed experts (FP8 or 4-bit with scales, kernels/packed_experts.py: fused_moe_packed; gated or not) run the same
+GEMMs, and a single token the one-token path's products, each weight tile dequantized in registers before its
+product, so only the packed bytes are read.
 """
 
 from __future__ import annotations
@@ -262,14 +262,20 @@ def _weight_tile(w_ptr, s_ptr, feats, feat_ok, k, stride_wn, stride_sn, K: tl.co
                  DTYPE: tl.constexpr):
     """[BLOCK_K, BLOCK_N]: columns k..k + BLOCK_K of one expert's weight rows `feats`, in DTYPE. Packed tiles lie
     inside one scale group (BLOCK_K divides GROUP, or GROUP is K), so each row takes one scale (and zero) a tile:
-    FP8 scales, int4 scale-and-zero words (quant_gemv.scale_and_zero), or fp4's float32 scale words.
+    FP8 scales, int4 scale-and-zero words (quant_gemv.scale_and_zero), or fp4's float32 scale words; a 4-bit tile
+    may instead span whole groups (GROUP divides BLOCK_K: _packed_block_k), each with its own scale.
     Columns past K load as 0 (their activations are 0 too)."""
     ks = tl.arange(0, BLOCK_K)
     if KIND == 0:
         mask = feat_ok[None, :] if K % BLOCK_K == 0 else feat_ok[None, :] & (k + ks < K)[:, None]
         w = tl.load(w_ptr + feats[None, :] * stride_wn + (k + ks)[:, None], mask=mask, other=0.0)
     else:
-        s = tl.load(s_ptr + feats * stride_sn + k // GROUP, mask=feat_ok, other=0)  # int4: scale-and-zero words
+        if (GROUP < BLOCK_K) and (GROUP < K):  # 4-bit only: [BLOCK_N, groups of the tile]
+            groups = k // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s = tl.load(s_ptr + feats[:, None] * stride_sn + groups[None, :],
+                        mask=feat_ok[:, None] & (groups < (K + GROUP - 1) // GROUP)[None, :], other=0)
+        else:
+            s = tl.load(s_ptr + feats * stride_sn + k // GROUP, mask=feat_ok, other=0)  # int4: scale-and-zero words
         if KIND == 1:
             mask = feat_ok[:, None] if K % BLOCK_K == 0 else feat_ok[:, None] & (k + ks < K)[None, :]
             bits = tl.load(w_ptr + feats[:, None] * stride_wn + (k + ks)[None, :], mask=mask, other=0)
@@ -284,7 +290,11 @@ def _weight_tile(w_ptr, s_ptr, feats, feat_ok, k, stride_wn, stride_sn, K: tl.co
             b = b.to(tl.int32)
             q = tl.join(nibble_values(b & 15, KIND == 3), nibble_values(b >> 4, KIND == 3)).reshape(BLOCK_N, BLOCK_K)
             s, z = four_bit_scale_and_zero(s, KIND == 3)
-            v = (q - z[:, None]) * s[:, None]
+            if (GROUP < BLOCK_K) and (GROUP < K):
+                v = ((q.reshape(BLOCK_N, BLOCK_K // GROUP, GROUP) - z[:, :, None]) * s[:, :, None]).reshape(
+                    BLOCK_N, BLOCK_K)
+            else:
+                v = (q - z[:, None]) * s[:, None]
         w = tl.trans(v.to(DTYPE))
     return w
 
@@ -559,10 +569,11 @@ def _packed_x_tile(x_ptr, k, cols, K: tl.constexpr, BLOCK_K: tl.constexpr):
 def _one_token_packed_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, num_experts, stride_we, stride_wn,
                                 stride_se, stride_sn, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                                 BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr,
-                                KIND: tl.constexpr, GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, PDL: tl.constexpr):
+                                KIND: tl.constexpr, GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, PDL: tl.constexpr,
+                                ACT: tl.constexpr = 0):
     """_one_token_up_kernel on packed experts: program (choice j, feature tile), act[j, n] = silu(gate) * up of
-    expert ids[j]'s packed gate and up rows (their own scales), dequantized in registers; nothing for a choice
-    outside [0, E)."""
+    expert ids[j]'s packed gate and up rows (their own scales), dequantized in registers (non-gated, ACT 1 and 2:
+    act(up) of its up rows, w13 [E, I, H]); nothing for a choice outside [0, E)."""
     enter(PDL)
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     choice = tl.program_id(0)
@@ -575,17 +586,18 @@ def _one_token_packed_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, num_exper
     cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
     gate_w = w_ptr + expert.to(tl.int64) * stride_we + feats.to(tl.int64)[:, None, None] * stride_wn
     gate_s = s_ptr + expert.to(tl.int64) * stride_se + feats.to(tl.int64)[:, None] * stride_sn
-    up_w, up_s = gate_w + INTER * stride_wn, gate_s + INTER * stride_sn
+    up_rows = INTER if ACT == 0 else 0
+    up_w, up_s = gate_w + up_rows * stride_wn, gate_s + up_rows * stride_sn
     gate = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
     for k in range(0, HIDDEN, BLOCK_K):
         x = _packed_x_tile(x_ptr, k, cols, HIDDEN, BLOCK_K)
-        gate = _packed_row_products(gate, gate_w, gate_s, k, x, sub, cols, feat_ok, HIDDEN, KIND, GROUP, NATIVE_FP8,
-                                    BLOCK_N, TILE_GROUPS, SUB)
+        if ACT == 0:
+            gate = _packed_row_products(gate, gate_w, gate_s, k, x, sub, cols, feat_ok, HIDDEN, KIND, GROUP,
+                                        NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB)
         up = _packed_row_products(up, up_w, up_s, k, x, sub, cols, feat_ok, HIDDEN, KIND, GROUP, NATIVE_FP8,
                                   BLOCK_N, TILE_GROUPS, SUB)
-    g = tl.sum(tl.sum(gate, axis=2), axis=1)
-    act = g / (1.0 + tl.exp(-g)) * tl.sum(tl.sum(up, axis=2), axis=1)
+    act = _activate(tl.sum(tl.sum(gate, axis=2), axis=1), tl.sum(tl.sum(up, axis=2), axis=1), ACT)
     tl.store(act_ptr + choice * INTER + feats, act.to(act_ptr.dtype.element_ty), mask=feat_ok)
 
 
@@ -733,7 +745,7 @@ def fused_moe_packed(x: torch.Tensor, experts: PackedExperts, topk_weights: torc
                      config: MoeConfig | None = None) -> torch.Tensor:
     """fused_moe with packed experts (kernels/packed_experts.py): each weight tile is dequantized in registers
     (float32, rounded once to x's dtype) before its product. x [T, H] in bf16, fp16 or fp32. The table's block_k is
-    narrowed so that a tile stays inside one scale group (fit_block_k)."""
+    narrowed so that a tile stays inside one scale group, or spans whole ones (_packed_block_k)."""
     _check_packed(x, experts, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
     if tokens == 0 or top_k == 0:
@@ -744,7 +756,7 @@ def fused_moe_packed(x: torch.Tensor, experts: PackedExperts, topk_weights: torc
     ids = topk_ids.contiguous()
     sorted_pairs, block_expert = align_pairs(ids, experts.num_experts, config.block_m)
     return _experts(x, experts.w13, experts.w2, topk_weights.contiguous(), ids, sorted_pairs, block_expert, config,
-                    experts)
+                    experts, experts.activation)
 
 
 def _check_packed(x, experts: PackedExperts, topk_weights, topk_ids) -> None:
@@ -753,7 +765,10 @@ def _check_packed(x, experts: PackedExperts, topk_weights, topk_ids) -> None:
     if x.dim() != 2 or x.shape[1] != h:
         raise ValueError(f"x must be [T, {h}] for experts of hidden size {h}, got {tuple(x.shape)}")
     scale_type = scale_dtype(experts.kind)
-    for name, w, scale, group, n, k in (("w13", experts.w13, experts.scale13, experts.group13, 2 * i, h),
+    if experts.activation not in ACTIVATIONS:
+        raise ValueError(f"activation {experts.activation!r}: use one of {', '.join(ACTIVATIONS)}")
+    up_rows = 2 * i if experts.gated else i
+    for name, w, scale, group, n, k in (("w13", experts.w13, experts.scale13, experts.group13, up_rows, h),
                                         ("w2", experts.w2, experts.scale2, experts.group2, h, i)):
         if tuple(w.shape) != (e, n, k // per_byte) or k % group or not w.is_contiguous():
             raise ValueError(f"packed {name} must be contiguous [{e}, {n}, {k // per_byte}] in groups dividing {k}, "
@@ -796,7 +811,7 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
         x, w, s, act, sorted_pairs, block_expert, tokens * top_k, top_k,
         x.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, act.stride(0),
         HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=up.block_n,
-        BLOCK_K=up.block_k if kind == DENSE else fit_block_k(up.block_k, group, hidden),
+        BLOCK_K=up.block_k if kind == DENSE else _packed_block_k(up.block_k, group, hidden, kind),
         PRECISION=precision, KIND=kind, GROUP=group, NATIVE_FP8=native_fp8, ACT=ACTIVATIONS[activation],
         num_warps=up.num_warps, num_stages=up.num_stages, **launch)
 
@@ -811,13 +826,28 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
         act.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, y.stride(0),
         ids, out, block_expert if arrivals is None else arrivals, num_experts, out.stride(0),
         HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=down.block_n,
-        BLOCK_K=down.block_k if kind == DENSE else fit_block_k(down.block_k, group, inter),
+        BLOCK_K=down.block_k if kind == DENSE else _packed_block_k(down.block_k, group, inter, kind),
         PRECISION=precision, KIND=kind, GROUP=group, NATIVE_FP8=native_fp8, TOP_K=top_k, SUM=arrivals is not None,
         num_warps=down.num_warps, num_stages=down.num_stages, **launch)
     if arrivals is not None:
         return out
 
     return _sum_separately(y, ids, out, num_experts, 0, launch)
+
+
+# 4-bit tiles of 16 columns (8 bytes a row) gave wrong products on an H200 (Triton 3, torch 2.11; relative errors
+# near 2.8 for int4 and fp4 in groups of 16, where tiles of 32 columns and more were right): a 4-bit tile spans at
+# least this many columns, whole scale groups each with its own scale.
+FOUR_BIT_MIN_BLOCK_K = 32
+
+
+def _packed_block_k(block_k: int, group: int, k: int, kind: int) -> int:
+    """A packed tile's depth: inside one scale group (quant_pack.fit_block_k), or for 4-bit weights whose groups
+    are narrower than FOUR_BIT_MIN_BLOCK_K (and divide it), that many columns over several groups."""
+    fitted = fit_block_k(block_k, group, k)
+    if kind in (INT4, FP4) and fitted < FOUR_BIT_MIN_BLOCK_K and group < k and FOUR_BIT_MIN_BLOCK_K % group == 0:
+        return FOUR_BIT_MIN_BLOCK_K
+    return fitted
 
 
 def _sum_separately(y, ids, out, num_experts: int, id_base: int, launch: dict) -> torch.Tensor:
@@ -889,7 +919,7 @@ def _one_token_packed_experts(x, experts: PackedExperts, weights, ids, tiles: On
     _one_token_packed_up_kernel[(top_k, triton.cdiv(inter, up.block_n))](
         x, w13, s13, act, ids, num_experts, w13.stride(0), w13.stride(1), se13, sn13, HIDDEN=hidden, INTER=inter,
         BLOCK_N=up.block_n, TILE_GROUPS=groups, SUB=sub, KIND=kind, GROUP=g13, NATIVE_FP8=native,
-        num_warps=up.num_warps, num_stages=up.num_stages, **launch)
+        ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages, **launch)
     down = tiles.down
     col_tiles = triton.cdiv(hidden, down.block_n)
     groups, sub = _tile_groups(down, g2, inter)
