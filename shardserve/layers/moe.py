@@ -66,6 +66,8 @@ def route_in_router_gemv() -> bool:
 
 
 class SparseMoE(nn.Module):
+    up_name, activation = "w13", "swiglu"  # its experts' [gate | up] weight (layers/moe_packed.py)
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, comm: Communicator, dtype: torch.dtype, expert_parallel: bool = False,
                  shared_intermediate_size: int = 0) -> None:
@@ -406,6 +408,19 @@ def swiglu_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
     return F.linear(F.silu(gate) * up, w2)
 
 
+def relu2_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One non-gated expert on its tokens with the squared ReLU: w2 relu(w1 x)^2 (w1 [I, H], w2 [H, I])."""
+    return F.linear(torch.relu(F.linear(x, w1)).square(), w2)
+
+
+def silu_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w1)), w2)
+
+
+# An expert's product by its activation: SwiGLU's gate and up rows, or a non-gated expert's up rows.
+EXPERT_FFNS = {"swiglu": swiglu_ffn, "relu2": relu2_ffn, "silu": silu_ffn}
+
+
 def grouped_by_expert(h: torch.Tensor, num_experts: int, expert_weights, weights: torch.Tensor,
                       experts: torch.Tensor, ffn=swiglu_ffn) -> torch.Tensor:
     """grouped_experts with expert e's weights from expert_weights(e) (by default SwiGLU's (w13 [2I, H], w2 [H, I])),
@@ -576,17 +591,17 @@ def reference_experts(x: torch.Tensor, w13: torch.Tensor | None, w2: torch.Tenso
                       experts: torch.Tensor, packed=None) -> torch.Tensor:
     """float64, one chosen expert at a time (only that expert's weights widened: a layer's experts in float64
     would take 4x their memory). Choices outside [0, len(w13)) (another rank's experts) add nothing. `packed`
-    (kernels/packed_experts.PackedExperts) instead of w13 and w2: its experts from the packed definition."""
+    (kernels/packed_experts.PackedExperts) instead of w13 and w2: its experts from the packed definition, with its
+    activation."""
     x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     count = packed.num_experts if packed is not None else w13.shape[0]
+    ffn = EXPERT_FFNS[packed.activation if packed is not None else "swiglu"]
     for expert in experts.unique().tolist():
         if not 0 <= expert < count:
             continue
         token, choice = (experts == expert).nonzero(as_tuple=True)
         a, b = packed.reference(expert) if packed is not None else (w13[expert].double(), w2[expert].double())
-        gate, up = F.linear(x[token], a).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, b)
-        out.index_add_(0, token, y * weights[token, choice, None].double())
+        out.index_add_(0, token, ffn(x[token], a, b) * weights[token, choice, None].double())
     return out
 
 

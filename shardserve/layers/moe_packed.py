@@ -1,5 +1,7 @@
 """A quantized mixture of experts' experts kept packed (kernels/packed_experts.py): a byte a weight for FP8, half a
 byte for 4-bit, with their scales (and zero points), on GPUs and on CPUs with SHARDSERVE_QUANTIZED_LAYERS=packed.
+Both kinds of experts: a SparseMoE's SwiGLU experts and NemotronH's non-gated ones (layers/nongated_experts.py,
+whose up weight is `w1`: the w13 below stands for either).
 
 Sharding is the dense rule: each rank reads only the packed bytes and scales of its experts' rows (w13: the
 gate's and the up projection's rows [r0, r1), each with its own scales) and columns (w2: [r0, r1)), so its
@@ -25,7 +27,7 @@ from shardserve import envs
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.quant_pack import FOUR_BIT_KINDS, pack_fp4_scales, pack_int4, pack_scale_zero, scale_dtype
 from shardserve.layers.nongated_experts import NonGatedExperts
-from shardserve.layers.moe import (SparseMoE, _check_shape, check_routes, close_to_float64,
+from shardserve.layers.moe import (EXPERT_FFNS, SparseMoE, _check_shape, check_routes, close_to_float64,
                                    grouped_by_expert, reference_experts)
 from shardserve.layers.linear import as_tensor, empty_parameter
 from shardserve.layers.quantized_linear import QUANTIZERS, PackedLayout, _copy_scales, log_kept_dequantized
@@ -53,48 +55,54 @@ def expert_groups(moe: SparseMoE, layout: PackedLayout) -> tuple[tuple[int, int]
 
 
 class ExpertPacking:
-    """The packed parameters of one SparseMoE (set as moe.packed): w13 / w2 hold the codes, w13_scale / w2_scale
-    their scales [E, N, K / group] (4-bit: scale-and-zero words, kernels/quant_pack.py)."""
+    """The packed parameters of one block of experts (set as moe.packed): a SparseMoE's SwiGLU experts (w13, gate
+    and up rows) or NonGatedExperts (w1, up rows only; `moe.up_name` names it). The up weight and w2 hold the codes,
+    `{name}_scale` their scales [E, N, K / group] (4-bit: scale-and-zero words, kernels/quant_pack.py)."""
 
-    # Parameters filled by the loader of the weight they belong to.
-    parts_with = {"w13": ("w13_scale",), "w2": ("w2_scale",)}
-
-    def __init__(self, moe: SparseMoE, layout: PackedLayout, groups: tuple[int, int], device) -> None:
-        experts, two_rows, hidden = moe.w13.shape
-        rows = two_rows // 2
+    def __init__(self, moe: SparseMoE | NonGatedExperts, layout: PackedLayout, groups: tuple[int, int],
+                 device) -> None:
+        up = moe.up_name
+        experts, up_rows, hidden = getattr(moe, up).shape
+        rows = moe.rows[1] - moe.rows[0]
         self.kind, (self.group13, self.group2) = layout.kind, groups
-        self.compute_dtype = moe.w13.dtype
+        self.compute_dtype = moe.w2.dtype
+        self.activation = moe.activation
+        # Parameters filled by the loader of the weight they belong to.
+        self.parts_with = {up: (f"{up}_scale",), "w2": ("w2_scale",)}
         per_byte, dtype = (2, torch.uint8) if layout.kind in FOUR_BIT_KINDS else (1, torch.float8_e4m3fn)
-
-        param = functools.partial(empty_parameter, device=device)
-
-        moe.w13, moe.w2 = param(experts, two_rows, hidden // per_byte, dtype=dtype), param(
-            experts, hidden, rows // per_byte, dtype=dtype)
-        moe.w13.weight_loader, moe.w2.weight_loader = moe._load_w13, moe._load_w2
         scale_type = scale_dtype(layout.kind)
-        moe.w13_scale, moe.w2_scale = param(experts, two_rows, hidden // self.group13, dtype=scale_type), param(
-            experts, hidden, rows // self.group2, dtype=scale_type)
+        param = functools.partial(empty_parameter, device=device)
+        up_weight, w2 = param(experts, up_rows, hidden // per_byte, dtype=dtype), param(
+            experts, hidden, rows // per_byte, dtype=dtype)
+        up_weight.weight_loader, w2.weight_loader = getattr(moe, f"_load_{up}"), moe._load_w2
+        setattr(moe, up, up_weight)
+        moe.w2 = w2
+        setattr(moe, f"{up}_scale", param(experts, up_rows, hidden // self.group13, dtype=scale_type))
+        moe.w2_scale = param(experts, hidden, rows // self.group2, dtype=scale_type)
 
     def describe(self) -> str:
         return f"{self.kind} experts (groups of {self.group13} and {self.group2})"
 
-    def view(self, moe: SparseMoE) -> PackedExperts:
-        return PackedExperts(self.kind, moe.w13.data, moe.w13_scale.data, self.group13, moe.w2.data,
-                             moe.w2_scale.data, self.group2)
+    def view(self, moe: SparseMoE | NonGatedExperts) -> PackedExperts:
+        up = moe.up_name
+        return PackedExperts(self.kind, getattr(moe, up).data, getattr(moe, f"{up}_scale").data, self.group13,
+                             moe.w2.data, moe.w2_scale.data, self.group2, self.activation)
 
-    def graph_safe(self, moe: SparseMoE) -> bool:
-        """SparseMoE.graph_safe for these experts: the fused kernel runs on them (packed_compute)."""
-        return moe.w13.is_cuda and packed_compute(self.view(moe), moe.choices, self.compute_dtype) is packed_fused
+    def graph_safe(self, moe: SparseMoE | NonGatedExperts) -> bool:
+        """The block's graph_safe for these experts: the fused kernel runs on them (packed_compute)."""
+        return moe.w2.is_cuda and packed_compute(self.view(moe), moe.choices, self.compute_dtype) is packed_fused
 
-    def experts(self, moe: SparseMoE, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """SparseMoE.experts for these experts (ids already local to this rank), by packed_compute's choice."""
+    def experts(self, moe: SparseMoE | NonGatedExperts, h: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+        """The block's experts for these experts (ids already local to this rank), by packed_compute's choice."""
         packed = self.view(moe)
         return packed_compute(packed, moe.choices, h.dtype)(h, packed, weights, ids)
 
-    def load(self, moe: SparseMoE, which: str, loaded: Any, shard_id: Hashable) -> None:
-        """One expert's gate, up (which "w13", shard id (expert, 0 or 1)) or down projection ("w2") from a quantized
-        checkpoint: only this rank's rows (w13) or columns (w2) of its packed bytes and scales are read. Float
-        tensors (synthetic weights of a quantized config, per expert or all experts in one) are quantized here."""
+    def load(self, moe: SparseMoE | NonGatedExperts, which: str, loaded: Any, shard_id: Hashable) -> None:
+        """One expert's gate, up (which "w13", shard id (expert, 0 or 1); a non-gated expert's "w1", (expert,
+        None)) or down projection ("w2") from a quantized checkpoint: only this rank's rows (up) or columns (w2) of
+        its packed bytes and scales are read. Float tensors (synthetic weights of a quantized config, per expert or
+        all experts in one) are quantized here."""
         if not isinstance(loaded, (Fp8Weight, GptqWeight, Fp4Weight)):
             if hasattr(loaded, "read_packed"):
                 raise ValueError(f"packed {self.kind} experts cannot load a {type(loaded).__name__}; "
@@ -104,9 +112,10 @@ class ExpertPacking:
             raise ValueError(f"packed {self.kind} experts load from the checkpoint's quantized per-expert tensors, "
                              f"not one tensor of all experts; {_DEQUANTIZED_HINT}")
         expert, half = shard_id
+        half = half or 0  # a non-gated expert's up rows: the weight's only half
         slot = moe.slot(expert)
         (r0, r1), inter, hidden = moe.rows, moe.intermediate_size, moe.hidden_size
-        if which == "w13":
+        if which != "w2":
             _check_shape(loaded, (inter, hidden), f"expert {expert}'s gate/up projection")
             source, rows = (r0, r1, 0, hidden), slice(half * (r1 - r0), (half + 1) * (r1 - r0))
         else:
@@ -134,25 +143,28 @@ class ExpertPacking:
         else:
             raise ValueError(f"a {type(loaded).__name__} cannot load into packed {self.kind} experts")
 
-    def _quantize_floats(self, moe: SparseMoE, which: str, loaded: Any, shard_id: Hashable) -> None:
-        """This rank's rows (w13) or columns (w2) of float experts, quantized as a packed dense layer quantizes
-        its rows (quantized_linear.QUANTIZERS, groups along the input)."""
+    def _quantize_floats(self, moe: SparseMoE | NonGatedExperts, which: str, loaded: Any,
+                         shard_id: Hashable) -> None:
+        """This rank's rows (up weight) or columns (w2) of float experts, quantized as a packed dense layer
+        quantizes its rows (quantized_linear.QUANTIZERS, groups along the input)."""
         (r0, r1), inter = moe.rows, moe.intermediate_size
         (e0, e1), rows = moe.experts_held, r1 - r0
+        up = which != "w2"
         if shard_id == "all":
             held = slice(0, e1 - e0)
-            parts = ([(slice(0, rows), loaded[e0:e1, r0:r1]),
-                      (slice(rows, 2 * rows), loaded[e0:e1, inter + r0:inter + r1])]
-                     if which == "w13" else [(slice(None), loaded[e0:e1, :, r0:r1])])
+            halves = [loaded[e0:e1, r0:r1]] + ([loaded[e0:e1, inter + r0:inter + r1]] if which == "w13" else [])
+            parts = ([(slice(h * rows, (h + 1) * rows), part) for h, part in enumerate(halves)] if up
+                     else [(slice(None), loaded[e0:e1, :, r0:r1])])
         else:
             expert, half = shard_id
             held = moe.slot(expert)
             if held is None:
                 return
-            parts = ([(slice(half * rows, (half + 1) * rows), loaded[r0:r1])] if which == "w13"
+            half = half or 0
+            parts = ([(slice(half * rows, (half + 1) * rows), loaded[r0:r1])] if up
                      else [(slice(None), loaded[:, r0:r1])])
         quantize = QUANTIZERS[self.kind]
-        group = self.group13 if which == "w13" else self.group2
+        group = self.group13 if up else self.group2
         for out_rows, values in parts:
             values = as_tensor(values).float()
             codes, scale = quantize(values.reshape(-1, values.shape[-1]), group)
@@ -166,12 +178,10 @@ def pack_experts(model: nn.Module, names: set[str] | None, layout: PackedLayout,
     dense experts (built under deferred_weights()). Returns how many."""
     count, unpacked = 0, []
     for name, moe in model.named_modules():
-        if isinstance(moe, NonGatedExperts) and (names is None or f"{name}.w1" in names):
-            unpacked.append(f"{name} (non-gated experts have no packed kernel yet: 16-bit on the fused kernel)")
-        if not isinstance(moe, SparseMoE):
+        if not isinstance(moe, (SparseMoE, NonGatedExperts)):
             continue
         groups = None
-        if names is None or {f"{name}.w13", f"{name}.w2"} <= names:
+        if names is None or {f"{name}.{moe.up_name}", f"{name}.w2"} <= names:
             groups, why = expert_groups(moe, layout)
             if groups is None:
                 unpacked.append(f"{name} ({why})")
@@ -198,7 +208,8 @@ def packed_fused(h, experts: PackedExperts, weights, ids):
 
 def packed_grouped(h: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Grouped by expert on the host, each chosen expert dequantized to h's dtype for its tokens (any device)."""
-    return grouped_by_expert(h, experts.num_experts, lambda e: experts.expert(e, h.dtype), weights, ids)
+    return grouped_by_expert(h, experts.num_experts, lambda e: experts.expert(e, h.dtype), weights, ids,
+                             EXPERT_FFNS[experts.activation])
 
 
 _checked: dict[tuple, bool] = {}
@@ -210,7 +221,7 @@ def packed_compute(experts: PackedExperts, top_k: int, dtype: torch.dtype):
     if not experts.w13.is_cuda or not envs.DEVICE_EXPERTS.get():
         return packed_grouped
     key = (experts.w13.device, experts.kind, experts.group13, experts.group2, tuple(experts.w13.shape),
-           tuple(experts.w2.shape), dtype, top_k)
+           tuple(experts.w2.shape), dtype, top_k, experts.activation)
     if key not in _checked:
         _checked[key] = packed_matches(packed_fused, experts, top_k, dtype)
         if not _checked[key]:

@@ -16,7 +16,8 @@ so CUDA graphs capture the layer) computes it, once it has matched a float64 ref
 token count that picks another kernel config (checked once per device, shapes, top k, activation and dtype).
 Elsewhere, or where it does not match (logged), the (token, expert) pairs are grouped by expert and each expert
 that received tokens runs on its tokens at once (layers/moe.grouped_by_expert), reading the counts on the host: not
-captured by CUDA graphs.
+captured by CUDA graphs. A quantized checkpoint's experts (NVFP4, FP8, GPTQ) stay packed as SwiGLU experts do
+(layers/moe_packed.py: `packed`), on the same kernels with the layer's activation.
 """
 
 from __future__ import annotations
@@ -25,25 +26,15 @@ import logging
 from typing import Any, Hashable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardserve import envs
-from shardserve.layers.linear import as_tensor, empty_parameter
-from shardserve.layers.moe import _check_shape, check_routes, close_to_float64, grouped_by_expert
+from shardserve.layers.linear import as_tensor, empty_parameter, materialized, weights_device
+from shardserve.layers.moe import EXPERT_FFNS, _check_shape, check_routes, close_to_float64, grouped_by_expert
 from shardserve.layers.sharding import ExpertShard
 
 ACTIVATIONS = ("relu2", "silu")
 logger = logging.getLogger(__name__)
-
-
-def relu2_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One non-gated expert on its tokens with the squared ReLU: w2 relu(w1 x)^2 (w1 [I, D], w2 [D, I])."""
-    return F.linear(torch.relu(F.linear(x, w1)).square(), w2)
-
-
-def silu_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, w1)), w2)
 
 
 _fused_checked: dict[tuple, bool] = {}
@@ -61,7 +52,7 @@ def fused_matches(w1: torch.Tensor, w2: torch.Tensor, top_k: int, activation: st
         g = torch.Generator(device=w1.device).manual_seed(0)
         a = torch.randn(w1.shape, generator=g, device=w1.device).mul_(0.05).to(w1.dtype)
         b = torch.randn(w2.shape, generator=g, device=w1.device).mul_(0.05).to(w1.dtype)
-        ffn = relu2_ffn if activation == "relu2" else silu_ffn
+        ffn = EXPERT_FFNS[activation]
         what = f"non-gated {activation} experts of shape {tuple(w1.shape)} on {w1.device}"
         _fused_checked[key] = all(
             close_to_float64("fused_moe", what, tokens, w1.dtype,
@@ -76,6 +67,7 @@ def fused_matches(w1: torch.Tensor, w2: torch.Tensor, top_k: int, activation: st
 
 class NonGatedExperts(nn.Module):
     graph_unsafe_reason = "Nemotron's non-gated experts without their fused kernel read their token counts on the host"
+    up_name = "w1"  # its experts' up weight (layers/moe_packed.py)
 
     def __init__(self, width: int, intermediate_size: int, num_experts: int, top_k: int, shard: ExpertShard,
                  activation: str, dtype: torch.dtype) -> None:
@@ -86,15 +78,46 @@ class NonGatedExperts(nn.Module):
             raise ValueError(f"non-gated experts with activation {activation!r}: only {ACTIVATIONS} are implemented")
         self.shard, self.width, self.intermediate_size, self.num_experts = shard, width, intermediate_size, num_experts
         self.activation, self.top_k = activation, top_k
-        self.ffn = relu2_ffn if activation == "relu2" else silu_ffn
+        self.ffn = EXPERT_FFNS[activation]
         (e0, e1), (r0, r1) = shard.experts, shard.rows
-        self.w1 = empty_parameter(e1 - e0, r1 - r0, width, dtype=dtype)
+        # Under deferred_weights() the experts wait on the meta device until they are packed or materialized.
+        device = weights_device()
+        self.w1 = empty_parameter(e1 - e0, r1 - r0, width, dtype=dtype, device=device)
         self.w1.weight_loader = self._load_w1
-        self.w2 = empty_parameter(e1 - e0, width, r1 - r0, dtype=dtype)
+        self.w2 = empty_parameter(e1 - e0, width, r1 - r0, dtype=dtype, device=device)
         self.w2.weight_loader = self._load_w2
+        self.packed = None  # a quantized checkpoint's experts kept packed (layers/moe_packed.ExpertPacking)
+
+    # What layers/moe_packed.py reads of a block of experts, named as SparseMoE names them.
+    @property
+    def rows(self) -> tuple[int, int]:
+        return self.shard.rows
+
+    @property
+    def experts_held(self) -> tuple[int, int]:
+        return self.shard.experts
+
+    @property
+    def hidden_size(self) -> int:
+        return self.width
+
+    @property
+    def choices(self) -> int:
+        return self.top_k
+
+    def slot(self, expert: int) -> int | None:
+        """Where checkpoint expert `expert` lives in w1/w2, or None where another rank holds it."""
+        e0, e1 = self.shard.experts
+        return expert - e0 if e0 <= expert < e1 else None
+
+    def materialize(self, device) -> None:
+        """Give experts built under deferred_weights() their real (empty) weights on `device`."""
+        self.w1, self.w2 = materialized(self.w1, device), materialized(self.w2, device)
 
     # -- loading: shard_id (expert, None) for one expert's tensor, "all" for every expert's stacked
     def _load_w1(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:
+        if self.packed is not None:
+            return self.packed.load(self, "w1", loaded, shard_id)
         (e0, e1), (r0, r1) = self.shard.experts, self.shard.rows
         if shard_id == "all":
             _check_shape(loaded, (self.num_experts, self.intermediate_size, self.width), "experts.up_proj")
@@ -106,6 +129,8 @@ class NonGatedExperts(nn.Module):
             param.data[expert - e0].copy_(as_tensor(loaded[r0:r1]))
 
     def _load_w2(self, param: nn.Parameter, loaded: Any, shard_id: Hashable) -> None:
+        if self.packed is not None:
+            return self.packed.load(self, "w2", loaded, shard_id)
         (e0, e1), (r0, r1) = self.shard.experts, self.shard.rows
         if shard_id == "all":
             _check_shape(loaded, (self.num_experts, self.width, self.intermediate_size), "experts.down_proj")
@@ -120,6 +145,8 @@ class NonGatedExperts(nn.Module):
     @property
     def graph_safe(self) -> bool:
         """Whether the fused kernel computes the layer (no host synchronisation: CUDA graphs capture it)."""
+        if self.packed is not None:
+            return self.packed.graph_safe(self)
         return fused_matches(self.w1, self.w2, self.top_k, self.activation)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -127,6 +154,8 @@ class NonGatedExperts(nn.Module):
         ids [T, k] (global expert ids; other ranks' experts add nothing). A partial sum where shard.sharded."""
         e0 = self.shard.experts[0]
         local = ids - e0 if e0 else ids
+        if self.packed is not None:
+            return self.packed.experts(self, x, weights, local)
         if fused_matches(self.w1, self.w2, ids.shape[1], self.activation):
             from shardserve.kernels.triton.fused_moe import fused_moe
 

@@ -112,10 +112,11 @@ def configured_quantized_modules(model: nn.Module, scheme: QuantScheme) -> set[s
     """Without a checkpoint's tensors (dummy weights): the model's modules its quantization_config stores
     quantized, or None where the config names no 16-bit modules (every quantizable layer then is). A fused module
     is quantized when the config quantizes it and each checkpoint module that loads into it (q_proj, k_proj and
-    v_proj for qkv_proj; an expert block's first expert's projections for its w13 and w2)."""
+    v_proj for qkv_proj; an expert block's first expert's projections for its w13 (non-gated: w1) and w2)."""
     if not scheme.packing:
         return None
     from shardserve.layers.moe import SparseMoE
+    from shardserve.layers.nongated_experts import NonGatedExperts
 
     packed = getattr(model, "packed_modules", {})
     renamed = getattr(model, "renamed_checkpoint_prefixes", {})
@@ -138,6 +139,8 @@ def configured_quantized_modules(model: nn.Module, scheme: QuantScheme) -> set[s
         if isinstance(moe, SparseMoE) and quantized([f"{name}.experts.0.{p}" for p in
                                                      ("gate_proj", "up_proj", "down_proj")]):
             modules |= {f"{name}.w13", f"{name}.w2"}
+        if isinstance(moe, NonGatedExperts) and quantized([f"{name}.0.{p}" for p in ("up_proj", "down_proj")]):
+            modules |= {f"{name}.w1", f"{name}.w2"}
     return modules
 
 

@@ -157,3 +157,23 @@ def test_a_quantized_checkpoint_at_two_ranks_gives_transformers_tokens_on_its_va
         outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
         assert_all_returned(llm)
     assert tuple(tuple(o.token_ids) for o in outputs) == expected, name
+
+
+@pytest.mark.parametrize("tp, expert_parallel", [(1, False), (2, True)])
+def test_nvfp4_experts_kept_packed_give_transformers_tokens(tiny_model_dir, tmp_path, set_env, tp, expert_parallel):
+    """SHARDSERVE_QUANTIZED_LAYERS=packed (the GPUs' default) on an NVFP4 checkpoint: the non-gated experts stay
+    half a byte a weight with their group scales (whole experts on each rank: expert parallelism keeps the 48
+    features, three groups of 16, together), each chosen expert decoded from its codes, and the tokens are
+    transformers' on the values the checkpoint encodes."""
+    from tests.helpers.quantized import write_quantized
+
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
+    quant_dir, float_dir = write_quantized(tiny_model_dir("nemotron-h-moe"), "nvfp4", tmp_path)
+    expected = _reference(str(float_dir))
+    with cpu_llm(str(quant_dir), tensor_parallel_size=tp, enable_expert_parallel=expert_parallel) as llm:
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
+        experts = [block.experts for block in _expert_blocks(llm)]
+        held = {(e.packed is not None, e.w1.dtype, e.w1.shape[-1], e.w2.dtype) for e in experts}
+    assert experts and held == {(True, torch.uint8, experts[0].width // 2, torch.uint8)}
+    assert tuple(tuple(o.token_ids) for o in outputs) == expected
