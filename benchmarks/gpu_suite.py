@@ -106,7 +106,9 @@ BUILT_MODEL_BYTES = ("nemotron_h", "deepseek_v3")
 # gptq-int4-head: the same checkpoint with `lm_head: true` (GPTQModel's and AutoRound's option), the head in 4 bits.
 # fp8-block: an FP8 checkpoint with 128 x 128 scale blocks (the format of Qwen's and DeepSeek's FP8 releases; a
 # float32 scale per row and 128 columns once loaded).
-QUANTIZATION_TAGS = {"fp8": "fp8", "fp8-block": "fp8_block", "gptq-int4": "int4", "gptq-int4-head": "int4_head"}
+# nvfp4: a ModelOpt NVFP4 checkpoint (e2m1 codes, an e4m3 scale a 16 weights, a global scale), the head 16-bit.
+QUANTIZATION_TAGS = {"fp8": "fp8", "fp8-block": "fp8_block", "gptq-int4": "int4", "gptq-int4-head": "int4_head",
+                     "nvfp4": "nvfp4"}
 LINEAR_WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "fp8-block": 1 + 4 / 128, "gptq-int4": 0.5 + 4 / 128,
                        "gptq-int4-head": 0.5 + 4 / 128}
 GPTQ_INT4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
@@ -115,7 +117,8 @@ GPTQ_CONFIGS = {"gptq-int4": GPTQ_INT4, "gptq-int4-head": {**GPTQ_INT4, "lm_head
 # Quantized checkpoints (dummy weights in their config's format): their experts are packed too, where
 # --quantization fp8 (at load) packs the projections only.
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-CHECKPOINT_CONFIGS = {**GPTQ_CONFIGS, "fp8-block": FP8_BLOCK}
+NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+CHECKPOINT_CONFIGS = {**GPTQ_CONFIGS, "fp8-block": FP8_BLOCK, "nvfp4": NVFP4}
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_OUTPUT = 512, 512, 256
 HF_BATCH = 64
 AGREE_PROMPTS, AGREE_TOKENS = 32, 16
@@ -152,8 +155,11 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
     for a quantized checkpoint (CHECKPOINT_CONFIGS).
     (The roofline counts one embedding row as the whole embedding, a rounding error beside the head.)"""
     if cfg["model_type"] in BUILT_MODEL_BYTES:
-        if quantization:
-            raise SystemExit(f"{cfg['model_type']}: the roofline counts bf16 weights only, not {quantization}")
+        if quantization and quantization not in CHECKPOINT_CONFIGS:
+            raise SystemExit(f"{cfg['model_type']}: the roofline counts a quantized checkpoint's packed weights, "
+                             f"not {quantization} at load")
+        if quantization in CHECKPOINT_CONFIGS:
+            cfg = {**cfg, "quantization_config": CHECKPOINT_CONFIGS[quantization]}
         return built_model_bytes(cfg, active)
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
@@ -189,23 +195,35 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
 
 
 def built_model_bytes(cfg: dict, active: bool) -> int:
-    """Bytes of the model shardserve builds from `cfg` at TP 1 (on the meta device; bf16, routers float32);
-    `active`: of stacked experts (a 3-dimensional parameter whose first axis is the expert count) only
-    num_experts_per_tok, plus the per-sequence states (pools of one slot) a decoded token reads and writes once
-    each."""
+    """Bytes of the model shardserve builds from `cfg` at TP 1 (on the meta device; bf16, routers float32; a
+    quantized checkpoint's layers and experts packed as the engine packs them, codes and scales); `active`: of
+    stacked experts (a 3-dimensional parameter whose first axis is the expert count) only num_experts_per_tok,
+    plus the per-sequence states (pools of one slot) a decoded token reads and writes once each."""
     import torch
 
     from shardserve.config import ModelConfig
     from shardserve.distributed.communicator import Communicator
+    from shardserve.layers.linear import deferred_weights
+    from shardserve.layers.moe_packed import pack_experts
+    from shardserve.layers.quantized_linear import PackedLayout, pack_layers
     from shardserve.models.registry import model_class
+    from shardserve.weights.loader import configured_quantized_modules
 
     with tempfile.TemporaryDirectory() as path:
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(cfg, f)
         model_config = ModelConfig.from_model_path(path)
-    with torch.device("meta"):
+    scheme = model_config.quantization
+    with torch.device("meta"), deferred_weights():
         model = model_class(model_config.architecture)(model_config, Communicator(None, 0, 1), torch.bfloat16,
                                                        max_positions=4096)
+    if scheme is not None:
+        layout, names = PackedLayout.of_checkpoint(scheme), configured_quantized_modules(model, scheme)
+        pack_layers(model, names, layout, "meta", log=False, head=scheme.lm_head)
+        pack_experts(model, names, layout, "meta", log=False)
+    else:
+        pack_layers(model, set(), PackedLayout("fp8", 0), "meta", log=False)  # every layer its dense weight
+        pack_experts(model, set(), PackedLayout("fp8", 0), "meta", log=False)
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
     total = 0
     for p in model.parameters():
