@@ -23,8 +23,7 @@ from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.sampler import PendingSample, RowHistory, Sampler
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
-from shardserve.engine.speculative import (MIN_PROPOSED, NgramProposer, break_even_for, drafts_allowed,
-                                           stops_paying)
+from shardserve.engine.speculative import MIN_PROPOSED, NgramProposer, break_even_for
 from shardserve.engine.structured_output import StructuredOutputs
 from shardserve.requests.client import EngineStats
 from shardserve.requests.detokenizer import IncrementalDetokenizer, detokenizer_for, text_update
@@ -110,17 +109,11 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.prefix_caching = prefix_caching_allowed(config, self.model_config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.prefix_caching)
-        self.proposer = NgramProposer(config.speculative_config) if config.speculative_config else None
+        self.proposer = self._proposer()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    state_slots=bool(self.model_config.linear_attention_layers),
-                                   proposer=self._proposals if self.proposer is not None else None)
+                                   proposer=self.proposer)
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
-        if self.proposer is not None:
-            self.spec_break_even = break_even_for(config.speculative_config, self.runner.device)
-            logger.info("speculative decoding: %s, up to %d proposed tokens a step; a request that proposed %d tokens "
-                        "stops proposing while under %.2f of them are accepted (the break-even on %s)",
-                        config.speculative_config.method, config.speculative_config.num_speculative_tokens,
-                        MIN_PROPOSED, self.spec_break_even, self.runner.device.type)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.grammars = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -142,16 +135,17 @@ class LLMEngine:
         self.overlap_steps = overlap_steps_enabled(self.runner, ctx.world_size) and self.proposer is None
         heap.freeze_startup_objects()
 
-    def _proposals(self, seq: Sequence, limit: int) -> list[int]:
-        """Tokens proposed after a decoding sequence's last one (Scheduler's proposer): none for a request whose
-        sampling reads more than the logits (speculative.drafts_allowed) or whose proposals stopped paying, and
-        never more than its max_tokens and the context length leave room for after the token the step adds
-        anyway."""
-        p = seq.params
-        if not drafts_allowed(p) or stops_paying(seq.spec_proposed, seq.spec_accepted, self.spec_break_even):
-            return []
-        room = min(limit, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
-        return self.proposer.propose(seq.token_ids, room)
+    def _proposer(self) -> NgramProposer | None:
+        """The proposer of --speculative-config's method, with the break-even acceptance under which a request stops
+        proposing."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        break_even = break_even_for(spec, self.runner.device)
+        logger.info("speculative decoding: %s, up to %d proposed tokens a step; a request that proposed %d tokens "
+                    "stops proposing while under %.2f of them are accepted (the break-even on %s)", spec.method,
+                    spec.num_speculative_tokens, MIN_PROPOSED, break_even, self.runner.device.type)
+        return NgramProposer(spec, self.max_model_len, break_even)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

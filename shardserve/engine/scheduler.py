@@ -14,19 +14,23 @@ when it finishes, is aborted or preempted), so a preempted sequence recomputes f
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.sequence import Sequence, SequenceStatus
 from shardserve.wire.step_plan import FROM_DEVICE, PlanKind, SeqChunk, StepPlan
 
+if TYPE_CHECKING:
+    from shardserve.engine.speculative import Proposer
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 state_slots: bool = False, proposer: Callable[[Sequence, int], list[int]] | None = None) -> None:
-        """state_slots: running sequences each hold a recurrent-state slot (Sequence.state_slot). proposer: for a
-        decoding sequence and the most tokens it may add, the tokens proposed after its last one, verified in its
-        chunk (engine/speculative.py); None: one token a step."""
+                 state_slots: bool = False, proposer: Proposer | None = None) -> None:
+        """state_slots: running sequences each hold a recurrent-state slot (Sequence.state_slot). proposer: the
+        tokens proposed after the decoding sequences' last ones, asked for all of them once a step and verified in
+        their chunks (engine/speculative.py), and told of each sequence that stops running; None: one token a
+        step."""
         self.blocks = block_manager
         self.proposer = proposer
         # Slots not held by a running sequence, the lowest handed out first; None where the model keeps no state.
@@ -48,14 +52,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[SeqChunk] = []
         scheduled: set[int] = set()
+        proposals = self._proposals()
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_uncomputed_tokens, budget)
-            drafts = self.proposer(seq, budget - 1) if self.proposer is not None and seq.num_uncomputed_tokens == 1 \
-                else []
+            drafts = proposals.get(seq.seq_id, [])[:budget - 1]  # fewer where the budget runs out
             if not self._reserve(seq, n + len(drafts), scheduled):
                 continue
             chunks.append(self._chunk(seq, n, drafts))
@@ -64,6 +68,13 @@ class Scheduler:
         self._admit_waiting(budget, chunks)
         self._step_id += 1
         return StepPlan(self._step_id, PlanKind.RUN, chunks)
+
+    def _proposals(self) -> dict[int, list[int]]:
+        """The proposer's tokens for the running sequences that decode (one uncomputed token), by seq id."""
+        if self.proposer is None:
+            return {}
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        return self.proposer.proposals(decoding) if decoding else {}
 
     def _admit_waiting(self, budget: int, chunks: list[SeqChunk]) -> int:
         """Waiting sequences join, in order, while budget, sequence slots and free blocks last; each one's
@@ -164,11 +175,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free_sequence(seq)
-        self._release_slot(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _release_slot(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Give back what a sequence holds beside its blocks while it runs: its state slot, what the proposer keeps
+        for it."""
+        if self.proposer is not None:
+            self.proposer.release(seq)
         if seq.state_slot >= 0:
             self.free_slots.append(seq.state_slot)
             seq.state_slot = -1
@@ -202,4 +217,4 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free_sequence(seq)
-        self._release_slot(seq)
+        self._release(seq)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from shardserve.config import SpeculativeConfig
+from shardserve.engine.sequence import Sequence
 from shardserve.requests.sampling_params import SamplingParams
 
 
@@ -51,9 +52,45 @@ def ngram_proposals(token_ids: list[int], k: int, max_n: int, min_n: int) -> lis
     return []
 
 
-class NgramProposer:
-    def __init__(self, config: SpeculativeConfig) -> None:
+class Proposer:
+    """Where a step's proposals come from: the Scheduler asks once a step, for all its decoding sequences, before it
+    plans their chunks. `proposals` keeps the requests that may speculate (drafts_allowed, still paying: stops_paying)
+    and the room each has: never more than num_speculative_tokens, nor than its max_tokens and the context length
+    leave after the token the step adds anyway. A method implements propose_all, for all of them at once; one that
+    keeps something per sequence gives it back in release, which the Scheduler calls when a sequence stops running
+    (finished, aborted, preempted)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, break_even: float) -> None:
         self.config = config
+        self.max_model_len = max_model_len
+        self.break_even = break_even
+
+    def proposals(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        """Proposed tokens by seq id, for those of `seqs` (decoding sequences) that speculate and got any."""
+        requests = []
+        for seq in seqs:
+            p = seq.params
+            if not drafts_allowed(p) or stops_paying(seq.spec_proposed, seq.spec_accepted, self.break_even):
+                continue
+            room = min(self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            if room > 0:
+                requests.append((seq, room))
+        if not requests:
+            return {}
+        return {seq.seq_id: drafts for (seq, _), drafts in zip(requests, self.propose_all(requests)) if drafts}
+
+    def propose_all(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """For each (sequence, room), up to room tokens proposed after its last one."""
+        raise NotImplementedError
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence stopped running: forget what is kept for it."""
+
+
+class NgramProposer(Proposer):
+    def propose_all(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [self.propose(seq.token_ids, room) for seq, room in requests]
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """Up to min(num_speculative_tokens, limit) proposals following token_ids."""
