@@ -623,27 +623,32 @@ def _rope_parameters(cfg: dict[str, Any], max_position_embeddings: int) -> dict[
     return {"rope_theta": float(theta), "scaling": scaling}
 
 
-SPECULATIVE_METHODS = ("ngram",)
-_LATER_METHODS = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "deepseek_mtp")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_LATER_METHODS = ("mtp", "eagle", "eagle3", "medusa", "deepseek_mtp")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`--speculative-config` (vLLM's JSON): up to num_speculative_tokens proposed tokens a decoding sequence, verified
     in one target step (engine/speculative.py). "ngram": prompt lookup, the tokens that followed the latest earlier
-    occurrence of the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min."""
+    occurrence of the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min. "draft_model":
+    the greedy tokens of a smaller model of the same vocabulary, `model` (a directory or GGUF file), run on rank 0
+    (engine/draft_model.py)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None  # "draft_model": the draft's path
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
-        """Refuses, naming the key, what it does not take: an unknown key, a method not built, bad counts."""
+        """Refuses, naming the key, what it does not take: an unknown key, a method not built, bad counts, a draft
+        model missing or given to another method. Whether the draft loads is checked where the target's config is
+        at hand (engine/draft_model.check_draft_model)."""
         if not isinstance(values, dict):
             raise ValueError(f"--speculative-config must be a JSON object, got {values!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; accepted: "
@@ -656,7 +661,8 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
                              f"{method!r}")
         config = cls(method, *(values.get(k, d) for k, d in (("num_speculative_tokens", None),
-                                                              ("prompt_lookup_max", 4), ("prompt_lookup_min", 1))))
+                                                              ("prompt_lookup_max", 4), ("prompt_lookup_min", 1),
+                                                              ("model", None))))
         for name, low, high in (("num_speculative_tokens", 1, 16), ("prompt_lookup_max", 1, 64),
                                 ("prompt_lookup_min", 1, 64)):
             value = getattr(config, name)
@@ -666,7 +672,17 @@ class SpeculativeConfig:
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError(f"--speculative-config: prompt_lookup_min ({config.prompt_lookup_min}) is above "
                              f"prompt_lookup_max ({config.prompt_lookup_max})")
+        config._check_model()
         return config
+
+    def _check_model(self) -> None:
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("--speculative-config: method 'draft_model' needs \"model\", the draft model's directory "
+                             f"or GGUF file, e.g. '{{\"method\": \"draft_model\", \"model\": \"/models/Llama-3.2-1B\", "
+                             f"\"num_speculative_tokens\": 3}}'; got model {self.model!r}")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"--speculative-config: \"model\" names a draft model, which method {self.method!r} does "
+                             "not take; use method 'draft_model'")
 
     @classmethod
     def parse(cls, text: str) -> "SpeculativeConfig":

@@ -19,12 +19,14 @@ from shardserve.distributed.control_plane import ControlPlane
 from shardserve.distributed.lockstep import LockstepCheck, default_every
 from shardserve.distributed.process_group import RankContext
 from shardserve.engine.block_manager import BlockManager
+from shardserve.engine.draft_model import DraftModelProposer, DraftPlan
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.sampler import PendingSample, RowHistory, Sampler
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
-from shardserve.engine.speculative import MIN_PROPOSED, NgramProposer, break_even_for
+from shardserve.engine.speculative import MIN_PROPOSED, NgramProposer, Proposer, break_even_for
 from shardserve.engine.structured_output import StructuredOutputs
+from shardserve.kernels.plan import compute_dtype
 from shardserve.requests.client import EngineStats
 from shardserve.requests.detokenizer import IncrementalDetokenizer, detokenizer_for, text_update
 from shardserve.requests.outputs import RequestOutput, TokenLogprob
@@ -83,6 +85,15 @@ def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
                          "recurrent state only")
 
 
+def _draft_plan(config: EngineConfig, model_config: ModelConfig) -> DraftPlan | None:
+    """The draft model of method "draft_model", checked and sized before the target loads; None for other methods."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    return DraftPlan.for_engine(config, model_config, compute_dtype(config, model_config),
+                                config.resolve_max_model_len(model_config))
+
+
 @dataclass
 class _InFlight:
     """A queued step: its plan, the sequences that sample, and their samples still on the device."""
@@ -104,12 +115,13 @@ class LLMEngine:
         check_speculative(config, self.model_config)
         self.tokenizer = tokenizer
         self.control = ControlPlane.connect(ctx)
-        self.runner = ModelRunner(config, self.model_config, ctx)
+        draft = _draft_plan(config, self.model_config)
+        self.runner = ModelRunner(config, self.model_config, ctx, kv_set_aside=draft.set_aside if draft else None)
         self.lockstep = LockstepCheck(ctx.control_group, ctx.rank, ctx.world_size, default_every(ctx.device))
         self.max_model_len = self.runner.max_model_len
         self.prefix_caching = prefix_caching_allowed(config, self.model_config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, self.prefix_caching)
-        self.proposer = self._proposer()
+        self.proposer = self._proposer(draft)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    state_slots=bool(self.model_config.linear_attention_layers),
                                    proposer=self.proposer)
@@ -135,17 +147,21 @@ class LLMEngine:
         self.overlap_steps = overlap_steps_enabled(self.runner, ctx.world_size) and self.proposer is None
         heap.freeze_startup_objects()
 
-    def _proposer(self) -> NgramProposer | None:
-        """The proposer of --speculative-config's method, with the break-even acceptance under which a request stops
-        proposing."""
+    def _proposer(self, draft: DraftPlan | None) -> Proposer | None:
+        """The proposer of --speculative-config's method (a draft model loads here, on this rank's device), with
+        the break-even acceptance under which a request stops proposing."""
         spec = self.config.speculative_config
         if spec is None:
             return None
-        break_even = break_even_for(spec, self.runner.device)
+        break_even = break_even_for(spec, self.runner.device, draft.cost if draft else 0.0)
         logger.info("speculative decoding: %s, up to %d proposed tokens a step; a request that proposed %d tokens "
-                    "stops proposing while under %.2f of them are accepted (the break-even on %s)", spec.method,
-                    spec.num_speculative_tokens, MIN_PROPOSED, break_even, self.runner.device.type)
-        return NgramProposer(spec, self.max_model_len, break_even)
+                    "stops proposing while under %.2f of them are accepted (the break-even on %s%s)", spec.method,
+                    spec.num_speculative_tokens, MIN_PROPOSED, break_even, self.runner.device.type,
+                    f", a draft pass costing {draft.cost:.2f} target steps" if draft else "")
+        if draft is None:
+            return NgramProposer(spec, self.max_model_len, break_even)
+        return DraftModelProposer(self.config, draft, self.runner.device, self.runner.dtype, self.max_model_len,
+                                  break_even)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -206,6 +222,8 @@ class LLMEngine:
             self.canary_tokens = self._run_canary()
         self._send_control(PlanKind.SLEEP, level)
         self.runner.sleep(level)
+        if self.proposer is not None:
+            self.proposer.sleep(level)
         self._reset_cache()
         self.sleeps += 1
         logger.info("asleep (level %d): weights %s, KV cache freed", level,
@@ -217,6 +235,8 @@ class LLMEngine:
         started = time.perf_counter()
         self._send_control(PlanKind.WAKE, (WAKE_WEIGHTS if weights else 0) | (WAKE_KV_CACHE if kv_cache else 0))
         self.runner.wake(weights, kv_cache)
+        if self.proposer is not None:
+            self.proposer.wake(weights, kv_cache)
         if self.is_sleeping:
             return
         self._check_canary()
@@ -261,6 +281,8 @@ class LLMEngine:
     def _reset_cache(self) -> None:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.prefix_caching)
         self.scheduler.blocks = self.block_manager
+        if self.proposer is not None:
+            self.proposer.reset()
 
     def _send_control(self, kind: PlanKind, arg: int) -> None:
         self._step_id += 1
@@ -419,6 +441,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         self._send_control(PlanKind.SHUTDOWN, 0)
         self.control.close()
+        if self.proposer is not None:
+            self.proposer.close()
         self.runner.close()
         heap.release_startup_objects()
 

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -44,8 +45,12 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, ctx: RankContext) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, ctx: RankContext,
+                 kv_set_aside: Callable[[int, int], int] | None = None) -> None:
+        """kv_set_aside: for this rank's KV-cache budget and KV bytes a token, the bytes of the budget kept for
+        something else (rank 0's draft model: engine/draft_model.py)."""
         self.config = config
+        self.kv_set_aside = kv_set_aside
         self.model_config = model_config
         self.ctx = ctx
         self.device = ctx.device
@@ -479,6 +484,8 @@ class ModelRunner:
                 log("rank %d: the planner budgets %.2f GiB for the KV cache, %.2f GiB are free; using the free "
                     "memory", self.ctx.rank, planned / 2**30, budget / 2**30)
             budget = min(planned, budget)
+        if self.kv_set_aside is not None:
+            budget = max(0, budget - self.kv_set_aside(budget, per_block // self.block_size))
         num_blocks = agree_on_num_blocks(budget // per_block, self.ctx.control_group, self.ctx.world_size)
         needed = -(-self.max_model_len // self.block_size)
         if num_blocks < needed:

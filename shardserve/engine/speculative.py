@@ -19,9 +19,13 @@ top-k and top-p (no logprobs, penalties, logit bias, min_tokens, min_p, grammar)
 in the same batches. Not for models with recurrent state (linear attention): a rejected
 proposal would have stepped the state.
 
+Where proposals come from (Proposer, --speculative-config's method): "ngram", prompt lookup in the sequence's own
+tokens; "draft_model", the greedy tokens of a smaller model on rank 0 (engine/draft_model.py).
+
 When it does not pay a request stops proposing (stops_paying): a verified step costs about 1 + c k single-token
 steps, so proposals pay while the tokens a step adds, (1 - a^(k+1)) / (1 - a) at acceptance a, exceed that; once a
-request has proposed MIN_PROPOSED tokens at an acceptance below that break-even, it decodes one token a step.
+request has proposed MIN_PROPOSED tokens at an acceptance below that break-even, it decodes one token a step. A
+draft model's k passes a step add their cost to c (its weights over the target's: DraftPlan.cost).
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ class Proposer:
     plans their chunks. `proposals` keeps the requests that may speculate (drafts_allowed, still paying: stops_paying)
     and the room each has: never more than num_speculative_tokens, nor than its max_tokens and the context length
     leave after the token the step adds anyway. A method implements propose_all, for all of them at once; one that
-    keeps something per sequence gives it back in release, which the Scheduler calls when a sequence stops running
-    (finished, aborted, preempted)."""
+    keeps something per sequence (a draft model's cache) gives it back in release, which the Scheduler calls when a
+    sequence stops running (finished, aborted, preempted), and gives back everything in reset."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, break_even: float) -> None:
         self.config = config
@@ -86,6 +90,18 @@ class Proposer:
 
     def release(self, seq: Sequence) -> None:
         """The sequence stopped running: forget what is kept for it."""
+
+    def reset(self) -> None:
+        """The engine's KV cache was reset (sleep, a weight reload): forget every sequence."""
+
+    def sleep(self, level: int) -> None:
+        """The engine sleeps: a proposer that holds device memory (a draft model) gives it back too."""
+
+    def wake(self, weights: bool, kv_cache: bool) -> None:
+        """The engine wakes: take back what sleep gave back."""
+
+    def close(self) -> None:
+        """The engine shuts down."""
 
 
 class NgramProposer(Proposer):
@@ -130,8 +146,11 @@ def break_even_acceptance(k: int, c: float) -> float:
     return (low + high) / 2
 
 
-def break_even_for(config: SpeculativeConfig, device: torch.device) -> float:
-    return break_even_acceptance(config.num_speculative_tokens, VERIFY_COST.get(device.type, VERIFY_COST["cuda"]))
+def break_even_for(config: SpeculativeConfig, device: torch.device, draft_cost: float = 0.0) -> float:
+    """The break-even acceptance of config's k on `device`; draft_cost: what making a proposal costs, in target steps
+    (a draft model's forward pass: DraftPlan.cost), added to c."""
+    c = VERIFY_COST.get(device.type, VERIFY_COST["cuda"]) + draft_cost
+    return break_even_acceptance(config.num_speculative_tokens, c)
 
 
 def stops_paying(proposed: int, accepted: int, break_even: float) -> bool:

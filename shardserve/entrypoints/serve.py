@@ -70,16 +70,28 @@ def chat_parsers(args: argparse.Namespace):
     return ChatParsers(getattr(args, "tool_call_parser", "auto"), getattr(args, "reasoning_parser", None))
 
 
+def _check_draft_model(args: argparse.Namespace) -> None:
+    """--speculative-config's draft model against the target's config, before anything loads (ValueError)."""
+    spec = getattr(args, "speculative_config", None)
+    if spec is None or spec.method != "draft_model":
+        return
+    from shardserve.config import ModelConfig
+    from shardserve.engine.draft_model import check_draft_model
+
+    check_draft_model(spec, ModelConfig.from_model_path(args.model))
+
+
 def serve(args: argparse.Namespace) -> int:
     from shardserve.distributed.launcher import LaunchInfo, LocalRanks, NodeLaunch, set_cpu_threads
     from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
     from shardserve.engine.llm_engine import run_worker
 
-    from shardserve.model_files import ModelPathError, check_model_path
+    from shardserve.model_files import check_model_path
 
     try:
         check_model_path(args.model, args.load_format)  # files, architecture, quantization: one line if not
-    except ModelPathError as e:
+        _check_draft_model(args)
+    except ValueError as e:  # a ModelPathError, or a draft model refused
         raise SystemExit(f"shardserve serve: {e}") from None
     if getattr(args, "data_parallel_size", 1) > 1:
         if getattr(args, "distributed_executor_backend", "mp") == "ray":
