@@ -50,6 +50,7 @@ TINY_TARGET = {**SHAPES["llama3-8b"], "hidden_size": 256, "intermediate_size": 5
 TINY_DRAFT = {**TINY_TARGET, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
               "tie_word_embeddings": True}
 UPPER_BOUND_K = (1, 2, 3, 4)
+PARTS = ("upper", "overhead", "draft")  # the three runs of the module docstring, in its order
 OVERHEAD_K = (1, 3)
 PROMPT_LEN, SHORT, LONG = 128, 32, 288
 MAX_MODEL_LEN = 1024
@@ -169,11 +170,9 @@ def step_costs(k: int, plain: dict, at_zero: dict, at_one: dict) -> dict:
             "break_even_acceptance": round(break_even_acceptance(k, max(cost0 - 1, 0) / k), 3) if pays else None}
 
 
-def upper_bound(target: str, args, target_bytes: int) -> dict:
-    plain = measured(target, args)
-    report("8B, no speculation", plain, target_bytes)
+def upper_bound(target: str, args, target_bytes: int, plain: dict) -> dict:
     out = {"plain": plain}
-    for k in UPPER_BOUND_K:
+    for k in args.ks:
         result = measured(target, args, target, k)
         report(f"8B, draft = itself, k={k}", result, target_bytes, plain["tok_s"])
         if result["acceptance"] < EQUAL_DRAFT_MIN_ACCEPTANCE:
@@ -212,6 +211,10 @@ def main() -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes instead of 8B and 1B (a smoke test)")
     p.add_argument("--k", type=int, default=3, help="proposals a step of the 8B target with the 1B draft (default 3)")
+    p.add_argument("--ks", type=lambda t: [int(k) for k in t.split(",")], default=list(UPPER_BOUND_K),
+                   help="the upper bound's proposal counts (default 1,2,3,4)")
+    p.add_argument("--parts", type=lambda t: t.split(","), default=list(PARTS),
+                   help=f"which of {','.join(PARTS)} to run (default all)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache-gb", type=float, default=4.0, help="the KV cache, the draft's included (GiB)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -230,10 +233,20 @@ def main() -> int:
     small = write_model_dir(os.path.join(root, "draft-1b"), small_shape)
     other = write_model_dir(os.path.join(root, "other-1b"), small_shape)  # another directory: other weights
     big_bytes, small_bytes = weight_bytes(big_shape), weight_bytes(small_shape)
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"--parts: unknown {', '.join(unknown)}; accepted: {', '.join(PARTS)}")
     started = time.perf_counter()
-    results = {"upper_bound": upper_bound(big, args, big_bytes)}
-    results["overhead_at_acceptance_0"] = overhead(small, other, args, small_bytes)
-    results["target_8b_draft_1b"] = big_with_small(big, small, args, big_bytes, results["upper_bound"]["plain"])
+    results = {}
+    if "upper" in args.parts or "draft" in args.parts:
+        plain = measured(big, args)
+        report("8B, no speculation", plain, big_bytes)
+    if "upper" in args.parts:
+        results["upper_bound"] = upper_bound(big, args, big_bytes, plain)
+    if "overhead" in args.parts:
+        results["overhead_at_acceptance_0"] = overhead(small, other, args, small_bytes)
+    if "draft" in args.parts:
+        results["target_8b_draft_1b"] = big_with_small(big, small, args, big_bytes, plain)
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     kind = device_kind(name, 1) if args.device == "cuda" else "cpu"
     summary = {"device": name, "device_kind": kind, "commit": commit_id(), "date": f"{datetime.date.today()}",
@@ -241,7 +254,8 @@ def main() -> int:
                "draft_weight_bytes": small_bytes, "prompt_len": args.prompt_len, "repeats": args.repeats,
                "seconds": round(time.perf_counter() - started, 1), **results}
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"speculative-draft-{kind}{'-tiny' if args.tiny else ''}-"
+    parts = "" if set(args.parts) == set(PARTS) else "-" + "-".join(args.parts)
+    path = os.path.join(args.out, f"speculative-draft-{kind}{'-tiny' if args.tiny else ''}{parts}-"
                                   f"{datetime.date.today():%Y%m%d}.json")
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)
