@@ -192,6 +192,8 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
                    help="plan for serve --mamba-ssm-cache-dtype: the Mamba-2 SSM states' dtype (auto: float32)")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="plan for serve --quantization fp8 (projections quantized to FP8 at load)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help="plan for serve --speculative-config: a draft model's weights and KV cache on rank 0")
     p.add_argument("--host-memory-gb", type=_positive_float("--host-memory-gb"), default=None,
                    help="host memory in GiB (default: this machine's)")
     p.add_argument("--host-floor-gb", type=_positive_float("--host-floor-gb"), default=6.0,
@@ -381,7 +383,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from shardserve.planner import PlanRequest, describe, load_hf_config, plan
+    from shardserve.planner import PlanRequest, describe, load_hf_config, plan, plan_draft
 
     try:
         cfg = load_hf_config(args.model)
@@ -396,9 +398,12 @@ def _plan(args: argparse.Namespace) -> int:
                           args.host_floor_gb, device=device, kv_cache_memory_gb=args.kv_cache_memory,
                           quantization=args.quantization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                           pipeline_parallel_size=args.pipeline_parallel_size)
+    spec = args.speculative_config
     try:
         result = plan(cfg, request)
-    except ValueError as e:  # a model it cannot serve (an unsupported quantization, say)
+        if spec is not None and spec.method == "draft_model":
+            result = plan_draft(result, load_hf_config(spec.model), request)
+    except (OSError, ValueError) as e:  # a model it cannot serve (an unsupported quantization, say)
         print(f"shardserve plan: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_json(), indent=2) if args.json else describe(result, args.tensor_parallel_size))

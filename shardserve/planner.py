@@ -99,6 +99,10 @@ class Plan:
     # With pipeline stages, one entry a stage: its layers, weights and KV cache per rank (PipelineStage's split);
     # the figures above are then of one stage (pipeline_stage, else the one whose KV cache holds the fewest tokens).
     stages: list[dict] = field(default_factory=list)
+    # --speculative-config's draft model, on rank 0 (plan_draft): its weights and KV cache, out of rank 0's budget.
+    draft_weight_bytes: int = 0
+    draft_kv_bytes_per_token: int = 0
+    draft_cache_tokens: int | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -528,6 +532,50 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
                 active_weight_bytes=active, latent_cache=mla.is_latent_attention(cfg))
 
 
+def draft_cache_blocks(budget: int, outside: int, target_per_token: int, draft_per_token: int, block_size: int,
+                       max_blocks: int) -> int:
+    """Blocks of a draft model's KV cache out of rank 0's KV budget (engine/draft_model.py): what its weights and
+    working memory (`outside`, 0 where they do not come out of the budget) leave is split so that the draft's cache
+    and the target's hold as many tokens, the draft's at most `max_blocks` (max_num_seqs full contexts)."""
+    left = max(0, budget - outside)
+    return min(left // ((target_per_token + draft_per_token) * block_size), max_blocks)
+
+
+def plan_draft(target: Plan, draft_cfg: dict, req: PlanRequest, block_size: int = 16) -> Plan:
+    """`target` with a draft model on rank 0 (--speculative-config's draft_model): one rank in the target's dtype,
+    its weights and working memory out of rank 0's KV budget on GPUs (on CPUs, host memory beside the
+    --kv-cache-memory budget), then the budget split between the two caches as the engine splits it
+    (draft_cache_blocks); the other ranks take rank 0's block count, so these are every rank's tokens."""
+    if target.stages:
+        raise ValueError("a draft model with pipeline stages is not served; plan it with -tp alone")
+    draft_cfg = dict(draft_cfg, torch_dtype="float32" if req.device == "cpu" else
+                     draft_cfg.get("torch_dtype") or "bfloat16")
+    draft = plan(draft_cfg, dataclasses.replace(req, tensor_parallel_size=1, max_model_len=target.max_model_len))
+    outside = 0 if req.device == "cpu" else draft.weight_bytes + draft.overhead_bytes - GPU_FIXED_OVERHEAD
+    max_blocks = req.max_num_seqs * -(-target.max_model_len // block_size)
+    found = {"draft_weight_bytes": draft.weight_bytes, "draft_kv_bytes_per_token": draft.kv_bytes_per_token}
+    if target.kv_budget_bytes is None:  # GPUs of unknown memory
+        return dataclasses.replace(target, **found)
+    states = req.max_num_seqs * target.state_bytes_per_seq
+    budget = target.kv_budget_bytes - (states if req.device == "cpu" else 0)
+    blocks = draft_cache_blocks(budget, outside, target.kv_bytes_per_token, draft.kv_bytes_per_token, block_size,
+                                max_blocks)
+    draft_cache = blocks * block_size * draft.kv_bytes_per_token
+    tokens = max(0, (budget - outside - draft_cache) // target.kv_bytes_per_token)
+    reasons = list(target.reasons)
+    fits = target.fits
+    if blocks * block_size < target.max_model_len:
+        fits = False
+        reasons.append(f"the draft model takes {(outside + draft_cache) / GIB:.2f} GiB of rank 0's KV-cache budget of "
+                       f"{budget / GIB:.2f} GiB, and what is left holds {blocks * block_size:,} tokens each of its "
+                       f"cache and the target's, under {target.max_model_len:,}")
+    host = target.host_needed_bytes + (draft.weight_bytes if req.device == "cpu" else 0)
+    host_left = None if target.host_left_bytes is None else target.host_left_bytes - (host - target.host_needed_bytes)
+    return dataclasses.replace(target, **found, draft_cache_tokens=blocks * block_size, max_tokens_in_cache=tokens,
+                               largest_context=min(target.largest_context or tokens, tokens), fits=fits,
+                               reasons=reasons, host_needed_bytes=host, host_left_bytes=host_left)
+
+
 # A stage holding this many times another's weights is flagged: the pipeline runs at its slowest stage's pace.
 STAGE_IMBALANCE = 1.5
 
@@ -670,6 +718,11 @@ def describe(p: Plan, tp: int) -> str:
     ]
     if p.state_bytes_per_seq:
         lines.append(f"  fixed state per seq    {p.state_bytes_per_seq / 2**20:,.1f} MiB (linear-attention/SSM layers)")
+    if p.draft_weight_bytes:
+        lines.append(f"  draft model (rank 0)   weights {gib(p.draft_weight_bytes)}, KV cache "
+                     f"{p.draft_kv_bytes_per_token / 1024:,.1f} KiB a token"
+                     + ("" if p.draft_cache_tokens is None else f" = {p.draft_cache_tokens:,} tokens")
+                     + (", out of rank 0's KV-cache budget" if p.device != "cpu" else ""))
     if p.device == "cpu":
         lines[0] = f"per rank (tensor parallel {tp}, CPU: float32, in host memory):"
         lines.append(f"  overhead (estimate)    {gib(p.overhead_bytes)} (activations, runtime)")

@@ -58,6 +58,7 @@ from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.sequence import Sequence
 from shardserve.engine.speculative import Proposer
 from shardserve.models import model_class
+from shardserve.planner import draft_cache_blocks
 from shardserve.transfers import on_device
 from shardserve.wire.step_plan import FROM_DEVICE, PlanKind, SeqChunk, StepPlan
 
@@ -129,8 +130,8 @@ class DraftPlan:
         """ModelRunner's kv_set_aside: of rank 0's KV budget, the draft's weights and working memory (outside_cache_bytes)
         and a cache of as many tokens as the target's keeps, at most max_num_seqs full contexts; records cache_bytes."""
         per_block = self.bytes_per_token * self.block_size
-        left = max(0, budget - self.outside_cache_bytes)
-        blocks = min(left // (target_bytes_per_token * self.block_size + per_block), self.max_blocks)
+        blocks = draft_cache_blocks(budget, self.outside_cache_bytes, target_bytes_per_token, self.bytes_per_token,
+                                    self.block_size, self.max_blocks)
         if blocks * self.block_size < self.max_model_len:
             raise ValueError(f"the draft model {self.path!r} takes {self.outside_cache_bytes / 2**30:.2f} GiB of the "
                              f"KV-cache budget of {budget / 2**30:.2f} GiB on rank 0, and what is left holds "

@@ -208,3 +208,25 @@ def test_a_bad_draft_is_refused_naming_the_key_in_llm_and_at_the_cli(tiny_model_
         return
     with pytest.raises(SystemExit, match=f"shardserve serve: --speculative-config: {message}"):
         serve(parse_args(argv))
+
+
+def test_shardserve_plan_gives_the_draft_and_target_caches_the_engine_builds(tiny_model_dir, capsys):
+    """`shardserve plan --speculative-config` splits rank 0's KV budget between the draft's cache and the target's as
+    the engine does: the draft's tokens as the engine allocates them, the target's within a block."""
+    from shardserve.cli import main
+
+    target, other = _models(tiny_model_dir)
+    spec = _draft(other)
+    assert main(["plan", target, "--device", "cpu", "--kv-cache-memory", "0.01", "--max-num-seqs", "8",
+                 "--speculative-config", json.dumps(spec), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    with LLM(target, speculative_config=spec, **OPTIONS) as llm:
+        block = llm.engine.runner.block_size
+        target_tokens = llm.engine.runner.num_blocks * block
+        draft_runner = llm.engine.proposer.runner
+        draft_tokens = draft_runner.num_blocks * block
+        draft_weights = sum(p.numel() * p.element_size() for p in draft_runner.model.parameters())
+    assert planned["draft_cache_tokens"] == draft_tokens
+    assert target_tokens <= planned["max_tokens_in_cache"] < target_tokens + block
+    # On CPUs the plan counts the float32 weights and the compact copies that decode steps read beside them.
+    assert draft_weights <= planned["draft_weight_bytes"] <= 4 * draft_weights
