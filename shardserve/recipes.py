@@ -10,10 +10,12 @@
     nodes: [10.0.0.1, 10.0.0.2]   # optional: the machines, node 0 first (gives --nnodes, --master-addr)
 
 `shardserve serve --recipe FILE` and `shardserve plan --recipe FILE` take it; flags given on the
-command line override it. A relative `model` path is relative to the recipe file. Unknown keys and bad values are refused with their path and what is accepted.
+command line override it. A relative `model` path (and a draft model's, in `speculative_config`) is relative to the recipe file. Unknown keys and bad values are refused with their path and what is accepted.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import os
 import re
@@ -95,6 +97,9 @@ def load_recipe(path: str) -> Recipe:
     if bad:
         raise RecipeError(f"{path}: env/forward_env: not variable names: {', '.join(bad)}")
     recipe.model = relative_to_file(recipe.model, path)
+    spec = recipe.serve.speculative_config
+    if spec is not None and spec.model is not None:  # a draft model's path, relative to the recipe as `model` is
+        recipe.serve.speculative_config = dataclasses.replace(spec, model=relative_to_file(spec.model, path))
     return recipe
 
 

@@ -140,3 +140,13 @@ def test_a_recipe_sets_speculative_decoding_and_names_a_bad_setting(tmp_path):
     with pytest.raises(RecipeError, match="serve.speculative_config.*method 'mtp' is not supported yet"):
         load_recipe(_recipe(tmp_path, {"model": "/m", "serve": {"speculative_config": {
             "method": "mtp", "num_speculative_tokens": 1}}}))
+
+
+def test_a_recipes_draft_model_path_is_relative_to_the_recipe(tmp_path):
+    """`speculative_config.model` is read as `model` is: relative to the recipe's folder, whatever the current
+    directory."""
+    path = _recipe(tmp_path, {"model": "target", "serve": {"speculative_config": {
+        "method": "draft_model", "model": "drafts/small", "num_speculative_tokens": 2}}})
+    recipe = load_recipe(path)
+    assert recipe.model == str(tmp_path / "target")
+    assert recipe.serve.speculative_config.model == str(tmp_path / "drafts" / "small")
