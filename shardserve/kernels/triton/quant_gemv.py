@@ -61,16 +61,20 @@ def four_bit_scale_and_zero(words, FP4: tl.constexpr):
     return scale_and_zero(words)
 
 
+# An e2m1 code's three magnitude bits placed at float32 bits 22-24 are a float32 of exactly its value times
+# 2 ** -126: exponent bits e give 2 ** (e - 127) * (1 + m / 2) for e > 0 (e2m1's 2 ** (e - 1) * (1 + m / 2)), and
+# for e = 0 the subnormal m * 2 ** -127 (e2m1's m / 2).
+E2M1_SUBNORMAL_SCALE = tl.constexpr(2.0 ** 126)
+
+
 @triton.jit
 def nibble_values(nibbles, FP4: tl.constexpr):
-    """float32 values of 4-bit codes (int32 in 0..15): the integer (int4), or its e2m1 value (fp4): exponent bits
-    e = (code >> 1) & 3 and mantissa bit m = code & 1 give m / 2 where e = 0, else (2 + m) * 2 ** (e - 2); bit 3 is
-    the sign."""
+    """float32 values of 4-bit codes (int32 in 0..15): the integer (int4), or its e2m1 value (fp4, bit 3 the sign):
+    the code's bits moved into a float32 (E2M1_SUBNORMAL_SCALE) and scaled by a power of two, exact, five integer
+    operations and a multiply a weight."""
     if FP4:
-        exponent = (nibbles >> 1) & 3
-        mantissa = (nibbles & 1).to(tl.float32)
-        magnitude = tl.where(exponent == 0, mantissa * 0.5, (2.0 + mantissa) * (1 << exponent).to(tl.float32) * 0.25)
-        return tl.where((nibbles & 8) != 0, -magnitude, magnitude)
+        bits = ((nibbles & 7) << 22) | ((nibbles & 8) << 28)
+        return bits.to(tl.float32, bitcast=True) * E2M1_SUBNORMAL_SCALE
     return nibbles.to(tl.float32)
 
 
