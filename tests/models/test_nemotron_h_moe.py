@@ -159,6 +159,26 @@ def test_a_quantized_checkpoint_at_two_ranks_gives_transformers_tokens_on_its_va
     assert tuple(tuple(o.token_ids) for o in outputs) == expected, name
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_nvfp4_experts_stay_packed_on_the_fused_kernel_in_cuda_graphs(tiny_model_dir, tmp_path):
+    """An NVFP4 checkpoint on CUDA (packed by default there): the non-gated experts half a byte a weight on the
+    fused kernel with relu2, decode replayed from CUDA graphs, transformers' tokens on the encoded values."""
+    from tests.helpers.quantized import write_quantized
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    quant_dir, float_dir = write_quantized(tiny_model_dir("nemotron-h-moe"), "nvfp4", tmp_path)
+    expected = _reference(str(float_dir))
+    with LLM(str(quant_dir), device="cuda", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4,
+             max_num_batched_tokens=12) as llm:
+        assert llm.engine.runner.graphs is not None
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
+        experts = [block.experts for block in _expert_blocks(llm)]
+        assert experts and all(e.packed is not None and e.w1.dtype == torch.uint8 for e in experts)
+    assert tuple(tuple(o.token_ids) for o in outputs) == expected
+
+
 @pytest.mark.parametrize("tp, expert_parallel", [(1, False), (2, True)])
 def test_nvfp4_experts_kept_packed_give_transformers_tokens(tiny_model_dir, tmp_path, set_env, tp, expert_parallel):
     """SHARDSERVE_QUANTIZED_LAYERS=packed (the GPUs' default) on an NVFP4 checkpoint: the non-gated experts stay
