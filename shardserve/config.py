@@ -123,6 +123,9 @@ class ModelConfig:
     # DeepSeek's routing (layers/grouped_topk.py): "sigmoid" scores with a score-correction bias (V3's noaux_tc),
     # or "softmax" (V2's greedy and group_limited_greedy) without one.
     scoring_func: str = "sigmoid"
+    # DeepSeek-V3's multi-token-prediction layers, stored after the decoder layers as model.layers.{num_layers}...
+    # (num_nextn_predict_layers; served by --speculative-config's method "mtp": engine/mtp.py).
+    num_nextn_predict_layers: int = 0
 
     @property
     def latent_attention(self) -> bool:
@@ -581,7 +584,8 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 routed_scaling_factor=route.scaling_factor, scoring_func=route.scoring,
                 q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],
                 qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
-                v_head_dim=cfg["v_head_dim"], rope_interleave=not v3 or bool(cfg.get("rope_interleave", True)))
+                v_head_dim=cfg["v_head_dim"], rope_interleave=not v3 or bool(cfg.get("rope_interleave", True)),
+                num_nextn_predict_layers=cfg.get("num_nextn_predict_layers") or 0)
 
 
 def _json_float(value: Any) -> float:

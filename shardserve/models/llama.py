@@ -141,10 +141,12 @@ class LlamaModel(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.zero_centred_norm) if stage.is_last else None
 
-    def forward(self, token_ids, positions, caches: list, meta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, token_ids, positions, caches: list, meta, hidden: torch.Tensor | None = None,
+                keep_stream: bool = False):
         """caches: each held layer's, in layer order (a KVCache for attention; see the layer for others).
         `hidden`: on a stage after the first, the residual stream the previous stage returned (token_ids unused).
-        Returns the final norm's output on the last stage, else the residual stream for the next stage."""
+        Returns the final norm's output on the last stage, else the residual stream for the next stage;
+        keep_stream: (the final norm's output, the residual stream it normed), for an MTP layer (engine/mtp.py)."""
         x = self.embed_tokens(token_ids) if self.stage.is_first else hidden
         residual, pending = None, None
         rotary = self.rotary.lookup(positions)
@@ -156,8 +158,8 @@ class LlamaModel(nn.Module):
             x, residual, pending = layer(rotary, x, residual, cache, meta, pending, next_norm)
         if not self.stage.is_last:
             return residual_stream(x, residual, pending)
-        x, _ = self.norm(x, residual, reduce=pending)
-        return x
+        x, stream = self.norm(x, residual, reduce=pending)
+        return (x, stream) if keep_stream else x
 
 
 def residual_stream(x: torch.Tensor, residual: torch.Tensor | None, pending) -> torch.Tensor:
@@ -207,10 +209,14 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         return LlamaDecoderLayer(self.attention(cfg, comm, dtype), LlamaMLP(cfg, comm, dtype), cfg, dtype)
 
-    def forward(self, token_ids, positions, caches: list, meta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, token_ids, positions, caches: list, meta, hidden: torch.Tensor | None = None,
+                keep_stream: bool = False):
         """caches: one per layer this rank holds, in layer order: a KVCache for each of config.kv_layers, and for a
         hybrid model's other layers what state_pools gave them with the step's slots (models/qwen3_next.py).
-        `hidden`: a later pipeline stage's input, the residual stream from the stage before (LlamaModel.forward)."""
+        `hidden`: a later pipeline stage's input, the residual stream from the stage before (LlamaModel.forward).
+        keep_stream: also return the last hidden states before the final norm (LlamaModel.forward)."""
+        if keep_stream:
+            return self.model(token_ids, positions, caches, meta, hidden, keep_stream=True)
         if hidden is None:
             return self.model(token_ids, positions, caches, meta)
         return self.model(token_ids, positions, caches, meta, hidden)

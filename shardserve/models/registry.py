@@ -44,6 +44,9 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
+# Models the engine builds from a served checkpoint, never named by a config.json (so not served by themselves): the
+# multi-token-prediction layer of a DeepSeek checkpoint (engine/mtp.py).
+_PART_MODELS: dict[str, tuple[str, str]] = {"DeepseekMTP": ("deepseek_mtp", "DeepseekMTP")}
 
 
 class UnsupportedArchitecture(ValueError):
@@ -80,8 +83,9 @@ def resolve_architecture(architectures: list[str], model_type: str | None = None
 
 
 def model_class(architecture: str) -> type[nn.Module]:
-    """The class that builds `architecture` (its module imported now)."""
-    if architecture not in _MODELS:
+    """The class that builds `architecture` (its module imported now): a served one, or a part model."""
+    found = _MODELS.get(architecture) or _PART_MODELS.get(architecture)
+    if found is None:
         raise UnsupportedArchitecture(architecture)
-    module, name = _MODELS[architecture]
+    module, name = found
     return getattr(importlib.import_module(f"shardserve.models.{module}"), name)
