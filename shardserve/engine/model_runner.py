@@ -9,7 +9,7 @@ import contextlib
 import gc
 import logging
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -42,6 +42,16 @@ from shardserve.weights.loader import (configured_quantized_modules, load_synthe
 from shardserve.weights.offload import HostCopy, offload, restore
 
 logger = logging.getLogger(__name__)
+
+
+class HiddenStep(NamedTuple):
+    """ModelRunner.execute_hidden's result: execute's seq ids and logits, and every row's hidden state before the
+    final norm in the batch's row order (`batch`'s chunks and row_start say whose)."""
+
+    seq_ids: list[int]
+    logits: torch.Tensor | None
+    hidden: torch.Tensor
+    batch: StepBatch
 
 
 class ModelRunner:
@@ -163,6 +173,12 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "mtp":
+            if self.ctx.is_driver:
+                logger.info("no CUDA graphs: with MTP proposals every step also returns its last hidden states "
+                            "(engine/mtp.py), which the decode graphs do not")
             return
         if self.stage is not None:
             if self.ctx.is_driver:
@@ -529,6 +545,23 @@ class ModelRunner:
             return [], None
         logits = self.model.compute_logits(hidden[self._long(batch.sample_rows)])
         return batch.sample_seq_ids, logits
+
+    @torch.inference_mode()
+    def execute_hidden(self, plan: StepPlan, hidden: torch.Tensor | None = None,
+                       device_tokens: torch.Tensor | None = None) -> HiddenStep:
+        """Run the plan eagerly as execute does, also returning every row's last hidden state before the final norm
+        (replicated on every rank after the all-reduce): what MTP proposals read (engine/mtp.py). `hidden`: a model
+        that takes hidden states (the MTP layer) gets them, one a row in the batch's row order. No pipeline stages;
+        device_tokens on one rank only (they are not shared)."""
+        batch = StepBatch.from_chunks(plan.chunks, self.block_size)
+        meta = self.attention.build_metadata(batch)
+        token_ids = self._input_tokens(plan, batch, device_tokens) if plan.tokens_from_device \
+            else self._long(batch.token_ids)
+        extra = {} if hidden is None else {"hidden": hidden}
+        normed, stream = self.model(token_ids, self._long(batch.positions), self._layer_caches(batch), meta,
+                                    keep_stream=True, **extra)
+        logits = self.model.compute_logits(normed[self._long(batch.sample_rows)]) if batch.sample_rows else None
+        return HiddenStep(batch.sample_seq_ids, logits, stream, batch)
 
     def _execute_stage(self, batch: StepBatch, token_ids: torch.Tensor, meta
                        ) -> tuple[list[int], torch.Tensor | None]:
