@@ -627,8 +627,9 @@ def _rope_parameters(cfg: dict[str, Any], max_position_embeddings: int) -> dict[
     return {"rope_theta": float(theta), "scaling": scaling}
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-_LATER_METHODS = ("mtp", "eagle", "eagle3", "medusa", "deepseek_mtp")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+_METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
+_LATER_METHODS = ("eagle", "eagle3", "medusa")
 
 
 @dataclass(frozen=True)
@@ -637,7 +638,8 @@ class SpeculativeConfig:
     in one target step (engine/speculative.py). "ngram": prompt lookup, the tokens that followed the latest earlier
     occurrence of the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min. "draft_model":
     the greedy tokens of a smaller model of the same vocabulary, `model` (a directory or GGUF file), run on rank 0
-    (engine/draft_model.py)."""
+    (engine/draft_model.py). "mtp" (alias "deepseek_mtp"): the greedy tokens of a DeepSeek-V2/V3 checkpoint's own
+    multi-token-prediction layer, run on rank 0 (engine/mtp.py)."""
 
     method: str
     num_speculative_tokens: int
@@ -657,7 +659,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; accepted: "
                              f"{', '.join(sorted(known))}")
-        method = values.get("method")
+        method = _METHOD_ALIASES.get(values.get("method"), values.get("method"))
         if method in _LATER_METHODS:
             raise ValueError(f"--speculative-config: method {method!r} is not supported yet; accepted: "
                              f"{', '.join(SPECULATIVE_METHODS)}")

@@ -137,9 +137,9 @@ def test_a_recipe_sets_speculative_decoding_and_names_a_bad_setting(tmp_path):
 
     assert EngineConfig(model="/m", speculative_config=args.speculative_config).speculative_config == \
         SpeculativeConfig("ngram", 2)
-    with pytest.raises(RecipeError, match="serve.speculative_config.*method 'mtp' is not supported yet"):
+    with pytest.raises(RecipeError, match="serve.speculative_config.*method 'eagle' is not supported yet"):
         load_recipe(_recipe(tmp_path, {"model": "/m", "serve": {"speculative_config": {
-            "method": "mtp", "num_speculative_tokens": 1}}}))
+            "method": "eagle", "num_speculative_tokens": 1}}}))
 
 
 def test_a_recipes_draft_model_path_is_relative_to_the_recipe(tmp_path):

@@ -345,3 +345,51 @@ def make_tiny_model(spec: TinySpec, path: str, seed: int = 0, tokenizer: str = "
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     (write_byte_tokenizer if tokenizer == "bytes" else write_tokenizer)(path)
     return path
+
+
+def add_mtp_layer(spec: TinySpec, path: str, seed: int = 0) -> str:
+    """Add to the tiny DeepSeek-V3 checkpoint of `spec` in `path` (make_tiny_model's) a random multi-token-prediction
+    layer, as released V3 checkpoints store it (num_nextn_predict_layers 1): model.layers.{L}.* in mtp.safetensors
+    beside the rest in decoder.safetensors (both in model.safetensors.index.json),
+    the decoder layer as transformers saves layer L of a model one layer deeper, then enorm, hnorm, eh_proj,
+    shared_head.norm, shared_head.head and a copy of the embedding. Returns path."""
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(spec)
+    index = config.num_hidden_layers
+    config.num_hidden_layers = index + 1
+    torch.manual_seed(seed + 2)
+    deeper = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed + 3)
+    _perturb(deeper, generator)
+    prefix = f"model.layers.{index}."
+    with tempfile.TemporaryDirectory() as scratch:
+        deeper.save_pretrained(scratch, safe_serialization=True)
+        with safe_open(os.path.join(scratch, "model.safetensors"), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        embedding = f.get_tensor("model.embed_tokens.weight")
+    h = config.hidden_size
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{prefix}{norm}.weight"] = 1 + torch.randn(h, generator=generator) * 0.1
+    tensors[f"{prefix}eh_proj.weight"] = torch.randn(h, 2 * h, generator=generator) * 0.1
+    tensors[f"{prefix}shared_head.head.weight"] = torch.randn(VOCAB_SIZE, h, generator=generator) * 0.1
+    tensors[f"{prefix}embed_tokens.weight"] = embedding.clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "mtp.safetensors"))
+    # Two files and an index, which transformers reads only where no model.safetensors is there.
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "decoder.safetensors"))
+    with safe_open(os.path.join(path, "decoder.safetensors"), "pt") as f:
+        weight_map = dict.fromkeys(f.keys(), "decoder.safetensors")
+    weight_map.update(dict.fromkeys(tensors, "mtp.safetensors"))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(path, "config.json")) as f:
+        written = json.load(f)
+    written["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(written, f, indent=2)
+    return path

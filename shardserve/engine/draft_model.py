@@ -102,6 +102,7 @@ class DraftPlan:
     outside_cache_bytes: int
     cost: float  # one draft pass in target steps: its weights over one target rank's (each pass reads them once)
     cache_bytes: int = 0  # its KV cache, chosen by set_aside
+    what: str = "draft model"  # what proposes, in the log and errors ("MTP layer of": engine/mtp.py)
 
     @classmethod
     def for_engine(cls, config: EngineConfig, target: ModelConfig, dtype: torch.dtype,
@@ -133,15 +134,15 @@ class DraftPlan:
         blocks = draft_cache_blocks(budget, self.outside_cache_bytes, target_bytes_per_token, self.bytes_per_token,
                                     self.block_size, self.max_blocks)
         if blocks * self.block_size < self.max_model_len:
-            raise ValueError(f"the draft model {self.path!r} takes {self.outside_cache_bytes / 2**30:.2f} GiB of the "
+            raise ValueError(f"the {self.what} {self.path!r} takes {self.outside_cache_bytes / 2**30:.2f} GiB of the "
                              f"KV-cache budget of {budget / 2**30:.2f} GiB on rank 0, and what is left holds "
                              f"{blocks * self.block_size} tokens each of its cache and the target's, under "
                              f"--max-model-len {self.max_model_len}: raise --kv-cache-memory or "
                              "--gpu-memory-utilization, or lower --max-model-len")
         self.cache_bytes = blocks * per_block
-        logger.info("draft model %s: %.2f GiB set aside from rank 0's KV-cache budget of %.2f GiB: its KV cache of "
-                    "%d tokens (%.2f GiB)%s", self.path, (self.outside_cache_bytes + self.cache_bytes) / 2**30,
-                    budget / 2**30, blocks * self.block_size, self.cache_bytes / 2**30,
+        logger.info("%s %s: %.2f GiB set aside from rank 0's KV-cache budget of %.2f GiB: its KV cache of "
+                    "%d tokens (%.2f GiB)%s", self.what, self.path,
+                    (self.outside_cache_bytes + self.cache_bytes) / 2**30, budget / 2**30, blocks * self.block_size, self.cache_bytes / 2**30,
                     f" and its weights and working memory ({self.outside_cache_bytes / 2**30:.2f} GiB, planned)"
                     if self.outside_cache_bytes else "")
         return self.outside_cache_bytes + self.cache_bytes
@@ -211,11 +212,13 @@ class _Ready(NamedTuple):
 class DraftModelProposer(Proposer):
     """Proposals from a draft model on rank 0 (the module docstring says how)."""
 
+    runner_class = DraftRunner
+
     def __init__(self, config: EngineConfig, plan: DraftPlan, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, break_even: float) -> None:
         super().__init__(config.speculative_config, max_model_len, break_even)
         ctx = RankContext(0, 1, device, Communicator(None, 0, 1), None)
-        self.runner = DraftRunner(draft_engine_config(config, plan, dtype), plan.model_config, ctx)
+        self.runner = self.runner_class(draft_engine_config(config, plan, dtype), plan.model_config, ctx)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=False)
         self.max_batched_tokens = config.max_num_batched_tokens
         self.draft_len = plan.max_model_len

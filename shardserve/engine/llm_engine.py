@@ -21,6 +21,7 @@ from shardserve.distributed.process_group import RankContext
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.draft_model import DraftModelProposer, DraftPlan
 from shardserve.engine.model_runner import ModelRunner
+from shardserve.engine.mtp import MtpProposer, check_mtp, mtp_plan
 from shardserve.engine.sampler import PendingSample, RowHistory, Sampler
 from shardserve.engine.scheduler import Scheduler
 from shardserve.engine.sequence import Sequence, SequenceStatus
@@ -66,6 +67,11 @@ def prefix_caching_allowed(config: EngineConfig, model_config: ModelConfig) -> b
     state after a prefix is not kept with its blocks, and a prefix without it cannot be resumed."""
     if not config.enable_prefix_caching:
         return False
+    spec = config.speculative_config
+    if spec is not None and spec.method == "mtp":
+        logger.info("prefix caching off: MTP proposals read the target's hidden states of every position, which a "
+                    "cached prefix does not keep")
+        return False
     if model_config.linear_attention_layers:
         logger.info("prefix caching off: %s has %d linear-attention layers, whose state after a prefix is not "
                     "cached", model_config.architecture, len(model_config.linear_attention_layers))
@@ -75,9 +81,11 @@ def prefix_caching_allowed(config: EngineConfig, model_config: ModelConfig) -> b
 
 def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
     """Refuse --speculative-config where verification would go wrong: a model with recurrent state (a rejected
-    proposal would have stepped it)."""
+    proposal would have stepped it); and method "mtp" where the checkpoint has no MTP layer shardserve serves."""
     if config.speculative_config is None:
         return
+    if config.speculative_config.method == "mtp":
+        check_mtp(config, model_config)
     if model_config.linear_attention_layers:
         raise ValueError(f"--speculative-config: {model_config.architecture} has "
                          f"{len(model_config.linear_attention_layers)} linear-attention layers, whose per-sequence "
@@ -86,12 +94,13 @@ def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
 
 
 def _draft_plan(config: EngineConfig, model_config: ModelConfig) -> DraftPlan | None:
-    """The draft model of method "draft_model", checked and sized before the target loads; None for other methods."""
+    """The draft model of method "draft_model", or the MTP layer of method "mtp", checked and sized before the target
+    loads; None for other methods."""
     spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method not in ("draft_model", "mtp"):
         return None
-    return DraftPlan.for_engine(config, model_config, compute_dtype(config, model_config),
-                                config.resolve_max_model_len(model_config))
+    plan = mtp_plan if spec.method == "mtp" else DraftPlan.for_engine
+    return plan(config, model_config, compute_dtype(config, model_config), config.resolve_max_model_len(model_config))
 
 
 @dataclass
@@ -160,8 +169,8 @@ class LLMEngine:
                     f", a draft pass costing {draft.cost:.2f} target steps" if draft else "")
         if draft is None:
             return NgramProposer(spec, self.max_model_len, break_even)
-        return DraftModelProposer(self.config, draft, self.runner.device, self.runner.dtype, self.max_model_len,
-                                  break_even)
+        cls = MtpProposer if spec.method == "mtp" else DraftModelProposer
+        return cls(self.config, draft, self.runner.device, self.runner.dtype, self.max_model_len, break_even)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -341,7 +350,12 @@ class LLMEngine:
     def _launch(self, plan: StepPlan, device_tokens=None) -> "_InFlight":
         """Queue a step on the device, and its sampling; nothing here waits for the device."""
         self._send(plan)
-        seq_ids, logits = self.runner.execute(plan, device_tokens)
+        if self.proposer is not None and self.proposer.takes_hidden:  # MTP: the proposer keeps the hidden states
+            step = self.runner.execute_hidden(plan)
+            self.proposer.observe(step, self.seqs)
+            seq_ids, logits = step.seq_ids, step.logits
+        else:
+            seq_ids, logits = self.runner.execute(plan, device_tokens)
         self.lockstep.confirm(plan)
         if not plan.tokens_from_device:  # one taking tokens from the device is finished once they arrive
             self.scheduler.finish_step(plan, self.seqs)

@@ -20,7 +20,9 @@ in the same batches. Not for models with recurrent state (linear attention): a r
 proposal would have stepped the state.
 
 Where proposals come from (Proposer, --speculative-config's method): "ngram", prompt lookup in the sequence's own
-tokens; "draft_model", the greedy tokens of a smaller model on rank 0 (engine/draft_model.py).
+tokens; "draft_model", the greedy tokens of a smaller model on rank 0 (engine/draft_model.py); "mtp", the greedy
+tokens of a DeepSeek checkpoint's multi-token-prediction layer on rank 0, fed the target's hidden states
+(engine/mtp.py).
 
 When it does not pay a request stops proposing (stops_paying): a verified step costs about 1 + c k single-token
 steps, so proposals pay while the tokens a step adds, (1 - a^(k+1)) / (1 - a) at acceptance a, exceed that; once a
@@ -74,7 +76,7 @@ class Proposer:
         requests = []
         for seq in seqs:
             p = seq.params
-            if not drafts_allowed(p) or stops_paying(seq.spec_proposed, seq.spec_accepted, self.break_even):
+            if not self.speculates(seq):
                 continue
             room = min(self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
@@ -84,9 +86,18 @@ class Proposer:
             return {}
         return {seq.seq_id: drafts for (seq, _), drafts in zip(requests, self.propose_all(requests)) if drafts}
 
+    takes_hidden = False  # whether it reads the target's hidden states (MTP: engine/mtp.py), handed to observe
+
+    def speculates(self, seq: Sequence) -> bool:
+        """Whether the sequence may get proposals: drafts_allowed, and still paying (stops_paying)."""
+        return drafts_allowed(seq.params) and not stops_paying(seq.spec_proposed, seq.spec_accepted, self.break_even)
+
     def propose_all(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
         """For each (sequence, room), up to room tokens proposed after its last one."""
         raise NotImplementedError
+
+    def observe(self, step, seqs: dict[int, Sequence]) -> None:
+        """A target step ran (a ModelRunner.HiddenStep, only where takes_hidden): keep what proposing reads of it."""
 
     def release(self, seq: Sequence) -> None:
         """The sequence stopped running: forget what is kept for it."""

@@ -142,7 +142,7 @@ def test_a_model_with_recurrent_state_is_refused(tiny_model_dir):
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "mtp", "num_speculative_tokens": 2}, "'mtp' is not supported yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not supported yet"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "/m"}, "which method 'ngram' does not take"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a whole number from 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key"),
