@@ -128,9 +128,10 @@ def _add_serve_parser(sub) -> argparse.ArgumentParser:
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         "(prompt lookup; optional prompt_lookup_max, default 4, and prompt_lookup_min, default 1) "
                         'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\' (a smaller model '
-                        "of the same vocabulary, on rank 0): requests verify up to that many proposed tokens a step "
-                        "(greedy ones give the tokens they give without it, sampled ones keep the model's "
-                        "distribution)")
+                        'of the same vocabulary, on rank 0) or \'{"method": "mtp", "num_speculative_tokens": 1}\' (a '
+                        "DeepSeek-V3 checkpoint's own MTP layer, on rank 0): requests verify up to that many proposed "
+                        "tokens a step (greedy ones give the tokens they give without it, sampled ones keep the "
+                        "model's distribution)")
     p.add_argument("--wake-on-request", action="store_true",
                    help="a request to a sleeping server (POST /sleep) wakes it instead of waiting for POST /wake_up")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json", "generic", "none"], default="auto",

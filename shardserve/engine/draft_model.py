@@ -142,7 +142,8 @@ class DraftPlan:
         self.cache_bytes = blocks * per_block
         logger.info("%s %s: %.2f GiB set aside from rank 0's KV-cache budget of %.2f GiB: its KV cache of "
                     "%d tokens (%.2f GiB)%s", self.what, self.path,
-                    (self.outside_cache_bytes + self.cache_bytes) / 2**30, budget / 2**30, blocks * self.block_size, self.cache_bytes / 2**30,
+                    (self.outside_cache_bytes + self.cache_bytes) / 2**30, budget / 2**30, blocks * self.block_size,
+                    self.cache_bytes / 2**30,
                     f" and its weights and working memory ({self.outside_cache_bytes / 2**30:.2f} GiB, planned)"
                     if self.outside_cache_bytes else "")
         return self.outside_cache_bytes + self.cache_bytes

@@ -59,24 +59,25 @@ _OTHER_MTP = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausal
               "Qwen3_5MoeForConditionalGeneration", "NemotronHForCausalLM")
 
 
-def check_mtp(config: EngineConfig, target: ModelConfig) -> None:
-    """A ValueError naming what is missing where method "mtp" cannot serve this target: another architecture, a
-    checkpoint without an MTP layer (num_nextn_predict_layers), pipeline stages, dummy weights."""
+def check_mtp(model: str, target: ModelConfig, pipeline_parallel_size: int = 1, load_format: str = "auto") -> None:
+    """A ValueError naming what is missing where method "mtp" cannot serve the target `model` (of config `target`):
+    another architecture, a checkpoint without an MTP layer (num_nextn_predict_layers), pipeline stages, dummy
+    weights."""
     where = "--speculative-config: method 'mtp'"
     if target.architecture in _OTHER_MTP:
         raise ValueError(f"{where}: the MTP layers of {target.architecture} are not supported yet; shardserve serves "
                          f"those of {' and '.join(MTP_ARCHITECTURES)} checkpoints")
     if target.architecture not in MTP_ARCHITECTURES:
         raise ValueError(f"{where} needs a DeepSeek-V2/V3 checkpoint with a multi-token-prediction layer "
-                         f"({', '.join(MTP_ARCHITECTURES)}); {config.model!r} is a {target.architecture}: use method "
+                         f"({', '.join(MTP_ARCHITECTURES)}); {model!r} is a {target.architecture}: use method "
                          "'draft_model' or 'ngram'")
     if target.num_nextn_predict_layers < 1:
-        raise ValueError(f"{where} needs the checkpoint's multi-token-prediction layer, but {config.model!r} has "
+        raise ValueError(f"{where} needs the checkpoint's multi-token-prediction layer, but {model!r} has "
                          "none: its config.json has no num_nextn_predict_layers, or 0 (DeepSeek-V3 and R1 have 1); "
                          "use method 'draft_model' or 'ngram'")
-    if config.pipeline_parallel_size > 1:
+    if pipeline_parallel_size > 1:
         raise ValueError(f"{where} runs on one pipeline stage only: leave --pipeline-parallel-size at 1")
-    if config.load_format == "dummy":
+    if load_format == "dummy":
         raise ValueError(f"{where} reads the MTP layer from the checkpoint: --load-format dummy is not supported "
                          "with it yet")
 
@@ -96,7 +97,7 @@ def mtp_plan(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, max_
     from shardserve.models.deepseek_mtp import DeepseekMTP
     from shardserve.planner import load_hf_config, weight_elements_per_rank
 
-    check_mtp(config, target)
+    check_mtp(config.model, target, config.pipeline_parallel_size, config.load_format)
     cfg = mtp_model_config(target)
     with torch.device("meta"):
         model = DeepseekMTP(cfg, Communicator(None, 0, 1), dtype, max_model_len)

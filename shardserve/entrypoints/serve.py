@@ -71,14 +71,20 @@ def chat_parsers(args: argparse.Namespace):
 
 
 def _check_draft_model(args: argparse.Namespace) -> None:
-    """--speculative-config's draft model against the target's config, before anything loads (ValueError)."""
+    """--speculative-config's draft model, or the checkpoint's MTP layer, against the target's config, before
+    anything loads (ValueError)."""
     spec = getattr(args, "speculative_config", None)
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method not in ("draft_model", "mtp"):
         return
     from shardserve.config import ModelConfig
     from shardserve.engine.draft_model import check_draft_model
+    from shardserve.engine.mtp import check_mtp
 
-    check_draft_model(spec, ModelConfig.from_model_path(args.model))
+    target = ModelConfig.from_model_path(args.model)
+    if spec.method == "mtp":
+        check_mtp(args.model, target, args.pipeline_parallel_size, args.load_format)
+    else:
+        check_draft_model(spec, target)
 
 
 def serve(args: argparse.Namespace) -> int:

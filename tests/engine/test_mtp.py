@@ -201,11 +201,18 @@ def _without_mtp_layer(tmp_path, path: str, value) -> str:
 
 
 @pytest.mark.parametrize("value", [None, 0])
-def test_a_checkpoint_without_an_mtp_layer_is_refused_naming_the_key(mtp_model, tmp_path, value):
+def test_a_checkpoint_without_an_mtp_layer_is_refused_naming_the_key_in_llm_and_at_the_cli(mtp_model, tmp_path,
+                                                                                           value):
+    from shardserve.cli import parse_args
+    from shardserve.entrypoints.serve import serve
+
     path = _without_mtp_layer(tmp_path, mtp_model, value)
-    with pytest.raises(ValueError, match="method 'mtp' needs the checkpoint's multi-token-prediction layer.*"
-                                         "no num_nextn_predict_layers, or 0"):
+    message = ("--speculative-config: method 'mtp' needs the checkpoint's multi-token-prediction layer.*"
+               "no num_nextn_predict_layers, or 0")
+    with pytest.raises(ValueError, match=message):
         LLM(path, speculative_config=_mtp(), **OPTIONS)
+    with pytest.raises(SystemExit, match=f"shardserve serve: {message}"):
+        serve(parse_args(["serve", path, "--device", "cpu", "--speculative-config", json.dumps(_mtp())]))
 
 
 @pytest.mark.parametrize("model, message", [
