@@ -11,7 +11,7 @@ sampling with such a q accepts d with probability min(1, p(d) / q(d)) = p(d) and
 normalised, which is p without d: what Sampler.verify does. Sampled requests keep the target's distribution and
 greedy ones its tokens, whatever the draft proposes.
 
-Per sequence the draft keeps (_DraftCache) how many of the sequence's tokens are in its cache, and the proposals it
+Per sequence the draft keeps (DraftCache) how many of the sequence's tokens are in its cache, and the proposals it
 computed after them. Proposing for the decoding sequences of a step:
 1. of its last proposals, those the sequence now holds (the accepted ones) count as cached; its entries for the others
    are forgotten (they sit past the cached length and are overwritten when those positions are computed, as the
@@ -180,10 +180,11 @@ def draft_engine_config(config: EngineConfig, plan: DraftPlan, dtype: torch.dtyp
 
 
 @dataclass
-class _DraftCache:
+class DraftCache:
     """A sequence in the draft's cache. Invariant: its first num_computed_tokens tokens have their keys and values in
     the blocks of block_table, and `proposed` (the proposals of its last step but the last) follow them at the next
-    positions, kept until the next step checks them against the tokens the sequence then holds."""
+    positions, kept until the next step checks them against the tokens the sequence then holds. (The MTP layer keeps
+    its rows so, without `proposed`: engine/mtp.py.)"""
 
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -202,11 +203,11 @@ class _DraftCache:
         self.proposed = []
 
 
-class _Ready(NamedTuple):
+class ReadySeq(NamedTuple):
     """A sequence the draft proposes for this step: k proposals, blocks for its tokens and the first k - 1 of them."""
 
     seq: Sequence
-    cache: _DraftCache
+    cache: DraftCache
     k: int
 
 
@@ -223,19 +224,19 @@ class DraftModelProposer(Proposer):
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=False)
         self.max_batched_tokens = config.max_num_batched_tokens
         self.draft_len = plan.max_model_len
-        self.caches: dict[int, _DraftCache] = {}
+        self.caches: dict[int, DraftCache] = {}
         self._step_id = 0
 
     @torch.inference_mode()
     def propose_all(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
-        ready: dict[int, _Ready] = {}
+        ready: dict[int, ReadySeq] = {}
         for seq, room in requests:
-            cache = self.caches.setdefault(seq.seq_id, _DraftCache())
+            cache = self.caches.setdefault(seq.seq_id, DraftCache())
             cache.settle(seq.token_ids)
             k = min(room, self.draft_len + 1 - seq.num_tokens)  # its last proposal fed at draft_len - 1 at most
             if k > 0 and self.blocks.can_allocate(cache, seq.num_tokens + k - 1):
                 self.blocks.allocate(cache, seq.num_tokens + k - 1)
-                ready[seq.seq_id] = _Ready(seq, cache, k)
+                ready[seq.seq_id] = ReadySeq(seq, cache, k)
         if not ready:
             return [[] for _ in requests]
         made = self._extend(ready, *self._catch_up(ready))
@@ -243,7 +244,7 @@ class DraftModelProposer(Proposer):
             self.caches[seq_id].proposed = proposals[:-1]
         return [made.get(seq.seq_id, []) for seq, _ in requests]
 
-    def _catch_up(self, ready: dict[int, _Ready]) -> tuple[list[int], torch.Tensor]:
+    def _catch_up(self, ready: dict[int, ReadySeq]) -> tuple[list[int], torch.Tensor]:
         """Compute every ready sequence's tokens not in the cache, in passes of at most max_num_batched_tokens;
         returns the seq ids in the order their last rows came out, and those rows' argmaxes (proposal 1) on the
         device."""
@@ -268,7 +269,7 @@ class DraftModelProposer(Proposer):
             pending = left
         return order, torch.cat(firsts)
 
-    def _extend(self, ready: dict[int, _Ready], ids: list[int], tokens: torch.Tensor) -> dict[int, list[int]]:
+    def _extend(self, ready: dict[int, ReadySeq], ids: list[int], tokens: torch.Tensor) -> dict[int, list[int]]:
         """From proposal 1 of each of `ids` (`tokens`, on the device), one pass a further proposal for those that want
         it, each taking the argmaxes of the pass before as its input; returns every sequence's proposals (one copy to
         the host)."""

@@ -47,7 +47,7 @@ import torch
 from shardserve.attention import kv_quant
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.communicator import Communicator
-from shardserve.engine.draft_model import DraftModelProposer, DraftPlan, DraftRunner, _DraftCache, _Ready
+from shardserve.engine.draft_model import DraftModelProposer, DraftPlan, DraftRunner, DraftCache, ReadySeq
 from shardserve.engine.kv_cache import bytes_per_block
 from shardserve.engine.model_runner import HiddenStep
 from shardserve.engine.sequence import Sequence
@@ -177,21 +177,21 @@ class MtpProposer(DraftModelProposer):
 
     @torch.inference_mode()
     def propose_all(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
-        ready: dict[int, _Ready] = {}
+        ready: dict[int, ReadySeq] = {}
         for seq, room in requests:
-            cache = self.caches.setdefault(seq.seq_id, _DraftCache())
+            cache = self.caches.setdefault(seq.seq_id, DraftCache())
             kept, last_row = self.hiddens.get(seq.seq_id), seq.num_tokens - 2
             if last_row < 0 or kept is None or not kept.covers(cache.num_computed_tokens, last_row):
                 continue
             if self.blocks.can_allocate(cache, last_row + room):
                 self.blocks.allocate(cache, last_row + room)
-                ready[seq.seq_id] = _Ready(seq, cache, room)
+                ready[seq.seq_id] = ReadySeq(seq, cache, room)
         if not ready:
             return [[] for _ in requests]
         made = self._extend(ready, *self._catch_up(ready))
         return [made.get(seq.seq_id, []) for seq, _ in requests]
 
-    def _catch_up(self, ready: dict[int, _Ready]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    def _catch_up(self, ready: dict[int, ReadySeq]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Compute every ready sequence's rows from num_computed_tokens to n - 2 in passes of at most
         max_num_batched_tokens rows; returns the seq ids in the order their rows n - 2 came out, those rows'
         argmaxes (proposal 1) and their hidden states, on the device."""
@@ -224,7 +224,7 @@ class MtpProposer(DraftModelProposer):
             pending = left
         return order, torch.cat(firsts), torch.cat(states)
 
-    def _extend(self, ready: dict[int, _Ready], ids: list[int], tokens: torch.Tensor,
+    def _extend(self, ready: dict[int, ReadySeq], ids: list[int], tokens: torch.Tensor,
                 states: torch.Tensor) -> dict[int, list[int]]:
         """From proposal 1 of each of `ids` (`tokens`, and the MTP layer's hidden states of their rows, on the
         device), one pass a further proposal for those that want it, each row taking the proposal and hidden state
