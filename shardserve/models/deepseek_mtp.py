@@ -10,8 +10,8 @@ state at i before its final norm:
     x = eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)]),  out = layer(x) at position i (its own latent cache),
     logits = shared_head.head(shared_head.norm(out))
 
-whose argmax proposes t_{i+2}. `out` (before shared_head.norm) serves as h for the layer's next application (the
-proposals after the first). The checkpoint's model.layers.{L}. is read as mtp.; the target's embedding
+whose argmax proposes t_{i+2}; the row of position 0 takes a zero embedding, as vLLM's DeepSeekMTP masks it. `out`
+(before shared_head.norm) serves as h for the layer's next application (the proposals after the first). The checkpoint's model.layers.{L}. is read as mtp.; the target's embedding
 (model.embed_tokens) is the one used, a copy under the layer (mtp.embed_tokens) left unread; everything else in the
 checkpoint is the target's and unread here.
 """
@@ -70,7 +70,8 @@ class DeepseekMTP(nn.Module):
         """token_ids: t_{i+1} of each row, `hidden`: h_i, the rows at positions i. Returns shared_head.norm's
         output, or with keep_stream (that output, the hidden states it normed: the next application's h)."""
         layer = self.mtp
-        x = layer.eh_proj(torch.cat((layer.enorm(self.embed_tokens(token_ids)), layer.hnorm(hidden)), dim=-1))
+        embedded = self.embed_tokens(token_ids).masked_fill((positions == 0).unsqueeze(-1), 0)
+        x = layer.eh_proj(torch.cat((layer.enorm(embedded), layer.hnorm(hidden)), dim=-1))
         x, residual, pending = layer(self.rotary.lookup(positions), x, None, caches[0], meta, None,
                                      layer.shared_head.norm)
         stream = residual_stream(x, residual, pending)

@@ -150,7 +150,7 @@ class ReferenceMtp:
     @torch.inference_mode()
     def proposals(self, tokens: list[int], k: int) -> list[int]:
         """The MTP layer's k greedy proposals after `tokens`: rows 0 .. n-2 take (t_{i+1}, h_i), each further row
-        the proposal and the MTP layer's output at the row before."""
+        the proposal and the MTP layer's output at the row before; the row of position 0 a zero embedding."""
         kept = {}
 
         def keep(module, args, out) -> None:
@@ -163,6 +163,7 @@ class ReferenceMtp:
         inputs, hidden, made = list(tokens[1:]), kept["h"], []
         for _ in range(k):
             embedded = self.target.model.embed_tokens(torch.tensor(inputs))
+            embedded[0] = 0
             x = torch.cat((self._norm(embedded, "enorm"), self._norm(hidden, "hnorm")), -1) @ self.w["eh_proj.weight"].T
             positions = torch.arange(len(inputs)).unsqueeze(0)
             with one_torch_thread():
