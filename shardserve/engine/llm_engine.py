@@ -85,7 +85,7 @@ def check_speculative(config: EngineConfig, model_config: ModelConfig) -> None:
     if config.speculative_config is None:
         return
     if config.speculative_config.method == "mtp":
-        check_mtp(config.model, model_config, config.pipeline_parallel_size, config.load_format)
+        check_mtp(config.model, model_config, config.pipeline_parallel_size)
     if model_config.linear_attention_layers:
         raise ValueError(f"--speculative-config: {model_config.architecture} has "
                          f"{len(model_config.linear_attention_layers)} linear-attention layers, whose per-sequence "

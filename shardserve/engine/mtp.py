@@ -32,15 +32,17 @@ A sequence needs blocks for n - 2 + k rows; where the pool has none left it prop
 sequence's kept states do not reach back to its first uncomputed row (it did not speculate for a while:
 Proposer.speculates) it proposes nothing. Its blocks and states go back when it stops running (Proposer.release).
 
-Prefix caching is off with MTP (a cached prefix's hidden states are not kept). Not yet: more than one MTP layer
-(num_nextn_predict_layers > 1: the first serves), pipeline stages, --load-format dummy, CUDA graphs for the MTP
-passes and the target's steps, a quantized checkpoint's MTP layer kept packed (it is read as the values it encodes).
+Prefix caching is off with MTP (a cached prefix's hidden states are not kept). --load-format dummy draws the layer's
+weights as the target's are drawn (synthetic_mtp_shapes). Not yet: more than one MTP layer (num_nextn_predict_layers
+> 1: the first serves), pipeline stages, CUDA graphs for the MTP passes and the target's steps, a quantized
+checkpoint's MTP layer kept packed (it is read as the values it encodes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -59,10 +61,9 @@ _OTHER_MTP = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausal
               "Qwen3_5MoeForConditionalGeneration", "NemotronHForCausalLM")
 
 
-def check_mtp(model: str, target: ModelConfig, pipeline_parallel_size: int = 1, load_format: str = "auto") -> None:
+def check_mtp(model: str, target: ModelConfig, pipeline_parallel_size: int = 1) -> None:
     """A ValueError naming what is missing where method "mtp" cannot serve the target `model` (of config `target`):
-    another architecture, a checkpoint without an MTP layer (num_nextn_predict_layers), pipeline stages, dummy
-    weights."""
+    another architecture, a checkpoint without an MTP layer (num_nextn_predict_layers), pipeline stages."""
     where = "--speculative-config: method 'mtp'"
     if target.architecture in _OTHER_MTP:
         raise ValueError(f"{where}: the MTP layers of {target.architecture} are not supported yet; shardserve serves "
@@ -77,9 +78,6 @@ def check_mtp(model: str, target: ModelConfig, pipeline_parallel_size: int = 1, 
                          "use method 'draft_model' or 'ngram'")
     if pipeline_parallel_size > 1:
         raise ValueError(f"{where} runs on one pipeline stage only: leave --pipeline-parallel-size at 1")
-    if load_format == "dummy":
-        raise ValueError(f"{where} reads the MTP layer from the checkpoint: --load-format dummy is not supported "
-                         "with it yet")
 
 
 def mtp_model_config(target: ModelConfig) -> ModelConfig:
@@ -97,7 +95,7 @@ def mtp_plan(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, max_
     from shardserve.models.deepseek_mtp import DeepseekMTP
     from shardserve.planner import load_hf_config, weight_elements_per_rank
 
-    check_mtp(config.model, target, config.pipeline_parallel_size, config.load_format)
+    check_mtp(config.model, target, config.pipeline_parallel_size)
     cfg = mtp_model_config(target)
     with torch.device("meta"):
         model = DeepseekMTP(cfg, Communicator(None, 0, 1), dtype, max_model_len)
@@ -111,9 +109,28 @@ def mtp_plan(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, max_
                      per_token, outside, elements / target_rank, what="MTP layer of")
 
 
+def synthetic_mtp_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(checkpoint name, shape) of the MTP layer's tensors for --load-format dummy, given DeepseekMTP's config: its
+    decoder layer's as synthetic_checkpoint_shapes names layer 0's, under model.layers.{L}., the embedding, and the
+    MTP layer's own tensors (their values then follow from the seed and the name, as the target's do)."""
+    from shardserve.weights.synthetic import synthetic_checkpoint_shapes
+
+    layer, h = f"model.layers.{cfg.num_nextn_predict_layers}.", cfg.hidden_size
+    for name, shape in synthetic_checkpoint_shapes(cfg):
+        if name.startswith("model.layers.0."):
+            yield layer + name.removeprefix("model.layers.0."), shape
+        elif name == "model.embed_tokens.weight":
+            yield name, shape
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        yield f"{layer}{norm}.weight", (h,)
+    yield f"{layer}eh_proj.weight", (h, 2 * h)
+    yield f"{layer}shared_head.head.weight", (cfg.vocab_size, h)
+
+
 class MtpRunner(DraftRunner):
     """The MTP layer's runner: eager (its passes take hidden states the decode graphs do not), no planner (it is one
-    layer of the target's checkpoint), quantized layers read as the values they encode."""
+    layer of the target's checkpoint), quantized layers read as the values they encode, dummy weights of its own
+    names (synthetic_mtp_shapes)."""
 
     def _capture_graphs(self) -> None:
         pass
@@ -123,6 +140,16 @@ class MtpRunner(DraftRunner):
 
     def _packed_layout(self):
         return None
+
+    def _fill_weights(self, model) -> None:
+        if self.config.load_format != "dummy":
+            return super()._fill_weights(model)
+        from shardserve.weights.loader import load_tensors
+        from shardserve.weights.synthetic import synthetic_tensor
+
+        tensors = ((name, synthetic_tensor(name, shape, self.device, self.dtype, self.config.seed))
+                   for name, shape in synthetic_mtp_shapes(self.model_config))
+        load_tensors(model, tensors, False, "synthetic weights for the MTP layer")
 
 
 @dataclass

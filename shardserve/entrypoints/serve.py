@@ -82,7 +82,7 @@ def _check_draft_model(args: argparse.Namespace) -> None:
 
     target = ModelConfig.from_model_path(args.model)
     if spec.method == "mtp":
-        check_mtp(args.model, target, args.pipeline_parallel_size, args.load_format)
+        check_mtp(args.model, target, args.pipeline_parallel_size)
     else:
         check_draft_model(spec, target)
 

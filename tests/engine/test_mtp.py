@@ -65,6 +65,18 @@ def test_greedy_tokens_with_mtp_equal_those_without(mtp_model, tp):
     assert stats.spec_drafts > 0
 
 
+def test_dummy_weights_draw_the_mtp_layer_too(mtp_model):
+    """--load-format dummy: the MTP layer's weights are drawn as the target's are, and the greedy tokens are those of
+    the dummy target alone."""
+    prompts = random_prompts([6, 19], seed=5)
+    with LLM(mtp_model, load_format="dummy", **OPTIONS) as llm:
+        plain = _generate(llm, prompts, greedy(NEW_TOKENS))
+    with LLM(mtp_model, load_format="dummy", speculative_config=_mtp(), **OPTIONS) as llm:
+        assert _generate(llm, prompts, greedy(NEW_TOKENS)) == plain
+        assert llm.engine.stats().spec_drafts > 0
+        assert_mtp_returned(llm)
+
+
 def test_sixteen_at_once_equal_each_alone_and_preemption_and_an_abort_lose_nothing(mtp_model):
     """16 prompts of many lengths in one batch (caught up together in passes cut by the token budget) equal each
     alone; then a target cache too small for every sequence at once preempts some mid-speculation, and a request
