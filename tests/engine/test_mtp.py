@@ -1,9 +1,10 @@
 """Speculative decoding with a DeepSeek checkpoint's MTP layer (engine/mtp.py), on a tiny random DeepSeek-V3 with a
 random MTP layer written into its checkpoint: greedy tokens equal those of the engine without it at TP 1 and 2; 16
-requests at once equal each alone; preemption and an abort lose no tokens and leak no block of either pool; every
-proposal made while generating equals the argmax of a float32 reference built from the same weights in plain torch
-and transformers (and a corrupted eh_proj makes them differ); a checkpoint without an MTP layer or another
-architecture is refused naming why; without MTP the layer's tensors are left unread with one log line."""
+requests at once equal each alone; preemption and an abort lose no tokens and leak no block of either pool; dummy
+weights, sleep and wake; every proposal made while generating (after rejected proposals, and with every proposal
+accepted) equals the argmax of a float32 reference built from the same weights in plain torch and transformers (and
+a corrupted eh_proj makes them differ); a checkpoint without an MTP layer or another architecture is refused naming
+why; without MTP the layer's tensors are left unread with one log line."""
 
 from __future__ import annotations
 
@@ -199,6 +200,26 @@ def test_every_proposal_equals_a_float32_reference_of_the_mtp_layer(mtp_model, r
     with LLM(mtp_model, speculative_config=_mtp(k=2), **OPTIONS) as llm:
         made = _proposals_while_generating(llm, prompts)
     assert len(made) > 2 * len(prompts)
+    assert [drafts for _, drafts in made] == [reference.proposals(tokens, len(drafts)) for tokens, drafts in made]
+
+
+def test_proposals_after_accepted_ones_equal_the_reference(mtp_model, reference):
+    """Every proposal accepted (verification forced to take them all, then the target's token after the last): the
+    hidden states of a verified step's rows for the accepted positions feed the next catch up, and the proposals
+    still equal the reference's from the sequence's tokens alone."""
+    prompts = random_prompts([4, 13], seed=3)
+    with LLM(mtp_model, speculative_config=_mtp(k=3), **OPTIONS) as llm:
+        sampler = llm.engine.sampler
+
+        def accept_all(logits, seqs):
+            ends = torch.tensor([len(drafts) for _, _, drafts in seqs]).add(1).cumsum(0).sub(1)
+            return [drafts + [t] for (_, _, drafts), t in zip(seqs, logits[ends].argmax(-1).tolist())]
+
+        sampler.verify = accept_all
+        made = _proposals_while_generating(llm, prompts)
+        stats = llm.engine.stats()
+        assert_mtp_returned(llm)
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 2 * len(prompts)
     assert [drafts for _, drafts in made] == [reference.proposals(tokens, len(drafts)) for tokens, drafts in made]
 
 
