@@ -335,6 +335,11 @@ class ModelRunner:
         with torch.device(self.device), (deferred_weights() if packing else contextlib.nullcontext()):
             model = cls(self.model_config, self.ctx.comm, self.dtype, self.max_model_len,
                         expert_parallel=self.config.enable_expert_parallel, **staged)
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "mtp":  # rank 0's MTP runner reads them: no "left unread" line
+            model.unused_checkpoint_prefixes = (*getattr(model, "unused_checkpoint_prefixes", ()),
+                                                *model.skipped_checkpoint_prefixes)
+            model.skipped_checkpoint_prefixes = {}
         if packing:
             layout, names = packing
             scheme = self.model_config.quantization

@@ -275,8 +275,13 @@ def test_other_architectures_are_refused(tiny_model_dir, model, message):
 
 
 def test_without_mtp_the_layer_is_left_unread_with_one_log_line(mtp_model, caplog):
-    with caplog.at_level(logging.INFO, logger="shardserve.weights.loader"), LLM(mtp_model, **OPTIONS) as llm:
-        assert llm.engine.proposer is None
+    """And with MTP, where rank 0's MTP runner reads them, the target's load says nothing of them."""
+    with caplog.at_level(logging.INFO, logger="shardserve.weights.loader"):
+        with LLM(mtp_model, speculative_config=_mtp(), **OPTIONS):
+            pass
+        assert not [r for r in caplog.records if "multi-token-prediction" in r.getMessage()]
+        with LLM(mtp_model, **OPTIONS) as llm:
+            assert llm.engine.proposer is None
     from safetensors import safe_open
 
     with safe_open(f"{mtp_model}/mtp.safetensors", "pt") as f:
