@@ -211,6 +211,17 @@ class ReadySeq(NamedTuple):
     k: int
 
 
+def proposals_by_sequence(columns: list[tuple[list[int], torch.Tensor]]) -> dict[int, list[int]]:
+    """Each sequence's proposals from the passes' (seq ids, argmaxes on the device) columns, in pass order, with one
+    copy to the host."""
+    values = iter(torch.cat([tokens for _, tokens in columns]).tolist())
+    made: dict[int, list[int]] = {}
+    for ids, _ in columns:
+        for seq_id in ids:
+            made.setdefault(seq_id, []).append(next(values))
+    return made
+
+
 class DraftModelProposer(Proposer):
     """Proposals from a draft model on rank 0 (the module docstring says how)."""
 
@@ -283,12 +294,7 @@ class DraftModelProposer(Proposer):
             _, logits = self._run(chunks, tokens)
             tokens = logits.argmax(dim=-1)
             columns.append((ids, tokens))
-        values = iter(torch.cat([t for _, t in columns]).tolist())
-        made: dict[int, list[int]] = {}
-        for ids, _ in columns:
-            for seq_id in ids:
-                made.setdefault(seq_id, []).append(next(values))
-        return made
+        return proposals_by_sequence(columns)
 
     def _run(self, chunks: list[SeqChunk], device_tokens: torch.Tensor | None = None):
         """One forward pass of the draft: (seq ids of the rows that sample, their logits)."""

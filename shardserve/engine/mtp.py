@@ -49,7 +49,8 @@ import torch
 from shardserve.attention import kv_quant
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.distributed.communicator import Communicator
-from shardserve.engine.draft_model import DraftModelProposer, DraftPlan, DraftRunner, DraftCache, ReadySeq
+from shardserve.engine.draft_model import (DraftCache, DraftModelProposer, DraftPlan, DraftRunner, ReadySeq,
+                                           proposals_by_sequence)
 from shardserve.engine.kv_cache import bytes_per_block
 from shardserve.engine.model_runner import HiddenStep
 from shardserve.engine.sequence import Sequence
@@ -267,12 +268,7 @@ class MtpProposer(DraftModelProposer):
             out = self._run(chunks, states, tokens)
             tokens, states = out.logits.argmax(dim=-1), out.hidden
             columns.append((ids, tokens))
-        values = iter(torch.cat([t for _, t in columns]).tolist())
-        made: dict[int, list[int]] = {}
-        for ids, _ in columns:
-            for seq_id in ids:
-                made.setdefault(seq_id, []).append(next(values))
-        return made
+        return proposals_by_sequence(columns)
 
     def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor,
              device_tokens: torch.Tensor | None = None) -> HiddenStep:
