@@ -194,7 +194,8 @@ def _add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="plan for serve --quantization fp8 (projections quantized to FP8 at load)")
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
-                   help="plan for serve --speculative-config: a draft model's weights and KV cache on rank 0")
+                   help="plan for serve --speculative-config: a draft model's (or the MTP layer's) weights and KV "
+                        "cache on rank 0")
     p.add_argument("--host-memory-gb", type=_positive_float("--host-memory-gb"), default=None,
                    help="host memory in GiB (default: this machine's)")
     p.add_argument("--host-floor-gb", type=_positive_float("--host-floor-gb"), default=6.0,
@@ -384,7 +385,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from shardserve.planner import PlanRequest, describe, load_hf_config, plan, plan_draft
+    from shardserve.planner import PlanRequest, describe, load_hf_config, plan, plan_draft, plan_mtp
 
     try:
         cfg = load_hf_config(args.model)
@@ -404,6 +405,8 @@ def _plan(args: argparse.Namespace) -> int:
         result = plan(cfg, request)
         if spec is not None and spec.method == "draft_model":
             result = plan_draft(result, load_hf_config(spec.model), request)
+        elif spec is not None and spec.method in ("mtp", "deepseek_mtp"):
+            result = plan_mtp(result, cfg, request)
     except (OSError, ValueError) as e:  # a model it cannot serve (an unsupported quantization, say)
         print(f"shardserve plan: error: {e}", file=sys.stderr)
         return 2

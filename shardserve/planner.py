@@ -541,19 +541,22 @@ def draft_cache_blocks(budget: int, outside: int, target_per_token: int, draft_p
     return min(left // ((target_per_token + draft_per_token) * block_size), max_blocks)
 
 
-def plan_draft(target: Plan, draft_cfg: dict, req: PlanRequest, block_size: int = 16) -> Plan:
-    """`target` with a draft model on rank 0 (--speculative-config's draft_model): one rank in the target's dtype,
-    its weights and working memory out of rank 0's KV budget on GPUs (on CPUs, host memory beside the
-    --kv-cache-memory budget), then the budget split between the two caches as the engine splits it
-    (draft_cache_blocks); the other ranks take rank 0's block count, so these are every rank's tokens."""
+def plan_draft(target: Plan, draft_cfg: dict, req: PlanRequest, block_size: int = 16,
+               weight_bytes_added: int = 0) -> Plan:
+    """`target` with a draft model on rank 0 (--speculative-config's draft_model, or the MTP layer as
+    mtp_layer_config describes it): one rank in the target's dtype, its weights (plus `weight_bytes_added`) and
+    working memory out of rank 0's KV budget on GPUs (on CPUs, host memory beside the --kv-cache-memory budget), then
+    the budget split between the two caches as the engine splits it (draft_cache_blocks); the other ranks take
+    rank 0's block count, so these are every rank's tokens."""
     if target.stages:
         raise ValueError("a draft model with pipeline stages is not served; plan it with -tp alone")
     draft_cfg = dict(draft_cfg, torch_dtype="float32" if req.device == "cpu" else
                      draft_cfg.get("torch_dtype") or "bfloat16")
     draft = plan(draft_cfg, dataclasses.replace(req, tensor_parallel_size=1, max_model_len=target.max_model_len))
-    outside = 0 if req.device == "cpu" else draft.weight_bytes + draft.overhead_bytes - GPU_FIXED_OVERHEAD
+    weights = draft.weight_bytes + weight_bytes_added
+    outside = 0 if req.device == "cpu" else weights + draft.overhead_bytes - GPU_FIXED_OVERHEAD
     max_blocks = req.max_num_seqs * -(-target.max_model_len // block_size)
-    found = {"draft_weight_bytes": draft.weight_bytes, "draft_kv_bytes_per_token": draft.kv_bytes_per_token}
+    found = {"draft_weight_bytes": weights, "draft_kv_bytes_per_token": draft.kv_bytes_per_token}
     if target.kv_budget_bytes is None:  # GPUs of unknown memory
         return dataclasses.replace(target, **found)
     states = req.max_num_seqs * target.state_bytes_per_seq
@@ -569,11 +572,25 @@ def plan_draft(target: Plan, draft_cfg: dict, req: PlanRequest, block_size: int 
         reasons.append(f"the draft model takes {(outside + draft_cache) / GIB:.2f} GiB of rank 0's KV-cache budget of "
                        f"{budget / GIB:.2f} GiB, and what is left holds {blocks * block_size:,} tokens each of its "
                        f"cache and the target's, under {target.max_model_len:,}")
-    host = target.host_needed_bytes + (draft.weight_bytes if req.device == "cpu" else 0)
+    host = target.host_needed_bytes + (weights if req.device == "cpu" else 0)
     host_left = None if target.host_left_bytes is None else target.host_left_bytes - (host - target.host_needed_bytes)
     return dataclasses.replace(target, **found, draft_cache_tokens=blocks * block_size, max_tokens_in_cache=tokens,
                                largest_context=min(target.largest_context or tokens, tokens), fits=fits,
                                reasons=reasons, host_needed_bytes=host, host_left_bytes=host_left)
+
+
+def plan_mtp(target: Plan, cfg: dict, req: PlanRequest) -> Plan:
+    """`target` with its checkpoint's MTP layer on rank 0 (--speculative-config's mtp, engine/mtp.py): planned as a
+    draft of one decoder layer of the target's last kind (a latent cache of one layer) with its own embedding and LM
+    head, and eh_proj and three norms besides."""
+    if not cfg.get("num_nextn_predict_layers"):
+        raise ValueError("--speculative-config method mtp: this config has no MTP layer (num_nextn_predict_layers)")
+    layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    sparse = bool(_moe(cfg)[0]) and layers - 1 >= cfg.get("first_k_dense_replace", 0)
+    layer_cfg = dict(cfg, num_hidden_layers=1, first_k_dense_replace=0 if sparse else 1, tie_word_embeddings=False)
+    dtype = 4 if req.device == "cpu" else _dtype_bytes(cfg)
+    own = (2 * h * h + 3 * h) * dtype  # eh_proj, enorm, hnorm and shared_head.norm
+    return plan_draft(target, layer_cfg, req, weight_bytes_added=own)
 
 
 # A stage holding this many times another's weights is flagged: the pipeline runs at its slowest stage's pace.

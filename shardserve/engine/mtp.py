@@ -102,7 +102,7 @@ def mtp_plan(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, max_
         model = DeepseekMTP(cfg, Communicator(None, 0, 1), dtype, max_model_len)
     elements = sum(p.numel() for p in model.parameters())
     kv_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype)
-    per_token = bytes_per_block(1, 1, 1, target.kv_lora_rank + target.qk_rope_head_dim, kv_dtype)
+    per_token = bytes_per_block(1, 1, 1, target.kv_lora_rank + target.qk_rope_head_dim, kv_dtype, planes=1)
     outside = elements * dtype.itemsize if config.device != "cpu" and config.kv_cache_memory_gb is None else 0
     target_rank = weight_elements_per_rank(load_hf_config(config.model), config.tensor_parallel_size, [])
     blocks_per_seq = -(-max_model_len // config.block_size)

@@ -288,3 +288,37 @@ def test_without_mtp_the_layer_is_left_unread_with_one_log_line(mtp_model, caplo
         count = len(f.keys())
     skipped = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
     assert len(skipped) == 1 and f"left {count} tensors of the multi-token-prediction layers" in skipped[0], skipped
+
+
+def test_shardserve_plan_gives_the_mtp_and_target_caches_the_engine_builds(mtp_model, capsys):
+    """`shardserve plan --speculative-config '{"method": "mtp", ...}'` sets the MTP layer's latent cache and the
+    target's out of rank 0's budget as the engine does; the layer's weights within 5% of what the engine sets aside
+    for them on a GPU (the layer built on the meta device)."""
+    from shardserve.cli import main
+
+    assert main(["plan", mtp_model, "--device", "cpu", "--kv-cache-memory", "0.01", "--max-num-seqs", "8",
+                 "--speculative-config", json.dumps(_mtp()), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    with LLM(mtp_model, speculative_config=_mtp(), **OPTIONS) as llm:
+        block = llm.engine.runner.block_size
+        target_tokens = llm.engine.runner.num_blocks * block
+        mtp_tokens = llm.engine.proposer.runner.num_blocks * block
+        target_config = llm.engine.model_config
+    assert planned["draft_cache_tokens"] == mtp_tokens
+    assert target_tokens <= planned["max_tokens_in_cache"] < target_tokens + block
+    # The weights as a GPU plan counts them, in the checkpoint's 16-bit dtype (a CPU plan adds compact copies).
+    assert main(["plan", mtp_model, "--device", "cuda", "--gpu-memory-gb", "80", "--speculative-config",
+                 json.dumps(_mtp()), "--json"]) == 0
+    planned_elements = json.loads(capsys.readouterr().out)["draft_weight_bytes"] / 2
+    elements = _meta_mtp_elements(target_config)
+    assert abs(planned_elements - elements) <= 0.05 * elements, (planned_elements, elements)
+
+
+def _meta_mtp_elements(target_config) -> int:
+    from shardserve.distributed.communicator import Communicator
+    from shardserve.engine.mtp import mtp_model_config
+    from shardserve.models.deepseek_mtp import DeepseekMTP
+
+    with torch.device("meta"):
+        model = DeepseekMTP(mtp_model_config(target_config), Communicator(None, 0, 1), torch.bfloat16, 512)
+    return sum(p.numel() for p in model.parameters())
