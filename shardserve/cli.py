@@ -405,7 +405,7 @@ def _plan(args: argparse.Namespace) -> int:
         result = plan(cfg, request)
         if spec is not None and spec.method == "draft_model":
             result = plan_draft(result, load_hf_config(spec.model), request)
-        elif spec is not None and spec.method in ("mtp", "deepseek_mtp"):
+        elif spec is not None and spec.method == "mtp":  # "deepseek_mtp" is read as "mtp"
             result = plan_mtp(result, cfg, request)
     except (OSError, ValueError) as e:  # a model it cannot serve (an unsupported quantization, say)
         print(f"shardserve plan: error: {e}", file=sys.stderr)

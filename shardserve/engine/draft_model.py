@@ -128,8 +128,9 @@ class DraftPlan:
                    outside, cost)
 
     def set_aside(self, budget: int, target_bytes_per_token: int) -> int:
-        """ModelRunner's kv_set_aside: of rank 0's KV budget, the draft's weights and working memory (outside_cache_bytes)
-        and a cache of as many tokens as the target's keeps, at most max_num_seqs full contexts; records cache_bytes."""
+        """ModelRunner's kv_set_aside: of rank 0's KV budget, the draft's weights and working memory
+        (outside_cache_bytes) and a cache of as many tokens as the target's keeps, at most max_num_seqs full contexts
+        (planner.draft_cache_blocks); records cache_bytes."""
         per_block = self.bytes_per_token * self.block_size
         blocks = draft_cache_blocks(budget, self.outside_cache_bytes, target_bytes_per_token, self.bytes_per_token,
                                     self.block_size, self.max_blocks)

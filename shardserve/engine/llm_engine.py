@@ -408,7 +408,8 @@ class LLMEngine:
     def _resolve_verified(self, step: "_InFlight") -> list[RequestOutput]:
         """Each verified sequence takes its accepted proposals and the target's next token (speculative.py); the
         accepted proposals' cache entries count as computed."""
-        chosen = self.sampler.verify(step.verified_logits, [(seq.seq_id, seq.params, drafts) for seq, drafts in step.verify])
+        chosen = self.sampler.verify(step.verified_logits,
+                                     [(seq.seq_id, seq.params, drafts) for seq, drafts in step.verify])
         outputs = []
         for (seq, drafts), tokens in zip(step.verify, chosen):
             if seq.is_finished:

@@ -14,10 +14,10 @@ they are the same on every rank after the all-reduce, so rank 0 has them. The pr
 position of a rejected proposal, recomputed with its true token) replaces what was kept from p on.
 
 Positions. Row i of the MTP layer takes (t_{i+1}, h_i), the target's hidden state at i, at rotary position i, and
-proposes t_{i+2} (row 0 takes a zero embedding, as in vLLM: models/deepseek_mtp.py). For a decoding sequence of n tokens (the last, t_{n-1}, not yet computed by the target), the
-target has computed positions 0 .. n-2 with their true context (after a verified step: the last token and the
-accepted proposals; the rows of rejected proposals sit at n-1 and after), so h_0 .. h_{n-2} are valid and so are
-the MTP rows 0 .. n-2. Proposing for a step:
+proposes t_{i+2} (row 0 takes a zero embedding, as in vLLM: models/deepseek_mtp.py). For a decoding sequence of n
+tokens (the last, t_{n-1}, not yet computed by the target), the target has computed positions 0 .. n-2 with their
+true context (after a verified step: the last token and the accepted proposals; the rows of rejected proposals
+sit at n-1 and after), so h_0 .. h_{n-2} are valid and so are the MTP rows 0 .. n-2. Proposing for a step:
 1. catch up: the rows from the sequence's num_computed_tokens to n - 2 are computed for every sequence together
    (passes of at most max_num_batched_tokens rows); row n - 2, whose token is the last one, gives proposal 1 and
    never counts as computed (it is computed again next step, as the draft model's last token is);
