@@ -25,6 +25,9 @@ class StepBatch:
     sample_rows: list[int] = field(default_factory=list)
     sample_seq_ids: list[int] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)  # chunk i's slot in the recurrent-state pools (or -1)
+    # Several rows of one sequence, each a one-token chunk (decode_rows): a row attends to the keys its sequence's
+    # earlier rows store in the same step, so they must be in the cache before any row attends.
+    rows_share_sequences: bool = False
 
     @classmethod
     def from_chunks(cls, chunks: list[SeqChunk], block_size: int) -> "StepBatch":
@@ -55,6 +58,22 @@ class StepBatch:
                 sample_rows.append(row + n - 1)
                 sample_seq_ids.append(chunk.seq_id)
         row_start.append(len(token_ids))
+        return batch
+
+    @classmethod
+    def decode_rows(cls, chunks: list[SeqChunk], block_size: int) -> "StepBatch":
+        """The chunks' tokens as one-token chunks, one a row in plan order: a decode-only batch, which the decode
+        graphs replay, computing what from_chunks's batch computes. A row's context ends at its own position, so
+        causality within a chunk comes from the context lengths; the rows that sample are from_chunks's. For short
+        chunks only (verifying k proposals: k + 1 rows of one sequence): every row reads its whole context."""
+        rows = []
+        for c in chunks:
+            n = len(c.token_ids)
+            sampled = c.draft + 1 if c.draft else int(c.sample)
+            rows.extend(SeqChunk(c.seq_id, c.start_position + j, [token], c.block_table, j >= n - sampled,
+                                 c.state_slot) for j, token in enumerate(c.token_ids))
+        batch = cls.from_chunks(rows, block_size)
+        batch.rows_share_sequences = len(rows) > len(chunks)
         return batch
 
     @property

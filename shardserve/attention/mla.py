@@ -116,9 +116,11 @@ class MlaBackend:
                            torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=self.device),
                            torch.zeros(max_batch, dtype=torch.int32, device=self.device), [], padded=True)
 
-    def graph_view(self, static: MlaMetadata, batch_size: int, max_context: int) -> MlaMetadata:
+    def graph_view(self, static: MlaMetadata, batch_size: int, max_context: int,
+                   rows_share_sequences: bool = False) -> MlaMetadata:
         """The first batch_size rows of the static buffers. The decode's launch (its splits of the context) depends
-        on the tables' full width only, so the graph's kernels serve any context up to max_model_len."""
+        on the tables' full width only, so the graph's kernels serve any context up to max_model_len. Rows of one
+        sequence side by side need nothing else: the entries are stored by a launch before the decode's."""
         return MlaMetadata(self, static.slot_mapping[:batch_size], batch_size,
                            static.decode_block_tables[:batch_size], static.decode_context_lens[:batch_size], [],
                            padded=True)

@@ -36,6 +36,9 @@ class TritonMetadata:
     # Zeroed int32 counts, at least num_decode * num_kv_heads, that the split decode's fused combine leaves at
     # zero; None: the device's shared arrival counts (kernels/triton/arrivals.py).
     decode_arrivals: torch.Tensor | None = None
+    # Decode rows of one sequence side by side (StepBatch.decode_rows): every row's key is stored before any row
+    # attends, so the decode launch does not store its rows' keys itself (that suits one row a sequence only).
+    rows_share_sequences: bool = False
 
 
 def block_table_array(tables: list[list[int]], width: int | None = None) -> np.ndarray:
@@ -73,7 +76,8 @@ class TritonPagedBackend:
             decode_tables = self._to_device(block_table_array([c.block_table for c in batch.chunks[:nd]]))
             decode_lens = self._to_device(np.asarray(lens, dtype=np.int32))
             num_splits = self.num_splits(nd, max(lens))
-        meta = TritonMetadata(self, slot_mapping, nd, decode_tables, decode_lens, num_splits)
+        meta = TritonMetadata(self, slot_mapping, nd, decode_tables, decode_lens, num_splits,
+                              rows_share_sequences=batch.rows_share_sequences)
         if nd < len(batch.chunks):
             prefills = range(nd, len(batch.chunks))
             starts = np.asarray(batch.row_start[nd:], dtype=np.int32) - batch.row_start[nd]
@@ -99,7 +103,7 @@ class TritonPagedBackend:
         # The fused forms rotate whole heads; a partial rotation (Qwen3-Next: the first quarter of each head)
         # goes through rotary.apply, which rotates those dims only, and a separate cache store.
         fused = rotary.positions is not None and rotary.cos.shape[-1] == qk.shape[-1]
-        if fused and meta.prefill_query_start is None and rotary_mode() == "fused":
+        if fused and meta.prefill_query_start is None and not meta.rows_share_sequences and rotary_mode() == "fused":
             # Decode only: the attention launch rotates and stores the new keys itself.
             q = qk[:, :layer.num_heads]
             new = NewTokens(qk[:, layer.num_heads:], v, meta.slot_mapping, rotary.cos, rotary.signed_sin, head_norm)
@@ -143,8 +147,10 @@ class TritonPagedBackend:
             decode_arrivals=torch.zeros(max_batch * self.num_kv_heads, dtype=torch.int32, device=self.device),
         )
 
-    def graph_view(self, static: TritonMetadata, batch_size: int, max_context: int) -> TritonMetadata:
+    def graph_view(self, static: TritonMetadata, batch_size: int, max_context: int,
+                   rows_share_sequences: bool = False) -> TritonMetadata:
         """The first batch_size rows of the static buffers, as a graph of that size captures them."""
         return TritonMetadata(self, static.slot_mapping[:batch_size], batch_size,
                               static.decode_block_tables[:batch_size], static.decode_context_lens[:batch_size],
-                              self.num_splits(batch_size, max_context), decode_arrivals=static.decode_arrivals)
+                              self.num_splits(batch_size, max_context), decode_arrivals=static.decode_arrivals,
+                              rows_share_sequences=rows_share_sequences)

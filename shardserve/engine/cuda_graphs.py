@@ -12,6 +12,12 @@ Where the all-reduce choice says NCCL run eagerly beats every in-graph method at
 size (see distributed/all_reduce.py), that bucket's graph is captured in pieces split at each
 all-reduce, and the all-reduces run eagerly between the pieces.
 
+Verifying speculative proposals (engine/speculative.py) puts a sequence's last token and its k proposals in one step:
+those steps run as decode rows too (StepBatch.decode_rows: k + 1 one-token rows of one sequence, each attending
+up to its own position), from a second set of graphs captured with every row's key stored before any row attends
+(the decode launch that stores its own row's key serves one row a sequence only). Their buckets go up to
+max_num_seqs sequences of k + 1 rows.
+
 Across GPUs of one host (peer memory), each graph begins with the broadcast of rank 0's input tokens
 (distributed/token_broadcast.py): only rank 0 writes them before a replay, and the other ranks' graphs wait
 for them inside, so no eager collective runs between two replays.
@@ -37,10 +43,17 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
-def all_reduce_token_counts(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    """The step sizes (tokens) whose all-reduce messages start-up times and sizes buffers for: every decode graph's
-    batch and the largest step."""
-    return sorted(set(graph_buckets(max_num_seqs)) | {max_num_batched_tokens})
+def all_reduce_token_counts(max_num_seqs: int, max_num_batched_tokens: int, rows_per_sequence: int = 1) -> list[int]:
+    """The step sizes (tokens) whose all-reduce messages start-up times and sizes buffers for: every graph's batch
+    and the largest step."""
+    return sorted(set(graph_buckets(graph_rows(max_num_seqs, max_num_batched_tokens, rows_per_sequence)))
+                  | {max_num_batched_tokens})
+
+
+def graph_rows(max_num_seqs: int, max_num_batched_tokens: int, rows_per_sequence: int = 1) -> int:
+    """The most rows a graphed step has: max_num_seqs sequences of rows_per_sequence rows (1 to decode, k + 1 to
+    verify k proposals), within a step's token budget and the largest bucket."""
+    return max(max_num_seqs, min(max_num_seqs * rows_per_sequence, max_num_batched_tokens, BUCKETS[-1]))
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -132,16 +145,21 @@ def graph_unsafe_reason(module) -> str:
 
 class CudaGraphRunner:
     def __init__(self, model, kv_caches, backend, comm: Communicator, max_batch: int, max_model_len: int,
-                 split_sizes: frozenset[int], hidden_bytes_per_token: int, state_pools: dict | None = None) -> None:
+                 split_sizes: frozenset[int], hidden_bytes_per_token: int, state_pools: dict | None = None,
+                 max_shared_rows: int = 0) -> None:
         """state_pools: a hybrid model's recurrent-state pools by layer (engine/model_runner.py); its decode
-        graphs read each row's slot in them from a static buffer, and padding rows' slot -1 steps no state."""
+        graphs read each row's slot in them from a static buffer, and padding rows' slot -1 steps no state.
+        max_shared_rows: the most rows of steps whose rows share sequences (verification, StepBatch.decode_rows),
+        or 0 where none are graphed."""
         self.model = model
         self.kv_caches = kv_caches
         self.state_pools = state_pools or {}
         self.backend = backend
         self.comm = comm
         self.buckets = graph_buckets(max_batch)
-        self.max_batch = self.buckets[-1]
+        # Graphs whose rows share sequences (the module docstring): two rows and more.
+        self.shared_buckets = [b for b in graph_buckets(max_shared_rows) if b > 1] if max_shared_rows > 1 else []
+        self.max_batch = max(self.buckets + self.shared_buckets)
         self.max_model_len = max_model_len
         self.split_sizes = split_sizes  # all-reduce message bytes whose graphs are captured in pieces
         self.hidden_bytes_per_token = hidden_bytes_per_token
@@ -155,33 +173,47 @@ class CudaGraphRunner:
         self.inputs = GraphInputs(self.token_ids, self.positions, meta.slot_mapping, meta.decode_context_lens,
                                   self.state_slots, meta.decode_block_tables)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
-        self.logits: dict[int, torch.Tensor | None] = {}
+        # By (rows, whether rows share sequences).
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph | PiecewiseGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor | None] = {}
         # Each graph's first kernel takes the input tokens from rank 0 (peer memory): the other ranks write none.
         self.shares_tokens = comm.tokens is not None
         self.timer = ReplayTimer(comm.rank) if ReplayTimer.wanted() else None
 
     def can_run(self, batch: StepBatch) -> bool:
-        return batch.decode_only and 0 < batch.num_decode <= self.max_batch
+        if not batch.decode_only or batch.num_decode == 0:
+            return False
+        buckets = self.shared_buckets if batch.rows_share_sequences else self.buckets
+        return bool(buckets) and batch.num_decode <= buckets[-1]
+
+    def takes_as_rows(self, batch: StepBatch, max_chunk_tokens: int) -> bool:
+        """Whether a step that is not decode-only replays a graph as StepBatch.decode_rows: its chunks are of at
+        most max_chunk_tokens tokens (a sequence's rows to verify) and its rows fit a graph."""
+        return (bool(self.shared_buckets) and batch.num_tokens <= self.shared_buckets[-1]
+                and all(len(c.token_ids) <= max_chunk_tokens for c in batch.chunks))
 
     @torch.inference_mode()
     def capture_all(self) -> None:
         started = time.perf_counter()
         pieces = 0
-        for size in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool memory
-            meta = self.backend.graph_view(self.static_meta, size, self.max_model_len)
+        keys = [(size, False) for size in self.buckets] + [(size, True) for size in self.shared_buckets]
+        for key in sorted(keys, reverse=True):  # largest first, so smaller graphs reuse its pool memory
+            size, shared = key
+            meta = self.backend.graph_view(self.static_meta, size, self.max_model_len, rows_share_sequences=shared)
             forward = self._forward_fn(size, meta)
             forward()  # warm up: compiles kernels, creates library handles, outside any capture
             torch.cuda.synchronize()
             if size * self.hidden_bytes_per_token in self.split_sizes:
-                self.graphs[size], self.logits[size] = self._capture_pieces(forward)
+                self.graphs[key], self.logits[key] = self._capture_pieces(forward)
                 pieces += 1
             else:
-                self.graphs[size], self.logits[size] = self._capture_whole(forward)
+                self.graphs[key], self.logits[key] = self._capture_whole(forward)
         gc.collect()
         torch.cuda.synchronize()
-        logger.info("CUDA graphs: captured %d decode batch sizes (1 to %d%s) in %.1f s", len(self.buckets),
-                    self.max_batch, f", {pieces} split at all-reduces" if pieces else "",
+        shared = (f", {len(self.shared_buckets)} of rows that share sequences (2 to {self.shared_buckets[-1]})"
+                  if self.shared_buckets else "")
+        logger.info("CUDA graphs: captured %d decode batch sizes (1 to %d)%s%s in %.1f s", len(self.buckets),
+                    self.buckets[-1], shared, f", {pieces} split at all-reduces" if pieces else "",
                     time.perf_counter() - started)
 
     def _forward_fn(self, size: int, meta) -> Callable[[], torch.Tensor | None]:
@@ -226,15 +258,17 @@ class CudaGraphRunner:
         Where the graphs share tokens, only rank 0 writes them (device_tokens is None on the others).
         """
         n = batch.num_decode
-        size = next(b for b in self.buckets if b >= n)
+        shared = batch.rows_share_sequences
+        size = next(b for b in (self.shared_buckets if shared else self.buckets) if b >= n)
         writes_tokens = not self.shares_tokens or self.comm.rank == 0
         if device_tokens is not None and not (device_tokens.dtype == torch.long and device_tokens.is_contiguous()):
             device_tokens = device_tokens.to(torch.long).contiguous()
         self.inputs.write(batch, size, device_tokens, host_tokens=writes_tokens)
+        graph = self.graphs[size, shared]
         if self.timer is not None:
-            self.timer.around(self.graphs[size].replay)
+            self.timer.around(graph.replay)
         else:
-            self.graphs[size].replay()
-        logits = self.logits[size]
+            graph.replay()
+        logits = self.logits[size, shared]
         return None if logits is None else logits[:n]
 

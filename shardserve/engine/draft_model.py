@@ -154,6 +154,10 @@ class DraftRunner(ModelRunner):
     """A ModelRunner of the draft: one rank on rank 0's device, a KV cache of exactly --kv-cache-memory (its
     DraftPlan.cache_bytes, set aside from the target's)."""
 
+    # After a verified step a sequence's draft cache lacks at most its last proposal and the target's token: those
+    # two rows a sequence replay a graph (StepBatch.decode_rows), as the target's rows to verify do.
+    rows_per_sequence = 2
+
     def _size_kv_cache(self) -> int:
         per_block = self._kv_bytes_per_block()
         num_blocks = int(self.config.kv_cache_memory_gb * 2**30) // per_block

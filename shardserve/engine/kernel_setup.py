@@ -213,19 +213,22 @@ def choose_batch_kernels(model: nn.Module, ctx: RankContext) -> str:
 # -- attention ------------------------------------------------------------------------------------------
 
 
-def _attention_steps(block_size: int) -> tuple[list[list[SeqChunk]], int]:
-    """Three steps over a paged cache that exercise every path of a backend: two prompts (one of them longer
-    than a 16-token block), then a decode beside a prompt continued in a chunk, then decoding only. Returns
-    the steps and how many cache blocks they use (block 0 stays the zeroed padding block)."""
+def _attention_steps(block_size: int) -> tuple[list[StepBatch], int]:
+    """Four steps over a paged cache that exercise every path of a backend: two prompts (one of them longer
+    than a 16-token block), then a decode beside a prompt continued in a chunk, then decoding only, then rows of
+    the same sequences side by side (StepBatch.decode_rows, as proposals are verified). Returns the steps' batches
+    and how many cache blocks they use (block 0 stays the zeroed padding block)."""
     def blocks(first: int, positions: int) -> list[int]:
         return list(range(first, first + -(-positions // block_size)))
 
-    table0 = blocks(1, 9)
-    table1 = blocks(1 + len(table0), 23)
+    table0 = blocks(1, 12)
+    table1 = blocks(1 + len(table0), 25)
     first = [SeqChunk(0, 0, [0] * 7, table0, True), SeqChunk(1, 0, [0] * 19, table1, True)]
     second = [SeqChunk(0, 7, [0], table0, True), SeqChunk(1, 19, [0] * 3, table1, True)]
     third = [SeqChunk(0, 8, [0], table0, True), SeqChunk(1, 22, [0], table1, True)]
-    return [first, second, third], 1 + len(table0) + len(table1)
+    fourth = [SeqChunk(0, 9, [0] * 3, table0, True, draft=2), SeqChunk(1, 23, [0] * 2, table1, True, draft=1)]
+    batches = [StepBatch.from_chunks(chunks, block_size) for chunks in (first, second, third)]
+    return batches + [StepBatch.decode_rows(fourth, block_size)], 1 + len(table0) + len(table1)
 
 
 @torch.inference_mode()
@@ -243,14 +246,13 @@ def check_attention(backend, attn, rotary, dtype: torch.dtype, device: torch.dev
     tolerance = attention_tolerance(dtype, kv_dtype)
     try:
         generator = torch.Generator().manual_seed(seed)
-        steps, num_blocks = _attention_steps(block_size)
+        batches, num_blocks = _attention_steps(block_size)
         (k_cache, v_cache), = allocate_kv_cache(1, num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
                                                 kv_dtype, device)
         history: dict[int, tuple[list, list]] = {}  # seq -> rotated keys, values (float64, by position)
         worst = 0.0
         heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        for chunks in steps:
-            batch = StepBatch.from_chunks(chunks, block_size)
+        for batch in batches:
             n = batch.num_tokens
             qk = torch.randn(n, heads + kv_heads, dim, generator=generator).to(dtype)
             v = torch.randn(n, kv_heads, dim, generator=generator).to(dtype)

@@ -21,8 +21,8 @@ from shardserve.distributed.process_group import RankContext
 from shardserve.distributed.setup_watchdog import setup_step
 from shardserve.engine.kv_cache import (agree_on_num_blocks, allocate_kv_cache, bytes_per_block,
                                         kv_cache_layers, kv_cache_budget_bytes)
-from shardserve.engine.cuda_graphs import (CudaGraphRunner, all_reduce_token_counts, graph_buckets, graph_unsafe_reason,
-                                          layer_caches)
+from shardserve.engine.cuda_graphs import (CudaGraphRunner, all_reduce_token_counts, graph_rows, graph_unsafe_reason,
+                                           layer_caches)
 from shardserve.wire.step_plan import FROM_DEVICE, StepPlan
 from shardserve.engine import kernel_setup, pipeline_split
 from shardserve.kernels import cpu_features
@@ -198,9 +198,10 @@ class ModelRunner:
                            len(unsafe) - 1, graph_unsafe_reason(module))
             return
         split_sizes = self.all_reduce_choice.split_sizes if self.all_reduce_choice else frozenset()
+        shared_rows = self._graph_rows() if self.rows_per_sequence > 1 and not self.state_pools else 0
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.attention, self.ctx.comm,
                                       self.config.max_num_seqs, self.max_model_len, split_sizes,
-                                      self._hidden_bytes_per_token(), self.state_pools)
+                                      self._hidden_bytes_per_token(), self.state_pools, shared_rows)
         self.graphs.capture_all()
 
     # -- sleep / wake -----------------------------------------------------------------------------
@@ -286,6 +287,17 @@ class ModelRunner:
             if arena is not None:
                 arena.release()
 
+    @property
+    def rows_per_sequence(self) -> int:
+        """The most rows a sequence brings to a step the graphs replay: its last token and the k proposals to verify
+        with a proposer of k (StepBatch.decode_rows), else 1. (Recurrent-state models step their state once a
+        chunk, so their steps with proposals run eagerly.)"""
+        spec = self.config.speculative_config
+        return 1 + spec.num_speculative_tokens if spec is not None else 1
+
+    def _graph_rows(self) -> int:
+        return graph_rows(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.rows_per_sequence)
+
     def _hidden_bytes_per_token(self) -> int:
         return self.model_config.hidden_size * self.dtype.itemsize
 
@@ -295,7 +307,8 @@ class ModelRunner:
         if comm.world_size == 1:
             return
         per_token = self._hidden_bytes_per_token()
-        tokens = all_reduce_token_counts(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        tokens = all_reduce_token_counts(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                         self.rows_per_sequence)
         sizes = [t * per_token for t in tokens]
         started = time.perf_counter()
         if self.device.type == "cuda":
@@ -315,7 +328,7 @@ class ModelRunner:
         described = choice.describe() if self.device.type == "cuda" else choice.eager.describe()
         if self.device.type == "cuda" and token_broadcast.wanted() and self.stage is None:
             comm.tokens = token_broadcast.build(comm.group, self.ctx.control_group, comm.rank, comm.world_size,
-                                                self.device, max(graph_buckets(self.config.max_num_seqs)))
+                                                self.device, self._graph_rows())
             if comm.tokens is not None:
                 described += "; sampled tokens: peer memory, inside the decode graphs"
         self.plan = self.plan.with_results(all_reduce=described if self.all_reduce_choice else "process group's own")
@@ -529,6 +542,9 @@ class ModelRunner:
         here (eagerly, or inside the decode graph where it shares tokens).
         """
         batch = StepBatch.from_chunks(plan.chunks, self.block_size)
+        if (self.graphs is not None and not batch.decode_only
+                and self.graphs.takes_as_rows(batch, self.rows_per_sequence)):
+            batch = StepBatch.decode_rows(plan.chunks, self.block_size)
         graphed = self.graphs is not None and self.graphs.can_run(batch)
         if plan.tokens_from_device:
             if not (graphed and self.graphs.shares_tokens):

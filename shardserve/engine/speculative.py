@@ -138,9 +138,11 @@ def accepted_tokens(drafts: list[int], targets: list[int]) -> list[int]:
 
 # c of a verified step's cost, 1 + c k single-token steps, by device type. CPU measured: SmolLM2-135M Q4_1 on a
 # 2-core Xeon with every proposal rejected, output tok/s 25.4 -> 21.7 at k = 1 and -> 17.6 at k = 3 (batch 1; batch 8
-# 106.6 -> 90.9 / 68.5): c = 0.15 to 0.17. CUDA: not measured; decode there reads the weights once for any few
-# tokens, so a small c is assumed.
-VERIFY_COST = {"cpu": 0.16, "cuda": 0.05}
+# 106.6 -> 90.9 / 68.5): c = 0.15 to 0.17. CUDA measured (benchmarks/speculative_gpu.py, one H200, bf16, batch 1,
+# every step in CUDA graphs): a Llama-3-8B target with a 1B-shaped draft (cost 0.187 a pass) at k = 3 costs 1.98
+# steps at acceptance ~0 and 2.05 at 1, so c = 0.14 to 0.16 besides the draft; most of it is the host's turn
+# between the draft's passes and the verification, not the extra rows (the weights are read once for a few rows).
+VERIFY_COST = {"cpu": 0.16, "cuda": 0.15}
 MIN_PROPOSED = 8  # proposed tokens of a request before its acceptance is judged
 
 

@@ -83,6 +83,35 @@ def test_a_hybrid_model_after_sleep_and_wake_replays_its_graphs_with_fresh_state
     assert after == before == _one_gpu_reference(model_dir)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_steps_that_verify_proposals_replay_graphs_and_keep_the_tokens(tiny_model_dir, method):
+    """Verifying k proposals (and the draft's catch-up of two tokens a sequence) replays the graphs whose rows share
+    sequences, whose rows store their keys before any attends: the tokens stay those without speculation."""
+    _needs_gpus(1)
+    model_dir = tiny_model_dir("llama-untied")
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"prompt_lookup_max": 3} if method == "ngram" else {"model": model_dir})
+    replays = {"target": 0, "draft": 0}
+
+    def count_shared_replays(llm) -> None:
+        runners = {"target": llm.engine.runner}
+        if method == "draft_model":
+            runners["draft"] = llm.engine.proposer.runner
+        for name, runner in runners.items():
+            assert runner.graphs.shared_buckets, f"the {name} captured no graphs of rows that share sequences"
+            run = runner.graphs.run
+
+            def counted(batch, device_tokens=None, run=run, name=name):
+                replays[name] += batch.rows_share_sequences
+                return run(batch, device_tokens)
+            runner.graphs.run = counted
+
+    tokens = _greedy(model_dir, speculative_config=spec, check=count_shared_replays)
+    assert tokens == _one_gpu_reference(model_dir)
+    assert replays["target"] > 0
+    assert (replays["draft"] > 0) == (method == "draft_model")
+
+
 def test_nemotron_h_with_bfloat16_ssm_states_captures_graphs_and_equals_eager(tiny_model_dir):
     model_dir = tiny_model_dir("nemotron-h")
     _needs_gpus(1)

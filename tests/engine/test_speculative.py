@@ -237,3 +237,34 @@ def test_a_request_whose_proposals_keep_failing_stops_proposing(tiny_model_dir, 
     assert spec == plain
     assert stats.spec_accepted_tokens == 0 and speculative.MIN_PROPOSED <= stats.spec_draft_tokens < \
         speculative.MIN_PROPOSED + 3
+
+
+def test_rows_to_verify_as_decode_rows_give_the_logits_of_their_chunk(tiny_model_dir):
+    """A step verifying proposals replays the decode graphs as one-token rows (StepBatch.decode_rows): each row
+    attends up to its own position, after its sequence's earlier rows stored their keys, so its logits are those
+    of the chunk computed whole; the rows that sample are the same, in the same order."""
+    from shardserve.attention.batch import StepBatch
+    from shardserve.wire.step_plan import SeqChunk
+
+    with LLM(tiny_model_dir("llama-untied"), dtype="float32", kv_cache_memory_gb=0.01) as llm:
+        runner = llm.engine.runner
+        bs = runner.block_size
+        tables = [[1, 2, 3], [4, 5]]
+        prompts = random_prompts((21, 9), seed=3, vocab=runner.model_config.vocab_size)
+
+        def run(batch: StepBatch) -> torch.Tensor:
+            meta = runner.attention.build_metadata(batch)
+            hidden = runner.model(torch.tensor(batch.token_ids), torch.tensor(batch.positions),
+                                  runner._layer_caches(batch), meta)
+            return runner.model.compute_logits(hidden[torch.tensor(batch.sample_rows)])
+
+        run(StepBatch.from_chunks([SeqChunk(i, 0, p, t, True) for i, (p, t) in enumerate(zip(prompts, tables))], bs))
+        verify = [SeqChunk(0, 21, [7, 8, 9, 10], tables[0], True, draft=3),
+                  SeqChunk(1, 9, [11, 12], tables[1], True, draft=1)]
+        whole = StepBatch.from_chunks(verify, bs)
+        rows = StepBatch.decode_rows(verify, bs)
+        assert rows.decode_only and rows.rows_share_sequences and rows.num_decode == 6
+        assert rows.sample_seq_ids == whole.sample_seq_ids == [0] * 4 + [1] * 2
+        assert rows.positions == [21, 22, 23, 24, 9, 10]
+        expected = run(whole)
+        torch.testing.assert_close(run(rows), expected, rtol=1e-5, atol=1e-5)
