@@ -36,7 +36,7 @@ def time_batch_kernels(model: nn.Module) -> dict[str, list[list[int] | None]]:
     """Per distinct packed shape on CUDA that can take the GEMM, each bucket's fastest of the GEMM's candidate
     tiles (matching float64) and dequantize + cuBLAS: the tiles as a list, or None where dequantizing won."""
     chosen: dict[str, list[list[int] | None]] = {}
-    for (layout, n, k), layers in distinct_packed(model).items():
+    for (layout, n, k, _), layers in distinct_packed(model).items():
         first = layers[0]
         if not (first.weight.is_cuda and first.packed.takes_gemm()):
             continue
@@ -49,7 +49,7 @@ def time_batch_kernels(model: nn.Module) -> dict[str, list[list[int] | None]]:
                 logger.warning("packed %s %dx%d: timing batches of %d rows failed, so they dequantize: %s: %s",
                                layout.describe(), n, k, rows, type(e).__name__, e)
                 results.append((None, float("nan"), float("nan")))
-        chosen[first.packed.config_key()] = [config for config, _, _ in results]
+        chosen[first.packed.config_key(first)] = [config for config, _, _ in results]
         logger.info("packed %s %dx%d batches: %s", layout.describe(), n, k, "; ".join(
             f"{rows} rows: {_describe(*result)}" for rows, result in zip(TIMING_ROWS, results)))
         del weight64
@@ -76,11 +76,12 @@ def _fastest(layers: list[KernelLinear], rows: int, weight64: torch.Tensor,
     for config in candidate_configs(rows):
         try:
             if relative_error(packed._gemm(first, x, config)[:, outputs], reference) > TOLERANCE[x.dtype]:
-                logger.debug("GEMM tiles %s on %s at %d rows: wrong against float64", config, packed.config_key(), rows)
+                logger.debug("GEMM tiles %s on %s at %d rows: wrong against float64", config, packed.config_key(first),
+                             rows)
                 continue
             us = time_in_graph_us(lambda x, layer, c=config: layer.packed._gemm(layer, x, c), timed, x)
         except Exception as e:  # noqa: BLE001 - tiles this shape or GPU cannot take
-            logger.debug("GEMM tiles %s on %s at %d rows: %s", config, packed.config_key(), rows, e)
+            logger.debug("GEMM tiles %s on %s at %d rows: %s", config, packed.config_key(first), rows, e)
             continue
         if us < best[1]:
             best = (list(config), us)
@@ -98,9 +99,9 @@ def _describe(config: list[int] | None, us: float, dense_us: float) -> str:
 def use_batch_kernels(model: nn.Module, chosen: dict[str, list[list[int] | None]]) -> None:
     """Give every packed layer the choice made for its shape ({}: dequantize + cuBLAS everywhere)."""
     for _, layer in packed_layers(model):
-        configs = chosen.get(layer.packed.config_key(), [None] * BATCH_BUCKETS)
+        configs = chosen.get(layer.packed.config_key(layer), [None] * BATCH_BUCKETS)
         if len(configs) != BATCH_BUCKETS:
-            raise ValueError(f"batch kernels for {layer.packed.config_key()} name {len(configs)} buckets, not "
+            raise ValueError(f"batch kernels for {layer.packed.config_key(layer)} name {len(configs)} buckets, not "
                              f"{BATCH_BUCKETS}: every rank must run the same version")
         layer.packed.batch_gemms = tuple(None if c is None else tuple(c) for c in configs)
 
@@ -115,7 +116,7 @@ def gemm_check_rows(model: nn.Module) -> tuple[int, ...]:
 def summary(model: nn.Module) -> str:
     """What the kernel plan records: in how many (shape, bucket) pairs of the shapes that can take the GEMM
     batches run it ("" where none can)."""
-    shapes = {layer.packed.config_key(): layer.packed.batch_gemms for _, layer in packed_layers(model)
+    shapes = {layer.packed.config_key(layer): layer.packed.batch_gemms for _, layer in packed_layers(model)
               if layer.packed.takes_gemm()}
     if not shapes:
         return ""

@@ -122,6 +122,9 @@ class PackedLayout:
     kind: str  # "fp8", "int4" or "fp4" (e2m1 codes in int4's nibbles: kernels/quant_pack.py)
     group: int  # input columns one scale covers on this rank; 0: all of them
     act_order: bool = False  # int4: columns may come sorted by group (input_perm)
+    # FP8 blocks: output rows one scale covers (a block-scaled checkpoint's 128); float weights quantized at load
+    # take one scale a block so, as such a checkpoint's do.
+    block_rows: int = 1
 
     def describe(self) -> str:
         return f"{self.kind} ({f'groups of {self.group}' if self.group else 'one scale a row'})"
@@ -131,7 +134,8 @@ class PackedLayout:
         """How a quantized checkpoint's layers are kept: FP8 scaled per block's columns or per row, GPTQ per group,
         NVFP4 and MXFP4 per group as e2m1 codes."""
         kind = "fp8" if scheme.method == "fp8" else "fp4" if scheme.e2m1 else "int4"
-        return cls(kind, scheme.group_columns, scheme.act_order)
+        block_rows = scheme.weight_block[0] if kind == "fp8" and scheme.weight_block else 1
+        return cls(kind, scheme.group_columns, scheme.act_order, block_rows)
 
 
 class PackedWeights:
@@ -174,6 +178,7 @@ class PackedWeights:
         layer.weight_scale = param(n, groups, dtype=scale_dtype(layout.kind))
         layer.weight.weight_loader = loader
         self.perm_of: dict[Hashable, torch.Tensor | None] = {}
+        self._scale_rows: int | None = None  # scale_rows, once the weights are in
 
     # -- loading ---------------------------------------------------------------------------------------------
 
@@ -201,9 +206,12 @@ class PackedWeights:
             codes, scale = loaded.read_packed(r0, r1, c0, c1)
             layer.weight.data[rows].copy_(pack_int4(codes))
             _copy_scales(layer.weight_scale.data[rows], pack_fp4_scales(scale))
-        elif not hasattr(loaded, "read_packed"):
+        elif not hasattr(loaded, "read_packed"):  # (rows sharing scales are found again: scale_rows)
             values = as_tensor(loaded[r0:r1, c0:c1]).float()
-            codes, scale = QUANTIZERS[kind](values, self.group)
+            if kind == "fp8":
+                codes, scale = quantize_fp8(values, self.group, self.layout.block_rows, r0)
+            else:
+                codes, scale = QUANTIZERS[kind](values, self.group)
             layer.weight.data[rows].copy_(codes)
             _copy_scales(layer.weight_scale.data[rows], scale)
         else:
@@ -268,6 +276,9 @@ class PackedWeights:
         from shardserve.layers.cuda_gemv import swiglu_out_allowed
 
         config = self.gemv_config if self.layout.kind == "fp8" else self.gemv_split
+        if config is not None and self.layout.kind == "fp8" and len(config) > 4 and config[4] \
+                and self.scale_rows(layer) > 1:  # float16 sums of groups: rows of one half only
+            return False
         return (config is not None and getattr(layer, "makes_swiglu_output", False)
                 and getattr(layer, "input_perm", None) is None and x.is_cuda
                 and x.dim() == 2 and x.shape[0] == 1 and self.n % 2 == 0 and config[0] % 2 == 0
@@ -323,10 +334,24 @@ class PackedWeights:
             return None
         return self.batch_gemms[batch_bucket(x.shape[0])]
 
-    def config_key(self) -> str:
+    def config_key(self, layer: KernelLinear) -> str:
         """This layer's shape and layout, as the plain-data key its single-row configuration and batch kernels are
-        agreed under."""
-        return f"{self.layout.kind}/{self.group}/{self.n}/{self.k}"
+        agreed under; with the rows that share scales (scale_rows) where they are several."""
+        rows = self.scale_rows(layer)
+        return f"{self.layout.kind}/{self.group}/{self.n}/{self.k}" + (f"/rows{rows}" if rows > 1 else "")
+
+    def scale_rows(self, layer: KernelLinear) -> int:
+        """FP8 in groups: how many aligned rows share their scales (quant_gemv.rows_share_scales, up to 32; a
+        block-scaled checkpoint's rows where this rank's start on a block's boundary), which the float16 sums of
+        groups need; 1 for other layouts. Found once the weights are in, and kept (a reload brings the same)."""
+        if self._scale_rows is None:
+            from shardserve.kernels.quant_layout import fp8_groups
+            from shardserve.kernels.triton.quant_gemv import rows_share_scales
+
+            self._scale_rows = (rows_share_scales(layer.weight_scale.data)
+                                if self.layout.kind == "fp8" and fp8_groups(self.k, self.group) > 1
+                                and not layer.weight_scale.is_meta else 1)
+        return self._scale_rows
 
     def dequantized(self, layer: KernelLinear, dtype: torch.dtype) -> torch.Tensor:
         """The layer's [N, K] weight in `dtype`, columns in the packed order (input_perm's)."""
@@ -363,12 +388,20 @@ def _copy_scales(target: torch.Tensor, scale: torch.Tensor) -> None:
     target.copy_(scale)
 
 
-def quantize_fp8(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(values: torch.Tensor, group: int, block_rows: int = 1, first_row: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (float8_e4m3fn codes, float32 scales [N, K / group]): each row's group scaled so its
-    largest magnitude is FP8's largest value."""
+    largest magnitude is FP8's largest value; with block_rows, each group of block_rows rows (counted from the
+    checkpoint's row 0, these being its rows from first_row) scaled so together, one scale row a row."""
     n, k = values.shape
     blocks = values.float().reshape(n, -1, group)
-    scale = (blocks.abs().amax(dim=2) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    amax = blocks.abs().amax(dim=2)
+    if block_rows > 1:  # the rows padded with zeros to whole blocks, each block's maximum, back to the rows
+        before = first_row % block_rows
+        after = -(before + n) % block_rows
+        padded = torch.nn.functional.pad(amax, (0, 0, before, after)).reshape(-1, block_rows, amax.shape[1])
+        amax = padded.amax(dim=1).repeat_interleave(block_rows, dim=0)[before:before + n]
+    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     codes = (blocks / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes.reshape(n, k), scale
 
@@ -511,10 +544,12 @@ def reference_weight(layer: KernelLinear, rows: slice | torch.Tensor = slice(Non
 
 
 def distinct_packed(model: nn.Module) -> dict[tuple, list[KernelLinear]]:
-    """Packed layers grouped by (layout, N, K): what the kernels must be right on, and timed over."""
+    """Packed layers grouped by (layout, N, K, rows sharing scales): what the kernels must be right on, and timed
+    over (PackedWeights.config_key's groups)."""
     found: dict[tuple, list[KernelLinear]] = {}
     for _, layer in packed_layers(model):
-        found.setdefault((layer.packed.layout, layer.packed.n, layer.packed.k), []).append(layer)
+        p = layer.packed
+        found.setdefault((p.layout, p.n, p.k, p.scale_rows(layer)), []).append(layer)
     return found
 
 
@@ -538,7 +573,7 @@ def check_packed(model: nn.Module, rows=(1, 5), seed: int = 0) -> list[str]:
     from shardserve.kernels.self_check import TOLERANCE, relative_error
 
     failures = []
-    for (layout, n, k), layers in distinct_packed(model).items():
+    for (layout, n, k, _), layers in distinct_packed(model).items():
         layer = layers[0]
         dtype = layer.packed.compute_dtype
         swiglu_layer = next((m for m in layers if getattr(m, "makes_swiglu_output", False)), None)
@@ -632,11 +667,11 @@ def _set_form(layers: list[KernelLinear], form: GemvForm, norm_fused: bool = Fal
         (layer.packed.gemv_config, layer.packed.gemv_split), layer.packed.norm_fused = form, norm_fused
 
 
-def _candidate_forms(packed: PackedWeights, preload_sms: int = 0) -> list[GemvForm]:
+def _candidate_forms(packed: PackedWeights, preload_sms: int = 0, scale_rows: int = 1) -> list[GemvForm]:
     """The single-row forms start-up times for a packed shape; with `preload_sms` (_preload_sms: FP8 layers flagged
     KernelLinear.preloads_rows, the GPU's SMs) only tiled ones whose first tile, loaded before the wait, is the whole
-    row block and that hold it (cuda_gemv.holds_rows), where there are such."""
-    tiled = tiled_candidates(packed)
+    row block and that hold it (cuda_gemv.holds_rows), where there are such. scale_rows: tiled_candidates'."""
+    tiled = tiled_candidates(packed, scale_rows)
     holding = [(config, None) for config in tiled if holds_rows_of(packed, config, preload_sms)]
     if holding:
         return holding
@@ -665,15 +700,23 @@ def int4_split_forms(packed: PackedWeights) -> list[tuple[int, ...]]:
     return forms
 
 
-def tiled_candidates(packed: PackedWeights) -> tuple[tuple[int, ...], ...]:
+def tiled_candidates(packed: PackedWeights, scale_rows: int = 1) -> tuple[tuple[int, ...], ...]:
     """The tiled GEMV configurations start-up times for a packed shape: GEMV_CANDIDATES, and for FP8 with one scale a
-    row FP8_F16_CANDIDATES (float16 sums) too, or only one kind, as SHARDSERVE_FP8_GEMV_SUMS says (auto: both)."""
+    row, or in groups whose scales runs of `scale_rows` rows share (PackedWeights.scale_rows), FP8_F16_CANDIDATES
+    (float16 sums; of groups, those of at most scale_rows rows a program) too, or only one kind, as
+    SHARDSERVE_FP8_GEMV_SUMS says (auto: both)."""
     from shardserve.kernels.quant_layout import fp8_groups
 
-    if packed.layout.kind != "fp8" or fp8_groups(packed.k, packed.group) != 1:
+    if packed.layout.kind != "fp8":
         return GEMV_CANDIDATES
+    if fp8_groups(packed.k, packed.group) == 1:
+        f16 = FP8_F16_CANDIDATES
+    else:
+        f16 = tuple(config for config in FP8_F16_CANDIDATES if config[0] <= scale_rows)
+        if not f16:
+            return GEMV_CANDIDATES
     sums = envs.FP8_GEMV_SUMS.get()
-    return (GEMV_CANDIDATES if sums != "float16" else ()) + (FP8_F16_CANDIDATES if sums != "float32" else ())
+    return (GEMV_CANDIDATES if sums != "float16" or not f16 else ()) + (f16 if sums != "float32" else ())
 
 
 def holds_rows_of(packed: PackedWeights, config: tuple[int, ...], sms: int) -> bool:
@@ -723,7 +766,7 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
     from shardserve.layers.cuda_gemv import time_in_graph_us
 
     chosen: dict[str, list[int]] = {}
-    for (layout, n, k), layers in distinct_packed(model).items():
+    for (layout, n, k, _), layers in distinct_packed(model).items():
         first, timed_layers = layers[0], layers[:32]
         if not first.weight.is_cuda:
             continue
@@ -732,7 +775,7 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
         w64, outputs = sampled_reference(first)
         reference = F.linear(x.double(), w64).cpu()
         timed: list[tuple[float, GemvForm]] = []
-        for form in _candidate_forms(first.packed, _preload_sms(first)):
+        for form in _candidate_forms(first.packed, _preload_sms(first), first.packed.scale_rows(first)):
             _set_form(timed_layers, form)
             try:
                 error = relative_error(first.packed._product(first, x)[:, outputs], reference)
@@ -750,7 +793,7 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
                         _describe_form(best), us,
                         sum(t.numel() * t.element_size() for t in (first.weight, first.weight_scale)) / us / 1e3)
             form, fused = _choose_normed(layers, timed, w64, outputs) or (best, False)
-            key = first.packed.config_key()
+            key = first.packed.config_key(first)
             chosen[key] = list(form[0])
             if form[1] is not None:
                 chosen[key + SPLIT_SUFFIX] = list(form[1])
@@ -832,7 +875,7 @@ def _choose_normed(layers: list[KernelLinear], timed: list[tuple[float, GemvForm
 def use_gemv_configs(model: nn.Module, chosen: dict[str, list[int]]) -> None:
     """Apply time_gemv_configs' choices (agreed by every rank); a shape not in `chosen` takes the default."""
     for _, layer in packed_layers(model):
-        key = layer.packed.config_key()
+        key = layer.packed.config_key(layer)
         split = chosen.get(key + SPLIT_SUFFIX)
         _set_form([layer], (tuple(chosen.get(key, DEFAULT_GEMV)), tuple(split) if split else None),
                   key + NORM_FUSED_SUFFIX in chosen)

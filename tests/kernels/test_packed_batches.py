@@ -41,7 +41,7 @@ def test_layers_dequantize_batches_until_a_gemm_is_chosen_for_their_shape():
     assert all(layer.packed.batch_gemms == (None,) * BATCH_BUCKETS for layer in model)
     assert packed_batches.gemm_check_rows(model) == ()
     choice = [None, list(TILES), None, None, None, TILES]  # 17 to 64 rows, and past 1024
-    packed_batches.use_batch_kernels(model, {model[0].packed.config_key(): choice})
+    packed_batches.use_batch_kernels(model, {model[0].packed.config_key(model[0]): choice})
     assert model[0].packed.batch_gemms == (None, TILES, None, None, None, TILES)
     assert model[1].packed.batch_gemms == (None,) * BATCH_BUCKETS
     assert model[0].packed.batch_gemm(torch.zeros(17, 256, dtype=torch.float16)) == TILES
@@ -55,7 +55,7 @@ def test_layers_dequantize_batches_until_a_gemm_is_chosen_for_their_shape():
 def test_a_choice_for_another_number_of_buckets_is_refused():
     model = nn.Sequential(packed_layer(40, 256, PackedLayout("int4", 64), torch.float16))
     with pytest.raises(ValueError, match=f"name 2 buckets, not {BATCH_BUCKETS}: every rank must run the same"):
-        packed_batches.use_batch_kernels(model, {model[0].packed.config_key(): [None, None]})
+        packed_batches.use_batch_kernels(model, {model[0].packed.config_key(model[0]): [None, None]})
 
 
 def test_float32_layers_and_fp8_on_scaled_mm_never_take_the_gemm():
@@ -70,7 +70,7 @@ def test_float32_layers_and_fp8_on_scaled_mm_never_take_the_gemm():
 @pytest.mark.usefixtures("bfloat16_dot_in_the_interpreter")
 def test_a_chosen_gemm_is_checked_and_a_wrong_one_dropped(monkeypatch, caplog):
     model = nn.Sequential(packed_layer(40, 256, PackedLayout("int4", 64), torch.bfloat16))
-    choice = {model[0].packed.config_key(): [list(TILES), list(TILES)] + [None] * (BATCH_BUCKETS - 2)}
+    choice = {model[0].packed.config_key(model[0]): [list(TILES), list(TILES)] + [None] * (BATCH_BUCKETS - 2)}
     monkeypatch.setattr(packed_batches, "time_batch_kernels", lambda model: choice)
     ctx = single_rank_context("cpu")
     assert kernel_setup.choose_batch_kernels(model, ctx) == \
@@ -112,7 +112,7 @@ def test_timing_keeps_the_gemm_only_where_faster_and_skips_tiles_that_compute_wr
     monkeypatch.setattr(nn.Parameter, "is_cuda", property(lambda self: True))  # time these CPU layers
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     chosen = packed_batches.time_batch_kernels(model)
-    assert chosen == {model[0].packed.config_key(): [list(right), list(right), None, list(right), list(right), None]}
+    assert chosen == {model[0].packed.config_key(model[0]): [list(right), list(right), None, list(right), list(right), None]}
 
 
 def _two_ranks_choose(rank: int, port: int, results) -> None:
@@ -124,7 +124,7 @@ def _two_ranks_choose(rank: int, port: int, results) -> None:
     try:
         model = nn.Sequential(packed_layer(40, 256, PackedLayout("int4", 64), torch.float16))
         mine = [list(TILES) if rank == 0 else None] + [None] * (BATCH_BUCKETS - 1)
-        packed_batches.time_batch_kernels = lambda model: {model[0].packed.config_key(): mine}
+        packed_batches.time_batch_kernels = lambda model: {model[0].packed.config_key(model[0]): mine}
         first = kernel_setup.choose_batch_kernels(model, ctx), model[0].packed.batch_gemms[0]
         if rank == 1:
             PackedWeights._gemm = lambda self, layer, x, config: torch.zeros(x.shape[0], self.n, dtype=x.dtype)
@@ -158,7 +158,7 @@ def test_every_rank_uses_rank_0s_choice_and_drops_it_when_any_rank_fails_the_che
 def test_gpu_timing_chooses_per_bucket_and_the_choice_passes_the_check(layout):
     model = nn.Sequential(*[packed_layer(4096, 4096, layout, torch.bfloat16, seed=i) for i in range(4)])
     chosen = packed_batches.time_batch_kernels(model)
-    configs = chosen[model[0].packed.config_key()]
+    configs = chosen[model[0].packed.config_key(model[0])]
     assert len(chosen) == 1 and len(configs) == BATCH_BUCKETS
     assert all(c is None or len(c) == 5 for c in configs)
     packed_batches.use_batch_kernels(model, chosen)

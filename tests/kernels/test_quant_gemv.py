@@ -23,8 +23,8 @@ from shardserve import envs  # noqa: E402
 from shardserve.kernels.quant_pack import (dequantize_fp8, dequantize_int4, pack_int4,  # noqa: E402
                                            pack_scale_zero, unpack_int4_rows, unpack_scale_zero)
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
-from tests.helpers.kernels import (LLAMA3_8B, fp8_reference, int4_reference, random_fp8, random_int4,  # noqa: E402
-                                   relative_error, scale_and_zero)
+from tests.helpers.kernels import (LLAMA3_8B, fp8_reference, int4_reference, packed_layer,  # noqa: E402
+                                   random_fp8, random_int4, relative_error, scale_and_zero)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -312,13 +312,63 @@ def check_float16_overflow() -> None:
     assert torch.isfinite(got).all() and relative_error(got[0], want) < TOLERANCE[torch.float32]
 
 
-@needs_triton
-def test_fp8_gemv_float16_sums_need_one_scale_a_row():
-    from shardserve.kernels.triton.quant_gemv import fp8_gemv
+def block_scaled_fp8(n: int, k: int, rows: int, seed: int):
+    """An FP8 weight [n, k] in groups of 128 columns whose scale rows each aligned run of `rows` rows shares (a
+    block-scaled checkpoint's, expanded a row each), and its float64 reference."""
+    weight, scale = random_fp8(n, k, 128, seed=seed)
+    scale = scale.reshape(-1, rows, scale.shape[1])[:, :1].expand(-1, rows, -1).reshape(n, -1).contiguous()
+    return weight, scale, fp8_reference(weight, scale, 128)
 
-    weight, scale = random_fp8(8, 256, 128, device="cpu")
-    with pytest.raises(ValueError, match="float16 sums take one scale a row, not groups of 128 of 256 columns"):
-        fp8_gemv(torch.randn(1, 256), weight, scale, 128, 8, 64, 4, 1, True)
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs the same below")
+@pytest.mark.parametrize("native", [True, False], ids=["fp8", "fp8-bits"])
+@pytest.mark.parametrize("n,k,rows,block_n,block_k", [(32, 384, 32, 16, 256), (48, 512, 16, 16, 512),
+                                                      (16, 384, 8, 8, 64)])
+def test_interpreter_fp8_gemv_float16_sums_of_groups_whose_rows_share_scales(n, k, rows, block_n, block_k, native,
+                                                                            monkeypatch):
+    """Groups of 128 columns whose scales block_n rows share (block-scaled checkpoints): x enters each group times its
+    scale and the rows sum in float16 pairs, within bfloat16's tolerance of float64, also with the norm inside and
+    with a ragged last tile; rows_share_scales finds the runs, and a weight whose rows do not share them is refused
+    where it cannot be split so, and with SwiGLU out."""
+    from shardserve.kernels.triton import quant_gemv
+
+    monkeypatch.setattr(quant_gemv, "_native_fp8", lambda device: native)
+    weight, scale, w64 = block_scaled_fp8(n, k, rows, seed=n)
+    assert quant_gemv.rows_share_scales(scale) == rows
+    assert quant_gemv.rows_share_scales(random_fp8(n, k, 128, seed=1)[1]) == 1
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    config = (block_n, block_k, 4, 1, True)
+    got = quant_gemv.fp8_gemv(x, weight, scale, 128, *config)
+    assert relative_error(got[0], x[0].double() @ w64.T) < TOLERANCE[torch.bfloat16]
+    norm_args, h, summed = normed_input(k, torch.bfloat16, with_residual=True)
+    got, got_sum = quant_gemv.fp8_gemv_rmsnorm(*norm_args, weight, scale, 128, *config)
+    assert torch.equal(got_sum, summed) and relative_error(got[0], h[0].double() @ w64.T) < TOLERANCE[torch.bfloat16]
+    with pytest.raises(ValueError, match="rows that share their scales in runs of block_n 16, without SwiGLU out"):
+        quant_gemv.fp8_gemv(x, weight, scale, 128, 16, 64, 4, 1, True, swiglu_out=True)
+    with pytest.raises(ValueError, match="in runs of block_n 16"):
+        quant_gemv.fp8_gemv(x, weight[:n - 8], scale[:n - 8], 128, 16, 64, 4, 1, True)
+
+
+def test_float_weights_quantized_in_row_blocks_share_each_blocks_scales():
+    """--load-format dummy (or a float checkpoint) loading into a block-scaled FP8 layout: one scale a block of 128
+    rows and 128 columns as a block-scaled checkpoint's, counted from the checkpoint's row 0 where a rank's rows
+    start inside a block; the GEMV configurations with float16 sums of groups are then timed for it."""
+    from shardserve.layers.quantized_linear import FP8_F16_CANDIDATES, PackedLayout, quantize_fp8, tiled_candidates
+
+    values = torch.randn(200, 256, generator=torch.Generator().manual_seed(0))
+    codes, scale = quantize_fp8(values, 128, block_rows=128, first_row=64)  # rows 64..263: blocks 0, 1, 2
+    assert torch.equal(scale[:64], scale[:1].expand(64, -1))
+    assert torch.equal(scale[64:192], scale[64:65].expand(128, -1)) and not torch.equal(scale[63], scale[64])
+    assert torch.equal(scale[:64].amax(), (values[:64].abs().amax() / 448.0))
+    dequantized = codes.float().reshape(200, 2, 128) * scale[:, :, None]
+    assert relative_error(dequantized.reshape(200, 256), values.double()) < 0.05
+    layer = packed_layer(256, 256, PackedLayout("fp8", 128, block_rows=128), torch.bfloat16)
+    assert layer.packed.scale_rows(layer) == 32 and layer.packed.config_key(layer) == "fp8/128/256/256/rows32"
+    assert set(FP8_F16_CANDIDATES) <= set(tiled_candidates(layer.packed, 32))
+    assert not set(FP8_F16_CANDIDATES) & set(tiled_candidates(layer.packed, 1))
+    rowwise = packed_layer(256, 256, PackedLayout("fp8", 128), torch.bfloat16)
+    assert rowwise.packed.scale_rows(rowwise) == 1 and rowwise.packed.config_key(rowwise) == "fp8/128/256/256"
 
 
 def normed_input(k: int, dtype, with_residual: bool, seed: int = 2):
@@ -570,6 +620,12 @@ def test_gpu_fp8_gemv(n, k):
         # One scale a row also sums in float16 pairs (the native conversions' inline assembly).
         configs = CONFIGS + [(16, 512, 4, 2, True), (8, 1024, 4, 3, True), (4, 4096, 8, 2, True)] * (group_k == k)
         failures += _check_configs(run, _inputs(k), w64, f"fp8 {n}x{k} group_k {group_k}", configs)
+    # Groups whose scales runs of 32 rows share (128 x 128 blocks): float16 sums of x times each group's scale.
+    if n % 32 == 0:
+        weight, scale, w64 = block_scaled_fp8(n, k, 32, seed=5)
+        run = lambda x, c: fp8_gemv(x, weight, scale, 128, *c)  # noqa: E731
+        failures += _check_configs(run, _inputs(k), w64, f"fp8 {n}x{k} blocks", [(16, 1024, 4, 2, True),
+                                                                                 (32, 256, 4, 3, True)])
     assert not failures, "\n".join(failures)
 
 

@@ -241,8 +241,8 @@ def test_the_norm_inside_the_single_row_gemv_equals_the_norm_then_the_product(la
     x, residual = (torch.randn(1, k, generator=g).to(DEVICE, dtype) for _ in range(2))
     want, want_sum = layer.forward_normed(x.clone(), residual.clone(), norm)
 
-    use_gemv_configs(model, {layer.packed.config_key(): list(DEFAULT_GEMV),
-                             layer.packed.config_key() + NORM_FUSED_SUFFIX: [1]})
+    use_gemv_configs(model, {layer.packed.config_key(layer): list(DEFAULT_GEMV),
+                             layer.packed.config_key(layer) + NORM_FUSED_SUFFIX: [1]})
     assert layer.packed.norm_fused and layer.packed.normed(layer, x, residual.clone(), norm.weight, 1e-5) is not None
     got, got_sum = layer.forward_normed(x.clone(), residual.clone(), norm)
     assert torch.equal(got_sum, want_sum)
@@ -272,7 +272,7 @@ def test_a_chosen_split_k_gemv_runs_the_one_row_products(monkeypatch):
     n, k = (6144, 4096) if CUDA else (48, 256)
     split = (64, 512, 4, 1) if CUDA else (16, 128, 4, 2)
     layer = packed_layer(n, k, PackedLayout("int4", 128), dtype)
-    model, key = nn.Sequential(layer), layer.packed.config_key()
+    model, key = nn.Sequential(layer), layer.packed.config_key(layer)
     calls = []
     for name in ("int4_gemv_split", "int4_gemv_split_rmsnorm"):
         kernel = getattr(quant_gemv, name)

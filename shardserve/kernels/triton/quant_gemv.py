@@ -108,7 +108,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
                      BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, NORM: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = 0,
                      SWIGLU_OUT: tl.constexpr = False, F16_SUMS: tl.constexpr = False,
-                     F16_ASM: tl.constexpr = False):
+                     F16_ASM: tl.constexpr = False, SHARED_SCALES: tl.constexpr = False):
     """out[n] = sum_k float(w[n, k]) * s[n, k // GROUP_K] * x[k]. SUB divides GROUP_K unless PER_ROW (one scale
     per row, applied after the reduction). w points at the raw bytes (masked loads of uint8 can fill with 0),
     reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it. With NORM, x is RMSNorm(x +
@@ -117,7 +117,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
     weight of 2N rows): as in gemv.py.
     F16_SUMS (PER_ROW only): each lane's products summed over the tiles in float16 (F16_X_SCALE), then in float32;
     with F16_ASM (native FP8 on a GPU) by paired instructions (_f16_products), half the float32 path's instructions
-    a weight, for GPUs whose memory outruns their SMs' issue."""
+    a weight, for GPUs whose memory outruns their SMs' issue.
+    SHARED_SCALES (groups, F16_SUMS, not SWIGLU_OUT): the program's BLOCK_N rows share their group scales (a
+    block-scaled checkpoint's 128-row blocks: the caller knows, fp8_gemv's rows_share_scales), so x enters each
+    group times the group's scale and the rows are summed as one scale a row's, with no scale after."""
+    tl.static_assert(not SHARED_SCALES or (F16_SUMS and not SWIGLU_OUT and not PER_ROW),
+                     "shared scales: float16 sums of groups, rows of one half")
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     NUM_GROUPS: tl.constexpr = (K + GROUP_K - 1) // GROUP_K
     rows, row_ok = program_rows(tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
@@ -134,15 +139,17 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
     if NORM:
         rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
     acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float16 if F16_SUMS else tl.float32)
+    # The scale row every row of the program shares (SHARED_SCALES): its first row's.
+    s_shared = s_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * NUM_GROUPS
     if PRELOAD:
         acc = _fp8_tile_products(acc, first, 0, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
                                  K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL,
-                                 F16_SUMS, F16_ASM)
+                                 F16_SUMS, F16_ASM, SHARED_SCALES, s_shared)
     for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
         w = _fp8_weight_tile(w_rows, k, cols, row_ok, K, BLOCK_K)
         acc = _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
                                  K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL,
-                                 F16_SUMS, F16_ASM)
+                                 F16_SUMS, F16_ASM, SHARED_SCALES, s_shared)
     y = tl.sum(tl.sum(acc.to(tl.float32), axis=2), axis=1)
     if F16_SUMS:
         y *= 256.0  # the float16 products are the weights' values times x / 256, native or decoded
@@ -193,10 +200,12 @@ def _fp8_weight_tile(w_rows, k, cols, row_ok, K: tl.constexpr, BLOCK_K: tl.const
 def _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
                        K: tl.constexpr, GROUP_K: tl.constexpr, NUM_GROUPS: tl.constexpr, PER_ROW: tl.constexpr,
                        NATIVE_FP8: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                       HAS_RESIDUAL: tl.constexpr, F16_SUMS: tl.constexpr = False, F16_ASM: tl.constexpr = False):
-    """acc plus the tile's products w * x (times its groups' scales unless PER_ROW); with F16_SUMS (PER_ROW) acc
-    is float16 and gains w * x / 256: in pairs by _f16_products (F16_ASM), in float16 arithmetic otherwise (the
-    interpreter; without native FP8 the decoded weights are already / 256)."""
+                       HAS_RESIDUAL: tl.constexpr, F16_SUMS: tl.constexpr = False, F16_ASM: tl.constexpr = False,
+                       SHARED_SCALES: tl.constexpr = False, s_shared=None):
+    """acc plus the tile's products w * x (times its groups' scales unless PER_ROW); with F16_SUMS (PER_ROW, or
+    SHARED_SCALES: x times the groups' scales of s_shared first) acc is float16 and gains w * x / 256: in pairs by
+    _f16_products (F16_ASM), in float16 arithmetic otherwise (the interpreter; without native FP8 the decoded
+    weights are already / 256)."""
     col_ok = k + cols < K
     if NORM:
         x = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, col_ok, rstd, HAS_RESIDUAL)
@@ -204,6 +213,9 @@ def _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows,
         x = tl.load(x_ptr + k + cols)
     else:
         x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
+    if SHARED_SCALES:
+        group = (k + sub * SUB) // GROUP_K
+        x = x.to(tl.float32) * tl.load(s_shared + group, mask=group < NUM_GROUPS, other=0.0)[:, None]
     if F16_ASM:
         acc = _f16_products(acc, w, (x.to(tl.float32) * F16_X_SCALE).to(tl.float16)[None])
     elif F16_SUMS and NATIVE_FP8:
@@ -614,7 +626,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k
     """x [1, K] (or [K]) times the fp8 weight [N, K]^T with scale [N, ceil(K / group_k)] -> [1, N] in x's
     dtype. group_k >= K is one scale per row. block_n and block_k are powers of two; a block_k tile spans
     block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_k) columns. `f16_sums`:
-    partial sums in float16 pairs (the kernel's F16_SUMS; one scale a row only, ValueError otherwise). With
+    partial sums in float16 pairs (the kernel's F16_SUMS): one scale a row, or groups whose scales each aligned run
+    of block_n rows shares (rows_share_scales(scale) >= block_n: the caller's to know; a ValueError only where N
+    does not divide into such runs or with swiglu_out). With
     `swiglu_out`, silu(gate) * up of a [gate | up] weight, [1, N / 2] (gemv.gemv's)."""
     x = _one_row(x, weight.shape[1], "fp8_gemv")
     return _fp8_launch(x, weight, scale, group_k, (block_n, block_k, num_warps, num_stages, f16_sums), None,
@@ -640,8 +654,11 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool =
     _check_blocks(block_n, block_k, 1)
     k = weight.shape[1]
     per_row = fp8_groups(k, group_k) == 1
-    if f16_sums and not per_row:
-        raise ValueError(f"float16 sums take one scale a row, not groups of {group_k} of {k} columns")
+    # float16 sums of groups: where every aligned run of block_n rows shares its scales (rows_share_scales).
+    shared = bool(f16_sums) and not per_row
+    if shared and (swiglu_out or weight.shape[0] % block_n):
+        raise ValueError(f"float16 sums of groups of {group_k} columns take rows that share their scales in runs of "
+                         f"block_n {block_n}, without SwiGLU out")
     sub = block_k if per_row else min(block_k, group_k & -group_k)
     native = _native_fp8(x.device)
     n, programs = output_rows(weight, block_n, swiglu_out)
@@ -653,8 +670,23 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool =
         BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, NORM=norm is not None,
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
         PRELOAD=min(preload_tiles(), 1), SWIGLU_OUT=swiglu_out, F16_SUMS=bool(f16_sums),
-        F16_ASM=bool(f16_sums) and native and x.is_cuda, **pdl.launch(x.device))
+        F16_ASM=bool(f16_sums) and native and x.is_cuda, SHARED_SCALES=shared, **pdl.launch(x.device))
     return out
+
+
+def rows_share_scales(scale: torch.Tensor, most: int = 32) -> int:
+    """The largest power of two R <= `most` dividing scale's rows such that each aligned run of R rows holds one
+    scale row: a block-scaled FP8 checkpoint's 128-row blocks, expanded a row each (where a rank's rows start on a
+    block's boundary); 1 where none does. fp8_gemv's float16 sums of groups need block_n <= R."""
+    n = scale.shape[0]
+    rows = most
+    while rows > 1:
+        if n % rows == 0:
+            runs = scale.reshape(n // rows, rows, -1)
+            if torch.equal(runs, runs[:, :1].expand_as(runs)):
+                return rows
+        rows //= 2
+    return 1
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
