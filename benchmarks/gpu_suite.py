@@ -367,7 +367,7 @@ def phase_engine(args) -> dict:
     if runner.graphs is not None and args.tp[0] == 1:  # the device's share of a step: the batch-1 graph
         # replayed alone (one rank only: with several, a graph replayed on rank 0 alone would wait in its
         # all-reduce for ranks that never join)
-        out["decode_bs1_graph_replay_ms"] = graph_replay_ms(runner.graphs.graphs[1])
+        out["decode_bs1_graph_replay_ms"] = graph_replay_ms(runner.graphs.decode_graph(1))
 
     _, agree = run(random_prompts(AGREE_PROMPTS, 64, 9), AGREE_TOKENS)
     out["agreement_tokens"] = [r.token_ids for r in agree]

@@ -63,7 +63,7 @@ def main() -> None:
     prompt = [[(7 * i) % 128000 for i in range(1, 129)]]
     llm.generate(prompt, params)  # warm up
 
-    graph = llm.engine.runner.graphs.graphs[1]
+    graph = llm.engine.runner.graphs.decode_graph(1)
     replay_ms = graph_replay_ms(graph)
     if args.kernels:
         print_kernels(graph, replays=20)

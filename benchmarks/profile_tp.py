@@ -47,14 +47,14 @@ def replay_worker(config, ctx) -> None:
     runner = ModelRunner(config, ModelConfig.from_model_path(config.model), ctx)
     graphs = runner.graphs
     for size in (1, 64):
-        print(f"rank {ctx.rank}: batch-{size} graph replay {_ms_per_replay(graphs.graphs[size]):.3f} ms per step",
+        print(f"rank {ctx.rank}: batch-{size} graph replay {_ms_per_replay(graphs.decode_graph(size)):.3f} ms per step",
               flush=True)
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
-            graphs.graphs[1].replay()
+            graphs.decode_graph(1).replay()
         torch.cuda.synchronize()
     if ctx.rank == 0:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70),
@@ -83,7 +83,7 @@ def _replay_without_communication(runner, ctx) -> float:
         graphs = runner.graphs
         graphs.shares_tokens = False
         graphs.capture_all()
-        return _ms_per_replay(graphs.graphs[1])
+        return _ms_per_replay(graphs.decode_graph(1))
     finally:
         comm.world_size, comm.tokens = world, tokens
 

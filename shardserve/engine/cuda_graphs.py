@@ -180,6 +180,10 @@ class CudaGraphRunner:
         self.shares_tokens = comm.tokens is not None
         self.timer = ReplayTimer(comm.rank) if ReplayTimer.wanted() else None
 
+    def decode_graph(self, size: int):
+        """The decode graph of `size` rows (one a sequence), for timing its replay."""
+        return self.graphs[size, False]
+
     def can_run(self, batch: StepBatch) -> bool:
         if not batch.decode_only or batch.num_decode == 0:
             return False

@@ -314,9 +314,10 @@ def check_float16_overflow() -> None:
 
 def block_scaled_fp8(n: int, k: int, rows: int, seed: int):
     """An FP8 weight [n, k] in groups of 128 columns whose scale rows each aligned run of `rows` rows shares (a
-    block-scaled checkpoint's, expanded a row each), and its float64 reference."""
+    block-scaled checkpoint's, expanded a row each), and its float64 reference. The scales are a checkpoint's
+    magnitudes (1e-7 to 1e-6: weights of about 1e-4 over e4m3's 448), where x times them would underflow float16."""
     weight, scale = random_fp8(n, k, 128, seed=seed)
-    scale = scale.reshape(-1, rows, scale.shape[1])[:, :1].expand(-1, rows, -1).reshape(n, -1).contiguous()
+    scale = scale.reshape(-1, rows, scale.shape[1])[:, :1].expand(-1, rows, -1).reshape(n, -1) * 1e-3
     return weight, scale, fp8_reference(weight, scale, 128)
 
 

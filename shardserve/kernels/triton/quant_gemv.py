@@ -108,7 +108,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
                      BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, NORM: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = 0,
                      SWIGLU_OUT: tl.constexpr = False, F16_SUMS: tl.constexpr = False,
-                     F16_ASM: tl.constexpr = False, SHARED_SCALES: tl.constexpr = False):
+                     F16_ASM: tl.constexpr = False, SHARED_SCALES: tl.constexpr = False,
+                     GROUPS_P: tl.constexpr = 1):
     """out[n] = sum_k float(w[n, k]) * s[n, k // GROUP_K] * x[k]. SUB divides GROUP_K unless PER_ROW (one scale
     per row, applied after the reduction). w points at the raw bytes (masked loads of uint8 can fill with 0),
     reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it. With NORM, x is RMSNorm(x +
@@ -120,7 +121,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
     a weight, for GPUs whose memory outruns their SMs' issue.
     SHARED_SCALES (groups, F16_SUMS, not SWIGLU_OUT): the program's BLOCK_N rows share their group scales (a
     block-scaled checkpoint's 128-row blocks: the caller knows, fp8_gemv's rows_share_scales), so x enters each
-    group times the group's scale and the rows are summed as one scale a row's, with no scale after."""
+    group times the group's scale over the row's largest (GROUPS_P: a power of two >= the groups), keeping x's
+    range for the float16 sums whatever the scales' magnitude, and the rows are summed as one scale a row's, that
+    largest scale applied after."""
     tl.static_assert(not SHARED_SCALES or (F16_SUMS and not SWIGLU_OUT and not PER_ROW),
                      "shared scales: float16 sums of groups, rows of one half")
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
@@ -139,20 +142,26 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
     if NORM:
         rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
     acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float16 if F16_SUMS else tl.float32)
-    # The scale row every row of the program shares (SHARED_SCALES): its first row's.
+    # The scale row every row of the program shares (SHARED_SCALES): its first row's, and its largest scale.
     s_shared = s_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * NUM_GROUPS
+    s_max = 1.0
+    if SHARED_SCALES:
+        groups = tl.arange(0, GROUPS_P)
+        s_max = tl.maximum(tl.max(tl.load(s_shared + groups, mask=groups < NUM_GROUPS, other=0.0), axis=0), 1e-30)
     if PRELOAD:
         acc = _fp8_tile_products(acc, first, 0, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
                                  K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL,
-                                 F16_SUMS, F16_ASM, SHARED_SCALES, s_shared)
+                                 F16_SUMS, F16_ASM, SHARED_SCALES, s_shared, 1.0 / s_max)
     for k in range(PRELOAD * BLOCK_K, K, BLOCK_K):
         w = _fp8_weight_tile(w_rows, k, cols, row_ok, K, BLOCK_K)
         acc = _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
                                  K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL,
-                                 F16_SUMS, F16_ASM, SHARED_SCALES, s_shared)
+                                 F16_SUMS, F16_ASM, SHARED_SCALES, s_shared, 1.0 / s_max)
     y = tl.sum(tl.sum(acc.to(tl.float32), axis=2), axis=1)
     if F16_SUMS:
         y *= 256.0  # the float16 products are the weights' values times x / 256, native or decoded
+        if SHARED_SCALES:
+            y *= s_max
         if tl.max(tl.where(tl.abs(y) < float("inf"), 0, 1), axis=0) > 0:  # an overflow (or NaN): again in float32
             y = _fp8_float32_sums(w_rows, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols, K,
                                   GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB, BLOCK_K, NORM,
@@ -201,9 +210,9 @@ def _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows,
                        K: tl.constexpr, GROUP_K: tl.constexpr, NUM_GROUPS: tl.constexpr, PER_ROW: tl.constexpr,
                        NATIVE_FP8: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                        HAS_RESIDUAL: tl.constexpr, F16_SUMS: tl.constexpr = False, F16_ASM: tl.constexpr = False,
-                       SHARED_SCALES: tl.constexpr = False, s_shared=None):
+                       SHARED_SCALES: tl.constexpr = False, s_shared=None, s_inv=1.0):
     """acc plus the tile's products w * x (times its groups' scales unless PER_ROW); with F16_SUMS (PER_ROW, or
-    SHARED_SCALES: x times the groups' scales of s_shared first) acc is float16 and gains w * x / 256: in pairs by
+    SHARED_SCALES: x times the groups' scales of s_shared over the largest, s_inv its inverse) acc is float16 and gains w * x / 256: in pairs by
     _f16_products (F16_ASM), in float16 arithmetic otherwise (the interpreter; without native FP8 the decoded
     weights are already / 256)."""
     col_ok = k + cols < K
@@ -215,7 +224,8 @@ def _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows,
         x = tl.load(x_ptr + k + cols, mask=col_ok, other=0.0)
     if SHARED_SCALES:
         group = (k + sub * SUB) // GROUP_K
-        x = x.to(tl.float32) * tl.load(s_shared + group, mask=group < NUM_GROUPS, other=0.0)[:, None]
+        group_scale = tl.load(s_shared + group, mask=group < NUM_GROUPS, other=0.0) * s_inv
+        x = x.to(tl.float32) * group_scale[:, None]
     if F16_ASM:
         acc = _f16_products(acc, w, (x.to(tl.float32) * F16_X_SCALE).to(tl.float16)[None])
     elif F16_SUMS and NATIVE_FP8:
@@ -670,7 +680,8 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool =
         BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, NORM=norm is not None,
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
         PRELOAD=min(preload_tiles(), 1), SWIGLU_OUT=swiglu_out, F16_SUMS=bool(f16_sums),
-        F16_ASM=bool(f16_sums) and native and x.is_cuda, SHARED_SCALES=shared, **pdl.launch(x.device))
+        F16_ASM=bool(f16_sums) and native and x.is_cuda, SHARED_SCALES=shared,
+        GROUPS_P=triton.next_power_of_2(fp8_groups(k, group_k)), **pdl.launch(x.device))
     return out
 
 
