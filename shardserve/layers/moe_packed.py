@@ -16,7 +16,6 @@ the host and dequantizes each chosen expert on the fly (no CUDA graphs on GPUs):
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Hashable
 
@@ -25,14 +24,12 @@ from torch import nn
 
 from shardserve import envs
 from shardserve.kernels.packed_experts import PackedExperts
-from shardserve.kernels.quant_pack import FOUR_BIT_KINDS, pack_fp4_scales, pack_int4, pack_scale_zero, scale_dtype
 from shardserve.layers.nongated_experts import NonGatedExperts
 from shardserve.layers.moe import (EXPERT_FFNS, SparseMoE, _check_shape, check_routes, close_to_float64,
                                    grouped_by_expert, reference_experts)
-from shardserve.layers.linear import as_tensor, empty_parameter
-from shardserve.layers.quantized_linear import QUANTIZERS, PackedLayout, _copy_scales, log_kept_dequantized
-from shardserve.weights.fp4 import Fp4Weight
-from shardserve.weights.quantized import Fp8Weight, GptqWeight
+from shardserve.layers.linear import as_tensor
+from shardserve.layers.quantization import format_of
+from shardserve.layers.quantized_linear import PackedLayout, _copy_scales, log_kept_dequantized
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +46,7 @@ def expert_groups(moe: SparseMoE, layout: PackedLayout) -> tuple[tuple[int, int]
         return None, f"its hidden size {hidden} is not whole groups of {g13}"
     if r0 % g2 or (r1 - r0) % g2:
         return None, f"its expert features [{r0}, {r1}) split groups of {g2}"
-    if layout.kind in FOUR_BIT_KINDS and (hidden % 2 or (r1 - r0) % 2 or g13 % 2 or g2 % 2):
+    if format_of(layout.kind).per_byte > 1 and (hidden % 2 or (r1 - r0) % 2 or g13 % 2 or g2 % 2):
         return None, "its columns do not pack in pairs"
     return (g13, g2), ""
 
@@ -65,20 +62,19 @@ class ExpertPacking:
         experts, up_rows, hidden = getattr(moe, up).shape
         rows = moe.rows[1] - moe.rows[0]
         self.kind, (self.group13, self.group2) = layout.kind, groups
+        self.format = format_of(layout.kind)
         self.compute_dtype = moe.w2.dtype
         self.activation = moe.activation
         # Parameters filled by the loader of the weight they belong to.
         self.parts_with = {up: (f"{up}_scale",), "w2": ("w2_scale",)}
-        per_byte, dtype = (2, torch.uint8) if layout.kind in FOUR_BIT_KINDS else (1, torch.float8_e4m3fn)
-        scale_type = scale_dtype(layout.kind)
-        param = functools.partial(empty_parameter, device=device)
-        up_weight, w2 = param(experts, up_rows, hidden // per_byte, dtype=dtype), param(
-            experts, hidden, rows // per_byte, dtype=dtype)
+        fmt = self.format
+        up_weight, w2 = fmt.codes(experts, up_rows, hidden, device=device), fmt.codes(experts, hidden, rows,
+                                                                                      device=device)
         up_weight.weight_loader, w2.weight_loader = getattr(moe, f"_load_{up}"), moe._load_w2
         setattr(moe, up, up_weight)
         moe.w2 = w2
-        setattr(moe, f"{up}_scale", param(experts, up_rows, hidden // self.group13, dtype=scale_type))
-        moe.w2_scale = param(experts, hidden, rows // self.group2, dtype=scale_type)
+        setattr(moe, f"{up}_scale", fmt.scales(experts, up_rows, hidden, group=self.group13, device=device))
+        moe.w2_scale = fmt.scales(experts, hidden, rows, group=self.group2, device=device)
 
     def describe(self) -> str:
         return f"{self.kind} experts (groups of {self.group13} and {self.group2})"
@@ -103,7 +99,7 @@ class ExpertPacking:
         None)) or down projection ("w2") from a quantized checkpoint: only this rank's rows (up) or columns (w2) of
         its packed bytes and scales are read. Float tensors (synthetic weights of a quantized config, per expert or
         all experts in one) are quantized here."""
-        if not isinstance(loaded, (Fp8Weight, GptqWeight, Fp4Weight)):
+        if not isinstance(loaded, self.format.stored):
             if hasattr(loaded, "read_packed"):
                 raise ValueError(f"packed {self.kind} experts cannot load a {type(loaded).__name__}; "
                                  f"{_DEQUANTIZED_HINT}")
@@ -125,28 +121,17 @@ class ExpertPacking:
             return
         target = getattr(moe, which).data[slot, rows]
         scale = getattr(moe, f"{which}_scale").data[slot, rows]
-        if self.kind == "fp8" and isinstance(loaded, Fp8Weight):
-            values, scales = loaded.read_packed(*source)
-            target.copy_(values)
-            _copy_scales(scale, scales)
-        elif self.kind == "int4" and isinstance(loaded, GptqWeight):
-            codes, scales, zeros, perm = loaded.read_packed(*source)
-            if perm is not None:
-                raise ValueError(f"expert {expert}'s columns are in act order, which packed experts do not take; "
-                                 f"{_DEQUANTIZED_HINT}")
-            target.copy_(pack_int4(codes))
-            _copy_scales(scale, pack_scale_zero(scales, zeros))
-        elif self.kind == "fp4" and isinstance(loaded, Fp4Weight):
-            codes, scales = loaded.read_packed(*source)
-            target.copy_(pack_int4(codes))
-            _copy_scales(scale, pack_fp4_scales(scales))
-        else:
-            raise ValueError(f"a {type(loaded).__name__} cannot load into packed {self.kind} experts")
+        codes, scales, perm = self.format.read_stored(loaded, *source)
+        if perm is not None:
+            raise ValueError(f"expert {expert}'s columns are in act order, which packed experts do not take; "
+                             f"{_DEQUANTIZED_HINT}")
+        target.copy_(codes)
+        _copy_scales(scale, scales)
 
     def _quantize_floats(self, moe: SparseMoE | NonGatedExperts, which: str, loaded: Any,
                          shard_id: Hashable) -> None:
         """This rank's rows (up weight) or columns (w2) of float experts, quantized as a packed dense layer
-        quantizes its rows (quantized_linear.QUANTIZERS, groups along the input)."""
+        quantizes its rows (its format's quantize, groups along the input)."""
         (r0, r1), inter = moe.rows, moe.intermediate_size
         (e0, e1), rows = moe.experts_held, r1 - r0
         up = which != "w2"
@@ -163,7 +148,7 @@ class ExpertPacking:
             half = half or 0
             parts = ([(slice(half * rows, (half + 1) * rows), loaded[r0:r1])] if up
                      else [(slice(None), loaded[:, r0:r1])])
-        quantize = QUANTIZERS[self.kind]
+        quantize = self.format.quantize
         group = self.group13 if up else self.group2
         for out_rows, values in parts:
             values = as_tensor(values).float()

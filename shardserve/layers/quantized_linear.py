@@ -1,17 +1,9 @@
 """Linear layers that keep quantized weights packed: FP8 (a byte a weight) and 4-bit (half a byte).
 
-A packed layer's parameters, on this rank:
-- FP8: `weight` float8_e4m3fn [N, K]; `weight_scale` float32 [N, ceil(K / group)]: W[n, k] = weight[n, k] *
-  weight_scale[n, k // group], with group the checkpoint's scale block (128) or K (one scale a row: per-channel
-  and per-tensor checkpoints, and bf16 checkpoints quantized at load with --quantization fp8).
-- INT4: `weight` uint8 [N, K / 2], column 2j in the low nibble of byte j, 2j+1 in the high one; `weight_scale`
-  int32 [N, K / group], each group's scale and zero point in one word (kernels/quant_pack.py's pack_scale_zero):
-  W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k // group. An act-order checkpoint's columns are sorted by
-  group at load; `input_perm` [K] then says which input feature each column holds, and inputs are gathered in that
-  order.
-- FP4 (NVFP4, MXFP4 checkpoints): INT4's tensors holding e2m1 codes, each word the group's float32 scale (NVFP4's
-  global scale folded in): W[n, k] = e2m1(q[n, k]) * scale[n, g]. The 4-bit kernels read it with their e2m1 decode
-  table (codes="fp4"); the split-K GEMV, which decodes nibbles as integers bit by bit, is not offered for it.
+A packed layer's parameters, on this rank, are `weight` (the codes) and `weight_scale`, and for act-order 4-bit
+checkpoints `input_perm`; what they hold, how they load and which kernels compute with them is each format's file in
+layers/quantization/ (fp8.py, int4.py, fp4.py). This module is what every format shares: the packed layer
+(PackedWeights), which layers are packed, the choice of kernels at start-up and the check against float64.
 
 Rows of a fused layer (q/k/v, gate/up) stack their parts' rows, each with its own scales, so sharding packed weights
 is the dense rule: column-parallel layers own rows, row-parallel layers own columns, and a rank's columns must be
@@ -29,7 +21,6 @@ a failure unpacks every packed layer (WARNING), so no rank serves a wrong produc
 
 from __future__ import annotations
 
-import functools
 import logging
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -40,47 +31,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve import envs
-from shardserve.kernels.quant_pack import (E2M1_VALUES, FOUR_BIT_KINDS, dequantize_fp8, dequantize_int4,
-                                           pack_fp4_scales, pack_int4, pack_scale_zero,
-                                           reference_weight64, scale_dtype, unpack_scale_zero)
 from shardserve.layers.embedding import ParallelLMHead
-from shardserve.layers.linear import (ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor,
-                                     empty_parameter)
-from shardserve.weights.fp4 import Fp4Weight
-from shardserve.weights.quantized import Fp8Weight, GptqWeight, QuantScheme
+from shardserve.layers.quantization import format_of
+# The formats' candidates and quantizers, also named here (start-up's timing and the benchmarks walk them).
+from shardserve.layers.quantization.base import DEFAULT_GEMV, GEMV_CANDIDATES  # noqa: F401
+from shardserve.layers.quantization.fp4 import quantize_fp4
+from shardserve.layers.quantization.fp8 import FP8_F16_CANDIDATES, FP8_MAX, FP8_SUMS_ENV, quantize_fp8  # noqa: F401
+from shardserve.layers.quantization.int4 import INT4_SPLIT_CANDIDATES, INT4_SUMS_ENV, quantize_int4  # noqa: F401
+from shardserve.layers.linear import ColumnParallelLinear, KernelLinear, RowParallelLinear, as_tensor
+from shardserve.weights.quantized import QuantScheme
 
 logger = logging.getLogger(__name__)
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-# (block_n, block_k, num_warps, num_stages) of the single-row kernels until start-up timing picks per shape.
-# The last two were the fastest FP8 GEMVs on an H100 for Llama-3-8B's q/k/v, o and gate/up shapes (gate/up at
-# 3.0 TB/s) in a grid of block_n 4-32, block_k 1024-4096, 4 or 8 warps and 2-4 stages, timed as
-# benchmarks/gemv_shapes.py --packed fp8 times them.
-DEFAULT_GEMV = (8, 512, 4, 3)
-GEMV_CANDIDATES = ((8, 512, 4, 3), (4, 1024, 8, 4), (16, 256, 4, 2), (8, 1024, 8, 3), (8, 1024, 4, 3),
-                   (8, 2048, 8, 3), (16, 1024, 8, 3), (4, 2048, 8, 4), (4, 4096, 8, 4), (4, 4096, 8, 2))
-# (block_n, split_k, num_warps, row_tiles) of the 4-bit split-K GEMV (quant_gemv.int4_gemv_split), timed against
-# GEMV_CANDIDATES at start-up: the fastest of grids (block_n 8-256, split_k 256-4096, 4 or 8 warps, 1-4 row tiles)
-# on each of Llama-3-8B's projections on an H100. Only splits the kernel holds x for (at most INT4_SPLIT_CHUNK
-# columns): wider ones (whole rows of gate/up, 2,048 columns of down) were faster alone, by 0.4-0.9 us, and made
-# the step slower (2.494-2.502 ms against 2.431-2.444, one H100). None spills registers.
-INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (64, 512, 4, 1), (64, 512, 4, 4), (32, 512, 4, 1), (64, 1024, 4, 1))
-# FP8 GEMVs with one scale a row are also timed in these forms: GEMV_CANDIDATES' elements and a fifth, partial sums
-# in float16 pairs (quant_gemv's F16_SUMS), about half the instructions a weight. On an H100's 132 SMs the two kinds
-# time within 3% of each other alone on Llama-3-8B's shapes, and whole FP8 steps with start-up's choices among both
-# took 3.059 ms against 3.050 with float32 sums only. On 92 of its SMs, where each SM must issue for as many bytes a
-# second as an H200's, float16 sums were 6-11% faster on every shape (benchmarks/gemv_shapes.py --packed fp8 --sms
-# 92; these were the fastest there) and the whole step took 3.240 ms against 3.436 (profile_decode.py --sms 92;
-# docs/benchmarks-notebook.md). SHARDSERVE_FP8_GEMV_SUMS=auto (default: both kinds), float32 or float16 (one kind).
-FP8_F16_CANDIDATES = ((16, 1024, 4, 2, 1), (16, 512, 8, 2, 1), (16, 512, 4, 3, 1), (32, 256, 4, 3, 1),
-                      (16, 1024, 4, 3, 1), (8, 1024, 4, 3, 1))
-FP8_SUMS_ENV = envs.FP8_GEMV_SUMS.name
-# Start-up also times each INT4_SPLIT_CANDIDATES form with two words' products summed in float16 pairs (a fifth
-# element 1: quant_gemv's F16_SUMS on the split-K GEMV), about a fifth fewer instructions a weight: on an H100 they
-# won every Llama-3-8B shape but o (a tie) and took the 4-bit step from 2.409 to 2.291 ms
-# (docs/benchmarks-notebook.md). The start-up check against float64 keeps them out of float32 models. SHARDSERVE_INT4_GEMV_SUMS=float32 (or float16) times
-# only that kind; auto, the default, both.
-INT4_SUMS_ENV = envs.INT4_GEMV_SUMS.name
 
 
 # Batches by row count: at most 16, 64, 256, 512 or 1024 rows, or more (a full decode batch of 512 sequences has
@@ -144,8 +106,9 @@ class PackedWeights:
     def __init__(self, layer: KernelLinear, layout: PackedLayout, device: torch.device | str) -> None:
         n, k = layer.weight.shape
         group = layout.group or k
-        if k % group or (layout.kind in FOUR_BIT_KINDS and (k % 2 or group % 2)):
-            raise ValueError(f"{layout.describe()} does not fit {k} input features")
+        self.format = format_of(layout.kind)
+        if self.format.fits(k, group):
+            raise ValueError(f"{layout.describe()} does not fit {k} input features: {self.format.fits(k, group)}")
         self.layout, self.n, self.k, self.group = layout, n, k, group
         self.compute_dtype = layer.weight.dtype
         self.gemv_config = DEFAULT_GEMV
@@ -164,18 +127,12 @@ class PackedWeights:
                           and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
                           and fp8_matmul_kernel() == "scaled_mm")
         loader = layer.weight.weight_loader
-        groups = -(-k // group)
-
-        param = functools.partial(empty_parameter, device=device)
-
-        if layout.kind == "fp8":
-            layer.weight = param(n, k, dtype=torch.float8_e4m3fn)
-        else:
-            layer.weight = param(n, k // 2, dtype=torch.uint8)
+        layer.weight = self.format.codes(n, k, device=device)
+        if self.format.per_byte > 1:
             # Identity until an act-order checkpoint's columns arrive sorted; gathering by it is then exact.
             layer.input_perm = nn.Parameter(torch.arange(k, device=device), requires_grad=False) \
                 if layout.act_order else None
-        layer.weight_scale = param(n, groups, dtype=scale_dtype(layout.kind))
+        layer.weight_scale = self.format.scales(n, k, group=group, device=device)
         layer.weight.weight_loader = loader
         self.perm_of: dict[Hashable, torch.Tensor | None] = {}
         self._scale_rows: int | None = None  # scale_rows, once the weights are in
@@ -192,30 +149,18 @@ class PackedWeights:
         c0, c1 = src_cols if src_cols is not None else (0, shape[1])
         if c1 - c0 != self.k:
             raise ValueError(f"checkpoint columns [{c0}, {c1}) do not fill the layer's {self.k} inputs")
-        kind = self.layout.kind
-        if isinstance(loaded, Fp8Weight) and kind == "fp8":
-            values, scale = loaded.read_packed(r0, r1, c0, c1)
-            layer.weight.data[rows].copy_(values)
-            _copy_scales(layer.weight_scale.data[rows], scale)
-        elif isinstance(loaded, GptqWeight) and kind == "int4":
-            codes, scale, zero, perm = loaded.read_packed(r0, r1, c0, c1)
-            self._check_perm(layer, perm, shard_id)
-            layer.weight.data[rows].copy_(pack_int4(codes))
-            _copy_scales(layer.weight_scale.data[rows], pack_scale_zero(scale, zero))
-        elif isinstance(loaded, Fp4Weight) and kind == "fp4":
-            codes, scale = loaded.read_packed(r0, r1, c0, c1)
-            layer.weight.data[rows].copy_(pack_int4(codes))
-            _copy_scales(layer.weight_scale.data[rows], pack_fp4_scales(scale))
+        fmt = self.format
+        if isinstance(loaded, fmt.stored):
+            codes, scale, perm = fmt.read_stored(loaded, r0, r1, c0, c1)
+            if fmt.per_byte > 1:
+                self._check_perm(layer, perm, shard_id)
         elif not hasattr(loaded, "read_packed"):  # (rows sharing scales are found again: scale_rows)
-            values = as_tensor(loaded[r0:r1, c0:c1]).float()
-            if kind == "fp8":
-                codes, scale = quantize_fp8(values, self.group, self.layout.block_rows, r0)
-            else:
-                codes, scale = QUANTIZERS[kind](values, self.group)
-            layer.weight.data[rows].copy_(codes)
-            _copy_scales(layer.weight_scale.data[rows], scale)
+            codes, scale = fmt.quantize(as_tensor(loaded[r0:r1, c0:c1]).float(), self.group, self.layout.block_rows,
+                                        r0)
         else:
             raise ValueError(f"a {type(loaded).__name__} cannot load into a {self.layout.describe()} layer")
+        layer.weight.data[rows].copy_(codes)
+        _copy_scales(layer.weight_scale.data[rows], scale)
 
     def _check_perm(self, layer: KernelLinear, perm: torch.Tensor | None, shard_id: Hashable) -> None:
         """Every part of a fused layer shares one input, so they must sort their columns alike."""
@@ -251,16 +196,7 @@ class PackedWeights:
             return None
         if swiglu_out and not self.takes_swiglu_out(layer, x):
             return None
-        from shardserve.kernels.triton.quant_gemv import fp8_gemv_rmsnorm, int4_gemv_rmsnorm, int4_gemv_split_rmsnorm
-
-        if self.layout.kind == "fp8":
-            return fp8_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, self.group,
-                                    *self.gemv_config, swiglu_out=swiglu_out)
-        if self.gemv_split is not None:
-            return int4_gemv_split_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale,
-                                           self.group, *self.gemv_split, swiglu_out=swiglu_out)
-        return int4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, self.group,
-                                 *self.gemv_config, codes=self.layout.kind)
+        return self.format.normed_gemv(self, layer, x, residual, norm_weight, eps, swiglu_out=swiglu_out)
 
     def swiglu_out(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of the one-row product of a [gate | up] layer in the GEMV's own launch (takes_swiglu_out),
@@ -275,10 +211,7 @@ class PackedWeights:
         never)."""
         from shardserve.layers.cuda_gemv import swiglu_out_allowed
 
-        config = self.gemv_config if self.layout.kind == "fp8" else self.gemv_split
-        if config is not None and self.layout.kind == "fp8" and len(config) > 4 and config[4] \
-                and self.scale_rows(layer) > 1:  # float16 sums of groups: rows of one half only
-            return False
+        config = self.format.swiglu_out_config(self, layer)
         return (config is not None and getattr(layer, "makes_swiglu_output", False)
                 and getattr(layer, "input_perm", None) is None and x.is_cuda
                 and x.dim() == 2 and x.shape[0] == 1 and self.n % 2 == 0 and config[0] % 2 == 0
@@ -291,21 +224,10 @@ class PackedWeights:
 
     def _gemv(self, layer: KernelLinear, x: torch.Tensor, swiglu_out: bool = False) -> torch.Tensor:
         """The one-row product by the chosen GEMV; `swiglu_out` only where takes_swiglu_out (FP8 or split-K)."""
-        from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv, int4_gemv_split
-
-        if self.layout.kind == "fp8":
-            return fp8_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config, swiglu_out=swiglu_out)
-        if self.gemv_split is not None:
-            return int4_gemv_split(x, layer.weight, layer.weight_scale, self.group, *self.gemv_split,
-                                   swiglu_out=swiglu_out)
-        return int4_gemv(x, layer.weight, layer.weight_scale, self.group, *self.gemv_config, codes=self.layout.kind)
+        return self.format.gemv(self, layer, x, swiglu_out=swiglu_out)
 
     def _gemm(self, layer: KernelLinear, x: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
-        from shardserve.kernels.triton.quant_gemm import fp8_gemm, int4_gemm
-
-        if self.layout.kind == "fp8":
-            return fp8_gemm(x, layer.weight, layer.weight_scale, self.group, config)
-        return int4_gemm(x, layer.weight, layer.weight_scale, self.group, config, codes=self.layout.kind)
+        return self.format.gemm(self, layer, x, config)
 
     def _dequantized_product(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(layer, x.dtype))
@@ -345,19 +267,12 @@ class PackedWeights:
         block-scaled checkpoint's rows where this rank's start on a block's boundary), which the float16 sums of
         groups need; 1 for other layouts. Found once the weights are in, and kept (a reload brings the same)."""
         if self._scale_rows is None:
-            from shardserve.kernels.quant_layout import fp8_groups
-            from shardserve.kernels.triton.quant_gemv import rows_share_scales
-
-            self._scale_rows = (rows_share_scales(layer.weight_scale.data)
-                                if self.layout.kind == "fp8" and fp8_groups(self.k, self.group) > 1
-                                and not layer.weight_scale.is_meta else 1)
+            self._scale_rows = self.format.scale_rows(layer.weight.data, layer.weight_scale.data, self.k, self.group)
         return self._scale_rows
 
     def dequantized(self, layer: KernelLinear, dtype: torch.dtype) -> torch.Tensor:
         """The layer's [N, K] weight in `dtype`, columns in the packed order (input_perm's)."""
-        if self.layout.kind == "fp8":
-            return dequantize_fp8(layer.weight, layer.weight_scale, self.group, dtype)
-        return dequantize_int4(layer.weight, layer.weight_scale, self.group, dtype, codes=self.layout.kind)
+        return self.format.dequantize(layer.weight, layer.weight_scale, self.group, dtype)
 
     def unpack(self, layer: KernelLinear) -> None:
         """Replace the packed parameters by the values they encode in the compute dtype (a dense layer again)."""
@@ -388,49 +303,7 @@ def _copy_scales(target: torch.Tensor, scale: torch.Tensor) -> None:
     target.copy_(scale)
 
 
-def quantize_fp8(values: torch.Tensor, group: int, block_rows: int = 1, first_row: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (float8_e4m3fn codes, float32 scales [N, K / group]): each row's group scaled so its
-    largest magnitude is FP8's largest value; with block_rows, each group of block_rows rows (counted from the
-    checkpoint's row 0, these being its rows from first_row) scaled so together, one scale row a row."""
-    n, k = values.shape
-    blocks = values.float().reshape(n, -1, group)
-    amax = blocks.abs().amax(dim=2)
-    if block_rows > 1:  # the rows padded with zeros to whole blocks, each block's maximum, back to the rows
-        before = first_row % block_rows
-        after = -(before + n) % block_rows
-        padded = torch.nn.functional.pad(amax, (0, 0, before, after)).reshape(-1, block_rows, amax.shape[1])
-        amax = padded.amax(dim=1).repeat_interleave(block_rows, dim=0)[before:before + n]
-    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = (blocks / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes.reshape(n, k), scale
-
-
-def quantize_int4(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (packed uint8 [N, K / 2], scale-and-zero words int32 [N, K / group]): asymmetric, each
-    row's group spanning its minimum to maximum in 16 levels."""
-    n, k = values.shape
-    blocks = values.float().reshape(n, -1, group)
-    low, high = blocks.amin(dim=2).clamp(max=0), blocks.amax(dim=2).clamp(min=0)
-    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-    scale_zero = pack_scale_zero(scale, (-low / scale).round().clamp(0, 15))
-    scale, zero = unpack_scale_zero(scale_zero)  # the scale as the word holds it
-    codes = (blocks / scale[:, :, None] + zero[:, :, None]).round().clamp(0, 15).to(torch.uint8)
-    return pack_int4(codes.reshape(n, k)), scale_zero
-
-
-def quantize_fp4(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (packed e2m1 codes uint8 [N, K / 2], float32 scale words int32 [N, K / group]): each row's
-    group scaled so its largest magnitude is e2m1's largest value (6), each value rounded to the nearest code."""
-    n, k = values.shape
-    blocks = values.float().reshape(n, -1, group)
-    scale = (blocks.abs().amax(dim=2) / max(E2M1_VALUES)).clamp(min=torch.finfo(torch.float32).tiny)
-    table = torch.tensor(E2M1_VALUES, device=values.device)
-    codes = (blocks / scale[:, :, None]).unsqueeze(-1).sub(table).abs().argmin(dim=-1)
-    return pack_int4(codes.reshape(n, k)), pack_fp4_scales(scale)
-
-
-# How a float tensor loading into a packed layer of each kind is quantized.
+# How a float tensor loading into a packed layer of each kind is quantized (each format's quantize).
 QUANTIZERS = {"fp8": quantize_fp8, "int4": quantize_int4, "fp4": quantize_fp4}
 
 
@@ -477,7 +350,7 @@ def layout_for(layer: KernelLinear, layout: PackedLayout) -> tuple[PackedLayout 
     k = layer.weight.shape[1]
     if layout.group and k % layout.group:
         return None, f"its {k} input columns are not whole groups of {layout.group}"
-    if layout.kind in FOUR_BIT_KINDS and k % 2:
+    if format_of(layout.kind).per_byte > 1 and k % 2:
         return None, f"its {k} input columns do not pack in pairs"
     if not isinstance(layer, RowParallelLinear) or layer.comm is None:
         return layout, ""
@@ -540,7 +413,7 @@ def reference_weight(layer: KernelLinear, rows: slice | torch.Tensor = slice(Non
     """float64 [N, K] (or those `rows`) from the packed bytes, written from the layouts' definitions (not the
     dequantizers)."""
     packed = layer.packed
-    return reference_weight64(packed.layout.kind, layer.weight[rows], layer.weight_scale[rows], packed.group)
+    return packed.format.reference64(layer.weight[rows], layer.weight_scale[rows], packed.group)
 
 
 def distinct_packed(model: nn.Module) -> dict[tuple, list[KernelLinear]]:
@@ -676,47 +549,19 @@ def _candidate_forms(packed: PackedWeights, preload_sms: int = 0, scale_rows: in
     if holding:
         return holding
     forms: list[GemvForm] = [(config, None) for config in tiled]
-    if packed.layout.kind == "int4":
-        forms += [(DEFAULT_GEMV, config) for config in int4_split_forms(packed)]
+    forms += [(DEFAULT_GEMV, config) for config in int4_split_forms(packed)]
     return forms
 
 
 def int4_split_forms(packed: PackedWeights) -> list[tuple[int, ...]]:
-    """The split-K configurations start-up times for a 4-bit shape: each of INT4_SPLIT_CANDIDATES that fits it, with
-    float32 sums, float16 sums (a fifth element 1, where int4_split_takes_f16_sums) or both, as
-    SHARDSERVE_INT4_GEMV_SUMS says (auto: both)."""
-    from shardserve.kernels.triton.quant_gemv import int4_split_sub, int4_split_takes_f16_sums
-
-    sums = envs.INT4_GEMV_SUMS.get()
-    forms: list[tuple[int, ...]] = []
-    for config in INT4_SPLIT_CANDIDATES:
-        sub = int4_split_sub(packed.k, packed.group, config[1])
-        if sub is None:
-            continue
-        if sums != "float16":
-            forms.append(config)
-        if int4_split_takes_f16_sums(config[1], sub) and sums != "float32":
-            forms.append((*config, 1))
-    return forms
+    """The split-K configurations start-up times for a packed shape (its format's split_forms)."""
+    return packed.format.split_forms(packed)
 
 
 def tiled_candidates(packed: PackedWeights, scale_rows: int = 1) -> tuple[tuple[int, ...], ...]:
-    """The tiled GEMV configurations start-up times for a packed shape: GEMV_CANDIDATES, and for FP8 with one scale a
-    row, or in groups whose scales runs of `scale_rows` rows share (PackedWeights.scale_rows), FP8_F16_CANDIDATES
-    (float16 sums; of groups, those of at most scale_rows rows a program) too, or only one kind, as
-    SHARDSERVE_FP8_GEMV_SUMS says (auto: both)."""
-    from shardserve.kernels.quant_layout import fp8_groups
-
-    if packed.layout.kind != "fp8":
-        return GEMV_CANDIDATES
-    if fp8_groups(packed.k, packed.group) == 1:
-        f16 = FP8_F16_CANDIDATES
-    else:
-        f16 = tuple(config for config in FP8_F16_CANDIDATES if config[0] <= scale_rows)
-        if not f16:
-            return GEMV_CANDIDATES
-    sums = envs.FP8_GEMV_SUMS.get()
-    return (GEMV_CANDIDATES if sums != "float16" or not f16 else ()) + (f16 if sums != "float32" else ())
+    """The tiled GEMV configurations start-up times for a packed shape (its format's tiled_candidates; scale_rows:
+    PackedWeights.scale_rows)."""
+    return packed.format.tiled_candidates(packed, scale_rows)
 
 
 def holds_rows_of(packed: PackedWeights, config: tuple[int, ...], sms: int) -> bool:
