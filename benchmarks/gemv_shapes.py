@@ -55,8 +55,9 @@ def packed_rows(kind: str, shape_list: dict[str, tuple[int, int]], grid: bool = 
     best per shape."""
     from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4
     from shardserve.kernels.triton.quant_gemv import fp8_gemv, int4_gemv, int4_gemv_split, int4_split_sub
-    from shardserve.layers.quantized_linear import (FP8_F16_CANDIDATES, GEMV_CANDIDATES, INT4_SPLIT_CANDIDATES,
-                                                    quantize_fp8, quantize_int4)
+    from shardserve.layers.quantization.base import GEMV_CANDIDATES
+    from shardserve.layers.quantization.fp8 import FP8_F16_CANDIDATES, quantize_fp8
+    from shardserve.layers.quantization.int4 import INT4_SPLIT_CANDIDATES, quantize_int4
 
     group = 128
     results = {}

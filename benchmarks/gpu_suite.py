@@ -205,7 +205,8 @@ def built_model_bytes(cfg: dict, active: bool) -> int:
     from shardserve.distributed.communicator import Communicator
     from shardserve.layers.linear import deferred_weights
     from shardserve.layers.moe_packed import pack_experts
-    from shardserve.layers.quantized_linear import PackedLayout, pack_layers
+    from shardserve.layers.quantization.packed import PackedLayout
+    from shardserve.layers.quantization.selection import pack_layers
     from shardserve.models.registry import model_class
     from shardserve.weights.loader import configured_quantized_modules
 

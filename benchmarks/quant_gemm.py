@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4
 from shardserve.kernels.triton.quant_gemm import candidate_configs, fp8_gemm, int4_gemm
 from shardserve.layers.cuda_gemv import time_in_graph_us
-from shardserve.layers.quantized_linear import quantize_fp8, quantize_int4
+from shardserve.layers.quantization.fp8 import quantize_fp8
+from shardserve.layers.quantization.int4 import quantize_int4
 
 GROUP = 128
 ROWS = (1, 16, 64, 256, 512, 1024, 2048)

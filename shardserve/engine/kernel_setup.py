@@ -28,8 +28,9 @@ from shardserve.kernels.plan import KernelPlan, KernelPlanError
 from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, attention_tolerance,
                                            check_delta_net, check_linear, check_mamba2, head_norm_reference,
                                            relative_error, rotate_reference)
-from shardserve.layers import packed_batches
-from shardserve.layers import quantized_linear as ql
+from shardserve.layers.quantization import check as packed_check
+from shardserve.layers.quantization import gemm_choice, gemv_choice, selection
+from shardserve.layers.quantization.packed import quantized_layers_mode
 from shardserve.layers.linear import KernelLinear
 from shardserve.layers.linear_kernels import build_linear_kernel
 
@@ -149,19 +150,19 @@ def setup_packed_layers(model: nn.Module, ctx: RankContext, device: torch.device
     packed layer on every rank (the values they encode, in the compute dtype). Off GPUs they are unpacked: CPUs
     compute with the dequantized values (unless SHARDSERVE_QUANTIZED_LAYERS=packed). Returns what the kernel plan
     records."""
-    layers = ql.packed_layers(model)
+    layers = selection.packed_layers(model)
     if not layers:
         return ""
     layout = layers[0][1].packed.layout.describe()
-    if device.type != "cuda" and ql.quantized_layers_mode() != "packed":
-        ql.unpack_all(model)
+    if device.type != "cuda" and quantized_layers_mode() != "packed":
+        selection.unpack_all(model)
         return f"{layout} dequantized to the compute dtype"
     problems = _packed_failures_by_rank(model, (1, 5), ctx)
     if problems:
         if ctx.is_driver:
             logger.warning("packed %s layers failed their start-up check, so every rank computes with the values "
                            "they encode in the compute dtype instead: %s", layout, "; ".join(problems))
-        ql.unpack_all(model)
+        selection.unpack_all(model)
         return f"{layout} dequantized (packed kernels failed their check)"
     chosen = []
     if device.type == "cuda":
@@ -170,10 +171,10 @@ def setup_packed_layers(model: nn.Module, ctx: RankContext, device: torch.device
 
 
 def _packed_failures_by_rank(model: nn.Module, rows, ctx: RankContext) -> list[str]:
-    """The packed layers' check (quantized_linear.check_packed) at `rows` on every rank, each failure named by the
+    """The packed layers' check (layers/quantization/check.py) at `rows` on every rank, each failure named by the
     rank that saw it; the same on every rank."""
-    return [f"{who}: {failure}" for who, failures in _by_rank(ql.check_packed(model, rows) if rows else [], ctx)
-            for failure in failures]
+    failed = packed_check.check_packed(model, rows) if rows else []
+    return [f"{who}: {failure}" for who, failures in _by_rank(failed, ctx) for failure in failures]
 
 
 def choose_gemv_configs(model: nn.Module, ctx: RankContext) -> str:
@@ -181,14 +182,14 @@ def choose_gemv_configs(model: nn.Module, ctx: RankContext) -> str:
     checked there against float64; a failure on any rank puts every rank back on the default configuration
     without the norm inside (checked already). Returns what the kernel plan records ("" without norm-fused or
     split-K GEMVs)."""
-    ql.use_gemv_configs(model, _from_stage_leader(ql.time_gemv_configs(model), ctx))
+    gemv_choice.use_gemv_configs(model, _from_stage_leader(gemv_choice.time_gemv_configs(model), ctx))
     problems = _packed_failures_by_rank(model, (1,), ctx)
     if problems:
         if ctx.is_driver:
             logger.warning("the packed layers' timed single-row GEMVs failed their start-up check, so every rank "
                            "uses the default: %s", "; ".join(problems))
-        ql.use_gemv_configs(model, {})
-    shapes = [layers[0].packed for layers in ql.distinct_packed(model).values()]
+        gemv_choice.use_gemv_configs(model, {})
+    shapes = [layers[0].packed for layers in packed_check.distinct_packed(model).values()]
     fused, split = sum(p.norm_fused for p in shapes), sum(p.gemv_split is not None for p in shapes)
     return ", ".join(([f"the norm inside the single-row GEMV on {fused} shapes"] if fused else []) +
                      ([f"the split-K 4-bit GEMV on {split} shapes"] if split else []))
@@ -199,15 +200,15 @@ def choose_batch_kernels(model: nn.Module, ctx: RankContext) -> str:
     on every rank and checked against float64 there in every bucket that runs the GEMM; a failure on any rank
     puts every batch back on dequantize + cuBLAS (checked already). Returns what the kernel plan records ("" where
     no layer can take the GEMM)."""
-    packed_batches.use_batch_kernels(model, _from_stage_leader(packed_batches.time_batch_kernels(model), ctx))
-    problems = _packed_failures_by_rank(model, packed_batches.gemm_check_rows(model), ctx)
+    gemm_choice.use_batch_kernels(model, _from_stage_leader(gemm_choice.time_batch_kernels(model), ctx))
+    problems = _packed_failures_by_rank(model, gemm_choice.gemm_check_rows(model), ctx)
     if problems:
         if ctx.is_driver:
             logger.warning("the packed layers' fused GEMM failed its start-up check, so every rank dequantizes for "
                            "batches instead: %s", "; ".join(problems))
-        packed_batches.use_batch_kernels(model, {})
+        gemm_choice.use_batch_kernels(model, {})
         return "batches dequantized (the fused GEMM failed its check)"
-    return packed_batches.summary(model)
+    return gemm_choice.summary(model)
 
 
 # -- attention ------------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ from shardserve.layers.attention import kv_scales_summary, overlap_with_o_projec
 from shardserve.layers.cuda_gemv import use_batch1_gemv
 from shardserve.layers.linear import deferred_weights, weight_bytes
 from shardserve.layers.moe_packed import pack_experts
-from shardserve.layers.quantized_linear import PackedLayout, pack_layers, quantized_layers_mode
+from shardserve.layers.quantization.packed import PackedLayout, quantized_layers_mode
+from shardserve.layers.quantization.selection import pack_layers
 from shardserve.models import model_class
 from shardserve.transfers import on_device
 from shardserve.weights import stable_memory

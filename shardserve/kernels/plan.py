@@ -51,7 +51,7 @@ class KernelPlan:
     dependent_launch: str = ""  # Triton kernels launched to overlap the one before (kernels/triton/pdl.py)
     delta_net: str = ""  # Gated DeltaNet kernels (layers/deltanet_kernels.py), on hybrid models
     mamba2: str = ""  # Mamba-2 kernels (layers/mamba2_kernels.py), on NemotronH
-    quantized: str = ""  # packed quantized layers (layers/quantized_linear.py), e.g. "fp8 (...) packed on 96 layers"
+    quantized: str = ""  # packed quantized layers (layers/quantization/), e.g. "fp8 (...) packed on 96 layers"
 
     def with_results(self, **fields: str) -> "KernelPlan":
         return dataclasses.replace(self, **fields)

@@ -44,7 +44,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(KernelLinear):
     """Logits over the whole vocabulary, gathered to the first rank only (it alone samples).
 
-    Untied, it may be kept packed (a GPTQ checkpoint with `lm_head: true`: layers/quantized_linear.py): its rows
+    Untied, it may be kept packed (a GPTQ checkpoint with `lm_head: true`: layers/quantization/): its rows
     past the real vocabulary are then zero codes and zero scales, so their logits are zeros, cut off as above."""
 
     def __init__(self, embedding: VocabParallelEmbedding, tied: bool) -> None:

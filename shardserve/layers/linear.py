@@ -26,7 +26,7 @@ _deferred = False  # inside deferred_weights(): layers' weights (linear layers, 
 @contextlib.contextmanager
 def deferred_weights():
     """Column- and row-parallel layers built inside take weights on the meta device (no memory), so each can
-    become packed (layers/quantized_linear.py) or take its real weight (`materialize`) before loading."""
+    become packed (layers/quantization/packed.py) or take its real weight (`materialize`) before loading."""
     global _deferred
     _deferred, before = True, _deferred
     try:
@@ -77,7 +77,7 @@ class KernelLinear(nn.Module):
     # (weights/consistency.py), by the digest taken before a kernel prepared its own layout.
     replicated = False
     loaded_digest: str | None = None
-    # Quantized weights kept packed (layers/quantized_linear.PackedWeights): its own matmul replaces the kernel's.
+    # Quantized weights kept packed (layers/quantization/packed.PackedWeights): its own matmul replaces the kernel's.
     packed: Any = None
     # Launched while decode attention runs (the o projection; kernels/triton/pdl.py): the batch-1 GEMV's programs
     # load all their weight rows before their wait, where start-up found a form that holds them (cuda_gemv.py).

@@ -29,7 +29,8 @@ from shardserve.layers.moe import (EXPERT_FFNS, SparseMoE, _check_shape, check_r
                                    grouped_by_expert, reference_experts)
 from shardserve.layers.linear import as_tensor
 from shardserve.layers.quantization import format_of
-from shardserve.layers.quantized_linear import PackedLayout, _copy_scales, log_kept_dequantized
+from shardserve.layers.quantization.packed import _copy_scales, PackedLayout
+from shardserve.layers.quantization.selection import log_kept_dequantized
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from shardserve.attention import kv_quant
 from shardserve.config import ModelConfig
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.linear import load_whole
-from shardserve.layers.quantized_linear import PACKED_PARTS, quantizable_layers
+from shardserve.layers.quantization.packed import PACKED_PARTS
+from shardserve.layers.quantization.selection import quantizable_layers
 from shardserve.weight_format import shape_of
 from shardserve.weights.synthetic import expected_checkpoint_shapes, iter_synthetic_checkpoint
 from shardserve.weights.quantized import (Checkpoint, QuantScheme, count_dequantized, dequantized_checkpoint,
@@ -217,7 +218,7 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, Any]], tied_embe
         except ValueError as e:
             raise ValueError(f"{source}: tensor {stored!r} (into {target!r}): {e}") from None
         loaded.add(target)
-    # A packed layer's scales come with its weight (layers/quantized_linear.py).
+    # A packed layer's scales come with its weight (layers/quantization/packed.py).
     filled_with_weight = {f"{name}.{part}" for name, m in model.named_modules() if getattr(m, "packed", None) is not None
                           and f"{name}.weight" in loaded for part in PACKED_PARTS}
     # Packed experts' scales come with their weights (layers/moe_packed.py).

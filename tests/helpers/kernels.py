@@ -8,7 +8,7 @@ from torch import nn
 
 from shardserve.kernels.quant_pack import pack_scale_zero
 from shardserve.layers.linear import ColumnParallelLinear
-from shardserve.layers.quantized_linear import PackedLayout, PackedWeights
+from shardserve.layers.quantization.packed import PackedLayout, PackedWeights
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

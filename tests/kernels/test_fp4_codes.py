@@ -19,7 +19,8 @@ from torch import nn  # noqa: E402
 from shardserve.kernels.quant_pack import (E2M1_VALUES, dequantize_int4, pack_fp4_scales, pack_int4,  # noqa: E402
                                            reference_weight64)
 from shardserve.kernels.self_check import TOLERANCE, relative_error  # noqa: E402
-from shardserve.layers.quantized_linear import PackedLayout, PackedWeights, check_packed  # noqa: E402
+from shardserve.layers.quantization.check import check_packed  # noqa: E402
+from shardserve.layers.quantization.packed import PackedLayout, PackedWeights  # noqa: E402
 from tests.helpers.kernels import DEVICE, packed_layer  # noqa: E402
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")

@@ -1,5 +1,5 @@
-"""Batches through packed layers (layers/packed_batches.py): per bucket of row counts, the fused GEMM where start-up
-timing chose it, else dequantize + cuBLAS. The choice is rank 0's on every rank, and checked against float64 once
+"""Batches through packed layers (layers/quantization/gemm_choice.py): per bucket of row counts, the fused GEMM where
+start-up timing chose it, else dequantize + cuBLAS. The choice is rank 0's on every rank, and checked against float64 once
 applied; a GEMM that fails that check anywhere sends every rank's batches back to dequantizing.
 
 Without CUDA the timing cannot run (it is CUDA-graph timing): the choice is given, and the GEMM runs in Triton's
@@ -16,9 +16,9 @@ from torch import nn
 
 from shardserve.distributed.process_group import single_rank_context
 from shardserve.engine import kernel_setup
-from shardserve.layers import packed_batches
-from shardserve.layers.quantized_linear import (BATCH_BUCKETS, BATCH_LIMITS, PackedLayout, PackedWeights,
-                                                batch_bucket, check_packed)
+from shardserve.layers.quantization import gemm_choice as packed_batches
+from shardserve.layers.quantization.check import check_packed
+from shardserve.layers.quantization.packed import batch_bucket, BATCH_BUCKETS, BATCH_LIMITS, PackedLayout, PackedWeights
 from tests.helpers.kernels import packed_layer
 from tests.ranks import run_ranks
 

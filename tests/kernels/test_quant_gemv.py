@@ -355,7 +355,9 @@ def test_float_weights_quantized_in_row_blocks_share_each_blocks_scales():
     """--load-format dummy (or a float checkpoint) loading into a block-scaled FP8 layout: one scale a block of 128
     rows and 128 columns as a block-scaled checkpoint's, counted from the checkpoint's row 0 where a rank's rows
     start inside a block; the GEMV configurations with float16 sums of groups are then timed for it."""
-    from shardserve.layers.quantized_linear import FP8_F16_CANDIDATES, PackedLayout, quantize_fp8, tiled_candidates
+    from shardserve.layers.quantization.fp8 import FP8_F16_CANDIDATES, quantize_fp8
+    from shardserve.layers.quantization.gemv_choice import tiled_candidates
+    from shardserve.layers.quantization.packed import PackedLayout
 
     values = torch.randn(200, 256, generator=torch.Generator().manual_seed(0))
     codes, scale = quantize_fp8(values, 128, block_rows=128, first_row=64)  # rows 64..263: blocks 0, 1, 2
@@ -525,7 +527,7 @@ def split_configs(k: int, group: int) -> list[tuple[int, ...]]:
     """The start-up candidates of the split-K GEMV that take K columns in groups of `group`, and a small one
     (rows past N on the tiny shape, several splits); each also with float16 sums (a fifth element 1)."""
     from shardserve.kernels.triton.quant_gemv import int4_split_sub
-    from shardserve.layers.quantized_linear import INT4_SPLIT_CANDIDATES
+    from shardserve.layers.quantization.int4 import INT4_SPLIT_CANDIDATES
 
     configs = [c for c in INT4_SPLIT_CANDIDATES + ((16, 128, 4, 2),) if int4_split_sub(k, min(group, k), c[1])]
     return configs + [(*c, 1) for c in configs]

@@ -1,7 +1,7 @@
-"""Packed quantized layers (layers/quantized_linear.py) against float64 on their own packed values: every product
-path (the single-row Triton GEMVs, torch._scaled_mm for FP8 batches, the fused GEMM, dequantize + matmul) from 1 to
-512 rows, on Llama-3-8B's projections at TP 1 and 2 and a slice narrower than any kernel tile. On CPU, the
-dequantizing path on small shapes and the fused GEMM in Triton's interpreter; the start-up check catches a
+"""Packed quantized layers (layers/quantization/packed.py and its formats) against float64 on their own packed values:
+every product path (the single-row Triton GEMVs, torch._scaled_mm for FP8 batches, the fused GEMM, dequantize +
+matmul) from 1 to 512 rows, on Llama-3-8B's projections at TP 1 and 2 and a slice narrower than any kernel tile. On
+CPU, the dequantizing path on small shapes and the fused GEMM in Triton's interpreter; the start-up check catches a
 corrupted scale."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
-from shardserve.layers.quantized_linear import (BATCH_LIMITS, FP8_ACTIVATION_TOLERANCE, PackedLayout, PackedWeights,
-                                                check_packed, reference_weight)
+from shardserve.layers.quantization.check import check_packed, FP8_ACTIVATION_TOLERANCE, reference_weight
+from shardserve.layers.quantization.packed import BATCH_LIMITS, PackedLayout, PackedWeights
 from shardserve.kernels.self_check import TOLERANCE, relative_error
 from tests.helpers.kernels import packed_layer
 
@@ -203,7 +203,7 @@ def test_fused_parts_in_different_act_orders_are_refused_naming_the_way_out():
 
 
 def test_an_unknown_quantized_layers_mode_names_the_accepted_ones(set_env):
-    from shardserve.layers.quantized_linear import quantized_layers_mode
+    from shardserve.layers.quantization.packed import quantized_layers_mode
 
     set_env(SHARDSERVE_QUANTIZED_LAYERS="packd")
     with pytest.raises(ValueError, match="SHARDSERVE_QUANTIZED_LAYERS='packd': expected one of auto, packed, "
@@ -212,7 +212,7 @@ def test_an_unknown_quantized_layers_mode_names_the_accepted_ones(set_env):
 
 
 def test_an_unknown_fp8_matmul_kernel_names_the_accepted_ones(set_env):
-    from shardserve.layers.quantized_linear import fp8_matmul_kernel
+    from shardserve.layers.quantization.packed import fp8_matmul_kernel
 
     set_env(SHARDSERVE_FP8_MATMUL="scaledmm")
     with pytest.raises(ValueError, match="SHARDSERVE_FP8_MATMUL='scaledmm': expected one of scaled_mm, triton"):
@@ -229,7 +229,8 @@ def test_the_norm_inside_the_single_row_gemv_equals_the_norm_then_the_product(la
     runs the norm inside its GEMV: the same residual sum bit for bit and the same product to the dtype's
     tolerance; the start-up check catches a fused kernel that drops the norm's weight."""
     from shardserve.layers.norm import RMSNorm
-    from shardserve.layers.quantized_linear import DEFAULT_GEMV, NORM_FUSED_SUFFIX, use_gemv_configs
+    from shardserve.layers.quantization.base import DEFAULT_GEMV
+    from shardserve.layers.quantization.gemv_choice import NORM_FUSED_SUFFIX, use_gemv_configs
 
     dtype = torch.bfloat16 if CUDA else torch.float32
     n, k = (6144, 4096) if CUDA else (48, 256)
@@ -265,8 +266,8 @@ def test_a_chosen_split_k_gemv_runs_the_one_row_products(monkeypatch):
     default puts the tiled GEMV back."""
     from shardserve.kernels.triton import quant_gemv
     from shardserve.layers.norm import RMSNorm
-    from shardserve.layers.quantized_linear import (DEFAULT_GEMV, NORM_FUSED_SUFFIX, SPLIT_SUFFIX,
-                                                    use_gemv_configs)
+    from shardserve.layers.quantization.base import DEFAULT_GEMV
+    from shardserve.layers.quantization.gemv_choice import NORM_FUSED_SUFFIX, SPLIT_SUFFIX, use_gemv_configs
 
     dtype = torch.bfloat16 if CUDA else torch.float32
     n, k = (6144, 4096) if CUDA else (48, 256)
@@ -304,8 +305,10 @@ def test_float16_sums_are_timed_for_fp8_with_one_scale_a_row_only(set_env):
     FP8 weights scaled per row; SHARDSERVE_FP8_GEMV_SUMS=float32 or float16 keeps one kind; block-scaled FP8 and
     4-bit weights are timed in GEMV_CANDIDATES' forms whatever it says; a bad value is named."""
     from shardserve.layers.linear import ColumnParallelLinear
-    from shardserve.layers.quantized_linear import (FP8_F16_CANDIDATES, GEMV_CANDIDATES, PackedLayout, PackedWeights,
-                                                    _candidate_forms)
+    from shardserve.layers.quantization.base import GEMV_CANDIDATES
+    from shardserve.layers.quantization.fp8 import FP8_F16_CANDIDATES
+    from shardserve.layers.quantization.gemv_choice import _candidate_forms
+    from shardserve.layers.quantization.packed import PackedLayout, PackedWeights
 
     def tiled(layout):
         layer = ColumnParallelLinear(512, {None: (0, 256)}, False, torch.bfloat16)
@@ -330,7 +333,9 @@ def test_four_bit_split_forms_are_timed_with_float32_and_float16_sums(set_env):
     the latter only where sub-tiles are 16 columns or more; SHARDSERVE_INT4_GEMV_SUMS=float32 or float16 keeps one
     kind; a bad value is named."""
     from shardserve.layers.linear import ColumnParallelLinear
-    from shardserve.layers.quantized_linear import INT4_SPLIT_CANDIDATES, PackedLayout, PackedWeights, int4_split_forms
+    from shardserve.layers.quantization.gemv_choice import int4_split_forms
+    from shardserve.layers.quantization.int4 import INT4_SPLIT_CANDIDATES
+    from shardserve.layers.quantization.packed import PackedLayout, PackedWeights
 
     def forms(k, group):
         return int4_split_forms(PackedWeights(ColumnParallelLinear(k, {None: (0, 256)}, False, torch.bfloat16),
@@ -353,8 +358,10 @@ def test_an_fp8_o_projection_times_only_forms_that_hold_its_rows(monkeypatch):
     SMs) is timed only in tiled forms whose first tile is the whole row block held by programs all placed at once;
     without such forms (a wider row) or without the flag, every form; a form outside them preloads nothing."""
     from shardserve.layers.linear import RowParallelLinear
-    from shardserve.layers.quantized_linear import (FP8_F16_CANDIDATES, GEMV_CANDIDATES, PackedLayout, PackedWeights,
-                                                    _candidate_forms, holds_rows_of)
+    from shardserve.layers.quantization.base import GEMV_CANDIDATES
+    from shardserve.layers.quantization.fp8 import FP8_F16_CANDIDATES
+    from shardserve.layers.quantization.gemv_choice import _candidate_forms
+    from shardserve.layers.quantization.packed import holds_rows_of, PackedLayout, PackedWeights
 
     def packed(n, k):
         layer = RowParallelLinear((0, k), n, False, torch.bfloat16, None)

@@ -121,7 +121,7 @@ def test_a_symmetric_gptq_checkpoint_decodes_from_4_bit_blocks_on_cpu(quantized_
 @pytest.mark.parametrize("scheme, tp", [(s, 2) for s in sorted(SCHEMES)] + [("fp8-block", 4), ("gptq-sym-g32", 4),
                                                                           ("gptq-asym-g128-act-order", 1)])
 def test_packed_quantized_layers_give_transformers_tokens(quantized_dirs, scheme, tp, set_env):
-    """The packed form GPUs compute with (layers/quantized_linear.py: FP8 bytes and scales, 4-bit codes, zero points
+    """The packed form GPUs compute with (layers/quantization/packed.py: FP8 bytes and scales, 4-bit codes, zero points
     and act order's column order, sliced per rank), kept packed here on CPU, where each product dequantizes: the
     tokens are transformers' on the encoded values. An act-order layer split by columns (TP > 1) stays unpacked."""
     from shardserve import LLM, SamplingParams
@@ -170,7 +170,7 @@ def test_a_packed_lm_head_keeps_zeros_past_the_vocabulary():
 
     from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from shardserve.layers.linear import deferred_weights
-    from shardserve.layers.quantized_linear import PackedLayout, PackedWeights
+    from shardserve.layers.quantization.packed import PackedLayout, PackedWeights
 
     comm = SimpleNamespace(rank=2, world_size=3)
     with deferred_weights():

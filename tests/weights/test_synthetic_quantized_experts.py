@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from shardserve.layers.quantized_linear import quantize_fp8, quantize_int4
+from shardserve.layers.quantization.fp8 import quantize_fp8
+from shardserve.layers.quantization.int4 import quantize_int4
 from shardserve.kernels.quant_pack import dequantize_fp8, dequantize_int4
 from shardserve.weights.synthetic import synthetic_tensor
 

@@ -11,7 +11,7 @@ per row: a tile may span several groups without per-element scale lookups. With 
 4-bit weights also have a GEMV split over K (_int4_split_gemv_kernel, int4_gemv_split): x's slice held in
 registers (or, for splits wider than INT4_SPLIT_CHUNK columns, walked chunk by chunk), nibbles read as float32
 denormals, partial sums summed by each row block's last program (one split: each program stores its rows);
-start-up timing (layers/quantized_linear.py) picks it or the tiled one per shape. A 4-bit group's scale and zero
+start-up timing (layers/quantization/gemv_choice.py) picks it or the tiled one per shape. A 4-bit group's scale and zero
 point come from one word (scale_and_zero).
 """
 

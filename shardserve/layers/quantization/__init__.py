@@ -6,7 +6,7 @@ form or float values become them, what they encode (for the start-up checks), an
 - int4.py: GPTQ's 4-bit integers with a scale and zero point a group (GPTQ and AutoRound checkpoints);
 - fp4.py: e2m1 codes in int4's nibbles with a float32 scale a group (NVFP4 and MXFP4 checkpoints).
 
-Packed linear layers (layers/quantized_linear.PackedWeights) and packed expert blocks (layers/moe_packed.py) hold
+Packed linear layers (packed.PackedWeights) and packed expert blocks (layers/moe_packed.py) hold
 their tensors through a format; nothing else branches on the kind. A new format is a new file here and an entry in
 FORMATS.
 """

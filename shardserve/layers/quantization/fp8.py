@@ -5,7 +5,7 @@ per-channel and per-tensor checkpoints, and float checkpoints quantized at load 
 Products: one row by the tiled GEMV of kernels/triton/quant_gemv.py, in float32 sums or (one scale a row, or rows
 that share their groups' scales: a block-scaled checkpoint's 128-row blocks) float16 pairs; batches by
 torch._scaled_mm where one scale a row allows it (PackedWeights.scaled_mm), else the fused GEMM or dequantize +
-cuBLAS (layers/quantized_linear.py decides).
+cuBLAS (packed.py decides).
 """
 
 from __future__ import annotations

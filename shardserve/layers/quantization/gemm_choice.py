@@ -1,5 +1,5 @@
 """Which kernel batches of a packed layer run: the fused GEMM (kernels/triton/quant_gemm.py) or the weight
-dequantized to the compute dtype and cuBLAS, per bucket of row counts (quantized_linear.BATCH_LIMITS).
+dequantized to the compute dtype and cuBLAS, per bucket of row counts (packed.BATCH_LIMITS).
 
 Chosen at start-up on CUDA, for every distinct packed shape that can take the GEMM (PackedWeights.takes_gemm):
 in each bucket, every candidate tile is first checked against float64 at the bucket's timing row count, then
@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.layers.linear import KernelLinear
-from shardserve.layers.quantized_linear import BATCH_BUCKETS, distinct_packed, packed_layers, sampled_reference
+from shardserve.layers.quantization.check import distinct_packed, sampled_reference
+from shardserve.layers.quantization.packed import BATCH_BUCKETS
+from shardserve.layers.quantization.selection import packed_layers
 
 logger = logging.getLogger(__name__)
 
