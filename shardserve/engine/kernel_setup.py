@@ -1,5 +1,7 @@
 """Start-up of one rank's kernels: check each chosen kernel on this model's shapes, agree with the other
-ranks, attach them, and compare the finished kernel plan (kernels/plan.py) across ranks.
+ranks, attach them, and compare the finished kernel plan (kernels/plan.py) across ranks. The model runner calls
+set_up_linear_layers for every linear layer's kernels (dense, packed quantized, the batch-1 GEMVs), and the
+attention, Gated DeltaNet, Mamba-2 and all-reduce checks below.
 
 Every function here that takes a RankContext is a collective: all ranks call it in the same order. A kernel
 that fails its check on any rank is dropped on every rank (with a WARNING naming the rank and the error),
@@ -21,6 +23,7 @@ from shardserve.distributed.all_reduce import message_shape
 from shardserve.distributed.control_plane import all_gather_msgpack
 from shardserve.distributed.handshake import StartupMismatch
 from shardserve.distributed.process_group import RankContext
+from shardserve.distributed.setup_watchdog import setup_step
 from shardserve.engine.kv_cache import allocate_kv_cache
 from shardserve.wire.step_plan import SeqChunk
 from shardserve.kernels import cpu_extensions
@@ -28,11 +31,13 @@ from shardserve.kernels.plan import KernelPlan, KernelPlanError
 from shardserve.kernels.self_check import (TOLERANCE, CheckResult, attention_reference, attention_tolerance,
                                            check_delta_net, check_linear, check_mamba2, head_norm_reference,
                                            relative_error, rotate_reference)
+from shardserve.layers.attention import overlap_with_o_projection
+from shardserve.layers.cuda_gemv import use_batch1_gemv
+from shardserve.layers.linear import KernelLinear
+from shardserve.layers.linear_kernels import build_linear_kernel
 from shardserve.layers.quantization import check as packed_check
 from shardserve.layers.quantization import gemm_choice, gemv_choice, selection
 from shardserve.layers.quantization.packed import quantized_layers_mode
-from shardserve.layers.linear import KernelLinear
-from shardserve.layers.linear_kernels import build_linear_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +79,41 @@ def linear_layers_by_shape(model: nn.Module) -> dict[tuple, KernelLinear]:
 def _bias(layer: KernelLinear) -> torch.Tensor | None:
     bias = getattr(layer, "bias", None)
     return None if bias is None else bias.data
+
+
+def set_up_linear_layers(model: nn.Module, plan: KernelPlan, ctx: RankContext, linear_kernel=None, *,
+                         packed: bool = False, stopwatch: "Stopwatch | None" = None):
+    """Every linear layer's kernels, checked and agreed on every rank, attached: the packed quantized layers'
+    (their single-row and batch kernels: setup_packed_layers), the dense layers' LinearKernel (chosen at the first
+    load; `linear_kernel`, the one chosen before, on a reload), and on GPUs the batch-1 GEMVs and the o projection
+    launched during attention. Returns (the plan with what was chosen, the linear kernel). `stopwatch` times the
+    checks."""
+    timed = stopwatch if stopwatch is not None else Stopwatch()
+    device = ctx.device
+    if linear_kernel is None:  # the first load, whose checks choose the kernels
+        prepare_checks(plan, ctx)
+    if packed:
+        with timed, setup_step("check the quantized layers' kernels", ctx.rank):
+            plan = plan.with_results(quantized=setup_packed_layers(model, ctx, device))
+    if linear_kernel is None:
+        with timed, setup_step("choose and check the linear kernel", ctx.rank):
+            linear_kernel = choose_linear_kernel(model, plan, ctx)
+        plan = plan.with_results(linear=linear_kernel.name)
+    prepared, compact = attach_linear_kernel(model, linear_kernel)
+    if prepared and ctx.is_driver:
+        logger.info("linear layers: %s kernels (%d layers prepared%s)", linear_kernel.name, prepared,
+                    f", {compact} with a compact copy for decode steps" if compact else "")
+    if device.type == "cuda":
+        with setup_step("choose the batch-1 GEMVs", ctx.rank):
+            gemv = use_batch1_gemv(model, log=ctx.is_driver, agree=lambda chosen: agree_on_gemv(chosen, ctx))
+        from shardserve.kernels.triton import pdl
+
+        overlapped = overlap_with_o_projection(model)  # after every rank agreed on the GEMVs' forms
+        plan = plan.with_results(
+            gemv=gemv.summary() if gemv is not None else "cublas",
+            dependent_launch=pdl.describe(device) + (
+                f", the o projection's rows loaded during attention in {overlapped} layers" if overlapped else ""))
+    return plan, linear_kernel
 
 
 def prepare_checks(plan: KernelPlan, ctx: RankContext) -> None:

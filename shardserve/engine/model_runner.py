@@ -28,8 +28,7 @@ from shardserve.engine import kernel_setup, pipeline_split
 from shardserve.kernels import cpu_features
 from shardserve.kernels import plan as kernel_plan
 from shardserve.layers.moe_shared import fold_shared_experts
-from shardserve.layers.attention import kv_scales_summary, overlap_with_o_projection
-from shardserve.layers.cuda_gemv import use_batch1_gemv
+from shardserve.layers.attention import kv_scales_summary
 from shardserve.layers.linear import deferred_weights, weight_bytes
 from shardserve.layers.moe_packed import pack_experts
 from shardserve.layers.quantization.packed import PackedLayout, quantized_layers_mode
@@ -367,32 +366,9 @@ class ModelRunner:
         self._fill_weights(model)
         fold_shared_experts(model, log=self.ctx.is_driver)
         self._log_planned_weights(model)
-        if self.linear_kernel is None:  # the first load, whose checks choose the kernels
-            kernel_setup.prepare_checks(self.plan, self.ctx)
-        if packing:
-            with self.self_check, setup_step("check the quantized layers' kernels", self.ctx.rank):
-                self.plan = self.plan.with_results(
-                    quantized=kernel_setup.setup_packed_layers(model, self.ctx, self.device))
-        if self.linear_kernel is None:
-            with self.self_check, setup_step("choose and check the linear kernel", self.ctx.rank):
-                self.linear_kernel = kernel_setup.choose_linear_kernel(model, self.plan, self.ctx)
-            self.plan = self.plan.with_results(linear=self.linear_kernel.name)
-        packed, compact = kernel_setup.attach_linear_kernel(model, self.linear_kernel)
-        if packed and self.ctx.is_driver:
-            logger.info("linear layers: %s kernels (%d layers prepared%s)", self.linear_kernel.name, packed,
-                        f", {compact} with a compact copy for decode steps" if compact else "")
+        self.plan, self.linear_kernel = kernel_setup.set_up_linear_layers(
+            model, self.plan, self.ctx, self.linear_kernel, packed=bool(packing), stopwatch=self.self_check)
         model.eval()
-        if self.device.type == "cuda":
-            with setup_step("choose the batch-1 GEMVs", self.ctx.rank):
-                gemv = use_batch1_gemv(model, log=self.ctx.is_driver,
-                                       agree=lambda chosen: kernel_setup.agree_on_gemv(chosen, self.ctx))
-            from shardserve.kernels.triton import pdl
-
-            overlapped = overlap_with_o_projection(model)  # after every rank agreed on the GEMVs' forms
-            self.plan = self.plan.with_results(
-                gemv=gemv.summary() if gemv is not None else "cublas",
-                dependent_launch=pdl.describe(self.device) + (
-                    f", the o projection's rows loaded during attention in {overlapped} layers" if overlapped else ""))
         loaded, copies = weight_bytes(model)
         quantization = self.model_config.quantization
         logger.info("rank %d loaded %s in %.1f s: %.2f GiB of %s weights on %s%s%s", self.ctx.rank, self.config.model,
