@@ -157,6 +157,25 @@ def tiny_model_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def quantized_model_dir(tiny_model_dir, tmp_path_factory):
+    """A function: quantized_model_dir(name, scheme) -> (quantized checkpoint, float checkpoint of the values it
+    encodes) of that tiny model, as tests/helpers/quantized.py's write_quantized writes them, once per session (and
+    transformers' reference on the float one is then computed once too: tests/helpers/reference.py). Tests only
+    read them."""
+    from tests.helpers.quantized import write_quantized
+
+    made: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def get(name: str, scheme: str) -> tuple[str, str]:
+        if (name, scheme) not in made:
+            made[name, scheme] = write_quantized(tiny_model_dir(name), scheme,
+                                                 tmp_path_factory.mktemp(f"{name}-{scheme}"))
+        return made[name, scheme]
+
+    return get
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _engine_ranks_forked():
     """Without CUDA, the ranks that engines started in this process spawn (LLM or serve_model at TP > 1) are
