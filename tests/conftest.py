@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import os
 import sys
@@ -37,27 +38,85 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
     / f"py{sys.version_info.major}{sys.version_info.minor}_cpu-{hashlib.sha256(str(REPO_ROOT).encode()).hexdigest()[:12]}"))
 
 
-# Under --dist loadfile (pyproject.toml) the two workers take whole modules in collection order, so a long module
-# collected last keeps one worker busy while the other waits (the suite's last 4% once took 4 of its 18 minutes).
-# The modules that start servers, several ranks or the real model go first, the longest known ones before them;
-# every module keeps its own order.
+# Under --dist loadfile (pyproject.toml) the two workers take whole modules in collection order (xdist's own
+# reordering by test count is off there: --no-loadscope-reorder), each the next one as it runs out of work, so a
+# long module collected last keeps one worker busy while the other waits (the suite's last 4% once took 4 of its 18
+# minutes). The modules that start servers, several ranks or the real model go first, the longest known ones before
+# them; every module keeps its own order.
 LONG_MODULES_FIRST = (
-    "tests/distributed/test_ray_backend.py", "tests/pool/test_data_parallel.py", "tests/pool/test_pool.py",
-    "tests/weights/test_quantized_checkpoints.py", "tests/models/test_checkpoint_dtypes.py",
-    "tests/distributed/test_two_hosts.py", "tests/entrypoints/test_real_engine_serving.py",
-    "tests/weights/test_gguf_loader.py", "tests/entrypoints/test_api_servers.py",
-    "tests/entrypoints/test_rank_failure.py", "tests/distributed/", "tests/pool/", "tests/reliability/",
-    "tests/entrypoints/", "tests/weights/", "tests/models/",
+    "tests/weights/test_quantized_checkpoints.py", "tests/reliability/", "tests/pool/test_data_parallel.py",
+    "tests/distributed/test_ray_backend.py", "tests/models/test_checkpoint_dtypes.py",
+    "tests/distributed/test_two_hosts.py", "tests/entrypoints/test_rank_failure.py",
+    "tests/entrypoints/test_real_engine_serving.py", "tests/models/test_moe.py", "tests/pool/test_pool.py",
+    "tests/entrypoints/test_api_servers.py", "tests/models/test_matches_transformers.py",
+    "tests/models/test_deepseek_v3.py", "tests/distributed/test_torchrun_launch.py",
+    "tests/bench/test_gpu_suite_online.py", "tests/models/test_nemotron_h_moe.py", "tests/models/test_qwen3_next.py",
+    "tests/kernels/test_triton_kernels.py", "tests/kernels/test_moe_router.py", "tests/weights/test_gguf_loader.py",
+    "tests/distributed/", "tests/pool/", "tests/entrypoints/", "tests/weights/", "tests/models/",
+    "tests/engine/",
 )
+# The modules that import the agent frameworks (litellm, langchain, pydantic-ai: close to 600,000 objects) come
+# after those: a worker then holds them for a few of the in-process engines whose shutdown walks the whole heap
+# (shardserve/heap.py), not for most. The short modules without engines (kernels, layers, the planner...) follow,
+# to even out the workers' ends.
+AGENT_FRAMEWORK_MODULES = ("tests/entrypoints/test_agent_loops.py", "tests/entrypoints/test_agent_clients.py")
+# Packages whose modules share package-scoped servers (tests/reliability/conftest.py): one unit of work under
+# --dist loadfile, so that one worker runs them in a row and starts each server once, not once per module.
+PACKAGES_ON_ONE_WORKER = ("tests/reliability/",)
+
+
+def _module_rank(path: str) -> int:
+    if path.startswith(AGENT_FRAMEWORK_MODULES):
+        return len(LONG_MODULES_FIRST)
+    return next((i for i, prefix in enumerate(LONG_MODULES_FIRST) if path.startswith(prefix)),
+                len(LONG_MODULES_FIRST) + 1)
 
 
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
-        path = Path(str(item.fspath)).relative_to(REPO_ROOT).as_posix()
-        return next((i for i, prefix in enumerate(LONG_MODULES_FIRST) if path.startswith(prefix)),
-                    len(LONG_MODULES_FIRST))
+        return _module_rank(Path(str(item.fspath)).relative_to(REPO_ROOT).as_posix())
 
     items.sort(key=rank)  # stable: each module's tests stay together and in order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with PACKAGES_ON_ONE_WORKER each one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileAndPackageScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return next((package for package in PACKAGES_ON_ONE_WORKER if module.startswith(package)), module)
+
+    return LoadFileAndPackageScheduling(config, log)
+
+
+def _freeze_what_is_held() -> None:
+    """What the process holds now (the libraries every module imported, the reference models cached: some 500,000
+    objects) goes to the cyclic collector's permanent generation (gc.freeze), after a collection of the young
+    generations, so that a test's garbage is not parked there. An engine started in this process collects in full
+    as it starts (shardserve/heap.py), 0.3 to 0.7 s a time over that heap on a 2-core machine; it then walks only
+    what was made since. The engine's own freeze and release are unchanged: its shutdown unfreezes everything and
+    collects, as before."""
+    gc.collect(1)
+    gc.freeze()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _held_objects_frozen_for_the_module():
+    """Before a module's fixtures start its servers and engines."""
+    _freeze_what_is_held()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _held_objects_frozen_for_the_test():
+    """Before each test (and its own fixtures)."""
+    _freeze_what_is_held()
+    yield
 
 
 @pytest.fixture
@@ -94,6 +153,25 @@ def tiny_model_dir(tmp_path_factory):
                      **NEMOTRON_H_SPECS, **LONG_CONTEXT_SPECS, **DEEPSEEK_SPECS}
             made[name] = make_tiny_model(specs[name], str(root / name))
         return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def quantized_model_dir(tiny_model_dir, tmp_path_factory):
+    """A function: quantized_model_dir(name, scheme) -> (quantized checkpoint, float checkpoint of the values it
+    encodes) of that tiny model, as tests/helpers/quantized.py's write_quantized writes them, once per session (and
+    transformers' reference on the float one is then computed once too: tests/helpers/reference.py). Tests only
+    read them."""
+    from tests.helpers.quantized import write_quantized
+
+    made: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def get(name: str, scheme: str) -> tuple[str, str]:
+        if (name, scheme) not in made:
+            made[name, scheme] = write_quantized(tiny_model_dir(name), scheme,
+                                                 tmp_path_factory.mktemp(f"{name}-{scheme}"))
+        return made[name, scheme]
 
     return get
 

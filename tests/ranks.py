@@ -12,10 +12,38 @@ from shardserve.distributed.process_group import find_free_port
 _CONTEXT: BaseContext | None = None
 
 
+# What the fork server imports once, so that a forked rank does not: torch, and the engine's rank code with what it
+# imports (transformers and the tokenizers among them, through the structured-output grammars: about a second of
+# CPU a rank on a 2-core machine, paid by every rank of every engine a test starts), and torch's C++ extension
+# loader, which loads the CPU kernels of bfloat16 and GGUF weights (half a second more in such a rank). Only
+# imports: shardserve reads its environment variables when it runs (shardserve/envs.py), and each rank takes the
+# environment of the moment (_run_in), so what a rank does is unchanged.
+PRELOAD = ["torch", "torch.distributed", "shardserve.engine.llm_engine", "shardserve.distributed.launcher",
+           "torch.utils.cpp_extension"]
+
+
+def _preload() -> list[str]:
+    """PRELOAD where the fork server, a new interpreter, finds the shardserve these tests import; else torch only.
+    (Python 3.11's fork server imports with its own sys.path, not this process's: the working directory, PYTHONPATH
+    and site-packages. A rank forked from a server that had imported another checkout's shardserve would run that
+    code.)"""
+    import subprocess
+    import sys
+
+    import shardserve
+
+    probe = subprocess.run([sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
+                            "import importlib.util; print(importlib.util.find_spec('shardserve').origin)"],
+                           capture_output=True, text=True)
+    found = probe.stdout.strip()
+    same = probe.returncode == 0 and os.path.isfile(found) and os.path.samefile(found, shardserve.__file__)
+    return PRELOAD if same else PRELOAD[:2]
+
+
 def _context() -> BaseContext:
-    """On a machine without CUDA, the forkserver context, with torch imported once in the server: a rank then
-    starts in a fraction of the seconds a fresh interpreter takes to import torch (several on a 2-core machine).
-    With CUDA, spawn, as the engine itself starts ranks."""
+    """On a machine without CUDA, the forkserver context, with torch and the engine's modules imported once in the
+    server (_preload()): a rank then starts in a fraction of the seconds a fresh interpreter takes to import them
+    (several on a 2-core machine). With CUDA, spawn, as the engine itself starts ranks."""
     global _CONTEXT
     if _CONTEXT is None:
         import torch
@@ -24,7 +52,7 @@ def _context() -> BaseContext:
             _CONTEXT = mp.get_context("spawn")
         else:
             _CONTEXT = mp.get_context("forkserver")
-            _CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+            _CONTEXT.set_forkserver_preload(_preload())
     return _CONTEXT
 
 

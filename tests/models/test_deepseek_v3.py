@@ -263,14 +263,12 @@ def test_start_up_stops_on_a_wrong_decode(tiny_model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("layers", ["packed", "dequantized"])
-def test_an_fp8_block_checkpoint_gives_transformers_tokens_on_its_values(tiny_model_dir, tmp_path, set_env, layers):
+def test_an_fp8_block_checkpoint_gives_transformers_tokens_on_its_values(quantized_model_dir, set_env, layers):
     """DeepSeek-V3's FP8 layout (e4m3 with block scales) on every projection: the linear layers kept packed
     (SHARDSERVE_QUANTIZED_LAYERS=packed) or read as their values, kv_b_proj read as the values it encodes in both
     (the absorbed decode reads it as W_UK and W_UV); the tokens are transformers' on those values."""
-    from tests.helpers.quantized import write_quantized
-
     set_env(SHARDSERVE_QUANTIZED_LAYERS=layers)
-    quant_dir, float_dir = write_quantized(tiny_model_dir("deepseek-v3"), "fp8-block", tmp_path)
+    quant_dir, float_dir = quantized_model_dir("deepseek-v3", "fp8-block")
     with cpu_llm(quant_dir, max_num_batched_tokens=12) as llm:
         outputs = [tuple(o.token_ids) for o in llm.generate(_prompts(), greedy(NEW_TOKENS))]
         attn = llm.engine.runner.model.model.layers[1].self_attn

@@ -141,17 +141,14 @@ def test_on_gpus_in_chunks_equals_transformers(tiny_model_dir, name, tp):
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "fp8-block"])
-def test_a_quantized_checkpoint_at_two_ranks_gives_transformers_tokens_on_its_values(tiny_model_dir, tmp_path,
-                                                                                     scheme):
+def test_a_quantized_checkpoint_at_two_ranks_gives_transformers_tokens_on_its_values(quantized_model_dir, scheme):
     """Every projection of the tiny model (Mamba-2 in_proj / out_proj, attention, each expert's up and down, the
     shared expert) quantized to NVFP4 as ModelOpt writes it (e2m1 codes, an e4m3 scale a 16 weights, a float32
     global scale), or to FP8 in 128 x 128 blocks: served at TP 2 (the experts' 48 features split 24 a rank, across a group of 16), it gives
     transformers' tokens on the values the checkpoint encodes. (The LatentMoE model's 40-feature shared expert is
     no multiple of 16: NVFP4 cannot encode it.)"""
-    from tests.helpers.quantized import write_quantized
-
     name = "nemotron-h-moe"
-    quant_dir, float_dir = write_quantized(tiny_model_dir(name), scheme, tmp_path)
+    quant_dir, float_dir = quantized_model_dir(name, scheme)
     expected = _reference(str(float_dir))
     with cpu_llm(str(quant_dir), tensor_parallel_size=2) as llm:
         outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
@@ -180,15 +177,13 @@ def test_on_a_gpu_nvfp4_experts_stay_packed_on_the_fused_kernel_in_cuda_graphs(t
 
 
 @pytest.mark.parametrize("tp, expert_parallel", [(1, False), (2, True)])
-def test_nvfp4_experts_kept_packed_give_transformers_tokens(tiny_model_dir, tmp_path, set_env, tp, expert_parallel):
+def test_nvfp4_experts_kept_packed_give_transformers_tokens(quantized_model_dir, set_env, tp, expert_parallel):
     """SHARDSERVE_QUANTIZED_LAYERS=packed (the GPUs' default) on an NVFP4 checkpoint: the non-gated experts stay
     half a byte a weight with their group scales (whole experts on each rank: expert parallelism keeps the 48
     features, three groups of 16, together), each chosen expert decoded from its codes, and the tokens are
     transformers' on the values the checkpoint encodes."""
-    from tests.helpers.quantized import write_quantized
-
     set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
-    quant_dir, float_dir = write_quantized(tiny_model_dir("nemotron-h-moe"), "nvfp4", tmp_path)
+    quant_dir, float_dir = quantized_model_dir("nemotron-h-moe", "nvfp4")
     expected = _reference(str(float_dir))
     with cpu_llm(str(quant_dir), tensor_parallel_size=tp, enable_expert_parallel=expert_parallel) as llm:
         outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))

@@ -39,11 +39,11 @@ def test_quantized_checkpoints_give_transformers_tokens_on_the_encoded_values(qu
 
 
 @pytest.mark.parametrize("scheme", ["fp8-block", "gptq-sym-g32"])
-def test_a_quantized_mixture_of_experts_at_two_ranks_and_with_expert_parallelism(tiny_model_dir, tmp_path, scheme):
+def test_a_quantized_mixture_of_experts_at_two_ranks_and_with_expert_parallelism(quantized_model_dir, scheme):
     """Qwen3-MoE with every expert's projections quantized (the router stays float, as in Qwen3-30B-A3B-FP8)."""
     from shardserve import LLM, SamplingParams
 
-    quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe"), scheme, tmp_path)
+    quant_dir, float_dir = quantized_model_dir("qwen3-moe", scheme)
     expected = reference(float_dir)
     check_matches(quant_dir, f"qwen3-moe {scheme}", 2, device="cpu", expected=expected)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -310,14 +310,14 @@ def test_plan_counts_fp8_at_load(tmp_path):
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("scheme", ["fp8-block", "gptq-sym-g32"])
-def test_packed_experts_give_transformers_tokens(tiny_model_dir, tmp_path, set_env, scheme, tp):
+def test_packed_experts_give_transformers_tokens(quantized_model_dir, set_env, scheme, tp):
     """A quantized Qwen3-MoE whose experts stay packed (SHARDSERVE_QUANTIZED_LAYERS=packed on CPU: each call
     dequantizes the chosen experts): a byte (FP8) or half a byte (4-bit) a weight on each rank, and transformers'
     tokens on the encoded values."""
     from shardserve import LLM, SamplingParams
 
     set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
-    quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe-64"), scheme, tmp_path)
+    quant_dir, float_dir = quantized_model_dir("qwen3-moe-64", scheme)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=tp, dtype="float32", kv_cache_memory_gb=0.05) as llm:
         outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
@@ -330,13 +330,13 @@ def test_packed_experts_give_transformers_tokens(tiny_model_dir, tmp_path, set_e
     assert outputs == list(reference(float_dir))
 
 
-def test_experts_whose_slice_splits_a_scale_group_stay_dequantized(tiny_model_dir, tmp_path, set_env):
+def test_experts_whose_slice_splits_a_scale_group_stay_dequantized(quantized_model_dir, set_env):
     """48 expert features in two ranks of 24 split FP8's blocks of 32: the experts are held dequantized (logged) and
     the tokens stay transformers'."""
     from shardserve import LLM, SamplingParams
 
     set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
-    quant_dir, float_dir = write_quantized(tiny_model_dir("qwen3-moe"), "fp8-block", tmp_path)
+    quant_dir, float_dir = quantized_model_dir("qwen3-moe", "fp8-block")
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with LLM(quant_dir, tensor_parallel_size=2, dtype="float32", kv_cache_memory_gb=0.05) as llm:
         outputs = [tuple(o.token_ids) for o in llm.generate(prompts(), greedy)]
