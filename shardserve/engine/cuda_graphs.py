@@ -37,6 +37,7 @@ from shardserve import envs
 from shardserve.attention.batch import StepBatch
 from shardserve.distributed.communicator import Communicator
 from shardserve.engine.graph_inputs import GraphInputs
+from shardserve.wire.step_plan import SeqChunk
 
 logger = logging.getLogger(__name__)
 
@@ -190,11 +191,15 @@ class CudaGraphRunner:
         buckets = self.shared_buckets if batch.rows_share_sequences else self.buckets
         return bool(buckets) and batch.num_decode <= buckets[-1]
 
-    def takes_as_rows(self, batch: StepBatch, max_chunk_tokens: int) -> bool:
-        """Whether a step that is not decode-only replays a graph as StepBatch.decode_rows: its chunks are of at
-        most max_chunk_tokens tokens (a sequence's rows to verify) and its rows fit a graph."""
-        return (bool(self.shared_buckets) and batch.num_tokens <= self.shared_buckets[-1]
-                and all(len(c.token_ids) <= max_chunk_tokens for c in batch.chunks))
+    def takes_as_rows(self, chunks: list[SeqChunk], max_chunk_tokens: int) -> bool:
+        """Whether a step's chunks replay a graph as StepBatch.decode_rows: some chunk is longer than one token (a
+        step of one-token chunks is a decode step already), none longer than max_chunk_tokens (a sequence's rows to
+        verify), and all their rows fit a graph."""
+        if not self.shared_buckets:
+            return False
+        lengths = [len(c.token_ids) for c in chunks]
+        longest = max(lengths, default=0)
+        return 1 < longest <= max_chunk_tokens and sum(lengths) <= self.shared_buckets[-1]
 
     @torch.inference_mode()
     def capture_all(self) -> None:

@@ -518,10 +518,10 @@ class ModelRunner:
         is queued without the host knowing them. Only rank 0 has them; the others pass None and receive them
         here (eagerly, or inside the decode graph where it shares tokens).
         """
-        batch = StepBatch.from_chunks(plan.chunks, self.block_size)
-        if (self.graphs is not None and not batch.decode_only
-                and self.graphs.takes_as_rows(batch, self.rows_per_sequence)):
+        if self.graphs is not None and self.graphs.takes_as_rows(plan.chunks, self.rows_per_sequence):
             batch = StepBatch.decode_rows(plan.chunks, self.block_size)
+        else:
+            batch = StepBatch.from_chunks(plan.chunks, self.block_size)
         graphed = self.graphs is not None and self.graphs.can_run(batch)
         if plan.tokens_from_device:
             if not (graphed and self.graphs.shares_tokens):

@@ -356,7 +356,6 @@ def test_float_weights_quantized_in_row_blocks_share_each_blocks_scales():
     rows and 128 columns as a block-scaled checkpoint's, counted from the checkpoint's row 0 where a rank's rows
     start inside a block; the GEMV configurations with float16 sums of groups are then timed for it."""
     from shardserve.layers.quantization.fp8 import FP8_F16_CANDIDATES, quantize_fp8
-    from shardserve.layers.quantization.gemv_choice import tiled_candidates
     from shardserve.layers.quantization.packed import PackedLayout
 
     values = torch.randn(200, 256, generator=torch.Generator().manual_seed(0))
@@ -368,8 +367,9 @@ def test_float_weights_quantized_in_row_blocks_share_each_blocks_scales():
     assert relative_error(dequantized.reshape(200, 256), values.double()) < 0.05
     layer = packed_layer(256, 256, PackedLayout("fp8", 128, block_rows=128), torch.bfloat16)
     assert layer.packed.scale_rows(layer) == 32 and layer.packed.config_key(layer) == "fp8/128/256/256/rows32"
-    assert set(FP8_F16_CANDIDATES) <= set(tiled_candidates(layer.packed, 32))
-    assert not set(FP8_F16_CANDIDATES) & set(tiled_candidates(layer.packed, 1))
+    fp8 = layer.packed.format
+    assert set(FP8_F16_CANDIDATES) <= set(fp8.tiled_candidates(layer.packed, 32))
+    assert not set(FP8_F16_CANDIDATES) & set(fp8.tiled_candidates(layer.packed, 1))
     rowwise = packed_layer(256, 256, PackedLayout("fp8", 128), torch.bfloat16)
     assert rowwise.packed.scale_rows(rowwise) == 1 and rowwise.packed.config_key(rowwise) == "fp8/128/256/256"
 

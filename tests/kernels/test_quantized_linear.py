@@ -333,13 +333,13 @@ def test_four_bit_split_forms_are_timed_with_float32_and_float16_sums(set_env):
     the latter only where sub-tiles are 16 columns or more; SHARDSERVE_INT4_GEMV_SUMS=float32 or float16 keeps one
     kind; a bad value is named."""
     from shardserve.layers.linear import ColumnParallelLinear
-    from shardserve.layers.quantization.gemv_choice import int4_split_forms
     from shardserve.layers.quantization.int4 import INT4_SPLIT_CANDIDATES
     from shardserve.layers.quantization.packed import PackedLayout, PackedWeights
 
     def forms(k, group):
-        return int4_split_forms(PackedWeights(ColumnParallelLinear(k, {None: (0, 256)}, False, torch.bfloat16),
-                                              PackedLayout("int4", group), "cpu"))
+        packed = PackedWeights(ColumnParallelLinear(k, {None: (0, 256)}, False, torch.bfloat16),
+                               PackedLayout("int4", group), "cpu")
+        return packed.format.split_forms(packed)
 
     fitting = [c for c in INT4_SPLIT_CANDIDATES if c[1] <= 512]  # K = 512 takes splits of 512 columns or fewer
     assert forms(512, 128) == [f for c in fitting for f in (c, (*c, 1))]

@@ -11,8 +11,8 @@ per row: a tile may span several groups without per-element scale lookups. With 
 4-bit weights also have a GEMV split over K (_int4_split_gemv_kernel, int4_gemv_split): x's slice held in
 registers (or, for splits wider than INT4_SPLIT_CHUNK columns, walked chunk by chunk), nibbles read as float32
 denormals, partial sums summed by each row block's last program (one split: each program stores its rows);
-start-up timing (layers/quantization/gemv_choice.py) picks it or the tiled one per shape. A 4-bit group's scale and zero
-point come from one word (scale_and_zero).
+start-up timing (layers/quantization/gemv_choice.py) picks it or the tiled one per shape. A 4-bit group's scale and
+zero point come from one word (scale_and_zero).
 """
 
 from __future__ import annotations
@@ -212,9 +212,9 @@ def _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows,
                        HAS_RESIDUAL: tl.constexpr, F16_SUMS: tl.constexpr = False, F16_ASM: tl.constexpr = False,
                        SHARED_SCALES: tl.constexpr = False, s_shared=None, s_inv=1.0):
     """acc plus the tile's products w * x (times its groups' scales unless PER_ROW); with F16_SUMS (PER_ROW, or
-    SHARED_SCALES: x times the groups' scales of s_shared over the largest, s_inv its inverse) acc is float16 and gains w * x / 256: in pairs by
-    _f16_products (F16_ASM), in float16 arithmetic otherwise (the interpreter; without native FP8 the decoded
-    weights are already / 256)."""
+    SHARED_SCALES: x times the groups' scales of s_shared over the largest, s_inv its inverse) acc is float16 and
+    gains w * x / 256: in pairs by _f16_products (F16_ASM), in float16 arithmetic otherwise (the interpreter;
+    without native FP8 the decoded weights are already / 256)."""
     col_ok = k + cols < K
     if NORM:
         x = normed_values(x_ptr, residual_ptr, norm_w_ptr, k + cols, col_ok, rstd, HAS_RESIDUAL)

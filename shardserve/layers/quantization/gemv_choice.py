@@ -30,26 +30,15 @@ def _set_form(layers: list[KernelLinear], form: GemvForm, norm_fused: bool = Fal
 def _candidate_forms(packed: PackedWeights, preload_sms: int = 0, scale_rows: int = 1) -> list[GemvForm]:
     """The single-row forms start-up times for a packed shape; with `preload_sms` (packed.preload_sms: FP8 layers
     flagged KernelLinear.preloads_rows, the GPU's SMs) only tiled ones whose first tile, loaded before the wait, is
-    the whole row block and that hold it (cuda_gemv.holds_rows), where there are such. scale_rows:
-    tiled_candidates'."""
-    tiled = tiled_candidates(packed, scale_rows)
+    the whole row block and that hold it (cuda_gemv.holds_rows), where there are such. scale_rows: the
+    format's tiled_candidates'."""
+    tiled = packed.format.tiled_candidates(packed, scale_rows)
     holding = [(config, None) for config in tiled if holds_rows_of(packed, config, preload_sms)]
     if holding:
         return holding
     forms: list[GemvForm] = [(config, None) for config in tiled]
-    forms += [(DEFAULT_GEMV, config) for config in int4_split_forms(packed)]
+    forms += [(DEFAULT_GEMV, config) for config in packed.format.split_forms(packed)]
     return forms
-
-
-def int4_split_forms(packed: PackedWeights) -> list[tuple[int, ...]]:
-    """The split-K configurations start-up times for a packed shape (its format's split_forms)."""
-    return packed.format.split_forms(packed)
-
-
-def tiled_candidates(packed: PackedWeights, scale_rows: int = 1) -> tuple[tuple[int, ...], ...]:
-    """The tiled GEMV configurations start-up times for a packed shape (its format's tiled_candidates; scale_rows:
-    PackedWeights.scale_rows)."""
-    return packed.format.tiled_candidates(packed, scale_rows)
 
 
 def _product_as_run(x: torch.Tensor, layer: KernelLinear) -> torch.Tensor:

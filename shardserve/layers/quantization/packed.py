@@ -35,9 +35,7 @@ from shardserve import envs
 from shardserve.layers.linear import KernelLinear, as_tensor
 from shardserve.layers.quantization import format_of
 from shardserve.layers.quantization.base import DEFAULT_GEMV
-from shardserve.layers.quantization.fp4 import quantize_fp4
-from shardserve.layers.quantization.fp8 import FP8_MAX, quantize_fp8
-from shardserve.layers.quantization.int4 import quantize_int4
+from shardserve.layers.quantization.fp8 import FP8_MAX
 from shardserve.weights.quantized import QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -301,8 +299,6 @@ def _copy_scales(target: torch.Tensor, scale: torch.Tensor) -> None:
     target.copy_(scale)
 
 
-# How a float tensor loading into a packed layer of each kind is quantized (each format's quantize).
-QUANTIZERS = {"fp8": quantize_fp8, "int4": quantize_int4, "fp4": quantize_fp4}
 
 
 def scaled_mm_rowwise(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
