@@ -13,7 +13,14 @@ import threading
 import httpx
 
 from shardserve.distributed.process_group import find_free_port
-from tests.serving import stream_in_background, wait_until_healthy
+from tests.serving import stream_in_background, wait_until, wait_until_healthy
+
+
+def _requests_held(url: str) -> float:
+    """The server's own count of the requests it holds, running or waiting (its /metrics gauges)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("shardserve:num_requests_running", "shardserve:num_requests_waiting")))
 
 
 def test_ctrl_c_stops_a_two_rank_server_quietly_and_tells_streams_why(tiny_model_dir):
@@ -37,6 +44,8 @@ def test_ctrl_c_stops_a_two_rank_server_quietly_and_tells_streams_why(tiny_model
         waiter = threading.Thread(target=whole, daemon=True)
         waiter.start()
         assert started.wait(60), "the stream never started"
+        # Ctrl-C must find both requests inside the server, not the second one still on its way in.
+        assert wait_until(lambda: _requests_held(url) >= 2, 60), "the second request never reached the server"
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: every process of the group gets it
         code = proc.wait(timeout=60)
         reader.join(timeout=30)
