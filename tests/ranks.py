@@ -13,11 +13,10 @@ _CONTEXT: BaseContext | None = None
 
 
 # What the fork server imports once, so that a forked rank does not: torch, and the engine's rank code with what it
-# imports (transformers and the tokenizers among them, through the structured-output grammars: about a second of
-# CPU a rank on a 2-core machine, paid by every rank of every engine a test starts), and torch's C++ extension
-# loader, which loads the CPU kernels of bfloat16 and GGUF weights (half a second more in such a rank). Only
-# imports: shardserve reads its environment variables when it runs (shardserve/envs.py), and each rank takes the
-# environment of the moment (_run_in), so what a rank does is unchanged.
+# imports (half a second of CPU a rank on a 2-core machine, paid by every rank of every engine a test starts), and
+# torch's C++ extension loader, which loads the CPU kernels of bfloat16 and GGUF weights (half a second more in such
+# a rank). Only imports: shardserve reads its environment variables when it runs (shardserve/envs.py), and each rank
+# takes the environment of the moment (_run_in), so what a rank does is unchanged.
 PRELOAD = ["torch", "torch.distributed", "shardserve.engine.llm_engine", "shardserve.distributed.launcher",
            "torch.utils.cpp_extension"]
 
