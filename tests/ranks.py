@@ -22,21 +22,25 @@ PRELOAD = ["torch", "torch.distributed", "shardserve.engine.llm_engine", "shards
 
 
 def _preload() -> list[str]:
-    """PRELOAD where the fork server, a new interpreter, finds the shardserve these tests import; else torch only.
-    (Python 3.11's fork server imports with its own sys.path, not this process's: the working directory, PYTHONPATH
-    and site-packages. A rank forked from a server that had imported another checkout's shardserve would run that
-    code.)"""
+    """PRELOAD, then tests.fork_server_heap (gc.freeze), where the fork server, a new interpreter, finds the shardserve
+    and the tests these tests import; else torch only. (Python 3.11's fork server imports with its own sys.path, not
+    this process's: the working directory, PYTHONPATH and site-packages. A rank forked from a server that had
+    imported another checkout's shardserve would run that code.)"""
     import subprocess
     import sys
 
     import shardserve
+    import tests
 
-    probe = subprocess.run([sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
-                            "import importlib.util; print(importlib.util.find_spec('shardserve').origin)"],
+    where = "import importlib.util as u; print(u.find_spec('shardserve').origin, u.find_spec('tests').origin)"
+    probe = subprocess.run([sys.executable, *subprocess._args_from_interpreter_flags(), "-c", where],
                            capture_output=True, text=True)
-    found = probe.stdout.strip()
-    same = probe.returncode == 0 and os.path.isfile(found) and os.path.samefile(found, shardserve.__file__)
-    return PRELOAD if same else PRELOAD[:2]
+    found = probe.stdout.split()
+    expected = [shardserve.__file__, tests.__file__]
+    if probe.returncode != 0 or len(found) != 2 or not all(
+            os.path.isfile(f) and os.path.samefile(f, e) for f, e in zip(found, expected)):
+        return PRELOAD[:2]
+    return [*PRELOAD, "tests.fork_server_heap"]
 
 
 def _context() -> BaseContext:
