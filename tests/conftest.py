@@ -44,25 +44,29 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
 # minutes). The modules that start servers, several ranks or the real model go first, the longest known ones before
 # them; every module keeps its own order.
 LONG_MODULES_FIRST = (
-    "tests/weights/test_quantized_checkpoints.py", "tests/reliability/", "tests/pool/test_data_parallel.py",
-    "tests/distributed/test_ray_backend.py", "tests/models/test_checkpoint_dtypes.py",
-    "tests/distributed/test_two_hosts.py", "tests/entrypoints/test_rank_failure.py",
-    "tests/entrypoints/test_real_engine_serving.py", "tests/models/test_moe.py", "tests/pool/test_pool.py",
-    "tests/entrypoints/test_api_servers.py", "tests/models/test_matches_transformers.py",
-    "tests/models/test_deepseek_v3.py", "tests/distributed/test_torchrun_launch.py",
-    "tests/bench/test_gpu_suite_online.py", "tests/models/test_nemotron_h_moe.py", "tests/models/test_qwen3_next.py",
-    "tests/kernels/test_triton_kernels.py", "tests/kernels/test_moe_router.py", "tests/weights/test_gguf_loader.py",
-    "tests/distributed/", "tests/pool/", "tests/entrypoints/", "tests/weights/", "tests/models/",
-    "tests/engine/",
+    "tests/distributed/test_ray_backend.py", "tests/weights/test_quantized_checkpoints.py",
+    "tests/models/test_checkpoint_dtypes.py", "tests/pool/test_data_parallel.py", "tests/reliability/",
+    "tests/models/test_moe.py", "tests/entrypoints/test_rank_failure.py",
+    "tests/entrypoints/test_real_engine_serving.py", "tests/pool/test_pool.py", "tests/entrypoints/test_api_servers.py",
+    "tests/models/test_matches_transformers.py", "tests/distributed/test_two_hosts.py",
+    "tests/models/test_deepseek_v3.py", "tests/kernels/test_fused_moe_packed.py", "tests/kernels/test_quant_gemv.py",
+    "tests/engine/test_speculative.py", "tests/distributed/test_pipeline_parallel.py", "tests/test_planner.py",
+    "tests/distributed/test_launch_modes.py", "tests/kernels/test_triton_kernels.py",
+    "tests/distributed/", "tests/pool/", "tests/entrypoints/", "tests/weights/", "tests/models/", "tests/engine/",
 )
 # The modules that import the agent frameworks (litellm, langchain, pydantic-ai: close to 600,000 objects) come
 # after those: a worker then holds them for a few of the in-process engines whose shutdown walks the whole heap
-# (shardserve/heap.py), not for most. The short modules without engines (kernels, layers, the planner...) follow,
+# (shardserve/heap.py), not for most. The short modules without engines (kernels, layers, the top level...) follow,
 # to even out the workers' ends.
 AGENT_FRAMEWORK_MODULES = ("tests/entrypoints/test_agent_loops.py", "tests/entrypoints/test_agent_clients.py")
-# Packages whose modules share package-scoped servers (tests/reliability/conftest.py): one unit of work under
-# --dist loadfile, so that one worker runs them in a row and starts each server once, not once per module.
-PACKAGES_ON_ONE_WORKER = ("tests/reliability/",)
+# Modules that share what takes long to start or load, each group one unit of work under --dist loadfile, so that
+# one worker runs them in a row and starts or loads it once, not once per module: tests/reliability's two
+# package-scoped servers (tests/reliability/conftest.py); transformers' load of SmolLM2's GGUF file (tens of seconds,
+# tests/helpers/reference.py keeps it for the session).
+MODULES_ON_ONE_WORKER = (
+    ("tests/reliability/",),
+    ("tests/models/test_checkpoint_dtypes.py", "tests/weights/test_gguf_loader.py"),
+)
 
 
 def _module_rank(path: str) -> int:
@@ -81,17 +85,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile with PACKAGES_ON_ONE_WORKER each one unit of work."""
+    """--dist loadfile with each group of MODULES_ON_ONE_WORKER one unit of work."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class LoadFileAndPackageScheduling(LoadFileScheduling):
+    class LoadFileAndGroupScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = super()._split_scope(nodeid)
-            return next((package for package in PACKAGES_ON_ONE_WORKER if module.startswith(package)), module)
+            return next((group[0] for group in MODULES_ON_ONE_WORKER if module.startswith(group)), module)
 
-    return LoadFileAndPackageScheduling(config, log)
+    return LoadFileAndGroupScheduling(config, log)
 
 
 def _freeze_what_is_held() -> None:

@@ -13,31 +13,34 @@ _CONTEXT: BaseContext | None = None
 
 
 # What the fork server imports once, so that a forked rank does not: torch, and the engine's rank code with what it
-# imports (transformers and the tokenizers among them, through the structured-output grammars: about a second of
-# CPU a rank on a 2-core machine, paid by every rank of every engine a test starts), and torch's C++ extension
-# loader, which loads the CPU kernels of bfloat16 and GGUF weights (half a second more in such a rank). Only
-# imports: shardserve reads its environment variables when it runs (shardserve/envs.py), and each rank takes the
-# environment of the moment (_run_in), so what a rank does is unchanged.
+# imports (half a second of CPU a rank on a 2-core machine, paid by every rank of every engine a test starts), and
+# torch's C++ extension loader, which loads the CPU kernels of bfloat16 and GGUF weights (half a second more in such
+# a rank). Only imports: shardserve reads its environment variables when it runs (shardserve/envs.py), and each rank
+# takes the environment of the moment (_run_in), so what a rank does is unchanged.
 PRELOAD = ["torch", "torch.distributed", "shardserve.engine.llm_engine", "shardserve.distributed.launcher",
            "torch.utils.cpp_extension"]
 
 
 def _preload() -> list[str]:
-    """PRELOAD where the fork server, a new interpreter, finds the shardserve these tests import; else torch only.
-    (Python 3.11's fork server imports with its own sys.path, not this process's: the working directory, PYTHONPATH
-    and site-packages. A rank forked from a server that had imported another checkout's shardserve would run that
-    code.)"""
+    """PRELOAD, then tests.fork_server_heap (gc.freeze), where the fork server, a new interpreter, finds the shardserve
+    and the tests these tests import; else torch only. (Python 3.11's fork server imports with its own sys.path, not
+    this process's: the working directory, PYTHONPATH and site-packages. A rank forked from a server that had
+    imported another checkout's shardserve would run that code.)"""
     import subprocess
     import sys
 
     import shardserve
+    import tests
 
-    probe = subprocess.run([sys.executable, *subprocess._args_from_interpreter_flags(), "-c",
-                            "import importlib.util; print(importlib.util.find_spec('shardserve').origin)"],
+    where = "import importlib.util as u; print(u.find_spec('shardserve').origin, u.find_spec('tests').origin)"
+    probe = subprocess.run([sys.executable, *subprocess._args_from_interpreter_flags(), "-c", where],
                            capture_output=True, text=True)
-    found = probe.stdout.strip()
-    same = probe.returncode == 0 and os.path.isfile(found) and os.path.samefile(found, shardserve.__file__)
-    return PRELOAD if same else PRELOAD[:2]
+    found = probe.stdout.split()
+    expected = [shardserve.__file__, tests.__file__]
+    if probe.returncode != 0 or len(found) != 2 or not all(
+            os.path.isfile(f) and os.path.samefile(f, e) for f, e in zip(found, expected)):
+        return PRELOAD[:2]
+    return [*PRELOAD, "tests.fork_server_heap"]
 
 
 def _context() -> BaseContext:

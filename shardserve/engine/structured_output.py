@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.hf
 import torch
 
 from shardserve.engine.grammar import check
@@ -102,6 +101,8 @@ class StructuredOutputs:
             # An end-of-sequence id the tokenizer does not have (a config's, past its vocabulary) is no token the
             # grammar could allow.
             eos = [t for t in self._eos_token_ids if t < self._tokenizer.vocab_size]
+            import llguidance.hf  # imports transformers: only where a grammar is used (a rank or `plan` need none)
+
             try:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
                     self._tokenizer.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos or None)

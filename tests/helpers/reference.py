@@ -52,11 +52,15 @@ def _use_transformers_torch_kernels() -> None:
                 setattr(module, name, inspect.unwrap(getattr(module, name)))
 
 
-@functools.lru_cache(maxsize=None)
 def transformers_model(model_dir: str, gguf_file: str | None = None, image_text: bool = False) -> torch.nn.Module:
     """transformers' float32 model of model_dir (of a GGUF file in it: dequantized by transformers' own loader,
     tens of seconds for SmolLM2; `image_text`: the checkpoint's image-text model, AutoModelForImageTextToText),
-    loaded once a session; callers only read it."""
+    loaded once a session however the arguments are passed; callers only read it."""
+    return _transformers_model(str(model_dir), gguf_file, image_text)
+
+
+@functools.lru_cache(maxsize=None)
+def _transformers_model(model_dir: str, gguf_file: str | None, image_text: bool) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     _use_transformers_torch_kernels()
@@ -66,11 +70,17 @@ def transformers_model(model_dir: str, gguf_file: str | None = None, image_text:
         return auto.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
 
 
-@functools.lru_cache(maxsize=None)
 def transformers_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int,
                         image_text: bool = False, gguf_file: str | None = None) -> tuple[tuple[int, ...], ...]:
     """transformers' greedy continuation of each prompt alone, at float32; `image_text`: by the checkpoint's
-    image-text model given the prompt's tokens only; `gguf_file`: of that GGUF file in model_dir."""
+    image-text model given the prompt's tokens only; `gguf_file`: of that GGUF file in model_dir. Computed once a
+    session however the arguments are passed."""
+    return _transformers_greedy(str(model_dir), tuple(map(tuple, prompts)), new_tokens, image_text, gguf_file)
+
+
+@functools.lru_cache(maxsize=None)
+def _transformers_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...], new_tokens: int, image_text: bool,
+                         gguf_file: str | None) -> tuple[tuple[int, ...], ...]:
     model = transformers_model(model_dir, gguf_file, image_text)
     outputs = []
     with one_torch_thread(), torch.inference_mode():
