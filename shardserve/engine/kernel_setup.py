@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from shardserve.attention import StepBatch, kv_quant
+from shardserve.attention import StepBatch, create_attention_backend, kv_quant
 from shardserve.distributed.all_reduce import message_shape
 from shardserve.distributed.control_plane import all_gather_msgpack
 from shardserve.distributed.handshake import StartupMismatch
@@ -114,6 +114,32 @@ def set_up_linear_layers(model: nn.Module, plan: KernelPlan, ctx: RankContext, l
             dependent_launch=pdl.describe(device) + (
                 f", the o projection's rows loaded during attention in {overlapped} layers" if overlapped else ""))
     return plan, linear_kernel
+
+
+def set_up_token_mixers(model: nn.Module, plan: KernelPlan, ctx: RankContext, block_size: int,
+                        kv_dtype: torch.dtype, ssm_dtype: torch.dtype, stopwatch: "Stopwatch | None" = None):
+    """The kernels that mix tokens, each past its start-up check on every rank: attention (the model's own backend
+    where it declares one, attention_backend: DeepSeek's latent attention; else the paged one for its head layout),
+    and the Gated DeltaNet and Mamba-2 layers' kernels of hybrid models. Returns (the attention backend, the plan
+    with what was chosen). `stopwatch` times the checks."""
+    timed = stopwatch if stopwatch is not None else Stopwatch()
+    device, dtype = ctx.device, plan.dtype
+    with timed, setup_step("check the attention kernel", ctx.rank):
+        own = getattr(model, "attention_backend", None)
+        if own is not None:
+            attention = checked_latent_attention(own(device, block_size), model, dtype, device, block_size, ctx)
+        else:
+            attn = model.paged_attention()
+            backend = create_attention_backend(device, block_size, attn.num_heads, attn.num_kv_heads,
+                                               attn.kv_index_tuple)
+            attention = checked_attention(backend, attn, model.model.rotary, dtype, device, block_size, ctx,
+                                          kv_dtype=kv_dtype)
+    plan = plan.with_results(attention=attention.name)
+    with timed, setup_step("check the Gated DeltaNet kernels", ctx.rank):
+        plan = plan.with_results(delta_net=checked_delta_net(model, dtype, device, ctx))
+    with timed, setup_step("check the Mamba-2 kernels", ctx.rank):
+        plan = plan.with_results(mamba2=checked_mamba2(model, dtype, ssm_dtype, device, ctx))
+    return attention, plan
 
 
 def prepare_checks(plan: KernelPlan, ctx: RankContext) -> None:

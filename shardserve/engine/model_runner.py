@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from shardserve.attention import StepBatch, create_attention_backend, kv_quant
+from shardserve.attention import StepBatch, kv_quant
 from shardserve.config import CacheLayout, EngineConfig, ModelConfig, PipelineStage
 from shardserve.distributed import all_reduce, token_broadcast
 from shardserve.distributed.pipeline import PipelineLinks
@@ -100,15 +100,8 @@ class ModelRunner:
             self.num_blocks = self._size_kv_cache()
         self.state_pools: dict = {}  # layer -> its recurrent-state pool (linear-attention layers), with the KV cache
         self.kv_caches = self._allocate_kv_cache()
-        with self.self_check, setup_step("check the attention kernel", ctx.rank):
-            self.attention = self._checked_attention()
-        self.plan = self.plan.with_results(attention=self.attention.name)
-        with self.self_check, setup_step("check the Gated DeltaNet kernels", ctx.rank):
-            self.plan = self.plan.with_results(delta_net=kernel_setup.checked_delta_net(self.model, self.dtype,
-                                                                                        self.device, ctx))
-        with self.self_check, setup_step("check the Mamba-2 kernels", ctx.rank):
-            self.plan = self.plan.with_results(mamba2=kernel_setup.checked_mamba2(
-                self.model, self.dtype, self.config.ssm_state_dtype, self.device, ctx))
+        self.attention, self.plan = kernel_setup.set_up_token_mixers(
+            self.model, self.plan, ctx, self.block_size, self.kv_dtype, self.config.ssm_state_dtype, self.self_check)
         self.all_reduce_choice: all_reduce.AllReduceChoice | None = None
         self.graphs: CudaGraphRunner | None = None
         self.host_weights: HostCopy | None = None  # while the weights sleep at level 1
@@ -124,19 +117,6 @@ class ModelRunner:
             self._capture_graphs()
         if self.device.type == "cuda":
             self._log_memory_against_plan()
-
-    def _checked_attention(self):
-        """The attention backend for this device and model, past its start-up check: the model's own where it
-        declares one (attention_backend: DeepSeek's latent attention), else the paged one for its head layout."""
-        own = getattr(self.model, "attention_backend", None)
-        if own is not None:
-            return kernel_setup.checked_latent_attention(own(self.device, self.block_size), self.model, self.dtype,
-                                                         self.device, self.block_size, self.ctx)
-        attn = self.model.paged_attention()
-        backend = create_attention_backend(self.device, self.block_size, attn.num_heads, attn.num_kv_heads,
-                                           attn.kv_index_tuple)
-        return kernel_setup.checked_attention(backend, attn, self.model.model.rotary, self.dtype, self.device,
-                                              self.block_size, self.ctx, kv_dtype=self.kv_dtype)
 
     def _allocate_kv_cache(self):
         """The KV cache of the attention layers (returned) and, beside it, a zeroed recurrent-state pool of
