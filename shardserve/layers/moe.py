@@ -177,7 +177,10 @@ class SparseMoE(nn.Module):
             from shardserve.kernels.triton.fused_moe import one_token_experts
 
             h, residual, weights, ids = chosen
-            out = one_token_experts(h, self.w13, self.w2, weights, ids, self.experts_held[0])
+            if self.packed is not None:
+                out = self.experts(h, weights, ids)
+            else:
+                out = one_token_experts(h, self.w13, self.w2, weights, ids, self.experts_held[0])
         else:
             logits, h, residual = self.gate.forward_normed(x, residual, norm, reduce, keep_normed=True)
             out = self.routed_experts(h, logits)
@@ -186,16 +189,24 @@ class SparseMoE(nn.Module):
         return out, residual
 
     def routes_in_router(self, x: torch.Tensor) -> bool:
-        """Whether a single token's choice may come from the router's GEMV launch: on CUDA, on the path that would
-        otherwise route it in a launch of its own (the one-token experts of fused_moe_from_logits, past their
-        start-up check), with the router's weight plain for the kernel's fused forms, and SHARDSERVE_MOE_ROUTE=gemv.
-        The launch itself still needs a Triton form chosen for the router's shape (_choice_in_router)."""
-        from shardserve.kernels.fused_moe_table import one_token_tiles
+        """Whether a single token's choice may come from the router's GEMV launch: on CUDA, with the router's weight
+        plain for the kernel's fused forms, the fused router past its check, SHARDSERVE_MOE_ROUTE=gemv, and the
+        experts on a one-token device path that takes a choice made elsewhere (_one_token_experts_on_device). A
+        folded shared expert's gate is the router's last row (route_token's SHARED). The launch itself still needs
+        a Triton form chosen for the router's shape (_choice_in_router)."""
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.gate.fusable and self.gate.bias is None
+                and route_in_router_gemv() and device_router(x.device, self.num_experts, self.top_k, self.renormalize)
+                and self._one_token_experts_on_device())
 
-        return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and self.packed is None and not self.shared_folded
-                and self.gate.fusable
-                and self.gate.bias is None and route_in_router_gemv() and one_token_tiles() is not None
-                and device_routed_experts(self.w13, self.w2, self.num_experts, self.top_k, self.renormalize))
+    def _one_token_experts_on_device(self) -> bool:
+        """Whether a single token's experts run on the device from a choice already made: packed experts on the
+        fused kernel's one-token tiles, 16-bit ones on the one-token path of the fused kernel (past its check)."""
+        from shardserve.kernels.fused_moe_table import one_token_packed_tiles, one_token_tiles
+
+        if self.packed is not None:
+            return one_token_packed_tiles() is not None and self.packed.graph_safe(self)
+        return one_token_tiles() is not None and device_experts(self.w13, self.w2, self.choices) in (
+            fused_experts, fused_then_grouped_mm)
 
     def _choice_in_router(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
                           reduce) -> tuple[torch.Tensor, ...] | None:
@@ -209,12 +220,14 @@ class SparseMoE(nn.Module):
 
         weight, normed = self.gate.weight, reduce is NORMED
         config = router_gemv_config(self.gate.kernel, x, weight, fused_norm=not normed)
-        if config is None or not device_router_gemv(weight, config, not normed, self.top_k, self.renormalize):
+        shared = self.shared_folded
+        if config is None or not device_router_gemv(weight, config, not normed, self.top_k, self.renormalize, shared):
             return None
         if normed:
-            out = gemv_route(x, weight, self.top_k, self.renormalize, *config)
+            out = gemv_route(x, weight, self.top_k, self.renormalize, *config, shared=shared)
             return None if out is None else (x, residual, out[1], out[2])
-        out = gemv_rmsnorm_route(x, residual, norm.weight, norm.eps, weight, self.top_k, self.renormalize, *config)
+        out = gemv_rmsnorm_route(x, residual, norm.weight, norm.eps, weight, self.top_k, self.renormalize, *config,
+                                 shared=shared)
         return None if out is None else (out[2], out[1], out[3], out[4])
 
     def routed_experts(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -296,26 +309,26 @@ _router_gemv_checked: dict[tuple, bool] = {}
 
 
 def device_router_gemv(weight: torch.Tensor, config: tuple[int, int, int, int], fused_norm: bool, top_k: int,
-                       renormalize: bool) -> bool:
+                       renormalize: bool, shared: bool = False) -> bool:
     """Whether the router's GEMV that also routes (kernels/triton/router_gemv.py) gave, on random inputs of the
     router's shape with this configuration, the same bits as the two launches it replaces: the GEMV (norm-fused
     with the normed row kept, with and without a residual, or plain) and route_top_k on its logits; twice in a row,
     so that its arrival count went back to 0. Once per device, shape, dtype, configuration and router; a mismatch
     is logged and the two launches stay. Where the form cannot run yet (no arrival counts: first asked inside a
     CUDA graph capture) the answer is no, and the check waits for the next call."""
-    key = (weight.device, tuple(weight.shape), weight.dtype, tuple(config), fused_norm, top_k, renormalize)
+    key = (weight.device, tuple(weight.shape), weight.dtype, tuple(config), fused_norm, top_k, renormalize, shared)
     if key not in _router_gemv_checked:
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             return False  # the check cannot run inside a capture: that graph keeps the two launches
-        matches = _router_gemv_matches(weight, config, fused_norm, top_k, renormalize)
+        matches = _router_gemv_matches(weight, config, fused_norm, top_k, renormalize, shared)
         if matches is None:
             return False
         _router_gemv_checked[key] = matches
     return _router_gemv_checked[key]
 
 
-def _router_gemv_matches(weight: torch.Tensor, config, fused_norm: bool, top_k: int,
-                         renormalize: bool) -> bool | None:
+def _router_gemv_matches(weight: torch.Tensor, config, fused_norm: bool, top_k: int, renormalize: bool,
+                         shared: bool = False) -> bool | None:
     """device_router_gemv's check: None where the form returned no result (no arrival counts)."""
     from shardserve.kernels.triton.gemv import gemv, gemv_rmsnorm
     from shardserve.kernels.triton.moe_router import route_top_k
@@ -323,22 +336,24 @@ def _router_gemv_matches(weight: torch.Tensor, config, fused_norm: bool, top_k: 
 
     num_experts, hidden = weight.shape
     what = (f"the {num_experts}x{hidden} router's GEMV with its choice ({'norm-fused' if fused_norm else 'plain'}, "
-            f"{tuple(config)}, top {top_k}) on {weight.device}")
+            f"{tuple(config)}, top {top_k}{', a shared expert' if shared else ''}) on {weight.device}")
     g = torch.Generator(device=weight.device).manual_seed(0)
     w = torch.randn(weight.shape, generator=g, device=weight.device).mul_(0.05).to(weight.dtype)
     x = torch.randn(1, hidden, generator=g, device=weight.device).to(weight.dtype)
     residual = torch.randn(1, hidden, generator=g, device=weight.device).to(weight.dtype)
     norm_weight = torch.rand(hidden, generator=g, device=weight.device).add_(0.5).to(weight.dtype)
     if fused_norm:
-        cases = [(lambda r=r: gemv_rmsnorm_route(x, r, norm_weight, 1e-6, w, top_k, renormalize, *config),
+        cases = [(lambda r=r: gemv_rmsnorm_route(x, r, norm_weight, 1e-6, w, top_k, renormalize, *config,
+                                                 shared=shared),
                   lambda r=r: gemv_rmsnorm(x, r, norm_weight, 1e-6, w, *config, keep_normed=True))
                  for r in (residual, None)]
     else:
-        cases = [(lambda: gemv_route(x, w, top_k, renormalize, *config), lambda: (gemv(x, w, *config),))]
+        cases = [(lambda: gemv_route(x, w, top_k, renormalize, *config, shared=shared),
+                  lambda: (gemv(x, w, *config),))]
     try:
         for run, separate in cases:
             want = separate()
-            want = (*want, *route_top_k(want[0], top_k, renormalize))
+            want = (*want, *route_top_k(want[0], top_k, renormalize, shared))
             for _ in range(2):
                 got = run()
                 if got is None:

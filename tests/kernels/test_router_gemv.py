@@ -80,6 +80,27 @@ def test_plain_form_equals_the_gemv_then_the_router(num_experts, top_k, renormal
         assert arrivals_left_at_zero()
 
 
+@pytest.mark.parametrize("fused_norm", [True, False])
+def test_a_folded_shared_experts_gate_is_the_last_choice(fused_norm):
+    """A router whose last row is a folded shared expert's gate (layers/moe_shared.py): the choice is over the
+    other rows, and the shared expert (expert E) comes last with weight sigmoid(its logit), as route_top_k's
+    `shared` makes it, bit for bit."""
+    num_experts, top_k = 60, 4
+    x, residual, norm_weight, w = router_inputs(num_experts + 1, seed=6)
+    config = (8, 32, 4, 1)
+    if fused_norm:
+        product = gemv_rmsnorm(x, residual, norm_weight, 1e-6, w, *config, keep_normed=True)
+        got = gemv_rmsnorm_route(x, residual, norm_weight, 1e-6, w, top_k, True, *config, shared=True)
+    else:
+        product = (gemv(x, w, *config),)
+        got = gemv_route(x, w, top_k, True, *config, shared=True)
+    assert_same_bits(got, (*product, *route_top_k(product[0], top_k, True, True)))
+    assert arrivals_left_at_zero()
+    weights, ids = got[-2:]
+    assert ids.shape == (1, top_k + 1) and ids[0, -1] == num_experts and ids[0, :-1].max() < num_experts
+    assert torch.allclose(weights[0, -1], torch.sigmoid(got[0][0, -1].float()), rtol=1e-6)
+
+
 def test_ties_pick_the_lower_expert():
     """Experts 5, 9 and 40 with equal, largest logits (equal weight rows), the rest at 0: the choice takes them in
     index order, then the lowest-numbered of the zeros, as route_token does in a launch of its own."""
