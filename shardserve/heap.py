@@ -22,10 +22,10 @@ def freeze_startup_objects() -> None:
 
 
 def release_startup_objects(collect: bool = True) -> None:
-    """Undo freeze_startup_objects (at shutdown): the frozen objects are collectable again. With `collect`, a
-    collection frees at once any of them that only cycles keep alive (an engine started again in the same
-    process must not find the last one's device memory still held); without, the collector's next full pass
-    does."""
+    """Undo freeze_startup_objects (at shutdown): the frozen objects are collectable again. With `collect` (an
+    engine on GPUs), a collection frees at once any of them that only cycles keep alive (an engine started again
+    in the same process must not find the last one's device memory still held); without (host memory, which waits
+    for nothing), the collector's next full pass does, rather than every shutdown walking the whole process."""
     gc.unfreeze()
     if collect:
         gc.collect()

@@ -459,7 +459,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.close()
         self.runner.close()
-        heap.release_startup_objects()
+        heap.release_startup_objects(collect=self.runner.device.type == "cuda")
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.append_token(token)
@@ -527,7 +527,7 @@ def run_worker(config: EngineConfig, ctx: RankContext) -> None:
     try:
         _serve_plans(control, runner, lockstep, ctx.rank)
     finally:
-        heap.release_startup_objects()
+        heap.release_startup_objects(collect=ctx.device.type == "cuda")
 
 
 def _serve_plans(control: ControlPlane, runner: ModelRunner, lockstep: LockstepCheck, rank: int) -> None:
