@@ -27,6 +27,25 @@ _VALUE_BLOCK = 32  # value columns of one head a program of the delta rule owns 
 
 
 @triton.jit
+def step_columns(q, k, v, ba_row, a_log_ptr, dt_bias_ptr, head, value_heads, state_at, cell, scale):
+    """The delta rule of value head `head` on the state columns one program owns: q, k float32 [DK_POW2] of its
+    key head (zeros past key_dim), not yet normalised; v float32 [BV] of its columns; ba_row the row's [b | a];
+    state_at [DK_POW2, BV] the float32 state cells (read and written where `cell`), stepped in place. Returns o
+    float32 [BV]."""
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    b = tl.load(ba_row + head).to(tl.float32)
+    a = tl.load(ba_row + value_heads + head).to(tl.float32) + tl.load(dt_bias_ptr + head)
+    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head)) * softplus(a))
+    beta = tl.sigmoid(b)
+    s = tl.load(state_at, mask=cell, other=0.0) * decay  # [DK, BV]
+    write = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * write[None, :]
+    tl.store(state_at, s, mask=cell)
+    return tl.sum(s * q[:, None], axis=0)
+
+
+@triton.jit
 def _rule_step_kernel(mixed_ptr, ba_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, o_ptr, scale,
                       stride_mixed, stride_ba, stride_slot, key_heads, value_heads,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_POW2: tl.constexpr,
@@ -37,24 +56,15 @@ def _rule_step_kernel(mixed_ptr, ba_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot
     slot = tl.load(slots_ptr + row)
     keys = tl.arange(0, DK_POW2)
     key_in, col_in = keys < DK, cols < DV
-    cell = key_in[:, None] & col_in[None, :]
     base = mixed_ptr + row * stride_mixed
     key_head = head // GROUP
     q = tl.load(base + key_head * DK + keys, mask=key_in, other=0.0).to(tl.float32)
     k = tl.load(base + key_heads * DK + key_head * DK + keys, mask=key_in, other=0.0).to(tl.float32)
     v = tl.load(base + 2 * key_heads * DK + head * DV + cols, mask=col_in, other=0.0).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    b = tl.load(ba_ptr + row * stride_ba + head).to(tl.float32)
-    a = tl.load(ba_ptr + row * stride_ba + value_heads + head).to(tl.float32) + tl.load(dt_bias_ptr + head)
-    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head)) * softplus(a))
-    beta = tl.sigmoid(b)
     at = state_ptr + slot.to(tl.int64) * stride_slot + head * DK * DV + keys[:, None] * DV + cols[None, :]
-    s = tl.load(at, mask=cell & (slot >= 0), other=0.0) * decay  # [DK, BV]
-    write = (v - tl.sum(s * k[:, None], axis=0)) * beta
-    s = s + k[:, None] * write[None, :]
-    tl.store(at, s, mask=cell & (slot >= 0))
-    tl.store(o_ptr + (row * value_heads + head) * DV + cols, tl.sum(s * q[:, None], axis=0), mask=col_in)
+    o = step_columns(q, k, v, ba_ptr + row * stride_ba, a_log_ptr, dt_bias_ptr, head, value_heads, at,
+                     key_in[:, None] & col_in[None, :] & (slot >= 0), scale)
+    tl.store(o_ptr + (row * value_heads + head) * DV + cols, o, mask=col_in)
 
 
 def rule_step_in_pool(mixed: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
