@@ -12,7 +12,9 @@ takes). A decode step takes only tensors, so it runs inside CUDA graphs.
 - "triton decode": on CUDA GPUs with Triton, the decode step in two kernels that step the states in place
   (kernels/triton/causal_conv1d.py, kernels/triton/gated_delta_rule.py), then the norm in a third
   (kernels/triton/gated_rms_norm.py); prompt chunks as "torch".
-- "triton decode, fla-core prefill": the same, with 16-bit models' prompt chunks through the
+- "triton fused decode": the same, with the decode step and its norm in one kernel
+  (kernels/triton/deltanet_decode.py): a launch a layer instead of three.
+- "triton fused decode, fla-core prefill": the same, with 16-bit models' prompt chunks through the
   flash-linear-attention package's Triton chunk_gated_delta_rule where `fla-core` is installed: on an H200 it
   prefills a 32k-token prompt's layer of Qwen3-Next-80B-A3B (32 value heads of 128 x 128) in 2.1 ms against 75 ms
   for the torch form (benchmarks/delta_rule_prefill.py).
@@ -105,8 +107,22 @@ class TritonDecodeDeltaNetKernels(TorchDeltaNetKernels):
         return rule_step_in_pool(mixed, ba, a_log, dt_bias, scale, rec_pool, slots, key_heads)
 
 
-class FlaPrefillDeltaNetKernels(TritonDecodeDeltaNetKernels):
-    name = "triton decode, fla-core prefill"
+class TritonFusedDecodeDeltaNetKernels(TritonDecodeDeltaNetKernels):
+    name = "triton fused decode"
+
+    @classmethod
+    def step_and_norm_in_pool(cls, qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, eps: float, scale: float,
+                              key_heads: int, conv_pool, rec_pool, slots) -> torch.Tensor:
+        from shardserve.kernels.triton.deltanet_decode import step_and_norm_in_pool
+
+        args = (qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, eps, scale, key_heads, conv_pool, rec_pool,
+                slots)
+        out = step_and_norm_in_pool(*args)
+        return super().step_and_norm_in_pool(*args) if out is None else out  # None: no arrival counts here
+
+
+class FlaPrefillDeltaNetKernels(TritonFusedDecodeDeltaNetKernels):
+    name = "triton fused decode, fla-core prefill"
 
     @staticmethod
     def rule(q, k, v, g, beta, scale: float, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +155,7 @@ def delta_net_kernels(device: torch.device | str) -> DeltaNetKernels:
     if kind not in _chosen:
         kernels: DeltaNetKernels = TorchDeltaNetKernels()
         if kind == "cuda" and availability.triton_usable():
-            kernels = FlaPrefillDeltaNetKernels() if _fla_importable() else TritonDecodeDeltaNetKernels()
+            kernels = FlaPrefillDeltaNetKernels() if _fla_importable() else TritonFusedDecodeDeltaNetKernels()
         _chosen[kind] = kernels
         logger.info("Gated DeltaNet kernels on %s: %s", kind, kernels.name)
     return _chosen[kind]

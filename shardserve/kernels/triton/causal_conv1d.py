@@ -4,7 +4,8 @@ sequence's state read from and written back to its slot of a pool: Gated DeltaNe
 Program (row, block of channels) reads the row's convolution state [channels, K - 1] from its pool slot, writes
 y = silu(conv(state, x) + bias) and shifts x into the state, in place. A row whose slot is negative (a CUDA
 graph's padding row) reads and writes no state; its outputs are meaningless and never read. Invariant: the rows
-of one call have distinct slots (one sequence a row).
+of one call have distinct slots (one sequence a row). Its pieces (load_window, convolve, rounded_silu, shift_in)
+are Gated DeltaNet's one-kernel decode step's too (kernels/triton/deltanet_decode.py).
 """
 
 from __future__ import annotations

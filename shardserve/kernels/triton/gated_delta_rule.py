@@ -9,7 +9,8 @@ a dozen small kernels. Here:
 - `rule_step_in_pool`: program (row, value head, block of value columns) reads q and k of its key head and v of
   its columns from the convolution's output, l2-normalises q and k, computes beta = sigmoid(b) and the log decay
   g = -exp(A_log) * softplus(a + dt_bias), and steps the float32 state columns it owns in place (the delta rule
-  of kernels/gated_delta_rule.py) while writing o.
+  of kernels/gated_delta_rule.py) while writing o (`step_columns`, which kernels/triton/deltanet_decode.py's one
+  kernel for the whole step runs too).
 
 A row whose slot is negative (a CUDA graph's padding row) reads and writes no state; its outputs are
 meaningless and never read. Invariant: the rows of one call have distinct slots (one sequence a row).
@@ -23,7 +24,7 @@ import triton.language as tl
 
 from shardserve.kernels.triton.activations import softplus
 
-_VALUE_BLOCK = 32  # value columns of one head a program of the delta rule owns (its state: key_dim x 32 float32)
+VALUE_BLOCK = 32  # value columns of one head a program of the delta rule owns (its state: key_dim x 32 float32)
 
 
 @triton.jit
@@ -80,7 +81,7 @@ def rule_step_in_pool(mixed: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor
     o = torch.empty(rows, value_heads, dv, dtype=torch.float32, device=mixed.device)
     if rows == 0:
         return o
-    block = min(_VALUE_BLOCK, triton.next_power_of_2(dv))
+    block = min(VALUE_BLOCK, triton.next_power_of_2(dv))
     grid = (rows, value_heads, triton.cdiv(dv, block))
     _rule_step_kernel[grid](mixed, ba, a_log, dt_bias, pool, slots, o, scale, mixed.stride(0), ba.stride(0),
                             pool.stride(0), key_heads, value_heads, GROUP=value_heads // key_heads, DK=dk, DV=dv,
