@@ -1,6 +1,7 @@
 """The Triton decode step of a Gated DeltaNet layer equals the torch one: the same delta-rule output and the same
 states left in the same pool slots, for odd and power-of-two head sizes, several value heads a key head, in
-float32 and bfloat16; a row with slot -1 (a CUDA graph's padding row) writes no slot.
+float32 and bfloat16; a row with slot -1 (a CUDA graph's padding row) writes no slot. The decode step through the
+output norm in one kernel (kernels/triton/deltanet_decode.py) equals the three kernels and torch, in a layer too.
 
 On a machine without CUDA the kernels run in Triton's interpreter on CPU tensors."""
 
@@ -17,7 +18,8 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from shardserve.layers.deltanet_kernels import TorchDeltaNetKernels, TritonDecodeDeltaNetKernels  # noqa: E402
+from shardserve.layers.deltanet_kernels import (TorchDeltaNetKernels, TritonDecodeDeltaNetKernels,  # noqa: E402
+                                                TritonFusedDecodeDeltaNetKernels)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SLOTS = 6
@@ -177,8 +179,6 @@ def test_the_one_kernel_decode_step_equals_the_three_kernels_and_torch(dtype, si
     """Two steps in a row (the second reads the convolution window the first shifted), a padding row among three:
     the same normed rows and the same states as the three kernels; torch, without the padding row, agrees; the
     padding row, the slots no row owns and the guard before the pool are left as they were."""
-    from shardserve.layers.deltanet_kernels import TorchDeltaNetKernels, TritonDecodeDeltaNetKernels
-
     layer, g = _layer(*sizes, dtype, seed=sum(sizes))
     slots, live = [4, -1, 2], [0, 2]
     steps = [_rows(layer, len(slots), g) for _ in range(2)]
@@ -198,7 +198,6 @@ def test_without_arrival_counts_the_fused_kernels_take_the_three(monkeypatch):
     """Where the device's arrival counts are too few for B x key heads (or would be made inside a capture), the fused
     kernels' decode step is the three kernels'."""
     from shardserve.kernels.triton import deltanet_decode
-    from shardserve.layers.deltanet_kernels import TritonDecodeDeltaNetKernels, TritonFusedDecodeDeltaNetKernels
 
     layer, g = _layer(1, 2, 8, 8, 4, torch.float32, seed=5)
     steps = [_rows(layer, 2, g)]
@@ -216,8 +215,6 @@ def test_on_cuda_the_one_kernel_equals_the_three_at_qwen3_next_size(slots, graph
     bfloat16 on a GPU, two steps, eager and replayed from a CUDA graph: the one kernel and the three agree."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from shardserve.layers.deltanet_kernels import TritonDecodeDeltaNetKernels
-
     layer, g = _layer(16, 32, 128, 128, 4, torch.bfloat16, seed=len(slots))
     steps = [_rows(layer, len(slots), g) for _ in range(2)]
     live = [row for row, slot in enumerate(slots) if slot >= 0]
@@ -231,7 +228,6 @@ def test_a_layer_decodes_through_the_one_kernel_as_through_torch():
     """GatedDeltaNet.forward's decode step (query_start None) on the fused kernels gives the torch kernels' output
     and states: z read in place from the input projection's output, the layer's norm weight and eps."""
     from shardserve.distributed.communicator import Communicator
-    from shardserve.layers.deltanet_kernels import TritonFusedDecodeDeltaNetKernels
     from shardserve.layers.gated_deltanet import DeltaNetDims, DeltaNetState, GatedDeltaNet
 
     layer = GatedDeltaNet(DeltaNetDims(32, 2, 4, 16, 24, 4, 1e-6), Communicator(None, 0, 1), torch.float32)
@@ -250,4 +246,4 @@ def test_a_layer_decodes_through_the_one_kernel_as_through_torch():
         with torch.no_grad():
             results.append((layer(x, pool, slots, None), *pool))
     for got, expected in zip(*results):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
