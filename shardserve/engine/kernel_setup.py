@@ -429,8 +429,8 @@ def _latent_attention_failures(backend, model: nn.Module, dtype: torch.dtype, de
 def checked_delta_net(model: nn.Module, dtype: torch.dtype, device: torch.device, ctx: RankContext) -> str:
     """The Gated DeltaNet layers' kernels if they pass their check on every rank (on the first layer's head
     sizes: every layer has the same); otherwise, with a WARNING, the next simpler ones that pass (their parent
-    classes: fla-core prefill -> Triton decode -> torch), set on every layer. Start-up stops when none does.
-    Returns the kernels' name ("" for a model without such layers)."""
+    classes: fla-core prefill -> Triton fused decode -> Triton decode -> torch), set on every layer. Start-up
+    stops when none does. Returns the kernels' name ("" for a model without such layers)."""
     from shardserve.layers.deltanet_kernels import TorchDeltaNetKernels, delta_net_kernels
     from shardserve.layers.gated_deltanet import GatedDeltaNet
 

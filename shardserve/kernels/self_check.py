@@ -154,11 +154,21 @@ def delta_net_reference(qkv: torch.Tensor, ba: torch.Tensor, conv_weight: torch.
     return torch.stack(outputs), conv, rec
 
 
+def gated_norm_reference(o: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet's output norm in float64: each head of o [T, heads, D] RMS-normalised, times norm_weight [D]
+    and silu(z) (z [T, heads * D]). Returns [T, heads * D]."""
+    z = z.double().cpu().reshape(o.shape)
+    normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double().cpu()
+    return (normed * F.silu(z)).reshape(o.shape[0], -1)
+
+
 def check_delta_net(kernels, key_heads: int, value_heads: int, key_dim: int, value_dim: int, conv_kernel: int,
                     dtype: torch.dtype, device: torch.device, seed: int = 0) -> CheckResult:
     """Gated DeltaNet kernels (layers/deltanet_kernels.py) on one rank's head sizes against float64: a prompt of
     70 tokens (two chunks of the chunked rule) from empty states, then two decode steps of three sequences in a
-    pool of four slots, that prompt's sequence among them."""
+    pool of four slots, that prompt's sequence among them, and two more through the output norm
+    (step_and_norm_in_pool); kernels that say they are graph-safe get a padding row (slot -1) too, which must
+    leave every slot alone."""
     from shardserve.kernels.gated_delta_rule import delta_rule_gates, split_heads
 
     name = (f"{kernels.name} Gated DeltaNet ({key_heads}x{key_dim} key heads, {value_heads}x{value_dim} value "
@@ -171,36 +181,63 @@ def check_delta_net(kernels, key_heads: int, value_heads: int, key_dim: int, val
         def rand(*shape, dt=dtype, scale=1.0):
             return (torch.randn(*shape, generator=g) * scale).to(dt).to(device)
 
-        weight = rand(channels, conv_kernel, scale=0.5)
-        a_log, dt_bias = rand(value_heads, dt=torch.float32, scale=0.5), rand(value_heads, dt=torch.float32)
-        scale = key_dim ** -0.5
-        conv_pool = rand(4, channels, conv_kernel - 1)
-        rec_pool = rand(4, value_heads, key_dim, value_dim, dt=torch.float32, scale=0.1)
+        f32 = torch.float32
+        layer = dict(conv_weight=rand(channels, conv_kernel, scale=0.5), a_log=rand(value_heads, dt=f32, scale=0.5),
+                     dt_bias=rand(value_heads, dt=f32), scale=key_dim ** -0.5, key_heads=key_heads)
+        norm = dict(norm_weight=1 + rand(value_dim, scale=0.2), eps=1e-6)
+        # Each pool a view past a guard slot: a padding row that wrote "slot -1" as an address would land there.
+        conv_buffer = rand(5, channels, conv_kernel - 1)
+        rec_buffer = rand(5, value_heads, key_dim, value_dim, dt=torch.float32, scale=0.1)
+        conv_pool, rec_pool = conv_buffer[1:], rec_buffer[1:]
         conv_pool[2], rec_pool[2] = 0, 0
+        untouched = [t[[0, 2]] for t in (conv_buffer, rec_buffer)]  # copies of the guard and slot 1, no sequence's
         expected = {s: (conv_pool[s].clone(), rec_pool[s].clone()) for s in (0, 2, 3)}
-        worst = 0.0
         # The prompt, through the chunked forms, into slot 2.
         qkv, ba = rand(70, channels), rand(70, 2 * value_heads)
-        mixed, conv_pool[2] = kernels.conv(qkv, weight, conv_pool[2])
+        mixed, conv_pool[2] = kernels.conv(qkv, layer["conv_weight"], conv_pool[2])
         q, k, v = split_heads(mixed, key_heads, key_dim, value_heads, value_dim)
-        gate, beta = delta_rule_gates(ba, a_log, dt_bias)
-        o, rec_pool[2] = kernels.rule(q, k, v, gate, beta, scale, rec_pool[2])
-        ref, *expected[2] = delta_net_reference(qkv, ba, weight, a_log, dt_bias, scale, key_heads, *expected[2])
-        worst = max(worst, relative_error(o, ref))
-        slots = [2, 0, 3]
-        for _ in range(2):
-            qkv, ba = rand(3, channels), rand(3, 2 * value_heads)
-            o = kernels.step_in_pool(qkv, ba, weight, a_log, dt_bias, scale, key_heads, conv_pool, rec_pool,
-                                     torch.tensor(slots, device=device))
-            for row, slot in enumerate(slots):
-                ref, *expected[slot] = delta_net_reference(qkv[row:row + 1], ba[row:row + 1], weight, a_log, dt_bias,
-                                                           scale, key_heads, *expected[slot])
-                worst = max(worst, relative_error(o[row:row + 1], ref))
+        gate, beta = delta_rule_gates(ba, layer["a_log"], layer["dt_bias"])
+        o, rec_pool[2] = kernels.rule(q, k, v, gate, beta, layer["scale"], rec_pool[2])
+        conv, rec = expected[2]
+        ref, *expected[2] = delta_net_reference(qkv, ba, **layer, conv=conv, rec=rec)
+        worst = relative_error(o, ref)
+        step = functools.partial(_delta_net_step_error, kernels, rand, layer, norm,
+                                 dict(conv_pool=conv_pool, rec_pool=rec_pool), expected,
+                                 [2, 0, 3] + ([-1] if kernels.graph_safe else []))
+        for normed in (False, False, True, True):
+            worst = max(worst, step(normed))
         for slot, (conv, rec) in expected.items():
             worst = max(worst, relative_error(rec_pool[slot], rec), relative_error(conv_pool[slot], conv))
+        if not all(torch.equal(t[[0, 2]], kept) for t, kept in zip((conv_buffer, rec_buffer), untouched)):
+            return CheckResult(name, math.inf, tolerance, "a slot no sequence owns was written (or before the pool)")
         return CheckResult(name, worst, tolerance)
     except Exception as e:  # noqa: BLE001 - kernels that cannot run these shapes fail their check
         return CheckResult(name, math.inf, tolerance, f"{type(e).__name__}: {e}")
+
+
+def _delta_net_step_error(kernels, rand, layer: dict, norm: dict, pools: dict, expected: dict, slots: list[int],
+                          normed: bool) -> float:
+    """One decode step of random inputs for rows of `slots` (step_and_norm_in_pool where normed, else
+    step_in_pool): the worst relative error of a live row's output against float64, whose expected states
+    (expected[slot]: conv, rec) it steps."""
+    value_heads, value_dim = layer["a_log"].shape[0], norm["norm_weight"].shape[0]
+    qkv, ba = rand(len(slots), pools["conv_pool"].shape[1]), rand(len(slots), 2 * value_heads)
+    z = rand(len(slots), value_heads * value_dim)
+    common = dict(slots=torch.tensor(slots, device=qkv.device), **layer, **pools)
+    if normed:
+        out = kernels.step_and_norm_in_pool(qkv, ba, z, **norm, **common)
+    else:
+        out = kernels.step_in_pool(qkv, ba, **common)
+    worst = 0.0
+    for row, slot in enumerate(slots):
+        if slot < 0:  # a padding row: its output is never read
+            continue
+        conv, rec = expected[slot]
+        ref, *expected[slot] = delta_net_reference(qkv[row:row + 1], ba[row:row + 1], **layer, conv=conv, rec=rec)
+        if normed:
+            ref = gated_norm_reference(ref, z[row:row + 1], **norm)
+        worst = max(worst, relative_error(out[row:row + 1], ref))
+    return worst
 
 
 def mamba2_reference(xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, params: dict, groups: int,

@@ -1,19 +1,23 @@
 """How a Gated DeltaNet layer's convolution and delta rule run on this hardware, chosen once per device.
 
-One interface, three operations: a prompt chunk of one sequence (`conv`, `rule`: they take the states as they are
+One interface, four operations: a prompt chunk of one sequence (`conv`, `rule`: they take the states as they are
 and return the new ones, writing no input; shapes and dtypes those of kernels/causal_conv1d.py and
 kernels/gated_delta_rule.py), and a decode step (`step_in_pool`: one token of each of B sequences, from the
 input projections' outputs to the delta rule's output, stepping the sequences' states where they live in the
-layer's pools). A decode step takes only tensors, so it runs inside CUDA graphs.
+layer's pools; `step_and_norm_in_pool`: the same through the layer's gated output norm, to the rows out_proj
+takes). A decode step takes only tensors, so it runs inside CUDA graphs.
 
 - "torch": plain torch ops, the delta rule in float32 chunks of 64 tokens; any device. Its decode step indexes the
   pools by slot, so a CUDA graph's padding row (slot -1) would step the last slot: not graph-safe, decode eager.
 - "triton decode": on CUDA GPUs with Triton, the decode step in two kernels that step the states in place
-  (kernels/triton/causal_conv1d.py, kernels/triton/gated_delta_rule.py); prompt chunks as "torch".
-- "triton decode, fla-core prefill": the same, with 16-bit models' prompt chunks through the flash-linear-attention
-  package's Triton chunk_gated_delta_rule where `fla-core` is installed: on an H200 it prefills a 32k-token prompt's layer of
-  Qwen3-Next-80B-A3B (32 value heads of 128 x 128) in 2.1 ms against 75 ms for the torch form
-  (benchmarks/delta_rule_prefill.py).
+  (kernels/triton/causal_conv1d.py, kernels/triton/gated_delta_rule.py), then the norm in a third
+  (kernels/triton/gated_rms_norm.py); prompt chunks as "torch".
+- "triton fused decode": the same, with the decode step and its norm in one kernel
+  (kernels/triton/deltanet_decode.py): a launch a layer instead of three.
+- "triton fused decode, fla-core prefill": the same, with 16-bit models' prompt chunks through the
+  flash-linear-attention package's Triton chunk_gated_delta_rule where `fla-core` is installed: on an H200 it
+  prefills a 32k-token prompt's layer of Qwen3-Next-80B-A3B (32 value heads of 128 x 128) in 2.1 ms against 75 ms
+  for the torch form (benchmarks/delta_rule_prefill.py).
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ from shardserve.kernels import availability
 from shardserve.kernels.causal_conv1d import causal_conv1d, causal_conv1d_step
 from shardserve.kernels.gated_delta_rule import (chunked_gated_delta_rule, delta_rule_gates,
                                                  gated_delta_rule_step, split_heads)
+from shardserve.layers.norm import gated_rms_norm_rows
 
 logger = logging.getLogger(__name__)
 
 
 class DeltaNetKernels(Protocol):
     name: str
-    graph_safe: bool  # whether step_in_pool leaves every slot alone for a row of slot -1 (a graph's padding row)
+    graph_safe: bool  # whether the decode steps leave every slot alone for a row of slot -1 (a graph's padding row)
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence: causal_conv1d.causal_conv1d."""
@@ -49,6 +54,14 @@ class DeltaNetKernels(Protocol):
         value_heads] ([b | a]); conv_weight [channels, K]; a_log, dt_bias float32 [value_heads]; the pools
         [slots, ...] as DeltaNetState lays them out; slots int64 [B], distinct. Steps rows' states in their
         slots, in place, and returns the delta rule's output o float32 [B, value_heads, value_dim]."""
+
+    def step_and_norm_in_pool(self, qkv: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, conv_weight: torch.Tensor,
+                              a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                              scale: float, key_heads: int, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
+                              slots: torch.Tensor) -> torch.Tensor:
+        """step_in_pool, then the layer's gated norm of its output (layers/norm.gated_rms_norm_rows) with z [B,
+        value_heads * value_dim] (rows may be strided), norm_weight [value_dim] in the model's dtype and eps:
+        the rows out_proj takes, [B, value_heads * value_dim] in norm_weight's dtype."""
 
 
 class TorchDeltaNetKernels:
@@ -73,6 +86,12 @@ class TorchDeltaNetKernels:
         o, rec_pool[slots] = gated_delta_rule_step(q, k, v, g, beta, scale, rec_pool[slots])
         return o
 
+    @classmethod
+    def step_and_norm_in_pool(cls, qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, eps: float, scale: float,
+                              key_heads: int, conv_pool, rec_pool, slots) -> torch.Tensor:
+        o = cls.step_in_pool(qkv, ba, conv_weight, a_log, dt_bias, scale, key_heads, conv_pool, rec_pool, slots)
+        return gated_rms_norm_rows(o, z, norm_weight, eps)
+
 
 class TritonDecodeDeltaNetKernels(TorchDeltaNetKernels):
     name = "triton decode"
@@ -88,8 +107,22 @@ class TritonDecodeDeltaNetKernels(TorchDeltaNetKernels):
         return rule_step_in_pool(mixed, ba, a_log, dt_bias, scale, rec_pool, slots, key_heads)
 
 
-class FlaPrefillDeltaNetKernels(TritonDecodeDeltaNetKernels):
-    name = "triton decode, fla-core prefill"
+class TritonFusedDecodeDeltaNetKernels(TritonDecodeDeltaNetKernels):
+    name = "triton fused decode"
+
+    @classmethod
+    def step_and_norm_in_pool(cls, qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, eps: float, scale: float,
+                              key_heads: int, conv_pool, rec_pool, slots) -> torch.Tensor:
+        from shardserve.kernels.triton.deltanet_decode import step_and_norm_in_pool
+
+        args = (qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, eps, scale, key_heads, conv_pool, rec_pool,
+                slots)
+        out = step_and_norm_in_pool(*args)
+        return super().step_and_norm_in_pool(*args) if out is None else out  # None: no arrival counts here
+
+
+class FlaPrefillDeltaNetKernels(TritonFusedDecodeDeltaNetKernels):
+    name = "triton fused decode, fla-core prefill"
 
     @staticmethod
     def rule(q, k, v, g, beta, scale: float, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +155,7 @@ def delta_net_kernels(device: torch.device | str) -> DeltaNetKernels:
     if kind not in _chosen:
         kernels: DeltaNetKernels = TorchDeltaNetKernels()
         if kind == "cuda" and availability.triton_usable():
-            kernels = FlaPrefillDeltaNetKernels() if _fla_importable() else TritonDecodeDeltaNetKernels()
+            kernels = FlaPrefillDeltaNetKernels() if _fla_importable() else TritonFusedDecodeDeltaNetKernels()
         _chosen[kind] = kernels
         logger.info("Gated DeltaNet kernels on %s: %s", kind, kernels.name)
     return _chosen[kind]

@@ -135,14 +135,16 @@ class GatedDeltaNet(StateMixer):
         qkv, z = self.in_proj_qkvz(x).split([self.channels, hv * d.value_dim], dim=-1)
         ba = self.in_proj_ba(x)
         weight = self.conv1d.weight.squeeze(1)
-        step = functools.partial(kernels.step_in_pool, conv_weight=weight, a_log=self.A_log, dt_bias=self.dt_bias,
-                                 scale=self.scale, key_heads=self.key_heads, conv_pool=pool.conv,
-                                 rec_pool=pool.recurrent)
+        layer = dict(conv_weight=weight, a_log=self.A_log, dt_bias=self.dt_bias, scale=self.scale,
+                     key_heads=self.key_heads, conv_pool=pool.conv, rec_pool=pool.recurrent)
         if query_start is None:
-            o = step(qkv, ba, slots=slots)
+            normed = kernels.step_and_norm_in_pool(qkv, ba, z, norm_weight=self.norm.weight, eps=self.norm.eps,
+                                                   slots=slots, **layer)
         else:
+            step = functools.partial(kernels.step_in_pool, **layer)
             o = self._chunks(kernels, step, qkv, ba, weight, pool, slots, list(query_start))
-        return self.out_proj(self.norm.forward_rows(o, z))
+            normed = self.norm.forward_rows(o, z)
+        return self.out_proj(normed)
 
     def _chunks(self, kernels: DeltaNetKernels, step, qkv, ba, weight, pool: DeltaNetState, slots: torch.Tensor,
                 starts: list[int]) -> torch.Tensor:

@@ -71,17 +71,26 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward_rows(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The norm of each head of the delta rule's float32 output o [rows, heads, D] gated by z [rows, heads * D]
-        (a view of the input projection's output), as forward(o.to(dtype), z) flattened to [rows, heads * D]:
-        one Triton kernel on CUDA."""
-        if use_triton(o):
-            from shardserve.kernels.triton.gated_rms_norm import gated_rms_norm
-
-            return gated_rms_norm(o, z, self.weight, self.eps)
-        return self(o.to(self.weight.dtype), z.reshape(o.shape)).reshape(z.shape)
+        """gated_rms_norm_rows with this norm's weight and eps."""
+        return gated_rms_norm_rows(o, z, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
-        return (h * F.silu(gate.float())).to(x.dtype)
+        return _gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+def gated_rms_norm_rows(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The norm of each head of the delta rule's float32 output o [rows, heads, D] gated by z [rows, heads * D]
+    (a view of the input projection's output), as GatedRMSNorm(o.to(weight.dtype), z) flattened to [rows, heads *
+    D]: one Triton kernel on CUDA."""
+    if use_triton(o):
+        from shardserve.kernels.triton.gated_rms_norm import gated_rms_norm
+
+        return gated_rms_norm(o, z, weight, eps)
+    return _gated_rms_norm(o.to(weight.dtype), z.reshape(o.shape), weight, eps).reshape(z.shape)
+
+
+def _gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(x.dtype)
+    return (h * F.silu(gate.float())).to(x.dtype)

@@ -1,6 +1,7 @@
 """The start-up check of the Gated DeltaNet kernels: it passes the torch and Triton kernels on odd and real head
-sizes, catches kernels that are wrong in a way a user would see (a decay forgotten, a convolution tap off), and
-start-up then serves with the torch kernels, saying so, or stops where those fail too."""
+sizes, catches kernels that are wrong in a way a user would see (a decay forgotten, a convolution tap off, a
+one-kernel decode step gating by the wrong head or never moving its key heads' convolution window), and start-up
+then serves with the simpler kernels they extend, saying so, or stops where the torch ones fail too."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ if not torch.cuda.is_available():
 from shardserve.engine import kernel_setup  # noqa: E402
 from shardserve.kernels.plan import KernelPlanError  # noqa: E402
 from shardserve.kernels.self_check import check_delta_net  # noqa: E402
-from shardserve.layers.deltanet_kernels import TorchDeltaNetKernels, TritonDecodeDeltaNetKernels  # noqa: E402
+from shardserve.layers.deltanet_kernels import (TorchDeltaNetKernels, TritonDecodeDeltaNetKernels,  # noqa: E402
+                                                TritonFusedDecodeDeltaNetKernels)
 from shardserve.layers.gated_deltanet import DeltaNetDims, GatedDeltaNet  # noqa: E402
 
 SINGLE = SimpleNamespace(rank=0, world_size=1, is_driver=True)
@@ -53,10 +55,13 @@ def test_the_check_passes_the_torch_kernels(sizes, dtype):
     assert result.passed, result.describe()
 
 
-def test_the_check_passes_the_triton_decode_kernels():
+@pytest.mark.parametrize("kernels", [TritonDecodeDeltaNetKernels(), TritonFusedDecodeDeltaNetKernels()],
+                         ids=lambda k: k.name)
+@pytest.mark.parametrize("sizes", [(1, 3, 12, 20, 4), (2, 4, 16, 32, 4)])
+def test_the_check_passes_the_triton_decode_kernels(kernels, sizes):
     pytest.importorskip("triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result = check_delta_net(TritonDecodeDeltaNetKernels(), 2, 4, 16, 32, 4, torch.float32, device)
+    result = check_delta_net(kernels, *sizes, torch.float32, device)
     assert result.passed, result.describe()
 
 
@@ -122,3 +127,42 @@ def test_only_kernels_that_skip_padding_rows_let_cuda_graphs_capture_the_layer()
     assert layer.graph_safe is False and "torch" in layer.graph_unsafe_reason
     layer.kernels = TritonDecodeDeltaNetKernels()
     assert layer.graph_safe is True
+
+
+def _gate_of_the_next_head(kernel):
+    """The one-kernel decode step gating each head's norm by the next head's z, as a kernel reading z a head off."""
+    def broken(qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, *rest):
+        next_z = z.roll(-norm_weight.shape[0], dims=1)
+        return kernel(qkv, ba, next_z, conv_weight, a_log, dt_bias, norm_weight, *rest)
+    return broken
+
+
+def _stuck_key_window(kernel):
+    """The one-kernel decode step leaving the q and k channels' convolution state as it was, as a kernel whose key
+    heads' last program never moves their window."""
+    def broken(qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, eps, scale, key_heads, conv_pool, rec_pool,
+               slots):
+        qk = 2 * key_heads * rec_pool.shape[2]
+        kept = conv_pool[:, :qk].clone()
+        out = kernel(qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, eps, scale, key_heads, conv_pool,
+                     rec_pool, slots)
+        conv_pool[:, :qk] = kept
+        return out
+    return broken
+
+
+@pytest.mark.parametrize("breaking", [_gate_of_the_next_head, _stuck_key_window], ids=lambda f: f.__name__[1:])
+def test_a_failing_one_kernel_decode_step_gives_way_to_the_three_kernels(breaking, monkeypatch, caplog):
+    """The one-kernel decode step is checked against float64 like the rest: where it is wrong, start-up serves with
+    the three-kernel decode step it extends."""
+    pytest.importorskip("triton")
+    from shardserve.kernels.triton import deltanet_decode
+
+    monkeypatch.setattr(deltanet_decode, "step_and_norm_in_pool", breaking(deltanet_decode.step_and_norm_in_pool))
+    model = _model(TritonFusedDecodeDeltaNetKernels())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with caplog.at_level(logging.WARNING):
+        name = kernel_setup.checked_delta_net(model.to(device), torch.float32, device, SINGLE)
+    assert name == "triton decode"
+    assert all(type(layer.kernels) is TritonDecodeDeltaNetKernels for layer in model)
+    assert "triton fused decode failed their start-up check, using triton decode instead" in caplog.text

@@ -208,7 +208,7 @@ def test_on_gpus_in_chunks_equals_transformers(tiny_model_dir, tp):
     with LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4,
              max_num_batched_tokens=16, tensor_parallel_size=tp) as llm:
         runner = llm.engine.runner
-        assert runner.graphs is not None and "Gated DeltaNet triton decode" in runner.plan.describe()
+        assert runner.graphs is not None and "Gated DeltaNet triton fused decode" in runner.plan.describe()
         outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
         assert_all_returned(llm)
     assert tuple(tuple(o.token_ids) for o in outputs) == expected

@@ -4,7 +4,8 @@ sequence's state read from and written back to its slot of a pool: Gated DeltaNe
 Program (row, block of channels) reads the row's convolution state [channels, K - 1] from its pool slot, writes
 y = silu(conv(state, x) + bias) and shifts x into the state, in place. A row whose slot is negative (a CUDA
 graph's padding row) reads and writes no state; its outputs are meaningless and never read. Invariant: the rows
-of one call have distinct slots (one sequence a row).
+of one call have distinct slots (one sequence a row). Its pieces (load_window, convolve, rounded_silu, shift_in)
+are Gated DeltaNet's one-kernel decode step's too (kernels/triton/deltanet_decode.py).
 """
 
 from __future__ import annotations
@@ -17,31 +18,57 @@ _CONV_BLOCK = 256  # channels a program covers
 
 
 @triton.jit
+def load_window(x_row, state_row, c, inside, live, KERNEL: tl.constexpr, TAPS: tl.constexpr):
+    """The convolution window of channels c (masked by `inside`) for this token, float32 [len(c), TAPS]: taps oldest
+    first, 0 .. KERNEL - 2 from the state at state_row ([channels, KERNEL - 1]; zeros where not `live`), tap
+    KERNEL - 1 this token's input from x_row."""
+    taps = tl.arange(0, TAPS)
+    from_state = (inside & live)[:, None] & (taps[None, :] < KERNEL - 1)
+    window = tl.load(state_row + c[:, None] * (KERNEL - 1) + taps[None, :], mask=from_state, other=0.0)
+    x = tl.load(x_row + c, mask=inside, other=0.0)
+    return tl.where(taps[None, :] == KERNEL - 1, x.to(tl.float32)[:, None], window.to(tl.float32))
+
+
+@triton.jit
+def convolve(window, weight_ptr, c, inside, KERNEL: tl.constexpr, TAPS: tl.constexpr):
+    """The convolution of channels c over their window (load_window), summed in float32; weight [channels, KERNEL]
+    contiguous."""
+    taps = tl.arange(0, TAPS)
+    w = tl.load(weight_ptr + c[:, None] * KERNEL + taps[None, :], mask=inside[:, None] & (taps[None, :] < KERNEL),
+                other=0.0)
+    return tl.sum(window * w.to(tl.float32), axis=1)
+
+
+@triton.jit
+def rounded_silu(y, dtype: tl.constexpr):
+    """silu of the convolution's float32 sum rounded to `dtype` once, rounded to `dtype`: as the torch form does."""
+    y = y.to(dtype).to(tl.float32)
+    return (y * tl.sigmoid(y)).to(dtype)
+
+
+@triton.jit
+def shift_in(state_row, c, window, ok, KERNEL: tl.constexpr, TAPS: tl.constexpr):
+    """The state keeps the last KERNEL - 1 inputs: taps 1 .. KERNEL - 1 of the window move to 0 .. KERNEL - 2 of
+    channels c where ok."""
+    taps = tl.arange(0, TAPS)
+    tl.store(state_row + c[:, None] * (KERNEL - 1) + taps[None, :] - 1, window.to(state_row.dtype.element_ty),
+             mask=ok[:, None] & (taps[None, :] >= 1) & (taps[None, :] < KERNEL))
+
+
+@triton.jit
 def _conv_step_kernel(x_ptr, weight_ptr, bias_ptr, state_ptr, slots_ptr, y_ptr, channels, stride_x, stride_slot,
                       KERNEL: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = c < channels
     slot = tl.load(slots_ptr + row)
-    live = inside & (slot >= 0)
-    taps = tl.arange(0, TAPS)  # tap KERNEL - 1 is this token; taps before it come from the state, oldest first
-    state_at = state_ptr + slot.to(tl.int64) * stride_slot + c[:, None] * (KERNEL - 1) + taps[None, :]
-    from_state = taps[None, :] < KERNEL - 1
-    window = tl.load(state_at, mask=live[:, None] & from_state, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + row * stride_x + c, mask=inside, other=0.0)
-    window = tl.where(taps[None, :] == KERNEL - 1, x.to(tl.float32)[:, None], window)
-    w = tl.load(weight_ptr + c[:, None] * KERNEL + taps[None, :], mask=inside[:, None] & (taps[None, :] < KERNEL),
-                other=0.0).to(tl.float32)
-    y = tl.sum(window * w, axis=1)
+    state_row = state_ptr + slot.to(tl.int64) * stride_slot
+    window = load_window(x_ptr + row * stride_x, state_row, c, inside, slot >= 0, KERNEL, TAPS)
+    y = convolve(window, weight_ptr, c, inside, KERNEL, TAPS)
     if HAS_BIAS:
         y += tl.load(bias_ptr + c, mask=inside, other=0.0).to(tl.float32)
-    # Summed in float32 (with the bias) and rounded to x's dtype once, then SiLU: as the torch form does.
-    y = y.to(x.dtype).to(tl.float32)
-    tl.store(y_ptr + row * channels + c, (y * tl.sigmoid(y)).to(x.dtype), mask=inside)
-    # The state keeps the last KERNEL - 1 inputs: taps 1 .. KERNEL - 1 of the window move to 0 .. KERNEL - 2.
-    shifted = state_at - 1
-    tl.store(shifted, window.to(state_ptr.dtype.element_ty), mask=live[:, None] & (taps[None, :] >= 1)
-             & (taps[None, :] < KERNEL))
+    tl.store(y_ptr + row * channels + c, rounded_silu(y, x_ptr.dtype.element_ty), mask=inside)
+    shift_in(state_row, c, window, inside & (slot >= 0), KERNEL, TAPS)
 
 
 def conv_step_in_pool(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,

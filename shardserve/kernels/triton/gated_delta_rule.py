@@ -9,7 +9,8 @@ a dozen small kernels. Here:
 - `rule_step_in_pool`: program (row, value head, block of value columns) reads q and k of its key head and v of
   its columns from the convolution's output, l2-normalises q and k, computes beta = sigmoid(b) and the log decay
   g = -exp(A_log) * softplus(a + dt_bias), and steps the float32 state columns it owns in place (the delta rule
-  of kernels/gated_delta_rule.py) while writing o.
+  of kernels/gated_delta_rule.py) while writing o (`step_columns`, which kernels/triton/deltanet_decode.py's one
+  kernel for the whole step runs too).
 
 A row whose slot is negative (a CUDA graph's padding row) reads and writes no state; its outputs are
 meaningless and never read. Invariant: the rows of one call have distinct slots (one sequence a row).
@@ -23,7 +24,26 @@ import triton.language as tl
 
 from shardserve.kernels.triton.activations import softplus
 
-_VALUE_BLOCK = 32  # value columns of one head a program of the delta rule owns (its state: key_dim x 32 float32)
+VALUE_BLOCK = 32  # value columns of one head a program of the delta rule owns (its state: key_dim x 32 float32)
+
+
+@triton.jit
+def step_columns(q, k, v, ba_row, a_log_ptr, dt_bias_ptr, head, value_heads, state_at, cell, scale):
+    """The delta rule of value head `head` on the state columns one program owns: q, k float32 [DK_POW2] of its
+    key head (zeros past key_dim), not yet normalised; v float32 [BV] of its columns; ba_row the row's [b | a];
+    state_at [DK_POW2, BV] the float32 state cells (read and written where `cell`), stepped in place. Returns o
+    float32 [BV]."""
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    b = tl.load(ba_row + head).to(tl.float32)
+    a = tl.load(ba_row + value_heads + head).to(tl.float32) + tl.load(dt_bias_ptr + head)
+    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head)) * softplus(a))
+    beta = tl.sigmoid(b)
+    s = tl.load(state_at, mask=cell, other=0.0) * decay  # [DK, BV]
+    write = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * write[None, :]
+    tl.store(state_at, s, mask=cell)
+    return tl.sum(s * q[:, None], axis=0)
 
 
 @triton.jit
@@ -37,24 +57,15 @@ def _rule_step_kernel(mixed_ptr, ba_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot
     slot = tl.load(slots_ptr + row)
     keys = tl.arange(0, DK_POW2)
     key_in, col_in = keys < DK, cols < DV
-    cell = key_in[:, None] & col_in[None, :]
     base = mixed_ptr + row * stride_mixed
     key_head = head // GROUP
     q = tl.load(base + key_head * DK + keys, mask=key_in, other=0.0).to(tl.float32)
     k = tl.load(base + key_heads * DK + key_head * DK + keys, mask=key_in, other=0.0).to(tl.float32)
     v = tl.load(base + 2 * key_heads * DK + head * DV + cols, mask=col_in, other=0.0).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    b = tl.load(ba_ptr + row * stride_ba + head).to(tl.float32)
-    a = tl.load(ba_ptr + row * stride_ba + value_heads + head).to(tl.float32) + tl.load(dt_bias_ptr + head)
-    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head)) * softplus(a))
-    beta = tl.sigmoid(b)
     at = state_ptr + slot.to(tl.int64) * stride_slot + head * DK * DV + keys[:, None] * DV + cols[None, :]
-    s = tl.load(at, mask=cell & (slot >= 0), other=0.0) * decay  # [DK, BV]
-    write = (v - tl.sum(s * k[:, None], axis=0)) * beta
-    s = s + k[:, None] * write[None, :]
-    tl.store(at, s, mask=cell & (slot >= 0))
-    tl.store(o_ptr + (row * value_heads + head) * DV + cols, tl.sum(s * q[:, None], axis=0), mask=col_in)
+    o = step_columns(q, k, v, ba_ptr + row * stride_ba, a_log_ptr, dt_bias_ptr, head, value_heads, at,
+                     key_in[:, None] & col_in[None, :] & (slot >= 0), scale)
+    tl.store(o_ptr + (row * value_heads + head) * DV + cols, o, mask=col_in)
 
 
 def rule_step_in_pool(mixed: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -70,7 +81,7 @@ def rule_step_in_pool(mixed: torch.Tensor, ba: torch.Tensor, a_log: torch.Tensor
     o = torch.empty(rows, value_heads, dv, dtype=torch.float32, device=mixed.device)
     if rows == 0:
         return o
-    block = min(_VALUE_BLOCK, triton.next_power_of_2(dv))
+    block = min(VALUE_BLOCK, triton.next_power_of_2(dv))
     grid = (rows, value_heads, triton.cdiv(dv, block))
     _rule_step_kernel[grid](mixed, ba, a_log, dt_bias, pool, slots, o, scale, mixed.stride(0), ba.stride(0),
                             pool.stride(0), key_heads, value_heads, GROUP=value_heads // key_heads, DK=dk, DV=dv,

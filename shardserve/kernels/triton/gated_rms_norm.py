@@ -20,6 +20,17 @@ import triton.language as tl
 
 
 @triton.jit
+def norm_then_gate(x, z, w, eps, D: tl.constexpr, out_dtype: tl.constexpr):
+    """Gated DeltaNet's norm of one head: (weight * norm(o)) * silu(z) in float32, from o's float32 values x [D_POW2]
+    (zeros past D), rounded to out_dtype first, the normalised values rounded before the weight and the product
+    after, as the torch form does; z and w float32."""
+    x = x.to(out_dtype).to(tl.float32)
+    h = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    h = (w * h.to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+    return h * z * tl.sigmoid(z)
+
+
+@triton.jit
 def _gated_rms_norm_kernel(o_ptr, z_ptr, weight_ptr, out_ptr, stride_o, stride_z, groups, weight_stride, eps,
                            D: tl.constexpr, D_POW2: tl.constexpr, GATE_FIRST: tl.constexpr):
     row = tl.program_id(0)
@@ -35,10 +46,7 @@ def _gated_rms_norm_kernel(o_ptr, z_ptr, weight_ptr, out_ptr, stride_o, stride_z
         h = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
         out = w * h.to(out_dtype).to(tl.float32)
     else:  # (weight * norm(o)) * silu(z), o rounded to the output dtype first
-        x = x.to(out_dtype).to(tl.float32)
-        h = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-        h = (w * h.to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
-        out = h * z * tl.sigmoid(z)
+        out = norm_then_gate(x, z, w, eps, D, out_dtype)
     tl.store(out_ptr + (row * groups + group) * D + cols, out.to(out_dtype), mask=inside)
 
 
