@@ -16,12 +16,13 @@ from collections import defaultdict
 
 DURATION = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(tests/\S+?)::")
 WALL = re.compile(r"\b(?:passed|failed)\b.* in ([\d.]+)s")
+SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?)")
 
 
-def by_directory(path: str) -> tuple[dict[str, float], float | None]:
-    """(seconds per directory, the run's wall-clock seconds or None) of one pytest log."""
+def by_directory(path: str) -> tuple[dict[str, float], float | None, str]:
+    """(seconds per directory, the run's wall-clock seconds or None, its tests' outcome counts) of one pytest log."""
     seconds: dict[str, float] = defaultdict(float)
-    wall = None
+    wall, counts = None, ""
     with open(path, errors="replace") as f:
         for line in f:
             if match := DURATION.match(line):
@@ -30,27 +31,29 @@ def by_directory(path: str) -> tuple[dict[str, float], float | None]:
                 seconds[directory] += float(match.group(1))
             elif found := WALL.search(line):
                 wall = float(found.group(1))
-    return dict(seconds), wall
+                counts = ", ".join(f"{n} {outcome}" for n, outcome in SUMMARY.findall(line))
+    return dict(seconds), wall, counts
 
 
 def main(paths: list[str]) -> None:
     runs = [by_directory(path) for path in paths]
-    directories = sorted({d for seconds, _ in runs for d in seconds}, key=lambda d: -runs[-1][0].get(d, 0.0))
+    directories = sorted({d for seconds, *_ in runs for d in seconds}, key=lambda d: -runs[-1][0].get(d, 0.0))
     header = ["directory", *(f"{'before' if len(runs) == 2 and i == 0 else 'after'} (s)" for i in range(len(runs)))]
     if len(runs) == 2:
         header.append("change")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     rows = directories + ["all (worker seconds)"]
-    totals = [sum(seconds.values()) for seconds, _ in runs]
+    totals = [sum(seconds.values()) for seconds, *_ in runs]
     for directory in rows:
-        values = totals if directory.startswith("all") else [seconds.get(directory, 0.0) for seconds, _ in runs]
+        values = totals if directory.startswith("all") else [seconds.get(directory, 0.0) for seconds, *_ in runs]
         cells = [directory, *(f"{v:.0f}" for v in values)]
         if len(runs) == 2:
             cells.append(f"{values[1] - values[0]:+.0f}")
         print("| " + " | ".join(cells) + " |")
-    walls = ["" if wall is None else f"{wall:.0f}" for _, wall in runs]
+    walls = ["" if wall is None else f"{wall:.0f}" for _, wall, _ in runs]
     print("| wall clock | " + " | ".join(walls) + (" |" if len(runs) == 1 else " | |"))
+    print("| tests | " + " | ".join(counts for *_, counts in runs) + (" |" if len(runs) == 1 else " | |"))
 
 
 if __name__ == "__main__":
