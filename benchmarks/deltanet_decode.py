@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.moe_kernels import graph_time_us  # noqa: E402
 
 CONV_KERNEL = 4
 
@@ -60,23 +65,7 @@ def us_per_layer(step, layers: list[dict], repeats: int, replays: int = 20) -> f
     """The median over `repeats` of a CUDA graph of one step a layer, replayed `replays` times, per layer."""
     for inputs in layers:
         step(**inputs)  # compiles the kernels; the first eager call makes the arrival counts
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for inputs in layers:
-            step(**inputs)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / replays / len(layers))
-    return statistics.median(times)
+    return graph_time_us(lambda: [step(**inputs) for inputs in layers], replays, repeats) / len(layers)
 
 
 def relative_difference(inputs: dict) -> float:

@@ -19,11 +19,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
+import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.moe_kernels import graph_time_us  # noqa: E402
 
 SIZES_MB = (2, 4, 8, 12, 16, 24, 32, 48)
 # Qwen3-Next-80B-A3B at TP=1: (N, K) of in_proj_qkvz, out_proj, the attention's q|k|v and o, in_proj_ba.
@@ -43,24 +48,7 @@ def _stream_kernel(src, out, n_words, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 def graph_us(launches: list, repeats: int) -> float:
     """us a launch: the launches captured in one graph, replayed `repeats` times (median)."""
-    for launch in launches[:2]:
-        launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for launch in launches:
-            launch()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(launches))
-    return statistics.median(times)
+    return graph_time_us(lambda: [launch() for launch in launches], 1, repeats) / len(launches)
 
 
 def copies(nbytes: int, count: int) -> int:

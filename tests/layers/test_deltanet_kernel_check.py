@@ -107,13 +107,18 @@ class BrokenPrefill(TritonDecodeDeltaNetKernels):
 def test_failing_prefill_kernels_give_way_to_the_decode_kernels_they_extend(caplog):
     """Only what failed is dropped: prompts go back to torch, decode steps keep the Triton kernels."""
     pytest.importorskip("triton")
-    model = _model(BrokenPrefill())
+    _assert_falls_back_to_triton_decode(_model(BrokenPrefill()), "broken-prefill", caplog)
+
+
+def _assert_falls_back_to_triton_decode(model, failed: str, caplog) -> None:
+    """The start-up check of `model`'s kernels (named `failed`) sets the three-kernel Triton decode on every layer
+    and says so."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with caplog.at_level(logging.WARNING):
         name = kernel_setup.checked_delta_net(model.to(device), torch.float32, device, SINGLE)
     assert name == "triton decode"
     assert all(type(layer.kernels) is TritonDecodeDeltaNetKernels for layer in model)
-    assert "broken-prefill failed their start-up check, using triton decode instead" in caplog.text
+    assert f"{failed} failed their start-up check, using triton decode instead" in caplog.text
 
 
 def test_only_kernels_that_skip_padding_rows_let_cuda_graphs_capture_the_layer():
@@ -159,10 +164,4 @@ def test_a_failing_one_kernel_decode_step_gives_way_to_the_three_kernels(breakin
     from shardserve.kernels.triton import deltanet_decode
 
     monkeypatch.setattr(deltanet_decode, "step_and_norm_in_pool", breaking(deltanet_decode.step_and_norm_in_pool))
-    model = _model(TritonFusedDecodeDeltaNetKernels())
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with caplog.at_level(logging.WARNING):
-        name = kernel_setup.checked_delta_net(model.to(device), torch.float32, device, SINGLE)
-    assert name == "triton decode"
-    assert all(type(layer.kernels) is TritonDecodeDeltaNetKernels for layer in model)
-    assert "triton fused decode failed their start-up check, using triton decode instead" in caplog.text
+    _assert_falls_back_to_triton_decode(_model(TritonFusedDecodeDeltaNetKernels()), "triton fused decode", caplog)
