@@ -1,7 +1,7 @@
 """Start-up of one rank's kernels: check each chosen kernel on this model's shapes, agree with the other
 ranks, attach them, and compare the finished kernel plan (kernels/plan.py) across ranks. The model runner calls
-set_up_linear_layers for every linear layer's kernels (dense, packed quantized, the batch-1 GEMVs), and the
-attention, Gated DeltaNet, Mamba-2 and all-reduce checks below.
+set_up_linear_layers for every linear layer's kernels (dense, packed quantized, the batch-1 GEMVs),
+set_up_token_mixers for the attention, Gated DeltaNet and Mamba-2 kernels, and the all-reduce check below.
 
 Every function here that takes a RankContext is a collective: all ranks call it in the same order. A kernel
 that fails its check on any rank is dropped on every rank (with a WARNING naming the rank and the error),
