@@ -1,7 +1,8 @@
 """The packed "fp4" layout (kernels/quant_pack.py: e2m1 codes in int4's nibbles, a float32 scale word a group) through
 the 4-bit kernels' e2m1 decode table: the torch dequantizer is exact against the float64 definition, and in Triton's
-interpreter (tiny shapes) the tiled GEMV, the GEMM and the dequantize kernel agree with it; the same kernels with the
-int4 table, or a layer dequantizing with it, fail the start-up check."""
+interpreter (tiny shapes) the tiled GEMV, the split-K GEMV's float16 sums, the GEMM and the dequantize kernel agree
+with it; the same kernels with the int4 table, or a layer dequantizing with it, fail the start-up check. On a GPU,
+the split-K GEMV's paired instructions on Nemotron-3-Nano's and Llama-3-8B's shapes."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from shardserve.kernels.quant_pack import (E2M1_VALUES, dequantize_int4, pack_fp
 from shardserve.kernels.self_check import TOLERANCE, relative_error  # noqa: E402
 from shardserve.layers.quantization.check import check_packed  # noqa: E402
 from shardserve.layers.quantization.packed import PackedLayout, PackedWeights  # noqa: E402
-from tests.helpers.kernels import DEVICE, packed_layer  # noqa: E402
+from tests.helpers.kernels import CUDA, DEVICE, packed_layer  # noqa: E402
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 N, K, GROUP = 24, 64, 16  # a partial row tile for block_n 16, four groups a row
@@ -85,3 +86,71 @@ def test_the_start_up_check_fails_a_layer_that_decodes_fp4_with_the_int4_table(m
     monkeypatch.setattr(PackedWeights, "dequantized", int4_table)
     failures = check_packed(model)
     assert failures and all(f.startswith("fp4") for f in failures)
+
+
+# Several splits and row tiles with rows past N; splits of 48 and 112 columns, held padded to 64 and 128.
+SPLIT_CASES = [(24, 64, 16, (16, 64, 4, 1)), (19, 192, 32, (8, 64, 4, 3)), (40, 512, 16, (16, 256, 4, 2)),
+               (24, 96, 16, (16, 48, 4, 1)), (19, 112, 16, (8, 112, 4, 2))]
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs real ones below")
+@pytest.mark.parametrize("n,k,group,config", SPLIT_CASES)
+def test_interpreter_split_gemv_reads_e2m1_codes_into_float16_pairs(n, k, group, config):
+    """Every code in every nibble position, inputs from 1e-6 to 3e4 (each program scales x by its own power of two),
+    the norm inside, SwiGLU out, several splits and row tiles with rows past N: within float16's tolerance of
+    float64; the same kernel reading the codes as int4 nibbles is wrong; float32 sums are refused for e2m1 codes."""
+    from shardserve.kernels.triton import fused_ops
+    from shardserve.kernels.triton.quant_gemv import int4_gemv_split, int4_gemv_split_rmsnorm
+
+    qweight, words = random_fp4(n, k, group, seed=n)
+    w64 = reference_weight64("fp4", qweight, words, group).cpu()
+    for magnitude in (1e-6, 1.0, 3e4):
+        x = torch.randn(k, generator=torch.Generator().manual_seed(1)) * magnitude
+        got = int4_gemv_split(x, qweight, words, group, *config, True, codes="fp4")
+        assert relative_error(got[0], x.double() @ w64.T) < TOLERANCE[torch.float16], magnitude
+        wrong = int4_gemv_split(x, qweight, words, group, *config, True)
+        assert relative_error(wrong[0], x.double() @ w64.T) > 100 * TOLERANCE[torch.float16]
+    x = torch.randn(k, generator=torch.Generator().manual_seed(2)).half()
+    residual = torch.randn(k, generator=torch.Generator().manual_seed(3)).half()
+    norm_weight = torch.rand(k, generator=torch.Generator().manual_seed(4)).half() + 0.5
+    got, summed = int4_gemv_split_rmsnorm(x, residual, norm_weight, 1e-6, qweight, words, group, *config, True,
+                                          codes="fp4")
+    h = summed.double() * torch.rsqrt(summed.double().pow(2).mean() + 1e-6) * norm_weight.double()
+    assert torch.equal(summed, (x.float() + residual.float()).half().reshape(summed.shape))
+    assert relative_error(got[0], h.reshape(-1) @ w64.T) < TOLERANCE[torch.float16]
+    if n % 2 == 0:
+        swiglu = int4_gemv_split(x, qweight, words, group, *config, True, swiglu_out=True, codes="fp4")
+        product = int4_gemv_split(x, qweight, words, group, *config, True, codes="fp4")
+        assert torch.equal(swiglu, fused_ops.silu_and_mul(product))
+    with pytest.raises(ValueError, match="e2m1 codes .* float16 sums only"):
+        int4_gemv_split(x, qweight, words, group, *config, codes="fp4")
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.skipif(not CUDA, reason="GPU shapes")
+@pytest.mark.parametrize("n,k", [(10304, 2688), (2688, 4096), (3712, 2688), (2688, 3712), (4608, 2688),
+                                 (6144, 4096), (4096, 14336)])
+def test_gpu_split_gemv_reads_e2m1_codes_into_float16_pairs(n, k):
+    """Nemotron-3-Nano's projections (K = 2688 and 3712 in padded splits) and two of Llama-3-8B's, NVFP4's groups
+    of 16 and MXFP4's of 32: every start-up split form for e2m1 codes that takes the shape, bfloat16 and float16
+    inputs, within their tolerance of float64."""
+    from shardserve.kernels.triton.quant_gemv import int4_gemv_split
+    from shardserve.layers.quantization.int4 import split_forms
+
+    failures = []
+    for group in (16, 32):
+        qweight, words = random_fp4(n, k, group, seed=group)
+        w64 = reference_weight64("fp4", qweight, words, group)
+        x = torch.randn(k, generator=torch.Generator(device=DEVICE).manual_seed(k), device=DEVICE)
+        configs = [form for form in split_forms(k, group) if len(form) == 5]
+        assert configs
+        for config in configs:
+            for dtype in (torch.bfloat16, torch.float16):
+                got = int4_gemv_split(x.to(dtype), qweight, words, group, *config, codes="fp4")
+                torch.cuda.synchronize()
+                error = relative_error(got[0], x.to(dtype).double() @ w64.T)
+                if not error < TOLERANCE[dtype]:
+                    failures.append(f"fp4 {n}x{k} group {group} {config} {dtype}: error {error:.2g}")
+    assert not failures, "\n".join(failures)

@@ -713,3 +713,29 @@ def test_per_row_fp8_activation_quantization(m, k):
     else:  # the interpreter's float32 -> float8 rounding carries wrongly into the exponent (127.2 -> 64) now and then
         want = (x.float() / want_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
         assert (q.view(torch.uint8) == want.view(torch.uint8)).float().mean() > 0.95
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+@pytest.mark.parametrize("n,k,group,config", [(24, 96, 16, (16, 48, 4, 1)), (19, 112, 16, (8, 112, 4, 2)),
+                                              (40, 192, 32, (16, 96, 4, 1))])
+def test_interpreter_int4_split_gemv_pads_splits_that_are_not_powers_of_two(n, k, group, config):
+    """Splits of 48, 112 and 96 columns held padded to 64 and 128 (float16 sums): the padding's sub-tiles read no
+    words and take no scale or zero point, with the norm inside too; float32 sums refuse such a split; start-up
+    offers them only where K takes no power-of-two split."""
+    from shardserve.kernels.triton.quant_gemv import int4_gemv_split, int4_gemv_split_rmsnorm
+    from shardserve.layers.quantization.int4 import split_forms
+
+    q, scale_zero = random_int4(n, k, group, seed=n)
+    qweight, w64 = pack_int4(q), int4_reference(q, scale_zero, group)
+    x = torch.randn(k, generator=torch.Generator().manual_seed(1))
+    got = int4_gemv_split(x, qweight, scale_zero, group, *config, True)
+    assert relative_error(got[0], x.double() @ w64.T) < TOLERANCE[torch.float16]
+    norm_args, h, summed = normed_input(k, torch.float16, True)
+    got, got_sum = int4_gemv_split_rmsnorm(*norm_args, qweight, scale_zero, group, *config, True)
+    assert relative_error(got[0], h[0].double() @ w64.T) < TOLERANCE[torch.float16]
+    assert torch.equal(got_sum, summed) and split_counts_are_zero()
+    with pytest.raises(ValueError, match="not a power of two"):
+        int4_gemv_split(x, qweight, scale_zero, group, *config)
+    assert {form[1] for form in split_forms(2688, 16)} == {896, 448, 384}
+    assert all(form[1] in (512, 1024) for form in split_forms(4096, 128))

@@ -340,13 +340,19 @@ def _split_inputs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, SCALE_BITS: tl.co
 
 
 @triton.jit
-def _input_pairs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _input_pairs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 LIMIT: tl.constexpr = 0):
     """The sub-tiles' inputs (RMSNorm(x + residual) with NORM) in float32: their sum over each sub-tile, the largest
     |x|, and the columns 8 * word + j and 8 * word + j + 4 of each word side by side ([sub-tile, word, 2] each, for
-    j = 0 ... 3). One contiguous load of the sub-tiles' columns, then split by position in registers."""
+    j = 0 ... 3). One contiguous load of the sub-tiles' columns, then split by position in registers. LIMIT (when
+    not 0): columns from LIMIT on read as 0."""
     offsets = cols[:, :, None] + tl.arange(0, 8)[None, None, :]
-    if NORM:
+    if NORM and LIMIT:
+        x = normed_values(x_ptr, residual_ptr, norm_w_ptr, offsets, offsets < LIMIT, rstd, HAS_RESIDUAL)
+    elif NORM:
         x = normed_values(x_ptr, residual_ptr, norm_w_ptr, offsets, None, rstd, HAS_RESIDUAL)
+    elif LIMIT:
+        x = tl.load(x_ptr + offsets, mask=offsets < LIMIT, other=0.0)
     else:
         x = tl.load(x_ptr + offsets)
     x = x.to(tl.float32)
@@ -370,7 +376,8 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
                             BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                             ROW_TILES: tl.constexpr, SCALE_BITS: tl.constexpr, NORM: tl.constexpr,
                             HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, SWIGLU_OUT: tl.constexpr = False,
-                            PRELOAD: tl.constexpr = 0, F16_SUMS: tl.constexpr = False, F16_ASM: tl.constexpr = False):
+                            PRELOAD: tl.constexpr = 0, F16_SUMS: tl.constexpr = False, F16_ASM: tl.constexpr = False,
+                            FP4: tl.constexpr = False):
     """Program (k split, row block): part[split, n] = sum over the split's SPLIT_K columns of (q - z) * s * x for
     ROW_TILES tiles of BLOCK_N rows, then the row block's last program to finish sums the splits into out; with
     one split (SPLIT_K == K) each program stores its rows' products itself. SWIGLU_OUT: N counts the features of a
@@ -403,9 +410,21 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
     x scaled by a power of two per program so its largest magnitude lands in [2**14, 2**15) (_split_pairs); with
     F16_ASM (a GPU) by paired instructions, 21 for 16 weights where the float32 products take 34.
 
+    FP4 (F16_SUMS only): the nibbles are e2m1 codes (quant_pack's "fp4" layout, each group's scale a float32 word, no
+    zero point), each moved into a float16 half as e2m1 * 2**-14 by two shifts and two masks (_word_pair_sums), 37
+    instructions for 16 weights where the tiled kernel's float32 decode takes about 140.
+
+    A split of SPLIT_K columns that is not a power of two (F16_SUMS only: K = 2688 = 3 x 896, or 3712 whole) is held
+    in CHUNK, the next power of two: the sub-tiles past the split load no words and take no scale, and x is read up
+    to K only (a neighbour split's columns may set the power of two x is scaled by, nothing else).
+
     Invariant: float32 denormals are kept, not flushed to zero (Triton's default); a flush would zero every
     product, which the start-up check against float64 would catch before the kernel serves."""
-    tl.static_assert(not F16_SUMS or (CHUNK == SPLIT_K and SUB >= 16), "float16 sums: x held, pairs of words")
+    tl.static_assert(not F16_SUMS or (CHUNK >= SPLIT_K and SUB >= 16), "float16 sums: x held, pairs of words")
+    tl.static_assert(F16_SUMS or not FP4, "e2m1 codes: float16 sums only")
+    tl.static_assert(F16_SUMS or CHUNK <= SPLIT_K, "a split padded to a power of two: float16 sums only")
+    PADDED: tl.constexpr = CHUNK > SPLIT_K
+    SPLIT_SUBS: tl.constexpr = SPLIT_K // SUB if PADDED else 0  # the split's sub-tiles; 0: all of CHUNK's
     SUBS: tl.constexpr = CHUNK // SUB
     WORDS: tl.constexpr = SUB // 8
     SPLITS: tl.constexpr = K // SPLIT_K
@@ -419,30 +438,31 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
     first_tile = tl.program_id(1) * ROW_TILES
     rows, row_ok = program_rows(first_tile, N, BLOCK_N, SWIGLU_OUT)
     if PRELOAD:  # weights: no kernel of the chain writes them (pdl.py)
-        w_first = _chunk_words(q_ptr, rows, row_ok, stride_qw, k0, word)
+        w_first = _chunk_words(q_ptr, rows, row_ok, stride_qw, k0, word, SPLIT_SUBS * WORDS)
     enter(PDL)
     if not PRELOAD:
-        w_first = _chunk_words(q_ptr, rows, row_ok, stride_qw, k0, word)
+        w_first = _chunk_words(q_ptr, rows, row_ok, stride_qw, k0, word, SPLIT_SUBS * WORDS)
     rstd = 0.0
     if NORM:
         rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, (split == 0) & (tl.program_id(1) == 0), K, CHUNK,
                           HAS_RESIDUAL)
     if F16_SUMS:
         x_sum, x04, x15, x26, x37, unscale = _split_pairs(x_ptr, residual_ptr, norm_w_ptr, k0 + word * 8, rstd, NORM,
-                                                          HAS_RESIDUAL)
+                                                          HAS_RESIDUAL, FP4, K if PADDED else 0)
     elif CHUNK == SPLIT_K:
         x_sum, x0, x1, x2, x3, x4, x5, x6, x7 = _split_inputs(x_ptr, residual_ptr, norm_w_ptr, k0 + word * 8, rstd,
                                                              SCALE_BITS, NORM, HAS_RESIDUAL)
-    if CHUNK == SPLIT_K:
+    if CHUNK >= SPLIT_K:
         w_next = w_first
         for t in range(ROW_TILES):
             w = w_next  # the next row tile's words are loaded before this one is reduced
             rows, row_ok = program_rows(first_tile + t, N, BLOCK_N, SWIGLU_OUT)
             next_rows, next_ok = program_rows(first_tile + t + 1, N, BLOCK_N, SWIGLU_OUT)
-            w_next = _chunk_words(q_ptr, next_rows, next_ok & (t + 1 < ROW_TILES), stride_qw, k0, word)
+            w_next = _chunk_words(q_ptr, next_rows, next_ok & (t + 1 < ROW_TILES), stride_qw, k0, word,
+                                  SPLIT_SUBS * WORDS)
             if F16_SUMS:
                 sums = _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, sz_ptr, rows, row_ok, k0, sub, K, GROUP,
-                                       SUB, F16_ASM)
+                                       SUB, F16_ASM, FP4, SPLIT_SUBS)
             else:
                 sums = _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k0, sub, K,
                                        GROUP, SUB, SCALE_BITS)
@@ -473,10 +493,14 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
 
 
 @triton.jit
-def _chunk_words(q_ptr, rows, row_ok, stride_qw, k, word):
-    """The [sub-tile, row, word] tile of 32-bit words of `rows` from column k on; 0 where not row_ok."""
+def _chunk_words(q_ptr, rows, row_ok, stride_qw, k, word, WORD_LIMIT: tl.constexpr = 0):
+    """The [sub-tile, row, word] tile of 32-bit words of `rows` from column k on; 0 where not row_ok, and from word
+    WORD_LIMIT on where that is not 0."""
+    mask = row_ok[None, :, None]
+    if WORD_LIMIT:
+        mask = mask & (word < WORD_LIMIT)[:, None, :]
     return tl.load(q_ptr + rows.to(tl.int64)[None, :, None] * stride_qw + k // 8 + word[:, None, :],
-                   mask=row_ok[None, :, None], other=0, eviction_policy="evict_first")
+                   mask=mask, other=0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -504,26 +528,40 @@ def _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_
 
 
 @triton.jit
-def _group_scaled(qx, x_sum, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr):
+def _group_scaled(qx, x_sum, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr,
+                  FP4: tl.constexpr = False, SUB_LIMIT: tl.constexpr = 0):
     """[sub-tile, row]: s * (qx - z * x_sum), qx the sums of n * x over each sub-tile of the rows, with the scale s
-    and zero point z of the group each sub-tile lies in."""
+    and zero point z of the group each sub-tile lies in (FP4: s * qx, the word the scale); 0 for sub-tiles past K,
+    and from sub-tile SUB_LIMIT on where that is not 0."""
     group = (k + sub * SUB) // GROUP
-    s, z = scale_and_zero(tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
-                                  mask=row_ok[None, :], other=0))
+    inside = group < K // GROUP
+    if SUB_LIMIT:
+        inside = inside & (sub < SUB_LIMIT)
+    words = tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
+                    mask=row_ok[None, :] & inside[:, None], other=0)
+    if FP4:
+        return words.to(tl.float32, bitcast=True) * qx
+    s, z = scale_and_zero(words)
     return s * (qx - z * x_sum[:, None])
 
 
 @triton.jit
-def _split_pairs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _split_pairs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 FP4: tl.constexpr = False, LIMIT: tl.constexpr = 0):
     """For float16 sums: the sum of x over each sub-tile; x at columns 8 * word + j and 8 * word + j + 4 as float16
     pairs in one 32-bit word (x04, x15, x26, x37: [sub-tile, 1, word]), times 2**e, the power of two that puts the
-    program's largest |x| in [2**14, 2**15), and times 2**-4 more for odd j (_word_pair_sums reads their nibbles 16
-    times too large); and 2**(24 - e), which takes the float16 sums back to x's scale."""
+    program's largest |x| in [2**14, 2**15), and (int4) times 2**-4 more for odd j (_word_pair_sums reads their
+    nibbles 16 times too large); and what takes the float16 sums back to x's scale: 2**(24 - e) for int4's nibbles
+    read as n * 2**-24, 2**(14 - e) for e2m1 codes read as their value * 2**-14 (FP4). LIMIT: as _input_pairs'."""
     x_sum, x_max, x04, x15, x26, x37 = _input_pairs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, NORM,
-                                                    HAS_RESIDUAL)
+                                                    HAS_RESIDUAL, LIMIT)
     # the largest |x|'s biased exponent, kept where both scales are normal floats (x = 0 takes the smallest)
     exponent = tl.minimum(tl.maximum((x_max.to(tl.int32, bitcast=True) >> 23) & 0xFF, 14), 244)
     scale = ((268 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(141 - exponent)
+    if FP4:
+        unscale = ((exponent) << 23).to(tl.float32, bitcast=True)  # 2**(exponent - 127) = 2**14 / scale
+        return (x_sum, _f16_pair(x04, scale), _f16_pair(x15, scale), _f16_pair(x26, scale), _f16_pair(x37, scale),
+                unscale)
     unscale = ((exponent + 10) << 23).to(tl.float32, bitcast=True)  # 2**(exponent - 117) = 2**24 / scale
     return (x_sum, _f16_pair(x04, scale), _f16_pair(x15, scale * 0.0625), _f16_pair(x26, scale),
             _f16_pair(x37, scale * 0.0625), unscale)
@@ -539,18 +577,82 @@ def _f16_pair(x, scale):
 
 @triton.jit
 def _word_pair_sums(w, x04, x15, x26, x37, SUBS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr,
-                    ASM: tl.constexpr):
+                    ASM: tl.constexpr, FP4: tl.constexpr = False):
     """[sub-tile, row, word pair]: the sum of n * x * 2**-24 over the sixteen nibbles n of two adjacent words of the
     [sub-tile, row, word] tile w, x as _split_pairs packs it; the nibbles j < 4 of both words summed in one float16,
     those j >= 4 in the other, then added in float32. A nibble masked in place in a float16 half is the denormal
     n * 2**-24 (16 n * 2**-24 at odd j), so one AND makes two weights a float16 pair and one paired multiply-add
     takes both into the sums: with ASM (a GPU) 21 instructions for 16 weights, against 34 for the float32 products.
-    The interpreter computes the same roundings in float32 (_half_sum)."""
+    The interpreter computes the same roundings in float32 (_half_sum).
+
+    FP4: the nibbles are e2m1 codes. Code j's three magnitude bits shifted to bits 9-11 of a float16 half (j + 4's
+    to 25-27: one shift for both) are the float16 of its value times 2**-14 (exponent bits 10-11, the mantissa's top
+    bit 9; codes 0 and 1 its subnormals 0 and 2**-15), and its sign bit shifted to bit 15 (31) signs it: two shifts
+    and two masks a pair, then the same paired multiply-adds."""
     wa, wb = _adjacent(w, SUBS, ROWS, WORDS)
     a04, b04 = _adjacent(x04, SUBS, ROWS, WORDS)
     a15, b15 = _adjacent(x15, SUBS, ROWS, WORDS)
     a26, b26 = _adjacent(x26, SUBS, ROWS, WORDS)
     a37, b37 = _adjacent(x37, SUBS, ROWS, WORDS)
+    if ASM and FP4:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a, b, c, d, m, s, t;
+            .reg .b16 lo, hi;
+            .reg .f32 fl, fh;
+            shl.b32 m, $1, 9;
+            shl.b32 s, $1, 12;
+            and.b32 m, m, 0x0E000E00;
+            and.b32 s, s, 0x80008000;
+            or.b32 a, m, s;
+            shl.b32 m, $1, 5;
+            shl.b32 s, $1, 8;
+            and.b32 m, m, 0x0E000E00;
+            and.b32 s, s, 0x80008000;
+            or.b32 b, m, s;
+            shl.b32 m, $1, 1;
+            shl.b32 s, $1, 4;
+            and.b32 m, m, 0x0E000E00;
+            and.b32 s, s, 0x80008000;
+            or.b32 c, m, s;
+            shr.u32 m, $1, 3;
+            and.b32 m, m, 0x0E000E00;
+            and.b32 s, $1, 0x80008000;
+            or.b32 d, m, s;
+            mul.rn.f16x2 t, a, $3;
+            fma.rn.f16x2 t, b, $4, t;
+            fma.rn.f16x2 t, c, $5, t;
+            fma.rn.f16x2 t, d, $6, t;
+            shl.b32 m, $2, 9;
+            shl.b32 s, $2, 12;
+            and.b32 m, m, 0x0E000E00;
+            and.b32 s, s, 0x80008000;
+            or.b32 a, m, s;
+            shl.b32 m, $2, 5;
+            shl.b32 s, $2, 8;
+            and.b32 m, m, 0x0E000E00;
+            and.b32 s, s, 0x80008000;
+            or.b32 b, m, s;
+            shl.b32 m, $2, 1;
+            shl.b32 s, $2, 4;
+            and.b32 m, m, 0x0E000E00;
+            and.b32 s, s, 0x80008000;
+            or.b32 c, m, s;
+            shr.u32 m, $2, 3;
+            and.b32 m, m, 0x0E000E00;
+            and.b32 s, $2, 0x80008000;
+            or.b32 d, m, s;
+            fma.rn.f16x2 t, a, $7, t;
+            fma.rn.f16x2 t, b, $8, t;
+            fma.rn.f16x2 t, c, $9, t;
+            fma.rn.f16x2 t, d, $10, t;
+            mov.b32 {lo, hi}, t;
+            cvt.f32.f16 fl, lo;
+            cvt.f32.f16 fh, hi;
+            add.f32 $0, fl, fh;
+            }""",
+            "=r,r,r,r,r,r,r,r,r,r,r", [wa, wb, a04, a15, a26, a37, b04, b15, b26, b37],
+            dtype=tl.float32, is_pure=True, pack=1)
     if ASM:
         return tl.inline_asm_elementwise(
             """{
@@ -582,8 +684,8 @@ def _word_pair_sums(w, x04, x15, x26, x37, SUBS: tl.constexpr, ROWS: tl.constexp
             }""",
             "=r,r,r,r,r,r,r,r,r,r,r", [wa, wb, a04, a15, a26, a37, b04, b15, b26, b37],
             dtype=tl.float32, is_pure=True, pack=1)
-    lo = _half_sum(wb, b04, b15, b26, b37, 0, _half_sum(wa, a04, a15, a26, a37, 0, 0.0))
-    hi = _half_sum(wb, b04, b15, b26, b37, 16, _half_sum(wa, a04, a15, a26, a37, 16, 0.0))
+    lo = _half_sum(wb, b04, b15, b26, b37, 0, _half_sum(wa, a04, a15, a26, a37, 0, 0.0, FP4), FP4)
+    hi = _half_sum(wb, b04, b15, b26, b37, 16, _half_sum(wa, a04, a15, a26, a37, 16, 0.0, FP4), FP4)
     return lo + hi
 
 
@@ -594,29 +696,34 @@ def _adjacent(t, SUBS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _half_sum(w, x04, x15, x26, x37, HALF: tl.constexpr, t):
+def _half_sum(w, x04, x15, x26, x37, HALF: tl.constexpr, t, FP4: tl.constexpr):
     """t plus the products of one word in _word_pair_sums' low (HALF 0) or high (HALF 16) float16 sum, rounded
     after each as the paired multiply-adds round."""
-    t = (t + _nibble_product(w, x04, HALF, HALF)).to(tl.float16).to(tl.float32)
-    t = (t + _nibble_product(w, x15, HALF + 4, HALF)).to(tl.float16).to(tl.float32)
-    t = (t + _nibble_product(w, x26, HALF + 8, HALF)).to(tl.float16).to(tl.float32)
-    return (t + _nibble_product(w, x37, HALF + 12, HALF)).to(tl.float16).to(tl.float32)
+    t = (t + _nibble_product(w, x04, HALF, HALF, FP4)).to(tl.float16).to(tl.float32)
+    t = (t + _nibble_product(w, x15, HALF + 4, HALF, FP4)).to(tl.float16).to(tl.float32)
+    t = (t + _nibble_product(w, x26, HALF + 8, HALF, FP4)).to(tl.float16).to(tl.float32)
+    return (t + _nibble_product(w, x37, HALF + 12, HALF, FP4)).to(tl.float16).to(tl.float32)
 
 
 @triton.jit
-def _nibble_product(w, pair, BIT: tl.constexpr, HALF: tl.constexpr):
+def _nibble_product(w, pair, BIT: tl.constexpr, HALF: tl.constexpr, FP4: tl.constexpr):
     """The nibble at bit BIT times the pair's float16 half at bit HALF, as the paired instructions see them (the
-    nibble as 2**-24 n, or 2**-20 n at odd positions), exact in float32."""
-    n = ((w >> BIT) & 15).to(tl.float32) * (2.0 ** -24 if (BIT - HALF) % 8 == 0 else 2.0 ** -20)
+    nibble as 2**-24 n, or 2**-20 n at odd positions; an e2m1 code as its value * 2**-14), exact in float32."""
+    if FP4:
+        n = nibble_values((w >> BIT) & 15, True) * (2.0 ** -14)
+    else:
+        n = ((w >> BIT) & 15).to(tl.float32) * (2.0 ** -24 if (BIT - HALF) % 8 == 0 else 2.0 ** -20)
     return n * ((pair >> HALF) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr,
-                    GROUP: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr):
-    """_word_tile_sums with float16 sums (_word_pair_sums)."""
-    sums = _word_pair_sums(w, x04, x15, x26, x37, w.shape[0], w.shape[1], SUB // 8, ASM)
-    return _group_scaled(tl.sum(sums, axis=2) * unscale, x_sum, sz_ptr, rows, row_ok, k, sub, K, GROUP, SUB)
+                    GROUP: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr, FP4: tl.constexpr = False,
+                    SUB_LIMIT: tl.constexpr = 0):
+    """_word_tile_sums with float16 sums (_word_pair_sums); SUB_LIMIT as _group_scaled's."""
+    sums = _word_pair_sums(w, x04, x15, x26, x37, w.shape[0], w.shape[1], SUB // 8, ASM, FP4)
+    return _group_scaled(tl.sum(sums, axis=2) * unscale, x_sum, sz_ptr, rows, row_ok, k, sub, K, GROUP, SUB, FP4,
+                         SUB_LIMIT)
 
 
 @triton.jit
@@ -749,12 +856,18 @@ def _fp4_codes(codes: str) -> bool:
 INT4_SPLIT_CHUNK = 1024
 
 
+# A split whose width is not a power of two is held padded to the next one, up to this many columns (float16 sums).
+INT4_PADDED_CHUNK = 4096
+
+
 def int4_split_sub(k: int, group_size: int, split_k: int) -> int | None:
     """The split kernel's sub-tile width for K columns in groups of group_size split every split_k columns, or
-    None where it cannot take the shape (split_k a power of two of at least 8 dividing K; sub-tiles of whole
-    32-bit words inside one group)."""
-    sub = min(split_k, INT4_SPLIT_CHUNK, group_size & -group_size)
-    if split_k < 8 or split_k & (split_k - 1) or k % split_k or sub % 8:
+    None where it cannot take the shape (split_k of at least 8 dividing K, a power of two or, padded to one, at most
+    INT4_PADDED_CHUNK columns in sub-tiles of 16 or more; sub-tiles of whole 32-bit words inside one group)."""
+    sub = min(split_k & -split_k, INT4_SPLIT_CHUNK, group_size & -group_size)
+    if split_k < 8 or k % split_k or sub % 8:
+        return None
+    if split_k & (split_k - 1) and (sub < 16 or triton.next_power_of_2(split_k) > INT4_PADDED_CHUNK):
         return None
     return sub
 
@@ -762,41 +875,54 @@ def int4_split_sub(k: int, group_size: int, split_k: int) -> int | None:
 def int4_split_takes_f16_sums(split_k: int, sub: int) -> bool:
     """Whether the split kernel can sum in float16 pairs (F16_SUMS) with splits of split_k columns in sub-tiles of
     `sub` (int4_split_sub's): x held for the whole split, and whole pairs of words in each sub-tile."""
-    return split_k <= INT4_SPLIT_CHUNK and sub >= 16
+    return (split_k <= INT4_SPLIT_CHUNK or split_k & (split_k - 1) != 0) and sub >= 16
+
+
+def int4_padded_splits(k: int, most_waste: float = 0.25) -> list[int]:
+    """Widths that split K into 1 to 8 equal parts, none a power of two, each padded to the next power of two
+    (at most INT4_PADDED_CHUNK columns) with at most `most_waste` of it past the split: K = 2688 gives 896, 448 and
+    384, K = 3712 gives 3712, 1856, 928 and 464."""
+    widths = [k // parts for parts in range(1, 9) if k % parts == 0 and (k // parts) % 16 == 0]
+    return [w for w in widths if w & (w - 1) and triton.next_power_of_2(w) <= INT4_PADDED_CHUNK
+            and 1 - w / triton.next_power_of_2(w) <= most_waste]
 
 
 def int4_gemv_split(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor,
                     group_size: int, block_n: int = 64, split_k: int = 512, num_warps: int = 4,
-                    row_tiles: int = 1, f16_sums: bool = False, *, swiglu_out: bool = False) -> torch.Tensor:
+                    row_tiles: int = 1, f16_sums: bool = False, *, swiglu_out: bool = False,
+                    codes: str = "int4") -> torch.Tensor:
     """int4_gemv by the split-K kernel (_int4_split_gemv_kernel): programs of split_k columns by row_tiles tiles
     of block_n rows. Raises ValueError where the shape does not fit it (int4_split_sub), where the weight's rows
     are not whole 32-bit words, or where there are more row blocks than arrival counts. `f16_sums`: two words'
-    products summed in a pair of float16 sums (the kernel's F16_SUMS; splits of at most INT4_SPLIT_CHUNK columns,
-    sub-tiles of 16 columns or more, else ValueError). With `swiglu_out`, silu(gate) * up of a [gate | up] weight,
-    [1, N / 2] (gemv.gemv's)."""
+    products summed in a pair of float16 sums (the kernel's F16_SUMS; splits of at most INT4_SPLIT_CHUNK columns
+    or, not a power of two, padded to one (int4_split_sub), sub-tiles of 16 columns or more, else ValueError). With `swiglu_out`, silu(gate) * up of a [gate | up] weight,
+    [1, N / 2] (gemv.gemv's). codes="fp4": e2m1 codes and float32 scale words (float16 sums only)."""
     x = _one_row(x, 2 * qweight.shape[1], "int4_gemv_split")
     return _int4_split_launch(x, qweight, scale_zero, group_size,
-                              (block_n, split_k, num_warps, row_tiles, f16_sums), None, swiglu_out)
+                              (block_n, split_k, num_warps, row_tiles, f16_sums), None, swiglu_out, codes)
 
 
 def int4_gemv_split_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                             eps: float, qweight: torch.Tensor, scale_zero: torch.Tensor,
                             group_size: int, block_n: int = 64, split_k: int = 512, num_warps: int = 4,
-                            row_tiles: int = 1, f16_sums: bool = False, *,
-                            swiglu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int4_gemv_split of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm; `f16_sums` and
-    `swiglu_out` as in int4_gemv_split."""
+                            row_tiles: int = 1, f16_sums: bool = False, *, swiglu_out: bool = False,
+                            codes: str = "int4") -> tuple[torch.Tensor, torch.Tensor]:
+    """(int4_gemv_split of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm; `f16_sums`,
+    `swiglu_out` and `codes` as in int4_gemv_split."""
     return _normed_launch("int4_gemv_split_rmsnorm", x, residual, norm_weight, eps, 2 * qweight.shape[1],
                           lambda x, norm: _int4_split_launch(x, qweight, scale_zero, group_size,
                                                              (block_n, split_k, num_warps, row_tiles, f16_sums),
-                                                             norm, swiglu_out))
+                                                             norm, swiglu_out, codes))
 
 
-def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, swiglu_out: bool = False
-                       ) -> torch.Tensor:
+def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, swiglu_out: bool = False,
+                       codes: str = "int4") -> torch.Tensor:
     """config: (block_n, split_k, num_warps, row_tiles, f16_sums). norm: as in _fp8_launch."""
     check_int4(qweight, scale_zero, group_size)
     block_n, split_k, num_warps, row_tiles, f16_sums = config
+    fp4 = _fp4_codes(codes)
+    if fp4 and not f16_sums:
+        raise ValueError("int4_gemv_split reads e2m1 codes (codes='fp4') with float16 sums only (f16_sums)")
     _check_blocks(block_n, 8, 1)
     (n, tiles), k = output_rows(qweight, block_n, swiglu_out), 2 * qweight.shape[1]
     sub = int4_split_sub(k, group_size, split_k)
@@ -806,6 +932,10 @@ def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, sw
         raise ValueError(f"int4_gemv_split sums in float16 over splits of at most {INT4_SPLIT_CHUNK} columns in "
                          f"sub-tiles of at least 16 (groups of 16 or more), not {split_k} columns in groups of "
                          f"{group_size}")
+    padded = split_k & (split_k - 1) != 0
+    if padded and not f16_sums:
+        raise ValueError(f"int4_gemv_split holds a split of {split_k} columns (not a power of two) with float16 sums "
+                         "only (f16_sums)")
     if qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
         raise ValueError("int4_gemv_split needs rows of whole 32-bit words (K a multiple of 8, aligned rows)")
     row_blocks = triton.cdiv(tiles, row_tiles)
@@ -822,10 +952,11 @@ def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, sw
     _int4_split_gemv_kernel[(k // split_k, row_blocks)](
         x, qweight.view(torch.int32), scale_zero, partial, counts, out, n, qweight.stride(0) // 4,
         x if residual is None else residual, norm_weight, summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n,
-        SPLIT_K=split_k, CHUNK=min(split_k, INT4_SPLIT_CHUNK), SUB=sub, ROW_TILES=row_tiles,
+        SPLIT_K=split_k, CHUNK=triton.next_power_of_2(split_k) if padded else min(split_k, INT4_SPLIT_CHUNK),
+        SUB=sub, ROW_TILES=row_tiles,
         SCALE_BITS=SPLIT_SCALE_BITS, NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
         num_stages=1, SWIGLU_OUT=swiglu_out, PRELOAD=min(preload_tiles(), 1), F16_SUMS=bool(f16_sums),
-        F16_ASM=bool(f16_sums) and x.is_cuda, **pdl.launch(x.device))
+        F16_ASM=bool(f16_sums) and x.is_cuda, FP4=fp4, **pdl.launch(x.device))
     return out
 
 

@@ -1,7 +1,8 @@
 """FP4 (NVFP4 and MXFP4 checkpoints: weights/fp4.py): INT4's tensors holding e2m1 codes, each word the group's
 float32 scale (NVFP4's global scale folded in): W[n, k] = e2m1(q[n, k]) * scale[n, g]. The 4-bit kernels decode the
-codes by moving their bits into a float32 (codes="fp4"); the split-K GEMV, which decodes nibbles as integers bit by
-bit, is not offered for it.
+codes by moving their bits into a float32 (codes="fp4"), and the split-K GEMV with float16 sums into float16 pairs,
+two shifts and two masks a pair of weights (quant_gemv._word_pair_sums); its float32 sums, which read nibbles as
+integers, are not offered for it.
 """
 
 from __future__ import annotations
@@ -38,4 +39,5 @@ class Fp4Format(Int4Format):
         return quantize_fp4(values, group)
 
     def split_forms(self, packed):
-        return []
+        """Int4Format's split-K forms with float16 sums (a fifth element 1), the only ones that read e2m1 codes."""
+        return [form for form in super().split_forms(packed) if len(form) == 5]

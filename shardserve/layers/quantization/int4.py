@@ -10,6 +10,7 @@ float16-pair sums) of kernels/triton/quant_gemv.py; batches by the fused GEMM or
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -32,6 +33,9 @@ INT4_SPLIT_CANDIDATES = ((128, 512, 4, 1), (64, 512, 4, 1), (64, 512, 4, 4), (32
 # (docs/benchmarks-notebook.md). The start-up check against float64 keeps them out of float32 models.
 # SHARDSERVE_INT4_GEMV_SUMS=float32 (or float16) times only that kind; auto, the default, both.
 INT4_SUMS_ENV = envs.INT4_GEMV_SUMS.name
+# (block_n, num_warps) of the split-K forms start-up times, with float16 sums, where K takes no power-of-two split
+# (quant_gemv.int4_padded_splits: Nemotron-3's 2688 and 3712 columns).
+PADDED_SPLIT_ROWS = ((64, 4), (128, 4), (32, 4))
 
 
 def quantize_int4(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +80,7 @@ class Int4Format(QuantFormat):
 
         if packed.gemv_split is not None:
             return int4_gemv_split(x, layer.weight, layer.weight_scale, packed.group, *packed.gemv_split,
-                                   swiglu_out=swiglu_out)
+                                   swiglu_out=swiglu_out, codes=self.kind)
         return int4_gemv(x, layer.weight, layer.weight_scale, packed.group, *packed.gemv_config, codes=self.kind)
 
     def normed_gemv(self, packed, layer, x, residual, norm_weight, eps, swiglu_out=False):
@@ -84,7 +88,8 @@ class Int4Format(QuantFormat):
 
         if packed.gemv_split is not None:
             return int4_gemv_split_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale,
-                                           packed.group, *packed.gemv_split, swiglu_out=swiglu_out)
+                                           packed.group, *packed.gemv_split, swiglu_out=swiglu_out,
+                                           codes=self.kind)
         return int4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, packed.group,
                                  *packed.gemv_config, codes=self.kind)
 
@@ -98,18 +103,28 @@ class Int4Format(QuantFormat):
         return packed.gemv_split
 
     def split_forms(self, packed):
-        """Each of INT4_SPLIT_CANDIDATES that fits the shape, with float32 sums, float16 sums (a fifth element 1,
-        where int4_split_takes_f16_sums) or both, as SHARDSERVE_INT4_GEMV_SUMS says (auto: both)."""
-        from shardserve.kernels.triton.quant_gemv import int4_split_sub, int4_split_takes_f16_sums
+        """split_forms of the layer's K and group."""
+        return split_forms(packed.k, packed.group)
 
-        sums = envs.INT4_GEMV_SUMS.get()
-        forms: list[tuple[int, ...]] = []
-        for config in INT4_SPLIT_CANDIDATES:
-            sub = int4_split_sub(packed.k, packed.group, config[1])
-            if sub is None:
-                continue
-            if sums != "float16":
-                forms.append(config)
-            if int4_split_takes_f16_sums(config[1], sub) and sums != "float32":
-                forms.append((*config, 1))
-        return forms
+
+def split_forms(k: int, group: int) -> list[tuple[int, ...]]:
+    """Each of INT4_SPLIT_CANDIDATES that fits K columns in groups of `group`, with float32 sums, float16 sums (a
+    fifth element 1, where int4_split_takes_f16_sums) or both, as SHARDSERVE_INT4_GEMV_SUMS says (auto: both); where
+    none fits, padded splits (int4_padded_splits) with float16 sums."""
+    from shardserve.kernels.triton.quant_gemv import int4_padded_splits, int4_split_sub, int4_split_takes_f16_sums
+
+    sums = envs.INT4_GEMV_SUMS.get()
+    forms: list[tuple[int, ...]] = []
+    for config in INT4_SPLIT_CANDIDATES:
+        sub = int4_split_sub(k, group, config[1])
+        if sub is None:
+            continue
+        if sums != "float16":
+            forms.append(config)
+        if int4_split_takes_f16_sums(config[1], sub) and sums != "float32":
+            forms.append((*config, 1))
+    if not forms and sums != "float32":  # K of no power-of-two split: padded splits with float16 sums
+        for split_k, (block_n, warps) in itertools.product(int4_padded_splits(k), PADDED_SPLIT_ROWS):
+            if int4_split_sub(k, group, split_k) is not None:
+                forms.append((block_n, split_k, warps, 1, 1))
+    return forms
