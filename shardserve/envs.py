@@ -150,6 +150,9 @@ FP8_GEMV_SUMS = _declare("SHARDSERVE_FP8_GEMV_SUMS", CHOICE, "auto",
 INT4_GEMV_SUMS = _declare("SHARDSERVE_INT4_GEMV_SUMS", CHOICE, "auto",
                           "sums the 4-bit GEMVs timed at start-up may use (auto: both)",
                           ("auto", "float32", "float16"), plan=True)
+MOE_FOUR_BIT_SUMS = _declare("SHARDSERVE_MOE_FOUR_BIT_SUMS", CHOICE, "float16",
+                             "float32: a single token's 4-bit experts dequantize each weight in float32, not "
+                             "float16 pair sums", ("float16", "float32"), plan=True)
 
 # Everything else.
 GEMV_ALL_REDUCE = _declare("SHARDSERVE_GEMV_ALL_REDUCE", CHOICE, "separate",

@@ -1,0 +1,115 @@
+"""A single token's 4-bit experts on a GPU: fused_moe's one-token kernels (each weight dequantized in float32 with
+its scale) against moe_four_bit's float16 pair sums, and a sweep of the latter's tiles.
+
+    python benchmarks/moe_four_bit_one_token.py [--shape nemotron3-nano-30b-a3b] [--kind fp4|int4] [--group 16]
+        [--sweep] [--out FILE]
+
+Random codes and scales (the values do not change the time), bfloat16 activations, the routed choices of one
+token (top k of random logits). Each call is captured in a CUDA graph and replayed, timed with CUDA events
+(benchmarks/moe_kernels.graph_time_us). Reported: microseconds a layer's experts, the bytes the chosen experts'
+codes and scale words take, the bandwidth that makes, and each path's relative error against float64. One JSON
+object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.moe_kernels import best_of, graph_time_us  # noqa: E402
+from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile  # noqa: E402
+
+# (experts, top k, hidden, expert features, activation) on one rank.
+SHAPES = {"nemotron3-nano-30b-a3b": (128, 6, 2688, 1856, "relu2"), "qwen3-30b-a3b": (128, 8, 2048, 768, "swiglu")}
+
+
+def random_experts(kind: str, shape: tuple, group: int, device):
+    from shardserve.kernels.packed_experts import PackedExperts
+    from shardserve.kernels.quant_pack import pack_fp4_scales
+
+    experts, _, hidden, inter, activation = shape
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def part(n: int, k: int):
+        codes = torch.randint(0, 256, (experts, n, k // 2), generator=g, device=device, dtype=torch.uint8)
+        if kind == "fp4":
+            scale = pack_fp4_scales(torch.rand(experts, n, k // group, generator=g, device=device) * 1e-2 + 1e-3)
+        else:  # small positive scales, some zero point
+            scale = torch.randint(0, 2 ** 20, (experts, n, k // group), generator=g, device=device,
+                                  dtype=torch.int32) | (0x3C << 24)
+        return codes, scale
+
+    w13, s13 = part(2 * inter if activation == "swiglu" else inter, hidden)
+    w2, s2 = part(hidden, inter)
+    return PackedExperts(kind, w13, s13, group, w2, s2, group, activation)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="nemotron3-nano-30b-a3b", choices=sorted(SHAPES))
+    parser.add_argument("--kind", default="fp4", choices=("fp4", "int4"))
+    parser.add_argument("--group", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    from shardserve import envs
+    from shardserve.kernels.fused_moe_table import ONE_TOKEN_PACKED_TILES
+    from shardserve.kernels.triton.fused_moe import fused_moe_packed
+    from shardserve.kernels.triton.moe_four_bit import FOUR_BIT_PAIR_TILES, one_token_four_bit_experts
+    from shardserve.layers.moe import reference_experts
+
+    shape = SHAPES[args.shape]
+    num_experts, top_k, hidden, inter, activation = shape
+    device = torch.device("cuda")
+    experts = random_experts(args.kind, shape, args.group, device)
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, hidden, generator=g, device=device).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.softmax(torch.randn(1, num_experts, generator=g, device=device), -1), top_k,
+                              dim=-1)
+    up_rows = 2 * inter if activation == "swiglu" else inter
+    read = top_k * (up_rows * hidden + hidden * inter) * (1 / 2 + 4 / args.group)
+    row = {"shape": args.shape, "kind": args.kind, "group": args.group, "choices": top_k, "bytes_read": int(read),
+           "device": torch.cuda.get_device_name()}
+    want = reference_experts(x, None, None, weights, ids, packed=experts)
+
+    def timed(name: str, fn) -> float:
+        row[f"{name}_relative_error"] = float((fn().double() - want).norm() / want.norm())
+        us = graph_time_us(fn, args.iters, args.repeats)
+        row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(read / us / 1e3, 1)
+        return us
+
+    with envs.override(SHARDSERVE_MOE_FOUR_BIT_SUMS="float32"):
+        timed("float32_dequantized", lambda: fused_moe_packed(x, experts, weights, ids, config=ONE_TOKEN_PACKED_TILES))
+    timed("float16_pairs", lambda: one_token_four_bit_experts(x, experts, weights, ids, FOUR_BIT_PAIR_TILES))
+    if args.sweep:
+        tiles = [Tile(n, k, w, 1) for n, k, w in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8))]
+        swept = []
+
+        def time_tiles(candidate: OneTokenTiles) -> float:
+            us = graph_time_us(lambda: one_token_four_bit_experts(x, experts, weights, ids, candidate), 30, 3)
+            swept.append((round(us, 2), repr(candidate)))
+            return us
+
+        up = best_of(time_tiles, (OneTokenTiles(t, FOUR_BIT_PAIR_TILES.down) for t in tiles))
+        best = best_of(time_tiles, (OneTokenTiles(up[1].up, t) for t in tiles))
+        row["sweep_best_us"], row["sweep_best_tiles"] = round(best[0], 2), repr(best[1])
+        row["sweep_best_gb_s"] = round(read / best[0] / 1e3, 1)
+        row["sweep"] = sorted(swept)
+    print(json.dumps(row, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(row, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""A single token's 4-bit experts (int4 or e2m1 codes, groups of 16 or more) with float16 pair sums: the one-token
+path of fused_moe (program (choice, row tile) for the up product, program (column tile, choice) for the down
+product whose last program of a tile sums the choices), reading each weight as the split-K GEMV's float16 sums read
+it (quant_gemv._word_pair_sums: a nibble or an e2m1 code moved into a float16 half, two weights in one paired
+multiply-add) instead of dequantizing every weight to float32 with its scale (fused_moe._packed_products). The
+group scales multiply the sums of each sub-tile of SUB columns; x enters each chunk of CHUNK columns scaled by
+its own power of two (quant_gemv._split_pairs). Tiles: [sub-tile, row, word], so a program's x pairs serve all
+its rows.
+
+Float16 sums keep these kernels to 16-bit activations: a float32 model takes fused_moe's kernels (their start-up
+check against float64 holds float32 to a tighter bound).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shardserve import envs
+from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile
+from shardserve.kernels.packed_experts import PackedExperts
+from shardserve.kernels.triton import pdl
+from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
+from shardserve.kernels.triton.fused_moe import ACTIVATIONS, _activate, _sum_choices, _sum_separately
+from shardserve.kernels.triton.pdl import enter
+from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs
+
+# (block_n, CHUNK columns, num_warps, num_stages) of the up and the down product: the fastest of a grid (block_n
+# 8-64, chunks of 256-1024, 4 or 8 warps) on an H200 at Nemotron-3-Nano's NVFP4 experts, 23.9 us a layer against
+# 27.1 for (16, 512, 4, 1) twice (benchmarks/moe_four_bit_one_token.py --sweep).
+FOUR_BIT_PAIR_TILES = OneTokenTiles(Tile(32, 1024, 4, 1), Tile(16, 512, 4, 1))
+
+
+@triton.jit
+def _rows_sums(x_ptr, w_rows, s_rows, rows, row_ok, K: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
+               SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
+    """[sub-tile, row]: the scaled sums of x [K] times the rows' 4-bit weights (w_rows: int32 words, 8 columns
+    each, K / 8 a row; s_rows: scale words, K / GROUP a row), chunk by chunk, columns past K masked."""
+    SUBS: tl.constexpr = CHUNK // SUB
+    WORDS: tl.constexpr = SUB // 8
+    sub = tl.arange(0, SUBS)
+    word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    acc = tl.zeros((SUBS, rows.shape[0]), dtype=tl.float32)
+    for k in range(0, K, CHUNK):
+        x_sum, x04, x15, x26, x37, unscale = _split_pairs(x_ptr, x_ptr, x_ptr, k + word * 8, 0.0, False, False, FP4,
+                                                          K)
+        at = k // 8 + word[:, None, :]
+        w = tl.load(w_rows + rows.to(tl.int64)[None, :, None] * (K // 8) + at,
+                    mask=row_ok[None, :, None] & (at < K // 8), other=0, eviction_policy="evict_first")
+        acc += _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, s_rows, rows, row_ok, k, sub, K, GROUP, SUB,
+                               ASM, FP4)
+    return acc
+
+
+@triton.jit
+def _up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, num_experts, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+               FP4: tl.constexpr, ASM: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):
+    """Program (choice j, feature tile): act[j, n] = silu(gate) * up of expert ids[j]'s rows n and I + n (non-gated,
+    ACT 1 and 2: act(up) of its row n), rounded to x's dtype; nothing for a choice outside [0, E)."""
+    enter(PDL)
+    choice = tl.program_id(0)
+    expert = tl.load(ids_ptr + choice)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    feat_ok = feats < INTER
+    rows_per_expert: tl.constexpr = 2 * INTER if ACT == 0 else INTER
+    w_e = w_ptr + expert.to(tl.int64) * (rows_per_expert * (HIDDEN // 8))
+    s_e = s_ptr + expert.to(tl.int64) * (rows_per_expert * (HIDDEN // GROUP))
+    up_rows = feats + (INTER if ACT == 0 else 0)
+    up = tl.sum(_rows_sums(x_ptr, w_e, s_e, up_rows, feat_ok, HIDDEN, GROUP, CHUNK, SUB, FP4, ASM), axis=0)
+    gate = up
+    if ACT == 0:
+        gate = tl.sum(_rows_sums(x_ptr, w_e, s_e, feats, feat_ok, HIDDEN, GROUP, CHUNK, SUB, FP4, ASM), axis=0)
+    act = _activate(gate, up, ACT)
+    tl.store(act_ptr + choice * INTER + feats, act.to(act_ptr.dtype.element_ty), mask=feat_ok)
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr, arrivals_ptr, num_experts,
+                 HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, FP4: tl.constexpr,
+                 ASM: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr):
+    """Program (column tile, choice j): y[j, n] = weight[j] * (w2[e, n] . act[j]) rounded to x's dtype; with SUM the
+    last of the tile's TOP_K programs to arrive sums the choices in order (fused_moe._sum_choices)."""
+    enter(PDL)
+    tile = tl.program_id(0)
+    choice = tl.program_id(1)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(ids_ptr + choice)
+    held = (expert >= 0) & (expert < num_experts)
+    row_ok = (rows < HIDDEN) & held
+    e = tl.where(held, expert, 0).to(tl.int64)
+    w_e = w_ptr + e * (HIDDEN * (INTER // 8))
+    s_e = s_ptr + e * (HIDDEN * (INTER // GROUP))
+    sums = _rows_sums(act_ptr + choice * INTER, w_e, s_e, rows, row_ok, INTER, GROUP, CHUNK, SUB, FP4, ASM)
+    y = tl.sum(sums, axis=0) * tl.load(weights_ptr + choice).to(tl.float32)
+    tl.store(y_ptr + choice * HIDDEN + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+    if SUM:
+        if last_to_arrive(arrivals_ptr, tile, TOP_K):
+            _sum_choices(y_ptr, ids_ptr, out_ptr, 0, rows, rows < HIDDEN, num_experts, HIDDEN, HIDDEN, TOP_K, True)
+            leave(arrivals_ptr, tile)
+
+
+def takes_float16_pairs(experts: PackedExperts, dtype: torch.dtype) -> bool:
+    """Whether these kernels take the experts: 4-bit codes in groups of a multiple of 16 (sub-tiles of two whole
+    words), contiguous tensors, 16-bit activations, and SHARDSERVE_MOE_FOUR_BIT_SUMS not float32."""
+    return (experts.kind in ("int4", "fp4") and dtype in (torch.bfloat16, torch.float16)
+            and envs.MOE_FOUR_BIT_SUMS.get() == "float16"
+            and all(g % 16 == 0 and k % g == 0 for g, k in ((experts.group13, experts.hidden),
+                                                            (experts.group2, experts.inter)))
+            and all(t.is_contiguous() for t in (experts.w13, experts.scale13, experts.w2, experts.scale2)))
+
+
+def _sub(chunk: int, group: int, k: int) -> tuple[int, int]:
+    """(CHUNK, SUB): chunks of at most `chunk` columns (a power of two, no wider than K's), sub-tiles of at most a
+    group's largest power-of-two divisor, at least 16 columns."""
+    chunk = min(chunk, triton.next_power_of_2(k))
+    return chunk, max(16, min(chunk, group & -group))
+
+
+def one_token_four_bit_experts(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, ids: torch.Tensor,
+                               tiles: OneTokenTiles = FOUR_BIT_PAIR_TILES) -> torch.Tensor:
+    """out [1, H] = sum_j weights[0, j] * w2[e_j] @ act(w13[e_j] @ x[0]) for a single token x [1, H] and its choices
+    ids [1, k] (every choice outside [0, E) left out), as takes_float16_pairs allows."""
+    if x.shape[0] != 1 or not takes_float16_pairs(experts, x.dtype):
+        raise ValueError("one_token_four_bit_experts takes one 16-bit token and 4-bit experts in groups of 16 or more")
+
+    num_experts, hidden, inter = experts.num_experts, experts.hidden, experts.inter
+    top_k = ids.shape[1]
+    fp4, asm, launch = experts.kind == "fp4", x.is_cuda, pdl.launch(x.device)
+    act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
+    up = tiles.up
+    chunk, sub = _sub(up.block_k, experts.group13, hidden)
+    _up_kernel[(top_k, triton.cdiv(inter, up.block_n))](
+        x, experts.w13.view(torch.int32), experts.scale13, act, ids, num_experts, HIDDEN=hidden, INTER=inter,
+        GROUP=experts.group13, BLOCK_N=up.block_n, CHUNK=chunk, SUB=sub, FP4=fp4, ASM=asm,
+        ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages, **launch)
+    down = tiles.down
+    chunk, sub = _sub(down.block_k, experts.group2, inter)
+    col_tiles = triton.cdiv(hidden, down.block_n)
+    y = torch.empty(top_k, hidden, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
+    arrivals = arrival_counts(x.device, col_tiles)
+    _down_kernel[(col_tiles, top_k)](
+        act, experts.w2.view(torch.int32), experts.scale2, weights, ids, y, out,
+        ids if arrivals is None else arrivals, num_experts, HIDDEN=hidden, INTER=inter, TOP_K=top_k,
+        GROUP=experts.group2, BLOCK_N=down.block_n, CHUNK=chunk, SUB=sub, FP4=fp4, ASM=asm,
+        SUM=arrivals is not None, num_warps=down.num_warps, num_stages=down.num_stages, **launch)
+    if arrivals is not None:
+        return out
+    return _sum_separately(y, ids, out, num_experts, 0, launch)
