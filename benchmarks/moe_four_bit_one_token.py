@@ -1,5 +1,6 @@
 """A single token's 4-bit experts on a GPU: fused_moe's one-token kernels (each weight dequantized in float32 with
-its scale) against moe_four_bit's float16 pair sums, and a sweep of the latter's tiles.
+its scale) against moe_four_bit's float16 pair sums (what the packed experts run), and a sweep of the latter's
+tiles.
 
     python benchmarks/moe_four_bit_one_token.py [--shape nemotron3-nano-30b-a3b] [--kind fp4|int4] [--group 16]
         [--sweep] [--out FILE]
@@ -62,7 +63,6 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
 
-    from shardserve import envs
     from shardserve.kernels.fused_moe_table import ONE_TOKEN_PACKED_TILES
     from shardserve.kernels.triton.fused_moe import fused_moe_packed
     from shardserve.kernels.triton.moe_four_bit import FOUR_BIT_PAIR_TILES, one_token_four_bit_experts
@@ -88,8 +88,7 @@ def main() -> None:
         row[f"{name}_us"], row[f"{name}_gb_s"] = round(us, 2), round(read / us / 1e3, 1)
         return us
 
-    with envs.override(SHARDSERVE_MOE_FOUR_BIT_SUMS="float32"):
-        timed("float32_dequantized", lambda: fused_moe_packed(x, experts, weights, ids, config=ONE_TOKEN_PACKED_TILES))
+    timed("float32_dequantized", lambda: fused_moe_packed(x, experts, weights, ids, config=ONE_TOKEN_PACKED_TILES))
     timed("float16_pairs", lambda: one_token_four_bit_experts(x, experts, weights, ids, FOUR_BIT_PAIR_TILES))
     if args.sweep:
         tiles = [Tile(n, k, w, 1) for n, k, w in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8))]

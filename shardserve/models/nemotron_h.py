@@ -30,6 +30,7 @@ from shardserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaState
 from shardserve.layers.nongated_experts import NonGatedExperts
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
+from shardserve.layers.shared_slots import experts_with_shared, shared_slots
 from shardserve.layers.sharding import attention_shard, expert_shard, split_rows
 
 # A "moe" layer's expert tensors (after `backbone.` is read as `model.`): one expert's, or all experts' stacked.
@@ -143,10 +144,17 @@ class NemotronHMoE(nn.Module):
         # Each rank adds its share of the shared expert, or where it is whole while the block sums partial outputs,
         # rank 0 alone adds it (so it counts once in the sum).
         self.adds_shared_expert = split or not shard.sharded or comm.rank == 0
+        # Only where every rank adds a share may the experts' kernels compute it (layers/shared_slots.py).
+        self.shared_in_experts = (split or not shard.sharded) and not latent
         self.comm = comm if shard.sharded else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(h)
+        mlp = self.shared_experts
+        slots = shared_slots(self.experts, mlp.up_proj, mlp.down_proj, h) if self.shared_in_experts else None
+        if slots is not None:  # one token: the shared expert as more choices of the experts' two launches
+            out = experts_with_shared(self.experts, slots, h, weights, ids)
+            return out if self.comm is None else self.comm.all_reduce(out)
         x = h if self.fc1_latent_proj is None else self.fc1_latent_proj(h)
         out = self.experts(x, weights, ids)
         if self.fc2_latent_proj is not None:

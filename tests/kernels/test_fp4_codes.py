@@ -150,7 +150,7 @@ def test_gpu_split_gemv_reads_e2m1_codes_into_float16_pairs(n, k):
             for dtype in (torch.bfloat16, torch.float16):
                 got = int4_gemv_split(x.to(dtype), qweight, words, group, *config, codes="fp4")
                 torch.cuda.synchronize()
-                error = relative_error(got[0], x.to(dtype).double() @ w64.T)
+                error = relative_error(got[0].cpu(), x.to(dtype).double().cpu() @ w64.cpu().T)
                 if not error < TOLERANCE[dtype]:
                     failures.append(f"fp4 {n}x{k} group {group} {config} {dtype}: error {error:.2g}")
     assert not failures, "\n".join(failures)

@@ -19,10 +19,12 @@ triton = pytest.importorskip("triton")
 
 from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile  # noqa: E402
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
-from shardserve.kernels.triton.fused_moe import fused_moe_packed  # noqa: E402
-from shardserve.kernels.triton.moe_four_bit import one_token_four_bit_experts, takes_float16_pairs  # noqa: E402
+from shardserve.kernels.quant_pack import reference_weight64  # noqa: E402
+from shardserve.kernels.triton.moe_four_bit import (SharedSlots, one_token_four_bit_experts,  # noqa: E402
+                                                   shared_slots_fit, takes_float16_pairs)
+from shardserve.layers.moe_packed import packed_fused  # noqa: E402
 from tests.helpers.kernels import make_routes, relative_error  # noqa: E402
-from tests.kernels.test_fused_moe_packed import packed_experts, reference  # noqa: E402
+from tests.kernels.test_fused_moe_packed import _fp4, _int4, packed_experts, reference  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -47,12 +49,43 @@ def test_interpreter_float16_pair_sums_match_float64(kind, group, hidden, inter,
         tiles = OneTokenTiles(Tile(16, 32, 4, 1), Tile(8, 32, 4, 1))
         got = one_token_four_bit_experts(x, experts, weights, ids, tiles)
         assert got.dtype == dtype and relative_error(got, want) < TOLERANCE[dtype], (kind, dtype)
-        # fused_moe's one-token path takes it with its own tiles
-        assert relative_error(fused_moe_packed(x, experts, weights, ids), want) < TOLERANCE[dtype]
+        # the packed experts' fused path takes it with its own tiles
+        assert relative_error(packed_fused(x, experts, weights, ids), want) < TOLERANCE[dtype]
     other = experts._replace(kind="int4" if kind == "fp4" else "fp4")
     assert relative_error(one_token_four_bit_experts(x, other, weights, ids, tiles), want) > 0.05
     other_rows = experts._replace(scale2=experts.scale2.roll(1, dims=1).contiguous())  # each row another's scales
     assert relative_error(one_token_four_bit_experts(x, other_rows, weights, ids, tiles), want) > 0.05
+
+
+def shared_expert(kind: str, features: int, hidden: int, group: int, seed: int = 7):
+    """A packed non-gated shared expert (up [S, H/2], its scales, down [H, S/2], its scales) and its float64
+    weights."""
+    g = torch.Generator().manual_seed(seed)
+    make = (lambda n, k: _fp4(n, k, group, 1, g)) if kind == "fp4" else (lambda n, k: _int4(n, k, group, 1, False, g))
+    (up, up_scale), (down, down_scale) = make(features, hidden), make(hidden, features)
+    up, up_scale, down, down_scale = up[0], up_scale[0], down[0], down_scale[0]
+    return (up, up_scale, down, down_scale), (reference_weight64(kind, up, up_scale, group),
+                                              reference_weight64(kind, down, down_scale, group))
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
+@pytest.mark.parametrize("kind, group, hidden, inter, slots", [("fp4", 16, 96, 48, 2), ("int4", 16, 64, 32, 3)])
+def test_interpreter_shared_expert_as_slots_adds_it_once(kind, group, hidden, inter, slots):
+    """A non-gated shared expert of `slots` times the experts' width as that many more choices of weight 1: the
+    routed experts' sum plus relu(h W_up^T)^2 W_down^T, in the same two launches; a shared expert whose width is no
+    multiple of the experts' does not fit."""
+    experts = packed_experts(kind, 4, hidden, inter, group, seed=5, activation="relu2")
+    tensors, (up64, down64) = shared_expert(kind, slots * inter, hidden, group)
+    assert shared_slots_fit(experts, *tensors) == slots
+    assert shared_slots_fit(experts, *shared_expert(kind, inter + 16, hidden, group)[0]) == 0
+    x, weights, ids = routes_with_a_foreign_choice(4, hidden, torch.bfloat16)
+    x64 = x.double().cpu()
+    want = reference(x, experts, weights, ids).cpu() + torch.relu(x64 @ up64.cpu().T).square() @ down64.cpu().T
+    tiles = OneTokenTiles(Tile(16, 32, 4, 1), Tile(8, 32, 4, 1))
+    got = one_token_four_bit_experts(x, experts, weights, ids, tiles, SharedSlots(*tensors, slots))
+    assert relative_error(got.cpu(), want) < TOLERANCE[torch.bfloat16]
+    without = one_token_four_bit_experts(x, experts, weights, ids, tiles)
+    assert relative_error(without.cpu(), want) > 0.05
 
 
 def test_float16_pair_sums_are_off_for_float32_and_when_asked(set_env):
@@ -73,4 +106,12 @@ def test_gpu_float16_pair_sums_match_float64(kind, group, hidden, inter, experts
     experts = packed_experts(kind, experts_count, hidden, inter, group, seed=1, activation=activation)
     x, weights, ids = routes_with_a_foreign_choice(experts_count, hidden, torch.bfloat16, top_k)
     want = reference(x, experts, weights, ids)
-    assert relative_error(fused_moe_packed(x, experts, weights, ids), want) < TOLERANCE[torch.bfloat16]
+    assert relative_error(packed_fused(x, experts, weights, ids), want) < TOLERANCE[torch.bfloat16]
+    tensors, (up64, down64) = (shared_expert(kind, 2 * inter, hidden, group) if activation == "relu2"
+                                  else (None, (None, None)))
+    if tensors is not None:  # Nemotron-3-Nano's shared expert as two slots
+        tensors = tuple(t.to(x.device) for t in tensors)
+        with_shared = one_token_four_bit_experts(x, experts, weights, ids, shared=SharedSlots(*tensors, 2))
+        x64 = x.double().cpu()
+        want = want.cpu() + torch.relu(x64 @ up64.cpu().T).square() @ down64.cpu().T
+        assert relative_error(with_shared.cpu(), want) < TOLERANCE[torch.bfloat16]

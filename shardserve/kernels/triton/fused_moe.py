@@ -905,14 +905,10 @@ def _tile_groups(tile, group: int, k: int) -> tuple[int, int]:
 
 def _one_token_packed_experts(x, experts: PackedExperts, weights, ids, tiles: OneTokenTiles) -> torch.Tensor:
     """A single token's packed experts as matrix-vector products (the one-token path, each weight tile
-    dequantized in registers; 4-bit experts with float16 pair sums where moe_four_bit takes them): two launches,
-    the w2 product's last programs summing the choices."""
+    dequantized in registers; layers/moe_packed.packed_fused takes moe_four_bit's float16 pair sums before this
+    where they fit): two launches, the w2 product's last programs summing the choices."""
     if x.shape[0] != 1:
         raise ValueError(f"the one-token path takes a single token, got {x.shape[0]}")
-    from shardserve.kernels.triton.moe_four_bit import one_token_four_bit_experts, takes_float16_pairs
-
-    if takes_float16_pairs(experts, x.dtype):
-        return one_token_four_bit_experts(x, experts, weights, ids)
     num_experts, hidden, inter = experts.num_experts, experts.hidden, experts.inter
     top_k = ids.shape[1]
     native, launch = _native_fp8(x.device), pdl.launch(x.device)

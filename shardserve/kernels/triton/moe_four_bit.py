@@ -13,6 +13,8 @@ check against float64 holds float32 to a tighter bound).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +24,7 @@ from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
-from shardserve.kernels.triton.fused_moe import ACTIVATIONS, _activate, _sum_choices, _sum_separately
+from shardserve.kernels.triton.fused_moe import ACTIVATIONS, _activate, _sum_separately
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs
 
@@ -33,14 +35,16 @@ FOUR_BIT_PAIR_TILES = OneTokenTiles(Tile(32, 1024, 4, 1), Tile(16, 512, 4, 1))
 
 
 @triton.jit
-def _rows_sums(x_ptr, w_rows, s_rows, rows, row_ok, K: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
-               SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
+def _rows_sums(x_ptr, w_rows, s_rows, rows, row_ok, stretch, K: tl.constexpr, GROUP: tl.constexpr,
+               CHUNK: tl.constexpr, SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
     """[sub-tile, row]: the scaled sums of x [K] times the rows' 4-bit weights (w_rows: int32 words, 8 columns
-    each, K / 8 a row; s_rows: scale words, K / GROUP a row), chunk by chunk, columns past K masked."""
+    each; s_rows: scale words), chunk by chunk, columns past K masked. Row r starts stretch * r * K / 8 words (and
+    stretch * r * K / GROUP scale words) on: 1 for whole rows, m for a K-column slice of rows m times longer."""
     SUBS: tl.constexpr = CHUNK // SUB
     WORDS: tl.constexpr = SUB // 8
     sub = tl.arange(0, SUBS)
     word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    rows = rows * stretch
     acc = tl.zeros((SUBS, rows.shape[0]), dtype=tl.float32)
     for k in range(0, K, CHUNK):
         x_sum, x04, x15, x26, x37, unscale = _split_pairs(x_ptr, x_ptr, x_ptr, k + word * 8, 0.0, False, False, FP4,
@@ -54,54 +58,86 @@ def _rows_sums(x_ptr, w_rows, s_rows, rows, row_ok, K: tl.constexpr, GROUP: tl.c
 
 
 @triton.jit
-def _up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, num_experts, HIDDEN: tl.constexpr, INTER: tl.constexpr,
-               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-               FP4: tl.constexpr, ASM: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):
+def _up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, num_experts, shared_w_ptr, shared_s_ptr,
+               HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr,
+               BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr,
+               ACT: tl.constexpr, PDL: tl.constexpr):
     """Program (choice j, feature tile): act[j, n] = silu(gate) * up of expert ids[j]'s rows n and I + n (non-gated,
-    ACT 1 and 2: act(up) of its row n), rounded to x's dtype; nothing for a choice outside [0, E)."""
+    ACT 1 and 2: act(up) of its row n), rounded to x's dtype; nothing for a choice outside [0, E). Choices j >= TOP_K
+    (non-gated only) are the shared expert's slots: rows (j - TOP_K) * I + n of its up projection."""
     enter(PDL)
     choice = tl.program_id(0)
-    expert = tl.load(ids_ptr + choice)
-    if (expert < 0) | (expert >= num_experts):
-        return
     feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     feat_ok = feats < INTER
     rows_per_expert: tl.constexpr = 2 * INTER if ACT == 0 else INTER
-    w_e = w_ptr + expert.to(tl.int64) * (rows_per_expert * (HIDDEN // 8))
-    s_e = s_ptr + expert.to(tl.int64) * (rows_per_expert * (HIDDEN // GROUP))
+    if choice < TOP_K:
+        expert = tl.load(ids_ptr + choice)
+        if (expert < 0) | (expert >= num_experts):
+            return
+        w_e = w_ptr + expert.to(tl.int64) * (rows_per_expert * (HIDDEN // 8))
+        s_e = s_ptr + expert.to(tl.int64) * (rows_per_expert * (HIDDEN // GROUP))
+    else:
+        w_e = shared_w_ptr + (choice - TOP_K).to(tl.int64) * (INTER * (HIDDEN // 8))
+        s_e = shared_s_ptr + (choice - TOP_K).to(tl.int64) * (INTER * (HIDDEN // GROUP))
     up_rows = feats + (INTER if ACT == 0 else 0)
-    up = tl.sum(_rows_sums(x_ptr, w_e, s_e, up_rows, feat_ok, HIDDEN, GROUP, CHUNK, SUB, FP4, ASM), axis=0)
+    up = tl.sum(_rows_sums(x_ptr, w_e, s_e, up_rows, feat_ok, 1, HIDDEN, GROUP, CHUNK, SUB, FP4, ASM), axis=0)
     gate = up
     if ACT == 0:
-        gate = tl.sum(_rows_sums(x_ptr, w_e, s_e, feats, feat_ok, HIDDEN, GROUP, CHUNK, SUB, FP4, ASM), axis=0)
+        gate = tl.sum(_rows_sums(x_ptr, w_e, s_e, feats, feat_ok, 1, HIDDEN, GROUP, CHUNK, SUB, FP4, ASM), axis=0)
     act = _activate(gate, up, ACT)
     tl.store(act_ptr + choice * INTER + feats, act.to(act_ptr.dtype.element_ty), mask=feat_ok)
 
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr, arrivals_ptr, num_experts,
-                 HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, FP4: tl.constexpr,
-                 ASM: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr):
-    """Program (column tile, choice j): y[j, n] = weight[j] * (w2[e, n] . act[j]) rounded to x's dtype; with SUM the
-    last of the tile's TOP_K programs to arrive sums the choices in order (fused_moe._sum_choices)."""
+                 shared_w_ptr, shared_s_ptr, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+                 SHARED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                 SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr):
+    """Program (column tile, choice j): y[j, n] = weight[j] * (w2[e, n] . act[j]) rounded to x's dtype; choices
+    j >= TOP_K are the shared expert's SHARED slots, weight 1: columns (j - TOP_K) * I ... of its down projection
+    [H, SHARED * I]. With SUM the last of the tile's programs to arrive sums the choices in order (the routed ones
+    held here, then the slots)."""
     enter(PDL)
     tile = tl.program_id(0)
     choice = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert = tl.load(ids_ptr + choice)
-    held = (expert >= 0) & (expert < num_experts)
+    if choice < TOP_K:
+        expert = tl.load(ids_ptr + choice)
+        held = (expert >= 0) & (expert < num_experts)
+        e = tl.where(held, expert, 0).to(tl.int64)
+        w_e = w_ptr + e * (HIDDEN * (INTER // 8))
+        s_e = s_ptr + e * (HIDDEN * (INTER // GROUP))
+        stretch = tl.full((), 1, tl.int32)
+        weight = tl.load(weights_ptr + choice).to(tl.float32)
+    else:
+        held = choice >= TOP_K
+        w_e = shared_w_ptr + (choice - TOP_K) * (INTER // 8)
+        s_e = shared_s_ptr + (choice - TOP_K) * (INTER // GROUP)
+        stretch = tl.full((), SHARED, tl.int32)
+        weight = tl.full((), 1.0, tl.float32)
     row_ok = (rows < HIDDEN) & held
-    e = tl.where(held, expert, 0).to(tl.int64)
-    w_e = w_ptr + e * (HIDDEN * (INTER // 8))
-    s_e = s_ptr + e * (HIDDEN * (INTER // GROUP))
-    sums = _rows_sums(act_ptr + choice * INTER, w_e, s_e, rows, row_ok, INTER, GROUP, CHUNK, SUB, FP4, ASM)
-    y = tl.sum(sums, axis=0) * tl.load(weights_ptr + choice).to(tl.float32)
+    sums = _rows_sums(act_ptr + choice * INTER, w_e, s_e, rows, row_ok, stretch, INTER, GROUP, CHUNK, SUB, FP4, ASM)
+    y = tl.sum(sums, axis=0) * weight
     tl.store(y_ptr + choice * HIDDEN + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
     if SUM:
-        if last_to_arrive(arrivals_ptr, tile, TOP_K):
-            _sum_choices(y_ptr, ids_ptr, out_ptr, 0, rows, rows < HIDDEN, num_experts, HIDDEN, HIDDEN, TOP_K, True)
+        if last_to_arrive(arrivals_ptr, tile, TOP_K + SHARED):
+            _sum_all(y_ptr, ids_ptr, out_ptr, rows, rows < HIDDEN, num_experts, HIDDEN, TOP_K, SHARED)
             leave(arrivals_ptr, tile)
+
+
+@triton.jit
+def _sum_all(y_ptr, ids_ptr, out_ptr, cols, col_ok, num_experts, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+             SHARED: tl.constexpr):
+    """out[cols] = the sum in float32, in order, of y's rows: the routed choices held here (fused_moe._sum_choices'
+    rule), then the SHARED slots; rounded once. y was written by other programs: its loads skip this SM's L1."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for j in tl.static_range(TOP_K + SHARED):
+        held = col_ok
+        if j < TOP_K:
+            expert = tl.load(ids_ptr + j)
+            held = held & (expert >= 0) & (expert < num_experts)
+        acc += tl.load(y_ptr + j * HIDDEN + cols, mask=held, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def takes_float16_pairs(experts: PackedExperts, dtype: torch.dtype) -> bool:
@@ -121,32 +157,69 @@ def _sub(chunk: int, group: int, k: int) -> tuple[int, int]:
     return chunk, max(16, min(chunk, group & -group))
 
 
+class SharedSlots(NamedTuple):
+    """A non-gated shared expert computed as `slots` more choices of weight 1 beside the routed ones: its up
+    projection's rows up [slots * I, H / 2] (codes) and up_scale, its down projection down [H, slots * I / 2] and
+    down_scale, packed as the experts are (kind, groups); slot j is features j * I ... (j + 1) * I."""
+    up: torch.Tensor
+    up_scale: torch.Tensor
+    down: torch.Tensor
+    down_scale: torch.Tensor
+    slots: int
+
+
+def shared_slots_fit(experts: PackedExperts, up: torch.Tensor, up_scale: torch.Tensor, down: torch.Tensor,
+                     down_scale: torch.Tensor) -> int:
+    """How many slots of the experts' width a non-gated shared expert packed as the experts are makes (its features a
+    multiple of theirs, contiguous tensors of the experts' dtypes), or 0 where it does not fit."""
+    features, hidden, inter = up.shape[0], experts.hidden, experts.inter
+    if experts.gated or features % inter or up.shape[1] * 2 != hidden or tuple(down.shape) != (hidden, features // 2):
+        return 0
+    if (up_scale.shape != (features, hidden // experts.group13)
+            or down_scale.shape != (hidden, features // experts.group2) or features // experts.group2 % (features // inter)):
+        return 0
+    tensors = (up, up_scale, down, down_scale)
+    if any(not t.is_contiguous() for t in tensors) or (up.dtype, up_scale.dtype) != (experts.w13.dtype,
+                                                                                    experts.scale13.dtype):
+        return 0
+    return features // inter
+
+
 def one_token_four_bit_experts(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, ids: torch.Tensor,
-                               tiles: OneTokenTiles = FOUR_BIT_PAIR_TILES) -> torch.Tensor:
+                               tiles: OneTokenTiles = FOUR_BIT_PAIR_TILES,
+                               shared: SharedSlots | None = None) -> torch.Tensor:
     """out [1, H] = sum_j weights[0, j] * w2[e_j] @ act(w13[e_j] @ x[0]) for a single token x [1, H] and its choices
-    ids [1, k] (every choice outside [0, E) left out), as takes_float16_pairs allows."""
+    ids [1, k] (every choice outside [0, E) left out), as takes_float16_pairs allows; with `shared`, plus the shared
+    expert's slots, weight 1, in the same two launches."""
     if x.shape[0] != 1 or not takes_float16_pairs(experts, x.dtype):
         raise ValueError("one_token_four_bit_experts takes one 16-bit token and 4-bit experts in groups of 16 or more")
-
     num_experts, hidden, inter = experts.num_experts, experts.hidden, experts.inter
-    top_k = ids.shape[1]
+    top_k, slots = ids.shape[1], shared.slots if shared is not None else 0
+    choices = top_k + slots
     fp4, asm, launch = experts.kind == "fp4", x.is_cuda, pdl.launch(x.device)
-    act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
+    w13, w2 = experts.w13.view(torch.int32), experts.w2.view(torch.int32)
+    shared_up, shared_up_scale, shared_down, shared_down_scale = (
+        (shared.up.view(torch.int32), shared.up_scale, shared.down.view(torch.int32), shared.down_scale)
+        if shared is not None else (w13, experts.scale13, w2, experts.scale2))
+    act = torch.empty(choices, inter, dtype=x.dtype, device=x.device)
     up = tiles.up
     chunk, sub = _sub(up.block_k, experts.group13, hidden)
-    _up_kernel[(top_k, triton.cdiv(inter, up.block_n))](
-        x, experts.w13.view(torch.int32), experts.scale13, act, ids, num_experts, HIDDEN=hidden, INTER=inter,
-        GROUP=experts.group13, BLOCK_N=up.block_n, CHUNK=chunk, SUB=sub, FP4=fp4, ASM=asm,
+    _up_kernel[(choices, triton.cdiv(inter, up.block_n))](
+        x, w13, experts.scale13, act, ids, num_experts, shared_up, shared_up_scale, HIDDEN=hidden, INTER=inter,
+        TOP_K=top_k, GROUP=experts.group13, BLOCK_N=up.block_n, CHUNK=chunk, SUB=sub, FP4=fp4, ASM=asm,
         ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages, **launch)
     down = tiles.down
     chunk, sub = _sub(down.block_k, experts.group2, inter)
     col_tiles = triton.cdiv(hidden, down.block_n)
-    y = torch.empty(top_k, hidden, dtype=x.dtype, device=x.device)
+    y = torch.empty(choices, hidden, dtype=x.dtype, device=x.device)
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
     arrivals = arrival_counts(x.device, col_tiles)
-    _down_kernel[(col_tiles, top_k)](
-        act, experts.w2.view(torch.int32), experts.scale2, weights, ids, y, out,
-        ids if arrivals is None else arrivals, num_experts, HIDDEN=hidden, INTER=inter, TOP_K=top_k,
+    if arrivals is None and slots:
+        raise ValueError("one_token_four_bit_experts sums a shared expert's slots in its down launch only: "
+                         f"{col_tiles} column tiles are more than the arrival counts")
+    _down_kernel[(col_tiles, choices)](
+        act, w2, experts.scale2, weights, ids, y, out, ids if arrivals is None else arrivals, num_experts,
+        shared_down, shared_down_scale, HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=slots,
         GROUP=experts.group2, BLOCK_N=down.block_n, CHUNK=chunk, SUB=sub, FP4=fp4, ASM=asm,
         SUM=arrivals is not None, num_warps=down.num_warps, num_stages=down.num_stages, **launch)
     if arrivals is not None:
