@@ -60,12 +60,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--shared-slots", type=int, default=0,
+                        help="a non-gated shared expert of this many times the experts' width, in the same launches")
     parser.add_argument("--out")
     args = parser.parse_args()
 
     from shardserve.kernels.fused_moe_table import ONE_TOKEN_PACKED_TILES
     from shardserve.kernels.triton.fused_moe import fused_moe_packed
-    from shardserve.kernels.triton.moe_four_bit import FOUR_BIT_PAIR_TILES, one_token_four_bit_experts
+    from shardserve.kernels.triton.moe_four_bit import FOUR_BIT_PAIR_TILES, SharedSlots, one_token_four_bit_experts
     from shardserve.layers.moe import reference_experts
 
     shape = SHAPES[args.shape]
@@ -77,10 +79,19 @@ def main() -> None:
     weights, ids = torch.topk(torch.softmax(torch.randn(1, num_experts, generator=g, device=device), -1), top_k,
                               dim=-1)
     up_rows = 2 * inter if activation == "swiglu" else inter
-    read = top_k * (up_rows * hidden + hidden * inter) * (1 / 2 + 4 / args.group)
+    shared = None
+    if args.shared_slots:  # the shared expert's tensors: a block of experts' slots, as [S, H / 2] and [H, S / 2]
+        extra = random_experts(args.kind, (args.shared_slots, 1, hidden, inter, activation), args.group, device)
+        features = args.shared_slots * inter
+        shared = SharedSlots(extra.w13.reshape(features, -1), extra.scale13.reshape(features, -1),
+                             extra.w2.permute(1, 0, 2).reshape(hidden, -1).contiguous(),
+                             extra.scale2.permute(1, 0, 2).reshape(hidden, -1).contiguous(), args.shared_slots)
+    read = (top_k + args.shared_slots) * (up_rows * hidden + hidden * inter) * (1 / 2 + 4 / args.group)
     row = {"shape": args.shape, "kind": args.kind, "group": args.group, "choices": top_k, "bytes_read": int(read),
            "device": torch.cuda.get_device_name()}
     want = reference_experts(x, None, None, weights, ids, packed=experts)
+    if shared is not None:
+        row["shared_slots"] = args.shared_slots
 
     def timed(name: str, fn) -> float:
         row[f"{name}_relative_error"] = float((fn().double() - want).norm() / want.norm())
@@ -89,13 +100,19 @@ def main() -> None:
         return us
 
     timed("float32_dequantized", lambda: fused_moe_packed(x, experts, weights, ids, config=ONE_TOKEN_PACKED_TILES))
-    timed("float16_pairs", lambda: one_token_four_bit_experts(x, experts, weights, ids, FOUR_BIT_PAIR_TILES))
+    if shared is None:
+        timed("float16_pairs", lambda: one_token_four_bit_experts(x, experts, weights, ids, FOUR_BIT_PAIR_TILES))
+    else:  # the error against the routed experts alone is not a check here: the shared slots add to them
+        us = graph_time_us(lambda: one_token_four_bit_experts(x, experts, weights, ids, FOUR_BIT_PAIR_TILES, shared),
+                           args.iters, args.repeats)
+        row["float16_pairs_with_shared_us"] = round(us, 2)
+        row["float16_pairs_with_shared_gb_s"] = round(read / us / 1e3, 1)
     if args.sweep:
         tiles = [Tile(n, k, w, 1) for n, k, w in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8))]
         swept = []
 
         def time_tiles(candidate: OneTokenTiles) -> float:
-            us = graph_time_us(lambda: one_token_four_bit_experts(x, experts, weights, ids, candidate), 30, 3)
+            us = graph_time_us(lambda: one_token_four_bit_experts(x, experts, weights, ids, candidate, shared), 30, 3)
             swept.append((round(us, 2), repr(candidate)))
             return us
 
@@ -105,6 +122,9 @@ def main() -> None:
         row["sweep_best_gb_s"] = round(read / best[0] / 1e3, 1)
         row["sweep"] = sorted(swept)
     print(json.dumps(row, indent=1))
+    if args.sweep:  # the best tiles in SHARDSERVE_MOE_FOUR_BIT_TILES' form, last
+        best_up, best_down = best[1].up, best[1].down
+        print("/".join(",".join(str(v) for v in tile) for tile in (best_up, best_down)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(row, f, indent=1)

@@ -153,6 +153,9 @@ INT4_GEMV_SUMS = _declare("SHARDSERVE_INT4_GEMV_SUMS", CHOICE, "auto",
 MOE_FOUR_BIT_SUMS = _declare("SHARDSERVE_MOE_FOUR_BIT_SUMS", CHOICE, "float16",
                              "float32: a single token's 4-bit experts dequantize each weight in float32, not "
                              "float16 pair sums", ("float16", "float32"), plan=True)
+MOE_FOUR_BIT_TILES = _declare("SHARDSERVE_MOE_FOUR_BIT_TILES", STR, None,
+                              "tiles 'up/down' of a single token's 4-bit experts with float16 pair sums, each "
+                              "'block_n,chunk,num_warps,num_stages'", plan=True)
 
 # Everything else.
 GEMV_ALL_REDUCE = _declare("SHARDSERVE_GEMV_ALL_REDUCE", CHOICE, "separate",

@@ -115,3 +115,14 @@ def test_gpu_float16_pair_sums_match_float64(kind, group, hidden, inter, experts
         x64 = x.double().cpu()
         want = want.cpu() + torch.relu(x64 @ up64.cpu().T).square() @ down64.cpu().T
         assert relative_error(with_shared.cpu(), want) < TOLERANCE[torch.bfloat16]
+
+
+def test_tiles_come_from_the_variable_and_a_bad_one_is_named(set_env):
+    from shardserve.kernels.triton.moe_four_bit import FOUR_BIT_PAIR_TILES, four_bit_pair_tiles
+
+    assert four_bit_pair_tiles() == FOUR_BIT_PAIR_TILES
+    set_env(SHARDSERVE_MOE_FOUR_BIT_TILES="8,256,4,1/64,1024,8,1")
+    assert four_bit_pair_tiles() == OneTokenTiles(Tile(8, 256, 4, 1), Tile(64, 1024, 8, 1))
+    set_env(SHARDSERVE_MOE_FOUR_BIT_TILES="8,256,4")
+    with pytest.raises(ValueError, match="SHARDSERVE_MOE_FOUR_BIT_TILES='8,256,4'"):
+        four_bit_pair_tiles()

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from shardserve import envs
-from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile
+from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile, parse_one_token_tiles
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
@@ -32,6 +32,12 @@ from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs
 # 8-64, chunks of 256-1024, 4 or 8 warps) on an H200 at Nemotron-3-Nano's NVFP4 experts, 23.9 us a layer against
 # 27.1 for (16, 512, 4, 1) twice (benchmarks/moe_four_bit_one_token.py --sweep).
 FOUR_BIT_PAIR_TILES = OneTokenTiles(Tile(32, 1024, 4, 1), Tile(16, 512, 4, 1))
+
+
+def four_bit_pair_tiles() -> OneTokenTiles:
+    """FOUR_BIT_PAIR_TILES, or the tiles SHARDSERVE_MOE_FOUR_BIT_TILES says ("up/down", to tune on another GPU)."""
+    value = envs.MOE_FOUR_BIT_TILES.get()
+    return FOUR_BIT_PAIR_TILES if value is None else parse_one_token_tiles(value, envs.MOE_FOUR_BIT_TILES.name)
 
 
 @triton.jit
@@ -186,13 +192,14 @@ def shared_slots_fit(experts: PackedExperts, up: torch.Tensor, up_scale: torch.T
 
 
 def one_token_four_bit_experts(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, ids: torch.Tensor,
-                               tiles: OneTokenTiles = FOUR_BIT_PAIR_TILES,
+                               tiles: OneTokenTiles | None = None,
                                shared: SharedSlots | None = None) -> torch.Tensor:
     """out [1, H] = sum_j weights[0, j] * w2[e_j] @ act(w13[e_j] @ x[0]) for a single token x [1, H] and its choices
     ids [1, k] (every choice outside [0, E) left out), as takes_float16_pairs allows; with `shared`, plus the shared
-    expert's slots, weight 1, in the same two launches."""
+    expert's slots, weight 1, in the same two launches. tiles: four_bit_pair_tiles() unless given."""
     if x.shape[0] != 1 or not takes_float16_pairs(experts, x.dtype):
         raise ValueError("one_token_four_bit_experts takes one 16-bit token and 4-bit experts in groups of 16 or more")
+    tiles = tiles or four_bit_pair_tiles()
     num_experts, hidden, inter = experts.num_experts, experts.hidden, experts.inter
     top_k, slots = ids.shape[1], shared.slots if shared is not None else 0
     choices = top_k + slots
