@@ -124,7 +124,7 @@ def main() -> None:
     print(json.dumps(row, indent=1))
     if args.sweep:  # the best tiles in SHARDSERVE_MOE_FOUR_BIT_TILES' form, last
         best_up, best_down = best[1].up, best[1].down
-        print("/".join(",".join(str(v) for v in tile) for tile in (best_up, best_down)))
+        print("/".join(f"{t.block_n},{t.block_k},{t.num_warps},{t.num_stages}" for t in (best_up, best_down)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(row, f, indent=1)
