@@ -575,6 +575,34 @@ def _f16_pair(x, scale):
     return (lo | (hi << 16))[:, None, :]
 
 
+def _e2m1_pairs_asm(word: str) -> str:
+    """PTX that moves the eight e2m1 codes of 32-bit `word` into four float16 pairs a, b, c, d (codes j and j + 4 in
+    pair j): the three magnitude bits of code j (bits 4j .. 4j + 2) shifted to bits 9-11, its sign bit (4j + 3) to
+    15, with one shift each for both halves; uses the scratch registers m and s."""
+    lines = []
+    for pair, bit in zip("abcd", (0, 4, 8, 12)):
+        for reg, target in (("m", 9), ("s", 12)):
+            shift = target - bit
+            if shift > 0:
+                lines.append(f"shl.b32 {reg}, {word}, {shift};")
+            elif shift < 0:
+                lines.append(f"shr.u32 {reg}, {word}, {-shift};")
+            else:
+                lines.append(f"mov.b32 {reg}, {word};")
+        lines += ["and.b32 m, m, 0x0E000E00;", "and.b32 s, s, 0x80008000;", f"or.b32 {pair}, m, s;"]
+    return "\n".join(lines)
+
+
+# _word_pair_sums' products for e2m1 codes: words $1 and $2, x pairs $3-$6 and $7-$10, the float32 sum in $0.
+_FP4_PAIR_SUMS_ASM = tl.constexpr("\n".join([
+    "{", ".reg .b32 a, b, c, d, m, s, t;", ".reg .b16 lo, hi;", ".reg .f32 fl, fh;",
+    _e2m1_pairs_asm("$1"),
+    "mul.rn.f16x2 t, a, $3;", "fma.rn.f16x2 t, b, $4, t;", "fma.rn.f16x2 t, c, $5, t;", "fma.rn.f16x2 t, d, $6, t;",
+    _e2m1_pairs_asm("$2"),
+    "fma.rn.f16x2 t, a, $7, t;", "fma.rn.f16x2 t, b, $8, t;", "fma.rn.f16x2 t, c, $9, t;", "fma.rn.f16x2 t, d, $10, t;",
+    "mov.b32 {lo, hi}, t;", "cvt.f32.f16 fl, lo;", "cvt.f32.f16 fh, hi;", "add.f32 $0, fl, fh;", "}"]))
+
+
 @triton.jit
 def _word_pair_sums(w, x04, x15, x26, x37, SUBS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr,
                     ASM: tl.constexpr, FP4: tl.constexpr = False):
@@ -596,61 +624,7 @@ def _word_pair_sums(w, x04, x15, x26, x37, SUBS: tl.constexpr, ROWS: tl.constexp
     a37, b37 = _adjacent(x37, SUBS, ROWS, WORDS)
     if ASM and FP4:
         return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 a, b, c, d, m, s, t;
-            .reg .b16 lo, hi;
-            .reg .f32 fl, fh;
-            shl.b32 m, $1, 9;
-            shl.b32 s, $1, 12;
-            and.b32 m, m, 0x0E000E00;
-            and.b32 s, s, 0x80008000;
-            or.b32 a, m, s;
-            shl.b32 m, $1, 5;
-            shl.b32 s, $1, 8;
-            and.b32 m, m, 0x0E000E00;
-            and.b32 s, s, 0x80008000;
-            or.b32 b, m, s;
-            shl.b32 m, $1, 1;
-            shl.b32 s, $1, 4;
-            and.b32 m, m, 0x0E000E00;
-            and.b32 s, s, 0x80008000;
-            or.b32 c, m, s;
-            shr.u32 m, $1, 3;
-            and.b32 m, m, 0x0E000E00;
-            and.b32 s, $1, 0x80008000;
-            or.b32 d, m, s;
-            mul.rn.f16x2 t, a, $3;
-            fma.rn.f16x2 t, b, $4, t;
-            fma.rn.f16x2 t, c, $5, t;
-            fma.rn.f16x2 t, d, $6, t;
-            shl.b32 m, $2, 9;
-            shl.b32 s, $2, 12;
-            and.b32 m, m, 0x0E000E00;
-            and.b32 s, s, 0x80008000;
-            or.b32 a, m, s;
-            shl.b32 m, $2, 5;
-            shl.b32 s, $2, 8;
-            and.b32 m, m, 0x0E000E00;
-            and.b32 s, s, 0x80008000;
-            or.b32 b, m, s;
-            shl.b32 m, $2, 1;
-            shl.b32 s, $2, 4;
-            and.b32 m, m, 0x0E000E00;
-            and.b32 s, s, 0x80008000;
-            or.b32 c, m, s;
-            shr.u32 m, $2, 3;
-            and.b32 m, m, 0x0E000E00;
-            and.b32 s, $2, 0x80008000;
-            or.b32 d, m, s;
-            fma.rn.f16x2 t, a, $7, t;
-            fma.rn.f16x2 t, b, $8, t;
-            fma.rn.f16x2 t, c, $9, t;
-            fma.rn.f16x2 t, d, $10, t;
-            mov.b32 {lo, hi}, t;
-            cvt.f32.f16 fl, lo;
-            cvt.f32.f16 fh, hi;
-            add.f32 $0, fl, fh;
-            }""",
+            _FP4_PAIR_SUMS_ASM,
             "=r,r,r,r,r,r,r,r,r,r,r", [wa, wb, a04, a15, a26, a37, b04, b15, b26, b37],
             dtype=tl.float32, is_pure=True, pack=1)
     if ASM:
