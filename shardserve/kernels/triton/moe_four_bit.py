@@ -24,7 +24,7 @@ from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile, parse_one_to
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
-from shardserve.kernels.triton.fused_moe import ACTIVATIONS, _activate, _sum_separately
+from shardserve.kernels.triton.fused_moe import ACTIVATIONS, _activate, _sum_separately, _tile_groups
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs
 
@@ -157,11 +157,13 @@ def takes_float16_pairs(experts: PackedExperts, dtype: torch.dtype) -> bool:
             and all(t.is_contiguous() for t in (experts.w13, experts.scale13, experts.w2, experts.scale2)))
 
 
-def _sub(chunk: int, group: int, k: int) -> tuple[int, int]:
-    """(CHUNK, SUB): chunks of at most `chunk` columns (a power of two, no wider than K's), sub-tiles of at most a
-    group's largest power-of-two divisor, at least 16 columns."""
-    chunk = min(chunk, triton.next_power_of_2(k))
-    return chunk, max(16, min(chunk, group & -group))
+def _chunk_and_sub(tile: Tile, group: int, k: int) -> tuple[int, int]:
+    """(CHUNK, SUB) of a tile over K columns in groups of `group`: fused_moe._tile_groups' sub-tiles, which must
+    hold two whole words (16 columns) for the float16 pairs."""
+    groups, sub = _tile_groups(tile, group, k)
+    if sub < 16:
+        raise ValueError(f"4-bit float16 pair sums need chunks of 16 columns or more, got tile {tile}")
+    return groups * sub, sub
 
 
 class SharedSlots(NamedTuple):
@@ -182,8 +184,8 @@ def shared_slots_fit(experts: PackedExperts, up: torch.Tensor, up_scale: torch.T
     features, hidden, inter = up.shape[0], experts.hidden, experts.inter
     if experts.gated or features % inter or up.shape[1] * 2 != hidden or tuple(down.shape) != (hidden, features // 2):
         return 0
-    if (up_scale.shape != (features, hidden // experts.group13)
-            or down_scale.shape != (hidden, features // experts.group2) or features // experts.group2 % (features // inter)):
+    if inter % experts.group2 or up_scale.shape != (features, hidden // experts.group13) \
+            or down_scale.shape != (hidden, features // experts.group2):  # each slot's columns whole groups
         return 0
     tensors = (up, up_scale, down, down_scale)
     if any(not t.is_contiguous() for t in tensors) or (up.dtype, up_scale.dtype) != (experts.w13.dtype,
@@ -211,13 +213,13 @@ def one_token_four_bit_experts(x: torch.Tensor, experts: PackedExperts, weights:
         if shared is not None else (w13, experts.scale13, w2, experts.scale2))
     act = torch.empty(choices, inter, dtype=x.dtype, device=x.device)
     up = tiles.up
-    chunk, sub = _sub(up.block_k, experts.group13, hidden)
+    chunk, sub = _chunk_and_sub(up, experts.group13, hidden)
     _up_kernel[(choices, triton.cdiv(inter, up.block_n))](
         x, w13, experts.scale13, act, ids, num_experts, shared_up, shared_up_scale, HIDDEN=hidden, INTER=inter,
         TOP_K=top_k, GROUP=experts.group13, BLOCK_N=up.block_n, CHUNK=chunk, SUB=sub, FP4=fp4, ASM=asm,
         ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages, **launch)
     down = tiles.down
-    chunk, sub = _sub(down.block_k, experts.group2, inter)
+    chunk, sub = _chunk_and_sub(down, experts.group2, inter)
     col_tiles = triton.cdiv(hidden, down.block_n)
     y = torch.empty(choices, hidden, dtype=x.dtype, device=x.device)
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)

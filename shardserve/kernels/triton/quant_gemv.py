@@ -531,17 +531,14 @@ def _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_
 def _group_scaled(qx, x_sum, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr,
                   FP4: tl.constexpr = False, SUB_LIMIT: tl.constexpr = 0):
     """[sub-tile, row]: s * (qx - z * x_sum), qx the sums of n * x over each sub-tile of the rows, with the scale s
-    and zero point z of the group each sub-tile lies in (FP4: s * qx, the word the scale); 0 for sub-tiles past K,
-    and from sub-tile SUB_LIMIT on where that is not 0."""
+    and zero point z of the group each sub-tile lies in (four_bit_scale_and_zero: FP4's z is 0); 0 for sub-tiles
+    past K, and from sub-tile SUB_LIMIT on where that is not 0."""
     group = (k + sub * SUB) // GROUP
     inside = group < K // GROUP
     if SUB_LIMIT:
         inside = inside & (sub < SUB_LIMIT)
-    words = tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
-                    mask=row_ok[None, :] & inside[:, None], other=0)
-    if FP4:
-        return words.to(tl.float32, bitcast=True) * qx
-    s, z = scale_and_zero(words)
+    s, z = four_bit_scale_and_zero(tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
+                                           mask=row_ok[None, :] & inside[:, None], other=0), FP4)
     return s * (qx - z * x_sum[:, None])
 
 
@@ -559,7 +556,7 @@ def _split_pairs(x_ptr, residual_ptr, norm_w_ptr, cols, rstd, NORM: tl.constexpr
     exponent = tl.minimum(tl.maximum((x_max.to(tl.int32, bitcast=True) >> 23) & 0xFF, 14), 244)
     scale = ((268 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(141 - exponent)
     if FP4:
-        unscale = ((exponent) << 23).to(tl.float32, bitcast=True)  # 2**(exponent - 127) = 2**14 / scale
+        unscale = (exponent << 23).to(tl.float32, bitcast=True)  # 2**(exponent - 127) = 2**14 / scale
         return (x_sum, _f16_pair(x04, scale), _f16_pair(x15, scale), _f16_pair(x26, scale), _f16_pair(x37, scale),
                 unscale)
     unscale = ((exponent + 10) << 23).to(tl.float32, bitcast=True)  # 2**(exponent - 117) = 2**24 / scale
@@ -869,8 +866,9 @@ def int4_gemv_split(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Te
     of block_n rows. Raises ValueError where the shape does not fit it (int4_split_sub), where the weight's rows
     are not whole 32-bit words, or where there are more row blocks than arrival counts. `f16_sums`: two words'
     products summed in a pair of float16 sums (the kernel's F16_SUMS; splits of at most INT4_SPLIT_CHUNK columns
-    or, not a power of two, padded to one (int4_split_sub), sub-tiles of 16 columns or more, else ValueError). With `swiglu_out`, silu(gate) * up of a [gate | up] weight,
-    [1, N / 2] (gemv.gemv's). codes="fp4": e2m1 codes and float32 scale words (float16 sums only)."""
+    or, not a power of two, padded to one (int4_split_sub), sub-tiles of 16 columns or more, else ValueError).
+    With `swiglu_out`, silu(gate) * up of a [gate | up] weight, [1, N / 2] (gemv.gemv's). codes="fp4": e2m1 codes
+    and float32 scale words (float16 sums only)."""
     x = _one_row(x, 2 * qweight.shape[1], "int4_gemv_split")
     return _int4_split_launch(x, qweight, scale_zero, group_size,
                               (block_n, split_k, num_warps, row_tiles, f16_sums), None, swiglu_out, codes)
