@@ -186,14 +186,22 @@ def pack_experts(model: nn.Module, names: set[str] | None, layout: PackedLayout,
 # -- the products ----------------------------------------------------------------------------------------------
 
 
-def packed_fused(h, experts: PackedExperts, weights, ids):
-    """The fused kernels: one token's 4-bit experts with float16 pair sums where moe_four_bit takes them and the
-    one-token path is on, else fused_moe_packed (its one-token path or grouped GEMMs)."""
+def four_bit_one_token(h: torch.Tensor, experts: PackedExperts) -> bool:
+    """Whether packed_fused takes moe_four_bit's float16 pair sums for h: one token, the one-token path on
+    (SHARDSERVE_MOE_ONE_TOKEN), and experts that moe_four_bit.takes_float16_pairs."""
     from shardserve.kernels.fused_moe_table import one_token_packed_tiles
-    from shardserve.kernels.triton.fused_moe import fused_moe_packed
-    from shardserve.kernels.triton.moe_four_bit import one_token_four_bit_experts, takes_float16_pairs
+    from shardserve.kernels.triton.moe_four_bit import takes_float16_pairs
 
-    if h.shape[0] == 1 and takes_float16_pairs(experts, h.dtype) and one_token_packed_tiles() is not None:
+    return h.shape[0] == 1 and one_token_packed_tiles() is not None and takes_float16_pairs(experts, h.dtype)
+
+
+def packed_fused(h, experts: PackedExperts, weights, ids):
+    """The fused kernels: one token's 4-bit experts with float16 pair sums where four_bit_one_token, else
+    fused_moe_packed (its one-token path or grouped GEMMs)."""
+    from shardserve.kernels.triton.fused_moe import fused_moe_packed
+    from shardserve.kernels.triton.moe_four_bit import one_token_four_bit_experts
+
+    if four_bit_one_token(h, experts):
         return one_token_four_bit_experts(h, experts, weights, ids)
     return fused_moe_packed(h, experts, weights, ids)
 

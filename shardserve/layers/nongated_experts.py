@@ -105,6 +105,11 @@ class NonGatedExperts(nn.Module):
     def choices(self) -> int:
         return self.top_k
 
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids as this rank's slots (other ranks' experts fall outside [0, E_held))."""
+        e0 = self.shard.experts[0]
+        return ids - e0 if e0 else ids
+
     def slot(self, expert: int) -> int | None:
         """Where checkpoint expert `expert` lives in w1/w2, or None where another rank holds it."""
         e0, e1 = self.shard.experts
@@ -152,8 +157,7 @@ class NonGatedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) over this rank's experts and features: x [T, D], weights and
         ids [T, k] (global expert ids; other ranks' experts add nothing). A partial sum where shard.sharded."""
-        e0 = self.shard.experts[0]
-        local = ids - e0 if e0 else ids
+        local = self.local_ids(ids)
         if self.packed is not None:
             return self.packed.experts(self, x, weights, local)
         if fused_matches(self.w1, self.w2, ids.shape[1], self.activation):

@@ -7,20 +7,21 @@ feature alone, so slot j of its features j * I ... (j + 1) * I is one more exper
 launches compute it with the routed choices, reading the shared expert's own packed tensors in place (its down
 projection's columns by a row stride, nothing copied: a reload at wake-up writes where the kernels read).
 
-Taken where: one token on a GPU whose packed experts run the fused kernels (their start-up check passed), 4-bit
-float16 pair sums (moe_four_bit.takes_float16_pairs), no latent projections, every rank adding its own share of the
+Taken where: one token on a GPU whose packed experts run the fused kernels (their start-up check passed) and take
+4-bit float16 pair sums there (moe_packed.four_bit_one_token: not with SHARDSERVE_MOE_ONE_TOKEN=gemm), no latent projections, every rank adding its own share of the
 shared expert, the shared expert packed as the experts are (kind and groups, no bias or act order), and
 SHARDSERVE_FOLD_SHARED_EXPERT not 0. Elsewhere the block computes it apart.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from typing import TYPE_CHECKING
-
 from shardserve import envs
+from shardserve.layers.moe_packed import four_bit_one_token
 from shardserve.layers.nongated_experts import NonGatedExperts
 
 if TYPE_CHECKING:
@@ -33,10 +34,10 @@ def shared_slots(experts: NonGatedExperts, up: nn.Module, down: nn.Module, h: to
     packing = experts.packed
     if h.shape[0] != 1 or packing is None or not envs.FOLD_SHARED_EXPERT.get() or not packing.graph_safe(experts):
         return None
-    from shardserve.kernels.triton.moe_four_bit import SharedSlots, shared_slots_fit, takes_float16_pairs
+    from shardserve.kernels.triton.moe_four_bit import SharedSlots, shared_slots_fit
 
     view = packing.view(experts)
-    if not takes_float16_pairs(view, h.dtype):
+    if not four_bit_one_token(h, view):  # the experts' own launches are not moe_four_bit's
         return None
     if any(layer.packed is None or getattr(layer, "input_perm", None) is not None or layer.bias is not None
            for layer in (up, down)):
@@ -54,6 +55,4 @@ def experts_with_shared(experts: NonGatedExperts, slots: SharedSlots, x: torch.T
     """NonGatedExperts.forward plus the shared expert's slots, in the experts' two launches."""
     from shardserve.kernels.triton.moe_four_bit import one_token_four_bit_experts
 
-    e0 = experts.shard.experts[0]
-    return one_token_four_bit_experts(x, experts.packed.view(experts), weights, ids - e0 if e0 else ids,
-                                      shared=slots)
+    return one_token_four_bit_experts(x, experts.packed.view(experts), weights, experts.local_ids(ids), shared=slots)

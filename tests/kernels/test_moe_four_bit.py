@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
+from shardserve import envs  # noqa: E402
 from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile  # noqa: E402
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
 from shardserve.kernels.quant_pack import reference_weight64  # noqa: E402
@@ -90,8 +91,14 @@ def test_interpreter_shared_expert_as_slots_adds_it_once(kind, group, hidden, in
 
 
 def test_float16_pair_sums_are_off_for_float32_and_when_asked(set_env):
+    from shardserve.layers.moe_packed import four_bit_one_token
+
     experts = packed_experts("fp4", 2, 64, 32, 16)
     assert takes_float16_pairs(experts, torch.bfloat16)
+    one, two = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.bfloat16)
+    assert four_bit_one_token(one, experts) and not four_bit_one_token(two, experts)
+    with envs.override(SHARDSERVE_MOE_ONE_TOKEN="gemm"):  # a single token kept on the grouped GEMMs
+        assert not four_bit_one_token(one, experts)
     assert not takes_float16_pairs(experts, torch.float32)
     assert not takes_float16_pairs(packed_experts("fp8", 2, 64, 32, 16), torch.bfloat16)
     set_env(SHARDSERVE_MOE_FOUR_BIT_SUMS="float32")
