@@ -25,31 +25,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.moe_kernels import best_of, graph_time_us  # noqa: E402
+from benchmarks.moe_packed_one_token import random_packed  # noqa: E402
 from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile  # noqa: E402
 
 # (experts, top k, hidden, expert features, activation) on one rank.
 SHAPES = {"nemotron3-nano-30b-a3b": (128, 6, 2688, 1856, "relu2"), "qwen3-30b-a3b": (128, 8, 2048, 768, "swiglu")}
-
-
-def random_experts(kind: str, shape: tuple, group: int, device):
-    from shardserve.kernels.packed_experts import PackedExperts
-    from shardserve.kernels.quant_pack import pack_fp4_scales
-
-    experts, _, hidden, inter, activation = shape
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def part(n: int, k: int):
-        codes = torch.randint(0, 256, (experts, n, k // 2), generator=g, device=device, dtype=torch.uint8)
-        if kind == "fp4":
-            scale = pack_fp4_scales(torch.rand(experts, n, k // group, generator=g, device=device) * 1e-2 + 1e-3)
-        else:  # small positive scales, some zero point
-            scale = torch.randint(0, 2 ** 20, (experts, n, k // group), generator=g, device=device,
-                                  dtype=torch.int32) | (0x3C << 24)
-        return codes, scale
-
-    w13, s13 = part(2 * inter if activation == "swiglu" else inter, hidden)
-    w2, s2 = part(hidden, inter)
-    return PackedExperts(kind, w13, s13, group, w2, s2, group, activation)
 
 
 def main() -> None:
@@ -73,7 +53,7 @@ def main() -> None:
     shape = SHAPES[args.shape]
     num_experts, top_k, hidden, inter, activation = shape
     device = torch.device("cuda")
-    experts = random_experts(args.kind, shape, args.group, device)
+    experts = random_packed(args.kind, num_experts, hidden, inter, args.group, device, activation)
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, hidden, generator=g, device=device).to(torch.bfloat16)
     weights, ids = torch.topk(torch.softmax(torch.randn(1, num_experts, generator=g, device=device), -1), top_k,
@@ -81,7 +61,7 @@ def main() -> None:
     up_rows = 2 * inter if activation == "swiglu" else inter
     shared = None
     if args.shared_slots:  # the shared expert's tensors: a block of experts' slots, as [S, H / 2] and [H, S / 2]
-        extra = random_experts(args.kind, (args.shared_slots, 1, hidden, inter, activation), args.group, device)
+        extra = random_packed(args.kind, args.shared_slots, hidden, inter, args.group, device, activation)
         features = args.shared_slots * inter
         shared = SharedSlots(extra.w13.reshape(features, -1), extra.scale13.reshape(features, -1),
                              extra.w2.permute(1, 0, 2).reshape(hidden, -1).contiguous(),

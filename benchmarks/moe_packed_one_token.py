@@ -29,9 +29,11 @@ SHAPES = {"qwen3-next-80b-a3b": (512, 10, 2048, 512, True), "qwen3-30b-a3b": (12
           "qwen3.5-397b-a17b-tp4": (512, 10, 4096, 256, True)}
 
 
-def random_packed(kind: str, experts: int, hidden: int, inter: int, group: int, device):
+def random_packed(kind: str, experts: int, hidden: int, inter: int, group: int, device, activation: str = "swiglu"):
+    """Random packed experts: fp8, int4 or fp4 codes with small positive scales (int4: some zero point); SwiGLU
+    experts hold gate and up rows, others up rows only."""
     from shardserve.kernels.packed_experts import PackedExperts
-    from shardserve.kernels.quant_pack import scale_dtype
+    from shardserve.kernels.quant_pack import pack_fp4_scales, scale_dtype
 
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -40,15 +42,16 @@ def random_packed(kind: str, experts: int, hidden: int, inter: int, group: int, 
             codes = (torch.randn(experts, n, k, generator=g, device=device) * 100).clamp(-448, 448).to(
                 torch.float8_e4m3fn)
             scale = torch.rand(experts, n, k // group, generator=g, device=device) * 1e-3
-        else:
-            codes = torch.randint(0, 256, (experts, n, k // 2), generator=g, device=device, dtype=torch.uint8)
-            scale = torch.randint(0, 2 ** 20, (experts, n, k // group), generator=g, device=device,
-                                  dtype=torch.int32) | (0x3C << 24)  # small positive scales, some zero point
-        return codes, scale.to(scale_dtype(kind)) if kind == "fp8" else scale
+            return codes, scale.to(scale_dtype(kind))
+        codes = torch.randint(0, 256, (experts, n, k // 2), generator=g, device=device, dtype=torch.uint8)
+        if kind == "fp4":
+            return codes, pack_fp4_scales(torch.rand(experts, n, k // group, generator=g, device=device) * 1e-2 + 1e-3)
+        return codes, torch.randint(0, 2 ** 20, (experts, n, k // group), generator=g, device=device,
+                                    dtype=torch.int32) | (0x3C << 24)
 
-    w13, s13 = part(2 * inter, hidden)
+    w13, s13 = part(2 * inter if activation == "swiglu" else inter, hidden)
     w2, s2 = part(hidden, inter)
-    return PackedExperts(kind, w13, s13, group, w2, s2, group)
+    return PackedExperts(kind, w13, s13, group, w2, s2, group, activation)
 
 
 def tile_grid():
