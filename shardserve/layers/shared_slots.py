@@ -8,9 +8,10 @@ launches compute it with the routed choices, reading the shared expert's own pac
 projection's columns by a row stride, nothing copied: a reload at wake-up writes where the kernels read).
 
 Taken where: one token on a GPU whose packed experts run the fused kernels (their start-up check passed) and take
-4-bit float16 pair sums there (moe_packed.four_bit_one_token: not with SHARDSERVE_MOE_ONE_TOKEN=gemm), no latent projections, every rank adding its own share of the
-shared expert, the shared expert packed as the experts are (kind and groups, no bias or act order), and
-SHARDSERVE_FOLD_SHARED_EXPERT not 0. Elsewhere the block computes it apart.
+4-bit float16 pair sums there (moe_packed.four_bit_one_token: not with SHARDSERVE_MOE_ONE_TOKEN=gemm), no latent
+projections, every rank adding its own share of the shared expert, the shared expert packed as the experts are
+(kind and groups, no bias or act order), and SHARDSERVE_FOLD_SHARED_EXPERT not 0. Elsewhere the block computes it
+apart.
 """
 
 from __future__ import annotations
