@@ -197,7 +197,8 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
 def built_model_bytes(cfg: dict, active: bool) -> int:
     """Bytes of the model shardserve builds from `cfg` at TP 1 (on the meta device; bf16, routers float32; a
     quantized checkpoint's layers and experts packed as the engine packs them, codes and scales); `active`: of
-    stacked experts (a 3-dimensional parameter whose first axis is the expert count) only num_experts_per_tok,
+    stacked experts (a 3-dimensional parameter whose first axis is the expert count, or their row scales) only
+    num_experts_per_tok,
     plus the per-sequence states (pools of one slot) a decoded token reads and writes once each."""
     import torch
 
@@ -227,9 +228,10 @@ def built_model_bytes(cfg: dict, active: bool) -> int:
         pack_experts(model, set(), PackedLayout("fp8", 0), "meta", log=False)
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
     total = 0
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         n = p.numel() * p.element_size()
-        if active and experts and p.dim() == 3 and p.shape[0] == experts:
+        stacked = p.dim() == 3 or name.endswith("_row_scale")  # experts' weights, scales and row scales ([E, N])
+        if active and experts and stacked and p.shape[0] == experts:
             n = n * cfg["num_experts_per_tok"] // experts
         total += n
     if active:

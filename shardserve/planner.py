@@ -361,6 +361,8 @@ def projection_elements_per_rank(cfg: dict, tp: int) -> int:
     """Weights of the attention and dense MLP projections one rank holds: what a quantized checkpoint (or
     --quantization fp8) keeps packed on GPUs. Experts, routers, norms, embeddings and the head stay in the compute
     dtype."""
+    if nemotron_h.is_nemotron_h(cfg):
+        return nemotron_h.packed_elements_per_rank(cfg, tp)[0]
     h, hd = cfg["hidden_size"], attention_head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shard = attention_shard(heads, kv_heads, hd, 0, tp)
@@ -416,6 +418,8 @@ def packed_expert_elements_per_rank(cfg: dict, tp: int) -> int:
     h, rows = cfg["hidden_size"], _rows(inter, tp, "experts", [])
     if group and (h % group or rows % group):
         return 0
+    if nemotron_h.is_nemotron_h(cfg):
+        return nemotron_h.packed_elements_per_rank(cfg, tp)[1]
     return experts * 3 * h * rows * len(_moe_layers(cfg))
 
 
@@ -432,6 +436,8 @@ def _packed_bytes_per_weight(cfg: dict, online: str | None) -> tuple[float, str]
     if scheme.method == "fp8":
         return (1 + 4 / scheme.weight_block[1] if scheme.weight_block else 1.0), scheme.describe()
     group = scheme.group_size if scheme.group_size > 0 else cfg["hidden_size"]
+    if scheme.e2m1:  # an e4m3 byte a group (the float32 scale a row: negligible)
+        return 0.5 + 1 / group, scheme.describe()
     return 0.5 + 4 / group, scheme.describe()  # a 32-bit scale-and-zero word a group
 
 

@@ -36,16 +36,24 @@ def check_fp8(weight: torch.Tensor, scale: torch.Tensor, group_k: int) -> None:
                          f"[{n}, {groups}], got {scale.dtype} {tuple(scale.shape)}")
 
 
-def check_int4(qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> None:
-    """Raise ValueError unless (qweight, scale_zero, group_size) is the int4 layout (kernels/quant_pack.py's docstring)."""
+def check_int4(qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int, codes: str = "int4",
+               row_scale: torch.Tensor | None = None) -> None:
+    """Raise ValueError unless (qweight, scale_zero, group_size) is the int4 layout, or with codes="fp4" (qweight,
+    scale bytes, group_size, row_scale) the fp4 one (kernels/quant_pack.py's docstring)."""
+    if codes not in FOUR_BIT_KINDS:
+        raise ValueError(f"4-bit codes are one of {', '.join(FOUR_BIT_KINDS)}, got {codes!r}")
     if qweight.dim() != 2 or qweight.dtype != torch.uint8 or qweight.stride(1) != 1:
-        raise ValueError(f"int4 qweight must be a row-major 2-D uint8 tensor [N, K // 2], got {qweight.dtype} "
+        raise ValueError(f"{codes} qweight must be a row-major 2-D uint8 tensor [N, K // 2], got {qweight.dtype} "
                          f"{tuple(qweight.shape)} with strides {qweight.stride()}")
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     if group_size < 2 or group_size % 2 or k % group_size:
-        raise ValueError(f"int4 group_size must be even and divide K={k}, got {group_size}")
-    if scale_zero.dtype != torch.int32 or tuple(scale_zero.shape) != (n, k // group_size) \
-            or not scale_zero.is_contiguous():
-        raise ValueError(f"int4 scale_zero for K={k} with group_size {group_size} must be contiguous int32 "
-                         f"[{n}, {k // group_size}] (pack_scale_zero), got {scale_zero.dtype} "
-                         f"{tuple(scale_zero.shape)}")
+        raise ValueError(f"{codes} group_size must be even and divide K={k}, got {group_size}")
+    words = torch.uint8 if codes == "fp4" else torch.int32
+    if scale_zero.dtype != words or tuple(scale_zero.shape) != (n, k // group_size) or not scale_zero.is_contiguous():
+        what = "e4m3 scale bytes" if codes == "fp4" else "scale_zero (pack_scale_zero)"
+        raise ValueError(f"{codes} {what} for K={k} with group_size {group_size} must be contiguous {words} "
+                         f"[{n}, {k // group_size}], got {scale_zero.dtype} {tuple(scale_zero.shape)}")
+    if codes == "fp4" and (row_scale is None or row_scale.dtype != torch.float32 or tuple(row_scale.shape) != (n,)
+                           or not row_scale.is_contiguous()):
+        found = "none" if row_scale is None else f"{row_scale.dtype} {tuple(row_scale.shape)}"
+        raise ValueError(f"fp4 weights of {n} rows need their row scales, contiguous float32 [{n}], got {found}")

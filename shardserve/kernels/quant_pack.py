@@ -9,13 +9,13 @@ Two layouts, both row-major over the output features N and the input features K:
   W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with g = k // group_size.
   One word a group is half the bytes of two float32 tensors and one load instead of two in every kernel; the
   scale keeps 18 of float32's 23 mantissa bits, so checkpoints' float16 and bfloat16 scales are exact.
-- fp4: 4-bit floats (NVFP4, MXFP4 checkpoints: weights/fp4.py), the int4 layout's tensors with a second decode
-  table: qweight holds e2m1 codes (0, 0.5, 1, 1.5, 2, 3, 4, 6, bit 3 the sign) in the same nibbles; each scale word
-  is all 32 bits of the group's float32 scale (no zero point): W[n, k] = e2m1(q[n, k]) * scale[n, g].
-  The scale folds NVFP4's global scale into each e4m3 group scale (float32, rounded once as the checkpoint reader
-  rounds it), so fused q/k/v and gate/up rows each keep their own part's global scale, the kernels load one word a
-  group as for int4, and e2m1(q) * scale rounds once in float32 as the checkpoint reader's product does: the
-  dequantizers give the reader's bits.
+- fp4: 4-bit floats (NVFP4, MXFP4 checkpoints: weights/fp4.py): qweight as int4's, holding e2m1 codes (0, 0.5,
+  1, 1.5, 2, 3, 4, 6, bit 3 the sign) in the same nibbles; scale uint8 [N, K // group_size], each group's
+  float8_e4m3fn bits; row_scale float32 [N]: W[n, k] = e2m1(q[n, k]) * float32(e4m3(scale[n, g]) * row_scale[n]).
+  These are NVFP4's own two levels (an e4m3 scale a group of 16, a float32 global scale), the global scale kept a
+  row so that fused q/k/v and gate/up rows each keep their own part's: 9 bytes carry 16 weights, where a float32
+  scale word took 12. The group scale rounds once to float32, as the checkpoint reader's does, and e2m1(q) * scale
+  once more: the dequantizers give the reader's bits.
 The dequantizers compute W in float32 and round once to the requested dtype, so every backend that does the
 same gives the same bits. This module imports no Triton: the CUDA kernel behind dequantize_int4 is loaded
 only when a CUDA tensor asks for it.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from shardserve.kernels.quant_layout import FOUR_BIT_KINDS, SCALE_MASK, ZERO_BITS, ZERO_MASK, check_fp8, check_int4
+from shardserve.kernels.quant_layout import SCALE_MASK, ZERO_BITS, ZERO_MASK, check_fp8, check_int4
 
 # e2m1 values of the codes 0..15 (fp4 layout): the code's magnitude in bits 0-2, its sign in bit 3.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -71,18 +71,36 @@ def unpack_scale_zero(scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def scale_dtype(kind: str) -> torch.dtype:
     """The dtype of a packed layout's scale tensor: float32 scales for "fp8", int32 words for "int4" (scale and
-    zero) and "fp4" (the float32 scale's bits)."""
-    return torch.int32 if kind in FOUR_BIT_KINDS else torch.float32
+    zero), e4m3 bytes (uint8) for "fp4"."""
+    return {"int4": torch.int32, "fp4": torch.uint8}.get(kind, torch.float32)
 
 
-def pack_fp4_scales(scale: torch.Tensor) -> torch.Tensor:
-    """float32 group scales -> the fp4 layout's int32 words (their bits, unchanged)."""
-    return scale.float().contiguous().view(torch.int32)
+def fp4_scale_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn group scales -> the fp4 layout's scale bytes (their bits)."""
+    if scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp4 group scales are float8_e4m3fn, got {scale.dtype}")
+    return scale.contiguous().view(torch.uint8)
 
 
-def fp4_scales(words: torch.Tensor) -> torch.Tensor:
-    """The fp4 layout's int32 words -> float32 group scales."""
-    return words.contiguous().view(torch.float32)
+def fp4_scales(scale: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """The fp4 layout's scale bytes [..., N, G] and row scales [..., N] -> float32 group scales, rounded once."""
+    return scale.view(torch.float8_e4m3fn).float() * row_scale.float()[..., None]
+
+
+def quantize_fp4(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [N, K] -> the fp4 layout (packed e2m1 codes uint8 [N, K / 2], e4m3 scale bytes [N, K / group], row
+    scales float32 [N]) as NVFP4 quantizes: a row's scale puts its largest magnitude at e2m1's largest value (6)
+    times e4m3's (448), each group's e4m3 scale its own largest at 6, each value rounded to the nearest code."""
+    n, k = values.shape
+    blocks = values.float().reshape(n, -1, group)
+    tiny = torch.finfo(torch.float32).tiny
+    row_scale = (blocks.abs().amax(dim=(1, 2)) / (6 * 448)).clamp(min=tiny)
+    group_scale = (blocks.abs().amax(dim=2) / 6 / row_scale[:, None]).to(torch.float8_e4m3fn)
+    scale = fp4_scale_bytes(group_scale)
+    full = fp4_scales(scale, row_scale).clamp(min=tiny)
+    table = torch.tensor(E2M1_VALUES, device=values.device)
+    codes = (blocks / full[:, :, None]).unsqueeze(-1).sub(table).abs().argmin(dim=-1)
+    return pack_int4(codes.reshape(n, k)), scale, row_scale
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -105,35 +123,38 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, group_k: int, dtyp
 
 
 def dequantize_int4(qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
-                    dtype: torch.dtype, codes: str = "int4") -> torch.Tensor:
-    """4-bit qweight [N, K // 2] with its words -> dense [N, K] in dtype: (q - zero) * scale for codes "int4",
-    e2m1(q) * scale for "fp4", in float32 rounded once. One Triton launch on CUDA, torch ops elsewhere; both give
-    the same bits."""
-    check_int4(qweight, scale_zero, group_size)
+                    dtype: torch.dtype, codes: str = "int4", row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """4-bit qweight [N, K // 2] with its scales -> dense [N, K] in dtype: (q - zero) * scale for codes "int4",
+    e2m1(q) * float32(e4m3 scale * row_scale) for "fp4", in float32 rounded once. One Triton launch on CUDA, torch
+    ops elsewhere; both give the same bits."""
+    check_int4(qweight, scale_zero, group_size, codes, row_scale)
     if qweight.is_cuda:
         from shardserve.kernels.triton.quant_gemv import dequantize_int4_cuda
 
-        return dequantize_int4_cuda(qweight, scale_zero, group_size, dtype, codes=codes)
+        return dequantize_int4_cuda(qweight, scale_zero, group_size, dtype, codes=codes, row_scale=row_scale)
     n, groups = scale_zero.shape
     if codes == "fp4":
         values = e2m1_decode(unpack_int4_rows(qweight)).view(n, groups, group_size)
-        return (values * fp4_scales(scale_zero)[:, :, None]).view(n, groups * group_size).to(dtype)
+        return (values * fp4_scales(scale_zero, row_scale)[:, :, None]).view(n, groups * group_size).to(dtype)
     scale, zero = unpack_scale_zero(scale_zero)
     q = unpack_int4_rows(qweight).float().view(n, groups, group_size)
     return ((q - zero[:, :, None]) * scale[:, :, None]).view(n, groups * group_size).to(dtype)
 
 
-def reference_weight64(kind: str, weight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+def reference_weight64(kind: str, weight: torch.Tensor, scale: torch.Tensor, group: int,
+                       row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """float64 [N, K] of a packed weight ("fp8": codes and scales; "int4": packed nibbles and scale-and-zero words;
-    "fp4": packed e2m1 codes and float32 scale words), written from the layouts' definitions above rather than by
-    the dequantizers: what the start-up checks compare every kernel with. group: columns a scale covers (the last
-    fp8 group may be short)."""
+    "fp4": packed e2m1 codes, e4m3 scale bytes and row scales), written from the layouts' definitions above rather
+    than by the dequantizers: what the start-up checks compare every kernel with. group: columns a scale covers (the
+    last fp8 group may be short)."""
     if kind == "fp8":
         return weight.float().double() * scale.double().repeat_interleave(group, dim=1)[:, :weight.shape[1]]
     if kind == "fp4":
         table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=weight.device)
         codes = torch.stack((weight & 15, weight >> 4), dim=-1).reshape(weight.shape[0], -1)
-        return table[codes.long()] * scale.view(torch.float32).double().repeat_interleave(group, dim=1)
+        e4m3 = scale.view(torch.float8_e4m3fn).double()
+        group_scale = (e4m3 * row_scale.double()[:, None]).float().double()  # rounded to float32 once, by definition
+        return table[codes.long()] * group_scale.repeat_interleave(group, dim=1)
     scale, zero = unpack_scale_zero(scale)
     q = unpack_int4_rows(weight).double()
     return (q - zero.double().repeat_interleave(group, dim=1)) * scale.double().repeat_interleave(group, dim=1)

@@ -73,8 +73,9 @@ class ParallelLMHead(KernelLinear):
         rows = max(self.end - self.start, 0)
         if rows:
             self.packed.load(self, loaded, slice(0, rows), (self.start, self.end), None, shard_id)
-        for part in (self.weight, self.weight_scale):  # the padding rows: no weights, no scales
-            part.data[rows:].zero_()
+        for part in (self.weight, self.weight_scale, getattr(self, "weight_row_scale", None)):
+            if part is not None:  # the padding rows: no weights, no scales
+                part.data[rows:].zero_()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         local_logits = self.matmul(hidden)

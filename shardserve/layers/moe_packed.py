@@ -29,7 +29,7 @@ from shardserve.layers.moe import (EXPERT_FFNS, SparseMoE, _check_shape, check_r
                                    grouped_by_expert, reference_experts)
 from shardserve.layers.linear import as_tensor
 from shardserve.layers.quantization import format_of
-from shardserve.layers.quantization.packed import _copy_scales, PackedLayout
+from shardserve.layers.quantization.packed import PackedLayout
 from shardserve.layers.quantization.selection import log_kept_dequantized
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,9 @@ class ExpertPacking:
         self.compute_dtype = moe.w2.dtype
         self.activation = moe.activation
         # Parameters filled by the loader of the weight they belong to.
-        self.parts_with = {up: (f"{up}_scale",), "w2": ("w2_scale",)}
         fmt = self.format
+        rows_too = ("_row_scale",) if fmt.row_scaled else ()
+        self.parts_with = {name: tuple(f"{name}{part}" for part in ("_scale", *rows_too)) for name in (up, "w2")}
         up_weight, w2 = fmt.codes(experts, up_rows, hidden, device=device), fmt.codes(experts, hidden, rows,
                                                                                       device=device)
         up_weight.weight_loader, w2.weight_loader = getattr(moe, f"_load_{up}"), moe._load_w2
@@ -76,6 +77,8 @@ class ExpertPacking:
         moe.w2 = w2
         setattr(moe, f"{up}_scale", fmt.scales(experts, up_rows, hidden, group=self.group13, device=device))
         moe.w2_scale = fmt.scales(experts, hidden, rows, group=self.group2, device=device)
+        setattr(moe, f"{up}_row_scale", fmt.row_scales(experts, up_rows, hidden, device=device))
+        moe.w2_row_scale = fmt.row_scales(experts, hidden, rows, device=device)
 
     def describe(self) -> str:
         return f"{self.kind} experts (groups of {self.group13} and {self.group2})"
@@ -83,7 +86,8 @@ class ExpertPacking:
     def view(self, moe: SparseMoE | NonGatedExperts) -> PackedExperts:
         up = moe.up_name
         return PackedExperts(self.kind, getattr(moe, up).data, getattr(moe, f"{up}_scale").data, self.group13,
-                             moe.w2.data, moe.w2_scale.data, self.group2, self.activation)
+                             moe.w2.data, moe.w2_scale.data, self.group2, self.activation,
+                             _data(getattr(moe, f"{up}_row_scale")), _data(moe.w2_row_scale))
 
     def graph_safe(self, moe: SparseMoE | NonGatedExperts) -> bool:
         """The block's graph_safe for these experts: the fused kernel runs on them (packed_compute)."""
@@ -122,12 +126,14 @@ class ExpertPacking:
             return
         target = getattr(moe, which).data[slot, rows]
         scale = getattr(moe, f"{which}_scale").data[slot, rows]
+        row_scale = getattr(moe, f"{which}_row_scale")
+        row_scale = None if row_scale is None else row_scale.data[slot, rows]
         codes, scales, perm = self.format.read_stored(loaded, *source)
         if perm is not None:
             raise ValueError(f"expert {expert}'s columns are in act order, which packed experts do not take; "
                              f"{_DEQUANTIZED_HINT}")
         target.copy_(codes)
-        _copy_scales(scale, scales)
+        self.format.copy_scales(scale, row_scale, scales)
 
     def _quantize_floats(self, moe: SparseMoE | NonGatedExperts, which: str, loaded: Any,
                          shard_id: Hashable) -> None:
@@ -149,13 +155,24 @@ class ExpertPacking:
             half = half or 0
             parts = ([(slice(half * rows, (half + 1) * rows), loaded[r0:r1])] if up
                      else [(slice(None), loaded[:, r0:r1])])
-        quantize = self.format.quantize
+        fmt = self.format
         group = self.group13 if up else self.group2
+        row_scales = getattr(moe, f"{which}_row_scale")
         for out_rows, values in parts:
             values = as_tensor(values).float()
-            codes, scale = quantize(values.reshape(-1, values.shape[-1]), group)
-            getattr(moe, which).data[held, out_rows].copy_(codes.reshape(*values.shape[:-1], -1))
-            _copy_scales(getattr(moe, f"{which}_scale").data[held, out_rows], scale.reshape(*values.shape[:-1], -1))
+            lead = values.shape[:-1]
+            codes, scale = fmt.quantize(values.reshape(-1, values.shape[-1]), group)
+            getattr(moe, which).data[held, out_rows].copy_(codes.reshape(*lead, -1))
+            if fmt.row_scaled:
+                scale = (scale[0].reshape(*lead, -1), scale[1].reshape(lead))
+            else:
+                scale = scale.reshape(*lead, -1)
+            fmt.copy_scales(getattr(moe, f"{which}_scale").data[held, out_rows],
+                            None if row_scales is None else row_scales.data[held, out_rows], scale)
+
+
+def _data(param: nn.Parameter | None) -> torch.Tensor | None:
+    return None if param is None else param.data
 
 
 def pack_experts(model: nn.Module, names: set[str] | None, layout: PackedLayout, device, log: bool = True) -> int:

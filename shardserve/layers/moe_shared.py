@@ -97,6 +97,9 @@ def fold_shared_expert(moe: SparseMoE) -> None:
     if moe.packed is not None:
         moe.w13_scale = _with_slot(moe.w13_scale, up.weight_scale.data)
         moe.w2_scale = _with_slot(moe.w2_scale, down.weight_scale.data)
+        if getattr(moe, "w13_row_scale", None) is not None:
+            moe.w13_row_scale = _with_slot(moe.w13_row_scale, up.weight_row_scale.data)
+            moe.w2_row_scale = _with_slot(moe.w2_row_scale, down.weight_row_scale.data)
     router = moe.gate
     router.weight = _param_like(router.weight, torch.cat([router.weight.data, gate.weight.data.to(router.weight.dtype)]))
     router.offsets[SHARED_GATE] = (router.output_size, (0, 1))

@@ -47,8 +47,9 @@ def shared_slots(experts: NonGatedExperts, up: nn.Module, down: nn.Module, h: to
             view.kind, view.kind, view.group13, view.group2):
         return None
     tensors = (up.weight, up.weight_scale, down.weight, down.weight_scale)
-    slots = shared_slots_fit(view, *tensors)
-    return SharedSlots(*tensors, slots) if slots else None
+    rows = (getattr(up, "weight_row_scale", None), getattr(down, "weight_row_scale", None))
+    slots = shared_slots_fit(view, *tensors, *rows)
+    return SharedSlots(*tensors, slots, *rows) if slots else None
 
 
 def experts_with_shared(experts: NonGatedExperts, slots: SharedSlots, x: torch.Tensor, weights: torch.Tensor,

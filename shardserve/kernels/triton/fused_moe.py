@@ -55,7 +55,8 @@ from shardserve.kernels.triton.gemv import _weight_tile as _row_tile
 from shardserve.kernels.triton.gemv import _x_tile, load_first_tiles, row_dots
 from shardserve.kernels.triton.moe_router import route_token, route_top_k, routing_outputs
 from shardserve.kernels.triton.pdl import enter
-from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _native_fp8, four_bit_scale_and_zero,
+from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _native_fp8, _rows_column,
+                                                  four_bit_row_scales, four_bit_scale_and_zero,
                                                   nibble_values)
 
 
@@ -257,12 +258,13 @@ DENSE, FP8, INT4, FP4 = 0, 1, 2, 3
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, feats, feat_ok, k, stride_wn, stride_sn, K: tl.constexpr, KIND: tl.constexpr,
+def _weight_tile(w_ptr, s_ptr, r_ptr, feats, feat_ok, k, stride_wn, stride_sn, K: tl.constexpr, KIND: tl.constexpr,
                  GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                  DTYPE: tl.constexpr):
     """[BLOCK_K, BLOCK_N]: columns k..k + BLOCK_K of one expert's weight rows `feats`, in DTYPE. Packed tiles lie
     inside one scale group (BLOCK_K divides GROUP, or GROUP is K), so each row takes one scale (and zero) a tile:
-    FP8 scales, int4 scale-and-zero words (quant_gemv.scale_and_zero), or fp4's float32 scale words; a 4-bit tile
+    FP8 scales, int4 scale-and-zero words (quant_gemv.scale_and_zero), or fp4's e4m3 bytes times the row's scale
+    (r_ptr: the expert's row scales, read for fp4 only); a 4-bit tile
     may instead span whole groups (GROUP divides BLOCK_K: _packed_block_k), each with its own scale.
     Columns past K load as 0 (their activations are 0 too)."""
     ks = tl.arange(0, BLOCK_K)
@@ -289,14 +291,25 @@ def _weight_tile(w_ptr, s_ptr, feats, feat_ok, k, stride_wn, stride_sn, K: tl.co
             b = tl.load(w_ptr + feats[:, None] * stride_wn + (k // 2 + byte)[None, :], mask=mask, other=0)
             b = b.to(tl.int32)
             q = tl.join(nibble_values(b & 15, KIND == 3), nibble_values(b >> 4, KIND == 3)).reshape(BLOCK_N, BLOCK_K)
-            s, z = four_bit_scale_and_zero(s, KIND == 3)
+            row_scale = four_bit_row_scales(r_ptr, feats, feat_ok, KIND == 3)
             if (GROUP < BLOCK_K) and (GROUP < K):
+                s, z = four_bit_scale_and_zero(s, KIND == 3, _rows_column(row_scale, KIND == 3))
                 v = ((q.reshape(BLOCK_N, BLOCK_K // GROUP, GROUP) - z[:, :, None]) * s[:, :, None]).reshape(
                     BLOCK_N, BLOCK_K)
             else:
+                s, z = four_bit_scale_and_zero(s, KIND == 3, row_scale)
                 v = (q - z[:, None]) * s[:, None]
         w = tl.trans(v.to(DTYPE))
     return w
+
+
+@triton.jit
+def _expert_rows(r_ptr, e, stride_se, stride_sn, KIND: tl.constexpr):
+    """fp4's row scales of expert e ([E, rows], contiguous as the scales [E, rows, groups] are: _packed_args); r_ptr
+    itself (never read) for other kinds."""
+    if KIND == 3:
+        return r_ptr + e * (stride_se // stride_sn)
+    return r_ptr
 
 
 # Activations (the ACT constexpr): SwiGLU experts hold gate and up rows in w13 [E, 2I, H]; non-gated experts
@@ -317,7 +330,7 @@ def _activate(gate, up, ACT: tl.constexpr):
 
 
 @triton.jit
-def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
+def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, r_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
                       stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_a,
                       HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
@@ -325,7 +338,7 @@ def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr
     """Program (block, column tile): act[slot, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]) for
     the block's slots (padding rows compute zeros from masked loads and are not stored); non-gated (ACT 1, 2):
     act(x[token] . w1[e, n]). Packed weights: s holds the scales (int4: scale-and-zero words) [E, 2I, groups] (the
-    gate's and the up rows' own)."""
+    gate's and the up rows' own), r fp4's row scales [E, 2I]."""
     enter(PDL)
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
@@ -339,6 +352,7 @@ def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr
     a_ptrs = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * stride_x + ks[None, :]
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     s_e = s_ptr + expert.to(tl.int64) * stride_se
+    r_e = _expert_rows(r_ptr, expert.to(tl.int64), stride_se, stride_sn, KIND)
     dtype = x_ptr.dtype.element_ty
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -348,10 +362,11 @@ def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr
         else:
             a = tl.load(a_ptrs + k, mask=row_ok[:, None] & (k + ks < HIDDEN)[None, :], other=0.0)
         if ACT == 0:
-            g = _weight_tile(w_e, s_e, cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND, GROUP, NATIVE_FP8,
+            g = _weight_tile(w_e, s_e, r_e, cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND, GROUP, NATIVE_FP8,
                              BLOCK_K, BLOCK_N, dtype)
             gate = tl.dot(a, g, gate, input_precision=PRECISION)
-        u = _weight_tile(w_e, s_e, (INTER if ACT == 0 else 0) + cols, col_ok, k, stride_wn, stride_sn, HIDDEN, KIND,
+        u = _weight_tile(w_e, s_e, r_e, (INTER if ACT == 0 else 0) + cols, col_ok, k, stride_wn, stride_sn, HIDDEN,
+                         KIND,
                          GROUP, NATIVE_FP8, BLOCK_K, BLOCK_N, dtype)
         up = tl.dot(a, u, up, input_precision=PRECISION)
     act = _activate(gate, up, ACT)
@@ -360,7 +375,7 @@ def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr
 
 
 @triton.jit
-def _down_block(act_ptr, w_e, s_e, weights_ptr, y_ptr, sorted_ptr, num_pairs, cols, col_ok,
+def _down_block(act_ptr, w_e, s_e, r_e, weights_ptr, y_ptr, sorted_ptr, num_pairs, cols, col_ok,
                 stride_a, stride_wn, stride_sn, stride_y, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                 KIND: tl.constexpr, GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr):
@@ -376,7 +391,7 @@ def _down_block(act_ptr, w_e, s_e, weights_ptr, y_ptr, sorted_ptr, num_pairs, co
             a = tl.load(a_ptrs + k, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs + k, mask=row_ok[:, None] & (k + ks < INTER)[None, :], other=0.0)
-        b = _weight_tile(w_e, s_e, cols, col_ok, k, stride_wn, stride_sn, INTER, KIND, GROUP, NATIVE_FP8,
+        b = _weight_tile(w_e, s_e, r_e, cols, col_ok, k, stride_wn, stride_sn, INTER, KIND, GROUP, NATIVE_FP8,
                          BLOCK_K, BLOCK_N, act_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     scale = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
@@ -405,7 +420,7 @@ def _sum_choices(y_ptr, ids_ptr, out_ptr, token, cols, col_ok, num_experts, stri
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+def _down_kernel(act_ptr, w_ptr, s_ptr, r_ptr, weights_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs,
                  stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                  ids_ptr, out_ptr, arrivals_ptr, num_experts, stride_o,
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -424,7 +439,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, y_ptr, sorted_ptr, block_ex
     col_ok = cols < HIDDEN
     if expert >= 0:
         e = expert.to(tl.int64)
-        _down_block(act_ptr, w_ptr + e * stride_we, s_ptr + e * stride_se, weights_ptr, y_ptr, sorted_ptr, num_pairs,
+        _down_block(act_ptr, w_ptr + e * stride_we, s_ptr + e * stride_se,
+                    _expert_rows(r_ptr, e, stride_se, stride_sn, KIND), weights_ptr, y_ptr, sorted_ptr, num_pairs,
                     cols, col_ok, stride_a, stride_wn, stride_sn, stride_y, HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K,
                     PRECISION, KIND, GROUP, NATIVE_FP8)
     if SUM:
@@ -531,9 +547,9 @@ def _packed_tile(w_rows, s_rows, k, sub, cols, row_ok, K: tl.constexpr, KIND: tl
 
 @triton.jit
 def _packed_products(acc, bits, s, x, KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
-                     TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
+                     TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, row_scale=1.0):
     """acc [BLOCK_N, TILE_GROUPS, SUB] plus x [TILE_GROUPS, SUB] (float32) times the tile's weights, dequantized
-    from _packed_tile's bytes and scales in float32."""
+    from _packed_tile's bytes and scales in float32 (fp4: times the rows' row_scale [BLOCK_N])."""
     if KIND == 1:
         if NATIVE_FP8:
             v = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, :, None]
@@ -543,7 +559,7 @@ def _packed_products(acc, bits, s, x, KIND: tl.constexpr, NATIVE_FP8: tl.constex
         b = bits.to(tl.int32)
         q = tl.join(nibble_values(b & 15, KIND == 3), nibble_values(b >> 4, KIND == 3)).reshape(
             BLOCK_N, TILE_GROUPS, SUB)
-        scale, zero = four_bit_scale_and_zero(s, KIND == 3)
+        scale, zero = four_bit_scale_and_zero(s, KIND == 3, _rows_column(row_scale, KIND == 3))
         v = (q - zero[:, :, None]) * scale[:, :, None]
     return acc + v * x[None]
 
@@ -551,10 +567,10 @@ def _packed_products(acc, bits, s, x, KIND: tl.constexpr, NATIVE_FP8: tl.constex
 @triton.jit
 def _packed_row_products(acc, w_rows, s_rows, k, x, sub, cols, row_ok, K: tl.constexpr, KIND: tl.constexpr,
                          GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
-                         TILE_GROUPS: tl.constexpr, SUB: tl.constexpr):
+                         TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, row_scale=1.0):
     """acc plus x times the packed rows' weights at columns k.. (_packed_tile, then _packed_products)."""
     bits, s = _packed_tile(w_rows, s_rows, k, sub, cols, row_ok, K, KIND, GROUP, TILE_GROUPS, SUB)
-    return _packed_products(acc, bits, s, x, KIND, NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB)
+    return _packed_products(acc, bits, s, x, KIND, NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB, row_scale)
 
 
 @triton.jit
@@ -566,7 +582,7 @@ def _packed_x_tile(x_ptr, k, cols, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _one_token_packed_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, num_experts, stride_we, stride_wn,
+def _one_token_packed_up_kernel(x_ptr, w_ptr, s_ptr, r_ptr, act_ptr, ids_ptr, num_experts, stride_we, stride_wn,
                                 stride_se, stride_sn, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                                 BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr,
                                 KIND: tl.constexpr, GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, PDL: tl.constexpr,
@@ -588,21 +604,24 @@ def _one_token_packed_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, num_exper
     gate_s = s_ptr + expert.to(tl.int64) * stride_se + feats.to(tl.int64)[:, None] * stride_sn
     up_rows = INTER if ACT == 0 else 0
     up_w, up_s = gate_w + up_rows * stride_wn, gate_s + up_rows * stride_sn
+    gate_r = _expert_rows(r_ptr, expert.to(tl.int64), stride_se, stride_sn, KIND)
+    gate_scale = four_bit_row_scales(gate_r, feats, feat_ok, KIND == 3)
+    up_scale = four_bit_row_scales(gate_r, up_rows + feats, feat_ok, KIND == 3)
     gate = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
     for k in range(0, HIDDEN, BLOCK_K):
         x = _packed_x_tile(x_ptr, k, cols, HIDDEN, BLOCK_K)
         if ACT == 0:
             gate = _packed_row_products(gate, gate_w, gate_s, k, x, sub, cols, feat_ok, HIDDEN, KIND, GROUP,
-                                        NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB)
+                                        NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB, gate_scale)
         up = _packed_row_products(up, up_w, up_s, k, x, sub, cols, feat_ok, HIDDEN, KIND, GROUP, NATIVE_FP8,
-                                  BLOCK_N, TILE_GROUPS, SUB)
+                                  BLOCK_N, TILE_GROUPS, SUB, up_scale)
     act = _activate(tl.sum(tl.sum(gate, axis=2), axis=1), tl.sum(tl.sum(up, axis=2), axis=1), ACT)
     tl.store(act_ptr + choice * INTER + feats, act.to(act_ptr.dtype.element_ty), mask=feat_ok)
 
 
 @triton.jit
-def _one_token_packed_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr, arrivals_ptr,
+def _one_token_packed_down_kernel(act_ptr, w_ptr, s_ptr, r_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr, arrivals_ptr,
                                   num_experts, stride_we, stride_wn, stride_se, stride_sn, HIDDEN: tl.constexpr,
                                   INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                                   TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, KIND: tl.constexpr,
@@ -625,6 +644,7 @@ def _one_token_packed_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, y
     e = tl.where(held, expert, 0).to(tl.int64)
     w_rows = w_ptr + e * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
     s_rows = s_ptr + e * stride_se + rows.to(tl.int64)[:, None] * stride_sn
+    row_scale = four_bit_row_scales(_expert_rows(r_ptr, e, stride_se, stride_sn, KIND), rows, row_ok, KIND == 3)
     preloaded = ()
     for t in tl.static_range(PRELOAD):
         preloaded = preloaded + (_packed_tile(w_rows, s_rows, t * BLOCK_K, sub, cols, row_ok, INTER, KIND, GROUP,
@@ -635,10 +655,11 @@ def _one_token_packed_down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, y
     for t in tl.static_range(PRELOAD):
         bits, s = preloaded[t]
         acc = _packed_products(acc, bits, s, _packed_x_tile(act_row, t * BLOCK_K, cols, INTER, BLOCK_K), KIND,
-                               NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB)
+                               NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB, row_scale)
     for k in range(PRELOAD * BLOCK_K, INTER, BLOCK_K):
         acc = _packed_row_products(acc, w_rows, s_rows, k, _packed_x_tile(act_row, k, cols, INTER, BLOCK_K), sub,
-                                   cols, row_ok, INTER, KIND, GROUP, NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB)
+                                   cols, row_ok, INTER, KIND, GROUP, NATIVE_FP8, BLOCK_N, TILE_GROUPS, SUB,
+                                   row_scale)
     y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights_ptr + choice).to(tl.float32)
     tl.store(y_ptr + choice * HIDDEN + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
     if SUM:
@@ -779,12 +800,18 @@ def _check_packed(x, experts: PackedExperts, topk_weights, topk_ids) -> None:
     _check_routes(x, topk_weights, topk_ids)
 
 
-def _packed_args(w: torch.Tensor, scale, group: int, kind: str) -> tuple:
-    """(weight as the kernel reads it, scales (int4: scale-and-zero words), scale strides (expert, row), group,
-    KIND)."""
+def _packed_args(w: torch.Tensor, scale, group: int, kind: str, row_scale: torch.Tensor | None = None) -> tuple:
+    """(weight as the kernel reads it, scales (int4: scale-and-zero words), row scales (fp4's [E, N], contiguous as
+    the scales are: the kernels step an expert's rows by the scales' strides; the scales themselves where there are
+    none, never read), scale strides (expert, row), group, KIND)."""
     if kind == "fp8":
-        return w.view(torch.uint8), scale, scale.stride(0), scale.stride(1), group, FP8
-    return w, scale, scale.stride(0), scale.stride(1), group, FP4 if kind == "fp4" else INT4
+        return w.view(torch.uint8), scale, scale, scale.stride(0), scale.stride(1), group, FP8
+    if kind == "fp4" and (row_scale is None or not row_scale.is_contiguous()
+                          or tuple(row_scale.shape) != tuple(scale.shape[:2]) or not scale.is_contiguous()):
+        raise ValueError(f"fp4 experts need contiguous row scales [{scale.shape[0]}, {scale.shape[1]}] beside "
+                         "contiguous scales")
+    rows = scale if row_scale is None else row_scale
+    return w, scale, rows, scale.stride(0), scale.stride(1), group, FP4 if kind == "fp4" else INT4
 
 
 def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeConfig,
@@ -793,12 +820,12 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
     tokens, top_k = ids.shape
     if packed is None:
         num_experts, hidden, inter = w2.shape
-        up_args = (w13, w13, 0, 0, 1, DENSE)
-        down_args = (w2, w2, 0, 0, 1, DENSE)
+        up_args = (w13, w13, w13, 0, 0, 1, DENSE)
+        down_args = (w2, w2, w2, 0, 0, 1, DENSE)
     else:
         num_experts, hidden, inter = packed.num_experts, packed.hidden, packed.inter
-        up_args = _packed_args(w13, packed.scale13, packed.group13, packed.kind)
-        down_args = _packed_args(w2, packed.scale2, packed.group2, packed.kind)
+        up_args = _packed_args(w13, packed.scale13, packed.group13, packed.kind, packed.row13)
+        down_args = _packed_args(w2, packed.scale2, packed.group2, packed.kind, packed.row2)
     blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # 16-bit inputs ignore it
     native_fp8 = _native_fp8(x.device)
@@ -806,9 +833,9 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
 
     act = torch.empty(blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
     up = config.up
-    w, s, stride_se, stride_sn, group, kind = up_args
+    w, s, r, stride_se, stride_sn, group, kind = up_args
     _up_swiglu_kernel[(blocks, triton.cdiv(inter, up.block_n))](
-        x, w, s, act, sorted_pairs, block_expert, tokens * top_k, top_k,
+        x, w, s, r, act, sorted_pairs, block_expert, tokens * top_k, top_k,
         x.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, act.stride(0),
         HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=up.block_n,
         BLOCK_K=up.block_k if kind == DENSE else _packed_block_k(up.block_k, group, hidden, kind),
@@ -820,9 +847,9 @@ def _experts(x, w13, w2, weights, ids, sorted_pairs, block_expert, config: MoeCo
     down = config.down
     tiles = triton.cdiv(hidden, down.block_n)
     arrivals = arrival_counts(x.device, tiles) if tokens <= SUM_IN_DOWN_MAX_TOKENS else None
-    w, s, stride_se, stride_sn, group, kind = down_args
+    w, s, r, stride_se, stride_sn, group, kind = down_args
     _down_kernel[(blocks, tiles)](
-        act, w, s, weights, y, sorted_pairs, block_expert, tokens * top_k,
+        act, w, s, r, weights, y, sorted_pairs, block_expert, tokens * top_k,
         act.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, y.stride(0),
         ids, out, block_expert if arrivals is None else arrivals, num_experts, out.stride(0),
         HIDDEN=hidden, INTER=inter, BLOCK_M=config.block_m, BLOCK_N=down.block_n,
@@ -912,13 +939,14 @@ def _one_token_packed_experts(x, experts: PackedExperts, weights, ids, tiles: On
     num_experts, hidden, inter = experts.num_experts, experts.hidden, experts.inter
     top_k = ids.shape[1]
     native, launch = _native_fp8(x.device), pdl.launch(x.device)
-    w13, s13, se13, sn13, g13, kind = _packed_args(experts.w13, experts.scale13, experts.group13, experts.kind)
-    w2, s2, se2, sn2, g2, _ = _packed_args(experts.w2, experts.scale2, experts.group2, experts.kind)
+    w13, s13, r13, se13, sn13, g13, kind = _packed_args(experts.w13, experts.scale13, experts.group13, experts.kind,
+                                                        experts.row13)
+    w2, s2, r2, se2, sn2, g2, _ = _packed_args(experts.w2, experts.scale2, experts.group2, experts.kind, experts.row2)
     act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
     up = tiles.up
     groups, sub = _tile_groups(up, g13, hidden)
     _one_token_packed_up_kernel[(top_k, triton.cdiv(inter, up.block_n))](
-        x, w13, s13, act, ids, num_experts, w13.stride(0), w13.stride(1), se13, sn13, HIDDEN=hidden, INTER=inter,
+        x, w13, s13, r13, act, ids, num_experts, w13.stride(0), w13.stride(1), se13, sn13, HIDDEN=hidden, INTER=inter,
         BLOCK_N=up.block_n, TILE_GROUPS=groups, SUB=sub, KIND=kind, GROUP=g13, NATIVE_FP8=native,
         ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages, **launch)
     down = tiles.down
@@ -928,7 +956,7 @@ def _one_token_packed_experts(x, experts: PackedExperts, weights, ids, tiles: On
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
     arrivals = arrival_counts(x.device, col_tiles)
     _one_token_packed_down_kernel[(col_tiles, top_k)](
-        act, w2, s2, weights, ids, y, out, ids if arrivals is None else arrivals, num_experts, w2.stride(0),
+        act, w2, s2, r2, weights, ids, y, out, ids if arrivals is None else arrivals, num_experts, w2.stride(0),
         w2.stride(1), se2, sn2, HIDDEN=hidden, INTER=inter, TOP_K=top_k, BLOCK_N=down.block_n, TILE_GROUPS=groups,
         SUB=sub, KIND=kind, GROUP=g2, NATIVE_FP8=native, SUM=arrivals is not None,
         PRELOAD=min(triton.cdiv(inter, groups * sub), ONE_TOKEN_PRELOAD_TILES), num_warps=down.num_warps,

@@ -26,7 +26,7 @@ from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.fused_moe import ACTIVATIONS, _activate, _sum_separately, _tile_groups
 from shardserve.kernels.triton.pdl import enter
-from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs
+from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs, four_bit_row_scales
 
 # (block_n, CHUNK columns, num_warps, num_stages) of the up and the down product: the fastest of a grid (block_n
 # 8-64, chunks of 256-1024, 4 or 8 warps) on an H200 at Nemotron-3-Nano's NVFP4 experts with its shared expert as
@@ -42,15 +42,17 @@ def four_bit_pair_tiles() -> OneTokenTiles:
 
 
 @triton.jit
-def _rows_sums(x_ptr, w_rows, s_rows, rows, row_ok, stretch, K: tl.constexpr, GROUP: tl.constexpr,
+def _rows_sums(x_ptr, w_rows, s_rows, r_rows, rows, row_ok, stretch, K: tl.constexpr, GROUP: tl.constexpr,
                CHUNK: tl.constexpr, SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
     """[sub-tile, row]: the scaled sums of x [K] times the rows' 4-bit weights (w_rows: int32 words, 8 columns
-    each; s_rows: scale words), chunk by chunk, columns past K masked. Row r starts stretch * r * K / 8 words (and
-    stretch * r * K / GROUP scale words) on: 1 for whole rows, m for a K-column slice of rows m times longer."""
+    each; s_rows: scales; r_rows: fp4's row scales, row r's at r), chunk by chunk, columns past K masked. Row r
+    starts stretch * r * K / 8 words (and stretch * r * K / GROUP scales) on: 1 for whole rows, m for a K-column
+    slice of rows m times longer."""
     SUBS: tl.constexpr = CHUNK // SUB
     WORDS: tl.constexpr = SUB // 8
     sub = tl.arange(0, SUBS)
     word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    row_scale = four_bit_row_scales(r_rows, rows, row_ok, FP4)
     rows = rows * stretch
     acc = tl.zeros((SUBS, rows.shape[0]), dtype=tl.float32)
     for k in range(0, K, CHUNK):
@@ -60,12 +62,12 @@ def _rows_sums(x_ptr, w_rows, s_rows, rows, row_ok, stretch, K: tl.constexpr, GR
         w = tl.load(w_rows + rows.to(tl.int64)[None, :, None] * (K // 8) + at,
                     mask=row_ok[None, :, None] & (at < K // 8), other=0, eviction_policy="evict_first")
         acc += _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, s_rows, rows, row_ok, k, sub, K, GROUP, SUB,
-                               ASM, FP4)
+                               ASM, FP4, 0, row_scale)
     return acc
 
 
 @triton.jit
-def _up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, num_experts, shared_w_ptr, shared_s_ptr,
+def _up_kernel(x_ptr, w_ptr, s_ptr, r_ptr, act_ptr, ids_ptr, num_experts, shared_w_ptr, shared_s_ptr, shared_r_ptr,
                HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr,
                BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr,
                ACT: tl.constexpr, PDL: tl.constexpr):
@@ -83,21 +85,24 @@ def _up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, num_experts, shared_w_ptr,
             return
         w_e = w_ptr + expert.to(tl.int64) * (rows_per_expert * (HIDDEN // 8))
         s_e = s_ptr + expert.to(tl.int64) * (rows_per_expert * (HIDDEN // GROUP))
+        r_e = r_ptr + expert.to(tl.int64) * rows_per_expert
     else:
         w_e = shared_w_ptr + (choice - TOP_K).to(tl.int64) * (INTER * (HIDDEN // 8))
         s_e = shared_s_ptr + (choice - TOP_K).to(tl.int64) * (INTER * (HIDDEN // GROUP))
+        r_e = shared_r_ptr + (choice - TOP_K).to(tl.int64) * INTER
     up_rows = feats + (INTER if ACT == 0 else 0)
-    up = tl.sum(_rows_sums(x_ptr, w_e, s_e, up_rows, feat_ok, 1, HIDDEN, GROUP, CHUNK, SUB, FP4, ASM), axis=0)
+    up = tl.sum(_rows_sums(x_ptr, w_e, s_e, r_e, up_rows, feat_ok, 1, HIDDEN, GROUP, CHUNK, SUB, FP4, ASM), axis=0)
     gate = up
     if ACT == 0:
-        gate = tl.sum(_rows_sums(x_ptr, w_e, s_e, feats, feat_ok, 1, HIDDEN, GROUP, CHUNK, SUB, FP4, ASM), axis=0)
+        gate = tl.sum(_rows_sums(x_ptr, w_e, s_e, r_e, feats, feat_ok, 1, HIDDEN, GROUP, CHUNK, SUB, FP4, ASM),
+                      axis=0)
     act = _activate(gate, up, ACT)
     tl.store(act_ptr + choice * INTER + feats, act.to(act_ptr.dtype.element_ty), mask=feat_ok)
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr, arrivals_ptr, num_experts,
-                 shared_w_ptr, shared_s_ptr, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
+def _down_kernel(act_ptr, w_ptr, s_ptr, r_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr, arrivals_ptr, num_experts,
+                 shared_w_ptr, shared_s_ptr, shared_r_ptr, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
                  SHARED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                  SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr):
     """Program (column tile, choice j): y[j, n] = weight[j] * (w2[e, n] . act[j]) rounded to x's dtype; choices
@@ -114,16 +119,19 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr, ar
         e = tl.where(held, expert, 0).to(tl.int64)
         w_e = w_ptr + e * (HIDDEN * (INTER // 8))
         s_e = s_ptr + e * (HIDDEN * (INTER // GROUP))
+        r_e = r_ptr + e * HIDDEN
         stretch = tl.full((), 1, tl.int32)
         weight = tl.load(weights_ptr + choice).to(tl.float32)
     else:
         held = choice >= TOP_K
         w_e = shared_w_ptr + (choice - TOP_K) * (INTER // 8)
         s_e = shared_s_ptr + (choice - TOP_K) * (INTER // GROUP)
+        r_e = shared_r_ptr  # every slot is a slice of the same rows
         stretch = tl.full((), SHARED, tl.int32)
         weight = tl.full((), 1.0, tl.float32)
     row_ok = (rows < HIDDEN) & held
-    sums = _rows_sums(act_ptr + choice * INTER, w_e, s_e, rows, row_ok, stretch, INTER, GROUP, CHUNK, SUB, FP4, ASM)
+    sums = _rows_sums(act_ptr + choice * INTER, w_e, s_e, r_e, rows, row_ok, stretch, INTER, GROUP, CHUNK, SUB, FP4,
+                      ASM)
     y = tl.sum(sums, axis=0) * weight
     tl.store(y_ptr + choice * HIDDEN + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
     if SUM:
@@ -154,7 +162,9 @@ def takes_float16_pairs(experts: PackedExperts, dtype: torch.dtype) -> bool:
             and envs.MOE_FOUR_BIT_SUMS.get() == "float16"
             and all(g % 16 == 0 and k % g == 0 for g, k in ((experts.group13, experts.hidden),
                                                             (experts.group2, experts.inter)))
-            and all(t.is_contiguous() for t in (experts.w13, experts.scale13, experts.w2, experts.scale2)))
+            and all(t.is_contiguous() for t in (experts.w13, experts.scale13, experts.w2, experts.scale2))
+            and (experts.kind != "fp4" or all(t is not None and t.is_contiguous()
+                                              for t in (experts.row13, experts.row2))))
 
 
 def _chunk_and_sub(tile: Tile, group: int, k: int) -> tuple[int, int]:
@@ -169,16 +179,20 @@ def _chunk_and_sub(tile: Tile, group: int, k: int) -> tuple[int, int]:
 class SharedSlots(NamedTuple):
     """A non-gated shared expert computed as `slots` more choices of weight 1 beside the routed ones: its up
     projection's rows up [slots * I, H / 2] (codes) and up_scale, its down projection down [H, slots * I / 2] and
-    down_scale, packed as the experts are (kind, groups); slot j is features j * I ... (j + 1) * I."""
+    down_scale, packed as the experts are (kind, groups; fp4: with their row scales); slot j is features
+    j * I ... (j + 1) * I."""
     up: torch.Tensor
     up_scale: torch.Tensor
     down: torch.Tensor
     down_scale: torch.Tensor
     slots: int
+    up_row_scale: torch.Tensor | None = None
+    down_row_scale: torch.Tensor | None = None
 
 
 def shared_slots_fit(experts: PackedExperts, up: torch.Tensor, up_scale: torch.Tensor, down: torch.Tensor,
-                     down_scale: torch.Tensor) -> int:
+                     down_scale: torch.Tensor, up_row_scale: torch.Tensor | None = None,
+                     down_row_scale: torch.Tensor | None = None) -> int:
     """How many slots of the experts' width a non-gated shared expert packed as the experts are makes (its features a
     multiple of theirs, contiguous tensors of the experts' dtypes), or 0 where it does not fit."""
     features, hidden, inter = up.shape[0], experts.hidden, experts.inter
@@ -190,6 +204,10 @@ def shared_slots_fit(experts: PackedExperts, up: torch.Tensor, up_scale: torch.T
     tensors = (up, up_scale, down, down_scale)
     if any(not t.is_contiguous() for t in tensors) or (up.dtype, up_scale.dtype) != (experts.w13.dtype,
                                                                                     experts.scale13.dtype):
+        return 0
+    if experts.kind == "fp4" and (up_row_scale is None or down_row_scale is None
+                                  or tuple(up_row_scale.shape) != (features,) or tuple(down_row_scale.shape) != (hidden,)
+                                  or not up_row_scale.is_contiguous() or not down_row_scale.is_contiguous()):
         return 0
     return features // inter
 
@@ -208,14 +226,18 @@ def one_token_four_bit_experts(x: torch.Tensor, experts: PackedExperts, weights:
     choices = top_k + slots
     fp4, asm, launch = experts.kind == "fp4", x.is_cuda, pdl.launch(x.device)
     w13, w2 = experts.w13.view(torch.int32), experts.w2.view(torch.int32)
+    rows13 = experts.scale13 if experts.row13 is None else experts.row13  # int4: never read
+    rows2 = experts.scale2 if experts.row2 is None else experts.row2
     shared_up, shared_up_scale, shared_down, shared_down_scale = (
         (shared.up.view(torch.int32), shared.up_scale, shared.down.view(torch.int32), shared.down_scale)
         if shared is not None else (w13, experts.scale13, w2, experts.scale2))
+    shared_up_rows, shared_down_rows = (
+        (shared.up_row_scale, shared.down_row_scale) if shared is not None and fp4 else (rows13, rows2))
     act = torch.empty(choices, inter, dtype=x.dtype, device=x.device)
     up = tiles.up
     chunk, sub = _chunk_and_sub(up, experts.group13, hidden)
     _up_kernel[(choices, triton.cdiv(inter, up.block_n))](
-        x, w13, experts.scale13, act, ids, num_experts, shared_up, shared_up_scale, HIDDEN=hidden, INTER=inter,
+        x, w13, experts.scale13, rows13, act, ids, num_experts, shared_up, shared_up_scale, shared_up_rows, HIDDEN=hidden, INTER=inter,
         TOP_K=top_k, GROUP=experts.group13, BLOCK_N=up.block_n, CHUNK=chunk, SUB=sub, FP4=fp4, ASM=asm,
         ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages, **launch)
     down = tiles.down
@@ -228,8 +250,8 @@ def one_token_four_bit_experts(x: torch.Tensor, experts: PackedExperts, weights:
         raise ValueError("one_token_four_bit_experts sums a shared expert's slots in its down launch only: "
                          f"{col_tiles} column tiles are more than the arrival counts")
     _down_kernel[(col_tiles, choices)](
-        act, w2, experts.scale2, weights, ids, y, out, ids if arrivals is None else arrivals, num_experts,
-        shared_down, shared_down_scale, HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=slots,
+        act, w2, experts.scale2, rows2, weights, ids, y, out, ids if arrivals is None else arrivals, num_experts,
+        shared_down, shared_down_scale, shared_down_rows, HIDDEN=hidden, INTER=inter, TOP_K=top_k, SHARED=slots,
         GROUP=experts.group2, BLOCK_N=down.block_n, CHUNK=chunk, SUB=sub, FP4=fp4, ASM=asm,
         SUM=arrivals is not None, num_warps=down.num_warps, num_stages=down.num_stages, **launch)
     if arrivals is not None:

@@ -30,8 +30,8 @@ import triton.language as tl
 
 from shardserve.kernels.quant_layout import check_fp8, check_int4, fp8_groups
 from shardserve.kernels.quant_pack import fit_block_k
-from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _fp4_codes, _native_fp8,
-                                                  four_bit_scale_and_zero, nibble_values)
+from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _fp4_codes, _native_fp8, _row_scales,
+                                                  four_bit_row_scales, four_bit_scale_and_zero, nibble_values)
 
 # Output tiles along M visited together, so that their weight tiles are read while still in L2.
 GROUP_M = tl.constexpr(8)
@@ -81,12 +81,13 @@ def _program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_gemm_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, stride_xm, stride_qn, stride_om,
+def _int4_gemm_kernel(x_ptr, q_ptr, sz_ptr, rs_ptr, out_ptr, M, N, stride_xm, stride_qn, stride_om,
                       K: tl.constexpr, GROUP: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr = False):
     """out[m, n] = sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g], g = k // GROUP, q packed two columns a byte
     (column 2j in the low nibble of byte j), s and z in one word sz[n, g] (quant_gemv.scale_and_zero); FP4: q the
-    e2m1 value of each code, the word the scale alone (quant_gemv.nibble_values, four_bit_scale_and_zero). The
+    e2m1 value of each code, sz the group's e4m3 byte times the row's scale rs[n] (quant_gemv.nibble_values,
+    four_bit_scale_and_zero). The
     nibbles are interleaved back into column order in registers (join + reshape), so the bytes and x are both read
     contiguously along K."""
     tile_m, tile_n = _program_tile(M, N, BLOCK_M, BLOCK_N)
@@ -98,8 +99,9 @@ def _int4_gemm_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, stride_xm, stride_qn,
     x_tile = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
     q_tile = q_ptr + feats.to(tl.int64)[:, None] * stride_qn + byte[None, :]
     sz_feat = sz_ptr + feats.to(tl.int64) * (K // GROUP)
+    feat_scale = four_bit_row_scales(rs_ptr, feats, feat_ok, FP4)
     if ONE_GROUP:
-        row_scale, zero = four_bit_scale_and_zero(tl.load(sz_feat, mask=feat_ok, other=0), FP4)
+        row_scale, zero = four_bit_scale_and_zero(tl.load(sz_feat, mask=feat_ok, other=0), FP4, feat_scale)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -113,7 +115,7 @@ def _int4_gemm_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, M, N, stride_xm, stride_qn,
         if ONE_GROUP:
             w = q - zero[:, None]
         else:
-            s, z = four_bit_scale_and_zero(tl.load(sz_feat + k // GROUP, mask=feat_ok, other=0), FP4)
+            s, z = four_bit_scale_and_zero(tl.load(sz_feat + k // GROUP, mask=feat_ok, other=0), FP4, feat_scale)
             w = (q - z[:, None]) * s[:, None]
         acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
     if ONE_GROUP:
@@ -160,20 +162,21 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, s
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
-              config: GemmConfig | None = None, codes: str = "int4") -> torch.Tensor:
+              config: GemmConfig | None = None, codes: str = "int4", row_scale: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """x [M, K] (bfloat16 or float16) times the 4-bit weight (qweight [N, K // 2], scale_zero
-    [N, K // group_size]: quant_pack's "int4" layout, or "fp4" with codes="fp4") transposed -> [M, N] in x's
+    [N, K // group_size]: quant_pack's "int4" layout, or "fp4" with codes="fp4" and row_scale) transposed -> [M, N] in x's
     dtype. config: the tiles
     (default_config(M) if None); its block_k is narrowed to the largest power of two dividing group_size when the
     group is narrower."""
-    check_int4(qweight, scale_zero, group_size)
+    check_int4(qweight, scale_zero, group_size, codes, row_scale)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     x = _activations(x, k, "int4_gemm")
     config = _fitted(config or default_config(x.shape[0]), group_size, k)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         _int4_gemm_kernel[_grid(x.shape[0], n, config)](
-            x, qweight, scale_zero, out, x.shape[0], n, x.stride(0), qweight.stride(0), out.stride(0),
+            x, qweight, scale_zero, _row_scales(row_scale, scale_zero), out, x.shape[0], n, x.stride(0), qweight.stride(0), out.stride(0),
             K=k, GROUP=group_size, ONE_GROUP=group_size == k, EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
             num_stages=config.num_stages, FP4=_fp4_codes(codes))

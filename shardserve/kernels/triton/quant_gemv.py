@@ -52,13 +52,22 @@ def scale_and_zero(words):
 
 
 @triton.jit
-def four_bit_scale_and_zero(words, FP4: tl.constexpr):
-    """(scale, zero point) of 4-bit words: scale_and_zero's for int4; for fp4 the whole word is the float32 scale
-    and the zero point is 0 (quant_pack's fp4 layout)."""
+def four_bit_scale_and_zero(words, FP4: tl.constexpr, row_scale=1.0):
+    """(scale, zero point) of 4-bit scales: scale_and_zero's for int4's words; for fp4's e4m3 bytes their value
+    times the row's scale (row_scale, shaped to broadcast), rounded once as the layout defines, and zero points 0
+    (quant_pack's fp4 layout)."""
     if FP4:
-        scale = words.to(tl.float32, bitcast=True)
+        scale = _e4m3_bits_to_float(words) * 256.0 * row_scale  # exact value / 256 * 256, then one rounding
         return scale, tl.zeros_like(scale)
     return scale_and_zero(words)
+
+
+@triton.jit
+def four_bit_row_scales(rs_ptr, rows, row_ok, FP4: tl.constexpr):
+    """fp4's scales of `rows` (float32, 0 where not row_ok); 1.0 for int4, which has none."""
+    if FP4:
+        return tl.load(rs_ptr + rows, mask=row_ok, other=0.0)
+    return 1.0
 
 
 # An e2m1 code's three magnitude bits placed at float32 bits 22-24 are a float32 of exactly its value times
@@ -247,13 +256,13 @@ def _fp8_tile_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows,
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, stride_qn, residual_ptr, norm_w_ptr, sum_ptr, eps,
+def _int4_gemv_kernel(x_ptr, q_ptr, sz_ptr, rs_ptr, out_ptr, N, stride_qn, residual_ptr, norm_w_ptr, sum_ptr, eps,
                       K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr,
                       SUB: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                       FP4: tl.constexpr = False):
     """out[n] = sum_k (q[n, k] - z[n, g]) * s[n, g] * x[k], g = k // GROUP, q packed two columns a byte, s and z
-    in one word sz[n, g] (scale_and_zero); with FP4, q is the e2m1 value of each code and the word the scale alone
-    (nibble_values, four_bit_scale_and_zero).
+    in one word sz[n, g] (scale_and_zero); with FP4, q is the e2m1 value of each code and sz the group's e4m3 byte,
+    times the row's scale rs[n] (nibble_values, four_bit_scale_and_zero).
     The nibbles of a byte are interleaved back into column order in registers (join + reshape), so x is read
     contiguously. Per sub-tile (inside one group) it forms sum q*x and sum x, then adds s * (qx - z * xsum):
     the scale and zero cost one multiply-add per row and sub-tile, not per weight. GROUP == K is one group:
@@ -272,6 +281,7 @@ def _int4_gemv_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, stride_qn, residual_ptr,
     cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
     q_rows = q_ptr + rows.to(tl.int64)[:, None, None] * stride_qn
     sz_rows = sz_ptr + rows.to(tl.int64)[:, None] * (K // GROUP)
+    row_scale = four_bit_row_scales(rs_ptr, rows, row_ok, FP4)
     if ONE_GROUP:
         acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float32)
         x_acc = tl.zeros((TILE_GROUPS, SUB), dtype=tl.float32)
@@ -302,14 +312,23 @@ def _int4_gemv_kernel(x_ptr, q_ptr, sz_ptr, out_ptr, N, stride_qn, residual_ptr,
         else:
             group = (k + sub * SUB) // GROUP
             group_ok = row_ok[:, None] & (group < K // GROUP)[None, :]
-            s, z = four_bit_scale_and_zero(tl.load(sz_rows + group[None, :], mask=group_ok, other=0), FP4)
+            s, z = four_bit_scale_and_zero(tl.load(sz_rows + group[None, :], mask=group_ok, other=0), FP4,
+                                           _rows_column(row_scale, FP4))
             acc += s * (tl.sum(q * x[None], axis=2) - z * tl.sum(x, axis=1)[None, :])
     if ONE_GROUP:
-        s, z = four_bit_scale_and_zero(tl.load(sz_ptr + rows, mask=row_ok, other=0), FP4)
+        s, z = four_bit_scale_and_zero(tl.load(sz_ptr + rows, mask=row_ok, other=0), FP4, row_scale)
         y = s * (tl.sum(tl.sum(acc, axis=2), axis=1) - z * tl.sum(tl.sum(x_acc, axis=1), axis=0))
     else:
         y = tl.sum(acc, axis=1)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _rows_column(row_scale, FP4: tl.constexpr):
+    """fp4's row scales [rows] as a column [rows, 1]; int4's 1.0 as it is."""
+    if FP4:
+        return row_scale[:, None]
+    return row_scale
 
 
 # The split-K 4-bit GEMV's products carry a factor 2**-SPLIT_SCALE_BITS (see _int4_split_gemv_kernel): x is scaled
@@ -371,7 +390,7 @@ def _scaled(x, BIT: tl.constexpr, SCALE_BITS: tl.constexpr):
 
 
 @triton.jit
-def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_ptr, N, stride_qw,
+def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, rs_ptr, part_ptr, arrivals_ptr, out_ptr, N, stride_qw,
                             residual_ptr, norm_w_ptr, sum_ptr, eps, K: tl.constexpr, GROUP: tl.constexpr,
                             BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                             ROW_TILES: tl.constexpr, SCALE_BITS: tl.constexpr, NORM: tl.constexpr,
@@ -410,8 +429,8 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
     x scaled by a power of two per program so its largest magnitude lands in [2**14, 2**15) (_split_pairs); with
     F16_ASM (a GPU) by paired instructions, 21 for 16 weights where the float32 products take 34.
 
-    FP4 (F16_SUMS only): the nibbles are e2m1 codes (quant_pack's "fp4" layout, each group's scale a float32 word, no
-    zero point), each moved into a float16 half as e2m1 * 2**-14 by two shifts and two masks (_word_pair_sums), 37
+    FP4 (F16_SUMS only): the nibbles are e2m1 codes (quant_pack's "fp4" layout: each group's scale an e4m3 byte
+    times the row's scale rs[n], no zero point), each moved into a float16 half as e2m1 * 2**-14 by two shifts and two masks (_word_pair_sums), 37
     instructions for 16 weights where the tiled kernel's float32 decode takes about 140.
 
     A split of SPLIT_K columns that is not a power of two (F16_SUMS only: K = 2688 = 3 x 896, or 3712 whole) is held
@@ -462,7 +481,7 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, part_ptr, arrivals_ptr, out_pt
                                   SPLIT_SUBS * WORDS)
             if F16_SUMS:
                 sums = _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, sz_ptr, rows, row_ok, k0, sub, K, GROUP,
-                                       SUB, F16_ASM, FP4, SPLIT_SUBS)
+                                       SUB, F16_ASM, FP4, SPLIT_SUBS, four_bit_row_scales(rs_ptr, rows, row_ok, FP4))
             else:
                 sums = _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k0, sub, K,
                                        GROUP, SUB, SCALE_BITS)
@@ -529,16 +548,18 @@ def _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_
 
 @triton.jit
 def _group_scaled(qx, x_sum, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr,
-                  FP4: tl.constexpr = False, SUB_LIMIT: tl.constexpr = 0):
+                  FP4: tl.constexpr = False, SUB_LIMIT: tl.constexpr = 0, row_scale=1.0):
     """[sub-tile, row]: s * (qx - z * x_sum), qx the sums of n * x over each sub-tile of the rows, with the scale s
-    and zero point z of the group each sub-tile lies in (four_bit_scale_and_zero: FP4's z is 0); 0 for sub-tiles
-    past K, and from sub-tile SUB_LIMIT on where that is not 0."""
+    and zero point z of the group each sub-tile lies in (four_bit_scale_and_zero: FP4's s its e4m3 byte times the
+    row's row_scale [row], z 0); 0 for sub-tiles past K, and from sub-tile SUB_LIMIT on where that is not 0."""
     group = (k + sub * SUB) // GROUP
     inside = group < K // GROUP
     if SUB_LIMIT:
         inside = inside & (sub < SUB_LIMIT)
+    if FP4:
+        row_scale = row_scale[None, :]
     s, z = four_bit_scale_and_zero(tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
-                                           mask=row_ok[None, :] & inside[:, None], other=0), FP4)
+                                           mask=row_ok[None, :] & inside[:, None], other=0), FP4, row_scale)
     return s * (qx - z * x_sum[:, None])
 
 
@@ -690,11 +711,11 @@ def _nibble_product(w, pair, BIT: tl.constexpr, HALF: tl.constexpr, FP4: tl.cons
 @triton.jit
 def _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr,
                     GROUP: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr, FP4: tl.constexpr = False,
-                    SUB_LIMIT: tl.constexpr = 0):
-    """_word_tile_sums with float16 sums (_word_pair_sums); SUB_LIMIT as _group_scaled's."""
+                    SUB_LIMIT: tl.constexpr = 0, row_scale=1.0):
+    """_word_tile_sums with float16 sums (_word_pair_sums); SUB_LIMIT and row_scale as _group_scaled's."""
     sums = _word_pair_sums(w, x04, x15, x26, x37, w.shape[0], w.shape[1], SUB // 8, ASM, FP4)
     return _group_scaled(tl.sum(sums, axis=2) * unscale, x_sum, sz_ptr, rows, row_ok, k, sub, K, GROUP, SUB, FP4,
-                         SUB_LIMIT)
+                         SUB_LIMIT, row_scale)
 
 
 @triton.jit
@@ -780,28 +801,32 @@ def rows_share_scales(scale: torch.Tensor, most: int = 32) -> int:
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
               block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3,
-              codes: str = "int4") -> torch.Tensor:
+              codes: str = "int4", row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] (or [K]) times the 4-bit weight (qweight [N, K // 2], scale_zero [N, K // group_size]:
-    kernels/quant_pack.py's "int4" layout, or "fp4" with codes="fp4")
+    kernels/quant_pack.py's "int4" layout, or "fp4" with codes="fp4", e4m3 bytes and row_scale [N])
     transposed -> [1, N] in x's dtype. block_n and block_k (columns, not bytes) are powers of two, block_k >= 2;
     a tile spans block_k / SUB sub-tiles of SUB = min(block_k, largest power of two dividing group_size)
     columns, or one of block_k columns when group_size == K."""
     x = _one_row(x, 2 * qweight.shape[1], "int4_gemv")
-    return _int4_launch(x, qweight, scale_zero, group_size, (block_n, block_k, num_warps, num_stages), None, codes)
+    return _int4_launch(x, qweight, scale_zero, group_size, (block_n, block_k, num_warps, num_stages), None, codes,
+                        row_scale)
 
 
 def int4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                       qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
                       block_n: int = 8, block_k: int = 512, num_warps: int = 4,
-                      num_stages: int = 3, codes: str = "int4") -> tuple[torch.Tensor, torch.Tensor]:
+                      num_stages: int = 3, codes: str = "int4", row_scale: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(int4_gemv of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm."""
     return _normed_launch("int4_gemv_rmsnorm", x, residual, norm_weight, eps, 2 * qweight.shape[1], lambda x, norm: (
-        _int4_launch(x, qweight, scale_zero, group_size, (block_n, block_k, num_warps, num_stages), norm, codes)))
+        _int4_launch(x, qweight, scale_zero, group_size, (block_n, block_k, num_warps, num_stages), norm, codes,
+                     row_scale)))
 
 
-def _int4_launch(x, qweight, scale_zero, group_size: int, config, norm, codes: str = "int4") -> torch.Tensor:
-    """norm: as in _fp8_launch; codes: "int4" or "fp4" (the decode table)."""
-    check_int4(qweight, scale_zero, group_size)
+def _int4_launch(x, qweight, scale_zero, group_size: int, config, norm, codes: str = "int4",
+                 row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """norm: as in _fp8_launch; codes: "int4" or "fp4" (the decode table); row_scale: fp4's."""
+    check_int4(qweight, scale_zero, group_size, codes, row_scale)
     block_n, block_k, num_warps, num_stages = config
     _check_blocks(block_n, block_k, 2)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
@@ -809,11 +834,17 @@ def _int4_launch(x, qweight, scale_zero, group_size: int, config, norm, codes: s
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scale_zero, out, n, qweight.stride(0), x if residual is None else residual, norm_weight,
+        x, qweight, scale_zero, _row_scales(row_scale, scale_zero), out, n, qweight.stride(0),
+        x if residual is None else residual, norm_weight,
         summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub,
         NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
         FP4=_fp4_codes(codes), **pdl.launch(x.device))
     return out
+
+
+def _row_scales(row_scale: torch.Tensor | None, scale_zero: torch.Tensor) -> torch.Tensor:
+    """The kernels' row-scale pointer: fp4's row scales, or (int4, never read) the scale words."""
+    return scale_zero if row_scale is None else row_scale
 
 
 def _fp4_codes(codes: str) -> bool:
@@ -861,36 +892,37 @@ def int4_padded_splits(k: int, most_waste: float = 0.25) -> list[int]:
 def int4_gemv_split(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor,
                     group_size: int, block_n: int = 64, split_k: int = 512, num_warps: int = 4,
                     row_tiles: int = 1, f16_sums: bool = False, *, swiglu_out: bool = False,
-                    codes: str = "int4") -> torch.Tensor:
+                    codes: str = "int4", row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """int4_gemv by the split-K kernel (_int4_split_gemv_kernel): programs of split_k columns by row_tiles tiles
     of block_n rows. Raises ValueError where the shape does not fit it (int4_split_sub), where the weight's rows
     are not whole 32-bit words, or where there are more row blocks than arrival counts. `f16_sums`: two words'
     products summed in a pair of float16 sums (the kernel's F16_SUMS; splits of at most INT4_SPLIT_CHUNK columns
     or, not a power of two, padded to one (int4_split_sub), sub-tiles of 16 columns or more, else ValueError).
-    With `swiglu_out`, silu(gate) * up of a [gate | up] weight, [1, N / 2] (gemv.gemv's). codes="fp4": e2m1 codes
-    and float32 scale words (float16 sums only)."""
+    With `swiglu_out`, silu(gate) * up of a [gate | up] weight, [1, N / 2] (gemv.gemv's). codes="fp4": e2m1 codes,
+    e4m3 scale bytes and row_scale (float16 sums only)."""
     x = _one_row(x, 2 * qweight.shape[1], "int4_gemv_split")
     return _int4_split_launch(x, qweight, scale_zero, group_size,
-                              (block_n, split_k, num_warps, row_tiles, f16_sums), None, swiglu_out, codes)
+                              (block_n, split_k, num_warps, row_tiles, f16_sums), None, swiglu_out, codes, row_scale)
 
 
 def int4_gemv_split_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                             eps: float, qweight: torch.Tensor, scale_zero: torch.Tensor,
                             group_size: int, block_n: int = 64, split_k: int = 512, num_warps: int = 4,
                             row_tiles: int = 1, f16_sums: bool = False, *, swiglu_out: bool = False,
-                            codes: str = "int4") -> tuple[torch.Tensor, torch.Tensor]:
+                            codes: str = "int4", row_scale: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(int4_gemv_split of RMSNorm(x + residual), x + residual) in one launch, as fp8_gemv_rmsnorm; `f16_sums`,
-    `swiglu_out` and `codes` as in int4_gemv_split."""
+    `swiglu_out`, `codes` and `row_scale` as in int4_gemv_split."""
     return _normed_launch("int4_gemv_split_rmsnorm", x, residual, norm_weight, eps, 2 * qweight.shape[1],
                           lambda x, norm: _int4_split_launch(x, qweight, scale_zero, group_size,
                                                              (block_n, split_k, num_warps, row_tiles, f16_sums),
-                                                             norm, swiglu_out, codes))
+                                                             norm, swiglu_out, codes, row_scale))
 
 
 def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, swiglu_out: bool = False,
-                       codes: str = "int4") -> torch.Tensor:
+                       codes: str = "int4", row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """config: (block_n, split_k, num_warps, row_tiles, f16_sums). norm: as in _fp8_launch."""
-    check_int4(qweight, scale_zero, group_size)
+    check_int4(qweight, scale_zero, group_size, codes, row_scale)
     block_n, split_k, num_warps, row_tiles, f16_sums = config
     fp4 = _fp4_codes(codes)
     if fp4 and not f16_sums:
@@ -922,7 +954,7 @@ def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, sw
         partial = torch.empty(k // split_k, qweight.shape[0], dtype=torch.float32, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
     _int4_split_gemv_kernel[(k // split_k, row_blocks)](
-        x, qweight.view(torch.int32), scale_zero, partial, counts, out, n, qweight.stride(0) // 4,
+        x, qweight.view(torch.int32), scale_zero, _row_scales(row_scale, scale_zero), partial, counts, out, n, qweight.stride(0) // 4,
         x if residual is None else residual, norm_weight, summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n,
         SPLIT_K=split_k, CHUNK=triton.next_power_of_2(split_k) if padded else min(split_k, INT4_SPLIT_CHUNK),
         SUB=sub, ROW_TILES=row_tiles,
@@ -958,10 +990,10 @@ def _native_fp8(device: torch.device) -> bool:
 
 
 @triton.jit
-def _dequantize_int4_kernel(q_ptr, sz_ptr, out_ptr, N, K, stride_qn, GROUP: tl.constexpr,
+def _dequantize_int4_kernel(q_ptr, sz_ptr, rs_ptr, out_ptr, N, K, stride_qn, GROUP: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP4: tl.constexpr = False):
     """out[n, 2j + h] = (nibble h of q[n, j] - z[n, g]) * s[n, g] in float32, rounded once (FP4: e2m1(nibble) *
-    s[n, g]); both columns of a byte share g = 2j // GROUP since GROUP is even. Programs own BLOCK_R rows by
+    float32(e4m3(s[n, g]) * rs[n])); both columns of a byte share g = 2j // GROUP since GROUP is even. Programs own BLOCK_R rows by
     BLOCK_C bytes."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     byte = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -969,7 +1001,8 @@ def _dequantize_int4_kernel(q_ptr, sz_ptr, out_ptr, N, K, stride_qn, GROUP: tl.c
     rows64 = rows.to(tl.int64)[:, None]
     b = tl.load(q_ptr + rows64 * stride_qn + byte[None, :], mask=ok, other=0).to(tl.int32)
     group = rows64 * (K // GROUP) + (2 * byte // GROUP)[None, :]
-    s, z = four_bit_scale_and_zero(tl.load(sz_ptr + group, mask=ok, other=0), FP4)
+    row_scale = four_bit_row_scales(rs_ptr, rows, rows < N, FP4)
+    s, z = four_bit_scale_and_zero(tl.load(sz_ptr + group, mask=ok, other=0), FP4, _rows_column(row_scale, FP4))
     low = (nibble_values(b & 15, FP4) - z) * s
     high = (nibble_values(b >> 4, FP4) - z) * s
     w = tl.join(low, high).reshape(BLOCK_R, 2 * BLOCK_C)
@@ -979,14 +1012,14 @@ def _dequantize_int4_kernel(q_ptr, sz_ptr, out_ptr, N, K, stride_qn, GROUP: tl.c
 
 
 def dequantize_int4_cuda(qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
-                         dtype: torch.dtype, block_r: int = 16, block_c: int = 128, codes: str = "int4"
-                         ) -> torch.Tensor:
+                         dtype: torch.dtype, block_r: int = 16, block_c: int = 128, codes: str = "int4",
+                         row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """shardserve.kernels.quant_pack.dequantize_int4 in one launch (any device Triton runs on)."""
-    check_int4(qweight, scale_zero, group_size)
+    check_int4(qweight, scale_zero, group_size, codes, row_scale)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     grid = (triton.cdiv(n, block_r), triton.cdiv(k // 2, block_c))
-    _dequantize_int4_kernel[grid](qweight, scale_zero, out, n, k, qweight.stride(0), GROUP=group_size,
+    _dequantize_int4_kernel[grid](qweight, scale_zero, _row_scales(row_scale, scale_zero), out, n, k, qweight.stride(0), GROUP=group_size,
                                   BLOCK_R=block_r, BLOCK_C=block_c, FP4=_fp4_codes(codes))
     return out
 

@@ -4,7 +4,8 @@ form or float values become them, what they encode (for the start-up checks), an
 - fp8.py: e4m3 bytes with float32 scales per row and group of columns (per-channel, per-tensor and 128 x 128 block
   checkpoints, and --quantization fp8);
 - int4.py: GPTQ's 4-bit integers with a scale and zero point a group (GPTQ and AutoRound checkpoints);
-- fp4.py: e2m1 codes in int4's nibbles with a float32 scale a group (NVFP4 and MXFP4 checkpoints).
+- fp4.py: e2m1 codes in int4's nibbles, an e4m3 scale byte a group and a float32 scale a row (NVFP4 and MXFP4
+  checkpoints).
 
 Packed linear layers (packed.PackedWeights) and packed expert blocks (layers/moe_packed.py) hold
 their tensors through a format; nothing else branches on the kind. A new format is a new file here and an entry in

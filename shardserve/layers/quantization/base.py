@@ -29,6 +29,9 @@ class QuantFormat:
     codes_dtype = torch.uint8
     scale_dtype = torch.float32
     stored: tuple[type, ...] = ()  # the checkpoint tensors (weights/quantized.py, weights/fp4.py) it reads
+    # Whether a weight also holds a float32 scale a row [..., N] (`{name}_row_scale` beside `{name}_scale`): then
+    # read_stored and quantize give their scales as (group scales, row scales).
+    row_scaled = False
 
     # -- tensors and loading -------------------------------------------------------------------------------------
 
@@ -46,6 +49,19 @@ class QuantFormat:
         *lead, k = shape
         return empty_parameter(*lead, -(-k // group), dtype=self.scale_dtype, device=device)
 
+    def row_scales(self, *shape: int, device) -> torch.nn.Parameter | None:
+        """Empty row scales for a weight of `shape` (..., N, K), or None where the format has none."""
+        *lead, _ = shape
+        return empty_parameter(*lead, dtype=torch.float32, device=device) if self.row_scaled else None
+
+    def copy_scales(self, scale: torch.Tensor, row_scale: torch.Tensor | None, scales) -> None:
+        """Copy what read_stored or quantize gave as scales into a weight's scale (and row scale) rows."""
+        parts = scales if self.row_scaled else (scales,)
+        for target, part in zip((scale, row_scale), parts):
+            if tuple(part.shape) != tuple(target.shape):
+                raise ValueError(f"scales of shape {tuple(part.shape)} where the layer holds {tuple(target.shape)}")
+            target.copy_(part)
+
     def read_stored(self, loaded: Any, r0: int, r1: int, c0: int, c1: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Rows [r0, r1) and columns [c0, c1) of a checkpoint's stored tensor in this format: (codes, scales, the
@@ -59,11 +75,13 @@ class QuantFormat:
 
     # -- what the tensors encode -----------------------------------------------------------------------------------
 
-    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype,
+                   row_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The [N, K] values in dtype (float32 products rounded once)."""
         raise NotImplementedError
 
-    def reference64(self, codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    def reference64(self, codes: torch.Tensor, scales: torch.Tensor, group: int,
+                    row_scale: torch.Tensor | None = None) -> torch.Tensor:
         """float64 [N, K], written from the layout's definition (kernels/quant_pack.reference_weight64, beside
         the kernels that implement it) rather than by the dequantizer: what the start-up checks compare every
         kernel with."""

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.layers.linear import KernelLinear
+from shardserve.layers.quantization.packed import row_scale
 from shardserve.layers.quantization.selection import packed_layers
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,8 @@ def reference_weight(layer: KernelLinear, rows: slice | torch.Tensor = slice(Non
     """float64 [N, K] (or those `rows`) from the packed bytes, written from the layouts' definitions (not the
     dequantizers)."""
     packed = layer.packed
-    return packed.format.reference64(layer.weight[rows], layer.weight_scale[rows], packed.group)
+    return packed.format.reference64(layer.weight[rows], layer.weight_scale[rows], packed.group,
+                                     row_scale(layer, rows))
 
 
 def distinct_packed(model: nn.Module) -> dict[tuple, list[KernelLinear]]:

@@ -63,10 +63,10 @@ class Fp8Format(QuantFormat):
     def quantize(self, values, group, block_rows=1, first_row=0):
         return quantize_fp8(values, group, block_rows, first_row)
 
-    def dequantize(self, codes, scales, group, dtype):
+    def dequantize(self, codes, scales, group, dtype, row_scale=None):
         return dequantize_fp8(codes, scales, group, dtype)
 
-    def reference64(self, codes, scales, group):
+    def reference64(self, codes, scales, group, row_scale=None):
         return reference_weight64(self.kind, codes, scales, group)
 
     def gemv(self, packed, layer, x, swiglu_out=False):

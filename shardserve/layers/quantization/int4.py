@@ -69,34 +69,38 @@ class Int4Format(QuantFormat):
     def quantize(self, values, group, block_rows=1, first_row=0):
         return quantize_int4(values, group)
 
-    def dequantize(self, codes, scales, group, dtype):
-        return dequantize_int4(codes, scales, group, dtype, codes=self.kind)
+    def dequantize(self, codes, scales, group, dtype, row_scale=None):
+        return dequantize_int4(codes, scales, group, dtype, codes=self.kind, row_scale=row_scale)
 
-    def reference64(self, codes, scales, group):
-        return reference_weight64(self.kind, codes, scales, group)
+    def reference64(self, codes, scales, group, row_scale=None):
+        return reference_weight64(self.kind, codes, scales, group, row_scale)
 
     def gemv(self, packed, layer, x, swiglu_out=False):
         from shardserve.kernels.triton.quant_gemv import int4_gemv, int4_gemv_split
 
+        rows = _row_scale(layer)
         if packed.gemv_split is not None:
             return int4_gemv_split(x, layer.weight, layer.weight_scale, packed.group, *packed.gemv_split,
-                                   swiglu_out=swiglu_out, codes=self.kind)
-        return int4_gemv(x, layer.weight, layer.weight_scale, packed.group, *packed.gemv_config, codes=self.kind)
+                                   swiglu_out=swiglu_out, codes=self.kind, row_scale=rows)
+        return int4_gemv(x, layer.weight, layer.weight_scale, packed.group, *packed.gemv_config, codes=self.kind,
+                         row_scale=rows)
 
     def normed_gemv(self, packed, layer, x, residual, norm_weight, eps, swiglu_out=False):
         from shardserve.kernels.triton.quant_gemv import int4_gemv_rmsnorm, int4_gemv_split_rmsnorm
 
+        rows = _row_scale(layer)
         if packed.gemv_split is not None:
             return int4_gemv_split_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale,
                                            packed.group, *packed.gemv_split, swiglu_out=swiglu_out,
-                                           codes=self.kind)
+                                           codes=self.kind, row_scale=rows)
         return int4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, packed.group,
-                                 *packed.gemv_config, codes=self.kind)
+                                 *packed.gemv_config, codes=self.kind, row_scale=rows)
 
     def gemm(self, packed, layer, x, config):
         from shardserve.kernels.triton.quant_gemm import int4_gemm
 
-        return int4_gemm(x, layer.weight, layer.weight_scale, packed.group, config, codes=self.kind)
+        return int4_gemm(x, layer.weight, layer.weight_scale, packed.group, config, codes=self.kind,
+                         row_scale=_row_scale(layer))
 
     def swiglu_out_config(self, packed, layer):
         """The split-K GEMV's, where start-up chose it: the tiled 4-bit GEMV has no SwiGLU-out form."""
@@ -105,6 +109,12 @@ class Int4Format(QuantFormat):
     def split_forms(self, packed):
         """split_forms of the layer's K and group."""
         return split_forms(packed.k, packed.group)
+
+
+def _row_scale(layer) -> torch.Tensor | None:
+    """The layer's scales a row (fp4's), or None."""
+    row_scale = getattr(layer, "weight_row_scale", None)
+    return None if row_scale is None else row_scale.data
 
 
 def split_forms(k: int, group: int) -> list[tuple[int, ...]]:

@@ -54,7 +54,7 @@ def batch_bucket(rows: int) -> int:
 
 
 # A packed layer's parameters besides `weight`: filled by the weight's loader, along with it.
-PACKED_PARTS = ("weight_scale", "input_perm")
+PACKED_PARTS = ("weight_scale", "weight_row_scale", "input_perm")
 QUANTIZED_LAYERS_ENV = envs.QUANTIZED_LAYERS.name
 QUANTIZED_LAYERS_MODES = envs.QUANTIZED_LAYERS.choices
 
@@ -129,6 +129,7 @@ class PackedWeights:
             layer.input_perm = nn.Parameter(torch.arange(k, device=device), requires_grad=False) \
                 if layout.act_order else None
         layer.weight_scale = self.format.scales(n, k, group=group, device=device)
+        layer.weight_row_scale = self.format.row_scales(n, k, device=device)
         layer.weight.weight_loader = loader
         self.perm_of: dict[Hashable, torch.Tensor | None] = {}
         self._scale_rows: int | None = None  # scale_rows, once the weights are in
@@ -156,7 +157,8 @@ class PackedWeights:
         else:
             raise ValueError(f"a {type(loaded).__name__} cannot load into a {self.layout.describe()} layer")
         layer.weight.data[rows].copy_(codes)
-        _copy_scales(layer.weight_scale.data[rows], scale)
+        row_scale = layer.weight_row_scale.data[rows] if layer.weight_row_scale is not None else None
+        fmt.copy_scales(layer.weight_scale.data[rows], row_scale, scale)
 
     def _check_perm(self, layer: KernelLinear, perm: torch.Tensor | None, shard_id: Hashable) -> None:
         """Every part of a fused layer shares one input, so they must sort their columns alike."""
@@ -268,7 +270,7 @@ class PackedWeights:
 
     def dequantized(self, layer: KernelLinear, dtype: torch.dtype) -> torch.Tensor:
         """The layer's [N, K] weight in `dtype`, columns in the packed order (input_perm's)."""
-        return self.format.dequantize(layer.weight, layer.weight_scale, self.group, dtype)
+        return self.format.dequantize(layer.weight, layer.weight_scale, self.group, dtype, row_scale(layer))
 
     def unpack(self, layer: KernelLinear) -> None:
         """Replace the packed parameters by the values they encode in the compute dtype (a dense layer again)."""
@@ -287,18 +289,16 @@ class PackedWeights:
         layer.packed = None
 
 
+def row_scale(layer: KernelLinear, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor | None:
+    """The packed layer's scales a row (those of `rows`), where its format has them; else None."""
+    row_scales = getattr(layer, "weight_row_scale", None)
+    return None if row_scales is None else row_scales[rows]
+
+
 def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is None and b is None
     return torch.equal(a, b)
-
-
-def _copy_scales(target: torch.Tensor, scale: torch.Tensor) -> None:
-    if tuple(scale.shape) != tuple(target.shape):
-        raise ValueError(f"scales of shape {tuple(scale.shape)} where the layer holds {tuple(target.shape)}")
-    target.copy_(scale)
-
-
 
 
 def scaled_mm_rowwise(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
