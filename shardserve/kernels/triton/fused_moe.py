@@ -48,7 +48,8 @@ from shardserve.kernels.fused_moe_table import (ONE_TOKEN_ENV, ROUTE_ALIGN_MAX_T
                                                 MoeConfig, OneTokenTiles, one_token_packed_tiles, one_token_tiles,
                                                 pick_config)
 from shardserve.kernels.packed_experts import PackedExperts
-from shardserve.kernels.quant_pack import FOUR_BIT_KINDS, fit_block_k, scale_dtype
+from shardserve.kernels.quant_layout import FOUR_BIT_KINDS
+from shardserve.kernels.quant_pack import fit_block_k, scale_dtype
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.gemv import _weight_tile as _row_tile
@@ -308,8 +309,10 @@ def _expert_rows(r_ptr, e, stride_se, stride_sn, KIND: tl.constexpr):
     """fp4's row scales of expert e ([E, rows], contiguous as the scales [E, rows, groups] are: _packed_args); r_ptr
     itself (never read) for other kinds."""
     if KIND == 3:
-        return r_ptr + e * (stride_se // stride_sn)
-    return r_ptr
+        rows = r_ptr + e * (stride_se // stride_sn)
+    else:
+        rows = r_ptr
+    return rows
 
 
 # Activations (the ACT constexpr): SwiGLU experts hold gate and up rows in w13 [E, 2I, H]; non-gated experts

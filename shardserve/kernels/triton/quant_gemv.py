@@ -56,18 +56,24 @@ def four_bit_scale_and_zero(words, FP4: tl.constexpr, row_scale=1.0):
     """(scale, zero point) of 4-bit scales: scale_and_zero's for int4's words; for fp4's e4m3 bytes their value
     times the row's scale (row_scale, shaped to broadcast), rounded once as the layout defines, and zero points 0
     (quant_pack's fp4 layout)."""
+    # One return of one type a form: Triton checks every return of a function against the first, constexpr
+    # branches not taken included.
     if FP4:
         scale = _e4m3_bits_to_float(words) * 256.0 * row_scale  # exact value / 256 * 256, then one rounding
-        return scale, tl.zeros_like(scale)
-    return scale_and_zero(words)
+        zero = tl.zeros_like(scale)
+    else:
+        scale, zero = scale_and_zero(words)
+    return scale, zero
 
 
 @triton.jit
 def four_bit_row_scales(rs_ptr, rows, row_ok, FP4: tl.constexpr):
     """fp4's scales of `rows` (float32, 0 where not row_ok); 1.0 for int4, which has none."""
     if FP4:
-        return tl.load(rs_ptr + rows, mask=row_ok, other=0.0)
-    return 1.0
+        scales = tl.load(rs_ptr + rows, mask=row_ok, other=0.0)
+    else:
+        scales = 1.0
+    return scales
 
 
 # An e2m1 code's three magnitude bits placed at float32 bits 22-24 are a float32 of exactly its value times
@@ -327,8 +333,10 @@ def _int4_gemv_kernel(x_ptr, q_ptr, sz_ptr, rs_ptr, out_ptr, N, stride_qn, resid
 def _rows_column(row_scale, FP4: tl.constexpr):
     """fp4's row scales [rows] as a column [rows, 1]; int4's 1.0 as it is."""
     if FP4:
-        return row_scale[:, None]
-    return row_scale
+        column = row_scale[:, None]
+    else:
+        column = row_scale
+    return column
 
 
 # The split-K 4-bit GEMV's products carry a factor 2**-SPLIT_SCALE_BITS (see _int4_split_gemv_kernel): x is scaled
