@@ -8,8 +8,8 @@ tiles.
 Random codes and scales (the values do not change the time), bfloat16 activations, the routed choices of one
 token (top k of random logits). Each call is captured in a CUDA graph and replayed, timed with CUDA events
 (benchmarks/moe_kernels.graph_time_us). Reported: microseconds a layer's experts, the bytes the chosen experts'
-codes and scale words take, the bandwidth that makes, and each path's relative error against float64. One JSON
-object.
+codes and scales take (fp4: an e4m3 byte a group and a float32 scale a row), the bandwidth that makes, and each
+path's relative error against float64. One JSON object.
 """
 
 from __future__ import annotations
@@ -30,6 +30,14 @@ from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile  # noqa: E402
 
 # (experts, top k, hidden, expert features, activation) on one rank.
 SHAPES = {"nemotron3-nano-30b-a3b": (128, 6, 2688, 1856, "relu2"), "qwen3-30b-a3b": (128, 8, 2048, 768, "swiglu")}
+
+
+def weight_bytes(kind: str, rows: int, k: int, group: int) -> float:
+    """Bytes of `rows` packed rows of K columns: half a byte a code, a scale (int4: a scale-and-zero word) a group;
+    fp4's e4m3 byte a group and a float32 scale a row."""
+    from shardserve.kernels.quant_pack import scale_dtype
+
+    return rows * (k / 2 + k // group * scale_dtype(kind).itemsize + (4 if kind == "fp4" else 0))
 
 
 def main() -> None:
@@ -63,10 +71,14 @@ def main() -> None:
     if args.shared_slots:  # the shared expert's tensors: a block of experts' slots, as [S, H / 2] and [H, S / 2]
         extra = random_packed(args.kind, args.shared_slots, hidden, inter, args.group, device, activation)
         features = args.shared_slots * inter
+        rows = ()
+        if args.kind == "fp4":  # the down rows' row scales: every slot's columns of a row share one
+            rows = (extra.row13.reshape(features), extra.row2[0].contiguous())
         shared = SharedSlots(extra.w13.reshape(features, -1), extra.scale13.reshape(features, -1),
                              extra.w2.permute(1, 0, 2).reshape(hidden, -1).contiguous(),
-                             extra.scale2.permute(1, 0, 2).reshape(hidden, -1).contiguous(), args.shared_slots)
-    read = (top_k + args.shared_slots) * (up_rows * hidden + hidden * inter) * (1 / 2 + 4 / args.group)
+                             extra.scale2.permute(1, 0, 2).reshape(hidden, -1).contiguous(), args.shared_slots, *rows)
+    read = (top_k + args.shared_slots) * (weight_bytes(args.kind, up_rows, hidden, args.group)
+                                          + weight_bytes(args.kind, hidden, inter, args.group))
     row = {"shape": args.shape, "kind": args.kind, "group": args.group, "choices": top_k, "bytes_read": int(read),
            "device": torch.cuda.get_device_name()}
     want = reference_experts(x, None, None, weights, ids, packed=experts)

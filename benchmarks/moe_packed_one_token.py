@@ -30,10 +30,10 @@ SHAPES = {"qwen3-next-80b-a3b": (512, 10, 2048, 512, True), "qwen3-30b-a3b": (12
 
 
 def random_packed(kind: str, experts: int, hidden: int, inter: int, group: int, device, activation: str = "swiglu"):
-    """Random packed experts: fp8, int4 or fp4 codes with small positive scales (int4: some zero point); SwiGLU
-    experts hold gate and up rows, others up rows only."""
+    """Random packed experts: fp8, int4 or fp4 codes with small positive scales (int4: some zero point; fp4: e4m3
+    group scales under a float32 scale a row); SwiGLU experts hold gate and up rows, others up rows only."""
     from shardserve.kernels.packed_experts import PackedExperts
-    from shardserve.kernels.quant_pack import pack_fp4_scales, scale_dtype
+    from shardserve.kernels.quant_pack import fp4_scale_bytes, scale_dtype
 
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -44,14 +44,16 @@ def random_packed(kind: str, experts: int, hidden: int, inter: int, group: int, 
             scale = torch.rand(experts, n, k // group, generator=g, device=device) * 1e-3
             return codes, scale.to(scale_dtype(kind))
         codes = torch.randint(0, 256, (experts, n, k // 2), generator=g, device=device, dtype=torch.uint8)
-        if kind == "fp4":
-            return codes, pack_fp4_scales(torch.rand(experts, n, k // group, generator=g, device=device) * 1e-2 + 1e-3)
+        if kind == "fp4":  # group scales 1e-3 to 1.1e-2 as e4m3 values 40 to 448 times a row scale near 2.5e-5
+            e4m3 = (torch.rand(experts, n, k // group, generator=g, device=device) * 408 + 40).to(torch.float8_e4m3fn)
+            rows = (torch.rand(experts, n, generator=g, device=device) * 0.1 + 0.95) * 2.5e-5
+            return codes, fp4_scale_bytes(e4m3), rows
         return codes, torch.randint(0, 2 ** 20, (experts, n, k // group), generator=g, device=device,
                                     dtype=torch.int32) | (0x3C << 24)
 
-    w13, s13 = part(2 * inter if activation == "swiglu" else inter, hidden)
-    w2, s2 = part(hidden, inter)
-    return PackedExperts(kind, w13, s13, group, w2, s2, group, activation)
+    up, down = part(2 * inter if activation == "swiglu" else inter, hidden), part(hidden, inter)
+    rows = (up[2], down[2]) if kind == "fp4" else ()
+    return PackedExperts(kind, up[0], up[1], group, down[0], down[1], group, activation, *rows)
 
 
 def tile_grid():

@@ -1,6 +1,7 @@
 """The fused mixture-of-experts kernel on packed experts (FP8 with a scale per row and group of columns, 4-bit with
-scales and zero points) agrees with float64 on the packed definition, and would not if it ignored the scales or
-the zero points. Without CUDA the kernels run in Triton's interpreter on tiny shapes."""
+scales and zero points, e2m1 codes with an e4m3 scale a group and a float32 scale a row) agrees with float64 on the
+packed definition, and would not if it ignored the scales, the zero points or the row scales. Without CUDA the
+kernels run in Triton's interpreter on tiny shapes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ triton = pytest.importorskip("triton")
 
 from shardserve.kernels.fused_moe_table import MoeConfig, Tile  # noqa: E402
 from shardserve.kernels.packed_experts import PackedExperts  # noqa: E402
-from shardserve.kernels.quant_pack import pack_fp4_scales, pack_int4, pack_scale_zero, unpack_scale_zero  # noqa: E402
+from shardserve.kernels.quant_pack import fp4_scale_bytes, pack_int4, pack_scale_zero, unpack_scale_zero  # noqa: E402
 from shardserve.kernels.self_check import TOLERANCE  # noqa: E402
 from shardserve.kernels.triton.fused_moe import fused_moe_packed  # noqa: E402
 from tests.helpers.kernels import DEVICE, make_routes, relative_error  # noqa: E402
@@ -44,10 +45,13 @@ def _int4(n: int, k: int, group: int, experts: int, sym: bool, g: torch.Generato
 
 
 def _fp4(n: int, k: int, group: int, experts: int, g: torch.Generator):
-    """Every e2m1 code, and float32 scale words that differ between groups and rows."""
+    """Every e2m1 code, e4m3 scale bytes that differ between groups and rows, and float32 row scales [E, N] that
+    differ between rows and experts (group scales 0.005 to 0.05 in all)."""
     q = torch.randint(0, 16, (experts, n, k), generator=g)
-    scale = (torch.rand(experts, n, k // group, generator=g) + 0.5) * 0.02
-    return torch.stack([pack_int4(q[e]) for e in range(experts)]).to(DEVICE), pack_fp4_scales(scale).to(DEVICE)
+    scale = ((torch.rand(experts, n, k // group, generator=g) + 0.5) * 256).to(torch.float8_e4m3fn)
+    rows = (torch.rand(experts, n, generator=g) + 0.5) * 8e-5
+    return (torch.stack([pack_int4(q[e]) for e in range(experts)]).to(DEVICE), fp4_scale_bytes(scale).to(DEVICE),
+            rows.to(DEVICE))
 
 
 def packed_experts(kind: str, experts: int, hidden: int, inter: int, group: int, sym: bool = False,
@@ -59,7 +63,8 @@ def packed_experts(kind: str, experts: int, hidden: int, inter: int, group: int,
     if kind == "fp8":
         (w13, s13), (w2, s2) = _fp8(up_rows, hidden, g13, experts, g), _fp8(hidden, inter, g2, experts, g)
     elif kind == "fp4":
-        (w13, s13), (w2, s2) = _fp4(up_rows, hidden, g13, experts, g), _fp4(hidden, inter, g2, experts, g)
+        (w13, s13, r13), (w2, s2, r2) = _fp4(up_rows, hidden, g13, experts, g), _fp4(hidden, inter, g2, experts, g)
+        return PackedExperts(kind, w13, s13, g13, w2, s2, g2, activation, r13, r2)
     else:
         (w13, s13), (w2, s2) = _int4(up_rows, hidden, g13, experts, sym, g), _int4(hidden, inter, g2, experts, sym, g)
     return PackedExperts(kind, w13, s13, g13, w2, s2, g2, activation)
@@ -111,13 +116,20 @@ def test_interpreter_fp8_block_128_with_the_tables_tiles():
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
+@pytest.mark.parametrize("kind", ["fp8", "int4", "fp4"])
 def test_ignoring_scales_or_zeros_fails_the_check(kind):
-    """The reference would notice a kernel that dropped the per-group scales (or the zero points): with them made
-    uniform, the kernel's output moves far beyond the tolerance."""
-    experts, x, weights, ids, want = check(kind, 3, 32, config=SMALL)
+    """The reference would notice a kernel that dropped the per-group scales (or the zero points, or fp4's row
+    scales, or took another expert's): with them made uniform, the kernel's output moves far beyond the
+    tolerance."""
+    experts, x, weights, ids, want = check(kind, 3, 16 if kind == "fp4" else 32, config=SMALL)
     if kind == "fp8":
         uniform = experts._replace(scale13=experts.scale13.mean().expand_as(experts.scale13).contiguous())
+    elif kind == "fp4":
+        mean = experts.scale13.view(torch.float8_e4m3fn).float().mean().to(torch.float8_e4m3fn)
+        uniform = experts._replace(scale13=fp4_scale_bytes(mean.expand_as(experts.scale13)))
+        for rows in (experts.row2.mean().expand_as(experts.row2), experts.row2.roll(1, dims=0)):
+            other_rows = experts._replace(row2=rows.contiguous())
+            assert relative_error(fused_moe_packed(x, other_rows, weights, ids, config=SMALL), want) > 0.05
     else:
         (scale13, zero13), (scale2, zero2) = unpack_scale_zero(experts.scale13), unpack_scale_zero(experts.scale2)
         uniform = experts._replace(scale13=pack_scale_zero(scale13.mean().expand_as(scale13), zero13))
@@ -217,3 +229,6 @@ def test_interpreter_one_token_packed_experts_match_float64(kind, group, hidden,
     if kind == "fp8":
         uniform = experts._replace(scale2=experts.scale2.mean().expand_as(experts.scale2).contiguous())
         assert relative_error(fused_moe_packed(x, uniform, weights, ids, config=tiles), got) > 0.05
+    if kind == "fp4":  # each expert's row scales, not another's
+        other_experts = experts._replace(row13=experts.row13.roll(1, dims=0).contiguous())
+        assert relative_error(fused_moe_packed(x, other_experts, weights, ids, config=tiles), got) > 0.05

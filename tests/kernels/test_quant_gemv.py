@@ -99,9 +99,9 @@ def test_layout_errors_name_the_tensor_and_the_shape_expected():
     packed = pack_int4(q)
     with pytest.raises(ValueError, match=r"int4 group_size must be even and divide K=64"):
         dequantize_int4(packed, scale_zero, 48, torch.float32)
-    with pytest.raises(ValueError, match=r"int4 scale_zero .* int32 \[4, 2\]"):
+    with pytest.raises(ValueError, match=r"int4 scale_zero .*int32 \[4, 2\]"):
         dequantize_int4(packed, scale_zero[:, :1].contiguous(), 32, torch.float32)
-    with pytest.raises(ValueError, match=r"int4 scale_zero .* int32 \[4, 2\].*torch.float32"):
+    with pytest.raises(ValueError, match=r"int4 scale_zero .*int32 \[4, 2\].*torch.float32"):
         dequantize_int4(packed, scale_zero.float(), 32, torch.float32)
     with pytest.raises(ValueError, match=r"int4 qweight must be a row-major 2-D uint8"):
         dequantize_int4(packed.to(torch.int32), scale_zero, 32, torch.float32)
