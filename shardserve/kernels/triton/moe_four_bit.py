@@ -26,7 +26,7 @@ from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.fused_moe import ACTIVATIONS, _activate, _sum_separately, _tile_groups
 from shardserve.kernels.triton.pdl import enter
-from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs, four_bit_row_scales
+from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs, fp4_row_factor
 
 # (block_n, CHUNK columns, num_warps, num_stages) of the up and the down product: the fastest of a grid (block_n
 # 8-64, chunks of 256-1024, 4 or 8 warps) on an H200 at Nemotron-3-Nano's NVFP4 experts with its shared expert as
@@ -52,7 +52,7 @@ def _rows_sums(x_ptr, w_rows, s_rows, r_rows, rows, row_ok, stretch, K: tl.const
     WORDS: tl.constexpr = SUB // 8
     sub = tl.arange(0, SUBS)
     word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
-    row_scale = four_bit_row_scales(r_rows, rows, row_ok, FP4)
+    row_factor = fp4_row_factor(r_rows, rows, row_ok, FP4)
     rows = rows * stretch
     acc = tl.zeros((SUBS, rows.shape[0]), dtype=tl.float32)
     for k in range(0, K, CHUNK):
@@ -62,7 +62,9 @@ def _rows_sums(x_ptr, w_rows, s_rows, r_rows, rows, row_ok, stretch, K: tl.const
         w = tl.load(w_rows + rows.to(tl.int64)[None, :, None] * (K // 8) + at,
                     mask=row_ok[None, :, None] & (at < K // 8), other=0, eviction_policy="evict_first")
         acc += _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, s_rows, rows, row_ok, k, sub, K, GROUP, SUB,
-                               ASM, FP4, 0, row_scale)
+                               ASM, FP4)
+    if FP4:
+        acc *= row_factor[None, :]
     return acc
 
 

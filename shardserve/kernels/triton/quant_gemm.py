@@ -33,6 +33,12 @@ from shardserve.kernels.quant_pack import fit_block_k
 from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _fp4_codes, _native_fp8, _row_scales,
                                                   four_bit_row_scales, four_bit_scale_and_zero, nibble_values)
 
+# 4-bit tiles of 16 columns (8 bytes a row) give wrong products on an H200 (Triton 3, torch 2.11): relative errors
+# near 1 at groups of 16, in the interpreter right. The fused MoE's tiles span several groups instead
+# (fused_moe.FOUR_BIT_MIN_BLOCK_K); this GEMM refuses them on GPUs, so start-up timing keeps such layers' batches on
+# dequantize + cuBLAS.
+FOUR_BIT_MIN_BLOCK_K = 32
+
 # Output tiles along M visited together, so that their weight tiles are read while still in L2.
 GROUP_M = tl.constexpr(8)
 
@@ -173,6 +179,10 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, 
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     x = _activations(x, k, "int4_gemm")
     config = _fitted(config or default_config(x.shape[0]), group_size, k)
+    if x.is_cuda and config.block_k < FOUR_BIT_MIN_BLOCK_K:
+        raise ValueError(f"int4_gemm on a GPU takes tiles of at least {FOUR_BIT_MIN_BLOCK_K} columns, not "
+                         f"{config.block_k} (groups of {group_size}): narrower 4-bit tiles give wrong products there "
+                         "(fused_moe.FOUR_BIT_MIN_BLOCK_K); such layers' batches dequantize")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         _int4_gemm_kernel[_grid(x.shape[0], n, config)](

@@ -59,11 +59,24 @@ def four_bit_scale_and_zero(words, FP4: tl.constexpr, row_scale=1.0):
     # One return of one type a form: Triton checks every return of a function against the first, constexpr
     # branches not taken included.
     if FP4:
-        scale = _e4m3_bits_to_float(words) * 256.0 * row_scale  # exact value / 256 * 256, then one rounding
+        scale = e4m3_scale_units(words) * FP4_SCALE_UNIT * row_scale  # the exact value, then one rounding
         zero = tl.zeros_like(scale)
     else:
         scale, zero = scale_and_zero(words)
     return scale, zero
+
+
+# fp4's scale bytes decode to their value over this (e4m3_scale_units).
+FP4_SCALE_UNIT = tl.constexpr(256.0)
+
+
+@triton.jit
+def e4m3_scale_units(words):
+    """fp4's e4m3 scale bytes as float32, their value / FP4_SCALE_UNIT exactly: the seven bits (the sign bit is
+    clear: quant_pack.fp4_positive_scales folds a negative scale into its group's codes at load) shifted onto a
+    float16's exponent and mantissa, subnormals included, with the exponent bias off by 8. A shift and a conversion
+    a group, where the sign's bits and a float32 decode took six."""
+    return (words.to(tl.int32) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -489,11 +502,13 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, rs_ptr, part_ptr, arrivals_ptr
                                   SPLIT_SUBS * WORDS)
             if F16_SUMS:
                 sums = _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, sz_ptr, rows, row_ok, k0, sub, K, GROUP,
-                                       SUB, F16_ASM, FP4, SPLIT_SUBS, four_bit_row_scales(rs_ptr, rows, row_ok, FP4))
+                                       SUB, F16_ASM, FP4, SPLIT_SUBS)
             else:
                 sums = _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k0, sub, K,
                                        GROUP, SUB, SCALE_BITS)
             y = tl.sum(sums, axis=0)
+            if FP4:
+                y *= fp4_row_factor(rs_ptr, rows, row_ok, FP4)
             _split_result(y, part_ptr + split * (ROWS * N), out_ptr, rows, row_ok, first_tile + t, N, BLOCK_N,
                           SPLITS, SWIGLU_OUT)
     else:
@@ -556,19 +571,23 @@ def _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_
 
 @triton.jit
 def _group_scaled(qx, x_sum, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr,
-                  FP4: tl.constexpr = False, SUB_LIMIT: tl.constexpr = 0, row_scale=1.0):
+                  FP4: tl.constexpr = False, SUB_LIMIT: tl.constexpr = 0):
     """[sub-tile, row]: s * (qx - z * x_sum), qx the sums of n * x over each sub-tile of the rows, with the scale s
-    and zero point z of the group each sub-tile lies in (four_bit_scale_and_zero: FP4's s its e4m3 byte times the
-    row's row_scale [row], z 0); 0 for sub-tiles past K, and from sub-tile SUB_LIMIT on where that is not 0."""
+    and zero point z of the group each sub-tile lies in (scale_and_zero); FP4: e4m3_scale_units(s) * qx, the row's
+    scale times FP4_SCALE_UNIT left to the caller, once a row after the sub-tiles' sum (fp4_row_factor); 0 for
+    sub-tiles past K, and from sub-tile SUB_LIMIT on where that is not 0."""
     group = (k + sub * SUB) // GROUP
     inside = group < K // GROUP
     if SUB_LIMIT:
         inside = inside & (sub < SUB_LIMIT)
+    words = tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
+                    mask=row_ok[None, :] & inside[:, None], other=0)
     if FP4:
-        row_scale = row_scale[None, :]
-    s, z = four_bit_scale_and_zero(tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
-                                           mask=row_ok[None, :] & inside[:, None], other=0), FP4, row_scale)
-    return s * (qx - z * x_sum[:, None])
+        scaled = e4m3_scale_units(words) * qx
+    else:
+        s, z = scale_and_zero(words)
+        scaled = s * (qx - z * x_sum[:, None])
+    return scaled
 
 
 @triton.jit
@@ -719,11 +738,23 @@ def _nibble_product(w, pair, BIT: tl.constexpr, HALF: tl.constexpr, FP4: tl.cons
 @triton.jit
 def _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr,
                     GROUP: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr, FP4: tl.constexpr = False,
-                    SUB_LIMIT: tl.constexpr = 0, row_scale=1.0):
-    """_word_tile_sums with float16 sums (_word_pair_sums); SUB_LIMIT and row_scale as _group_scaled's."""
+                    SUB_LIMIT: tl.constexpr = 0):
+    """_word_tile_sums with float16 sums (_word_pair_sums); FP4 and SUB_LIMIT as _group_scaled's (FP4's row factor
+    left to the caller)."""
     sums = _word_pair_sums(w, x04, x15, x26, x37, w.shape[0], w.shape[1], SUB // 8, ASM, FP4)
     return _group_scaled(tl.sum(sums, axis=2) * unscale, x_sum, sz_ptr, rows, row_ok, k, sub, K, GROUP, SUB, FP4,
-                         SUB_LIMIT, row_scale)
+                         SUB_LIMIT)
+
+
+@triton.jit
+def fp4_row_factor(rs_ptr, rows, row_ok, FP4: tl.constexpr):
+    """What an FP4 row's sum of _group_scaled terms is multiplied by: its row scale times FP4_SCALE_UNIT (0 where
+    not row_ok); 1.0 for int4, whose terms are whole."""
+    if FP4:
+        factor = four_bit_row_scales(rs_ptr, rows, row_ok, FP4) * FP4_SCALE_UNIT
+    else:
+        factor = 1.0
+    return factor
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardserve.kernels.quant_pack import fp4_scale_bytes, pack_int4, quantize_fp4
+from shardserve.kernels.quant_pack import fp4_positive_scales, fp4_scale_bytes, pack_int4, quantize_fp4
 from shardserve.layers.quantization.int4 import Int4Format
 from shardserve.weights.fp4 import Fp4Weight
 
@@ -25,7 +25,8 @@ class Fp4Format(Int4Format):
 
     def read_stored(self, loaded: Any, r0: int, r1: int, c0: int, c1: int):
         codes, scale, row_scale = loaded.read_packed(r0, r1, c0, c1)
-        return pack_int4(codes), (fp4_scale_bytes(scale), row_scale), None
+        codes, scale = fp4_positive_scales(codes, fp4_scale_bytes(scale))
+        return pack_int4(codes), (scale, row_scale), None
 
     def quantize(self, values, group, block_rows=1, first_row=0):
         codes, scale, row_scale = quantize_fp4(values, group)
