@@ -29,10 +29,11 @@ from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs, fp4_row_factor
 
 # (block_n, CHUNK columns, num_warps, num_stages) of the up and the down product: the fastest of a grid (block_n
-# 8-64, chunks of 256-1024, 4 or 8 warps) on an H200 at Nemotron-3-Nano's NVFP4 experts with its shared expert as
-# two slots (8 choices), 29.7 us a layer against 38.7 for (16, 512, 4, 1) twice (benchmarks/moe_four_bit_one_token.py
-# --sweep --shared-slots 2; without the slots, 6 choices, (32, 1024, 4, 1) + (16, 512, 4, 1) was the best, 23.9 us).
-FOUR_BIT_PAIR_TILES = OneTokenTiles(Tile(32, 1024, 8, 1), Tile(32, 1024, 4, 1))
+# 8-64, chunks of 256-1024, 4 or 8 warps) on an H200 at Nemotron-3-Nano's NVFP4 experts (e4m3 scale bytes) with its
+# shared expert as two slots (8 choices): 30.2 us a layer against 37.1 for the tiles the float32 scale words had
+# chosen, (32, 1024, 8, 1) + (32, 1024, 4, 1) (benchmarks/moe_four_bit_one_token.py --sweep --shared-slots 2). Timed
+# alone, not yet in a whole decode step (docs/benchmarks-notebook.md).
+FOUR_BIT_PAIR_TILES = OneTokenTiles(Tile(64, 512, 8, 1), Tile(64, 512, 4, 1))
 
 
 def four_bit_pair_tiles() -> OneTokenTiles:
