@@ -423,6 +423,23 @@ def packed_expert_elements_per_rank(cfg: dict, tp: int) -> int:
     return experts * 3 * h * rows * len(_moe_layers(cfg))
 
 
+def packed_row_scale_bytes(cfg: dict, tp: int) -> int:
+    """The float32 scale a packed row holds beside its group scales in the fp4 layout (NVFP4, MXFP4): a down
+    expert's rows are the hidden size on every rank, so at TP 4 they come to about 1% of NemotronH's packed bytes;
+    exact for NemotronH, its packed weights' own rows, and for other families counted as rows of the hidden size's
+    width. 0 for other layouts."""
+    from shardserve.weight_format import parse_quantization
+
+    scheme = parse_quantization(cfg)
+    if scheme is None or not scheme.e2m1:
+        return 0
+    if nemotron_h.is_nemotron_h(cfg):
+        return 4 * nemotron_h.packed_elements_per_rank(cfg, tp)[2]
+    elements = projection_elements_per_rank(cfg, tp) + packed_expert_elements_per_rank(cfg, tp) \
+        + packed_head_elements_per_rank(cfg, tp)
+    return 4 * elements // cfg["hidden_size"]
+
+
 def _packed_bytes_per_weight(cfg: dict, online: str | None) -> tuple[float, str] | None:
     """Bytes a packed projection weight takes on GPUs (scales included), and the format's name; None for float
     weights. An unsupported quantization raises, as start-up would."""
@@ -495,6 +512,7 @@ def plan(cfg: dict, req: PlanRequest) -> Plan:
         if req.quantization != "fp8":  # --quantization fp8 leaves experts and the head in the compute dtype
             weights -= int((packed_expert_elements_per_rank(cfg, tp) + packed_head_elements_per_rank(cfg, tp))
                            * (dtype - packed[0]))
+        weights += packed_row_scale_bytes(cfg, tp)
     per_token, per_seq_state, model_limit, max_len = _context(cfg, req, kv_dtype, dtype)
     h, inter = cfg["hidden_size"], cfg.get("intermediate_size") or _moe(cfg)[1]
     graphs = req.max_num_seqs * (8 * h + 3 * inter // tp) * dtype

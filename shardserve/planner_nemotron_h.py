@@ -87,31 +87,39 @@ def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: 
     return total + 2 * vocab_rows * m.hidden_size + m.hidden_size  # embedding, LM head, final norm
 
 
-def packed_elements_per_rank(cfg: dict, tp: int) -> tuple[int, int]:
-    """(projection weights, expert weights) rank 0 of `tp` keeps packed under a quantized checkpoint: each Mamba-2
-    layer's in_proj and out_proj, attention's q/k/v/o, the dense MLPs' and the shared experts' up and down
-    projections; and the routed experts' up and down weights. Routers and LatentMoE's latent projections stay in
-    the compute dtype."""
+def packed_elements_per_rank(cfg: dict, tp: int) -> tuple[int, int, int]:
+    """(projection weights, expert weights, their rows) rank 0 of `tp` keeps packed under a quantized checkpoint:
+    each Mamba-2 layer's in_proj and out_proj, attention's q/k/v/o, the dense MLPs' and the shared experts' up and
+    down projections; and the routed experts' up and down weights (a down weight's rows are the hidden size on every
+    rank). Routers and LatentMoE's latent projections stay in the compute dtype."""
     m = _model_config(cfg)
-    projections = experts = 0
+    projections = experts = rows = 0
     for kind in m.layer_types:
         if kind == "linear_attention":
             shard = mamba_shard(m.mamba_num_heads, m.mamba_n_groups, m.mamba_head_dim, 0, tp)
             inner = shard.num_heads * m.mamba_head_dim
             channels = inner + 2 * shard.num_groups * m.mamba_state_size
             projections += m.hidden_size * (inner + channels + shard.num_heads) + inner * m.hidden_size
+            rows += inner + channels + shard.num_heads + m.hidden_size
         elif kind == "full_attention":
+            shard = attention_shard(m.num_heads, m.num_kv_heads, m.head_dim, 0, tp)
             projections += _attention_elements(m, tp, [])
+            rows += (shard.num_q + 2 * shard.num_kv) * m.head_dim + m.hidden_size
         elif kind == "mlp":
-            projections += 2 * m.hidden_size * (lambda r: r[1] - r[0])(split_rows(m.intermediate_size, 0, tp, "mlp")[0])
+            (r0, r1), _ = split_rows(m.intermediate_size, 0, tp, "mlp")
+            projections += 2 * m.hidden_size * (r1 - r0)
+            rows += r1 - r0 + m.hidden_size
         elif kind == "moe":
             shard = expert_shard(m.num_experts, m.moe_intermediate_size, 0, tp, False)
             width = m.moe_latent_size or m.hidden_size
-            experts += (shard.experts[1] - shard.experts[0]) * 2 * width * (shard.rows[1] - shard.rows[0])
+            held = shard.experts[1] - shard.experts[0]
+            experts += held * 2 * width * (shard.rows[1] - shard.rows[0])
+            rows += held * (shard.rows[1] - shard.rows[0] + width)
             shared = m.shared_expert_intermediate_size
             (s0, s1), _ = split_rows(shared, 0, tp, "shared expert") if shard.sharded else ((0, shared), False)
             projections += 2 * m.hidden_size * (s1 - s0)
-    return projections, experts
+            rows += s1 - s0 + m.hidden_size
+    return projections, experts, rows
 
 
 def kv_bytes_per_token(cfg: dict, tp: int, kv_bytes: int) -> int:

@@ -130,3 +130,29 @@ def test_the_nemotron_h_plan_is_what_a_dummy_load_allocates(tmp_path):
                "state per sequence": expected.state_bytes_per_seq}
     for what, size in allocated.items():
         assert abs(planned[what] - size) / size < 0.05, f"{what}: {planned[what]} planned, {size} allocated"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_an_nvfp4_nemotron_h_is_planned_as_a_rank_holds_it_packed(tp, tmp_path):
+    """Nemotron-3-Nano as a ModelOpt NVFP4 checkpoint (e2m1 codes, an e4m3 byte a group of 16, a float32 scale a
+    row; the head 16-bit): the plan's weights on GPUs are what a rank holds once its layers and experts are packed
+    (built on the meta device) within 0.5%, where it once planned less than nothing."""
+    from shardserve.layers.linear import deferred_weights
+    from shardserve.layers.moe_packed import pack_experts
+    from shardserve.layers.quantization.packed import PackedLayout
+    from shardserve.layers.quantization.selection import pack_layers
+    from shardserve.planner import PlanRequest, plan
+    from shardserve.weights.loader import configured_quantized_modules
+
+    nvfp4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+    config = {**NEMOTRON_3_NANO, "quantization_config": nvfp4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_model_path(str(tmp_path))
+    with torch.device("meta"), deferred_weights():
+        model = model_class(cfg.architecture)(cfg, Communicator(None, 0, tp), torch.bfloat16, max_positions=4096)
+    layout, names = PackedLayout.of_checkpoint(cfg.quantization), configured_quantized_modules(model, cfg.quantization)
+    assert pack_layers(model, names, layout, "meta", log=False, head=cfg.quantization.lm_head)
+    assert pack_experts(model, names, layout, "meta", log=False) == 23
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    planned = plan(load_hf_config(str(tmp_path)), PlanRequest(tp, gpu_memory_gb=141)).weight_bytes
+    assert abs(planned - held) / held < 0.005, f"TP={tp}: {planned / 2**30:.3f} GiB planned, {held / 2**30:.3f} held"
