@@ -50,10 +50,11 @@ def int4_case(n: int, k: int, group: int, device: str = "cpu", seed: int = 0):
 @needs_triton
 @interpreter_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("group", [32, 64, 128, 256], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("group", [16, 32, 64, 128, 256], ids=lambda g: f"group{g}")
 @pytest.mark.parametrize("m", ROWS)
 def test_interpreter_int4_gemm(m, group, dtype):
-    """K = 256 is 8, 4 or 2 groups, or one group a row (256: the scale applied after the sum)."""
+    """K = 256 is 16, 8, 4 or 2 groups, or one group a row (256: the scale applied after the sum); groups of 16 in
+    tiles of 32 columns, each group with its own scale."""
     from shardserve.kernels.triton.quant_gemm import int4_gemm
 
     qweight, scale_zero, w64 = int4_case(N, 256, group, seed=group)

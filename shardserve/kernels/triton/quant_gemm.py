@@ -31,12 +31,13 @@ import triton.language as tl
 from shardserve.kernels.quant_layout import check_fp8, check_int4, fp8_groups
 from shardserve.kernels.quant_pack import fit_block_k
 from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _fp4_codes, _native_fp8, _row_scales,
-                                                  four_bit_row_scales, four_bit_scale_and_zero, nibble_values)
+                                                  _rows_column, four_bit_row_scales, four_bit_scale_and_zero,
+                                                  nibble_values)
 
 # 4-bit tiles of 16 columns (8 bytes a row) give wrong products on an H200 (Triton 3, torch 2.11): relative errors
-# near 1 at groups of 16, in the interpreter right. The fused MoE's tiles span several groups instead
-# (fused_moe.FOUR_BIT_MIN_BLOCK_K); this GEMM refuses them on GPUs, so start-up timing keeps such layers' batches on
-# dequantize + cuBLAS.
+# near 1 at groups of 16, in the interpreter right. As the fused MoE's (fused_moe.FOUR_BIT_MIN_BLOCK_K), a tile over
+# narrower groups spans this many columns, whole groups each with its own scale; where that cannot be (a group that
+# does not divide it), GPUs refuse the GEMM and start-up timing keeps the layer's batches on dequantize + cuBLAS.
 FOUR_BIT_MIN_BLOCK_K = 32
 
 # Output tiles along M visited together, so that their weight tiles are read while still in L2.
@@ -93,9 +94,9 @@ def _int4_gemm_kernel(x_ptr, q_ptr, sz_ptr, rs_ptr, out_ptr, M, N, stride_xm, st
     """out[m, n] = sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g], g = k // GROUP, q packed two columns a byte
     (column 2j in the low nibble of byte j), s and z in one word sz[n, g] (quant_gemv.scale_and_zero); FP4: q the
     e2m1 value of each code, sz the group's e4m3 byte times the row's scale rs[n] (quant_gemv.nibble_values,
-    four_bit_scale_and_zero). The
-    nibbles are interleaved back into column order in registers (join + reshape), so the bytes and x are both read
-    contiguously along K."""
+    four_bit_scale_and_zero). The nibbles are interleaved back into column order in registers (join + reshape), so
+    the bytes and x are both read contiguously along K. A tile lies inside one group, or (GROUP < BLOCK_K: groups
+    narrower than FOUR_BIT_MIN_BLOCK_K) spans whole groups, each with its own scale."""
     tile_m, tile_n = _program_tile(M, N, BLOCK_M, BLOCK_N)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     feats = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,6 +121,13 @@ def _int4_gemm_kernel(x_ptr, q_ptr, sz_ptr, rs_ptr, out_ptr, M, N, stride_xm, st
         q = tl.join(nibble_values(b & 15, FP4), nibble_values(b >> 4, FP4)).reshape(BLOCK_N, BLOCK_K)
         if ONE_GROUP:
             w = q - zero[:, None]
+        elif GROUP < BLOCK_K:  # [BLOCK_N, groups of the tile]
+            groups = k // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            inside = feat_ok[:, None] & (groups < K // GROUP)[None, :]
+            words = tl.load(sz_feat[:, None] + groups[None, :], mask=inside, other=0)
+            s, z = four_bit_scale_and_zero(words, FP4, _rows_column(feat_scale, FP4))
+            w = ((q.reshape(BLOCK_N, BLOCK_K // GROUP, GROUP) - z[:, :, None]) * s[:, :, None]).reshape(
+                BLOCK_N, BLOCK_K)
         else:
             s, z = four_bit_scale_and_zero(tl.load(sz_feat + k // GROUP, mask=feat_ok, other=0), FP4, feat_scale)
             w = (q - z[:, None]) * s[:, None]
@@ -170,15 +178,16 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, stride_xm, stride_wn, s
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
               config: GemmConfig | None = None, codes: str = "int4", row_scale: torch.Tensor | None = None
               ) -> torch.Tensor:
-    """x [M, K] (bfloat16 or float16) times the 4-bit weight (qweight [N, K // 2], scale_zero
-    [N, K // group_size]: quant_pack's "int4" layout, or "fp4" with codes="fp4" and row_scale) transposed -> [M, N] in x's
-    dtype. config: the tiles
-    (default_config(M) if None); its block_k is narrowed to the largest power of two dividing group_size when the
-    group is narrower."""
+    """x [M, K] (bfloat16 or float16) times the 4-bit weight (qweight [N, K // 2], scale_zero [N, K // group_size]:
+    quant_pack's "int4" layout, or "fp4" with codes="fp4" and row_scale) transposed -> [M, N] in x's dtype. config:
+    the tiles (default_config(M) if None); its block_k is narrowed to the largest power of two dividing group_size
+    when the group is narrower, and for groups narrower than FOUR_BIT_MIN_BLOCK_K that divide it, widened to it."""
     check_int4(qweight, scale_zero, group_size, codes, row_scale)
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     x = _activations(x, k, "int4_gemm")
     config = _fitted(config or default_config(x.shape[0]), group_size, k)
+    if config.block_k < FOUR_BIT_MIN_BLOCK_K and group_size < k and FOUR_BIT_MIN_BLOCK_K % group_size == 0:
+        config = config._replace(block_k=FOUR_BIT_MIN_BLOCK_K)  # whole groups a tile, each with its own scale
     if x.is_cuda and config.block_k < FOUR_BIT_MIN_BLOCK_K:
         raise ValueError(f"int4_gemm on a GPU takes tiles of at least {FOUR_BIT_MIN_BLOCK_K} columns, not "
                          f"{config.block_k} (groups of {group_size}): narrower 4-bit tiles give wrong products there "
@@ -186,7 +195,8 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, 
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         _int4_gemm_kernel[_grid(x.shape[0], n, config)](
-            x, qweight, scale_zero, _row_scales(row_scale, scale_zero), out, x.shape[0], n, x.stride(0), qweight.stride(0), out.stride(0),
+            x, qweight, scale_zero, _row_scales(row_scale, scale_zero), out, x.shape[0], n, x.stride(0),
+            qweight.stride(0), out.stride(0),
             K=k, GROUP=group_size, ONE_GROUP=group_size == k, EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
             num_stages=config.num_stages, FP4=_fp4_codes(codes))
