@@ -11,7 +11,8 @@ Two layouts, both row-major over the output features N and the input features K:
   scale keeps 18 of float32's 23 mantissa bits, so checkpoints' float16 and bfloat16 scales are exact.
 - fp4: 4-bit floats (NVFP4, MXFP4 checkpoints: weights/fp4.py): qweight as int4's, holding e2m1 codes (0, 0.5,
   1, 1.5, 2, 3, 4, 6, bit 3 the sign) in the same nibbles; scale uint8 [N, K // group_size], each group's
-  float8_e4m3fn bits, sign bit clear (fp4_positive_scales); row_scale float32 [N]: W[n, k] = e2m1(q[n, k]) * float32(e4m3(scale[n, g]) * row_scale[n]).
+  float8_e4m3fn bits, sign bit clear (fp4_positive_scales); row_scale float32 [N]:
+  W[n, k] = e2m1(q[n, k]) * float32(e4m3(scale[n, g]) * row_scale[n]).
   These are NVFP4's own two levels (an e4m3 scale a group of 16, a float32 global scale), the global scale kept a
   row so that fused q/k/v and gate/up rows each keep their own part's: 9 bytes carry 16 weights, where a float32
   scale word took 12. The group scale rounds once to float32, as the checkpoint reader's does, and e2m1(q) * scale

@@ -86,27 +86,36 @@ def fp4_weight(prefix: str, parts: dict[str, str], checkpoint: Checkpoint, schem
         logger.info("NVFP4 input_scale (4-bit activations) ignored: activations stay in the compute dtype")
     scale = checkpoint.tensor(parts["weight_scale"])
     global_scale = checkpoint.tensor(parts["weight_scale_2"])
-    nvfp4_group_scales(scale, global_scale)  # checks both
+    _check_nvfp4_scales(scale, global_scale)
     row_scale = global_scale.float().reshape(()).expand(scale.shape[0]).contiguous()
     return Fp4Weight(parts["weight"], checkpoint.slice(parts["weight"]), scale, row_scale, NVFP4_GROUP)
 
 
 def nvfp4_group_scales(weight_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """float32 [N, K / 16]: each float8_e4m3fn group scale times the layer's global scale, rounded once."""
+    _check_nvfp4_scales(weight_scale, global_scale)
+    return weight_scale.float() * global_scale.float().reshape(())
+
+
+def _check_nvfp4_scales(weight_scale: torch.Tensor, global_scale: torch.Tensor) -> None:
     if weight_scale.dtype != torch.float8_e4m3fn:
         raise ValueError(f"an NVFP4 weight_scale must be float8_e4m3fn, found {weight_scale.dtype}")
     if global_scale.numel() != 1:
         raise ValueError(f"an NVFP4 weight_scale_2 is one value, found shape {tuple(global_scale.shape)}")
-    return weight_scale.float() * global_scale.float().reshape(())
 
 
 def mxfp4_group_scales(scales: torch.Tensor) -> torch.Tensor:
     """float32 [N, K / 32] from e8m0 exponents (uint8): 2 ** (e - 127); 255 (NaN in e8m0) is refused."""
+    return torch.ldexp(torch.ones(scales.shape), _e8m0_powers(scales))
+
+
+def _e8m0_powers(scales: torch.Tensor) -> torch.Tensor:
+    """int32 e - 127 of e8m0 exponents (uint8); 255 (NaN in e8m0) is refused."""
     if scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 scales must be uint8 (e8m0), found {scales.dtype}")
     if scales.numel() and int(scales.max()) == 255:
         raise ValueError("an MXFP4 scale is 255, e8m0's NaN")
-    return torch.ldexp(torch.ones(scales.shape), scales.int() - E8M0_BIAS)
+    return scales.int() - E8M0_BIAS
 
 
 # Powers of two float8_e4m3fn holds exactly, 2**-9 (its smallest subnormal) to 2**8.
@@ -117,7 +126,7 @@ def mxfp4_as_e4m3(scales: torch.Tensor, name: str = "weight_scales") -> tuple[to
     """e8m0 exponents [N, G] -> (float8_e4m3fn [N, G], float32 [N]) of the same products: each row's scale is the
     power of two that puts its largest group scale at 2**8, and each group scale the power of two left. ValueError
     where a row's scales span more than E4M3_POWERS powers of two (its smallest would not be exact)."""
-    exponents = torch.log2(mxfp4_group_scales(scales)).round().int()
+    exponents = _e8m0_powers(scales)
     if not exponents.numel():
         return torch.zeros(scales.shape, dtype=torch.float8_e4m3fn), torch.ones(scales.shape[0])
     top = exponents.amax(dim=1)

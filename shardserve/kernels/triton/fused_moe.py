@@ -58,7 +58,7 @@ from shardserve.kernels.triton.moe_router import route_token, route_top_k, routi
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _native_fp8, _rows_column,
                                                   four_bit_row_scales, four_bit_scale_and_zero,
-                                                  nibble_values)
+                                                  nibble_values, row_scale_pointer)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -265,8 +265,8 @@ def _weight_tile(w_ptr, s_ptr, r_ptr, feats, feat_ok, k, stride_wn, stride_sn, K
     """[BLOCK_K, BLOCK_N]: columns k..k + BLOCK_K of one expert's weight rows `feats`, in DTYPE. Packed tiles lie
     inside one scale group (BLOCK_K divides GROUP, or GROUP is K), so each row takes one scale (and zero) a tile:
     FP8 scales, int4 scale-and-zero words (quant_gemv.scale_and_zero), or fp4's e4m3 bytes times the row's scale
-    (r_ptr: the expert's row scales, read for fp4 only); a 4-bit tile
-    may instead span whole groups (GROUP divides BLOCK_K: _packed_block_k), each with its own scale.
+    (r_ptr: the expert's row scales, read for fp4 only); a 4-bit tile may instead span whole groups (GROUP divides
+    BLOCK_K: _packed_block_k), each with its own scale.
     Columns past K load as 0 (their activations are 0 too)."""
     ks = tl.arange(0, BLOCK_K)
     if KIND == 0:
@@ -369,8 +369,7 @@ def _up_swiglu_kernel(x_ptr, w_ptr, s_ptr, r_ptr, act_ptr, sorted_ptr, block_exp
                              BLOCK_K, BLOCK_N, dtype)
             gate = tl.dot(a, g, gate, input_precision=PRECISION)
         u = _weight_tile(w_e, s_e, r_e, (INTER if ACT == 0 else 0) + cols, col_ok, k, stride_wn, stride_sn, HIDDEN,
-                         KIND,
-                         GROUP, NATIVE_FP8, BLOCK_K, BLOCK_N, dtype)
+                         KIND, GROUP, NATIVE_FP8, BLOCK_K, BLOCK_N, dtype)
         up = tl.dot(a, u, up, input_precision=PRECISION)
     act = _activate(gate, up, ACT)
     tl.store(act_ptr + slots.to(tl.int64)[:, None] * stride_a + cols[None, :], act.to(act_ptr.dtype.element_ty),
@@ -813,7 +812,7 @@ def _packed_args(w: torch.Tensor, scale, group: int, kind: str, row_scale: torch
                           or tuple(row_scale.shape) != tuple(scale.shape[:2]) or not scale.is_contiguous()):
         raise ValueError(f"fp4 experts need contiguous row scales [{scale.shape[0]}, {scale.shape[1]}] beside "
                          "contiguous scales")
-    rows = scale if row_scale is None else row_scale
+    rows = row_scale_pointer(row_scale, scale)
     return w, scale, rows, scale.stride(0), scale.stride(1), group, FP4 if kind == "fp4" else INT4
 
 

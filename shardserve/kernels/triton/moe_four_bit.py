@@ -26,7 +26,7 @@ from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.fused_moe import ACTIVATIONS, _activate, _sum_separately, _tile_groups
 from shardserve.kernels.triton.pdl import enter
-from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs, fp4_row_factor
+from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs, fp4_row_factor, row_scale_pointer
 
 # (block_n, CHUNK columns, num_warps, num_stages) of the up and the down product: the fastest of a grid (block_n
 # 8-64, chunks of 256-1024, 4 or 8 warps) on an H200 at Nemotron-3-Nano's NVFP4 experts (e4m3 scale bytes) with its
@@ -105,9 +105,10 @@ def _up_kernel(x_ptr, w_ptr, s_ptr, r_ptr, act_ptr, ids_ptr, num_experts, shared
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, s_ptr, r_ptr, weights_ptr, ids_ptr, y_ptr, out_ptr, arrivals_ptr, num_experts,
-                 shared_w_ptr, shared_s_ptr, shared_r_ptr, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
-                 SHARED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                 SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr):
+                 shared_w_ptr, shared_s_ptr, shared_r_ptr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                 TOP_K: tl.constexpr, SHARED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CHUNK: tl.constexpr, SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr, SUM: tl.constexpr,
+                 PDL: tl.constexpr):
     """Program (column tile, choice j): y[j, n] = weight[j] * (w2[e, n] . act[j]) rounded to x's dtype; choices
     j >= TOP_K are the shared expert's SHARED slots, weight 1: columns (j - TOP_K) * I ... of its down projection
     [H, SHARED * I]. With SUM the last of the tile's programs to arrive sums the choices in order (the routed ones
@@ -208,9 +209,8 @@ def shared_slots_fit(experts: PackedExperts, up: torch.Tensor, up_scale: torch.T
     if any(not t.is_contiguous() for t in tensors) or (up.dtype, up_scale.dtype) != (experts.w13.dtype,
                                                                                     experts.scale13.dtype):
         return 0
-    if experts.kind == "fp4" and (up_row_scale is None or down_row_scale is None
-                                  or tuple(up_row_scale.shape) != (features,) or tuple(down_row_scale.shape) != (hidden,)
-                                  or not up_row_scale.is_contiguous() or not down_row_scale.is_contiguous()):
+    rows = ((up_row_scale, features), (down_row_scale, hidden))
+    if experts.kind == "fp4" and any(t is None or tuple(t.shape) != (n,) or not t.is_contiguous() for t, n in rows):
         return 0
     return features // inter
 
@@ -229,8 +229,7 @@ def one_token_four_bit_experts(x: torch.Tensor, experts: PackedExperts, weights:
     choices = top_k + slots
     fp4, asm, launch = experts.kind == "fp4", x.is_cuda, pdl.launch(x.device)
     w13, w2 = experts.w13.view(torch.int32), experts.w2.view(torch.int32)
-    rows13 = experts.scale13 if experts.row13 is None else experts.row13  # int4: never read
-    rows2 = experts.scale2 if experts.row2 is None else experts.row2
+    rows13, rows2 = row_scale_pointer(experts.row13, experts.scale13), row_scale_pointer(experts.row2, experts.scale2)
     shared_up, shared_up_scale, shared_down, shared_down_scale = (
         (shared.up.view(torch.int32), shared.up_scale, shared.down.view(torch.int32), shared.down_scale)
         if shared is not None else (w13, experts.scale13, w2, experts.scale2))
@@ -240,9 +239,10 @@ def one_token_four_bit_experts(x: torch.Tensor, experts: PackedExperts, weights:
     up = tiles.up
     chunk, sub = _chunk_and_sub(up, experts.group13, hidden)
     _up_kernel[(choices, triton.cdiv(inter, up.block_n))](
-        x, w13, experts.scale13, rows13, act, ids, num_experts, shared_up, shared_up_scale, shared_up_rows, HIDDEN=hidden, INTER=inter,
-        TOP_K=top_k, GROUP=experts.group13, BLOCK_N=up.block_n, CHUNK=chunk, SUB=sub, FP4=fp4, ASM=asm,
-        ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages, **launch)
+        x, w13, experts.scale13, rows13, act, ids, num_experts, shared_up, shared_up_scale, shared_up_rows,
+        HIDDEN=hidden, INTER=inter, TOP_K=top_k, GROUP=experts.group13, BLOCK_N=up.block_n, CHUNK=chunk, SUB=sub,
+        FP4=fp4, ASM=asm, ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages,
+        **launch)
     down = tiles.down
     chunk, sub = _chunk_and_sub(down, experts.group2, inter)
     col_tiles = triton.cdiv(hidden, down.block_n)

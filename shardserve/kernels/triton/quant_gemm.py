@@ -30,8 +30,8 @@ import triton.language as tl
 
 from shardserve.kernels.quant_layout import check_fp8, check_int4, fp8_groups
 from shardserve.kernels.quant_pack import fit_block_k
-from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _fp4_codes, _native_fp8, _row_scales,
-                                                  _rows_column, four_bit_row_scales, four_bit_scale_and_zero,
+from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _fp4_codes, _native_fp8, _rows_column,
+                                                  row_scale_pointer, four_bit_row_scales, four_bit_scale_and_zero,
                                                   nibble_values)
 
 # 4-bit tiles of 16 columns (8 bytes a row) give wrong products on an H200 (Triton 3, torch 2.11): relative errors
@@ -195,7 +195,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale_zero: torch.Tensor, 
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         _int4_gemm_kernel[_grid(x.shape[0], n, config)](
-            x, qweight, scale_zero, _row_scales(row_scale, scale_zero), out, x.shape[0], n, x.stride(0),
+            x, qweight, scale_zero, row_scale_pointer(row_scale, scale_zero), out, x.shape[0], n, x.stride(0),
             qweight.stride(0), out.stride(0),
             K=k, GROUP=group_size, ONE_GROUP=group_size == k, EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,

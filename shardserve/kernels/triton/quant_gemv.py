@@ -451,8 +451,9 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, rs_ptr, part_ptr, arrivals_ptr
     F16_ASM (a GPU) by paired instructions, 21 for 16 weights where the float32 products take 34.
 
     FP4 (F16_SUMS only): the nibbles are e2m1 codes (quant_pack's "fp4" layout: each group's scale an e4m3 byte
-    times the row's scale rs[n], no zero point), each moved into a float16 half as e2m1 * 2**-14 by two shifts and two masks (_word_pair_sums), 37
-    instructions for 16 weights where the tiled kernel's float32 decode takes about 140.
+    times the row's scale rs[n], no zero point), each moved into a float16 half as e2m1 * 2**-14 by two shifts and
+    two masks (_word_pair_sums), 37 instructions for 16 weights where the tiled kernel's float32 decode takes about
+    140.
 
     A split of SPLIT_K columns that is not a power of two (F16_SUMS only: K = 2688 = 3 x 896, or 3712 whole) is held
     in CHUNK, the next power of two: the sub-tiles past the split load no words and take no scale, and x is read up
@@ -506,9 +507,7 @@ def _int4_split_gemv_kernel(x_ptr, q_ptr, sz_ptr, rs_ptr, part_ptr, arrivals_ptr
             else:
                 sums = _word_tile_sums(w, x_sum, x0, x1, x2, x3, x4, x5, x6, x7, sz_ptr, rows, row_ok, k0, sub, K,
                                        GROUP, SUB, SCALE_BITS)
-            y = tl.sum(sums, axis=0)
-            if FP4:
-                y *= fp4_row_factor(rs_ptr, rows, row_ok, FP4)
+            y = tl.sum(sums, axis=0) * fp4_row_factor(rs_ptr, rows, row_ok, FP4)
             _split_result(y, part_ptr + split * (ROWS * N), out_ptr, rows, row_ok, first_tile + t, N, BLOCK_N,
                           SPLITS, SWIGLU_OUT)
     else:
@@ -873,7 +872,7 @@ def _int4_launch(x, qweight, scale_zero, group_size: int, config, norm, codes: s
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scale_zero, _row_scales(row_scale, scale_zero), out, n, qweight.stride(0),
+        x, qweight, scale_zero, row_scale_pointer(row_scale, scale_zero), out, n, qweight.stride(0),
         x if residual is None else residual, norm_weight,
         summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub,
         NORM=norm is not None, HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
@@ -881,8 +880,9 @@ def _int4_launch(x, qweight, scale_zero, group_size: int, config, norm, codes: s
     return out
 
 
-def _row_scales(row_scale: torch.Tensor | None, scale_zero: torch.Tensor) -> torch.Tensor:
-    """The kernels' row-scale pointer: fp4's row scales, or (int4, never read) the scale words."""
+def row_scale_pointer(row_scale: torch.Tensor | None, scale_zero: torch.Tensor) -> torch.Tensor:
+    """What a 4-bit kernel takes for its row scales: fp4's, or where there are none (int4, never read) the scale
+    words."""
     return scale_zero if row_scale is None else row_scale
 
 
@@ -993,7 +993,7 @@ def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, sw
         partial = torch.empty(k // split_k, qweight.shape[0], dtype=torch.float32, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
     _int4_split_gemv_kernel[(k // split_k, row_blocks)](
-        x, qweight.view(torch.int32), scale_zero, _row_scales(row_scale, scale_zero), partial, counts, out, n, qweight.stride(0) // 4,
+        x, qweight.view(torch.int32), scale_zero, row_scale_pointer(row_scale, scale_zero), partial, counts, out, n, qweight.stride(0) // 4,
         x if residual is None else residual, norm_weight, summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n,
         SPLIT_K=split_k, CHUNK=triton.next_power_of_2(split_k) if padded else min(split_k, INT4_SPLIT_CHUNK),
         SUB=sub, ROW_TILES=row_tiles,
@@ -1032,8 +1032,8 @@ def _native_fp8(device: torch.device) -> bool:
 def _dequantize_int4_kernel(q_ptr, sz_ptr, rs_ptr, out_ptr, N, K, stride_qn, GROUP: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP4: tl.constexpr = False):
     """out[n, 2j + h] = (nibble h of q[n, j] - z[n, g]) * s[n, g] in float32, rounded once (FP4: e2m1(nibble) *
-    float32(e4m3(s[n, g]) * rs[n])); both columns of a byte share g = 2j // GROUP since GROUP is even. Programs own BLOCK_R rows by
-    BLOCK_C bytes."""
+    float32(e4m3(s[n, g]) * rs[n])); both columns of a byte share g = 2j // GROUP since GROUP is even. Programs own
+    BLOCK_R rows by BLOCK_C bytes."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     byte = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (rows < N)[:, None] & (byte < K // 2)[None, :]
@@ -1058,8 +1058,9 @@ def dequantize_int4_cuda(qweight: torch.Tensor, scale_zero: torch.Tensor, group_
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     grid = (triton.cdiv(n, block_r), triton.cdiv(k // 2, block_c))
-    _dequantize_int4_kernel[grid](qweight, scale_zero, _row_scales(row_scale, scale_zero), out, n, k, qweight.stride(0), GROUP=group_size,
-                                  BLOCK_R=block_r, BLOCK_C=block_c, FP4=_fp4_codes(codes))
+    _dequantize_int4_kernel[grid](qweight, scale_zero, row_scale_pointer(row_scale, scale_zero), out, n, k,
+                                  qweight.stride(0), GROUP=group_size, BLOCK_R=block_r, BLOCK_C=block_c,
+                                  FP4=_fp4_codes(codes))
     return out
 
 
