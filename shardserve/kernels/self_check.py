@@ -283,9 +283,9 @@ def check_mamba2(kernels, heads: int, groups: int, head_dim: int, state_size: in
                  ssm_dtype: torch.dtype, device: torch.device, seed: int = 0) -> CheckResult:
     """Mamba-2 kernels (layers/mamba2_kernels.py) on one rank's sizes against float64, the outputs through the
     gated norm: a prompt of chunk_size + 5 tokens (two chunks of the scan) from empty states, then two decode
-    steps of three sequences in a pool of four slots whose SSM states are kept in ssm_dtype, that prompt's sequence
-    among them; kernels that say they are graph-safe get a padding row (slot -1) too, which must leave every slot
-    alone."""
+    steps (step_and_norm_in_pool) of three sequences in a pool of four slots whose SSM states are kept in
+    ssm_dtype, that prompt's sequence among them; kernels that say they are graph-safe get a padding row (slot -1)
+    too, which must leave every slot alone."""
     from shardserve.kernels.mamba2_ssd import split_channels, step_sizes
 
     name = (f"{kernels.name} Mamba-2 ({heads}x{head_dim} heads in {groups} groups, state {state_size}, conv "
@@ -320,9 +320,8 @@ def check_mamba2(kernels, heads: int, groups: int, head_dim: int, state_size: in
         step_params = [p[k] for k in ("conv_weight", "conv_bias", "a_log", "d", "dt_bias", "time_step_limit")]
         for _ in range(2):
             xbc, dt, z = rand(len(slots), channels), rand(len(slots), heads), rand(len(slots), inner)
-            y = kernels.step_in_pool(xbc, dt, *step_params, groups, conv_pool, ssm_pool,
-                                     torch.tensor(slots, device=device))
-            out = norm(y.reshape(len(slots), inner), z)
+            out = kernels.step_and_norm_in_pool(xbc, dt, z, *step_params, groups, p["norm_weight"], inner // groups,
+                                                p["eps"], conv_pool, ssm_pool, torch.tensor(slots, device=device))
             for row, slot in enumerate(slots[:3]):
                 ref, *expected[slot] = mamba2_reference(xbc[row:row + 1], dt[row:row + 1], z[row:row + 1], p, groups,
                                                         *expected[slot])

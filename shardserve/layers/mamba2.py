@@ -206,10 +206,13 @@ class Mamba2Mixer(StateMixer):
         kernels = self._kernels(x.device)
         z, xbc, dt = self.in_proj(x).split([self.inner, self.channels, self.heads], dim=-1)
         if query_start is None:
-            y = self._step(kernels, xbc, dt, pool, slots)
+            h = kernels.step_and_norm_in_pool(xbc, dt, z, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                              self.A_log, self.D, self.dt_bias, self.dims.time_step_limit,
+                                              self.groups, self.norm.weight, self.norm.group_size, self.norm.eps,
+                                              pool.conv, pool.ssm, slots)
         else:
             y = self._chunks(kernels, xbc, dt, pool, slots, list(query_start))
-        h = self.norm(y.reshape(x.shape[0], self.inner), z, kernels)
+            h = self.norm(y.reshape(x.shape[0], self.inner), z, kernels)
         return self.out_proj(h)
 
     def _chunks(self, kernels: Mamba2Kernels, xbc, dt, pool: MambaState, slots: torch.Tensor,

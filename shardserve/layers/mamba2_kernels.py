@@ -1,10 +1,11 @@
 """How a Mamba-2 layer's convolution and SSM run on this hardware, chosen once per device.
 
-One interface, four operations: a prompt chunk of one sequence (`conv`, `scan`: they take the states as they are
+One interface, five operations: a prompt chunk of one sequence (`conv`, `scan`: they take the states as they are
 and return the new ones, writing no input; shapes and dtypes those of kernels/causal_conv1d.py and
 kernels/mamba2_ssd.py), a decode step (`step_in_pool`: one token of each of B sequences, from the input
-projection's outputs to the SSM's output, stepping the sequences' states where they live in the layer's pools),
-and the gated output norm of any rows (`norm`).
+projection's outputs to the SSM's output, stepping the sequences' states where they live in the layer's pools;
+`step_and_norm_in_pool`: the same through the gated output norm, to the rows out_proj takes), and the gated output
+norm of any rows (`norm`).
 
 - "torch": plain torch ops, the SSM in float32 chunks (kernels/mamba2_ssd.py); any device. Its decode step
   gathers and scatters states by slot, so a row with slot -1 (a CUDA graph's padding row) would step the pool's
@@ -12,6 +13,8 @@ and the gated output norm of any rows (`norm`).
 - "triton decode": on CUDA GPUs with Triton, the decode step in two kernels that step the states in place and
   skip slot -1 (kernels/triton/causal_conv1d.py, kernels/triton/mamba2_step.py), so it runs inside CUDA graphs,
   and the norm in one (kernels/triton/gated_rms_norm.py); prompt chunks as "torch".
+- "triton fused decode": the same, with the decode step and its norm in one kernel (kernels/triton/
+  mamba2_decode.py): a launch a layer instead of three. Chosen on CUDA GPUs with Triton.
 """
 
 from __future__ import annotations
@@ -54,6 +57,14 @@ class Mamba2Kernels(Protocol):
         float32, z [rows, features] (rows may be strided), weight [features]. Returns [rows, features] in weight's
         dtype, normalised in float32 and rounded before the weight (NemotronH's RMSNormGated)."""
 
+    def step_and_norm_in_pool(self, xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor,
+                              conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, a_log: torch.Tensor,
+                              d: torch.Tensor, dt_bias: torch.Tensor, time_step_limit: tuple[float, float],
+                              groups: int, norm_weight: torch.Tensor, group_size: int, eps: float,
+                              conv_pool: torch.Tensor, ssm_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """step_in_pool, then `norm` of its output with z [B, heads * head_dim] (rows may be strided), norm_weight,
+        group_size and eps: the rows out_proj takes, [B, heads * head_dim] in norm_weight's dtype."""
+
 
 class TorchMamba2Kernels:
     name = "torch"
@@ -85,6 +96,14 @@ class TorchMamba2Kernels:
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
         return weight * g.view(h.shape).to(weight.dtype)
 
+    @classmethod
+    def step_and_norm_in_pool(cls, xbc, dt, z, conv_weight, conv_bias, a_log, d, dt_bias, time_step_limit,
+                              groups: int, norm_weight, group_size: int, eps: float, conv_pool, ssm_pool,
+                              slots) -> torch.Tensor:
+        y = cls.step_in_pool(xbc, dt, conv_weight, conv_bias, a_log, d, dt_bias, time_step_limit, groups, conv_pool,
+                             ssm_pool, slots)
+        return cls.norm(y.reshape(xbc.shape[0], -1), z, norm_weight, group_size, eps)
+
 
 class TritonDecodeMamba2Kernels(TorchMamba2Kernels):
     name = "triton decode"
@@ -106,6 +125,22 @@ class TritonDecodeMamba2Kernels(TorchMamba2Kernels):
         return grouped_gated_rms_norm(y, z, weight, group_size, eps)
 
 
+class TritonFusedDecodeMamba2Kernels(TritonDecodeMamba2Kernels):
+    name = "triton fused decode"
+
+    @classmethod
+    def step_and_norm_in_pool(cls, xbc, dt, z, conv_weight, conv_bias, a_log, d, dt_bias, time_step_limit,
+                              groups: int, norm_weight, group_size: int, eps: float, conv_pool, ssm_pool,
+                              slots) -> torch.Tensor:
+        from shardserve.kernels.triton.mamba2_decode import step_and_norm_in_pool
+
+        args = (xbc, dt, z, conv_weight, conv_bias, a_log, d, dt_bias, time_step_limit, groups, norm_weight,
+                group_size, eps, conv_pool, ssm_pool, slots)
+        out = step_and_norm_in_pool(*args)
+        # None: the norm's groups are not the B/C groups, or no arrival counts here
+        return super().step_and_norm_in_pool(*args) if out is None else out
+
+
 _chosen: dict[str, Mamba2Kernels] = {}
 
 
@@ -115,7 +150,7 @@ def mamba2_kernels(device: torch.device | str) -> Mamba2Kernels:
     if kind not in _chosen:
         kernels: Mamba2Kernels = TorchMamba2Kernels()
         if kind == "cuda" and availability.triton_usable():
-            kernels = TritonDecodeMamba2Kernels()
+            kernels = TritonFusedDecodeMamba2Kernels()
         _chosen[kind] = kernels
         logger.info("Mamba-2 kernels on %s: %s", kind, kernels.name)
     return _chosen[kind]

@@ -20,7 +20,8 @@ from shardserve.engine import kernel_setup  # noqa: E402
 from shardserve.kernels.plan import KernelPlanError  # noqa: E402
 from shardserve.kernels.self_check import check_mamba2  # noqa: E402
 from shardserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer  # noqa: E402
-from shardserve.layers.mamba2_kernels import TorchMamba2Kernels, TritonDecodeMamba2Kernels  # noqa: E402
+from shardserve.layers.mamba2_kernels import (TorchMamba2Kernels, TritonDecodeMamba2Kernels,  # noqa: E402
+                                              TritonFusedDecodeMamba2Kernels)
 from tests.triton_interpreter import convert_float32_to_bfloat16_nearest  # noqa: E402
 
 SINGLE = SimpleNamespace(rank=0, world_size=1, is_driver=True)
@@ -54,6 +55,18 @@ class IgnoresDtBias(TritonDecodeMamba2Kernels):
         return _TRITON_STEP(xbc, dt, conv_weight, conv_bias, a_log, d, dt_bias * 0, *rest)
 
 
+class FusedIgnoresEps(TritonFusedDecodeMamba2Kernels):
+    """The one-kernel decode step with the norm's eps taken as 1: only its decode steps are wrong."""
+
+    name = "fused-ignores-eps"
+
+    @classmethod
+    def step_and_norm_in_pool(cls, xbc, dt, z, conv_weight, conv_bias, a_log, d, dt_bias, time_step_limit, groups,
+                              norm_weight, group_size, eps, *pools):
+        return super().step_and_norm_in_pool(xbc, dt, z, conv_weight, conv_bias, a_log, d, dt_bias,
+                                             time_step_limit, groups, norm_weight, group_size, 1.0, *pools)
+
+
 class StepsThePaddingSlot(TorchMamba2Kernels):
     """The torch step claiming to be graph-safe: a padding row's slot -1 steps the pool's last slot."""
 
@@ -65,7 +78,8 @@ class StepsThePaddingSlot(TorchMamba2Kernels):
     (TorchMamba2Kernels(), torch.float32, torch.float32),
     (TritonDecodeMamba2Kernels(), torch.float32, torch.float32),
     (TritonDecodeMamba2Kernels(), torch.bfloat16, torch.bfloat16),
-], ids=["torch", "triton", "triton-bf16"])
+    (TritonFusedDecodeMamba2Kernels(), torch.bfloat16, torch.float32),
+], ids=["torch", "triton", "triton-bf16", "triton-fused-bf16"])
 def test_the_check_passes_the_kernels(kernels, dtype, ssm_dtype, monkeypatch):
     if kernels.graph_safe:
         pytest.importorskip("triton")
@@ -75,7 +89,8 @@ def test_the_check_passes_the_kernels(kernels, dtype, ssm_dtype, monkeypatch):
     assert result.passed, result.describe()
 
 
-@pytest.mark.parametrize("kernels", [IgnoresD(), IgnoresDtBias(), StepsThePaddingSlot()], ids=lambda k: k.name)
+@pytest.mark.parametrize("kernels", [IgnoresD(), IgnoresDtBias(), FusedIgnoresEps(), StepsThePaddingSlot()],
+                         ids=lambda k: k.name)
 def test_the_check_fails_wrong_kernels_and_names_them(kernels):
     pytest.importorskip("triton")
     result = check_mamba2(kernels, *SIZES, torch.float32, torch.float32, DEVICE)

@@ -133,7 +133,7 @@ def test_on_gpus_in_chunks_equals_transformers(tiny_model_dir, name, tp):
     expected = _reference(model_dir)
     with LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4,
              max_num_batched_tokens=12, tensor_parallel_size=tp) as llm:
-        assert "Mamba-2 triton decode" in llm.engine.runner.plan.describe()
+        assert "Mamba-2 triton fused decode" in llm.engine.runner.plan.describe()
         assert llm.engine.runner.graphs is not None  # the experts on the fused kernel: decode in CUDA graphs
         outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
         assert_all_returned(llm)

@@ -4,8 +4,9 @@ sequence's state read from and written back to its slot of a pool: Gated DeltaNe
 Program (row, block of channels) reads the row's convolution state [channels, K - 1] from its pool slot, writes
 y = silu(conv(state, x) + bias) and shifts x into the state, in place. A row whose slot is negative (a CUDA
 graph's padding row) reads and writes no state; its outputs are meaningless and never read. Invariant: the rows
-of one call have distinct slots (one sequence a row). Its pieces (load_window, convolve, rounded_silu, shift_in)
-are Gated DeltaNet's one-kernel decode step's too (kernels/triton/deltanet_decode.py).
+of one call have distinct slots (one sequence a row). Its pieces (window_and_output,
+shift_in) are the one-kernel decode steps' of Gated DeltaNet and Mamba-2 too (kernels/triton/deltanet_decode.py,
+mamba2_decode.py).
 """
 
 from __future__ import annotations
@@ -56,6 +57,18 @@ def shift_in(state_row, c, window, ok, KERNEL: tl.constexpr, TAPS: tl.constexpr)
 
 
 @triton.jit
+def window_and_output(x_row, weight_ptr, bias_ptr, state_row, c, inside, live, KERNEL: tl.constexpr,
+                      TAPS: tl.constexpr, HAS_BIAS: tl.constexpr = False):
+    """Channels c's window (load_window) and their output as the convolution step stores it: silu(conv + bias),
+    rounded to x's dtype (rounded_silu)."""
+    window = load_window(x_row, state_row, c, inside, live, KERNEL, TAPS)
+    y = convolve(window, weight_ptr, c, inside, KERNEL, TAPS)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + c, mask=inside, other=0.0).to(tl.float32)
+    return window, rounded_silu(y, x_row.dtype.element_ty)
+
+
+@triton.jit
 def _conv_step_kernel(x_ptr, weight_ptr, bias_ptr, state_ptr, slots_ptr, y_ptr, channels, stride_x, stride_slot,
                       KERNEL: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -63,11 +76,9 @@ def _conv_step_kernel(x_ptr, weight_ptr, bias_ptr, state_ptr, slots_ptr, y_ptr, 
     inside = c < channels
     slot = tl.load(slots_ptr + row)
     state_row = state_ptr + slot.to(tl.int64) * stride_slot
-    window = load_window(x_ptr + row * stride_x, state_row, c, inside, slot >= 0, KERNEL, TAPS)
-    y = convolve(window, weight_ptr, c, inside, KERNEL, TAPS)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + c, mask=inside, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * channels + c, rounded_silu(y, x_ptr.dtype.element_ty), mask=inside)
+    window, y = window_and_output(x_ptr + row * stride_x, weight_ptr, bias_ptr, state_row, c, inside, slot >= 0,
+                                  KERNEL, TAPS, HAS_BIAS)
+    tl.store(y_ptr + row * channels + c, y, mask=inside)
     shift_in(state_row, c, window, inside & (slot >= 0), KERNEL, TAPS)
 
 

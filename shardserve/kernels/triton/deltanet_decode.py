@@ -42,7 +42,7 @@ import triton.language as tl
 
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
-from shardserve.kernels.triton.causal_conv1d import convolve, load_window, rounded_silu, shift_in
+from shardserve.kernels.triton.causal_conv1d import shift_in, window_and_output
 from shardserve.kernels.triton.gated_delta_rule import VALUE_BLOCK, step_columns
 from shardserve.kernels.triton.gated_rms_norm import norm_then_gate
 from shardserve.kernels.triton.pdl import enter
@@ -50,9 +50,8 @@ from shardserve.kernels.triton.pdl import enter
 
 @triton.jit
 def _conv_channels(x_row, weight_ptr, state_row, c, inside, live, KERNEL: tl.constexpr, TAPS: tl.constexpr):
-    """Channels c's window (load_window) and their output as the convolution step stores it, in float32."""
-    window = load_window(x_row, state_row, c, inside, live, KERNEL, TAPS)
-    y = rounded_silu(convolve(window, weight_ptr, c, inside, KERNEL, TAPS), x_row.dtype.element_ty)
+    """Channels c's window and their output as the convolution step stores it (window_and_output), in float32."""
+    window, y = window_and_output(x_row, weight_ptr, weight_ptr, state_row, c, inside, live, KERNEL, TAPS)
     return window, y.to(tl.float32)
 
 

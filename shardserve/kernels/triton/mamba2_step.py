@@ -17,7 +17,18 @@ import triton.language as tl
 
 from shardserve.kernels.triton.activations import softplus
 
-_ROW_BLOCK = 16  # head_dim rows of one head's state a program owns (16 x state_size values)
+ROW_BLOCK = 16  # head_dim rows of one head's state a program owns (16 x state_size values)
+
+
+@triton.jit
+def step_rows(s, x, b, c, dt_row, a_log_ptr, d_ptr, dt_bias_ptr, head, dt_low, dt_high):
+    """One token through a head's state rows s [rows, state_size] (float32): dt = softplus(dt + dt_bias) clamped to
+    [dt_low, dt_high], S = S * exp(-exp(A_log) * dt) + dt * x B^T, y = S C + D x. Returns (S, y [rows])."""
+    dt = softplus(tl.load(dt_row + head).to(tl.float32) + tl.load(dt_bias_ptr + head))
+    dt = tl.minimum(tl.maximum(dt, dt_low), dt_high)
+    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head)) * dt)
+    s = s * decay + (dt * x)[:, None] * b[None, :]
+    return s, tl.sum(s * c[None, :], axis=1) + tl.load(d_ptr + head) * x
 
 
 @triton.jit
@@ -36,15 +47,11 @@ def _ssm_step_kernel(mixed_ptr, dt_ptr, a_log_ptr, d_ptr, dt_bias_ptr, state_ptr
     x = tl.load(base + head * P + p, mask=p_in, other=0.0).to(tl.float32)
     b = tl.load(base + heads * P + group * N + n, mask=n_in, other=0.0).to(tl.float32)
     c = tl.load(base + heads * P + (groups + group) * N + n, mask=n_in, other=0.0).to(tl.float32)
-    dt = softplus(tl.load(dt_ptr + row * stride_dt + head).to(tl.float32) + tl.load(dt_bias_ptr + head))
-    dt = tl.minimum(tl.maximum(dt, dt_low), dt_high)
-    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head)) * dt)
     at = state_ptr + slot.to(tl.int64) * stride_slot + head * P * N + p[:, None] * N + n[None, :]
     cell = p_in[:, None] & n_in[None, :] & live
     s = tl.load(at, mask=cell, other=0.0).to(tl.float32)
-    s = s * decay + (dt * x)[:, None] * b[None, :]
+    s, y = step_rows(s, x, b, c, dt_ptr + row * stride_dt, a_log_ptr, d_ptr, dt_bias_ptr, head, dt_low, dt_high)
     tl.store(at, s.to(state_ptr.dtype.element_ty), mask=cell)
-    y = tl.sum(s * c[None, :], axis=1) + tl.load(d_ptr + head) * x
     tl.store(y_ptr + (row * heads + head) * P + p, y, mask=p_in)
 
 
@@ -65,7 +72,7 @@ def ssm_step_in_pool(mixed: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor,
         return y
     if mixed.stride(1) != 1 or dt.stride(1) != 1 or not pool[0].is_contiguous():
         raise ValueError("ssm_step_in_pool needs unit-strided rows of mixed and dt and each slot's state contiguous")
-    block = min(_ROW_BLOCK, triton.next_power_of_2(head_dim))
+    block = min(ROW_BLOCK, triton.next_power_of_2(head_dim))
     grid = (rows, heads, triton.cdiv(head_dim, block))
     low, high = time_step_limit
     _ssm_step_kernel[grid](mixed, dt, a_log, d, dt_bias, pool, slots, y, float(low), float(high), mixed.stride(0),
