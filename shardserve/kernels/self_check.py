@@ -283,8 +283,8 @@ def check_mamba2(kernels, heads: int, groups: int, head_dim: int, state_size: in
                  ssm_dtype: torch.dtype, device: torch.device, seed: int = 0) -> CheckResult:
     """Mamba-2 kernels (layers/mamba2_kernels.py) on one rank's sizes against float64, the outputs through the
     gated norm: a prompt of chunk_size + 5 tokens (two chunks of the scan) from empty states, then two decode
-    steps (step_and_norm_in_pool) of three sequences in a pool of four slots whose SSM states are kept in
-    ssm_dtype, that prompt's sequence among them; kernels that say they are graph-safe get a padding row (slot -1)
+    steps (step_and_norm_in_pool: the first in two calls of two rows, the second in one) of three sequences in a
+    pool of four slots whose SSM states are kept in ssm_dtype, that prompt's sequence among them; kernels that say they are graph-safe get a padding row (slot -1)
     too, which must leave every slot alone."""
     from shardserve.kernels.mamba2_ssd import split_channels, step_sizes
 
@@ -318,14 +318,20 @@ def check_mamba2(kernels, heads: int, groups: int, head_dim: int, state_size: in
         worst = relative_error(norm(y.reshape(-1, inner), z), ref)
         slots = [2, 0, 3] + ([-1] if kernels.graph_safe else [])
         step_params = [p[k] for k in ("conv_weight", "conv_bias", "a_log", "d", "dt_bias", "time_step_limit")]
-        for _ in range(2):
-            xbc, dt, z = rand(len(slots), channels), rand(len(slots), heads), rand(len(slots), inner)
-            out = kernels.step_and_norm_in_pool(xbc, dt, z, *step_params, groups, p["norm_weight"], inner // groups,
-                                                p["eps"], conv_pool, ssm_pool, torch.tensor(slots, device=device))
-            for row, slot in enumerate(slots[:3]):
-                ref, *expected[slot] = mamba2_reference(xbc[row:row + 1], dt[row:row + 1], z[row:row + 1], p, groups,
-                                                        *expected[slot])
-                worst = max(worst, relative_error(out[row:row + 1], ref))
+        # The first step in calls of two rows, the second in one call of all: kernels that take small batches
+        # another way (the fused decode step) are checked in both.
+        for calls in ([slots[0::2], slots[1::2]], [slots]):
+            for call in calls:
+                xbc, dt, z = rand(len(call), channels), rand(len(call), heads), rand(len(call), inner)
+                out = kernels.step_and_norm_in_pool(xbc, dt, z, *step_params, groups, p["norm_weight"],
+                                                    inner // groups, p["eps"], conv_pool, ssm_pool,
+                                                    torch.tensor(call, device=device))
+                for row, slot in enumerate(call):
+                    if slot < 0:
+                        continue
+                    ref, *expected[slot] = mamba2_reference(xbc[row:row + 1], dt[row:row + 1], z[row:row + 1], p,
+                                                            groups, *expected[slot])
+                    worst = max(worst, relative_error(out[row:row + 1], ref))
         for slot, (conv, ssm) in expected.items():
             worst = max(worst, relative_error(ssm_pool[slot], ssm), relative_error(conv_pool[slot], conv))
         if not all(torch.equal(t[[0, 2]], kept) for t, kept in zip((conv_buffer, ssm_buffer), untouched)):

@@ -13,8 +13,8 @@ norm of any rows (`norm`).
 - "triton decode": on CUDA GPUs with Triton, the decode step in two kernels that step the states in place and
   skip slot -1 (kernels/triton/causal_conv1d.py, kernels/triton/mamba2_step.py), so it runs inside CUDA graphs,
   and the norm in one (kernels/triton/gated_rms_norm.py); prompt chunks as "torch".
-- "triton fused decode": the same, with the decode step and its norm in one kernel (kernels/triton/
-  mamba2_decode.py): a launch a layer instead of three. Chosen on CUDA GPUs with Triton.
+- "triton fused decode": the same, with a decode step of at most FUSED_MAX_ROWS rows and its norm in one kernel
+  (kernels/triton/mamba2_decode.py): a launch a layer instead of three. Chosen on CUDA GPUs with Triton.
 """
 
 from __future__ import annotations
@@ -125,6 +125,12 @@ class TritonDecodeMamba2Kernels(TorchMamba2Kernels):
         return grouped_gated_rms_norm(y, z, weight, group_size, eps)
 
 
+# Rows up to which a decode step takes the one kernel: on an H200 at Nemotron-3-Nano's sizes it took 6.5 us a
+# layer against 8.7 for the three at one row, 12.4 against 11.7 at four (benchmarks/mamba2_decode.py): past a few
+# rows every program's own B/C convolution and the group's norm after its slowest program cost more than two launches.
+FUSED_MAX_ROWS = 2
+
+
 class TritonFusedDecodeMamba2Kernels(TritonDecodeMamba2Kernels):
     name = "triton fused decode"
 
@@ -136,6 +142,8 @@ class TritonFusedDecodeMamba2Kernels(TritonDecodeMamba2Kernels):
 
         args = (xbc, dt, z, conv_weight, conv_bias, a_log, d, dt_bias, time_step_limit, groups, norm_weight,
                 group_size, eps, conv_pool, ssm_pool, slots)
+        if xbc.shape[0] > FUSED_MAX_ROWS:
+            return super().step_and_norm_in_pool(*args)
         out = step_and_norm_in_pool(*args)
         # None: the norm's groups are not the B/C groups, or no arrival counts here
         return super().step_and_norm_in_pool(*args) if out is None else out

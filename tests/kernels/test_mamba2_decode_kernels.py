@@ -267,3 +267,25 @@ def test_on_cuda_the_one_kernel_equals_the_three_at_nemotron3_nano_size(slots, g
     chain = _normed_step(TritonDecodeMamba2Kernels.step_and_norm_in_pool, inputs, steps, slots, 512, graph)
     _assert_same(fused, chain, live, torch.bfloat16, torch.float32)
     assert _arrivals_left_at_zero()
+
+
+def test_past_a_few_rows_the_fused_kernels_take_the_three(monkeypatch):
+    """Batches of more than FUSED_MAX_ROWS rows (where the one kernel is slower) take the three kernels; up to it,
+    the one kernel."""
+    from shardserve.kernels.triton import mamba2_decode
+    from shardserve.layers import mamba2_kernels
+
+    calls = []
+    one_kernel = mamba2_decode.step_and_norm_in_pool
+    monkeypatch.setattr(mamba2_decode, "step_and_norm_in_pool", lambda *a: calls.append(len(a[0])) or one_kernel(*a))
+    inputs, g = _layer(4, 8, 8, 2, 4, torch.float32, torch.float32, True, seed=11)
+    rows = mamba2_kernels.FUSED_MAX_ROWS + 1
+    steps = [_step_rows(inputs, rows, g)]
+    slots = list(range(rows))
+    fused = _normed_step(mamba2_kernels.TritonFusedDecodeMamba2Kernels.step_and_norm_in_pool, inputs, steps, slots, 16)
+    chain = _normed_step(TritonDecodeMamba2Kernels.step_and_norm_in_pool, inputs, steps, slots, 16)
+    assert not calls
+    assert all(torch.equal(a, b) for a, b in zip(fused[0] + [fused[1], fused[2]], chain[0] + [chain[1], chain[2]]))
+    _normed_step(mamba2_kernels.TritonFusedDecodeMamba2Kernels.step_and_norm_in_pool, inputs,
+                 [tuple(t[:rows - 1] for t in steps[0])], slots[:-1], 16)
+    assert calls == [rows - 1]
