@@ -125,10 +125,11 @@ class TritonDecodeMamba2Kernels(TorchMamba2Kernels):
         return grouped_gated_rms_norm(y, z, weight, group_size, eps)
 
 
-# Rows up to which a decode step takes the one kernel: on an H200 at Nemotron-3-Nano's sizes it took 6.5 us a
-# layer against 8.7 for the three at one row, 12.4 against 11.7 at four (benchmarks/mamba2_decode.py): past a few
-# rows every program's own B/C convolution and the group's norm after its slowest program cost more than two launches.
-FUSED_MAX_ROWS = 2
+# Rows up to which a decode step takes the one kernel: on an H200 at Nemotron-3-Nano's sizes (benchmarks/
+# mamba2_decode.py, us a layer, one kernel against three) 6.5 / 8.7 at one row, 8.0 / 9.8 at two, 8.6 / 11.9 at
+# three, a tie at four (12.4 / 12.8, and 12.4 / 11.7 in another run), 18.4 / 17.3 at eight: past a few rows every
+# program's own B/C convolution and the group's norm after its slowest program cost more than two launches.
+FUSED_MAX_ROWS = 3
 
 
 class TritonFusedDecodeMamba2Kernels(TritonDecodeMamba2Kernels):
