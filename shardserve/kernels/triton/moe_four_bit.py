@@ -26,7 +26,8 @@ from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.fused_moe import ACTIVATIONS, _activate, _sum_separately, _tile_groups
 from shardserve.kernels.triton.pdl import enter
-from shardserve.kernels.triton.quant_gemv import _pair_tile_sums, _split_pairs, fp4_row_factor, row_scale_pointer
+from shardserve.kernels.triton.quant_gemv import (_split_pairs, _word_pair_sums, apply_group_scales, fp4_row_factor,
+                                                  group_scale_words, row_scale_pointer)
 
 # (block_n, CHUNK columns, num_warps, num_stages) of the up and the down product: the fastest of a grid (block_n
 # 8-64, chunks of 256-1024, 4 or 8 warps) on an H200 at Nemotron-3-Nano's NVFP4 experts (e4m3 scale bytes) with its
@@ -43,27 +44,41 @@ def four_bit_pair_tiles() -> OneTokenTiles:
 
 
 @triton.jit
+def _chunk_of_words(row_words, row_ok, k, word, K: tl.constexpr):
+    """The [sub-tile, row, word] words of the rows from column k on (row_words: each row's first word); 0 past K."""
+    at = k // 8 + word[:, None, :]
+    return tl.load(row_words + at, mask=row_ok[None, :, None] & (at < K // 8), other=0, eviction_policy="evict_first")
+
+
+@triton.jit
 def _rows_sums(x_ptr, w_rows, s_rows, r_rows, rows, row_ok, stretch, K: tl.constexpr, GROUP: tl.constexpr,
                CHUNK: tl.constexpr, SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr):
     """[sub-tile, row]: the scaled sums of x [K] times the rows' 4-bit weights (w_rows: int32 words, 8 columns
     each; s_rows: scales; r_rows: fp4's row scales, row r's at r), chunk by chunk, columns past K masked. Row r
     starts stretch * r * K / 8 words (and stretch * r * K / GROUP scales) on: 1 for whole rows, m for a K-column
-    slice of rows m times longer."""
+    slice of rows m times longer. A chunk's words and scales are loaded while the chunk before is summed: a
+    program's rows stream their columns in several chunks, and one chunk in flight a program leaves too few bytes
+    in flight.
+    """
     SUBS: tl.constexpr = CHUNK // SUB
     WORDS: tl.constexpr = SUB // 8
     sub = tl.arange(0, SUBS)
     word = sub[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
     row_factor = fp4_row_factor(r_rows, rows, row_ok, FP4)
     rows = rows * stretch
+    row_words = w_rows + rows.to(tl.int64)[None, :, None] * (K // 8)
     acc = tl.zeros((SUBS, rows.shape[0]), dtype=tl.float32)
+    w_next = _chunk_of_words(row_words, row_ok, 0, word, K)
+    s_next = group_scale_words(s_rows, rows, row_ok, 0, sub, K, GROUP, SUB)
     for k in range(0, K, CHUNK):
+        # the next chunk's words and scales are loaded before this one is summed (none past K: all masked)
+        w, s_words = w_next, s_next
+        w_next = _chunk_of_words(row_words, row_ok, k + CHUNK, word, K)
+        s_next = group_scale_words(s_rows, rows, row_ok, k + CHUNK, sub, K, GROUP, SUB)
         x_sum, x04, x15, x26, x37, unscale = _split_pairs(x_ptr, x_ptr, x_ptr, k + word * 8, 0.0, False, False, FP4,
                                                           K)
-        at = k // 8 + word[:, None, :]
-        w = tl.load(w_rows + rows.to(tl.int64)[None, :, None] * (K // 8) + at,
-                    mask=row_ok[None, :, None] & (at < K // 8), other=0, eviction_policy="evict_first")
-        acc += _pair_tile_sums(w, x_sum, x04, x15, x26, x37, unscale, s_rows, rows, row_ok, k, sub, K, GROUP, SUB,
-                               ASM, FP4)
+        sums = _word_pair_sums(w, x04, x15, x26, x37, SUBS, w.shape[1], WORDS, ASM, FP4)
+        acc += apply_group_scales(tl.sum(sums, axis=2) * unscale, x_sum, s_words, FP4)
     if FP4:
         acc *= row_factor[None, :]
     return acc

@@ -575,12 +575,26 @@ def _group_scaled(qx, x_sum, sz_ptr, rows, row_ok, k, sub, K: tl.constexpr, GROU
     and zero point z of the group each sub-tile lies in (scale_and_zero); FP4: e4m3_scale_units(s) * qx, the row's
     scale times FP4_SCALE_UNIT left to the caller, once a row after the sub-tiles' sum (fp4_row_factor); 0 for
     sub-tiles past K, and from sub-tile SUB_LIMIT on where that is not 0."""
+    return apply_group_scales(qx, x_sum, group_scale_words(sz_ptr, rows, row_ok, k, sub, K, GROUP, SUB, SUB_LIMIT),
+                              FP4)
+
+
+@triton.jit
+def group_scale_words(sz_ptr, rows, row_ok, k, sub, K: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr,
+                      SUB_LIMIT: tl.constexpr = 0):
+    """[sub-tile, row]: the scale word (int4) or e4m3 byte (fp4) of the group each sub-tile of SUB columns from
+    column k lies in; 0 for sub-tiles past K, and from sub-tile SUB_LIMIT on where that is not 0."""
     group = (k + sub * SUB) // GROUP
     inside = group < K // GROUP
     if SUB_LIMIT:
         inside = inside & (sub < SUB_LIMIT)
-    words = tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
-                    mask=row_ok[None, :] & inside[:, None], other=0)
+    return tl.load(sz_ptr + rows.to(tl.int64)[None, :] * (K // GROUP) + group[:, None],
+                   mask=row_ok[None, :] & inside[:, None], other=0)
+
+
+@triton.jit
+def apply_group_scales(qx, x_sum, words, FP4: tl.constexpr):
+    """_group_scaled's product of the sub-tiles' sums qx by their groups' scale words (group_scale_words)."""
     if FP4:
         scaled = e4m3_scale_units(words) * qx
     else:
