@@ -31,10 +31,11 @@ from shardserve.kernels.triton.quant_gemv import (_split_pairs, _word_pair_sums,
 
 # (block_n, CHUNK columns, num_warps, num_stages) of the up and the down product: the fastest of a grid (block_n
 # 8-64, chunks of 256-1024, 4 or 8 warps) on an H200 at Nemotron-3-Nano's NVFP4 experts (e4m3 scale bytes) with its
-# shared expert as two slots (8 choices): 30.2 us a layer against 37.1 for the tiles the float32 scale words had
-# chosen, (32, 1024, 8, 1) + (32, 1024, 4, 1) (benchmarks/moe_four_bit_one_token.py --sweep --shared-slots 2). Timed
-# alone, not yet in a whole decode step (docs/benchmarks-notebook.md).
-FOUR_BIT_PAIR_TILES = OneTokenTiles(Tile(64, 512, 8, 1), Tile(64, 512, 4, 1))
+# shared expert as two slots (8 choices), each chunk's words and scales loaded while the one before is summed: 29.5 us
+# a layer (benchmarks/moe_four_bit_one_token.py --sweep --shared-slots 2); without that prefetch the best was
+# (64, 512, 8, 1) + (64, 512, 4, 1) at 30.1 us, and the decode step's graph replay 1.693 ms against 1.663 with it
+# (docs/benchmarks-notebook.md).
+FOUR_BIT_PAIR_TILES = OneTokenTiles(Tile(32, 512, 4, 1), Tile(64, 256, 4, 1))
 
 
 def four_bit_pair_tiles() -> OneTokenTiles:
