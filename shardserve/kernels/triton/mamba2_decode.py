@@ -40,7 +40,7 @@ import triton.language as tl
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.causal_conv1d import shift_in, window_and_output
-from shardserve.kernels.triton.mamba2_step import ROW_BLOCK, step_rows
+from shardserve.kernels.triton.mamba2_step import ROW_BLOCK, program_cells, step_rows
 from shardserve.kernels.triton.pdl import enter
 
 _NORM_BLOCK = 1024  # features of a group the norm's tail holds at once
@@ -84,15 +84,9 @@ def _step_norm_kernel(xbc_ptr, dt_ptr, z_ptr, conv_weight_ptr, conv_bias_ptr, a_
                       P: tl.constexpr, N: tl.constexpr, N_POW2: tl.constexpr, BP: tl.constexpr,
                       KERNEL: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, FEATURES: tl.constexpr,
                       NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    p = tl.program_id(2) * BP + tl.arange(0, BP)
-    n = tl.arange(0, N_POW2)
-    p_in, n_in = p < P, n < N
-    slot = tl.load(slots_ptr + row)
+    row, head, p, n, p_in, n_in, slot, cells, cell = program_cells(ssm_pool_ptr, slots_ptr, stride_ssm_slot, P, N,
+                                                                   N_POW2, BP)
     live = slot >= 0
-    cells = ssm_pool_ptr + slot.to(tl.int64) * stride_ssm_slot + head * P * N + p[:, None] * N + n[None, :]
-    cell = p_in[:, None] & n_in[None, :] & live
     s = tl.load(cells, mask=cell, other=0.0).to(tl.float32)  # before the wait: only this layer's steps write it
     enter(PDL)
     group_heads = heads // groups

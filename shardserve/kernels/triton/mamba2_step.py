@@ -21,6 +21,22 @@ ROW_BLOCK = 16  # head_dim rows of one head's state a program owns (16 x state_s
 
 
 @triton.jit
+def program_cells(state_ptr, slots_ptr, stride_slot, P: tl.constexpr, N: tl.constexpr, N_POW2: tl.constexpr,
+                  BP: tl.constexpr):
+    """What program (row, head, block of BP head_dim rows) owns: (row, head, its head_dim rows p and state columns n
+    with their masks p_in and n_in, the row's slot, the state cells' addresses [BP, N_POW2] and their mask, inside
+    and of a live slot)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    p = tl.program_id(2) * BP + tl.arange(0, BP)
+    n = tl.arange(0, N_POW2)
+    p_in, n_in = p < P, n < N
+    slot = tl.load(slots_ptr + row)
+    cells = state_ptr + slot.to(tl.int64) * stride_slot + head * P * N + p[:, None] * N + n[None, :]
+    return row, head, p, n, p_in, n_in, slot, cells, p_in[:, None] & n_in[None, :] & (slot >= 0)
+
+
+@triton.jit
 def step_rows(s, x, b, c, dt_row, a_log_ptr, d_ptr, dt_bias_ptr, head, dt_low, dt_high):
     """One token through a head's state rows s [rows, state_size] (float32): dt = softplus(dt + dt_bias) clamped to
     [dt_low, dt_high], S = S * exp(-exp(A_log) * dt) + dt * x B^T, y = S C + D x. Returns (S, y [rows])."""
@@ -35,20 +51,12 @@ def step_rows(s, x, b, c, dt_row, a_log_ptr, d_ptr, dt_bias_ptr, head, dt_low, d
 def _ssm_step_kernel(mixed_ptr, dt_ptr, a_log_ptr, d_ptr, dt_bias_ptr, state_ptr, slots_ptr, y_ptr,
                      dt_low, dt_high, stride_mixed, stride_dt, stride_slot, heads, groups,
                      P: tl.constexpr, N: tl.constexpr, N_POW2: tl.constexpr, BP: tl.constexpr):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    p = tl.program_id(2) * BP + tl.arange(0, BP)
-    n = tl.arange(0, N_POW2)
-    p_in, n_in = p < P, n < N
-    slot = tl.load(slots_ptr + row)
-    live = slot >= 0
+    row, head, p, n, p_in, n_in, slot, at, cell = program_cells(state_ptr, slots_ptr, stride_slot, P, N, N_POW2, BP)
     group = head // (heads // groups)
     base = mixed_ptr + row * stride_mixed
     x = tl.load(base + head * P + p, mask=p_in, other=0.0).to(tl.float32)
     b = tl.load(base + heads * P + group * N + n, mask=n_in, other=0.0).to(tl.float32)
     c = tl.load(base + heads * P + (groups + group) * N + n, mask=n_in, other=0.0).to(tl.float32)
-    at = state_ptr + slot.to(tl.int64) * stride_slot + head * P * N + p[:, None] * N + n[None, :]
-    cell = p_in[:, None] & n_in[None, :] & live
     s = tl.load(at, mask=cell, other=0.0).to(tl.float32)
     s, y = step_rows(s, x, b, c, dt_ptr + row * stride_dt, a_log_ptr, d_ptr, dt_bias_ptr, head, dt_low, dt_high)
     tl.store(at, s.to(state_ptr.dtype.element_ty), mask=cell)
