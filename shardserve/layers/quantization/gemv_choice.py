@@ -49,6 +49,12 @@ def _product_as_run(x: torch.Tensor, layer: KernelLinear) -> torch.Tensor:
     return packed.swiglu_out(layer, x) if packed.takes_swiglu_out(layer, x) else packed._product(layer, x)
 
 
+def _packed_bytes(layer: KernelLinear) -> int:
+    """The bytes a single-row product reads of a packed layer: its codes, group scales and (fp4) row scales."""
+    parts = (getattr(layer, name, None) for name in ("weight", "weight_scale", "weight_row_scale"))
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
 def _describe_form(form: GemvForm) -> str:
     config, split = form
     return f"tiled {config}" if split is None else f"split-K {split}"
@@ -91,7 +97,7 @@ def time_gemv_configs(model: nn.Module) -> dict[str, list[int]]:
             us, best = min(timed, key=lambda t: t[0])
             logger.info("packed %s %dx%d single-row GEMV: %s, %.1f us (%.0f GB/s)", layout.describe(), n, k,
                         _describe_form(best), us,
-                        sum(t.numel() * t.element_size() for t in (first.weight, first.weight_scale)) / us / 1e3)
+                        _packed_bytes(first) / us / 1e3)
             form, fused = _choose_normed(layers, timed, w64, outputs) or (best, False)
             key = first.packed.config_key(first)
             chosen[key] = list(form[0])
