@@ -284,8 +284,8 @@ def check_mamba2(kernels, heads: int, groups: int, head_dim: int, state_size: in
     """Mamba-2 kernels (layers/mamba2_kernels.py) on one rank's sizes against float64, the outputs through the
     gated norm: a prompt of chunk_size + 5 tokens (two chunks of the scan) from empty states, then two decode
     steps (step_and_norm_in_pool: the first in two calls of two rows, the second in one) of three sequences in a
-    pool of four slots whose SSM states are kept in ssm_dtype, that prompt's sequence among them; kernels that say they are graph-safe get a padding row (slot -1)
-    too, which must leave every slot alone."""
+    pool of four slots whose SSM states are kept in ssm_dtype, that prompt's sequence among them; kernels that say
+    they are graph-safe get a padding row (slot -1) too, which must leave every slot alone."""
     from shardserve.kernels.mamba2_ssd import split_channels, step_sizes
 
     name = (f"{kernels.name} Mamba-2 ({heads}x{head_dim} heads in {groups} groups, state {state_size}, conv "

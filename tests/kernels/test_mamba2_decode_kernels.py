@@ -144,7 +144,8 @@ def _layer(heads: int, head_dim: int, state: int, groups: int, kernel: int, ssm_
                 conv_bias=rand(channels) if bias else None, a_log=rand(heads, scale=0.5, dt=torch.float32),
                 d=rand(heads, dt=torch.float32), dt_bias=rand(heads, scale=0.5, dt=torch.float32),
                 time_step_limit=(0.05, 0.8), groups=groups, norm_weight=1 + rand(heads * head_dim, scale=0.2),
-                conv_pool=rand(SLOTS, channels, kernel - 1), ssm_pool=rand(SLOTS, heads, head_dim, state, dt=ssm_dtype)), g
+                conv_pool=rand(SLOTS, channels, kernel - 1),
+                ssm_pool=rand(SLOTS, heads, head_dim, state, dt=ssm_dtype)), g
 
 
 def _step_rows(inputs: dict, rows: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

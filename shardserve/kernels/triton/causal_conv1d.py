@@ -4,9 +4,8 @@ sequence's state read from and written back to its slot of a pool: Gated DeltaNe
 Program (row, block of channels) reads the row's convolution state [channels, K - 1] from its pool slot, writes
 y = silu(conv(state, x) + bias) and shifts x into the state, in place. A row whose slot is negative (a CUDA
 graph's padding row) reads and writes no state; its outputs are meaningless and never read. Invariant: the rows
-of one call have distinct slots (one sequence a row). Its pieces (window_and_output,
-shift_in) are the one-kernel decode steps' of Gated DeltaNet and Mamba-2 too (kernels/triton/deltanet_decode.py,
-mamba2_decode.py).
+of one call have distinct slots (one sequence a row). Its pieces (window_and_output, shift_in) are the one-kernel
+decode steps' of Gated DeltaNet and Mamba-2 too (kernels/triton/deltanet_decode.py, mamba2_decode.py).
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ import triton.language as tl
 from shardserve.kernels.quant_layout import check_fp8, check_int4, fp8_groups
 from shardserve.kernels.quant_pack import fit_block_k
 from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _fp4_codes, _native_fp8, _rows_column,
-                                                  row_scale_pointer, four_bit_row_scales, four_bit_scale_and_zero,
-                                                  nibble_values)
+                                                  four_bit_row_scales, four_bit_scale_and_zero, nibble_values,
+                                                  row_scale_pointer)
 
 # 4-bit tiles of 16 columns (8 bytes a row) give wrong products on an H200 (Triton 3, torch 2.11): relative errors
 # near 1 at groups of 16, in the interpreter right. As the fused MoE's (fused_moe.FOUR_BIT_MIN_BLOCK_K), a tile over

@@ -1007,7 +1007,8 @@ def _int4_split_launch(x, qweight, scale_zero, group_size: int, config, norm, sw
         partial = torch.empty(k // split_k, qweight.shape[0], dtype=torch.float32, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
     _int4_split_gemv_kernel[(k // split_k, row_blocks)](
-        x, qweight.view(torch.int32), scale_zero, row_scale_pointer(row_scale, scale_zero), partial, counts, out, n, qweight.stride(0) // 4,
+        x, qweight.view(torch.int32), scale_zero, row_scale_pointer(row_scale, scale_zero), partial, counts, out, n,
+        qweight.stride(0) // 4,
         x if residual is None else residual, norm_weight, summed, eps, K=k, GROUP=group_size, BLOCK_N=block_n,
         SPLIT_K=split_k, CHUNK=triton.next_power_of_2(split_k) if padded else min(split_k, INT4_SPLIT_CHUNK),
         SUB=sub, ROW_TILES=row_tiles,
