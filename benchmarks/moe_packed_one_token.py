@@ -57,8 +57,9 @@ def random_packed(kind: str, experts: int, hidden: int, inter: int, group: int, 
 
 
 def tile_grid():
-    for n, k, w in itertools.product((1, 2, 4, 8), (128, 512, 2048), (1, 2, 4, 8)):
-        if n * k <= 16384 and n * k >= 32 * w:
+    """Tiles of 1 to 16 KiB of codes a program (at most 16 rows, 256 to 2048 columns), 2 to 8 warps."""
+    for n, k, w in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)):
+        if 1024 <= n * k <= 16384:
             yield Tile(n, k, w, 2)
 
 
