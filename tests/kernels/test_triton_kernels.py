@@ -287,6 +287,63 @@ def test_decode_that_rotates_and_stores_its_new_token_equals_the_rotary_kernel_t
     assert _shared_counts_are_zero()
 
 
+@pytest.mark.parametrize("splits,norm,dtype", [(1, False, torch.float32), (3, True, torch.float32),
+                                               (4, True, torch.float16)])
+def test_decode_that_rotates_part_of_each_head_equals_the_separate_launches(splits, norm, dtype):
+    """Qwen3-Next rotates the first quarter of each head: the decode launch given tables that narrow rotates
+    those dims of q and the new keys and leaves the others as they are, giving the cache the bits of the head
+    norm, the rotary kernel on the rotated dims and the cache store as separate launches, and their output to
+    rounding; a launch that rotated whole heads would store other keys."""
+    block_size, head_dim, rotary_dim, num_heads, num_kv_heads, eps = 8, 32, 8, 4, 2, 1e-6
+    lengths = [0, 1, 9, 26]
+    cache = PagedCache(lengths, num_kv_heads, head_dim, block_size, dtype, seed=7 + splits)
+    g = cache.generator
+    rope = RotaryEmbedding(rotary_dim, 128, 10000.0, None, dtype)
+    cos, sin = rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE)
+    qkv = (2 * torch.randn(len(lengths), num_heads + 2 * num_kv_heads, head_dim, generator=g)).to(dtype).to(DEVICE)
+    head_norm = None
+    if norm:
+        head_norm = tuple((1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2))
+        head_norm += (eps,)
+    positions = torch.tensor([max(n - 1, 0) for n in lengths], device=DEVICE)
+    slots = slots_of_last_positions(cache, lengths)
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+    k_cache, v_cache = cache.k.clone(), cache.v.clone()
+
+    qk = qkv[:, :num_heads + num_kv_heads].clone()
+    if norm:
+        fused_ops.qk_rms_norm_(qk, num_heads, *head_norm)
+    fused_ops.apply_rotary_(qk[..., :rotary_dim], positions, cos, sin)
+    pa.store_kv_cache(qk[:, num_heads:], qkv[:, num_heads + num_kv_heads:], cache.k, cache.v, slots)
+    expected = pd.paged_decode_attention(qk[:, :num_heads], cache.k, cache.v, cache.block_tables, context_lens,
+                                         scale, block_size, splits)
+
+    new = pd.NewTokens(qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:], slots, cos,
+                       sin, head_norm)
+    got = pd.paged_decode_attention(qkv[:, :num_heads], k_cache, v_cache, cache.block_tables, context_lens, scale,
+                                    block_size, splits, new_tokens=new)
+
+    close = {"atol": 2e-6, "rtol": 2e-6} if dtype == torch.float32 else {"atol": 1e-3, "rtol": 8e-3}
+    torch.testing.assert_close(got, expected, **close)
+    if norm and CUDA:  # the head norm's sum of squares runs in the tile's order: a last-bit flip may differ
+        torch.testing.assert_close(k_cache, cache.k)
+    else:
+        assert torch.equal(k_cache, cache.k)
+    assert torch.equal(v_cache, cache.v)
+    stored = slots[slots >= 0]
+    unrotated = cache.k.view(-1, num_kv_heads, head_dim)[stored, :, rotary_dim:]
+    assert not torch.equal(unrotated, torch.zeros_like(unrotated))  # the dims past the rotation were stored too
+    whole = RotaryEmbedding(head_dim, 128, 10000.0, None, dtype)
+    k_whole = cache.k.clone()
+    pd.paged_decode_attention(qkv[:, :num_heads], k_whole, cache.v.clone(), cache.block_tables, context_lens, scale,
+                              block_size, splits, new_tokens=pd.NewTokens(
+                                  new.keys, new.values, slots, whole.cos.to(DEVICE), whole.signed_sin.to(DEVICE),
+                                  head_norm))
+    assert not torch.equal(k_whole, cache.k)
+    assert _shared_counts_are_zero()
+
+
 def test_decode_rejects_new_tokens_that_do_not_fit_the_batch():
     cache = PagedCache([20], 2, 16, 8, torch.float32, seed=12)
     q = torch.randn(1, 4, 16, generator=cache.generator).to(DEVICE)
@@ -298,6 +355,12 @@ def test_decode_rejects_new_tokens_that_do_not_fit_the_batch():
     with pytest.raises(ValueError, match=r"new keys: \(1, 1, 16\) torch.float32; decode of this batch needs "
                                          r"\(1, 2, 16\)"):
         pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 1, new_tokens=wrong)
+    wide = RotaryEmbedding(32, 64, 10000.0, None, torch.float32)
+    too_wide = pd.NewTokens(torch.zeros(1, 2, 16, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE), slot,
+                            wide.cos.to(DEVICE), wide.signed_sin.to(DEVICE))
+    with pytest.raises(ValueError, match=r"rotary table cos: \(64, 32\) torch.float32; needs rows of an even width "
+                                         r"up to 16"):
+        pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, 8, 1, new_tokens=too_wide)
     keys = torch.zeros(1, 2, 16, device=DEVICE)
     half_weight = torch.ones(16, dtype=torch.float16, device=DEVICE)
     wrong_norm = pd.NewTokens(keys, keys, slot, rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE),

@@ -251,18 +251,39 @@ def head_rms_norm(x, x_rolled, w, w_rolled, eps, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def normed_heads(row_ptrs, row_ok, weight_ptr, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+def normed_heads(row_ptrs, row_ok, weight_ptr, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
+                 ROTARY_DIM: tl.constexpr = 0):
     """Head rows at row_ptrs [R] (unit stride along the head) and the same rows rolled by half a head, as
     rotate_rows takes them; normalised with weight_ptr's weight if NORM (as head_rms_norm). Rows where row_ok is
-    false read as 0."""
+    false read as 0. ROTARY_DIM (0: the whole head): only a head's first ROTARY_DIM dims are rotated, so those
+    roll by half of ROTARY_DIM among themselves and the others stay in place (rotary_tables gives them cos 1 and
+    sin 0)."""
     dims = tl.arange(0, HEAD_DIM)
-    rolled = (dims + HEAD_DIM // 2) % HEAD_DIM
+    if ROTARY_DIM == 0:
+        rolled = (dims + HEAD_DIM // 2) % HEAD_DIM
+    else:
+        rolled = tl.where(dims < ROTARY_DIM, (dims + ROTARY_DIM // 2) % ROTARY_DIM, dims)
     x = tl.load(row_ptrs[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
     x_rolled = tl.load(row_ptrs[:, None] + rolled[None, :], mask=row_ok[:, None], other=0.0)
     if NORM:
         x, x_rolled = head_rms_norm(x, x_rolled, tl.load(weight_ptr + dims)[None, :],
                                     tl.load(weight_ptr + rolled)[None, :], eps, HEAD_DIM)
     return x, x_rolled
+
+
+@triton.jit
+def rotary_tables(cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr = 0):
+    """(cos, signed sin) in float32 over a head's HEAD_DIM dims from one position's table rows; with ROTARY_DIM
+    (tables that narrow) cos 1 and sin 0 past them, which rotate_rows turns into the dims unchanged, bit for bit
+    (x * 1 + x * 0 rounds to x)."""
+    dims = tl.arange(0, HEAD_DIM)
+    if ROTARY_DIM == 0:
+        cos = tl.load(cos_ptr + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + dims).to(tl.float32)
+    else:
+        cos = tl.load(cos_ptr + dims, mask=dims < ROTARY_DIM, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + dims, mask=dims < ROTARY_DIM, other=0.0).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import triton.language as tl
 from shardserve import envs
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
-from shardserve.kernels.triton.fused_ops import check_norm_args, normed_heads, rotate_rows
+from shardserve.kernels.triton.fused_ops import check_norm_args, normed_heads, rotary_tables, rotate_rows
 from shardserve.kernels.triton.paged_attention import (LOG2E, attend_loaded, attend_tile, cache_values,
                                                        check_attention_args, dot_precision, is_fp8_cache,
                                                        load_kv_tile, tile_operand)
@@ -145,7 +145,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, GROUP_C: tl.constexpr,
                    SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
                    PRELOAD_KV: tl.constexpr, PDL: tl.constexpr, KV_FP8: tl.constexpr = False,
-                   NEXT_EARLY: tl.constexpr = False, ASM: tl.constexpr = False):
+                   NEXT_EARLY: tl.constexpr = False, ASM: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0):
     """Program (b, kv_head, split): every query head of the KV-head group over one contiguous share of b's context.
 
     The context [0, context_lens[b]) is cut into num_splits ranges of equal length, a multiple of BLOCK_SIZE
@@ -157,7 +157,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     does (the same bits, where both are compiled alike: not so with ROTATE, which turns off multiply-add
     contraction), and puts the count back to 0 for the next launch.
     ROTATE: the query heads at q_ptr and this step's keys at k_new_ptr are not yet normalised (NORM: Qwen3's head
-    norms, q_norm_ptr / k_norm_ptr) nor rotated (cos/sin at the new token's position, context - 1). Every
+    norms, q_norm_ptr / k_norm_ptr) nor rotated (cos/sin at the new token's position, context - 1; ROTARY_DIM:
+    tables that rotate only each head's first ROTARY_DIM dims, Qwen3-Next's partial rotation). Every
     program normalises and rotates its group's query heads itself; the one whose range holds the new token does
     the same to its KV head's key, stores it and v_new's row in the cache at slot_ptr[b] (negative: not
     stored), and attends to them last, from registers (_attend_one), so no launch for the cache write precedes
@@ -200,8 +201,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
         new_slot = tl.load(slot_ptr + b).to(tl.int64)
         new_pos = context - 1
         pos = tl.maximum(new_pos, 0).to(tl.int64)  # a padding row (context 0) reads position 0's table
-        cos = tl.load(cos_ptr + pos * stride_cos + dims).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_sin + dims).to(tl.float32)
+        cos, sin = rotary_tables(cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin, HEAD_DIM, ROTARY_DIM)
         holds_new = (new_pos >= lo) & (new_pos < hi)  # at most one program of (b, kv_head)
         cached_end = tl.where(holds_new, new_pos, hi)  # the new token is attended from registers, last
         if PRELOAD_KV:
@@ -210,12 +210,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
             first_k, first_v, first_pos, first_ok = load_kv_tile(k_base, v_base, table_row, stride_kcs, lo,
                                                                  cached_end, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
             enter(PDL, NEXT_EARLY)
-        q, q_rolled = normed_heads(q_rows, row_ok, q_norm_ptr, eps, HEAD_DIM, NORM)
+        q, q_rolled = normed_heads(q_rows, row_ok, q_norm_ptr, eps, HEAD_DIM, NORM, ROTARY_DIM)
         q = rotate_rows(q, q_rolled, cos, sin)
         q_tile, qk_tile = tile_operand(q, qk_scale, KV_FP8)
         one = tl.zeros([1], dtype=tl.int64)  # the new key as a one-row block; holds_new | (one < 0): its mask
         new_k, new_k_rolled = normed_heads(k_new_ptr + b * stride_knb + kv_head * stride_knh + one,
-                                           holds_new | (one < 0), k_norm_ptr, eps, HEAD_DIM, NORM)
+                                           holds_new | (one < 0), k_norm_ptr, eps, HEAD_DIM, NORM, ROTARY_DIM)
         # The new key and value as the cache holds them (an FP8 cache: quantized), stored and attended so.
         new_k = cache_values(rotate_rows(new_k, new_k_rolled, cos, sin), k_scale, k_cache_ptr, KV_FP8)
         new_v = cache_values(tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + one[:, None] + dims[None, :],
@@ -292,8 +292,9 @@ class NewTokens:
     keys and values: [B, num_kv_heads, head_dim] (strided views allowed, unit last-dim stride), the keys (like the
     query) not yet normalised nor rotated, at position context_lens[b] - 1 (decode's invariant); slots [B]
     (int32/int64; a negative slot is not stored); cos and signed_sin: the tables of
-    shardserve.layers.rotary.RotaryEmbedding; head_norm: (query weight, key weight, eps) for Qwen3's per-head
-    norms, or None.
+    shardserve.layers.rotary.RotaryEmbedding, head_dim wide or narrower (an even width: only each head's first
+    dims are rotated, as RotaryLookup.apply rotates them); head_norm: (query weight, key weight, eps) for Qwen3's
+    per-head norms, or None.
     """
 
     keys: torch.Tensor
@@ -312,12 +313,18 @@ class NewTokens:
                                  f"{(batch, num_kv_heads, head_dim)} {q.dtype} with unit last-dim stride")
         for name in ("cos", "signed_sin"):
             t = getattr(self, name)
-            if t.shape[-1] != head_dim or t.stride(-1) != 1 or t.dtype != q.dtype:
-                raise ValueError(f"rotary table {name}: {tuple(t.shape)} {t.dtype}; needs rows of {head_dim} "
-                                 f"{q.dtype} with unit stride")
+            width = t.shape[-1]
+            if not 0 < width <= head_dim or width % 2 or t.stride(-1) != 1 or t.dtype != q.dtype:
+                raise ValueError(f"rotary table {name}: {tuple(t.shape)} {t.dtype}; needs rows of an even width "
+                                 f"up to {head_dim}, {q.dtype} with unit stride")
         if self.head_norm is not None:
             for weight in self.head_norm[:2]:
                 check_norm_args(q, weight)
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """The kernel's ROTARY_DIM: the tables' width where they rotate part of a head, else 0."""
+        width = self.cos.shape[-1]
+        return width if width < head_dim else 0
 
     def kernel_args(self) -> tuple:
         q_weight, k_weight, eps = self.head_norm if self.head_norm is not None else (self.keys, self.keys, 0.0)
@@ -376,6 +383,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                   # (512 sequences) ran 7.6% slower on an H200.
                   PRELOAD_KV=rotate and num_splits > 1,
                   NORM=rotate and new_tokens.head_norm is not None, KV_FP8=kv_fp8, ASM=kv_fp8 and q.is_cuda,
+                  ROTARY_DIM=new_tokens.rotary_dim(head_dim) if rotate else 0,
                   **config, **_launch(q.device, next_early))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                      block_tables.stride(0))
