@@ -41,6 +41,14 @@ class TritonMetadata:
     rows_share_sequences: bool = False
 
 
+def _head_norm_args(layer) -> tuple | None:
+    """(query weight, key weight, eps) of the layer's head norms (Qwen3's), as the fused kernels take them."""
+    if layer.head_norm is None:
+        return None
+    q_norm, k_norm = layer.head_norm
+    return q_norm.weight, k_norm.weight, q_norm.eps
+
+
 def block_table_array(tables: list[list[int]], width: int | None = None) -> np.ndarray:
     width = width or max((len(t) for t in tables), default=1) or 1
     out = np.zeros((len(tables), width), dtype=np.int32)
@@ -94,27 +102,17 @@ class TritonPagedBackend:
         """qk: [tokens, heads + kv_heads, dim] before the head norm and the rotation; v: [tokens, kv_heads, dim].
         Returns [tokens, heads * dim]. One kernel normalises (layer.head_norm) and rotates q and k and writes k
         and v to the cache; in a decode-only step that is the decode attention launch itself (rotary_mode)."""
+        if self._decodes_in_one_launch(rotary, meta):
+            return self._decode_in_one_launch(layer, qk[:, :layer.num_heads], qk[:, layer.num_heads:], v, rotary,
+                                              cache, meta)
         k_cache, v_cache = cache
         scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)  # an FP8 cache's (attention/kv_quant.py)
-        head_norm = None
-        if layer.head_norm is not None:
-            q_norm, k_norm = layer.head_norm
-            head_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
-        # The fused forms rotate whole heads; a partial rotation (Qwen3-Next: the first quarter of each head)
-        # goes through rotary.apply, which rotates those dims only, and a separate cache store.
-        fused = rotary.positions is not None and rotary.cos.shape[-1] == qk.shape[-1]
-        if fused and meta.prefill_query_start is None and not meta.rows_share_sequences and rotary_mode() == "fused":
-            # Decode only: the attention launch rotates and stores the new keys itself.
-            q = qk[:, :layer.num_heads]
-            new = NewTokens(qk[:, layer.num_heads:], v, meta.slot_mapping, rotary.cos, rotary.signed_sin, head_norm)
-            out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                         layer.scale, self.block_size, meta.num_splits,
-                                         arrivals=meta.decode_arrivals, new_tokens=new,
-                                         next_early=layer.launches_next_early, **scales)
-            return out.view(q.shape[0], -1)
-        if fused:
+        # The rotary kernel that also stores the cache rotates whole heads; a partial rotation (Qwen3-Next: the
+        # first quarter of each head) goes through rotary.apply, which rotates those dims only, and a separate
+        # cache store (a decode-only step's launch rotates either).
+        if rotary.positions is not None and rotary.cos.shape[-1] == qk.shape[-1]:
             apply_rotary_and_store_(qk, layer.num_heads, v, rotary.positions, rotary.cos, rotary.signed_sin,
-                                    k_cache, v_cache, meta.slot_mapping, head_norm, **scales)
+                                    k_cache, v_cache, meta.slot_mapping, _head_norm_args(layer), **scales)
         else:
             if layer.head_norm is not None:
                 qk = layer.normed_heads(qk)
@@ -131,6 +129,31 @@ class TritonPagedBackend:
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
                                     meta.prefill_context_lens, meta.max_query_len, layer.scale, self.block_size,
                                     out=out[nd:], **scales)
+        return out.view(q.shape[0], -1)
+
+    def forward_apart(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary,
+                      cache: tuple[torch.Tensor, torch.Tensor], meta: TritonMetadata) -> torch.Tensor | None:
+        """forward with the query heads q [tokens, heads, dim] and the key heads k [tokens, kv_heads, dim] apart
+        (strided views, as a gated attention's q projection interleaves query and gate rows): a decode-only step
+        reads them where they are, in its one launch; None for other steps (the caller stacks them)."""
+        if not self._decodes_in_one_launch(rotary, meta):
+            return None
+        return self._decode_in_one_launch(layer, q, k, v, rotary, cache, meta)
+
+    @staticmethod
+    def _decodes_in_one_launch(rotary, meta: TritonMetadata) -> bool:
+        """Whether the step is decode only and its launch normalises and rotates the heads (whole or the tables'
+        first dims) and stores the new keys itself (rotary_mode "fused")."""
+        return (rotary.positions is not None and meta.prefill_query_start is None and not meta.rows_share_sequences
+                and rotary_mode() == "fused")
+
+    def _decode_in_one_launch(self, layer, q, k, v, rotary, cache, meta: TritonMetadata) -> torch.Tensor:
+        k_cache, v_cache = cache
+        new = NewTokens(k, v, meta.slot_mapping, rotary.cos, rotary.signed_sin, _head_norm_args(layer))
+        out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                     layer.scale, self.block_size, meta.num_splits, arrivals=meta.decode_arrivals,
+                                     new_tokens=new, next_early=layer.launches_next_early, k_scale=layer.k_scale,
+                                     v_scale=layer.v_scale)
         return out.view(q.shape[0], -1)
 
     # -- static buffers for CUDA graphs ----------------------------------------------------------

@@ -52,6 +52,19 @@ class PagedAttention(nn.Module):
             qk = self.normed_heads(qk)
         return meta.backend.forward(self, qk, v, rotary, cache, meta)
 
+    def forward_apart(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary,
+                      cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
+        """forward with the query heads q [tokens, heads, dim] and the key heads k [tokens, kv_heads, dim] in
+        tensors of their own (strided views allowed: a gated attention's q projection interleaves query and gate
+        rows). A backend that takes them apart (the Triton backend's one-launch decode, which normalises the heads
+        itself) reads them where they are; otherwise they are stacked into forward's qk first."""
+        take_apart = getattr(meta.backend, "forward_apart", None)
+        if take_apart is not None and meta.backend.fuses_head_norm:
+            out = take_apart(self, q, k, v, rotary, cache, meta)
+            if out is not None:
+                return out
+        return self.forward(torch.cat((q, k), dim=1), v, rotary, cache, meta)
+
     def set_kv_scale(self, kind: str, value: float) -> None:
         """kind "k", "v" or "kv" (one scale for both, as older FP8 checkpoints store it)."""
         if "k" in kind:

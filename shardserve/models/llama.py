@@ -65,19 +65,18 @@ class LlamaAttention(nn.Module):
         residual and applied `next_norm` itself (RowParallelLinear.forward_add), the output is that norm's."""
         tokens = x.shape[0]
         qkv, residual = self.qkv_proj.forward_normed(x, residual, norm, reduce)
-        gate = None
-        if self.gated:
+        # The attention backend normalises the heads where the block has head norms (Qwen3), rotates query and
+        # key heads together and stores keys and values in the cache.
+        if self.gated:  # each query head's rows are followed by its gate's: the query heads are a strided view
             q_gate, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, gate = q_gate.view(tokens, -1, 2, self.head_dim).unbind(2)
-            qk = torch.cat((q, k.view(tokens, -1, self.head_dim)), dim=1)
+            out = self.attn.forward_apart(q, k.view(tokens, -1, self.head_dim), v.view(tokens, -1, self.head_dim),
+                                          rotary, cache, meta)
+            out = sigmoid_gated(out, gate)
         else:
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(tokens, -1, self.head_dim)  # query heads, then key heads
-        # The attention backend normalises the heads where the block has head norms (Qwen3), rotates query and
-        # key heads together and stores keys and values in the cache.
-        out = self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)
-        if gate is not None:
-            out = sigmoid_gated(out, gate)
+            out = self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)
         return self.o_proj.forward_add(out, residual, next_norm)
 
 
