@@ -132,13 +132,15 @@ class TritonPagedBackend:
         return out.view(q.shape[0], -1)
 
     def forward_apart(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary,
-                      cache: tuple[torch.Tensor, torch.Tensor], meta: TritonMetadata) -> torch.Tensor | None:
+                      cache: tuple[torch.Tensor, torch.Tensor], meta: TritonMetadata,
+                      gate: torch.Tensor | None = None) -> torch.Tensor | None:
         """forward with the query heads q [tokens, heads, dim] and the key heads k [tokens, kv_heads, dim] apart
-        (strided views, as a gated attention's q projection interleaves query and gate rows): a decode-only step
-        reads them where they are, in its one launch; None for other steps (the caller stacks them)."""
+        (strided views, as a gated attention's q projection interleaves query and gate rows), the output times
+        sigmoid(gate) where a gate is given: a decode-only step reads them where they are and gates its output,
+        in its one launch; None for other steps (the caller stacks them and gates)."""
         if not self._decodes_in_one_launch(rotary, meta):
             return None
-        return self._decode_in_one_launch(layer, q, k, v, rotary, cache, meta)
+        return self._decode_in_one_launch(layer, q, k, v, rotary, cache, meta, gate)
 
     @staticmethod
     def _decodes_in_one_launch(rotary, meta: TritonMetadata) -> bool:
@@ -147,13 +149,14 @@ class TritonPagedBackend:
         return (rotary.positions is not None and meta.prefill_query_start is None and not meta.rows_share_sequences
                 and rotary_mode() == "fused")
 
-    def _decode_in_one_launch(self, layer, q, k, v, rotary, cache, meta: TritonMetadata) -> torch.Tensor:
+    def _decode_in_one_launch(self, layer, q, k, v, rotary, cache, meta: TritonMetadata,
+                              gate: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = cache
         new = NewTokens(k, v, meta.slot_mapping, rotary.cos, rotary.signed_sin, _head_norm_args(layer))
         out = paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                      layer.scale, self.block_size, meta.num_splits, arrivals=meta.decode_arrivals,
                                      new_tokens=new, next_early=layer.launches_next_early, k_scale=layer.k_scale,
-                                     v_scale=layer.v_scale)
+                                     v_scale=layer.v_scale, gate=gate)
         return out.view(q.shape[0], -1)
 
     # -- static buffers for CUDA graphs ----------------------------------------------------------

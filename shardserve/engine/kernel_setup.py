@@ -304,7 +304,8 @@ def check_attention(backend, attn, rotary, dtype: torch.dtype, device: torch.dev
     """The backend on a small paged batch (prefill, chunked prefill beside decode, decode) against float64
     attention, with the model's own head layout, head norms (attn: a PagedAttention) and rotary tables. The
     batch goes through attn's own forward, as the model's does, so whatever the backend fuses is checked, and
-    through forward_apart (the query heads a strided tensor of their own, as gated attention passes them).
+    through forward_apart (the query heads a strided tensor of their own and an output gate, as gated attention
+    passes them).
 
     kv_dtype: the cache's (default: dtype). The reference reads keys and values as that cache holds them (an FP8
     cache: rounded to e4m3 with attn's scales, attention/kv_quant.py), under the FP8 cache's own tolerance."""
@@ -340,12 +341,14 @@ def check_attention(backend, attn, rotary, dtype: torch.dtype, device: torch.dev
             lookup = rotary.lookup(positions.to(device))
             out = attn(qk.to(device, copy=True), v.to(device), lookup, (k_cache, v_cache), meta)
             worst = max(worst, relative_error(out, expected))
-            # Again with the query heads apart, strided as a gated attention's q projection leaves them (the same
-            # keys and values stored at the same slots again).
-            q_gate = torch.stack((qk[:, :heads], torch.zeros_like(qk[:, :heads])), dim=2).to(device)
+            # Again with the query heads apart and an output gate, strided as a gated attention's q projection
+            # leaves them (the same keys and values stored at the same slots again).
+            gate = torch.randn(n, heads, dim, generator=generator).to(dtype)
+            q_gate = torch.stack((qk[:, :heads], gate), dim=2).to(device)
             out = attn.forward_apart(q_gate[:, :, 0], qk[:, heads:].to(device, copy=True), v.to(device), lookup,
-                                     (k_cache, v_cache), meta)
-            worst = max(worst, relative_error(out, expected))
+                                     (k_cache, v_cache), meta, q_gate[:, :, 1])
+            gated = expected * torch.sigmoid(gate.double()).reshape(n, heads * dim)
+            worst = max(worst, relative_error(out, gated))
         return CheckResult(name, worst, tolerance)
     except Exception as e:  # noqa: BLE001 - a backend that cannot run this batch fails its check
         return CheckResult(name, math.inf, tolerance, f"{type(e).__name__}: {e}")

@@ -53,17 +53,20 @@ class PagedAttention(nn.Module):
         return meta.backend.forward(self, qk, v, rotary, cache, meta)
 
     def forward_apart(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary,
-                      cache: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
+                      cache: tuple[torch.Tensor, torch.Tensor], meta, gate: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """forward with the query heads q [tokens, heads, dim] and the key heads k [tokens, kv_heads, dim] in
         tensors of their own (strided views allowed: a gated attention's q projection interleaves query and gate
-        rows). A backend that takes them apart (the Triton backend's one-launch decode, which normalises the heads
-        itself) reads them where they are; otherwise they are stacked into forward's qk first."""
+        rows), and the output times sigmoid(gate) [tokens, heads, dim] where a gate is given (sigmoid_gated). A
+        backend that takes them apart (the Triton backend's one-launch decode, which normalises the heads and
+        gates the output itself) reads them where they are; otherwise they are stacked into forward's qk first."""
         take_apart = getattr(meta.backend, "forward_apart", None)
         if take_apart is not None and meta.backend.fuses_head_norm:
-            out = take_apart(self, q, k, v, rotary, cache, meta)
+            out = take_apart(self, q, k, v, rotary, cache, meta, gate)
             if out is not None:
                 return out
-        return self.forward(torch.cat((q, k), dim=1), v, rotary, cache, meta)
+        out = self.forward(torch.cat((q, k), dim=1), v, rotary, cache, meta)
+        return out if gate is None else sigmoid_gated(out, gate)
 
     def set_kv_scale(self, kind: str, value: float) -> None:
         """kind "k", "v" or "kv" (one scale for both, as older FP8 checkpoints store it)."""
@@ -81,6 +84,15 @@ class PagedAttention(nn.Module):
 
             return qk_rms_norm_(qk, self.num_heads, q_norm.weight, k_norm.weight, q_norm.eps)  # one launch
         return torch.cat((q_norm(qk[:, :self.num_heads]), k_norm(qk[:, self.num_heads:])), dim=1)
+
+
+def sigmoid_gated(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """out [tokens, heads * D] times sigmoid(gate [tokens, heads, D]): in place in one launch on GPUs."""
+    if use_triton(out) and out.is_contiguous():
+        from shardserve.kernels.triton.fused_ops import sigmoid_gate_
+
+        return sigmoid_gate_(out, gate)
+    return out * torch.sigmoid(gate.reshape(out.shape))
 
 
 def kv_scales_summary(model: nn.Module) -> str:

@@ -25,7 +25,6 @@ from torch import nn
 from shardserve.config import ModelConfig, PipelineStage
 from shardserve.distributed.communicator import NORMED
 from shardserve.distributed.communicator import Communicator
-from shardserve.kernels.availability import use_triton
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -71,22 +70,12 @@ class LlamaAttention(nn.Module):
             q_gate, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, gate = q_gate.view(tokens, -1, 2, self.head_dim).unbind(2)
             out = self.attn.forward_apart(q, k.view(tokens, -1, self.head_dim), v.view(tokens, -1, self.head_dim),
-                                          rotary, cache, meta)
-            out = sigmoid_gated(out, gate)
+                                          rotary, cache, meta, gate)
         else:
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = qk.view(tokens, -1, self.head_dim)  # query heads, then key heads
             out = self.attn(qk, v.view(tokens, -1, self.head_dim), rotary, cache, meta)
         return self.o_proj.forward_add(out, residual, next_norm)
-
-
-def sigmoid_gated(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """out [tokens, heads * D] times sigmoid(gate [tokens, heads, D]): in place in one launch on GPUs."""
-    if use_triton(out) and out.is_contiguous():
-        from shardserve.kernels.triton.fused_ops import sigmoid_gate_
-
-        return sigmoid_gate_(out, gate)
-    return out * torch.sigmoid(gate.reshape(out.shape))
 
 
 class LlamaMLP(SwiGLUMLP):

@@ -344,6 +344,29 @@ def test_decode_that_rotates_part_of_each_head_equals_the_separate_launches(spli
     assert _shared_counts_are_zero()
 
 
+@pytest.mark.parametrize("splits", [1, 3, 20])
+def test_decode_that_gates_its_output_equals_decode_then_the_sigmoid_gate(splits, set_env):
+    """Gated attention's output gate in the decode launch: the output times sigmoid(gate), the gate strided as
+    the q projection leaves it, the bits of decode then sigmoid_gate_; with one split, with splits joined in the
+    launch, and with the second kernel joining them (20 splits)."""
+    dtype = torch.float32
+    lengths, num_heads, num_kv_heads, head_dim, block_size = [0, 5, 40], 4, 2, 16, 8
+    cache = PagedCache(lengths, num_kv_heads, head_dim, block_size, dtype, seed=30 + splits)
+    q_gate = torch.randn(len(lengths), num_heads, 2, head_dim, generator=cache.generator).to(DEVICE)
+    q, gate = q_gate[:, :, 0], q_gate[:, :, 1]
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    plain = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, block_size, splits)
+    want = fused_ops.sigmoid_gate_(plain.reshape(len(lengths), -1).clone(), gate)
+    got = pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, block_size, splits,
+                                    gate=gate)
+    assert torch.equal(got.reshape(len(lengths), -1), want)
+    assert not torch.equal(got, plain)
+    with pytest.raises(ValueError, match=r"gate: \(3, 4, 8\) torch.float32; needs \(3, 4, 16\)"):
+        pd.paged_decode_attention(q, cache.k, cache.v, cache.block_tables, lens, 0.25, block_size, splits,
+                                  gate=gate[..., :8])
+    assert _shared_counts_are_zero()
+
+
 def test_decode_rejects_new_tokens_that_do_not_fit_the_batch():
     cache = PagedCache([20], 2, 16, 8, torch.float32, seed=12)
     q = torch.randn(1, 4, 16, generator=cache.generator).to(DEVICE)

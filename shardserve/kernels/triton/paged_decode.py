@@ -96,12 +96,26 @@ def rotary_mode() -> str:
 
 
 @triton.jit
+def _store_heads(out_ptrs, out, mask, gate_ptrs, GATE: tl.constexpr):
+    """Store float32 head rows `out` in the output's dtype; with GATE times sigmoid(gate) rounded as
+    layers.attention.sigmoid_gated rounds it (the output rounded, the sigmoid in float32 rounded, then their
+    product: fused_ops' sigmoid gate kernel's bits)."""
+    dtype = out_ptrs.dtype.element_ty
+    out = out.to(dtype)
+    if GATE:
+        g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.div_rn(1.0, 1.0 + tl.exp(-g)).to(dtype)
+        out = (out.to(tl.float32) * s.to(tl.float32)).to(dtype)
+    tl.store(out_ptrs, out, mask=mask)
+
+
+@triton.jit
 def _combine_splits(partial_ptr, lse_ptr, out_ptr, b, first_head, heads, num_splits,
                     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                    HEADS_P: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    LOAD_CACHE: tl.constexpr):
+                    gate_ptr, stride_gb, stride_gh, HEADS_P: tl.constexpr, SPLITS_P: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, LOAD_CACHE: tl.constexpr, GATE: tl.constexpr = False):
     """out[b, h] = sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max lse) for the `heads` heads from
-    first_head; 0 where every split is empty.
+    first_head; 0 where every split is empty; with GATE times sigmoid(gate[b, h]) (_store_heads).
 
     Each element is summed in split order, one split after another, so the bits do not depend on how the
     compiler lays the tile out over threads: any number of heads per program gives the same result. Every split
@@ -129,8 +143,8 @@ def _combine_splits(partial_ptr, lse_ptr, out_ptr, b, first_head, heads, num_spl
         total += w
         acc += part * w[:, None]
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    _store_heads(out_ptr + b * stride_ob + head[:, None] * stride_oh + dims[None, :], out, row_ok[:, None],
+                 gate_ptr + b * stride_gb + head[:, None] * stride_gh + dims[None, :], GATE)
 
 
 @triton.jit
@@ -138,14 +152,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
                    qk_scale, k_scale, v_scale, num_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
-                   final_ptr, arrivals_ptr, stride_fb, stride_fh,
+                   final_ptr, arrivals_ptr, stride_fb, stride_fh, gate_ptr, stride_gb, stride_gh,
                    k_new_ptr, v_new_ptr, slot_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps,
                    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos, stride_sin,
                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, GROUP_C: tl.constexpr,
                    SPLITS_P: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
                    PRELOAD_KV: tl.constexpr, PDL: tl.constexpr, KV_FP8: tl.constexpr = False,
-                   NEXT_EARLY: tl.constexpr = False, ASM: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0):
+                   NEXT_EARLY: tl.constexpr = False, ASM: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0,
+                   GATE: tl.constexpr = False):
     """Program (b, kv_head, split): every query head of the KV-head group over one contiguous share of b's context.
 
     The context [0, context_lens[b]) is cut into num_splits ranges of equal length, a multiple of BLOCK_SIZE
@@ -169,6 +184,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     is read before the wait: the step's inputs (context lengths, slots, block tables), the rotary tables and the
     first tile of cached keys and values (the tile a split of a short context is made of). NEXT_EARLY: the next
     kernel (the combine, the o projection) launches at this one's start (pdl.launch_next).
+    GATE: the final output is multiplied by sigmoid(gate[b, head]) as it is stored (gated attention, _store_heads).
     KV_FP8: the caches hold e4m3 (k_scale is in qk_scale; the output is multiplied by v_scale); with 16-bit q the
     tiles are multiplied in float16 (paged_attention.tile_operand), with ASM (a GPU) converted by
     paged_attention._fp8_to_f16.
@@ -252,25 +268,26 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
             if last_to_arrive(arrivals_ptr, slot, num_splits):
                 _combine_splits(out_ptr, lse_ptr, final_ptr, b, kv_head * GROUP, GROUP, num_splits,
                                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
-                                GROUP_C, SPLITS_P, HEAD_DIM, ".cg")
+                                gate_ptr, stride_gb, stride_gh, GROUP_C, SPLITS_P, HEAD_DIM, ".cg", GATE)
                 leave(arrivals_ptr, slot)
     else:
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        _store_heads(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :], out, row_ok[:, None],
+                     gate_ptr + b * stride_gb + heads[:, None] * stride_gh + dims[None, :], GATE)
 
 
 @triton.jit
 def _combine_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
                            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                           SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
-                           NEXT_EARLY: tl.constexpr = False):
-    """Program (b, head): out[b, head] from its splits (_combine_splits); NEXT_EARLY as in _decode_kernel."""
+                           gate_ptr, stride_gb, stride_gh, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False, GATE: tl.constexpr = False):
+    """Program (b, head): out[b, head] from its splits (_combine_splits); NEXT_EARLY and GATE as in
+    _decode_kernel."""
     if NEXT_EARLY:
         launch_next(PDL)
     enter(PDL, NEXT_EARLY)
     _combine_splits(partial_ptr, lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), 1, num_splits,
-                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, 1, SPLITS_P,
-                    HEAD_DIM, "")
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, gate_ptr,
+                    stride_gb, stride_gh, 1, SPLITS_P, HEAD_DIM, "", GATE)
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
@@ -337,7 +354,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
                            num_splits: int, out: torch.Tensor | None = None,
                            arrivals: torch.Tensor | None = None, new_tokens: NewTokens | None = None,
-                           next_early: bool = False, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           next_early: bool = False, k_scale: float = 1.0, v_scale: float = 1.0,
+                           gate: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context (flash-decoding).
 
     q: [B, num_heads, head_dim] (any strides, unit last-dim stride). Sequence b attends to positions
@@ -353,13 +371,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Graph-capturable; a graph keeps the address of the counts, so they must outlive it. `next_early`: the launch
     (and the combine's) lets the next kernel launch at its start (pdl.py's exception: it must read nothing of the
     chain before its wait). k_scale, v_scale: an FP8 cache's (stored * scale is read; the new token is stored
-    quantized and attended as stored).
+    quantized and attended as stored). gate: [B, num_heads, head_dim] in q's dtype (any strides, unit last-dim
+    stride): the output is multiplied by sigmoid(gate) as it is stored, with layers.attention.sigmoid_gated's
+    rounding (gated attention's output gate in the same launch).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     check_attention_args(q, k_cache, v_cache, block_size)
     if new_tokens is not None:
         new_tokens.check(q, k_cache)
+    if gate is not None and (gate.shape != q.shape or gate.stride(-1) != 1 or gate.dtype != q.dtype):
+        raise ValueError(f"gate: {tuple(gate.shape)} {gate.dtype}; needs {tuple(q.shape)} {q.dtype} with unit "
+                         "last-dim stride")
     mode = combine_mode()
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -383,17 +406,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                   # (512 sequences) ran 7.6% slower on an H200.
                   PRELOAD_KV=rotate and num_splits > 1,
                   NORM=rotate and new_tokens.head_norm is not None, KV_FP8=kv_fp8, ASM=kv_fp8 and q.is_cuda,
-                  ROTARY_DIM=new_tokens.rotary_dim(head_dim) if rotate else 0,
+                  ROTARY_DIM=new_tokens.rotary_dim(head_dim) if rotate else 0, GATE=gate is not None,
                   **config, **_launch(q.device, next_early))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                      block_tables.stride(0))
     rotation = new_tokens.kernel_args() if new_tokens is not None else (q,) * 7 + (0.0,) + (0,) * 6
+    gating = (q, 0, 0) if gate is None else (gate, gate.stride(0), gate.stride(1))
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:
         _decode_kernel[grid](q, k_cache, v_cache, out, out, block_tables, context_lens, scale * LOG2E * k_scale,
                              k_scale, v_scale, 1,
                              q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *cache_strides,
-                             out, out, 0, 0, *rotation, SPLIT=False, COMBINE=False, GROUP_C=1, SPLITS_P=1,
+                             out, out, 0, 0, *gating, *rotation, SPLIT=False, COMBINE=False, GROUP_C=1, SPLITS_P=1,
                              **common)
         return out
     partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -404,14 +428,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          k_scale, v_scale, num_splits,
                          q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
                          lse.stride(0), lse.stride(1), *cache_strides,
-                         out, lse if counts is None else counts, out.stride(0), out.stride(1), *rotation,
+                         out, lse if counts is None else counts, out.stride(0), out.stride(1), *gating, *rotation,
                          SPLIT=True, COMBINE=counts is not None, GROUP_C=triton.next_power_of_2(group),
                          SPLITS_P=1 if counts is None else splits_p, **common)
     if counts is None:
         _combine_splits_kernel[(batch, num_heads)](
             partial, lse, out, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
-            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            SPLITS_P=splits_p, HEAD_DIM=head_dim, num_warps=4 if head_dim <= 128 else 8,
+            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), *gating,
+            SPLITS_P=splits_p, HEAD_DIM=head_dim, GATE=gate is not None, num_warps=4 if head_dim <= 128 else 8,
             **_launch(q.device, next_early))
     return out
 
