@@ -161,8 +161,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                              SPLIT=True, **common)
     _combine_splits_kernel[(batch, num_heads)](partial, lse, out, grid[2], partial.stride(0), partial.stride(1),
                                                partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
-                                               out.stride(1), SPLITS_P=triton.next_power_of_2(grid[2]),
-                                               HEAD_DIM=latent_dim, PDL=False)
+                                               out.stride(1), out, 0, 0,  # no output gate
+                                               SPLITS_P=triton.next_power_of_2(grid[2]), HEAD_DIM=latent_dim,
+                                               PDL=False)
     return out
 
 
