@@ -825,15 +825,9 @@ def fp8_gemv_rmsnorm_pair(x: torch.Tensor, residual: torch.Tensor | None, norm_w
     """(first's product, second's product, x + residual) of RMSNorm(x + residual) in one launch: fp8_gemv_rmsnorm
     for two (weight, scale) pairs of one K and group (the kernel's PAIR), both in the given configuration; each
     product has the bits of its own launch in that configuration."""
-    products = []
-
-    def launch(x, norm):
-        products.append(_fp8_launch(x, *first, group_k, (block_n, block_k, num_warps, num_stages, f16_sums), norm,
-                                    second=second))
-        return None
-
-    _, summed = _normed_launch("fp8_gemv_rmsnorm_pair", x, residual, norm_weight, eps, first[0].shape[1], launch)
-    (out, out2), = products
+    (out, out2), summed = _normed_launch("fp8_gemv_rmsnorm_pair", x, residual, norm_weight, eps, first[0].shape[1],
+                                         lambda x, norm: _fp8_launch(x, *first, group_k, (
+                                             block_n, block_k, num_warps, num_stages, f16_sums), norm, second=second))
     return out, out2, summed
 
 

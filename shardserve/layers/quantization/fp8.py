@@ -33,13 +33,6 @@ FP8_F16_CANDIDATES = ((16, 1024, 4, 2, 1), (16, 512, 8, 2, 1), (16, 512, 4, 3, 1
 FP8_SUMS_ENV = envs.FP8_GEMV_SUMS.name
 
 
-def fp8_groups_of(packed) -> int:
-    """The scale groups a row of the packed FP8 layer has (1: a scale a row)."""
-    from shardserve.kernels.quant_layout import fp8_groups
-
-    return fp8_groups(packed.k, packed.group)
-
-
 def quantize_fp8(values: torch.Tensor, group: int, block_rows: int = 1, first_row: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """float [N, K] -> (float8_e4m3fn codes, float32 scales [N, K / group]): each row's group scaled so its
@@ -90,10 +83,11 @@ class Fp8Format(QuantFormat):
     def normed_pair_gemv(self, packed, layer, other, x, residual, norm_weight, eps):
         """Both products in layer's configuration (the kernel's PAIR); None where its float16 sums of groups need
         runs of rows sharing their scales that other's rows do not have."""
+        from shardserve.kernels.quant_layout import fp8_groups
         from shardserve.kernels.triton.quant_gemv import fp8_gemv_rmsnorm_pair
 
         config = packed.gemv_config
-        if len(config) > 4 and config[4] and fp8_groups_of(packed) > 1 and (
+        if len(config) > 4 and config[4] and fp8_groups(packed.k, packed.group) > 1 and (
                 other.packed.scale_rows(other) < config[0] or other.weight.shape[0] % config[0]):
             return None
         return fp8_gemv_rmsnorm_pair(x, residual, norm_weight, eps, (layer.weight, layer.weight_scale),
