@@ -65,3 +65,27 @@ def check_sequences_stepped_together(layer: nn.Module, ref: nn.Module, cfg, leng
                 torch.testing.assert_close(out[i:i + 1], expected[i][1 + step], atol=atol, rtol=0,
                                            msg=f"sequence {i}, decode step {step}")
     assert bool((pool[1][[1, 3, 5]] == 7.0).all()) and not pool[0][[1, 3, 5]].any()
+
+
+def check_decode_step_kernels_agree(layer: nn.Module, hidden: int, reference_kernels, kernels, slots_count: int,
+                                    device) -> None:
+    """The layer's decode step (query_start None) of two tokens of `hidden` features in pool slots 3 and 1, random
+    weights and random states, on `kernels` gives the output and states it gives on `reference_kernels` (the
+    torch ones)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    layer.to(device)
+    state = layer.zero_state(slots_count, device)
+    state = type(state)(*(torch.randn(t.shape, generator=g).to(t) for t in state))
+    x, slots = torch.randn(2, hidden, generator=g).to(device), torch.tensor([3, 1], device=device)
+    results = []
+    for chosen in (reference_kernels, kernels):
+        layer.kernels = chosen
+        pool = type(state)(*(t.clone() for t in state))
+        with torch.no_grad():
+            results.append((layer(x, pool, slots, None), *pool))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+

@@ -228,22 +228,9 @@ def test_a_layer_decodes_through_the_one_kernel_as_through_torch():
     """GatedDeltaNet.forward's decode step (query_start None) on the fused kernels gives the torch kernels' output
     and states: z read in place from the input projection's output, the layer's norm weight and eps."""
     from shardserve.distributed.communicator import Communicator
-    from shardserve.layers.gated_deltanet import DeltaNetDims, DeltaNetState, GatedDeltaNet
+    from shardserve.layers.gated_deltanet import DeltaNetDims, GatedDeltaNet
+    from tests.helpers.state_mixers import check_decode_step_kernels_agree
 
     layer = GatedDeltaNet(DeltaNetDims(32, 2, 4, 16, 24, 4, 1e-6), Communicator(None, 0, 1), torch.float32)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    layer.to(DEVICE)
-    state = layer.zero_state(SLOTS, DEVICE)
-    state = DeltaNetState(*(torch.randn(t.shape, generator=g).to(t) for t in state))
-    x, slots = torch.randn(2, 32, generator=g).to(DEVICE), torch.tensor([3, 1], device=DEVICE)
-    results = []
-    for kernels in (TorchDeltaNetKernels(), TritonFusedDecodeDeltaNetKernels()):
-        layer.kernels = kernels
-        pool = DeltaNetState(*(t.clone() for t in state))
-        with torch.no_grad():
-            results.append((layer(x, pool, slots, None), *pool))
-    for got, expected in zip(*results):
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    check_decode_step_kernels_agree(layer, 32, TorchDeltaNetKernels(), TritonFusedDecodeDeltaNetKernels(), SLOTS,
+                                    DEVICE)

@@ -230,26 +230,12 @@ def test_a_layer_decodes_through_the_one_kernel_as_through_torch():
     """Mamba2Mixer.forward's decode step (query_start None) on the fused kernels gives the torch kernels' output and
     states: z read in place from the input projection's output, the layer's norm weight, group size and eps."""
     from shardserve.distributed.communicator import Communicator
-    from shardserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaState
+    from shardserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer
     from shardserve.layers.mamba2_kernels import TritonFusedDecodeMamba2Kernels
+    from tests.helpers.state_mixers import check_decode_step_kernels_agree
 
     layer = Mamba2Mixer(Mamba2Dims(32, 4, 8, 8, 2, 4, 16, 1e-5), Communicator(None, 0, 1), torch.float32)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    layer.to(DEVICE)
-    state = layer.zero_state(SLOTS, DEVICE)
-    state = MambaState(*(torch.randn(t.shape, generator=g).to(t) for t in state))
-    x, slots = torch.randn(2, 32, generator=g).to(DEVICE), torch.tensor([3, 1], device=DEVICE)
-    results = []
-    for kernels in (TorchMamba2Kernels(), TritonFusedDecodeMamba2Kernels()):
-        layer.kernels = kernels
-        pool = MambaState(*(t.clone() for t in state))
-        with torch.no_grad():
-            results.append((layer(x, pool, slots, None), *pool))
-    for got, expected in zip(*results):
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    check_decode_step_kernels_agree(layer, 32, TorchMamba2Kernels(), TritonFusedDecodeMamba2Kernels(), SLOTS, DEVICE)
 
 
 @pytest.mark.gpu
