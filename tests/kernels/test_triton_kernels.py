@@ -8,6 +8,7 @@ so bfloat16 results are checked on CUDA only; float16 stands in for the 16-bit p
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -230,27 +231,50 @@ ROTATED_DECODE_CASES = [
 ]
 
 
+def _new_token_inputs(lengths, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, dtype,
+                      norm: bool, seed: int, block_size: int = 8):
+    """A paged cache of `lengths`, random q/k/v heads [B, heads + 2 * kv_heads, head_dim] of one new token each at
+    position length - 1, rotary tables rotary_dim wide, head norms or None, the new tokens' slots and the context
+    lengths; k_cache and v_cache are copies of the cache for the launch under test."""
+    cache = PagedCache(lengths, num_kv_heads, head_dim, block_size, dtype, seed=seed)
+    g = cache.generator
+    rope = RotaryEmbedding(rotary_dim, 128, 10000.0, None, dtype)
+    qkv = (2 * torch.randn(len(lengths), num_heads + 2 * num_kv_heads, head_dim, generator=g)).to(dtype).to(DEVICE)
+    head_norm = None
+    if norm:
+        head_norm = tuple((1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2))
+        head_norm += (1e-6,)
+    return SimpleNamespace(
+        cache=cache, cos=rope.cos.to(DEVICE), sin=rope.signed_sin.to(DEVICE), qkv=qkv, head_norm=head_norm,
+        positions=torch.tensor([max(n - 1, 0) for n in lengths], device=DEVICE),
+        slots=slots_of_last_positions(cache, lengths),
+        context_lens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE), scale=head_dim ** -0.5,
+        k_cache=cache.k.clone(), v_cache=cache.v.clone())
+
+
+def _assert_as_separate_launches(got, expected, inputs, norm: bool, dtype) -> None:
+    """The one launch's output equals the separate launches' to rounding (the new token is attended last, from
+    registers: its products are summed in another order than a tile's) and its cache their cache."""
+    close = {"atol": 2e-6, "rtol": 2e-6} if dtype == torch.float32 else {"atol": 1e-3, "rtol": 8e-3}  # 1-2 units
+    torch.testing.assert_close(got, expected, **close)
+    if norm and CUDA:  # the head norm's sum of squares runs in the tile's order: a last-bit flip may differ
+        torch.testing.assert_close(inputs.k_cache, inputs.cache.k)
+    else:
+        assert torch.equal(inputs.k_cache, inputs.cache.k)
+    assert torch.equal(inputs.v_cache, inputs.cache.v)
+
+
 @pytest.mark.parametrize("lengths,num_heads,num_kv_heads,splits,norm,dtype", ROTATED_DECODE_CASES)
 def test_decode_that_rotates_and_stores_its_new_token_equals_the_rotary_kernel_then_decode(
         lengths, num_heads, num_kv_heads, splits, norm, dtype):
     """With NewTokens the decode launch normalises and rotates q and the new keys and writes the keys and values
     to the cache itself: the same cache as the rotary + cache-write kernel then decode, the same output to
     rounding, and attention over the whole context (the new token included) as the float64 reference."""
-    block_size, head_dim, eps = 8, 16, 1e-6
-    cache = PagedCache(lengths, num_kv_heads, head_dim, block_size, dtype, seed=sum(lengths) + splits)
-    g = cache.generator
-    rope = RotaryEmbedding(head_dim, 128, 10000.0, None, dtype)
-    cos, sin = rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE)
-    qkv = (2 * torch.randn(len(lengths), num_heads + 2 * num_kv_heads, head_dim, generator=g)).to(dtype).to(DEVICE)
-    head_norm = None
-    if norm:
-        head_norm = tuple((1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2))
-        head_norm += (eps,)
-    positions = torch.tensor([max(n - 1, 0) for n in lengths], device=DEVICE)
-    slots = slots_of_last_positions(cache, lengths)
-    context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    scale = head_dim ** -0.5
-    k_cache, v_cache = cache.k.clone(), cache.v.clone()
+    block_size, head_dim = 8, 16
+    inputs = _new_token_inputs(lengths, num_heads, num_kv_heads, head_dim, head_dim, dtype, norm, sum(lengths) + splits)
+    cache, cos, sin, qkv, head_norm = inputs.cache, inputs.cos, inputs.sin, inputs.qkv, inputs.head_norm
+    positions, slots, context_lens, scale = inputs.positions, inputs.slots, inputs.context_lens, inputs.scale
+    k_cache, v_cache = inputs.k_cache, inputs.v_cache
     before = qkv.clone()
 
     expected_qkv = qkv.clone()
@@ -265,18 +289,11 @@ def test_decode_that_rotates_and_stores_its_new_token_equals_the_rotary_kernel_t
     got = pd.paged_decode_attention(qkv[:, :num_heads], k_cache, v_cache, cache.block_tables, context_lens, scale,
                                     block_size, splits, new_tokens=new)
 
-    # The new token is attended last, from registers: its products are summed in another order than a tile's.
-    close = {"atol": 2e-6, "rtol": 2e-6} if dtype == torch.float32 else {"atol": 1e-3, "rtol": 8e-3}  # 1-2 units
-    torch.testing.assert_close(got, expected, **close)
+    _assert_as_separate_launches(got, expected, inputs, norm, dtype)
     for s, n in enumerate(lengths):
         k, v = cache.context(s, n)
         assert_attention_close(got[s:s + 1], reference_attention(expected_qkv[s:s + 1, :num_heads], k, v,
                                                                  positions[s:s + 1], scale), dtype)
-    if norm and CUDA:  # the head norm's sum of squares runs in the tile's order: a last-bit flip may differ
-        torch.testing.assert_close(k_cache, cache.k)
-    else:
-        assert torch.equal(k_cache, cache.k)
-    assert torch.equal(v_cache, cache.v)
     assert torch.equal(qkv, before)  # the heads are rotated in registers, not in place
     for row in (s for s, n in enumerate(lengths) if n == 0):
         assert torch.equal(got[row], torch.zeros_like(got[row]))  # a padding row: zeros, nothing stored
@@ -294,43 +311,25 @@ def test_decode_that_rotates_part_of_each_head_equals_the_separate_launches(spli
     those dims of q and the new keys and leaves the others as they are, giving the cache the bits of the head
     norm, the rotary kernel on the rotated dims and the cache store as separate launches, and their output to
     rounding; a launch that rotated whole heads would store other keys."""
-    block_size, head_dim, rotary_dim, num_heads, num_kv_heads, eps = 8, 32, 8, 4, 2, 1e-6
-    lengths = [0, 1, 9, 26]
-    cache = PagedCache(lengths, num_kv_heads, head_dim, block_size, dtype, seed=7 + splits)
-    g = cache.generator
-    rope = RotaryEmbedding(rotary_dim, 128, 10000.0, None, dtype)
-    cos, sin = rope.cos.to(DEVICE), rope.signed_sin.to(DEVICE)
-    qkv = (2 * torch.randn(len(lengths), num_heads + 2 * num_kv_heads, head_dim, generator=g)).to(dtype).to(DEVICE)
-    head_norm = None
-    if norm:
-        head_norm = tuple((1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2))
-        head_norm += (eps,)
-    positions = torch.tensor([max(n - 1, 0) for n in lengths], device=DEVICE)
-    slots = slots_of_last_positions(cache, lengths)
-    context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    scale = head_dim ** -0.5
-    k_cache, v_cache = cache.k.clone(), cache.v.clone()
+    block_size, head_dim, rotary_dim, num_heads, num_kv_heads = 8, 32, 8, 4, 2
+    inputs = _new_token_inputs([0, 1, 9, 26], num_heads, num_kv_heads, head_dim, rotary_dim, dtype, norm, 7 + splits)
+    cache, cos, sin, qkv, head_norm = inputs.cache, inputs.cos, inputs.sin, inputs.qkv, inputs.head_norm
+    slots, context_lens, scale = inputs.slots, inputs.context_lens, inputs.scale
 
     qk = qkv[:, :num_heads + num_kv_heads].clone()
     if norm:
         fused_ops.qk_rms_norm_(qk, num_heads, *head_norm)
-    fused_ops.apply_rotary_(qk[..., :rotary_dim], positions, cos, sin)
+    fused_ops.apply_rotary_(qk[..., :rotary_dim], inputs.positions, cos, sin)
     pa.store_kv_cache(qk[:, num_heads:], qkv[:, num_heads + num_kv_heads:], cache.k, cache.v, slots)
     expected = pd.paged_decode_attention(qk[:, :num_heads], cache.k, cache.v, cache.block_tables, context_lens,
                                          scale, block_size, splits)
 
     new = pd.NewTokens(qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:], slots, cos,
                        sin, head_norm)
-    got = pd.paged_decode_attention(qkv[:, :num_heads], k_cache, v_cache, cache.block_tables, context_lens, scale,
-                                    block_size, splits, new_tokens=new)
+    got = pd.paged_decode_attention(qkv[:, :num_heads], inputs.k_cache, inputs.v_cache, cache.block_tables,
+                                    context_lens, scale, block_size, splits, new_tokens=new)
 
-    close = {"atol": 2e-6, "rtol": 2e-6} if dtype == torch.float32 else {"atol": 1e-3, "rtol": 8e-3}
-    torch.testing.assert_close(got, expected, **close)
-    if norm and CUDA:  # the head norm's sum of squares runs in the tile's order: a last-bit flip may differ
-        torch.testing.assert_close(k_cache, cache.k)
-    else:
-        assert torch.equal(k_cache, cache.k)
-    assert torch.equal(v_cache, cache.v)
+    _assert_as_separate_launches(got, expected, inputs, norm, dtype)
     stored = slots[slots >= 0]
     unrotated = cache.k.view(-1, num_kv_heads, head_dim)[stored, :, rotary_dim:]
     assert not torch.equal(unrotated, torch.zeros_like(unrotated))  # the dims past the rotation were stored too
@@ -345,7 +344,7 @@ def test_decode_that_rotates_part_of_each_head_equals_the_separate_launches(spli
 
 
 @pytest.mark.parametrize("splits", [1, 3, 20])
-def test_decode_that_gates_its_output_equals_decode_then_the_sigmoid_gate(splits, set_env):
+def test_decode_that_gates_its_output_equals_decode_then_the_sigmoid_gate(splits):
     """Gated attention's output gate in the decode launch: the output times sigmoid(gate), the gate strided as
     the q projection leaves it, the bits of decode then sigmoid_gate_; with one split, with splits joined in the
     launch, and with the second kernel joining them (20 splits)."""
