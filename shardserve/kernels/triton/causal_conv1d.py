@@ -18,25 +18,45 @@ _CONV_BLOCK = 256  # channels a program covers
 
 
 @triton.jit
+def state_window(state_row, c, inside, live, KERNEL: tl.constexpr, TAPS: tl.constexpr):
+    """The part of channels c's convolution window the state holds, float32 [len(c), TAPS]: taps oldest first,
+    0 .. KERNEL - 2 from the state at state_row ([channels, KERNEL - 1]; zeros where not `live` or not `inside`),
+    zeros from tap KERNEL - 1 on (with_input puts the token's input there)."""
+    taps = tl.arange(0, TAPS)
+    from_state = (inside & live)[:, None] & (taps[None, :] < KERNEL - 1)
+    return tl.load(state_row + c[:, None] * (KERNEL - 1) + taps[None, :], mask=from_state, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def with_input(window, x_row, c, inside, KERNEL: tl.constexpr, TAPS: tl.constexpr):
+    """state_window's window with this token's input of channels c, from x_row, as tap KERNEL - 1."""
+    taps = tl.arange(0, TAPS)
+    x = tl.load(x_row + c, mask=inside, other=0.0)
+    return tl.where(taps[None, :] == KERNEL - 1, x.to(tl.float32)[:, None], window)
+
+
+@triton.jit
 def load_window(x_row, state_row, c, inside, live, KERNEL: tl.constexpr, TAPS: tl.constexpr):
     """The convolution window of channels c (masked by `inside`) for this token, float32 [len(c), TAPS]: taps oldest
     first, 0 .. KERNEL - 2 from the state at state_row ([channels, KERNEL - 1]; zeros where not `live`), tap
     KERNEL - 1 this token's input from x_row."""
-    taps = tl.arange(0, TAPS)
-    from_state = (inside & live)[:, None] & (taps[None, :] < KERNEL - 1)
-    window = tl.load(state_row + c[:, None] * (KERNEL - 1) + taps[None, :], mask=from_state, other=0.0)
-    x = tl.load(x_row + c, mask=inside, other=0.0)
-    return tl.where(taps[None, :] == KERNEL - 1, x.to(tl.float32)[:, None], window.to(tl.float32))
+    return with_input(state_window(state_row, c, inside, live, KERNEL, TAPS), x_row, c, inside, KERNEL, TAPS)
 
 
 @triton.jit
-def convolve(window, weight_ptr, c, inside, KERNEL: tl.constexpr, TAPS: tl.constexpr):
-    """The convolution of channels c over their window (load_window), summed in float32; weight [channels, KERNEL]
-    contiguous."""
+def tap_weights(weight_ptr, c, inside, KERNEL: tl.constexpr, TAPS: tl.constexpr):
+    """Channels c's convolution weights as loaded, [len(c), TAPS] (zeros past KERNEL taps); weight [channels,
+    KERNEL] contiguous."""
     taps = tl.arange(0, TAPS)
-    w = tl.load(weight_ptr + c[:, None] * KERNEL + taps[None, :], mask=inside[:, None] & (taps[None, :] < KERNEL),
-                other=0.0)
-    return tl.sum(window * w.to(tl.float32), axis=1)
+    return tl.load(weight_ptr + c[:, None] * KERNEL + taps[None, :], mask=inside[:, None] & (taps[None, :] < KERNEL),
+                   other=0.0)
+
+
+@triton.jit
+def convolve(window, weights):
+    """The convolution of channels over their window (load_window) and tap weights (tap_weights), summed in
+    float32."""
+    return tl.sum(window * weights.to(tl.float32), axis=1)
 
 
 @triton.jit
@@ -59,12 +79,31 @@ def shift_in(state_row, c, window, ok, KERNEL: tl.constexpr, TAPS: tl.constexpr)
 def window_and_output(x_row, weight_ptr, bias_ptr, state_row, c, inside, live, KERNEL: tl.constexpr,
                       TAPS: tl.constexpr, HAS_BIAS: tl.constexpr = False):
     """Channels c's window (load_window) and their output as the convolution step stores it: silu(conv + bias),
-    rounded to x's dtype (rounded_silu)."""
-    window = load_window(x_row, state_row, c, inside, live, KERNEL, TAPS)
-    y = convolve(window, weight_ptr, c, inside, KERNEL, TAPS)
+    rounded to x's dtype (rounded_silu), held in float32."""
+    loaded = loaded_channels(state_row, weight_ptr, bias_ptr, c, inside, live, KERNEL, TAPS, HAS_BIAS)
+    return channels_step(x_row, loaded, c, inside, KERNEL, TAPS)
+
+
+@triton.jit
+def loaded_channels(state_row, weight_ptr, bias_ptr, c, inside, live, KERNEL: tl.constexpr, TAPS: tl.constexpr,
+                    HAS_BIAS: tl.constexpr = False):
+    """What channels c's step needs besides this token's input: their window from the state (state_window), their
+    tap weights and their bias (float32 zeros without one). The one-kernel decode steps load them before their
+    dependent-launch wait."""
+    bias = tl.zeros(c.shape, dtype=tl.float32)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + c, mask=inside, other=0.0).to(tl.float32)
-    return window, rounded_silu(y, x_row.dtype.element_ty)
+        bias = tl.load(bias_ptr + c, mask=inside, other=0.0).to(tl.float32)
+    return (state_window(state_row, c, inside, live, KERNEL, TAPS), tap_weights(weight_ptr, c, inside, KERNEL, TAPS),
+            bias)
+
+
+@triton.jit
+def channels_step(x_row, loaded, c, inside, KERNEL: tl.constexpr, TAPS: tl.constexpr):
+    """Channels c's window with this token's input (from x_row) and their output silu(conv + bias) rounded to x's
+    dtype (rounded_silu), held in float32, from loaded_channels' loads."""
+    window, weights, bias = loaded
+    window = with_input(window, x_row, c, inside, KERNEL, TAPS)
+    return window, rounded_silu(convolve(window, weights) + bias, x_row.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit

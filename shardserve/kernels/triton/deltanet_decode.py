@@ -31,7 +31,9 @@ Qwen3-Next) is the only work done after the slowest program of a key head.
 
 A row whose slot is negative (a CUDA graph's padding row) reads and writes no state; it counts and leaves its
 counts at 0 like any row; its outputs are meaningless and never read. Launched with dependent launch
-(kernels/triton/pdl.py): it waits before reading anything, the counts included.
+(kernels/triton/pdl.py): a program loads its slot, its state cells, its convolution windows and the layer's
+weights before the wait, which pdl.py's rule allows (only this layer's step writes its pools, in an earlier step;
+the step's slots are copied in before its first kernel), and the projections' outputs and the counts after it.
 """
 
 from __future__ import annotations
@@ -42,17 +44,10 @@ import triton.language as tl
 
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
-from shardserve.kernels.triton.causal_conv1d import shift_in, window_and_output
-from shardserve.kernels.triton.gated_delta_rule import VALUE_BLOCK, step_columns
+from shardserve.kernels.triton.causal_conv1d import channels_step, loaded_channels, shift_in
+from shardserve.kernels.triton.gated_delta_rule import VALUE_BLOCK, gate_inputs, step_columns
 from shardserve.kernels.triton.gated_rms_norm import norm_then_gate
 from shardserve.kernels.triton.pdl import enter
-
-
-@triton.jit
-def _conv_channels(x_row, weight_ptr, state_row, c, inside, live, KERNEL: tl.constexpr, TAPS: tl.constexpr):
-    """Channels c's window and their output as the convolution step stores it (window_and_output), in float32."""
-    window, y = window_and_output(x_row, weight_ptr, weight_ptr, state_row, c, inside, live, KERNEL, TAPS)
-    return window, y.to(tl.float32)
 
 
 @triton.jit
@@ -75,28 +70,37 @@ def _step_norm_kernel(qkv_ptr, ba_ptr, z_ptr, conv_weight_ptr, a_log_ptr, dt_bia
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_POW2: tl.constexpr,
                       DV_POW2: tl.constexpr, BV: tl.constexpr, KERNEL: tl.constexpr, TAPS: tl.constexpr,
                       PDL: tl.constexpr):
-    enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP
-    slot = tl.load(slots_ptr + row)
-    live = slot >= 0
     keys = tl.arange(0, DK_POW2)
     cols = tl.program_id(2) * BV + tl.arange(0, BV)
     key_in, col_in = keys < DK, cols < DV
-    x_row = qkv_ptr + row * stride_qkv
-    conv_row = conv_pool_ptr + slot.to(tl.int64) * stride_conv_slot
     q_channels = key_head * DK + keys
     k_channels = q_channels + key_heads * DK
     v_channels = 2 * key_heads * DK + head * DV + cols
-    q_window, q = _conv_channels(x_row, conv_weight_ptr, conv_row, q_channels, key_in, live, KERNEL, TAPS)
-    k_window, k = _conv_channels(x_row, conv_weight_ptr, conv_row, k_channels, key_in, live, KERNEL, TAPS)
-    v_window, v = _conv_channels(x_row, conv_weight_ptr, conv_row, v_channels, col_in, live, KERNEL, TAPS)
-    shift_in(conv_row, v_channels, v_window, col_in & live, KERNEL, TAPS)  # no other program reads these
+    # Before the wait (pdl.py's rule): the slot (copied in before the step's first kernel), the states (only this
+    # layer's step writes them, in an earlier step) and the weights.
+    slot = tl.load(slots_ptr + row)
+    live = slot >= 0
+    conv_row = conv_pool_ptr + slot.to(tl.int64) * stride_conv_slot
+    q_loaded = loaded_channels(conv_row, conv_weight_ptr, None, q_channels, key_in, live, KERNEL, TAPS)
+    k_loaded = loaded_channels(conv_row, conv_weight_ptr, None, k_channels, key_in, live, KERNEL, TAPS)
+    v_loaded = loaded_channels(conv_row, conv_weight_ptr, None, v_channels, col_in, live, KERNEL, TAPS)
     cells = (rec_pool_ptr + slot.to(tl.int64) * stride_rec_slot + head * DK * DV + keys[:, None] * DV
              + cols[None, :])
-    o = step_columns(q, k, v, ba_ptr + row * stride_ba, a_log_ptr, dt_bias_ptr, head, value_heads, cells,
-                     key_in[:, None] & col_in[None, :] & live, scale)
+    cell = key_in[:, None] & col_in[None, :] & live
+    s = tl.load(cells, mask=cell, other=0.0)
+    a_log, dt_bias = tl.load(a_log_ptr + head), tl.load(dt_bias_ptr + head)
+    enter(PDL)
+    x_row = qkv_ptr + row * stride_qkv
+    q_window, q = channels_step(x_row, q_loaded, q_channels, key_in, KERNEL, TAPS)
+    k_window, k = channels_step(x_row, k_loaded, k_channels, key_in, KERNEL, TAPS)
+    v_window, v = channels_step(x_row, v_loaded, v_channels, col_in, KERNEL, TAPS)
+    shift_in(conv_row, v_channels, v_window, col_in & live, KERNEL, TAPS)  # no other program reads these
+    b, a = gate_inputs(ba_ptr + row * stride_ba, head, value_heads)
+    s, o = step_columns(q, k, v, b, a, a_log, dt_bias, s, scale)
+    tl.store(cells, s, mask=cell)
     group_out = out_ptr + (row * value_heads + key_head * GROUP) * DV
     tl.store(out_ptr + (row * value_heads + head) * DV + cols, o.to(out_ptr.dtype.element_ty), mask=col_in)
     count = row * key_heads + key_head

@@ -28,22 +28,25 @@ VALUE_BLOCK = 32  # value columns of one head a program of the delta rule owns (
 
 
 @triton.jit
-def step_columns(q, k, v, ba_row, a_log_ptr, dt_bias_ptr, head, value_heads, state_at, cell, scale):
-    """The delta rule of value head `head` on the state columns one program owns: q, k float32 [DK_POW2] of its
-    key head (zeros past key_dim), not yet normalised; v float32 [BV] of its columns; ba_row the row's [b | a];
-    state_at [DK_POW2, BV] the float32 state cells (read and written where `cell`), stepped in place. Returns o
-    float32 [BV]."""
+def step_columns(q, k, v, b, a, a_log, dt_bias, s, scale):
+    """The delta rule of one value head on the state columns one program owns: q, k float32 [DK_POW2] of its key
+    head (zeros past key_dim), not yet normalised; v float32 [BV] of its columns; b, a the row's gate inputs of
+    this head and a_log, dt_bias its parameters, float32; s [DK_POW2, BV] the float32 state cells as loaded (zeros
+    outside the state). Returns the stepped cells and o float32 [BV]; the caller stores the cells."""
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    b = tl.load(ba_row + head).to(tl.float32)
-    a = tl.load(ba_row + value_heads + head).to(tl.float32) + tl.load(dt_bias_ptr + head)
-    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head)) * softplus(a))
+    decay = tl.exp(-tl.exp(a_log) * softplus(a + dt_bias))
     beta = tl.sigmoid(b)
-    s = tl.load(state_at, mask=cell, other=0.0) * decay  # [DK, BV]
+    s = s * decay
     write = (v - tl.sum(s * k[:, None], axis=0)) * beta
     s = s + k[:, None] * write[None, :]
-    tl.store(state_at, s, mask=cell)
-    return tl.sum(s * q[:, None], axis=0)
+    return s, tl.sum(s * q[:, None], axis=0)
+
+
+@triton.jit
+def gate_inputs(ba_row, head, value_heads):
+    """step_columns' b and a of value head `head`, float32, from the row's [b | a]."""
+    return tl.load(ba_row + head).to(tl.float32), tl.load(ba_row + value_heads + head).to(tl.float32)
 
 
 @triton.jit
@@ -63,8 +66,11 @@ def _rule_step_kernel(mixed_ptr, ba_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot
     k = tl.load(base + key_heads * DK + key_head * DK + keys, mask=key_in, other=0.0).to(tl.float32)
     v = tl.load(base + 2 * key_heads * DK + head * DV + cols, mask=col_in, other=0.0).to(tl.float32)
     at = state_ptr + slot.to(tl.int64) * stride_slot + head * DK * DV + keys[:, None] * DV + cols[None, :]
-    o = step_columns(q, k, v, ba_ptr + row * stride_ba, a_log_ptr, dt_bias_ptr, head, value_heads, at,
-                     key_in[:, None] & col_in[None, :] & (slot >= 0), scale)
+    cell = key_in[:, None] & col_in[None, :] & (slot >= 0)
+    b, a = gate_inputs(ba_ptr + row * stride_ba, head, value_heads)
+    s, o = step_columns(q, k, v, b, a, tl.load(a_log_ptr + head), tl.load(dt_bias_ptr + head),
+                        tl.load(at, mask=cell, other=0.0), scale)
+    tl.store(at, s, mask=cell)
     tl.store(o_ptr + (row * value_heads + head) * DV + cols, o, mask=col_in)
 
 

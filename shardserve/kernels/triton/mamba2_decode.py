@@ -26,9 +26,9 @@ after the slowest program of a group.
 
 A row whose slot is negative (a CUDA graph's padding row) reads and writes no state; it counts and leaves its counts
 at 0 like any row; its outputs are meaningless and never read. Launched with dependent launch (kernels/triton/
-pdl.py): a program loads its slot and its state cells before the wait, which pdl.py's rule allows (only this
-layer's step writes its pools, in an earlier step; the step's slots are copied in before its first kernel), and
-everything else after it.
+pdl.py): a program loads its slot, its state cells, its convolution windows and their weights before the wait,
+which pdl.py's rule allows (only this layer's step writes its pools, in an earlier step; the step's slots are copied
+in before its first kernel), and everything else after it.
 """
 
 from __future__ import annotations
@@ -39,19 +39,11 @@ import triton.language as tl
 
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
-from shardserve.kernels.triton.causal_conv1d import shift_in, window_and_output
+from shardserve.kernels.triton.causal_conv1d import channels_step, loaded_channels, shift_in
 from shardserve.kernels.triton.mamba2_step import ROW_BLOCK, program_cells, step_rows
 from shardserve.kernels.triton.pdl import enter
 
 _NORM_BLOCK = 1024  # features of a group the norm's tail holds at once
-
-
-@triton.jit
-def _conv_channels(x_row, weight_ptr, bias_ptr, state_row, c, inside, live, KERNEL: tl.constexpr,
-                   TAPS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Channels c's window and their output as the convolution step stores it (window_and_output), in float32."""
-    window, y = window_and_output(x_row, weight_ptr, bias_ptr, state_row, c, inside, live, KERNEL, TAPS, HAS_BIAS)
-    return window, y.to(tl.float32)
 
 
 @triton.jit
@@ -87,21 +79,26 @@ def _step_norm_kernel(xbc_ptr, dt_ptr, z_ptr, conv_weight_ptr, conv_bias_ptr, a_
     row, head, p, n, p_in, n_in, slot, cells, cell = program_cells(ssm_pool_ptr, slots_ptr, stride_ssm_slot, P, N,
                                                                    N_POW2, BP)
     live = slot >= 0
-    s = tl.load(cells, mask=cell, other=0.0).to(tl.float32)  # before the wait: only this layer's steps write it
-    enter(PDL)
     group_heads = heads // groups
     group = head // group_heads
-    x_row = xbc_ptr + row * stride_xbc
     conv_row = conv_pool_ptr + slot.to(tl.int64) * stride_conv_slot
     x_channels = head * P + p
     b_channels = heads * P + group * N + n
     c_channels = b_channels + groups * N
-    x_window, x = _conv_channels(x_row, conv_weight_ptr, conv_bias_ptr, conv_row, x_channels, p_in, live, KERNEL,
-                                 TAPS, HAS_BIAS)
-    b_window, b = _conv_channels(x_row, conv_weight_ptr, conv_bias_ptr, conv_row, b_channels, n_in, live, KERNEL,
-                                 TAPS, HAS_BIAS)
-    c_window, c = _conv_channels(x_row, conv_weight_ptr, conv_bias_ptr, conv_row, c_channels, n_in, live, KERNEL,
-                                 TAPS, HAS_BIAS)
+    # Before the wait (pdl.py's rule): the state cells and the convolution's windows (only this layer's steps write
+    # them, in an earlier step) and the weights.
+    s = tl.load(cells, mask=cell, other=0.0).to(tl.float32)
+    x_loaded = loaded_channels(conv_row, conv_weight_ptr, conv_bias_ptr, x_channels, p_in, live, KERNEL, TAPS,
+                               HAS_BIAS)
+    b_loaded = loaded_channels(conv_row, conv_weight_ptr, conv_bias_ptr, b_channels, n_in, live, KERNEL, TAPS,
+                               HAS_BIAS)
+    c_loaded = loaded_channels(conv_row, conv_weight_ptr, conv_bias_ptr, c_channels, n_in, live, KERNEL, TAPS,
+                               HAS_BIAS)
+    enter(PDL)
+    x_row = xbc_ptr + row * stride_xbc
+    x_window, x = channels_step(x_row, x_loaded, x_channels, p_in, KERNEL, TAPS)
+    b_window, b = channels_step(x_row, b_loaded, b_channels, n_in, KERNEL, TAPS)
+    c_window, c = channels_step(x_row, c_loaded, c_channels, n_in, KERNEL, TAPS)
     shift_in(conv_row, x_channels, x_window, p_in & live, KERNEL, TAPS)  # no other program reads these
     s, y = step_rows(s, x, b, c, dt_ptr + row * stride_dt, a_log_ptr, d_ptr, dt_bias_ptr, head, dt_low, dt_high)
     tl.store(cells, s.to(ssm_pool_ptr.dtype.element_ty), mask=cell)
