@@ -2,7 +2,7 @@
 the one kernel that does all three (kernels/triton/deltanet_decode.py), at Qwen3-Next-80B-A3B's head sizes on one
 rank (16 key heads, 32 value heads of 128 x 128, a four-tap convolution, bfloat16).
 
-    python benchmarks/deltanet_decode.py [--rows 1,4] [--layers 36] [--repeats 15]
+    python benchmarks/deltanet_decode.py [--rows 1,4] [--layers 36] [--repeats 15] [--shapes 16:2,32:4]
 
 Each form runs as a CUDA graph of `layers` decode steps, each layer with its own weights and state pools (2 MB of
 float32 states a row and layer: 72 MB over 36 layers, more than the L2 holds, so the states stream from memory as
@@ -10,12 +10,13 @@ in the model), replayed 20 times per repeat. Prints one JSON line: per batch siz
 form (the median over repeats), the time saved, the bandwidth the one kernel's state traffic reaches, and the
 largest difference between the two forms' outputs relative to the output's largest value (one eager step from the
 same states). The one kernel launches with dependent launch where the GPU has it (kernels/triton/pdl.py); the
-three do not.
+three do not. --shapes also times the one kernel at other launch shapes (value columns a program owns:warps).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -85,6 +86,7 @@ def main() -> None:
     p.add_argument("--value-heads", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--shapes", default="", help="other launch shapes of the one kernel, block:warps comma-separated")
     args = p.parse_args()
     from shardserve.kernels.triton import pdl
 
@@ -101,6 +103,10 @@ def main() -> None:
         state_bytes = sum(layers[0][name].numel() * layers[0][name].element_size() * 2  # read and written
                           for name in ("conv_pool", "rec_pool"))
         row["one_kernel_state_TBps"] = state_bytes / (row["one_kernel_us"] * 1e-6) / 1e12
+        for shape in filter(None, args.shapes.split(",")):
+            block, warps = map(int, shape.split(":"))
+            step = functools.partial(fused, value_block=block, num_warps=warps)
+            row[f"one_kernel_{block}x{warps}_us"] = us_per_layer(step, layers, args.repeats)
         results[f"rows_{rows}"] = row
     print(json.dumps(results))
 

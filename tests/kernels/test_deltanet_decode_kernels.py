@@ -7,6 +7,8 @@ On a machine without CUDA the kernels run in Triton's interpreter on CPU tensors
 
 from __future__ import annotations
 
+import functools
+
 import os
 
 import torch
@@ -191,6 +193,19 @@ def test_the_one_kernel_decode_step_equals_the_three_kernels_and_torch(dtype, si
     for buffer, name in ((fused[1], "conv_buffer"), (fused[2], "rec_buffer")):
         kept = [0, 1, 2, 4, 6]  # the guard and slots 0, 1, 3, 5 (buffer index = slot + 1)
         assert torch.equal(buffer[kept], layer[name][kept]), "a slot no row owns was written"
+    assert arrivals_left_at_zero()
+
+
+@pytest.mark.parametrize("value_block, num_warps", [(8, 2), (16, 8)])
+def test_the_one_kernel_at_other_launch_shapes_equals_the_three_kernels(value_block, num_warps):
+    """Narrower column blocks (more programs to count in before a key head's norm, a masked last block at 20
+    columns) and other warps: the same steps as the three kernels."""
+    layer, g = _layer(2, 4, 16, 20, 4, torch.float32, seed=value_block)
+    slots = [1, -1, 3]
+    steps = [_rows(layer, len(slots), g) for _ in range(2)]
+    fused = _decode(functools.partial(_fused, value_block=value_block, num_warps=num_warps), layer, steps, slots)
+    _assert_same_steps(fused, _decode(TritonDecodeDeltaNetKernels.step_and_norm_in_pool, layer, steps, slots),
+                       [0, 2], torch.float32)
     assert arrivals_left_at_zero()
 
 

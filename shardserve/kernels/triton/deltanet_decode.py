@@ -51,11 +51,11 @@ from shardserve.kernels.triton.pdl import enter
 
 
 @triton.jit
-def _norm_heads(out_at, z_at, weight_ptr, eps, GROUP: tl.constexpr, DV: tl.constexpr, DV_POW2: tl.constexpr):
-    """Overwrites the GROUP heads' o at out_at (the model's dtype, stored by other programs) with the gated norm."""
+def _norm_heads(out_at, z_at, w, eps, GROUP: tl.constexpr, DV: tl.constexpr, DV_POW2: tl.constexpr):
+    """Overwrites the GROUP heads' o at out_at (the model's dtype, stored by other programs) with the gated norm of
+    weight w (float32 [DV_POW2], zeros past DV)."""
     cols = tl.arange(0, DV_POW2)
     inside = cols < DV
-    w = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     for i in tl.static_range(GROUP):
         o = tl.load(out_at + i * DV + cols, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
         z = tl.load(z_at + i * DV + cols, mask=inside, other=0.0).to(tl.float32)
@@ -92,6 +92,8 @@ def _step_norm_kernel(qkv_ptr, ba_ptr, z_ptr, conv_weight_ptr, a_log_ptr, dt_bia
     cell = key_in[:, None] & col_in[None, :] & live
     s = tl.load(cells, mask=cell, other=0.0)
     a_log, dt_bias = tl.load(a_log_ptr + head), tl.load(dt_bias_ptr + head)
+    norm_cols = tl.arange(0, DV_POW2)
+    norm_weight = tl.load(norm_weight_ptr + norm_cols, mask=norm_cols < DV, other=0.0).to(tl.float32)
     enter(PDL)
     x_row = qkv_ptr + row * stride_qkv
     q_window, q = channels_step(x_row, q_loaded, q_channels, key_in, KERNEL, TAPS)
@@ -108,7 +110,7 @@ def _step_norm_kernel(qkv_ptr, ba_ptr, z_ptr, conv_weight_ptr, a_log_ptr, dt_bia
         # Every program of this key head has read the q and k window: it may move now.
         shift_in(conv_row, q_channels, q_window, key_in & live, KERNEL, TAPS)
         shift_in(conv_row, k_channels, k_window, key_in & live, KERNEL, TAPS)
-        _norm_heads(group_out, z_ptr + row * stride_z + key_head * GROUP * DV, norm_weight_ptr, eps, GROUP, DV,
+        _norm_heads(group_out, z_ptr + row * stride_z + key_head * GROUP * DV, norm_weight, eps, GROUP, DV,
                     DV_POW2)
         leave(counts_ptr, count)
 
@@ -116,14 +118,17 @@ def _step_norm_kernel(qkv_ptr, ba_ptr, z_ptr, conv_weight_ptr, a_log_ptr, dt_bia
 def step_and_norm_in_pool(qkv: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, conv_weight: torch.Tensor,
                           a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                           scale: float, key_heads: int, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
-                          slots: torch.Tensor) -> torch.Tensor | None:
+                          slots: torch.Tensor, value_block: int = VALUE_BLOCK, num_warps: int = 4
+                          ) -> torch.Tensor | None:
     """One token of each of B sequences from the input projections' outputs to the gated norm's: qkv [B, channels]
     ([q | k | v] before the convolution), ba [B, 2 * value_heads] ([b | a]), z [B, value_heads * dv] (rows may be
     strided, features unit-strided); conv_weight [channels, K] contiguous; a_log, dt_bias float32 [value_heads];
     norm_weight [dv] in the model's dtype; conv_pool [slots, channels, K - 1] and rec_pool float32 [slots,
     value_heads, dk, dv], each slot contiguous (written in place); slots int64 [B], distinct. Returns [B,
     value_heads * dv] in norm_weight's dtype, or None where the device's arrival counts are too few for B x
-    key_heads or not made yet inside a CUDA graph capture (the caller then takes the three kernels)."""
+    key_heads or not made yet inside a CUDA graph capture (the caller then takes the three kernels). value_block,
+    num_warps: the launch's shape, value columns a program owns and its warps (the model runs the defaults;
+    benchmarks/deltanet_decode.py --shapes times others)."""
     rows = qkv.shape[0]
     value_heads, dk, dv = rec_pool.shape[1:]
     out = torch.empty(rows, value_heads * dv, dtype=norm_weight.dtype, device=qkv.device)
@@ -135,12 +140,12 @@ def step_and_norm_in_pool(qkv: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, 
     if qkv.stride(1) != 1 or z.stride(1) != 1:
         raise ValueError("step_and_norm_in_pool needs qkv's and z's features unit-strided")
     kernel = conv_weight.shape[1]
-    block = min(VALUE_BLOCK, triton.next_power_of_2(dv))
+    block = min(value_block, triton.next_power_of_2(dv))
     grid = (rows, value_heads, triton.cdiv(dv, block))
     _step_norm_kernel[grid](qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, conv_pool, rec_pool, slots, counts,
                             out, scale, eps, qkv.stride(0), ba.stride(0), z.stride(0), conv_pool.stride(0),
                             rec_pool.stride(0), key_heads, value_heads, GROUP=value_heads // key_heads, DK=dk, DV=dv,
                             DK_POW2=triton.next_power_of_2(dk), DV_POW2=triton.next_power_of_2(dv), BV=block,
-                            KERNEL=kernel, TAPS=triton.next_power_of_2(kernel), num_warps=4,
+                            KERNEL=kernel, TAPS=triton.next_power_of_2(kernel), num_warps=num_warps,
                             **pdl.launch(qkv.device))
     return out
