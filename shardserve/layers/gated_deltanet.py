@@ -121,30 +121,19 @@ class GatedDeltaNet(StateMixer):
             torch.zeros(*lead, self.channels, d.conv_kernel - 1, dtype=self.dtype, device=device),
             torch.zeros(*lead, self.value_heads, d.key_dim, d.value_dim, dtype=torch.float32, device=device))
 
-    def project_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, ...] | None:
-        """(in_proj_qkvz's product, in_proj_ba's, x + residual) of norm(x + residual) for one token in one launch,
-        where both projections are packed alike and start-up chose the norm inside in_proj_qkvz's GEMV
-        (PackedWeights.normed_pair); None otherwise (the caller runs the norm, and forward both products)."""
-        if self.in_proj_qkvz.packed is None:
-            return None
-        return self.in_proj_qkvz.packed.normed_pair(self.in_proj_qkvz, self.in_proj_ba, x, residual, norm.weight,
-                                                    norm.eps)
-
-    def forward(self, x: torch.Tensor | None, pool: DeltaNetState, slots: torch.Tensor,
-                query_start: Sequence[int] | None, projections: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pool: DeltaNetState, slots: torch.Tensor,
+                query_start: Sequence[int] | None) -> torch.Tensor:
         """A step over several sequences whose states live in `pool` (leading dim: slots), stepped in place.
 
         Sequence i has tokens x[query_start[i]:query_start[i + 1]] (any number >= 1: a prompt chunk or one decode
         token) and its state in pool slot slots[i]; query_start None: one token each (a decode step, which takes
         only tensors, so it runs inside CUDA graphs). Invariant: slots of one step are distinct; a new
-        sequence's slot is zeroed before its first step. `projections`: in_proj_qkvz's and in_proj_ba's products
-        already made (project_normed), in place of x's.
+        sequence's slot is zeroed before its first step.
         """
+        kernels = self._kernels(x.device)
         d, hv = self.dims, self.value_heads
-        qkvz, ba = projections if projections is not None else (self.in_proj_qkvz(x), self.in_proj_ba(x))
-        kernels = self._kernels(qkvz.device)
-        qkv, z = qkvz.split([self.channels, hv * d.value_dim], dim=-1)
+        qkv, z = self.in_proj_qkvz(x).split([self.channels, hv * d.value_dim], dim=-1)
+        ba = self.in_proj_ba(x)
         weight = self.conv1d.weight.squeeze(1)
         layer = dict(conv_weight=weight, a_log=self.A_log, dt_bias=self.dt_bias, scale=self.scale,
                      key_heads=self.key_heads, conv_pool=pool.conv, rec_pool=pool.recurrent)

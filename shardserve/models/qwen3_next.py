@@ -44,18 +44,12 @@ class DeltaNetDecoderLayer(nn.Module):
                 next_norm: RMSNorm | None = None):
         """As LlamaDecoderLayer.forward; rotary and meta are the attention layers' and unused here."""
         x, residual, reduce = reduced_first(x, residual, self.input_layernorm, reduce)
-        pool, slots, query_start = cache
-        # A decode token's norm and both input projections in one launch where they can share it.
-        pair = None if reduce is NORMED else self.linear_attn.project_normed(x, residual, self.input_layernorm)
-        if pair is not None:
-            qkvz, ba, residual = pair
-            x = self.linear_attn(None, pool, slots, query_start, (qkvz, ba))  # out_proj has all-reduced it
+        if reduce is NORMED:
+            h = x
         else:
-            if reduce is NORMED:
-                h = x
-            else:
-                h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-            x = self.linear_attn(h, pool, slots, query_start)
+            h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        pool, slots, query_start = cache
+        x = self.linear_attn(h, pool, slots, query_start)  # out_proj has all-reduced it
         if isinstance(self.mlp, SparseMoE):
             x, residual = self.mlp(x, residual, self.post_attention_layernorm, None)
             return x, residual, self.mlp.pending

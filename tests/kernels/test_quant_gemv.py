@@ -351,56 +351,6 @@ def test_interpreter_fp8_gemv_float16_sums_of_groups_whose_rows_share_scales(n, 
         quant_gemv.fp8_gemv(x, weight[:n - 8], scale[:n - 8], 128, 16, 64, 4, 1, True)
 
 
-@needs_triton
-@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
-@pytest.mark.parametrize("config", [(16, 256, 4, 1, True), (8, 128, 4, 1, False)], ids=["float16", "float32"])
-def test_interpreter_fp8_pair_of_products_in_one_launch_equals_two_launches(config):
-    """Two FP8 weights of one input in one norm-fused launch (a DeltaNet layer's in_proj_qkvz and in_proj_ba): each
-    product and the residual sum are the bits of its own launch in the same configuration, the second weight's
-    rows ragged against block_n; a second weight of another K is refused with the shapes named."""
-    from shardserve.kernels.triton import quant_gemv
-
-    k = 384
-    first, second = block_scaled_fp8(48, k, 16, seed=3)[:2], block_scaled_fp8(32, k, 32, seed=4)[:2]
-    norm_args, _, _ = normed_input(k, torch.bfloat16, with_residual=True)
-    got, got2, got_sum = quant_gemv.fp8_gemv_rmsnorm_pair(*norm_args, first, second, 128, *config)
-    want, want_sum = quant_gemv.fp8_gemv_rmsnorm(*norm_args, *first, 128, *config)
-    want2, _ = quant_gemv.fp8_gemv_rmsnorm(*norm_args, *second, 128, *config)
-    assert torch.equal(got, want) and torch.equal(got2, want2) and torch.equal(got_sum, want_sum)
-    with pytest.raises(ValueError, match=r"one K \(384\) and one format, got \(32, 256\)"):
-        quant_gemv.fp8_gemv_rmsnorm_pair(*norm_args, first, (second[0][:, :256].contiguous(), second[1][:, :2].contiguous()), 128, *config)
-
-
-@needs_triton
-@pytest.mark.skipif(CUDA, reason="the interpreter's shapes")
-def test_two_packed_layers_of_one_input_take_one_norm_fused_launch_where_start_up_chose_the_norm_inside():
-    """A DeltaNet layer's in_proj_qkvz and in_proj_ba (block-scaled FP8) share one launch with the norm before
-    them (PackedWeights.normed_pair), in the first layer's chosen configuration: each product that configuration's
-    bits, the residual sum the norm's; refused (None) where start-up kept the norm apart, for another group, and
-    where the float16 sums of groups need more rows sharing their scales than the second layer has."""
-    from shardserve.kernels.triton import quant_gemv
-    from shardserve.layers.quantization.packed import PackedLayout
-
-    blocks = PackedLayout("fp8", 128, block_rows=128)
-    qkvz, ba = packed_layer(64, 256, blocks, torch.bfloat16, seed=1), packed_layer(16, 256, blocks, torch.bfloat16,
-                                                                                     seed=2)
-    norm_args, _, _ = normed_input(256, torch.bfloat16, with_residual=True)
-    x, residual, norm_weight, eps = norm_args
-    config = (16, 128, 4, 1, True)
-    qkvz.packed.gemv_config = config
-    assert qkvz.packed.normed_pair(qkvz, ba, x, residual, norm_weight, eps) is None  # the norm kept apart
-    qkvz.packed.norm_fused = True
-    got, got2, got_sum = qkvz.packed.normed_pair(qkvz, ba, x, residual, norm_weight, eps)
-    want, want_sum = quant_gemv.fp8_gemv_rmsnorm(*norm_args, qkvz.weight, qkvz.weight_scale, 128, *config)
-    want2, _ = quant_gemv.fp8_gemv_rmsnorm(*norm_args, ba.weight, ba.weight_scale, 128, *config)
-    assert torch.equal(got, want) and torch.equal(got2, want2) and torch.equal(got_sum, want_sum)
-    qkvz.packed.gemv_config = (32, 128, 4, 1, True)  # 32 rows a program: ba has 16
-    assert qkvz.packed.normed_pair(qkvz, ba, x, residual, norm_weight, eps) is None
-    qkvz.packed.gemv_config = config
-    other_group = packed_layer(16, 256, PackedLayout("fp8", 64, block_rows=128), torch.bfloat16, seed=2)
-    assert qkvz.packed.normed_pair(qkvz, other_group, x, residual, norm_weight, eps) is None
-
-
 def test_float_weights_quantized_in_row_blocks_share_each_blocks_scales():
     """--load-format dummy (or a float checkpoint) loading into a block-scaled FP8 layout: one scale a block of 128
     rows and 128 columns as a block-scaled checkpoint's, counted from the checkpoint's row 0 where a rank's rows

@@ -56,44 +56,6 @@ def _ours(ref: nn.Module, cfg, rank: int = 0, tp: int = 1, comm=None, dtype=torc
     return layer
 
 
-def test_a_decode_tokens_norm_and_packed_projections_in_one_launch_equal_the_norm_then_the_products():
-    """FP8 in_proj_qkvz and in_proj_ba whose norm start-up put inside the GEMV (one scale a row here, float32): a decode
-    token's norm and both products come from one launch (project_normed), and the layer's step from them equals
-    its step on the norm's output; the residual sum is the norm's. Where the norm was kept apart, None."""
-    from shardserve.layers.norm import RMSNorm
-    from shardserve.layers.quantization.packed import PackedLayout, PackedWeights
-
-    ref, cfg = _reference("qwen3_next")
-    layer = GatedDeltaNet(DeltaNetDims.from_hf_dict(cfg.to_dict()), PartialSums(0, 1), torch.float32)
-    for proj in (layer.in_proj_qkvz, layer.in_proj_ba):
-        proj.packed = PackedWeights(proj, PackedLayout("fp8", 0), "cpu")
-    root = nn.Module()
-    root.packed_modules = GatedDeltaNet.packed_modules
-    root.model = nn.Module()
-    root.model.layers = nn.ModuleList([nn.Module()])
-    root.model.layers[0].linear_attn = layer
-    load_tensors(root, [(f"model.layers.0.linear_attn.{n}", t) for n, t in ref.state_dict().items()], False, "ref")
-    norm = RMSNorm(HIDDEN, 1e-6, torch.float32)
-    norm.weight.data = 1 + 0.1 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(3))
-    x, residual = _tokens(1, seed=4), _tokens(1, seed=5)
-    assert layer.project_normed(x, residual, norm) is None  # start-up kept the norm apart
-    layer.in_proj_qkvz.packed.gemv_config = (8, 32, 4, 1)
-    layer.in_proj_qkvz.packed.norm_fused = True
-    with torch.no_grad():
-        qkvz, ba, summed = layer.project_normed(x, residual, norm)
-        h, want_sum = norm(x.clone(), residual.clone())
-        assert torch.equal(summed, want_sum)
-        torch.testing.assert_close(qkvz, layer.in_proj_qkvz(h), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ba, layer.in_proj_ba(h), atol=1e-5, rtol=1e-5)
-        pool, apart = layer.zero_state(batch=2), layer.zero_state(batch=2)
-        slots = torch.tensor([1])
-        got = layer(None, pool, slots, None, (qkvz, ba))
-        want = layer(h, apart, slots, None)
-    assert got.abs().max() > 0.01
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(pool.recurrent, apart.recurrent, atol=1e-5, rtol=1e-5)
-
-
 def _assert_state_matches(state: DeltaNetState, conv_ref: torch.Tensor, rec_ref: torch.Tensor) -> None:
     # transformers keeps the last K inputs, we the last K - 1: the oldest one no output needs again.
     torch.testing.assert_close(state.conv, conv_ref[:, 1:], atol=ATOL, rtol=0)

@@ -132,13 +132,12 @@ def _f16_products(acc, w, x):
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, norm_w_ptr, sum_ptr, eps,
-                     w2_ptr, s2_ptr, out2_ptr, N2, stride_wn2, first_programs,
                      K: tl.constexpr, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, NATIVE_FP8: tl.constexpr,
                      BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr, NORM: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = 0,
                      SWIGLU_OUT: tl.constexpr = False, F16_SUMS: tl.constexpr = False,
                      F16_ASM: tl.constexpr = False, SHARED_SCALES: tl.constexpr = False,
-                     GROUPS_P: tl.constexpr = 1, PAIR: tl.constexpr = False):
+                     GROUPS_P: tl.constexpr = 1):
     """out[n] = sum_k float(w[n, k]) * s[n, k // GROUP_K] * x[k]. SUB divides GROUP_K unless PER_ROW (one scale
     per row, applied after the reduction). w points at the raw bytes (masked loads of uint8 can fill with 0),
     reinterpreted as float8e4nv with NATIVE_FP8 and decoded bit by bit without it. With NORM, x is RMSNorm(x +
@@ -152,21 +151,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
     block-scaled checkpoint's 128-row blocks: the caller knows, fp8_gemv's rows_share_scales), so x enters each
     group times the group's scale over the row's largest (GROUPS_P: a power of two >= the groups), keeping x's
     range for the float16 sums whatever the scales' magnitude, and the rows are summed as one scale a row's, that
-    largest scale applied after.
-    PAIR (not SWIGLU_OUT): a second weight of the same K, format and scale groups (w2, s2: N2 rows, products to
-    out2) in the same launch, programs first_programs on taking its rows: two products of one input (with NORM,
-    one norm, whose sum program 0 stores) in one launch, each program's sums those of its rows' own launch."""
+    largest scale applied after."""
     tl.static_assert(not SHARED_SCALES or (F16_SUMS and not SWIGLU_OUT and not PER_ROW),
                      "shared scales: float16 sums of groups, rows of one half")
-    tl.static_assert(not (PAIR and SWIGLU_OUT), "a pair of products: plain rows")
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     NUM_GROUPS: tl.constexpr = (K + GROUP_K - 1) // GROUP_K
-    pid = tl.program_id(0)
-    if PAIR:
-        if pid >= first_programs:  # the second weight's rows
-            pid = pid - first_programs
-            w_ptr, s_ptr, out_ptr, N, stride_wn = w2_ptr, s2_ptr, out2_ptr, N2, stride_wn2
-    rows, row_ok = program_rows(pid, N, BLOCK_N, SWIGLU_OUT)
+    rows, row_ok = program_rows(tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
     sub = tl.arange(0, TILE_GROUPS)
     cols = sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_wn
@@ -181,7 +171,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
         rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
     acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float16 if F16_SUMS else tl.float32)
     # The scale row every row of the program shares (SHARED_SCALES): its first row's, and its largest scale.
-    s_shared = s_ptr + (pid * BLOCK_N).to(tl.int64) * NUM_GROUPS
+    s_shared = s_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * NUM_GROUPS
     s_max = 1.0
     if SHARED_SCALES:
         groups = tl.arange(0, GROUPS_P)
@@ -210,7 +200,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
         if NORM:
             row_scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
         y *= row_scale
-    store_rows(out_ptr, y, rows, row_ok, pid, N, BLOCK_N, SWIGLU_OUT)
+    store_rows(out_ptr, y, rows, row_ok, tl.program_id(0), N, BLOCK_N, SWIGLU_OUT)
 
 
 @triton.jit
@@ -817,25 +807,9 @@ def fp8_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
                     swiglu_out)))
 
 
-def fp8_gemv_rmsnorm_pair(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                          first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor],
-                          group_k: int, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
-                          num_stages: int = 3, f16_sums: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(first's product, second's product, x + residual) of RMSNorm(x + residual) in one launch: fp8_gemv_rmsnorm
-    for two (weight, scale) pairs of one K and group (the kernel's PAIR), both in the given configuration; each
-    product has the bits of its own launch in that configuration."""
-    (out, out2), summed = _normed_launch("fp8_gemv_rmsnorm_pair", x, residual, norm_weight, eps, first[0].shape[1],
-                                         lambda x, norm: _fp8_launch(x, *first, group_k, (
-                                             block_n, block_k, num_warps, num_stages, f16_sums), norm, second=second))
-    return out, out2, summed
-
-
-def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool = False,
-                second: tuple[torch.Tensor, torch.Tensor] | None = None):
+def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool = False) -> torch.Tensor:
     """config: (block_n, block_k, num_warps, num_stages, f16_sums). norm: None, or (residual or None, norm weight,
-    the sum's tensor, eps) for the norm-fused form. second: a second (weight, scale) of the same K whose product
-    the launch also makes (PAIR): (out, out2) is returned."""
+    the sum's tensor, eps) for the norm-fused form."""
     check_fp8(weight, scale, group_k)
     block_n, block_k, num_warps, num_stages, f16_sums = config
     _check_blocks(block_n, block_k, 1)
@@ -843,8 +817,7 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool =
     per_row = fp8_groups(k, group_k) == 1
     # float16 sums of groups: where every aligned run of block_n rows shares its scales (rows_share_scales).
     shared = bool(f16_sums) and not per_row
-    weights = [weight] if second is None else [weight, second[0]]
-    if shared and (swiglu_out or any(w.shape[0] % block_n for w in weights)):
+    if shared and (swiglu_out or weight.shape[0] % block_n):
         raise ValueError(f"float16 sums of groups of {group_k} columns take rows that share their scales in runs of "
                          f"block_n {block_n}, without SwiGLU out")
     sub = block_k if per_row else min(block_k, group_k & -group_k)
@@ -852,26 +825,15 @@ def _fp8_launch(x, weight, scale, group_k: int, config, norm, swiglu_out: bool =
     n, programs = output_rows(weight, block_n, swiglu_out)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
-    pair = (weight.view(torch.uint8), scale, out, n, weight.stride(0), programs)  # the second weight unused
-    if second is not None:
-        weight2, scale2 = second
-        check_fp8(weight2, scale2, group_k)
-        if swiglu_out or weight2.shape[1] != k or weight2.dtype != weight.dtype or scale2.dtype != scale.dtype:
-            raise ValueError(f"a pair of FP8 products takes plain weights of one K ({k}) and one format, got "
-                             f"{tuple(weight2.shape)} {weight2.dtype} beside {tuple(weight.shape)} {weight.dtype}")
-        n2, programs2 = output_rows(weight2, block_n, False)
-        out2 = torch.empty(1, n2, dtype=x.dtype, device=x.device)
-        pair = (weight2.view(torch.uint8), scale2, out2, n2, weight2.stride(0), programs)
-        programs += programs2
     _fp8_gemv_kernel[(programs,)](
         x, weight.view(torch.uint8), scale, out, n, weight.stride(0), x if residual is None else residual,
-        norm_weight, summed, eps, *pair, K=k, GROUP_K=k if per_row else group_k, PER_ROW=per_row,
-        NATIVE_FP8=native, BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, NORM=norm is not None,
+        norm_weight, summed, eps, K=k, GROUP_K=k if per_row else group_k, PER_ROW=per_row, NATIVE_FP8=native,
+        BLOCK_N=block_n, TILE_GROUPS=block_k // sub, SUB=sub, NORM=norm is not None,
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
         PRELOAD=min(preload_tiles(), 1), SWIGLU_OUT=swiglu_out, F16_SUMS=bool(f16_sums),
         F16_ASM=bool(f16_sums) and native and x.is_cuda, SHARED_SCALES=shared,
-        GROUPS_P=triton.next_power_of_2(fp8_groups(k, group_k)), PAIR=second is not None, **pdl.launch(x.device))
-    return out if second is None else (out, out2)
+        GROUPS_P=triton.next_power_of_2(fp8_groups(k, group_k)), **pdl.launch(x.device))
+    return out
 
 
 def rows_share_scales(scale: torch.Tensor, most: int = 32) -> int:

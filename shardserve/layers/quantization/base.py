@@ -98,12 +98,6 @@ class QuantFormat:
         """(the one-row product of RMSNorm(x + residual), x + residual) in one launch."""
         raise NotImplementedError
 
-    def normed_pair_gemv(self, packed, layer, other, x: torch.Tensor, residual: torch.Tensor | None,
-                         norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...] | None:
-        """(layer's product, other's product, x + residual) of RMSNorm(x + residual) in one launch
-        (PackedWeights.normed_pair), or None where the format has no such launch."""
-        return None
-
     def gemm(self, packed, layer, x: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
         """A batch's product by the fused GEMM in `config`'s tiles (kernels/triton/quant_gemm.py)."""
         raise NotImplementedError

@@ -80,19 +80,6 @@ class Fp8Format(QuantFormat):
         return fp8_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale, packed.group,
                                 *packed.gemv_config, swiglu_out=swiglu_out)
 
-    def normed_pair_gemv(self, packed, layer, other, x, residual, norm_weight, eps):
-        """Both products in layer's configuration (the kernel's PAIR); None where its float16 sums of groups need
-        runs of rows sharing their scales that other's rows do not have."""
-        from shardserve.kernels.quant_layout import fp8_groups
-        from shardserve.kernels.triton.quant_gemv import fp8_gemv_rmsnorm_pair
-
-        config = packed.gemv_config
-        if len(config) > 4 and config[4] and fp8_groups(packed.k, packed.group) > 1 and (
-                other.packed.scale_rows(other) < config[0] or other.weight.shape[0] % config[0]):
-            return None
-        return fp8_gemv_rmsnorm_pair(x, residual, norm_weight, eps, (layer.weight, layer.weight_scale),
-                                     (other.weight, other.weight_scale), packed.group, *config)
-
     def gemm(self, packed, layer, x, config):
         from shardserve.kernels.triton.quant_gemm import fp8_gemm
 

@@ -196,21 +196,6 @@ class PackedWeights:
             return None
         return self.format.normed_gemv(self, layer, x, residual, norm_weight, eps, swiglu_out=swiglu_out)
 
-    def normed_pair(self, layer: KernelLinear, other: KernelLinear, x: torch.Tensor, residual: torch.Tensor | None,
-                    norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(layer's product, other's product, x + residual) of RMSNorm(x + residual) for one row in one launch, in
-        the configuration start-up chose for layer's shape with the norm inside: where the format makes two
-        products in one launch (FP8: a DeltaNet layer's in_proj_qkvz and in_proj_ba), other is packed alike (the
-        same format, group and K, its rows sharing their scales as that configuration needs) and neither permutes
-        its input; else None."""
-        theirs = other.packed
-        if (not self.norm_fused or theirs is None or x.dim() != 2 or x.shape[0] != 1
-                or theirs.layout.kind != self.layout.kind or (theirs.k, theirs.group) != (self.k, self.group)
-                or theirs.n < 2 or any(getattr(m, "input_perm", None) is not None for m in (layer, other))
-                or other.bias is not None or layer.bias is not None):
-            return None
-        return self.format.normed_pair_gemv(self, layer, other, x, residual, norm_weight, eps)
-
     def swiglu_out(self, layer: KernelLinear, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of the one-row product of a [gate | up] layer in the GEMV's own launch (takes_swiglu_out),
         else None: the caller applies SwiGLU."""
