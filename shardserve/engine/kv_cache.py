@@ -9,7 +9,6 @@ latent and rotated key together (models/deepseek_v3.py).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
