@@ -4,8 +4,9 @@ sequence's state read from and written back to its slot of a pool: Gated DeltaNe
 Program (row, block of channels) reads the row's convolution state [channels, K - 1] from its pool slot, writes
 y = silu(conv(state, x) + bias) and shifts x into the state, in place. A row whose slot is negative (a CUDA
 graph's padding row) reads and writes no state; its outputs are meaningless and never read. Invariant: the rows
-of one call have distinct slots (one sequence a row). Its pieces (window_and_output, shift_in) are the one-kernel
-decode steps' of Gated DeltaNet and Mamba-2 too (kernels/triton/deltanet_decode.py, mamba2_decode.py).
+of one call have distinct slots (one sequence a row). Its pieces (loaded_channels, channels_step, shift_in) are
+the one-kernel decode steps' of Gated DeltaNet and Mamba-2 too (kernels/triton/deltanet_decode.py,
+mamba2_decode.py), which load what loaded_channels loads before their dependent-launch wait.
 """
 
 from __future__ import annotations
@@ -36,14 +37,6 @@ def with_input(window, x_row, c, inside, KERNEL: tl.constexpr, TAPS: tl.constexp
 
 
 @triton.jit
-def load_window(x_row, state_row, c, inside, live, KERNEL: tl.constexpr, TAPS: tl.constexpr):
-    """The convolution window of channels c (masked by `inside`) for this token, float32 [len(c), TAPS]: taps oldest
-    first, 0 .. KERNEL - 2 from the state at state_row ([channels, KERNEL - 1]; zeros where not `live`), tap
-    KERNEL - 1 this token's input from x_row."""
-    return with_input(state_window(state_row, c, inside, live, KERNEL, TAPS), x_row, c, inside, KERNEL, TAPS)
-
-
-@triton.jit
 def tap_weights(weight_ptr, c, inside, KERNEL: tl.constexpr, TAPS: tl.constexpr):
     """Channels c's convolution weights as loaded, [len(c), TAPS] (zeros past KERNEL taps); weight [channels,
     KERNEL] contiguous."""
@@ -54,7 +47,7 @@ def tap_weights(weight_ptr, c, inside, KERNEL: tl.constexpr, TAPS: tl.constexpr)
 
 @triton.jit
 def convolve(window, weights):
-    """The convolution of channels over their window (load_window) and tap weights (tap_weights), summed in
+    """The convolution of channels over their window (with_input's) and tap weights (tap_weights), summed in
     float32."""
     return tl.sum(window * weights.to(tl.float32), axis=1)
 
@@ -78,8 +71,8 @@ def shift_in(state_row, c, window, ok, KERNEL: tl.constexpr, TAPS: tl.constexpr)
 @triton.jit
 def window_and_output(x_row, weight_ptr, bias_ptr, state_row, c, inside, live, KERNEL: tl.constexpr,
                       TAPS: tl.constexpr, HAS_BIAS: tl.constexpr = False):
-    """Channels c's window (load_window) and their output as the convolution step stores it: silu(conv + bias),
-    rounded to x's dtype (rounded_silu), held in float32."""
+    """Channels c's window for this token (taps oldest first: the state's, then x_row's input) and their output as
+    the convolution step stores it: silu(conv + bias), rounded to x's dtype (rounded_silu), held in float32."""
     loaded = loaded_channels(state_row, weight_ptr, bias_ptr, c, inside, live, KERNEL, TAPS, HAS_BIAS)
     return channels_step(x_row, loaded, c, inside, KERNEL, TAPS)
 
