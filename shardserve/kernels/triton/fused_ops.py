@@ -416,8 +416,8 @@ def apply_rotary_and_store_(qk: torch.Tensor, num_q_heads: int, value: torch.Ten
     heads_p = triton.next_power_of_2(num_heads)
     q_weight, k_weight, eps = head_norm if head_norm is not None else (qk, qk, 0.0)
     _rotary_store_kernel[(tokens,)](
-        qk, value, positions, slot_mapping, cos, signed_sin, k_cache, v_cache, q_weight, k_weight, eps, k_scale, v_scale,
-        num_q_heads, num_kv_heads,
+        qk, value, positions, slot_mapping, cos, signed_sin, k_cache, v_cache, q_weight, k_weight, eps, k_scale,
+        v_scale, num_q_heads, num_kv_heads,
         qk.stride(0), qk.stride(1), value.stride(0), value.stride(1), cos.stride(0), signed_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HEAD_DIM=head_dim, HEADS_P=heads_p, KV_P=triton.next_power_of_2(num_kv_heads), NORM=head_norm is not None,

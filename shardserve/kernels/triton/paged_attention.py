@@ -125,7 +125,8 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         key, value, k_cache, v_cache, slot_mapping, num_kv_heads, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HEADS_P=heads_p, HEAD_DIM=head_dim, KV_FP8=is_fp8_cache(k_cache), num_warps=4 if heads_p * head_dim <= 2048 else 8)
+        HEADS_P=heads_p, HEAD_DIM=head_dim, KV_FP8=is_fp8_cache(k_cache),
+        num_warps=4 if heads_p * head_dim <= 2048 else 8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
