@@ -378,15 +378,16 @@ def phase_engine(args) -> dict:
     if args.long_prompt:  # one long prompt's prefill (and its first token), after one of the same length
         seconds = [run(random_prompts(1, args.long_prompt, 50 + i), 1)[0] for i in range(2)]
         out["long_prompt_tokens"], out["long_prompt_prefill_s"] = args.long_prompt, seconds[1]
-    run(random_prompts(32, 256, 10), 32)  # warm up prefill shapes
     rates = []
+    if args.offline_repeats:
+        run(random_prompts(32, 256, 10), 32)  # warm up prefill shapes
     for i in range(args.offline_repeats):
         prompts = random_prompts(OFFLINE_REQUESTS, OFFLINE_PROMPT, 11 + i)  # fresh prompts: no prefix-cache hits
         seconds, results = run(prompts, OFFLINE_OUTPUT)
         produced = sum(len(r.token_ids) for r in results)
         assert produced == OFFLINE_REQUESTS * OFFLINE_OUTPUT, f"produced {produced} tokens"
         rates.append(produced / seconds)
-    out["offline_output_tok_s"] = statistics.median(rates)
+    out["offline_output_tok_s"] = statistics.median(rates) if rates else None
     out["offline_samples"] = rates
     out["preemptions"] = llm.engine.scheduler.num_preemptions
     # Report before shutting down: a teardown that hangs must not lose the measurements.
@@ -725,7 +726,8 @@ def main() -> int:
                    help="the offline phases' KV cache (serve --kv-cache-dtype); fp8 holds twice the tokens of bf16")
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--offline-repeats", type=int, default=OFFLINE_REPEATS,
-                   help=f"offline runs, the median reported (default {OFFLINE_REPEATS})")
+                   help=f"offline runs, the median reported (default {OFFLINE_REPEATS}; 0: none, for a decode "
+                        "comparison in about half the time)")
     p.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
                    help="also time the prefill of one prompt this long (e.g. 32768; max_model_len grows to fit)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
