@@ -201,9 +201,16 @@ def _sigmoid_gate_kernel(x_ptr, gate_ptr, stride_x, stride_gt, stride_gh, HEAD_D
     mask = dims < HEAD_DIM
     x_at = x_ptr + token * stride_x + head * HEAD_DIM + dims
     x = tl.load(x_at, mask=mask, other=0.0)
-    g = tl.load(gate_ptr + token * stride_gt + head * stride_gh + dims, mask=mask, other=0.0).to(tl.float32)
-    s = tl.div_rn(1.0, 1.0 + tl.exp(-g)).to(x.dtype)
-    tl.store(x_at, (x.to(tl.float32) * s.to(tl.float32)).to(x.dtype), mask=mask)
+    g = tl.load(gate_ptr + token * stride_gt + head * stride_gh + dims, mask=mask, other=0.0)
+    tl.store(x_at, sigmoid_gated_values(x, g), mask=mask)
+
+
+@triton.jit
+def sigmoid_gated_values(x, g):
+    """round(x * round(sigmoid(g))) in x's dtype, the sigmoid in float32: `x * torch.sigmoid(gate)`'s rounding
+    (the sigmoid gate kernel's, and the decode attention launch's output gate, kernels/triton/paged_decode.py)."""
+    s = tl.div_rn(1.0, 1.0 + tl.exp(-g.to(tl.float32))).to(x.dtype)
+    return (x.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
 
 
 def sigmoid_gate_(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ import triton.language as tl
 from shardserve import envs
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
-from shardserve.kernels.triton.fused_ops import check_norm_args, normed_heads, rotary_tables, rotate_rows
+from shardserve.kernels.triton.fused_ops import (check_norm_args, normed_heads, rotary_tables, rotate_rows,
+                                                 sigmoid_gated_values)
 from shardserve.kernels.triton.paged_attention import (LOG2E, attend_loaded, attend_tile, cache_values,
                                                        check_attention_args, dot_precision, is_fp8_cache,
                                                        load_kv_tile, tile_operand)
@@ -98,14 +99,11 @@ def rotary_mode() -> str:
 @triton.jit
 def _store_heads(out_ptrs, out, mask, gate_ptrs, GATE: tl.constexpr):
     """Store float32 head rows `out` in the output's dtype; with GATE times sigmoid(gate) rounded as
-    layers.attention.sigmoid_gated rounds it (the output rounded, the sigmoid in float32 rounded, then their
-    product: fused_ops' sigmoid gate kernel's bits)."""
-    dtype = out_ptrs.dtype.element_ty
-    out = out.to(dtype)
+    layers.attention.sigmoid_gated rounds it (the output rounded first, then fused_ops.sigmoid_gated_values: the
+    sigmoid gate kernel's bits)."""
+    out = out.to(out_ptrs.dtype.element_ty)
     if GATE:
-        g = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.div_rn(1.0, 1.0 + tl.exp(-g)).to(dtype)
-        out = (out.to(tl.float32) * s.to(tl.float32)).to(dtype)
+        out = sigmoid_gated_values(out, tl.load(gate_ptrs, mask=mask, other=0.0))
     tl.store(out_ptrs, out, mask=mask)
 
 
