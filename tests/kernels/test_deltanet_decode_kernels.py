@@ -249,3 +249,70 @@ def test_a_layer_decodes_through_the_one_kernel_as_through_torch():
     layer = GatedDeltaNet(DeltaNetDims(32, 2, 4, 16, 24, 4, 1e-6), Communicator(None, 0, 1), torch.float32)
     check_decode_step_kernels_agree(layer, 32, TorchDeltaNetKernels(), TritonFusedDecodeDeltaNetKernels(), SLOTS,
                                     DEVICE)
+
+
+def _step_then_out_proj(layers: list, x: torch.Tensor, next_early: bool) -> torch.Tensor:
+    """A chain of decode steps (one sequence in slot 0): each layer's 16-bit in-projection GEMV, its one-launch
+    step (next_early: letting out_proj launch at its start), then its FP8 out_proj holding all its rows (one tile of
+    all K columns, loaded before the wait), whose output feeds the next layer."""
+    from shardserve.kernels.triton.gemv import gemv
+    from shardserve.kernels.triton.quant_gemv import fp8_gemv
+
+    slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    for layer, in_w, out_codes, out_scales in layers:
+        channels, z_width = _widths(layer)
+        qkvz = gemv(x, in_w, 8, 512, 4, 1)
+        weights = {k: v for k, v in layer.items() if not k.endswith("_buffer")}
+        normed = _fused(qkvz[:, :channels], qkvz[:, channels + z_width:], qkvz[:, channels:channels + z_width],
+                        conv_pool=layer["conv_buffer"][1:], rec_pool=layer["rec_buffer"][1:], slots=slots,
+                        next_early=next_early, **weights)
+        x = fp8_gemv(normed, out_codes, out_scales, 128, 4, out_codes.shape[1], 8, 4)
+    return x
+
+
+@pytest.mark.gpu
+def test_out_proj_launched_at_the_steps_start_keeps_every_bit(set_env):
+    """The one-launch step lets out_proj's GEMV, which loads all its FP8 rows before its wait, launch at its start
+    (pdl.py's exception, as decode attention does for the o projection): twelve layers replayed from a CUDA graph
+    give the same outputs and states as the same chain launched one kernel after another, and as dependent launch
+    without the early launch."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs a GPU of compute capability 9.0 or newer")
+    from shardserve.kernels.triton import pdl
+    from shardserve.layers.quantization.fp8 import quantize_fp8
+
+    hidden = 1024
+    layers = []
+    for i in range(12):
+        layer, g = _layer(4, 8, 128, 128, 4, torch.bfloat16, seed=i)
+        width = sum(_widths(layer)) + 2 * 8
+        in_w = (torch.randn(width, hidden, generator=g) * hidden ** -0.5).to(torch.bfloat16).to(DEVICE)
+        out_codes, out_scales = quantize_fp8(torch.randn(hidden, _widths(layer)[1], generator=g) * 0.03, 128)
+        layers.append((layer, in_w, out_codes.to(DEVICE), out_scales.to(DEVICE)))
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(DEVICE)
+
+    def replayed(mode: str, next_early: bool):
+        set_env(SHARDSERVE_PDL=mode)
+        chain = [({**layer, "conv_buffer": layer["conv_buffer"].clone(), "rec_buffer": layer["rec_buffer"].clone()},
+                  *rest) for layer, *rest in layers]
+        kept = [(layer["conv_buffer"].clone(), layer["rec_buffer"].clone()) for layer, *_ in chain]
+        _step_then_out_proj(chain, x, next_early)  # compiles, makes the arrival counts
+        for (layer, *_), (conv, rec) in zip(chain, kept):
+            layer["conv_buffer"].copy_(conv), layer["rec_buffer"].copy_(rec)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _step_then_out_proj(chain, x, next_early)
+        outs = []
+        for _ in range(2):  # the second step reads the windows and states the first left
+            graph.replay()
+            outs.append(out.clone())
+        torch.cuda.synchronize()
+        return outs + [t for layer, *_ in chain for t in (layer["conv_buffer"], layer["rec_buffer"])]
+
+    serial = replayed("off", False)
+    early = replayed("on", True)
+    assert pdl.active(x.device)
+    assert torch.isfinite(serial[1]).all()
+    assert all(torch.equal(a, b) for a, b in zip(early, serial))
+    assert all(torch.equal(a, b) for a, b in zip(replayed("on", False), serial))
+    assert arrivals_left_at_zero()
