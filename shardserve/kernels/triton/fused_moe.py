@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve import envs
 from shardserve.kernels.fused_moe_table import (ONE_TOKEN_ENV, ROUTE_ALIGN_MAX_TOKENS, SUM_IN_DOWN_MAX_TOKENS,
                                                 MoeConfig, OneTokenTiles, one_token_packed_tiles, one_token_tiles,
                                                 pick_config)
@@ -54,6 +55,7 @@ from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.gemv import _weight_tile as _row_tile
 from shardserve.kernels.triton.gemv import _x_tile, load_first_tiles, row_dots
+from shardserve.kernels.triton.l2_prefetch import prefetch_rows, rows_prefetch
 from shardserve.kernels.triton.moe_router import route_token, route_top_k, routing_outputs
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.quant_gemv import (_e4m3_bits_to_float, _native_fp8, _rows_column,
@@ -588,16 +590,21 @@ def _one_token_packed_up_kernel(x_ptr, w_ptr, s_ptr, r_ptr, act_ptr, ids_ptr, nu
                                 stride_se, stride_sn, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                                 BLOCK_N: tl.constexpr, TILE_GROUPS: tl.constexpr, SUB: tl.constexpr,
                                 KIND: tl.constexpr, GROUP: tl.constexpr, NATIVE_FP8: tl.constexpr, PDL: tl.constexpr,
-                                ACT: tl.constexpr = 0):
+                                ACT: tl.constexpr = 0, w2_ptr=None, stride_w2e=0, stride_w2n=0,
+                                W2_ROW_BYTES: tl.constexpr = 0, PREFETCH_ROWS: tl.constexpr = 0,
+                                W2_ROWS: tl.constexpr = 0):
     """_one_token_up_kernel on packed experts: program (choice j, feature tile), act[j, n] = silu(gate) * up of
     expert ids[j]'s packed gate and up rows (their own scales), dequantized in registers (non-gated, ACT 1 and 2:
-    act(up) of its up rows, w13 [E, I, H]); nothing for a choice outside [0, E)."""
+    act(up) of its up rows, w13 [E, I, H]); nothing for a choice outside [0, E). PREFETCH_ROWS: each program then
+    asks L2 for its share, PREFETCH_ROWS rows of W2_ROWS, of expert ids[j]'s w2 codes (l2_prefetch.py)."""
     enter(PDL)
     BLOCK_K: tl.constexpr = TILE_GROUPS * SUB
     choice = tl.program_id(0)
     expert = tl.load(ids_ptr + choice)
     if (expert < 0) | (expert >= num_experts):
         return
+    if PREFETCH_ROWS > 0:
+        prefetch_rows(w2_ptr, stride_w2e, stride_w2n, expert, tl.program_id(1), PREFETCH_ROWS, W2_ROW_BYTES, W2_ROWS)
     feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     feat_ok = feats < INTER
     sub = tl.arange(0, TILE_GROUPS)
@@ -932,6 +939,14 @@ def _tile_groups(tile, group: int, k: int) -> tuple[int, int]:
     return block_k // sub, sub
 
 
+def _down_prefetch(w2: torch.Tensor, programs: int, launch: dict) -> dict:
+    """The w13 launch's arguments that have its programs ask L2 for their experts' w2 codes, a run of whole rows
+    each of `programs` programs an expert (SHARDSERVE_MOE_PREFETCH_DOWN=on, with dependent launch), else none."""
+    if not (launch["PDL"] and envs.MOE_PREFETCH_DOWN.get() == "on"):
+        return {}
+    return rows_prefetch(w2, programs)
+
+
 def _one_token_packed_experts(x, experts: PackedExperts, weights, ids, tiles: OneTokenTiles) -> torch.Tensor:
     """A single token's packed experts as matrix-vector products (the one-token path, each weight tile
     dequantized in registers; layers/moe_packed.packed_fused takes moe_four_bit's float16 pair sums before this
@@ -947,10 +962,12 @@ def _one_token_packed_experts(x, experts: PackedExperts, weights, ids, tiles: On
     act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
     up = tiles.up
     groups, sub = _tile_groups(up, g13, hidden)
-    _one_token_packed_up_kernel[(top_k, triton.cdiv(inter, up.block_n))](
+    feature_tiles = triton.cdiv(inter, up.block_n)
+    _one_token_packed_up_kernel[(top_k, feature_tiles)](
         x, w13, s13, r13, act, ids, num_experts, w13.stride(0), w13.stride(1), se13, sn13, HIDDEN=hidden, INTER=inter,
         BLOCK_N=up.block_n, TILE_GROUPS=groups, SUB=sub, KIND=kind, GROUP=g13, NATIVE_FP8=native,
-        ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages, **launch)
+        ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages,
+        **_down_prefetch(w2, feature_tiles, launch), **launch)
     down = tiles.down
     col_tiles = triton.cdiv(hidden, down.block_n)
     groups, sub = _tile_groups(down, g2, inter)

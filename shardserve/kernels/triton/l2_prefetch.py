@@ -1,0 +1,53 @@
+"""Asking L2 for bytes a later kernel will read, without waiting for them (Hopper's bulk prefetch).
+
+A one-token expert product reads its weights once, a few megabytes a launch, and the launch after it (the w2
+product, whose experts the same router chose) cannot start streaming until its programs are placed. The w13
+programs know those experts once they pass their wait, so each can ask L2 for a share of the w2 rows while its
+own rows stream (fused_moe's PREFETCH_DOWN): HBM then works through both products' bytes in the time of the
+first. A request is one instruction of one thread a program (cp.async.bulk.prefetch.L2.global); nothing is
+written, nothing waits, and an evicted line is read again from memory, so it never changes a result.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def prefetch_l2(ptr, nbytes):
+    """Asks L2 for nbytes from ptr (ptr 16-byte aligned, nbytes a multiple of 16; 0: nothing), once a program."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .u32 t;
+        .reg .pred p;
+        mov.u32 t, %tid.x;
+        setp.eq.u32 p, t, 0;
+        setp.ne.and.u32 p, $2, 0, p;
+        @p cp.async.bulk.prefetch.L2.global [$1], $2;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows(w_ptr, stride_e, stride_n, expert, program, ROWS: tl.constexpr, ROW_BYTES: tl.constexpr,
+                  NUM_ROWS: tl.constexpr):
+    """Asks L2 for rows [program * ROWS, + ROWS) (those under NUM_ROWS) of expert `expert`'s block of w [E, NUM_ROWS,
+    ...] (strides in elements; a row ROW_BYTES bytes, contiguous with the next: down_rows_prefetch's checks)."""
+    first = program * ROWS
+    rows = tl.minimum(NUM_ROWS - first, ROWS)
+    prefetch_l2(w_ptr + expert.to(tl.int64) * stride_e + first.to(tl.int64) * stride_n,
+                tl.maximum(rows, 0) * ROW_BYTES)
+
+
+def rows_prefetch(w: torch.Tensor, programs: int) -> dict:
+    """prefetch_rows' arguments for `programs` programs sharing each expert's rows of w [E, N, ...], or {} where its
+    rows are not contiguous 16-byte-aligned runs."""
+    row_bytes = w[0, 0].numel() * w.element_size()
+    if not (w.dim() >= 3 and w[0, 0].is_contiguous() and w.stride(1) * w.element_size() == row_bytes
+            and w.stride(0) == w.shape[1] * w.stride(1) and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0):
+        return {}
+    return dict(w2_ptr=w, stride_w2e=w.stride(0), stride_w2n=w.stride(1), W2_ROW_BYTES=row_bytes,
+                PREFETCH_ROWS=triton.cdiv(w.shape[1], programs), W2_ROWS=w.shape[1])
