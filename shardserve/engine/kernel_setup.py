@@ -112,8 +112,7 @@ def set_up_linear_layers(model: nn.Module, plan: KernelPlan, ctx: RankContext, l
         plan = plan.with_results(
             gemv=gemv.summary() if gemv is not None else "cublas",
             dependent_launch=pdl.describe(device) + (
-                f", the output projection's rows loaded during attention or the DeltaNet step in {overlapped} layers"
-                if overlapped else ""))
+                f", the o projection's rows loaded during attention in {overlapped} layers" if overlapped else ""))
     return plan, linear_kernel
 
 

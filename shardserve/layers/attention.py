@@ -109,18 +109,12 @@ def kv_scales_summary(model: nn.Module) -> str:
 
 def overlap_with_o_projection(model: nn.Module) -> int:
     """Let decode attention launch the o projection at its start in the attention blocks (modules holding `attn`
-    and `o_proj`), and a Gated DeltaNet layer's one-launch decode step its out_proj, where that projection's
-    single-row GEMV loads all its rows before its wait (cuda_gemv.rows_preloaded): its weights then stream while
-    attention or the step runs. Returns how many layers."""
+    and `o_proj`) whose o projection's single-row GEMV loads all its rows before its wait
+    (cuda_gemv.rows_preloaded): its weights then stream while attention runs. Returns how many blocks."""
     from shardserve.layers.cuda_gemv import rows_preloaded
-    from shardserve.layers.gated_deltanet import GatedDeltaNet
 
     overlapped = 0
     for module in model.modules():
-        if isinstance(module, GatedDeltaNet):
-            module.launches_next_early = rows_preloaded(module.out_proj)
-            overlapped += module.launches_next_early
-            continue
         attn, o_proj = getattr(module, "attn", None), getattr(module, "o_proj", None)
         if isinstance(attn, PagedAttention) and o_proj is not None:
             attn.launches_next_early = rows_preloaded(o_proj)

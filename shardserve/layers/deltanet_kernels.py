@@ -58,11 +58,10 @@ class DeltaNetKernels(Protocol):
     def step_and_norm_in_pool(self, qkv: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, conv_weight: torch.Tensor,
                               a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                               scale: float, key_heads: int, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
-                              slots: torch.Tensor, next_early: bool = False) -> torch.Tensor:
+                              slots: torch.Tensor) -> torch.Tensor:
         """step_in_pool, then the layer's gated norm of its output (layers/norm.gated_rms_norm_rows) with z [B,
         value_heads * value_dim] (rows may be strided), norm_weight [value_dim] in the model's dtype and eps:
-        the rows out_proj takes, [B, value_heads * value_dim] in norm_weight's dtype. next_early: out_proj's GEMV
-        loads its rows before its dependent-launch wait, so a one-launch step may let it launch at its start."""
+        the rows out_proj takes, [B, value_heads * value_dim] in norm_weight's dtype."""
 
 
 class TorchDeltaNetKernels:
@@ -89,7 +88,7 @@ class TorchDeltaNetKernels:
 
     @classmethod
     def step_and_norm_in_pool(cls, qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, eps: float, scale: float,
-                              key_heads: int, conv_pool, rec_pool, slots, next_early: bool = False) -> torch.Tensor:
+                              key_heads: int, conv_pool, rec_pool, slots) -> torch.Tensor:
         o = cls.step_in_pool(qkv, ba, conv_weight, a_log, dt_bias, scale, key_heads, conv_pool, rec_pool, slots)
         return gated_rms_norm_rows(o, z, norm_weight, eps)
 
@@ -113,12 +112,12 @@ class TritonFusedDecodeDeltaNetKernels(TritonDecodeDeltaNetKernels):
 
     @classmethod
     def step_and_norm_in_pool(cls, qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, eps: float, scale: float,
-                              key_heads: int, conv_pool, rec_pool, slots, next_early: bool = False) -> torch.Tensor:
+                              key_heads: int, conv_pool, rec_pool, slots) -> torch.Tensor:
         from shardserve.kernels.triton.deltanet_decode import step_and_norm_in_pool
 
         args = (qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, eps, scale, key_heads, conv_pool, rec_pool,
                 slots)
-        out = step_and_norm_in_pool(*args, next_early=next_early)
+        out = step_and_norm_in_pool(*args)
         return super().step_and_norm_in_pool(*args) if out is None else out  # None: no arrival counts here
 
 

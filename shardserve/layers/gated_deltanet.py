@@ -74,9 +74,6 @@ class GatedDeltaNet(StateMixer):
         "in_proj_b": ("in_proj_ba", "b"),
         "in_proj_a": ("in_proj_ba", "a"),
     }
-    # Set at start-up where out_proj's single-row GEMV loads all its rows before its wait
-    # (layers/attention.overlap_with_o_projection): the one-launch decode step then lets it launch at its start.
-    launches_next_early = False
 
     def __init__(self, dims: DeltaNetDims, comm: Communicator, dtype: torch.dtype,
                  kernels: DeltaNetKernels | None = None) -> None:
@@ -101,7 +98,6 @@ class GatedDeltaNet(StateMixer):
                                           dtype, comm if shard.sharded else None)
         for linear in (self.in_proj_qkvz, self.in_proj_ba, self.out_proj):
             linear.replicated = not shard.sharded
-        self.out_proj.preloads_rows = True  # its GEMV may be placed while the decode step runs (pdl.py)
         self.kernels = kernels
 
     def _kernels(self, device: torch.device) -> DeltaNetKernels:
@@ -143,7 +139,7 @@ class GatedDeltaNet(StateMixer):
                      key_heads=self.key_heads, conv_pool=pool.conv, rec_pool=pool.recurrent)
         if query_start is None:
             normed = kernels.step_and_norm_in_pool(qkv, ba, z, norm_weight=self.norm.weight, eps=self.norm.eps,
-                                                   slots=slots, next_early=self.launches_next_early, **layer)
+                                                   slots=slots, **layer)
         else:
             step = functools.partial(kernels.step_in_pool, **layer)
             o = self._chunks(kernels, step, qkv, ba, weight, pool, slots, list(query_start))

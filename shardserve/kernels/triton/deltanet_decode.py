@@ -34,9 +34,6 @@ counts at 0 like any row; its outputs are meaningless and never read. Launched w
 (kernels/triton/pdl.py): a program loads its slot, its state cells, its convolution windows and the layer's
 weights before the wait, which pdl.py's rule allows (only this layer's step writes its pools, in an earlier step;
 the step's slots are copied in before its first kernel), and the projections' outputs and the counts after it.
-NEXT_EARLY (the caller's next_early): the kernel lets the next one, out_proj's GEMV, launch at its start
-(pdl.launch_next), so out_proj's weight rows stream while the step runs; only where that GEMV loads all its rows
-before its wait and reads nothing of the chain there (layers/gated_deltanet.GatedDeltaNet.launches_next_early).
 """
 
 from __future__ import annotations
@@ -50,7 +47,7 @@ from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, l
 from shardserve.kernels.triton.causal_conv1d import channels_step, loaded_channels, shift_in
 from shardserve.kernels.triton.gated_delta_rule import VALUE_BLOCK, gate_inputs, step_columns
 from shardserve.kernels.triton.gated_rms_norm import norm_then_gate
-from shardserve.kernels.triton.pdl import enter, launch_next
+from shardserve.kernels.triton.pdl import enter
 
 
 @triton.jit
@@ -72,9 +69,7 @@ def _step_norm_kernel(qkv_ptr, ba_ptr, z_ptr, conv_weight_ptr, a_log_ptr, dt_bia
                       stride_ba, stride_z, stride_conv_slot, stride_rec_slot, key_heads, value_heads,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_POW2: tl.constexpr,
                       DV_POW2: tl.constexpr, BV: tl.constexpr, KERNEL: tl.constexpr, TAPS: tl.constexpr,
-                      PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
-    if NEXT_EARLY:
-        launch_next(PDL)
+                      PDL: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP
@@ -99,7 +94,7 @@ def _step_norm_kernel(qkv_ptr, ba_ptr, z_ptr, conv_weight_ptr, a_log_ptr, dt_bia
     a_log, dt_bias = tl.load(a_log_ptr + head), tl.load(dt_bias_ptr + head)
     norm_cols = tl.arange(0, DV_POW2)
     norm_weight = tl.load(norm_weight_ptr + norm_cols, mask=norm_cols < DV, other=0.0).to(tl.float32)
-    enter(PDL, NEXT_EARLY)
+    enter(PDL)
     x_row = qkv_ptr + row * stride_qkv
     q_window, q = channels_step(x_row, q_loaded, q_channels, key_in, KERNEL, TAPS)
     k_window, k = channels_step(x_row, k_loaded, k_channels, key_in, KERNEL, TAPS)
@@ -123,8 +118,8 @@ def _step_norm_kernel(qkv_ptr, ba_ptr, z_ptr, conv_weight_ptr, a_log_ptr, dt_bia
 def step_and_norm_in_pool(qkv: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, conv_weight: torch.Tensor,
                           a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                           scale: float, key_heads: int, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
-                          slots: torch.Tensor, value_block: int = VALUE_BLOCK, num_warps: int = 4,
-                          next_early: bool = False) -> torch.Tensor | None:
+                          slots: torch.Tensor, value_block: int = VALUE_BLOCK, num_warps: int = 4
+                          ) -> torch.Tensor | None:
     """One token of each of B sequences from the input projections' outputs to the gated norm's: qkv [B, channels]
     ([q | k | v] before the convolution), ba [B, 2 * value_heads] ([b | a]), z [B, value_heads * dv] (rows may be
     strided, features unit-strided); conv_weight [channels, K] contiguous; a_log, dt_bias float32 [value_heads];
@@ -133,8 +128,7 @@ def step_and_norm_in_pool(qkv: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, 
     value_heads * dv] in norm_weight's dtype, or None where the device's arrival counts are too few for B x
     key_heads or not made yet inside a CUDA graph capture (the caller then takes the three kernels). value_block,
     num_warps: the launch's shape, value columns a program owns and its warps (the model runs the defaults;
-    benchmarks/deltanet_decode.py --shapes times others). next_early: let out_proj's GEMV launch at the kernel's
-    start (the module docstring's NEXT_EARLY), where dependent launch is on."""
+    benchmarks/deltanet_decode.py --shapes times others)."""
     rows = qkv.shape[0]
     value_heads, dk, dv = rec_pool.shape[1:]
     out = torch.empty(rows, value_heads * dv, dtype=norm_weight.dtype, device=qkv.device)
@@ -146,9 +140,6 @@ def step_and_norm_in_pool(qkv: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, 
     if qkv.stride(1) != 1 or z.stride(1) != 1:
         raise ValueError("step_and_norm_in_pool needs qkv's and z's features unit-strided")
     kernel = conv_weight.shape[1]
-    launch = pdl.launch(qkv.device)
-    if launch["PDL"] and next_early:
-        launch["NEXT_EARLY"] = True
     block = min(value_block, triton.next_power_of_2(dv))
     grid = (rows, value_heads, triton.cdiv(dv, block))
     _step_norm_kernel[grid](qkv, ba, z, conv_weight, a_log, dt_bias, norm_weight, conv_pool, rec_pool, slots, counts,
@@ -156,5 +147,5 @@ def step_and_norm_in_pool(qkv: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, 
                             rec_pool.stride(0), key_heads, value_heads, GROUP=value_heads // key_heads, DK=dk, DV=dv,
                             DK_POW2=triton.next_power_of_2(dk), DV_POW2=triton.next_power_of_2(dv), BV=block,
                             KERNEL=kernel, TAPS=triton.next_power_of_2(kernel), num_warps=num_warps,
-                            **launch)
+                            **pdl.launch(qkv.device))
     return out

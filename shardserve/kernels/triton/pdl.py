@@ -20,9 +20,7 @@ One exception (SHARDSERVE_ATTENTION_OVERLAP, on by default): where the o project
 rows before its wait and all its programs fit on the GPU at once (layers/attention.overlap_with_o_projection,
 cuda_gemv.holds_rows), decode attention and its split combine let it launch at their start (launch_next, then
 enter with LAUNCHED): it reads nothing of the chain before its wait, and its weights stream while attention, which
-reads little from memory, runs; so does a Gated DeltaNet layer's one-launch decode step for its out_proj
-(kernels/triton/deltanet_decode.py), which reads its 2 MB of states a sequence but few weights. From the o
-projection on, the rule above holds again.
+reads little from memory, runs. From the o projection on, the rule above holds again.
 Without the launch attribute (other GPUs, SHARDSERVE_PDL=off) the same kernels run as before: the wait returns
 at once.
 """
