@@ -145,9 +145,9 @@ GEMV_SWIGLU_OUT = _declare("SHARDSERVE_GEMV_SWIGLU_OUT", CHOICE, "auto",
 ATTENTION_OVERLAP = _declare("SHARDSERVE_ATTENTION_OVERLAP", CHOICE, "on",
                              "the o projection's GEMV may launch to overlap attention (out_proj's: the DeltaNet "
                              "step)", ("on", "off"), plan=True)
-MOE_PREFETCH_DOWN = _declare("SHARDSERVE_MOE_PREFETCH_DOWN", CHOICE, "off",
-                             "on: a single token's w13 programs ask L2 for the chosen experts' w2 rows",
-                             ("on", "off"), plan=True)
+MOE_PREFETCH_DOWN = _declare("SHARDSERVE_MOE_PREFETCH_DOWN", CHOICE, "on",
+                             "off: a single token's FP8 w13 expert programs do not ask L2 for the chosen experts' "
+                             "w2 rows", ("on", "off"), plan=True)
 FP8_GEMV_SUMS = _declare("SHARDSERVE_FP8_GEMV_SUMS", CHOICE, "auto",
                          "sums the FP8 GEMVs timed at start-up may use (auto: both)",
                          ("auto", "float32", "float16"), plan=True)

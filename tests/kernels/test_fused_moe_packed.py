@@ -232,3 +232,23 @@ def test_interpreter_one_token_packed_experts_match_float64(kind, group, hidden,
     if kind == "fp4":  # each expert's row scales, not another's
         other_experts = experts._replace(row13=experts.row13.roll(1, dims=0).contiguous())
         assert relative_error(fused_moe_packed(x, other_experts, weights, ids, config=tiles), got) > 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0), reason="Hopper's bulk prefetch")
+@pytest.mark.parametrize("hidden, inter, experts_count, top_k, activation", [
+    (2048, 512, 64, 10, "swiglu"), (2048, 768, 32, 6, "relu2")])
+def test_gpu_asking_l2_for_the_w2_rows_changes_no_bit(set_env, hidden, inter, experts_count, top_k, activation):
+    """A single token's FP8 w13 programs ask L2 for their experts' w2 rows (kernels/triton/l2_prefetch.py; not with
+    SHARDSERVE_MOE_PREFETCH_DOWN=off): they read ahead and write nothing, so the token's experts, another rank's
+    choice among them (whose programs ask for nothing), give the same bits either way."""
+    experts = packed_experts("fp8", experts_count, hidden, inter, 128, seed=2, activation=activation)
+    x, weights, ids = make_routes(1, experts_count, top_k, torch.bfloat16, hidden)
+    weights, ids = torch.cat([weights, weights.new_tensor([[0.5]])], 1), torch.cat([ids, ids.new_tensor([[99]])], 1)
+    outs = []
+    for prefetch in ("off", "on"):
+        set_env(SHARDSERVE_MOE_PREFETCH_DOWN=prefetch)
+        outs.append(fused_moe_packed(x, experts, weights, ids))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+    assert relative_error(outs[1], reference(x, experts, weights, ids)) < TOLERANCE[torch.bfloat16]

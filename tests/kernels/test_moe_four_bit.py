@@ -160,25 +160,6 @@ def test_gpu_float16_pair_sums_match_float64(kind, group, hidden, inter, experts
         assert relative_error(with_shared.cpu(), want) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (9, 0), reason="Hopper's bulk prefetch")
-@pytest.mark.parametrize("kind, group, hidden, inter, experts_count, top_k, activation", [
-    ("fp4", 16, 2688, 1856, 128, 6, "relu2"), ("fp8", 128, 2048, 512, 64, 10, "swiglu")])
-def test_gpu_asking_l2_for_the_w2_rows_changes_no_bit(set_env, kind, group, hidden, inter, experts_count, top_k,
-                                                      activation):
-    """The w13 programs' requests for their experts' w2 rows (SHARDSERVE_MOE_PREFETCH_DOWN=on) read ahead and write
-    nothing: a token's experts (a foreign choice among them, whose programs ask for nothing) give the same bits."""
-    experts = packed_experts(kind, experts_count, hidden, inter, group, seed=2, activation=activation)
-    x, weights, ids = routes_with_a_foreign_choice(experts_count, hidden, torch.bfloat16, top_k)
-    outs = []
-    for prefetch in ("off", "on"):
-        set_env(SHARDSERVE_MOE_PREFETCH_DOWN=prefetch)
-        outs.append(packed_fused(x, experts, weights, ids))
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1])
-    assert relative_error(outs[1], reference(x, experts, weights, ids)) < TOLERANCE[torch.bfloat16]
-
-
 def test_tiles_come_from_the_variable_and_a_bad_one_is_named(set_env):
     from shardserve.kernels.triton.moe_four_bit import FOUR_BIT_PAIR_TILES, four_bit_pair_tiles
 

@@ -941,7 +941,8 @@ def _tile_groups(tile, group: int, k: int) -> tuple[int, int]:
 
 def _down_prefetch(w2: torch.Tensor, programs: int, launch: dict) -> dict:
     """The w13 launch's arguments that have its programs ask L2 for their experts' w2 codes, a run of whole rows
-    each of `programs` programs an expert (SHARDSERVE_MOE_PREFETCH_DOWN=on, with dependent launch), else none."""
+    each of `programs` programs an expert (with dependent launch, unless SHARDSERVE_MOE_PREFETCH_DOWN=off; FP8
+    only: l2_prefetch.py), else none."""
     if not (launch["PDL"] and envs.MOE_PREFETCH_DOWN.get() == "on"):
         return {}
     return rows_prefetch(w2, programs)
@@ -967,7 +968,7 @@ def _one_token_packed_experts(x, experts: PackedExperts, weights, ids, tiles: On
         x, w13, s13, r13, act, ids, num_experts, w13.stride(0), w13.stride(1), se13, sn13, HIDDEN=hidden, INTER=inter,
         BLOCK_N=up.block_n, TILE_GROUPS=groups, SUB=sub, KIND=kind, GROUP=g13, NATIVE_FP8=native,
         ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages,
-        **_down_prefetch(w2, feature_tiles, launch), **launch)
+        **(_down_prefetch(w2, feature_tiles, launch) if kind == FP8 else {}), **launch)
     down = tiles.down
     col_tiles = triton.cdiv(hidden, down.block_n)
     groups, sub = _tile_groups(down, g2, inter)

@@ -24,8 +24,7 @@ from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile, parse_one_to
 from shardserve.kernels.packed_experts import PackedExperts
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
-from shardserve.kernels.triton.fused_moe import ACTIVATIONS, _activate, _down_prefetch, _sum_separately, _tile_groups
-from shardserve.kernels.triton.l2_prefetch import prefetch_rows
+from shardserve.kernels.triton.fused_moe import ACTIVATIONS, _activate, _sum_separately, _tile_groups
 from shardserve.kernels.triton.pdl import enter
 from shardserve.kernels.triton.quant_gemv import (_split_pairs, _word_pair_sums, apply_group_scales, fp4_row_factor,
                                                   group_scale_words, row_scale_pointer)
@@ -90,12 +89,10 @@ def _rows_sums(x_ptr, w_rows, s_rows, r_rows, rows, row_ok, stretch, K: tl.const
 def _up_kernel(x_ptr, w_ptr, s_ptr, r_ptr, act_ptr, ids_ptr, num_experts, shared_w_ptr, shared_s_ptr, shared_r_ptr,
                HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr,
                BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr,
-               ACT: tl.constexpr, PDL: tl.constexpr, w2_ptr=None, stride_w2e=0, stride_w2n=0,
-               W2_ROW_BYTES: tl.constexpr = 0, PREFETCH_ROWS: tl.constexpr = 0, W2_ROWS: tl.constexpr = 0):
+               ACT: tl.constexpr, PDL: tl.constexpr):
     """Program (choice j, feature tile): act[j, n] = silu(gate) * up of expert ids[j]'s rows n and I + n (non-gated,
     ACT 1 and 2: act(up) of its row n), rounded to x's dtype; nothing for a choice outside [0, E). Choices j >= TOP_K
-    (non-gated only) are the shared expert's slots: rows (j - TOP_K) * I + n of its up projection. PREFETCH_ROWS:
-    a routed choice's programs ask L2 for their share of its w2 codes (l2_prefetch.prefetch_rows)."""
+    (non-gated only) are the shared expert's slots: rows (j - TOP_K) * I + n of its up projection."""
     enter(PDL)
     choice = tl.program_id(0)
     feats = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,9 +102,6 @@ def _up_kernel(x_ptr, w_ptr, s_ptr, r_ptr, act_ptr, ids_ptr, num_experts, shared
         expert = tl.load(ids_ptr + choice)
         if (expert < 0) | (expert >= num_experts):
             return
-        if PREFETCH_ROWS > 0:
-            prefetch_rows(w2_ptr, stride_w2e, stride_w2n, expert, tl.program_id(1), PREFETCH_ROWS, W2_ROW_BYTES,
-                          W2_ROWS)
         w_e = w_ptr + expert.to(tl.int64) * (rows_per_expert * (HIDDEN // 8))
         s_e = s_ptr + expert.to(tl.int64) * (rows_per_expert * (HIDDEN // GROUP))
         r_e = r_ptr + expert.to(tl.int64) * rows_per_expert
@@ -264,7 +258,7 @@ def one_token_four_bit_experts(x: torch.Tensor, experts: PackedExperts, weights:
         x, w13, experts.scale13, rows13, act, ids, num_experts, shared_up, shared_up_scale, shared_up_rows,
         HIDDEN=hidden, INTER=inter, TOP_K=top_k, GROUP=experts.group13, BLOCK_N=up.block_n, CHUNK=chunk, SUB=sub,
         FP4=fp4, ASM=asm, ACT=ACTIVATIONS[experts.activation], num_warps=up.num_warps, num_stages=up.num_stages,
-        **_down_prefetch(experts.w2, triton.cdiv(inter, up.block_n), launch), **launch)
+        **launch)
     down = tiles.down
     chunk, sub = _chunk_and_sub(down, experts.group2, inter)
     col_tiles = triton.cdiv(hidden, down.block_n)
