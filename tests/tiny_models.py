@@ -160,6 +160,11 @@ NEMOTRON_H_SPECS = {
         hidden_size=64, layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=6,
         mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, tie_word_embeddings=False)),
+    # Four B/C groups of two heads: two groups (four heads) a rank at TP 2, as Nemotron-3-Nano's eight are.
+    "nemotron-h-groups": TinySpec("nemotron-h-groups", "nemotron_h", dict(
+        hidden_size=64, layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
+        mamba_head_dim=8, ssm_state_size=16, n_groups=4, conv_kernel=4, chunk_size=16, tie_word_embeddings=False)),
     "nemotron-h-odd": TinySpec("nemotron-h-odd", "nemotron_h", dict(
         hidden_size=48, layers_block_type=["full_attention", "linear_attention", "mlp", "linear_attention"],
         num_attention_heads=3, num_key_value_heads=1, head_dim=16, intermediate_size=90, mamba_num_heads=5,

@@ -25,12 +25,13 @@ def _reference(model_dir: str) -> tuple[tuple[int, ...], ...]:
     return transformers_greedy(model_dir, tuple(map(tuple, _prompts())), NEW_TOKENS)
 
 
-@pytest.mark.parametrize("name, tp", [("nemotron-h", 1), ("nemotron-h", 2), ("nemotron-h-odd", 1),
-                                      ("nemotron-h-odd", 2)])
+@pytest.mark.parametrize("name, tp", [("nemotron-h", 1), ("nemotron-h", 2), ("nemotron-h-groups", 2),
+                                      ("nemotron-h-odd", 1), ("nemotron-h-odd", 2)])
 def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp):
     """All four prompts in one batch, the 17- and 40-token ones prefilled in chunks of at most 12 tokens (cuts
     inside the SSD chunks of 16 and 8) beside the others' decode steps. At TP 2 "nemotron-h" splits its Mamba-2
-    layers a B/C group per rank; "nemotron-h-odd" (one group, 5 heads) keeps them whole on both ranks."""
+    layers a B/C group per rank, "nemotron-h-groups" two groups of two heads a rank (as Nemotron-3-Nano's eight
+    groups split); "nemotron-h-odd" (one group, 5 heads) keeps them whole on both ranks."""
     model_dir = tiny_model_dir(name)
     expected = _reference(model_dir)
     with cpu_llm(model_dir, tensor_parallel_size=tp, max_num_batched_tokens=12) as llm:
