@@ -3,14 +3,18 @@
 A one-token expert product reads its weights once, a few megabytes a launch, and the launch after it (the w2
 product, whose experts the same router chose) cannot start streaming until its programs are placed. The w13
 programs know those experts once they pass their wait, so each can ask L2 for a share of the w2 rows while its
-own rows stream (fused_moe's PREFETCH_DOWN): HBM then works through both products' bytes in the time of the
+own rows stream (fused_moe's PREFETCH_ROWS): HBM then works through both products' bytes in the time of the
 first. A request is one instruction of one thread a program (cp.async.bulk.prefetch.L2.global); nothing is
 written, nothing waits, and an evicted line is read again from memory, so it never changes a result.
 
-Measured on two H200s (Qwen3-Next-80B-A3B FP8 blocks, batch-1 graph replay, one process a setting): 2.283 and
-2.292 ms with the requests against 2.307 and 2.311 without, so FP8 experts take them by default
-(SHARDSERVE_MOE_PREFETCH_DOWN=off: never). The 4-bit experts do not: Nemotron-3-Nano NVFP4 took 1.678 and 1.682
-ms with them against 1.618 and 1.619, its w2 (22 MB a layer, as much again as w13) crowding L2 while w13 streams.
+Measured on two H200s (Qwen3-Next-80B-A3B FP8 blocks, batch-1 graph replay, one process a setting and card):
+2.237, 2.274 and 2.262 ms on one card and 2.282 and 2.275 on the other with the requests, against 2.300 and 2.287 on
+the first and 2.286, 2.306 and 2.290 on the other without (the w2 launch 6.4 us exposed a layer against 6.7 to 7.3
+without), so FP8 experts take them
+by default (SHARDSERVE_MOE_PREFETCH_DOWN=off: never); the greedy tokens are the same. The 4-bit experts do not:
+Nemotron-3-Nano NVFP4 took 1.678 and 1.682 ms with them against 1.618 and 1.619, its w2 (22 MB a layer, as much as
+w13) crowding L2 while w13 streams. Asking for the w13 rows of a later wave of programs instead (84 or 168 tiles
+ahead) was slower still: 2.38 to 2.41 ms.
 """
 
 from __future__ import annotations
