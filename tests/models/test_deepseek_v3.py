@@ -64,23 +64,24 @@ def test_prompts_together_in_chunks_equal_transformers(tiny_model_dir, name, tp,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v3-noq", "deepseek-v2"])
-def test_on_a_gpu_in_chunks_equals_transformers(tiny_model_dir, name):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_on_gpus_in_chunks_equals_transformers(tiny_model_dir, name, tp):
     """The CUDA path at float32: decode steps in CUDA graphs on the Triton kernels (one launch storing the entries
     and rotating the queries, interleaved or not, under YaRN for V2; the latent decode), prompts prefilled in chunks
-    beside others' decode steps."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    beside others' decode steps; at TP 2 each GPU holds its heads' share (the latent cache whole on each)."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s)")
     from shardserve.entrypoints.llm import LLM
 
     model_dir = tiny_model_dir(name)
     expected = _reference(model_dir)
     with LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory_gb=0.01, max_num_seqs=4,
-             max_num_batched_tokens=12) as llm:
+             max_num_batched_tokens=12, tensor_parallel_size=tp) as llm:
         assert "attention mla-triton" in llm.engine.runner.plan.describe()
         assert llm.engine.runner.graphs is not None
         outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
         assert_all_returned(llm)
-    assert tuple(tuple(o.token_ids) for o in outputs) == expected, name
+    assert tuple(tuple(o.token_ids) for o in outputs) == expected, f"{name} TP={tp}"
 
 
 @pytest.mark.parametrize("tp", [1, 2])
