@@ -252,3 +252,21 @@ def test_gpu_asking_l2_for_the_w2_rows_changes_no_bit(set_env, hidden, inter, ex
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
     assert relative_error(outs[1], reference(x, experts, weights, ids)) < TOLERANCE[torch.bfloat16]
+
+
+def test_the_w2_requests_cover_each_experts_rows_in_aligned_runs():
+    """l2_prefetch.rows_prefetch: the launch's programs split an expert's rows into runs that cover every row once,
+    each run whole rows of a 16-byte multiple; rows that are not such runs (a column slice, 100-byte rows) get no
+    requests."""
+    from shardserve.kernels.triton.l2_prefetch import rows_prefetch
+
+    for w, programs in ((torch.zeros(3, 2048, 512, dtype=torch.uint8), 256),   # Qwen3-Next's FP8 w2
+                        (torch.zeros(2, 2688, 232, dtype=torch.int32), 58)):    # 4-bit words, 928 bytes a row
+        args = rows_prefetch(w, programs)
+        rows, run = args["W2_ROWS"], args["PREFETCH_ROWS"]
+        covered = [r for p in range(programs) for r in range(p * run, min(p * run + run, rows))]
+        assert covered == list(range(w.shape[1]))
+        assert args["W2_ROW_BYTES"] == w.shape[2] * w.element_size() and args["W2_ROW_BYTES"] % 16 == 0
+        assert (args["stride_w2e"], args["stride_w2n"]) == w.stride()[:2]
+    assert rows_prefetch(torch.zeros(2, 64, 512, dtype=torch.uint8)[:, :, :256], 8) == {}
+    assert rows_prefetch(torch.zeros(2, 64, 100, dtype=torch.uint8), 8) == {}
