@@ -44,7 +44,7 @@ def prefetch_l2(ptr, nbytes):
 def prefetch_rows(w_ptr, stride_e, stride_n, expert, program, ROWS: tl.constexpr, ROW_BYTES: tl.constexpr,
                   NUM_ROWS: tl.constexpr):
     """Asks L2 for rows [program * ROWS, + ROWS) (those under NUM_ROWS) of expert `expert`'s block of w [E, NUM_ROWS,
-    ...] (strides in elements; a row ROW_BYTES bytes, contiguous with the next: down_rows_prefetch's checks)."""
+    ...] (strides in elements; a row ROW_BYTES bytes, contiguous with the next: rows_prefetch's checks)."""
     first = program * ROWS
     rows = tl.minimum(NUM_ROWS - first, ROWS)
     prefetch_l2(w_ptr + expert.to(tl.int64) * stride_e + first.to(tl.int64) * stride_n,
@@ -54,8 +54,10 @@ def prefetch_rows(w_ptr, stride_e, stride_n, expert, program, ROWS: tl.constexpr
 def rows_prefetch(w: torch.Tensor, programs: int) -> dict:
     """prefetch_rows' arguments for `programs` programs sharing each expert's rows of w [E, N, ...], or {} where its
     rows are not contiguous 16-byte-aligned runs."""
+    if w.dim() < 3:
+        return {}
     row_bytes = w[0, 0].numel() * w.element_size()
-    if not (w.dim() >= 3 and w[0, 0].is_contiguous() and w.stride(1) * w.element_size() == row_bytes
+    if not (w[0, 0].is_contiguous() and w.stride(1) * w.element_size() == row_bytes
             and w.stride(0) == w.shape[1] * w.stride(1) and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0):
         return {}
     return dict(w2_ptr=w, stride_w2e=w.stride(0), stride_w2n=w.stride(1), W2_ROW_BYTES=row_bytes,
