@@ -59,44 +59,47 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Returns (o [T, value_heads, dv], the state after the last token), both float32; `state` is not written.
     """
     tokens, heads = v.shape[0], v.shape[1]
-    # Heads first, float32: [H, T, d] and [H, T].
-    q, k = (_heads_of_values(x, heads, 1).transpose(0, 1).float() for x in (q, k))
-    v, g, beta = v.transpose(0, 1).float(), g.transpose(0, 1).float(), beta.transpose(0, 1).float()
-    q = q * scale
+    group = heads // q.shape[1]
     # Padding tokens have beta = 0 and g = 0: they write nothing and do not decay the state, so the final state is
     # the last real token's.
     pad = -tokens % chunk
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
     n = (tokens + pad) // chunk
-    q, k, v = (x.reshape(heads, n, chunk, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.reshape(heads, n, chunk), beta.reshape(heads, n, chunk)
 
-    decay = g.cumsum(-1)  # [H, N, C]: log of the decay from the chunk's start to each token, inclusive
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    def by_chunk(x: torch.Tensor) -> torch.Tensor:
+        """[T, heads, ...] -> [N, heads, C, ...] float32, contiguous: chunk after chunk, each a slice in one piece."""
+        x = F.pad(x.float(), (0, 0) * (x.dim() - 1) + (0, pad))
+        return x.reshape(n, chunk, *x.shape[1:]).transpose(1, 2).contiguous()
+
+    q, k, v = by_chunk(q) * scale, by_chunk(k), by_chunk(v)  # q, k per key head, v per value head
+    g, beta = by_chunk(g[..., None])[..., 0], by_chunk(beta[..., None])[..., 0]  # [N, H, C]
+
+    def per_value_head(x: torch.Tensor) -> torch.Tensor:  # a key head's [N, key_heads, ...] for each of its group
+        return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+    decay = g.cumsum(-1)  # [N, H, C]: log of the decay from the chunk's start to each token, inclusive
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
     # between[..., i, j] = exp(decay_i - decay_j) for j <= i, else 0: the decay from token j's write to token i.
     between = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-    k_beta = k * beta.unsqueeze(-1)
     # Writes u of a chunk solve (I + L) u = beta * (v - exp(decay) S0^T k), with L strictly lower:
     # L[i, j] = beta_i exp(decay_i - decay_j) k_i . k_j. Split by linearity into a part without S0 and the
-    # matrix that maps S0 to its share.
-    system = (k_beta @ k.transpose(-1, -2)) * between
+    # matrix that maps S0 to its share. The products k_i . k_j and q_i . k_j are a key head's, formed once.
+    system = per_value_head(k @ k.transpose(-1, -2)) * beta.unsqueeze(-1) * between
     solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # noqa: E731
     u_free = solve(v * beta.unsqueeze(-1))
-    k_reads = solve(k_beta * decay.exp().unsqueeze(-1))
-    attn = (q @ k.transpose(-1, -2)) * between  # within-chunk reads, the diagonal included
-    q_decayed = q * decay.exp().unsqueeze(-1)
-    k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    k = per_value_head(k)
+    k_reads = solve(k * (beta * decay.exp()).unsqueeze(-1))
+    attn = per_value_head(q @ k[:, ::group].transpose(-1, -2)) * between  # within-chunk reads, the diagonal too
+    q_decayed = per_value_head(q) * decay.exp().unsqueeze(-1)
+    k_to_end = (k * (decay[..., -1:] - decay).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()
     chunk_decay = decay[..., -1].exp()[..., None, None]
 
     s = state.float()
     out = torch.empty_like(v)
     for c in range(n):
-        u = u_free[:, c] - k_reads[:, c] @ s
-        out[:, c] = q_decayed[:, c] @ s + attn[:, c] @ u
-        s = s * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ u
-    out = out.reshape(heads, n * chunk, -1)[:, :tokens]
-    return out.transpose(0, 1).contiguous(), s
+        u = u_free[c] - k_reads[c] @ s
+        out[c] = q_decayed[c] @ s + attn[c] @ u
+        s = s * chunk_decay[c] + k_to_end[c] @ u
+    return out.transpose(1, 2).reshape(n * chunk, heads, -1)[:tokens].contiguous(), s
 
 
 def gated_delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
