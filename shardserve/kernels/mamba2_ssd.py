@@ -31,13 +31,14 @@ def _by_head(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // t.shape[-2], dim=-2)
 
 
-# Blocks a prompt chunk computes at once (ssd_chunked) on a GPU: their quadratic forms and the state carried between
-# them in a few batched products rather than a dozen small launches a block. The transient decay and score tensors
-# take 2 * GPU_CHUNKS_AT_ONCE * chunk_size**2 * heads floats: 34 MB at 8 blocks of 128 tokens and 64 heads. On CPUs
-# one block at a time, whose tensors stay in cache, is fastest: a 4,096-token prompt of Nemotron-3-Nano's 64 heads
-# took 0.32 s at 1 block, 0.40 at 2, 0.45 at 8 (and 0.44 s a head at a time before C . B was formed once a group), on
-# a 2-core EPYC. (The GPU figure is not measured yet.)
-GPU_CHUNKS_AT_ONCE = 8
+# Bytes of one decay matrix (blocks x heads x chunk_size**2 float32) a pass of ssd_chunked may take on a GPU: its
+# blocks' quadratic forms and the state carried between them in a few batched products rather than a dozen small
+# launches a block, with transients of about three such matrices (at 32 MiB: 8 blocks of 128 tokens at
+# Nemotron-3-Nano's 64 heads, 4 at 128 heads). On CPUs one block at a time, whose tensors stay in cache, is
+# fastest: a 4,096-token prompt of Nemotron-3-Nano's 64 heads took 0.23 to 0.32 s at 1 block, 0.40 at 2, 0.45 at 8
+# (and 0.43 s a head at a time before C . B was formed once a group), on a 2-core EPYC. (The GPU figure is not
+# measured yet.)
+GPU_PASS_BYTES = 32 * 2**20
 
 
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -48,9 +49,10 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     Returns (y [T, heads, head_dim] float32, the state after the last token, float32).
 
     The tokens go in blocks of chunk_size from the first, up to chunks_at_once blocks in one pass (_ssd_blocks;
-    None: GPU_CHUNKS_AT_ONCE on a GPU, 1 elsewhere); the state carries from pass to pass."""
+    None: as many as GPU_PASS_BYTES allows on a GPU, 1 elsewhere); the state carries from pass to pass."""
     if chunks_at_once is None:
-        chunks_at_once = 1 if x.device.type == "cpu" else GPU_CHUNKS_AT_ONCE
+        per_block = x.shape[1] * chunk_size * chunk_size * 4
+        chunks_at_once = 1 if x.device.type == "cpu" else max(1, GPU_PASS_BYTES // per_block)
     x, b, c, state, a = x.float(), b.float(), c.float(), state.float(), a.float()
     ys = []
     span = chunk_size * chunks_at_once
