@@ -143,8 +143,7 @@ FOLD_SHARED_EXPERT = _declare("SHARDSERVE_FOLD_SHARED_EXPERT", BOOL, True,
 GEMV_SWIGLU_OUT = _declare("SHARDSERVE_GEMV_SWIGLU_OUT", CHOICE, "auto",
                            "off: start-up does not time the SwiGLU-out GEMV forms", ("auto", "off"), plan=True)
 ATTENTION_OVERLAP = _declare("SHARDSERVE_ATTENTION_OVERLAP", CHOICE, "on",
-                             "the o projection's GEMV may launch to overlap attention (out_proj's: the DeltaNet "
-                             "step)", ("on", "off"), plan=True)
+                             "the o projection's GEMV may launch to overlap attention", ("on", "off"), plan=True)
 MOE_PREFETCH_DOWN = _declare("SHARDSERVE_MOE_PREFETCH_DOWN", CHOICE, "on",
                              "off: a single token's FP8 w13 expert programs do not ask L2 for the chosen experts' "
                              "w2 rows", ("on", "off"), plan=True)
