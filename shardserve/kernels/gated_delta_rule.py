@@ -86,9 +86,9 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     system = per_value_head(k @ k.transpose(-1, -2)) * beta.unsqueeze(-1) * between
     solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # noqa: E731
     u_free = solve(v * beta.unsqueeze(-1))
+    attn = per_value_head(q @ k.transpose(-1, -2)) * between  # within-chunk reads, the diagonal included
     k = per_value_head(k)
     k_reads = solve(k * (beta * decay.exp()).unsqueeze(-1))
-    attn = per_value_head(q @ k[:, ::group].transpose(-1, -2)) * between  # within-chunk reads, the diagonal too
     q_decayed = per_value_head(q) * decay.exp().unsqueeze(-1)
     k_to_end = (k * (decay[..., -1:] - decay).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()
     chunk_decay = decay[..., -1].exp()[..., None, None]

@@ -53,12 +53,12 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     if chunks_at_once is None:
         per_block = x.shape[1] * chunk_size * chunk_size * 4
         chunks_at_once = 1 if x.device.type == "cpu" else max(1, GPU_PASS_BYTES // per_block)
-    x, b, c, state, a = x.float(), b.float(), c.float(), state.float(), a.float()
+    x, b, c, d, state, a = x.float(), b.float(), c.float(), d.float(), state.float(), a.float()
     ys = []
     span = chunk_size * chunks_at_once
     for s in range(0, x.shape[0], span):
         y, state = _ssd_blocks(x[s:s + span], dt[s:s + span], a, b[s:s + span], c[s:s + span], state, chunk_size)
-        ys.append(y + d.float()[:, None] * x[s:s + span])
+        ys.append(y + d[:, None] * x[s:s + span])
     return torch.cat(ys), state
 
 
