@@ -39,6 +39,10 @@ class PipelineLinks:
         dist.recv(x, src=self.previous)
         return x
 
+    def receive_hidden_into(self, x: torch.Tensor) -> None:
+        """receive_hidden into x (contiguous: a decode graph's input buffer)."""
+        dist.recv(x, src=self.previous)
+
     def send_logits(self, logits: torch.Tensor) -> None:
         dist.send(logits.float().contiguous(), dst=0)
 

@@ -21,6 +21,11 @@ max_num_seqs sequences of k + 1 rows.
 Across GPUs of one host (peer memory), each graph begins with the broadcast of rank 0's input tokens
 (distributed/token_broadcast.py): only rank 0 writes them before a replay, and the other ranks' graphs wait
 for them inside, so no eager collective runs between two replays.
+
+A pipeline stage (distributed/pipeline.py) captures its own layers only: a stage after the first reads the residual
+stream from a static buffer (stage_input), which the runner receives into before the replay, and every stage but
+the last returns the stream it computed, which the runner sends on after it; the last returns logits. The sends and
+receives stay outside the graphs, so a stage's replay never waits inside for another stage.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 
 from shardserve import envs
 from shardserve.attention.batch import StepBatch
+from shardserve.config import PipelineStage
 from shardserve.distributed.communicator import Communicator
 from shardserve.engine.graph_inputs import GraphInputs
 from shardserve.wire.step_plan import SeqChunk
@@ -147,11 +153,13 @@ def graph_unsafe_reason(module) -> str:
 class CudaGraphRunner:
     def __init__(self, model, kv_caches, backend, comm: Communicator, max_batch: int, max_model_len: int,
                  split_sizes: frozenset[int], hidden_bytes_per_token: int, state_pools: dict | None = None,
-                 max_shared_rows: int = 0) -> None:
+                 max_shared_rows: int = 0, stage: PipelineStage | None = None,
+                 stream_dtype: torch.dtype | None = None) -> None:
         """state_pools: a hybrid model's recurrent-state pools by layer (engine/model_runner.py); its decode
         graphs read each row's slot in them from a static buffer, and padding rows' slot -1 steps no state.
         max_shared_rows: the most rows of steps whose rows share sequences (verification, StepBatch.decode_rows),
-        or 0 where none are graphed."""
+        or 0 where none are graphed. stage: this rank's pipeline stage (the module docstring), whose residual
+        stream is of stream_dtype."""
         self.model = model
         self.kv_caches = kv_caches
         self.state_pools = state_pools or {}
@@ -168,6 +176,12 @@ class CudaGraphRunner:
         self.token_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         self.state_slots = torch.full((self.max_batch,), -1, dtype=torch.long, device=device)
+        self.stage = stage
+        # A later stage's input: the stream rows [0, n) of a step of n rows, received before each replay; the
+        # padding rows past n keep an earlier step's finite values, which no cache or state keeps.
+        self.hidden_in = None
+        if stage is not None and not stage.is_first:
+            self.hidden_in = torch.zeros(self.max_batch, model.config.hidden_size, dtype=stream_dtype, device=device)
         max_blocks = -(-max_model_len // backend.block_size)
         self.static_meta = backend.static_decode_metadata(self.max_batch, max_blocks)
         meta = self.static_meta
@@ -176,7 +190,8 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         # By (rows, whether rows share sequences).
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph | PiecewiseGraph] = {}
-        self.logits: dict[tuple[int, bool], torch.Tensor | None] = {}
+        # Each graph's output: logits (None on ranks that hold none), or a stage's residual stream before the last.
+        self.outputs: dict[tuple[int, bool], torch.Tensor | None] = {}
         # Each graph's first kernel takes the input tokens from rank 0 (peer memory): the other ranks write none.
         self.shares_tokens = comm.tokens is not None
         self.timer = ReplayTimer(comm.rank) if ReplayTimer.wanted() else None
@@ -213,10 +228,10 @@ class CudaGraphRunner:
             forward()  # warm up: compiles kernels, creates library handles, outside any capture
             torch.cuda.synchronize()
             if size * self.hidden_bytes_per_token in self.split_sizes:
-                self.graphs[key], self.logits[key] = self._capture_pieces(forward)
+                self.graphs[key], self.outputs[key] = self._capture_pieces(forward)
                 pieces += 1
             else:
-                self.graphs[key], self.logits[key] = self._capture_whole(forward)
+                self.graphs[key], self.outputs[key] = self._capture_whole(forward)
         gc.collect()
         torch.cuda.synchronize()
         shared = (f", {len(self.shared_buckets)} of rows that share sequences (2 to {self.shared_buckets[-1]})"
@@ -230,22 +245,29 @@ class CudaGraphRunner:
             self.inputs.unpack(size)
             if self.shares_tokens:
                 self.comm.broadcast_from_first(self.token_ids[:size])
-            hidden = self.model(self.token_ids[:size], self.positions[:size], self._layer_caches(size), meta)
-            return self.model.compute_logits(hidden)
+            staged = () if self.stage is None else (None if self.hidden_in is None else self.hidden_in[:size],)
+            hidden = self.model(self.token_ids[:size], self.positions[:size], self._layer_caches(size), meta,
+                                *staged)
+            return hidden if self.stage is not None and not self.stage.is_last else self.model.compute_logits(hidden)
         return forward
 
+    def stage_input(self, rows: int) -> torch.Tensor:
+        """Where a later pipeline stage receives a step's residual stream of `rows` rows before its replay."""
+        return self.hidden_in[:rows]
+
     def _layer_caches(self, size: int) -> list:
-        """What each layer reads and writes in a graph of `size` rows: its KV cache, or for a linear-attention
-        layer (its state pool, the rows' static slots, None: one token a row)."""
-        if not self.state_pools and len(self.kv_caches) == self.model.config.num_layers:
+        """What each layer reads and writes in a graph of `size` rows: its KV cache (a pipeline stage's layers'
+        only), or for a linear-attention layer (its state pool, the rows' static slots, None: one token a row)."""
+        cfg = self.model.config
+        if not self.state_pools and len(cfg.kv_layers) == cfg.num_layers:
             return self.kv_caches
         return layer_caches(self.model.config, self.kv_caches, self.state_pools, self.state_slots[:size], None)
 
     def _capture_whole(self, forward):
         graph = torch.cuda.CUDAGraph()
         with self.comm.capturing(), torch.cuda.graph(graph, pool=self.pool):
-            logits = forward()
-        return graph, logits
+            out = forward()
+        return graph, out
 
     def _capture_pieces(self, forward):
         graph = PiecewiseGraph(self.pool)
@@ -253,13 +275,14 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), self.comm.capturing(split_piece=graph.split):
             graph.begin()
-            logits = forward()
+            out = forward()
             graph.end()
         torch.cuda.current_stream().wait_stream(stream)
-        return graph, logits
+        return graph, out
 
     def run(self, batch: StepBatch, device_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Replay the decode step for `batch`; returns logits for its rows (rank 0), None elsewhere.
+        """Replay the decode step for `batch`; returns logits for its rows (rank 0), None elsewhere; a pipeline
+        stage before the last returns the residual stream of its rows, the last its logits where it holds them.
 
         With `device_tokens` (the previous step's samples) the graph's first kernel reads the input tokens from
         them and the host never waits: the one host-to-device copy here is from pinned memory, queued in
@@ -278,6 +301,6 @@ class CudaGraphRunner:
             self.timer.around(graph.replay)
         else:
             graph.replay()
-        logits = self.logits[size, shared]
-        return None if logits is None else logits[:n]
+        out = self.outputs[size, shared]
+        return None if out is None else out[:n]
 

@@ -160,11 +160,6 @@ class ModelRunner:
                 logger.info("no CUDA graphs: with MTP proposals every step also returns its last hidden states "
                             "(engine/mtp.py), which the decode graphs do not")
             return
-        if self.stage is not None:
-            if self.ctx.is_driver:
-                logger.info("no CUDA graphs: pipeline stages run each step eagerly (the activations' sends between "
-                            "stages are not captured)")
-            return
         if not hasattr(self.attention, "static_decode_metadata"):
             if getattr(self.model, "attention_backend", None) is not None and self.ctx.is_driver:
                 logger.warning("no CUDA graphs: %s's attention backend %s keeps no static decode metadata; decode "
@@ -181,7 +176,8 @@ class ModelRunner:
         shared_rows = self._graph_rows() if self.rows_per_sequence > 1 and not self.state_pools else 0
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.attention, self.ctx.comm,
                                       self.config.max_num_seqs, self.max_model_len, split_sizes,
-                                      self._hidden_bytes_per_token(), self.state_pools, shared_rows)
+                                      self._hidden_bytes_per_token(), self.state_pools, shared_rows, self.stage,
+                                      self.dtype)
         self.graphs.capture_all()
 
     # -- sleep / wake -----------------------------------------------------------------------------
@@ -510,6 +506,8 @@ class ModelRunner:
                 device_tokens = self._input_tokens(plan, batch, device_tokens)
         if graphed:
             self._zero_fresh_slots(batch)
+            if self.stage is not None:
+                return self._replay_stage(batch, device_tokens)
             logits = self.graphs.run(batch, device_tokens)
             if logits is not None and len(batch.sample_rows) < batch.num_tokens:
                 logits = logits[self._long(batch.sample_rows)]
@@ -546,17 +544,34 @@ class ModelRunner:
         """One pipeline stage's part of a step: the residual stream from the stage before (none on the first), this
         stage's layers, then the stream on to the next stage, or on the last the logits to rank 0, which returns
         them as execute does (the other ranks return none)."""
-        stage, pipe = self.stage, self.pipe
         hidden = None
-        if not stage.is_first:
-            hidden = pipe.receive_hidden(batch.num_tokens, self.model_config.hidden_size, self.dtype)
+        if not self.stage.is_first:
+            hidden = self.pipe.receive_hidden(batch.num_tokens, self.model_config.hidden_size, self.dtype)
         out = self.model(token_ids, self._long(batch.positions), self._layer_caches(batch), meta, hidden)
+        if self.stage.is_last and batch.sample_rows:
+            out = self.model.compute_logits(out[self._long(batch.sample_rows)])
+        return self._stage_result(batch, out)
+
+    def _replay_stage(self, batch: StepBatch, device_tokens: torch.Tensor | None
+                      ) -> tuple[list[int], torch.Tensor | None]:
+        """_execute_stage with this stage's layers replayed from its decode graph (engine/cuda_graphs.py): the
+        stream received into the graph's input buffer, and the graph's stream or logits passed on."""
+        if not self.stage.is_first:
+            self.pipe.receive_hidden_into(self.graphs.stage_input(batch.num_decode))
+        out = self.graphs.run(batch, device_tokens)  # every row samples: logits for each on the last stage
+        if out is not None and self.stage.is_last and len(batch.sample_rows) < batch.num_tokens:
+            out = out[self._long(batch.sample_rows)]
+        return self._stage_result(batch, out)
+
+    def _stage_result(self, batch: StepBatch, out: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
+        """A stage's step after its layers: `out` (the residual stream) sent on to the next stage, or on the last
+        stage `out` (the sampled rows' logits, where this rank holds them) sent to rank 0, which returns them as
+        execute does (the other ranks return none)."""
+        stage, pipe = self.stage, self.pipe
         if not stage.is_last:
             pipe.send_hidden(out)
-        elif batch.sample_rows:
-            logits = self.model.compute_logits(out[self._long(batch.sample_rows)])
-            if pipe.sends_logits:
-                pipe.send_logits(logits)
+        elif batch.sample_rows and pipe.sends_logits:
+            pipe.send_logits(out)
         if not batch.sample_rows:
             return [], None
         if self.ctx.is_driver:

@@ -189,15 +189,25 @@ def _rank_process(server_pid: int, rank: int) -> int:
 
 
 @pytest.mark.gpu
-def test_two_stages_on_gpus_give_transformers_tokens(tiny_model_dir):
-    """The NCCL path: sends between GPUs, each stage eager (no CUDA graphs)."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
-    model_dir = tiny_model_dir("qwen3-moe")
-    with LLM(model_dir, pipeline_parallel_size=2, device="cuda", dtype="float32", max_model_len=MAX_MODEL_LEN,
-             gpu_memory_utilization=0.3) as llm:
+@pytest.mark.parametrize("name, tp", [("qwen3-moe", 1), ("llama-tied", 2)], ids=["pp2", "tp2-pp2"])
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_stages_on_gpus_give_transformers_tokens(tiny_model_dir, name, tp, eager):
+    """The NCCL path: sends between GPUs, each stage replaying its own decode graphs (the sends between them eager),
+    or each stage eager; rank 0's decode steps replay its graphs where they are on."""
+    if torch.cuda.device_count() < 2 * tp:
+        pytest.skip(f"needs {2 * tp} CUDA GPUs, found {torch.cuda.device_count()}")
+    model_dir = tiny_model_dir(name)
+    with LLM(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=2, device="cuda", dtype="float32",
+             max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.3, enforce_eager=eager) as llm:
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager
+        replays = []
+        if graphs is not None:
+            run = graphs.run
+            graphs.run = lambda *a, **k: replays.append(1) or run(*a, **k)
         outputs = llm.generate(PROMPTS, _greedy())
     assert [tuple(o.token_ids) for o in outputs] == list(_reference(model_dir))
+    assert bool(replays) != eager
 
 
 def test_the_planner_gives_each_stage_its_layers_weights_and_kv_cache(tiny_model_dir):
