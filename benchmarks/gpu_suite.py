@@ -12,6 +12,7 @@ Llama-3-8B- or Llama-3-70B-shaped model with random bf16 weights (speed does not
     python benchmarks/gpu_suite.py --tp 1 --skip-hf --quantization gptq-int4-head  # the same with lm_head: true
     python benchmarks/gpu_suite.py --model qwen3-next-80b-a3b --tp 2 --skip-online --long-prompt 32768
     python benchmarks/gpu_suite.py --tp 1 --skip-hf --skip-online --kv-cache-dtype fp8 --long-prompt 131072
+    python benchmarks/gpu_suite.py --tp 1 --pp 2 --skip-hf --skip-online   # two pipeline stages (beside --tp 2)
 
 Each phase runs in its own process (a crash or hang in one cannot take the others down); the parent
 prints a table and writes benchmarks/results/<device-kind>[-<model>]-<YYYYMMDD>.json (no model part for
@@ -337,11 +338,13 @@ def phase_engine(args) -> dict:
     from shardserve.requests.sampling_params import SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(args.model_dir, tensor_parallel_size=args.tp[0], device="cuda", dtype="bfloat16", load_format="dummy",
+    llm = LLM(args.model_dir, tensor_parallel_size=args.tp[0], pipeline_parallel_size=args.pp, device="cuda",
+              dtype="bfloat16", load_format="dummy",
               max_model_len=max(2048, args.long_prompt + 16), max_num_seqs=OFFLINE_REQUESTS,
               max_num_batched_tokens=args.max_batched_tokens,
               quantization="fp8" if args.quantization == "fp8" else None, kv_cache_dtype=args.kv_cache_dtype)
     out = {"startup_s": time.perf_counter() - started, "kv_cache_blocks": llm.engine.runner.num_blocks,
+           "pipeline_parallel_size": args.pp,
            "kv_cache_dtype": args.kv_cache_dtype,
            "kernel_plan": llm.engine.runner.plan.describe()}
     runner = llm.engine.runner
@@ -367,7 +370,7 @@ def phase_engine(args) -> dict:
         samples.append(256 / (long - short))
     out["decode_bs1_tok_s"] = statistics.median(samples)
     out["decode_bs1_samples"] = samples
-    if runner.graphs is not None and args.tp[0] == 1:  # the device's share of a step: the batch-1 graph
+    if runner.graphs is not None and args.tp[0] == 1 and args.pp == 1:  # the device's share of a step: the graph
         # replayed alone (one rank only: with several, a graph replayed on rank 0 alone would wait in its
         # all-reduce for ranks that never join)
         out["decode_bs1_graph_replay_ms"] = graph_replay_ms(runner.graphs.decode_graph(1))
@@ -623,7 +626,8 @@ def run_phase(name: str, args, extra: list[str], timeout: int) -> dict:
     spawned ranks too) is sent SIGABRT, which with PYTHONFAULTHANDLER set prints each one's stack."""
     cmd = [sys.executable, __file__, "--phase", name, "--model", args.model, "--model-dir", args.model_dir,
            "--max-batched-tokens", str(args.max_batched_tokens), "--long-prompt", str(args.long_prompt),
-           "--offline-repeats", str(args.offline_repeats), "--kv-cache-dtype", args.kv_cache_dtype, *extra]
+           "--offline-repeats", str(args.offline_repeats), "--kv-cache-dtype", args.kv_cache_dtype,
+           "--pp", str(args.pp), *extra]
     if args.quantization:
         cmd += ["--quantization", args.quantization]
     print(f"== {name} {' '.join(extra)}", flush=True)
@@ -705,6 +709,8 @@ def main() -> int:
     p.add_argument("--tp", type=_sizes, default=None,
                    help="tensor-parallel sizes, e.g. 1,2 (default: every power of two up to the GPU count whose "
                         "share of the weights fits one GPU)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages of every engine run (world size TP x PP; default 1); results file -ppP")
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers baseline (only run for llama3-8b)")
     p.add_argument("--online", dest="online", action="store_true", default=None,
                    help="serve the offline TP=1 workload over HTTP and measure it with shardserve bench at "
@@ -768,9 +774,11 @@ def main() -> int:
         extra += [] if args.profile_online is None else ["--profile-online", args.profile_online]
         online = run_phase("online", args, extra, args.phase_timeout)
     results = summarize(report, engines, args.model, online)
+    results["pipeline_parallel_size"] = args.pp  # with P > 1, every tpN key is that of TP N x PP P
     print_table(results)
     os.makedirs(args.out, exist_ok=True)
     model = "" if args.model == "llama3-8b" else f"{args.model}-"
+    model += f"pp{args.pp}-" if args.pp > 1 else ""
     path = os.path.join(args.out, f"{results['device_kind']}-{model}{datetime.date.today():%Y%m%d}.json")
     if args.quantization:
         earlier = {}
