@@ -49,13 +49,12 @@ OVERLAP_ENV = envs.OVERLAP_STEPS.name
 def overlap_steps_enabled(runner: ModelRunner, world_size: int) -> bool:
     """Overlapped decoding pays where the device runs ahead of the host (CUDA graphs), at any number of ranks
     (the runner then broadcasts rank 0's sampled tokens on the data plane before each step computed ahead: at
-    TP=2 on two H200s, batch-1 decode took 2.96 ms a token with it and 4.18 without).
+    TP=2 on two H200s, batch-1 decode took 2.96 ms a token with it and 4.18 without). Under pipeline stages too: rank
+    0 is on the first stage, where the tokens are read, and receives the last stage's logits on the device, so a
+    step queued ahead waits for them on the device, not on the host; the sends and receives of the stages pair in
+    step order on every rank.
     SHARDSERVE_OVERLAP_STEPS=1 also forces it on CPUs, where it is correct but gains nothing;
     SHARDSERVE_OVERLAP_STEPS=0 turns it off."""
-    if runner.stage is not None:
-        logger.info("overlapped steps off: under pipeline stages each step's logits come back from the last stage "
-                    "before the next step is planned")
-        return False
     forced = envs.OVERLAP_STEPS.get()
     if forced is not None:
         return forced == "1"

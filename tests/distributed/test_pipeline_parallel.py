@@ -21,6 +21,7 @@ import httpx
 import pytest
 import torch
 
+from shardserve import envs
 from shardserve.config import EngineConfig, ModelConfig, PipelineStage, split_layers
 from shardserve.distributed.process_group import find_free_port
 from shardserve.entrypoints.llm import LLM
@@ -34,9 +35,10 @@ MAX_MODEL_LEN = 96
 BLOCKS = 20  # KV blocks of 16 tokens: 16 prompts of up to 40 tokens plus 24 new ones need more, so some wait
 PROMPTS = random_prompts([1 + (13 * i) % 40 for i in range(16)], seed=77)
 
-# (model, tensor-parallel size): an untied head on the last stage alone, a tied one (the last stage keeps the
-# embedding too) at 2 x 2.
-LAYOUTS = [("llama-untied", 1), ("llama-tied", 2), ("qwen3-moe", 1), ("qwen3-moe", 2)]
+# (model, tensor-parallel size, overlapped steps): an untied head on the last stage alone, a tied one (the last stage
+# keeps the embedding too) at 2 x 2; two layouts with overlapped steps forced on (on GPUs they are on with CUDA
+# graphs): rank 0 queues a step with its tokens still on the device before the step before it is resolved.
+LAYOUTS = [("llama-untied", 1, False), ("llama-tied", 2, True), ("qwen3-moe", 1, True), ("qwen3-moe", 2, False)]
 
 
 def _kv_cache_gb(model_dir: str, tp: int) -> float:
@@ -47,13 +49,17 @@ def _kv_cache_gb(model_dir: str, tp: int) -> float:
     return BLOCKS * most * 2 * 16 * kv_heads * cfg.head_dim * 4 / 2**30
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}-tp{p[1]}-pp2")
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}-tp{p[1]}-pp2" + "-overlapped" * p[2])
 def engine(request, tiny_model_dir):
-    name, tp = request.param
+    name, tp, overlap = request.param
     model_dir = tiny_model_dir(name)
-    with LLM(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=2, device="cpu", dtype="float32",
-             kv_cache_memory_gb=_kv_cache_gb(model_dir, tp), max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
-             max_num_batched_tokens=16) as llm:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(envs.OVERLAP_STEPS.name, "1" if overlap else "0")
+        llm = LLM(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=2, device="cpu", dtype="float32",
+                  kv_cache_memory_gb=_kv_cache_gb(model_dir, tp), max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
+                  max_num_batched_tokens=16)
+    with llm:
+        assert llm.engine.overlap_steps == overlap
         yield llm, model_dir, tp
 
 
@@ -94,9 +100,11 @@ def test_each_prompt_alone_gives_transformers_tokens(engine):
 def test_sixteen_at_once_with_chunked_prefill_and_preemption_give_transformers_tokens(engine):
     llm, model_dir, _ = engine
     preempted = llm.engine.scheduler.num_preemptions
+    overlapped = llm.engine.steps_overlapped
     outputs = llm.generate(PROMPTS, _greedy())
     assert [tuple(o.token_ids) for o in outputs] == list(_reference(model_dir))
     assert llm.engine.scheduler.num_preemptions > preempted, "the small KV cache must have preempted some"
+    assert (llm.engine.steps_overlapped > overlapped) == llm.engine.overlap_steps
     assert _all_blocks_free(llm)
 
 
@@ -192,8 +200,8 @@ def _rank_process(server_pid: int, rank: int) -> int:
 @pytest.mark.parametrize("name, tp", [("qwen3-moe", 1), ("llama-tied", 2)], ids=["pp2", "tp2-pp2"])
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_stages_on_gpus_give_transformers_tokens(tiny_model_dir, name, tp, eager):
-    """The NCCL path: sends between GPUs, each stage replaying its own decode graphs (the sends between them eager),
-    or each stage eager; rank 0's decode steps replay its graphs where they are on."""
+    """The NCCL path: sends between GPUs, each stage replaying its own decode graphs (the sends between them eager)
+    with overlapped steps, or each stage eager without; rank 0's decode steps replay its graphs where they are on."""
     if torch.cuda.device_count() < 2 * tp:
         pytest.skip(f"needs {2 * tp} CUDA GPUs, found {torch.cuda.device_count()}")
     model_dir = tiny_model_dir(name)
@@ -206,8 +214,9 @@ def test_stages_on_gpus_give_transformers_tokens(tiny_model_dir, name, tp, eager
             run = graphs.run
             graphs.run = lambda *a, **k: replays.append(1) or run(*a, **k)
         outputs = llm.generate(PROMPTS, _greedy())
+        overlapped = llm.engine.steps_overlapped
     assert [tuple(o.token_ids) for o in outputs] == list(_reference(model_dir))
-    assert bool(replays) != eager
+    assert bool(replays) != eager and bool(overlapped) != eager  # overlapped steps are on with the graphs
 
 
 def test_the_planner_gives_each_stage_its_layers_weights_and_kv_cache(tiny_model_dir):
