@@ -626,9 +626,11 @@ def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
     token scaled to the layers it holds (split by bytes as the engine splits them), its context re-derived."""
     from shardserve.config import split_layers
 
-    if nemotron_h.is_nemotron_h(cfg) or set(layer_kinds(cfg)) != {"attention"}:
-        raise ValueError("pipeline stages serve models whose every layer is attention (Llama, Qwen2/3, Mistral, "
-                         "DeepSeek-V3/V2 and their mixtures of experts); plan this model with -tp alone")
+    kinds = layer_kinds(cfg)
+    if nemotron_h.is_nemotron_h(cfg) or not set(kinds) <= {"attention", "linear_attention"}:
+        raise ValueError("pipeline stages serve models of attention layers (Llama, Qwen2/3, Mistral, DeepSeek-V3/V2 "
+                         "and their mixtures of experts) and the Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5); plan "
+                         "this model with -tp alone")
     pp, tp = req.pipeline_parallel_size, req.tensor_parallel_size
     # Every rank of every stage on one host unless ranks_per_host says otherwise (host memory counts them all).
     whole = plan(cfg, dataclasses.replace(req, pipeline_parallel_size=1, pipeline_stage=None,
@@ -637,14 +639,23 @@ def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
     first, last = end_elements_per_rank(cfg, tp)
     total = sum(per_layer) + first + last
     blocks = split_layers(per_layer, pp)
+    attention = [i for i, kind in enumerate(kinds) if kind == "attention"]
+    linear = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
     plans = []
     for s, block in enumerate(blocks):
+        held_attention = sum(i in block for i in attention)
+        if not held_attention:
+            raise ValueError(f"-pp {pp}: stage {s} (layers {block.start}-{block.stop - 1}) would hold no attention "
+                             f"layer (the attention layers: {attention}); plan fewer stages")
         elements = sum(per_layer[i] for i in block) + (first if s == 0 else 0) + (last if s == pp - 1 else 0)
+        # A hybrid's stage keeps the KV cache of its attention layers and the states of its Gated DeltaNet layers.
+        states = whole.state_bytes_per_seq * sum(i in block for i in linear) // len(linear) if linear else 0
         plans.append(_restaged(whole, whole.weight_bytes * elements // total,
-                               whole.kv_bytes_per_token * len(block) // len(per_layer), req,
-                               cfg.get("max_position_embeddings") or 2**31))
+                               whole.kv_bytes_per_token * held_attention // len(attention), req,
+                               cfg.get("max_position_embeddings") or 2**31, states))
     stages = [dict(stage=s, layers=[b.start, b.stop - 1], weight_bytes=p.weight_bytes,
-                   kv_bytes_per_token=p.kv_bytes_per_token, max_tokens_in_cache=p.max_tokens_in_cache, fits=p.fits)
+                   kv_bytes_per_token=p.kv_bytes_per_token, state_bytes_per_seq=p.state_bytes_per_seq,
+                   max_tokens_in_cache=p.max_tokens_in_cache, fits=p.fits)
               for s, (b, p) in enumerate(zip(blocks, plans))]
     if req.pipeline_stage is not None:
         chosen = plans[req.pipeline_stage]
@@ -661,10 +672,12 @@ def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
     return dataclasses.replace(chosen, stages=stages, warnings=warnings, fits=fits, reasons=reasons)
 
 
-def _restaged(whole: Plan, weights: int, per_token: int, req: PlanRequest, model_limit: int) -> Plan:
-    """`whole` (one stage) for a stage of `weights` bytes and `per_token` KV bytes a token per rank: its KV budget
-    (on GPUs, what its weights leave), tokens in cache, largest context and fit, derived as plan() derives them."""
-    max_len, states = whole.max_model_len, req.max_num_seqs * whole.state_bytes_per_seq
+def _restaged(whole: Plan, weights: int, per_token: int, req: PlanRequest, model_limit: int,
+              state_per_seq: int) -> Plan:
+    """`whole` (one stage) for a stage of `weights` bytes, `per_token` KV bytes a token and `state_per_seq` bytes of
+    layer state a sequence per rank: its KV budget (on GPUs, what its weights and states leave), tokens in cache,
+    largest context and fit, derived as plan() derives them."""
+    max_len, states = whole.max_model_len, req.max_num_seqs * state_per_seq
     if whole.usable_bytes is not None:
         budget = whole.usable_bytes - weights - whole.overhead_bytes - states
         cache_tokens = max(0, budget // per_token)
@@ -673,7 +686,7 @@ def _restaged(whole: Plan, weights: int, per_token: int, req: PlanRequest, model
         cache_tokens = max(0, (budget - states) // per_token)
     else:  # GPUs of unknown memory
         return dataclasses.replace(whole, weight_bytes=weights, kv_bytes_per_token=per_token,
-                                   kv_bytes_for_context=per_token * max_len)
+                                   kv_bytes_for_context=per_token * max_len, state_bytes_per_seq=state_per_seq)
     reasons = []
     if budget < 0 or cache_tokens < max_len:
         reasons.append(f"{max_len:,} tokens need {per_token * max_len / GIB:.2f} GiB of KV cache per rank, but "
@@ -682,6 +695,7 @@ def _restaged(whole: Plan, weights: int, per_token: int, req: PlanRequest, model
     fits = False if reasons or host else (None if whole.fits is None and whole.usable_bytes is None else True)
     return dataclasses.replace(whole, weight_bytes=weights, kv_bytes_per_token=per_token,
                                kv_bytes_for_context=per_token * max_len, kv_budget_bytes=budget,
+                               state_bytes_per_seq=state_per_seq,
                                max_tokens_in_cache=cache_tokens, largest_context=int(min(cache_tokens, model_limit)),
                                fits=fits, reasons=reasons + host)
 
@@ -745,6 +759,8 @@ def describe(p: Plan, tp: int) -> str:
     stages = [f"pipeline stage {s['stage']}: layers {s['layers'][0]}-{s['layers'][1]}, weights "
               f"{gib(s['weight_bytes'])} a rank, KV cache {s['kv_bytes_per_token'] / 1024:,.1f} KiB a token"
               + (f" = {s['max_tokens_in_cache']:,} tokens" if s['max_tokens_in_cache'] is not None else "")
+              + (f", state {s['state_bytes_per_seq'] / 2**20:,.1f} MiB a sequence" if s.get('state_bytes_per_seq')
+                 else "")
               for s in p.stages]
     if stages:
         stages.append("the stage whose KV cache holds the fewest tokens:")

@@ -137,12 +137,13 @@ class ReplayTimer:
                     len(between))
 
 
-def layer_caches(cfg, kv_caches: list, state_pools: dict, slots, starts) -> list:
-    """Each layer's cache in layer order: the next KV cache for each of cfg.kv_layers, (its pool, slots, starts)
-    for a layer with a state pool, None for any other layer."""
+def layer_caches(cfg, kv_caches: list, state_pools: dict, slots, starts, stage: PipelineStage | None = None) -> list:
+    """Each layer's cache in layer order, of the stage's layers (all without one): the next KV cache for each of
+    cfg.kv_layers, (its pool, slots, starts) for a layer with a state pool, None for any other layer."""
     kv, kv_layers = iter(kv_caches), set(cfg.kv_layers)
+    layers = range(cfg.num_layers) if stage is None else stage.layers
     return [(state_pools[i], slots, starts) if i in state_pools else next(kv) if i in kv_layers else None
-            for i in range(cfg.num_layers)]
+            for i in layers]
 
 
 def graph_unsafe_reason(module) -> str:
@@ -261,7 +262,8 @@ class CudaGraphRunner:
         cfg = self.model.config
         if not self.state_pools and len(cfg.kv_layers) == cfg.num_layers:
             return self.kv_caches
-        return layer_caches(self.model.config, self.kv_caches, self.state_pools, self.state_slots[:size], None)
+        return layer_caches(self.model.config, self.kv_caches, self.state_pools, self.state_slots[:size], None,
+                            self.stage)
 
     def _capture_whole(self, forward):
         graph = torch.cuda.CUDAGraph()

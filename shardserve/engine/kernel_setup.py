@@ -447,7 +447,14 @@ def checked_delta_net(model: nn.Module, dtype: torch.dtype, device: torch.device
 
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     if not layers:
-        return ""
+        stage = getattr(getattr(model, "model", None), "stage", None)
+        if stage is None or stage.count == 1 or not model.config.linear_attention_layers:
+            return ""
+        # A pipeline stage of a Gated DeltaNet hybrid that holds none of those layers takes part in every rank's
+        # rounds of checks (they exchange verdicts), checking nothing itself, and so arrives at the kernels the other
+        # stages serve.
+        return _checked_layer_kernels("Gated DeltaNet", [], delta_net_kernels(device), TorchDeltaNetKernels,
+                                      lambda kernels: None, ctx)
     first = layers[0]
     sizes = (first.key_heads, first.value_heads, first.dims.key_dim, first.dims.value_dim, first.dims.conv_kernel)
     return _checked_layer_kernels("Gated DeltaNet", layers, first.kernels or delta_net_kernels(device),
@@ -497,8 +504,9 @@ def _checked_layer_kernels(kind: str, layers: list[nn.Module], chosen, simplest:
                           "start-up stops here:\n  " + "\n  ".join(problems))
 
 
-def _only_failed(result: CheckResult) -> CheckResult | None:
-    return None if result.passed else result
+def _only_failed(result: CheckResult | None) -> CheckResult | None:
+    """The result where it failed; None where it passed or nothing was checked (None)."""
+    return None if result is None or result.passed else result
 
 
 # -- all-reduce -----------------------------------------------------------------------------------------

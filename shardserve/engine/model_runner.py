@@ -590,7 +590,7 @@ class ModelRunner:
             self._zero_fresh_slots(batch)
             slots = self._long(batch.state_slots)
             starts = None if batch.decode_only else batch.row_start
-        return layer_caches(cfg, self.kv_caches, self.state_pools, slots, starts)
+        return layer_caches(cfg, self.kv_caches, self.state_pools, slots, starts, self.stage)
 
     def _zero_fresh_slots(self, batch: StepBatch) -> None:
         """Zero the state slots of the chunks that start a sequence (a one-token prompt is one in a decode step)."""

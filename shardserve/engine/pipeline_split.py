@@ -19,17 +19,23 @@ IMBALANCE_WARNING = 1.5
 
 
 def refuse_unsupported(model_config: ModelConfig, stages: int) -> None:
-    """Pipeline stages serve models whose every layer is Llama-family attention (dense or mixture-of-experts MLPs);
-    others are refused by name rather than half-served."""
+    """Pipeline stages serve the models built as Llama's are (dense or mixture-of-experts MLPs, and the Gated
+    DeltaNet hybrids Qwen3-Next and Qwen3.5, each stage keeping the state pools of its own layers); others are
+    refused by name rather than half-served."""
     arch = model_config.architecture
-    why = None
     if not issubclass(model_class(arch), LlamaForCausalLM):
-        why = "its layers are not built in stages"
-    elif model_config.linear_attention_layers or len(model_config.kv_layers) != model_config.num_layers:
-        why = "it is a hybrid whose recurrent-state pools are not split into stages"
-    if why is not None:
-        raise ValueError(f"--pipeline-parallel-size {stages}: {arch} cannot be served in pipeline stages ({why}); "
-                         f"serve it with --tensor-parallel-size alone")
+        raise ValueError(f"--pipeline-parallel-size {stages}: {arch} cannot be served in pipeline stages (its "
+                         "layers are not built in stages); serve it with --tensor-parallel-size alone")
+
+
+def refuse_stages_without_attention(model_config: ModelConfig, blocks: list[range]) -> None:
+    """Every stage must hold an attention layer: a stage's KV cache and attention kernels are set up from its own
+    attention layers (a hybrid's stage of Gated DeltaNet layers only is refused, naming it)."""
+    for s, block in enumerate(blocks):
+        if not any(i in block for i in model_config.kv_layers):
+            raise ValueError(f"--pipeline-parallel-size {len(blocks)}: stage {s} (layers {block.start}-"
+                             f"{block.stop - 1}) would hold no attention layer of {model_config.architecture} (its "
+                             f"attention layers: {list(model_config.kv_layers)}); use fewer stages")
 
 
 def layer_bytes(config: EngineConfig, model_config: ModelConfig, tp: int) -> tuple[list[int], tuple[int, int]]:
@@ -56,6 +62,7 @@ def stage_of(config: EngineConfig, model_config: ModelConfig, ctx: RankContext, 
     refuse_unsupported(model_config, stages)
     per_layer, (first, last) = layer_bytes(config, model_config, ctx.tp_size)
     blocks = split_layers(per_layer, stages)
+    refuse_stages_without_attention(model_config, blocks)
     if ctx.is_driver:
         log_split(blocks, per_layer, first, last, ctx.tp_size, itemsize)
     mine = blocks[ctx.stage]

@@ -74,6 +74,7 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
         return DeltaNetDecoderLayer(GatedDeltaNet(dims, comm, dtype), mlp, cfg, dtype)
 
     def state_pools(self, num_slots: int, device: torch.device) -> dict[int, DeltaNetState]:
-        """A pool of num_slots zero states for each Gated DeltaNet layer (this rank's value heads)."""
+        """A pool of num_slots zero states for each Gated DeltaNet layer this rank holds (its pipeline stage's; its
+        value heads)."""
         return {i: self.model.layers[i].linear_attn.zero_state(batch=num_slots, device=device)
-                for i in self.config.linear_attention_layers}
+                for i in self.config.linear_attention_layers if self.model.stage.holds(i)}

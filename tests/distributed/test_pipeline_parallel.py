@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from shardserve import envs
-from shardserve.config import EngineConfig, ModelConfig, PipelineStage, split_layers
+from shardserve.config import EngineConfig, ModelConfig, split_layers
 from shardserve.distributed.process_group import find_free_port
 from shardserve.entrypoints.llm import LLM
 from shardserve.layers.sharding import attention_shard
@@ -38,15 +38,27 @@ PROMPTS = random_prompts([1 + (13 * i) % 40 for i in range(16)], seed=77)
 # (model, tensor-parallel size, overlapped steps): an untied head on the last stage alone, a tied one (the last stage
 # keeps the embedding too) at 2 x 2; two layouts with overlapped steps forced on (on GPUs they are on with CUDA
 # graphs): rank 0 queues a step with its tokens still on the device before the step before it is resolved.
-LAYOUTS = [("llama-untied", 1, False), ("llama-tied", 2, True), ("qwen3-moe", 1, True), ("qwen3-moe", 2, False)]
+# The Gated DeltaNet hybrids (each stage keeps the state pools of its own linear-attention layers): Qwen3-Next at
+# 2 x 2, Qwen3.5's mixture of experts with overlapped steps.
+LAYOUTS = [("llama-untied", 1, False), ("llama-tied", 2, True), ("qwen3-moe", 1, True), ("qwen3-moe", 2, False),
+           ("qwen3-next", 2, False), ("qwen3.5-moe", 1, True)]
 
 
 def _kv_cache_gb(model_dir: str, tp: int) -> float:
-    """--kv-cache-memory for BLOCKS blocks on the stage with the most layers (every rank agrees on the fewest)."""
+    """--kv-cache-memory (a rank) that leaves BLOCKS blocks on the stage that holds the fewest (every rank agrees on
+    the fewest): a stage's blocks are what its 16 sequences' recurrent states (a hybrid's linear-attention layers)
+    leave of the budget, over its attention layers' bytes a block. Stages split as the engine splits them."""
+    from shardserve.engine.pipeline_split import layer_bytes
+    from shardserve.planner import load_hf_config, state_bytes_per_seq
+
     cfg = ModelConfig.from_model_path(model_dir)
-    most = max(len(r) for r in split_layers([1] * cfg.num_layers, 2))
+    blocks = split_layers(layer_bytes(EngineConfig(model=model_dir, tensor_parallel_size=tp), cfg, tp)[0], 2)
     kv_heads = attention_shard(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 0, tp).num_kv
-    return BLOCKS * most * 2 * 16 * kv_heads * cfg.head_dim * 4 / 2**30
+    linear = cfg.linear_attention_layers
+    state_a_layer = state_bytes_per_seq(load_hf_config(model_dir), tp, 4) // len(linear) if linear else 0
+    budgets = [BLOCKS * sum(i in r for i in cfg.kv_layers) * 2 * 16 * kv_heads * cfg.head_dim * 4
+               + 16 * state_a_layer * sum(i in r for i in linear) for r in blocks]
+    return max(budgets) / 2**30
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}-tp{p[1]}-pp2" + "-overlapped" * p[2])
@@ -80,12 +92,23 @@ def test_each_stage_holds_its_layers_and_a_kv_cache_for_them_only(engine):
     llm, model_dir, tp = engine
     runner = llm.engine.runner
     cfg = ModelConfig.from_model_path(model_dir)
-    assert runner.stage == PipelineStage(0, 2, 0, split_layers([1] * cfg.num_layers, 2)[0].stop)
+    stage = runner.stage  # split by bytes: the stage's layers as the engine splits them
+    assert (stage.index, stage.count, stage.first_layer) == (0, 2, 0) and 0 < stage.end_layer < cfg.num_layers
     held = [i for i, layer in enumerate(runner.model.model.layers) if any(True for _ in layer.parameters())]
     assert held == list(runner.stage.layers)
     assert runner.model.lm_head is None and runner.model.model.norm is None  # on the last stage only
-    assert len(runner.kv_caches) == len(held)
+    assert len(runner.kv_caches) == len([i for i in held if i in cfg.kv_layers])
+    assert sorted(runner.state_pools) == [i for i in held if i in cfg.linear_attention_layers]
     assert llm.engine.block_manager.num_blocks == BLOCKS
+    # `shardserve plan -pp 2` says what this stage's rank holds: its KV bytes a token and states a sequence
+    from shardserve.planner import PlanRequest, load_hf_config, plan
+
+    staged = plan(load_hf_config(model_dir), PlanRequest(tp, MAX_MODEL_LEN, device="cpu", kv_cache_memory_gb=0.01,
+                                                         host_memory_gb=64, pipeline_parallel_size=2))
+    first = staged.stages[0]
+    assert first["layers"] == [stage.first_layer, stage.end_layer - 1]
+    assert first["kv_bytes_per_token"] == runner._kv_bytes_per_block() // runner.block_size
+    assert first["state_bytes_per_seq"] * llm.engine.config.max_num_seqs == runner._state_bytes()
 
 
 def test_each_prompt_alone_gives_transformers_tokens(engine):
@@ -124,7 +147,7 @@ def test_an_aborted_request_gives_its_blocks_back_and_the_others_are_unchanged(e
 
 
 def test_pipeline_sizes_are_checked_and_other_architectures_refused_by_name(tiny_model_dir):
-    from shardserve.engine.pipeline_split import refuse_unsupported
+    from shardserve.engine.pipeline_split import refuse_stages_without_attention, refuse_unsupported
 
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match=r"pipeline_parallel_size \(-pp\) must be a whole number"):
@@ -133,9 +156,12 @@ def test_pipeline_sizes_are_checked_and_other_architectures_refused_by_name(tiny
     with pytest.raises(ValueError, match="at least one decoder layer per stage, but the model has 2"):
         split_layers([1, 1], 3)
     assert split_layers([4, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 5)]  # by bytes, not by count
-    for name, why in (("qwen3-next", "hybrid"), ("nemotron-h", "not built")):
-        with pytest.raises(ValueError, match=f"cannot be served in pipeline stages.*{why}"):
-            refuse_unsupported(ModelConfig.from_model_path(tiny_model_dir(name)), 2)
+    with pytest.raises(ValueError, match="NemotronHForCausalLM cannot be served in pipeline stages.*not built"):
+        refuse_unsupported(ModelConfig.from_model_path(tiny_model_dir("nemotron-h")), 2)
+    refuse_unsupported(ModelConfig.from_model_path(tiny_model_dir("qwen3-next")), 2)  # served: each stage's states
+    odd = ModelConfig.from_model_path(tiny_model_dir("qwen3-next-odd"))  # layers 0 and 1 linear, 2 attention
+    with pytest.raises(ValueError, match=r"stage 0 \(layers 0-1\) would hold no attention layer.*use fewer stages"):
+        refuse_stages_without_attention(odd, [range(0, 2), range(2, 3)])
 
 
 def test_killing_a_stage_rank_fails_the_server_naming_rank_and_stage(tiny_model_dir):
@@ -197,7 +223,8 @@ def _rank_process(server_pid: int, rank: int) -> int:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, tp", [("qwen3-moe", 1), ("llama-tied", 2)], ids=["pp2", "tp2-pp2"])
+@pytest.mark.parametrize("name, tp", [("qwen3-moe", 1), ("qwen3-next", 1), ("llama-tied", 2)],
+                         ids=["pp2", "hybrid-pp2", "tp2-pp2"])
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_stages_on_gpus_give_transformers_tokens(tiny_model_dir, name, tp, eager):
     """The NCCL path: sends between GPUs, each stage replaying its own decode graphs (the sends between them eager)
