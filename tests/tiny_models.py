@@ -116,6 +116,14 @@ HYBRID_SPECS = {
         head_dim=16, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False)),
+    # Its layers as [attention, Gated DeltaNet, attention, attention]: in two pipeline stages the second holds no
+    # Gated DeltaNet layer.
+    "qwen3-next-attention-last": TinySpec("qwen3-next-attention-last", "qwen3_next", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=["full_attention", "linear_attention", "full_attention", "full_attention"],
+        intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+        num_experts_per_tok=2, mlp_only_layers=[1], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False)),
     # Odd counts for two ranks: 3 query heads over 1 KV head, 3 key heads (each with 2 value heads) that do not
     # split in 2 (Gated DeltaNet replicated), half of each head rotated, sparse blocks every second layer.
     "qwen3-next-odd": TinySpec("qwen3-next-odd", "qwen3_next", dict(

@@ -39,9 +39,10 @@ PROMPTS = random_prompts([1 + (13 * i) % 40 for i in range(16)], seed=77)
 # keeps the embedding too) at 2 x 2; two layouts with overlapped steps forced on (on GPUs they are on with CUDA
 # graphs): rank 0 queues a step with its tokens still on the device before the step before it is resolved.
 # The Gated DeltaNet hybrids (each stage keeps the state pools of its own linear-attention layers): Qwen3-Next at
-# 2 x 2, Qwen3.5's mixture of experts with overlapped steps.
+# 2 x 2, Qwen3.5's mixture of experts with overlapped steps, and a Qwen3-Next whose second stage holds attention
+# layers only (it takes part in the Gated DeltaNet kernels' start-up checks without layers of its own).
 LAYOUTS = [("llama-untied", 1, False), ("llama-tied", 2, True), ("qwen3-moe", 1, True), ("qwen3-moe", 2, False),
-           ("qwen3-next", 2, False), ("qwen3.5-moe", 1, True)]
+           ("qwen3-next", 2, False), ("qwen3.5-moe", 1, True), ("qwen3-next-attention-last", 1, False)]
 
 
 def _kv_cache_gb(model_dir: str, tp: int) -> float:
