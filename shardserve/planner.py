@@ -216,7 +216,9 @@ def end_elements_per_rank(cfg: dict, tp: int) -> tuple[int, int]:
 
 
 def layer_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: bool = False) -> list[int]:
-    """Each decoder layer's parameters on one rank, as weight_elements_per_rank counts them (not NemotronH)."""
+    """Each decoder layer's parameters on one rank, as weight_elements_per_rank counts them."""
+    if nemotron_h.is_nemotron_h(cfg):
+        return nemotron_h.layer_elements_per_rank(cfg, tp, replicated, active)
     h = cfg["hidden_size"]
     hd = attention_head_dim(cfg)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
@@ -626,11 +628,16 @@ def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
     token scaled to the layers it holds (split by bytes as the engine splits them), its context re-derived."""
     from shardserve.config import split_layers
 
-    kinds = layer_kinds(cfg)
-    if nemotron_h.is_nemotron_h(cfg) or not set(kinds) <= {"attention", "linear_attention"}:
-        raise ValueError("pipeline stages serve models of attention layers (Llama, Qwen2/3, Mistral, DeepSeek-V3/V2 "
-                         "and their mixtures of experts) and the Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5); plan "
-                         "this model with -tp alone")
+    if nemotron_h.is_nemotron_h(cfg):
+        attention, linear = nemotron_h.attention_and_state_layers(cfg)
+    else:
+        kinds = layer_kinds(cfg)
+        if not set(kinds) <= {"attention", "linear_attention"}:
+            raise ValueError("pipeline stages serve models of attention layers (Llama, Qwen2/3, Mistral, "
+                             "DeepSeek-V3/V2 and their mixtures of experts) and the hybrids Qwen3-Next, Qwen3.5 and "
+                             "NemotronH; plan this model with -tp alone")
+        attention = [i for i, kind in enumerate(kinds) if kind == "attention"]
+        linear = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
     pp, tp = req.pipeline_parallel_size, req.tensor_parallel_size
     # Every rank of every stage on one host unless ranks_per_host says otherwise (host memory counts them all).
     whole = plan(cfg, dataclasses.replace(req, pipeline_parallel_size=1, pipeline_stage=None,
@@ -639,8 +646,6 @@ def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
     first, last = end_elements_per_rank(cfg, tp)
     total = sum(per_layer) + first + last
     blocks = split_layers(per_layer, pp)
-    attention = [i for i, kind in enumerate(kinds) if kind == "attention"]
-    linear = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
     plans = []
     for s, block in enumerate(blocks):
         held_attention = sum(i in block for i in attention)
@@ -648,7 +653,8 @@ def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
             raise ValueError(f"-pp {pp}: stage {s} (layers {block.start}-{block.stop - 1}) would hold no attention "
                              f"layer (the attention layers: {attention}); plan fewer stages")
         elements = sum(per_layer[i] for i in block) + (first if s == 0 else 0) + (last if s == pp - 1 else 0)
-        # A hybrid's stage keeps the KV cache of its attention layers and the states of its Gated DeltaNet layers.
+        # A hybrid's stage keeps the KV cache of its attention layers and the states of its Gated DeltaNet or
+        # Mamba-2 layers.
         states = whole.state_bytes_per_seq * sum(i in block for i in linear) // len(linear) if linear else 0
         plans.append(_restaged(whole, whole.weight_bytes * elements // total,
                                whole.kv_bytes_per_token * held_attention // len(attention), req,

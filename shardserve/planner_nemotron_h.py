@@ -73,18 +73,32 @@ def _moe_elements(m: ModelConfig, tp: int, replicated: list[str], expert_paralle
     return total + 2 * h * m.moe_latent_size
 
 
-def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: bool = False,
-                             expert_parallel: bool = False) -> int:
-    """Parameters rank 0 of `tp` holds (with `active`, those one token reads); the blocks held whole on every rank
-    are named in `replicated`."""
+def layer_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: bool = False,
+                            expert_parallel: bool = False) -> list[int]:
+    """Each block's parameters on rank 0 of `tp` (its norm and mixer; with `active`, those one token reads); the
+    blocks held whole on every rank are named in `replicated`."""
     m = _model_config(cfg)
     per_kind = {"linear_attention": lambda: _mamba_elements(m, tp, replicated),
                 "full_attention": lambda: _attention_elements(m, tp, replicated),
                 "mlp": lambda: _mlp_elements(m, tp, replicated),
                 "moe": lambda: _moe_elements(m, tp, replicated, expert_parallel, active)}
-    total = sum(m.hidden_size + per_kind[kind]() for kind in m.layer_types)  # each block's norm and mixer
+    return [m.hidden_size + per_kind[kind]() for kind in m.layer_types]
+
+
+def weight_elements_per_rank(cfg: dict, tp: int, replicated: list[str], active: bool = False,
+                             expert_parallel: bool = False) -> int:
+    """Parameters rank 0 of `tp` holds (with `active`, those one token reads); the blocks held whole on every rank
+    are named in `replicated`."""
+    m = _model_config(cfg)
+    total = sum(layer_elements_per_rank(cfg, tp, replicated, active, expert_parallel))
     vocab_rows = -(-m.vocab_size // tp)
     return total + 2 * vocab_rows * m.hidden_size + m.hidden_size  # embedding, LM head, final norm
+
+
+def attention_and_state_layers(cfg: dict) -> tuple[list[int], list[int]]:
+    """(The attention layers, the Mamba-2 layers): those with a KV cache, those with a state a sequence."""
+    m = _model_config(cfg)
+    return list(m.kv_layers), list(m.linear_attention_layers)
 
 
 def packed_elements_per_rank(cfg: dict, tp: int) -> tuple[int, int, int]:

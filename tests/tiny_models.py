@@ -191,6 +191,13 @@ NEMOTRON_H_SPECS = {
         mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=48, moe_shared_expert_intermediate_size=32, n_group=2,
         topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, tie_word_embeddings=False)),
+    # In two pipeline stages (layers 0-2 and 3-5): an attention layer in each, Mamba-2 in the first only.
+    "nemotron-h-stages": TinySpec("nemotron-h-stages", "nemotron_h", dict(
+        hidden_size=64, layers_block_type=["linear_attention", "full_attention", "moe", "full_attention", "moe", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=6,
+        mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=48, moe_shared_expert_intermediate_size=32, n_group=2,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, tie_word_embeddings=False)),
     "nemotron-h-latent": TinySpec("nemotron-h-latent", "nemotron_h", dict(
         hidden_size=48, layers_block_type=["moe", "linear_attention", "full_attention", "mlp", "moe"],
         num_attention_heads=3, num_key_value_heads=1, head_dim=16, intermediate_size=64, mamba_num_heads=5,

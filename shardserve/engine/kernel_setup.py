@@ -447,12 +447,8 @@ def checked_delta_net(model: nn.Module, dtype: torch.dtype, device: torch.device
 
     layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     if not layers:
-        stage = getattr(getattr(model, "model", None), "stage", None)
-        if stage is None or stage.count == 1 or not model.config.linear_attention_layers:
+        if not _held_by_other_stages(model, mamba=False):
             return ""
-        # A pipeline stage of a Gated DeltaNet hybrid that holds none of those layers takes part in every rank's
-        # rounds of checks (they exchange verdicts), checking nothing itself, and so arrives at the kernels the other
-        # stages serve.
         return _checked_layer_kernels("Gated DeltaNet", [], delta_net_kernels(device), TorchDeltaNetKernels,
                                       lambda kernels: None, ctx)
     first = layers[0]
@@ -473,12 +469,25 @@ def checked_mamba2(model: nn.Module, dtype: torch.dtype, ssm_dtype: torch.dtype,
 
     layers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
     if not layers:
-        return ""
+        if not _held_by_other_stages(model, mamba=True):
+            return ""
+        return _checked_layer_kernels("Mamba-2", [], mamba2_kernels(device), TorchMamba2Kernels, lambda kernels: None,
+                                      ctx)
     first, d = layers[0], layers[0].dims
     sizes = (first.heads, first.groups, d.head_dim, d.state_size, d.conv_kernel, d.chunk_size, d.time_step_limit,
              d.conv_bias)
     return _checked_layer_kernels("Mamba-2", layers, first.kernels or mamba2_kernels(device), TorchMamba2Kernels,
                                   lambda kernels: check_mamba2(kernels, *sizes, dtype, ssm_dtype, device), ctx)
+
+
+def _held_by_other_stages(model: nn.Module, mamba: bool) -> bool:
+    """Whether this rank, holding none of the model's Gated DeltaNet (mamba False) or Mamba-2 (mamba True) layers,
+    is a pipeline stage of a model that has them (NemotronH's linear-attention layers are Mamba-2, keeps_ssm_states;
+    the others' Gated DeltaNet). Such a stage takes part in every rank's rounds of checks of those kernels (the ranks
+    exchange verdicts), checking nothing itself, and so arrives at the kernels the other stages serve."""
+    stage = getattr(getattr(model, "model", None), "stage", None)
+    return (stage is not None and stage.count > 1 and bool(model.config.linear_attention_layers)
+            and getattr(model, "keeps_ssm_states", False) == mamba)
 
 
 def _checked_layer_kernels(kind: str, layers: list[nn.Module], chosen, simplest: type, check,

@@ -9,7 +9,6 @@ import logging
 from shardserve.config import EngineConfig, ModelConfig, PipelineStage, split_layers
 from shardserve.distributed.process_group import RankContext
 from shardserve.models import model_class
-from shardserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -19,11 +18,12 @@ IMBALANCE_WARNING = 1.5
 
 
 def refuse_unsupported(model_config: ModelConfig, stages: int) -> None:
-    """Pipeline stages serve the models built as Llama's are (dense or mixture-of-experts MLPs, and the Gated
-    DeltaNet hybrids Qwen3-Next and Qwen3.5, each stage keeping the state pools of its own layers); others are
-    refused by name rather than half-served."""
+    """Pipeline stages serve the models built in stages (builds_in_stages: Llama's family with dense or
+    mixture-of-experts MLPs, DeepSeek's, the Gated DeltaNet hybrids Qwen3-Next and Qwen3.5, and NemotronH, each
+    stage keeping the KV cache and state pools of its own layers); others are refused by name rather than
+    half-served."""
     arch = model_config.architecture
-    if not issubclass(model_class(arch), LlamaForCausalLM):
+    if not getattr(model_class(arch), "builds_in_stages", False):
         raise ValueError(f"--pipeline-parallel-size {stages}: {arch} cannot be served in pipeline stages (its "
                          "layers are not built in stages); serve it with --tensor-parallel-size alone")
 

@@ -170,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     attention: type[nn.Module] = LlamaAttention  # every layer's attention block
+    builds_in_stages = True  # a pipeline stage builds its own layers only (`stage`)
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
                  expert_parallel: bool = False, stage: PipelineStage | None = None) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from shardserve.config import ModelConfig
+from shardserve.config import ModelConfig, PipelineStage
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.grouped_topk import GroupedTopK, GroupedTopKRouter
@@ -32,6 +32,7 @@ from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
 from shardserve.layers.shared_slots import experts_with_shared, shared_slots
 from shardserve.layers.sharding import attention_shard, expert_shard, split_rows
+from shardserve.models.llama import NotOnThisStage
 
 # A "moe" layer's expert tensors (after `backbone.` is read as `model.`): one expert's, or all experts' stacked.
 _EXPERT_TENSOR = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mixer\.experts\."
@@ -187,15 +188,22 @@ class NemotronHBlock(nn.Module):
 
 class NemotronHModel(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, stage: PipelineStage | None = None) -> None:
+        """`stage`: the layers this rank holds (default: all of them), as LlamaModel's."""
         super().__init__()
-        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
+        self.stage = stage = stage or PipelineStage.whole(cfg.num_layers)
+        # The last stage keeps the embedding where the head is tied to it.
+        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm) \
+            if stage.is_first or (stage.is_last and cfg.tie_word_embeddings) else None
         self.rotary = NoRotation(cfg.head_dim, max_positions, dtype)
         dims = Mamba2Dims(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size,
                           cfg.mamba_n_groups, cfg.mamba_conv_kernel, cfg.mamba_chunk_size, cfg.rms_norm_eps,
                           cfg.mamba_time_step_limit, cfg.mamba_conv_bias, cfg.mamba_proj_bias)
         layers = []
-        for kind in cfg.layer_types:
+        for i, kind in enumerate(cfg.layer_types):
+            if not stage.holds(i):
+                layers.append(NotOnThisStage())
+                continue
             if kind == "linear_attention":
                 mixer = Mamba2Mixer(dims, comm, dtype)
             elif kind == "full_attention":
@@ -208,13 +216,18 @@ class NemotronHModel(nn.Module):
                 raise ValueError(f"NemotronH layer type {kind!r} is not supported")
             layers.append(NemotronHBlock(kind, mixer, cfg, dtype))
         self.layers = nn.ModuleList(layers)
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.is_last else None
 
-    def forward(self, token_ids, positions, caches: list, meta) -> torch.Tensor:
-        x, residual = self.embeddings(token_ids), None
+    def forward(self, token_ids, positions, caches: list, meta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """caches: each held layer's, in layer order. `hidden`: on a stage after the first, the residual stream the
+        stage before returned. Returns the final norm's output on the last stage, else the residual stream (the
+        last block's output added to the stream before it) for the next stage."""
+        x, residual = (self.embeddings(token_ids) if self.stage.is_first else hidden), None
         rotary = self.rotary.lookup(positions)
-        for layer, cache in zip(self.layers, caches):
+        for layer, cache in zip(self.layers[self.stage.first_layer:self.stage.end_layer], caches):
             x, residual = layer(rotary, x, residual, cache, meta)
+        if not self.stage.is_last:
+            return x if residual is None else x + residual
         x, _ = self.norm_f(x, residual)
         return x
 
@@ -223,15 +236,27 @@ class NemotronHForCausalLM(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
     renamed_checkpoint_prefixes = {"backbone.": "model."}
     keeps_ssm_states = True  # its Mamba-2 layers' SSM state pools take --mamba-ssm-cache-dtype (state_pools)
+    builds_in_stages = True  # a pipeline stage builds its own layers only (`stage`)
     skipped_checkpoint_prefixes = {"mtp.": "the multi-token-prediction layers (speculative decoding, not served)"}
 
     def __init__(self, cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, max_positions: int,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, stage: PipelineStage | None = None) -> None:
+        """`stage`: the pipeline stage this rank builds (default: the whole model), as LlamaForCausalLM's."""
         super().__init__()
         self.config = cfg
         self.expert_parallel = expert_parallel
-        self.model = NemotronHModel(cfg, comm, dtype, max_positions, expert_parallel)
-        self.lm_head = ParallelLMHead(self.model.embeddings, cfg.tie_word_embeddings)
+        self.model = NemotronHModel(cfg, comm, dtype, max_positions, expert_parallel, stage)
+        stage = self.model.stage
+        self.lm_head = None
+        if stage.is_last:  # an untied head takes its vocabulary rows from an embedding this stage may not keep
+            embedding = self.model.embeddings if self.model.embeddings is not None else \
+                VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
+            self.lm_head = ParallelLMHead(embedding, cfg.tie_word_embeddings)
+        if stage.count > 1:  # the checkpoint's tensors of what other stages hold are passed over when loading
+            self.unused_checkpoint_prefixes = tuple(
+                f"model.layers.{i}." for i in range(cfg.num_layers) if not stage.holds(i)) + (
+                () if self.model.embeddings is not None else ("model.embeddings.",)) + (
+                () if stage.is_last else ("model.norm_f.", "lm_head."))
 
     @staticmethod
     def checkpoint_name(name: str) -> tuple[str, object] | None:
@@ -245,22 +270,27 @@ class NemotronHForCausalLM(nn.Module):
         weight = "w1" if (part or stacked) == "up_proj" else "w2"
         return f"{layer}.mixer.experts.{weight}", ("all" if stacked else (int(expert), None))
 
-    def forward(self, token_ids, positions, caches: list, meta) -> torch.Tensor:
-        """caches: one per layer, in layer order: a KVCache for each attention layer, (pool, slots, query_start)
-        for each Mamba-2 layer, None for an MLP or mixture-of-experts layer."""
-        return self.model(token_ids, positions, caches, meta)
+    def forward(self, token_ids, positions, caches: list, meta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """caches: one per layer this rank holds, in layer order: a KVCache for each attention layer, (pool, slots,
+        query_start) for each Mamba-2 layer, None for an MLP or mixture-of-experts layer. `hidden`: a later pipeline
+        stage's input (NemotronHModel.forward)."""
+        return self.model(token_ids, positions, caches, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
+    def held_kv_layers(self) -> list[int]:
+        """The attention layers (of config.kv_layers) this rank's pipeline stage holds: its KV cache's layers."""
+        return [i for i in self.config.kv_layers if self.model.stage.holds(i)]
+
     def paged_attention(self) -> PagedAttention:
-        return self.model.layers[self.config.kv_layers[0]].mixer.attn
+        return self.model.layers[self.held_kv_layers()[0]].mixer.attn
 
     def kv_heads_per_rank(self) -> int:
-        return self.model.layers[self.config.kv_layers[0]].mixer.shard.num_kv
+        return self.model.layers[self.held_kv_layers()[0]].mixer.shard.num_kv
 
     def state_pools(self, num_slots: int, device: torch.device, ssm_dtype: torch.dtype | None = None) -> dict[int, Any]:
-        """A pool of num_slots zero states for each Mamba-2 layer (this rank's heads and groups), the SSM states in
-        ssm_dtype (--mamba-ssm-cache-dtype; None: float32)."""
+        """A pool of num_slots zero states for each Mamba-2 layer this rank holds (its pipeline stage's; its heads and
+        groups), the SSM states in ssm_dtype (--mamba-ssm-cache-dtype; None: float32)."""
         return {i: self.model.layers[i].mixer.zero_state(batch=num_slots, device=device, ssm_dtype=ssm_dtype)
-                for i in self.config.linear_attention_layers}
+                for i in self.config.linear_attention_layers if self.model.stage.holds(i)}

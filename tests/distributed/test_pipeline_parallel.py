@@ -41,8 +41,10 @@ PROMPTS = random_prompts([1 + (13 * i) % 40 for i in range(16)], seed=77)
 # The Gated DeltaNet hybrids (each stage keeps the state pools of its own linear-attention layers): Qwen3-Next at
 # 2 x 2, Qwen3.5's mixture of experts with overlapped steps, and a Qwen3-Next whose second stage holds attention
 # layers only (it takes part in the Gated DeltaNet kernels' start-up checks without layers of its own).
+# NemotronH (Mamba-2 states, the second stage without Mamba-2 layers) at 2 and 2 x 2.
 LAYOUTS = [("llama-untied", 1, False), ("llama-tied", 2, True), ("qwen3-moe", 1, True), ("qwen3-moe", 2, False),
-           ("qwen3-next", 2, False), ("qwen3.5-moe", 1, True), ("qwen3-next-attention-last", 1, False)]
+           ("qwen3-next", 2, False), ("qwen3.5-moe", 1, True), ("qwen3-next-attention-last", 1, False),
+           ("nemotron-h-stages", 1, True), ("nemotron-h-stages", 2, False)]
 
 
 def _kv_cache_gb(model_dir: str, tp: int) -> float:
@@ -97,7 +99,8 @@ def test_each_stage_holds_its_layers_and_a_kv_cache_for_them_only(engine):
     assert (stage.index, stage.count, stage.first_layer) == (0, 2, 0) and 0 < stage.end_layer < cfg.num_layers
     held = [i for i, layer in enumerate(runner.model.model.layers) if any(True for _ in layer.parameters())]
     assert held == list(runner.stage.layers)
-    assert runner.model.lm_head is None and runner.model.model.norm is None  # on the last stage only
+    final_norm = getattr(runner.model.model, "norm", None) or getattr(runner.model.model, "norm_f", None)
+    assert runner.model.lm_head is None and final_norm is None  # on the last stage only
     assert len(runner.kv_caches) == len([i for i in held if i in cfg.kv_layers])
     assert sorted(runner.state_pools) == [i for i in held if i in cfg.linear_attention_layers]
     assert llm.engine.block_manager.num_blocks == BLOCKS
@@ -149,6 +152,7 @@ def test_an_aborted_request_gives_its_blocks_back_and_the_others_are_unchanged(e
 
 def test_pipeline_sizes_are_checked_and_other_architectures_refused_by_name(tiny_model_dir):
     from shardserve.engine.pipeline_split import refuse_stages_without_attention, refuse_unsupported
+    from shardserve.models.nemotron_h import NemotronHForCausalLM
 
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match=r"pipeline_parallel_size \(-pp\) must be a whole number"):
@@ -157,9 +161,13 @@ def test_pipeline_sizes_are_checked_and_other_architectures_refused_by_name(tiny
     with pytest.raises(ValueError, match="at least one decoder layer per stage, but the model has 2"):
         split_layers([1, 1], 3)
     assert split_layers([4, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 5)]  # by bytes, not by count
-    with pytest.raises(ValueError, match="NemotronHForCausalLM cannot be served in pipeline stages.*not built"):
-        refuse_unsupported(ModelConfig.from_model_path(tiny_model_dir("nemotron-h")), 2)
-    refuse_unsupported(ModelConfig.from_model_path(tiny_model_dir("qwen3-next")), 2)  # served: each stage's states
+    nemotron = ModelConfig.from_model_path(tiny_model_dir("nemotron-h"))
+    for served in ("qwen3-next", "nemotron-h"):  # each stage keeps its own layers' states
+        refuse_unsupported(ModelConfig.from_model_path(tiny_model_dir(served)), 2)
+    with pytest.MonkeyPatch.context() as patch:  # a family not built in stages is refused, not half-served
+        patch.setattr(NemotronHForCausalLM, "builds_in_stages", False)
+        with pytest.raises(ValueError, match="NemotronHForCausalLM cannot be served in pipeline stages.*not built"):
+            refuse_unsupported(nemotron, 2)
     odd = ModelConfig.from_model_path(tiny_model_dir("qwen3-next-odd"))  # layers 0 and 1 linear, 2 attention
     with pytest.raises(ValueError, match=r"stage 0 \(layers 0-1\) would hold no attention layer.*use fewer stages"):
         refuse_stages_without_attention(odd, [range(0, 2), range(2, 3)])
