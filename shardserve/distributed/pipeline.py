@@ -6,8 +6,10 @@ which alone holds the gathered logits, sends the rows rank 0 samples from. Point
 gloo on CPUs, NCCL on GPUs. Both ends know every shape from the plan, so nothing but the tensor crosses.
 
 Cost: one [tokens, hidden] tensor per stage boundary per step (hidden x dtype bytes a token), plus the sampled
-rows' float32 logits (vocab x 4 bytes a row) from the last stage to rank 0 once a step. Sampling on the last stage
-instead would send a token id a row; it is not done (rank 0 keeps the sampler, grammars and histories).
+rows' logits from the last stage to rank 0 once a step, in the dtype the LM head computes them in (agreed at
+start-up: agree_logits_dtype), so rank 0 samples from the values it would have had without stages (vocab x 2 bytes
+a row for a 16-bit model). Sampling on the last stage instead would send a token id a row; it is not done (rank 0
+keeps the sampler, grammars and histories).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class PipelineLinks:
         self.previous = ctx.rank_of(ctx.stage - 1, ctx.tp_rank) if ctx.stage > 0 else None
         self.next = ctx.rank_of(ctx.stage + 1, ctx.tp_rank) if ctx.stage < ctx.pp_size - 1 else None
         self.logits_source = ctx.rank_of(ctx.pp_size - 1, 0)  # the last stage's first rank
+        self.logits_dtype = torch.float32  # until agree_logits_dtype
 
     @property
     def sends_logits(self) -> bool:
@@ -43,10 +46,18 @@ class PipelineLinks:
         """receive_hidden into x (contiguous: a decode graph's input buffer)."""
         dist.recv(x, src=self.previous)
 
+    def agree_logits_dtype(self, computed: torch.dtype | None) -> torch.dtype:
+        """Every rank's logits dtype: `computed` where this rank sends the logits (what its LM head returns), the
+        sender's on the others (over the control plane, every rank taking part)."""
+        name = [str(computed).removeprefix("torch.") if self.sends_logits else None]
+        dist.broadcast_object_list(name, src=self.logits_source, group=self.ctx.control_group)
+        self.logits_dtype = getattr(torch, name[0])
+        return self.logits_dtype
+
     def send_logits(self, logits: torch.Tensor) -> None:
-        dist.send(logits.float().contiguous(), dst=0)
+        dist.send(logits.to(self.logits_dtype).contiguous(), dst=0)
 
     def receive_logits(self, rows: int, vocab_size: int) -> torch.Tensor:
-        logits = torch.empty(rows, vocab_size, dtype=torch.float32, device=self.ctx.device)
+        logits = torch.empty(rows, vocab_size, dtype=self.logits_dtype, device=self.ctx.device)
         dist.recv(logits, src=self.logits_source)
         return logits

@@ -113,6 +113,8 @@ class ModelRunner:
         if ctx.is_driver:
             logger.info("kernel plan: %s; every kernel checked against float64 on this model's shapes in %.2f s",
                         self.plan.describe(), self.self_check.seconds)
+        if self.pipe is not None:
+            self.pipe.agree_logits_dtype(self._logits_dtype())
         with setup_step("capture CUDA graphs", ctx.rank):
             self._capture_graphs()
         if self.device.type == "cuda":
@@ -150,6 +152,16 @@ class ModelRunner:
             raise ValueError(f"--mamba-ssm-cache-dtype {self.config.mamba_ssm_cache_dtype}: "
                              f"{self.model_config.architecture} has no Mamba-2 layers; leave it at auto")
         return self.model.state_pools(self.config.max_num_seqs, device, ssm_dtype=self.config.ssm_state_dtype)
+
+    @torch.inference_mode()
+    def _logits_dtype(self) -> torch.dtype | None:
+        """On the last pipeline stage, the dtype its LM head's logits come in (one row computed, every rank of the
+        stage taking part in its gather); None on the other stages and on the stage's other ranks."""
+        if not self.stage.is_last:
+            return None
+        row = torch.zeros(1, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        logits = self.model.compute_logits(row)
+        return None if logits is None else logits.dtype
 
     def _capture_graphs(self) -> None:
         if self.device.type != "cuda" or self.config.enforce_eager:
