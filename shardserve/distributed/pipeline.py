@@ -20,6 +20,10 @@ import torch.distributed as dist
 from shardserve.distributed.process_group import RankContext
 
 
+# The dtypes an LM head computes logits in.
+LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class PipelineLinks:
     """This rank's neighbours in the pipeline: the same tensor-parallel rank of the stages before and after."""
 
@@ -48,10 +52,10 @@ class PipelineLinks:
 
     def agree_logits_dtype(self, computed: torch.dtype | None) -> torch.dtype:
         """Every rank's logits dtype: `computed` where this rank sends the logits (what its LM head returns), the
-        sender's on the others (over the control plane, every rank taking part)."""
-        name = [str(computed).removeprefix("torch.") if self.sends_logits else None]
-        dist.broadcast_object_list(name, src=self.logits_source, group=self.ctx.control_group)
-        self.logits_dtype = getattr(torch, name[0])
+        sender's on the others (its index in LOGITS_DTYPES over the control plane, every rank taking part)."""
+        index = torch.tensor([LOGITS_DTYPES.index(computed) if self.sends_logits else -1])
+        dist.broadcast(index, src=self.logits_source, group=self.ctx.control_group)
+        self.logits_dtype = LOGITS_DTYPES[int(index)]
         return self.logits_dtype
 
     def send_logits(self, logits: torch.Tensor) -> None:
