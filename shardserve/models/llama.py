@@ -26,12 +26,13 @@ from shardserve.config import ModelConfig, PipelineStage
 from shardserve.distributed.communicator import NORMED
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.attention import PagedAttention
-from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardserve.layers.embedding import VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.layers.mlp import SwiGLUMLP
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
 from shardserve.layers.sharding import attention_shard, split_rows
+from shardserve.models.stages import last_stage_head, other_stages_prefixes
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -182,16 +183,11 @@ class LlamaForCausalLM(nn.Module):
         self.expert_parallel = expert_parallel
         self.model = LlamaModel(cfg, comm, dtype, max_positions, lambda i: self.make_layer(i, comm, dtype), stage)
         stage = self.model.stage
-        self.lm_head = None
-        if stage.is_last:  # an untied head takes its vocabulary rows from an embedding this stage may not keep
-            embedding = self.model.embed_tokens if self.model.embed_tokens is not None else \
-                VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
-            self.lm_head = ParallelLMHead(embedding, cfg.tie_word_embeddings)
+        self.lm_head = last_stage_head(cfg, comm, dtype, stage, self.model.embed_tokens)
         if stage.count > 1:  # the checkpoint's tensors of what other stages hold are passed over when loading
-            self.unused_checkpoint_prefixes = tuple(getattr(self, "unused_checkpoint_prefixes", ())) + tuple(
-                f"model.layers.{i}." for i in range(cfg.num_layers) if not stage.holds(i)) + (
-                () if self.model.embed_tokens is not None else ("model.embed_tokens.",)) + (
-                () if stage.is_last else ("model.norm.", "lm_head."))
+            self.unused_checkpoint_prefixes = tuple(getattr(self, "unused_checkpoint_prefixes", ())) + \
+                other_stages_prefixes(cfg, stage, None if self.model.embed_tokens is not None else
+                                      "model.embed_tokens.", "model.norm.")
 
     def make_layer(self, index: int, comm: Communicator, dtype: torch.dtype) -> nn.Module:
         """Decoder layer `index`: attention and a dense MLP."""

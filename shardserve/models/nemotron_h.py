@@ -24,7 +24,7 @@ from shardserve.config import ModelConfig, PipelineStage
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.grouped_topk import GroupedTopK, GroupedTopKRouter
-from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardserve.layers.embedding import VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaState
 from shardserve.layers.nongated_experts import NonGatedExperts
@@ -33,6 +33,7 @@ from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
 from shardserve.layers.shared_slots import experts_with_shared, shared_slots
 from shardserve.layers.sharding import attention_shard, expert_shard, split_rows
 from shardserve.models.llama import NotOnThisStage
+from shardserve.models.stages import last_stage_head, other_stages_prefixes
 
 # A "moe" layer's expert tensors (after `backbone.` is read as `model.`): one expert's, or all experts' stacked.
 _EXPERT_TENSOR = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mixer\.experts\."
@@ -247,16 +248,10 @@ class NemotronHForCausalLM(nn.Module):
         self.expert_parallel = expert_parallel
         self.model = NemotronHModel(cfg, comm, dtype, max_positions, expert_parallel, stage)
         stage = self.model.stage
-        self.lm_head = None
-        if stage.is_last:  # an untied head takes its vocabulary rows from an embedding this stage may not keep
-            embedding = self.model.embeddings if self.model.embeddings is not None else \
-                VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
-            self.lm_head = ParallelLMHead(embedding, cfg.tie_word_embeddings)
-        if stage.count > 1:  # the checkpoint's tensors of what other stages hold are passed over when loading
-            self.unused_checkpoint_prefixes = tuple(
-                f"model.layers.{i}." for i in range(cfg.num_layers) if not stage.holds(i)) + (
-                () if self.model.embeddings is not None else ("model.embeddings.",)) + (
-                () if stage.is_last else ("model.norm_f.", "lm_head."))
+        self.lm_head = last_stage_head(cfg, comm, dtype, stage, self.model.embeddings)
+        # the checkpoint's tensors of what other stages hold are passed over when loading
+        self.unused_checkpoint_prefixes = other_stages_prefixes(
+            cfg, stage, None if self.model.embeddings is not None else "model.embeddings.", "model.norm_f.")
 
     @staticmethod
     def checkpoint_name(name: str) -> tuple[str, object] | None:
