@@ -645,6 +645,9 @@ def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
     per_layer = layer_elements_per_rank(cfg, tp, [])
     first, last = end_elements_per_rank(cfg, tp)
     total = sum(per_layer) + first + last
+    # What one token reads of each layer (a mixture of experts: its chosen experts), for each stage's share of it.
+    active_layers = layer_elements_per_rank(cfg, tp, [], active=True) if whole.active_weight_bytes else per_layer
+    active_total = sum(active_layers) + first + last
     blocks = split_layers(per_layer, pp)
     plans = []
     for s, block in enumerate(blocks):
@@ -656,9 +659,12 @@ def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
         # A hybrid's stage keeps the KV cache of its attention layers and the states of its Gated DeltaNet or
         # Mamba-2 layers.
         states = whole.state_bytes_per_seq * sum(i in block for i in linear) // len(linear) if linear else 0
-        plans.append(_restaged(whole, whole.weight_bytes * elements // total,
-                               whole.kv_bytes_per_token * held_attention // len(attention), req,
-                               cfg.get("max_position_embeddings") or 2**31, states))
+        staged = _restaged(whole, whole.weight_bytes * elements // total,
+                           whole.kv_bytes_per_token * held_attention // len(attention), req,
+                           cfg.get("max_position_embeddings") or 2**31, states)
+        active = sum(active_layers[i] for i in block) + (first if s == 0 else 0) + (last if s == pp - 1 else 0)
+        plans.append(dataclasses.replace(staged, active_weight_bytes=whole.active_weight_bytes * active
+                                         // active_total))
     stages = [dict(stage=s, layers=[b.start, b.stop - 1], weight_bytes=p.weight_bytes,
                    kv_bytes_per_token=p.kv_bytes_per_token, state_bytes_per_seq=p.state_bytes_per_seq,
                    max_tokens_in_cache=p.max_tokens_in_cache, fits=p.fits)

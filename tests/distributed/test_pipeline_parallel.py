@@ -265,3 +265,8 @@ def test_the_planner_gives_each_stage_its_layers_weights_and_kv_cache(tiny_model
     assert staged.kv_bytes_per_token == whole.kv_bytes_per_token * 2 // 3  # the first stage limits the others
     assert staged.max_tokens_in_cache > whole.max_tokens_in_cache
     assert "pipeline stage 1: layers 2-2" in describe(staged, 1)
+    # what a token reads (its chosen experts) is each stage's own share of the whole model's
+    gpu = PlanRequest(1, 4096, gpu_memory_gb=80)
+    reads = [plan(cfg, PlanRequest(**{**vars(gpu), "pipeline_parallel_size": 2, "pipeline_stage": s}))
+             .active_weight_bytes for s in (0, 1)]
+    assert 0 < reads[1] < reads[0] and abs(sum(reads) - plan(cfg, gpu).active_weight_bytes) <= 2
