@@ -53,16 +53,30 @@ def layer_bytes(config: EngineConfig, model_config: ModelConfig, tp: int) -> tup
     return [1] * model_config.num_layers, (0, 0)
 
 
+def stage_blocks(config: EngineConfig, model_config: ModelConfig) -> tuple[list[range], list[int], tuple[int, int]]:
+    """(Each stage's layers, each layer's bytes, the ends' bytes) of config's -pp stages at its -tp size; ValueError
+    for a model not built in stages or a stage without an attention layer."""
+    stages = config.pipeline_parallel_size
+    refuse_unsupported(model_config, stages)
+    per_layer, ends = layer_bytes(config, model_config, config.tensor_parallel_size)
+    blocks = split_layers(per_layer, stages)
+    refuse_stages_without_attention(model_config, blocks)
+    return blocks, per_layer, ends
+
+
+def check_stages(config: EngineConfig) -> None:
+    """Before any rank starts: the ValueError stage_blocks would raise on every rank, once (nothing without -pp)."""
+    if config.pipeline_parallel_size > 1:
+        stage_blocks(config, ModelConfig.from_model_path(config.model))
+
+
 def stage_of(config: EngineConfig, model_config: ModelConfig, ctx: RankContext, itemsize: int) -> PipelineStage | None:
     """This rank's stage, None without pipeline stages. Rank 0 logs every stage's layers and bytes (`itemsize`:
     bytes of a weight)."""
     stages = config.pipeline_parallel_size
     if stages == 1:
         return None
-    refuse_unsupported(model_config, stages)
-    per_layer, (first, last) = layer_bytes(config, model_config, ctx.tp_size)
-    blocks = split_layers(per_layer, stages)
-    refuse_stages_without_attention(model_config, blocks)
+    blocks, per_layer, (first, last) = stage_blocks(config, model_config)
     if ctx.is_driver:
         log_split(blocks, per_layer, first, last, ctx.tp_size, itemsize)
     mine = blocks[ctx.stage]

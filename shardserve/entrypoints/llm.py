@@ -8,6 +8,7 @@ import itertools
 from shardserve.config import EngineConfig
 from shardserve.distributed.launcher import LocalRanks
 from shardserve.engine.llm_engine import LLMEngine, run_worker
+from shardserve.engine.pipeline_split import check_stages
 from shardserve.model_files import check_model_path
 from shardserve.requests.outputs import RequestOutput
 from shardserve.requests.sampling_params import SamplingParams
@@ -20,6 +21,7 @@ class LLM:
         self.config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size,
                                    pipeline_parallel_size=pipeline_parallel_size, **engine_options)
         check_model_path(model, self.config.load_format)
+        check_stages(self.config)  # before any rank starts
         self.tokenizer = Tokenizer.from_model_path(model)
         self.ranks = LocalRanks(self.config, worker=run_worker)
         try:

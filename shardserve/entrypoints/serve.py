@@ -91,6 +91,7 @@ def serve(args: argparse.Namespace) -> int:
     from shardserve.distributed.launcher import LaunchInfo, LocalRanks, NodeLaunch, set_cpu_threads
     from shardserve.distributed.process_group import destroy_rank_context, init_rank_context
     from shardserve.engine.llm_engine import run_worker
+    from shardserve.engine.pipeline_split import check_stages
 
     from shardserve.model_files import check_model_path
 
@@ -109,6 +110,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.control_interface:
         os.environ["GLOO_SOCKET_IFNAME"] = args.control_interface  # before any gloo group exists
     config = engine_config_from_args(args)
+    try:
+        check_stages(config)  # a model or split -pp cannot serve: one line, before any rank starts
+    except ValueError as e:
+        raise SystemExit(f"shardserve serve: {e}") from None
     if getattr(args, "distributed_executor_backend", "mp") == "ray":
         if config.pipeline_parallel_size > 1:
             raise SystemExit("shardserve serve: --pipeline-parallel-size with --distributed-executor-backend ray is "

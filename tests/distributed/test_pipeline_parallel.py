@@ -171,6 +171,13 @@ def test_pipeline_sizes_are_checked_and_other_architectures_refused_by_name(tiny
     odd = ModelConfig.from_model_path(tiny_model_dir("qwen3-next-odd"))  # layers 0 and 1 linear, 2 attention
     with pytest.raises(ValueError, match=r"stage 0 \(layers 0-1\) would hold no attention layer.*use fewer stages"):
         refuse_stages_without_attention(odd, [range(0, 2), range(2, 3)])
+    # refused before any rank starts: by the offline engine, and by `serve` in one line
+    with pytest.raises(ValueError, match="stage 0 .* would hold no attention layer"):
+        LLM(tiny_model_dir("qwen3-next-odd"), pipeline_parallel_size=2, device="cpu")
+    served = subprocess.run([sys.executable, "-m", "shardserve", "serve", tiny_model_dir("qwen3-next-odd"), "-pp", "2",
+                             "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert served.returncode == 1 and "Traceback" not in served.stderr
+    assert served.stderr.strip().splitlines()[-1].startswith("shardserve serve: --pipeline-parallel-size 2: stage 0")
 
 
 def test_killing_a_stage_rank_fails_the_server_naming_rank_and_stage(tiny_model_dir):
