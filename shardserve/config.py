@@ -495,6 +495,16 @@ def split_layers(layer_bytes: list[int], stages: int) -> list[range]:
     return [range(a, b) for a, b in zip(starts, ends)]
 
 
+def refuse_stages_without_attention(blocks: list[range], attention_layers: list[int], architecture: str) -> None:
+    """Every stage must hold an attention layer: a stage's KV cache and attention kernels are set up from its own
+    attention layers (a hybrid's stage of Gated DeltaNet or Mamba-2 layers only is refused, naming it)."""
+    for s, block in enumerate(blocks):
+        if not any(i in block for i in attention_layers):
+            raise ValueError(f"--pipeline-parallel-size {len(blocks)}: stage {s} (layers {block.start}-"
+                             f"{block.stop - 1}) would hold no attention layer of {architecture} (its attention "
+                             f"layers: {list(attention_layers)}); use fewer stages")
+
+
 @dataclass(frozen=True)
 class GroupedTopK:
     """How a grouped top-k router chooses (layers/grouped_topk.py's docstring). Invariants, checked at construction:

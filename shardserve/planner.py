@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from shardserve import planner_mla as mla
 from shardserve import planner_nemotron_h as nemotron_h
-from shardserve.config import (attention_head_dim, expert_intermediate_size, has_attention_output_gate, has_qk_norm,
-                               has_qkv_bias, hybrid_layer_types, is_gated_deltanet_hybrid, routed_experts,
-                               shared_expert_size, sparse_layers)
+from shardserve.config import (architecture_of, attention_head_dim, expert_intermediate_size,
+                               has_attention_output_gate, has_qk_norm, has_qkv_bias, hybrid_layer_types,
+                               is_gated_deltanet_hybrid, routed_experts, shared_expert_size, sparse_layers)
 from shardserve.layers.sharding import attention_shard, delta_net_shard, split_rows
 from shardserve.models.registry import text_model_config
 
@@ -626,7 +626,7 @@ STAGE_IMBALANCE = 1.5
 def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
     """Pipeline stages: the whole model's plan at this tensor-parallel size, each stage's weights and KV cache per
     token scaled to the layers it holds (split by bytes as the engine splits them), its context re-derived."""
-    from shardserve.config import split_layers
+    from shardserve.config import refuse_stages_without_attention, split_layers
 
     if nemotron_h.is_nemotron_h(cfg):
         attention, linear = nemotron_h.attention_and_state_layers(cfg)
@@ -649,12 +649,10 @@ def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
     active_layers = layer_elements_per_rank(cfg, tp, [], active=True) if whole.active_weight_bytes else per_layer
     active_total = sum(active_layers) + first + last
     blocks = split_layers(per_layer, pp)
+    refuse_stages_without_attention(blocks, attention, architecture_of(cfg))
     plans = []
     for s, block in enumerate(blocks):
         held_attention = sum(i in block for i in attention)
-        if not held_attention:
-            raise ValueError(f"-pp {pp}: stage {s} (layers {block.start}-{block.stop - 1}) would hold no attention "
-                             f"layer (the attention layers: {attention}); plan fewer stages")
         elements = sum(per_layer[i] for i in block) + (first if s == 0 else 0) + (last if s == pp - 1 else 0)
         # A hybrid's stage keeps the KV cache of its attention layers and the states of its Gated DeltaNet or
         # Mamba-2 layers.

@@ -262,8 +262,7 @@ class CudaGraphRunner:
         cfg = self.model.config
         if not self.state_pools and len(cfg.kv_layers) == cfg.num_layers:
             return self.kv_caches
-        return layer_caches(self.model.config, self.kv_caches, self.state_pools, self.state_slots[:size], None,
-                            self.stage)
+        return layer_caches(cfg, self.kv_caches, self.state_pools, self.state_slots[:size], None, self.stage)
 
     def _capture_whole(self, forward):
         graph = torch.cuda.CUDAGraph()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from shardserve.config import EngineConfig, ModelConfig, PipelineStage, split_layers
+from shardserve.config import EngineConfig, ModelConfig, PipelineStage, refuse_stages_without_attention, split_layers
 from shardserve.distributed.process_group import RankContext
 from shardserve.models import model_class
 
@@ -26,16 +26,6 @@ def refuse_unsupported(model_config: ModelConfig, stages: int) -> None:
     if not getattr(model_class(arch), "builds_in_stages", False):
         raise ValueError(f"--pipeline-parallel-size {stages}: {arch} cannot be served in pipeline stages (its "
                          "layers are not built in stages); serve it with --tensor-parallel-size alone")
-
-
-def refuse_stages_without_attention(model_config: ModelConfig, blocks: list[range]) -> None:
-    """Every stage must hold an attention layer: a stage's KV cache and attention kernels are set up from its own
-    attention layers (a hybrid's stage of Gated DeltaNet layers only is refused, naming it)."""
-    for s, block in enumerate(blocks):
-        if not any(i in block for i in model_config.kv_layers):
-            raise ValueError(f"--pipeline-parallel-size {len(blocks)}: stage {s} (layers {block.start}-"
-                             f"{block.stop - 1}) would hold no attention layer of {model_config.architecture} (its "
-                             f"attention layers: {list(model_config.kv_layers)}); use fewer stages")
 
 
 def layer_bytes(config: EngineConfig, model_config: ModelConfig, tp: int) -> tuple[list[int], tuple[int, int]]:
@@ -60,7 +50,7 @@ def stage_blocks(config: EngineConfig, model_config: ModelConfig) -> tuple[list[
     refuse_unsupported(model_config, stages)
     per_layer, ends = layer_bytes(config, model_config, config.tensor_parallel_size)
     blocks = split_layers(per_layer, stages)
-    refuse_stages_without_attention(model_config, blocks)
+    refuse_stages_without_attention(blocks, model_config.kv_layers, model_config.architecture)
     return blocks, per_layer, ends
 
 

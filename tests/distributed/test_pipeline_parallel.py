@@ -151,7 +151,8 @@ def test_an_aborted_request_gives_its_blocks_back_and_the_others_are_unchanged(e
 
 
 def test_pipeline_sizes_are_checked_and_other_architectures_refused_by_name(tiny_model_dir):
-    from shardserve.engine.pipeline_split import refuse_stages_without_attention, refuse_unsupported
+    from shardserve.config import refuse_stages_without_attention
+    from shardserve.engine.pipeline_split import refuse_unsupported
     from shardserve.models.nemotron_h import NemotronHForCausalLM
 
     for bad in (0, -1, 1.5):
@@ -170,7 +171,7 @@ def test_pipeline_sizes_are_checked_and_other_architectures_refused_by_name(tiny
             refuse_unsupported(nemotron, 2)
     odd = ModelConfig.from_model_path(tiny_model_dir("qwen3-next-odd"))  # layers 0 and 1 linear, 2 attention
     with pytest.raises(ValueError, match=r"stage 0 \(layers 0-1\) would hold no attention layer.*use fewer stages"):
-        refuse_stages_without_attention(odd, [range(0, 2), range(2, 3)])
+        refuse_stages_without_attention([range(0, 2), range(2, 3)], odd.kv_layers, odd.architecture)
     # refused before any rank starts: by the offline engine, and by `serve` in one line
     with pytest.raises(ValueError, match="stage 0 .* would hold no attention layer"):
         LLM(tiny_model_dir("qwen3-next-odd"), pipeline_parallel_size=2, device="cpu")
