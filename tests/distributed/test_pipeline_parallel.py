@@ -150,6 +150,27 @@ def test_an_aborted_request_gives_its_blocks_back_and_the_others_are_unchanged(e
     assert _all_blocks_free(llm)
 
 
+def test_a_corrupted_layer_of_the_first_stage_fails_the_reference_comparison(engine):
+    """Rank 0's copy of one layer its stage holds (a Gated DeltaNet or Mamba-2 layer where the stage has one), its
+    norm's weights scaled: the stage's layers are the ones that compute, so the tokens leave transformers'; put
+    back, they return. (Prompts of their own: the prefix cache keeps what the corrupted layer computed.)"""
+    llm, model_dir, _ = engine
+    runner = llm.engine.runner
+    cfg = ModelConfig.from_model_path(model_dir)
+    held = list(runner.stage.layers)
+    layer = runner.model.model.layers[next((i for i in held if i in cfg.linear_attention_layers), held[-1])]
+    norm = getattr(layer, "input_layernorm", None) or layer.norm
+    kept = norm.weight.detach().clone()
+    prompts = random_prompts([9, 30, 33, 17], seed=78)
+    expected = list(transformers_greedy(model_dir, tuple(map(tuple, prompts)), NEW_TOKENS))
+    try:
+        norm.weight.data.mul_(-3.0).add_(1.0)
+        assert [tuple(o.token_ids) for o in llm.generate(prompts[:2], _greedy())] != expected[:2]
+    finally:
+        norm.weight.data.copy_(kept)
+    assert [tuple(o.token_ids) for o in llm.generate(prompts[2:], _greedy())] == expected[2:]
+
+
 def test_pipeline_sizes_are_checked_and_other_architectures_refused_by_name(tiny_model_dir):
     from shardserve.config import refuse_stages_without_attention
     from shardserve.engine.pipeline_split import refuse_unsupported
