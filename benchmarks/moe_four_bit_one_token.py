@@ -40,6 +40,39 @@ def weight_bytes(kind: str, rows: int, k: int, group: int) -> float:
     return rows * (k / 2 + k // group * scale_dtype(kind).itemsize + (4 if kind == "fp4" else 0))
 
 
+def experts_bytes(shape: str, kind: str, group: int, shared_slots: int = 0) -> float:
+    """Bytes one token's chosen experts (and the shared expert's slots) read: their up and down rows."""
+    _, top_k, hidden, inter, activation = SHAPES[shape]
+    up_rows = 2 * inter if activation == "swiglu" else inter
+    return (top_k + shared_slots) * (weight_bytes(kind, up_rows, hidden, group)
+                                     + weight_bytes(kind, hidden, inter, group))
+
+
+def one_token_experts(shape: str, kind: str, group: int, shared_slots: int = 0):
+    """(x [1, H] bfloat16, random packed experts, the routed weights and ids of one token (top k of random logits),
+    the shared expert as `shared_slots` slots of the experts' width or None) on the GPU, for SHAPES[shape]."""
+    from shardserve.kernels.triton.moe_four_bit import SharedSlots
+
+    num_experts, top_k, hidden, inter, activation = SHAPES[shape]
+    device = torch.device("cuda")
+    experts = random_packed(kind, num_experts, hidden, inter, group, device, activation)
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, hidden, generator=g, device=device).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.softmax(torch.randn(1, num_experts, generator=g, device=device), -1), top_k,
+                              dim=-1)
+    shared = None
+    if shared_slots:  # the shared expert's tensors: a block of experts' slots, as [S, H / 2] and [H, S / 2]
+        extra = random_packed(kind, shared_slots, hidden, inter, group, device, activation)
+        features = shared_slots * inter
+        rows = ()
+        if kind == "fp4":  # the down rows' row scales: every slot's columns of a row share one
+            rows = (extra.row13.reshape(features), extra.row2[0].contiguous())
+        shared = SharedSlots(extra.w13.reshape(features, -1), extra.scale13.reshape(features, -1),
+                             extra.w2.permute(1, 0, 2).reshape(hidden, -1).contiguous(),
+                             extra.scale2.permute(1, 0, 2).reshape(hidden, -1).contiguous(), shared_slots, *rows)
+    return x, experts, weights, ids, shared
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="nemotron3-nano-30b-a3b", choices=sorted(SHAPES))
@@ -55,30 +88,12 @@ def main() -> None:
 
     from shardserve.kernels.fused_moe_table import ONE_TOKEN_PACKED_TILES
     from shardserve.kernels.triton.fused_moe import fused_moe_packed
-    from shardserve.kernels.triton.moe_four_bit import FOUR_BIT_PAIR_TILES, SharedSlots, one_token_four_bit_experts
+    from shardserve.kernels.triton.moe_four_bit import FOUR_BIT_PAIR_TILES, one_token_four_bit_experts
     from shardserve.layers.moe import reference_experts
 
-    shape = SHAPES[args.shape]
-    num_experts, top_k, hidden, inter, activation = shape
-    device = torch.device("cuda")
-    experts = random_packed(args.kind, num_experts, hidden, inter, args.group, device, activation)
-    g = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(1, hidden, generator=g, device=device).to(torch.bfloat16)
-    weights, ids = torch.topk(torch.softmax(torch.randn(1, num_experts, generator=g, device=device), -1), top_k,
-                              dim=-1)
-    up_rows = 2 * inter if activation == "swiglu" else inter
-    shared = None
-    if args.shared_slots:  # the shared expert's tensors: a block of experts' slots, as [S, H / 2] and [H, S / 2]
-        extra = random_packed(args.kind, args.shared_slots, hidden, inter, args.group, device, activation)
-        features = args.shared_slots * inter
-        rows = ()
-        if args.kind == "fp4":  # the down rows' row scales: every slot's columns of a row share one
-            rows = (extra.row13.reshape(features), extra.row2[0].contiguous())
-        shared = SharedSlots(extra.w13.reshape(features, -1), extra.scale13.reshape(features, -1),
-                             extra.w2.permute(1, 0, 2).reshape(hidden, -1).contiguous(),
-                             extra.scale2.permute(1, 0, 2).reshape(hidden, -1).contiguous(), args.shared_slots, *rows)
-    read = (top_k + args.shared_slots) * (weight_bytes(args.kind, up_rows, hidden, args.group)
-                                          + weight_bytes(args.kind, hidden, inter, args.group))
+    x, experts, weights, ids, shared = one_token_experts(args.shape, args.kind, args.group, args.shared_slots)
+    top_k = SHAPES[args.shape][1]
+    read = experts_bytes(args.shape, args.kind, args.group, args.shared_slots)
     row = {"shape": args.shape, "kind": args.kind, "group": args.group, "choices": top_k, "bytes_read": int(read),
            "device": torch.cuda.get_device_name()}
     want = reference_experts(x, None, None, weights, ids, packed=experts)
