@@ -262,8 +262,8 @@ def _rank_process(server_pid: int, rank: int) -> int:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, tp", [("qwen3-moe", 1), ("qwen3-next", 1), ("llama-tied", 2)],
-                         ids=["pp2", "hybrid-pp2", "tp2-pp2"])
+@pytest.mark.parametrize("name, tp", [("qwen3-moe", 1), ("qwen3-next", 1), ("nemotron-h-stages", 1),
+                                      ("llama-tied", 2)], ids=["pp2", "hybrid-pp2", "mamba2-pp2", "tp2-pp2"])
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_stages_on_gpus_give_transformers_tokens(tiny_model_dir, name, tp, eager):
     """The NCCL path: sends between GPUs, each stage replaying its own decode graphs (the sends between them eager)
