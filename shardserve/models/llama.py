@@ -26,13 +26,12 @@ from shardserve.config import ModelConfig, PipelineStage
 from shardserve.distributed.communicator import NORMED
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.attention import PagedAttention
-from shardserve.layers.embedding import VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.layers.mlp import SwiGLUMLP
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
 from shardserve.layers.sharding import attention_shard, split_rows
-from shardserve.models.stages import last_stage_head, other_stages_prefixes
+from shardserve.models.stages import last_stage_head, other_stages_prefixes, stage_embedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -122,9 +121,7 @@ class LlamaModel(nn.Module):
         """make_layer(i): decoder layer i. `stage`: the layers this rank holds (default: all of them)."""
         super().__init__()
         self.stage = stage = stage or PipelineStage.whole(cfg.num_layers)
-        # The last stage keeps the embedding where the head is tied to it.
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm) \
-            if stage.is_first or (stage.is_last and cfg.tie_word_embeddings) else None
+        self.embed_tokens = stage_embedding(cfg, comm, dtype, stage)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(make_layer(i) if stage.holds(i) else NotOnThisStage()
                                     for i in range(cfg.num_layers))

@@ -24,7 +24,6 @@ from shardserve.config import ModelConfig, PipelineStage
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.attention import PagedAttention
 from shardserve.layers.grouped_topk import GroupedTopK, GroupedTopKRouter
-from shardserve.layers.embedding import VocabParallelEmbedding
 from shardserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardserve.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaState
 from shardserve.layers.nongated_experts import NonGatedExperts
@@ -32,8 +31,8 @@ from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding, RotaryLookup
 from shardserve.layers.shared_slots import experts_with_shared, shared_slots
 from shardserve.layers.sharding import attention_shard, expert_shard, split_rows
-from shardserve.models.llama import NotOnThisStage
-from shardserve.models.stages import last_stage_head, other_stages_prefixes
+from shardserve.models.llama import NotOnThisStage, residual_stream
+from shardserve.models.stages import last_stage_head, other_stages_prefixes, stage_embedding
 
 # A "moe" layer's expert tensors (after `backbone.` is read as `model.`): one expert's, or all experts' stacked.
 _EXPERT_TENSOR = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mixer\.experts\."
@@ -193,9 +192,7 @@ class NemotronHModel(nn.Module):
         """`stage`: the layers this rank holds (default: all of them), as LlamaModel's."""
         super().__init__()
         self.stage = stage = stage or PipelineStage.whole(cfg.num_layers)
-        # The last stage keeps the embedding where the head is tied to it.
-        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm) \
-            if stage.is_first or (stage.is_last and cfg.tie_word_embeddings) else None
+        self.embeddings = stage_embedding(cfg, comm, dtype, stage)
         self.rotary = NoRotation(cfg.head_dim, max_positions, dtype)
         dims = Mamba2Dims(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size,
                           cfg.mamba_n_groups, cfg.mamba_conv_kernel, cfg.mamba_chunk_size, cfg.rms_norm_eps,
@@ -228,7 +225,7 @@ class NemotronHModel(nn.Module):
         for layer, cache in zip(self.layers[self.stage.first_layer:self.stage.end_layer], caches):
             x, residual = layer(rotary, x, residual, cache, meta)
         if not self.stage.is_last:
-            return x if residual is None else x + residual
+            return residual_stream(x, residual, None)
         x, _ = self.norm_f(x, residual)
         return x
 

@@ -1,5 +1,5 @@
-"""What a model built in pipeline stages (config.PipelineStage) keeps at its ends: the LM head on the last stage, and
-the checkpoint's tensors the other stages hold, passed over when this stage loads. Shared by the families whose
+"""What a model built in pipeline stages (config.PipelineStage) keeps at its ends: the embedding where a stage needs
+it, the LM head on the last stage, and the checkpoint's tensors the other stages hold, passed over when this stage loads. Shared by the families whose
 layers are built in stages (LlamaForCausalLM and those built as it is, NemotronH)."""
 
 from __future__ import annotations
@@ -9,6 +9,14 @@ import torch
 from shardserve.config import ModelConfig, PipelineStage
 from shardserve.distributed.communicator import Communicator
 from shardserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+def stage_embedding(cfg: ModelConfig, comm: Communicator, dtype: torch.dtype,
+                    stage: PipelineStage) -> VocabParallelEmbedding | None:
+    """The token embedding on the first stage, and on the last where the head is tied to it; None elsewhere."""
+    if stage.is_first or (stage.is_last and cfg.tie_word_embeddings):
+        return VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, comm)
+    return None
 
 
 def last_stage_head(cfg: ModelConfig, comm: Communicator, dtype: torch.dtype, stage: PipelineStage,
