@@ -653,14 +653,15 @@ def _plan_stages(cfg: dict, req: PlanRequest) -> Plan:
     plans = []
     for s, block in enumerate(blocks):
         held_attention = sum(i in block for i in attention)
-        elements = sum(per_layer[i] for i in block) + (first if s == 0 else 0) + (last if s == pp - 1 else 0)
+        ends = (first if s == 0 else 0) + (last if s == pp - 1 else 0)  # the embedding's and the head's elements
+        elements = sum(per_layer[i] for i in block) + ends
         # A hybrid's stage keeps the KV cache of its attention layers and the states of its Gated DeltaNet or
         # Mamba-2 layers.
         states = whole.state_bytes_per_seq * sum(i in block for i in linear) // len(linear) if linear else 0
         staged = _restaged(whole, whole.weight_bytes * elements // total,
                            whole.kv_bytes_per_token * held_attention // len(attention), req,
                            cfg.get("max_position_embeddings") or 2**31, states)
-        active = sum(active_layers[i] for i in block) + (first if s == 0 else 0) + (last if s == pp - 1 else 0)
+        active = sum(active_layers[i] for i in block) + ends
         plans.append(dataclasses.replace(staged, active_weight_bytes=whole.active_weight_bytes * active
                                          // active_total))
     stages = [dict(stage=s, layers=[b.start, b.stop - 1], weight_bytes=p.weight_bytes,
