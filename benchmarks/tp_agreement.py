@@ -14,7 +14,7 @@ tokens, then compares each run with the first:
   a near-tie flips under rounding, a clear choice does not;
 - the greedy tokens that agree (prompts whose 16 tokens all do, and the mean length of the common prefix).
 
-Prints one table and writes benchmarks/results/tp-agreement-<model>-<dtype>-<YYYYMMDD>.json (--out for another
+Prints one table and writes benchmarks/results/tp-agreement-<model>-<runs>-<YYYYMMDD>.json (--out for another
 path). `--layers N` keeps the first N layers (NemotronH: the first N of its pattern), to fit float32 on one card.
 """
 
