@@ -116,7 +116,7 @@ def test_decode_through_shared_memory_gives_gloos_tokens(tiny_model_dir, set_env
     assert tokens["shm"] == tokens["gloo"]
 
 
-def _one_rank_elsewhere(rank: int, port: int, results) -> None:
+def _one_rank_elsewhere(rank: int, port: int, paths_file: str, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -126,6 +126,16 @@ def _one_rank_elsewhere(rank: int, port: int, results) -> None:
     if rank == 1:  # as on another host: the first rank's file is not there
         real_exists = os.path.exists
         shm_all_reduce.os.path.exists = lambda p: False if "shardserve-all-reduce" in str(p) else real_exists(p)
+    else:  # the paths this group agrees on, for the test to find them gone (other tests' files may exist meanwhile)
+        agree = shm_all_reduce._agree_on_path
+
+        def recorded(group, r):
+            path, magic = agree(group, r)
+            with open(paths_file, "a") as f:
+                f.write(path + "\n")
+            return path, magic
+
+        shm_all_reduce._agree_on_path = recorded
     try:
         choice = all_reduce.calibrate_cpu(None, rank, 2, torch.float32, [4096, 65536])
         x = torch.full((1024,), float(rank + 1))
@@ -137,6 +147,9 @@ def _one_rank_elsewhere(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_ranks_that_cannot_share_memory_all_fall_back_to_gloo():
-    assert run_ranks(_one_rank_elsewhere, 2, timeout=60) == {0: "['gloo'] 3.0", 1: "['gloo'] 3.0"}
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("shardserve-all-reduce")], "a file was left"
+def test_ranks_that_cannot_share_memory_all_fall_back_to_gloo(tmp_path):
+    paths_file = tmp_path / "paths"
+    assert run_ranks(_one_rank_elsewhere, 2, str(paths_file), timeout=60) == {0: "['gloo'] 3.0", 1: "['gloo'] 3.0"}
+    paths = paths_file.read_text().split()
+    assert paths and all(p.startswith("/dev/shm/shardserve-all-reduce") for p in paths)
+    assert not [p for p in paths if os.path.exists(p)], "a file was left"
