@@ -153,6 +153,9 @@ FP8_GEMV_SUMS = _declare("SHARDSERVE_FP8_GEMV_SUMS", CHOICE, "auto",
 INT4_GEMV_SUMS = _declare("SHARDSERVE_INT4_GEMV_SUMS", CHOICE, "auto",
                           "sums the 4-bit GEMVs timed at start-up may use (auto: both)",
                           ("auto", "float32", "float16"), plan=True)
+CUDA_KERNELS = _declare("SHARDSERVE_CUDA_KERNELS", CHOICE, "auto",
+                        "kernels in CUDA C compiled by NVRTC (kernels/cuda: fp4 GEMVs and experts on Hopper): auto "
+                        "(timed or taken where they run), off", ("auto", "off"), plan=True)
 MOE_FOUR_BIT_SUMS = _declare("SHARDSERVE_MOE_FOUR_BIT_SUMS", CHOICE, "float16",
                              "float32: a single token's 4-bit experts dequantize each weight in float32, not "
                              "float16 pair sums", ("float16", "float32"), plan=True)

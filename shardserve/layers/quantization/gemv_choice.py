@@ -18,7 +18,8 @@ from shardserve.layers.quantization.selection import packed_layers
 
 logger = logging.getLogger(__name__)
 
-# INT4_SPLIT_CANDIDATES), or None to run the tiled one.
+# A single-row form: (the tiled GEMV's configuration, the split-K GEMV's (int4.INT4_SPLIT_CANDIDATES) or fp4's CUDA
+# GEMV's (fp4.is_cuda_form), or None to run the tiled one).
 GemvForm = tuple[tuple[int, ...], tuple[int, ...] | None]
 
 
@@ -56,7 +57,11 @@ def _packed_bytes(layer: KernelLinear) -> int:
 
 
 def _describe_form(form: GemvForm) -> str:
+    from shardserve.layers.quantization.fp4 import is_cuda_form
+
     config, split = form
+    if is_cuda_form(split):
+        return f"CUDA {split}"
     return f"tiled {config}" if split is None else f"split-K {split}"
 
 
@@ -153,6 +158,8 @@ def _choose_normed(layers: list[KernelLinear], timed: list[tuple[float, GemvForm
                 _set_form(timed_layers, form)
                 apart.append((time_in_graph_us(
                     lambda x, layer: _product_as_run(norm(x, residual)[0], layer), timed_layers, x), form))
+            if not first.packed.format.takes_norm_inside(form[1]):
+                continue
             _set_form(timed_layers, form, norm_fused=True)
             error, detail = normed_error(first, w64, outputs, torch.Generator().manual_seed(3))
             if not error <= TOLERANCE.get(dtype, 1e-2):

@@ -108,8 +108,8 @@ class PackedWeights:
         self.layout, self.n, self.k, self.group = layout, n, k, group
         self.compute_dtype = layer.weight.dtype
         self.gemv_config = DEFAULT_GEMV
-        # 4-bit only: the split-K GEMV's configuration (INT4_SPLIT_CANDIDATES) where start-up timing found it
-        # faster than every tiled one; None runs the tiled GEMV (gemv_config).
+        # 4-bit only: the split-K GEMV's configuration (INT4_SPLIT_CANDIDATES), or fp4's CUDA GEMV's (Fp4Format),
+        # where start-up timing found it faster than every tiled one; None runs the tiled GEMV (gemv_config).
         self.gemv_split: tuple[int, ...] | None = None
         # One-row products of a normed input (the QKV and gate/up projections) with the norm inside the GEMV:
         # set by start-up timing where that measured faster than the norm kernel and the GEMV.
@@ -118,6 +118,7 @@ class PackedWeights:
         # dequantize + cuBLAS: None until start-up timing picks (gemm_choice.py), and always on CPUs.
         self.batch_gemms: tuple[tuple[int, ...] | None, ...] = (None,) * BATCH_BUCKETS
         device = torch.device(device)
+        self.device = device
         # Batches on FP8 tensor cores (compute capability 8.9 on): FP8 with one scale a row, in 16-wide shapes.
         self.scaled_mm = (layout.kind == "fp8" and group == k and k % 16 == 0 and n % 16 == 0
                           and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

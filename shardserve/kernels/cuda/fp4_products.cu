@@ -1,0 +1,423 @@
+// One token's products with 4-bit e2m1 weights (fp4: kernels/quant_pack.py's layout) on Hopper:
+//   W[n, k] = e2m1(q[n, k]) * e4m3(s[n, k / 16]) * rs[n], codes two a byte (column 2j in the low nibble of byte j).
+// fp4_gemv:         y = x W^T for one row x.
+// fp4_experts_up:   act[j] = act(W13[e_j] x) for each choice j of one token (non-gated experts), the shared expert's
+//                   slots after the routed choices.
+// fp4_experts_down: y = sum_j weight_j W2[e_j] act[j], the slots with weight 1.
+//
+// Each lane takes 16-byte chunks of its warp's rows (32 codes: two groups of 16, two scale bytes); chunk c of a row
+// goes to lane c % 32, so a warp owns whole rows and no program sums another's partial sums. Every chunk a lane
+// needs is loaded before it waits for the kernel before it wherever the addresses are known by then (the weights
+// are written by no kernel of the chain: kernels/triton/pdl.py's rule), so the weights stream while that kernel
+// ends. Then x's float16 pairs are built in shared memory, scaled by a power of two that puts the largest |x| in
+// [2^14, 2^15), and each lane multiplies its chunks:
+// - a 32-bit word holds 8 codes, column i at bits 4i..4i+3; the pair (i, i + 4) sits at the same offset of the word's
+//   two halves, so two shifts and two masks give both as a float16 pair: the magnitude bits at float16 bits 9-11
+//   and the sign at bit 15 are exactly e2m1(code) * 2^-14 (exponent 0 lands on float16 subnormals);
+// - a group's 8 pairs are summed by paired float16 multiply-adds (8 products of at most 6 * 2^-14 * 2^15 = 12 a
+//   half: no overflow), then in float32 times the group's e4m3 scale;
+// - a row's lanes sum by shuffles, and its float32 sum is rounded once to y's dtype.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+struct __align__(16) Chunk { u32 w0, w1, w2, w3; };
+
+template <int K> struct Row {
+    static constexpr int CHUNKS = K / 32;               // 16-byte chunks of codes a row
+    static constexpr int ITERS = (CHUNKS + 31) / 32;     // chunks a lane
+    static constexpr int SCALES = K / 32;                // 16-bit pairs of scale bytes a row
+};
+
+static __device__ __forceinline__ Chunk stream_chunk(const Chunk* p) {
+    Chunk v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.w0), "=r"(v.w1), "=r"(v.w2), "=r"(v.w3) : "l"(p));
+    return v;
+}
+
+static __device__ __forceinline__ u32 stream_u16(const u16* p) {
+    u16 v;
+    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+template <int PDL> static __device__ __forceinline__ void wait_for_previous() {
+    if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+template <int PDL> static __device__ __forceinline__ void let_next_launch() {
+    if (PDL) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+template <int BF16> static __device__ __forceinline__ float to_float(u16 h) {
+    if (BF16) return __uint_as_float(((u32)h) << 16);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+template <int BF16> static __device__ __forceinline__ u16 from_float(float f) {
+    u16 h;
+    if (BF16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// (lo, hi) as a float16 pair, lo in the low half.
+static __device__ __forceinline__ u32 f16_pair(float lo, float hi) {
+    u32 p;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(hi), "f"(lo));
+    return p;
+}
+
+static __device__ __forceinline__ float pair_sum(u32 p) {
+    u16 lo, hi;
+    asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(p));
+    float a, b;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(lo));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(hi));
+    return a + b;
+}
+
+static __device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// The codes of columns i and i + 4 of word q as a float16 pair, each e2m1(code) * 2^-14.
+template <int I> static __device__ __forceinline__ u32 e2m1_pair(u32 q) {
+    constexpr int MAG = 9 - 4 * I, SIGN = 12 - 4 * I;
+    const u32 mag = MAG >= 0 ? q << MAG : q >> -MAG;
+    return (mag & 0x0E000E00u) | ((q << SIGN) & 0x80008000u);
+}
+
+// acc + the products of word q's 8 codes with x's pairs (x.w0: columns 0 and 4, ... x.w3: 3 and 7).
+static __device__ __forceinline__ u32 word_products(u32 q, Chunk x, u32 acc) {
+    acc = fma2(e2m1_pair<0>(q), x.w0, acc);
+    acc = fma2(e2m1_pair<1>(q), x.w1, acc);
+    acc = fma2(e2m1_pair<2>(q), x.w2, acc);
+    return fma2(e2m1_pair<3>(q), x.w3, acc);
+}
+
+// An e4m3 scale byte (sign clear) as float32 times 2^-8: its seven bits on a float16's exponent and mantissa.
+static __device__ __forceinline__ float e4m3_units(u32 byte) {
+    const u16 h = (u16)(byte << 7);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// A chunk's 32 products with x's pairs (xs: [word][chunk] of a row's CHUNKS), scaled by its groups' bytes; at 2^-22
+// of their value times x's power of two.
+template <int CHUNKS>
+static __device__ __forceinline__ float chunk_sum(Chunk w, u32 scales, const Chunk* xs, int c) {
+    const Chunk x0 = xs[c], x1 = xs[CHUNKS + c], x2 = xs[2 * CHUNKS + c], x3 = xs[3 * CHUNKS + c];
+    const u32 a = word_products(w.w1, x1, word_products(w.w0, x0, 0u));
+    const u32 b = word_products(w.w3, x3, word_products(w.w2, x2, 0u));
+    return pair_sum(a) * e4m3_units(scales & 0xFF) + pair_sum(b) * e4m3_units(scales >> 8);
+}
+
+// The power of two 2^e that puts |largest| in [2^14, 2^15) (largest 0: the smallest that keeps 2^-e normal).
+static __device__ __forceinline__ int pair_exponent(float largest) {
+    const int biased = max((int)(__float_as_uint(largest) >> 23) & 0xFF, 1);
+    return min(max(141 - biased, -126), 126);
+}
+
+static __device__ __forceinline__ float power_of_two(int e) { return __uint_as_float((u32)(127 + e) << 23); }
+
+// What takes a sum of chunk_sum's back to x's scale: 2^22 * 2^-e.
+static __device__ __forceinline__ float unscale(int e) { return power_of_two(-e) * 4194304.0f; }
+
+// Eight values of x (one 16-byte load: columns 8b .. 8b + 7) as floats.
+template <int BF16> static __device__ __forceinline__ void eight(Chunk raw, float* f) {
+    const u32 v[4] = {raw.w0, raw.w1, raw.w2, raw.w3};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        f[2 * j] = to_float<BF16>((u16)(v[j] & 0xFFFF));
+        f[2 * j + 1] = to_float<BF16>((u16)(v[j] >> 16));
+    }
+}
+
+// Columns 8b .. 8b + 7 of x times 2^e as the float16 pairs a chunk's words take, into xs[b % 4][b / 4].
+template <int CHUNKS>
+static __device__ __forceinline__ void store_pairs(const float* f, float up, Chunk* xs, int b) {
+    Chunk p;
+    p.w0 = f16_pair(f[0] * up, f[4] * up);
+    p.w1 = f16_pair(f[1] * up, f[5] * up);
+    p.w2 = f16_pair(f[2] * up, f[6] * up);
+    p.w3 = f16_pair(f[3] * up, f[7] * up);
+    xs[(b & 3) * CHUNKS + (b >> 2)] = p;
+}
+
+// x [K] as float16 pairs in xs, built by the whole block; returns the power of two they carry. Ends synchronized.
+template <int K, int THREADS, int BF16>
+static __device__ __forceinline__ int block_pairs(const u16* x, Chunk* xs, float* warp_max) {
+    constexpr int BLOCKS = K / 8, ITERS = (BLOCKS + THREADS - 1) / THREADS;
+    Chunk raw[ITERS];
+    float largest = 0.0f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int b = threadIdx.x + THREADS * it;
+        if (b < BLOCKS) {
+            raw[it] = reinterpret_cast<const Chunk*>(x)[b];
+            float f[8];
+            eight<BF16>(raw[it], f);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) largest = fmaxf(largest, fabsf(f[j]));
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, o));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = largest;
+    __syncthreads();
+    largest = warp_max[0];
+#pragma unroll
+    for (int i = 1; i < THREADS / 32; ++i) largest = fmaxf(largest, warp_max[i]);
+    const int e = pair_exponent(largest);
+    const float up = power_of_two(e);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int b = threadIdx.x + THREADS * it;
+        if (b < BLOCKS) {
+            float f[8];
+            eight<BF16>(raw[it], f);
+            store_pairs<K / 32>(f, up, xs, b);
+        }
+    }
+    __syncthreads();
+    return e;
+}
+
+// x [K] as float16 pairs in xs, built by one warp; returns the power of two they carry (the warp's lanes agree).
+// x is read twice (the second time from L1) rather than held: registers hold the weights in flight.
+template <int K, int BF16>
+static __device__ __forceinline__ int warp_pairs(const u16* x, Chunk* xs) {
+    constexpr int BLOCKS = K / 8;
+    const int lane = threadIdx.x & 31;
+    const Chunk* raw = reinterpret_cast<const Chunk*>(x);
+    float largest = 0.0f;
+    for (int b = lane; b < BLOCKS; b += 32) {
+        float f[8];
+        eight<BF16>(raw[b], f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) largest = fmaxf(largest, fabsf(f[j]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, o));
+    const int e = pair_exponent(largest);
+    const float up = power_of_two(e);
+    for (int b = lane; b < BLOCKS; b += 32) {
+        float f[8];
+        eight<BF16>(raw[b], f);
+        store_pairs<K / 32>(f, up, xs, b);
+    }
+    return e;
+}
+
+static __device__ __forceinline__ float warp_sum(float t) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xFFFFFFFFu, t, o);
+    return t;
+}
+
+// ROWS rows a warp, from row 0 of `q` (codes, [n, K / 2]) and `s` (scale bytes, [n, K / 16]); rows past n read row
+// n - 1 (and store nothing).
+template <int K, int ROWS>
+static __device__ __forceinline__ void load_rows(const Chunk* q, const u16* s, long first, int n,
+                                                 Chunk (&w)[ROWS][Row<K>::ITERS], u32 (&scales)[ROWS][Row<K>::ITERS]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const long row = min(first + r, (long)n - 1);
+#pragma unroll
+        for (int it = 0; it < Row<K>::ITERS; ++it) {
+            const int c = lane + 32 * it;
+            if (c < Row<K>::CHUNKS) {
+                w[r][it] = stream_chunk(q + row * Row<K>::CHUNKS + c);
+                scales[r][it] = stream_u16(s + row * Row<K>::SCALES + c);
+            }
+        }
+    }
+}
+
+// Each row's sum of chunk_sum's over this lane's chunks (the lanes' sums still to add).
+template <int K, int ROWS>
+static __device__ __forceinline__ void row_sums(const Chunk (&w)[ROWS][Row<K>::ITERS],
+                                                const u32 (&scales)[ROWS][Row<K>::ITERS], const Chunk* xs,
+                                                float (&sums)[ROWS]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) sums[r] = 0.0f;
+#pragma unroll
+    for (int it = 0; it < Row<K>::ITERS; ++it) {
+        const int c = lane + 32 * it;
+        if (c < Row<K>::CHUNKS) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) sums[r] += chunk_sum<Row<K>::CHUNKS>(w[r][it], scales[r][it], xs, c);
+        }
+    }
+}
+
+template <int K, int ROWS, int WARPS, int BF16, int PDL>
+__global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* __restrict__ x, const Chunk* __restrict__ q,
+                                                        const u16* __restrict__ s, const float* __restrict__ rs,
+                                                        u16* __restrict__ y, int n) {
+    __shared__ Chunk xs[4 * Row<K>::CHUNKS];
+    __shared__ float warp_max[WARPS];
+    const long first = ((long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    Chunk w[ROWS][Row<K>::ITERS];
+    u32 scales[ROWS][Row<K>::ITERS];
+    load_rows<K, ROWS>(q, s, first, n, w, scales);
+    wait_for_previous<PDL>();
+    const int e = block_pairs<K, WARPS * 32, BF16>(x, xs, warp_max);
+    let_next_launch<PDL>();
+    float sums[ROWS];
+    row_sums<K, ROWS>(w, scales, xs, sums);
+    const float down = unscale(e);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float t = warp_sum(sums[r]);
+        if ((threadIdx.x & 31) == 0 && first + r < n) y[first + r] = from_float<BF16>(t * down * rs[first + r]);
+    }
+}
+
+template <int IDS64> static __device__ __forceinline__ int choice_id(const void* ids, int j) {
+    return IDS64 ? (int)reinterpret_cast<const long long*>(ids)[j] : reinterpret_cast<const int*>(ids)[j];
+}
+
+// ACT: 1 relu(v)^2, 2 silu(v) (fused_moe.ACTIVATIONS' non-gated ones).
+template <int ACT> static __device__ __forceinline__ float activate(float v) {
+    if (ACT == 1) {
+        const float r = fmaxf(v, 0.0f);
+        return r * r;
+    }
+    return v / (1.0f + __expf(-v));
+}
+
+// Grid (feature tiles of ROWS * WARPS, choices TOP_K + SLOTS). act[j, f] = act(row f of choice j's up weights . x),
+// rounded to x's dtype; nothing for a routed choice outside [0, num_experts). The experts' up weights are
+// [E, INTER, K / 2] (scales [E, INTER, K / 16], row scales [E, INTER]); choice TOP_K + i is rows i * INTER ... of
+// the shared expert's [SLOTS * INTER, K / 2].
+template <int K, int INTER, int ROWS, int WARPS, int BF16, int PDL, int ACT, int TOP_K, int SLOTS, int IDS64>
+__global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
+        const u16* __restrict__ x, const Chunk* __restrict__ q, const u16* __restrict__ s,
+        const float* __restrict__ rs, const Chunk* __restrict__ shared_q, const u16* __restrict__ shared_s,
+        const float* __restrict__ shared_rs, const void* __restrict__ ids, int num_experts, u16* __restrict__ act) {
+    __shared__ Chunk xs[4 * Row<K>::CHUNKS];
+    __shared__ float warp_max[WARPS];
+    const int choice = blockIdx.y;
+    const long first = ((long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    wait_for_previous<PDL>();  // the choices come from the kernel just before
+    let_next_launch<PDL>();
+    long base;
+    if (choice < TOP_K) {
+        const int expert = choice_id<IDS64>(ids, choice);
+        if (expert < 0 || expert >= num_experts) return;
+        base = (long)expert * INTER;
+    } else {
+        base = (long)(choice - TOP_K) * INTER;
+        q = shared_q, s = shared_s, rs = shared_rs;
+    }
+    q += base * Row<K>::CHUNKS, s += base * Row<K>::SCALES, rs += base;
+    Chunk w[ROWS][Row<K>::ITERS];
+    u32 scales[ROWS][Row<K>::ITERS];
+    load_rows<K, ROWS>(q, s, first, INTER, w, scales);
+    const int e = block_pairs<K, WARPS * 32, BF16>(x, xs, warp_max);
+    float sums[ROWS];
+    row_sums<K, ROWS>(w, scales, xs, sums);
+    const float down = unscale(e);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float t = warp_sum(sums[r]);
+        if ((threadIdx.x & 31) == 0 && first + r < INTER)
+            act[(long)choice * INTER + first + r] = from_float<BF16>(activate<ACT>(t * down * rs[first + r]));
+    }
+}
+
+template <int WTS> static __device__ __forceinline__ float choice_weight(const void* weights, int j) {
+    if (WTS == 0) return reinterpret_cast<const float*>(weights)[j];
+    return to_float<WTS == 1>(reinterpret_cast<const u16*>(weights)[j]);
+}
+
+// Grid: hidden rows, WARPS / SPLIT a block. out[n] = sum over choices j of weight_j * (row n of choice j's down
+// weights . act[j]) in float32, rounded once; routed choices outside [0, num_experts) left out; the shared expert's
+// slots (weight 1) after them, slot i being columns i * K ... of its [HIDDEN, SLOTS * K / 2] rows. The experts' down
+// weights are [E, HIDDEN, K / 2] (scales [E, HIDDEN, K / 16], row scales [E, HIDDEN]); K = the experts' width.
+// SPLIT warps share a row, each a run of the choices in order (fewer registers a warp), and the first sums their
+// sums in order. The choices, weights and down rows are read before the wait: the router's kernel, two launches
+// back, wrote them.
+template <int K, int HIDDEN, int WARPS, int SPLIT, int BF16, int PDL, int TOP_K, int SLOTS, int IDS64, int WTS>
+__global__ void __launch_bounds__(WARPS * 32) fp4_experts_down(
+        const u16* __restrict__ act, const Chunk* __restrict__ q, const u16* __restrict__ s,
+        const float* __restrict__ rs, const Chunk* __restrict__ shared_q, const u16* __restrict__ shared_s,
+        const float* __restrict__ shared_rs, const void* __restrict__ weights, const void* __restrict__ ids,
+        int num_experts, u16* __restrict__ out) {
+    constexpr int CHOICES = TOP_K + SLOTS, RUN = (CHOICES + SPLIT - 1) / SPLIT;
+    __shared__ Chunk xs[CHOICES][4 * Row<K>::CHUNKS];
+    __shared__ int exponents[CHOICES];
+    __shared__ float parts[WARPS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % SPLIT;
+    const long wanted = (long)blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;
+    const long row = min(wanted, (long)HIDDEN - 1);
+    Chunk w[RUN][Row<K>::ITERS];
+    u32 scales[RUN][Row<K>::ITERS];
+    float factor[RUN];  // the choice's weight times its row scale; 0 for a choice left out
+#pragma unroll
+    for (int i = 0; i < RUN; ++i) {
+        const int j = part * RUN + i;
+        const Chunk* qj;
+        const u16* sj;
+        if (j < TOP_K) {
+            const int expert = choice_id<IDS64>(ids, j);
+            const bool held = expert >= 0 && expert < num_experts;
+            const long at = (long)(held ? expert : 0) * HIDDEN + row;
+            qj = q + at * Row<K>::CHUNKS, sj = s + at * Row<K>::SCALES;
+            factor[i] = held ? choice_weight<WTS>(weights, j) * rs[at] : 0.0f;
+        } else if (j < CHOICES) {
+            qj = shared_q + row * (SLOTS * Row<K>::CHUNKS) + (j - TOP_K) * Row<K>::CHUNKS;
+            sj = shared_s + row * (SLOTS * Row<K>::SCALES) + (j - TOP_K) * Row<K>::SCALES;
+            factor[i] = shared_rs[row];
+        } else {  // past the last choice (a run of the last warp of a row): expert 0's row, left out
+            qj = q + row * Row<K>::CHUNKS, sj = s + row * Row<K>::SCALES;
+            factor[i] = 0.0f;
+        }
+#pragma unroll
+        for (int it = 0; it < Row<K>::ITERS; ++it) {
+            const int c = lane + 32 * it;
+            if (c < Row<K>::CHUNKS) {
+                w[i][it] = stream_chunk(qj + c);
+                scales[i][it] = stream_u16(sj + c);
+            }
+        }
+    }
+    wait_for_previous<PDL>();
+    for (int j = warp; j < CHOICES; j += WARPS) {
+        const int e = warp_pairs<K, BF16>(act + (long)j * K, xs[j]);
+        if (lane == 0) exponents[j] = e;
+    }
+    __syncthreads();
+    let_next_launch<PDL>();
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RUN; ++i) {
+        const int j = min(part * RUN + i, CHOICES - 1);
+        float t = 0.0f;
+#pragma unroll
+        for (int it = 0; it < Row<K>::ITERS; ++it) {
+            const int c = lane + 32 * it;
+            if (c < Row<K>::CHUNKS) t += chunk_sum<Row<K>::CHUNKS>(w[i][it], scales[i][it], xs[j], c);
+        }
+        t = warp_sum(t);
+        if (factor[i] != 0.0f) total += t * unscale(exponents[j]) * factor[i];  // a choice left out has no act
+    }
+    if (SPLIT > 1) {
+        if (lane == 0) parts[warp] = total;
+        __syncthreads();
+        if (part != 0) return;
+        for (int i = 1; i < SPLIT; ++i) total += parts[warp + i];
+    }
+    if (lane == 0 && wanted < HIDDEN) out[row] = from_float<BF16>(total);
+}
