@@ -5,6 +5,9 @@
 //                   slots after the routed choices.
 // fp4_experts_down: y = sum_j weight_j W2[e_j] act[j], the slots with weight 1.
 //
+// What a kernel before this one wrote (x, the activations, the choices and their weights) is read through plain loads after the wait, never the
+// read-only path that the weights take (const __restrict__ pointers and .nc loads are for them alone).
+//
 // Each lane takes 16-byte chunks of its warp's rows (32 codes: two groups of 16, two scale bytes); chunk c of a row
 // goes to lane c % 32, so a warp owns whole rows and no program sums another's partial sums. Every chunk a lane
 // needs is loaded before it waits for the kernel before it wherever the addresses are known by then (the weights
@@ -110,14 +113,15 @@ static __device__ __forceinline__ float e4m3_units(u32 byte) {
     return f;
 }
 
-// A chunk's 32 products with x's pairs (xs: [word][chunk] of a row's CHUNKS), scaled by its groups' bytes; at 2^-22
-// of their value times x's power of two.
+// A chunk's 32 products with x's pairs (xs: [word][chunk] of a row's CHUNKS), scaled by its groups' bytes and by
+// ua and ub, the groups' factors of x; at 2^-22 of their value times x's power of two.
 template <int CHUNKS>
-static __device__ __forceinline__ float chunk_sum(Chunk w, u32 scales, const Chunk* xs, int c) {
+static __device__ __forceinline__ float chunk_sum(Chunk w, u32 scales, const Chunk* xs, int c, float ua = 1.0f,
+                                                  float ub = 1.0f) {
     const Chunk x0 = xs[c], x1 = xs[CHUNKS + c], x2 = xs[2 * CHUNKS + c], x3 = xs[3 * CHUNKS + c];
     const u32 a = word_products(w.w1, x1, word_products(w.w0, x0, 0u));
     const u32 b = word_products(w.w3, x3, word_products(w.w2, x2, 0u));
-    return pair_sum(a) * e4m3_units(scales & 0xFF) + pair_sum(b) * e4m3_units(scales >> 8);
+    return pair_sum(a) * (e4m3_units(scales & 0xFF) * ua) + pair_sum(b) * (e4m3_units(scales >> 8) * ub);
 }
 
 // The power of two 2^e that puts |largest| in [2^14, 2^15) (largest 0: the smallest that keeps 2^-e normal).
@@ -191,32 +195,6 @@ static __device__ __forceinline__ int block_pairs(const u16* x, Chunk* xs, float
     return e;
 }
 
-// x [K] as float16 pairs in xs, built by one warp; returns the power of two they carry (the warp's lanes agree).
-// x is read twice (the second time from L1) rather than held: registers hold the weights in flight.
-template <int K, int BF16>
-static __device__ __forceinline__ int warp_pairs(const u16* x, Chunk* xs) {
-    constexpr int BLOCKS = K / 8;
-    const int lane = threadIdx.x & 31;
-    const Chunk* raw = reinterpret_cast<const Chunk*>(x);
-    float largest = 0.0f;
-    for (int b = lane; b < BLOCKS; b += 32) {
-        float f[8];
-        eight<BF16>(raw[b], f);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) largest = fmaxf(largest, fabsf(f[j]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, o));
-    const int e = pair_exponent(largest);
-    const float up = power_of_two(e);
-    for (int b = lane; b < BLOCKS; b += 32) {
-        float f[8];
-        eight<BF16>(raw[b], f);
-        store_pairs<K / 32>(f, up, xs, b);
-    }
-    return e;
-}
-
 static __device__ __forceinline__ float warp_sum(float t) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xFFFFFFFFu, t, o);
@@ -262,7 +240,7 @@ static __device__ __forceinline__ void row_sums(const Chunk (&w)[ROWS][Row<K>::I
 }
 
 template <int K, int ROWS, int WARPS, int BF16, int PDL>
-__global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* __restrict__ x, const Chunk* __restrict__ q,
+__global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk* __restrict__ q,
                                                         const u16* __restrict__ s, const float* __restrict__ rs,
                                                         u16* __restrict__ y, int n) {
     __shared__ Chunk xs[4 * Row<K>::CHUNKS];
@@ -297,19 +275,24 @@ template <int ACT> static __device__ __forceinline__ float activate(float v) {
     return v / (1.0f + __expf(-v));
 }
 
-// Grid (feature tiles of ROWS * WARPS, choices TOP_K + SLOTS). act[j, f] = act(row f of choice j's up weights . x),
-// rounded to x's dtype; nothing for a routed choice outside [0, num_experts). The experts' up weights are
-// [E, INTER, K / 2] (scales [E, INTER, K / 16], row scales [E, INTER]); choice TOP_K + i is rows i * INTER ... of
-// the shared expert's [SLOTS * INTER, K / 2].
+// Grid (feature tiles of ROWS * WARPS, a multiple of 16; choices TOP_K + SLOTS). act[j, f] = act(row f of choice j's
+// up weights . x), stored as the down product reads it: each 16 features' float16 pairs (chunk_sum's layout, [word of
+// a chunk][chunk] a choice) times the power of two that puts their largest in [2^14, 2^15), and in `unscales` [j, f /
+// 16] that power's inverse. Nothing for a routed choice outside [0, num_experts). The experts' up weights are
+// [E, INTER, K / 2] (scales [E, INTER, K / 16], row scales [E, INTER]); choice TOP_K + i is rows i * INTER ... of the
+// shared expert's [SLOTS * INTER, K / 2].
 template <int K, int INTER, int ROWS, int WARPS, int BF16, int PDL, int ACT, int TOP_K, int SLOTS, int IDS64>
 __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
-        const u16* __restrict__ x, const Chunk* __restrict__ q, const u16* __restrict__ s,
+        const u16* x, const Chunk* __restrict__ q, const u16* __restrict__ s,
         const float* __restrict__ rs, const Chunk* __restrict__ shared_q, const u16* __restrict__ shared_s,
-        const float* __restrict__ shared_rs, const void* __restrict__ ids, int num_experts, u16* __restrict__ act) {
+        const float* __restrict__ shared_rs, const void* ids, int num_experts,
+        Chunk* __restrict__ act, float* __restrict__ unscales) {
+    static_assert((ROWS * WARPS) % 16 == 0 && INTER % 32 == 0, "whole groups of 16 features a block");
     __shared__ Chunk xs[4 * Row<K>::CHUNKS];
     __shared__ float warp_max[WARPS];
-    const int choice = blockIdx.y;
-    const long first = ((long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    __shared__ float features[ROWS * WARPS];
+    const int choice = blockIdx.y, warp = threadIdx.x >> 5;
+    const long block_first = (long)blockIdx.x * WARPS * ROWS, first = block_first + warp * ROWS;
     wait_for_previous<PDL>();  // the choices come from the kernel just before
     let_next_launch<PDL>();
     long base;
@@ -332,8 +315,22 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const float t = warp_sum(sums[r]);
-        if ((threadIdx.x & 31) == 0 && first + r < INTER)
-            act[(long)choice * INTER + first + r] = from_float<BF16>(activate<ACT>(t * down * rs[first + r]));
+        if ((threadIdx.x & 31) == 0)
+            features[warp * ROWS + r] = first + r < INTER ? activate<ACT>(t * down * rs[first + r]) : 0.0f;
+    }
+    __syncthreads();
+    constexpr int GROUPS = ROWS * WARPS / 16;
+    if (threadIdx.x < GROUPS && block_first + 16 * threadIdx.x < INTER) {
+        const float* v = features + 16 * threadIdx.x;
+        float largest = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) largest = fmaxf(largest, fabsf(v[i]));
+        const int g = (int)(block_first / 16) + threadIdx.x;
+        const int group_e = pair_exponent(largest);
+        Chunk* pairs = act + (long)choice * 4 * (INTER / 32);
+        store_pairs<INTER / 32>(v, power_of_two(group_e), pairs, 2 * g);
+        store_pairs<INTER / 32>(v + 8, power_of_two(group_e), pairs, 2 * g + 1);
+        unscales[(long)choice * (INTER / 16) + g] = power_of_two(-group_e);
     }
 }
 
@@ -345,19 +342,18 @@ template <int WTS> static __device__ __forceinline__ float choice_weight(const v
 // Grid: hidden rows, WARPS / SPLIT a block. out[n] = sum over choices j of weight_j * (row n of choice j's down
 // weights . act[j]) in float32, rounded once; routed choices outside [0, num_experts) left out; the shared expert's
 // slots (weight 1) after them, slot i being columns i * K ... of its [HIDDEN, SLOTS * K / 2] rows. The experts' down
-// weights are [E, HIDDEN, K / 2] (scales [E, HIDDEN, K / 16], row scales [E, HIDDEN]); K = the experts' width.
+// weights are [E, HIDDEN, K / 2] (scales [E, HIDDEN, K / 16], row scales [E, HIDDEN]); K = the experts' width; act
+// and unscales as fp4_experts_up leaves them, read through L1 (every warp of an SM reads the same few KB).
 // SPLIT warps share a row, each a run of the choices in order (fewer registers a warp), and the first sums their
 // sums in order. The choices, weights and down rows are read before the wait: the router's kernel, two launches
 // back, wrote them.
 template <int K, int HIDDEN, int WARPS, int SPLIT, int BF16, int PDL, int TOP_K, int SLOTS, int IDS64, int WTS>
 __global__ void __launch_bounds__(WARPS * 32) fp4_experts_down(
-        const u16* __restrict__ act, const Chunk* __restrict__ q, const u16* __restrict__ s,
-        const float* __restrict__ rs, const Chunk* __restrict__ shared_q, const u16* __restrict__ shared_s,
-        const float* __restrict__ shared_rs, const void* __restrict__ weights, const void* __restrict__ ids,
-        int num_experts, u16* __restrict__ out) {
+        const Chunk* act, const float* unscales, const Chunk* __restrict__ q,
+        const u16* __restrict__ s, const float* __restrict__ rs, const Chunk* __restrict__ shared_q,
+        const u16* __restrict__ shared_s, const float* __restrict__ shared_rs, const void* weights,
+        const void* ids, int num_experts, u16* __restrict__ out) {
     constexpr int CHOICES = TOP_K + SLOTS, RUN = (CHOICES + SPLIT - 1) / SPLIT;
-    __shared__ Chunk xs[CHOICES][4 * Row<K>::CHUNKS];
-    __shared__ int exponents[CHOICES];
     __shared__ float parts[WARPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % SPLIT;
     const long wanted = (long)blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;
@@ -394,25 +390,25 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_down(
         }
     }
     wait_for_previous<PDL>();
-    for (int j = warp; j < CHOICES; j += WARPS) {
-        const int e = warp_pairs<K, BF16>(act + (long)j * K, xs[j]);
-        if (lane == 0) exponents[j] = e;
-    }
-    __syncthreads();
     let_next_launch<PDL>();
     float total = 0.0f;
 #pragma unroll
     for (int i = 0; i < RUN; ++i) {
         const int j = min(part * RUN + i, CHOICES - 1);
+        const Chunk* xj = act + (long)j * 4 * Row<K>::CHUNKS;
+        const float2* uj = reinterpret_cast<const float2*>(unscales + (long)j * (K / 16));
         float t = 0.0f;
 #pragma unroll
         for (int it = 0; it < Row<K>::ITERS; ++it) {
             const int c = lane + 32 * it;
-            if (c < Row<K>::CHUNKS) t += chunk_sum<Row<K>::CHUNKS>(w[i][it], scales[i][it], xs[j], c);
+            if (c < Row<K>::CHUNKS && factor[i] != 0.0f) {  // a choice left out has no act
+                const float2 u = uj[c];
+                t += chunk_sum<Row<K>::CHUNKS>(w[i][it], scales[i][it], xj, c, u.x, u.y);
+            }
         }
-        t = warp_sum(t);
-        if (factor[i] != 0.0f) total += t * unscale(exponents[j]) * factor[i];  // a choice left out has no act
+        total += warp_sum(t) * factor[i];
     }
+    total *= 4194304.0f;  // e2m1 codes at 2^-14, scale bytes at 2^-8
     if (SPLIT > 1) {
         if (lane == 0) parts[warp] = total;
         __syncthreads();

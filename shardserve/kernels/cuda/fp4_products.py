@@ -3,8 +3,9 @@ linear layer and a token's non-gated fp4 experts (NemotronH's), the shared exper
 
 Against the Triton kernels they replace (kernels/triton/quant_gemv.py's split-K GEMV, kernels/triton/moe_four_bit.py)
 a warp takes whole rows, so no program sums another's partial sums; every weight byte of a warp's rows is loaded
-before the dependent-launch wait where its address is known by then; and x's float16 pairs are built once a block
-(a warp a choice in the down product), not once a program of a tile. Same float16 pair sums as theirs: 16-bit
+before the dependent-launch wait where its address is known by then; and x's float16 pairs are built once a block,
+not once a program of a tile (the up product leaves the activations as float16 pairs for the down product, each
+16 features under a power of two of their own). Same float16 pair sums as theirs: 16-bit
 activations only. The layouts: kernels/quant_pack.py's fp4 (codes uint8 [N, K / 2], an e4m3 byte a 16 columns
 [N, K / 16], a float32 scale a row [N]).
 """
@@ -27,10 +28,11 @@ GEMV_CONFIGS = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4))
 # product.
 SHARED_BYTES = 48 * 1024
 ACTIVATIONS = {"relu2": 1, "silu": 2}
-# (rows a warp, warps a block) of the up product; (warps a block, warps a row) of the down product: the fastest of a
-# sweep on an H200 at Nemotron-3-Nano's NVFP4 experts with the shared expert's two slots, 25.2 us a layer against
-# 28.5 for the Triton kernels (benchmarks/results/fp4-cuda-kernels-nvidia-h200-20261130.json).
-EXPERT_TILES = (2, 4, 8, 2)
+# (rows a warp, warps a block: a multiple of 16 features) of the up product; (warps a block, warps a row) of the
+# down product: the fastest of a sweep on an H200 at Nemotron-3-Nano's NVFP4 experts with the shared expert's two
+# slots, 24.2 us a layer (up 11.5) against 28.5 for the Triton kernels
+# (benchmarks/results/fp4-cuda-kernels-nvidia-h200-20261130.json).
+EXPERT_TILES = (2, 8, 4, 2)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -101,8 +103,8 @@ def experts_fit(experts: PackedExperts, dtype: torch.dtype, choices: int) -> str
     if experts.hidden % 32 or experts.inter % 32:
         return f"fp4_experts needs hidden and expert widths that are multiples of 32, got {experts.hidden} and " \
                f"{experts.inter}"
-    if 2 * experts.hidden > SHARED_BYTES or 2 * choices * experts.inter > SHARED_BYTES:
-        return f"fp4_experts holds x and the choices' activations in {SHARED_BYTES} bytes of shared memory"
+    if 2 * experts.hidden > SHARED_BYTES:
+        return f"fp4_experts holds x in shared memory: a hidden width of at most {SHARED_BYTES // 2}"
     return None
 
 
@@ -135,20 +137,26 @@ def fp4_experts(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, 
         raise ValueError(f"fp4_experts needs {top_k} contiguous float32 or 16-bit weights, got {weights.dtype} "
                          f"{tuple(weights.shape)}")
     up_rows_a_warp, up_warps, down_warps, split = tiles
+    if (up_rows_a_warp * up_warps) % GROUP or down_warps % split:
+        raise ValueError(f"fp4_experts tiles {tiles}: the up product's rows a block must be a multiple of {GROUP}, "
+                         "the down product's warps a block a multiple of its warps a row")
     on, bf16, ids64 = pdl.active(x.device), _dtype_code(x.dtype), int(ids.dtype == torch.int64)
-    act = torch.empty(top_k + slots, inter, dtype=x.dtype, device=x.device)
+    # the activations as the down product reads them: float16 pairs (two bytes a feature) and a factor a group
+    act = torch.empty(top_k + slots, inter // 2, dtype=torch.int32, device=x.device)
+    unscales = torch.empty(top_k + slots, inter // GROUP, dtype=torch.float32, device=x.device)
     up_kernel = runtime.kernel(SOURCE, "fp4_experts_up", (hidden, inter, up_rows_a_warp, up_warps, bf16, on,
                                                           ACTIVATIONS[experts.activation], top_k, slots, ids64),
                                x.device)
     per_block = up_rows_a_warp * up_warps
     up_kernel.launch(((inter + per_block - 1) // per_block, top_k + slots), 32 * up_warps,
-                     [x, experts.w13, experts.scale13, experts.row13, up, up_scale, up_rows, ids, num_experts, act],
+                     [x, experts.w13, experts.scale13, experts.row13, up, up_scale, up_rows, ids, num_experts, act,
+                      unscales],
                      pdl=on)
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
     down_kernel = runtime.kernel(SOURCE, "fp4_experts_down", (inter, hidden, down_warps, split, bf16, on, top_k, slots,
                                                               ids64, weight_codes[weights.dtype]), x.device)
     rows_a_block = down_warps // split
     down_kernel.launch(((hidden + rows_a_block - 1) // rows_a_block,), 32 * down_warps,
-                       [act, experts.w2, experts.scale2, experts.row2, down, down_scale, down_rows, weights, ids,
+                       [act, unscales, experts.w2, experts.scale2, experts.row2, down, down_scale, down_rows, weights, ids,
                         num_experts, out], pdl=on)
     return out
