@@ -120,3 +120,30 @@ def test_gpu_the_experts_path_takes_them_unless_switched_off(set_env):
     triton_sums = one_token_four_bit_experts(x, experts, weights, ids)
     for got in (cuda, triton_sums):
         assert relative_error(got, want) < TOLERANCE[torch.bfloat16]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_gpu_fp4_gemv_with_the_norm_inside(with_residual):
+    """(W RMSNorm(x + residual), x + residual) in one launch: float64's product of the norm kernel's output, and the
+    sum as the norm kernel stores it."""
+    from shardserve.layers.norm import RMSNorm
+
+    from shardserve.kernels.cuda.fp4_products import fp4_gemv_rmsnorm
+
+    n, k = 300, 2688
+    codes, scales, rows = fp4_rows(n, k)
+    norm = RMSNorm(k, 1e-5, torch.bfloat16).cuda()
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16) * 3
+    residual = torch.randn(1, k, device="cuda").to(torch.bfloat16) if with_residual else None
+    if with_residual:  # the norm kernel updates its inputs in place
+        normed, summed_want = norm(x.clone(), residual.clone())
+    else:
+        normed, summed_want = norm(x.clone()), x
+    want = normed.double() @ reference_weight64("fp4", codes, scales, 16, rows).T
+    for config in GEMV_CONFIGS:
+        got, summed = fp4_gemv_rmsnorm(x, residual, norm.weight, norm.eps, codes, scales, rows, *config)
+        assert relative_error(got, want) < TOLERANCE[torch.bfloat16], config
+        assert torch.equal(summed, summed_want)

@@ -156,50 +156,121 @@ static __device__ __forceinline__ void store_pairs(const float* f, float up, Chu
     xs[(b & 3) * CHUNKS + (b >> 2)] = p;
 }
 
-// x [K] as float16 pairs in xs, built by the whole block; returns the power of two they carry. Ends synchronized.
-template <int K, int THREADS, int BF16>
-static __device__ __forceinline__ int block_pairs(const u16* x, Chunk* xs, float* warp_max) {
-    constexpr int BLOCKS = K / 8, ITERS = (BLOCKS + THREADS - 1) / THREADS;
-    Chunk raw[ITERS];
-    float largest = 0.0f;
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-        const int b = threadIdx.x + THREADS * it;
-        if (b < BLOCKS) {
-            raw[it] = reinterpret_cast<const Chunk*>(x)[b];
-            float f[8];
-            eight<BF16>(raw[it], f);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) largest = fmaxf(largest, fabsf(f[j]));
-        }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, o));
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = largest;
-    __syncthreads();
-    largest = warp_max[0];
-#pragma unroll
-    for (int i = 1; i < THREADS / 32; ++i) largest = fmaxf(largest, warp_max[i]);
-    const int e = pair_exponent(largest);
-    const float up = power_of_two(e);
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-        const int b = threadIdx.x + THREADS * it;
-        if (b < BLOCKS) {
-            float f[8];
-            eight<BF16>(raw[it], f);
-            store_pairs<K / 32>(f, up, xs, b);
-        }
-    }
-    __syncthreads();
-    return e;
-}
-
 static __device__ __forceinline__ float warp_sum(float t) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xFFFFFFFFu, t, o);
     return t;
 }
+
+static __device__ __forceinline__ float warp_max(float t) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xFFFFFFFFu, t, o));
+    return t;
+}
+
+// The block's sum (MAX 0) or largest (MAX 1) of each thread's v, through `scratch` [warps]; every thread gets it.
+template <int THREADS, int MAX>
+static __device__ __forceinline__ float block_reduce(float v, float* scratch) {
+    v = MAX ? warp_max(v) : warp_sum(v);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = scratch[0];
+#pragma unroll
+    for (int i = 1; i < THREADS / 32; ++i) t = MAX ? fmaxf(t, scratch[i]) : t + scratch[i];
+    return t;
+}
+
+template <int BF16> static __device__ __forceinline__ float rounded(float v) { return to_float<BF16>(from_float<BF16>(v)); }
+
+// x [K] as float16 pairs in xs, built by the whole block; returns the power of two they carry. Ends synchronized.
+// NORM: x is first RMSNorm(s) of s = x + residual (HAS_RESIDUAL; else x), with fused_ops' rounding: s rounded to x's
+// dtype, h = round(w * round(s * rstd)); block 0 stores s to `summed` (the next residual) where there is a residual.
+// scratch: two floats a warp.
+template <int K, int THREADS, int BF16, int NORM, int HAS_RESIDUAL>
+static __device__ __forceinline__ int block_pairs(const u16* x, const u16* residual, const u16* norm_weight,
+                                                  float eps, u16* summed, Chunk* xs, float* scratch) {
+    constexpr int BLOCKS = K / 8, ITERS = (BLOCKS + THREADS - 1) / THREADS;
+    if constexpr (!NORM) {  // x's 16-byte loads held (half the registers of its floats), converted twice
+        Chunk raw[ITERS];
+        float largest = 0.0f;
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+            const int b = threadIdx.x + THREADS * it;
+            if (b < BLOCKS) {
+                raw[it] = reinterpret_cast<const Chunk*>(x)[b];
+                float f[8];
+                eight<BF16>(raw[it], f);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) largest = fmaxf(largest, fabsf(f[j]));
+            }
+        }
+        const int e = pair_exponent(block_reduce<THREADS, 1>(largest, scratch));
+        const float up = power_of_two(e);
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+            const int b = threadIdx.x + THREADS * it;
+            if (b < BLOCKS) {
+                float f[8];
+                eight<BF16>(raw[it], f);
+                store_pairs<K / 32>(f, up, xs, b);
+            }
+        }
+        __syncthreads();
+        return e;
+    }
+    float f[ITERS][8];
+    float squares = 0.0f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int b = threadIdx.x + THREADS * it;
+        if (b < BLOCKS) {
+            eight<BF16>(reinterpret_cast<const Chunk*>(x)[b], f[it]);
+            if (NORM && HAS_RESIDUAL) {
+                float r[8];
+                eight<BF16>(reinterpret_cast<const Chunk*>(residual)[b], r);
+                u32 out[4];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) f[it][j] = rounded<BF16>(f[it][j] + r[j]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    out[j] = (u32)from_float<BF16>(f[it][2 * j]) | ((u32)from_float<BF16>(f[it][2 * j + 1]) << 16);
+                if (blockIdx.x == 0 && blockIdx.y == 0)
+                    reinterpret_cast<Chunk*>(summed)[b] = Chunk{out[0], out[1], out[2], out[3]};
+            }
+            if (NORM) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) squares += f[it][j] * f[it][j];
+            }
+        }
+    }
+    float rstd = 1.0f;
+    if (NORM) rstd = rsqrtf(block_reduce<THREADS, 0>(squares, scratch + THREADS / 32) / K + eps);
+    float largest = 0.0f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int b = threadIdx.x + THREADS * it;
+        if (b < BLOCKS) {
+            if (NORM) {
+                float w[8];
+                eight<BF16>(reinterpret_cast<const Chunk*>(norm_weight)[b], w);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) f[it][j] = rounded<BF16>(w[j] * rounded<BF16>(f[it][j] * rstd));
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) largest = fmaxf(largest, fabsf(f[it][j]));
+        }
+    }
+    const int e = pair_exponent(block_reduce<THREADS, 1>(largest, scratch));
+    const float up = power_of_two(e);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int b = threadIdx.x + THREADS * it;
+        if (b < BLOCKS) store_pairs<K / 32>(f[it], up, xs, b);
+    }
+    __syncthreads();
+    return e;
+}
+
 
 // ROWS rows a warp, from row 0 of `q` (codes, [n, K / 2]) and `s` (scale bytes, [n, K / 16]); rows past n read row
 // n - 1 (and store nothing).
@@ -239,18 +310,21 @@ static __device__ __forceinline__ void row_sums(const Chunk (&w)[ROWS][Row<K>::I
     }
 }
 
-template <int K, int ROWS, int WARPS, int BF16, int PDL>
+// NORM: y = W RMSNorm(x + residual) (block_pairs' rounding), and x + residual stored to `summed` (HAS_RESIDUAL).
+template <int K, int ROWS, int WARPS, int BF16, int PDL, int NORM, int HAS_RESIDUAL>
 __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk* __restrict__ q,
                                                         const u16* __restrict__ s, const float* __restrict__ rs,
-                                                        u16* __restrict__ y, int n) {
+                                                        u16* __restrict__ y, int n, const u16* residual,
+                                                        const u16* norm_weight, float eps, u16* summed) {
     __shared__ Chunk xs[4 * Row<K>::CHUNKS];
-    __shared__ float warp_max[WARPS];
+    __shared__ float scratch[2 * WARPS];
     const long first = ((long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
     Chunk w[ROWS][Row<K>::ITERS];
     u32 scales[ROWS][Row<K>::ITERS];
     load_rows<K, ROWS>(q, s, first, n, w, scales);
     wait_for_previous<PDL>();
-    const int e = block_pairs<K, WARPS * 32, BF16>(x, xs, warp_max);
+    const int e = block_pairs<K, WARPS * 32, BF16, NORM, HAS_RESIDUAL>(x, residual, norm_weight, eps, summed, xs,
+                                                                       scratch);
     let_next_launch<PDL>();
     float sums[ROWS];
     row_sums<K, ROWS>(w, scales, xs, sums);
@@ -289,7 +363,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
         Chunk* __restrict__ act, float* __restrict__ unscales) {
     static_assert((ROWS * WARPS) % 16 == 0 && INTER % 32 == 0, "whole groups of 16 features a block");
     __shared__ Chunk xs[4 * Row<K>::CHUNKS];
-    __shared__ float warp_max[WARPS];
+    __shared__ float scratch[2 * WARPS];
     __shared__ float features[ROWS * WARPS];
     const int choice = blockIdx.y, warp = threadIdx.x >> 5;
     const long block_first = (long)blockIdx.x * WARPS * ROWS, first = block_first + warp * ROWS;
@@ -308,7 +382,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
     Chunk w[ROWS][Row<K>::ITERS];
     u32 scales[ROWS][Row<K>::ITERS];
     load_rows<K, ROWS>(q, s, first, INTER, w, scales);
-    const int e = block_pairs<K, WARPS * 32, BF16>(x, xs, warp_max);
+    const int e = block_pairs<K, WARPS * 32, BF16, 0, 0>(x, nullptr, nullptr, 0.0f, nullptr, xs, scratch);
     float sums[ROWS];
     row_sums<K, ROWS>(w, scales, xs, sums);
     const float down = unscale(e);
@@ -339,31 +413,31 @@ template <int WTS> static __device__ __forceinline__ float choice_weight(const v
     return to_float<WTS == 1>(reinterpret_cast<const u16*>(weights)[j]);
 }
 
-// Grid: hidden rows, WARPS / SPLIT a block. out[n] = sum over choices j of weight_j * (row n of choice j's down
-// weights . act[j]) in float32, rounded once; routed choices outside [0, num_experts) left out; the shared expert's
-// slots (weight 1) after them, slot i being columns i * K ... of its [HIDDEN, SLOTS * K / 2] rows. The experts' down
-// weights are [E, HIDDEN, K / 2] (scales [E, HIDDEN, K / 16], row scales [E, HIDDEN]); K = the experts' width; act
-// and unscales as fp4_experts_up leaves them, read through L1 (every warp of an SM reads the same few KB).
-// SPLIT warps share a row, each a run of the choices in order (fewer registers a warp), and the first sums their
-// sums in order. The choices, weights and down rows are read before the wait: the router's kernel, two launches
-// back, wrote them.
-template <int K, int HIDDEN, int WARPS, int SPLIT, int BF16, int PDL, int TOP_K, int SLOTS, int IDS64, int WTS>
+// Grid: hidden rows, one a warp, WARPS a block. out[n] = sum over choices j, in order, of weight_j * (row n of choice
+// j's down weights . act[j]) in float32, rounded once; routed choices outside [0, num_experts) left out; the shared
+// expert's slots (weight 1) after them, slot i being columns i * K ... of its [HIDDEN, SLOTS * K / 2] rows. The
+// experts' down weights are [E, HIDDEN, K / 2] (scales [E, HIDDEN, K / 16], row scales [E, HIDDEN]); K = the
+// experts' width; act and unscales as fp4_experts_up leaves them, read through L1 (every warp of an SM reads the
+// same few KB). A warp's choices stream through a ring of DEPTH choices' chunks: choice j + DEPTH is loaded once
+// choice j is summed, so a warp holds DEPTH choices' registers and the grid fits the GPU at once. The choices,
+// their weights and the first DEPTH choices' rows are read before the wait: the router's kernel, two launches back,
+// wrote them.
+template <int K, int HIDDEN, int WARPS, int DEPTH, int BF16, int PDL, int TOP_K, int SLOTS, int IDS64, int WTS>
 __global__ void __launch_bounds__(WARPS * 32) fp4_experts_down(
-        const Chunk* act, const float* unscales, const Chunk* __restrict__ q,
-        const u16* __restrict__ s, const float* __restrict__ rs, const Chunk* __restrict__ shared_q,
-        const u16* __restrict__ shared_s, const float* __restrict__ shared_rs, const void* weights,
-        const void* ids, int num_experts, u16* __restrict__ out) {
-    constexpr int CHOICES = TOP_K + SLOTS, RUN = (CHOICES + SPLIT - 1) / SPLIT;
-    __shared__ float parts[WARPS];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % SPLIT;
-    const long wanted = (long)blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;
+        const Chunk* act, const float* unscales, const Chunk* __restrict__ q, const u16* __restrict__ s,
+        const float* __restrict__ rs, const Chunk* __restrict__ shared_q, const u16* __restrict__ shared_s,
+        const float* __restrict__ shared_rs, const void* weights, const void* ids, int num_experts,
+        u16* __restrict__ out) {
+    constexpr int CHOICES = TOP_K + SLOTS;
+    const int lane = threadIdx.x & 31;
+    const long wanted = (long)blockIdx.x * WARPS + (threadIdx.x >> 5);
     const long row = min(wanted, (long)HIDDEN - 1);
-    Chunk w[RUN][Row<K>::ITERS];
-    u32 scales[RUN][Row<K>::ITERS];
-    float factor[RUN];  // the choice's weight times its row scale; 0 for a choice left out
-#pragma unroll
-    for (int i = 0; i < RUN; ++i) {
-        const int j = part * RUN + i;
+    Chunk w[DEPTH][Row<K>::ITERS];
+    u32 scales[DEPTH][Row<K>::ITERS];
+    float factor[CHOICES];  // the choice's weight times its row scale; 0 for a choice left out
+
+    // Choice j's chunks of this row into ring slot j % DEPTH, and its factor.
+    auto load = [&](int j) {
         const Chunk* qj;
         const u16* sj;
         if (j < TOP_K) {
@@ -371,49 +445,44 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_down(
             const bool held = expert >= 0 && expert < num_experts;
             const long at = (long)(held ? expert : 0) * HIDDEN + row;
             qj = q + at * Row<K>::CHUNKS, sj = s + at * Row<K>::SCALES;
-            factor[i] = held ? choice_weight<WTS>(weights, j) * rs[at] : 0.0f;
-        } else if (j < CHOICES) {
+            factor[j] = held ? choice_weight<WTS>(weights, j) * rs[at] : 0.0f;
+        } else {
             qj = shared_q + row * (SLOTS * Row<K>::CHUNKS) + (j - TOP_K) * Row<K>::CHUNKS;
             sj = shared_s + row * (SLOTS * Row<K>::SCALES) + (j - TOP_K) * Row<K>::SCALES;
-            factor[i] = shared_rs[row];
-        } else {  // past the last choice (a run of the last warp of a row): expert 0's row, left out
-            qj = q + row * Row<K>::CHUNKS, sj = s + row * Row<K>::SCALES;
-            factor[i] = 0.0f;
+            factor[j] = shared_rs[row];
         }
 #pragma unroll
         for (int it = 0; it < Row<K>::ITERS; ++it) {
             const int c = lane + 32 * it;
             if (c < Row<K>::CHUNKS) {
-                w[i][it] = stream_chunk(qj + c);
-                scales[i][it] = stream_u16(sj + c);
+                w[j % DEPTH][it] = stream_chunk(qj + c);
+                scales[j % DEPTH][it] = stream_u16(sj + c);
             }
         }
-    }
+    };
+#pragma unroll
+    for (int j = 0; j < DEPTH && j < CHOICES; ++j) load(j);
     wait_for_previous<PDL>();
     let_next_launch<PDL>();
     float total = 0.0f;
 #pragma unroll
-    for (int i = 0; i < RUN; ++i) {
-        const int j = min(part * RUN + i, CHOICES - 1);
+    for (int j = 0; j < CHOICES; ++j) {
         const Chunk* xj = act + (long)j * 4 * Row<K>::CHUNKS;
         const float2* uj = reinterpret_cast<const float2*>(unscales + (long)j * (K / 16));
         float t = 0.0f;
+        if (factor[j] != 0.0f) {  // a choice left out has no act
 #pragma unroll
-        for (int it = 0; it < Row<K>::ITERS; ++it) {
-            const int c = lane + 32 * it;
-            if (c < Row<K>::CHUNKS && factor[i] != 0.0f) {  // a choice left out has no act
-                const float2 u = uj[c];
-                t += chunk_sum<Row<K>::CHUNKS>(w[i][it], scales[i][it], xj, c, u.x, u.y);
+            for (int it = 0; it < Row<K>::ITERS; ++it) {
+                const int c = lane + 32 * it;
+                if (c < Row<K>::CHUNKS) {
+                    const float2 u = uj[c];
+                    t += chunk_sum<Row<K>::CHUNKS>(w[j % DEPTH][it], scales[j % DEPTH][it], xj, c, u.x, u.y);
+                }
             }
         }
-        total += warp_sum(t) * factor[i];
+        if (j + DEPTH < CHOICES) load(j + DEPTH);
+        total += warp_sum(t) * factor[j];
     }
     total *= 4194304.0f;  // e2m1 codes at 2^-14, scale bytes at 2^-8
-    if (SPLIT > 1) {
-        if (lane == 0) parts[warp] = total;
-        __syncthreads();
-        if (part != 0) return;
-        for (int i = 1; i < SPLIT; ++i) total += parts[warp + i];
-    }
     if (lane == 0 && wanted < HIDDEN) out[row] = from_float<BF16>(total);
 }

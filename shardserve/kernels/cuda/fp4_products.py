@@ -28,11 +28,11 @@ GEMV_CONFIGS = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4))
 # product.
 SHARED_BYTES = 48 * 1024
 ACTIVATIONS = {"relu2": 1, "silu": 2}
-# (rows a warp, warps a block: a multiple of 16 features) of the up product; (warps a block, warps a row) of the
-# down product: the fastest of a sweep on an H200 at Nemotron-3-Nano's NVFP4 experts with the shared expert's two
+# (rows a warp, warps a block: a multiple of 16 features) of the up product; (warps a block, choices in flight a
+# warp) of the down product: the fastest of a sweep on an H200 at Nemotron-3-Nano's NVFP4 experts with the shared expert's two
 # slots, 24.2 us a layer (up 11.5) against 28.5 for the Triton kernels
 # (benchmarks/results/fp4-cuda-kernels-nvidia-h200-20261130.json).
-EXPERT_TILES = (2, 8, 4, 2)
+EXPERT_TILES = (2, 8, 4, 3)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -77,17 +77,48 @@ def _one_row(name: str, x: torch.Tensor, k: int) -> torch.Tensor:
 def fp4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor,
              rows: int = 2, warps: int = 4) -> torch.Tensor:
     """x [1, K] (or [K]), bfloat16 or float16, times the fp4 weight transposed -> [1, N] in x's dtype."""
+    return _gemv_launch("fp4_gemv", x, codes, scales, row_scale, rows, warps, None)
+
+
+def fp4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor, rows: int = 2,
+                     warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp4_gemv of RMSNorm(x + residual), x + residual) in one launch, with the norm kernel's rounding
+    (kernels/triton/gemv.normed_values); without a residual the sum is x itself."""
+    from shardserve.kernels.triton.gemv import normed_row_args
+
+    k = 2 * codes.shape[1]
+    x, residual, summed = normed_row_args(_one_row("fp4_gemv_rmsnorm", x, k), residual, norm_weight, k,
+                                          "fp4_gemv_rmsnorm")
+    if norm_weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+        raise ValueError(f"fp4_gemv_rmsnorm needs x, the residual and the norm's weight of one dtype, got {x.dtype}, "
+                         f"{None if residual is None else residual.dtype} and {norm_weight.dtype}")
+    norm_weight = _one_row("fp4_gemv_rmsnorm", norm_weight, k)
+    if residual is not None:
+        residual = _one_row("fp4_gemv_rmsnorm", residual, k)
+    out = _gemv_launch("fp4_gemv_rmsnorm", x, codes, scales, row_scale, rows, warps,
+                       (residual, norm_weight, summed, eps))
+    return out, summed
+
+
+def _gemv_launch(name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor,
+                 rows: int, warps: int, norm) -> torch.Tensor:
+    """norm: None, or (residual or None, the norm's weight, the tensor the sum goes to, eps)."""
     n, k = codes.shape[0], 2 * codes.shape[1]
     why = gemv_fits(n, k, 2 * codes.shape[1] // max(scales.shape[1], 1))
     if why:
         raise ValueError(why)
-    _check_rows("fp4_gemv", codes, scales, row_scale)
-    x = _one_row("fp4_gemv", x, k)
+    _check_rows(name, codes, scales, row_scale)
+    x = _one_row(name, x, k)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     on = pdl.active(x.device)
-    kernel = runtime.kernel(SOURCE, "fp4_gemv", (k, rows, warps, _dtype_code(x.dtype), on), x.device)
+    residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
+    kernel = runtime.kernel(SOURCE, "fp4_gemv", (k, rows, warps, _dtype_code(x.dtype), on, norm is not None,
+                                                 residual is not None), x.device)
     per_block = rows * warps
-    kernel.launch(((n + per_block - 1) // per_block,), 32 * warps, [x, codes, scales, row_scale, out, n], pdl=on)
+    kernel.launch(((n + per_block - 1) // per_block,), 32 * warps,
+                  [x, codes, scales, row_scale, out, n, x if residual is None else residual, norm_weight, float(eps),
+                   summed], pdl=on)
     return out
 
 
@@ -136,10 +167,9 @@ def fp4_experts(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, 
     if weights.dtype not in weight_codes or not weights.is_contiguous() or weights.numel() != top_k:
         raise ValueError(f"fp4_experts needs {top_k} contiguous float32 or 16-bit weights, got {weights.dtype} "
                          f"{tuple(weights.shape)}")
-    up_rows_a_warp, up_warps, down_warps, split = tiles
-    if (up_rows_a_warp * up_warps) % GROUP or down_warps % split:
-        raise ValueError(f"fp4_experts tiles {tiles}: the up product's rows a block must be a multiple of {GROUP}, "
-                         "the down product's warps a block a multiple of its warps a row")
+    up_rows_a_warp, up_warps, down_warps, depth = tiles
+    if (up_rows_a_warp * up_warps) % GROUP:
+        raise ValueError(f"fp4_experts tiles {tiles}: the up product's rows a block must be a multiple of {GROUP}")
     on, bf16, ids64 = pdl.active(x.device), _dtype_code(x.dtype), int(ids.dtype == torch.int64)
     # the activations as the down product reads them: float16 pairs (two bytes a feature) and a factor a group
     act = torch.empty(top_k + slots, inter // 2, dtype=torch.int32, device=x.device)
@@ -153,10 +183,9 @@ def fp4_experts(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, 
                       unscales],
                      pdl=on)
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
-    down_kernel = runtime.kernel(SOURCE, "fp4_experts_down", (inter, hidden, down_warps, split, bf16, on, top_k, slots,
+    down_kernel = runtime.kernel(SOURCE, "fp4_experts_down", (inter, hidden, down_warps, depth, bf16, on, top_k, slots,
                                                               ids64, weight_codes[weights.dtype]), x.device)
-    rows_a_block = down_warps // split
-    down_kernel.launch(((hidden + rows_a_block - 1) // rows_a_block,), 32 * down_warps,
+    down_kernel.launch(((hidden + down_warps - 1) // down_warps,), 32 * down_warps,
                        [act, unscales, experts.w2, experts.scale2, experts.row2, down, down_scale, down_rows, weights, ids,
                         num_experts, out], pdl=on)
     return out

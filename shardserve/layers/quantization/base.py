@@ -114,10 +114,6 @@ class QuantFormat:
         """The split-K single-row configurations start-up also times (none unless the format has that kernel)."""
         return []
 
-    def takes_norm_inside(self, split: tuple[int, ...] | None) -> bool:
-        """Whether the single-row form with this split configuration (None: tiled) has a norm-fused launch."""
-        return True
-
     def scale_rows(self, codes: torch.Tensor, scales: torch.Tensor, k: int, group: int) -> int:
         """How many aligned rows share their scales, where a kernel can use it (1: none assumed)."""
         return 1

@@ -7,8 +7,8 @@ sums, which read nibbles as integers, are not offered for it.
 
 On Hopper GPUs start-up also times the CUDA GEMV of kernels/cuda/fp4_products.py (whole rows a warp, every weight
 byte loaded before the dependent-launch wait) for groups of 16: its forms are (rows a warp, warps a block), two
-numbers where the split-K GEMV's are five. It has no norm inside and no SwiGLU out: a layer that takes it after a
-norm runs the norm kernel first.
+numbers where the split-K GEMV's are five. It has a norm-fused form (timed against the norm kernel before it, as
+the others') and no SwiGLU out.
 """
 
 from __future__ import annotations
@@ -68,11 +68,13 @@ class Fp4Format(Int4Format):
 
     def normed_gemv(self, packed, layer, x, residual, norm_weight, eps, swiglu_out=False):
         if is_cuda_form(packed.gemv_split):
-            raise ValueError("the CUDA fp4 GEMV has no norm-fused form")
-        return super().normed_gemv(packed, layer, x, residual, norm_weight, eps, swiglu_out)
+            if swiglu_out:
+                raise ValueError("the CUDA fp4 GEMV has no SwiGLU-out form")
+            from shardserve.kernels.cuda.fp4_products import fp4_gemv_rmsnorm
 
-    def takes_norm_inside(self, split) -> bool:
-        return not is_cuda_form(split)
+            return fp4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale,
+                                    layer.weight_row_scale.data, *packed.gemv_split)
+        return super().normed_gemv(packed, layer, x, residual, norm_weight, eps, swiglu_out)
 
     def swiglu_out_config(self, packed, layer):
         return None if is_cuda_form(packed.gemv_split) else super().swiglu_out_config(packed, layer)

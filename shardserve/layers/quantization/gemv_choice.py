@@ -158,8 +158,6 @@ def _choose_normed(layers: list[KernelLinear], timed: list[tuple[float, GemvForm
                 _set_form(timed_layers, form)
                 apart.append((time_in_graph_us(
                     lambda x, layer: _product_as_run(norm(x, residual)[0], layer), timed_layers, x), form))
-            if not first.packed.format.takes_norm_inside(form[1]):
-                continue
             _set_form(timed_layers, form, norm_fused=True)
             error, detail = normed_error(first, w64, outputs, torch.Generator().manual_seed(3))
             if not error <= TOLERANCE.get(dtype, 1e-2):
