@@ -1,12 +1,13 @@
 // One token's products with 4-bit e2m1 weights (fp4: kernels/quant_pack.py's layout) on Hopper:
 //   W[n, k] = e2m1(q[n, k]) * e4m3(s[n, k / 16]) * rs[n], codes two a byte (column 2j in the low nibble of byte j).
-// fp4_gemv:         y = x W^T for one row x.
+// fp4_gemv:         y = x W^T for one row x (or W RMSNorm(x + residual)).
 // fp4_experts_up:   act[j] = act(W13[e_j] x) for each choice j of one token (non-gated experts), the shared expert's
 //                   slots after the routed choices.
 // fp4_experts_down: y = sum_j weight_j W2[e_j] act[j], the slots with weight 1.
 //
-// What a kernel before this one wrote (x, the activations, the choices and their weights) is read through plain loads after the wait, never the
-// read-only path that the weights take (const __restrict__ pointers and .nc loads are for them alone).
+// What a kernel before this one wrote (x, the activations, the choices and their weights) is read through plain
+// loads after the wait, never the read-only path that the weights take (const __restrict__ pointers and .nc loads
+// are for them alone).
 //
 // Each lane takes 16-byte chunks of its warp's rows (32 codes: two groups of 16, two scale bytes); chunk c of a row
 // goes to lane c % 32, so a warp owns whole rows and no program sums another's partial sums. Every chunk a lane
@@ -23,7 +24,6 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
-typedef unsigned long long u64;
 
 struct __align__(16) Chunk { u32 w0, w1, w2, w3; };
 
@@ -292,22 +292,25 @@ static __device__ __forceinline__ void load_rows(const Chunk* q, const u16* s, l
     }
 }
 
-// Each row's sum of chunk_sum's over this lane's chunks (the lanes' sums still to add).
+// Each of the warp's rows' product with x (xs, carrying 2^e) in float32 before its row scale, in every lane.
 template <int K, int ROWS>
-static __device__ __forceinline__ void row_sums(const Chunk (&w)[ROWS][Row<K>::ITERS],
-                                                const u32 (&scales)[ROWS][Row<K>::ITERS], const Chunk* xs,
-                                                float (&sums)[ROWS]) {
+static __device__ __forceinline__ void row_products(const Chunk (&w)[ROWS][Row<K>::ITERS],
+                                                    const u32 (&scales)[ROWS][Row<K>::ITERS], const Chunk* xs, int e,
+                                                    float (&y)[ROWS]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) sums[r] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) y[r] = 0.0f;
 #pragma unroll
     for (int it = 0; it < Row<K>::ITERS; ++it) {
         const int c = lane + 32 * it;
         if (c < Row<K>::CHUNKS) {
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) sums[r] += chunk_sum<Row<K>::CHUNKS>(w[r][it], scales[r][it], xs, c);
+            for (int r = 0; r < ROWS; ++r) y[r] += chunk_sum<Row<K>::CHUNKS>(w[r][it], scales[r][it], xs, c);
         }
     }
+    const float down = unscale(e);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) y[r] = warp_sum(y[r]) * down;
 }
 
 // NORM: y = W RMSNorm(x + residual) (block_pairs' rounding), and x + residual stored to `summed` (HAS_RESIDUAL).
@@ -326,14 +329,11 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk
     const int e = block_pairs<K, WARPS * 32, BF16, NORM, HAS_RESIDUAL>(x, residual, norm_weight, eps, summed, xs,
                                                                        scratch);
     let_next_launch<PDL>();
-    float sums[ROWS];
-    row_sums<K, ROWS>(w, scales, xs, sums);
-    const float down = unscale(e);
+    float products[ROWS];
+    row_products<K, ROWS>(w, scales, xs, e, products);
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const float t = warp_sum(sums[r]);
-        if ((threadIdx.x & 31) == 0 && first + r < n) y[first + r] = from_float<BF16>(t * down * rs[first + r]);
-    }
+    for (int r = 0; r < ROWS; ++r)
+        if ((threadIdx.x & 31) == 0 && first + r < n) y[first + r] = from_float<BF16>(products[r] * rs[first + r]);
 }
 
 template <int IDS64> static __device__ __forceinline__ int choice_id(const void* ids, int j) {
@@ -383,15 +383,12 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
     u32 scales[ROWS][Row<K>::ITERS];
     load_rows<K, ROWS>(q, s, first, INTER, w, scales);
     const int e = block_pairs<K, WARPS * 32, BF16, 0, 0>(x, nullptr, nullptr, 0.0f, nullptr, xs, scratch);
-    float sums[ROWS];
-    row_sums<K, ROWS>(w, scales, xs, sums);
-    const float down = unscale(e);
+    float products[ROWS];
+    row_products<K, ROWS>(w, scales, xs, e, products);
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const float t = warp_sum(sums[r]);
+    for (int r = 0; r < ROWS; ++r)
         if ((threadIdx.x & 31) == 0)
-            features[warp * ROWS + r] = first + r < INTER ? activate<ACT>(t * down * rs[first + r]) : 0.0f;
-    }
+            features[warp * ROWS + r] = first + r < INTER ? activate<ACT>(products[r] * rs[first + r]) : 0.0f;
     __syncthreads();
     constexpr int GROUPS = ROWS * WARPS / 16;
     if (threadIdx.x < GROUPS && block_first + 16 * threadIdx.x < INTER) {

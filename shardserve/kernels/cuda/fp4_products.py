@@ -29,9 +29,9 @@ GEMV_CONFIGS = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4))
 SHARED_BYTES = 48 * 1024
 ACTIVATIONS = {"relu2": 1, "silu": 2}
 # (rows a warp, warps a block: a multiple of 16 features) of the up product; (warps a block, choices in flight a
-# warp) of the down product: the fastest of a sweep on an H200 at Nemotron-3-Nano's NVFP4 experts with the shared expert's two
-# slots, 24.2 us a layer (up 11.5) against 28.5 for the Triton kernels
-# (benchmarks/results/fp4-cuda-kernels-nvidia-h200-20261130.json).
+# warp) of the down product: among the fastest of a sweep on an H200 at Nemotron-3-Nano's NVFP4 experts with the
+# shared expert's two slots, 24.5 us a layer (the up product 11.4) against 28.5 for the Triton kernels; the sweep's
+# spread was 24.2-26.3 us (benchmarks/results/fp4-cuda-kernels-nvidia-h200-20261130.json).
 EXPERT_TILES = (2, 8, 4, 3)
 
 
