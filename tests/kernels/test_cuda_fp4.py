@@ -147,3 +147,18 @@ def test_gpu_fp4_gemv_with_the_norm_inside(with_residual):
         got, summed = fp4_gemv_rmsnorm(x, residual, norm.weight, norm.eps, codes, scales, rows, *config)
         assert relative_error(got, want) < TOLERANCE[torch.bfloat16], config
         assert torch.equal(summed, summed_want)
+
+
+def test_a_kernel_that_cannot_compile_turns_them_off_with_the_reason(monkeypatch, caplog):
+    """Without NVRTC compiling raises CompileError; after one, none of these kernels is offered (one WARNING), and
+    the experts' path serves through the Triton kernels instead of failing."""
+    monkeypatch.setattr(runtime, "nvrtc", lambda: None)
+    with pytest.raises(runtime.CompileError, match="NVRTC is not available"):
+        runtime.compile_cubin("", "fp4_products.cu", "sm_90a", "fp4_gemv<64, 1, 4, 1, 0, 0, 0>")
+    monkeypatch.setattr(runtime, "_failed", None)
+    with caplog.at_level("WARNING", logger=runtime.__name__):
+        runtime.disable(runtime.CompileError("no NVRTC"))
+        runtime.disable(runtime.CompileError("again"))
+    assert [r.getMessage() for r in caplog.records if "CUDA C kernels off" in r.getMessage()] == [
+        "CUDA C kernels off for this process (the Triton kernels serve instead): no NVRTC"]
+    assert not runtime.available(torch.device("cuda", 0))

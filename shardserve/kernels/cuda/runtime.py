@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import threading
 
@@ -23,6 +24,8 @@ import torch
 
 from shardserve import envs
 from shardserve.kernels import cuda_driver
+
+logger = logging.getLogger(__name__)
 
 _SOURCES = os.path.dirname(os.path.abspath(__file__))
 # cuLaunchKernelEx's attribute for programmatic dependent launch (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION).
@@ -58,10 +61,28 @@ def nvrtc() -> ctypes.CDLL | None:
     return None
 
 
+class CompileError(RuntimeError):
+    """A kernel of this package that NVRTC could not compile here (or no NVRTC): the callers fall back to Triton."""
+
+
+# Set by the first CompileError of the process (its message): none of this package's kernels is used after it.
+_failed: str | None = None
+
+
+def disable(error: CompileError) -> None:
+    """Stop offering this package's kernels in this process, with one WARNING that says why."""
+    global _failed
+    if _failed is None:
+        logger.warning("CUDA C kernels off for this process (the Triton kernels serve instead): %s", error)
+        _failed = str(error)
+
+
 def available(device: torch.device) -> bool:
     """Whether this package's kernels can run on `device`: SHARDSERVE_CUDA_KERNELS not off, a CUDA GPU of compute
-    capability 9.0 or newer (they use Hopper's dependent-launch instructions), the driver API and NVRTC."""
-    if envs.CUDA_KERNELS.get() == "off" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    capability 9.0 or newer (they use Hopper's dependent-launch instructions), the driver API and NVRTC, and no
+    kernel failed to compile in this process (disable)."""
+    if envs.CUDA_KERNELS.get() == "off" or _failed is not None or device.type != "cuda" \
+            or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return (torch.cuda.get_device_capability(index) >= (9, 0) and cuda_driver.driver() is not None
@@ -71,15 +92,15 @@ def available(device: torch.device) -> bool:
 def _check_nvrtc(lib: ctypes.CDLL, result: int, what: str) -> None:
     if result != 0:
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        raise RuntimeError(f"{what} failed: NVRTC error {result} ({lib.nvrtcGetErrorString(result).decode()})")
+        raise CompileError(f"{what} failed: NVRTC error {result} ({lib.nvrtcGetErrorString(result).decode()})")
 
 
 def compile_cubin(source: str, filename: str, arch: str, expression: str) -> tuple[bytes, str]:
     """`source` compiled by NVRTC for `arch` (e.g. "sm_90a") with the kernel template instance `expression`:
-    (the cubin, the instance's name in it). A source that does not compile raises RuntimeError with NVRTC's log."""
+    (the cubin, the instance's name in it). A source that does not compile raises CompileError with NVRTC's log."""
     lib = nvrtc()
     if lib is None:
-        raise RuntimeError("NVRTC is not available (a CUDA build of torch ships it)")
+        raise CompileError("NVRTC is not available (a CUDA build of torch ships it)")
     program = ctypes.c_void_p()
     _check_nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), filename.encode(), 0, None,
                                              None), "nvrtcCreateProgram")
@@ -93,7 +114,7 @@ def compile_cubin(source: str, filename: str, arch: str, expression: str) -> tup
             lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
             log = ctypes.create_string_buffer(size.value)
             lib.nvrtcGetProgramLog(program, log)
-            raise RuntimeError(f"{expression} of {filename} did not compile:\n{log.value.decode(errors='replace')}")
+            raise CompileError(f"{expression} of {filename} did not compile:\n{log.value.decode(errors='replace')}")
         size = ctypes.c_size_t()
         _check_nvrtc(lib, lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
         cubin = ctypes.create_string_buffer(size.value)

@@ -247,7 +247,10 @@ def one_token_four_bit_experts(x: torch.Tensor, experts: PackedExperts, weights:
 
         slots = shared.slots if shared is not None else 0
         if runtime.available(x.device) and experts_fit(experts, x.dtype, ids.shape[1] + slots) is None:
-            return fp4_experts(x, experts, weights, ids, shared)
+            try:
+                return fp4_experts(x, experts, weights, ids, shared)
+            except runtime.CompileError as e:
+                runtime.disable(e)
     tiles = tiles or four_bit_pair_tiles()
     num_experts, hidden, inter = experts.num_experts, experts.hidden, experts.inter
     top_k, slots = ids.shape[1], shared.slots if shared is not None else 0
