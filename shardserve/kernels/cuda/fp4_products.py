@@ -5,9 +5,9 @@ Against the Triton kernels they replace (kernels/triton/quant_gemv.py's split-K 
 a warp takes whole rows, so no program sums another's partial sums; every weight byte of a warp's rows is loaded
 before the dependent-launch wait where its address is known by then; and x's float16 pairs are built once a block,
 not once a program of a tile (the up product leaves the activations as float16 pairs for the down product, each
-16 features under a power of two of their own). Same float16 pair sums as theirs: 16-bit
-activations only. The layouts: kernels/quant_pack.py's fp4 (codes uint8 [N, K / 2], an e4m3 byte a 16 columns
-[N, K / 16], a float32 scale a row [N]).
+16 features under a power of two of their own). Same float16 pair sums as theirs: 16-bit activations only. The
+layouts: kernels/quant_pack.py's fp4 (codes uint8 [N, K / 2], an e4m3 byte a 16 columns [N, K / 16], a float32
+scale a row [N]).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ GROUP = 16
 # projections and their neighbours (10304 x 2688: 7.3 us against 10.05 for the split-K GEMV; 2688 x 4096: 4.15 against
 # 5.34; 4608 x 2688: 4.2 against 6.3; benchmarks/results/fp4-cuda-kernels-nvidia-h200-20261130.json).
 GEMV_CONFIGS = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4))
-# x's float16 pairs sit in static shared memory (48 KB a block): 2 bytes a column of x, a choice's act in the down
-# product.
+# x's float16 pairs sit in static shared memory (48 KB a block): 2 bytes a column.
 SHARED_BYTES = 48 * 1024
 ACTIVATIONS = {"relu2": 1, "silu": 2}
 # (rows a warp, warps a block: a multiple of 16 features) of the up product; (warps a block, choices in flight a

@@ -48,10 +48,10 @@ class Fp4Format(Int4Format):
     def split_forms(self, packed):
         """Int4Format's split-K forms with float16 sums (a fifth element 1), the only ones that read e2m1 codes;
         and the CUDA GEMV's forms where it runs (a Hopper GPU, SHARDSERVE_CUDA_KERNELS not off) and fits the shape."""
-        forms = [form for form in super().split_forms(packed) if len(form) == 5]
         from shardserve.kernels.cuda import runtime
         from shardserve.kernels.cuda.fp4_products import GEMV_CONFIGS, gemv_fits
 
+        forms = [form for form in super().split_forms(packed) if len(form) == 5]
         device = getattr(packed, "device", None)
         if device is not None and runtime.available(device) and gemv_fits(packed.n, packed.k, packed.group) is None:
             forms += [tuple(config) for config in GEMV_CONFIGS]
