@@ -272,23 +272,30 @@ static __device__ __forceinline__ int block_pairs(const u16* x, const u16* resid
 }
 
 
+// This lane's chunks of one row (codes from `q`, scale pairs from `s`, both at the row's start).
+template <int K>
+static __device__ __forceinline__ void load_row(const Chunk* q, const u16* s, Chunk (&w)[Row<K>::ITERS],
+                                                u32 (&scales)[Row<K>::ITERS]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int it = 0; it < Row<K>::ITERS; ++it) {
+        const int c = lane + 32 * it;
+        if (c < Row<K>::CHUNKS) {
+            w[it] = stream_chunk(q + c);
+            scales[it] = stream_u16(s + c);
+        }
+    }
+}
+
 // ROWS rows a warp, from row 0 of `q` (codes, [n, K / 2]) and `s` (scale bytes, [n, K / 16]); rows past n read row
 // n - 1 (and store nothing).
 template <int K, int ROWS>
 static __device__ __forceinline__ void load_rows(const Chunk* q, const u16* s, long first, int n,
                                                  Chunk (&w)[ROWS][Row<K>::ITERS], u32 (&scales)[ROWS][Row<K>::ITERS]) {
-    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const long row = min(first + r, (long)n - 1);
-#pragma unroll
-        for (int it = 0; it < Row<K>::ITERS; ++it) {
-            const int c = lane + 32 * it;
-            if (c < Row<K>::CHUNKS) {
-                w[r][it] = stream_chunk(q + row * Row<K>::CHUNKS + c);
-                scales[r][it] = stream_u16(s + row * Row<K>::SCALES + c);
-            }
-        }
+        load_row<K>(q + row * Row<K>::CHUNKS, s + row * Row<K>::SCALES, w[r], scales[r]);
     }
 }
 
@@ -448,14 +455,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_down(
             sj = shared_s + row * (SLOTS * Row<K>::SCALES) + (j - TOP_K) * Row<K>::SCALES;
             factor[j] = shared_rs[row];
         }
-#pragma unroll
-        for (int it = 0; it < Row<K>::ITERS; ++it) {
-            const int c = lane + 32 * it;
-            if (c < Row<K>::CHUNKS) {
-                w[j % DEPTH][it] = stream_chunk(qj + c);
-                scales[j % DEPTH][it] = stream_u16(sj + c);
-            }
-        }
+        load_row<K>(qj, sj, w[j % DEPTH], scales[j % DEPTH]);
     };
 #pragma unroll
     for (int j = 0; j < DEPTH && j < CHOICES; ++j) load(j);
