@@ -213,14 +213,32 @@ def four_bit_one_token(h: torch.Tensor, experts: PackedExperts) -> bool:
 
 
 def packed_fused(h, experts: PackedExperts, weights, ids):
-    """The fused kernels: one token's 4-bit experts with float16 pair sums where four_bit_one_token, else
-    fused_moe_packed (its one-token path or grouped GEMMs)."""
+    """The fused kernels: one token's 4-bit experts with float16 pair sums where four_bit_one_token
+    (one_token_four_bit), else fused_moe_packed (its one-token path or grouped GEMMs)."""
     from shardserve.kernels.triton.fused_moe import fused_moe_packed
-    from shardserve.kernels.triton.moe_four_bit import one_token_four_bit_experts
 
     if four_bit_one_token(h, experts):
-        return one_token_four_bit_experts(h, experts, weights, ids)
+        return one_token_four_bit(h, experts, weights, ids)
     return fused_moe_packed(h, experts, weights, ids)
+
+
+def one_token_four_bit(h: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, ids: torch.Tensor,
+                       shared=None) -> torch.Tensor:
+    """One token's 4-bit experts where four_bit_one_token (with `shared`, moe_four_bit.SharedSlots: the shared
+    expert's slots too): the CUDA C kernels of kernels/cuda/fp4_products.py where they run and take the experts
+    (non-gated fp4 in groups of 16 on a Hopper GPU; SHARDSERVE_CUDA_KERNELS=off: never; a kernel NVRTC cannot compile
+    turns them off for the process), else moe_four_bit's Triton kernels."""
+    from shardserve.kernels.cuda import runtime
+    from shardserve.kernels.cuda.fp4_products import experts_fit, fp4_experts
+    from shardserve.kernels.triton.moe_four_bit import one_token_four_bit_experts
+
+    slots = shared.slots if shared is not None else 0
+    if runtime.available(h.device) and experts_fit(experts, h.dtype, ids.shape[1] + slots) is None:
+        try:
+            return fp4_experts(h, experts, weights, ids, shared)
+        except runtime.CompileError as e:
+            runtime.disable(e)
+    return one_token_four_bit_experts(h, experts, weights, ids, shared=shared)
 
 
 def packed_grouped(h: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from shardserve import envs
-from shardserve.layers.moe_packed import four_bit_one_token
+from shardserve.layers.moe_packed import four_bit_one_token, one_token_four_bit
 from shardserve.layers.nongated_experts import NonGatedExperts
 
 if TYPE_CHECKING:
@@ -55,6 +55,4 @@ def shared_slots(experts: NonGatedExperts, up: nn.Module, down: nn.Module, h: to
 def experts_with_shared(experts: NonGatedExperts, slots: SharedSlots, x: torch.Tensor, weights: torch.Tensor,
                         ids: torch.Tensor) -> torch.Tensor:
     """NonGatedExperts.forward plus the shared expert's slots, in the experts' two launches."""
-    from shardserve.kernels.triton.moe_four_bit import one_token_four_bit_experts
-
-    return one_token_four_bit_experts(x, experts.packed.view(experts), weights, experts.local_ids(ids), shared=slots)
+    return one_token_four_bit(x, experts.packed.view(experts), weights, experts.local_ids(ids), shared=slots)

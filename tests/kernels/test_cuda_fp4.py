@@ -106,18 +106,18 @@ def test_gpu_fp4_experts_match_float64(hidden, inter, experts_count, top_k, ids_
 @gpu
 @pytest.mark.gpu
 def test_gpu_the_experts_path_takes_them_unless_switched_off(set_env):
-    """one_token_four_bit_experts without tiles runs these kernels; off, the Triton ones: both float64's result."""
+    """The packed experts' one-token path runs these kernels; off, the Triton ones: both float64's result."""
     from tests.kernels.test_fused_moe_packed import packed_experts, reference
     from tests.kernels.test_moe_four_bit import routes_with_a_foreign_choice
-    from shardserve.kernels.triton.moe_four_bit import one_token_four_bit_experts
+    from shardserve.layers.moe_packed import one_token_four_bit
 
     experts = packed_experts("fp4", 4, 128, 64, 16, seed=5, activation="relu2")
     x, weights, ids = routes_with_a_foreign_choice(4, 128, torch.bfloat16)
     want = reference(x, experts, weights, ids)
-    cuda = one_token_four_bit_experts(x, experts, weights, ids)
+    cuda = one_token_four_bit(x, experts, weights, ids)
     assert torch.equal(cuda, fp4_experts(x, experts, weights, ids))
     set_env(SHARDSERVE_CUDA_KERNELS="off")
-    triton_sums = one_token_four_bit_experts(x, experts, weights, ids)
+    triton_sums = one_token_four_bit(x, experts, weights, ids)
     for got in (cuda, triton_sums):
         assert relative_error(got, want) < TOLERANCE[torch.bfloat16]
 
@@ -150,8 +150,8 @@ def test_gpu_fp4_gemv_with_the_norm_inside(with_residual):
 
 
 def test_a_kernel_that_cannot_compile_turns_them_off_with_the_reason(monkeypatch, caplog):
-    """Without NVRTC compiling raises CompileError; after one, none of these kernels is offered (one WARNING), and
-    the experts' path serves through the Triton kernels instead of failing."""
+    """Without NVRTC compiling raises CompileError; after one, none of these kernels is offered (one WARNING), so
+    the GEMV's start-up choice and the experts' path (moe_packed.one_token_four_bit) keep to the Triton kernels."""
     monkeypatch.setattr(runtime, "nvrtc", lambda: None)
     with pytest.raises(runtime.CompileError, match="NVRTC is not available"):
         runtime.compile_cubin("", "fp4_products.cu", "sm_90a", "fp4_gemv<64, 1, 4, 1, 0, 0, 0>")

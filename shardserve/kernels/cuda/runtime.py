@@ -81,12 +81,10 @@ def available(device: torch.device) -> bool:
     """Whether this package's kernels can run on `device`: SHARDSERVE_CUDA_KERNELS not off, a CUDA GPU of compute
     capability 9.0 or newer (they use Hopper's dependent-launch instructions), the driver API and NVRTC, and no
     kernel failed to compile in this process (disable)."""
-    if envs.CUDA_KERNELS.get() == "off" or _failed is not None or device.type != "cuda" \
-            or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return (torch.cuda.get_device_capability(index) >= (9, 0) and cuda_driver.driver() is not None
-            and nvrtc() is not None)
+    from shardserve.kernels.triton import pdl
+
+    return (envs.CUDA_KERNELS.get() != "off" and _failed is None and pdl.supported(device)
+            and cuda_driver.driver() is not None and nvrtc() is not None)
 
 
 def _check_nvrtc(lib: ctypes.CDLL, result: int, what: str) -> None:

@@ -236,21 +236,9 @@ def one_token_four_bit_experts(x: torch.Tensor, experts: PackedExperts, weights:
                                shared: SharedSlots | None = None) -> torch.Tensor:
     """out [1, H] = sum_j weights[0, j] * w2[e_j] @ act(w13[e_j] @ x[0]) for a single token x [1, H] and its choices
     ids [1, k] (every choice outside [0, E) left out), as takes_float16_pairs allows; with `shared`, plus the shared
-    expert's slots, weight 1, in the same two launches. tiles: four_bit_pair_tiles() unless given. Non-gated fp4
-    experts in groups of 16 on a Hopper GPU take the CUDA kernels of kernels/cuda/fp4_products.py instead
-    (SHARDSERVE_CUDA_KERNELS=off: never), unless `tiles` are given."""
+    expert's slots, weight 1, in the same two launches. tiles: four_bit_pair_tiles() unless given."""
     if x.shape[0] != 1 or not takes_float16_pairs(experts, x.dtype):
         raise ValueError("one_token_four_bit_experts takes one 16-bit token and 4-bit experts in groups of 16 or more")
-    if tiles is None and x.is_cuda:
-        from shardserve.kernels.cuda import runtime
-        from shardserve.kernels.cuda.fp4_products import experts_fit, fp4_experts
-
-        slots = shared.slots if shared is not None else 0
-        if runtime.available(x.device) and experts_fit(experts, x.dtype, ids.shape[1] + slots) is None:
-            try:
-                return fp4_experts(x, experts, weights, ids, shared)
-            except runtime.CompileError as e:
-                runtime.disable(e)
     tiles = tiles or four_bit_pair_tiles()
     num_experts, hidden, inter = experts.num_experts, experts.hidden, experts.inter
     top_k, slots = ids.shape[1], shared.slots if shared is not None else 0

@@ -78,11 +78,17 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def active(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with programmatic dependent launch."""
-    if device.type != "cuda" or mode() == "off":
+def supported(device: torch.device) -> bool:
+    """Whether `device` has the dependent-launch instructions (a GPU of compute capability 9.0 or newer, not
+    Triton's interpreter), whatever SHARDSERVE_PDL says."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def active(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch."""
+    return mode() != "off" and supported(device)
 
 
 def describe(device: torch.device) -> str:

@@ -52,8 +52,7 @@ class Fp4Format(Int4Format):
         from shardserve.kernels.cuda.fp4_products import GEMV_CONFIGS, gemv_fits
 
         forms = [form for form in super().split_forms(packed) if len(form) == 5]
-        device = getattr(packed, "device", None)
-        if device is not None and runtime.available(device) and gemv_fits(packed.n, packed.k, packed.group) is None:
+        if runtime.available(packed.device) and gemv_fits(packed.n, packed.k, packed.group) is None:
             forms += [tuple(config) for config in GEMV_CONFIGS]
         return forms
 
