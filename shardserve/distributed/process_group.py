@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import random
 import socket
 import threading
 from dataclasses import dataclass
@@ -81,7 +82,35 @@ def describe_rank(rank: int, tp_size: int, pp_size: int) -> str:
     return f"rank {rank} (pipeline stage {rank // tp_size} of {pp_size}, tensor-parallel rank {rank % tp_size})"
 
 
+# Where the kernel takes the ports of outgoing connections (Linux's net.ipv4.ip_local_port_range), and the lowest port
+# find_free_port picks below it.
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_LISTEN_PORT = 20000
+
+
+def _ephemeral_start() -> int | None:
+    try:
+        with open(EPHEMERAL_PORTS) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def find_free_port() -> int:
+    """A port nothing listens on now, for a server this process or its ranks start in a moment. Chosen below the
+    kernel's range for outgoing connections where there is room: a port asked of the kernel (bind to port 0) comes
+    from that range, where every connection another process opens meanwhile may take it before the server binds
+    (a TCP store failed so with EADDRINUSE in a test run beside another worker's connections)."""
+    start = _ephemeral_start()
+    if start is not None and start > LOWEST_LISTEN_PORT:
+        below = range(LOWEST_LISTEN_PORT, start)
+        for port in random.SystemRandom().sample(below, min(64, len(below))):  # not the seeded generator
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
