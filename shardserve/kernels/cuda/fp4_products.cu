@@ -356,7 +356,7 @@ template <int ACT> static __device__ __forceinline__ float activate(float v) {
     return v / (1.0f + __expf(-v));
 }
 
-// Grid (feature tiles of ROWS * WARPS, a multiple of 16; choices TOP_K + SLOTS). act[j, f] = act(row f of choice j's
+// Grid (feature tiles of ROWS * WARPS, a multiple of 16; SLOTS + TOP_K). act[j, f] = act(row f of choice j's
 // up weights . x), stored as the down product reads it: each 16 features' float16 pairs (chunk_sum's layout, [word of
 // a chunk][chunk] a choice) times the power of two that puts their largest in [2^14, 2^15), and in `unscales` [j, f /
 // 16] that power's inverse. Nothing for a routed choice outside [0, num_experts). The experts' up weights are
@@ -372,23 +372,27 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
     __shared__ Chunk xs[4 * Row<K>::CHUNKS];
     __shared__ float scratch[2 * WARPS];
     __shared__ float features[ROWS * WARPS];
-    const int choice = blockIdx.y, warp = threadIdx.x >> 5;
+    // Grid rows [0, SLOTS) are the shared expert's slots: the first blocks placed, and the only ones whose weights
+    // are known before the wait (the routed choices come from the kernel just before).
+    const bool slot = blockIdx.y < SLOTS;
+    const int choice = slot ? TOP_K + blockIdx.y : blockIdx.y - SLOTS, warp = threadIdx.x >> 5;
     const long block_first = (long)blockIdx.x * WARPS * ROWS, first = block_first + warp * ROWS;
-    wait_for_previous<PDL>();  // the choices come from the kernel just before
-    let_next_launch<PDL>();
-    long base;
-    if (choice < TOP_K) {
-        const int expert = choice_id<IDS64>(ids, choice);
-        if (expert < 0 || expert >= num_experts) return;
-        base = (long)expert * INTER;
-    } else {
-        base = (long)(choice - TOP_K) * INTER;
-        q = shared_q, s = shared_s, rs = shared_rs;
-    }
-    q += base * Row<K>::CHUNKS, s += base * Row<K>::SCALES, rs += base;
     Chunk w[ROWS][Row<K>::ITERS];
     u32 scales[ROWS][Row<K>::ITERS];
-    load_rows<K, ROWS>(q, s, first, INTER, w, scales);
+    if (slot) {
+        const long base = (long)blockIdx.y * INTER;
+        q = shared_q + base * Row<K>::CHUNKS, s = shared_s + base * Row<K>::SCALES, rs = shared_rs + base;
+        load_rows<K, ROWS>(q, s, first, INTER, w, scales);
+    }
+    wait_for_previous<PDL>();
+    let_next_launch<PDL>();
+    if (!slot) {
+        const int expert = choice_id<IDS64>(ids, choice);
+        if (expert < 0 || expert >= num_experts) return;
+        const long base = (long)expert * INTER;
+        q += base * Row<K>::CHUNKS, s += base * Row<K>::SCALES, rs += base;
+        load_rows<K, ROWS>(q, s, first, INTER, w, scales);
+    }
     const int e = block_pairs<K, WARPS * 32, BF16, 0, 0>(x, nullptr, nullptr, 0.0f, nullptr, xs, scratch);
     float products[ROWS];
     row_products<K, ROWS>(w, scales, xs, e, products);
