@@ -223,11 +223,12 @@ def packed_fused(h, experts: PackedExperts, weights, ids):
 
 
 def one_token_four_bit(h: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, ids: torch.Tensor,
-                       shared=None) -> torch.Tensor:
+                       shared=None, h_early: bool = False) -> torch.Tensor:
     """One token's 4-bit experts where four_bit_one_token (with `shared`, moe_four_bit.SharedSlots: the shared
     expert's slots too): the CUDA C kernels of kernels/cuda/fp4_products.py where they run and take the experts
     (non-gated fp4 in groups of 16 on a Hopper GPU; SHARDSERVE_CUDA_KERNELS=off: never; a kernel NVRTC cannot compile
-    turns them off for the process), else moe_four_bit's Triton kernels."""
+    turns them off for the process), else moe_four_bit's Triton kernels. h_early: h was written two or more launches
+    before (fp4_experts' x_early)."""
     from shardserve.kernels.cuda import runtime
     from shardserve.kernels.cuda.fp4_products import experts_fit, fp4_experts
     from shardserve.kernels.triton.moe_four_bit import one_token_four_bit_experts
@@ -235,7 +236,7 @@ def one_token_four_bit(h: torch.Tensor, experts: PackedExperts, weights: torch.T
     slots = shared.slots if shared is not None else 0
     if runtime.available(h.device) and experts_fit(experts, h.dtype, ids.shape[1] + slots) is None:
         try:
-            return fp4_experts(h, experts, weights, ids, shared)
+            return fp4_experts(h, experts, weights, ids, shared, x_early=h_early)
         except runtime.CompileError as e:
             runtime.disable(e)
     return one_token_four_bit_experts(h, experts, weights, ids, shared=shared)

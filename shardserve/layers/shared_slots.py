@@ -54,5 +54,8 @@ def shared_slots(experts: NonGatedExperts, up: nn.Module, down: nn.Module, h: to
 
 def experts_with_shared(experts: NonGatedExperts, slots: SharedSlots, x: torch.Tensor, weights: torch.Tensor,
                         ids: torch.Tensor) -> torch.Tensor:
-    """NonGatedExperts.forward plus the shared expert's slots, in the experts' two launches."""
-    return one_token_four_bit(x, experts.packed.view(experts), weights, experts.local_ids(ids), shared=slots)
+    """NonGatedExperts.forward plus the shared expert's slots, in the experts' two launches. x is the block's normed
+    hidden state, written by the norm's launch before the router's (its GEMV and its choice): two or more launches
+    before the experts', which may then read it before their dependent-launch wait (pdl.py's rule)."""
+    return one_token_four_bit(x, experts.packed.view(experts), weights, experts.local_ids(ids), shared=slots,
+                              h_early=True)

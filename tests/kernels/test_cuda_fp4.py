@@ -99,6 +99,8 @@ def test_gpu_fp4_experts_match_float64(hidden, inter, experts_count, top_k, ids_
     with_shared = want + torch.relu(x.double() @ up64.T).square() @ down64.T
     got = fp4_experts(x, experts, weights, ids, SharedSlots(*tensors, 2, *rows))
     assert relative_error(got, with_shared) < TOLERANCE[torch.bfloat16]
+    # x's pairs built before the dependent-launch wait (x written launches earlier): the same sums
+    assert torch.equal(fp4_experts(x, experts, weights, ids, SharedSlots(*tensors, 2, *rows), x_early=True), got)
     wrong = experts._replace(scale2=experts.scale2.roll(1, dims=1).contiguous())
     assert relative_error(fp4_experts(x, wrong, weights, ids), want) > 0.05
 

@@ -362,7 +362,10 @@ template <int ACT> static __device__ __forceinline__ float activate(float v) {
 // 16] that power's inverse. Nothing for a routed choice outside [0, num_experts). The experts' up weights are
 // [E, INTER, K / 2] (scales [E, INTER, K / 16], row scales [E, INTER]); choice TOP_K + i is rows i * INTER ... of the
 // shared expert's [SLOTS * INTER, K / 2].
-template <int K, int INTER, int ROWS, int WARPS, int BF16, int PDL, int ACT, int TOP_K, int SLOTS, int IDS64>
+// X_EARLY: x was written two or more launches back (kernels/triton/pdl.py's rule), so its pairs are built before the
+// wait, while the router's kernel runs.
+template <int K, int INTER, int ROWS, int WARPS, int BF16, int PDL, int ACT, int TOP_K, int SLOTS, int IDS64,
+          int X_EARLY>
 __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
         const u16* x, const Chunk* __restrict__ q, const u16* __restrict__ s,
         const float* __restrict__ rs, const Chunk* __restrict__ shared_q, const u16* __restrict__ shared_s,
@@ -384,6 +387,8 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
         q = shared_q + base * Row<K>::CHUNKS, s = shared_s + base * Row<K>::SCALES, rs = shared_rs + base;
         load_rows<K, ROWS>(q, s, first, INTER, w, scales);
     }
+    int e = 0;
+    if (X_EARLY) e = block_pairs<K, WARPS * 32, BF16, 0, 0>(x, nullptr, nullptr, 0.0f, nullptr, xs, scratch);
     wait_for_previous<PDL>();
     let_next_launch<PDL>();
     if (!slot) {
@@ -393,7 +398,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
         q += base * Row<K>::CHUNKS, s += base * Row<K>::SCALES, rs += base;
         load_rows<K, ROWS>(q, s, first, INTER, w, scales);
     }
-    const int e = block_pairs<K, WARPS * 32, BF16, 0, 0>(x, nullptr, nullptr, 0.0f, nullptr, xs, scratch);
+    if (!X_EARLY) e = block_pairs<K, WARPS * 32, BF16, 0, 0>(x, nullptr, nullptr, 0.0f, nullptr, xs, scratch);
     float products[ROWS];
     row_products<K, ROWS>(w, scales, xs, e, products);
 #pragma unroll

@@ -139,9 +139,11 @@ def experts_fit(experts: PackedExperts, dtype: torch.dtype, choices: int) -> str
 
 
 def fp4_experts(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, ids: torch.Tensor,
-                shared=None, tiles: tuple[int, int, int, int] = EXPERT_TILES) -> torch.Tensor:
+                shared=None, tiles: tuple[int, int, int, int] = EXPERT_TILES, x_early: bool = False) -> torch.Tensor:
     """out [1, H] = sum_j weights[0, j] * w2[e_j] @ act(w13[e_j] @ x[0]) over ids [1, k] (choices outside [0, E) left
-    out), plus the shared expert's slots (moe_four_bit.SharedSlots) with weight 1: two launches."""
+    out), plus the shared expert's slots (moe_four_bit.SharedSlots) with weight 1: two launches. x_early: x was
+    written two or more launches before these (the router's kernels between), so the up launch reads it before its
+    dependent-launch wait."""
     top_k = ids.shape[-1]
     slots = shared.slots if shared is not None else 0
     why = experts_fit(experts, x.dtype, top_k + slots)
@@ -174,10 +176,10 @@ def fp4_experts(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, 
     act = torch.empty(top_k + slots, inter // 2, dtype=torch.int32, device=x.device)
     unscales = torch.empty(top_k + slots, inter // GROUP, dtype=torch.float32, device=x.device)
     up_kernel = runtime.kernel(SOURCE, "fp4_experts_up", (hidden, inter, up_rows_a_warp, up_warps, bf16, on,
-                                                          ACTIVATIONS[experts.activation], top_k, slots, ids64),
+                                                          ACTIVATIONS[experts.activation], top_k, slots, ids64, x_early),
                                x.device)
     per_block = up_rows_a_warp * up_warps
-    up_kernel.launch(((inter + per_block - 1) // per_block, top_k + slots), 32 * up_warps,
+    up_kernel.launch(((inter + per_block - 1) // per_block, slots + top_k), 32 * up_warps,
                      [x, experts.w13, experts.scale13, experts.row13, up, up_scale, up_rows, ids, num_experts, act,
                       unscales],
                      pdl=on)
