@@ -28,10 +28,10 @@ GEMV_CONFIGS = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4))
 SHARED_BYTES = 48 * 1024
 ACTIVATIONS = {"relu2": 1, "silu": 2}
 # (rows a warp, warps a block: a multiple of 16 features) of the up product; (warps a block, choices in flight a
-# warp) of the down product: among the fastest of a sweep on an H200 at Nemotron-3-Nano's NVFP4 experts with the
-# shared expert's two slots, 24.5 us a layer (the up product 11.4) against 28.5 for the Triton kernels; the sweep's
-# spread was 24.2-26.3 us (benchmarks/results/fp4-cuda-kernels-nvidia-h200-20261130.json).
-EXPERT_TILES = (2, 8, 4, 3)
+# warp) of the down product: the fastest of a sweep on an H200 at Nemotron-3-Nano's NVFP4 experts with the shared
+# expert's two slots, over four layers' experts, 21.8 us a layer (the up product 9.8) against 22.8 at (2, 8, 4, 3) and
+# 27.9 for the Triton kernels (benchmarks/results/fp4-experts-x-early-nvidia-h200-20261130.json).
+EXPERT_TILES = (2, 8, 2, 3)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
