@@ -203,8 +203,20 @@ class Mamba2Mixer(StateMixer):
         token) and its state in pool slot slots[i]; query_start None: one token each (a decode step). Invariant:
         slots of one step are distinct; a new sequence's slot is zeroed before its first step.
         """
-        kernels = self._kernels(x.device)
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.channels, self.heads], dim=-1)
+        return self._mixed(self.in_proj(x), pool, slots, query_start)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm, pool: MambaState,
+                       slots: torch.Tensor, query_start: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(s)), s) with s = x + residual (x without one): the norm before the mixer in in_proj's
+        launches where its kernel has a norm-fused form (ColumnParallelLinear.forward_normed)."""
+        projected, residual = self.in_proj.forward_normed(x, residual, norm)
+        return self._mixed(projected, pool, slots, query_start), residual
+
+    def _mixed(self, projected: torch.Tensor, pool: MambaState, slots: torch.Tensor,
+               query_start: Sequence[int] | None) -> torch.Tensor:
+        """forward after in_proj: `projected` is [z | x | B | C | dt] of every token."""
+        kernels = self._kernels(projected.device)
+        z, xbc, dt = projected.split([self.inner, self.channels, self.heads], dim=-1)
         if query_start is None:
             h = kernels.step_and_norm_in_pool(xbc, dt, z, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                               self.A_log, self.D, self.dt_bias, self.dims.time_step_limit,
@@ -212,7 +224,7 @@ class Mamba2Mixer(StateMixer):
                                               pool.conv, pool.ssm, slots)
         else:
             y = self._chunks(kernels, xbc, dt, pool, slots, list(query_start))
-            h = self.norm(y.reshape(x.shape[0], self.inner), z, kernels)
+            h = self.norm(y.reshape(projected.shape[0], self.inner), z, kernels)
         return self.out_proj(h)
 
     def _chunks(self, kernels: Mamba2Kernels, xbc, dt, pool: MambaState, slots: torch.Tensor,

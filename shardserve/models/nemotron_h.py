@@ -69,8 +69,18 @@ class NemotronHAttention(nn.Module):
         self.attn = PagedAttention(shard.num_q, shard.num_kv, hd, shard.kv_index)
 
     def forward(self, h: torch.Tensor, rotary: RotaryLookup, cache, meta) -> torch.Tensor:
-        tokens = h.shape[0]
-        qk, v = self.qkv_proj(h).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        return self._attended(self.qkv_proj(h), rotary, cache, meta)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm, rotary: RotaryLookup, cache,
+                       meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(s)), s) with s = x + residual (x without one): the norm in qkv_proj's launches where its
+        kernel has a norm-fused form (ColumnParallelLinear.forward_normed)."""
+        qkv, residual = self.qkv_proj.forward_normed(x, residual, norm)
+        return self._attended(qkv, rotary, cache, meta), residual
+
+    def _attended(self, qkv: torch.Tensor, rotary: RotaryLookup, cache, meta) -> torch.Tensor:
+        tokens = qkv.shape[0]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         out = self.attn(qk.view(tokens, -1, self.head_dim), v.view(tokens, -1, self.head_dim), rotary, cache, meta)
         return self.o_proj(out)
 
@@ -177,12 +187,13 @@ class NemotronHBlock(nn.Module):
     def forward(self, rotary: RotaryLookup, x: torch.Tensor, residual: torch.Tensor | None, cache, meta):
         """x: the previous block's output (the embeddings, with residual None, for the first); returns (this
         block's output, the residual stream before it is added)."""
-        h, residual = (self.norm(x), x) if residual is None else self.norm(x, residual)
+        # The state and attention mixers take the norm into their input projection's launches where its kernel
+        # can (forward_normed); the others read the normed hidden state several times (router, experts, shared).
         if self.kind == "linear_attention":
-            pool, slots, query_start = cache
-            return self.mixer(h, pool, slots, query_start), residual
+            return self.mixer.forward_normed(x, residual, self.norm, *cache)
         if self.kind == "full_attention":
-            return self.mixer(h, rotary, cache, meta), residual
+            return self.mixer.forward_normed(x, residual, self.norm, rotary, cache, meta)
+        h, residual = (self.norm(x), x) if residual is None else self.norm(x, residual)
         return self.mixer(h), residual
 
 

@@ -127,9 +127,9 @@ def test_gpu_the_experts_path_takes_them_unless_switched_off(set_env):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_gpu_fp4_gemv_with_the_norm_inside(with_residual):
-    """(W RMSNorm(x + residual), x + residual) in one launch: float64's product of the norm kernel's output, and the
-    sum as the norm kernel stores it."""
+def test_gpu_fp4_gemv_after_the_norm_that_leaves_its_pairs(with_residual):
+    """(W RMSNorm(x + residual), x + residual), the norm made once as the GEMV's float16 pairs: float64's product of
+    the norm kernel's output in every GEMV configuration, and the sum as the norm kernel stores it."""
     from shardserve.layers.norm import RMSNorm
 
     from shardserve.kernels.cuda.fp4_products import fp4_gemv_rmsnorm
@@ -156,7 +156,7 @@ def test_a_kernel_that_cannot_compile_turns_them_off_with_the_reason(monkeypatch
     the GEMV's start-up choice and the experts' path (moe_packed.one_token_four_bit) keep to the Triton kernels."""
     monkeypatch.setattr(runtime, "nvrtc", lambda: None)
     with pytest.raises(runtime.CompileError, match="NVRTC is not available"):
-        runtime.compile_cubin("", "fp4_products.cu", "sm_90a", "fp4_gemv<64, 1, 4, 1, 0, 0, 0>")
+        runtime.compile_cubin("", "fp4_products.cu", "sm_90a", "fp4_gemv<64, 1, 4, 1, 0, 0>")
     monkeypatch.setattr(runtime, "_failed", None)
     with caplog.at_level("WARNING", logger=runtime.__name__):
         runtime.disable(runtime.CompileError("no NVRTC"))

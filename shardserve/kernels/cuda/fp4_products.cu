@@ -1,8 +1,9 @@
 // One token's products with 4-bit e2m1 weights (fp4: kernels/quant_pack.py's layout) on Hopper:
 //   W[n, k] = e2m1(q[n, k]) * e4m3(s[n, k / 16]) * rs[n], codes two a byte (column 2j in the low nibble of byte j).
-// fp4_gemv:         y = x W^T for one row x (or W RMSNorm(x + residual)).
+// fp4_norm_pairs:   RMSNorm(x + residual) of one row, once, as the float16 pairs the GEMV reads.
+// fp4_gemv:         y = x W^T for one row x (or for the pairs fp4_norm_pairs left: W RMSNorm(x + residual)).
 // fp4_experts_up:   act[j] = act(W13[e_j] x) for each choice j of one token (non-gated experts), the shared expert's
-//                   slots after the routed choices.
+//                   slots first.
 // fp4_experts_down: y = sum_j weight_j W2[e_j] act[j], the slots with weight 1.
 //
 // What a kernel before this one wrote (x, the activations, the choices and their weights) is read through plain
@@ -183,81 +184,21 @@ static __device__ __forceinline__ float block_reduce(float v, float* scratch) {
 template <int BF16> static __device__ __forceinline__ float rounded(float v) { return to_float<BF16>(from_float<BF16>(v)); }
 
 // x [K] as float16 pairs in xs, built by the whole block; returns the power of two they carry. Ends synchronized.
-// NORM: x is first RMSNorm(s) of s = x + residual (HAS_RESIDUAL; else x), with fused_ops' rounding: s rounded to x's
-// dtype, h = round(w * round(s * rstd)); block 0 stores s to `summed` (the next residual) where there is a residual.
-// scratch: two floats a warp.
-template <int K, int THREADS, int BF16, int NORM, int HAS_RESIDUAL>
-static __device__ __forceinline__ int block_pairs(const u16* x, const u16* residual, const u16* norm_weight,
-                                                  float eps, u16* summed, Chunk* xs, float* scratch) {
+// scratch: a float a warp.
+template <int K, int THREADS, int BF16>
+static __device__ __forceinline__ int block_pairs(const u16* x, Chunk* xs, float* scratch) {
     constexpr int BLOCKS = K / 8, ITERS = (BLOCKS + THREADS - 1) / THREADS;
-    if constexpr (!NORM) {  // x's 16-byte loads held (half the registers of its floats), converted twice
-        Chunk raw[ITERS];
-        float largest = 0.0f;
-#pragma unroll
-        for (int it = 0; it < ITERS; ++it) {
-            const int b = threadIdx.x + THREADS * it;
-            if (b < BLOCKS) {
-                raw[it] = reinterpret_cast<const Chunk*>(x)[b];
-                float f[8];
-                eight<BF16>(raw[it], f);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) largest = fmaxf(largest, fabsf(f[j]));
-            }
-        }
-        const int e = pair_exponent(block_reduce<THREADS, 1>(largest, scratch));
-        const float up = power_of_two(e);
-#pragma unroll
-        for (int it = 0; it < ITERS; ++it) {
-            const int b = threadIdx.x + THREADS * it;
-            if (b < BLOCKS) {
-                float f[8];
-                eight<BF16>(raw[it], f);
-                store_pairs<K / 32>(f, up, xs, b);
-            }
-        }
-        __syncthreads();
-        return e;
-    }
-    float f[ITERS][8];
-    float squares = 0.0f;
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-        const int b = threadIdx.x + THREADS * it;
-        if (b < BLOCKS) {
-            eight<BF16>(reinterpret_cast<const Chunk*>(x)[b], f[it]);
-            if (NORM && HAS_RESIDUAL) {
-                float r[8];
-                eight<BF16>(reinterpret_cast<const Chunk*>(residual)[b], r);
-                u32 out[4];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) f[it][j] = rounded<BF16>(f[it][j] + r[j]);
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    out[j] = (u32)from_float<BF16>(f[it][2 * j]) | ((u32)from_float<BF16>(f[it][2 * j + 1]) << 16);
-                if (blockIdx.x == 0 && blockIdx.y == 0)
-                    reinterpret_cast<Chunk*>(summed)[b] = Chunk{out[0], out[1], out[2], out[3]};
-            }
-            if (NORM) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) squares += f[it][j] * f[it][j];
-            }
-        }
-    }
-    float rstd = 1.0f;
-    if (NORM) rstd = rsqrtf(block_reduce<THREADS, 0>(squares, scratch + THREADS / 32) / K + eps);
+    Chunk raw[ITERS];  // x's 16-byte loads held (half the registers of its floats), converted twice
     float largest = 0.0f;
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
         const int b = threadIdx.x + THREADS * it;
         if (b < BLOCKS) {
-            if (NORM) {
-                float w[8];
-                eight<BF16>(reinterpret_cast<const Chunk*>(norm_weight)[b], w);
+            raw[it] = reinterpret_cast<const Chunk*>(x)[b];
+            float f[8];
+            eight<BF16>(raw[it], f);
 #pragma unroll
-                for (int j = 0; j < 8; ++j) f[it][j] = rounded<BF16>(w[j] * rounded<BF16>(f[it][j] * rstd));
-            }
-#pragma unroll
-            for (int j = 0; j < 8; ++j) largest = fmaxf(largest, fabsf(f[it][j]));
+            for (int j = 0; j < 8; ++j) largest = fmaxf(largest, fabsf(f[j]));
         }
     }
     const int e = pair_exponent(block_reduce<THREADS, 1>(largest, scratch));
@@ -265,12 +206,15 @@ static __device__ __forceinline__ int block_pairs(const u16* x, const u16* resid
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
         const int b = threadIdx.x + THREADS * it;
-        if (b < BLOCKS) store_pairs<K / 32>(f[it], up, xs, b);
+        if (b < BLOCKS) {
+            float f[8];
+            eight<BF16>(raw[it], f);
+            store_pairs<K / 32>(f, up, xs, b);
+        }
     }
     __syncthreads();
     return e;
 }
-
 
 // This lane's chunks of one row (codes from `q`, scale pairs from `s`, both at the row's start).
 template <int K>
@@ -320,12 +264,23 @@ static __device__ __forceinline__ void row_products(const Chunk (&w)[ROWS][Row<K
     for (int r = 0; r < ROWS; ++r) y[r] = warp_sum(y[r]) * down;
 }
 
-// NORM: y = W RMSNorm(x + residual) (block_pairs' rounding), and x + residual stored to `summed` (HAS_RESIDUAL).
-template <int K, int ROWS, int WARPS, int BF16, int PDL, int NORM, int HAS_RESIDUAL>
+// A normed row's float16 pairs as fp4_norm_pairs left them (`pairs`, 4 * K / 32 chunks, and their power of two) into
+// xs, by the whole block; returns the power of two. Ends synchronized.
+template <int K, int THREADS>
+static __device__ __forceinline__ int copied_pairs(const Chunk* pairs, const int* exponent, Chunk* xs) {
+#pragma unroll
+    for (int i = threadIdx.x; i < 4 * Row<K>::CHUNKS; i += THREADS) xs[i] = pairs[i];
+    const int e = *exponent;
+    __syncthreads();
+    return e;
+}
+
+// PAIRS 0: y = W x; PAIRS 1: y = W RMSNorm(x + residual), x being the pairs fp4_norm_pairs left (x: `pairs`, their
+// power of two at `exponent`), so that the norm and x's pairs are made once, not once a block.
+template <int K, int ROWS, int WARPS, int BF16, int PDL, int PAIRS>
 __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk* __restrict__ q,
                                                         const u16* __restrict__ s, const float* __restrict__ rs,
-                                                        u16* __restrict__ y, int n, const u16* residual,
-                                                        const u16* norm_weight, float eps, u16* summed) {
+                                                        u16* __restrict__ y, int n, const int* exponent) {
     __shared__ Chunk xs[4 * Row<K>::CHUNKS];
     __shared__ float scratch[2 * WARPS];
     const long first = ((long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
@@ -333,14 +288,78 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk
     u32 scales[ROWS][Row<K>::ITERS];
     load_rows<K, ROWS>(q, s, first, n, w, scales);
     wait_for_previous<PDL>();
-    const int e = block_pairs<K, WARPS * 32, BF16, NORM, HAS_RESIDUAL>(x, residual, norm_weight, eps, summed, xs,
-                                                                       scratch);
+    const int e = PAIRS ? copied_pairs<K, WARPS * 32>(reinterpret_cast<const Chunk*>(x), exponent, xs)
+                        : block_pairs<K, WARPS * 32, BF16>(x, xs, scratch);
     let_next_launch<PDL>();
     float products[ROWS];
     row_products<K, ROWS>(w, scales, xs, e, products);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
         if ((threadIdx.x & 31) == 0 && first + r < n) y[first + r] = from_float<BF16>(products[r] * rs[first + r]);
+}
+
+// One block: s = x + residual (stored to `summed` with a residual), h = RMSNorm(s) with fused_ops' rounding (s
+// rounded to x's dtype, h = round(w * round(s * rstd))), h's float16 pairs in chunk_sum's layout to `pairs` and their
+// power of two to `exponent`, for the fp4 GEMVs after it (fp4_gemv with PAIRS). The norm's weight is loaded before
+// the wait; the GEMVs may launch at once and load their weights meanwhile.
+template <int K, int THREADS, int BF16, int PDL, int HAS_RESIDUAL>
+__global__ void __launch_bounds__(THREADS) fp4_norm_pairs(const u16* x, const u16* residual, const u16* norm_weight,
+                                                           float eps, u16* summed, Chunk* pairs, int* exponent) {
+    constexpr int BLOCKS = K / 8, ITERS = (BLOCKS + THREADS - 1) / THREADS;
+    __shared__ float scratch[2 * THREADS / 32];
+    Chunk w[ITERS];
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int b = threadIdx.x + THREADS * it;
+        if (b < BLOCKS) w[it] = reinterpret_cast<const Chunk*>(norm_weight)[b];
+    }
+    wait_for_previous<PDL>();
+    let_next_launch<PDL>();
+    float f[ITERS][8];
+    float squares = 0.0f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int b = threadIdx.x + THREADS * it;
+        if (b < BLOCKS) {
+            eight<BF16>(reinterpret_cast<const Chunk*>(x)[b], f[it]);
+            if (HAS_RESIDUAL) {
+                float r[8];
+                eight<BF16>(reinterpret_cast<const Chunk*>(residual)[b], r);
+                u32 out[4];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) f[it][j] = rounded<BF16>(f[it][j] + r[j]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    out[j] = (u32)from_float<BF16>(f[it][2 * j]) | ((u32)from_float<BF16>(f[it][2 * j + 1]) << 16);
+                reinterpret_cast<Chunk*>(summed)[b] = Chunk{out[0], out[1], out[2], out[3]};
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) squares += f[it][j] * f[it][j];
+        }
+    }
+    const float rstd = rsqrtf(block_reduce<THREADS, 0>(squares, scratch + THREADS / 32) / K + eps);
+    float largest = 0.0f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int b = threadIdx.x + THREADS * it;
+        if (b < BLOCKS) {
+            float g[8];
+            eight<BF16>(w[it], g);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                f[it][j] = rounded<BF16>(g[j] * rounded<BF16>(f[it][j] * rstd));
+                largest = fmaxf(largest, fabsf(f[it][j]));
+            }
+        }
+    }
+    const int e = pair_exponent(block_reduce<THREADS, 1>(largest, scratch));
+    const float up = power_of_two(e);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int b = threadIdx.x + THREADS * it;
+        if (b < BLOCKS) store_pairs<K / 32>(f[it], up, pairs, b);
+    }
+    if (threadIdx.x == 0) *exponent = e;
 }
 
 template <int IDS64> static __device__ __forceinline__ int choice_id(const void* ids, int j) {
@@ -388,7 +407,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
         load_rows<K, ROWS>(q, s, first, INTER, w, scales);
     }
     int e = 0;
-    if (X_EARLY) e = block_pairs<K, WARPS * 32, BF16, 0, 0>(x, nullptr, nullptr, 0.0f, nullptr, xs, scratch);
+    if (X_EARLY) e = block_pairs<K, WARPS * 32, BF16>(x, xs, scratch);
     wait_for_previous<PDL>();
     let_next_launch<PDL>();
     if (!slot) {
@@ -398,7 +417,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
         q += base * Row<K>::CHUNKS, s += base * Row<K>::SCALES, rs += base;
         load_rows<K, ROWS>(q, s, first, INTER, w, scales);
     }
-    if (!X_EARLY) e = block_pairs<K, WARPS * 32, BF16, 0, 0>(x, nullptr, nullptr, 0.0f, nullptr, xs, scratch);
+    if (!X_EARLY) e = block_pairs<K, WARPS * 32, BF16>(x, xs, scratch);
     float products[ROWS];
     row_products<K, ROWS>(w, scales, xs, e, products);
 #pragma unroll

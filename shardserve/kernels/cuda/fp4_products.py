@@ -4,8 +4,9 @@ linear layer and a token's non-gated fp4 experts (NemotronH's), the shared exper
 Against the Triton kernels they replace (kernels/triton/quant_gemv.py's split-K GEMV, kernels/triton/moe_four_bit.py)
 a warp takes whole rows, so no program sums another's partial sums; every weight byte of a warp's rows is loaded
 before the dependent-launch wait where its address is known by then; and x's float16 pairs are built once a block,
-not once a program of a tile (the up product leaves the activations as float16 pairs for the down product, each
-16 features under a power of two of their own). Same float16 pair sums as theirs: 16-bit activations only. The
+not once a program of a tile, or once a row where a norm comes before the GEMV (fp4_gemv_rmsnorm: the norm's launch
+leaves them); the up product leaves the activations as float16 pairs for the down product, each 16 features under a
+power of two of their own. Same float16 pair sums as theirs: 16-bit activations only. The
 layouts: kernels/quant_pack.py's fp4 (codes uint8 [N, K / 2], an e4m3 byte a 16 columns [N, K / 16], a float32
 scale a row [N]).
 """
@@ -76,17 +77,25 @@ def _one_row(name: str, x: torch.Tensor, k: int) -> torch.Tensor:
 def fp4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor,
              rows: int = 2, warps: int = 4) -> torch.Tensor:
     """x [1, K] (or [K]), bfloat16 or float16, times the fp4 weight transposed -> [1, N] in x's dtype."""
-    return _gemv_launch("fp4_gemv", x, codes, scales, row_scale, rows, warps, None)
+    n, k = _gemv_shape("fp4_gemv", codes, scales, row_scale)
+    x = _one_row("fp4_gemv", x, k)
+    return _gemv_launch(x, x, None, x.dtype, codes, scales, row_scale, rows, warps)
+
+
+# Threads of fp4_norm_pairs' one block.
+NORM_THREADS = 512
 
 
 def fp4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor, rows: int = 2,
                      warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp4_gemv of RMSNorm(x + residual), x + residual) in one launch, with the norm kernel's rounding
-    (kernels/triton/gemv.normed_values); without a residual the sum is x itself."""
+    """(fp4_gemv of RMSNorm(x + residual), x + residual) with the norm kernel's rounding
+    (kernels/triton/gemv.normed_values); without a residual the sum is x itself. Two launches: the norm once, which
+    leaves the normed row as the float16 pairs the GEMV reads (instead of every block of the GEMV making them), then
+    the GEMV."""
     from shardserve.kernels.triton.gemv import normed_row_args
 
-    k = 2 * codes.shape[1]
+    n, k = _gemv_shape("fp4_gemv_rmsnorm", codes, scales, row_scale)
     x, residual, summed = normed_row_args(_one_row("fp4_gemv_rmsnorm", x, k), residual, norm_weight, k,
                                           "fp4_gemv_rmsnorm")
     if norm_weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
@@ -95,29 +104,35 @@ def fp4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     norm_weight = _one_row("fp4_gemv_rmsnorm", norm_weight, k)
     if residual is not None:
         residual = _one_row("fp4_gemv_rmsnorm", residual, k)
-    out = _gemv_launch("fp4_gemv_rmsnorm", x, codes, scales, row_scale, rows, warps,
-                       (residual, norm_weight, summed, eps))
-    return out, summed
+    on = pdl.active(x.device)
+    pairs = torch.empty(k // 2, dtype=torch.int32, device=x.device)  # 4 * K / 32 chunks of 16 bytes
+    exponent = torch.empty(1, dtype=torch.int32, device=x.device)
+    norm = runtime.kernel(SOURCE, "fp4_norm_pairs", (k, NORM_THREADS, _dtype_code(x.dtype), on, residual is not None),
+                          x.device)
+    norm.launch((1,), NORM_THREADS, [x, x if residual is None else residual, norm_weight, float(eps), summed, pairs,
+                                     exponent], pdl=on)
+    return _gemv_launch(pairs, exponent, True, x.dtype, codes, scales, row_scale, rows, warps), summed
 
 
-def _gemv_launch(name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor,
-                 rows: int, warps: int, norm) -> torch.Tensor:
-    """norm: None, or (residual or None, the norm's weight, the tensor the sum goes to, eps)."""
+def _gemv_shape(name: str, codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor) -> tuple[int, int]:
     n, k = codes.shape[0], 2 * codes.shape[1]
     why = gemv_fits(n, k, 2 * codes.shape[1] // max(scales.shape[1], 1))
     if why:
         raise ValueError(why)
     _check_rows(name, codes, scales, row_scale)
-    x = _one_row(name, x, k)
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    return n, k
+
+
+def _gemv_launch(x: torch.Tensor, exponent: torch.Tensor, pairs: bool | None, dtype: torch.dtype, codes: torch.Tensor,
+                 scales: torch.Tensor, row_scale: torch.Tensor, rows: int, warps: int) -> torch.Tensor:
+    """x: the row, or (pairs) fp4_norm_pairs' pairs with their power of two in `exponent`; dtype: the output's."""
+    n, k = codes.shape[0], 2 * codes.shape[1]
+    out = torch.empty(1, n, dtype=dtype, device=x.device)
     on = pdl.active(x.device)
-    residual, norm_weight, summed, eps = norm or (None, x, x, 0.0)
-    kernel = runtime.kernel(SOURCE, "fp4_gemv", (k, rows, warps, _dtype_code(x.dtype), on, norm is not None,
-                                                 residual is not None), x.device)
+    kernel = runtime.kernel(SOURCE, "fp4_gemv", (k, rows, warps, _dtype_code(dtype), on, bool(pairs)), x.device)
     per_block = rows * warps
-    kernel.launch(((n + per_block - 1) // per_block,), 32 * warps,
-                  [x, codes, scales, row_scale, out, n, x if residual is None else residual, norm_weight, float(eps),
-                   summed], pdl=on)
+    kernel.launch(((n + per_block - 1) // per_block,), 32 * warps, [x, codes, scales, row_scale, out, n, exponent],
+                  pdl=on)
     return out
 
 

@@ -7,8 +7,9 @@ sums, which read nibbles as integers, are not offered for it.
 
 On Hopper GPUs start-up also times the CUDA GEMV of kernels/cuda/fp4_products.py (whole rows a warp, every weight
 byte loaded before the dependent-launch wait) for groups of 16: its forms are (rows a warp, warps a block), two
-numbers where the split-K GEMV's are five. It has a norm-fused form (timed against the norm kernel before it, as
-the others') and no SwiGLU out.
+numbers where the split-K GEMV's are five. Its norm-fused form is two launches, the norm made once as the float16
+pairs the GEMV reads, then the GEMV (timed against the norm kernel and the plain GEMV, as the others' forms with the
+norm inside); it has no SwiGLU out.
 """
 
 from __future__ import annotations
