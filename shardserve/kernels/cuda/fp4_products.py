@@ -77,9 +77,9 @@ def _one_row(name: str, x: torch.Tensor, k: int) -> torch.Tensor:
 def fp4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor,
              rows: int = 2, warps: int = 4) -> torch.Tensor:
     """x [1, K] (or [K]), bfloat16 or float16, times the fp4 weight transposed -> [1, N] in x's dtype."""
-    n, k = _gemv_shape("fp4_gemv", codes, scales, row_scale)
+    _, k = _gemv_shape("fp4_gemv", codes, scales, row_scale)
     x = _one_row("fp4_gemv", x, k)
-    return _gemv_launch(x, x, None, x.dtype, codes, scales, row_scale, rows, warps)
+    return _gemv_launch(x, x.dtype, codes, scales, row_scale, rows, warps)
 
 
 # Threads of fp4_norm_pairs' one block.
@@ -95,7 +95,7 @@ def fp4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     the GEMV."""
     from shardserve.kernels.triton.gemv import normed_row_args
 
-    n, k = _gemv_shape("fp4_gemv_rmsnorm", codes, scales, row_scale)
+    _, k = _gemv_shape("fp4_gemv_rmsnorm", codes, scales, row_scale)
     x, residual, summed = normed_row_args(_one_row("fp4_gemv_rmsnorm", x, k), residual, norm_weight, k,
                                           "fp4_gemv_rmsnorm")
     if norm_weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
@@ -111,7 +111,7 @@ def fp4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
                           x.device)
     norm.launch((1,), NORM_THREADS, [x, x if residual is None else residual, norm_weight, float(eps), summed, pairs,
                                      exponent], pdl=on)
-    return _gemv_launch(pairs, exponent, True, x.dtype, codes, scales, row_scale, rows, warps), summed
+    return _gemv_launch(pairs, x.dtype, codes, scales, row_scale, rows, warps, exponent), summed
 
 
 def _gemv_shape(name: str, codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor) -> tuple[int, int]:
@@ -123,16 +123,17 @@ def _gemv_shape(name: str, codes: torch.Tensor, scales: torch.Tensor, row_scale:
     return n, k
 
 
-def _gemv_launch(x: torch.Tensor, exponent: torch.Tensor, pairs: bool | None, dtype: torch.dtype, codes: torch.Tensor,
-                 scales: torch.Tensor, row_scale: torch.Tensor, rows: int, warps: int) -> torch.Tensor:
-    """x: the row, or (pairs) fp4_norm_pairs' pairs with their power of two in `exponent`; dtype: the output's."""
+def _gemv_launch(x: torch.Tensor, dtype: torch.dtype, codes: torch.Tensor, scales: torch.Tensor,
+                 row_scale: torch.Tensor, rows: int, warps: int, exponent: torch.Tensor | None = None) -> torch.Tensor:
+    """x: the row; or, with `exponent` (their power of two), the pairs fp4_norm_pairs left. dtype: the output's."""
     n, k = codes.shape[0], 2 * codes.shape[1]
     out = torch.empty(1, n, dtype=dtype, device=x.device)
     on = pdl.active(x.device)
-    kernel = runtime.kernel(SOURCE, "fp4_gemv", (k, rows, warps, _dtype_code(dtype), on, bool(pairs)), x.device)
+    pairs = exponent is not None
+    kernel = runtime.kernel(SOURCE, "fp4_gemv", (k, rows, warps, _dtype_code(dtype), on, pairs), x.device)
     per_block = rows * warps
-    kernel.launch(((n + per_block - 1) // per_block,), 32 * warps, [x, codes, scales, row_scale, out, n, exponent],
-                  pdl=on)
+    kernel.launch(((n + per_block - 1) // per_block,), 32 * warps,
+                  [x, codes, scales, row_scale, out, n, exponent if pairs else x], pdl=on)
     return out
 
 
