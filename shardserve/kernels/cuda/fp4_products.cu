@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk
                                                         const u16* __restrict__ s, const float* __restrict__ rs,
                                                         u16* __restrict__ y, int n, const int* exponent) {
     __shared__ Chunk xs[4 * Row<K>::CHUNKS];
-    __shared__ float scratch[2 * WARPS];
+    __shared__ float scratch[WARPS];  // block_pairs' largest, a float a warp
     const long first = ((long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
     Chunk w[ROWS][Row<K>::ITERS];
     u32 scales[ROWS][Row<K>::ITERS];
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_experts_up(
         Chunk* __restrict__ act, float* __restrict__ unscales) {
     static_assert((ROWS * WARPS) % 16 == 0 && INTER % 32 == 0, "whole groups of 16 features a block");
     __shared__ Chunk xs[4 * Row<K>::CHUNKS];
-    __shared__ float scratch[2 * WARPS];
+    __shared__ float scratch[WARPS];  // block_pairs' largest, a float a warp
     __shared__ float features[ROWS * WARPS];
     // Grid rows [0, SLOTS) are the shared expert's slots: the first blocks placed, and the only ones whose weights
     // are known before the wait (the routed choices come from the kernel just before).

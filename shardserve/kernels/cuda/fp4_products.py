@@ -27,6 +27,8 @@ GROUP = 16
 GEMV_CONFIGS = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4))
 # x's float16 pairs sit in static shared memory (48 KB a block): 2 bytes a column.
 SHARED_BYTES = 48 * 1024
+# Threads of fp4_norm_pairs' one block.
+NORM_THREADS = 512
 ACTIVATIONS = {"relu2": 1, "silu": 2}
 # (rows a warp, warps a block: a multiple of 16 features) of the up product; (warps a block, choices in flight a
 # warp) of the down product: the fastest of a sweep on an H200 at Nemotron-3-Nano's NVFP4 experts with the shared
@@ -80,10 +82,6 @@ def fp4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, row_sca
     _, k = _gemv_shape("fp4_gemv", codes, scales, row_scale)
     x = _one_row("fp4_gemv", x, k)
     return _gemv_launch(x, x.dtype, codes, scales, row_scale, rows, warps)
-
-
-# Threads of fp4_norm_pairs' one block.
-NORM_THREADS = 512
 
 
 def fp4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
