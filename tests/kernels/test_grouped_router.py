@@ -180,16 +180,19 @@ def test_the_router_routes_with_the_kernel_on_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("experts, hidden", [(8, 64), (6, 96)])
+@pytest.mark.parametrize("experts, hidden", [(8, 64), (6, 96), (5, 1100)])
 def test_a_single_tokens_router_logits_are_float32_products_of_a_16_bit_row(dtype, experts, hidden):
     """The batch-1 GEMV into float32 logits (router_logits' one-launch form): a 16-bit or float32 row times the
-    float32 router weight, within 1e-5 of float64; its check passes on the real kernel."""
+    float32 router weight, within 1e-5 of float64, with the whole row loaded before the dependent-launch wait (as
+    routers run) or one tile of it (1100 columns: three tiles of 512, the last partial); its check passes on the
+    real kernel."""
     from shardserve.kernels.triton.gemv import gemv_float32_out
 
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(experts, hidden, generator=g).to(DEVICE)
     h = torch.randn(1, hidden, generator=g).to(dtype).to(DEVICE)
-    got = gemv_float32_out(h, weight, grouped_topk.ROUTER_GEMV_BLOCK_N)
-    assert got.dtype == torch.float32 and got.shape == (1, experts)
-    torch.testing.assert_close(got.double(), h.double() @ weight.double().T, rtol=1e-5, atol=1e-5)
+    for preload in (grouped_topk.ROUTER_GEMV_PRELOAD, 1):
+        got = gemv_float32_out(h, weight, grouped_topk.ROUTER_GEMV_BLOCK_N, preload=preload)
+        assert got.dtype == torch.float32 and got.shape == (1, experts)
+        torch.testing.assert_close(got.double(), h.double() @ weight.double().T, rtol=1e-5, atol=1e-5)
     assert grouped_topk._router_gemv_matches(weight)

@@ -122,10 +122,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int =
                            block_n, block_k, num_warps, num_stages, swiglu_out, preload)
 
 
-def gemv_float32_out(x: torch.Tensor, weight: torch.Tensor, block_n: int = 1, block_k: int = 512) -> torch.Tensor:
-    """gemv's products into float32 logits [1, N] whatever x's dtype (a router: a float32 weight, x 16-bit)."""
+def gemv_float32_out(x: torch.Tensor, weight: torch.Tensor, block_n: int = 1, block_k: int = 512,
+                     preload: int | None = None) -> torch.Tensor:
+    """gemv's products into float32 logits [1, N] whatever x's dtype (a router: a float32 weight, x 16-bit).
+    preload: weight tiles a program loads before the dependent-launch wait (preload_tiles() unless given; at most a
+    row's tiles)."""
     return _launch_per_row(_gemv_kernel, _one_row(x, weight, 1, "gemv needs x with {} elements"), weight, block_n,
-                           block_k, 4, 3, out_dtype=torch.float32)
+                           block_k, 4, 3, preload=preload, out_dtype=torch.float32)
 
 
 def _one_row(x: torch.Tensor, weight: torch.Tensor, per_column: int, needs: str) -> torch.Tensor:
