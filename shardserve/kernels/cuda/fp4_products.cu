@@ -14,7 +14,10 @@
 // goes to lane c % 32, so a warp owns whole rows and no program sums another's partial sums. Every chunk a lane
 // needs is loaded before it waits for the kernel before it wherever the addresses are known by then (the weights
 // are written by no kernel of the chain: kernels/triton/pdl.py's rule), so the weights stream while that kernel
-// ends. Then x's float16 pairs are built in shared memory, scaled by a power of two that puts the largest |x| in
+// ends. That holds in the expert launches, where the loads sit in branches of their own. In the GEMV, straight-line
+// code, ptxas places the wait first and the loads after it (its SASS); moved back before it (in a block of their
+// own) they measured slower on an H200, alone and in Nemotron-3-Nano's step (docs/benchmarks-notebook.md,
+// 2026-11-30, "the GEMV's wait where ptxas puts it"), so the GEMV keeps ptxas's order. Then x's float16 pairs are built in shared memory, scaled by a power of two that puts the largest |x| in
 // [2^14, 2^15), and each lane multiplies its chunks:
 // - a 32-bit word holds 8 codes, column i at bits 4i..4i+3; the pair (i, i + 4) sits at the same offset of the word's
 //   two halves, so two shifts and two masks give both as a float16 pair: the magnitude bits at float16 bits 9-11
@@ -286,7 +289,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk
     const long first = ((long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
     Chunk w[ROWS][Row<K>::ITERS];
     u32 scales[ROWS][Row<K>::ITERS];
-    load_rows<K, ROWS>(q, s, first, n, w, scales);
+    load_rows<K, ROWS>(q, s, first, n, w, scales);  // issued after the wait in the SASS: the header says why
     wait_for_previous<PDL>();
     const int e = PAIRS ? copied_pairs<K, WARPS * 32>(reinterpret_cast<const Chunk*>(x), exponent, xs)
                         : block_pairs<K, WARPS * 32, BF16>(x, xs, scratch);

@@ -5,8 +5,8 @@ power of two): W[n, k] = e2m1(q[n, k]) * float32(e4m3(scale[n, g]) * row_scale[n
 sums into float16 pairs, two shifts and two masks a pair of weights (quant_gemv._word_pair_sums); its float32
 sums, which read nibbles as integers, are not offered for it.
 
-On Hopper GPUs start-up also times the CUDA GEMV of kernels/cuda/fp4_products.py (whole rows a warp, every weight
-byte loaded before the dependent-launch wait) for groups of 16: its forms are (rows a warp, warps a block), two
+On Hopper GPUs start-up also times the CUDA GEMV of kernels/cuda/fp4_products.py (whole rows a warp, each lane's
+weight bytes loaded at once) for groups of 16: its forms are (rows a warp, warps a block), two
 numbers where the split-K GEMV's are five. Its norm-fused form is two launches, the norm made once as the float16
 pairs the GEMV reads, then the GEMV (timed against the norm kernel and the plain GEMV, as the others' forms with the
 norm inside); it has no SwiGLU out.
