@@ -40,6 +40,10 @@ NORMED_CANDIDATES = ((16, 512, 8, 1), (32, 512, 8, 1))
 ROW_PRELOAD_CANDIDATES = ((2, 1024, 8, 1), (4, 2048, 8, 1))
 ROW_PRELOAD_MAX_BYTES = 128
 ROW_PRELOAD_THREADS_PER_SM = 1024
+# What a program of a layer that loads its whole rows (KernelLinear.loads_whole_rows: a router's, whose programs are
+# few) may hold of them before its wait, a thread: 64 registers. Qwen3-Next-80B-A3B FP8 on an H200, graph replay of a
+# batch-1 step with its 48 norm-fused routers (512 x 2048) loading one tile first: 2.269 ms; whole: 2.262.
+WHOLE_ROWS_MAX_BYTES = 256
 # A plain Triton GEMV is kept unless cuBLAS is faster by more than TIE: on ties the Triton kernel wins, since
 # its time is the steadier of the two (cuBLAS's in-graph time for the 28672 x 4096 gate/up GEMV on H200 was
 # 54.5 us in one process and 61.8 us in another, the Triton kernel's 54.0 in both). A fused form replaces
@@ -141,15 +145,17 @@ class Batch1GemvKernel(LinearKernel):
         return fused(x, weight, residual, norm_weight, eps, swiglu, config)
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-               weight: torch.Tensor, keep_normed: bool = False) -> tuple[torch.Tensor, ...] | None:
+               weight: torch.Tensor, keep_normed: bool = False, whole_rows: bool = False) -> tuple[torch.Tensor, ...] | None:
         """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch, or None where not chosen; with
-        `keep_normed`, RMSNorm(x + residual) third."""
+        `keep_normed`, RMSNorm(x + residual) third. `whole_rows`: a program loads all of its rows before the
+        dependent-launch wait where they fit (whole_row_tiles; KernelLinear.loads_whole_rows)."""
         config = _one_row_config(self.normed_configs, x, weight)
         if config is None:
             return None
         from shardserve.kernels.triton.gemv import gemv_rmsnorm
 
-        return gemv_rmsnorm(x, residual, norm_weight, eps, weight, *config, keep_normed=keep_normed)
+        preload = whole_row_tiles(config, weight) if whole_rows else None
+        return gemv_rmsnorm(x, residual, norm_weight, eps, weight, *config, keep_normed=keep_normed, preload=preload)
 
     def normed_swiglu_out(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                           eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -171,6 +177,17 @@ def _row_preload_forms(shape: tuple[int, int], sms: int) -> list[tuple[int, ...]
     n, k = shape
     return [(bn, bk, warps, stages, row_tiles(k, bk)) for bn, bk, warps, stages in CANDIDATES + ROW_PRELOAD_CANDIDATES
             if holds_rows(n, k, 2, bn, row_tiles(k, bk) * bk, warps, sms)]
+
+
+def whole_row_tiles(config: Config, weight: torch.Tensor) -> int:
+    """The weight tiles a one-row GEMV program of `config` loads before its wait (KernelLinear.loads_whole_rows):
+    all of its rows where they fit in WHOLE_ROWS_MAX_BYTES a thread, else as many tiles as do, never fewer than
+    preload_tiles(). A router's 512 x 2048 bf16 rows, 16 a program of 8 warps, take 256 bytes a thread."""
+    from shardserve.kernels.triton.gemv import preload_tiles, row_tiles
+
+    block_n, block_k, num_warps = config[:3]
+    fitting = WHOLE_ROWS_MAX_BYTES * num_warps * 32 // (block_n * block_k * weight.element_size())
+    return min(row_tiles(weight.shape[1], block_k), max(fitting, preload_tiles()))
 
 
 def holds_rows(n: int, k: int, element_size: int, block_n: int, loaded_k: int, num_warps: int, sms: int) -> bool:

@@ -82,6 +82,9 @@ class KernelLinear(nn.Module):
     # Launched while decode attention runs (the o projection; kernels/triton/pdl.py): the batch-1 GEMV's programs
     # load all their weight rows before their wait, where start-up found a form that holds them (cuda_gemv.py).
     preloads_rows = False
+    # A router: few rows whose programs load them whole before their wait in its norm-fused batch-1 GEMV
+    # (cuda_gemv.whole_row_tiles), as grouped_topk's float32 routers do in theirs.
+    loads_whole_rows = False
 
     def _new_weight(self, rows: int, cols: int, dtype: torch.dtype, loader) -> None:
         self.weight = empty_parameter(rows, cols, dtype=dtype, device=weights_device())
@@ -241,7 +244,8 @@ class ColumnParallelLinear(KernelLinear):
         elif getattr(self.kernel, "normed", None) is not None and self.fusable:
             def fused(activate):
                 if not activate:
-                    return self.kernel.normed(x, residual, norm.weight, norm.eps, self.weight, keep_normed=keep_normed)
+                    return self.kernel.normed(x, residual, norm.weight, norm.eps, self.weight, keep_normed=keep_normed,
+                                              whole_rows=self.loads_whole_rows)
                 form = getattr(self.kernel, "normed_swiglu_out", None)
                 return None if form is None else form(x, residual, norm.weight, norm.eps, self.weight)
         else:

@@ -81,7 +81,7 @@ class SparseMoE(nn.Module):
         rows, held = r1 - r0, self.experts_held[1] - self.experts_held[0]
         # The router: whole on every rank, a linear layer so that single-token steps get the GEMV kernels.
         self.gate = ColumnParallelLinear(hidden_size, {None: (0, num_experts)}, False, dtype)
-        self.gate.replicated = True
+        self.gate.replicated = self.gate.loads_whole_rows = True
         # Under deferred_weights() the experts wait on the meta device until they are packed or materialized.
         device = weights_device()
         self.hidden_size = hidden_size

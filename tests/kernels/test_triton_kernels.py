@@ -824,6 +824,27 @@ def test_gemv_with_the_norm_before_it_matches_norm_then_linear(dtype, with_resid
         again = gemv_rmsnorm(x, residual, norm_weight, 1e-5, w, block_n=8, block_k=64, num_warps=4, num_stages=1,
                              keep_normed=True)
         assert all(torch.equal(a, b) for a, b in zip(again, (kept_y, kept_sum, normed))), f"{tiles} tiles preloaded"
+    whole = gemv_rmsnorm(x, residual, norm_weight, 1e-5, w, block_n=8, block_k=64, num_warps=4, num_stages=1,
+                         keep_normed=True, preload=3)  # a router's whole rows: all three tiles
+    assert all(torch.equal(a, b) for a, b in zip(whole, (kept_y, kept_sum, normed)))
+
+
+def test_a_routers_programs_load_as_much_of_their_rows_before_the_wait_as_fits(set_env):
+    """whole_row_tiles: all of a program's rows where they fit in WHOLE_ROWS_MAX_BYTES a thread, else as many tiles
+    as do, never fewer than SHARDSERVE_GEMV_PRELOAD's; a mixture of experts' router asks for it."""
+    from shardserve.layers.cuda_gemv import WHOLE_ROWS_MAX_BYTES, whole_row_tiles
+    from shardserve.layers.moe import SparseMoE
+
+    router = torch.empty(512, 2048, dtype=torch.bfloat16)
+    assert WHOLE_ROWS_MAX_BYTES == 256
+    assert whole_row_tiles((16, 512, 8, 1), router) == 4  # 16 rows of 4 KB over 256 threads: 256 bytes a thread
+    assert whole_row_tiles((32, 512, 8, 1), router) == 2  # 512 a thread for all 4: the 2 tiles that fit
+    assert whole_row_tiles((8, 512, 4, 1), router) == 4
+    set_env(SHARDSERVE_GEMV_PRELOAD="2")
+    assert whole_row_tiles((64, 512, 4, 1), router) == 2  # none fits: the default stands
+    comm = type("Whole", (), {"rank": 0, "world_size": 1})()
+    moe = SparseMoE(64, 32, 4, 2, True, comm, torch.float32, shared_intermediate_size=32)
+    assert moe.gate.loads_whole_rows and not moe.shared_expert_gate.loads_whole_rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

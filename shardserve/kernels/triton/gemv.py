@@ -320,16 +320,17 @@ def _normed_products(acc, w, k, x_ptr, residual_ptr, norm_w_ptr, normed_ptr, rst
 
 def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                  weight: torch.Tensor, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
-                 num_stages: int = 3, keep_normed: bool = False, swiglu_out: bool = False) -> tuple[torch.Tensor, ...]:
+                 num_stages: int = 3, keep_normed: bool = False, swiglu_out: bool = False,
+                 preload: int | None = None) -> tuple[torch.Tensor, ...]:
     """(RMSNorm(s) @ weight^T, s) for one row, s = x + residual (x alone without a residual): the norm of
     the layer before a projection, fused into it. s is a new tensor (x when there is no residual). With
     `keep_normed`, (RMSNorm(s) @ weight^T, s, RMSNorm(s)). With `swiglu_out`, as gemv's: the product's
-    silu(gate) * up in place of the product."""
+    silu(gate) * up in place of the product. `preload`: as gemv's."""
     k = weight.shape[1]
     if weight.stride(1) != 1:
         raise ValueError("gemv_rmsnorm needs a row-major weight")
     x, res, summed = normed_row_args(x, residual, norm_weight, k, "gemv_rmsnorm")
-    extra = _preload_arg(k, block_k)
+    extra = _preload_arg(k, block_k) if preload is None else {"PRELOAD": min(preload, row_tiles(k, block_k))}
     n, programs = output_rows(weight, block_n, swiglu_out)
     if swiglu_out:
         extra["SWIGLU_OUT"] = True
