@@ -145,7 +145,8 @@ class Batch1GemvKernel(LinearKernel):
         return fused(x, weight, residual, norm_weight, eps, swiglu, config)
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-               weight: torch.Tensor, keep_normed: bool = False, whole_rows: bool = False) -> tuple[torch.Tensor, ...] | None:
+               weight: torch.Tensor, keep_normed: bool = False,
+               whole_rows: bool = False) -> tuple[torch.Tensor, ...] | None:
         """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch, or None where not chosen; with
         `keep_normed`, RMSNorm(x + residual) third. `whole_rows`: a program loads all of its rows before the
         dependent-launch wait where they fit (whole_row_tiles; KernelLinear.loads_whole_rows)."""

@@ -17,7 +17,8 @@
 // ends. That holds in the expert launches, where the loads sit in branches of their own. In the GEMV, straight-line
 // code, ptxas places the wait first and the loads after it (its SASS); moved back before it (in a block of their
 // own) they measured slower on an H200, alone and in Nemotron-3-Nano's step (docs/benchmarks-notebook.md,
-// 2026-11-30, "the GEMV's wait where ptxas puts it"), so the GEMV keeps ptxas's order. Then x's float16 pairs are built in shared memory, scaled by a power of two that puts the largest |x| in
+// 2026-11-30, "...the GEMV's loads before its wait, measured and withdrawn"), so the GEMV keeps ptxas's order.
+// Then x's float16 pairs are built in shared memory, scaled by a power of two that puts the largest |x| in
 // [2^14, 2^15), and each lane multiplies its chunks:
 // - a 32-bit word holds 8 codes, column i at bits 4i..4i+3; the pair (i, i + 4) sits at the same offset of the word's
 //   two halves, so two shifts and two masks give both as a float16 pair: the magnitude bits at float16 bits 9-11

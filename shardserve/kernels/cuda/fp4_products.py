@@ -4,10 +4,10 @@ linear layer and a token's non-gated fp4 experts (NemotronH's), the shared exper
 Against the Triton kernels they replace (kernels/triton/quant_gemv.py's split-K GEMV, kernels/triton/moe_four_bit.py)
 a warp takes whole rows, so no program sums another's partial sums; in the expert launches every weight byte of a
 warp's rows is loaded before the dependent-launch wait where its address is known by then (the GEMV's loads follow
-its wait, where ptxas places them: fp4_products.cu says why they stay there); and x's float16 pairs are built once a block,
-not once a program of a tile, or once a row where a norm comes before the GEMV (fp4_gemv_rmsnorm: the norm's launch
-leaves them); the up product leaves the activations as float16 pairs for the down product, each 16 features under a
-power of two of their own. Same float16 pair sums as theirs: 16-bit activations only. The
+its wait, where ptxas places them: fp4_products.cu says why they stay there); and x's float16 pairs are built once a
+block, not once a program of a tile, or once a row where a norm comes before the GEMV (fp4_gemv_rmsnorm: the norm's
+launch leaves them); the up product leaves the activations as float16 pairs for the down product, each 16 features
+under a power of two of their own. Same float16 pair sums as theirs: 16-bit activations only. The
 layouts: kernels/quant_pack.py's fp4 (codes uint8 [N, K / 2], an e4m3 byte a 16 columns [N, K / 16], a float32
 scale a row [N]).
 """
@@ -191,8 +191,8 @@ def fp4_experts(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, 
     act = torch.empty(top_k + slots, inter // 2, dtype=torch.int32, device=x.device)
     unscales = torch.empty(top_k + slots, inter // GROUP, dtype=torch.float32, device=x.device)
     up_kernel = runtime.kernel(SOURCE, "fp4_experts_up", (hidden, inter, up_rows_a_warp, up_warps, bf16, on,
-                                                          ACTIVATIONS[experts.activation], top_k, slots, ids64, x_early),
-                               x.device)
+                                                          ACTIVATIONS[experts.activation], top_k, slots, ids64,
+                                                          x_early), x.device)
     per_block = up_rows_a_warp * up_warps
     up_kernel.launch(((inter + per_block - 1) // per_block, slots + top_k), 32 * up_warps,
                      [x, experts.w13, experts.scale13, experts.row13, up, up_scale, up_rows, ids, num_experts, act,

@@ -148,7 +148,7 @@ def _launch_per_row(kernel, x: torch.Tensor, weight: torch.Tensor, block_n: int,
     k = weight.shape[1]
     extra = {}
     if kernel is _gemv_kernel:
-        extra = _preload_arg(k, block_k) if preload is None else {"PRELOAD": min(preload, row_tiles(k, block_k))}
+        extra = _preload_arg(k, block_k, preload)
     n, programs = output_rows(weight, block_n, swiglu_out)
     if swiglu_out:
         extra["SWIGLU_OUT"] = True
@@ -176,9 +176,11 @@ def row_tiles(k: int, block_k: int) -> int:
     return triton.cdiv(k, block_k)
 
 
-def _preload_arg(k: int, block_k: int) -> dict:
-    """The PRELOAD argument of a launch over K = k columns: preload_tiles(), at most 1 where k has fewer than
-    that many tiles; none at 0 (the kernels' default)."""
+def _preload_arg(k: int, block_k: int, preload: int | None = None) -> dict:
+    """The PRELOAD argument of a launch over K = k columns: `preload` tiles where given (at most the row's);
+    else preload_tiles(), at most 1 where k has fewer than that many tiles; none at 0 (the kernels' default)."""
+    if preload is not None:
+        return {"PRELOAD": min(preload, row_tiles(k, block_k))}
     tiles = preload_tiles()
     return {"PRELOAD": tiles if k >= tiles * block_k else 1} if tiles else {}
 
@@ -330,7 +332,7 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     if weight.stride(1) != 1:
         raise ValueError("gemv_rmsnorm needs a row-major weight")
     x, res, summed = normed_row_args(x, residual, norm_weight, k, "gemv_rmsnorm")
-    extra = _preload_arg(k, block_k) if preload is None else {"PRELOAD": min(preload, row_tiles(k, block_k))}
+    extra = _preload_arg(k, block_k, preload)
     n, programs = output_rows(weight, block_n, swiglu_out)
     if swiglu_out:
         extra["SWIGLU_OUT"] = True
