@@ -26,14 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import variant_runs  # noqa: E402
 
 PARTS = ("one-and", "no-math", "x-loaded", "no-arrival")
 VARIANTS = ("as-is", "one-and", "no-math", "x-loaded", "no-arrival", "no-math+x-loaded",
@@ -44,11 +44,7 @@ GROUP = 16
 
 def parse_variants(value: str) -> list[str]:
     """--variants: names of VARIANTS, comma-separated."""
-    names = [v for v in value.split(",") if v]
-    wrong = [v for v in names if v not in VARIANTS]
-    if wrong or not names:
-        raise SystemExit(f"--variants takes names of {', '.join(VARIANTS)}; got {value!r}")
-    return names
+    return variant_runs.parse_variants(value, VARIANTS)
 
 
 def _pair_sums_asm(words: list[str]) -> tl.constexpr:
@@ -154,16 +150,8 @@ def main() -> None:
         return
     import torch
 
-    results = {"device": torch.cuda.get_device_name(), "variants": {}}
-    for variant in parse_variants(args.variants):
-        with tempfile.TemporaryDirectory() as cache:
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", variant], text=True,
-                                  capture_output=True, env={**os.environ, "TRITON_CACHE_DIR": cache})
-        if done.returncode:
-            results["variants"][variant] = {"error": done.stderr.strip().splitlines()[-1:]}
-        else:
-            results["variants"][variant] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(variant, results["variants"][variant], flush=True)
+    results = {"device": torch.cuda.get_device_name(),
+               "variants": variant_runs.measure_each(__file__, parse_variants(args.variants), own_triton_cache=True)}
     print(json.dumps(results))
     if args.out:
         with open(args.out, "w") as f:
