@@ -23,8 +23,6 @@ scales); for the experts the default tiles (moe_four_bit_one_token's bytes). Pri
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -139,23 +137,14 @@ def measure(variant: str) -> dict:
     return row
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--out")
-    args = p.parse_args()
-    if args.child:
-        print(json.dumps(measure(args.child)))
-        return
+def _header() -> dict:
     import torch
 
-    results = {"device": torch.cuda.get_device_name(),
-               "variants": variant_runs.measure_each(__file__, parse_variants(args.variants), own_triton_cache=True)}
-    print(json.dumps(results))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    return {"device": torch.cuda.get_device_name()}
+
+
+def main() -> None:
+    variant_runs.main(__doc__, VARIANTS, measure, __file__, _header, own_triton_cache=True)
 
 
 if __name__ == "__main__":

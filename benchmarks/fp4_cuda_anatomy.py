@@ -25,8 +25,6 @@ Prints one JSON object.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -202,25 +200,16 @@ def measure(variant: str) -> dict:
     return row
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--out")
-    args = p.parse_args()
-    if args.child:
-        print(json.dumps(measure(args.child)))
-        return
+def _header() -> dict:
     import torch
 
     from shardserve.kernels.cuda.fp4_products import EXPERT_TILES
 
-    results = {"device": torch.cuda.get_device_name(), "experts tiles": EXPERT_TILES,
-               "variants": variant_runs.measure_each(__file__, parse_variants(args.variants))}
-    print(json.dumps(results))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    return {"device": torch.cuda.get_device_name(), "experts tiles": EXPERT_TILES}
+
+
+def main() -> None:
+    variant_runs.main(__doc__, VARIANTS, measure, __file__, _header)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ The script runs itself with `--child VARIANT` for each variant; the child prints
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from typing import Callable
 
 
 def parse_variants(value: str, known: tuple[str, ...]) -> list[str]:
@@ -38,3 +40,22 @@ def measure_each(script: str, variants: list[str], own_triton_cache: bool = Fals
             results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
         print(variant, results[variant], flush=True)
     return results
+
+
+def main(doc: str, known: tuple[str, ...], measure: Callable[[str], dict], script: str,
+         header: Callable[[], dict] = dict, own_triton_cache: bool = False) -> None:
+    """A variant benchmark's command line: `--variants` (default: all of `known`), `--out FILE`; the hidden
+    `--child VARIANT` prints measure(VARIANT) as JSON. Prints (and writes to --out) {**header(), "variants": ...}."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--variants", default=",".join(known))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--out")
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child)))
+        return
+    results = {**header(), "variants": measure_each(script, parse_variants(args.variants, known), own_triton_cache)}
+    print(json.dumps(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
