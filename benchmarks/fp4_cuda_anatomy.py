@@ -127,11 +127,11 @@ def _floor_rows(layers) -> dict:
     import torch
 
     from shardserve.kernels import cuda_driver
-    from shardserve.kernels.cuda import runtime
+    from shardserve.kernels.cuda import fp4_products, runtime
     from shardserve.kernels.triton import pdl
 
     with open(FLOOR_SOURCE) as f:
-        source = f.read()
+        source = runtime._source(fp4_products.SOURCE) + "\n" + f.read()  # the probe uses the kernels' helpers
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     _, experts, _, ids, shared = layers[0]

@@ -7,17 +7,8 @@
 // the barrier for every other. `barrier` only grows: each launch waits for the next multiple of its grid, so one
 // counter serves every launch of one grid size, one after the other.
 // Layouts as fp4_products.cu's: up codes [E, INTER, K / 2] and the shared slots' [SLOTS * INTER, K / 2]; down codes
-// [E, K, INTER / 2] and the shared slots' [K, SLOTS * INTER / 2]; ids int64 [TOP_K].
-
-typedef unsigned int u32;
-struct __align__(16) Chunk { u32 w0, w1, w2, w3; };
-
-static __device__ __forceinline__ Chunk stream_chunk(const Chunk* p) {
-    Chunk v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.w0), "=r"(v.w1), "=r"(v.w2), "=r"(v.w3) : "l"(p));
-    return v;
-}
+// [E, K, INTER / 2] and the shared slots' [K, SLOTS * INTER / 2]; ids int64 [TOP_K]. Compiled after fp4_products.cu's
+// text, whose Chunk, stream_chunk (the weights' loads) and warp_sum it uses.
 
 static __device__ __forceinline__ int load_acquire(const int* p) {
     int v;
@@ -97,8 +88,7 @@ __global__ void __launch_bounds__(WARPS * 32) one_launch_floor(
                 if (lane + 32 * it < DOWN_CHUNKS) t ^= fold(w[j][it]);
             total += (float)(t & 0xFF) * act[j * INTER + h % INTER];
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
+        total = warp_sum(total);
         if (lane == 0) out[h] = (unsigned short)total;
     }
 }

@@ -33,9 +33,11 @@ def test_an_edit_whose_text_is_gone_names_its_part():
         edited_source("rotations", SOURCE.replace("e2m1_pair<0>(q)", "e2m1_pair<0>(word)"))
 
 
-def test_the_floor_probe_reads_the_experts_layouts():
+def test_the_floor_probe_reads_the_experts_layouts_with_the_kernels_own_helpers():
     text = open(FLOOR_SOURCE).read()
     assert "one_launch_floor(" in text and "griddepcontrol.wait" in text and "atomicAdd(barrier, 1)" in text
+    for helper in ("struct __align__(16) Chunk", "Chunk stream_chunk(const Chunk* p)", "float warp_sum(float t)"):
+        assert helper in SOURCE and helper not in text  # compiled after fp4_products.cu's text, not beside a copy
 
 
 def test_variants_are_named_from_the_list():
