@@ -173,12 +173,19 @@ static __device__ __forceinline__ float warp_max(float t) {
     return t;
 }
 
+// A barrier of the THREADS threads taking part: the whole block (BARRIER 0), or named barrier BARRIER for threads
+// [0, THREADS) when other warps of the block go their own way.
+template <int THREADS, int BARRIER> static __device__ __forceinline__ void sync_threads() {
+    if (BARRIER == 0) __syncthreads();
+    else asm volatile("bar.sync %0, %1;" ::"n"(BARRIER), "n"(THREADS) : "memory");
+}
+
 // The block's sum (MAX 0) or largest (MAX 1) of each thread's v, through `scratch` [warps]; every thread gets it.
-template <int THREADS, int MAX>
+template <int THREADS, int MAX, int BARRIER = 0>
 static __device__ __forceinline__ float block_reduce(float v, float* scratch) {
     v = MAX ? warp_max(v) : warp_sum(v);
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
+    sync_threads<THREADS, BARRIER>();
     float t = scratch[0];
 #pragma unroll
     for (int i = 1; i < THREADS / 32; ++i) t = MAX ? fmaxf(t, scratch[i]) : t + scratch[i];
@@ -187,9 +194,9 @@ static __device__ __forceinline__ float block_reduce(float v, float* scratch) {
 
 template <int BF16> static __device__ __forceinline__ float rounded(float v) { return to_float<BF16>(from_float<BF16>(v)); }
 
-// x [K] as float16 pairs in xs, built by the whole block; returns the power of two they carry. Ends synchronized.
-// scratch: a float a warp.
-template <int K, int THREADS, int BF16>
+// x [K] as float16 pairs in xs, built by the whole block (or threads [0, THREADS) under named barrier BARRIER);
+// returns the power of two they carry. Ends synchronized. scratch: a float a warp.
+template <int K, int THREADS, int BF16, int BARRIER = 0>
 static __device__ __forceinline__ int block_pairs(const u16* x, Chunk* xs, float* scratch) {
     constexpr int BLOCKS = K / 8, ITERS = (BLOCKS + THREADS - 1) / THREADS;
     Chunk raw[ITERS];  // x's 16-byte loads held (half the registers of its floats), converted twice
@@ -205,7 +212,7 @@ static __device__ __forceinline__ int block_pairs(const u16* x, Chunk* xs, float
             for (int j = 0; j < 8; ++j) largest = fmaxf(largest, fabsf(f[j]));
         }
     }
-    const int e = pair_exponent(block_reduce<THREADS, 1>(largest, scratch));
+    const int e = pair_exponent(block_reduce<THREADS, 1, BARRIER>(largest, scratch));
     const float up = power_of_two(e);
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
@@ -216,7 +223,7 @@ static __device__ __forceinline__ int block_pairs(const u16* x, Chunk* xs, float
             store_pairs<K / 32>(f, up, xs, b);
         }
     }
-    __syncthreads();
+    sync_threads<THREADS, BARRIER>();
     return e;
 }
 
