@@ -1,0 +1,217 @@
+"""A token's fp4 experts in one warp-specialised launch (fp4_one_launch_specialised.cu) against the two launches of
+kernels/cuda/fp4_products.cu, at Nemotron-3-Nano's NVFP4 shapes (6 routed choices and the shared expert as 2 slots).
+
+Checks that the one launch gives the two launches' bits (every choice held, and one left out; again after many
+launches, since its flags move on each launch), times both over four layers' expert sets in one CUDA graph (so that
+replays stream from memory), and reads when each block reaches each phase (%globaltimer, microseconds after the first
+block's start: min, median and max over the blocks). `--copy-rate` also times bulk copies into shared memory alone
+(bulk_rate) at a few copy sizes and depths. Needs a Hopper GPU; `python3 benchmarks/fp4_one_launch_specialised.py
+--out results.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp4_one_launch_specialised.cu")
+LAYERS = 4
+WARPS = 18  # 16 row warps, the tail warp, the producer warp
+STAGES = 2
+MAX_SHARED = 227 * 1024  # a Hopper block's dynamic shared memory at most
+PHASES = ("start", "producer past its wait", "up groups issued", "up groups done", "tail stored",
+          "activations loaded", "down rows done", "end")
+COPY_SHAPES = ((4096, 4), (4096, 16), (12288, 4), (16384, 8), (32768, 4), (2048, 32))  # (bytes a copy, in flight)
+
+
+def shared_bytes(hidden: int, inter: int, rows: int, choices: int, stages: int = STAGES) -> int:
+    """fp4_experts_one_launch's dynamic shared memory, in the order the kernel lays it out: x's pairs, the ring, every
+    choice's down codes and scale window, sums and factors [rows][choices], features [2][16], scratch [16], then the
+    barriers (8-byte aligned): full and empty a stage, one a choice, two feature pairs."""
+    stage = 16 * hidden // 2 + 16 * hidden // 16
+    window = (rows * inter // 16 + 32 + 15) // 16 * 16
+    n = 2 * hidden + stages * stage + choices * (rows * inter // 2 + window) + 4 * (2 * rows * choices + 32 + 16)
+    return (n + 7) // 8 * 8 + 8 * (2 * stages + choices + 4)
+
+
+def fitting_shared_bytes(hidden: int, inter: int, sms: int, choices: int) -> int:
+    """shared_bytes for a grid of one block an SM, or ValueError where a block's share of the down rows does not fit."""
+    rows = -(-hidden // sms)
+    nbytes = shared_bytes(hidden, inter, rows, choices)
+    if nbytes > MAX_SHARED:
+        raise ValueError(f"fp4_experts_one_launch holds a block's {rows} down rows of {choices} choices in shared "
+                         f"memory: {nbytes} bytes, more than a Hopper block's {MAX_SHARED} (hidden {hidden} over "
+                         f"{sms} SMs)")
+    return nbytes
+
+
+def launch_arguments(x, experts, weights, ids, shared, flagged, state, out, stamps) -> list:
+    """fp4_experts_one_launch's arguments in the order it declares them (kernel_arguments)."""
+    return [x.reshape(-1), experts.w13, experts.scale13, experts.row13, shared.up, shared.up_scale,
+            shared.up_row_scale, experts.w2, experts.scale2, experts.row2, shared.down, shared.down_scale,
+            shared.down_row_scale, weights, ids, experts.num_experts, experts.hidden, flagged, state, out, stamps]
+
+
+def kernel_arguments(source: str) -> list[str]:
+    """fp4_experts_one_launch's parameter names, as the source declares them."""
+    head = source[source.index("fp4_experts_one_launch("):]
+    params = head[head.index("(") + 1:head.index(")")]
+    return [p.strip().split()[-1].lstrip("*") for p in params.split(",")]
+
+
+class OneLaunch:
+    """fp4_experts_one_launch for one device: its compiled kernels and the buffers it keeps between launches (the
+    flagged activations and the launch counts start at zero and are only ever moved on by the kernel)."""
+
+    def __init__(self, device: torch.device) -> None:
+        from shardserve.kernels.cuda import runtime
+
+        self.device = device
+        self.source = runtime._source("fp4_products.cu") + open(SOURCE).read()
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.kernels: dict = {}
+        self.buffers: dict = {}
+
+    def _kernel(self, expression: str, threads: int, nbytes: int):
+        from shardserve.kernels import cuda_driver
+        from shardserve.kernels.cuda import runtime
+
+        if expression not in self.kernels:
+            kernel = runtime.Kernel(*runtime.compile_cubin(self.source, "fp4_one_launch_specialised.cu", "sm_90a",
+                                                           expression))
+            drv = cuda_driver.driver()
+            cuda_driver.check(drv.cuFuncSetAttribute(kernel._function, 8, nbytes), "dynamic shared memory")
+            fits = ctypes.c_int()
+            cuda_driver.check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(fits), kernel._function,
+                                                                               threads, nbytes), "occupancy")
+            if fits.value < 1:
+                raise RuntimeError(f"{expression}: no block fits an SM")
+            self.kernels[expression] = kernel
+        return self.kernels[expression]
+
+    def __call__(self, x, experts, weights, ids, shared, down_after: int = 0, stamps=None) -> torch.Tensor:
+        from shardserve.kernels.cuda import fp4_products as fp
+        from shardserve.kernels.triton import pdl
+
+        top_k, slots = ids.shape[-1], shared.slots
+        hidden, inter, choices = experts.hidden, experts.inter, top_k + slots
+        rows = -(-hidden // self.sms)
+        nbytes = fitting_shared_bytes(hidden, inter, self.sms, choices)
+        weight_code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[weights.dtype]
+        on = pdl.active(x.device)
+        args = (hidden, inter, rows, STAGES, fp._dtype_code(x.dtype), int(on), fp.ACTIVATIONS[experts.activation],
+                top_k, slots, int(ids.dtype == torch.int64), weight_code, down_after)
+        kernel = self._kernel(f"fp4_experts_one_launch<{', '.join(str(a) for a in args)}>", 32 * WARPS, nbytes)
+        key = (choices, inter)
+        if key not in self.buffers:
+            words = choices * 2 * (16 * (inter // 32) + inter // 16)
+            self.buffers[key] = (torch.zeros(words, dtype=torch.int32, device=x.device),
+                                 torch.zeros(2 + choices, dtype=torch.int32, device=x.device))
+        flagged, state = self.buffers[key]
+        out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
+        launch(kernel, self.sms, 32 * WARPS, nbytes,
+               launch_arguments(x, experts, weights, ids, shared, flagged, state, out, stamps), on)
+        return out
+
+
+def launch(kernel, blocks: int, threads: int, nbytes: int, args: list, on: bool) -> None:
+    """runtime.Kernel.launch with dynamic shared memory; None stands for a null pointer."""
+    from shardserve.kernels import cuda_driver
+    from shardserve.kernels.cuda import runtime
+
+    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
+              ctypes.c_void_p(0) if a is None else ctypes.c_int(a) for a in args]
+    pointers = (ctypes.c_void_p * len(values))(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values))
+    attrs = (runtime._Attribute * 1)()
+    attrs[0].id = runtime._PROGRAMMATIC_STREAM_SERIALIZATION
+    attrs[0].value.value = 1
+    config = runtime._LaunchConfig(blocks, 1, 1, threads, 1, 1, nbytes,
+                                   ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), attrs, 1 if on else 0)
+    cuda_driver.check(cuda_driver.driver().cuLaunchKernelEx(ctypes.byref(config), kernel._function, pointers, None),
+                      f"launching {kernel.name}")
+
+
+def phases(stamps: torch.Tensor, blocks: int) -> dict:
+    t = stamps.view(blocks, len(PHASES)).cpu().double()
+    since = (t - t[:, 0].min()) / 1000.0
+    return {name: [round(float(since[:, i].min()), 2), round(float(since[:, i].median()), 2),
+                   round(float(since[:, i].max()), 2)] for i, name in enumerate(PHASES)}
+
+
+def copy_rates(one: OneLaunch) -> dict:
+    """bulk_rate over 45 MB (a layer's experts) a launch, four launches a graph: us a launch and TB/s."""
+    from benchmarks.moe_kernels import graph_time_us
+
+    total = 45 << 20
+    source = torch.empty(LAYERS * total, dtype=torch.uint8, device=one.device)
+    sink = torch.zeros(1, dtype=torch.int32, device=one.device)
+    rates = {}
+    for size, depth in COPY_SHAPES:
+        nbytes = size * depth + 8 * depth
+        kernel = one._kernel(f"bulk_rate<{size}, {depth}>", 128, nbytes)
+        per_block = total // one.sms // size * size
+
+        def walk():
+            for layer in range(LAYERS):
+                launch(kernel, one.sms, 128, nbytes, [source[layer * total:], per_block, sink], False)
+
+        us = graph_time_us(walk, 20, 3) / LAYERS
+        rates[f"{size} B a copy, {depth} in flight"] = {"us": round(us, 2),
+                                                        "TB/s": round(per_block * one.sms / us / 1e6, 2)}
+    return rates
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the results here as JSON")
+    p.add_argument("--copy-rate", action="store_true", help="also time bulk copies alone")
+    args = p.parse_args()
+    from benchmarks.moe_four_bit_one_token import one_token_experts
+    from benchmarks.moe_kernels import graph_time_us
+    from shardserve.kernels.cuda import fp4_products as fp
+
+    device = torch.device("cuda")
+    one = OneLaunch(device)
+    layers = [one_token_experts("nemotron3-nano-30b-a3b", "fp4", 16, 2) for _ in range(LAYERS)]
+    result = {"device": torch.cuda.get_device_name(), "SMs": one.sms}
+
+    def two(x, e, w, i, sh):
+        return fp.fp4_experts(x, e, w, i, sh, fp.EXPERT_TILES, x_early=True)
+
+    x0, e0, w0, i0, sh0 = layers[0]
+    left_out = i0.clone()
+    left_out[0, 1] = -1
+    for down_after in (0, 99):
+        key = f"one launch, routed down rows copied after {down_after} up groups"
+        same = all(torch.equal(one(*layer, down_after=down_after), two(*layer)) for layer in layers)
+        same_left_out = torch.equal(one(x0, e0, w0, left_out, sh0, down_after), two(x0, e0, w0, left_out, sh0))
+        us = [round(graph_time_us(lambda: [one(*layer, down_after=down_after) for layer in layers], 50, 5) / LAYERS, 2)
+              for _ in range(2)]
+        same_after = all(torch.equal(one(*layer, down_after=down_after), two(*layer)) for layer in layers)
+        result[key] = {"us a layer": us, "same bits": same, "same bits, a choice left out": same_left_out,
+                       "same bits after those launches": same_after}
+        print(key, result[key], flush=True)
+    stamps = torch.zeros(one.sms * len(PHASES), dtype=torch.int64, device=device)
+    graph_time_us(lambda: [one(*layer, stamps=stamps if n == 2 else None) for n, layer in enumerate(layers)], 20, 2)
+    torch.cuda.synchronize()
+    result["phases of the third layer's launch, us (min, median, max over blocks)"] = phases(stamps, one.sms)
+    result["two launches, us a layer"] = [
+        round(graph_time_us(lambda: [two(*layer) for layer in layers], 50, 5) / LAYERS, 2) for _ in range(2)]
+    if args.copy_rate:
+        result["bulk copies alone"] = copy_rates(one)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
