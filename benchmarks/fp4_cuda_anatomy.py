@@ -122,11 +122,8 @@ def _experts_us(layers, fn) -> float:
 
 def _floor_rows(layers) -> dict:
     """fp4_one_launch_floor at each of FLOOR_SHAPES, as many blocks an SM as fit; us a layer."""
-    import ctypes
-
     import torch
 
-    from shardserve.kernels import cuda_driver
     from shardserve.kernels.cuda import fp4_products, runtime
     from shardserve.kernels.triton import pdl
 
@@ -141,10 +138,8 @@ def _floor_rows(layers) -> dict:
         expression = (f"one_launch_floor<{experts.hidden}, {experts.inter}, {top_k}, {slots}, {warps}, "
                       f"{up_rows}>")
         kernel = runtime.Kernel(*runtime.compile_cubin(source, "fp4_one_launch_floor.cu", "sm_90a", expression))
-        fits = ctypes.c_int()
-        cuda_driver.check(cuda_driver.driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            ctypes.byref(fits), kernel._function, 32 * warps, ctypes.c_size_t(0)), "occupancy")
-        grid = sms * fits.value  # every block placed at once: each waits at the barrier for all
+        fits = kernel.blocks_per_sm(32 * warps)
+        grid = sms * fits  # every block placed at once: each waits at the barrier for all
         barrier = torch.zeros(1, dtype=torch.int32, device=device)
         act = torch.empty((top_k + slots) * experts.inter, dtype=torch.float32, device=device)
         out = torch.empty(experts.hidden, dtype=torch.int16, device=device)
@@ -153,7 +148,7 @@ def _floor_rows(layers) -> dict:
             kernel.launch((grid,), 32 * warps, [e.w13, sh.up, e.w2, sh.down, i, act, out, barrier],
                           pdl=pdl.active(device))
 
-        rows[f"{warps} warps a block, {up_rows} up rows a warp, {fits.value} blocks an SM"] = round(
+        rows[f"{warps} warps a block, {up_rows} up rows a warp, {fits} blocks an SM"] = round(
             _experts_us(layers, one), 2)
     return rows
 

@@ -12,7 +12,6 @@ block's start: min, median and max over the blocks). `--copy-rate` also times bu
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -80,18 +79,12 @@ class OneLaunch:
         self.buffers: dict = {}
 
     def _kernel(self, expression: str, threads: int, nbytes: int):
-        from shardserve.kernels import cuda_driver
         from shardserve.kernels.cuda import runtime
 
         if expression not in self.kernels:
             kernel = runtime.Kernel(*runtime.compile_cubin(self.source, "fp4_one_launch_specialised.cu", "sm_90a",
                                                            expression))
-            drv = cuda_driver.driver()
-            cuda_driver.check(drv.cuFuncSetAttribute(kernel._function, 8, nbytes), "dynamic shared memory")
-            fits = ctypes.c_int()
-            cuda_driver.check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(fits), kernel._function,
-                                                                               threads, nbytes), "occupancy")
-            if fits.value < 1:
+            if kernel.blocks_per_sm(threads, nbytes) < 1:
                 raise RuntimeError(f"{expression}: no block fits an SM")
             self.kernels[expression] = kernel
         return self.kernels[expression]
@@ -116,26 +109,9 @@ class OneLaunch:
                                  torch.zeros(2 + choices, dtype=torch.int32, device=x.device))
         flagged, state = self.buffers[key]
         out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
-        launch(kernel, self.sms, 32 * WARPS, nbytes,
-               launch_arguments(x, experts, weights, ids, shared, flagged, state, out, stamps), on)
+        kernel.launch((self.sms,), 32 * WARPS, launch_arguments(x, experts, weights, ids, shared, flagged, state, out,
+                                                                stamps), pdl=on, shared_bytes=nbytes)
         return out
-
-
-def launch(kernel, blocks: int, threads: int, nbytes: int, args: list, on: bool) -> None:
-    """runtime.Kernel.launch with dynamic shared memory; None stands for a null pointer."""
-    from shardserve.kernels import cuda_driver
-    from shardserve.kernels.cuda import runtime
-
-    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
-              ctypes.c_void_p(0) if a is None else ctypes.c_int(a) for a in args]
-    pointers = (ctypes.c_void_p * len(values))(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values))
-    attrs = (runtime._Attribute * 1)()
-    attrs[0].id = runtime._PROGRAMMATIC_STREAM_SERIALIZATION
-    attrs[0].value.value = 1
-    config = runtime._LaunchConfig(blocks, 1, 1, threads, 1, 1, nbytes,
-                                   ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), attrs, 1 if on else 0)
-    cuda_driver.check(cuda_driver.driver().cuLaunchKernelEx(ctypes.byref(config), kernel._function, pointers, None),
-                      f"launching {kernel.name}")
 
 
 def phases(stamps: torch.Tensor, blocks: int) -> dict:
@@ -160,7 +136,7 @@ def copy_rates(one: OneLaunch) -> dict:
 
         def walk():
             for layer in range(LAYERS):
-                launch(kernel, one.sms, 128, nbytes, [source[layer * total:], per_block, sink], False)
+                kernel.launch((one.sms,), 128, [source[layer * total:], per_block, sink], shared_bytes=nbytes)
 
         us = graph_time_us(walk, 20, 3) / LAYERS
         rates[f"{size} B a copy, {depth} in flight"] = {"us": round(us, 2),

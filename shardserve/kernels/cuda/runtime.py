@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 _SOURCES = os.path.dirname(os.path.abspath(__file__))
 # cuLaunchKernelEx's attribute for programmatic dependent launch (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION).
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
+# Dynamic shared memory a block: what every kernel may take, and cuFuncSetAttribute's attribute for more
+# (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES).
+_DEFAULT_SHARED = 48 * 1024
+_MAX_DYNAMIC_SHARED = 8
 
 
 class _AttributeValue(ctypes.Union):
@@ -136,13 +140,33 @@ class Kernel:
         cuda_driver.check(drv.cuModuleGetFunction(ctypes.byref(self._function), self._module, name.encode()),
                           f"cuModuleGetFunction({name})")
         self.name = name
+        self._shared_allowed = _DEFAULT_SHARED
 
-    def launch(self, grid: tuple[int, ...], block: int, args: list, pdl: bool = False) -> None:
-        """Launch on torch's current stream. args: tensors (their data pointers), ints (32-bit) and floats (32-bit)."""
+    def _allow_shared(self, nbytes: int) -> None:
+        """Above 48 KB of dynamic shared memory a kernel must opt in, once, before it launches with that much."""
+        if nbytes > self._shared_allowed:
+            cuda_driver.check(cuda_driver.driver().cuFuncSetAttribute(self._function, _MAX_DYNAMIC_SHARED, nbytes),
+                              f"{self.name}: {nbytes} bytes of dynamic shared memory")
+            self._shared_allowed = nbytes
+
+    def blocks_per_sm(self, threads: int, shared_bytes: int = 0) -> int:
+        """How many blocks of `threads` threads and `shared_bytes` of dynamic shared memory an SM holds at once (0:
+        none fits), for kernels whose blocks must all be placed at once."""
+        self._allow_shared(shared_bytes)
+        fits = ctypes.c_int()
+        cuda_driver.check(cuda_driver.driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(fits), self._function, threads, ctypes.c_size_t(shared_bytes)), f"{self.name}: occupancy")
+        return fits.value
+
+    def launch(self, grid: tuple[int, ...], block: int, args: list, pdl: bool = False, shared_bytes: int = 0) -> None:
+        """Launch on torch's current stream with `shared_bytes` of dynamic shared memory a block. args: tensors (their
+        data pointers), None (a null pointer), ints (32-bit) and floats (32-bit)."""
         values = []
         for arg in args:
             if isinstance(arg, torch.Tensor):
                 values.append(ctypes.c_void_p(arg.data_ptr()))
+            elif arg is None:
+                values.append(ctypes.c_void_p(0))
             elif isinstance(arg, bool) or not isinstance(arg, (int, float)):
                 raise TypeError(f"{self.name}: an argument of type {type(arg).__name__}")
             else:
@@ -152,7 +176,8 @@ class Kernel:
         attrs = (_Attribute * 1)()
         attrs[0].id = _PROGRAMMATIC_STREAM_SERIALIZATION
         attrs[0].value.value = 1
-        config = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, 0,
+        self._allow_shared(shared_bytes)
+        config = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, shared_bytes,
                                ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), attrs, 1 if pdl else 0)
         cuda_driver.check(cuda_driver.driver().cuLaunchKernelEx(ctypes.byref(config), self._function, pointers, None),
                           f"launching {self.name}")
