@@ -36,6 +36,8 @@ ACTIVATIONS = {"relu2": 1, "silu": 2}
 # expert's two slots, over four layers' experts, 21.8 us a layer (the up product 9.8) against 22.8 at (2, 8, 4, 3) and
 # 27.9 for the Triton kernels (benchmarks/results/fp4-experts-x-early-nvidia-h200-20261130.json).
 EXPERT_TILES = (2, 8, 2, 3)
+# The experts' choice weights by dtype, as fp4_experts_down's WTS reads them.
+WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -179,8 +181,7 @@ def fp4_experts(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, 
         down, down_scale, down_rows = experts.w2, experts.scale2, experts.row2
     if ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous():
         raise ValueError(f"fp4_experts needs contiguous int32 or int64 choices, got {ids.dtype}")
-    weight_codes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-    if weights.dtype not in weight_codes or not weights.is_contiguous() or weights.numel() != top_k:
+    if weights.dtype not in WEIGHT_CODES or not weights.is_contiguous() or weights.numel() != top_k:
         raise ValueError(f"fp4_experts needs {top_k} contiguous float32 or 16-bit weights, got {weights.dtype} "
                          f"{tuple(weights.shape)}")
     up_rows_a_warp, up_warps, down_warps, depth = tiles
@@ -200,7 +201,7 @@ def fp4_experts(x: torch.Tensor, experts: PackedExperts, weights: torch.Tensor, 
                      pdl=on)
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
     down_kernel = runtime.kernel(SOURCE, "fp4_experts_down", (inter, hidden, down_warps, depth, bf16, on, top_k, slots,
-                                                              ids64, weight_codes[weights.dtype]), x.device)
+                                                              ids64, WEIGHT_CODES[weights.dtype]), x.device)
     down_kernel.launch(((hidden + down_warps - 1) // down_warps,), 32 * down_warps,
                        [act, unscales, experts.w2, experts.scale2, experts.row2, down, down_scale, down_rows, weights, ids,
                         num_experts, out], pdl=on)
