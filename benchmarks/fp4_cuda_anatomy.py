@@ -111,7 +111,8 @@ def edited_source(variant: str, source: str) -> str:
     return source
 
 
-def _experts_us(layers, fn) -> float:
+def experts_us(layers, fn) -> float:
+    """fn(*layer) for each layer in one CUDA graph, timed; us a layer."""
     from benchmarks.moe_kernels import graph_time_us
 
     def walk():
@@ -149,7 +150,7 @@ def _floor_rows(layers) -> dict:
                           pdl=pdl.active(device))
 
         rows[f"{warps} warps a block, {up_rows} up rows a warp, {fits} blocks an SM"] = round(
-            _experts_us(layers, one), 2)
+            experts_us(layers, one), 2)
     return rows
 
 
@@ -185,11 +186,11 @@ def measure(variant: str) -> dict:
     def experts(x, e, w, i, sh):
         fp4_products.fp4_experts(x, e, w, i, sh, fp4_products.EXPERT_TILES, x_early=True)
 
-    row["experts"] = round(_experts_us(layers, experts), 2)
+    row["experts"] = round(experts_us(layers, experts), 2)
     launch = runtime.Kernel.launch
     try:  # the up launch alone: the down launch skipped
         runtime.Kernel.launch = lambda self, *a, **kw: None if "down" in self.name else launch(self, *a, **kw)
-        row["up launch"] = round(_experts_us(layers, experts), 2)
+        row["up launch"] = round(experts_us(layers, experts), 2)
     finally:
         runtime.Kernel.launch = launch
     return row

@@ -109,7 +109,8 @@ __global__ void __launch_bounds__(18 * 32, 1) fp4_experts_one_launch(
     const u32 feat_full = down_full + 8 * CHOICES, feat_free = feat_full + 16;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int r0 = (int)((long)blockIdx.x * hidden / gridDim.x), r1 = (int)((long)(blockIdx.x + 1) * hidden / gridDim.x);
+    const int r0 = (int)((long)blockIdx.x * hidden / gridDim.x);
+    const int r1 = (int)((long)(blockIdx.x + 1) * hidden / gridDim.x);
     const int rows = r1 - r0;
     const int mine = (ORDER - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // this block's groups
     auto stamp = [&](int k) {
@@ -149,23 +150,34 @@ __global__ void __launch_bounds__(18 * 32, 1) fp4_experts_one_launch(
     };
     auto expert_of = [&](int choice) { return choice < TOP_K ? routed(choice) : choice - TOP_K; };
     auto held = [&](int choice) { return choice >= TOP_K || routed(choice) >= 0; };
+    auto my_group = [&](int i, int& choice, int& g) { group_of((int)blockIdx.x + i * (int)gridDim.x, choice, g); };
+    // Down rows [r0, r1) of choice j as held in shared memory: the shared slots' rows are [hidden, SLOTS * INTER / 2]
+    // (all slots in region TOP_K, a row's slots side by side), a routed choice's rows are those of its expert in
+    // [E * hidden, INTER / 2]. `first` is the first row's index in its matrix and `slots` the choices a row holds;
+    // a choice's scale bytes are copied from 16 bytes below them, so they start at `first * slots * INTER / 16 & 15`.
+    auto down_first = [&](int j) { return j >= TOP_K ? (long)r0 : (long)expert_of(j) * hidden + r0; };
+    auto down_slots = [&](int j) { return j >= TOP_K ? SLOTS : 1; };
+    auto down_region = [&](int j) { return j >= TOP_K ? TOP_K : j; };
 
     if (warp == RW + 1) {  // the producer
         if (lane != 0) return;
-        {
-            const long start = (long)r0 * SLOTS * (INTER / 16), end = (long)r1 * SLOTS * (INTER / 16);
+        auto copy_down = [&](int j) {  // choice j's down rows and their scale bytes into its region
+            if (!held(j)) return;  // no copy left in flight for a choice nobody waits for
+            const long first = down_first(j), codes = (long)down_slots(j) * (INTER / 2);
+            const long start = first * down_slots(j) * (INTER / 16), end = start + rows * down_slots(j) * (INTER / 16);
             const long from = start & ~15L, to = (end + 15) & ~15L;
-            const u32 bar = down_full + 8 * TOP_K;
-            bar_expect(bar, (u32)(rows * SLOTS * (INTER / 2) + (to - from)));
-            bulk_copy(smem_addr(down_codes + TOP_K * DOWN_CODES),
-                      reinterpret_cast<const unsigned char*>(shared_q2) + (long)r0 * SLOTS * (INTER / 2),
-                      rows * SLOTS * (INTER / 2), bar);
-            bulk_copy(smem_addr(down_scales + TOP_K * DOWN_SCALES),
-                      reinterpret_cast<const unsigned char*>(shared_s2) + from, (u32)(to - from), bar);
-        }
+            const unsigned char* q_rows = reinterpret_cast<const unsigned char*>(j >= TOP_K ? shared_q2 : q2);
+            const unsigned char* s_rows = reinterpret_cast<const unsigned char*>(j >= TOP_K ? shared_s2 : s2);
+            const u32 bar = down_full + 8 * down_region(j);
+            bar_expect(bar, (u32)(rows * codes + (to - from)));
+            bulk_copy(smem_addr(down_codes + down_region(j) * DOWN_CODES), q_rows + first * codes, (u32)(rows * codes),
+                      bar);
+            bulk_copy(smem_addr(down_scales + down_region(j) * DOWN_SCALES), s_rows + from, (u32)(to - from), bar);
+        };
+        copy_down(TOP_K);  // the shared slots' rows: known before the wait
         auto issue_group = [&](int i) {
             int choice, g;
-            group_of((int)blockIdx.x + i * (int)gridDim.x, choice, g);
+            my_group(i, choice, g);
             const long row = (long)g * 16;
             const unsigned char *codes, *scales;
             if (choice >= TOP_K) {
@@ -184,22 +196,10 @@ __global__ void __launch_bounds__(18 * 32, 1) fp4_experts_one_launch(
             bulk_copy(dst, codes, STAGE_CODES, full + 8 * stage);
             bulk_copy(dst + STAGE_CODES, scales, 16 * K / 16, full + 8 * stage);
         };
-        auto issue_down = [&](int j) {
-            if (!held(j)) return;
-            const long at = (long)expert_of(j) * hidden + r0;
-            const long start = at * (INTER / 16), end = (at + rows) * (INTER / 16);
-            const long from = start & ~15L, to = (end + 15) & ~15L;
-            const u32 bar = down_full + 8 * j;
-            bar_expect(bar, (u32)(rows * (INTER / 2) + (to - from)));
-            bulk_copy(smem_addr(down_codes + j * DOWN_CODES), reinterpret_cast<const unsigned char*>(q2) + at * (INTER / 2),
-                      rows * (INTER / 2), bar);
-            bulk_copy(smem_addr(down_scales + j * DOWN_SCALES), reinterpret_cast<const unsigned char*>(s2) + from,
-                      (u32)(to - from), bar);
-        };
         int i = 0;
         for (; i < mine && i < STAGES; ++i) {
             int choice, g;
-            group_of((int)blockIdx.x + i * (int)gridDim.x, choice, g);
+            my_group(i, choice, g);
             if (choice < TOP_K) break;
             issue_group(i);
         }
@@ -209,10 +209,10 @@ __global__ void __launch_bounds__(18 * 32, 1) fp4_experts_one_launch(
         int next_down = 0;
         for (; i < mine; ++i) {
             issue_group(i);
-            if (i + 1 >= DOWN_AFTER && next_down < TOP_K) issue_down(next_down++);
+            if (i + 1 >= DOWN_AFTER && next_down < TOP_K) copy_down(next_down++);
         }
         stamp(2);
-        while (next_down < TOP_K) issue_down(next_down++);
+        while (next_down < TOP_K) copy_down(next_down++);
         return;
     }
 
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(18 * 32, 1) fp4_experts_one_launch(
     if (warp == RW) {  // the tail
         for (int i = 0; i < mine; ++i) {
             int choice, g;
-            group_of((int)blockIdx.x + i * (int)gridDim.x, choice, g);
+            my_group(i, choice, g);
             const int b = i & 1;
             bar_wait(feat_full + 8 * b, (i >> 1) & 1);
             const float* f = features + 16 * b;
@@ -264,7 +264,8 @@ __global__ void __launch_bounds__(18 * 32, 1) fp4_experts_one_launch(
         for (int j = 0; j < CHOICES; ++j)
             factors[threadIdx.x * CHOICES + j] =
                     j >= TOP_K ? shared_rs2[row]
-                               : held(j) ? choice_weight<WTS>(weights, j) * rs2[(long)expert_of(j) * hidden + row] : 0.0f;
+                               : held(j) ? choice_weight<WTS>(weights, j) * rs2[(long)expert_of(j) * hidden + row]
+                                         : 0.0f;
     }
     const int e = block_pairs<K, THREADS, BF16, 1>(x, xs, scratch);  // x was written before the router's kernels
     const float down = unscale(e);
@@ -278,7 +279,7 @@ __global__ void __launch_bounds__(18 * 32, 1) fp4_experts_one_launch(
         }
         for (int i = 0; i < mine; ++i) {
             int choice, g;
-            group_of((int)blockIdx.x + i * (int)gridDim.x, choice, g);
+            my_group(i, choice, g);
             const bool on = held(choice);
             const long feature = (long)g * 16 + warp;
             const float scale = !on ? 0.0f : choice >= TOP_K ? shared_rs[(long)(choice - TOP_K) * INTER + feature]
@@ -288,7 +289,8 @@ __global__ void __launch_bounds__(18 * 32, 1) fp4_experts_one_launch(
             float value = 0.0f;
             if (on) {
                 const Chunk* w = reinterpret_cast<const Chunk*>(ring + stage * STAGE_BYTES + warp * (K / 2));
-                const u16* sc = reinterpret_cast<const u16*>(ring + stage * STAGE_BYTES + STAGE_CODES + warp * (K / 16));
+                const u16* sc =
+                        reinterpret_cast<const u16*>(ring + stage * STAGE_BYTES + STAGE_CODES + warp * (K / 16));
                 float y = 0.0f;
 #pragma unroll
                 for (int it = 0; it < UP_ITERS; ++it) {
@@ -367,27 +369,19 @@ __global__ void __launch_bounds__(18 * 32, 1) fp4_experts_one_launch(
                 for (int wd = 0; wd < 4; ++wd) ar[it][wd] = xj[wd * DCH + c];
                 u[it] = uj[c];
             }
-            bar_wait(down_full + 8 * (choice >= TOP_K ? TOP_K : choice), 0);
+            bar_wait(down_full + 8 * down_region(choice), 0);
             loaded = choice;
         }
         const bool second = row + 1 < rows;
-        const Chunk *w0, *w1;
-        const u16 *sc0, *sc1;
-        if (choice >= TOP_K) {
-            const int slot = choice - TOP_K;
-            const Chunk* w = reinterpret_cast<const Chunk*>(down_codes + TOP_K * DOWN_CODES);
-            const u16* sc = reinterpret_cast<const u16*>(down_scales + TOP_K * DOWN_SCALES +
-                                                         (((long)r0 * SLOTS * (INTER / 16)) & 15));
-            w0 = w + (row * SLOTS + slot) * DCH, sc0 = sc + (row * SLOTS + slot) * Row<INTER>::SCALES;
-            w1 = w0 + SLOTS * DCH, sc1 = sc0 + SLOTS * Row<INTER>::SCALES;
-        } else {
-            w0 = reinterpret_cast<const Chunk*>(down_codes + choice * DOWN_CODES) + row * DCH;
-            sc0 = reinterpret_cast<const u16*>(down_scales + choice * DOWN_SCALES +
-                                               ((((long)expert_of(choice) * hidden + r0) * (INTER / 16)) & 15)) +
-                  row * Row<INTER>::SCALES;
-            w1 = w0 + DCH, sc1 = sc0 + Row<INTER>::SCALES;
-        }
-        if (!second) w1 = w0, sc1 = sc0;  // the block's odd last row: the same row twice, stored once
+        const int n = down_slots(choice), slot = choice >= TOP_K ? choice - TOP_K : 0;
+        const Chunk* w0 = reinterpret_cast<const Chunk*>(down_codes + down_region(choice) * DOWN_CODES) +
+                          (row * n + slot) * DCH;
+        const u16* sc0 = reinterpret_cast<const u16*>(down_scales + down_region(choice) * DOWN_SCALES +
+                                                      ((down_first(choice) * n * (INTER / 16)) & 15)) +
+                         (row * n + slot) * Row<INTER>::SCALES;
+        // the next row, or for the block's odd last row the same row twice, stored once
+        const Chunk* w1 = second ? w0 + n * DCH : w0;
+        const u16* sc1 = second ? sc0 + n * Row<INTER>::SCALES : sc0;
         float total0 = 0.0f, total1 = 0.0f;
 #pragma unroll
         for (int it = 0; it < DOWN_ITERS; ++it) {

@@ -70,10 +70,10 @@ class OneLaunch:
     flagged activations and the launch counts start at zero and are only ever moved on by the kernel)."""
 
     def __init__(self, device: torch.device) -> None:
-        from shardserve.kernels.cuda import runtime
+        from shardserve.kernels.cuda import fp4_products, runtime
 
         self.device = device
-        self.source = runtime._source("fp4_products.cu") + open(SOURCE).read()
+        self.source = runtime._source(fp4_products.SOURCE) + open(SOURCE).read()
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.kernels: dict = {}
         self.buffers: dict = {}
@@ -97,10 +97,9 @@ class OneLaunch:
         hidden, inter, choices = experts.hidden, experts.inter, top_k + slots
         rows = -(-hidden // self.sms)
         nbytes = fitting_shared_bytes(hidden, inter, self.sms, choices)
-        weight_code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[weights.dtype]
         on = pdl.active(x.device)
         args = (hidden, inter, rows, STAGES, fp._dtype_code(x.dtype), int(on), fp.ACTIVATIONS[experts.activation],
-                top_k, slots, int(ids.dtype == torch.int64), weight_code, down_after)
+                top_k, slots, int(ids.dtype == torch.int64), fp.WEIGHT_CODES[weights.dtype], down_after)
         kernel = self._kernel(f"fp4_experts_one_launch<{', '.join(str(a) for a in args)}>", 32 * WARPS, nbytes)
         key = (choices, inter)
         if key not in self.buffers:
@@ -149,6 +148,7 @@ def main() -> None:
     p.add_argument("--out", help="write the results here as JSON")
     p.add_argument("--copy-rate", action="store_true", help="also time bulk copies alone")
     args = p.parse_args()
+    from benchmarks.fp4_cuda_anatomy import experts_us
     from benchmarks.moe_four_bit_one_token import one_token_experts
     from benchmarks.moe_kernels import graph_time_us
     from shardserve.kernels.cuda import fp4_products as fp
@@ -168,8 +168,7 @@ def main() -> None:
         key = f"one launch, routed down rows copied after {down_after} up groups"
         same = all(torch.equal(one(*layer, down_after=down_after), two(*layer)) for layer in layers)
         same_left_out = torch.equal(one(x0, e0, w0, left_out, sh0, down_after), two(x0, e0, w0, left_out, sh0))
-        us = [round(graph_time_us(lambda: [one(*layer, down_after=down_after) for layer in layers], 50, 5) / LAYERS, 2)
-              for _ in range(2)]
+        us = [round(experts_us(layers, lambda *layer: one(*layer, down_after=down_after)), 2) for _ in range(2)]
         same_after = all(torch.equal(one(*layer, down_after=down_after), two(*layer)) for layer in layers)
         result[key] = {"us a layer": us, "same bits": same, "same bits, a choice left out": same_left_out,
                        "same bits after those launches": same_after}
@@ -178,8 +177,7 @@ def main() -> None:
     graph_time_us(lambda: [one(*layer, stamps=stamps if n == 2 else None) for n, layer in enumerate(layers)], 20, 2)
     torch.cuda.synchronize()
     result["phases of the third layer's launch, us (min, median, max over blocks)"] = phases(stamps, one.sms)
-    result["two launches, us a layer"] = [
-        round(graph_time_us(lambda: [two(*layer) for layer in layers], 50, 5) / LAYERS, 2) for _ in range(2)]
+    result["two launches, us a layer"] = [round(experts_us(layers, two), 2) for _ in range(2)]
     if args.copy_rate:
         result["bulk copies alone"] = copy_rates(one)
     print(json.dumps(result, indent=1))
