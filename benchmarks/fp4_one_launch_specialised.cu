@@ -2,55 +2,11 @@
 // up product, then the down product, fp4_products.cu's fp4_experts_up and fp4_experts_down) in one launch of one
 // block an SM whose warps specialise, the same sums bit for bit. It was measured slower than the two launches on an
 // H200 (docs/benchmarks-notebook.md, "one launch for a token's fp4 experts, warp-specialised"), and is kept to repeat
-// that measurement and time its phases (`stamps`). Compiled after fp4_products.cu's text, whose Chunk, word_products,
-// store_pairs and the rest it uses.
+// that measurement and time its phases (`stamps`). Compiled after fp4_products.cu's text (Chunk, word_products,
+// store_pairs and the rest) and fp4_bulk_copies.cu's (bulk copies, shared-memory barriers).
 //
 // The grid must fit the GPU at once (the launch sizes it by the SMs): a block's down rows wait for every block's up
 // groups. bulk_rate is the copy-rate probe beside it: how fast bulk copies of a given size stream into shared memory.
-
-static __device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-static __device__ __forceinline__ void bar_init(u32 bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-static __device__ __forceinline__ void bar_expect(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-static __device__ __forceinline__ void bar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-static __device__ __forceinline__ bool bar_try(u32 bar, u32 parity) {
-    u32 done;
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    return done != 0;
-}
-
-static __device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
-    while (!bar_try(bar, parity)) {}
-}
-
-// Shared-memory barriers (mbarrier): a phase completes when its arrivals are in and the bytes it expects have landed.
-// `bytes` (a multiple of 16) from global `src` (16-byte aligned) to shared `dst`, counted on `bar`.
-static __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-// chunk_sum with x's four chunks in registers: the same operations in the same order.
-static __device__ __forceinline__ float chunk_sum_held(Chunk w, u32 scales, const Chunk (&x)[4], float ua = 1.0f,
-                                                       float ub = 1.0f) {
-    const u32 a = word_products(w.w1, x[1], word_products(w.w0, x[0], 0u));
-    const u32 b = word_products(w.w3, x[3], word_products(w.w2, x[2], 0u));
-    return pair_sum(a) * (e4m3_units(scales & 0xFF) * ua) + pair_sum(b) * (e4m3_units(scales >> 8) * ub);
-}
 
 static __device__ __forceinline__ void store_flagged(u32* p, u32 a, u32 b, u32 flag) {  // {a, flag, b, flag}
     asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(flag), "r"(b), "r"(flag)

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp4_one_launch_specialised.cu")
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp4_bulk_copies.cu")
 LAYERS = 4
 WARPS = 18  # 16 row warps, the tail warp, the producer warp
 STAGES = 2
@@ -73,7 +74,7 @@ class OneLaunch:
         from shardserve.kernels.cuda import fp4_products, runtime
 
         self.device = device
-        self.source = runtime._source(fp4_products.SOURCE) + open(SOURCE).read()
+        self.source = runtime._source(fp4_products.SOURCE) + open(HELPERS).read() + open(SOURCE).read()
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.kernels: dict = {}
         self.buffers: dict = {}

@@ -17,6 +17,7 @@ from shardserve.kernels.cuda import fp4_products
 
 PRODUCTS = open(os.path.join(os.path.dirname(fp4_products.__file__), fp4_products.SOURCE)).read()
 TEXT = open(SOURCE).read()
+HELPERS = open(os.path.join(os.path.dirname(SOURCE), "fp4_bulk_copies.cu")).read()
 
 
 def test_nemotron_nano_experts_fit_a_block_an_sm_of_an_h200_or_h100():
@@ -46,8 +47,10 @@ def test_the_runner_passes_every_argument_the_kernel_declares_in_its_order():
 
 
 def test_the_probe_uses_the_products_helpers_rather_than_copies():
-    assert "fp4_experts_one_launch(" in TEXT and "cp.async.bulk" in TEXT and "bulk_rate(" in TEXT
+    assert "fp4_experts_one_launch(" in TEXT and "bulk_rate(" in TEXT and "cp.async.bulk" in HELPERS
     assert "block_pairs<K, THREADS, BF16, 1>(" in TEXT  # x's pairs by the row warps alone, under named barrier 1
     for helper in ("struct __align__(16) Chunk", "u32 word_products(u32 q, Chunk x, u32 acc)", "int block_pairs(",
                    "void store_pairs(const float* f, float up, Chunk* xs, int b)", "float warp_sum(float t)"):
-        assert helper in PRODUCTS and helper not in TEXT
+        assert helper in PRODUCTS and helper not in TEXT and helper not in HELPERS
+    for helper in ("void bulk_copy(", "bool bar_try(", "float chunk_sum_held("):
+        assert helper in HELPERS and helper not in TEXT
