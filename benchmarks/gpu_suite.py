@@ -108,8 +108,10 @@ BUILT_MODEL_BYTES = ("nemotron_h", "deepseek_v3")
 # fp8-block: an FP8 checkpoint with 128 x 128 scale blocks (the format of Qwen's and DeepSeek's FP8 releases; a
 # float32 scale per row and 128 columns once loaded).
 # nvfp4: a ModelOpt NVFP4 checkpoint (e2m1 codes, an e4m3 scale a 16 weights, a global scale), the head 16-bit.
+# nvfp4-nvidia: the same as NVIDIA ships its Nemotron-3 checkpoints, the attention layers and the Mamba-2 layers before
+# them 16-bit too (named in exclude_modules).
 QUANTIZATION_TAGS = {"fp8": "fp8", "fp8-block": "fp8_block", "gptq-int4": "int4", "gptq-int4-head": "int4_head",
-                     "nvfp4": "nvfp4"}
+                     "nvfp4": "nvfp4", "nvfp4-nvidia": "nvfp4_nvidia"}
 LINEAR_WEIGHT_BYTES = {None: 2.0, "fp8": 1.0, "fp8-block": 1 + 4 / 128, "gptq-int4": 0.5 + 4 / 128,
                        "gptq-int4-head": 0.5 + 4 / 128}
 GPTQ_INT4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
@@ -119,7 +121,30 @@ GPTQ_CONFIGS = {"gptq-int4": GPTQ_INT4, "gptq-int4-head": {**GPTQ_INT4, "lm_head
 # --quantization fp8 (at load) packs the projections only.
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
-CHECKPOINT_CONFIGS = {**GPTQ_CONFIGS, "fp8-block": FP8_BLOCK, "nvfp4": NVFP4}
+CHECKPOINT_CONFIGS = {**GPTQ_CONFIGS, "fp8-block": FP8_BLOCK, "nvfp4": NVFP4, "nvfp4-nvidia": NVFP4}
+
+
+def nvidia_nvfp4_exclusions(pattern: str) -> list[str]:
+    """The modules NVIDIA's NVFP4 Nemotron-3 checkpoints leave in bf16 (their exclude_modules), for a NemotronH
+    hybrid_override_pattern: the head, each attention layer's projections and the in_proj and out_proj of the
+    Mamba-2 layer before it."""
+    kept = ["lm_head"]
+    for i, kind in enumerate(pattern):
+        if kind == "*":
+            kept += [f"backbone.layers.{i}.mixer.{p}_proj" for p in "qkvo"]
+            if i and pattern[i - 1] == "M":
+                kept += [f"backbone.layers.{i - 1}.mixer.in_proj", f"backbone.layers.{i - 1}.mixer.out_proj"]
+    return kept
+
+
+def checkpoint_config(quantization: str, shape: dict) -> dict:
+    """The quantization_config of a `quantization` checkpoint of `shape` (CHECKPOINT_CONFIGS)."""
+    if quantization == "nvfp4-nvidia":
+        if "hybrid_override_pattern" not in shape:
+            raise SystemExit("--quantization nvfp4-nvidia: NVIDIA's layout of a NemotronH checkpoint (a "
+                             "hybrid_override_pattern), not of this model")
+        return {**NVFP4, "exclude_modules": nvidia_nvfp4_exclusions(shape["hybrid_override_pattern"])}
+    return CHECKPOINT_CONFIGS[quantization]
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_OUTPUT = 512, 512, 256
 HF_BATCH = 64
 AGREE_PROMPTS, AGREE_TOKENS = 32, 16
@@ -160,7 +185,7 @@ def weight_bytes(cfg: dict, active: bool = False, quantization: str | None = Non
             raise SystemExit(f"{cfg['model_type']}: the roofline counts a quantized checkpoint's packed weights, "
                              f"not {quantization} at load")
         if quantization in CHECKPOINT_CONFIGS:
-            cfg = {**cfg, "quantization_config": CHECKPOINT_CONFIGS[quantization]}
+            cfg = {**cfg, "quantization_config": checkpoint_config(quantization, cfg)}
         return built_model_bytes(cfg, active)
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
@@ -749,7 +774,7 @@ def main() -> int:
         os._exit(0)  # symmetric-memory and NCCL teardown can hang at interpreter exit
     shape = SHAPES[args.model]
     if args.quantization in CHECKPOINT_CONFIGS:
-        shape = {**shape, "quantization_config": CHECKPOINT_CONFIGS[args.quantization]}
+        shape = {**shape, "quantization_config": checkpoint_config(args.quantization, shape)}
     if args.long_prompt > shape["max_position_embeddings"]:
         # A longer context of the same shape (Llama-3.1-8B's is 128k): speed does not depend on the rope tables.
         shape = {**shape, "max_position_embeddings": args.long_prompt + 16}

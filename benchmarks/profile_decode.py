@@ -30,7 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from gpu_suite import CHECKPOINT_CONFIGS, SHAPES, graph_replay_ms, write_model_dir  # noqa: E402
+from gpu_suite import CHECKPOINT_CONFIGS, SHAPES, checkpoint_config, graph_replay_ms, write_model_dir  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
 
     shape = SHAPES[args.model]
     if args.quantization in CHECKPOINT_CONFIGS:  # the checkpoint's config says so: no --quantization at load
-        shape = {**shape, "quantization_config": CHECKPOINT_CONFIGS[args.quantization]}
+        shape = {**shape, "quantization_config": checkpoint_config(args.quantization, shape)}
     model_dir = write_model_dir(os.path.join(tempfile.mkdtemp(), f"{args.model}-shape"), shape)
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2048, max_num_seqs=64,
               quantization="fp8" if args.quantization == "fp8" else None)

@@ -9,6 +9,7 @@ this module imports nothing of shardserve, so each of them may.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 import re
 from dataclasses import dataclass
@@ -50,12 +51,18 @@ class QuantScheme:
     packing: str = ""
     module_bits: tuple[tuple[str, int], ...] = ()
     quantized_blocks: tuple[str, ...] | None = None
+    # ModelOpt's exclude_modules: the checkpoint modules left in the compute dtype, by name or shell-style pattern
+    # (NVIDIA's NVFP4 Nemotron-3 checkpoints name their attention layers and the Mamba-2 layers before them).
+    excluded: tuple[str, ...] = ()
 
     def quantizes(self, module: str) -> bool:
         """Whether the config says the checkpoint module `module` (e.g. model.layers.0.linear_attn.in_proj_ba) is
-        stored quantized: its extra_config entry (an exact name first, then the first pattern found in it) with
+        stored quantized: not among ModelOpt's exclude_modules (a name, a module inside a named one, or a pattern's
+        match); for AutoRound, its extra_config entry (an exact name first, then the first pattern found in it) with
         fewer than 16 bits, else inside block_name_to_quantize (when given) and not the LM head. Checkpoints of
         other methods name no such modules: every layer that has quantized tensors is."""
+        if any(module == p or module.startswith(p + ".") or fnmatch.fnmatchcase(module, p) for p in self.excluded):
+            return False
         if not self.packing:
             return True
         bits = dict(self.module_bits)
@@ -86,7 +93,9 @@ class QuantScheme:
             return f"fp8 (blocks of {self.weight_block[0]}x{self.weight_block[1]}{head})" if self.weight_block else \
                 f"fp8{f' ({head[2:]})' if head else ''}"
         if self.e2m1:
-            return f"{self.method} (e2m1 in groups of {self.group_size}, weights only)"
+            kept = [p for p in self.excluded if p != "lm_head"]
+            return (f"{self.method} (e2m1 in groups of {self.group_size}, weights only"
+                    f"{f'; {len(kept)} exclude_modules entries kept 16-bit' if kept else ''})")
         if self.packing:
             kept = sum(bits >= 16 for _, bits in self.module_bits)
             return (f"auto-round 4-bit ({self.packing}, groups of {self.group_size}{head}"
@@ -230,7 +239,10 @@ def parse_modelopt(qc: dict[str, Any]) -> QuantScheme:
     group = int(qc.get("group_size", NVFP4_GROUP))
     if group != NVFP4_GROUP:
         raise _unsupported(f"modelopt NVFP4 with groups of {group} (groups of 16 only)")
-    return QuantScheme("nvfp4", group_size=NVFP4_GROUP)
+    excluded = qc.get("exclude_modules") or ()
+    if isinstance(excluded, str) or not all(isinstance(p, str) for p in excluded):
+        raise ValueError(f"modelopt's exclude_modules must be a list of module names, got {excluded!r}")
+    return QuantScheme("nvfp4", group_size=NVFP4_GROUP, excluded=tuple(excluded))
 
 
 def parse_mxfp4(qc: dict[str, Any]) -> QuantScheme:

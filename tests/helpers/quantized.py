@@ -158,10 +158,11 @@ def linear_weights(tensors: dict[str, torch.Tensor], head: bool = False) -> list
             or head and n == "lm_head.weight"]
 
 
-def write_quantized(source: str, scheme: str, root) -> tuple[str, str]:
+def write_quantized(source: str, scheme: str, root, keep: tuple[str, ...] = ()) -> tuple[str, str]:
     """The checkpoint at `source` with its attention and MLP (expert) projections (and LM head, for HEAD_SCHEMES)
     quantized by `scheme`, each layer's tensors spread over two files; and a float checkpoint of the values they
-    encode."""
+    encode. keep: module prefixes left in the checkpoint's dtype, named in the config's exclude_modules (as ModelOpt
+    lists the layers it leaves alone)."""
     quant_config, quantize = {**SCHEMES, **HEAD_SCHEMES, **FP4_SCHEMES}[scheme]
     tensors = {}
     for name in os.listdir(source):
@@ -173,7 +174,10 @@ def write_quantized(source: str, scheme: str, root) -> tuple[str, str]:
         for name in os.listdir(path):
             if "safetensors" in name:
                 os.remove(path / name)
-    linear = linear_weights(tensors, head=scheme in HEAD_SCHEMES)
+    linear = [n for n in linear_weights(tensors, head=scheme in HEAD_SCHEMES) if not n.startswith(keep)]
+    if keep:
+        kept = sorted({n.removesuffix(".weight") for n in linear_weights(tensors) if n.startswith(keep)})
+        quant_config = {**quant_config, "exclude_modules": [*quant_config.get("exclude_modules", []), *kept]}
     first, second, values = {}, {}, dict(tensors)
     for i, name in enumerate(linear):
         parts, values[name] = quantize(tensors[name], i)

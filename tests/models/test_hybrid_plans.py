@@ -133,10 +133,13 @@ def test_the_nemotron_h_plan_is_what_a_dummy_load_allocates(tmp_path):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_an_nvfp4_nemotron_h_is_planned_as_a_rank_holds_it_packed(tp, tmp_path):
+@pytest.mark.parametrize("excluded", ["the head alone 16-bit", "as NVIDIA ships it"])
+def test_an_nvfp4_nemotron_h_is_planned_as_a_rank_holds_it_packed(tp, excluded, tmp_path):
     """Nemotron-3-Nano as a ModelOpt NVFP4 checkpoint (e2m1 codes, an e4m3 byte a group of 16, a float32 scale a
-    row; the head 16-bit): the plan's weights on GPUs are what a rank holds once its layers and experts are packed
-    (built on the meta device) within 0.5%, where it once planned less than nothing."""
+    row; the head 16-bit, or also the attention layers and the Mamba-2 layers before them, as NVIDIA's exclude_modules
+    name them): the plan's weights on GPUs are what a rank holds once its layers and experts are packed (built on the
+    meta device, the modules to pack read from the config as a dummy load reads them) within 0.5%, where it once
+    planned less than nothing."""
     from shardserve.layers.linear import deferred_weights
     from shardserve.layers.moe_packed import pack_experts
     from shardserve.layers.quantization.packed import PackedLayout
@@ -144,7 +147,11 @@ def test_an_nvfp4_nemotron_h_is_planned_as_a_rank_holds_it_packed(tp, tmp_path):
     from shardserve.planner import PlanRequest, plan
     from shardserve.weights.loader import configured_quantized_modules
 
-    nvfp4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+    from benchmarks.gpu_suite import nvidia_nvfp4_exclusions
+
+    kept = ["lm_head"] if excluded == "the head alone 16-bit" else \
+        nvidia_nvfp4_exclusions(NEMOTRON_3_NANO["hybrid_override_pattern"])
+    nvfp4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": kept}
     config = {**NEMOTRON_3_NANO, "quantization_config": nvfp4}
     (tmp_path / "config.json").write_text(json.dumps(config))
     cfg = ModelConfig.from_model_path(str(tmp_path))
@@ -156,3 +163,8 @@ def test_an_nvfp4_nemotron_h_is_planned_as_a_rank_holds_it_packed(tp, tmp_path):
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     planned = plan(load_hf_config(str(tmp_path)), PlanRequest(tp, gpu_memory_gb=141)).weight_bytes
     assert abs(planned - held) / held < 0.005, f"TP={tp}: {planned / 2**30:.3f} GiB planned, {held / 2**30:.3f} held"
+    left = {name for name, m in model.named_modules() if getattr(m, "packed", 1) is None and name != "lm_head"}
+    if excluded == "as NVIDIA ships it":  # 6 attention layers' q|k|v and o, 6 Mamba-2 layers' in_proj and out_proj
+        assert len(left) == 24 and "model.layers.5.mixer.qkv_proj" in left and "model.layers.4.mixer.in_proj" in left
+    else:
+        assert not left

@@ -156,6 +156,25 @@ def test_a_quantized_checkpoint_at_two_ranks_gives_transformers_tokens_on_its_va
     assert tuple(tuple(o.token_ids) for o in outputs) == expected, name
 
 
+@pytest.mark.parametrize("layers", ["dequantized", "packed"])
+def test_nvfp4_as_nvidia_ships_it_with_attention_and_the_mamba_layer_before_it_left_16_bit(tiny_model_dir, tmp_path,
+                                                                                         set_env, layers):
+    """NVIDIA's NVFP4 Nemotron-3 checkpoints leave the attention layers and the Mamba-2 layers that feed them in
+    bf16 (ModelOpt's exclude_modules names them), the rest NVFP4: such a checkpoint loads each layer as the checkpoint
+    holds it, dequantized or kept packed (SHARDSERVE_QUANTIZED_LAYERS), and at TP 2 gives transformers' tokens on the
+    values it encodes."""
+    from tests.helpers.quantized import write_quantized
+
+    set_env(SHARDSERVE_QUANTIZED_LAYERS=layers)
+    quant_dir, float_dir = write_quantized(tiny_model_dir("nemotron-h-moe"), "nvfp4", tmp_path,
+                                           keep=("backbone.layers.0.", "backbone.layers.2."))
+    expected = _reference(str(float_dir))
+    with cpu_llm(str(quant_dir), tensor_parallel_size=2) as llm:
+        outputs = llm.generate(_prompts(), greedy(NEW_TOKENS))
+        assert_all_returned(llm)
+    assert tuple(tuple(o.token_ids) for o in outputs) == expected
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_nvfp4_experts_stay_packed_on_the_fused_kernel_in_cuda_graphs(tiny_model_dir, tmp_path):
     """An NVFP4 checkpoint on CUDA (packed by default there): the non-gated experts half a byte a weight on the

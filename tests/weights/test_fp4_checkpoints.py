@@ -109,6 +109,19 @@ def test_the_configs_name_the_schemes(tmp_path, tiny_model_dir):
     assert ModelConfig.from_model_path(str(model_dir)).quantization == nvfp4_scheme
 
 
+def test_modelopt_exclude_modules_name_the_16_bit_modules_by_name_parent_or_pattern():
+    scheme = parse_quantization({"quantization_config": {**NVFP4_CONFIG, "exclude_modules": [
+        "lm_head", "backbone.layers.4.mixer.in_proj", "backbone.layers.5.mixer", "*.conv1d*"]}})
+    assert not scheme.quantizes("backbone.layers.4.mixer.in_proj")  # by name
+    assert scheme.quantizes("backbone.layers.4.mixer.out_proj") and scheme.quantizes("backbone.layers.14.mixer.in_proj")
+    assert not scheme.quantizes("backbone.layers.5.mixer.q_proj")  # inside a named module
+    assert scheme.quantizes("backbone.layers.50.mixer.q_proj")
+    assert not scheme.quantizes("backbone.layers.1.mixer.conv1d")  # a pattern
+    assert "3 exclude_modules entries kept 16-bit" in scheme.describe()
+    with pytest.raises(ValueError, match="exclude_modules must be a list of module names"):
+        parse_quantization({"quantization_config": {**NVFP4_CONFIG, "exclude_modules": "lm_head"}})
+
+
 @pytest.mark.parametrize("change, named", [
     ({"quant_algo": "FP8"}, "modelopt quant_algo 'FP8' (NVFP4 only)"),
     ({"quant_algo": "W4A8_AWQ"}, "modelopt quant_algo 'W4A8_AWQ'"),
