@@ -179,7 +179,7 @@ PROBES = {"no down arithmetic": NO_DOWN, "no up arithmetic": NO_UP, "no arithmet
           "a block's bytes one range": ONE_RANGE}
 
 
-def routed_us(layers, downs, fns: dict) -> dict:
+def routed_us(layers, fns: dict) -> dict:
     """Each layer's router (Nemotron-3-Nano's: a float32 GEMV of 128 x H, then the grouped choice's kernel) before
     its experts, as a step runs them, the experts by each of `fns`: us a layer, in one CUDA graph over the layers."""
     from benchmarks.fp4_cuda_anatomy import experts_us
@@ -260,7 +260,7 @@ def main() -> None:
             result[f"probe: {name}, {stages} stages, us a layer"] = round(us, 2)
             print(name, stages, round(us, 2), flush=True)
     result["two launches again, us a layer"] = [round(experts_us(layers, two), 2) for _ in range(2)]
-    result["with each layer's router before it, us a layer"] = routed_us(layers, downs, {
+    result["with each layer's router before it, us a layer"] = routed_us(layers, {
         "two launches": two,
         **{f"sliced, {st} stages": (lambda x, e, w, i, sh, st=st: plain(x, e, w, i, sh, downs[id(e)], st))
            for st in [int(w) for w in args.stages.split(",")]}})
