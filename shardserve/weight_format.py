@@ -54,14 +54,20 @@ class QuantScheme:
     # ModelOpt's exclude_modules: the checkpoint modules left in the compute dtype, by name or shell-style pattern
     # (NVIDIA's NVFP4 Nemotron-3 checkpoints name their attention layers and the Mamba-2 layers before them).
     excluded: tuple[str, ...] = ()
+    # transformers' modules_to_not_convert (FP8 and MXFP4 configs; Qwen's FP8 releases keep in_proj_ba and the
+    # gates so): matched as transformers matches them (should_convert_module): a regular expression from the start
+    # of the name up to a module boundary, or a suffix.
+    not_converted: tuple[str, ...] = ()
 
     def quantizes(self, module: str) -> bool:
         """Whether the config says the checkpoint module `module` (e.g. model.layers.0.linear_attn.in_proj_ba) is
         stored quantized: not among ModelOpt's exclude_modules (a name, a module inside a named one, or a pattern's
         match); for AutoRound, its extra_config entry (an exact name first, then the first pattern found in it) with
-        fewer than 16 bits, else inside block_name_to_quantize (when given) and not the LM head. Checkpoints of
-        other methods name no such modules: every layer that has quantized tensors is."""
+        fewer than 16 bits, else inside block_name_to_quantize (when given) and not the LM head; for FP8 and MXFP4,
+        not among modules_to_not_convert. Otherwise every layer that has quantized tensors is."""
         if any(module == p or module.startswith(p + ".") or fnmatch.fnmatchcase(module, p) for p in self.excluded):
+            return False
+        if any(re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(p) for p in self.not_converted):
             return False
         if not self.packing:
             return True
@@ -119,7 +125,7 @@ def parse_quantization(cfg: dict[str, Any]) -> QuantScheme | None:
         if str(qc.get("fmt", "e4m3")).lower() != "e4m3":
             raise _unsupported(f"fp8 format {qc.get('fmt')!r} (e4m3 only)")
         block = qc.get("weight_block_size")
-        return QuantScheme("fp8", weight_block=tuple(block) if block else None)
+        return QuantScheme("fp8", weight_block=tuple(block) if block else None, not_converted=_not_converted(qc))
     if method == "compressed-tensors":
         return _compressed_tensors(qc, tied=bool(cfg.get("tie_word_embeddings", False)))
     if method == "gptq":
@@ -247,7 +253,20 @@ def parse_modelopt(qc: dict[str, Any]) -> QuantScheme:
 
 def parse_mxfp4(qc: dict[str, Any]) -> QuantScheme:
     """gpt-oss's `quant_method: mxfp4`: e2m1 codes in groups of 32 with a power-of-two (e8m0) scale each."""
-    return QuantScheme("mxfp4", group_size=MXFP4_GROUP)
+    return QuantScheme("mxfp4", group_size=MXFP4_GROUP, not_converted=_not_converted(qc))
+
+
+def _not_converted(qc: dict[str, Any]) -> tuple[str, ...]:
+    """transformers' modules_to_not_convert of a config, each a regular expression (QuantScheme.not_converted)."""
+    names = qc.get("modules_to_not_convert") or ()
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"modules_to_not_convert must be a list of module names, got {names!r}")
+    for name in names:
+        try:
+            re.compile(name)
+        except re.error as e:
+            raise ValueError(f"modules_to_not_convert entry {name!r} is not a regular expression: {e}") from None
+    return tuple(names)
 
 
 # -- a checkpoint's tensors as weight loaders get them ------------------------------------------------

@@ -114,7 +114,7 @@ def configured_quantized_modules(model: nn.Module, scheme: QuantScheme) -> set[s
     quantized, or None where the config names no 16-bit modules (every quantizable layer then is). A fused module
     is quantized when the config quantizes it and each checkpoint module that loads into it (q_proj, k_proj and
     v_proj for qkv_proj; an expert block's first expert's projections for its w13 (non-gated: w1) and w2)."""
-    if not scheme.packing and not scheme.excluded:
+    if not scheme.packing and not scheme.excluded and not scheme.not_converted:
         return None
     from shardserve.layers.moe import SparseMoE
     from shardserve.layers.nongated_experts import NonGatedExperts

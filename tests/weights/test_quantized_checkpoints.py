@@ -343,3 +343,51 @@ def test_experts_whose_slice_splits_a_scale_group_stay_dequantized(quantized_mod
         blocks = expert_blocks(llm)
         assert blocks and all(m.packed is None and m.w13.dtype == torch.float32 for m in blocks)
     assert outputs == list(reference(float_dir))
+
+
+MODULE_NAMES = ["lm_head", "model.layers.0.linear_attn.in_proj_ba", "model.layers.10.linear_attn.in_proj_ba",
+                "model.layers.3.mlp.gate", "model.layers.3.mlp.gate_proj", "model.layers.3.mlp.shared_expert_gate",
+                "model.layers.3.mlp.shared_expert.gate_proj", "model.layers.3.self_attn.q_proj", "layers.1.attn",
+                "layers.11.attn", "model.layers.3.mlp.experts.0.down_proj"]
+
+
+def test_modules_to_not_convert_are_matched_as_transformers_matches_them():
+    """An FP8 (or MXFP4) config's modules_to_not_convert (Qwen's FP8 releases name in_proj_ba and the gates there):
+    a module is kept 16-bit exactly where transformers' should_convert_module says so: a regular expression from
+    the start of the name up to a module boundary, or a suffix."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    kept = ["lm_head", "model.layers.0.linear_attn.in_proj_ba", "mlp.gate", "shared_expert_gate",
+            "model.layers.*.self_attn", r"layers\.1"]
+    for config in (SCHEMES["fp8-block"][0], {"quant_method": "mxfp4"}):
+        scheme = parse_quantization({"quantization_config": {**config, "modules_to_not_convert": kept}})
+        answers = [scheme.quantizes(name) for name in MODULE_NAMES]
+        assert answers == [should_convert_module(name, kept) for name in MODULE_NAMES]
+        assert True in answers and False in answers
+    with pytest.raises(ValueError, match="modules_to_not_convert must be a list"):
+        parse_quantization({"quantization_config": {**SCHEMES["fp8-block"][0], "modules_to_not_convert": "lm_head"}})
+    with pytest.raises(ValueError, match=r"entry '\*\.gate' is not a regular expression"):
+        parse_quantization({"quantization_config": {**SCHEMES["fp8-block"][0], "modules_to_not_convert": ["*.gate"]}})
+
+
+def test_dummy_weights_of_an_fp8_config_keep_its_modules_to_not_convert_16_bit(tiny_model_dir, tmp_path, set_env):
+    """--load-format dummy reads no tensors: an FP8 Qwen3-Next config that keeps in_proj_ba and the gates 16-bit
+    (as Qwen's FP8 releases do) leaves them so, and packs in_proj_qkvz, attention and the experts."""
+    from shardserve import LLM, SamplingParams
+
+    set_env(SHARDSERVE_QUANTIZED_LAYERS="packed")
+    model_dir = tmp_path / "qwen3-next-fp8"
+    shutil.copytree(tiny_model_dir("qwen3-next"), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    kept = ["lm_head", *(f"model.layers.{i}.linear_attn.in_proj_ba" for i in range(layers)), "mlp.gate",
+            "mlp.shared_expert_gate"]
+    config["quantization_config"] = {**SCHEMES["fp8-block"][0], "modules_to_not_convert": kept}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with LLM(str(model_dir), device="cpu", dtype="float32", kv_cache_memory_gb=0.02, max_num_seqs=4,
+             load_format="dummy") as llm:
+        packed = {name: m.packed is not None for name, m in llm.engine.runner.model.named_modules()
+                  if hasattr(m, "packed")}
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids) == 2
+    assert packed["model.layers.0.linear_attn.in_proj_qkvz"] and not packed["model.layers.0.linear_attn.in_proj_ba"]
+    assert packed["model.layers.1.self_attn.qkv_proj"] and packed["model.layers.0.mlp"]
