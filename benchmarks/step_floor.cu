@@ -60,12 +60,22 @@ __global__ void __launch_bounds__(THREADS) step_floor_one_launch(const Chunk* __
     if (acc == 0x9E3779B9u) sink[0] = acc;
 }
 
+// ends (where given): the latest %globaltimer at which a block of this launch ended, at ends[phase], so that a
+// phase's time in the chain is its end less the end of the phase before.
 template <int THREADS, int UNROLL, int WAIT_FIRST>
 __global__ void __launch_bounds__(THREADS) phase_stream(const Chunk* __restrict__ weights, int first, int chunks,
-                                                        unsigned* sink) {
+                                                        unsigned* sink, unsigned long long* ends, int phase) {
     if (WAIT_FIRST) asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const u32 acc = stream_share<THREADS, UNROLL>(weights + first, chunks);
     if (!WAIT_FIRST) asm volatile("griddepcontrol.wait;" ::: "memory");
     if (acc == 0x9E3779B9u) sink[0] = acc;
+    if (ends) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+            atomicMax(ends + phase, t);
+        }
+    }
 }

@@ -97,6 +97,17 @@ def copy_rate_GBps(device) -> float:
     return 2 * a.numel() * 10 / (time.perf_counter() - start) / 1e9
 
 
+def by_kernel(steps: list[tuple[str, int]], ends: list[int]) -> dict:
+    """Each kernel's time in the chain (its launch's end less the one before's), summed by kernel name: {name: [us,
+    launches]}; the first phase, with nothing before it, left out."""
+    out: dict[str, list] = {}
+    for (name, _), before, end in zip(steps[1:], ends, ends[1:]):
+        row = out.setdefault(name, [0.0, 0])
+        row[0] += (end - before) / 1000.0
+        row[1] += 1
+    return {name: [round(us, 1), n] for name, (us, n) in out.items()}
+
+
 def floors(steps: list[tuple[str, int]], device) -> dict:
     from benchmarks.moe_kernels import graph_time_us
     from shardserve.kernels.cuda import fp4_products, runtime
@@ -122,10 +133,13 @@ def floors(steps: list[tuple[str, int]], device) -> dict:
         kernel = compiled(f"phase_stream<{THREADS}, {UNROLL}, {wait_first}>")
         blocks = sms * kernel.blocks_per_sm(THREADS, 0)
 
-        def chain():
-            for first, n in zip(firsts, chunks):
-                kernel.launch((blocks,), THREADS, [weights, first, n, sink], pdl=True)
+        def chain(ends=None):
+            for p, (first, n) in enumerate(zip(firsts, chunks)):
+                kernel.launch((blocks,), THREADS, [weights, first, n, sink, ends, p], pdl=True)
         out[f"a launch a phase, {name}, us"] = round(graph_time_us(chain, 10, 3), 1)
+        ends = torch.zeros(len(steps), dtype=torch.int64, device=device)
+        graph_time_us(lambda: chain(ends), 3, 1)  # the last replay's ends are the largest
+        out[f"a launch a phase, {name}: us by kernel (sum, launches)"] = by_kernel(steps, ends.cpu().tolist())
     # the same bytes as one phase: the stream alone
     whole = torch.tensor([0, sum(chunks)], dtype=torch.int64, device=device)
     out["the bytes in one phase, one launch, us"] = round(graph_time_us(

@@ -34,3 +34,11 @@ def test_every_phase_fits_the_launchs_32_bit_chunk_counts():
 def test_the_probe_uses_the_products_loads_rather_than_its_own():
     text = open(SOURCE).read()
     assert "stream_chunk(" in text and "ld.global.nc" not in text
+
+
+def test_a_kernels_time_in_the_chain_is_its_end_less_the_end_before_summed_by_name():
+    from benchmarks.step_floor import by_kernel
+
+    steps = [("norm", 0), ("in_proj", 10), ("norm", 0), ("in_proj", 10)]
+    ends = [1_000, 6_000, 7_000, 11_500]  # ns
+    assert by_kernel(steps, ends) == {"in_proj": [9.5, 2], "norm": [1.0, 1]}  # the first phase has no start
