@@ -308,7 +308,9 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 # -- phases (each in its own process) ----------------------------------------------------------
-def phase_roofline(args) -> dict:
+def copy_rate_GBps() -> float:
+    """The card's copy rate, the rooflines' bandwidth: bytes read and written by torch's copy of 4 GiB, eagerly (a
+    copy captured in a CUDA graph runs slower)."""
     import torch
 
     nbytes = 4 << 30
@@ -321,7 +323,13 @@ def phase_roofline(args) -> dict:
     for _ in range(10):
         b.copy_(a)
     torch.cuda.synchronize()
-    bw = 2 * nbytes * 10 / (time.perf_counter() - t) / 1e9
+    return 2 * nbytes * 10 / (time.perf_counter() - t) / 1e9
+
+
+def phase_roofline(args) -> dict:
+    import torch
+
+    bw = copy_rate_GBps()
     wb = weight_bytes(SHAPES[args.model], quantization=args.quantization)
     active = weight_bytes(SHAPES[args.model], active=True, quantization=args.quantization)
     return {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,

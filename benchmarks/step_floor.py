@@ -80,23 +80,6 @@ LAYOUTS = {("nemotron3-nano-30b-a3b", "bf16"): (nemotron_phases, 2.0),
 # columns once loaded, as the engine holds them
 
 
-def copy_rate_GBps(device) -> float:
-    """The card's copy rate (read and written bytes), as gpu_suite's roofline measures it (eager copies: a copy
-    captured in a CUDA graph runs slower)."""
-    import time
-
-    a = torch.empty(4 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (time.perf_counter() - start) / 1e9
-
-
 def by_kernel(steps: list[tuple[str, int]], ends: list[int]) -> dict:
     """Each kernel's time in the chain (its launch's end less the one before's), summed by kernel name: {name: [us,
     launches]}; the first phase, with nothing before it, left out."""
@@ -148,11 +131,13 @@ def floors(steps: list[tuple[str, int]], device) -> dict:
 
 
 def main() -> None:
+    from benchmarks.gpu_suite import copy_rate_GBps
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out")
     args = p.parse_args()
     device = torch.device("cuda")
-    result = {"device": torch.cuda.get_device_name(), "copy GB/s": round(copy_rate_GBps(device))}
+    result = {"device": torch.cuda.get_device_name(), "copy GB/s": round(copy_rate_GBps())}
     for (model, layout), (phases, w) in LAYOUTS.items():
         row = floors(phases(w), device)
         row["bytes at the copy rate, us"] = round(row["bytes"] / result["copy GB/s"] / 1e3, 1)
