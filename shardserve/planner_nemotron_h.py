@@ -112,47 +112,48 @@ def packed_elements_per_rank(cfg: dict, tp: int) -> tuple[int, int, int]:
 
     m = _model_config(cfg)
     scheme = parse_quantization(cfg)
+
+    def packed(i: int, name: str) -> bool:  # by the checkpoint's name of layer i's module
+        return scheme is None or scheme.quantizes(f"backbone.layers.{i}.mixer.{name}")
+
     projections = experts = rows = 0
     for i, kind in enumerate(m.layer_types):
-        def packed(name: str) -> bool:  # by the checkpoint's name of layer i's module
-            return scheme is None or scheme.quantizes(f"backbone.layers.{i}.mixer.{name}")
-
         if kind == "linear_attention":
             shard = mamba_shard(m.mamba_num_heads, m.mamba_n_groups, m.mamba_head_dim, 0, tp)
             inner = shard.num_heads * m.mamba_head_dim
             channels = inner + 2 * shard.num_groups * m.mamba_state_size
-            if packed("in_proj"):
+            if packed(i, "in_proj"):
                 projections += m.hidden_size * (inner + channels + shard.num_heads)
                 rows += inner + channels + shard.num_heads
-            if packed("out_proj"):
+            if packed(i, "out_proj"):
                 projections += inner * m.hidden_size
                 rows += m.hidden_size
         elif kind == "full_attention":
             shard = attention_shard(m.num_heads, m.num_kv_heads, m.head_dim, 0, tp)
             for name, heads in (("q_proj", shard.num_q), ("k_proj", shard.num_kv), ("v_proj", shard.num_kv)):
-                if packed(name):
+                if packed(i, name):
                     projections += m.hidden_size * heads * m.head_dim
                     rows += heads * m.head_dim
-            if packed("o_proj"):
+            if packed(i, "o_proj"):
                 projections += shard.num_q * m.head_dim * m.hidden_size
                 rows += m.hidden_size
         elif kind == "mlp":
             (r0, r1), _ = split_rows(m.intermediate_size, 0, tp, "mlp")
             for name, held_rows in (("up_proj", r1 - r0), ("down_proj", m.hidden_size)):
-                if packed(name):
+                if packed(i, name):
                     projections += m.hidden_size * (r1 - r0)
                     rows += held_rows
         elif kind == "moe":
             shard = expert_shard(m.num_experts, m.moe_intermediate_size, 0, tp, False)
             width = m.moe_latent_size or m.hidden_size
             held = shard.experts[1] - shard.experts[0]
-            if packed("experts.0.up_proj") and packed("experts.0.down_proj"):
+            if packed(i, "experts.0.up_proj") and packed(i, "experts.0.down_proj"):
                 experts += held * 2 * width * (shard.rows[1] - shard.rows[0])
                 rows += held * (shard.rows[1] - shard.rows[0] + width)
             shared = m.shared_expert_intermediate_size
             (s0, s1), _ = split_rows(shared, 0, tp, "shared expert") if shard.sharded else ((0, shared), False)
             for name, held_rows in (("shared_experts.up_proj", s1 - s0), ("shared_experts.down_proj", m.hidden_size)):
-                if packed(name):
+                if packed(i, name):
                     projections += m.hidden_size * (s1 - s0)
                     rows += held_rows
     return projections, experts, rows

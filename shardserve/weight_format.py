@@ -245,10 +245,7 @@ def parse_modelopt(qc: dict[str, Any]) -> QuantScheme:
     group = int(qc.get("group_size", NVFP4_GROUP))
     if group != NVFP4_GROUP:
         raise _unsupported(f"modelopt NVFP4 with groups of {group} (groups of 16 only)")
-    excluded = qc.get("exclude_modules") or ()
-    if isinstance(excluded, str) or not all(isinstance(p, str) for p in excluded):
-        raise ValueError(f"modelopt's exclude_modules must be a list of module names, got {excluded!r}")
-    return QuantScheme("nvfp4", group_size=NVFP4_GROUP, excluded=tuple(excluded))
+    return QuantScheme("nvfp4", group_size=NVFP4_GROUP, excluded=_module_names(qc, "exclude_modules"))
 
 
 def parse_mxfp4(qc: dict[str, Any]) -> QuantScheme:
@@ -256,17 +253,23 @@ def parse_mxfp4(qc: dict[str, Any]) -> QuantScheme:
     return QuantScheme("mxfp4", group_size=MXFP4_GROUP, not_converted=_not_converted(qc))
 
 
+def _module_names(qc: dict[str, Any], key: str) -> tuple[str, ...]:
+    """A config's list of module names (or patterns) under `key`, () where it has none."""
+    names = qc.get(key) or ()
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{key} must be a list of module names, got {names!r}")
+    return tuple(names)
+
+
 def _not_converted(qc: dict[str, Any]) -> tuple[str, ...]:
     """transformers' modules_to_not_convert of a config, each a regular expression (QuantScheme.not_converted)."""
-    names = qc.get("modules_to_not_convert") or ()
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"modules_to_not_convert must be a list of module names, got {names!r}")
+    names = _module_names(qc, "modules_to_not_convert")
     for name in names:
         try:
             re.compile(name)
         except re.error as e:
             raise ValueError(f"modules_to_not_convert entry {name!r} is not a regular expression: {e}") from None
-    return tuple(names)
+    return names
 
 
 # -- a checkpoint's tensors as weight loaders get them ------------------------------------------------
