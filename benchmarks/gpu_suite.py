@@ -121,7 +121,21 @@ GPTQ_CONFIGS = {"gptq-int4": GPTQ_INT4, "gptq-int4-head": {**GPTQ_INT4, "lm_head
 # --quantization fp8 (at load) packs the projections only.
 FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+# nvfp4-nvidia: NVFP4 with the model's own exclusions added (checkpoint_config).
 CHECKPOINT_CONFIGS = {**GPTQ_CONFIGS, "fp8-block": FP8_BLOCK, "nvfp4": NVFP4, "nvfp4-nvidia": NVFP4}
+OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_OUTPUT = 512, 512, 256
+HF_BATCH = 64
+AGREE_PROMPTS, AGREE_TOKENS = 32, 16
+DECODE_PROMPT = 128
+DECODE_REPEATS, OFFLINE_REPEATS = 5, 3
+# Online: the offline workload at these concurrencies, after a short batch-1 run for the per-token latency.
+ONLINE_LEVELS = (64, 256, 512)
+ONLINE_C1_REQUESTS = 16
+ONLINE_HEALTH_TIMEOUT_S = 600
+ONLINE_STOP_GRACE_S = 60
+# The online phase's stdout names the session of each server it starts, and again once that server is
+# stopped: run_phase kills any left running (a phase killed on a hang never reaches its own clean-up).
+SERVER_STARTED, SERVER_STOPPED = "SERVER_SESSION ", "SERVER_STOPPED "
 
 
 def nvidia_nvfp4_exclusions(pattern: str) -> list[str]:
@@ -145,19 +159,6 @@ def checkpoint_config(quantization: str, shape: dict) -> dict:
                              "hybrid_override_pattern), not of this model")
         return {**NVFP4, "exclude_modules": nvidia_nvfp4_exclusions(shape["hybrid_override_pattern"])}
     return CHECKPOINT_CONFIGS[quantization]
-OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_OUTPUT = 512, 512, 256
-HF_BATCH = 64
-AGREE_PROMPTS, AGREE_TOKENS = 32, 16
-DECODE_PROMPT = 128
-DECODE_REPEATS, OFFLINE_REPEATS = 5, 3
-# Online: the offline workload at these concurrencies, after a short batch-1 run for the per-token latency.
-ONLINE_LEVELS = (64, 256, 512)
-ONLINE_C1_REQUESTS = 16
-ONLINE_HEALTH_TIMEOUT_S = 600
-ONLINE_STOP_GRACE_S = 60
-# The online phase's stdout names the session of each server it starts, and again once that server is
-# stopped: run_phase kills any left running (a phase killed on a hang never reaches its own clean-up).
-SERVER_STARTED, SERVER_STOPPED = "SERVER_SESSION ", "SERVER_STOPPED "
 
 
 def graph_replay_ms(graph, replays: int = 50) -> float:
