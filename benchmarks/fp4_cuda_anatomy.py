@@ -125,11 +125,10 @@ def _floor_rows(layers) -> dict:
     """fp4_one_launch_floor at each of FLOOR_SHAPES, as many blocks an SM as fit; us a layer."""
     import torch
 
-    from shardserve.kernels.cuda import fp4_products, runtime
+    from benchmarks.cuda_probes import compiled, probe_source
     from shardserve.kernels.triton import pdl
 
-    with open(FLOOR_SOURCE) as f:
-        source = runtime._source(fp4_products.SOURCE) + "\n" + f.read()  # the probe uses the kernels' helpers
+    source = probe_source(os.path.basename(FLOOR_SOURCE))  # the probe uses the kernels' helpers
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     _, experts, _, ids, shared = layers[0]
@@ -138,7 +137,7 @@ def _floor_rows(layers) -> dict:
     for warps, up_rows in FLOOR_SHAPES:
         expression = (f"one_launch_floor<{experts.hidden}, {experts.inter}, {top_k}, {slots}, {warps}, "
                       f"{up_rows}>")
-        kernel = runtime.Kernel(*runtime.compile_cubin(source, "fp4_one_launch_floor.cu", "sm_90a", expression))
+        kernel = compiled(source, os.path.basename(FLOOR_SOURCE), expression)
         fits = kernel.blocks_per_sm(32 * warps)
         grid = sms * fits  # every block placed at once: each waits at the barrier for all
         barrier = torch.zeros(1, dtype=torch.int32, device=device)

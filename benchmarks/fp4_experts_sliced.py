@@ -19,7 +19,6 @@ from typing import NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("fp4_bulk_copies.cu", "fp4_experts_sliced.cu")  # compiled after the package's fp4_products.cu
 LAYERS = 4
 THREADS = 512
@@ -52,15 +51,8 @@ def shared_bytes(hidden: int, stages: int) -> int:
     return stages * (16 * hidden // 2 + 16 * hidden // 16 + 16 * 4 + 8 * hidden + hidden)
 
 
-def kernel_arguments(source: str) -> list[str]:
-    """fp4_experts_sliced's parameter names, as the source declares them."""
-    head = source[source.index("fp4_experts_sliced("):]
-    params = head[head.index("(") + 1:head.index(")")]
-    return [p.strip().split()[-1].lstrip("*") for p in params.split(",")]
-
-
 def launch_arguments(x, experts, weights, ids, shared, down: SlicedDown, sums, out, stamps=None) -> list:
-    """fp4_experts_sliced's arguments in the order it declares them (kernel_arguments)."""
+    """fp4_experts_sliced's arguments in the order it declares them (cuda_probes.kernel_parameters)."""
     return [x, experts.w13, experts.scale13, experts.row13, shared.up, shared.up_scale, shared.up_row_scale,
             down.codes, down.scales, experts.row2, down.shared_codes, down.shared_scales, shared.down_row_scale,
             weights, ids, experts.num_experts, sums, out, stamps]
@@ -71,33 +63,25 @@ class Sliced:
     between launches: the last block leaves them so)."""
 
     def __init__(self, device: torch.device, edits: list[tuple[str, str]] = ()) -> None:
-        from shardserve.kernels.cuda import fp4_products, runtime
+        from benchmarks.cuda_probes import probe_source
 
-        source = runtime._source(fp4_products.SOURCE) + "".join(open(os.path.join(HERE, f)).read() for f in SOURCES)
-        for old, new in edits:
-            if old not in source:
-                raise ValueError(f"probe edit not found: {old}")
-            source = source.replace(old, new)
-        self.source, self.kernels, self.sums = source, {}, {}
+        self.source, self.sums = probe_source(*SOURCES, edits=edits), {}
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     def __call__(self, x, experts, weights, ids, shared, down: SlicedDown, stages: int, stamps=None) -> torch.Tensor:
+        from benchmarks.cuda_probes import compiled
         from shardserve.kernels.cuda import fp4_products as fp
-        from shardserve.kernels.cuda import runtime
         from shardserve.kernels.triton import pdl
 
         on = pdl.active(x.device)
         args = (experts.hidden, experts.inter, stages, fp._dtype_code(x.dtype), int(on),
                 fp.ACTIVATIONS[experts.activation], ids.shape[-1], shared.slots, int(ids.dtype == torch.int64),
                 fp.WEIGHT_CODES[weights.dtype], 1)  # x written two launches back, as NemotronH's block runs them
-        expression = f"fp4_experts_sliced<{', '.join(str(a) for a in args)}>"
-        if expression not in self.kernels:
-            self.kernels[expression] = runtime.Kernel(*runtime.compile_cubin(self.source, "fp4_experts_sliced.cu",
-                                                                             "sm_90a", expression))
+        kernel = compiled(self.source, SOURCES[-1], f"fp4_experts_sliced<{', '.join(str(a) for a in args)}>")
         if experts.hidden not in self.sums:  # float32 sums, then the blocks' count
             self.sums[experts.hidden] = torch.zeros(experts.hidden + 4, dtype=torch.float32, device=x.device)
         out = torch.empty(1, experts.hidden, dtype=x.dtype, device=x.device)
-        self.kernels[expression].launch((self.sms,), THREADS, launch_arguments(
+        kernel.launch((self.sms,), THREADS, launch_arguments(
             x.reshape(-1), experts, weights, ids, shared, down, self.sums[experts.hidden], out, stamps), pdl=on,
             shared_bytes=shared_bytes(experts.hidden, stages))
         return out

@@ -53,17 +53,10 @@ def fitting_shared_bytes(hidden: int, inter: int, sms: int, choices: int) -> int
 
 
 def launch_arguments(x, experts, weights, ids, shared, flagged, state, out, stamps) -> list:
-    """fp4_experts_one_launch's arguments in the order it declares them (kernel_arguments)."""
+    """fp4_experts_one_launch's arguments in the order it declares them (cuda_probes.kernel_parameters)."""
     return [x.reshape(-1), experts.w13, experts.scale13, experts.row13, shared.up, shared.up_scale,
             shared.up_row_scale, experts.w2, experts.scale2, experts.row2, shared.down, shared.down_scale,
             shared.down_row_scale, weights, ids, experts.num_experts, experts.hidden, flagged, state, out, stamps]
-
-
-def kernel_arguments(source: str) -> list[str]:
-    """fp4_experts_one_launch's parameter names, as the source declares them."""
-    head = source[source.index("fp4_experts_one_launch("):]
-    params = head[head.index("(") + 1:head.index(")")]
-    return [p.strip().split()[-1].lstrip("*") for p in params.split(",")]
 
 
 class OneLaunch:
@@ -71,20 +64,19 @@ class OneLaunch:
     flagged activations and the launch counts start at zero and are only ever moved on by the kernel)."""
 
     def __init__(self, device: torch.device) -> None:
-        from shardserve.kernels.cuda import fp4_products, runtime
+        from benchmarks.cuda_probes import probe_source
 
         self.device = device
-        self.source = runtime._source(fp4_products.SOURCE) + open(HELPERS).read() + open(SOURCE).read()
+        self.source = probe_source(os.path.basename(HELPERS), os.path.basename(SOURCE))
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.kernels: dict = {}
         self.buffers: dict = {}
 
     def _kernel(self, expression: str, threads: int, nbytes: int):
-        from shardserve.kernels.cuda import runtime
+        from benchmarks.cuda_probes import compiled
 
         if expression not in self.kernels:
-            kernel = runtime.Kernel(*runtime.compile_cubin(self.source, "fp4_one_launch_specialised.cu", "sm_90a",
-                                                           expression))
+            kernel = compiled(self.source, os.path.basename(SOURCE), expression)
             if kernel.blocks_per_sm(threads, nbytes) < 1:
                 raise RuntimeError(f"{expression}: no block fits an SM")
             self.kernels[expression] = kernel

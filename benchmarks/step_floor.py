@@ -1,6 +1,6 @@
 """What a batch-1 decode step's bytes cost to stream with nothing computed (step_floor.cu), phase by phase (a
 phase: the bytes one of the step's kernels reads, in the engine's order): Nemotron-3-Nano in bf16 and NVFP4 (every
-projection and expert, the head bf16; 239 phases), Qwen3-Next-80B-A3B in bf16 and FP8 blocks (349 phases). Each as one
+projection and expert, the head bf16; 239 phases), Qwen3-Next-80B-A3B in bf16 and FP8 blocks (350 phases). Each as one
 launch with a grid-wide barrier after each phase (a persistent step kernel's floor), and as one launch a phase chained
 by dependent launch (waiting first, or streaming before the wait), beside the same bytes in one phase and the card's
 copy rate. What it says: how far below today's steps a design could go on bytes and ordering alone. Needs a Hopper
@@ -20,56 +20,60 @@ import torch  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step_floor.cu")
 THREADS, UNROLL = 512, 4
-# Nemotron-3-Nano-30B-A3B's layers (benchmarks/gpu_suite.py's shape) and the bytes of each kernel of a layer's decode
-# step, by the weights it reads (bytes a weight `w`; the router float32 and the head bf16 in both layouts).
-PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
-HIDDEN, INNER, EXPERT, SLOTS, CHOICES, EXPERTS, VOCAB = 2688, 4096, 1856, 2, 6, 128, 131072
-MAMBA_IN = 2 * INNER + 2 * 8 * 128 + 64  # z, x | B | C, dt
-STATE = 64 * 64 * 128 * 4  # a Mamba-2 layer's SSM state, float32
 
 
 def nemotron_phases(w: float) -> list[tuple[str, int]]:
-    """Nemotron-3-Nano's (kernel, bytes it reads) for each kernel of a step, in order; w: bytes a projection or expert
-    weight."""
+    """Nemotron-3-Nano's (kernel, bytes it reads) for each kernel of a step, in order (gpu_suite's shape); w: bytes a
+    projection or expert weight (the routers float32, the head bf16)."""
+    from benchmarks.gpu_suite import NEMOTRON_3_NANO_30B_A3B as c
+
+    hidden, heads, state = c["hidden_size"], c["mamba_num_heads"], c["ssm_state_size"]
+    inner = heads * c["mamba_head_dim"]
+    mamba_in = 2 * inner + 2 * c["n_groups"] * state + heads  # z, x | B | C, dt
+    ssm_state = inner * state * 4  # float32
+    # the routed choices and the shared expert as slots of the experts' width, as the engine runs them at batch 1
+    expert_rows = c["num_experts_per_tok"] * c["moe_intermediate_size"] + c["moe_shared_expert_intermediate_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     steps = []
-    for kind in PATTERN:
+    for kind in c["hybrid_override_pattern"]:
         steps.append(("norm", 0))
         if kind == "M":
-            steps += [("in_proj", int(MAMBA_IN * HIDDEN * w)), ("Mamba-2 step", 2 * STATE),
-                      ("out_proj", int(HIDDEN * INNER * w))]
+            steps += [("in_proj", int(mamba_in * hidden * w)), ("Mamba-2 step", 2 * ssm_state),
+                      ("out_proj", int(hidden * inner * w))]
         elif kind == "E":
-            rows = (CHOICES + SLOTS) * EXPERT
-            steps += [("router", EXPERTS * HIDDEN * 4), ("route", 0), ("experts up", int(rows * HIDDEN * w)),
-                      ("experts down", int(rows * HIDDEN * w))]
+            steps += [("router", c["n_routed_experts"] * hidden * 4), ("route", 0),
+                      ("experts up", int(expert_rows * hidden * w)), ("experts down", int(expert_rows * hidden * w))]
         else:
-            steps += [("q|k|v", int((INNER + 2 * 256) * HIDDEN * w)), ("attention", 0), ("combine", 0),
-                      ("o_proj", int(HIDDEN * INNER * w))]
-    return steps + [("norm", 0), ("head", VOCAB * HIDDEN * 2)]
-
-
-# Qwen3-Next-80B-A3B: 12 times three Gated DeltaNet layers then a gated attention layer, each before a mixture of 512
-# experts (10 chosen and the shared expert as an 11th, 512 features each).
-QN_HIDDEN, QN_EXPERT, QN_CHOICES, QN_VOCAB = 2048, 512, 11, 151936
-QN_QKVZ, QN_BA, QN_VALUE = 12288, 64, 4096  # DeltaNet's in_proj_qkvz and in_proj_ba rows, its value width
-QN_STATE = 32 * 128 * 128 * 4  # a DeltaNet layer's state, float32
-QN_QKV, QN_O = 2 * 16 * 256 + 2 * 2 * 256, 16 * 256  # gated attention's q (with its gate) | k | v rows, o's columns
+            steps += [("q|k|v", int((q + 2 * kv) * hidden * w)), ("attention", 0), ("combine", 0),
+                      ("o_proj", int(hidden * q * w))]
+    return steps + [("norm", 0), ("head", c["vocab_size"] * hidden * 2)]
 
 
 def qwen3_next_phases(w: float) -> list[tuple[str, int]]:
-    """Qwen3-Next-80B-A3B's (kernel, bytes it reads) for each kernel of a step, in order; w: bytes a projection or
-    expert weight (the router bf16, the head bf16)."""
+    """Qwen3-Next-80B-A3B's (kernel, bytes it reads) for each kernel of a step, in order (gpu_suite's shape); w: bytes
+    a projection or expert weight (the routers and the head bf16)."""
+    from benchmarks.gpu_suite import QWEN3_NEXT_80B_A3B as c
+
+    hidden = c["hidden_size"]
+    keys = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    values = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    qkvz, ba = 2 * keys + 2 * values, 2 * c["linear_num_value_heads"]
+    state = c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"] * 4
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    # the chosen experts and the shared expert as one more, each gate and up rows then down rows
+    expert_rows = c["num_experts_per_tok"] * c["moe_intermediate_size"] + c["shared_expert_intermediate_size"]
+    router = (c["num_experts"] + 1) * hidden * 2  # its row 513 the shared expert's gate
     steps = []
-    for layer in range(48):
-        if layer % 4 < 3:
-            steps += [("norm + in_proj_qkvz | in_proj_ba", int((QN_QKVZ + QN_BA) * QN_HIDDEN * w)),
-                      ("DeltaNet step", 2 * QN_STATE), ("out_proj", int(QN_HIDDEN * QN_VALUE * w))]
-        else:
-            steps += [("norm + q|k|v", int(QN_QKV * QN_HIDDEN * w)), ("attention", 0), ("combine", 0),
-                      ("o_proj", int(QN_HIDDEN * QN_O * w))]
-        rows = QN_CHOICES * QN_EXPERT
-        steps += [("norm + router", 513 * QN_HIDDEN * 2), ("route", 0), ("experts w13", int(2 * rows * QN_HIDDEN * w)),
-                  ("experts w2", int(rows * QN_HIDDEN * w))]
-    return steps + [("norm", 0), ("head", QN_VOCAB * QN_HIDDEN * 2)]
+    for kind in c["layer_types"]:
+        if kind == "linear_attention":
+            steps += [("norm + in_proj_qkvz | in_proj_ba", int((qkvz + ba) * hidden * w)), ("DeltaNet step", 2 * state),
+                      ("out_proj", int(hidden * values * w))]
+        else:  # q with its output gate
+            steps += [("norm + q|k|v", int((2 * q + 2 * kv) * hidden * w)), ("attention", 0), ("combine", 0),
+                      ("o_proj", int(hidden * q * w))]
+        steps += [("norm + router", router), ("route", 0), ("experts w13", int(2 * expert_rows * hidden * w)),
+                  ("experts w2", int(expert_rows * hidden * w))]
+    return steps + [("norm", 0), ("head", c["vocab_size"] * hidden * 2)]
 
 
 # (model, layout): the phases, and the bytes a projection or expert weight takes.
@@ -92,13 +96,10 @@ def by_kernel(steps: list[tuple[str, int]], ends: list[int]) -> dict:
 
 
 def floors(steps: list[tuple[str, int]], device) -> dict:
+    from benchmarks.cuda_probes import compiled, probe_source
     from benchmarks.moe_kernels import graph_time_us
-    from shardserve.kernels.cuda import fp4_products, runtime
 
-    source = runtime._source(fp4_products.SOURCE) + open(SOURCE).read()
-
-    def compiled(expression):
-        return runtime.Kernel(*runtime.compile_cubin(source, "step_floor.cu", "sm_90a", expression))
+    source = probe_source(os.path.basename(SOURCE))
 
     chunks = [-(-nbytes // 16) for _, nbytes in steps]
     firsts = [sum(chunks[:i]) for i in range(len(chunks))]
@@ -106,14 +107,14 @@ def floors(steps: list[tuple[str, int]], device) -> dict:
     table = torch.tensor([v for pair in zip(firsts, chunks) for v in pair], dtype=torch.int64, device=device)
     count = torch.zeros(1, dtype=torch.int32, device=device)
     sink = torch.zeros(1, dtype=torch.int32, device=device)
-    one = compiled(f"step_floor_one_launch<{THREADS}, {UNROLL}>")
+    one = compiled(source, os.path.basename(SOURCE), f"step_floor_one_launch<{THREADS}, {UNROLL}>")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     grid = sms * one.blocks_per_sm(THREADS, 0)
     out = {"bytes": sum(n for _, n in steps), "phases": len(steps), "blocks of the one launch": grid}
     out["one launch, a grid barrier after each phase, us"] = round(graph_time_us(
         lambda: one.launch((grid,), THREADS, [weights, table, len(steps), count, sink]), 10, 3), 1)
     for wait_first, name in ((1, "waiting first"), (0, "streaming before the wait")):
-        kernel = compiled(f"phase_stream<{THREADS}, {UNROLL}, {wait_first}>")
+        kernel = compiled(source, os.path.basename(SOURCE), f"phase_stream<{THREADS}, {UNROLL}, {wait_first}>")
         blocks = sms * kernel.blocks_per_sm(THREADS, 0)
 
         def chain(ends=None):

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.fp4_experts_sliced import (HERE, PROBES, SOURCES, STAMPS, kernel_arguments, launch_arguments, shared_bytes,
-                                           sliced_down)
+from benchmarks.cuda_probes import HERE, kernel_parameters
+from benchmarks.fp4_experts_sliced import PROBES, SOURCES, STAMPS, launch_arguments, shared_bytes, sliced_down
 from benchmarks.moe_packed_one_token import random_packed
 from shardserve.kernels.cuda import fp4_products
 
@@ -45,7 +45,7 @@ def test_the_runner_passes_every_argument_the_kernel_declares_in_its_order():
     down = SimpleNamespace(codes=torch.zeros(5), scales=torch.zeros(6), shared_codes=torch.zeros(7),
                            shared_scales=torch.zeros(8))
     x, weights, ids, sums, out = (torch.zeros(n) for n in (9, 10, 11, 12, 13))
-    names = kernel_arguments(TEXT)
+    names = kernel_parameters(TEXT, "fp4_experts_sliced")
     args = launch_arguments(x, experts, weights, ids, shared, down, sums, out)
     assert len(args) == len(names) == 19
     by_name = dict(zip(names, args))

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.fp4_one_launch_specialised import (MAX_SHARED, SOURCE, fitting_shared_bytes, kernel_arguments,
-                                                   launch_arguments, shared_bytes)
+from benchmarks.cuda_probes import kernel_parameters
+from benchmarks.fp4_one_launch_specialised import (MAX_SHARED, SOURCE, fitting_shared_bytes, launch_arguments,
+                                                   shared_bytes)
 from benchmarks.moe_packed_one_token import random_packed
 from shardserve.kernels.cuda import fp4_products
 
@@ -38,7 +39,7 @@ def test_the_runner_passes_every_argument_the_kernel_declares_in_its_order():
                              down=torch.zeros(4), down_scale=torch.zeros(5), down_row_scale=torch.zeros(6))
     x, weights, ids, flagged, state, out = (torch.zeros(n) for n in (7, 8, 9, 10, 11, 12))
     args = launch_arguments(x, experts, weights, ids, shared, flagged, state, out, None)
-    names = kernel_arguments(TEXT)
+    names = kernel_parameters(TEXT, "fp4_experts_one_launch")
     assert len(args) == len(names) == 21
     by_name = dict(zip(names, args))
     assert by_name["q"] is experts.w13 and by_name["rs2"] is experts.row2 and by_name["shared_s2"] is shared.down_scale
