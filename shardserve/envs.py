@@ -144,6 +144,9 @@ GEMV_SWIGLU_OUT = _declare("SHARDSERVE_GEMV_SWIGLU_OUT", CHOICE, "auto",
                            "off: start-up does not time the SwiGLU-out GEMV forms", ("auto", "off"), plan=True)
 ATTENTION_OVERLAP = _declare("SHARDSERVE_ATTENTION_OVERLAP", CHOICE, "on",
                              "the o projection's GEMV may launch to overlap attention", ("on", "off"), plan=True)
+NEXT_EARLY = _declare("SHARDSERVE_NEXT_EARLY", CHOICE, "on",
+                      "off: norms, routers' choices, state-mixer steps and fp4 GEMVs let the next kernel launch only "
+                      "after their wait", ("on", "off"), plan=True)
 MOE_PREFETCH_DOWN = _declare("SHARDSERVE_MOE_PREFETCH_DOWN", CHOICE, "on",
                              "off: a single token's FP8 w13 expert programs do not ask L2 for the chosen experts' "
                              "w2 rows", ("on", "off"), plan=True)

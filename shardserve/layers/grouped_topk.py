@@ -82,7 +82,8 @@ class GroupedTopKRouter(nn.Module):
         if logits.is_cuda and device_grouped_router(logits.device, self.route, bias is not None):
             from shardserve.kernels.triton.grouped_router import grouped_route
 
-            return grouped_route(logits, bias, self.route)
+            # The experts' kernels come next: placed at the choice's start (kernels/triton/pdl.py's early launches).
+            return grouped_route(logits, bias, self.route, next_early=True)
         return grouped_top_k(logits, bias, self.route)
 
 

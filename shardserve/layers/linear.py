@@ -85,6 +85,9 @@ class KernelLinear(nn.Module):
     # A router: few rows whose programs load them whole before their wait in its norm-fused batch-1 GEMV
     # (cuda_gemv.whole_row_tiles), as grouped_topk's float32 routers do in theirs.
     loads_whole_rows = False
+    # Whether the output goes to the next kernel as it is, no collective taking it first: then the batch-1 GEMV may
+    # let that kernel launch at its start (kernels/triton/pdl.py's early launches).
+    feeds_next_directly = False
 
     def _new_weight(self, rows: int, cols: int, dtype: torch.dtype, loader) -> None:
         self.weight = empty_parameter(rows, cols, dtype=dtype, device=weights_device())
@@ -185,6 +188,7 @@ class ColumnParallelLinear(KernelLinear):
     # A [gate | up] projection whose consumer takes silu(gate) * up (SwiGLUMLP): start-up times the kernel forms
     # that return that activation in place of the product (cuda_gemv.use_batch1_gemv).
     makes_swiglu_output = False
+    feeds_next_directly = True  # no collective: each rank's slice of the features is its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -230,7 +234,7 @@ class ColumnParallelLinear(KernelLinear):
             if out is not None:
                 y = out[0] if self.bias is None else out[0] + self.bias
                 return y, (out[2] if keep_normed else None), out[1], activated
-            h, residual = (norm(x), x) if residual is None else norm(x, residual)
+            h, residual = (norm(x, next_early=True), x) if residual is None else norm(x, residual, next_early=True)
         y, activated = self.forward_swiglu(h) if swiglu_out else (self.forward(h), False)
         return y, (h if keep_normed else None), residual, activated
 
@@ -278,6 +282,10 @@ class RowParallelLinear(KernelLinear):
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = load_whole
+
+    @property
+    def feeds_next_directly(self) -> bool:
+        return self.comm is None  # else an all-reduce takes the partial sum first
 
     def defer(self) -> None:
         """Leave the reduction to the consumer of the output (see `pending`), where this layer can."""

@@ -251,7 +251,8 @@ class SparseMoE(nn.Module):
         if logits.is_cuda and device_router(logits.device, self.num_experts, self.top_k, self.renormalize):
             from shardserve.kernels.triton.moe_router import route_top_k
 
-            return route_top_k(logits, self.top_k, self.renormalize, self.shared_folded)
+            # The experts' kernels come next: placed at the choice's start (kernels/triton/pdl.py's early launches).
+            return route_top_k(logits, self.top_k, self.renormalize, self.shared_folded, next_early=True)
         if self.shared_folded:
             return route_with_shared(logits, self.top_k, self.renormalize)
         return route_reference(logits, self.top_k, self.renormalize)

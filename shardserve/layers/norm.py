@@ -20,10 +20,12 @@ class RMSNorm(nn.Module):
         if offset:
             self.weight.weight_loader = _load_plus_one
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce=None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce=None, next_early: bool = False):
         """Returns norm(x) or, with a residual, (norm(x + residual), x + residual).
 
-        On CUDA one Triton kernel does the add and the norm (x and residual are then updated in place).
+        On CUDA one Triton kernel does the add and the norm (x and residual are then updated in place);
+        `next_early`: a linear layer's product comes next, so its launch may be placed at the norm's start
+        (kernels/triton/pdl.py's early launches).
         With `reduce` (a Communicator), x is a partial sum still to be all-reduced over the ranks first; where
         the communicator can, the all-reduce, the add and the norm are one kernel. With `reduce` NORMED, x is
         already the norm's output and residual the sum (RowParallelLinear.forward_add): returned as they are.
@@ -35,8 +37,8 @@ class RMSNorm(nn.Module):
             from shardserve.kernels.triton.fused_ops import fused_add_rms_norm, rms_norm
 
             if residual is None:
-                return rms_norm(x, self.weight, self.eps)
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return rms_norm(x, self.weight, self.eps, next_early)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, next_early)
         if residual is not None:
             x = x + residual
             residual = x

@@ -193,7 +193,9 @@ class NemotronHBlock(nn.Module):
             return self.mixer.forward_normed(x, residual, self.norm, *cache)
         if self.kind == "full_attention":
             return self.mixer.forward_normed(x, residual, self.norm, rotary, cache, meta)
-        h, residual = (self.norm(x), x) if residual is None else self.norm(x, residual)
+        # The MoE's router and the MLP's up projection are products: launched at the norm's start (next_early).
+        h, residual = (self.norm(x, next_early=True), x) if residual is None else self.norm(x, residual,
+                                                                                               next_early=True)
         return self.mixer(h), residual
 
 

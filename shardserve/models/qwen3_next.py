@@ -47,7 +47,9 @@ class DeltaNetDecoderLayer(nn.Module):
         if reduce is NORMED:
             h = x
         else:
-            h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+            # in_proj_qkvz comes next: launched at the norm's start (next_early).
+            h, residual = ((self.input_layernorm(x, next_early=True), x) if residual is None
+                           else self.input_layernorm(x, residual, next_early=True))
         pool, slots, query_start = cache
         x = self.linear_attn(h, pool, slots, query_start)  # out_proj has all-reduced it
         if isinstance(self.mlp, SparseMoE):

@@ -156,7 +156,7 @@ def test_a_kernel_that_cannot_compile_turns_them_off_with_the_reason(monkeypatch
     the GEMV's start-up choice and the experts' path (moe_packed.one_token_four_bit) keep to the Triton kernels."""
     monkeypatch.setattr(runtime, "nvrtc", lambda: None)
     with pytest.raises(runtime.CompileError, match="NVRTC is not available"):
-        runtime.compile_cubin("", "fp4_products.cu", "sm_90a", "fp4_gemv<64, 1, 4, 1, 0, 0>")
+        runtime.compile_cubin("", "fp4_products.cu", "sm_90a", "fp4_gemv<64, 1, 4, 1, 0, 0, 0>")
     monkeypatch.setattr(runtime, "_failed", None)
     with caplog.at_level("WARNING", logger=runtime.__name__):
         runtime.disable(runtime.CompileError("no NVRTC"))

@@ -73,7 +73,8 @@ def _chain(x: torch.Tensor, layers, s: dict, rotary: str) -> torch.Tensor:
         if rotary == "fused":
             gate_up, residual = gemv_rmsnorm(x, residual, norm_w, 1e-6, gate_up_w, 16, 512, 8, 1)
         else:
-            normed, residual = fused_add_rms_norm(x, residual, norm_w, 1e-6)
+            # The norm lets the GEMV after it launch at its start (pdl.py's early launches).
+            normed, residual = fused_add_rms_norm(x, residual, norm_w, 1e-6, next_early=True)
             gate_up = gemv(normed, gate_up_w, 16, 512, 8, 1)
         x = gemv_swiglu(gate_up, down_w, 4, 1024, 8, 4)
     return x + residual
@@ -115,6 +116,9 @@ def test_dependent_launch_keeps_every_bit_of_a_decode_chain(monkeypatch, set_env
         assert torch.equal(_replayed(set_env, "on", layers, x, rotary), serial), f"{tiles} tiles preloaded"
     # Attention letting the o projection launch at its start, or after its wait: the same bits.
     set_env(SHARDSERVE_ATTENTION_OVERLAP="off")
+    assert torch.equal(_replayed(set_env, "on", layers, x, rotary), serial)
+    # The norm letting the GEMV after it launch at its start, or after its wait: the same bits.
+    set_env(SHARDSERVE_NEXT_EARLY="off")
     assert torch.equal(_replayed(set_env, "on", layers, x, rotary), serial)
 
 

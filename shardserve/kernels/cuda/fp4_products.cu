@@ -287,8 +287,10 @@ static __device__ __forceinline__ int copied_pairs(const Chunk* pairs, const int
 }
 
 // PAIRS 0: y = W x; PAIRS 1: y = W RMSNorm(x + residual), x being the pairs fp4_norm_pairs left (x: `pairs`, their
-// power of two at `exponent`), so that the norm and x's pairs are made once, not once a block.
-template <int K, int ROWS, int WARPS, int BF16, int PDL, int PAIRS>
+// power of two at `exponent`), so that the norm and x's pairs are made once, not once a block. NEXT_EARLY: the next
+// launch may be placed at this one's start (kernels/triton/pdl.py's early launches: it reads nothing of the chain
+// before its wait).
+template <int K, int ROWS, int WARPS, int BF16, int PDL, int PAIRS, int NEXT_EARLY>
 __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk* __restrict__ q,
                                                         const u16* __restrict__ s, const float* __restrict__ rs,
                                                         u16* __restrict__ y, int n, const int* exponent) {
@@ -297,11 +299,12 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk
     const long first = ((long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
     Chunk w[ROWS][Row<K>::ITERS];
     u32 scales[ROWS][Row<K>::ITERS];
+    if (NEXT_EARLY) let_next_launch<PDL>();
     load_rows<K, ROWS>(q, s, first, n, w, scales);  // issued after the wait in the SASS: the header says why
     wait_for_previous<PDL>();
     const int e = PAIRS ? copied_pairs<K, WARPS * 32>(reinterpret_cast<const Chunk*>(x), exponent, xs)
                         : block_pairs<K, WARPS * 32, BF16>(x, xs, scratch);
-    let_next_launch<PDL>();
+    if (!NEXT_EARLY) let_next_launch<PDL>();
     float products[ROWS];
     row_products<K, ROWS>(w, scales, xs, e, products);
 #pragma unroll

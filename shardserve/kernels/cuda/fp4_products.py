@@ -80,16 +80,17 @@ def _one_row(name: str, x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def fp4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor,
-             rows: int = 2, warps: int = 4) -> torch.Tensor:
-    """x [1, K] (or [K]), bfloat16 or float16, times the fp4 weight transposed -> [1, N] in x's dtype."""
+             rows: int = 2, warps: int = 4, next_early: bool = False) -> torch.Tensor:
+    """x [1, K] (or [K]), bfloat16 or float16, times the fp4 weight transposed -> [1, N] in x's dtype. next_early:
+    the next launch may be placed at this one's start (kernels/triton/pdl.py's early launches)."""
     _, k = _gemv_shape("fp4_gemv", codes, scales, row_scale)
     x = _one_row("fp4_gemv", x, k)
-    return _gemv_launch(x, x.dtype, codes, scales, row_scale, rows, warps)
+    return _gemv_launch(x, x.dtype, codes, scales, row_scale, rows, warps, next_early=next_early)
 
 
 def fp4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor, rows: int = 2,
-                     warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                     warps: int = 4, next_early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp4_gemv of RMSNorm(x + residual), x + residual) with the norm kernel's rounding
     (kernels/triton/gemv.normed_values); without a residual the sum is x itself. Two launches: the norm once, which
     leaves the normed row as the float16 pairs the GEMV reads (instead of every block of the GEMV making them), then
@@ -112,7 +113,7 @@ def fp4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
                           x.device)
     norm.launch((1,), NORM_THREADS, [x, x if residual is None else residual, norm_weight, float(eps), summed, pairs,
                                      exponent], pdl=on)
-    return _gemv_launch(pairs, x.dtype, codes, scales, row_scale, rows, warps, exponent), summed
+    return _gemv_launch(pairs, x.dtype, codes, scales, row_scale, rows, warps, exponent, next_early), summed
 
 
 def _gemv_shape(name: str, codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor) -> tuple[int, int]:
@@ -125,13 +126,15 @@ def _gemv_shape(name: str, codes: torch.Tensor, scales: torch.Tensor, row_scale:
 
 
 def _gemv_launch(x: torch.Tensor, dtype: torch.dtype, codes: torch.Tensor, scales: torch.Tensor,
-                 row_scale: torch.Tensor, rows: int, warps: int, exponent: torch.Tensor | None = None) -> torch.Tensor:
+                 row_scale: torch.Tensor, rows: int, warps: int, exponent: torch.Tensor | None = None,
+                 next_early: bool = False) -> torch.Tensor:
     """x: the row; or, with `exponent` (their power of two), the pairs fp4_norm_pairs left. dtype: the output's."""
     n, k = codes.shape[0], 2 * codes.shape[1]
     out = torch.empty(1, n, dtype=dtype, device=x.device)
     on = pdl.active(x.device)
     pairs = exponent is not None
-    kernel = runtime.kernel(SOURCE, "fp4_gemv", (k, rows, warps, _dtype_code(dtype), on, pairs), x.device)
+    kernel = runtime.kernel(SOURCE, "fp4_gemv", (k, rows, warps, _dtype_code(dtype), on, pairs,
+                                                 on and next_early and pdl.next_early()), x.device)
     per_block = rows * warps
     kernel.launch(((n + per_block - 1) // per_block,), 32 * warps,
                   [x, codes, scales, row_scale, out, n, exponent if pairs else x], pdl=on)

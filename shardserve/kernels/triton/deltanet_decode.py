@@ -34,6 +34,7 @@ counts at 0 like any row; its outputs are meaningless and never read. Launched w
 (kernels/triton/pdl.py): a program loads its slot, its state cells, its convolution windows and the layer's
 weights before the wait, which pdl.py's rule allows (only this layer's step writes its pools, in an earlier step;
 the step's slots are copied in before its first kernel), and the projections' outputs and the counts after it.
+out_proj comes next: it is placed at this launch's start (pdl.py's early launches).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, l
 from shardserve.kernels.triton.causal_conv1d import channels_step, loaded_channels, shift_in
 from shardserve.kernels.triton.gated_delta_rule import VALUE_BLOCK, gate_inputs, step_columns
 from shardserve.kernels.triton.gated_rms_norm import norm_then_gate
-from shardserve.kernels.triton.pdl import enter
+from shardserve.kernels.triton.pdl import enter, launch_next
 
 
 @triton.jit
@@ -69,7 +70,9 @@ def _step_norm_kernel(qkv_ptr, ba_ptr, z_ptr, conv_weight_ptr, a_log_ptr, dt_bia
                       stride_ba, stride_z, stride_conv_slot, stride_rec_slot, key_heads, value_heads,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_POW2: tl.constexpr,
                       DV_POW2: tl.constexpr, BV: tl.constexpr, KERNEL: tl.constexpr, TAPS: tl.constexpr,
-                      PDL: tl.constexpr):
+                      PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
+    if NEXT_EARLY:
+        launch_next(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP
@@ -94,7 +97,7 @@ def _step_norm_kernel(qkv_ptr, ba_ptr, z_ptr, conv_weight_ptr, a_log_ptr, dt_bia
     a_log, dt_bias = tl.load(a_log_ptr + head), tl.load(dt_bias_ptr + head)
     norm_cols = tl.arange(0, DV_POW2)
     norm_weight = tl.load(norm_weight_ptr + norm_cols, mask=norm_cols < DV, other=0.0).to(tl.float32)
-    enter(PDL)
+    enter(PDL, NEXT_EARLY)
     x_row = qkv_ptr + row * stride_qkv
     q_window, q = channels_step(x_row, q_loaded, q_channels, key_in, KERNEL, TAPS)
     k_window, k = channels_step(x_row, k_loaded, k_channels, key_in, KERNEL, TAPS)
@@ -147,5 +150,5 @@ def step_and_norm_in_pool(qkv: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, 
                             rec_pool.stride(0), key_heads, value_heads, GROUP=value_heads // key_heads, DK=dk, DV=dv,
                             DK_POW2=triton.next_power_of_2(dk), DV_POW2=triton.next_power_of_2(dv), BV=block,
                             KERNEL=kernel, TAPS=triton.next_power_of_2(kernel), num_warps=num_warps,
-                            **pdl.launch(qkv.device))
+                            NEXT_EARLY=pdl.next_early(), **pdl.launch(qkv.device))
     return out

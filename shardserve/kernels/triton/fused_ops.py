@@ -15,7 +15,7 @@ import triton.language as tl
 
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.paged_attention import CACHE_DTYPES, cache_values, is_fp8_cache
-from shardserve.kernels.triton.pdl import enter
+from shardserve.kernels.triton.pdl import enter, launch_next
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -39,17 +39,21 @@ def _row_warps(block: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_cols, eps,
                      stride_x, stride_r, stride_o, stride_s,
-                     ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                     NEXT_EARLY: tl.constexpr = False):
     """One program per row. With ADD_RESIDUAL, s = round(x + residual) is normalised and stored at sum_ptr.
 
     out = round(weight * round(s * rsqrt(mean(s^2) + eps))), the statistics in float32. PDL: launched to overlap
     the kernel before it (pdl.py); the norm's weight, which no kernel of a step writes, is read before the wait.
+    NEXT_EARLY: the next kernel launches at this one's start (pdl.py's early launches).
     """
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if NEXT_EARLY:
+        launch_next(PDL)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    enter(PDL)
+    enter(PDL, NEXT_EARLY)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if ADD_RESIDUAL:
@@ -77,11 +81,13 @@ def check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("weight needs unit stride")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, next_early: bool = False) -> torch.Tensor:
     """weight * round(x * rsqrt(mean(x^2) + eps)) over the last dim; a new tensor shaped like x.
 
     Same rounding as shardserve.layers.norm.RMSNorm: the normalised value is rounded to x's dtype before the
     product with weight (of x's dtype), which is rounded again. Plain float32 arithmetic for float32 input.
+    next_early: the next launch reads nothing of the chain before its wait, so it may be placed at this one's start
+    (kernels/triton/pdl.py's early launches).
     """
     check_norm_args(x, weight)
     x2 = _rows(x)
@@ -91,13 +97,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.shape[1], eps,
                                          x2.stride(0), 0, out.stride(0), 0,
                                          ADD_RESIDUAL=False, BLOCK=block, num_warps=_row_warps(block),
-                                         **pdl.launch(x.device))
+                                         NEXT_EARLY=next_early and pdl.next_early(), **pdl.launch(x.device))
     return out.view(x.shape)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(s), s) with s = x + residual rounded to the dtype, like torch's `x + residual`.
+                       eps: float, next_early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s), s) with s = x + residual rounded to the dtype, like torch's `x + residual`; next_early as
+    rms_norm's.
 
     In place where possible: s is written into `residual` and the normalised output into `x`, and those two
     tensors are returned. When x or residual has no [rows, hidden] view (unusual strides), the results go to
@@ -112,7 +119,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, x2, r2, x2.shape[1], eps,
                                          x2.stride(0), r2.stride(0), x2.stride(0), r2.stride(0),
                                          ADD_RESIDUAL=True, BLOCK=block, num_warps=_row_warps(block),
-                                         **pdl.launch(x.device))
+                                         NEXT_EARLY=next_early and pdl.next_early(), **pdl.launch(x.device))
     return x2.view(x.shape), r2.view(x.shape)
 
 

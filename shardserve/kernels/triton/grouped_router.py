@@ -37,7 +37,7 @@ import triton.language as tl
 
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.moe_router import _fixed_point_sum, route_warps, routing_outputs
-from shardserve.kernels.triton.pdl import enter
+from shardserve.kernels.triton.pdl import enter, launch_next
 
 if TYPE_CHECKING:
     from shardserve.config import GroupedTopK
@@ -78,11 +78,14 @@ def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_expert
                           scaling_factor, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, NUM_GROUPS: tl.constexpr,
                           GROUPS_P: tl.constexpr, GROUP_P: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                           SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
     """One token per program: the module docstring's choice and weights, to weights_ptr[token * k + j] and
     ids_ptr[...]. Expert e is at [e // group_size, e % group_size] of the [GROUPS_P, GROUP_P] tile.
-    PDL: launched to overlap the kernel before it (kernels/triton/pdl.py)."""
-    enter(PDL)
+    PDL: launched to overlap the kernel before it (kernels/triton/pdl.py); NEXT_EARLY: the next launches at this
+    one's start (pdl.py's early launches)."""
+    if NEXT_EARLY:
+        launch_next(PDL)
+    enter(PDL, NEXT_EARLY)
     token = tl.program_id(0).to(tl.int64)
     LAST: tl.constexpr = GROUPS_P * GROUP_P - 1
     group_of = tl.arange(0, GROUPS_P)
@@ -146,11 +149,11 @@ def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_expert
 
 
 def grouped_route(logits: torch.Tensor, correction_bias: torch.Tensor | None, route: GroupedTopK,
-                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_warps: int | None = None, next_early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (any float dtype; float32 from GroupedTopKRouter) and the score-correction bias [E] or None ->
     (weights [T, k] float32, expert ids [T, k] int64): layers/grouped_topk.grouped_top_k's choice (the same experts
     where no two scores tie; ties to the lower expert index) with its weights up to rounding. num_warps: the
-    launch's (route_warps of the padded tile unless given)."""
+    launch's (route_warps of the padded tile unless given). next_early: as moe_router.route_top_k's."""
     tokens, num_experts = logits.shape
     if num_experts != route.num_experts:
         raise ValueError(f"logits for {num_experts} experts, the route has {route.num_experts}")
@@ -168,5 +171,6 @@ def grouped_route(logits: torch.Tensor, correction_bias: torch.Tensor | None, ro
             TOP_K_P=triton.next_power_of_2(route.top_k), NUM_GROUPS=route.num_groups, GROUPS_P=groups_p,
             GROUP_P=group_p, TOPK_GROUPS=route.topk_groups, SOFTMAX=route.scoring == "softmax",
             HAS_BIAS=correction_bias is not None, RENORMALIZE=route.renormalize,
-            num_warps=num_warps or route_warps(groups_p * group_p), **pdl.launch(logits.device))
+            num_warps=num_warps or route_warps(groups_p * group_p), NEXT_EARLY=next_early and pdl.next_early(),
+            **pdl.launch(logits.device))
     return weights, ids

@@ -28,7 +28,8 @@ A row whose slot is negative (a CUDA graph's padding row) reads and writes no st
 at 0 like any row; its outputs are meaningless and never read. Launched with dependent launch (kernels/triton/
 pdl.py): a program loads its slot, its state cells, its convolution windows and their weights before the wait,
 which pdl.py's rule allows (only this layer's step writes its pools, in an earlier step; the step's slots are copied
-in before its first kernel), and everything else after it.
+in before its first kernel), and everything else after it. out_proj comes next: it is placed at this launch's start
+(pdl.py's early launches).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.causal_conv1d import channels_step, loaded_channels, shift_in
 from shardserve.kernels.triton.mamba2_step import ROW_BLOCK, program_cells, step_rows
-from shardserve.kernels.triton.pdl import enter
+from shardserve.kernels.triton.pdl import enter, launch_next
 
 _NORM_BLOCK = 1024  # features of a group the norm's tail holds at once
 
@@ -75,7 +76,9 @@ def _step_norm_kernel(xbc_ptr, dt_ptr, z_ptr, conv_weight_ptr, conv_bias_ptr, a_
                       dt_high, eps, stride_xbc, stride_dt, stride_z, stride_conv_slot, stride_ssm_slot, heads, groups,
                       P: tl.constexpr, N: tl.constexpr, N_POW2: tl.constexpr, BP: tl.constexpr,
                       KERNEL: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, FEATURES: tl.constexpr,
-                      NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                      NORM_BLOCK: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
+    if NEXT_EARLY:
+        launch_next(PDL)
     row, head, p, n, p_in, n_in, slot, cells, cell = program_cells(ssm_pool_ptr, slots_ptr, stride_ssm_slot, P, N,
                                                                    N_POW2, BP)
     live = slot >= 0
@@ -94,7 +97,7 @@ def _step_norm_kernel(xbc_ptr, dt_ptr, z_ptr, conv_weight_ptr, conv_bias_ptr, a_
                                HAS_BIAS)
     c_loaded = loaded_channels(conv_row, conv_weight_ptr, conv_bias_ptr, c_channels, n_in, live, KERNEL, TAPS,
                                HAS_BIAS)
-    enter(PDL)
+    enter(PDL, NEXT_EARLY)
     x_row = xbc_ptr + row * stride_xbc
     x_window, x = channels_step(x_row, x_loaded, x_channels, p_in, KERNEL, TAPS)
     b_window, b = channels_step(x_row, b_loaded, b_channels, n_in, KERNEL, TAPS)
@@ -151,5 +154,5 @@ def step_and_norm_in_pool(xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, 
                             groups, P=head_dim, N=state_size, N_POW2=triton.next_power_of_2(state_size), BP=block,
                             KERNEL=kernel, TAPS=triton.next_power_of_2(kernel), HAS_BIAS=conv_bias is not None,
                             FEATURES=group_size, NORM_BLOCK=min(_NORM_BLOCK, triton.next_power_of_2(group_size)),
-                            num_warps=4, **pdl.launch(xbc.device))
+                            num_warps=4, NEXT_EARLY=pdl.next_early(), **pdl.launch(xbc.device))
     return out

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.triton import pdl
-from shardserve.kernels.triton.pdl import enter
+from shardserve.kernels.triton.pdl import enter, launch_next
 
 
 # Exps in fixed point, as whole multiples of 2^-48: the exps of up to MAX_EXPERTS experts (each at most 1) sum
@@ -129,9 +129,12 @@ def _fixed_point_sum(exps):
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits,
                   TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  SHARED: tl.constexpr, PDL: tl.constexpr):
-    """PDL: launched to overlap the kernel before it (kernels/triton/pdl.py)."""
-    enter(PDL)
+                  SHARED: tl.constexpr, PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = False):
+    """PDL: launched to overlap the kernel before it (kernels/triton/pdl.py); NEXT_EARLY: the next launches at this
+    one's start (pdl.py's early launches)."""
+    if NEXT_EARLY:
+        launch_next(PDL)
+    enter(PDL, NEXT_EARLY)
     route_token(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0).to(tl.int64), num_experts, stride_logits,
                 TOP_K, TOP_K_P, EXPERTS_P, RENORMALIZE, False, SHARED)
 
@@ -154,12 +157,13 @@ def routing_outputs(logits: torch.Tensor, top_k: int, shared: bool = False
 
 
 def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, shared: bool = False,
-                num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                num_warps: int | None = None, next_early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (any float dtype) -> (weights [T, k] float32, expert ids [T, k] int64), as
     torch.topk(torch.softmax(logits.float(), -1), k) followed, with `renormalize`, by dividing the weights by
     their sum. `shared`: logits [T, E + 1] whose last column is a shared expert's gate, which every token takes
     as its last choice, expert E with weight sigmoid(gate): [T, k + 1] (layers/moe.py's folded shared expert).
-    num_warps: the launch's (route_warps unless given; the same results with any)."""
+    num_warps: the launch's (route_warps unless given; the same results with any). next_early: the experts' kernels
+    come next, so they may be placed at this launch's start (kernels/triton/pdl.py's early launches)."""
     tokens, num_experts = logits.shape
     num_experts -= shared
     logits, weights, ids = routing_outputs(logits, top_k, shared)
@@ -168,7 +172,7 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, shared: boo
         _route_kernel[(tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                  TOP_K_P=triton.next_power_of_2(top_k), EXPERTS_P=experts_p,
                                  RENORMALIZE=renormalize, SHARED=shared, num_warps=num_warps or route_warps(experts_p),
-                                 **pdl.launch(logits.device))
+                                 NEXT_EARLY=next_early and pdl.next_early(), **pdl.launch(logits.device))
     return weights, ids
 
 

@@ -16,11 +16,25 @@ Rules every kernel launched this way follows (`enter` does both):
 So when a kernel's programs start, every kernel two or more launches back has completed: before its wait a
 kernel may read what no kernel of the chain writes (weights, tables of addresses) and what only such earlier
 kernels wrote (the batch-1 GEMV's first weight tiles, the peer all-reduce's counters).
-One exception (SHARDSERVE_ATTENTION_OVERLAP, on by default): where the o projection's GEMV loads all its weight
-rows before its wait and all its programs fit on the GPU at once (layers/attention.overlap_with_o_projection,
-cuda_gemv.holds_rows), decode attention and its split combine let it launch at their start (launch_next, then
-enter with LAUNCHED): it reads nothing of the chain before its wait, and its weights stream while attention, which
-reads little from memory, runs. From the o projection on, the rule above holds again.
+Early launches, the exception: a kernel lets the next one launch at its start (launch_next, then enter with
+LAUNCHED) where that next kernel's prologue, what it reads before its wait, reads nothing any kernel of the step
+writes (weights, the step's inputs copied in before its first kernel, state that only that same kernel wrote in an
+earlier step). The next kernel's programs are then placed while this one runs and do their scheduling, their
+prologue and their setup off the critical path. Several kernels may run ahead that way, so the "two launches back"
+above weakens to: when a kernel's programs are placed, every kernel before the nearest earlier kernel that let its
+next launch after its own wait has completed. A prologue that reads what the chain wrote must count back to such a
+kernel (fp4_products.fp4_experts' x_early, the expert down kernels' choices, the all-reduce's counters). The
+early launches (SHARDSERVE_NEXT_EARLY=on, the default; off: none of these):
+  - the RMSNorm kernel where the caller says a linear layer's product comes next (RMSNorm.forward's next_early);
+  - the router's choice (moe_router, grouped_router): the experts' kernels follow, whose prologues read weights, or
+    with x_early the norm's output, three launches back behind the router's GEMV, which enters normally;
+  - the state mixers' decode steps (Mamba-2, Gated DeltaNet): out_proj follows;
+  - the CUDA fp4 GEMV of a layer whose output no collective takes (column-parallel, or whole on the rank): the
+    step, attention, a norm or another product follows; a row-parallel layer's all-reduce is not placed early.
+And SHARDSERVE_ATTENTION_OVERLAP (on by default): where the o projection's GEMV loads all its weight rows before
+its wait and all its programs fit on the GPU at once (layers/attention.overlap_with_o_projection,
+cuda_gemv.holds_rows), decode attention and its split combine let it launch at their start: its weights stream
+while attention, which reads little from memory, runs.
 Without the launch attribute (other GPUs, SHARDSERVE_PDL=off) the same kernels run as before: the wait returns
 at once.
 """
@@ -65,6 +79,11 @@ def attention_overlap() -> bool:
     """Whether the o projection may load its rows while decode attention runs (the module docstring's exception;
     SHARDSERVE_ATTENTION_OVERLAP=on, the default; off: never, and attention lets it launch after its wait)."""
     return envs.ATTENTION_OVERLAP.get() == "on"
+
+
+def next_early() -> bool:
+    """Whether the early launches of the module docstring are on (SHARDSERVE_NEXT_EARLY=on, the default)."""
+    return envs.NEXT_EARLY.get() == "on"
 
 
 def mode() -> str:

@@ -63,7 +63,8 @@ class Fp4Format(Int4Format):
                 raise ValueError("the CUDA fp4 GEMV has no SwiGLU-out form")
             from shardserve.kernels.cuda.fp4_products import fp4_gemv
 
-            return fp4_gemv(x, layer.weight, layer.weight_scale, layer.weight_row_scale.data, *packed.gemv_split)
+            return fp4_gemv(x, layer.weight, layer.weight_scale, layer.weight_row_scale.data, *packed.gemv_split,
+                            next_early=getattr(layer, "feeds_next_directly", False))
         return super().gemv(packed, layer, x, swiglu_out)
 
     def normed_gemv(self, packed, layer, x, residual, norm_weight, eps, swiglu_out=False):
@@ -73,7 +74,8 @@ class Fp4Format(Int4Format):
             from shardserve.kernels.cuda.fp4_products import fp4_gemv_rmsnorm
 
             return fp4_gemv_rmsnorm(x, residual, norm_weight, eps, layer.weight, layer.weight_scale,
-                                    layer.weight_row_scale.data, *packed.gemv_split)
+                                    layer.weight_row_scale.data, *packed.gemv_split,
+                                    next_early=getattr(layer, "feeds_next_directly", False))
         return super().normed_gemv(packed, layer, x, residual, norm_weight, eps, swiglu_out)
 
     def swiglu_out_config(self, packed, layer):
