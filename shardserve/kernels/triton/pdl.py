@@ -29,8 +29,12 @@ early launches (SHARDSERVE_NEXT_EARLY=on, the default; off: none of these):
   - the router's choice (moe_router, grouped_router): the experts' kernels follow, whose prologues read weights, or
     with x_early the norm's output, three launches back behind the router's GEMV, which enters normally;
   - the state mixers' decode steps (Mamba-2, Gated DeltaNet): out_proj follows;
-  - the CUDA fp4 GEMV of a layer whose output no collective takes (column-parallel, or whole on the rank): the
-    step, attention, a norm or another product follows; a row-parallel layer's all-reduce is not placed early.
+  - the CUDA fp4 GEMV of a layer whose output no collective takes (column-parallel, or whole on the rank:
+    linear.KernelLinear.feeds_next_directly): a state step, attention, a norm or another product follows; a
+    row-parallel layer's all-reduce is not placed early.
+Not every early placement pays: the Triton FP8 GEMVs launched early (a column-parallel layer's GEMV letting the
+next one, a state step or attention launch at its start) took a Qwen3-Next FP8 step from 2.228 to 2.272 ms
+(docs/benchmarks-notebook.md, 2026-12-01), so they keep to the rule above.
 And SHARDSERVE_ATTENTION_OVERLAP (on by default): where the o projection's GEMV loads all its weight rows before
 its wait and all its programs fit on the GPU at once (layers/attention.overlap_with_o_projection,
 cuda_gemv.holds_rows), decode attention and its split combine let it launch at their start: its weights stream
