@@ -20,10 +20,9 @@ import statistics
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import gpu_suite  # noqa: E402
+from benchmarks import gpu_suite  # noqa: E402
 
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
