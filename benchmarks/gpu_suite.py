@@ -727,13 +727,20 @@ def device_kind(name: str, gpus: int) -> str:
     return f"nvidia-{model.lower()}" + (f"-x{gpus}" if gpus > 1 else "")
 
 
-def commit_id() -> str:
+def commit_id(repo: str = REPO) -> str:
+    """What a result was measured at: SHARDSERVE_COMMIT where set (a run on a copy of the tree whose git history is
+    not the tree's: name the commit there, SHARDSERVE_COMMIT=$(git rev-parse --short HEAD) from the checkout), else
+    HEAD, with "+changes" where tracked files differ from it (so a copy whose HEAD is older says so)."""
     if os.environ.get("SHARDSERVE_COMMIT"):
         return os.environ["SHARDSERVE_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True).strip()
-    except Exception:
+        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=repo, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+        changed = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                          text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("+changes" if changed else "")
 
 
 def main() -> int:
