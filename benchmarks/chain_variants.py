@@ -14,7 +14,6 @@ tokens (the same kernels' arithmetic in another launch order), or the run says w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import gpu_suite  # noqa: E402
+from benchmarks.result_file import report  # noqa: E402
 
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
@@ -94,10 +94,7 @@ def main() -> int:
         v = result["variants"][name]
         print(f"{name:>20}: {v['median_ms']:.4f} ms (rounds {', '.join(f'{t:.4f}' for t in v['graph_replay_ms'])})"
               f"{'' if v['same_tokens_as_base'] else '  TOKENS DIFFER from ' + base}", flush=True)
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out)
     sys.stdout.flush()
     os._exit(0)  # NCCL and symmetric-memory teardown can hang at interpreter exit
 

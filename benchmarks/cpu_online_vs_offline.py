@@ -24,6 +24,8 @@ import httpx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.result_file import report  # noqa: E402
+
 
 def timed_generate(llm, requests: int, input_len: int, output_len: int) -> tuple[int, float]:
     """(output tokens, seconds) of `requests` random prompts of input_len tokens, output_len new tokens each (greedy,
@@ -94,10 +96,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for count in (int(c) for c in args.api_server_counts.split(",")):
             result[f"api_server_count={count}"] = online(args.model, count, workdir)
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out, print_indent=1)
 
 
 if __name__ == "__main__":

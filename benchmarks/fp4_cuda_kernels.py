@@ -16,11 +16,12 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.result_file import report  # noqa: E402
 
 GEMV_SHAPES = "10304x2688,2688x4096,4608x2688"
 
@@ -118,10 +119,7 @@ def main() -> None:
         results[f"{shape[0]}x{shape[1]}"] = gemv_rows(shape, configs)
         print(shape, results[f"{shape[0]}x{shape[1]}"], flush=True)
     results["experts"] = experts_rows(tiles)
-    print(json.dumps(results))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    report(results, args.out)
 
 
 if __name__ == "__main__":

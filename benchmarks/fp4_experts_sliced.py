@@ -9,7 +9,6 @@ leave out the up product's arithmetic, the down product's, or both (timing only)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -18,6 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from typing import NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
+
+from benchmarks.result_file import report  # noqa: E402
 
 SOURCES = ("fp4_bulk_copies.cu", "fp4_experts_sliced.cu")  # compiled after the package's fp4_products.cu
 LAYERS = 4
@@ -249,10 +250,7 @@ def main() -> None:
         **{f"sliced, {st} stages": (lambda x, e, w, i, sh, st=st: plain(x, e, w, i, sh, downs[id(e)], st))
            for st in [int(w) for w in args.stages.split(",")]}})
     print(result["with each layer's router before it, us a layer"], flush=True)
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out, print_indent=1)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ block's start: min, median and max over the blocks). `--copy-rate` also times bu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from benchmarks.result_file import report  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp4_one_launch_specialised.cu")
 HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp4_bulk_copies.cu")
@@ -173,10 +174,8 @@ def main() -> None:
     result["two launches, us a layer"] = [round(experts_us(layers, two), 2) for _ in range(2)]
     if args.copy_rate:
         result["bulk copies alone"] = copy_rates(one)
-    print(json.dumps(result, indent=1))
+    report(result, args.out, print_indent=1)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
         print(f"wrote {args.out}")
 
 

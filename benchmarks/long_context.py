@@ -27,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from gpu_suite import LLAMA3_8B, random_prompts, write_model_dir  # noqa: E402
+from result_file import report  # noqa: E402
 
 LLAMA31_8B = {**LLAMA3_8B, "max_position_embeddings": 131072,
               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -127,10 +128,7 @@ def main() -> None:
         base, fp8 = result["runs"]
         result["fp8_over_bf16"] = {"kv_cache_tokens": round(fp8["kv_cache_tokens"] / base["kv_cache_tokens"], 2),
                                    "decode_tok_s": round(fp8["decode_tok_s"] / base["decode_tok_s"], 2)}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out, print_indent=1)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.moe_kernels import graph_time_us  # noqa: E402
+from benchmarks.result_file import report  # noqa: E402
 from shardserve.kernels.triton import mla_decode as kernel  # noqa: E402
 
 LATENT, ROPE, BLOCK_SIZE = 512, 64, 16
@@ -83,10 +84,7 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
     result = dict(card=torch.cuda.get_device_name(device), copy_gbs=round(copy, 1), rows=rows)
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

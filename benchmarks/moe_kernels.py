@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.result_file import report  # noqa: E402
 from shardserve.kernels.fused_moe_table import MoeConfig, OneTokenTiles, Tile  # noqa: E402
 
 # (experts, top k, hidden, expert features) on one rank.
@@ -176,10 +177,7 @@ def main() -> None:
     result = {"shape": args.shape, "experts": num_experts, "top_k": top_k, "hidden": hidden,
               "expert_features": inter, "dtype": "bfloat16", "device": torch.cuda.get_device_name(),
               "rows": rows}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out, print_indent=1)
 
 
 if __name__ == "__main__":

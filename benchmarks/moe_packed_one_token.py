@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -22,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.moe_kernels import best_of, graph_time_us  # noqa: E402
+from benchmarks.result_file import report  # noqa: E402
 from shardserve.kernels.fused_moe_table import OneTokenTiles, Tile  # noqa: E402
 
 # (routed experts, top k, hidden, expert features, shared expert folded) on one rank.
@@ -143,10 +143,7 @@ def main() -> None:
         row["sweep_best_us"], row["sweep_best_tiles"] = round(best[0], 2), repr(best[1])
         row["sweep"] = sorted(timed)
         row["sweep_best_gb_s"] = round(read / best[0] / 1e3, 1)
-    print(json.dumps(row, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(row, f, indent=1)
+    report(row, args.out, print_indent=1)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.moe_kernels import graph_time_us  # noqa: E402
+from benchmarks.result_file import report  # noqa: E402
 from shardserve.kernels.triton import paged_decode as pd  # noqa: E402
 from shardserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -110,10 +111,7 @@ def main() -> None:
                   heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, rotate=args.rotate, rows=rows)
     if "bf16" in default and "fp8" in default:
         result["fp8_speedup"] = round(default["bf16"] / default["fp8"], 2)
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

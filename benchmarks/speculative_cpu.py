@@ -18,6 +18,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.result_file import report  # noqa: E402
+
 PASSAGE = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
            "members agreed to increase funding for the library, to repair the roof of the town hall, and to hire "
            "two new teachers for the primary school. The chair thanked everyone for their patience.")
@@ -75,10 +77,7 @@ def main() -> None:
         report[mode] = {"without": plain, "ngram": spec, "same_tokens": same,
                         "speedup": round(spec["tok_s"] / plain["tok_s"], 2)}
         print(mode, json.dumps(report[mode]), file=sys.stderr)
-    print(json.dumps(report))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    report(report, args.out)
 
 
 if __name__ == "__main__":

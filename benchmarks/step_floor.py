@@ -10,13 +10,14 @@ GPU; `python3 benchmarks/step_floor.py --out results.json`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from benchmarks.result_file import report  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step_floor.cu")
 THREADS, UNROLL = 512, 4
@@ -144,10 +145,7 @@ def main() -> None:
         row["bytes at the copy rate, us"] = round(row["bytes"] / result["copy GB/s"] / 1e3, 1)
         result[f"{model}, {layout}"] = row
         print(model, layout, row, flush=True)
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out, print_indent=1)
 
 
 if __name__ == "__main__":

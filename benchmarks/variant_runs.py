@@ -14,6 +14,8 @@ import sys
 import tempfile
 from typing import Callable
 
+from benchmarks.result_file import report
+
 
 def parse_variants(value: str, known: tuple[str, ...]) -> list[str]:
     """--variants: names of `known`, comma-separated; else SystemExit naming the flag and the names."""
@@ -55,7 +57,4 @@ def main(doc: str, known: tuple[str, ...], measure: Callable[[str], dict], scrip
         print(json.dumps(measure(args.child)))
         return
     results = {**header(), "variants": measure_each(script, parse_variants(args.variants, known), own_triton_cache)}
-    print(json.dumps(results))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    report(results, args.out)
