@@ -113,7 +113,7 @@ def set_up_linear_layers(model: nn.Module, plan: KernelPlan, ctx: RankContext, l
             gemv=gemv.summary() if gemv is not None else "cublas",
             dependent_launch=pdl.describe(device) + (
                 ", early launches after norms, routers' choices, state steps and fp4 GEMVs"
-                if pdl.active(device) and pdl.next_early() else "") + (
+                if pdl.launches_next_early(device) else "") + (
                 f", the o projection's rows loaded during attention in {overlapped} layers" if overlapped else ""))
     return plan, linear_kernel
 

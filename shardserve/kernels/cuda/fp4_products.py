@@ -134,7 +134,7 @@ def _gemv_launch(x: torch.Tensor, dtype: torch.dtype, codes: torch.Tensor, scale
     on = pdl.active(x.device)
     pairs = exponent is not None
     kernel = runtime.kernel(SOURCE, "fp4_gemv", (k, rows, warps, _dtype_code(dtype), on, pairs,
-                                                 on and next_early and pdl.next_early()), x.device)
+                                                 pdl.launches_next_early(x.device, next_early)), x.device)
     per_block = rows * warps
     kernel.launch(((n + per_block - 1) // per_block,), 32 * warps,
                   [x, codes, scales, row_scale, out, n, exponent if pairs else x], pdl=on)

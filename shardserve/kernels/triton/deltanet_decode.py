@@ -150,5 +150,5 @@ def step_and_norm_in_pool(qkv: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, 
                             rec_pool.stride(0), key_heads, value_heads, GROUP=value_heads // key_heads, DK=dk, DV=dv,
                             DK_POW2=triton.next_power_of_2(dk), DV_POW2=triton.next_power_of_2(dv), BV=block,
                             KERNEL=kernel, TAPS=triton.next_power_of_2(kernel), num_warps=num_warps,
-                            NEXT_EARLY=pdl.next_early(), **pdl.launch(qkv.device))
+                            **pdl.launch(qkv.device, next_early=True))
     return out

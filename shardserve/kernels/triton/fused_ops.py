@@ -97,7 +97,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, next_early: bool
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.shape[1], eps,
                                          x2.stride(0), 0, out.stride(0), 0,
                                          ADD_RESIDUAL=False, BLOCK=block, num_warps=_row_warps(block),
-                                         NEXT_EARLY=next_early and pdl.next_early(), **pdl.launch(x.device))
+                                         **pdl.launch(x.device, next_early))
     return out.view(x.shape)
 
 
@@ -119,7 +119,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, x2, r2, x2.shape[1], eps,
                                          x2.stride(0), r2.stride(0), x2.stride(0), r2.stride(0),
                                          ADD_RESIDUAL=True, BLOCK=block, num_warps=_row_warps(block),
-                                         NEXT_EARLY=next_early and pdl.next_early(), **pdl.launch(x.device))
+                                         **pdl.launch(x.device, next_early))
     return x2.view(x.shape), r2.view(x.shape)
 
 

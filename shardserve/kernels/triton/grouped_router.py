@@ -171,6 +171,6 @@ def grouped_route(logits: torch.Tensor, correction_bias: torch.Tensor | None, ro
             TOP_K_P=triton.next_power_of_2(route.top_k), NUM_GROUPS=route.num_groups, GROUPS_P=groups_p,
             GROUP_P=group_p, TOPK_GROUPS=route.topk_groups, SOFTMAX=route.scoring == "softmax",
             HAS_BIAS=correction_bias is not None, RENORMALIZE=route.renormalize,
-            num_warps=num_warps or route_warps(groups_p * group_p), NEXT_EARLY=next_early and pdl.next_early(),
-            **pdl.launch(logits.device))
+            num_warps=num_warps or route_warps(groups_p * group_p),
+            **pdl.launch(logits.device, next_early))
     return weights, ids

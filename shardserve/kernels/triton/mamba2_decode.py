@@ -154,5 +154,5 @@ def step_and_norm_in_pool(xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, 
                             groups, P=head_dim, N=state_size, N_POW2=triton.next_power_of_2(state_size), BP=block,
                             KERNEL=kernel, TAPS=triton.next_power_of_2(kernel), HAS_BIAS=conv_bias is not None,
                             FEATURES=group_size, NORM_BLOCK=min(_NORM_BLOCK, triton.next_power_of_2(group_size)),
-                            num_warps=4, NEXT_EARLY=pdl.next_early(), **pdl.launch(xbc.device))
+                            num_warps=4, **pdl.launch(xbc.device, next_early=True))
     return out

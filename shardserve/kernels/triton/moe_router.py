@@ -172,7 +172,7 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, shared: boo
         _route_kernel[(tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                  TOP_K_P=triton.next_power_of_2(top_k), EXPERTS_P=experts_p,
                                  RENORMALIZE=renormalize, SHARED=shared, num_warps=num_warps or route_warps(experts_p),
-                                 NEXT_EARLY=next_early and pdl.next_early(), **pdl.launch(logits.device))
+                                 **pdl.launch(logits.device, next_early))
     return weights, ids
 
 

@@ -85,9 +85,10 @@ def attention_overlap() -> bool:
     return envs.ATTENTION_OVERLAP.get() == "on"
 
 
-def next_early() -> bool:
-    """Whether the early launches of the module docstring are on (SHARDSERVE_NEXT_EARLY=on, the default)."""
-    return envs.NEXT_EARLY.get() == "on"
+def launches_next_early(device: torch.device, wanted: bool = True) -> bool:
+    """Whether a kernel on `device` that `wanted` to let the next one launch at its start does: with dependent
+    launch active and the early launches of the module docstring on (SHARDSERVE_NEXT_EARLY=on, the default)."""
+    return wanted and active(device) and envs.NEXT_EARLY.get() == "on"
 
 
 def mode() -> str:
@@ -121,7 +122,12 @@ def describe(device: torch.device) -> str:
     return "on"
 
 
-def launch(device: torch.device) -> dict:
-    """The keyword arguments of a kernel launch that takes a PDL constexpr: the constexpr and the attribute."""
+def launch(device: torch.device, next_early: bool | None = None) -> dict:
+    """The keyword arguments of a kernel launch that takes a PDL constexpr: the constexpr and the attribute; with
+    `next_early` (for a kernel that takes a NEXT_EARLY constexpr) whether it lets the next launch at its start
+    (launches_next_early)."""
     on = active(device)
-    return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
+    args = {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
+    if next_early is not None:
+        args["NEXT_EARLY"] = launches_next_early(device, next_early)
+    return args
