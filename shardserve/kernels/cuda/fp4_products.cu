@@ -14,10 +14,12 @@
 // goes to lane c % 32, so a warp owns whole rows and no program sums another's partial sums. Every chunk a lane
 // needs is loaded before it waits for the kernel before it wherever the addresses are known by then (the weights
 // are written by no kernel of the chain: kernels/triton/pdl.py's rule), so the weights stream while that kernel
-// ends. That holds in the expert launches, where the loads sit in branches of their own. In the GEMV, straight-line
-// code, ptxas places the wait first and the loads after it (its SASS); moved back before it (in a block of their
-// own) they measured slower on an H200, alone and in Nemotron-3-Nano's step (docs/benchmarks-notebook.md,
-// 2026-11-30, "...the GEMV's loads before its wait, measured and withdrawn"), so the GEMV keeps ptxas's order.
+// ends. That holds in the expert launches, where the loads sit in branches of their own. The GEMV issues its loads
+// (codes, scale bytes and row scales) first after its wait instead, before x's pairs are built, in a block of their
+// own, so that their memory latency and x's overlap. Before the wait they measured slower on an H200 in
+// Nemotron-3-Nano's step; left where ptxas placed them in straight-line code, they followed x's pairs and its
+// barriers, the last chunk and the row scales after the sums had begun: two more round trips to memory a warp
+// (docs/benchmarks-notebook.md, 2026-12-01, "the fp4 GEMV's loads first after its wait").
 // Then x's float16 pairs are built in shared memory, scaled by a power of two that puts the largest |x| in
 // [2^14, 2^15), and each lane multiplies its chunks:
 // - a 32-bit word holds 8 codes, column i at bits 4i..4i+3; the pair (i, i + 4) sits at the same offset of the word's
@@ -254,6 +256,16 @@ static __device__ __forceinline__ void load_rows(const Chunk* q, const u16* s, l
     }
 }
 
+// load_rows, and the rows' scales (rows past n: row n - 1's) into row_scales.
+template <int K, int ROWS>
+static __device__ __forceinline__ void load_rows_scaled(const Chunk* q, const u16* s, const float* rs, long first,
+                                                        int n, Chunk (&w)[ROWS][Row<K>::ITERS],
+                                                        u32 (&scales)[ROWS][Row<K>::ITERS], float (&row_scales)[ROWS]) {
+    load_rows<K, ROWS>(q, s, first, n, w, scales);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) row_scales[r] = rs[min(first + r, (long)n - 1)];
+}
+
 // Each of the warp's rows' product with x (xs, carrying 2^e) in float32 before its row scale, in every lane.
 template <int K, int ROWS>
 static __device__ __forceinline__ void row_products(const Chunk (&w)[ROWS][Row<K>::ITERS],
@@ -299,9 +311,12 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk
     const long first = ((long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
     Chunk w[ROWS][Row<K>::ITERS];
     u32 scales[ROWS][Row<K>::ITERS];
+    float row_scales[ROWS];
     if (NEXT_EARLY) let_next_launch<PDL>();
-    load_rows<K, ROWS>(q, s, first, n, w, scales);  // issued after the wait in the SASS: the header says why
     wait_for_previous<PDL>();
+    // n > 0 always: the branch only gives the loads a block of their own, which keeps them ahead of x's pairs in
+    // the SASS (the header says why).
+    if (n > 0) load_rows_scaled<K, ROWS>(q, s, rs, first, n, w, scales, row_scales);
     const int e = PAIRS ? copied_pairs<K, WARPS * 32>(reinterpret_cast<const Chunk*>(x), exponent, xs)
                         : block_pairs<K, WARPS * 32, BF16>(x, xs, scratch);
     if (!NEXT_EARLY) let_next_launch<PDL>();
@@ -309,7 +324,7 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk
     row_products<K, ROWS>(w, scales, xs, e, products);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
-        if ((threadIdx.x & 31) == 0 && first + r < n) y[first + r] = from_float<BF16>(products[r] * rs[first + r]);
+        if ((threadIdx.x & 31) == 0 && first + r < n) y[first + r] = from_float<BF16>(products[r] * row_scales[r]);
 }
 
 // One block: s = x + residual (stored to `summed` with a residual), h = RMSNorm(s) with fused_ops' rounding (s
