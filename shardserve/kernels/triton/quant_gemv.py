@@ -165,17 +165,18 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, stride_wn, residual_ptr, n
         first = _fp8_weight_tile(w_rows, 0, cols, row_ok, K, BLOCK_K)  # no kernel of the chain writes weights
     if PER_ROW and not NORM:  # nor scales: off the tail of the program (with the norm inside: 1 us slower, H200)
         row_scale = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
-    enter(PDL)
-    rstd = 0.0
-    if NORM:
-        rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
-    acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float16 if F16_SUMS else tl.float32)
-    # The scale row every row of the program shares (SHARED_SCALES): its first row's, and its largest scale.
+    # The scale row every row of the program shares (SHARED_SCALES): its first row's, and its largest scale, read
+    # before the wait too, so that the first tile's sums do not wait for a round trip to memory after it.
     s_shared = s_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * NUM_GROUPS
     s_max = 1.0
     if SHARED_SCALES:
         groups = tl.arange(0, GROUPS_P)
         s_max = tl.maximum(tl.max(tl.load(s_shared + groups, mask=groups < NUM_GROUPS, other=0.0), axis=0), 1e-30)
+    enter(PDL)
+    rstd = 0.0
+    if NORM:
+        rstd = rms_of_sum(x_ptr, residual_ptr, sum_ptr, eps, tl.program_id(0) == 0, K, BLOCK_K, HAS_RESIDUAL)
+    acc = tl.zeros((BLOCK_N, TILE_GROUPS, SUB), dtype=tl.float16 if F16_SUMS else tl.float32)
     if PRELOAD:
         acc = _fp8_tile_products(acc, first, 0, x_ptr, residual_ptr, norm_w_ptr, rstd, s_rows, row_ok, sub, cols,
                                  K, GROUP_K, NUM_GROUPS, PER_ROW, NATIVE_FP8, SUB, BLOCK_K, NORM, HAS_RESIDUAL,
