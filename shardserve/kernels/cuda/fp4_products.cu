@@ -330,20 +330,22 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_gemv(const u16* x, const Chunk
 // One block: s = x + residual (stored to `summed` with a residual), h = RMSNorm(s) with fused_ops' rounding (s
 // rounded to x's dtype, h = round(w * round(s * rstd))), h's float16 pairs in chunk_sum's layout to `pairs` and their
 // power of two to `exponent`, for the fp4 GEMVs after it (fp4_gemv with PAIRS). The norm's weight is loaded before
-// the wait; the GEMVs may launch at once and load their weights meanwhile.
-template <int K, int THREADS, int BF16, int PDL, int HAS_RESIDUAL>
+// the wait. NEXT_EARLY: the GEMV after it, which reads nothing of the chain before its own wait, is let launch at this
+// kernel's start (kernels/triton/pdl.py's early launches), as after the Triton norm before a product.
+template <int K, int THREADS, int BF16, int PDL, int HAS_RESIDUAL, int NEXT_EARLY>
 __global__ void __launch_bounds__(THREADS) fp4_norm_pairs(const u16* x, const u16* residual, const u16* norm_weight,
                                                            float eps, u16* summed, Chunk* pairs, int* exponent) {
     constexpr int BLOCKS = K / 8, ITERS = (BLOCKS + THREADS - 1) / THREADS;
     __shared__ float scratch[2 * THREADS / 32];
     Chunk w[ITERS];
+    if (NEXT_EARLY) let_next_launch<PDL>();
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
         const int b = threadIdx.x + THREADS * it;
         if (b < BLOCKS) w[it] = reinterpret_cast<const Chunk*>(norm_weight)[b];
     }
     wait_for_previous<PDL>();
-    let_next_launch<PDL>();
+    if (!NEXT_EARLY) let_next_launch<PDL>();
     float f[ITERS][8];
     float squares = 0.0f;
 #pragma unroll

@@ -109,8 +109,8 @@ def fp4_gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     on = pdl.active(x.device)
     pairs = torch.empty(k // 2, dtype=torch.int32, device=x.device)  # 4 * K / 32 chunks of 16 bytes
     exponent = torch.empty(1, dtype=torch.int32, device=x.device)
-    norm = runtime.kernel(SOURCE, "fp4_norm_pairs", (k, NORM_THREADS, _dtype_code(x.dtype), on, residual is not None),
-                          x.device)
+    norm = runtime.kernel(SOURCE, "fp4_norm_pairs", (k, NORM_THREADS, _dtype_code(x.dtype), on, residual is not None,
+                                                     pdl.launches_next_early(x.device)), x.device)
     norm.launch((1,), NORM_THREADS, [x, x if residual is None else residual, norm_weight, float(eps), summed, pairs,
                                      exponent], pdl=on)
     return _gemv_launch(pairs, x.dtype, codes, scales, row_scale, rows, warps, exponent, next_early), summed
