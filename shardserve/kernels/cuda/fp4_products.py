@@ -4,7 +4,7 @@ linear layer and a token's non-gated fp4 experts (NemotronH's), the shared exper
 Against the Triton kernels they replace (kernels/triton/quant_gemv.py's split-K GEMV, kernels/triton/moe_four_bit.py)
 a warp takes whole rows, so no program sums another's partial sums; in the expert launches every weight byte of a
 warp's rows is loaded before the dependent-launch wait where its address is known by then (the GEMV's loads follow
-its wait, where ptxas places them: fp4_products.cu says why they stay there); and x's float16 pairs are built once a
+its wait, first, before x's pairs: fp4_products.cu says why not before it); and x's float16 pairs are built once a
 block, not once a program of a tile, or once a row where a norm comes before the GEMV (fp4_gemv_rmsnorm: the norm's
 launch leaves them); the up product leaves the activations as float16 pairs for the down product, each 16 features
 under a power of two of their own. Same float16 pair sums as theirs: 16-bit activations only. The
