@@ -234,7 +234,7 @@ class ColumnParallelLinear(KernelLinear):
             if out is not None:
                 y = out[0] if self.bias is None else out[0] + self.bias
                 return y, (out[2] if keep_normed else None), out[1], activated
-            h, residual = (norm(x, next_early=True), x) if residual is None else norm(x, residual, next_early=True)
+            h, residual = norm.with_sum(x, residual, next_early=True)
         y, activated = self.forward_swiglu(h) if swiglu_out else (self.forward(h), False)
         return y, (h if keep_normed else None), residual, activated
 

@@ -127,7 +127,7 @@ class MultiHeadLatentAttention(nn.Module):
         if reduce is NORMED:
             h = x
         else:
-            h, residual = (norm(x), x) if residual is None else norm(x, residual)
+            h, residual = norm.with_sum(x, residual)
         out = self.attention(h, rotary, cache[0], meta)
         return self.o_proj.forward_add(out, residual, next_norm)
 

@@ -51,6 +51,12 @@ class RMSNorm(nn.Module):
             out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
 
+    def with_sum(self, x: torch.Tensor, residual: torch.Tensor | None, next_early: bool = False):
+        """(norm(x + residual), x + residual) as forward's; without a residual (a first layer), (norm(x), x)."""
+        if residual is None:
+            return self(x, next_early=next_early), x
+        return self(x, residual, next_early=next_early)
+
 
 def _load_plus_one(param: nn.Parameter, loaded, shard_id=None) -> None:
     """1 + w, added in float32 as the reference does (it scales by 1.0 + w.float())."""

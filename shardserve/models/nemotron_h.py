@@ -194,8 +194,7 @@ class NemotronHBlock(nn.Module):
         if self.kind == "full_attention":
             return self.mixer.forward_normed(x, residual, self.norm, rotary, cache, meta)
         # The MoE's router and the MLP's up projection are products: launched at the norm's start (next_early).
-        h, residual = (self.norm(x, next_early=True), x) if residual is None else self.norm(x, residual,
-                                                                                               next_early=True)
+        h, residual = self.norm.with_sum(x, residual, next_early=True)
         return self.mixer(h), residual
 
 

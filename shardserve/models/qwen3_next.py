@@ -48,8 +48,7 @@ class DeltaNetDecoderLayer(nn.Module):
             h = x
         else:
             # in_proj_qkvz comes next: launched at the norm's start (next_early).
-            h, residual = ((self.input_layernorm(x, next_early=True), x) if residual is None
-                           else self.input_layernorm(x, residual, next_early=True))
+            h, residual = self.input_layernorm.with_sum(x, residual, next_early=True)
         pool, slots, query_start = cache
         x = self.linear_attn(h, pool, slots, query_start)  # out_proj has all-reduced it
         if isinstance(self.mlp, SparseMoE):
