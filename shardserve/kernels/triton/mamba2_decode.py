@@ -19,10 +19,11 @@ window: each program counts itself in arrivals[row * groups + group] after its r
 window, from the window it read itself before any write. Rows hold distinct slots, so no two rows share a state.
 
 The norm's group is the B/C group (heads // groups heads: NemotronH's group_size = inner // n_groups): each program
-stores its float32 y rows in a scratch row, and the same last program reads the group's back (past its L1: other
-programs' stores) and writes the gated norm: one program forms each sum, so the result does not depend on the order
-the programs finish. That tail (heads // groups x head_dim outputs, 512 in Nemotron-3-Nano) is the only work done
-after the slowest program of a group.
+gates its own float32 y rows (y * silu(z), z read with its xbc channels) into a scratch row, and the same last program
+reads the group's back (past its L1: other programs' stores) and writes weight * norm of them: one program forms each
+sum, so the result does not depend on the order the programs finish. That tail (heads // groups x head_dim outputs,
+512 in Nemotron-3-Nano: one load of the scratch, held, one store) is the only work done after the slowest program of
+a group.
 
 A row whose slot is negative (a CUDA graph's padding row) reads and writes no state; it counts and leaves its counts
 at 0 like any row; its outputs are meaningless and never read. Launched with dependent launch (kernels/triton/
@@ -48,26 +49,30 @@ _NORM_BLOCK = 1024  # features of a group the norm's tail holds at once
 
 
 @triton.jit
-def _norm_group(y_at, z_at, weight_at, out_at, eps, FEATURES: tl.constexpr, BLOCK: tl.constexpr):
-    """weight * norm(y * silu(z)) over one group's FEATURES features, y float32 stored by other programs."""
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for f0 in tl.static_range(0, FEATURES, BLOCK):
-        f = f0 + tl.arange(0, BLOCK)
-        inside = f < FEATURES
-        y = tl.load(y_at + f, mask=inside, other=0.0, cache_modifier=".cg")
-        z = tl.load(z_at + f, mask=inside, other=0.0).to(tl.float32)
-        h = y * z * tl.sigmoid(z)
-        total += h * h
-    rstd = tl.rsqrt(tl.sum(total, axis=0) / FEATURES + eps)
+def _norm_group(h_at, weight_at, out_at, eps, FEATURES: tl.constexpr, BLOCK: tl.constexpr):
+    """weight * norm(h) over one group's FEATURES gated features h = y * silu(z), float32 stored by other programs.
+    A group within one block is loaded once and held (one round trip after the arrival); a wider one streams twice."""
     out_dtype = out_at.dtype.element_ty
-    for f0 in tl.static_range(0, FEATURES, BLOCK):
-        f = f0 + tl.arange(0, BLOCK)
+    if FEATURES <= BLOCK:
+        f = tl.arange(0, BLOCK)
         inside = f < FEATURES
-        y = tl.load(y_at + f, mask=inside, other=0.0, cache_modifier=".cg")
-        z = tl.load(z_at + f, mask=inside, other=0.0).to(tl.float32)
+        h = tl.load(h_at + f, mask=inside, other=0.0, cache_modifier=".cg")
         w = tl.load(weight_at + f, mask=inside, other=0.0).to(tl.float32)
-        out = w * (y * z * tl.sigmoid(z) * rstd).to(out_dtype).to(tl.float32)
-        tl.store(out_at + f, out.to(out_dtype), mask=inside)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / FEATURES + eps)
+        tl.store(out_at + f, (w * (h * rstd).to(out_dtype).to(tl.float32)).to(out_dtype), mask=inside)
+    else:
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for f0 in tl.static_range(0, FEATURES, BLOCK):
+            f = f0 + tl.arange(0, BLOCK)
+            h = tl.load(h_at + f, mask=f < FEATURES, other=0.0, cache_modifier=".cg")
+            total += h * h
+        rstd = tl.rsqrt(tl.sum(total, axis=0) / FEATURES + eps)
+        for f0 in tl.static_range(0, FEATURES, BLOCK):
+            f = f0 + tl.arange(0, BLOCK)
+            inside = f < FEATURES
+            h = tl.load(h_at + f, mask=inside, other=0.0, cache_modifier=".cg")
+            w = tl.load(weight_at + f, mask=inside, other=0.0).to(tl.float32)
+            tl.store(out_at + f, (w * (h * rstd).to(out_dtype).to(tl.float32)).to(out_dtype), mask=inside)
 
 
 @triton.jit
@@ -99,21 +104,21 @@ def _step_norm_kernel(xbc_ptr, dt_ptr, z_ptr, conv_weight_ptr, conv_bias_ptr, a_
                                HAS_BIAS)
     enter(PDL, NEXT_EARLY)
     x_row = xbc_ptr + row * stride_xbc
+    z = tl.load(z_ptr + row * stride_z + head * P + p, mask=p_in, other=0.0).to(tl.float32)  # with xbc's loads
     x_window, x = channels_step(x_row, x_loaded, x_channels, p_in, KERNEL, TAPS)
     b_window, b = channels_step(x_row, b_loaded, b_channels, n_in, KERNEL, TAPS)
     c_window, c = channels_step(x_row, c_loaded, c_channels, n_in, KERNEL, TAPS)
     shift_in(conv_row, x_channels, x_window, p_in & live, KERNEL, TAPS)  # no other program reads these
     s, y = step_rows(s, x, b, c, dt_ptr + row * stride_dt, a_log_ptr, d_ptr, dt_bias_ptr, head, dt_low, dt_high)
     tl.store(cells, s.to(ssm_pool_ptr.dtype.element_ty), mask=cell)
-    tl.store(y_ptr + (row * heads + head) * P + p, y, mask=p_in)
+    tl.store(y_ptr + (row * heads + head) * P + p, y * z * tl.sigmoid(z), mask=p_in)  # gated here, normed below
     count = row * groups + group
     if last_to_arrive(counts_ptr, count, group_heads * tl.num_programs(2)):
         # Every program of this group has read the B and C window: it may move now.
         shift_in(conv_row, b_channels, b_window, n_in & live, KERNEL, TAPS)
         shift_in(conv_row, c_channels, c_window, n_in & live, KERNEL, TAPS)
         first = row * heads * P + group * FEATURES
-        _norm_group(y_ptr + first, z_ptr + row * stride_z + group * FEATURES, norm_weight_ptr + group * FEATURES,
-                    out_ptr + first, eps, FEATURES, NORM_BLOCK)
+        _norm_group(y_ptr + first, norm_weight_ptr + group * FEATURES, out_ptr + first, eps, FEATURES, NORM_BLOCK)
         leave(counts_ptr, count)
 
 
