@@ -54,13 +54,18 @@ from shardserve.kernels.triton.pdl import enter, launch_next
 @triton.jit
 def _norm_heads(out_at, z_at, w, eps, GROUP: tl.constexpr, DV: tl.constexpr, DV_POW2: tl.constexpr):
     """Overwrites the GROUP heads' o at out_at (the model's dtype, stored by other programs) with the gated norm of
-    weight w (float32 [DV_POW2], zeros past DV)."""
+    weight w (float32 [DV_POW2], zeros past DV). Every head's o and z are loaded before the first store, so the
+    tail after the arrival waits on one round trip, not one a head; each head is then normed as the gated norm's
+    kernel norms it (the same bits)."""
     cols = tl.arange(0, DV_POW2)
     inside = cols < DV
+    o_rows = ()
+    z_rows = ()
     for i in tl.static_range(GROUP):
-        o = tl.load(out_at + i * DV + cols, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
-        z = tl.load(z_at + i * DV + cols, mask=inside, other=0.0).to(tl.float32)
-        out = norm_then_gate(o, z, w, eps, DV, out_at.dtype.element_ty)
+        o_rows = o_rows + (tl.load(out_at + i * DV + cols, mask=inside, other=0.0, cache_modifier=".cg"),)
+        z_rows = z_rows + (tl.load(z_at + i * DV + cols, mask=inside, other=0.0),)
+    for i in tl.static_range(GROUP):
+        out = norm_then_gate(o_rows[i].to(tl.float32), z_rows[i].to(tl.float32), w, eps, DV, out_at.dtype.element_ty)
         tl.store(out_at + i * DV + cols, out.to(out_at.dtype.element_ty), mask=inside)
 
 
