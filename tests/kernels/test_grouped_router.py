@@ -170,7 +170,7 @@ def test_the_router_routes_with_the_kernel_on_cuda(monkeypatch):
     assert grouped_topk.device_grouped_router(h.device, route, True)  # the check, before counting the calls
     calls = []
     monkeypatch.setattr(grouped_router, "grouped_route",
-                        lambda *args, _route=grouped_route: calls.append(1) or _route(*args))
+                        lambda *args, _route=grouped_route, **kwargs: calls.append(1) or _route(*args, **kwargs))
     weights, ids = by_expert(*router(h))
     assert calls == [1]
     logits = torch.nn.functional.linear(h.float(), router.weight)

@@ -50,6 +50,11 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
         raw = tl.load(pointers, mask=real, other=float("-inf"), cache_modifier=".cg")
     else:
         raw = tl.load(pointers, mask=real, other=float("-inf"))
+    if SHARED:  # loaded with the experts' logits: after the weights' stores it would cost a round trip of its own
+        if LOGITS_FROM_L2:
+            gate = tl.load(logits_ptr + token * stride_logits + num_experts, cache_modifier=".cg").to(tl.float32)
+        else:
+            gate = tl.load(logits_ptr + token * stride_logits + num_experts).to(tl.float32)
     logits = raw.to(tl.float32)
     # 16-bit logits (models served in bf16/fp16) are chosen by int32 keys (_choice_keys): one maximum a round, a
     # single warp-reduction instruction. Others by the largest float32 value, then the lowest index holding it.
@@ -93,7 +98,6 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
     tl.store(weights_ptr + row + slots, chosen_exps / total, mask=keep)
     tl.store(ids_ptr + row + slots, chosen_ids.to(ids_ptr.dtype.element_ty), mask=keep)
     if SHARED:
-        gate = tl.load(logits_ptr + token * stride_logits + num_experts).to(tl.float32)
         tl.store(weights_ptr + row + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
         tl.store(ids_ptr + row + TOP_K, tl.zeros([], dtype=ids_ptr.dtype.element_ty) + num_experts)
     return chosen_ids
