@@ -182,9 +182,12 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool, shared: boo
 
 def route_warps(experts_p: int) -> int:
     """Warps of a routing program over experts_p (a power of two) logits: one warp's registers hold up to 128
-    logits in four a thread; past that each round's maximum crosses warps through shared memory, and two warps did
-    best at 512 experts on an H200 (3.25 us a choice with the shared gate, against 4.55 with one warp and 5.25 with
-    four: benchmarks/moe_packed_one_token.py)."""
+    logits in four a thread; past that each round's maximum crosses warps through shared memory. Alone, a choice at
+    512 experts took 3.25 us over two warps on an H200 (with the shared gate; 4.55 with one warp, 5.25 with four:
+    benchmarks/moe_packed_one_token.py), but in a decode step, with the experts' kernels placed at its start, four
+    did best: Qwen3-Next-80B-A3B FP8's batch-1 step 2.1961 ms against 2.2166 over two and 2.2223 over one, the
+    same tokens (benchmarks/chain_variants.py, benchmarks/results/chain-route-warps-qwen3-next-fp8-block-nvidia-h200-
+    20261202.json). 256 experts keep two."""
     if experts_p <= 128:
         return 1
-    return 2 if experts_p <= 1024 else 4
+    return 2 if experts_p <= 256 else 4
