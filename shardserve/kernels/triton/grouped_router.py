@@ -22,9 +22,9 @@ its two best values (sigmoid: the two largest scores, a tie counted twice as tor
 
 A round of the top k depends on how many warps hold the tile:
 - one warp (up to 128 experts): three int32 maxima or minima, each one warp-reduction instruction: the largest
-  value, the lowest place holding it, and the chosen expert's score as the only bits of a maximum not below every
-  other. On an H200, replayed from a graph of 23, one token's choice at Nemotron-3-Nano's 128 experts, top 6, took
-  1.19 us against 1.68 with the int64 keys below and a gather of the chosen logits (1.08 against 1.58 at 64
+  value, the lowest place holding it, and the chosen expert's score (a maximum of its bits, every other place at
+  INT32_MIN). On an H200, replayed from a graph of 23, one token's choice at Nemotron-3-Nano's 128 experts, top 6,
+  took 1.19 us against 1.68 with the int64 keys below and a gather of the chosen logits (1.08 against 1.58 at 64
   experts), and its batch-1 NVFP4 step 1.2292 ms against 1.2351 with the same tokens
   (benchmarks/results/grouped-router-one-warp-nvidia-h200-20261202.json);
 - more warps: each reduction crosses warps through shared memory, so a round is one maximum of int64 keys ordering
@@ -157,8 +157,8 @@ def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_expert
     chosen_places = tl.zeros([TOP_K_P], dtype=tl.int32)
     if ONE_WARP:
         # The top k, a round each: the largest value, then the lowest place holding it, then that place closed; the
-        # chosen expert's score comes out the same way, as the only bits of a maximum not below every other. Each
-        # reduction is over int32 within one warp: a single instruction.
+        # chosen expert's score comes out the same way, as the maximum of its bits against INT32_MIN at every other
+        # place (a score is never negative). Each reduction is over int32 within one warp: a single instruction.
         score_bits = scores.to(tl.int32, bitcast=True)
         weights = tl.zeros([TOP_K_P], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
