@@ -20,13 +20,20 @@ import triton.language as tl
 
 
 @triton.jit
+def weight_normed(normed, w, out_dtype: tl.constexpr):
+    """w * normed in out_dtype, the normalised values rounded to out_dtype before the weight, as the torch forms
+    do; normed and w float32."""
+    return (w * normed.to(out_dtype).to(tl.float32)).to(out_dtype)
+
+
+@triton.jit
 def norm_then_gate(x, z, w, eps, D: tl.constexpr, out_dtype: tl.constexpr):
     """Gated DeltaNet's norm of one head: (weight * norm(o)) * silu(z) in float32, from o's float32 values x [D_POW2]
     (zeros past D), rounded to out_dtype first, the normalised values rounded before the weight and the product
     after, as the torch form does; z and w float32."""
     x = x.to(out_dtype).to(tl.float32)
     h = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    h = (w * h.to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+    h = weight_normed(h, w, out_dtype).to(tl.float32)
     return h * z * tl.sigmoid(z)
 
 
@@ -44,7 +51,7 @@ def _gated_rms_norm_kernel(o_ptr, z_ptr, weight_ptr, out_ptr, stride_o, stride_z
     if GATE_FIRST:  # weight * norm(o * silu(z)), o unrounded
         h = x * z * tl.sigmoid(z)
         h = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
-        out = w * h.to(out_dtype).to(tl.float32)
+        out = weight_normed(h, w, out_dtype)
     else:  # (weight * norm(o)) * silu(z), o rounded to the output dtype first
         out = norm_then_gate(x, z, w, eps, D, out_dtype)
     tl.store(out_ptr + (row * groups + group) * D + cols, out.to(out_dtype), mask=inside)

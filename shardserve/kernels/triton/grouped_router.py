@@ -59,6 +59,8 @@ MAX_GROUPED_EXPERTS = 512
 # Below every ordered value _ordered_bits makes: what an expert that cannot be chosen (chosen already, in a dropped
 # group, past E) holds.
 CLOSED = tl.constexpr(-(2 ** 31))
+# Below every key _place_keys makes: the same for the int64 keys.
+CLOSED_KEY = tl.constexpr(-(2 ** 63))
 
 
 @triton.jit
@@ -78,10 +80,20 @@ def _ordered_value(ordered):
 
 
 @triton.jit
-def _score_keys(values, places, LAST: tl.constexpr):
-    """int64 keys ordered as (value, -place) over float32 values: _ordered_bits in the high 32 bits, LAST - place
-    (>= 0) in the low."""
-    return (_ordered_bits(values).to(tl.int64) << 32) | (LAST - places).to(tl.int64)
+def _place_keys(ordered, places, LAST: tl.constexpr):
+    """int64 keys ordered as (value, -place): the value's _ordered_bits in the high 32 bits, LAST - place (>= 0) in
+    the low."""
+    return (ordered.to(tl.int64) << 32) | (LAST - places).to(tl.int64)
+
+
+@triton.jit
+def _scores(logits, top, total, SOFTMAX: tl.constexpr):
+    """The experts' unbiased scores, what a chosen one weighs: sigmoid, or exp(logit - top) / total (softmax's top
+    logit and its sum over all experts)."""
+    if SOFTMAX:
+        return tl.exp(logits - top) / total
+    else:
+        return 1.0 / (1.0 + tl.exp(-logits))
 
 
 @triton.jit
@@ -121,20 +133,18 @@ def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_expert
     row = logits_ptr + token * stride_logits
     logits = tl.load(row + experts, mask=real, other=float("-inf")).to(tl.float32)
 
-    # scores: what a chosen expert weighs (0 past E); for_choice: what chooses it.
     if SOFTMAX:
         top = _tile_max(logits)
         # The sum over all experts, exact in fixed point whatever the order (each exp in [0, 1], the top one 1).
         exps = tl.where(real, tl.exp(logits - top), 0.0)
         total = _fixed_point_sum(tl.reshape(exps, [PLACES], can_reorder=True))
-        scores = exps / total
-        if HAS_BIAS:
-            for_choice = scores
-        else:
-            for_choice = logits  # softmax is monotonic: the logits order the experts as their scores do
-    else:
-        scores = 1.0 / (1.0 + tl.exp(-logits))
-        for_choice = scores
+    else:  # softmax's alone
+        top = 0.0
+        total = 1.0
+    scores = _scores(logits, top, total, SOFTMAX)  # 0 past E (its logits -inf)
+    for_choice = scores  # what chooses an expert
+    if SOFTMAX and not HAS_BIAS:
+        for_choice = logits  # softmax is monotonic: the logits order the experts as their scores do
     if HAS_BIAS:
         for_choice += bias
     ordered = tl.where(real, _ordered_bits(for_choice), CLOSED)
@@ -146,8 +156,8 @@ def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_expert
             first = tl.min(tl.where(ordered == best[:, None], within, GROUP_P), axis=1)
             worth += _ordered_value(tl.max(tl.where(within == first[:, None], CLOSED, ordered), axis=1))
         GROUPS_LAST: tl.constexpr = GROUPS_P - 1
-        group_keys = tl.where(group_of < NUM_GROUPS, _score_keys(worth, group_of, GROUPS_LAST),
-                              -(2 ** 63))
+        group_keys = tl.where(group_of < NUM_GROUPS, _place_keys(_ordered_bits(worth), group_of, GROUPS_LAST),
+                              CLOSED_KEY)
         # A group stays where fewer than TOPK_GROUPS groups beat it (keys are distinct: exactly TOPK_GROUPS stay).
         beaten_by = tl.sum((group_keys[None, :] > group_keys[:, None]).to(tl.int32), axis=1)
         ordered = tl.where((beaten_by < TOPK_GROUPS)[:, None], ordered, CLOSED)
@@ -174,21 +184,17 @@ def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_expert
         # ordering (value, -place), the tile's keys in any order (each carries its place). The weights are gathered
         # after, from the chosen experts' logits, with the same formula as the scores'.
         LAST: tl.constexpr = PLACES - 1
-        keys = tl.where(ordered == CLOSED, -(2 ** 63), (ordered.to(tl.int64) << 32) | (LAST - places).to(tl.int64))
+        keys = tl.where(ordered == CLOSED, CLOSED_KEY, _place_keys(ordered, places, LAST))
         keys = tl.reshape(keys, [PLACES], can_reorder=True)
         for j in tl.static_range(TOP_K):
             chosen = tl.max(keys, axis=0)
-            keys = tl.where(keys == chosen, -(2 ** 63), keys)
+            keys = tl.where(keys == chosen, CLOSED_KEY, keys)
             chosen_places = tl.where(slots == j, LAST - (chosen & 0x7FFFFFFF).to(tl.int32), chosen_places)
     ids = (chosen_places // GROUP_P) * group_size + chosen_places % GROUP_P
     ids = tl.minimum(tl.maximum(ids, 0), num_experts - 1)  # in range whatever the scores (NaN, -inf bias)
     if not ONE_WARP:
         chosen_logits = tl.load(row + ids, mask=keep, other=0.0).to(tl.float32)
-        if SOFTMAX:
-            weights = tl.exp(chosen_logits - top) / total
-        else:
-            weights = 1.0 / (1.0 + tl.exp(-chosen_logits))
-        weights = tl.where(keep, weights, 0.0)
+        weights = tl.where(keep, _scores(chosen_logits, top, total, SOFTMAX), 0.0)
 
     if RENORMALIZE:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)

@@ -42,6 +42,7 @@ import triton.language as tl
 from shardserve.kernels.triton import pdl
 from shardserve.kernels.triton.arrivals import arrival_counts, last_to_arrive, leave
 from shardserve.kernels.triton.causal_conv1d import channels_step, loaded_channels, shift_in
+from shardserve.kernels.triton.gated_rms_norm import weight_normed
 from shardserve.kernels.triton.mamba2_step import ROW_BLOCK, program_cells, step_rows
 from shardserve.kernels.triton.pdl import enter, launch_next
 
@@ -59,7 +60,7 @@ def _norm_group(h_at, weight_at, out_at, eps, FEATURES: tl.constexpr, BLOCK: tl.
         h = tl.load(h_at + f, mask=inside, other=0.0, cache_modifier=".cg")
         w = tl.load(weight_at + f, mask=inside, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(h * h, axis=0) / FEATURES + eps)
-        tl.store(out_at + f, (w * (h * rstd).to(out_dtype).to(tl.float32)).to(out_dtype), mask=inside)
+        tl.store(out_at + f, weight_normed(h * rstd, w, out_dtype), mask=inside)
     else:
         total = tl.zeros((BLOCK,), dtype=tl.float32)
         for f0 in tl.static_range(0, FEATURES, BLOCK):
@@ -72,7 +73,7 @@ def _norm_group(h_at, weight_at, out_at, eps, FEATURES: tl.constexpr, BLOCK: tl.
             inside = f < FEATURES
             h = tl.load(h_at + f, mask=inside, other=0.0, cache_modifier=".cg")
             w = tl.load(weight_at + f, mask=inside, other=0.0).to(tl.float32)
-            tl.store(out_at + f, (w * (h * rstd).to(out_dtype).to(tl.float32)).to(out_dtype), mask=inside)
+            tl.store(out_at + f, weight_normed(h * rstd, w, out_dtype), mask=inside)
 
 
 @triton.jit

@@ -45,16 +45,11 @@ def route_token(logits_ptr, weights_ptr, ids_ptr, token, num_experts, stride_log
     token gets a (k+1)-th choice, expert E with weight sigmoid(that logit), in rows of k + 1."""
     experts = tl.arange(0, EXPERTS_P)
     real = experts < num_experts
-    pointers = logits_ptr + token * stride_logits + experts
-    if LOGITS_FROM_L2:
-        raw = tl.load(pointers, mask=real, other=float("-inf"), cache_modifier=".cg")
-    else:
-        raw = tl.load(pointers, mask=real, other=float("-inf"))
+    CACHE: tl.constexpr = ".cg" if LOGITS_FROM_L2 else ""
+    logits_row = logits_ptr + token * stride_logits
+    raw = tl.load(logits_row + experts, mask=real, other=float("-inf"), cache_modifier=CACHE)
     if SHARED:  # loaded with the experts' logits: after the weights' stores it would cost a round trip of its own
-        if LOGITS_FROM_L2:
-            gate = tl.load(logits_ptr + token * stride_logits + num_experts, cache_modifier=".cg").to(tl.float32)
-        else:
-            gate = tl.load(logits_ptr + token * stride_logits + num_experts).to(tl.float32)
+        gate = tl.load(logits_row + num_experts, cache_modifier=CACHE).to(tl.float32)
     logits = raw.to(tl.float32)
     # 16-bit logits (models served in bf16/fp16) are chosen by int32 keys (_choice_keys): one maximum a round, a
     # single warp-reduction instruction. Others by the largest float32 value, then the lowest index holding it.
@@ -186,8 +181,8 @@ def route_warps(experts_p: int) -> int:
     512 experts took 3.25 us over two warps on an H200 (with the shared gate; 4.55 with one warp, 5.25 with four:
     benchmarks/moe_packed_one_token.py), but in a decode step, with the experts' kernels placed at its start, four
     did best: Qwen3-Next-80B-A3B FP8's batch-1 step 2.1961 ms against 2.2166 over two and 2.2223 over one, the
-    same tokens (benchmarks/chain_variants.py, benchmarks/results/chain-route-warps-qwen3-next-fp8-block-nvidia-h200-
-    20261202.json). 256 experts keep two."""
+    same tokens (benchmarks/chain_variants.py; its results:
+    benchmarks/results/chain-route-warps-qwen3-next-fp8-block-nvidia-h200-20261202.json). 256 experts keep two."""
     if experts_p <= 128:
         return 1
     return 2 if experts_p <= 256 else 4
